@@ -1,0 +1,116 @@
+//! Command-line arguments (clap derive).
+
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+const EXAMPLES: &str = "\
+Examples:
+  cockpit train                              tiny model on the built-in corpus, live dashboard
+  cockpit train configs/gpt2-small.toml --device cuda
+  cockpit train cfg.toml --no-tui --set optim.lr=1e-3 --set scu.target=0.01
+  cockpit train cfg.toml --resume latest     continue the newest run of this config
+  cockpit train --test-run                   a few steps through every stage, exit 0 if all works
+  cockpit --monitor-only                     watch the GPUs (any job) with the advisor
+  cockpit monitor --once --json              one JSON snapshot of GPUs and host
+  cockpit check                              what this machine has, and what cockpit would use
+  cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
+
+Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 130 interrupted.";
+
+#[derive(Parser, Debug)]
+#[command(name = "cockpit", version, about = "A terminal training cockpit: train transformer LMs, steer them live, watch the GPU.", after_help = EXAMPLES)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Cmd>,
+    /// Monitor the GPUs and advise, without training (same as `cockpit monitor`).
+    #[arg(long)]
+    pub monitor_only: bool,
+    #[command(flatten)]
+    pub monitor: MonitorArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Train a model (no CONFIG: the embedded default, a tiny GPT on a built-in corpus).
+    Train(TrainArgs),
+    /// Watch GPUs and the host with the advisor, without training.
+    Monitor(MonitorArgs),
+    /// Report what this machine has and what cockpit would use on it.
+    Check,
+    /// Tokenize and pack a config's text data ahead of training.
+    Prepare {
+        /// Config file.
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Write PNG and SVG plots of a run (loss, S-ratio, λ, LR, tokens/s, GPU).
+    Plot {
+        /// The run directory.
+        run_dir: PathBuf,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Config file (TOML). Omit for the embedded default (configs/tiny.toml).
+    pub config: Option<PathBuf>,
+    /// Headless: progress lines on stderr (implied when stdout is not a terminal).
+    #[arg(long)]
+    pub no_tui: bool,
+    /// Override run.max_steps.
+    #[arg(long, value_name = "N")]
+    pub max_steps: Option<u64>,
+    /// Run directory (default: runs/<name>-<timestamp>).
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+    /// Override a config key, typed and validated like the file (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub set: Vec<String>,
+    /// Resume: `latest` (newest run of this config's name) or a run/checkpoint path.
+    #[arg(long, value_name = "latest|PATH", num_args = 0..=1, default_missing_value = "latest")]
+    pub resume: Option<String>,
+    /// A few steps through every stage (data, forward/backward, eval, checkpoint, SCU); exit 0 when the pipeline works.
+    #[arg(long)]
+    pub test_run: bool,
+    /// TUI theme: dark, light, high-contrast, or a theme file.
+    #[arg(long, value_name = "NAME|PATH")]
+    pub theme: Option<String>,
+    /// cpu, cuda or cuda:N (default: run.device, "auto").
+    #[arg(long, value_name = "cpu|cuda[:N]")]
+    pub device: Option<String>,
+}
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct MonitorArgs {
+    /// Status lines instead of the dashboard (implied when stdout is not a terminal).
+    #[arg(long)]
+    pub no_tui: bool,
+    /// One sample, then exit.
+    #[arg(long)]
+    pub once: bool,
+    /// JSON output (with --once: one snapshot with `gpus`, `host` and `advice`).
+    #[arg(long)]
+    pub json: bool,
+    /// Seconds between samples.
+    #[arg(long, value_name = "SECS")]
+    pub interval: Option<f64>,
+    /// Stop after this many seconds.
+    #[arg(long, value_name = "SECS")]
+    pub duration: Option<f64>,
+    /// Record samples to a JSONL trace.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub record: Option<PathBuf>,
+    /// Drive the monitor from a recorded trace instead of live sampling.
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub replay: Option<PathBuf>,
+    /// Replay speed: 1 = real time, 10 = ten times faster, 0 = as fast as possible.
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    pub replay_speed: f64,
+    /// Where monitor_summary.json and plots go (default: runs/monitor-<timestamp>).
+    #[arg(long, value_name = "DIR")]
+    pub out_dir: Option<PathBuf>,
+    /// TUI theme.
+    #[arg(long, value_name = "NAME|PATH")]
+    pub theme: Option<String>,
+}

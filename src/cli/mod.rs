@@ -1,0 +1,253 @@
+//! The `cockpit` command line: parses arguments, loads the config, starts the engine and the
+//! chosen front end, and maps outcomes to exit codes (0 ok, 1 failure, 2 usage, 130 interrupted).
+
+pub mod args;
+mod check;
+mod frontends;
+
+use crate::config::{self, Config, ConfigError};
+use crate::engine::events::FinishReason;
+use crate::engine::{checkpoint, Engine, EngineOptions};
+use crate::headless::{self, SignalFlags};
+use anyhow::Context;
+use args::{Cli, Cmd, MonitorArgs, TrainArgs};
+use clap::Parser;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub const EXIT_OK: i32 = 0;
+pub const EXIT_FAILURE: i32 = 1;
+pub const EXIT_USAGE: i32 = 2;
+pub const EXIT_INTERRUPTED: i32 = 130;
+
+/// Parse the process arguments and run; returns the exit code.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { EXIT_USAGE } else { EXIT_OK };
+        }
+    };
+    let result = match cli.command {
+        Some(Cmd::Train(a)) => train(a),
+        Some(Cmd::Monitor(m)) => monitor(m),
+        Some(Cmd::Check) => check::run(),
+        Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
+        Some(Cmd::Plot { run_dir }) => plot(&run_dir),
+        None if cli.monitor_only => monitor(cli.monitor),
+        None => {
+            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, prepare, plot. See cockpit --help.");
+            Ok(EXIT_USAGE)
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("cockpit: error: {e:#}");
+            EXIT_FAILURE
+        }
+    }
+}
+
+/// Print a config error and return the usage exit code.
+fn config_error(e: &ConfigError) -> i32 {
+    eprintln!("cockpit: config error:\n{e}");
+    EXIT_USAGE
+}
+
+fn timestamp() -> String {
+    chrono::Local::now().format("%Y%m%d-%H%M%S").to_string()
+}
+
+/// The newest run dir of a config name that holds a checkpoint.
+fn latest_run(runs_root: &Path, name: &str) -> Option<PathBuf> {
+    let prefix = format!("{name}-");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(runs_root)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix)))
+        .filter(|p| p.join("checkpoints").join(checkpoint::LATEST).is_file())
+        .collect();
+    dirs.sort_by_key(|p| std::fs::metadata(p.join("checkpoints").join(checkpoint::LATEST)).and_then(|m| m.modified()).ok());
+    dirs.pop()
+}
+
+/// Where a checkpoint dir's run lives: `<run>/checkpoints/step-N` → `<run>`.
+fn run_dir_of_checkpoint(step_dir: &Path) -> Option<PathBuf> {
+    let parent = step_dir.parent()?;
+    (parent.file_name()? == "checkpoints").then(|| parent.parent().map(Path::to_path_buf)).flatten()
+}
+
+fn init_logging(run_dir: &Path) {
+    let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(run_dir.join("cockpit.log")) else { return };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("COCKPIT_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_writer(std::sync::Mutex::new(file)).with_ansi(false).with_env_filter(filter).try_init();
+}
+
+fn register_signals(flags: &SignalFlags) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+    for sig in [SIGINT, SIGTERM] {
+        // A second signal while the first is being handled exits at once.
+        signal_hook::flag::register_conditional_shutdown(sig, EXIT_INTERRUPTED, flags.terminate.clone())?;
+        signal_hook::flag::register(sig, flags.terminate.clone())?;
+    }
+    signal_hook::flag::register(SIGUSR1, flags.checkpoint.clone())?;
+    Ok(())
+}
+
+/// Settings `--test-run` forces: a few steps that pass through every stage.
+fn apply_test_run(c: &mut Config) {
+    c.run.max_steps = c.run.max_steps.min(4);
+    c.schedule.warmup_steps = c.schedule.warmup_steps.min(c.run.max_steps);
+    c.eval.every = 2;
+    c.eval.batches = 2;
+    c.checkpoint.every_steps = 2;
+    c.checkpoint.at_end = true;
+    c.scu.control_every = 1;
+}
+
+fn train(a: TrainArgs) -> anyhow::Result<i32> {
+    let mut overrides = a.set.clone();
+    if let Some(n) = a.max_steps {
+        // Shorten the warm-up with the run, in proportion, so `--max-steps` alone always works.
+        if let Ok(base) = config::load(a.config.as_deref(), &a.set) {
+            let c = &base.config;
+            if c.schedule.warmup_steps > n {
+                let scaled = c.schedule.warmup_steps * n / c.run.max_steps.max(1);
+                overrides.push(format!("schedule.warmup_steps={}", scaled.min(n)));
+            }
+        }
+        overrides.push(format!("run.max_steps={n}"));
+    }
+    if let Some(t) = &a.theme {
+        overrides.push(format!("run.theme={t:?}"));
+    }
+    if let Some(d) = &a.device {
+        overrides.push(format!("run.device={d:?}"));
+    }
+    let loaded = match config::load(a.config.as_deref(), &overrides) {
+        Ok(l) => l,
+        Err(e) => return Ok(config_error(&e)),
+    };
+    let mut cfg = loaded.config;
+    if a.test_run {
+        apply_test_run(&mut cfg);
+    }
+    let device = crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
+    let runs_root = PathBuf::from(&cfg.run.runs_root);
+    let resume = match a.resume.as_deref() {
+        None => None,
+        Some("latest") => match latest_run(&runs_root, &cfg.run.name) {
+            Some(dir) => Some(dir),
+            None => {
+                eprintln!("cockpit: --resume latest: no run of {:?} with a checkpoint under {}", cfg.run.name, runs_root.display());
+                return Ok(EXIT_USAGE);
+            }
+        },
+        Some(p) => Some(PathBuf::from(p)),
+    };
+    let run_dir = match (&a.run_dir, &resume) {
+        (Some(d), _) => d.clone(),
+        (None, Some(r)) => match checkpoint::resolve(r) {
+            Ok(step_dir) => run_dir_of_checkpoint(&step_dir).unwrap_or_else(|| r.clone()),
+            Err(e) => {
+                eprintln!("cockpit: --resume: {e}");
+                return Ok(EXIT_USAGE);
+            }
+        },
+        (None, None) => {
+            let tag = if a.test_run { "-test" } else { "" };
+            runs_root.join(format!("{}{tag}-{}", cfg.run.name, timestamp()))
+        }
+    };
+    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating the run dir {}", run_dir.display()))?;
+    init_logging(&run_dir);
+    tracing::info!(run_dir = %run_dir.display(), "starting");
+    let engine = match Engine::spawn(EngineOptions { config: cfg.clone(), run_dir: run_dir.clone(), device, resume, max_queued_steps: 256 }) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("cockpit: {e}");
+            return Ok(if e.is_usage() { EXIT_USAGE } else { EXIT_FAILURE });
+        }
+    };
+    let flags = SignalFlags::default();
+    register_signals(&flags)?;
+    let use_tui = !a.no_tui && std::io::stdout().is_terminal();
+    let Engine { commands, events, thread } = engine;
+    let outcome = if use_tui {
+        frontends::run_training_tui(events, commands, &cfg, &run_dir)?
+    } else {
+        let telemetry = frontends::training_telemetry(&cfg, &run_dir);
+        let log_every = Duration::from_secs_f64(cfg.run.log_every_secs);
+        headless::run(events, commands, telemetry, &flags, log_every, &mut std::io::stderr())
+    };
+    let summary = thread.wait();
+    frontends::after_run(&run_dir);
+    let summary = match summary {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("cockpit: training failed: {e}");
+            return Ok(if e.is_usage() { EXIT_USAGE } else { EXIT_FAILURE });
+        }
+    };
+    if a.test_run {
+        let ckpt = checkpoint::resolve(&run_dir).and_then(|d| checkpoint::load(&d, &candle_core::Device::Cpu).map(|_| d));
+        return Ok(match ckpt {
+            Ok(d) if summary.reason == FinishReason::Completed => {
+                eprintln!(
+                    "test run ok: data, forward/backward, eval, SCU and checkpoint ({} reloaded and verified) all worked",
+                    d.display()
+                );
+                EXIT_OK
+            }
+            Ok(_) => {
+                eprintln!("test run stopped early: {:?}", summary.reason);
+                EXIT_FAILURE
+            }
+            Err(e) => {
+                eprintln!("test run failed at the checkpoint stage: {e}");
+                EXIT_FAILURE
+            }
+        });
+    }
+    Ok(match (outcome.interrupted, summary.reason) {
+        (true, _) => EXIT_INTERRUPTED,
+        (_, FinishReason::Failed) => EXIT_FAILURE,
+        _ => EXIT_OK,
+    })
+}
+
+fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
+    let loaded = match config::load(Some(config_path), set) {
+        Ok(l) => l,
+        Err(e) => return Ok(config_error(&e)),
+    };
+    if loaded.config.data.source != "files" {
+        eprintln!("{}: data.source = {:?}: nothing to prepare (the built-in corpus is generated at start)", loaded.origin, loaded.config.data.source);
+        return Ok(EXIT_OK);
+    }
+    match crate::engine::data::prepare(&loaded.config) {
+        Ok(p) => {
+            eprintln!("{} {}", if p.cached { "already prepared:" } else { "prepared:" }, p.describe());
+            Ok(EXIT_OK)
+        }
+        Err(e) => {
+            eprintln!("cockpit: prepare: {e}");
+            Ok(EXIT_USAGE)
+        }
+    }
+}
+
+fn plot(run_dir: &Path) -> anyhow::Result<i32> {
+    if !run_dir.join("metrics.jsonl").is_file() {
+        eprintln!("cockpit: plot: {} has no metrics.jsonl (not a run dir?)", run_dir.display());
+        return Ok(EXIT_USAGE);
+    }
+    frontends::plot_run(run_dir)
+}
+
+fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
+    frontends::monitor(m)
+}

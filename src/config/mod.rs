@@ -1,0 +1,310 @@
+//! Configuration: TOML with `deny_unknown_fields`, `--set section.key=value` overrides typed and
+//! validated like the file, and semantic validation whose errors name the file, the key path,
+//! the bad value and what is allowed.
+
+mod schema;
+mod validate;
+
+pub use schema::*;
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// The embedded default configuration (the same text as `configs/tiny.toml`).
+pub const DEFAULT_CONFIG_TOML: &str = include_str!("../../configs/tiny.toml");
+
+/// Where a config came from, for error messages.
+const DEFAULT_ORIGIN: &str = "<default tiny.toml>";
+
+/// One problem with a configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigIssue {
+    /// File name, `--set`, or the default's name.
+    pub origin: String,
+    /// Dotted key path, e.g. `model.n_head` (empty for file-level problems).
+    pub key: String,
+    /// The offending value as written, when there is one.
+    pub value: Option<String>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigIssue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: ", self.origin)?;
+        if !self.key.is_empty() {
+            write!(f, "{}", self.key)?;
+            if let Some(v) = &self.value {
+                write!(f, " = {v}")?;
+            }
+            write!(f, ": ")?;
+        }
+        write!(f, "{}", self.message)
+    }
+}
+
+/// Why a configuration could not be loaded. Every variant is a usage error (exit code 2).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read the config file: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{origin}: line {line}, column {column}: {message}")]
+    Syntax {
+        origin: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("--set {arg}: {message}")]
+    Override { arg: String, message: String },
+    #[error("{}", join_issues(.0))]
+    Invalid(Vec<ConfigIssue>),
+}
+
+fn join_issues(issues: &[ConfigIssue]) -> String {
+    issues
+        .iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A loaded, validated configuration and where it came from.
+#[derive(Debug, Clone)]
+pub struct LoadedConfig {
+    pub config: Config,
+    /// File name (or the default's name) for messages.
+    pub origin: String,
+    /// Directory relative paths in the config are resolved against.
+    pub base_dir: PathBuf,
+}
+
+/// Load a config file (or the embedded default when `path` is None), apply `--set`
+/// overrides, resolve relative paths and validate.
+pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<LoadedConfig, ConfigError> {
+    let (text, origin, base_dir) = match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                path: p.display().to_string(),
+                source,
+            })?;
+            let origin = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| p.display().to_string());
+            let base = p.parent().map(Path::to_path_buf).unwrap_or_default();
+            (text, origin, base)
+        }
+        None => (
+            DEFAULT_CONFIG_TOML.to_string(),
+            DEFAULT_ORIGIN.to_string(),
+            PathBuf::from("."),
+        ),
+    };
+    from_str(&text, &origin, &base_dir, overrides)
+}
+
+/// Parse, override and validate config text.
+pub fn from_str(
+    text: &str,
+    origin: &str,
+    base_dir: &Path,
+    overrides: &[String],
+) -> Result<LoadedConfig, ConfigError> {
+    let mut table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| syntax_error(origin, text, &e))?;
+    let mut overridden = Vec::new();
+    for arg in overrides {
+        overridden.push(apply_override(&mut table, arg)?);
+    }
+    let value = toml::Value::Table(table.clone());
+    let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+        let key = e.path().to_string();
+        let origin = overridden
+            .iter()
+            .find(|(k, _)| key == *k || key.starts_with(&format!("{k}.")))
+            .map(|(_, arg)| format!("--set {arg}"))
+            .unwrap_or_else(|| origin.to_string());
+        let value = lookup(&table, &key).map(render_value);
+        ConfigError::Invalid(vec![ConfigIssue {
+            origin,
+            key: key.clone(),
+            value,
+            message: humanize_serde(&e.inner().to_string()),
+        }])
+    })?;
+    let mut config = config;
+    resolve_paths(&mut config, base_dir);
+    let issues = validate::validate(&config, origin);
+    if !issues.is_empty() {
+        return Err(ConfigError::Invalid(issues));
+    }
+    Ok(LoadedConfig {
+        config,
+        origin: origin.to_string(),
+        base_dir: base_dir.to_path_buf(),
+    })
+}
+
+fn syntax_error(origin: &str, text: &str, e: &toml::de::Error) -> ConfigError {
+    let (line, column) = match e.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before
+                .rsplit('\n')
+                .next()
+                .map(|s| s.chars().count())
+                .unwrap_or(0)
+                + 1;
+            (line, column)
+        }
+        None => (0, 0),
+    };
+    ConfigError::Syntax {
+        origin: origin.to_string(),
+        line,
+        column,
+        message: e.message().trim().to_string(),
+    }
+}
+
+/// Apply one `section.key=value` to the raw table. Returns (key path, original arg).
+fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(String, String), ConfigError> {
+    let bad = |message: &str| ConfigError::Override {
+        arg: arg.to_string(),
+        message: message.to_string(),
+    };
+    let (key, raw) = arg
+        .split_once('=')
+        .ok_or_else(|| bad("expected section.key=value (no '=' found)"))?;
+    let key = key.trim();
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.len() < 2
+        || parts.iter().any(|p| {
+            p.is_empty()
+                || !p
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        })
+    {
+        return Err(bad("expected section.key=value, e.g. --set optim.lr=1e-3"));
+    }
+    let raw = raw.trim();
+    // A TOML value when it parses as one (numbers, booleans, arrays, quoted strings); else a bare string.
+    let value = format!("v = {raw}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    let mut cur = table;
+    for part in &parts[..parts.len() - 1] {
+        let entry = cur
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        cur = match entry {
+            toml::Value::Table(t) => t,
+            _ => return Err(bad(&format!("`{part}` is not a section"))),
+        };
+    }
+    cur.insert(parts[parts.len() - 1].to_string(), value);
+    Ok((key.to_string(), arg.to_string()))
+}
+
+fn lookup<'a>(table: &'a toml::Table, path: &str) -> Option<&'a toml::Value> {
+    let mut parts = path.split('.');
+    let mut cur = table.get(parts.next()?)?;
+    for p in parts {
+        cur = cur.as_table()?.get(p)?;
+    }
+    Some(cur)
+}
+
+fn render_value(v: &toml::Value) -> String {
+    match v {
+        toml::Value::Table(_) => "{…}".to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// Turn serde's wording into ours: say what is allowed, without backticks and Rust type names.
+fn humanize_serde(msg: &str) -> String {
+    let clean = |s: &str| s.replace('`', "");
+    let rust_types = |s: &str| {
+        s.replace("usize", "a non-negative integer")
+            .replace("u64", "a non-negative integer")
+            .replace("u32", "a non-negative integer")
+            .replace("u16", "an integer 0..65535")
+            .replace("f64", "a number")
+            .replace("a boolean", "true or false")
+    };
+    if let Some(rest) = msg.strip_prefix("unknown field ") {
+        let (_, allowed) = rest.split_once(", expected ").unwrap_or((rest, ""));
+        let allowed = allowed.trim_start_matches("one of ");
+        return format!("unknown key; allowed keys: {}", clean(allowed));
+    }
+    if let Some(rest) = msg.strip_prefix("unknown variant ") {
+        let (_, allowed) = rest.split_once(", expected ").unwrap_or((rest, ""));
+        let allowed = allowed.trim_start_matches("one of ");
+        return format!("unknown value; allowed: {}", clean(allowed));
+    }
+    if let Some(rest) = msg.strip_prefix("invalid type: ") {
+        if let Some((found, expected)) = rest.split_once(", expected ") {
+            return format!(
+                "wrong type: expected {}, found {}",
+                rust_types(&clean(expected)),
+                clean(found)
+            );
+        }
+    }
+    if let Some(rest) = msg.strip_prefix("invalid value: ") {
+        if let Some((found, expected)) = rest.split_once(", expected ") {
+            return format!(
+                "out of range: expected {}, found {}",
+                rust_types(&clean(expected)),
+                clean(found)
+            );
+        }
+    }
+    rust_types(&clean(msg))
+}
+
+/// Make data and model paths absolute against the config file's directory.
+fn resolve_paths(c: &mut Config, base: &Path) {
+    let fix = |s: &mut String| {
+        if !s.is_empty() && Path::new(s.as_str()).is_relative() {
+            *s = base.join(s.as_str()).to_string_lossy().into_owned();
+        }
+    };
+    if c.data.source == "files" {
+        fix(&mut c.data.train);
+        fix(&mut c.data.val);
+    }
+    if c.data.tokenizer != "byte" {
+        fix(&mut c.data.tokenizer);
+    }
+    fix(&mut c.lora.base);
+    let theme_path = base.join(&c.run.theme);
+    if c.run.theme.ends_with(".toml") && theme_path.exists() {
+        c.run.theme = theme_path.to_string_lossy().into_owned();
+    }
+}
+
+impl Config {
+    /// Effective key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        if self.model.n_kv_head == 0 {
+            self.model.n_head
+        } else {
+            self.model.n_kv_head
+        }
+    }
+
+    /// The resolved config as TOML text (what `training_config.json`'s TOML sibling holds).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+}

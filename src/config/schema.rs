@@ -1,0 +1,473 @@
+//! The configuration schema: every section, key and default. `configs/tiny.toml` is this
+//! file's defaults written out with comments.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The whole configuration. Unknown sections and keys are errors.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub run: RunConfig,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub optim: OptimConfig,
+    pub schedule: ScheduleConfig,
+    pub precision: PrecisionConfig,
+    pub scu: ScuConfig,
+    pub lora: LoraConfig,
+    pub checkpoint: CheckpointConfig,
+    pub eval: EvalConfig,
+    pub monitor: MonitorConfig,
+    pub distributed: DistributedConfig,
+    pub tui: TuiConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// Run name; the run dir defaults to `runs/<name>-<timestamp>`.
+    pub name: String,
+    /// Seed for initialisation, data order and dropout.
+    pub seed: u64,
+    /// Optimizer steps to train.
+    pub max_steps: u64,
+    /// "auto" (CUDA when built in and present, else CPU), "cpu", "cuda" or "cuda:N".
+    pub device: String,
+    /// TUI theme: a name from themes/ (dark, light, high-contrast) or a path to a theme file.
+    pub theme: String,
+    /// Seconds between headless progress lines.
+    pub log_every_secs: f64,
+    /// Parent directory of run dirs.
+    pub runs_root: String,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            name: "tiny".into(),
+            seed: 1337,
+            max_steps: 600,
+            device: "auto".into(),
+            theme: "dark".into(),
+            log_every_secs: 2.0,
+            runs_root: "runs".into(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Norm {
+    LayerNorm,
+    RmsNorm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PosEncoding {
+    Learned,
+    Rope,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Activation {
+    Gelu,
+    SwiGlu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2 style: LayerNorm, learned positions, GELU MLP (each switchable).
+    Gpt,
+    /// Llama style: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases.
+    Llama,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    /// 0 = take it from the data (tokenizer or built-in corpus).
+    pub vocab_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// Key/value heads for grouped-query attention; 0 = n_head.
+    pub n_kv_head: usize,
+    pub n_embd: usize,
+    pub seq_len: usize,
+    pub mlp_ratio: f64,
+    pub norm: Norm,
+    pub norm_eps: f64,
+    pub pos: PosEncoding,
+    pub rope_theta: f64,
+    pub activation: Activation,
+    pub tie_embeddings: bool,
+    pub dropout: f64,
+    pub bias: bool,
+    /// Std of the normal init (GPT-2: 0.02; residual projections are scaled by 1/sqrt(2·n_layer)).
+    pub init_std: f64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            arch: Arch::Gpt,
+            vocab_size: 0,
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: 0,
+            n_embd: 128,
+            seq_len: 64,
+            mlp_ratio: 4.0,
+            norm: Norm::LayerNorm,
+            norm_eps: 1e-5,
+            pos: PosEncoding::Learned,
+            rope_theta: 10000.0,
+            activation: Activation::Gelu,
+            tie_embeddings: true,
+            dropout: 0.0,
+            bias: true,
+            init_std: 0.02,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// "builtin" (the generated Markov corpus) or "files" (data.train).
+    pub source: String,
+    /// Text files: a path, a glob or a directory.
+    pub train: String,
+    /// Optional validation file(s); empty = split `val_fraction` off the train data.
+    pub val: String,
+    pub val_fraction: f64,
+    /// "byte" (256 symbols) or a path to a Hugging Face tokenizer.json.
+    pub tokenizer: String,
+    /// Batches prepared ahead by the loader thread.
+    pub prefetch_depth: usize,
+    /// Built-in corpus: alphabet size.
+    pub builtin_vocab: usize,
+    /// Built-in corpus: Markov order (tokens of context that determine the next one).
+    pub builtin_order: usize,
+    /// Built-in corpus: possible successors per context.
+    pub builtin_branching: usize,
+    /// Built-in corpus: total tokens generated.
+    pub builtin_tokens: usize,
+    /// Built-in corpus: generator seed (independent of run.seed).
+    pub builtin_seed: u64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            source: "builtin".into(),
+            train: String::new(),
+            val: String::new(),
+            val_fraction: 0.05,
+            tokenizer: "byte".into(),
+            prefetch_depth: 4,
+            builtin_vocab: 32,
+            builtin_order: 2,
+            builtin_branching: 4,
+            builtin_tokens: 2_000_000,
+            builtin_seed: 7,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimConfig {
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Global gradient-norm clip; 0 = off.
+    pub grad_clip: f64,
+    /// Sequences per forward pass.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub accum: usize,
+    /// Apply weight decay to embeddings too (off by default, as for norms and biases).
+    pub decay_embeddings: bool,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            lr: 3e-3,
+            weight_decay: 0.0,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            micro_batch: 32,
+            accum: 1,
+            decay_embeddings: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    Constant,
+    Cosine,
+    OneCycle,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScheduleConfig {
+    pub kind: ScheduleKind,
+    /// Linear warm-up steps (constant and cosine).
+    pub warmup_steps: u64,
+    /// Floor of the cosine decay and end of one-cycle.
+    pub min_lr: f64,
+    /// One-cycle: fraction of the steps spent rising.
+    pub pct_start: f64,
+    /// One-cycle: start at lr / div_factor.
+    pub div_factor: f64,
+}
+
+impl Default for ScheduleConfig {
+    fn default() -> Self {
+        Self {
+            kind: ScheduleKind::Cosine,
+            warmup_steps: 50,
+            min_lr: 3e-4,
+            pct_start: 0.3,
+            div_factor: 25.0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    Auto,
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrecisionConfig {
+    /// auto: bf16 on compute capability ≥ 8.0, fp16 on ≥ 7.0, else fp32; fp32 on CPU.
+    pub dtype: DType,
+    /// TF32 for fp32 matmuls where the GPU supports it.
+    pub tf32: bool,
+    /// fp16 dynamic loss scaling: initial scale.
+    pub loss_scale_init: f64,
+    /// fp16: grow the scale ×2 after this many clean steps.
+    pub loss_scale_growth_interval: u64,
+}
+
+impl Default for PrecisionConfig {
+    fn default() -> Self {
+        Self {
+            dtype: DType::Auto,
+            tf32: true,
+            loss_scale_init: 65536.0,
+            loss_scale_growth_interval: 1000,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScuParams {
+    /// LoRA adapters when fine-tuning, else all weights but norms, biases and embeddings.
+    Auto,
+    Lora,
+    All,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScuConfig {
+    /// PI control of λ on; off = S is still measured and λ stays at lambda_init.
+    pub enabled: bool,
+    /// Setpoint S* as a fraction (0.01 = 1%).
+    pub target: f64,
+    pub kp: f64,
+    pub ki: f64,
+    pub deadband: f64,
+    pub ema_alpha: f64,
+    pub integral_leak: f64,
+    pub integral_max: f64,
+    pub lambda_init: f64,
+    pub lambda_min: f64,
+    pub lambda_max: f64,
+    /// σ of the Gaussian weight prior.
+    pub prior_sigma: f64,
+    /// N in ParamBPT; 0 = the token count of the training split.
+    pub tokens_per_epoch: u64,
+    /// Control every this many optimizer steps.
+    pub control_every: u64,
+    pub params: ScuParams,
+}
+
+impl Default for ScuConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            target: 0.02,
+            kp: 0.8,
+            ki: 0.15,
+            deadband: 0.002,
+            ema_alpha: 0.1,
+            integral_leak: 0.995,
+            integral_max: 0.2,
+            lambda_init: 1.0,
+            lambda_min: 1e-4,
+            lambda_max: 10.0,
+            prior_sigma: 0.01,
+            tokens_per_epoch: 0,
+            control_every: 5,
+            params: ScuParams::Auto,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoraConfig {
+    pub enabled: bool,
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Linear layers to adapt: q, k, v, o, up, down, gate.
+    pub targets: Vec<String>,
+    /// Base weights: a cockpit checkpoint dir or a Hugging Face Llama dir.
+    pub base: String,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            targets: vec!["q".into(), "v".into()],
+            base: String::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every N optimizer steps; 0 = off.
+    pub every_steps: u64,
+    /// Save every N minutes of wall time; 0 = off.
+    pub every_minutes: f64,
+    /// Keep the last K checkpoints (plus the best by val loss).
+    pub keep_last: usize,
+    pub keep_best: bool,
+    /// Save when the run ends.
+    pub at_end: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            every_steps: 200,
+            every_minutes: 0.0,
+            keep_last: 3,
+            keep_best: true,
+            at_end: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvalConfig {
+    /// Evaluate every N optimizer steps; 0 = only at the end.
+    pub every: u64,
+    /// Batches of the val split per evaluation.
+    pub batches: usize,
+    pub at_end: bool,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self {
+            every: 100,
+            batches: 8,
+            at_end: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MonitorConfig {
+    /// Telemetry sampling interval in seconds.
+    pub interval_secs: f64,
+    /// Advisor sliding window in seconds.
+    pub advisor_window_secs: f64,
+    /// GPU telemetry during training.
+    pub enabled: bool,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        Self {
+            interval_secs: 1.0,
+            advisor_window_secs: 30.0,
+            enabled: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// GPUs to train on (one worker process each); 1 = single process.
+    pub gpus: usize,
+    pub backend: String,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub timeout_secs: f64,
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            gpus: 1,
+            backend: "nccl".into(),
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            timeout_secs: 300.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TuiConfig {
+    pub fps: u32,
+    /// SCU setpoint change per `]` / `[` press (fraction: 0.001 = 0.1 point).
+    pub setpoint_step: f64,
+    /// Action → key overrides, e.g. `quit = "x"`.
+    pub keys: BTreeMap<String, String>,
+}
+
+impl Default for TuiConfig {
+    fn default() -> Self {
+        Self {
+            fps: 10,
+            setpoint_step: 0.001,
+            keys: BTreeMap::new(),
+        }
+    }
+}

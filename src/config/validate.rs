@@ -1,0 +1,417 @@
+//! Semantic validation: everything serde's types cannot say.
+
+use super::{Activation, Config, ConfigIssue, PosEncoding, ScuParams};
+use std::path::Path;
+
+/// The LoRA target names the engine knows.
+pub const LORA_TARGETS: &[&str] = &["q", "k", "v", "o", "up", "down", "gate"];
+
+struct Check<'a> {
+    origin: &'a str,
+    issues: Vec<ConfigIssue>,
+}
+
+impl Check<'_> {
+    fn fail(&mut self, key: &str, value: impl ToString, message: impl Into<String>) {
+        self.issues.push(ConfigIssue {
+            origin: self.origin.to_string(),
+            key: key.to_string(),
+            value: Some(value.to_string()),
+            message: message.into(),
+        });
+    }
+    fn positive(&mut self, key: &str, v: f64) {
+        if !(v > 0.0 && v.is_finite()) {
+            self.fail(key, v, "must be a positive number");
+        }
+    }
+    fn at_least(&mut self, key: &str, v: u64, min: u64) {
+        if v < min {
+            self.fail(key, v, format!("must be at least {min}"));
+        }
+    }
+    fn in_range(&mut self, key: &str, v: f64, lo: f64, hi: f64, what: &str) {
+        if !(v >= lo && v <= hi) {
+            self.fail(key, v, format!("must be {what}"));
+        }
+    }
+}
+
+fn quoted(s: &str) -> String {
+    format!("{s:?}")
+}
+
+/// Whether `spec` (a path, a directory or a glob) names at least one file.
+pub fn data_spec_exists(spec: &str) -> bool {
+    let p = Path::new(spec);
+    if p.exists() {
+        return true;
+    }
+    glob::glob(spec)
+        .map(|mut g| g.any(|e| e.is_ok()))
+        .unwrap_or(false)
+}
+
+pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
+    let mut ck = Check {
+        origin,
+        issues: Vec::new(),
+    };
+    let ck = &mut ck;
+
+    // [run]
+    if c.run.name.is_empty()
+        || !c
+            .run
+            .name
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch))
+    {
+        ck.fail(
+            "run.name",
+            quoted(&c.run.name),
+            "must be non-empty and use only letters, digits, '-', '_' and '.'",
+        );
+    }
+    ck.at_least("run.max_steps", c.run.max_steps, 1);
+    if crate::util::parse_device(&c.run.device).is_none() {
+        ck.fail(
+            "run.device",
+            quoted(&c.run.device),
+            "allowed: auto, cpu, cuda, cuda:N",
+        );
+    }
+    ck.positive("run.log_every_secs", c.run.log_every_secs);
+
+    // [model]
+    let m = &c.model;
+    ck.at_least("model.n_layer", m.n_layer as u64, 1);
+    ck.at_least("model.n_head", m.n_head as u64, 1);
+    ck.at_least("model.n_embd", m.n_embd as u64, 1);
+    ck.at_least("model.seq_len", m.seq_len as u64, 2);
+    if m.n_head > 0 && m.n_embd % m.n_head != 0 {
+        ck.fail(
+            "model.n_head",
+            m.n_head,
+            format!("must divide model.n_embd ({})", m.n_embd),
+        );
+    }
+    let kv = c.kv_heads();
+    if m.n_head > 0 && (kv == 0 || m.n_head % kv != 0) {
+        ck.fail(
+            "model.n_kv_head",
+            m.n_kv_head,
+            format!("must divide model.n_head ({}); 0 means n_head", m.n_head),
+        );
+    }
+    if m.pos == PosEncoding::Rope && m.n_head > 0 && (m.n_embd / m.n_head) % 2 != 0 {
+        ck.fail(
+            "model.pos",
+            "\"rope\"",
+            format!(
+                "needs an even head size; n_embd / n_head = {}",
+                m.n_embd / m.n_head.max(1)
+            ),
+        );
+    }
+    ck.positive("model.mlp_ratio", m.mlp_ratio);
+    ck.in_range("model.dropout", m.dropout, 0.0, 0.9, "in [0, 0.9]");
+    ck.positive("model.norm_eps", m.norm_eps);
+    ck.positive("model.rope_theta", m.rope_theta);
+    ck.positive("model.init_std", m.init_std);
+    if m.vocab_size != 0 && c.data.source == "builtin" && m.vocab_size < c.data.builtin_vocab {
+        ck.fail(
+            "model.vocab_size",
+            m.vocab_size,
+            format!(
+                "must be 0 (from the data) or at least data.builtin_vocab ({})",
+                c.data.builtin_vocab
+            ),
+        );
+    }
+
+    // [data]
+    let d = &c.data;
+    match d.source.as_str() {
+        "builtin" => {
+            ck.in_range(
+                "data.builtin_vocab",
+                d.builtin_vocab as f64,
+                2.0,
+                65535.0,
+                "in [2, 65535]",
+            );
+            ck.in_range(
+                "data.builtin_order",
+                d.builtin_order as f64,
+                1.0,
+                6.0,
+                "in [1, 6]",
+            );
+            if d.builtin_branching < 1 || d.builtin_branching > d.builtin_vocab {
+                ck.fail(
+                    "data.builtin_branching",
+                    d.builtin_branching,
+                    format!("must be in [1, data.builtin_vocab ({})]", d.builtin_vocab),
+                );
+            }
+            let contexts = (d.builtin_vocab as f64).powi(d.builtin_order as i32);
+            if contexts > (1u64 << 22) as f64 {
+                ck.fail(
+                    "data.builtin_order",
+                    d.builtin_order,
+                    format!(
+                        "builtin_vocab^builtin_order = {contexts:.0} contexts; at most 4194304"
+                    ),
+                );
+            }
+            let min_tokens = 20 * (m.seq_len + 1);
+            if d.builtin_tokens < min_tokens {
+                ck.fail(
+                    "data.builtin_tokens",
+                    d.builtin_tokens,
+                    format!("must be at least {min_tokens} (20 sequences of model.seq_len + 1)"),
+                );
+            }
+        }
+        "files" => {
+            if d.train.is_empty() {
+                ck.fail("data.train", "\"\"", "must name text files (a path, a directory or a glob) when data.source = \"files\"");
+            } else if !data_spec_exists(&d.train) {
+                ck.fail(
+                    "data.train",
+                    quoted(&d.train),
+                    "no such file, directory or glob match",
+                );
+            }
+            if !d.val.is_empty() && !data_spec_exists(&d.val) {
+                ck.fail(
+                    "data.val",
+                    quoted(&d.val),
+                    "no such file, directory or glob match",
+                );
+            }
+        }
+        other => ck.fail("data.source", quoted(other), "allowed: builtin, files"),
+    }
+    if d.val.is_empty() {
+        ck.in_range(
+            "data.val_fraction",
+            d.val_fraction,
+            1e-6,
+            0.5,
+            "in (0, 0.5] when data.val is empty",
+        );
+    }
+    if d.tokenizer != "byte" && !Path::new(&d.tokenizer).is_file() {
+        ck.fail(
+            "data.tokenizer",
+            quoted(&d.tokenizer),
+            "allowed: \"byte\" or the path of an existing tokenizer.json",
+        );
+    }
+    ck.at_least("data.prefetch_depth", d.prefetch_depth as u64, 1);
+
+    // [optim]
+    let o = &c.optim;
+    ck.positive("optim.lr", o.lr);
+    ck.in_range(
+        "optim.weight_decay",
+        o.weight_decay,
+        0.0,
+        10.0,
+        "in [0, 10]",
+    );
+    ck.in_range("optim.beta1", o.beta1, 0.0, 0.999_999, "in [0, 1)");
+    ck.in_range("optim.beta2", o.beta2, 0.0, 0.999_999_9, "in [0, 1)");
+    ck.positive("optim.eps", o.eps);
+    ck.in_range(
+        "optim.grad_clip",
+        o.grad_clip,
+        0.0,
+        1e6,
+        "0 (off) or positive",
+    );
+    ck.at_least("optim.micro_batch", o.micro_batch as u64, 1);
+    ck.at_least("optim.accum", o.accum as u64, 1);
+
+    // [schedule]
+    let s = &c.schedule;
+    if s.warmup_steps > c.run.max_steps {
+        ck.fail(
+            "schedule.warmup_steps",
+            s.warmup_steps,
+            format!("must be at most run.max_steps ({})", c.run.max_steps),
+        );
+    }
+    if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
+        ck.fail(
+            "schedule.min_lr",
+            s.min_lr,
+            format!("must be in [0, optim.lr ({})]", o.lr),
+        );
+    }
+    ck.in_range(
+        "schedule.pct_start",
+        s.pct_start,
+        1e-6,
+        0.999_999,
+        "in (0, 1)",
+    );
+    ck.in_range("schedule.div_factor", s.div_factor, 1.0, 1e6, "at least 1");
+
+    // [precision]
+    ck.positive("precision.loss_scale_init", c.precision.loss_scale_init);
+    ck.at_least(
+        "precision.loss_scale_growth_interval",
+        c.precision.loss_scale_growth_interval,
+        1,
+    );
+
+    // [scu]
+    let u = &c.scu;
+    ck.in_range(
+        "scu.target",
+        u.target,
+        1e-6,
+        0.999_999,
+        "in (0, 1) (a fraction: 0.01 = 1%)",
+    );
+    ck.in_range("scu.kp", u.kp, 0.0, 100.0, "in [0, 100]");
+    ck.in_range("scu.ki", u.ki, 0.0, 100.0, "in [0, 100]");
+    ck.in_range("scu.deadband", u.deadband, 0.0, 0.5, "in [0, 0.5]");
+    ck.in_range("scu.ema_alpha", u.ema_alpha, 1e-6, 1.0, "in (0, 1]");
+    ck.in_range("scu.integral_leak", u.integral_leak, 1e-6, 1.0, "in (0, 1]");
+    ck.in_range(
+        "scu.integral_max",
+        u.integral_max,
+        0.0,
+        100.0,
+        "in [0, 100]",
+    );
+    ck.positive("scu.lambda_min", u.lambda_min);
+    if !(u.lambda_max >= u.lambda_min) {
+        ck.fail(
+            "scu.lambda_max",
+            u.lambda_max,
+            format!("must be at least scu.lambda_min ({})", u.lambda_min),
+        );
+    }
+    if u.enabled && !(u.lambda_init >= u.lambda_min && u.lambda_init <= u.lambda_max) {
+        ck.fail(
+            "scu.lambda_init",
+            u.lambda_init,
+            format!(
+                "must be in [scu.lambda_min, scu.lambda_max] = [{}, {}]",
+                u.lambda_min, u.lambda_max
+            ),
+        );
+    }
+    if !u.enabled && !(u.lambda_init >= 0.0 && u.lambda_init.is_finite()) {
+        ck.fail(
+            "scu.lambda_init",
+            u.lambda_init,
+            "must be ≥ 0 (0 = no regularization while scu.enabled = false)",
+        );
+    }
+    ck.positive("scu.prior_sigma", u.prior_sigma);
+    ck.at_least("scu.control_every", u.control_every, 1);
+    if u.enabled && o.weight_decay > 0.0 {
+        ck.fail(
+            "optim.weight_decay",
+            o.weight_decay,
+            "must be 0 when scu.enabled = true: SCU's λ·Σw²/(2σ²) already regularizes these weights (set scu.enabled = false to use weight decay)",
+        );
+    }
+    if u.params == ScuParams::Lora && !c.lora.enabled {
+        ck.fail(
+            "scu.params",
+            "\"lora\"",
+            "needs lora.enabled = true; use \"all\" or \"auto\" otherwise",
+        );
+    }
+
+    // [lora]
+    let l = &c.lora;
+    ck.at_least("lora.r", l.r as u64, 1);
+    ck.positive("lora.alpha", l.alpha);
+    ck.in_range("lora.dropout", l.dropout, 0.0, 0.9, "in [0, 0.9]");
+    for t in &l.targets {
+        if !LORA_TARGETS.contains(&t.as_str()) {
+            ck.fail(
+                "lora.targets",
+                quoted(t),
+                format!("allowed: {}", LORA_TARGETS.join(", ")),
+            );
+        } else if t == "gate" && m.activation != Activation::SwiGlu {
+            ck.fail(
+                "lora.targets",
+                quoted(t),
+                "\"gate\" exists only with model.activation = \"swiglu\"",
+            );
+        }
+    }
+    if l.enabled {
+        if l.targets.is_empty() {
+            ck.fail(
+                "lora.targets",
+                "[]",
+                "must name at least one layer when lora.enabled = true",
+            );
+        }
+        if l.base.is_empty() {
+            ck.fail("lora.base", "\"\"", "must name base weights (a cockpit checkpoint or a Hugging Face Llama directory) when lora.enabled = true");
+        } else if !Path::new(&l.base).exists() {
+            ck.fail("lora.base", quoted(&l.base), "no such file or directory");
+        }
+    }
+
+    // [checkpoint]
+    ck.at_least("checkpoint.keep_last", c.checkpoint.keep_last as u64, 1);
+    ck.in_range(
+        "checkpoint.every_minutes",
+        c.checkpoint.every_minutes,
+        0.0,
+        1e6,
+        "0 (off) or positive",
+    );
+
+    // [eval]
+    ck.at_least("eval.batches", c.eval.batches as u64, 1);
+
+    // [monitor]
+    ck.positive("monitor.interval_secs", c.monitor.interval_secs);
+    if !(c.monitor.advisor_window_secs >= c.monitor.interval_secs) {
+        ck.fail(
+            "monitor.advisor_window_secs",
+            c.monitor.advisor_window_secs,
+            format!(
+                "must be at least monitor.interval_secs ({})",
+                c.monitor.interval_secs
+            ),
+        );
+    }
+
+    // [distributed]
+    ck.at_least("distributed.gpus", c.distributed.gpus as u64, 1);
+    if c.distributed.backend != "nccl" {
+        ck.fail(
+            "distributed.backend",
+            quoted(&c.distributed.backend),
+            "allowed: nccl",
+        );
+    }
+    ck.positive("distributed.timeout_secs", c.distributed.timeout_secs);
+
+    // [tui]
+    ck.in_range("tui.fps", c.tui.fps as f64, 1.0, 60.0, "in [1, 60]");
+    ck.in_range(
+        "tui.setpoint_step",
+        c.tui.setpoint_step,
+        1e-6,
+        0.1,
+        "in (0, 0.1]",
+    );
+
+    ck.issues.clone()
+}

@@ -1,0 +1,320 @@
+//! Checkpoints: full training state written atomically (temp dir + fsync + rename; the
+//! `latest` pointer moves last), verified by a manifest of sizes and SHA-256 checksums.
+
+use super::data::loader::Cursor;
+use super::precision::LossScaler;
+use super::scu::ScuController;
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Corrupt { path: String, message: String },
+    #[error("{path}: {message}")]
+    Mismatch { path: String, message: String },
+    #[error("{0}")]
+    Tensor(String),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Write a file atomically: temp file in the same dir, fsync, rename over, fsync the dir.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Everything but the tensors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    pub step: u64,
+    pub optim_t: u64,
+    pub cursor: Cursor,
+    pub micro_batch: usize,
+    pub accum: usize,
+    pub tokens: u64,
+    pub elapsed_s: f64,
+    pub scaler: LossScaler,
+    pub scu: ScuController,
+    pub best_val_loss: Option<f64>,
+    pub lr_scale: f64,
+    /// SHA-256 of the shape-defining config (model + data), to refuse incompatible resumes.
+    pub shape_hash: String,
+    pub seed: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub name: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CkptManifest {
+    pub format: u32,
+    pub step: u64,
+    pub created_unix: u64,
+    pub files: Vec<FileEntry>,
+    pub val_loss: Option<f64>,
+}
+
+/// A loaded checkpoint.
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: TrainState,
+    pub model: HashMap<String, Tensor>,
+    pub optim: HashMap<String, Tensor>,
+}
+
+pub const LATEST: &str = "latest";
+
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:08}")
+}
+
+fn sha256_file(path: &Path) -> Result<(u64, String), CheckpointError> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    Ok((
+        bytes.len() as u64,
+        crate::engine::data::hex(&Sha256::digest(&bytes)),
+    ))
+}
+
+fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), CheckpointError> {
+    let map: HashMap<String, Tensor> = tensors.iter().cloned().collect();
+    candle_core::safetensors::save(&map, path)
+        .map_err(|e| CheckpointError::Tensor(format!("{}: {e}", path.display())))?;
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(path))
+}
+
+/// Save a checkpoint under `root/step-XXXXXXXX` atomically, then move `root/latest`, then prune.
+/// Returns the directory and its size in bytes.
+pub fn save(
+    root: &Path,
+    state: &TrainState,
+    model: &[(String, Tensor)],
+    optim: &[(String, Tensor)],
+    val_loss: Option<f64>,
+    keep_last: usize,
+    keep_best: bool,
+) -> Result<(PathBuf, u64), CheckpointError> {
+    std::fs::create_dir_all(root).map_err(io(root))?;
+    let name = step_dir_name(state.step);
+    let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    write_safetensors(&tmp.join("model.safetensors"), model)?;
+    write_safetensors(&tmp.join("optim.safetensors"), optim)?;
+    let state_json =
+        serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::Tensor(e.to_string()))?;
+    let p = tmp.join("state.json");
+    File::create(&p)
+        .and_then(|mut f| f.write_all(&state_json).and_then(|_| f.sync_all()))
+        .map_err(io(&p))?;
+    let mut files = Vec::new();
+    let mut total = 0;
+    for f in ["model.safetensors", "optim.safetensors", "state.json"] {
+        let (bytes, sha256) = sha256_file(&tmp.join(f))?;
+        total += bytes;
+        files.push(FileEntry {
+            name: f.into(),
+            bytes,
+            sha256,
+        });
+    }
+    let created_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let manifest = CkptManifest {
+        format: 1,
+        step: state.step,
+        created_unix,
+        files,
+        val_loss,
+    };
+    let mp = tmp.join("manifest.json");
+    let text =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Tensor(e.to_string()))?;
+    File::create(&mp)
+        .and_then(|mut f| f.write_all(&text).and_then(|_| f.sync_all()))
+        .map_err(io(&mp))?;
+    sync_dir(&tmp).map_err(io(&tmp))?;
+    let dest = root.join(&name);
+    if dest.exists() {
+        // Same step saved twice (e.g. "checkpoint now" then the end of the run): replace it.
+        let old = root.join(format!(".old-{name}-{}", std::process::id()));
+        std::fs::rename(&dest, &old).map_err(io(&dest))?;
+        std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
+    }
+    sync_dir(root).map_err(io(root))?;
+    atomic_write(&root.join(LATEST), name.as_bytes()).map_err(io(root))?;
+    if keep_best {
+        if let Some(v) = val_loss {
+            let best = read_best(root);
+            if best.as_ref().is_none_or(|(_, b)| v < *b) {
+                let _ = atomic_write(&root.join("best"), format!("{name} {v}").as_bytes());
+            }
+        }
+    }
+    prune(root, keep_last);
+    Ok((dest, total))
+}
+
+fn read_best(root: &Path) -> Option<(String, f64)> {
+    let text = std::fs::read_to_string(root.join("best")).ok()?;
+    let (name, v) = text.trim().split_once(' ')?;
+    Some((name.to_string(), v.parse().ok()?))
+}
+
+/// Step dirs under root, oldest first.
+pub fn list(root: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.is_dir()
+                        && p.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn prune(root: &Path, keep_last: usize) {
+    let best = read_best(root).map(|(n, _)| n);
+    let latest = std::fs::read_to_string(root.join(LATEST)).ok();
+    let all = list(root);
+    let n = all.len();
+    for (i, dir) in all.into_iter().enumerate() {
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let keep = i + keep_last.max(1) >= n
+            || Some(&name) == best.as_ref()
+            || Some(name.as_str()) == latest.as_deref();
+        if !keep {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+}
+
+/// Resolve `latest`, a run dir, a checkpoints dir or a step dir to a step dir.
+pub fn resolve(spec: &Path) -> Result<PathBuf, CheckpointError> {
+    if spec.join("manifest.json").is_file() {
+        return Ok(spec.to_path_buf());
+    }
+    for root in [spec.to_path_buf(), spec.join("checkpoints")] {
+        let latest = root.join(LATEST);
+        if let Ok(name) = std::fs::read_to_string(&latest) {
+            let dir = root.join(name.trim());
+            if dir.join("manifest.json").is_file() {
+                return Ok(dir);
+            }
+            return Err(CheckpointError::Corrupt {
+                path: latest.display().to_string(),
+                message: format!("points at {} which holds no manifest.json", dir.display()),
+            });
+        }
+    }
+    Err(CheckpointError::Corrupt {
+        path: spec.display().to_string(),
+        message: "no checkpoint here (no manifest.json, no latest pointer)".into(),
+    })
+}
+
+/// Load and verify a checkpoint dir.
+pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
+    let mp = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&mp).map_err(io(&mp))?;
+    let manifest: CkptManifest =
+        serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
+            path: mp.display().to_string(),
+            message: format!("unreadable manifest: {e}"),
+        })?;
+    for f in &manifest.files {
+        let p = dir.join(&f.name);
+        let (bytes, sha) = sha256_file(&p)?;
+        if bytes != f.bytes {
+            return Err(CheckpointError::Corrupt {
+                path: p.display().to_string(),
+                message: format!(
+                    "size {bytes} bytes, the manifest says {} (truncated?)",
+                    f.bytes
+                ),
+            });
+        }
+        if sha != f.sha256 {
+            return Err(CheckpointError::Corrupt {
+                path: p.display().to_string(),
+                message: "checksum mismatch: the file was modified or corrupted".into(),
+            });
+        }
+    }
+    let sp = dir.join("state.json");
+    let state: TrainState = serde_json::from_str(&std::fs::read_to_string(&sp).map_err(io(&sp))?)
+        .map_err(|e| CheckpointError::Corrupt {
+        path: sp.display().to_string(),
+        message: e.to_string(),
+    })?;
+    let read = |name: &str| -> Result<HashMap<String, Tensor>, CheckpointError> {
+        let p = dir.join(name);
+        candle_core::safetensors::load(&p, device).map_err(|e| CheckpointError::Corrupt {
+            path: p.display().to_string(),
+            message: e.to_string(),
+        })
+    };
+    Ok(Loaded {
+        dir: dir.to_path_buf(),
+        state,
+        model: read("model.safetensors")?,
+        optim: read("optim.safetensors")?,
+    })
+}

@@ -1,0 +1,308 @@
+//! The engine's typed vocabulary: [`Command`]s in, [`Event`]s out.
+//!
+//! Every front end (TUI, headless, attach, report) consumes the same [`Event`] stream.
+//! The channel never blocks the engine: `Step` events are dropped (and counted) when the
+//! consumer falls behind; every other event is always delivered, in order.
+
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A request to change the run, applied by the engine at the next optimizer-step boundary.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "command", rename_all = "snake_case")]
+pub enum Command {
+    /// New micro-batch size (sequences per forward pass).
+    SetBatchSize {
+        micro_batch: usize,
+    },
+    /// New SCU setpoint S* (a fraction, e.g. 0.01 for 1%).
+    SetScuSetpoint {
+        target: f64,
+    },
+    CheckpointNow,
+    Pause,
+    Resume,
+    /// Stop the run; `save` writes a checkpoint first.
+    Stop {
+        save: bool,
+    },
+}
+
+impl Command {
+    /// Short human label, for logs and the event panel.
+    pub fn label(&self) -> String {
+        match self {
+            Command::SetBatchSize { micro_batch } => format!("batch size -> {micro_batch}"),
+            Command::SetScuSetpoint { target } => format!("SCU setpoint -> {:.2}%", target * 100.0),
+            Command::CheckpointNow => "checkpoint now".into(),
+            Command::Pause => "pause".into(),
+            Command::Resume => "resume".into(),
+            Command::Stop { save: true } => "save and stop".into(),
+            Command::Stop { save: false } => "stop".into(),
+        }
+    }
+}
+
+/// Static facts about a run, sent once at start.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunInfo {
+    pub run_name: String,
+    pub run_dir: String,
+    /// e.g. "cpu" or "cuda:0 (NVIDIA H100 80GB HBM3)"
+    pub device: String,
+    /// "f32", "bf16", "f16"
+    pub dtype: String,
+    /// Why this dtype was chosen.
+    pub dtype_reason: String,
+    pub params_total: u64,
+    pub params_trainable: u64,
+    pub start_step: u64,
+    pub max_steps: u64,
+    pub micro_batch: usize,
+    pub accum: usize,
+    pub seq_len: usize,
+    pub vocab_size: usize,
+    /// Training tokens in one epoch (the train split).
+    pub train_tokens: u64,
+    /// Entropy floor of the data in bits per token, when known (the built-in corpus).
+    pub entropy_floor_bpt: Option<f64>,
+    /// Model FLOPs per token for one optimizer step (fwd+bwd, 6N + attention), for MFU.
+    pub flops_per_token: f64,
+    /// Peak dense FLOP/s of the device in the chosen dtype, when known.
+    pub peak_flops: Option<f64>,
+    pub scu_enabled: bool,
+    pub scu_target: f64,
+    /// One-line summary of the model and optimiser configuration.
+    pub summary: String,
+}
+
+/// One optimizer step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepStats {
+    pub step: u64,
+    /// Mean cross-entropy (nats/token) over the step's micro-batches.
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_sec: f64,
+    pub step_ms: f64,
+    pub data_wait_ms: f64,
+    pub compute_ms: f64,
+    pub optim_ms: f64,
+    pub micro_batch: usize,
+    pub accum: usize,
+    /// Tokens seen so far.
+    pub tokens: u64,
+    /// Fractional epochs over the train split.
+    pub epoch: f64,
+    pub elapsed_s: f64,
+    /// Device memory in use by the engine in bytes, when known.
+    pub memory_bytes: Option<u64>,
+    /// Step events dropped since the last delivered one (slow consumer).
+    #[serde(default)]
+    pub dropped_before: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalStats {
+    pub step: u64,
+    pub val_loss: f64,
+    pub val_bpt: f64,
+    pub val_ppl: f64,
+}
+
+/// One SCU control step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScuStats {
+    pub step: u64,
+    pub ce_loss: f64,
+    pub reg_loss: f64,
+    pub total_loss: f64,
+    pub data_bpt: f64,
+    pub param_bpt: f64,
+    pub s_ratio: f64,
+    pub s_hat: f64,
+    pub lambda: f64,
+    pub integral: f64,
+    pub error: f64,
+    pub target: f64,
+    /// Whether control is on (off: S is measured, λ stays at lambda_init).
+    pub control: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// Reached max_steps.
+    Completed,
+    /// A Stop command.
+    Stopped,
+    /// A signal (SIGINT/SIGTERM).
+    Interrupted,
+    /// A runtime failure; see the preceding Warning/Error.
+    Failed,
+}
+
+/// Everything the engine tells the world.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    RunStarted(RunInfo),
+    Step(StepStats),
+    Eval(EvalStats),
+    Scu(ScuStats),
+    ScuConverged {
+        step: u64,
+        s_ratio: f64,
+        lambda: f64,
+        target: f64,
+    },
+    CheckpointSaved {
+        step: u64,
+        path: String,
+        bytes: u64,
+        ms: f64,
+    },
+    CommandApplied {
+        step: u64,
+        command: Command,
+        detail: String,
+    },
+    CommandRejected {
+        step: u64,
+        command: Command,
+        reason: String,
+    },
+    Paused {
+        step: u64,
+    },
+    Resumed {
+        step: u64,
+    },
+    Warning {
+        step: u64,
+        message: String,
+    },
+    Finished {
+        step: u64,
+        reason: FinishReason,
+        message: String,
+        elapsed_s: f64,
+    },
+}
+
+impl Event {
+    pub fn step(&self) -> u64 {
+        match self {
+            Event::RunStarted(r) => r.start_step,
+            Event::Step(s) => s.step,
+            Event::Eval(e) => e.step,
+            Event::Scu(s) => s.step,
+            Event::ScuConverged { step, .. }
+            | Event::CheckpointSaved { step, .. }
+            | Event::CommandApplied { step, .. }
+            | Event::CommandRejected { step, .. }
+            | Event::Paused { step }
+            | Event::Resumed { step }
+            | Event::Warning { step, .. }
+            | Event::Finished { step, .. } => *step,
+        }
+    }
+}
+
+/// Sending half of the event channel, owned by the engine. Never blocks.
+#[derive(Clone)]
+pub struct EventTx {
+    tx: mpsc::Sender<Event>,
+    queued_steps: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+    max_queued_steps: usize,
+    dropped_since_last: Arc<AtomicUsize>,
+}
+
+/// Receiving half of the event channel.
+pub struct EventRx {
+    rx: mpsc::Receiver<Event>,
+    queued_steps: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+}
+
+/// An event channel that holds at most `max_queued_steps` undelivered `Step` events.
+pub fn channel(max_queued_steps: usize) -> (EventTx, EventRx) {
+    let (tx, rx) = mpsc::channel();
+    let queued_steps = Arc::new(AtomicUsize::new(0));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    (
+        EventTx {
+            tx,
+            queued_steps: queued_steps.clone(),
+            dropped: dropped.clone(),
+            max_queued_steps: max_queued_steps.max(1),
+            dropped_since_last: Arc::new(AtomicUsize::new(0)),
+        },
+        EventRx {
+            rx,
+            queued_steps,
+            dropped,
+        },
+    )
+}
+
+impl EventTx {
+    /// Send an event. A `Step` event is dropped (and counted) when the consumer already has
+    /// `max_queued_steps` of them waiting. Returns false when the receiver is gone.
+    pub fn send(&self, mut ev: Event) -> bool {
+        if let Event::Step(s) = &mut ev {
+            if self.queued_steps.load(Ordering::Acquire) >= self.max_queued_steps {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                self.dropped_since_last.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+            s.dropped_before = self.dropped_since_last.swap(0, Ordering::Relaxed) as u64;
+            self.queued_steps.fetch_add(1, Ordering::AcqRel);
+        }
+        self.tx.send(ev).is_ok()
+    }
+
+    /// Step events dropped so far because the consumer was slow.
+    pub fn dropped(&self) -> usize {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+impl EventRx {
+    fn seen(&self, ev: &Event) {
+        if matches!(ev, Event::Step(_)) {
+            self.queued_steps.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+    pub fn recv(&self) -> Option<Event> {
+        let ev = self.rx.recv().ok()?;
+        self.seen(&ev);
+        Some(ev)
+    }
+    pub fn recv_timeout(&self, d: Duration) -> Result<Event, mpsc::RecvTimeoutError> {
+        let ev = self.rx.recv_timeout(d)?;
+        self.seen(&ev);
+        Ok(ev)
+    }
+    pub fn try_recv(&self) -> Result<Event, mpsc::TryRecvError> {
+        let ev = self.rx.try_recv()?;
+        self.seen(&ev);
+        Ok(ev)
+    }
+    /// Everything queued right now, without waiting.
+    pub fn drain(&self) -> Vec<Event> {
+        let mut out = Vec::new();
+        while let Ok(ev) = self.try_recv() {
+            out.push(ev);
+        }
+        out
+    }
+    pub fn dropped(&self) -> usize {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,678 @@
+//! A decoder-only transformer on candle `Var`s: GPT-2 style (LayerNorm, learned positions,
+//! GELU) or Llama style (RMSNorm, RoPE, SwiGLU, grouped-query attention), each part
+//! switchable, with optional LoRA adapters on chosen linear layers.
+//!
+//! Parameters are fp32 master weights; `forward` casts them to the compute dtype (bf16/fp16
+//! on GPUs) so activations run in reduced precision while gradients land on the fp32 vars.
+//! Tensor names follow the Hugging Face Llama layout (`model.layers.N.self_attn.q_proj.weight`),
+//! so HF checkpoints load by name and adapters get PEFT-compatible names.
+
+use crate::config::{Activation, Config, Norm, PosEncoding};
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// What role a parameter plays: decides weight decay, SCU regularization and freezing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// Linear weight matrices.
+    Matrix,
+    Embedding,
+    Norm,
+    Bias,
+    LoraA,
+    LoraB,
+}
+
+impl ParamKind {
+    pub fn is_lora(self) -> bool {
+        matches!(self, ParamKind::LoraA | ParamKind::LoraB)
+    }
+}
+
+/// A named parameter.
+#[derive(Clone, Debug)]
+pub struct Param {
+    pub name: String,
+    pub var: Var,
+    pub kind: ParamKind,
+    pub trainable: bool,
+}
+
+/// The hyper-parameters that fix the model's shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Shape {
+    pub vocab_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub n_embd: usize,
+    pub seq_len: usize,
+    pub hidden: usize,
+    pub norm: Norm,
+    pub norm_eps: f64,
+    pub pos: PosEncoding,
+    pub rope_theta: f64,
+    pub activation: Activation,
+    pub tie_embeddings: bool,
+    pub bias: bool,
+    pub dropout: f64,
+    pub init_std: f64,
+}
+
+impl Shape {
+    pub fn from_config(c: &Config, vocab_size: usize) -> Self {
+        let m = &c.model;
+        Self {
+            vocab_size,
+            n_layer: m.n_layer,
+            n_head: m.n_head,
+            n_kv_head: c.kv_heads(),
+            n_embd: m.n_embd,
+            seq_len: m.seq_len,
+            hidden: ((m.n_embd as f64 * m.mlp_ratio).round() as usize).max(1),
+            norm: m.norm,
+            norm_eps: m.norm_eps,
+            pos: m.pos,
+            rope_theta: m.rope_theta,
+            activation: m.activation,
+            tie_embeddings: m.tie_embeddings,
+            bias: m.bias,
+            dropout: m.dropout,
+            init_std: m.init_std,
+        }
+    }
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+}
+
+/// A LoRA adapter: `x·Aᵀ·Bᵀ·(alpha/r)`, B starts at zero so training starts from the base.
+#[derive(Clone, Debug)]
+struct Lora {
+    a: Var,
+    b: Var,
+    scale: f64,
+}
+
+#[derive(Clone, Debug)]
+struct Linear {
+    w: Var,
+    b: Option<Var>,
+    lora: Option<Lora>,
+}
+
+#[derive(Clone, Debug)]
+struct NormLayer {
+    w: Var,
+    b: Option<Var>,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    ln1: NormLayer,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ln2: NormLayer,
+    up: Linear,
+    gate: Option<Linear>,
+    down: Linear,
+}
+
+/// The transformer.
+pub struct Model {
+    pub shape: Shape,
+    pub params: Vec<Param>,
+    wte: Var,
+    wpe: Option<Var>,
+    blocks: Vec<Block>,
+    ln_f: NormLayer,
+    lm_head: Option<Var>,
+    dtype: DType,
+    device: Device,
+    mask: Tensor,
+    rope: Option<(Tensor, Tensor)>,
+    dropout_rng: StdRng,
+}
+
+struct Init<'a> {
+    rng: StdRng,
+    device: &'a Device,
+    params: Vec<Param>,
+}
+
+impl Init<'_> {
+    fn normal(
+        &mut self,
+        name: String,
+        shape: (usize, usize),
+        std: f64,
+        kind: ParamKind,
+    ) -> Result<Var> {
+        let n = shape.0 * shape.1;
+        let mut v = Vec::with_capacity(n);
+        while v.len() < n {
+            // Box–Muller: two independent standard normals per pair of uniforms.
+            let u1: f64 = 1.0 - self.rng.random::<f64>();
+            let u2: f64 = self.rng.random();
+            let r = (-2.0 * u1.ln()).sqrt();
+            v.push((r * (std::f64::consts::TAU * u2).cos() * std) as f32);
+            v.push((r * (std::f64::consts::TAU * u2).sin() * std) as f32);
+        }
+        v.truncate(n);
+        let var = Var::from_tensor(&Tensor::from_vec(v, shape, self.device)?)?;
+        self.params.push(Param {
+            name,
+            var: var.clone(),
+            kind,
+            trainable: true,
+        });
+        Ok(var)
+    }
+    fn constant(&mut self, name: String, len: usize, value: f32, kind: ParamKind) -> Result<Var> {
+        let var = Var::from_tensor(&Tensor::full(value, len, self.device)?)?;
+        self.params.push(Param {
+            name,
+            var: var.clone(),
+            kind,
+            trainable: true,
+        });
+        Ok(var)
+    }
+    fn zeros2(&mut self, name: String, shape: (usize, usize), kind: ParamKind) -> Result<Var> {
+        let var = Var::from_tensor(&Tensor::zeros(shape, DType::F32, self.device)?)?;
+        self.params.push(Param {
+            name,
+            var: var.clone(),
+            kind,
+            trainable: true,
+        });
+        Ok(var)
+    }
+    fn linear(
+        &mut self,
+        name: &str,
+        out: usize,
+        inp: usize,
+        std: f64,
+        bias: bool,
+    ) -> Result<Linear> {
+        let w = self.normal(format!("{name}.weight"), (out, inp), std, ParamKind::Matrix)?;
+        let b = if bias {
+            Some(self.constant(format!("{name}.bias"), out, 0.0, ParamKind::Bias)?)
+        } else {
+            None
+        };
+        Ok(Linear { w, b, lora: None })
+    }
+    fn norm(&mut self, name: &str, dim: usize, norm: Norm, bias: bool) -> Result<NormLayer> {
+        let w = self.constant(format!("{name}.weight"), dim, 1.0, ParamKind::Norm)?;
+        let b = if norm == Norm::LayerNorm && bias {
+            Some(self.constant(format!("{name}.bias"), dim, 0.0, ParamKind::Norm)?)
+        } else {
+            None
+        };
+        Ok(NormLayer { w, b })
+    }
+}
+
+/// LoRA settings for [`Model::add_lora`].
+#[derive(Clone, Debug)]
+pub struct LoraSpec {
+    pub r: usize,
+    pub alpha: f64,
+    /// Short names: q k v o up down gate.
+    pub targets: Vec<String>,
+}
+
+impl Model {
+    /// A freshly initialised model (GPT-2 init: N(0, init_std), residual projections scaled by
+    /// 1/sqrt(2·n_layer), zero biases, unit norms), deterministic from `seed` on any device.
+    pub fn new(shape: Shape, dtype: DType, device: &Device, seed: u64) -> Result<Self> {
+        let s = &shape;
+        let mut init = Init {
+            rng: StdRng::seed_from_u64(seed),
+            device,
+            params: Vec::new(),
+        };
+        let std = s.init_std;
+        let resid_std = std / (2.0 * s.n_layer as f64).sqrt();
+        let wte = init.normal(
+            "model.embed_tokens.weight".into(),
+            (s.vocab_size, s.n_embd),
+            std,
+            ParamKind::Embedding,
+        )?;
+        let wpe = match s.pos {
+            PosEncoding::Learned => Some(init.normal(
+                "model.embed_positions.weight".into(),
+                (s.seq_len, s.n_embd),
+                std / 2.0,
+                ParamKind::Embedding,
+            )?),
+            PosEncoding::Rope => None,
+        };
+        let hd = s.head_dim();
+        let mut blocks = Vec::with_capacity(s.n_layer);
+        for i in 0..s.n_layer {
+            let p = format!("model.layers.{i}");
+            let ln1 = init.norm(&format!("{p}.input_layernorm"), s.n_embd, s.norm, s.bias)?;
+            let q = init.linear(
+                &format!("{p}.self_attn.q_proj"),
+                s.n_head * hd,
+                s.n_embd,
+                std,
+                s.bias,
+            )?;
+            let k = init.linear(
+                &format!("{p}.self_attn.k_proj"),
+                s.n_kv_head * hd,
+                s.n_embd,
+                std,
+                s.bias,
+            )?;
+            let v = init.linear(
+                &format!("{p}.self_attn.v_proj"),
+                s.n_kv_head * hd,
+                s.n_embd,
+                std,
+                s.bias,
+            )?;
+            let o = init.linear(
+                &format!("{p}.self_attn.o_proj"),
+                s.n_embd,
+                s.n_head * hd,
+                resid_std,
+                s.bias,
+            )?;
+            let ln2 = init.norm(
+                &format!("{p}.post_attention_layernorm"),
+                s.n_embd,
+                s.norm,
+                s.bias,
+            )?;
+            let gate = match s.activation {
+                Activation::SwiGlu => Some(init.linear(
+                    &format!("{p}.mlp.gate_proj"),
+                    s.hidden,
+                    s.n_embd,
+                    std,
+                    s.bias,
+                )?),
+                Activation::Gelu => None,
+            };
+            let up = init.linear(&format!("{p}.mlp.up_proj"), s.hidden, s.n_embd, std, s.bias)?;
+            let down = init.linear(
+                &format!("{p}.mlp.down_proj"),
+                s.n_embd,
+                s.hidden,
+                resid_std,
+                s.bias,
+            )?;
+            blocks.push(Block {
+                ln1,
+                q,
+                k,
+                v,
+                o,
+                ln2,
+                up,
+                gate,
+                down,
+            });
+        }
+        let ln_f = init.norm("model.norm", s.n_embd, s.norm, s.bias)?;
+        let lm_head = if s.tie_embeddings {
+            None
+        } else {
+            Some(init.normal(
+                "lm_head.weight".into(),
+                (s.vocab_size, s.n_embd),
+                std,
+                ParamKind::Matrix,
+            )?)
+        };
+        let t = s.seq_len;
+        let mask: Vec<f32> = (0..t * t)
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)?;
+        let rope = match s.pos {
+            PosEncoding::Rope => Some(rope_tables(t, hd, s.rope_theta, dtype, device)?),
+            PosEncoding::Learned => None,
+        };
+        Ok(Self {
+            params: init.params,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            lm_head,
+            dtype,
+            device: device.clone(),
+            mask,
+            rope,
+            dropout_rng: StdRng::seed_from_u64(seed ^ 0xD5A0_9B1E),
+            shape,
+        })
+    }
+
+    /// Add LoRA adapters (rank r) on the target layers and freeze everything else.
+    pub fn add_lora(&mut self, spec: &LoraSpec, seed: u64) -> Result<()> {
+        let mut init = Init {
+            rng: StdRng::seed_from_u64(seed ^ 0x10CA),
+            device: &self.device,
+            params: Vec::new(),
+        };
+        let scale = spec.alpha / spec.r as f64;
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            let mut targets: Vec<(&str, &str, &mut Linear)> = vec![
+                ("q", "self_attn.q_proj", &mut b.q),
+                ("k", "self_attn.k_proj", &mut b.k),
+                ("v", "self_attn.v_proj", &mut b.v),
+                ("o", "self_attn.o_proj", &mut b.o),
+                ("up", "mlp.up_proj", &mut b.up),
+                ("down", "mlp.down_proj", &mut b.down),
+            ];
+            if let Some(g) = b.gate.as_mut() {
+                targets.push(("gate", "mlp.gate_proj", g));
+            }
+            for (short, path, lin) in targets {
+                if !spec.targets.iter().any(|t| t == short) {
+                    continue;
+                }
+                let (out, inp) = lin.w.as_tensor().dims2()?;
+                let name = format!("model.layers.{i}.{path}");
+                // Kaiming-uniform-like A (scaled normal here), zero B: the adapter starts as a no-op.
+                let a = init.normal(
+                    format!("{name}.lora_A.weight"),
+                    (spec.r, inp),
+                    1.0 / (inp as f64).sqrt(),
+                    ParamKind::LoraA,
+                )?;
+                let bb = init.zeros2(
+                    format!("{name}.lora_B.weight"),
+                    (out, spec.r),
+                    ParamKind::LoraB,
+                )?;
+                lin.lora = Some(Lora { a, b: bb, scale });
+            }
+        }
+        for p in &mut self.params {
+            p.trainable = false;
+        }
+        self.params.extend(init.params);
+        Ok(())
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn param_count(&self) -> (u64, u64) {
+        let count = |f: &dyn Fn(&Param) -> bool| {
+            self.params
+                .iter()
+                .filter(|p| f(p))
+                .map(|p| p.var.as_tensor().elem_count() as u64)
+                .sum::<u64>()
+        };
+        (count(&|_| true), count(&|p| p.trainable))
+    }
+
+    /// Training FLOPs per token (forward + backward): 6·N over the matmul weights plus
+    /// 12·L·D·T for attention scores and values.
+    pub fn flops_per_token(&self) -> f64 {
+        let s = &self.shape;
+        let matmul: u64 = self
+            .params
+            .iter()
+            .filter(|p| {
+                matches!(
+                    p.kind,
+                    ParamKind::Matrix | ParamKind::LoraA | ParamKind::LoraB
+                )
+            })
+            .map(|p| p.var.as_tensor().elem_count() as u64)
+            .sum();
+        let head = if s.tie_embeddings {
+            (s.vocab_size * s.n_embd) as f64
+        } else {
+            0.0
+        };
+        6.0 * (matmul as f64 + head) + 12.0 * (s.n_layer * s.n_embd * s.seq_len) as f64
+    }
+
+    fn cast(&self, v: &Var) -> Result<Tensor> {
+        if self.dtype == DType::F32 {
+            Ok(v.as_tensor().clone())
+        } else {
+            v.as_tensor().to_dtype(self.dtype)
+        }
+    }
+
+    fn linear(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
+        let w = self.cast(&l.w)?;
+        let mut y = x.broadcast_matmul(&w.t()?)?;
+        if let Some(b) = &l.b {
+            y = y.broadcast_add(&self.cast(b)?)?;
+        }
+        if let Some(lora) = &l.lora {
+            let a = self.cast(&lora.a)?;
+            let b = self.cast(&lora.b)?;
+            let delta = x.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)?;
+            y = (y + (delta * lora.scale)?)?;
+        }
+        Ok(y)
+    }
+
+    fn norm(&self, n: &NormLayer, x: &Tensor) -> Result<Tensor> {
+        let w = self.cast(&n.w)?;
+        let eps = self.shape.norm_eps as f32;
+        match (&self.shape.norm, &n.b) {
+            (Norm::LayerNorm, Some(b)) => {
+                candle_nn::ops::layer_norm_slow(x, &w, &self.cast(b)?, eps)
+            }
+            (Norm::LayerNorm, None) => {
+                let zeros = w.zeros_like()?;
+                candle_nn::ops::layer_norm_slow(x, &w, &zeros, eps)
+            }
+            (Norm::RmsNorm, _) => candle_nn::ops::rms_norm_slow(x, &w, eps),
+        }
+    }
+
+    fn dropout(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let p = self.shape.dropout;
+        if !train || p <= 0.0 {
+            return Ok(x.clone());
+        }
+        let n = x.elem_count();
+        let keep = (1.0 / (1.0 - p)) as f32;
+        let mask: Vec<f32> = (0..n)
+            .map(|_| {
+                if self.dropout_rng.random::<f64>() < p {
+                    0.0
+                } else {
+                    keep
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, x.shape(), &self.device)?.to_dtype(x.dtype())?;
+        x * mask
+    }
+
+    fn apply_rope(&self, x: &Tensor) -> Result<Tensor> {
+        // x: [B, H, T, hd]; rotate the two halves of each head (the Llama/NeoX layout).
+        let Some((cos, sin)) = &self.rope else {
+            return Ok(x.clone());
+        };
+        let (_, _, t, hd) = x.dims4()?;
+        let cos = cos.narrow(0, 0, t)?;
+        let sin = sin.narrow(0, 0, t)?;
+        let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+        let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+    }
+
+    fn attention(&mut self, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
+        let s = &self.shape;
+        let (bsz, t, _) = x.dims3()?;
+        let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
+        let q = self
+            .linear(&b.q, x)?
+            .reshape((bsz, t, h, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let k = self
+            .linear(&b.k, x)?
+            .reshape((bsz, t, kvh, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let v = self
+            .linear(&b.v, x)?
+            .reshape((bsz, t, kvh, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let q = self.apply_rope(&q)?;
+        let k = self.apply_rope(&k)?;
+        let (k, v) = if kvh < h {
+            let rep = h / kvh;
+            let expand = |z: Tensor| -> Result<Tensor> {
+                z.unsqueeze(2)?
+                    .expand((bsz, kvh, rep, t, hd))?
+                    .reshape((bsz, h, t, hd))
+            };
+            (expand(k)?, expand(v)?)
+        } else {
+            (k, v)
+        };
+        let scale = 1.0 / (hd as f64).sqrt();
+        let att = (q.matmul(&k.t()?)? * scale)?;
+        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        let att = att.broadcast_add(&mask)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let att = self.dropout(&att, train)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((bsz, t, h * hd))?;
+        self.linear(&b.o, &y)
+    }
+
+    fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
+        let hidden = match &b.gate {
+            Some(g) => (candle_nn::ops::silu(&self.linear(g, x)?)? * self.linear(&b.up, x)?)?,
+            None => self.linear(&b.up, x)?.gelu()?,
+        };
+        self.linear(&b.down, &hidden)
+    }
+
+    /// Logits `[B·T, vocab]` in the compute dtype for token ids `[B, T]` (u32).
+    pub fn forward(&mut self, ids: &Tensor, train: bool) -> Result<Tensor> {
+        let (bsz, t) = ids.dims2()?;
+        let wte = self.cast(&self.wte)?;
+        let mut x = wte
+            .embedding(&ids.flatten_all()?)?
+            .reshape((bsz, t, self.shape.n_embd))?;
+        if let Some(wpe) = &self.wpe {
+            let pos = self.cast(wpe)?.narrow(0, 0, t)?;
+            x = x.broadcast_add(&pos)?;
+        }
+        x = self.dropout(&x, train)?;
+        let blocks = self.blocks.clone();
+        for b in &blocks {
+            let h = self.norm(&b.ln1, &x)?;
+            let a = self.attention(b, &h, train)?;
+            x = (x + self.dropout(&a, train)?)?;
+            let h = self.norm(&b.ln2, &x)?;
+            let m = self.mlp(b, &h)?;
+            x = (x + self.dropout(&m, train)?)?;
+        }
+        let x = self
+            .norm(&self.ln_f, &x)?
+            .reshape((bsz * t, self.shape.n_embd))?;
+        let head = match &self.lm_head {
+            Some(w) => self.cast(w)?,
+            None => wte,
+        };
+        x.matmul(&head.t()?)
+    }
+
+    /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
+    pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
+        let logits = self.forward(ids, train)?.to_dtype(DType::F32)?;
+        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+
+    /// All weights by name (for checkpoints).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .map(|p| (p.name.clone(), p.var.as_tensor().clone()))
+            .collect()
+    }
+
+    /// Overwrite weights from named tensors; every parameter must be present with its shape.
+    pub fn load_named(
+        &self,
+        tensors: &std::collections::HashMap<String, Tensor>,
+        skip_missing_lora: bool,
+    ) -> std::result::Result<(), String> {
+        for p in &self.params {
+            match tensors.get(&p.name) {
+                Some(t) => {
+                    if t.dims() != p.var.as_tensor().dims() {
+                        return Err(format!(
+                            "{}: shape {:?} in the file, the model has {:?}",
+                            p.name,
+                            t.dims(),
+                            p.var.as_tensor().dims()
+                        ));
+                    }
+                    let t = t
+                        .to_dtype(DType::F32)
+                        .and_then(|t| t.to_device(&self.device))
+                        .map_err(|e| e.to_string())?;
+                    p.var.set(&t).map_err(|e| e.to_string())?;
+                }
+                None if skip_missing_lora && p.kind.is_lora() => {}
+                None => return Err(format!("{}: missing", p.name)),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn rope_tables(
+    t: usize,
+    hd: usize,
+    theta: f64,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = hd / 2;
+    let mut cos = Vec::with_capacity(t * hd);
+    let mut sin = Vec::with_capacity(t * hd);
+    for pos in 0..t {
+        for j in 0..hd {
+            let freq = 1.0 / theta.powf((2 * (j % half)) as f64 / hd as f64);
+            let a = pos as f64 * freq;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (t, hd), device)?.to_dtype(dtype)?,
+        Tensor::from_vec(sin, (t, hd), device)?.to_dtype(dtype)?,
+    ))
+}

@@ -1,0 +1,204 @@
+//! AdamW with decoupled weight decay over per-parameter groups, global-norm clipping, and the
+//! learning-rate schedules.
+
+use crate::config::{ScheduleConfig, ScheduleKind};
+use candle_core::{Result, Tensor, Var};
+
+/// One optimised parameter and its moments.
+pub struct Slot {
+    pub name: String,
+    pub var: Var,
+    pub m: Tensor,
+    pub v: Tensor,
+    pub decay: bool,
+}
+
+/// AdamW (Loshchilov & Hutter): `w ← w − lr·(m̂/(√v̂+ε) + wd·w)`, wd only on `decay` slots.
+pub struct AdamW {
+    pub slots: Vec<Slot>,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Optimizer steps taken (for bias correction).
+    pub t: u64,
+}
+
+impl AdamW {
+    pub fn new(
+        params: Vec<(String, Var, bool)>,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    ) -> Result<Self> {
+        let slots = params
+            .into_iter()
+            .map(|(name, var, decay)| {
+                let z = var.as_tensor().zeros_like()?;
+                Ok(Slot {
+                    name,
+                    m: z.clone(),
+                    v: z,
+                    var,
+                    decay,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            slots,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            t: 0,
+        })
+    }
+
+    /// Apply one update with gradients aligned to `slots`.
+    pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        self.t += 1;
+        let bc1 = 1.0 - self.beta1.powi(self.t as i32);
+        let bc2 = 1.0 - self.beta2.powi(self.t as i32);
+        for (slot, g) in self.slots.iter_mut().zip(grads) {
+            let m = ((&slot.m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
+            let v = ((&slot.v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
+            let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + self.eps)?)?;
+            let w = slot.var.as_tensor();
+            let w = if slot.decay && self.weight_decay > 0.0 {
+                (w * (1.0 - lr * self.weight_decay))?
+            } else {
+                w.clone()
+            };
+            slot.var.set(&(w - (update * lr)?)?)?;
+            slot.m = m;
+            slot.v = v;
+        }
+        Ok(())
+    }
+}
+
+/// √(Σ‖g‖²) over all gradients, on the host.
+pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
+    let mut total: Option<Tensor> = None;
+    for g in grads {
+        let s = g.sqr()?.sum_all()?;
+        total = Some(match total {
+            Some(t) => (t + s)?,
+            None => s,
+        });
+    }
+    match total {
+        Some(t) => Ok((t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?).sqrt()),
+        None => Ok(0.0),
+    }
+}
+
+/// Learning rate at optimizer step `step` (0-based) of `max_steps`.
+pub fn lr_at(s: &ScheduleConfig, base_lr: f64, step: u64, max_steps: u64) -> f64 {
+    let max = max_steps.max(1) as f64;
+    let x = step as f64;
+    match s.kind {
+        ScheduleKind::Constant => {
+            if step < s.warmup_steps {
+                base_lr * (x + 1.0) / s.warmup_steps as f64
+            } else {
+                base_lr
+            }
+        }
+        ScheduleKind::Cosine => {
+            if step < s.warmup_steps {
+                return base_lr * (x + 1.0) / s.warmup_steps as f64;
+            }
+            let span = (max - s.warmup_steps as f64).max(1.0);
+            let p = ((x - s.warmup_steps as f64) / span).clamp(0.0, 1.0);
+            s.min_lr + 0.5 * (base_lr - s.min_lr) * (1.0 + (std::f64::consts::PI * p).cos())
+        }
+        ScheduleKind::OneCycle => {
+            let start = base_lr / s.div_factor;
+            let peak_at = (s.pct_start * max).max(1.0);
+            let cos = |a: f64, b: f64, p: f64| {
+                b + 0.5 * (a - b) * (1.0 + (std::f64::consts::PI * p.clamp(0.0, 1.0)).cos())
+            };
+            if x < peak_at {
+                cos(start, base_lr, x / peak_at)
+            } else {
+                cos(base_lr, s.min_lr, (x - peak_at) / (max - peak_at).max(1.0))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn sched(kind: ScheduleKind) -> ScheduleConfig {
+        ScheduleConfig {
+            kind,
+            warmup_steps: 10,
+            min_lr: 1e-4,
+            pct_start: 0.25,
+            div_factor: 10.0,
+        }
+    }
+
+    #[test]
+    fn schedules_at_known_steps() {
+        let c = sched(ScheduleKind::Cosine);
+        assert!((lr_at(&c, 1e-3, 0, 110) - 1e-4).abs() < 1e-12); // warm-up 1/10
+        assert!((lr_at(&c, 1e-3, 9, 110) - 1e-3).abs() < 1e-12);
+        assert!((lr_at(&c, 1e-3, 10, 110) - 1e-3).abs() < 1e-12);
+        assert!((lr_at(&c, 1e-3, 60, 110) - 5.5e-4).abs() < 1e-12); // halfway: mean of lr and min
+        assert!((lr_at(&c, 1e-3, 110, 110) - 1e-4).abs() < 1e-12);
+        let k = sched(ScheduleKind::Constant);
+        assert!((lr_at(&k, 1e-3, 4, 100) - 5e-4).abs() < 1e-12);
+        assert_eq!(lr_at(&k, 1e-3, 50, 100), 1e-3);
+        let o = sched(ScheduleKind::OneCycle);
+        assert!((lr_at(&o, 1e-3, 0, 100) - 1e-4).abs() < 1e-12);
+        assert!((lr_at(&o, 1e-3, 25, 100) - 1e-3).abs() < 1e-12);
+        assert!((lr_at(&o, 1e-3, 100, 100) - 1e-4).abs() < 1e-12);
+    }
+
+    #[test]
+    fn adamw_first_step_moves_by_lr_and_decays_only_decay_slots() {
+        let dev = Device::Cpu;
+        let a = Var::from_tensor(&Tensor::new(&[1.0f32, -1.0], &dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::new(&[1.0f32, -1.0], &dev).unwrap()).unwrap();
+        let mut opt = AdamW::new(
+            vec![
+                ("a".into(), a.clone(), true),
+                ("b".into(), b.clone(), false),
+            ],
+            0.9,
+            0.999,
+            1e-12,
+            0.5,
+        )
+        .unwrap();
+        let g = Tensor::new(&[2.0f32, -3.0], &dev).unwrap();
+        opt.step(&[g.clone(), g], 0.1).unwrap();
+        // Bias-corrected first step is lr·sign(g); decay shrinks `a` by (1 − lr·wd) first.
+        let a: Vec<f32> = a.as_tensor().to_vec1().unwrap();
+        let b: Vec<f32> = b.as_tensor().to_vec1().unwrap();
+        assert!(
+            (a[0] - (0.95 - 0.1)).abs() < 1e-5 && (a[1] - (-0.95 + 0.1)).abs() < 1e-5,
+            "{a:?}"
+        );
+        assert!(
+            (b[0] - 0.9).abs() < 1e-5 && (b[1] + 0.9).abs() < 1e-5,
+            "{b:?}"
+        );
+    }
+
+    #[test]
+    fn global_norm_is_euclidean() {
+        let dev = Device::Cpu;
+        let g = [
+            Tensor::new(&[3.0f32], &dev).unwrap(),
+            Tensor::new(&[4.0f32], &dev).unwrap(),
+        ];
+        assert!((global_norm(&g).unwrap() - 5.0).abs() < 1e-9);
+    }
+}

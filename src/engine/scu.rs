@@ -1,0 +1,233 @@
+//! The Shannon Control Unit: PI control of the regularization weight λ that holds the
+//! S-ratio `S = ParamBPT / (DataBPT + ParamBPT)` at a setpoint.
+
+use crate::config::ScuConfig;
+use serde::{Deserialize, Serialize};
+
+/// Controller state (saved in checkpoints).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScuController {
+    pub target: f64,
+    pub kp: f64,
+    pub ki: f64,
+    pub deadband: f64,
+    pub ema_alpha: f64,
+    pub leak: f64,
+    pub i_max: f64,
+    pub lambda_min: f64,
+    pub lambda_max: f64,
+    pub enabled: bool,
+    pub lambda: f64,
+    pub integral: f64,
+    /// EMA of S (None before the first measurement).
+    pub s_hat: Option<f64>,
+    /// λ after each of the last control steps (for convergence).
+    pub recent_lambda: Vec<f64>,
+    pub converged: bool,
+}
+
+/// What one control step saw and did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ControlOutcome {
+    pub s: f64,
+    pub s_hat: f64,
+    pub error: f64,
+    pub lambda: f64,
+    pub integral: f64,
+    /// True on the control step where convergence is first reached.
+    pub newly_converged: bool,
+}
+
+const CONVERGENCE_WINDOW: usize = 100;
+
+impl ScuController {
+    pub fn new(c: &ScuConfig) -> Self {
+        Self {
+            target: c.target,
+            kp: c.kp,
+            ki: c.ki,
+            deadband: c.deadband,
+            ema_alpha: c.ema_alpha,
+            leak: c.integral_leak,
+            i_max: c.integral_max,
+            lambda_min: c.lambda_min,
+            lambda_max: c.lambda_max,
+            enabled: c.enabled,
+            lambda: c.lambda_init,
+            integral: 0.0,
+            s_hat: None,
+            recent_lambda: Vec::new(),
+            converged: false,
+        }
+    }
+
+    /// S-ratio from the two bits-per-token terms.
+    pub fn s_ratio(data_bpt: f64, param_bpt: f64) -> f64 {
+        let d = data_bpt + param_bpt;
+        if d > 0.0 {
+            param_bpt / d
+        } else {
+            0.0
+        }
+    }
+
+    /// One control step with the measured S. S above target ⇒ λ rises.
+    pub fn update(&mut self, s: f64) -> ControlOutcome {
+        let s_hat = match self.s_hat {
+            Some(prev) => self.ema_alpha * s + (1.0 - self.ema_alpha) * prev,
+            None => s,
+        };
+        self.s_hat = Some(s_hat);
+        let e = s_hat - self.target;
+        if self.enabled {
+            self.integral *= self.leak;
+            if e.abs() > self.deadband {
+                let at_max = self.lambda >= self.lambda_max && e > 0.0;
+                let at_min = self.lambda <= self.lambda_min && e < 0.0;
+                if !(at_max || at_min) {
+                    self.integral = (self.integral + self.ki * e).clamp(-self.i_max, self.i_max);
+                }
+                self.lambda = (self.lambda * (self.kp * e + self.integral).exp())
+                    .clamp(self.lambda_min, self.lambda_max);
+            }
+        }
+        self.recent_lambda.push(self.lambda);
+        if self.recent_lambda.len() > CONVERGENCE_WINDOW {
+            self.recent_lambda.remove(0);
+        }
+        let mut newly = false;
+        if self.recent_lambda.len() == CONVERGENCE_WINDOW {
+            let (lo, hi) = self
+                .recent_lambda
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+            let settled = hi - lo < 1e-3 && ((s - self.target) / self.target).abs() < 0.05;
+            newly = settled && !self.converged;
+            self.converged = settled;
+        }
+        ControlOutcome {
+            s,
+            s_hat,
+            error: e,
+            lambda: self.lambda,
+            integral: self.integral,
+            newly_converged: newly,
+        }
+    }
+
+    /// Bumpless setpoint change: λ and the integral stay where they are; only future errors change.
+    pub fn set_target(&mut self, target: f64) {
+        self.target = target;
+        self.converged = false;
+        self.recent_lambda.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctl() -> ScuController {
+        let mut c = ScuController::new(&ScuConfig::default());
+        c.target = 0.01;
+        c.ema_alpha = 1.0; // no smoothing: each test drives S directly
+        c
+    }
+
+    #[test]
+    fn sign_above_target_raises_lambda_below_lowers() {
+        let mut c = ctl();
+        c.update(0.05);
+        assert!(c.lambda > 1.0);
+        let mut c = ctl();
+        c.update(0.001);
+        assert!(c.lambda < 1.0);
+    }
+
+    #[test]
+    fn deadband_holds_lambda_and_leaks_integral() {
+        let mut c = ctl();
+        c.integral = 0.1;
+        let out = c.update(0.0105);
+        assert_eq!(out.lambda, 1.0);
+        assert!((c.integral - 0.1 * 0.995).abs() < 1e-12);
+    }
+
+    #[test]
+    fn anti_windup_at_both_clamps() {
+        let mut c = ctl();
+        c.lambda = c.lambda_max;
+        c.integral = 0.05;
+        c.update(0.5);
+        assert_eq!(c.lambda, c.lambda_max);
+        assert!(
+            (c.integral - 0.05 * 0.995).abs() < 1e-12,
+            "integral must not grow at λ_max"
+        );
+        let mut c = ctl();
+        c.lambda = c.lambda_min;
+        c.integral = -0.05;
+        c.update(0.0);
+        assert_eq!(c.lambda, c.lambda_min);
+        assert!(
+            (c.integral + 0.05 * 0.995).abs() < 1e-12,
+            "integral must not grow at λ_min"
+        );
+    }
+
+    #[test]
+    fn integral_and_lambda_are_clamped() {
+        let mut c = ctl();
+        for _ in 0..1000 {
+            c.update(0.9);
+        }
+        assert!(c.integral <= c.i_max + 1e-12);
+        assert_eq!(c.lambda, c.lambda_max);
+        for _ in 0..10_000 {
+            c.update(0.0);
+        }
+        assert!(c.integral >= -c.i_max - 1e-12);
+        assert_eq!(c.lambda, c.lambda_min);
+    }
+
+    #[test]
+    fn setpoint_change_is_bumpless() {
+        let mut c = ctl();
+        c.update(0.02);
+        let (l, i) = (c.lambda, c.integral);
+        c.set_target(0.03);
+        assert_eq!((c.lambda, c.integral), (l, i));
+    }
+
+    #[test]
+    fn disabled_measures_but_holds_lambda() {
+        let mut c = ctl();
+        c.enabled = false;
+        let o = c.update(0.5);
+        assert_eq!(o.lambda, 1.0);
+        assert!(o.error > 0.0);
+    }
+
+    #[test]
+    fn converges_on_a_plant_and_reports_it_once() {
+        // A toy plant: S falls as λ grows, S = 0.2 / (1 + λ); S* = 5% needs λ = 3.
+        let mut c = ScuController::new(&ScuConfig {
+            target: 0.05,
+            ..ScuConfig::default()
+        });
+        let mut events = 0;
+        for _ in 0..3000 {
+            let s = 0.2 / (1.0 + c.lambda);
+            if c.update(s).newly_converged {
+                events += 1;
+            }
+        }
+        assert!(
+            (0.2 / (1.0 + c.lambda) - 0.05).abs() < 0.0025,
+            "λ = {}",
+            c.lambda
+        );
+        assert!(c.converged);
+        assert_eq!(events, 1);
+    }
+}

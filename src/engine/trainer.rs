@@ -1,0 +1,997 @@
+//! The training loop on its own thread: `Command`s are applied only at optimizer-step
+//! boundaries; `Event`s go out through a channel that never blocks, and every event is also
+//! appended to `metrics.jsonl` in the run dir.
+
+use super::checkpoint::{self, TrainState};
+use super::data::loader::{val_batches, Batch, Cursor, Loader, Order};
+use super::data::{self, Dataset};
+use super::events::{
+    self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RunInfo, ScuStats, StepStats,
+};
+use super::model::{LoraSpec, Model, ParamKind, Shape};
+use super::optim::{global_norm, lr_at, AdamW};
+use super::precision::{self, LossScaler};
+use super::scu::ScuController;
+use super::{device, EngineError};
+use crate::config::{Config, ScuParams};
+use crate::util::DeviceSpec;
+use candle_core::{DType, Device, Tensor};
+use sha2::{Digest, Sha256};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const LN2: f64 = std::f64::consts::LN_2;
+/// Largest micro-batch the engine accepts from a command.
+pub const MAX_MICRO_BATCH: usize = 4096;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub config: Config,
+    pub run_dir: PathBuf,
+    pub device: DeviceSpec,
+    /// Resume from this checkpoint (a step dir, a checkpoints dir or a run dir).
+    pub resume: Option<PathBuf>,
+    /// Undelivered Step events the channel holds before dropping new ones.
+    pub max_queued_steps: usize,
+}
+
+/// How a run ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSummary {
+    pub reason: FinishReason,
+    pub step: u64,
+    pub last_loss: Option<f64>,
+    pub last_val: Option<EvalStats>,
+    pub last_checkpoint: Option<PathBuf>,
+    pub entropy_floor_bpt: Option<f64>,
+    pub final_lambda: f64,
+    pub final_s: Option<f64>,
+}
+
+/// A running engine: send commands, receive events, then wait for the summary.
+pub struct Engine {
+    pub commands: Sender<Command>,
+    pub events: EventRx,
+    pub thread: EngineThread,
+}
+
+pub struct EngineThread(JoinHandle<Result<RunSummary, EngineError>>);
+
+impl EngineThread {
+    pub fn wait(self) -> Result<RunSummary, EngineError> {
+        self.0.join().map_err(|_| EngineError::Panicked)?
+    }
+    pub fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+}
+
+impl Engine {
+    /// Set up (device, data, model, optimiser, resume) on the calling thread — so setup errors
+    /// surface before any UI starts — then train on a new thread.
+    pub fn spawn(opts: EngineOptions) -> Result<Engine, EngineError> {
+        let trainer = Trainer::new(opts)?;
+        let (cmd_tx, cmd_rx) = mpsc::channel();
+        let (ev_tx, ev_rx) = events::channel(trainer.max_queued_steps);
+        let handle = std::thread::Builder::new()
+            .name("cockpit-engine".into())
+            .spawn(move || trainer.run(cmd_rx, ev_tx))
+            .map_err(|e| EngineError::Io {
+                path: "engine thread".into(),
+                source: e,
+            })?;
+        Ok(Engine {
+            commands: cmd_tx,
+            events: ev_rx,
+            thread: EngineThread(handle),
+        })
+    }
+}
+
+/// The hash of everything that fixes tensor shapes and the data stream.
+pub fn shape_hash(c: &Config) -> String {
+    let mut h = Sha256::new();
+    h.update(serde_json::to_vec(&c.model).unwrap_or_default());
+    h.update(
+        serde_json::to_vec(&(
+            &c.data.source,
+            &c.data.train,
+            &c.data.tokenizer,
+            c.data.builtin_vocab,
+            c.data.builtin_order,
+        ))
+        .unwrap_or_default(),
+    );
+    h.update(serde_json::to_vec(&(&c.lora.enabled, c.lora.r, &c.lora.targets)).unwrap_or_default());
+    data::hex(&h.finalize())[..16].to_string()
+}
+
+struct Trainer {
+    cfg: Config,
+    run_dir: PathBuf,
+    device: Device,
+    dtype: DType,
+    dtype_reason: String,
+    dataset: Dataset,
+    model: Model,
+    opt: AdamW,
+    /// Indices into `opt.slots` whose weights SCU regularizes.
+    reg_slots: Vec<usize>,
+    loader: Loader,
+    val: Vec<Batch>,
+    scu: ScuController,
+    scaler: LossScaler,
+    tokens_per_epoch: f64,
+    step: u64,
+    tokens: u64,
+    micro_batch: usize,
+    accum: usize,
+    elapsed_before: f64,
+    best_val: Option<f64>,
+    lr_scale: f64,
+    max_queued_steps: usize,
+    shape_hash: String,
+    summary: Summary,
+    scu_rows: Vec<ScuStats>,
+}
+
+#[derive(Default)]
+struct Summary {
+    last_loss: Option<f64>,
+    last_val: Option<EvalStats>,
+    last_checkpoint: Option<PathBuf>,
+    last_s: Option<f64>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
+    move |source| EngineError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+impl Trainer {
+    fn new(opts: EngineOptions) -> Result<Self, EngineError> {
+        let cfg = opts.config;
+        let device = device::open(opts.device)?;
+        let (dtype, dtype_reason) =
+            precision::choose(cfg.precision.dtype, device::compute_capability(&device))
+                .map_err(EngineError::Config)?;
+        let dataset = data::load(&cfg)?;
+        let vocab = if cfg.model.vocab_size == 0 {
+            dataset.vocab_size
+        } else {
+            cfg.model.vocab_size
+        };
+        if vocab < dataset.vocab_size {
+            return Err(EngineError::Config(format!(
+                "model.vocab_size = {vocab}: the data uses {} token ids; set 0 to take it from the data",
+                dataset.vocab_size
+            )));
+        }
+        let min_tokens = cfg.model.seq_len + 1;
+        if dataset.train.len() < 2 * min_tokens || dataset.val.len() < min_tokens {
+            return Err(EngineError::Config(format!(
+                "data: {} train / {} val tokens is too little for model.seq_len = {}",
+                dataset.train.len(),
+                dataset.val.len(),
+                cfg.model.seq_len
+            )));
+        }
+        let mut model = Model::new(
+            Shape::from_config(&cfg, vocab),
+            dtype,
+            &device,
+            cfg.run.seed,
+        )?;
+        if cfg.lora.enabled {
+            let base = checkpoint::resolve(Path::new(&cfg.lora.base))?;
+            let loaded = checkpoint::load(&base, &device)?;
+            model.load_named(&loaded.model, true).map_err(|m| {
+                EngineError::Checkpoint(checkpoint::CheckpointError::Mismatch {
+                    path: base.display().to_string(),
+                    message: m,
+                })
+            })?;
+            model.add_lora(
+                &LoraSpec {
+                    r: cfg.lora.r,
+                    alpha: cfg.lora.alpha,
+                    targets: cfg.lora.targets.clone(),
+                },
+                cfg.run.seed,
+            )?;
+        }
+        let lora = cfg.lora.enabled;
+        let regularized = |kind: ParamKind| match (cfg.scu.params, lora) {
+            (ScuParams::Lora, _) | (ScuParams::Auto, true) => kind.is_lora(),
+            (ScuParams::All, _) | (ScuParams::Auto, false) => {
+                matches!(kind, ParamKind::Matrix | ParamKind::Embedding) || kind.is_lora()
+            }
+        };
+        let trainable: Vec<_> = model.params.iter().filter(|p| p.trainable).collect();
+        let reg_slots = trainable
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| regularized(p.kind))
+            .map(|(i, _)| i)
+            .collect();
+        let slots = trainable
+            .iter()
+            .map(|p| {
+                let decay = match p.kind {
+                    ParamKind::Matrix | ParamKind::LoraA | ParamKind::LoraB => true,
+                    ParamKind::Embedding => cfg.optim.decay_embeddings,
+                    ParamKind::Norm | ParamKind::Bias => false,
+                };
+                (p.name.clone(), p.var.clone(), decay)
+            })
+            .collect();
+        let o = &cfg.optim;
+        let opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
+        let order = Order::new(dataset.train.clone(), cfg.model.seq_len, cfg.run.seed);
+        let loader = Loader::new(
+            order,
+            o.micro_batch,
+            cfg.data.prefetch_depth,
+            Cursor::default(),
+        );
+        let val = val_batches(
+            &dataset.val,
+            cfg.model.seq_len,
+            o.micro_batch,
+            cfg.eval.batches,
+        );
+        let tokens_per_epoch = if cfg.scu.tokens_per_epoch > 0 {
+            cfg.scu.tokens_per_epoch as f64
+        } else {
+            dataset.train.len() as f64
+        };
+        let scaler = LossScaler::new(
+            dtype == DType::F16,
+            cfg.precision.loss_scale_init,
+            cfg.precision.loss_scale_growth_interval,
+        );
+        std::fs::create_dir_all(&opts.run_dir).map_err(io_err(&opts.run_dir))?;
+        let mut t = Trainer {
+            scu: ScuController::new(&cfg.scu),
+            micro_batch: o.micro_batch,
+            accum: o.accum,
+            shape_hash: shape_hash(&cfg),
+            cfg,
+            run_dir: opts.run_dir,
+            device,
+            dtype,
+            dtype_reason,
+            dataset,
+            model,
+            opt,
+            reg_slots,
+            loader,
+            val,
+            scaler,
+            tokens_per_epoch,
+            step: 0,
+            tokens: 0,
+            elapsed_before: 0.0,
+            best_val: None,
+            lr_scale: 1.0,
+            max_queued_steps: opts.max_queued_steps,
+            summary: Summary::default(),
+            scu_rows: Vec::new(),
+        };
+        if let Some(spec) = opts.resume {
+            t.restore(&spec)?;
+        }
+        Ok(t)
+    }
+
+    fn restore(&mut self, spec: &Path) -> Result<(), EngineError> {
+        let dir = checkpoint::resolve(spec)?;
+        let l = checkpoint::load(&dir, &self.device)?;
+        let mismatch = |message: String| {
+            EngineError::Checkpoint(checkpoint::CheckpointError::Mismatch {
+                path: dir.display().to_string(),
+                message,
+            })
+        };
+        if l.state.shape_hash != self.shape_hash {
+            return Err(mismatch(
+                "the model or data config differs from the checkpoint's (shape-changing keys: [model], data.source/train/tokenizer/builtin_*, lora); resume with the original config".into(),
+            ));
+        }
+        self.model.load_named(&l.model, false).map_err(mismatch)?;
+        for slot in &mut self.opt.slots {
+            let get = |suffix: &str| l.optim.get(&format!("{}.{suffix}", slot.name)).cloned();
+            match (get("m"), get("v")) {
+                (Some(m), Some(v)) if m.dims() == slot.m.dims() => {
+                    slot.m = m;
+                    slot.v = v;
+                }
+                _ => {
+                    return Err(mismatch(format!(
+                        "optimizer state for {} is missing or has another shape",
+                        slot.name
+                    )))
+                }
+            }
+        }
+        let s = l.state;
+        self.opt.t = s.optim_t;
+        self.step = s.step;
+        self.tokens = s.tokens;
+        self.elapsed_before = s.elapsed_s;
+        self.scaler = s.scaler;
+        // Keep the controller's state but take gains/limits from the (possibly edited) config.
+        let target = s.scu.target;
+        self.scu = ScuController { target, ..s.scu };
+        self.best_val = s.best_val_loss;
+        self.lr_scale = s.lr_scale;
+        self.loader.seek(s.cursor);
+        Ok(())
+    }
+
+    fn state(&self, elapsed: f64) -> TrainState {
+        TrainState {
+            step: self.step,
+            optim_t: self.opt.t,
+            cursor: self.loader.cursor(),
+            micro_batch: self.micro_batch,
+            accum: self.accum,
+            tokens: self.tokens,
+            elapsed_s: elapsed,
+            scaler: self.scaler.clone(),
+            scu: self.scu.clone(),
+            best_val_loss: self.best_val,
+            lr_scale: self.lr_scale,
+            shape_hash: self.shape_hash.clone(),
+            seed: self.cfg.run.seed,
+        }
+    }
+
+    fn save_checkpoint(
+        &mut self,
+        elapsed: f64,
+        val_loss: Option<f64>,
+    ) -> Result<(PathBuf, u64, f64), EngineError> {
+        let t0 = Instant::now();
+        let optim: Vec<(String, Tensor)> = self
+            .opt
+            .slots
+            .iter()
+            .flat_map(|s| {
+                [
+                    (format!("{}.m", s.name), s.m.clone()),
+                    (format!("{}.v", s.name), s.v.clone()),
+                ]
+            })
+            .collect();
+        let c = &self.cfg.checkpoint;
+        let (dir, bytes) = checkpoint::save(
+            &self.run_dir.join("checkpoints"),
+            &self.state(elapsed),
+            &self.model.named_tensors(),
+            &optim,
+            val_loss,
+            c.keep_last,
+            c.keep_best,
+        )?;
+        Ok((dir, bytes, t0.elapsed().as_secs_f64() * 1e3))
+    }
+
+    fn run_info(&self) -> RunInfo {
+        let (total, trainable) = self.model.param_count();
+        let s = &self.model.shape;
+        let dev = device::describe(&self.device);
+        let c = &self.cfg;
+        RunInfo {
+            run_name: c.run.name.clone(),
+            run_dir: self.run_dir.display().to_string(),
+            peak_flops: device::peak_flops(&dev, self.dtype),
+            device: dev,
+            dtype: precision::dtype_name(self.dtype).into(),
+            dtype_reason: self.dtype_reason.clone(),
+            params_total: total,
+            params_trainable: trainable,
+            start_step: self.step,
+            max_steps: c.run.max_steps,
+            micro_batch: self.micro_batch,
+            accum: self.accum,
+            seq_len: s.seq_len,
+            vocab_size: s.vocab_size,
+            train_tokens: self.dataset.train.len() as u64,
+            entropy_floor_bpt: self.dataset.entropy_floor_bpt,
+            flops_per_token: self.model.flops_per_token(),
+            scu_enabled: c.scu.enabled,
+            scu_target: self.scu.target,
+            summary: format!(
+                "{:?} {}L {}H d{} T{} vocab {} | {} | AdamW lr {:.1e} {:?} | {}",
+                c.model.arch,
+                s.n_layer,
+                s.n_head,
+                s.n_embd,
+                s.seq_len,
+                s.vocab_size,
+                self.dataset.description,
+                c.optim.lr,
+                c.schedule.kind,
+                if c.lora.enabled {
+                    format!("LoRA r{} on {:?}", c.lora.r, c.lora.targets)
+                } else {
+                    "full fine-tune".into()
+                }
+            ),
+        }
+    }
+
+    /// Σw² over the regularized weights, as a differentiable f32 scalar.
+    fn reg_sumsq(&self) -> candle_core::Result<Option<Tensor>> {
+        let mut acc: Option<Tensor> = None;
+        for &i in &self.reg_slots {
+            let s = self.opt.slots[i].var.as_tensor().sqr()?.sum_all()?;
+            acc = Some(match acc {
+                Some(a) => (a + s)?,
+                None => s,
+            });
+        }
+        Ok(acc)
+    }
+
+    fn evaluate(&mut self) -> candle_core::Result<EvalStats> {
+        let mut total = 0.0;
+        let batches = self.val.clone();
+        for b in &batches {
+            let (x, y) = self.batch_tensors(b)?;
+            total += self.model.loss(&x, &y, false)?.to_scalar::<f32>()? as f64;
+        }
+        let val_loss = total / batches.len().max(1) as f64;
+        Ok(EvalStats {
+            step: self.step,
+            val_loss,
+            val_bpt: val_loss / LN2,
+            val_ppl: val_loss.exp(),
+        })
+    }
+
+    fn batch_tensors(&self, b: &Batch) -> candle_core::Result<(Tensor, Tensor)> {
+        let shape = (b.batch, b.seq_len);
+        Ok((
+            Tensor::from_slice(&b.inputs, shape, &self.device)?,
+            Tensor::from_slice(&b.targets, shape, &self.device)?,
+        ))
+    }
+
+    /// One optimizer step's forward/backward over `accum` micro-batches.
+    /// Returns (mean CE, Σw² value, grads, data wait, compute time).
+    fn forward_backward(
+        &mut self,
+        lambda: f64,
+    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        let mut wait = Duration::ZERO;
+        let t0 = Instant::now();
+        let mut grads: Vec<Option<Tensor>> = vec![None; self.opt.slots.len()];
+        let mut ce_sum = 0.0;
+        let mut sumsq_val = 0.0;
+        let scale = self.scaler.scale;
+        let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
+        for a in 0..self.accum {
+            let (batch, w) = self.loader.next();
+            wait += w;
+            let (x, y) = self.batch_tensors(&batch)?;
+            let ce = self.model.loss(&x, &y, true)?;
+            ce_sum += ce.to_scalar::<f32>()? as f64;
+            let mut loss = (ce / self.accum as f64)?;
+            if a == 0 {
+                if let Some(ss) = self.reg_sumsq()? {
+                    sumsq_val = ss.to_scalar::<f32>()? as f64;
+                    // λ·Σw²/(2σ²)/N: in the same per-token units as CE, and differentiable.
+                    loss = (loss + (ss * (lambda * coef))?)?;
+                }
+            }
+            if scale != 1.0 {
+                loss = (loss * scale)?;
+            }
+            let store = loss.backward()?;
+            for (g, slot) in grads.iter_mut().zip(&self.opt.slots) {
+                if let Some(new) = store.get(slot.var.as_tensor()) {
+                    *g = Some(match g.take() {
+                        Some(acc) => (acc + new)?,
+                        None => new.clone(),
+                    });
+                }
+            }
+        }
+        let grads = grads
+            .into_iter()
+            .zip(&self.opt.slots)
+            .map(|(g, s)| match g {
+                Some(g) if scale != 1.0 => g / scale,
+                Some(g) => Ok(g),
+                None => s.var.as_tensor().zeros_like(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        self.device.synchronize()?;
+        let compute = t0.elapsed().saturating_sub(wait);
+        Ok((ce_sum / self.accum as f64, sumsq_val, grads, wait, compute))
+    }
+
+    fn run(mut self, commands: Receiver<Command>, tx: EventTx) -> Result<RunSummary, EngineError> {
+        let metrics_path = self.run_dir.join("metrics.jsonl");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&metrics_path)
+            .map_err(io_err(&metrics_path))?;
+        let mut out = Recorder {
+            file: BufWriter::new(file),
+            tx,
+            failed: false,
+        };
+        let result = self.train(&commands, &mut out);
+        let (reason, message) = match &result {
+            Ok((r, m)) => (*r, m.clone()),
+            Err(e) => (FinishReason::Failed, e.to_string()),
+        };
+        let elapsed = self.elapsed_before;
+        if let Err(e) = self.write_scu_files() {
+            out.emit(Event::Warning {
+                step: self.step,
+                message: format!("could not write SCU files: {e}"),
+            });
+        }
+        out.emit(Event::Finished {
+            step: self.step,
+            reason,
+            message: message.clone(),
+            elapsed_s: elapsed,
+        });
+        out.flush();
+        result?;
+        Ok(RunSummary {
+            reason,
+            step: self.step,
+            last_loss: self.summary.last_loss,
+            last_val: self.summary.last_val.clone(),
+            last_checkpoint: self.summary.last_checkpoint.clone(),
+            entropy_floor_bpt: self.dataset.entropy_floor_bpt,
+            final_lambda: self.scu.lambda,
+            final_s: self.summary.last_s,
+        })
+    }
+}
+
+/// Writes every event to metrics.jsonl and forwards it to the channel (which never blocks).
+struct Recorder {
+    file: BufWriter<std::fs::File>,
+    tx: EventTx,
+    failed: bool,
+}
+
+impl Recorder {
+    fn emit(&mut self, ev: Event) {
+        if !self.failed {
+            let ok = serde_json::to_writer(&mut self.file, &ev).is_ok()
+                && self.file.write_all(b"\n").is_ok();
+            let ok = ok && (matches!(ev, Event::Step(_)) || self.file.flush().is_ok());
+            if !ok {
+                self.failed = true;
+                let msg = "could not write metrics.jsonl; events still reach the front end";
+                let _ = self.tx.send(Event::Warning {
+                    step: ev.step(),
+                    message: msg.into(),
+                });
+            }
+        }
+        let _ = self.tx.send(ev);
+    }
+    fn flush(&mut self) {
+        let _ = self.file.flush();
+    }
+}
+
+enum Flow {
+    Continue,
+    Stop { save: bool },
+}
+
+/// Non-finite steps in a row after which the run fails.
+const MAX_NONFINITE_IN_A_ROW: u32 = 20;
+
+fn is_oom(e: &candle_core::Error) -> bool {
+    let s = e.to_string().to_ascii_lowercase();
+    s.contains("out of memory") || s.contains("out_of_memory")
+}
+
+impl Trainer {
+    fn elapsed(&self, start: Instant) -> f64 {
+        self.elapsed_before + start.elapsed().as_secs_f64()
+    }
+
+    fn checkpoint_event(&mut self, start: Instant, out: &mut Recorder) -> Result<(), EngineError> {
+        let val = self
+            .summary
+            .last_val
+            .as_ref()
+            .filter(|v| v.step == self.step)
+            .map(|v| v.val_loss);
+        let (dir, bytes, ms) = self.save_checkpoint(self.elapsed(start), val)?;
+        out.emit(Event::CheckpointSaved {
+            step: self.step,
+            path: dir.display().to_string(),
+            bytes,
+            ms,
+        });
+        self.summary.last_checkpoint = Some(dir);
+        Ok(())
+    }
+
+    fn apply(
+        &mut self,
+        cmd: Command,
+        paused: &mut bool,
+        prev_batch: &mut Option<usize>,
+        start: Instant,
+        out: &mut Recorder,
+    ) -> Result<Flow, EngineError> {
+        let step = self.step;
+        let reject = |out: &mut Recorder, command: Command, reason: String| {
+            out.emit(Event::CommandRejected {
+                step,
+                command,
+                reason,
+            });
+            Ok(Flow::Continue)
+        };
+        match cmd {
+            Command::SetBatchSize { micro_batch } => {
+                if micro_batch == 0 || micro_batch > MAX_MICRO_BATCH {
+                    return reject(
+                        out,
+                        cmd,
+                        format!("micro-batch must be in [1, {MAX_MICRO_BATCH}]"),
+                    );
+                }
+                if micro_batch == self.micro_batch {
+                    return reject(out, cmd, format!("micro-batch is already {micro_batch}"));
+                }
+                let old = self.micro_batch;
+                *prev_batch = (micro_batch > old).then_some(old);
+                self.micro_batch = micro_batch;
+                self.loader.set_batch_size(micro_batch);
+                let eff = micro_batch * self.accum;
+                let detail = format!(
+                    "micro-batch {old} → {micro_batch}, accum {}, effective batch {eff} sequences ({} tokens/step)",
+                    self.accum,
+                    eff * self.model.shape.seq_len
+                );
+                out.emit(Event::CommandApplied {
+                    step,
+                    command: cmd,
+                    detail,
+                });
+            }
+            Command::SetScuSetpoint { target } => {
+                if !(target > 0.0 && target < 1.0) {
+                    return reject(
+                        out,
+                        cmd,
+                        "the setpoint must be in (0, 1) — a fraction, 0.01 = 1%".into(),
+                    );
+                }
+                let old = self.scu.target;
+                self.scu.set_target(target);
+                let detail = format!(
+                    "S* {:.2}% → {:.2}% (bumpless: λ stays {:.4})",
+                    old * 100.0,
+                    target * 100.0,
+                    self.scu.lambda
+                );
+                out.emit(Event::CommandApplied {
+                    step,
+                    command: cmd,
+                    detail,
+                });
+            }
+            Command::CheckpointNow => {
+                self.checkpoint_event(start, out)?;
+                out.emit(Event::CommandApplied {
+                    step,
+                    command: cmd,
+                    detail: format!("checkpoint at step {step}"),
+                });
+            }
+            Command::Pause => {
+                if *paused {
+                    return reject(out, cmd, "already paused".into());
+                }
+                *paused = true;
+                out.emit(Event::CommandApplied {
+                    step,
+                    command: cmd,
+                    detail: format!("paused at step {step}"),
+                });
+                out.emit(Event::Paused { step });
+            }
+            Command::Resume => {
+                if !*paused {
+                    return reject(out, cmd, "not paused".into());
+                }
+                *paused = false;
+                out.emit(Event::CommandApplied {
+                    step,
+                    command: cmd,
+                    detail: format!("resumed at step {step}"),
+                });
+                out.emit(Event::Resumed { step });
+            }
+            Command::Stop { save } => {
+                out.emit(Event::CommandApplied {
+                    step,
+                    command: cmd,
+                    detail: if save {
+                        "saving, then stopping".into()
+                    } else {
+                        "stopping".into()
+                    },
+                });
+                return Ok(Flow::Stop { save });
+            }
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn write_json(&self, name: &str, value: &impl serde::Serialize) -> Result<(), EngineError> {
+        let path = self.run_dir.join(name);
+        let text =
+            serde_json::to_vec_pretty(value).map_err(|e| EngineError::Config(e.to_string()))?;
+        checkpoint::atomic_write(&path, &text).map_err(io_err(&path))
+    }
+
+    fn write_scu_files(&self) -> Result<(), EngineError> {
+        self.write_json("scu_metrics.json", &self.scu_rows)?;
+        let history = serde_json::json!({
+            "steps": self.scu_rows.iter().map(|r| r.step).collect::<Vec<_>>(),
+            "s_ratio_history": self.scu_rows.iter().map(|r| r.s_ratio).collect::<Vec<_>>(),
+            "lambda_history": self.scu_rows.iter().map(|r| r.lambda).collect::<Vec<_>>(),
+            "target_history": self.scu_rows.iter().map(|r| r.target).collect::<Vec<_>>(),
+        });
+        self.write_json("scu_history.json", &history)
+    }
+
+    fn control(&mut self, ce_mean: f64, sumsq: f64, out: &mut Recorder) {
+        let c = &self.cfg.scu;
+        let coef = 1.0 / (2.0 * c.prior_sigma.powi(2) * self.tokens_per_epoch);
+        let data_bpt = ce_mean / LN2;
+        let param_bpt = sumsq * coef / LN2;
+        let s = ScuController::s_ratio(data_bpt, param_bpt);
+        let lambda_used = self.scu.lambda;
+        let o = self.scu.update(s);
+        let reg_loss = lambda_used * sumsq * coef;
+        let row = ScuStats {
+            step: self.step,
+            ce_loss: ce_mean,
+            reg_loss,
+            total_loss: ce_mean + reg_loss,
+            data_bpt,
+            param_bpt,
+            s_ratio: s,
+            s_hat: o.s_hat,
+            lambda: o.lambda,
+            integral: o.integral,
+            error: o.error,
+            target: self.scu.target,
+            control: c.enabled,
+        };
+        self.summary.last_s = Some(s);
+        self.append_scu_csv(&row);
+        self.scu_rows.push(row.clone());
+        out.emit(Event::Scu(row));
+        if o.newly_converged {
+            out.emit(Event::ScuConverged {
+                step: self.step,
+                s_ratio: s,
+                lambda: o.lambda,
+                target: self.scu.target,
+            });
+        }
+    }
+
+    fn append_scu_csv(&self, r: &ScuStats) {
+        let path = self.run_dir.join("scu.csv");
+        let new = !path.exists();
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+        {
+            if new {
+                let _ = writeln!(f, "step,ce_loss,reg_loss,total_loss,data_bpt,param_bpt,s_ratio,s_hat,lambda,integral,error,target");
+            }
+            let _ = writeln!(
+                f,
+                "{},{},{},{},{},{},{},{},{},{},{},{}",
+                r.step,
+                r.ce_loss,
+                r.reg_loss,
+                r.total_loss,
+                r.data_bpt,
+                r.param_bpt,
+                r.s_ratio,
+                r.s_hat,
+                r.lambda,
+                r.integral,
+                r.error,
+                r.target
+            );
+        }
+    }
+
+    fn train(
+        &mut self,
+        commands: &Receiver<Command>,
+        out: &mut Recorder,
+    ) -> Result<(FinishReason, String), EngineError> {
+        self.write_json("training_config.json", &self.cfg)?;
+        self.write_json("scu_config.json", &self.cfg.scu)?;
+        out.emit(Event::RunStarted(self.run_info()));
+        let start = Instant::now();
+        let mut last_ckpt = Instant::now();
+        let mut paused = false;
+        let mut prev_batch: Option<usize> = None;
+        let (mut window_ce, mut window_n) = (0.0, 0u64);
+        let mut nonfinite_in_a_row = 0u32;
+        let max_steps = self.cfg.run.max_steps;
+        let seq_len = self.model.shape.seq_len;
+        while self.step < max_steps {
+            // Commands: only here, at the optimizer-step boundary.
+            loop {
+                let cmd = if paused {
+                    match commands.recv_timeout(Duration::from_millis(100)) {
+                        Ok(c) => c,
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => {
+                            return Ok((
+                                FinishReason::Stopped,
+                                "the controller went away while paused".into(),
+                            ))
+                        }
+                    }
+                } else {
+                    match commands.try_recv() {
+                        Ok(c) => c,
+                        Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                    }
+                };
+                if let Flow::Stop { save } =
+                    self.apply(cmd, &mut paused, &mut prev_batch, start, out)?
+                {
+                    self.elapsed_before = self.elapsed(start);
+                    if save {
+                        self.checkpoint_event(start, out)?;
+                    }
+                    return Ok((
+                        FinishReason::Stopped,
+                        format!("stopped by command at step {}", self.step),
+                    ));
+                }
+            }
+
+            let t_step = Instant::now();
+            let step_cursor = self.loader.cursor();
+            let (ce, sumsq, mut grads, wait, compute) = match self.forward_backward(self.scu.lambda)
+            {
+                Ok(v) => v,
+                Err(e) if is_oom(&e) && prev_batch.is_some() => {
+                    let (failed, old) = (self.micro_batch, prev_batch.take().unwrap_or(1));
+                    self.micro_batch = old;
+                    self.loader.seek(step_cursor);
+                    self.loader.set_batch_size(old);
+                    out.emit(Event::Warning {
+                        step: self.step,
+                        message: format!("out of memory at micro-batch {failed}: back to {old}, step {} redone (nothing lost)", self.step + 1),
+                    });
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            prev_batch = None;
+            let t_opt = Instant::now();
+            let norm = global_norm(&grads)?;
+            let finite = norm.is_finite() && ce.is_finite();
+            let lr =
+                lr_at(&self.cfg.schedule, self.cfg.optim.lr, self.step, max_steps) * self.lr_scale;
+            if self.scaler.update(finite) {
+                nonfinite_in_a_row = 0;
+                let clip = self.cfg.optim.grad_clip;
+                if clip > 0.0 && norm > clip {
+                    let f = clip / (norm + 1e-6);
+                    grads = grads
+                        .iter()
+                        .map(|g| g * f)
+                        .collect::<candle_core::Result<Vec<_>>>()?;
+                }
+                self.opt.step(&grads, lr)?;
+            } else {
+                nonfinite_in_a_row += 1;
+                out.emit(Event::Warning {
+                    step: self.step + 1,
+                    message: format!(
+                        "non-finite loss or gradients: step skipped ({} in a row{})",
+                        nonfinite_in_a_row,
+                        if self.scaler.enabled {
+                            format!(", loss scale now {}", self.scaler.scale)
+                        } else {
+                            String::new()
+                        }
+                    ),
+                });
+                if nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW {
+                    return Err(EngineError::NonFinite {
+                        step: self.step + 1,
+                        count: nonfinite_in_a_row,
+                    });
+                }
+            }
+            self.device.synchronize()?;
+            let optim = t_opt.elapsed();
+            self.step += 1;
+            let step_tokens = (self.micro_batch * self.accum * seq_len) as u64;
+            self.tokens += step_tokens;
+            let step_s = t_step.elapsed().as_secs_f64();
+            self.summary.last_loss = Some(ce);
+            out.emit(Event::Step(StepStats {
+                step: self.step,
+                loss: ce,
+                lr,
+                grad_norm: norm,
+                tokens_per_sec: step_tokens as f64 / step_s.max(1e-9),
+                step_ms: step_s * 1e3,
+                data_wait_ms: wait.as_secs_f64() * 1e3,
+                compute_ms: compute.as_secs_f64() * 1e3,
+                optim_ms: optim.as_secs_f64() * 1e3,
+                micro_batch: self.micro_batch,
+                accum: self.accum,
+                tokens: self.tokens,
+                epoch: self.tokens as f64 / self.dataset.train.len().max(1) as f64,
+                elapsed_s: self.elapsed(start),
+                memory_bytes: device::memory_in_use(&self.device),
+                dropped_before: 0,
+            }));
+
+            window_ce += ce;
+            window_n += 1;
+            if self.step % self.cfg.scu.control_every == 0 {
+                self.control(window_ce / window_n as f64, sumsq, out);
+                window_ce = 0.0;
+                window_n = 0;
+            }
+            let every = self.cfg.eval.every;
+            let last = self.step == max_steps;
+            if (every > 0 && self.step % every == 0) || (last && self.cfg.eval.at_end) {
+                let ev = self.evaluate()?;
+                if self.best_val.is_none_or(|b| ev.val_loss < b) {
+                    self.best_val = Some(ev.val_loss);
+                }
+                self.summary.last_val = Some(ev.clone());
+                out.emit(Event::Eval(ev));
+            }
+            let c = &self.cfg.checkpoint;
+            let due_steps = c.every_steps > 0 && self.step % c.every_steps == 0;
+            let due_time = c.every_minutes > 0.0
+                && last_ckpt.elapsed().as_secs_f64() >= c.every_minutes * 60.0;
+            if due_steps || due_time || (last && c.at_end) {
+                self.checkpoint_event(start, out)?;
+                last_ckpt = Instant::now();
+            }
+        }
+        self.elapsed_before = self.elapsed(start);
+        Ok((
+            FinishReason::Completed,
+            format!("reached max_steps ({max_steps})"),
+        ))
+    }
+}

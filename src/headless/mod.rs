@@ -1,0 +1,245 @@
+//! Headless front end (`--no-tui`, or stdout not a terminal): a progress line every few seconds
+//! on stderr plus one line per notable event. `metrics.jsonl` is written by the engine itself,
+//! so it is complete whatever the front end does.
+
+use crate::advisor::MonitorUpdate;
+use crate::engine::events::{
+    Command, EvalStats, Event, EventRx, FinishReason, RunInfo, ScuStats, StepStats,
+};
+use crate::util::{gb, human_count, human_duration};
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Flags set by signal handlers (SIGINT/SIGTERM: save and stop; SIGUSR1: checkpoint now).
+#[derive(Clone, Default)]
+pub struct SignalFlags {
+    pub terminate: Arc<AtomicBool>,
+    pub checkpoint: Arc<AtomicBool>,
+}
+
+/// What the progress line knows.
+#[derive(Default)]
+pub struct Progress {
+    pub run: Option<RunInfo>,
+    pub step: Option<StepStats>,
+    pub eval: Option<EvalStats>,
+    pub scu: Option<ScuStats>,
+    pub telemetry: Option<MonitorUpdate>,
+}
+
+impl Progress {
+    pub fn observe(&mut self, ev: &Event) {
+        match ev {
+            Event::RunStarted(r) => self.run = Some(r.clone()),
+            Event::Step(s) => self.step = Some(s.clone()),
+            Event::Eval(e) => self.eval = Some(e.clone()),
+            Event::Scu(s) => self.scu = Some(s.clone()),
+            _ => {}
+        }
+    }
+
+    /// `step 1200/5000 | loss 1.532 | val 1.611 | lr 3.0e-4 | 41.2k tok/s | ETA 12m | GPU … | CPU 45% | RAM 67%`
+    pub fn line(&self) -> Option<String> {
+        let s = self.step.as_ref()?;
+        let max = self.run.as_ref().map(|r| r.max_steps).unwrap_or(s.step);
+        let mut parts = vec![
+            format!("step {}/{}", s.step, max),
+            format!("loss {:.3}", s.loss),
+        ];
+        if let Some(e) = &self.eval {
+            parts.push(format!("val {:.3}", e.val_loss));
+        }
+        parts.push(format!("lr {:.1e}", s.lr));
+        parts.push(format!("{} tok/s", human_count(s.tokens_per_sec)));
+        let start = self.run.as_ref().map(|r| r.start_step).unwrap_or(0);
+        let done = s.step.saturating_sub(start).max(1) as f64;
+        let rate = s.elapsed_s / done;
+        parts.push(format!(
+            "ETA {}",
+            human_duration(rate * max.saturating_sub(s.step) as f64)
+        ));
+        if let Some(scu) = &self.scu {
+            parts.push(format!(
+                "S {:.2}% (S* {:.2}%) λ {:.3}",
+                scu.s_ratio * 100.0,
+                scu.target * 100.0,
+                scu.lambda
+            ));
+        }
+        if let Some(t) = &self.telemetry {
+            for g in &t.snapshot.gpus {
+                let mut gpu = format!(
+                    "GPU{} {}/{}GB ({:.0}%)",
+                    g.index,
+                    gb(g.mem_used_bytes),
+                    gb(g.mem_total_bytes),
+                    g.mem_used_frac() * 100.0
+                );
+                if let Some(u) = g.util_gpu {
+                    gpu.push_str(&format!(" util {u}%"));
+                }
+                parts.push(gpu);
+            }
+            let h = &t.snapshot.host;
+            parts.push(format!("CPU {:.0}%", h.cpu_pct));
+            if h.ram_total_bytes > 0 {
+                parts.push(format!(
+                    "RAM {:.0}%",
+                    h.ram_used_bytes as f64 / h.ram_total_bytes as f64 * 100.0
+                ));
+            }
+        }
+        Some(parts.join(" | "))
+    }
+}
+
+/// One line for events worth their own line (None for Step/Scu, which the progress line covers).
+pub fn event_line(ev: &Event) -> Option<String> {
+    Some(match ev {
+        Event::RunStarted(r) => {
+            let floor = r
+                .entropy_floor_bpt
+                .map(|f| format!(", entropy floor {f:.3} bits/token"))
+                .unwrap_or_default();
+            format!(
+                "run {} in {}\n  device {} | dtype {} ({})\n  {} params ({} trainable) | micro-batch {} × accum {} × seq {}{}\n  {}",
+                r.run_name,
+                r.run_dir,
+                r.device,
+                r.dtype,
+                r.dtype_reason,
+                human_count(r.params_total as f64),
+                human_count(r.params_trainable as f64),
+                r.micro_batch,
+                r.accum,
+                r.seq_len,
+                floor,
+                r.summary
+            )
+        }
+        Event::Eval(e) => format!(
+            "eval  step {} | val loss {:.4} | {:.3} bits/token | ppl {:.2}",
+            e.step, e.val_loss, e.val_bpt, e.val_ppl
+        ),
+        Event::ScuConverged {
+            step,
+            s_ratio,
+            lambda,
+            target,
+        } => {
+            format!(
+                "scu   step {step} | converged: S {:.2}% at S* {:.2}%, λ {lambda:.4}",
+                s_ratio * 100.0,
+                target * 100.0
+            )
+        }
+        Event::CheckpointSaved {
+            step,
+            path,
+            bytes,
+            ms,
+        } => format!(
+            "ckpt  step {step} | {path} ({:.1} MB, {ms:.0} ms)",
+            *bytes as f64 / 1e6
+        ),
+        Event::CommandApplied { step, detail, .. } => format!("cmd   step {step} | {detail}"),
+        Event::CommandRejected {
+            step,
+            command,
+            reason,
+        } => format!("cmd   step {step} | rejected {}: {reason}", command.label()),
+        Event::Warning { step, message } => format!("warn  step {step} | {message}"),
+        Event::Finished {
+            step,
+            reason,
+            message,
+            elapsed_s,
+        } => {
+            format!(
+                "done  step {step} | {reason:?}: {message} | {}",
+                human_duration(*elapsed_s)
+            )
+        }
+        Event::Paused { .. } | Event::Resumed { .. } | Event::Step(_) | Event::Scu(_) => {
+            return None
+        }
+    })
+}
+
+/// How the headless loop ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadlessOutcome {
+    pub finished: Option<FinishReason>,
+    /// A terminate signal arrived.
+    pub interrupted: bool,
+}
+
+/// Print progress until the engine finishes. Signals become commands.
+pub fn run(
+    events: EventRx,
+    commands: Sender<Command>,
+    telemetry: Option<Receiver<MonitorUpdate>>,
+    signals: &SignalFlags,
+    log_every: Duration,
+    out: &mut dyn Write,
+) -> HeadlessOutcome {
+    let mut p = Progress::default();
+    let mut last_line = Instant::now();
+    let mut interrupted = false;
+    let mut printed_step = 0;
+    loop {
+        if signals.terminate.load(Ordering::SeqCst) && !interrupted {
+            interrupted = true;
+            let _ = writeln!(
+                out,
+                "signal: saving a checkpoint, then stopping (send it again to quit at once)"
+            );
+            let _ = commands.send(Command::Stop { save: true });
+        }
+        if signals.checkpoint.swap(false, Ordering::SeqCst) {
+            let _ = commands.send(Command::CheckpointNow);
+        }
+        if let Some(rx) = &telemetry {
+            while let Ok(u) = rx.try_recv() {
+                p.telemetry = Some(u);
+            }
+        }
+        match events.recv_timeout(Duration::from_millis(100)) {
+            Ok(ev) => {
+                p.observe(&ev);
+                if let Some(l) = event_line(&ev) {
+                    let _ = writeln!(out, "{l}");
+                }
+                if let Event::Finished { reason, .. } = ev {
+                    if let Some(l) = p
+                        .line()
+                        .filter(|_| p.step.as_ref().is_some_and(|s| s.step != printed_step))
+                    {
+                        let _ = writeln!(out, "{l}");
+                    }
+                    return HeadlessOutcome {
+                        finished: Some(reason),
+                        interrupted,
+                    };
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                return HeadlessOutcome {
+                    finished: None,
+                    interrupted,
+                }
+            }
+        }
+        if last_line.elapsed() >= log_every {
+            if let Some(l) = p.line() {
+                printed_step = p.step.as_ref().map(|s| s.step).unwrap_or(0);
+                let _ = writeln!(out, "{l}");
+                last_line = Instant::now();
+            }
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! Small shared helpers.
+
+/// A device request: CPU, or a CUDA ordinal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+/// Parse `auto | cpu | cuda | cuda:N`.
+pub fn parse_device(s: &str) -> Option<DeviceSpec> {
+    match s {
+        "auto" => Some(DeviceSpec::Auto),
+        "cpu" => Some(DeviceSpec::Cpu),
+        "cuda" | "gpu" => Some(DeviceSpec::Cuda(0)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(DeviceSpec::Cuda),
+    }
+}
+
+/// "1.2k", "3.4M" style counts.
+pub fn human_count(x: f64) -> String {
+    let a = x.abs();
+    if a >= 1e9 {
+        format!("{:.2}G", x / 1e9)
+    } else if a >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if a >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+/// "1h02m", "3m05s", "42s".
+pub fn human_duration(secs: f64) -> String {
+    if !secs.is_finite() || secs < 0.0 {
+        return "?".into();
+    }
+    let s = secs.round() as u64;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    } else if s >= 60 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{s}s")
+    }
+}
+
+/// Bytes as GB with one decimal.
+pub fn gb(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / 1e9)
+}
