@@ -44,6 +44,14 @@ pub enum Cmd {
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         set: Vec<String>,
     },
+    /// Fold a LoRA run's adapters into its base weights (writes model.safetensors, HF names).
+    Merge {
+        /// A LoRA run dir, checkpoints dir or checkpoint.
+        checkpoint: PathBuf,
+        /// Output directory (default: <run>/merged).
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+    },
     /// Write PNG and SVG plots of a run (loss, S-ratio, λ, LR, tokens/s, GPU).
     Plot {
         /// The run directory.

@@ -4,26 +4,54 @@ use crate::engine::{device, precision};
 use crate::util::gb;
 
 fn os_name() -> String {
-    let pretty = std::fs::read_to_string("/etc/os-release").ok().and_then(|t| {
-        t.lines().find_map(|l| l.strip_prefix("PRETTY_NAME=").map(|v| v.trim_matches('"').to_string()))
-    });
-    format!("{} ({} {})", pretty.unwrap_or_else(|| std::env::consts::OS.to_string()), std::env::consts::OS, std::env::consts::ARCH)
+    let pretty = std::fs::read_to_string("/etc/os-release")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("PRETTY_NAME=")
+                    .map(|v| v.trim_matches('"').to_string())
+            })
+        });
+    format!(
+        "{} ({} {})",
+        pretty.unwrap_or_else(|| std::env::consts::OS.to_string()),
+        std::env::consts::OS,
+        std::env::consts::ARCH
+    )
 }
 
 pub fn run() -> anyhow::Result<i32> {
     let snap = crate::telemetry::sample_once();
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    println!("cockpit {} — requirements report", env!("CARGO_PKG_VERSION"));
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    println!(
+        "cockpit {} — requirements report",
+        env!("CARGO_PKG_VERSION")
+    );
     println!("  OS        {}", os_name());
     println!("  CPU       {cores} cores available");
     let h = &snap.host;
-    println!("  RAM       {} GB total, {} GB in use", gb(h.ram_total_bytes), gb(h.ram_used_bytes));
-    let features: Vec<&str> = [("cuda", cfg!(feature = "cuda")), ("nccl", cfg!(feature = "nccl"))]
-        .iter()
-        .filter(|(_, on)| *on)
-        .map(|(n, _)| *n)
-        .collect();
-    println!("  features  cpu engine, tui, nvml telemetry{}", features.iter().map(|f| format!(", {f}")).collect::<String>());
+    println!(
+        "  RAM       {} GB total, {} GB in use",
+        gb(h.ram_total_bytes),
+        gb(h.ram_used_bytes)
+    );
+    let features: Vec<&str> = [
+        ("cuda", cfg!(feature = "cuda")),
+        ("nccl", cfg!(feature = "nccl")),
+    ]
+    .iter()
+    .filter(|(_, on)| *on)
+    .map(|(n, _)| *n)
+    .collect();
+    println!(
+        "  features  cpu engine, tui, nvml telemetry{}",
+        features
+            .iter()
+            .map(|f| format!(", {f}"))
+            .collect::<String>()
+    );
     let mut missing = Vec::new();
 
     // NVML: what the driver reports (works without the cuda feature).
@@ -35,9 +63,19 @@ pub fn run() -> anyhow::Result<i32> {
         _ => {
             println!("  NVML      ok, {} GPU(s)", snap.gpus.len());
             for g in &snap.gpus {
-                let cc = g.compute_capability.map(|(a, b)| format!("sm_{a}{b}")).unwrap_or_else(|| "sm_?".into());
-                let dtype = precision::choose(crate::config::DType::Auto, g.compute_capability).map(|(d, _)| precision::dtype_name(d)).unwrap_or("f32");
-                println!("    GPU{} {} | {cc} | {} GB | would train in {dtype}", g.index, g.name, gb(g.mem_total_bytes));
+                let cc = g
+                    .compute_capability
+                    .map(|(a, b)| format!("sm_{a}{b}"))
+                    .unwrap_or_else(|| "sm_?".into());
+                let dtype = precision::choose(crate::config::DType::Auto, g.compute_capability)
+                    .map(|(d, _)| precision::dtype_name(d))
+                    .unwrap_or("f32");
+                println!(
+                    "    GPU{} {} | {cc} | {} GB | would train in {dtype}",
+                    g.index,
+                    g.name,
+                    gb(g.mem_total_bytes)
+                );
             }
         }
     }
@@ -47,8 +85,13 @@ pub fn run() -> anyhow::Result<i32> {
         match device::open(crate::util::DeviceSpec::Cuda(0)) {
             Ok(dev) => {
                 let cc = device::compute_capability(&dev);
-                let (dtype, why) = precision::choose(crate::config::DType::Auto, cc).unwrap_or((candle_core::DType::F32, "fp32".into()));
-                println!("  CUDA      {} | dtype {} — {why}", device::describe(&dev), precision::dtype_name(dtype));
+                let (dtype, why) = precision::choose(crate::config::DType::Auto, cc)
+                    .unwrap_or((candle_core::DType::F32, "fp32".into()));
+                println!(
+                    "  CUDA      {} | dtype {} — {why}",
+                    device::describe(&dev),
+                    precision::dtype_name(dtype)
+                );
             }
             Err(e) => {
                 println!("  CUDA      built in, but no usable device: {e}");
@@ -59,7 +102,8 @@ pub fn run() -> anyhow::Result<i32> {
         println!("  CUDA      not built in: training runs on the CPU in fp32");
         missing.push("GPU training: rebuild with `cargo build --release --features cuda` (needs the CUDA toolkit, nvcc on PATH)".into());
     }
-    let (dtype, why) = precision::choose(crate::config::DType::Auto, None).unwrap_or((candle_core::DType::F32, String::new()));
+    let (dtype, why) = precision::choose(crate::config::DType::Auto, None)
+        .unwrap_or((candle_core::DType::F32, String::new()));
     if !cfg!(feature = "cuda") {
         println!("  dtype     {} — {why}", precision::dtype_name(dtype));
     }

@@ -1,17 +1,29 @@
 //! Glue between the engine and the front ends (TUI, telemetry, monitor, report).
 
+use super::args::MonitorArgs;
 use crate::advisor::MonitorUpdate;
 use crate::config::Config;
 use crate::engine::events::{Command, EventRx};
 use crate::headless::HeadlessOutcome;
-use super::args::MonitorArgs;
 use std::path::Path;
 use std::sync::mpsc::{Receiver, Sender};
 
-pub fn run_training_tui(events: EventRx, commands: Sender<Command>, cfg: &Config, run_dir: &Path) -> anyhow::Result<HeadlessOutcome> {
+pub fn run_training_tui(
+    events: EventRx,
+    commands: Sender<Command>,
+    cfg: &Config,
+    run_dir: &Path,
+) -> anyhow::Result<HeadlessOutcome> {
     let flags = crate::headless::SignalFlags::default();
     let telemetry = training_telemetry(cfg, run_dir);
-    Ok(crate::headless::run(events, commands, telemetry, &flags, std::time::Duration::from_secs(2), &mut std::io::stderr()))
+    Ok(crate::headless::run(
+        events,
+        commands,
+        telemetry,
+        &flags,
+        std::time::Duration::from_secs(2),
+        &mut std::io::stderr(),
+    ))
 }
 
 pub fn training_telemetry(_cfg: &Config, _run_dir: &Path) -> Option<Receiver<MonitorUpdate>> {

@@ -36,6 +36,7 @@ pub fn main() -> i32 {
         Some(Cmd::Check) => check::run(),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
+        Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
         None if cli.monitor_only => monitor(cli.monitor),
         None => {
             eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, prepare, plot. See cockpit --help.");
@@ -67,34 +68,66 @@ fn latest_run(runs_root: &Path, name: &str) -> Option<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(runs_root)
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix)))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+        })
         .filter(|p| p.join("checkpoints").join(checkpoint::LATEST).is_file())
         .collect();
-    dirs.sort_by_key(|p| std::fs::metadata(p.join("checkpoints").join(checkpoint::LATEST)).and_then(|m| m.modified()).ok());
+    dirs.sort_by_key(|p| {
+        std::fs::metadata(p.join("checkpoints").join(checkpoint::LATEST))
+            .and_then(|m| m.modified())
+            .ok()
+    });
     dirs.pop()
 }
 
 /// Where a checkpoint dir's run lives: `<run>/checkpoints/step-N` → `<run>`.
 fn run_dir_of_checkpoint(step_dir: &Path) -> Option<PathBuf> {
     let parent = step_dir.parent()?;
-    (parent.file_name()? == "checkpoints").then(|| parent.parent().map(Path::to_path_buf)).flatten()
+    (parent.file_name()? == "checkpoints")
+        .then(|| parent.parent().map(Path::to_path_buf))
+        .flatten()
 }
 
 fn init_logging(run_dir: &Path) {
-    let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(run_dir.join("cockpit.log")) else { return };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("COCKPIT_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_writer(std::sync::Mutex::new(file)).with_ansi(false).with_env_filter(filter).try_init();
+    let Ok(file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(run_dir.join("cockpit.log"))
+    else {
+        return;
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("COCKPIT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::sync::Mutex::new(file))
+        .with_ansi(false)
+        .with_env_filter(filter)
+        .try_init();
 }
 
 fn register_signals(flags: &SignalFlags) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
     for sig in [SIGINT, SIGTERM] {
         // A second signal while the first is being handled exits at once.
-        signal_hook::flag::register_conditional_shutdown(sig, EXIT_INTERRUPTED, flags.terminate.clone())?;
+        signal_hook::flag::register_conditional_shutdown(
+            sig,
+            EXIT_INTERRUPTED,
+            flags.terminate.clone(),
+        )?;
         signal_hook::flag::register(sig, flags.terminate.clone())?;
     }
     signal_hook::flag::register(SIGUSR1, flags.checkpoint.clone())?;
     Ok(())
+}
+
+/// Fault injection for end-to-end tests: `COCKPIT_FAULT_NAN_STEPS=10,11,12` makes those
+/// steps' loss NaN (once each).
+fn fault_nan_steps() -> Vec<u64> {
+    std::env::var("COCKPIT_FAULT_NAN_STEPS")
+        .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
+        .unwrap_or_default()
 }
 
 /// Settings `--test-run` forces: a few steps that pass through every stage.
@@ -135,14 +168,19 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     if a.test_run {
         apply_test_run(&mut cfg);
     }
-    let device = crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
+    let device =
+        crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
     let runs_root = PathBuf::from(&cfg.run.runs_root);
     let resume = match a.resume.as_deref() {
         None => None,
         Some("latest") => match latest_run(&runs_root, &cfg.run.name) {
             Some(dir) => Some(dir),
             None => {
-                eprintln!("cockpit: --resume latest: no run of {:?} with a checkpoint under {}", cfg.run.name, runs_root.display());
+                eprintln!(
+                    "cockpit: --resume latest: no run of {:?} with a checkpoint under {}",
+                    cfg.run.name,
+                    runs_root.display()
+                );
                 return Ok(EXIT_USAGE);
             }
         },
@@ -162,26 +200,49 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             runs_root.join(format!("{}{tag}-{}", cfg.run.name, timestamp()))
         }
     };
-    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating the run dir {}", run_dir.display()))?;
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("creating the run dir {}", run_dir.display()))?;
     init_logging(&run_dir);
     tracing::info!(run_dir = %run_dir.display(), "starting");
-    let engine = match Engine::spawn(EngineOptions { config: cfg.clone(), run_dir: run_dir.clone(), device, resume, max_queued_steps: 256 }) {
+    let engine = match Engine::spawn(EngineOptions {
+        config: cfg.clone(),
+        run_dir: run_dir.clone(),
+        device,
+        resume,
+        max_queued_steps: 256,
+        fault_nan_steps: fault_nan_steps(),
+    }) {
         Ok(e) => e,
         Err(e) => {
             eprintln!("cockpit: {e}");
-            return Ok(if e.is_usage() { EXIT_USAGE } else { EXIT_FAILURE });
+            return Ok(if e.is_usage() {
+                EXIT_USAGE
+            } else {
+                EXIT_FAILURE
+            });
         }
     };
     let flags = SignalFlags::default();
     register_signals(&flags)?;
     let use_tui = !a.no_tui && std::io::stdout().is_terminal();
-    let Engine { commands, events, thread } = engine;
+    let Engine {
+        commands,
+        events,
+        thread,
+    } = engine;
     let outcome = if use_tui {
         frontends::run_training_tui(events, commands, &cfg, &run_dir)?
     } else {
         let telemetry = frontends::training_telemetry(&cfg, &run_dir);
         let log_every = Duration::from_secs_f64(cfg.run.log_every_secs);
-        headless::run(events, commands, telemetry, &flags, log_every, &mut std::io::stderr())
+        headless::run(
+            events,
+            commands,
+            telemetry,
+            &flags,
+            log_every,
+            &mut std::io::stderr(),
+        )
     };
     let summary = thread.wait();
     frontends::after_run(&run_dir);
@@ -189,11 +250,16 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Ok(s) => s,
         Err(e) => {
             eprintln!("cockpit: training failed: {e}");
-            return Ok(if e.is_usage() { EXIT_USAGE } else { EXIT_FAILURE });
+            return Ok(if e.is_usage() {
+                EXIT_USAGE
+            } else {
+                EXIT_FAILURE
+            });
         }
     };
     if a.test_run {
-        let ckpt = checkpoint::resolve(&run_dir).and_then(|d| checkpoint::load(&d, &candle_core::Device::Cpu).map(|_| d));
+        let ckpt = checkpoint::resolve(&run_dir)
+            .and_then(|d| checkpoint::load(&d, &candle_core::Device::Cpu).map(|_| d));
         return Ok(match ckpt {
             Ok(d) if summary.reason == FinishReason::Completed => {
                 eprintln!(
@@ -230,7 +296,15 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
     }
     match crate::engine::data::prepare(&loaded.config) {
         Ok(p) => {
-            eprintln!("{} {}", if p.cached { "already prepared:" } else { "prepared:" }, p.describe());
+            eprintln!(
+                "{} {}",
+                if p.cached {
+                    "already prepared:"
+                } else {
+                    "prepared:"
+                },
+                p.describe()
+            );
             Ok(EXIT_OK)
         }
         Err(e) => {
@@ -240,9 +314,43 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
     }
 }
 
+fn merge(spec: &Path, out: Option<&Path>) -> anyhow::Result<i32> {
+    let (model, cfg) =
+        match crate::engine::lora::model_from_checkpoint(spec, &candle_core::Device::Cpu) {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("cockpit: merge: {e}");
+                return Ok(EXIT_USAGE);
+            }
+        };
+    if !cfg.lora.enabled {
+        eprintln!("cockpit: merge: {} is not a LoRA run (lora.enabled = false): its weights are already whole", spec.display());
+        return Ok(EXIT_USAGE);
+    }
+    let out = match out {
+        Some(o) => o.to_path_buf(),
+        None => {
+            let step_dir = checkpoint::resolve(spec)?;
+            run_dir_of_checkpoint(&step_dir)
+                .unwrap_or(step_dir)
+                .join("merged")
+        }
+    };
+    let path = crate::engine::lora::write_merged(&out, &model)?;
+    eprintln!(
+        "merged {} adapter tensors into {}",
+        model.adapter_tensors().len(),
+        path.display()
+    );
+    Ok(EXIT_OK)
+}
+
 fn plot(run_dir: &Path) -> anyhow::Result<i32> {
     if !run_dir.join("metrics.jsonl").is_file() {
-        eprintln!("cockpit: plot: {} has no metrics.jsonl (not a run dir?)", run_dir.display());
+        eprintln!(
+            "cockpit: plot: {} has no metrics.jsonl (not a run dir?)",
+            run_dir.display()
+        );
         return Ok(EXIT_USAGE);
     }
     frontends::plot_run(run_dir)

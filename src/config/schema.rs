@@ -119,12 +119,12 @@ impl Default for ModelConfig {
             n_layer: 2,
             n_head: 4,
             n_kv_head: 0,
-            n_embd: 128,
+            n_embd: 64,
             seq_len: 64,
             mlp_ratio: 4.0,
             norm: Norm::LayerNorm,
             norm_eps: 1e-5,
-            pos: PosEncoding::Learned,
+            pos: PosEncoding::Rope,
             rope_theta: 10000.0,
             activation: Activation::Gelu,
             tie_embeddings: true,
@@ -170,7 +170,7 @@ impl Default for DataConfig {
             val_fraction: 0.05,
             tokenizer: "byte".into(),
             prefetch_depth: 4,
-            builtin_vocab: 32,
+            builtin_vocab: 16,
             builtin_order: 2,
             builtin_branching: 4,
             builtin_tokens: 2_000_000,
@@ -200,7 +200,7 @@ pub struct OptimConfig {
 impl Default for OptimConfig {
     fn default() -> Self {
         Self {
-            lr: 3e-3,
+            lr: 1e-2,
             weight_decay: 0.0,
             beta1: 0.9,
             beta2: 0.95,
@@ -240,7 +240,7 @@ impl Default for ScheduleConfig {
         Self {
             kind: ScheduleKind::Cosine,
             warmup_steps: 50,
-            min_lr: 3e-4,
+            min_lr: 1e-3,
             pct_start: 0.3,
             div_factor: 25.0,
         }
@@ -374,6 +374,12 @@ pub struct CheckpointConfig {
     pub keep_best: bool,
     /// Save when the run ends.
     pub at_end: bool,
+    /// Non-finite steps in a row before the engine restores the last checkpoint.
+    pub max_nonfinite_in_a_row: u32,
+    /// Restores after which a run that keeps diverging fails.
+    pub max_restores: u32,
+    /// LR factor applied at each restore.
+    pub restore_lr_factor: f64,
 }
 
 impl Default for CheckpointConfig {
@@ -384,6 +390,9 @@ impl Default for CheckpointConfig {
             keep_last: 3,
             keep_best: true,
             at_end: true,
+            max_nonfinite_in_a_row: 5,
+            max_restores: 3,
+            restore_lr_factor: 0.5,
         }
     }
 }

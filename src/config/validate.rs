@@ -335,7 +335,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     let l = &c.lora;
     ck.at_least("lora.r", l.r as u64, 1);
     ck.positive("lora.alpha", l.alpha);
-    ck.in_range("lora.dropout", l.dropout, 0.0, 0.9, "in [0, 0.9]");
+    if l.dropout != 0.0 {
+        ck.fail(
+            "lora.dropout",
+            l.dropout,
+            "must be 0: dropout on the adapter input is not supported yet (model.dropout applies)",
+        );
+    }
     for t in &l.targets {
         if !LORA_TARGETS.contains(&t.as_str()) {
             ck.fail(
@@ -374,6 +380,19 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         0.0,
         1e6,
         "0 (off) or positive",
+    );
+
+    ck.at_least(
+        "checkpoint.max_nonfinite_in_a_row",
+        c.checkpoint.max_nonfinite_in_a_row as u64,
+        1,
+    );
+    ck.in_range(
+        "checkpoint.restore_lr_factor",
+        c.checkpoint.restore_lr_factor,
+        1e-6,
+        1.0,
+        "in (0, 1]",
     );
 
     // [eval]

@@ -76,6 +76,15 @@ pub struct TrainState {
     /// SHA-256 of the shape-defining config (model + data), to refuse incompatible resumes.
     pub shape_hash: String,
     pub seed: u64,
+    /// Steps whose update was skipped for non-finite loss or gradients.
+    #[serde(default)]
+    pub skipped_steps: u64,
+    /// Times the engine restored a checkpoint after repeated non-finite steps.
+    #[serde(default)]
+    pub restores: u32,
+    /// The resolved config at save time (resume reports what changed).
+    #[serde(default)]
+    pub config: serde_json::Value,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod events;
+pub mod lora;
 pub mod model;
 pub mod optim;
 pub mod precision;
@@ -36,6 +37,8 @@ pub enum EngineError {
     Candle(#[from] candle_core::Error),
     #[error("step {step}: {count} non-finite steps in a row; lower optim.lr or check the data")]
     NonFinite { step: u64, count: u32 },
+    #[error("step {step}: training diverged: {message}")]
+    Diverged { step: u64, message: String },
     #[error("the engine thread panicked")]
     Panicked,
 }

@@ -413,6 +413,67 @@ impl Model {
         Ok(())
     }
 
+    fn linears(&self) -> Vec<(String, &Linear)> {
+        let mut v = Vec::new();
+        for (i, b) in self.blocks.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            v.push((format!("{p}.self_attn.q_proj"), &b.q));
+            v.push((format!("{p}.self_attn.k_proj"), &b.k));
+            v.push((format!("{p}.self_attn.v_proj"), &b.v));
+            v.push((format!("{p}.self_attn.o_proj"), &b.o));
+            if let Some(g) = &b.gate {
+                v.push((format!("{p}.mlp.gate_proj"), g));
+            }
+            v.push((format!("{p}.mlp.up_proj"), &b.up));
+            v.push((format!("{p}.mlp.down_proj"), &b.down));
+        }
+        v
+    }
+
+    /// Adapter weights with PEFT names (`base_model.model.<layer>.lora_A.weight`).
+    pub fn adapter_tensors(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .filter(|p| p.kind.is_lora())
+            .map(|p| {
+                (
+                    format!("base_model.model.{}", p.name),
+                    p.var.as_tensor().clone(),
+                )
+            })
+            .collect()
+    }
+
+    /// Base weights with every adapter folded in: `W + (alpha/r)·B·A`; no LoRA tensors.
+    pub fn merged_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut merged: std::collections::HashMap<String, Tensor> =
+            std::collections::HashMap::new();
+        for (name, lin) in self.linears() {
+            if let Some(l) = &lin.lora {
+                let delta = (l.b.as_tensor().matmul(l.a.as_tensor())? * l.scale)?;
+                merged.insert(format!("{name}.weight"), (lin.w.as_tensor() + delta)?);
+            }
+        }
+        Ok(self
+            .params
+            .iter()
+            .filter(|p| !p.kind.is_lora())
+            .map(|p| {
+                (
+                    p.name.clone(),
+                    merged
+                        .remove(&p.name)
+                        .unwrap_or_else(|| p.var.as_tensor().clone()),
+                )
+            })
+            .collect())
+    }
+
+    /// Re-seed dropout (the trainer does it per micro-batch so resumed runs draw the same masks).
+    pub fn reseed_dropout(&mut self, seed: u64) {
+        self.dropout_rng = StdRng::seed_from_u64(seed);
+    }
+
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -675,4 +736,47 @@ fn rope_tables(
         Tensor::from_vec(cos, (t, hd), device)?.to_dtype(dtype)?,
         Tensor::from_vec(sin, (t, hd), device)?.to_dtype(dtype)?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::optim::AdamW;
+
+    #[test]
+    fn memorizes_a_fixed_batch() {
+        let mut c = Config::default();
+        c.model.n_embd = 64;
+        let dev = Device::Cpu;
+        let mut m = Model::new(Shape::from_config(&c, 32), DType::F32, &dev, 1).unwrap();
+        let slots = m
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.var.clone(), false))
+            .collect();
+        let mut opt = AdamW::new(slots, 0.9, 0.95, 1e-8, 0.0).unwrap();
+        let ids: Vec<u32> = (0..4 * 64).map(|i| (i * 7 % 32) as u32).collect();
+        let tg: Vec<u32> = (0..4 * 64).map(|i| ((i * 7 + 7) % 32) as u32).collect();
+        let x = Tensor::from_vec(ids, (4, 64), &dev).unwrap();
+        let y = Tensor::from_vec(tg, (4, 64), &dev).unwrap();
+        let mut first = 0.0;
+        let mut last = 0.0;
+        for i in 0..60 {
+            let loss = m.loss(&x, &y, true).unwrap();
+            let v = loss.to_scalar::<f32>().unwrap();
+            if i == 0 {
+                first = v;
+            }
+            last = v;
+            let store = loss.backward().unwrap();
+            let grads: Vec<Tensor> = opt
+                .slots
+                .iter()
+                .map(|s| store.get(s.var.as_tensor()).unwrap().clone())
+                .collect();
+            opt.step(&grads, 3e-3).unwrap();
+        }
+        eprintln!("first {first} last {last}");
+        assert!(last < 0.1 * first, "first {first} last {last}");
+    }
 }

@@ -37,6 +37,9 @@ pub struct EngineOptions {
     pub resume: Option<PathBuf>,
     /// Undelivered Step events the channel holds before dropping new ones.
     pub max_queued_steps: usize,
+    /// Fault injection for tests: optimizer steps (1-based) whose loss is made NaN, once each.
+    #[doc(hidden)]
+    pub fault_nan_steps: Vec<u64>,
 }
 
 /// How a run ended.
@@ -137,6 +140,11 @@ struct Trainer {
     shape_hash: String,
     summary: Summary,
     scu_rows: Vec<ScuStats>,
+    skipped_steps: u64,
+    restores: u32,
+    fault_nan_steps: Vec<u64>,
+    /// Config changes found at resume, reported once the run starts.
+    resume_notes: Vec<String>,
 }
 
 #[derive(Default)]
@@ -161,6 +169,15 @@ impl Trainer {
         let (dtype, dtype_reason) =
             precision::choose(cfg.precision.dtype, device::compute_capability(&device))
                 .map_err(EngineError::Config)?;
+        // LoRA: the base decides the model's shape.
+        let mut cfg = cfg;
+        let base = if cfg.lora.enabled {
+            let b = super::lora::load_base(&cfg.lora, cfg.model.seq_len, &device)?;
+            cfg.model = super::lora::Base::shape_for(&b, &cfg.model);
+            Some(b)
+        } else {
+            None
+        };
         let dataset = data::load(&cfg)?;
         let vocab = if cfg.model.vocab_size == 0 {
             dataset.vocab_size
@@ -188,23 +205,19 @@ impl Trainer {
             &device,
             cfg.run.seed,
         )?;
-        if cfg.lora.enabled {
-            let base = checkpoint::resolve(Path::new(&cfg.lora.base))?;
-            let loaded = checkpoint::load(&base, &device)?;
-            model.load_named(&loaded.model, true).map_err(|m| {
+        if let Some(base) = base {
+            model.load_named(&base.tensors, true).map_err(|m| {
                 EngineError::Checkpoint(checkpoint::CheckpointError::Mismatch {
-                    path: base.display().to_string(),
+                    path: cfg.lora.base.clone(),
                     message: m,
                 })
             })?;
-            model.add_lora(
-                &LoraSpec {
-                    r: cfg.lora.r,
-                    alpha: cfg.lora.alpha,
-                    targets: cfg.lora.targets.clone(),
-                },
-                cfg.run.seed,
-            )?;
+            let spec = LoraSpec {
+                r: cfg.lora.r,
+                alpha: cfg.lora.alpha,
+                targets: cfg.lora.targets.clone(),
+            };
+            model.add_lora(&spec, cfg.run.seed)?;
         }
         let lora = cfg.lora.enabled;
         let regularized = |kind: ParamKind| match (cfg.scu.params, lora) {
@@ -283,14 +296,20 @@ impl Trainer {
             max_queued_steps: opts.max_queued_steps,
             summary: Summary::default(),
             scu_rows: Vec::new(),
+            skipped_steps: 0,
+            restores: 0,
+            fault_nan_steps: opts.fault_nan_steps,
+            resume_notes: Vec::new(),
         };
         if let Some(spec) = opts.resume {
-            t.restore(&spec)?;
+            t.restore(&spec, true)?;
         }
         Ok(t)
     }
 
-    fn restore(&mut self, spec: &Path) -> Result<(), EngineError> {
+    /// Load a checkpoint into the trainer. `resume`: a user resume (check and report config
+    /// changes, honour a changed micro-batch); otherwise a fault-recovery restore.
+    fn restore(&mut self, spec: &Path, resume: bool) -> Result<(), EngineError> {
         let dir = checkpoint::resolve(spec)?;
         let l = checkpoint::load(&dir, &self.device)?;
         let mismatch = |message: String| {
@@ -299,10 +318,22 @@ impl Trainer {
                 message,
             })
         };
-        if l.state.shape_hash != self.shape_hash {
-            return Err(mismatch(
-                "the model or data config differs from the checkpoint's (shape-changing keys: [model], data.source/train/tokenizer/builtin_*, lora); resume with the original config".into(),
-            ));
+        let now = serde_json::to_value(&self.cfg).unwrap_or_default();
+        let changes = config_diff(&l.state.config, &now);
+        let refused: Vec<&String> = changes.iter().filter(|c| is_shape_key(c)).collect();
+        if !refused.is_empty() || l.state.shape_hash != self.shape_hash {
+            let list = refused
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(mismatch(format!(
+                "cannot resume: shape-changing config keys differ from the checkpoint's ({}); resume with the original [model], [data] source and [lora] settings",
+                if list.is_empty() { "model or data".to_string() } else { list }
+            )));
+        }
+        if resume && !changes.is_empty() {
+            self.resume_notes = changes;
         }
         self.model.load_named(&l.model, false).map_err(mismatch)?;
         for slot in &mut self.opt.slots {
@@ -331,7 +362,23 @@ impl Trainer {
         self.scu = ScuController { target, ..s.scu };
         self.best_val = s.best_val_loss;
         self.lr_scale = s.lr_scale;
+        self.skipped_steps = s.skipped_steps;
+        if resume {
+            self.restores = s.restores;
+            // A micro-batch changed live carries over unless the config now asks for another.
+            let old_cfg_mb = s
+                .config
+                .pointer("/optim/micro_batch")
+                .and_then(|v| v.as_u64());
+            if old_cfg_mb.is_none_or(|mb| mb as usize == self.cfg.optim.micro_batch) {
+                self.micro_batch = s.micro_batch;
+            }
+            self.accum = self.cfg.optim.accum;
+        } else {
+            self.micro_batch = s.micro_batch;
+        }
         self.loader.seek(s.cursor);
+        self.loader.set_batch_size(self.micro_batch);
         Ok(())
     }
 
@@ -350,6 +397,9 @@ impl Trainer {
             lr_scale: self.lr_scale,
             shape_hash: self.shape_hash.clone(),
             seed: self.cfg.run.seed,
+            skipped_steps: self.skipped_steps,
+            restores: self.restores,
+            config: serde_json::to_value(&self.cfg).unwrap_or_default(),
         }
     }
 
@@ -371,7 +421,7 @@ impl Trainer {
             })
             .collect();
         let c = &self.cfg.checkpoint;
-        let (dir, bytes) = checkpoint::save(
+        let saved = checkpoint::save(
             &self.run_dir.join("checkpoints"),
             &self.state(elapsed),
             &self.model.named_tensors(),
@@ -380,6 +430,11 @@ impl Trainer {
             c.keep_last,
             c.keep_best,
         )?;
+        let (dir, bytes) = saved;
+        if self.cfg.lora.enabled {
+            // The adapter alone, PEFT layout, always the newest: RUN_DIR/adapter/.
+            super::lora::save_adapter(&self.run_dir.join("adapter"), &self.model, &self.cfg.lora)?;
+        }
         Ok((dir, bytes, t0.elapsed().as_secs_f64() * 1e3))
     }
 
@@ -478,12 +533,27 @@ impl Trainer {
         let mut sumsq_val = 0.0;
         let scale = self.scaler.scale;
         let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
+        let inject_nan = match self
+            .fault_nan_steps
+            .iter()
+            .position(|&s| s == self.step + 1)
+        {
+            Some(i) => {
+                self.fault_nan_steps.remove(i);
+                true
+            }
+            None => false,
+        };
         for a in 0..self.accum {
+            // Dropout masks depend only on (seed, step, micro-batch): a resumed run draws the same.
+            self.model
+                .reseed_dropout(self.cfg.run.seed ^ (self.step.wrapping_mul(1 << 16) + a as u64));
             let (batch, w) = self.loader.next();
             wait += w;
             let (x, y) = self.batch_tensors(&batch)?;
             let ce = self.model.loss(&x, &y, true)?;
             ce_sum += ce.to_scalar::<f32>()? as f64;
+            let ce = if inject_nan { (ce * f64::NAN)? } else { ce };
             let mut loss = (ce / self.accum as f64)?;
             if a == 0 {
                 if let Some(ss) = self.reg_sumsq()? {
@@ -606,7 +676,90 @@ fn is_oom(e: &candle_core::Error) -> bool {
     s.contains("out of memory") || s.contains("out_of_memory")
 }
 
+/// Whether a changed config key changes tensor shapes or the data stream.
+fn is_shape_key(key: &str) -> bool {
+    let k = key.split(' ').next().unwrap_or(key);
+    k.starts_with("model.")
+        || k.starts_with("lora.enabled")
+        || k.starts_with("lora.r")
+        || k.starts_with("lora.targets")
+        || ["data.source", "data.train", "data.tokenizer", "data.val"].contains(&k)
+        || k.starts_with("data.builtin_")
+}
+
+/// `key old → new` for every leaf that differs between two configs (as JSON).
+fn config_diff(old: &serde_json::Value, new: &serde_json::Value) -> Vec<String> {
+    fn walk(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        match (a, b) {
+            (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+                let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+                keys.sort();
+                keys.dedup();
+                for k in keys {
+                    let p = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    let null = serde_json::Value::Null;
+                    walk(
+                        &p,
+                        x.get(k).unwrap_or(&null),
+                        y.get(k).unwrap_or(&null),
+                        out,
+                    );
+                }
+            }
+            _ if a != b => out.push(format!("{prefix} {a} → {b}")),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    if old.is_null() {
+        return out;
+    }
+    walk("", old, new, &mut out);
+    out
+}
+
 impl Trainer {
+    /// Repeated non-finite steps: restore the last checkpoint and lower the LR, or fail.
+    fn recover(&mut self, out: &mut Recorder) -> Result<(), EngineError> {
+        let root = self.run_dir.join("checkpoints");
+        if self.restores >= self.cfg.checkpoint.max_restores {
+            return Err(EngineError::NonFinite {
+                step: self.step + 1,
+                count: self.cfg.checkpoint.max_nonfinite_in_a_row,
+            });
+        }
+        let Ok(dir) = checkpoint::resolve(&root) else {
+            return Err(EngineError::Diverged {
+                step: self.step + 1,
+                message:
+                    "no checkpoint to restore from; lower optim.lr or enable checkpoint.every_steps"
+                        .into(),
+            });
+        };
+        let (skipped, restores, from) = (self.skipped_steps, self.restores + 1, self.step);
+        let lr_scale = self.lr_scale * self.cfg.checkpoint.restore_lr_factor;
+        self.restore(&dir, false)?;
+        self.skipped_steps = skipped;
+        self.restores = restores;
+        self.lr_scale = lr_scale;
+        out.emit(Event::Warning {
+            step: self.step,
+            message: format!(
+                "diverging at step {from}: restored {} (step {}), LR × {} (restore {}/{})",
+                dir.display(),
+                self.step,
+                self.lr_scale,
+                self.restores,
+                self.cfg.checkpoint.max_restores
+            ),
+        });
+        Ok(())
+    }
+
     fn elapsed(&self, start: Instant) -> f64 {
         self.elapsed_before + start.elapsed().as_secs_f64()
     }
@@ -844,6 +997,12 @@ impl Trainer {
         let mut prev_batch: Option<usize> = None;
         let (mut window_ce, mut window_n) = (0.0, 0u64);
         let mut nonfinite_in_a_row = 0u32;
+        for note in std::mem::take(&mut self.resume_notes) {
+            out.emit(Event::Warning {
+                step: self.step,
+                message: format!("resumed with a changed config: {note}"),
+            });
+        }
         let max_steps = self.cfg.run.max_steps;
         let seq_len = self.model.shape.seq_len;
         while self.step < max_steps {
@@ -917,11 +1076,14 @@ impl Trainer {
                 self.opt.step(&grads, lr)?;
             } else {
                 nonfinite_in_a_row += 1;
+                self.skipped_steps += 1;
                 out.emit(Event::Warning {
                     step: self.step + 1,
                     message: format!(
-                        "non-finite loss or gradients: step skipped ({} in a row{})",
+                        "non-finite loss or gradients: step {} skipped ({} in a row, {} in all{})",
+                        self.step + 1,
                         nonfinite_in_a_row,
+                        self.skipped_steps,
                         if self.scaler.enabled {
                             format!(", loss scale now {}", self.scaler.scale)
                         } else {
@@ -929,6 +1091,15 @@ impl Trainer {
                         }
                     ),
                 });
+                // fp16 overflow is the scaler's business; a run that keeps producing NaN in
+                // full precision is diverging: go back to the last checkpoint with a lower LR.
+                if !self.scaler.enabled
+                    && nonfinite_in_a_row >= self.cfg.checkpoint.max_nonfinite_in_a_row
+                {
+                    nonfinite_in_a_row = 0;
+                    self.recover(out)?;
+                    continue;
+                }
                 if nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW {
                     return Err(EngineError::NonFinite {
                         step: self.step + 1,

@@ -1,0 +1,171 @@
+//! The command line as a user meets it: exit codes, messages, config errors, a short real run.
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use std::path::Path;
+
+fn cockpit() -> Command {
+    let mut c = Command::cargo_bin("cockpit").unwrap();
+    c.env("NO_COLOR", "1");
+    c
+}
+
+#[test]
+fn help_has_examples_and_exits_0() {
+    cockpit().arg("--help").assert().success().stdout(
+        predicate::str::contains("Examples:").and(predicate::str::contains("--monitor-only")),
+    );
+    cockpit()
+        .args(["train", "--help"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("--test-run"));
+}
+
+#[test]
+fn no_command_and_unknown_flags_are_usage_errors() {
+    cockpit().assert().code(2);
+    cockpit().args(["train", "--no-such-flag"]).assert().code(2);
+    cockpit().args(["frobnicate"]).assert().code(2);
+}
+
+/// Each invalid config exits 2 and names the offending key.
+#[test]
+fn invalid_configs_exit_2_naming_the_key() {
+    let expect = [
+        ("unknown_key.toml", "model.n_hed"),
+        ("unknown_section.toml", "modle"),
+        ("wrong_type.toml", "model.n_head"),
+        ("negative_lr.toml", "optim.lr"),
+        (
+            "n_head_divides.toml",
+            "model.n_head = 7: must divide model.n_embd (384)",
+        ),
+        ("missing_data_path.toml", "data.train"),
+        ("warmup_exceeds_steps.toml", "schedule.warmup_steps"),
+        ("scu_with_weight_decay.toml", "optim.weight_decay"),
+        ("bad_enum.toml", "model.norm"),
+        ("scu_target_range.toml", "scu.target"),
+        ("bad_device.toml", "run.device"),
+        ("seq_len_too_small.toml", "model.seq_len"),
+        ("lora_missing_base.toml", "lora.base"),
+        ("lora_bad_target.toml", "lora.targets"),
+        ("syntax_error.toml", "line 1"),
+        ("missing_tokenizer.toml", "data.tokenizer"),
+        ("kv_heads_divide.toml", "model.n_kv_head"),
+    ];
+    let dir = Path::new("tests/invalid_configs");
+    let files = std::fs::read_dir(dir).unwrap().count();
+    assert_eq!(
+        files,
+        expect.len(),
+        "every file in tests/invalid_configs has an expectation here"
+    );
+    for (file, key) in expect {
+        let out = cockpit()
+            .args(["train", "--no-tui"])
+            .arg(dir.join(file))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{file}: {err}");
+        assert!(err.contains(key), "{file}: expected {key:?} in:\n{err}");
+        assert!(
+            err.contains(file),
+            "{file}: the message names the file:\n{err}"
+        );
+        assert!(!err.contains("panicked"), "{file}: {err}");
+    }
+}
+
+#[test]
+fn bad_set_overrides_exit_2_naming_the_argument() {
+    for (arg, needle) in [
+        ("optim.lr", "--set optim.lr"),
+        ("lr=0.1", "--set lr=0.1"),
+        ("optim.lr=fast", "optim.lr"),
+        ("model.n_layers=3", "model.n_layers"),
+        ("model.n_head=7", "model.n_head"),
+    ] {
+        let out = cockpit()
+            .args(["train", "--no-tui", "--set", arg])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{arg}: {err}");
+        assert!(
+            err.contains(needle),
+            "{arg}: expected {needle:?} in:\n{err}"
+        );
+    }
+}
+
+#[test]
+fn check_reports_the_machine_and_exits_0() {
+    cockpit().arg("check").assert().success().stdout(
+        predicate::str::contains("cores")
+            .and(predicate::str::contains("NVML"))
+            .and(predicate::str::contains("dtype")),
+    );
+}
+
+#[test]
+fn test_run_passes_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    cockpit()
+        .args(["train", "--test-run", "--run-dir"])
+        .arg(&run)
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("test run ok"));
+    assert!(run.join("checkpoints/latest").is_file());
+    assert!(run.join("scu_metrics.json").is_file());
+}
+
+#[test]
+fn headless_run_of_20_steps_writes_metrics_and_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let out = cockpit()
+        .args(["train", "--no-tui", "--max-steps", "20", "--run-dir"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("step 20/20"), "{err}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let events: Vec<cockpit::engine::Event> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps = events
+        .iter()
+        .filter(|e| matches!(e, cockpit::engine::Event::Step(_)))
+        .count();
+    assert_eq!(steps, 20);
+    assert!(matches!(
+        events.first(),
+        Some(cockpit::engine::Event::RunStarted(_))
+    ));
+    assert!(matches!(
+        events.last(),
+        Some(cockpit::engine::Event::Finished { .. })
+    ));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("training_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["run"]["max_steps"], 20);
+}
+
+#[test]
+fn resume_of_nothing_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    cockpit()
+        .current_dir(dir.path())
+        .args(["train", "--no-tui", "--resume"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("--resume"));
+}

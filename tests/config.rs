@@ -1,0 +1,73 @@
+//! Config loading: the shipped configs and tests/valid_configs load; defaults are documented.
+
+use cockpit::config::{self, Config};
+use std::path::Path;
+
+#[test]
+fn embedded_default_equals_the_documented_defaults() {
+    let loaded = config::load(None, &[]).unwrap();
+    assert_eq!(
+        loaded.config,
+        Config::default(),
+        "configs/tiny.toml and the schema defaults must agree"
+    );
+}
+
+#[test]
+fn every_valid_config_loads() {
+    let mut n = 0;
+    for entry in std::fs::read_dir("tests/valid_configs").unwrap() {
+        let path = entry.unwrap().path();
+        config::load(Some(&path), &[]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        n += 1;
+    }
+    assert!(n >= 4);
+}
+
+#[test]
+fn shipped_configs_load() {
+    for name in ["tiny.toml", "gpt2-small.toml"] {
+        let path = Path::new("configs").join(name);
+        config::load(Some(&path), &[]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    }
+}
+
+#[test]
+fn overrides_are_typed_and_validated() {
+    let c = config::load(
+        None,
+        &[
+            "optim.lr=0.5".into(),
+            "run.name=\"abc\"".into(),
+            "run.device=cpu".into(),
+        ],
+    )
+    .unwrap()
+    .config;
+    assert_eq!(c.optim.lr, 0.5);
+    assert_eq!(c.run.name, "abc");
+    assert_eq!(c.run.device, "cpu");
+    let err = config::load(None, &["optim.micro_batch=-3".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("--set optim.micro_batch=-3") && err.contains("optim.micro_batch"),
+        "{err}"
+    );
+}
+
+#[test]
+fn all_semantic_problems_are_reported_at_once() {
+    let text = "[model]\nn_embd = 384\nn_head = 7\n[optim]\nlr = 0\n";
+    let err = config::from_str(text, "x.toml", Path::new("."), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("x.toml: model.n_head = 7: must divide model.n_embd (384)"),
+        "{err}"
+    );
+    assert!(
+        err.contains("x.toml: optim.lr = 0: must be a positive number"),
+        "{err}"
+    );
+}

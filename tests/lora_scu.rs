@@ -1,0 +1,325 @@
+//! SCU acting on training, and LoRA fine-tuning (cockpit and Hugging Face Llama bases).
+
+use candle_core::{DType, Device, Tensor};
+use cockpit::config::{self, Config};
+use cockpit::engine::events::{Event, ScuStats};
+use cockpit::engine::model::{Model, Shape};
+use cockpit::engine::{checkpoint, lora, Engine, EngineOptions};
+use cockpit::util::DeviceSpec;
+use std::collections::HashMap;
+use std::path::Path;
+
+fn small(overrides: &[&str]) -> Config {
+    let mut o: Vec<String> = [
+        "model.n_embd=32",
+        "model.seq_len=32",
+        "optim.micro_batch=8",
+        "data.builtin_tokens=200000",
+        "schedule.warmup_steps=0",
+        "eval.every=0",
+        "checkpoint.every_steps=0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    o.extend(overrides.iter().map(|s| s.to_string()));
+    config::load(None, &o)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config
+}
+
+fn run(cfg: Config, dir: &Path) -> Vec<Event> {
+    let e = Engine::spawn(EngineOptions {
+        config: cfg,
+        run_dir: dir.to_path_buf(),
+        device: DeviceSpec::Cpu,
+        resume: None,
+        max_queued_steps: 1_000_000,
+        fault_nan_steps: vec![],
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut out = Vec::new();
+    while let Some(ev) = e.events.recv() {
+        let done = matches!(ev, Event::Finished { .. });
+        out.push(ev);
+        if done {
+            break;
+        }
+    }
+    e.thread.wait().unwrap_or_else(|e| panic!("{e}"));
+    out
+}
+
+fn scu(events: &[Event]) -> Vec<ScuStats> {
+    events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Scu(s) = e {
+                Some(s.clone())
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// λ really acts: a high fixed λ leaves smaller regularized weights than a low one.
+#[test]
+fn high_lambda_shrinks_the_regularized_weights() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let common = [
+        "run.max_steps=60",
+        "scu.enabled=false",
+        "scu.control_every=10",
+    ];
+    let hi = scu(&run(
+        small(&[&common[..], &["scu.lambda_init=10.0"]].concat()),
+        a.path(),
+    ));
+    let lo = scu(&run(
+        small(&[&common[..], &["scu.lambda_init=0.0"]].concat()),
+        b.path(),
+    ));
+    let (h, l) = (hi.last().unwrap(), lo.last().unwrap());
+    eprintln!(
+        "ParamBPT with λ=10: {:.4}, with λ=0: {:.4}",
+        h.param_bpt, l.param_bpt
+    );
+    assert!(
+        h.param_bpt < 0.8 * l.param_bpt,
+        "λ=10 → {} vs λ=0 → {}",
+        h.param_bpt,
+        l.param_bpt
+    );
+    assert!(
+        hi.iter().all(|s| s.lambda == 10.0) && lo.iter().all(|s| s.lambda == 0.0),
+        "control off: λ stays at lambda_init"
+    );
+}
+
+/// Closed loop on the tiny model: S settles within ±10% of S* and stays there.
+#[test]
+fn scu_holds_s_at_the_setpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = 0.05;
+    let t = format!("scu.target={target}");
+    let rows = scu(&run(
+        small(&["run.max_steps=500", "scu.control_every=1", &t]),
+        dir.path(),
+    ));
+    let tail = &rows[rows.len() - 100..];
+    let worst = tail
+        .iter()
+        .map(|r| ((r.s_ratio - target) / target).abs())
+        .fold(0.0, f64::max);
+    eprintln!(
+        "last 100 control steps: worst |S−S*|/S* = {worst:.3}; final λ {:.4}",
+        rows.last().unwrap().lambda
+    );
+    assert!(
+        worst <= 0.10,
+        "S left ±10% of S* in the last 100 control steps (worst {worst:.3})"
+    );
+    assert!(dir.path().join("scu.csv").is_file() && dir.path().join("scu_history.json").is_file());
+    let metrics: Vec<serde_json::Value> = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("scu_metrics.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(metrics.len(), rows.len());
+    for key in [
+        "step",
+        "ce_loss",
+        "reg_loss",
+        "total_loss",
+        "data_bpt",
+        "param_bpt",
+        "s_ratio",
+        "s_hat",
+        "lambda",
+        "integral",
+        "error",
+    ] {
+        assert!(
+            metrics[0].get(key).is_some(),
+            "scu_metrics.json rows have {key}"
+        );
+    }
+}
+
+fn tensors(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// LoRA on a cockpit base: base frozen, PEFT adapter files, merge = base + adapter.
+#[test]
+fn lora_on_a_cockpit_base() {
+    let base_dir = tempfile::tempdir().unwrap();
+    run(
+        small(&["run.max_steps=10", "checkpoint.at_end=true"]),
+        base_dir.path(),
+    );
+    let base_ckpt = checkpoint::resolve(base_dir.path()).unwrap();
+    let base = tensors(&base_ckpt.join("model.safetensors"));
+
+    let ft_dir = tempfile::tempdir().unwrap();
+    let b = format!("lora.base={:?}", base_dir.path().display().to_string());
+    let events = run(
+        small(&[
+            "run.max_steps=20",
+            "checkpoint.at_end=true",
+            "lora.enabled=true",
+            "lora.r=4",
+            "lora.targets=[\"q\",\"v\",\"up\"]",
+            "scu.params=\"lora\"",
+            &b,
+        ]),
+        ft_dir.path(),
+    );
+    let info = events
+        .iter()
+        .find_map(|e| {
+            if let Event::RunStarted(r) = e {
+                Some(r.clone())
+            } else {
+                None
+            }
+        })
+        .unwrap();
+    assert!(
+        info.params_trainable < info.params_total / 4,
+        "only adapters train: {info:?}"
+    );
+
+    // Base weights unchanged by training.
+    let ft = tensors(
+        &checkpoint::resolve(ft_dir.path())
+            .unwrap()
+            .join("model.safetensors"),
+    );
+    for (name, t) in &base {
+        assert_eq!(max_abs_diff(t, &ft[name]), 0.0, "{name} changed");
+    }
+    // Adapters trained (B started at zero) and saved with PEFT names.
+    let adapter = tensors(&ft_dir.path().join("adapter/adapter_model.safetensors"));
+    assert_eq!(adapter.len(), 2 * 2 * 3, "2 layers × 3 targets × (A, B)");
+    let b0 = &adapter["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"];
+    assert!(
+        b0.abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            > 0.0
+    );
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(ft_dir.path().join("adapter/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["peft_type"], "LORA");
+    assert_eq!(cfg["r"], 4);
+    // The adapter-only files round-trip against the checkpoint's adapter tensors.
+    for (name, t) in &adapter {
+        let inner = name.trim_start_matches("base_model.model.");
+        assert_eq!(max_abs_diff(t, &ft[inner]), 0.0, "{name}");
+    }
+
+    // Merged weights give the same outputs as base + adapter.
+    let (mut with_adapter, _) = lora::model_from_checkpoint(ft_dir.path(), &Device::Cpu).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    lora::write_merged(out.path(), &with_adapter).unwrap();
+    let merged = tensors(&out.path().join("model.safetensors"));
+    assert!(merged.keys().all(|k| !k.contains("lora")));
+    let mut plain = Model::new(with_adapter.shape.clone(), DType::F32, &Device::Cpu, 0).unwrap();
+    plain.load_named(&merged, false).unwrap();
+    let ids = Tensor::from_vec(
+        (0..64u32).map(|i| i % 16).collect::<Vec<_>>(),
+        (2, 32),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let a = with_adapter.forward(&ids, false).unwrap();
+    let m = plain.forward(&ids, false).unwrap();
+    assert!(
+        max_abs_diff(&a, &m) < 1e-4,
+        "merged output differs by {}",
+        max_abs_diff(&a, &m)
+    );
+}
+
+/// The Hugging Face Llama loader on a tiny generated checkpoint with HF names.
+#[test]
+fn lora_on_a_hugging_face_llama_dir() {
+    let hf = tempfile::tempdir().unwrap();
+    let cfg = small(&[
+        "model.arch=\"llama\"",
+        "model.norm=\"rmsnorm\"",
+        "model.activation=\"swiglu\"",
+        "model.bias=false",
+        "model.tie_embeddings=false",
+        "model.n_kv_head=2",
+        "model.mlp_ratio=2.0",
+    ]);
+    let model = Model::new(Shape::from_config(&cfg, 16), DType::F32, &Device::Cpu, 3).unwrap();
+    let names: HashMap<String, Tensor> = model.named_tensors().into_iter().collect();
+    assert!(
+        names.contains_key("model.layers.0.self_attn.q_proj.weight")
+            && names.contains_key("lm_head.weight")
+    );
+    candle_core::safetensors::save(&names, hf.path().join("model.safetensors")).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 16, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false
+    });
+    std::fs::write(hf.path().join("config.json"), config.to_string()).unwrap();
+
+    let base = lora::load_hf_llama(hf.path(), 32, &Device::Cpu).unwrap();
+    assert_eq!(
+        (base.model.n_layer, base.model.n_kv_head, base.model.n_embd),
+        (2, 2, 32)
+    );
+    let ft = tempfile::tempdir().unwrap();
+    let b = format!("lora.base={:?}", hf.path().display().to_string());
+    let events = run(
+        small(&[
+            "run.max_steps=8",
+            "model.activation=\"swiglu\"",
+            "lora.enabled=true",
+            "lora.targets=[\"q\",\"gate\"]",
+            "checkpoint.at_end=true",
+            &b,
+        ]),
+        ft.path(),
+    );
+    let steps: Vec<f64> = events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Step(s) = e {
+                Some(s.loss)
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert_eq!(steps.len(), 8);
+    assert!(steps.iter().all(|l| l.is_finite()));
+    assert!(ft
+        .path()
+        .join("adapter/adapter_model.safetensors")
+        .is_file());
+}

@@ -1,0 +1,366 @@
+//! Checkpoints, exact resume and fault tolerance.
+
+use cockpit::config::{self, Config};
+use cockpit::engine::events::{Command, Event, FinishReason};
+use cockpit::engine::{checkpoint, Engine, EngineError, EngineOptions};
+use cockpit::util::DeviceSpec;
+use std::path::{Path, PathBuf};
+use std::process::{Command as Proc, Stdio};
+use std::time::{Duration, Instant};
+
+const SMALL: &[&str] = &[
+    "model.n_embd=32",
+    "model.seq_len=32",
+    "optim.micro_batch=8",
+    "data.builtin_tokens=200000",
+    "schedule.warmup_steps=2",
+    "eval.every=0",
+    "checkpoint.every_steps=0",
+    "checkpoint.at_end=false",
+    "model.dropout=0.1",
+];
+
+fn small(extra: &[&str]) -> Config {
+    let o: Vec<String> = SMALL.iter().chain(extra).map(|s| s.to_string()).collect();
+    config::load(None, &o)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config
+}
+
+fn opts(cfg: Config, dir: &Path, resume: Option<PathBuf>, faults: Vec<u64>) -> EngineOptions {
+    EngineOptions {
+        config: cfg,
+        run_dir: dir.to_path_buf(),
+        device: DeviceSpec::Cpu,
+        resume,
+        max_queued_steps: 1_000_000,
+        fault_nan_steps: faults,
+    }
+}
+
+/// Run to the end; optionally send Stop{save} once `stop_after` steps were seen.
+fn run(
+    o: EngineOptions,
+    stop_after: Option<u64>,
+) -> (Vec<Event>, Result<cockpit::engine::RunSummary, EngineError>) {
+    let e = Engine::spawn(o).unwrap_or_else(|e| panic!("{e}"));
+    let mut out = Vec::new();
+    while let Some(ev) = e.events.recv() {
+        if let (Event::Step(s), Some(n)) = (&ev, stop_after) {
+            if s.step == n {
+                e.commands.send(Command::Stop { save: true }).unwrap();
+            }
+        }
+        let done = matches!(ev, Event::Finished { .. });
+        out.push(ev);
+        if done {
+            break;
+        }
+    }
+    (out, e.thread.wait())
+}
+
+fn losses(events: &[Event]) -> Vec<(u64, f64)> {
+    events
+        .iter()
+        .filter_map(|e| {
+            if let Event::Step(s) = e {
+                Some((s.step, s.loss))
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// On CPU a resumed run's losses are bitwise those of an uninterrupted run.
+#[test]
+fn resume_reproduces_the_uninterrupted_run_bitwise() {
+    let extra = ["run.max_steps=24", "scu.control_every=2"];
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (full, r) = run(opts(small(&extra), a.path(), None, vec![]), None);
+    r.unwrap();
+    let (first, r) = run(opts(small(&extra), b.path(), None, vec![]), Some(10));
+    let stopped = r.unwrap();
+    assert_eq!(stopped.reason, FinishReason::Stopped);
+    let (second, r) = run(
+        opts(
+            small(&extra),
+            b.path(),
+            Some(b.path().to_path_buf()),
+            vec![],
+        ),
+        None,
+    );
+    assert_eq!(r.unwrap().step, 24);
+    let resumed: Vec<(u64, f64)> = losses(&first).into_iter().chain(losses(&second)).collect();
+    assert_eq!(resumed.len(), 24);
+    assert_eq!(
+        resumed,
+        losses(&full),
+        "losses after the resume differ from the uninterrupted run"
+    );
+}
+
+/// Safe config changes on resume are reported; shape changes are refused.
+#[test]
+fn resume_checks_config_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    run(
+        opts(
+            small(&["run.max_steps=4", "checkpoint.at_end=true"]),
+            dir.path(),
+            None,
+            vec![],
+        ),
+        None,
+    )
+    .1
+    .unwrap();
+    let (ev, r) = run(
+        opts(
+            small(&[
+                "run.max_steps=6",
+                "optim.lr=0.002",
+                "checkpoint.at_end=true",
+            ]),
+            dir.path(),
+            Some(dir.path().into()),
+            vec![],
+        ),
+        None,
+    );
+    r.unwrap();
+    let notes: Vec<String> = ev
+        .iter()
+        .filter_map(|e| {
+            if let Event::Warning { message, .. } = e {
+                Some(message.clone())
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert!(notes.iter().any(|n| n.contains("optim.lr")), "{notes:?}");
+    assert!(
+        notes.iter().any(|n| n.contains("run.max_steps")),
+        "{notes:?}"
+    );
+    let err = Engine::spawn(opts(
+        small(&["run.max_steps=8", "model.n_layer=3"]),
+        dir.path(),
+        Some(dir.path().into()),
+        vec![],
+    ))
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("model.n_layer"), "{err}");
+    assert!(err.is_usage());
+}
+
+/// NaN steps are skipped and counted; N in a row restore the last checkpoint with a lower LR.
+#[test]
+fn nan_steps_are_skipped_then_the_last_checkpoint_is_restored() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small(&[
+        "run.max_steps=30",
+        "checkpoint.every_steps=10",
+        "checkpoint.max_nonfinite_in_a_row=3",
+    ]);
+    let (ev, r) = run(opts(cfg, dir.path(), None, vec![5, 14, 15, 16]), None);
+    let summary = r.unwrap();
+    assert_eq!(summary.step, 30);
+    let warns: Vec<String> = ev
+        .iter()
+        .filter_map(|e| {
+            if let Event::Warning { message, .. } = e {
+                Some(message.clone())
+            } else {
+                None
+            }
+        })
+        .collect();
+    assert!(
+        warns.iter().any(|w| w.contains("step 5 skipped")),
+        "{warns:?}"
+    );
+    assert!(
+        warns
+            .iter()
+            .any(|w| w.contains("restored") && w.contains("LR × 0.5")),
+        "{warns:?}"
+    );
+    // After the restore the run went back to step 10 and continued.
+    let steps: Vec<u64> = losses(&ev).iter().map(|(s, _)| *s).collect();
+    assert!(
+        steps.windows(2).any(|w| w[1] == 11 && w[0] == 15),
+        "{steps:?}"
+    );
+
+    // Diverging forever: a clear failure after max_restores.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small(&[
+        "run.max_steps=40",
+        "checkpoint.every_steps=2",
+        "checkpoint.max_nonfinite_in_a_row=2",
+        "checkpoint.max_restores=2",
+    ]);
+    let (_, r) = run(opts(cfg, dir.path(), None, (3..40).collect()), None);
+    assert!(matches!(r, Err(EngineError::NonFinite { .. })), "{r:?}");
+}
+
+/// A corrupt or truncated checkpoint is named in the error, and nothing is overwritten.
+#[test]
+fn corrupt_checkpoints_are_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    run(
+        opts(
+            small(&["run.max_steps=2", "checkpoint.at_end=true"]),
+            dir.path(),
+            None,
+            vec![],
+        ),
+        None,
+    )
+    .1
+    .unwrap();
+    let ckpt = checkpoint::resolve(dir.path()).unwrap();
+    let model = ckpt.join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let n = bytes.len();
+    bytes[n - 10] ^= 0xFF;
+    std::fs::write(&model, &bytes).unwrap();
+    let err = checkpoint::load(&ckpt, &candle_core::Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("checksum"),
+        "{err}"
+    );
+    std::fs::write(&model, &bytes[..n / 2]).unwrap();
+    let err = checkpoint::load(&ckpt, &candle_core::Device::Cpu)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+    let out = Proc::new(env!("CARGO_BIN_EXE_cockpit"))
+        .args(["train", "--no-tui", "--resume"])
+        .arg(dir.path())
+        .args(SMALL.iter().flat_map(|s| ["--set", s]))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("model.safetensors"));
+}
+
+fn spawn_cli(dir: &Path, extra: &[&str]) -> std::process::Child {
+    Proc::new(env!("CARGO_BIN_EXE_cockpit"))
+        .args(["train", "--no-tui", "--run-dir"])
+        .arg(dir)
+        .args(SMALL.iter().chain(extra).flat_map(|s| ["--set", s]))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn signal(child: &std::process::Child, sig: i32) {
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(child.id() as i32, sig) };
+}
+
+/// kill -9 at random moments while checkpoints are written: `latest` always loads.
+#[test]
+fn kill_9_during_checkpoint_writes_never_breaks_latest() {
+    let iterations: usize = std::env::var("COCKPIT_KILL_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = 0x2545F4914F6CDD1Du64;
+    let mut loaded = 0;
+    for i in 0..iterations {
+        let resume = if i > 0 && checkpoint::resolve(dir.path()).is_ok() {
+            vec!["--resume".to_string()]
+        } else {
+            vec![]
+        };
+        let mut child = Proc::new(env!("CARGO_BIN_EXE_cockpit"))
+            .args(["train", "--no-tui", "--run-dir"])
+            .arg(dir.path())
+            .args(&resume)
+            .args(resume.iter().map(|_| dir.path().display().to_string()))
+            .args(
+                SMALL
+                    .iter()
+                    .chain(&[
+                        "run.max_steps=100000",
+                        "checkpoint.every_steps=1",
+                        "checkpoint.keep_last=2",
+                    ])
+                    .flat_map(|s| ["--set", s]),
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        std::thread::sleep(Duration::from_millis(400 + rng % 600));
+        signal(&child, libc::SIGKILL);
+        child.wait().unwrap();
+        if let Ok(d) = checkpoint::resolve(dir.path()) {
+            checkpoint::load(&d, &candle_core::Device::Cpu)
+                .unwrap_or_else(|e| panic!("iteration {i}: latest does not load: {e}"));
+            loaded += 1;
+        }
+    }
+    assert!(
+        loaded >= iterations / 2,
+        "checkpoints were written in most iterations ({loaded}/{iterations})"
+    );
+}
+
+/// Headless: SIGUSR1 saves and continues; SIGTERM saves and exits with 130.
+#[test]
+fn sigusr1_checkpoints_and_sigterm_saves_and_exits_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = spawn_cli(dir.path(), &["run.max_steps=100000"]);
+    let t0 = Instant::now();
+    while !dir.path().join("metrics.jsonl").is_file()
+        || std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+            .unwrap()
+            .matches("\"step\"")
+            .count()
+            < 3
+    {
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    signal(&child, libc::SIGUSR1);
+    let t0 = Instant::now();
+    while checkpoint::resolve(dir.path()).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "SIGUSR1 wrote no checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the run continues after SIGUSR1"
+    );
+    let first = checkpoint::resolve(dir.path()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    let last = checkpoint::resolve(dir.path()).unwrap();
+    assert_ne!(first, last, "SIGTERM saved a newer checkpoint");
+    checkpoint::load(&last, &candle_core::Device::Cpu).unwrap();
+}
