@@ -6,6 +6,7 @@
 //! import nothing from candle.
 
 pub mod advisor;
+pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod headless;
@@ -14,4 +15,3 @@ pub mod report;
 pub mod telemetry;
 pub mod tui;
 pub mod util;
-pub mod cli;

@@ -30,9 +30,18 @@ pub fn training_telemetry(_cfg: &Config, _run_dir: &Path) -> Option<Receiver<Mon
     None
 }
 
-pub fn after_run(_run_dir: &Path) {}
+/// Plots at the end of a run (failures are logged, never fatal: the run itself succeeded).
+pub fn after_run(run_dir: &Path) {
+    match crate::report::plot_run_detailed(run_dir) {
+        Ok(summary) => tracing::info!("plots: {summary}"),
+        Err(e) => tracing::warn!("plots: {e}"),
+    }
+}
 
-pub fn plot_run(_run_dir: &Path) -> anyhow::Result<i32> {
+/// `cockpit plot RUN_DIR`.
+pub fn plot_run(run_dir: &Path) -> anyhow::Result<i32> {
+    let summary = crate::report::plot_run_detailed(run_dir)?;
+    println!("{summary}");
     Ok(0)
 }
 

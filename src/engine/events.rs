@@ -10,6 +10,12 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// serde_json writes NaN and ±inf as `null`; read `null` back as NaN so a run whose loss went
+/// non-finite still has a readable metrics.jsonl.
+pub fn nan_f64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
 /// A request to change the run, applied by the engine at the next optimizer-step boundary.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "command", rename_all = "snake_case")]
@@ -70,10 +76,12 @@ pub struct RunInfo {
     /// Entropy floor of the data in bits per token, when known (the built-in corpus).
     pub entropy_floor_bpt: Option<f64>,
     /// Model FLOPs per token for one optimizer step (fwd+bwd, 6N + attention), for MFU.
+    #[serde(deserialize_with = "nan_f64")]
     pub flops_per_token: f64,
     /// Peak dense FLOP/s of the device in the chosen dtype, when known.
     pub peak_flops: Option<f64>,
     pub scu_enabled: bool,
+    #[serde(deserialize_with = "nan_f64")]
     pub scu_target: f64,
     /// One-line summary of the model and optimiser configuration.
     pub summary: String,
@@ -84,20 +92,30 @@ pub struct RunInfo {
 pub struct StepStats {
     pub step: u64,
     /// Mean cross-entropy (nats/token) over the step's micro-batches.
+    #[serde(deserialize_with = "nan_f64")]
     pub loss: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub lr: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub grad_norm: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub tokens_per_sec: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub step_ms: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub data_wait_ms: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub compute_ms: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub optim_ms: f64,
     pub micro_batch: usize,
     pub accum: usize,
     /// Tokens seen so far.
     pub tokens: u64,
     /// Fractional epochs over the train split.
+    #[serde(deserialize_with = "nan_f64")]
     pub epoch: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub elapsed_s: f64,
     /// Device memory in use by the engine in bytes, when known.
     pub memory_bytes: Option<u64>,
@@ -109,8 +127,11 @@ pub struct StepStats {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalStats {
     pub step: u64,
+    #[serde(deserialize_with = "nan_f64")]
     pub val_loss: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub val_bpt: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub val_ppl: f64,
 }
 
@@ -118,16 +139,27 @@ pub struct EvalStats {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScuStats {
     pub step: u64,
+    #[serde(deserialize_with = "nan_f64")]
     pub ce_loss: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub reg_loss: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub total_loss: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub data_bpt: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub param_bpt: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub s_ratio: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub s_hat: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub lambda: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub integral: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub error: f64,
+    #[serde(deserialize_with = "nan_f64")]
     pub target: f64,
     /// Whether control is on (off: S is measured, λ stays at lambda_init).
     pub control: bool,
@@ -156,8 +188,11 @@ pub enum Event {
     Scu(ScuStats),
     ScuConverged {
         step: u64,
+        #[serde(deserialize_with = "nan_f64")]
         s_ratio: f64,
+        #[serde(deserialize_with = "nan_f64")]
         lambda: f64,
+        #[serde(deserialize_with = "nan_f64")]
         target: f64,
     },
     CheckpointSaved {
@@ -190,6 +225,7 @@ pub enum Event {
         step: u64,
         reason: FinishReason,
         message: String,
+        #[serde(deserialize_with = "nan_f64")]
         elapsed_s: f64,
     },
 }

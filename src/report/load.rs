@@ -1,0 +1,312 @@
+//! Reading `metrics.jsonl` and `telemetry.jsonl` into series.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::{io_error, ReportError};
+use crate::engine::events::{EvalStats, Event, RunInfo, ScuStats, StepStats};
+
+/// Stands in for a `null` number while an event is decoded, then becomes NaN again.
+const NULL_NUMBER: f64 = f64::MIN;
+use crate::telemetry::Snapshot;
+
+/// A run's metrics, split by kind, in file order.
+///
+/// When the log holds a resumed run (a second `run_started` whose `start_step` is behind
+/// steps already logged), the abandoned points at or after `start_step` are dropped, so every
+/// series stays ordered by step and shows the timeline that continued.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunMetrics {
+    /// The latest `run_started` event.
+    pub info: Option<RunInfo>,
+    pub steps: Vec<StepStats>,
+    pub evals: Vec<EvalStats>,
+    pub scu: Vec<ScuStats>,
+    /// Every other event (run starts, checkpoints, commands, warnings, finish), in file order.
+    pub events: Vec<Event>,
+    /// Problems that did not stop loading (e.g. a truncated last line), one line each.
+    pub warnings: Vec<String>,
+}
+
+impl RunMetrics {
+    /// Build from events in the order the engine sent them.
+    pub fn from_events(events: impl IntoIterator<Item = Event>) -> Self {
+        let mut m = RunMetrics::default();
+        for ev in events {
+            m.push(ev);
+        }
+        m
+    }
+
+    /// Add one event (what a live consumer calls for each event it receives).
+    pub fn push(&mut self, event: Event) {
+        match event {
+            Event::Step(s) => self.steps.push(s),
+            Event::Eval(e) => self.evals.push(e),
+            Event::Scu(s) => self.scu.push(s),
+            Event::RunStarted(info) => {
+                let start = info.start_step;
+                self.steps.retain(|s| s.step < start);
+                self.evals.retain(|e| e.step < start);
+                self.scu.retain(|s| s.step < start);
+                self.info = Some(info.clone());
+                self.events.push(Event::RunStarted(info));
+            }
+            other => self.events.push(other),
+        }
+    }
+
+    /// `(step, train loss)`.
+    pub fn train_loss(&self) -> Vec<(f64, f64)> {
+        self.steps.iter().map(|s| (s.step as f64, s.loss)).collect()
+    }
+
+    /// `(step, validation loss)`.
+    pub fn val_loss(&self) -> Vec<(f64, f64)> {
+        self.evals
+            .iter()
+            .map(|e| (e.step as f64, e.val_loss))
+            .collect()
+    }
+
+    /// `(step, learning rate)`.
+    pub fn lr(&self) -> Vec<(f64, f64)> {
+        self.steps.iter().map(|s| (s.step as f64, s.lr)).collect()
+    }
+
+    /// `(step, tokens per second)`.
+    pub fn tokens_per_sec(&self) -> Vec<(f64, f64)> {
+        self.steps
+            .iter()
+            .map(|s| (s.step as f64, s.tokens_per_sec))
+            .collect()
+    }
+
+    /// `(step, S)`, S as a fraction (0.01 = 1%).
+    pub fn s_ratio(&self) -> Vec<(f64, f64)> {
+        self.scu
+            .iter()
+            .map(|s| (s.step as f64, s.s_ratio))
+            .collect()
+    }
+
+    /// `(step, Ŝ)`, the controller's estimate of S, as a fraction.
+    pub fn s_hat(&self) -> Vec<(f64, f64)> {
+        self.scu.iter().map(|s| (s.step as f64, s.s_hat)).collect()
+    }
+
+    /// `(step, setpoint S*)` as a fraction; it can change during the run.
+    pub fn setpoint(&self) -> Vec<(f64, f64)> {
+        self.scu.iter().map(|s| (s.step as f64, s.target)).collect()
+    }
+
+    /// `(step, λ)`.
+    pub fn lambda(&self) -> Vec<(f64, f64)> {
+        self.scu.iter().map(|s| (s.step as f64, s.lambda)).collect()
+    }
+}
+
+/// The snapshots of a `telemetry.jsonl`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Telemetry {
+    pub snapshots: Vec<Snapshot>,
+    /// Problems that did not stop loading (e.g. a truncated last line), one line each.
+    pub warnings: Vec<String>,
+}
+
+/// Read a `metrics.jsonl` (one [`Event`] per line).
+///
+/// Blank lines are ignored. A last line that does not parse (a run killed mid-write) is
+/// skipped with a warning in [`RunMetrics::warnings`]; any other bad line is an error naming
+/// the file and line.
+pub fn load_metrics(path: &Path) -> Result<RunMetrics, ReportError> {
+    let (events, warnings) = read_jsonl(path, parse_event)?;
+    let mut metrics = RunMetrics::from_events(events);
+    metrics.warnings = warnings;
+    Ok(metrics)
+}
+
+/// Read a `telemetry.jsonl` (one [`Snapshot`] per line), with the same rules as
+/// [`load_metrics`].
+pub fn load_telemetry(path: &Path) -> Result<Telemetry, ReportError> {
+    let (snapshots, warnings) = read_jsonl(path, |line| serde_json::from_slice::<Snapshot>(line))?;
+    Ok(Telemetry {
+        snapshots,
+        warnings,
+    })
+}
+
+/// Parse a JSON-lines file; a bad line is only forgiven when no non-blank line follows it.
+fn read_jsonl<T>(
+    path: &Path,
+    parse: impl Fn(&[u8]) -> Result<T, serde_json::Error>,
+) -> Result<(Vec<T>, Vec<String>), ReportError> {
+    let file = File::open(path).map_err(io_error(path))?;
+    let mut reader = BufReader::new(file);
+    let mut records = Vec::new();
+    let mut buf = Vec::new();
+    let mut line_no = 0usize;
+    let mut pending: Option<(usize, serde_json::Error)> = None;
+    loop {
+        buf.clear();
+        let n = reader.read_until(b'\n', &mut buf).map_err(io_error(path))?;
+        if n == 0 {
+            break;
+        }
+        line_no += 1;
+        let line = buf.trim_ascii();
+        if line.is_empty() {
+            continue;
+        }
+        if let Some((line, source)) = pending.take() {
+            return Err(ReportError::Parse {
+                path: path.to_path_buf(),
+                line,
+                source,
+            });
+        }
+        match parse(line) {
+            Ok(record) => records.push(record),
+            Err(e) => pending = Some((line_no, e)),
+        }
+    }
+    let warnings = pending
+        .map(|(line, e)| {
+            format!(
+                "{}: skipped an incomplete last line {line} ({e})",
+                path.display()
+            )
+        })
+        .into_iter()
+        .collect();
+    Ok((records, warnings))
+}
+
+/// Decode one event line.
+///
+/// serde_json writes NaN and ±infinity as `null`, which does not read back into an `f64`: a
+/// run whose loss diverged would leave a log nobody can load. For the events that carry
+/// training numbers (`step`, `eval`, `scu`, where every number is a plain `f64` except
+/// `memory_bytes`), a `null` is read back as NaN.
+fn parse_event(line: &[u8]) -> Result<Event, serde_json::Error> {
+    let first = match serde_json::from_slice::<Event>(line) {
+        Ok(event) => return Ok(event),
+        Err(e) => e,
+    };
+    let Ok(Value::Object(mut map)) = serde_json::from_slice::<Value>(line) else {
+        return Err(first);
+    };
+    if !matches!(
+        map.get("event").and_then(Value::as_str),
+        Some("step" | "eval" | "scu")
+    ) {
+        return Err(first);
+    }
+    let mut replaced = false;
+    for (key, value) in map.iter_mut() {
+        if value.is_null() && key != "memory_bytes" {
+            *value = Value::from(NULL_NUMBER);
+            replaced = true;
+        }
+    }
+    if !replaced {
+        return Err(first);
+    }
+    let mut event: Event = serde_json::from_value(Value::Object(map)).map_err(|_| first)?;
+    restore_nan(&mut event);
+    Ok(event)
+}
+
+/// Turn the stand-ins of [`parse_event`] back into NaN. The patterns list every field, so a
+/// new field in these events has to be considered here.
+fn restore_nan(event: &mut Event) {
+    let fix = |values: &mut [&mut f64]| {
+        for v in values.iter_mut() {
+            if **v == NULL_NUMBER {
+                **v = f64::NAN;
+            }
+        }
+    };
+    match event {
+        Event::Step(StepStats {
+            step: _,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_sec,
+            step_ms,
+            data_wait_ms,
+            compute_ms,
+            optim_ms,
+            micro_batch: _,
+            accum: _,
+            tokens: _,
+            epoch,
+            elapsed_s,
+            memory_bytes: _,
+            dropped_before: _,
+        }) => fix(&mut [
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_sec,
+            step_ms,
+            data_wait_ms,
+            compute_ms,
+            optim_ms,
+            epoch,
+            elapsed_s,
+        ]),
+        Event::Eval(EvalStats {
+            step: _,
+            val_loss,
+            val_bpt,
+            val_ppl,
+        }) => fix(&mut [val_loss, val_bpt, val_ppl]),
+        Event::Scu(ScuStats {
+            step: _,
+            ce_loss,
+            reg_loss,
+            total_loss,
+            data_bpt,
+            param_bpt,
+            s_ratio,
+            s_hat,
+            lambda,
+            integral,
+            error,
+            target,
+            control: _,
+        }) => fix(&mut [
+            ce_loss, reg_loss, total_loss, data_bpt, param_bpt, s_ratio, s_hat, lambda, integral,
+            error, target,
+        ]),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nan_written_as_null_reads_back_as_nan() {
+        let line = r#"{"event":"eval","step":5,"val_loss":null,"val_bpt":null,"val_ppl":2.0}"#;
+        match parse_event(line.as_bytes()).unwrap() {
+            Event::Eval(e) => {
+                assert!(e.val_loss.is_nan() && e.val_bpt.is_nan());
+                assert_eq!(e.val_ppl, 2.0);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Other events stay strict, and so do nulls where a non-float is expected.
+        assert!(parse_event(br#"{"event":"paused","step":null}"#).is_err());
+        assert!(parse_event(
+            br#"{"event":"eval","step":null,"val_loss":1,"val_bpt":1,"val_ppl":1}"#
+        )
+        .is_err());
+    }
+}
