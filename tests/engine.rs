@@ -30,6 +30,7 @@ fn spawn(cfg: Config, dir: &Path) -> Engine {
         device: DeviceSpec::Cpu,
         resume: None,
         max_queued_steps: 100_000,
+        fault_nan_steps: vec![],
     })
     .unwrap()
 }

@@ -1,33 +1,135 @@
-//! Glue between the engine and the front ends (TUI, telemetry, monitor, report).
+//! Glue between the engine and the front ends: telemetry + advisor pipeline, the TUI, the
+//! headless printer, the monitor and the plots.
 
 use super::args::MonitorArgs;
+use super::{EXIT_OK, EXIT_USAGE};
 use crate::advisor::MonitorUpdate;
 use crate::config::Config;
-use crate::engine::events::{Command, EventRx};
-use crate::headless::HeadlessOutcome;
+use crate::engine::events::{self, Command, EventRx};
+use crate::headless::{self, HeadlessOutcome, SignalFlags};
+use crate::monitor::{self, MonitorOptions, MonitorSession, PipelineFeed};
+use crate::tui::{self, Keymap, Theme, TuiExit, TuiOptions};
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::time::Duration;
 
-pub fn run_training_tui(
+/// Theme, keymap and options for the dashboard from the config (errors are usage errors).
+fn tui_options(cfg: &Config, theme: &str, run_dir: Option<&Path>) -> Result<TuiOptions, String> {
+    let theme = Theme::load(theme).map_err(|e| format!("theme: {e}"))?;
+    let keys: HashMap<String, String> = cfg
+        .tui
+        .keys
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let keymap = Keymap::from_names(&keys).map_err(|e| format!("tui.keys: {e}"))?;
+    Ok(TuiOptions {
+        fps: cfg.tui.fps,
+        theme,
+        keymap,
+        setpoint_step: cfg.tui.setpoint_step,
+        log_path: run_dir.map(|d| d.join("events.log")),
+        ..TuiOptions::default()
+    })
+}
+
+/// Check the TUI settings before training starts, so a bad theme is a usage error up front.
+pub fn validate_tui(cfg: &Config) -> Result<(), String> {
+    tui_options(cfg, &cfg.run.theme, None).map(|_| ())
+}
+
+/// Telemetry and the advisor while training: samples go to `RUN_DIR/telemetry.jsonl` too.
+/// Returns the updates and the feed the engine's events must reach (step timings, dtype).
+pub fn training_telemetry(
+    cfg: &Config,
+    run_dir: &Path,
+) -> Option<(Receiver<MonitorUpdate>, PipelineFeed)> {
+    if !cfg.monitor.enabled {
+        return None;
+    }
+    let opts = MonitorOptions {
+        interval: Duration::from_secs_f64(cfg.monitor.interval_secs),
+        record: Some(run_dir.join("telemetry.jsonl")),
+        out_dir: run_dir.to_path_buf(),
+        ..MonitorOptions::default()
+    };
+    match monitor::spawn_pipeline(&opts) {
+        Ok(p) => {
+            if let Some(n) = p.notice() {
+                tracing::info!("telemetry: {n}");
+            }
+            let feed = p.feeder();
+            Some((p.into_receiver(), feed))
+        }
+        Err(e) => {
+            tracing::warn!("telemetry off: {e}");
+            None
+        }
+    }
+}
+
+/// Forward engine events to a front end, feeding the advisor on the way. Never blocks the
+/// engine: the new channel drops Step events when the front end falls behind.
+fn tee(events: EventRx, feed: PipelineFeed) -> EventRx {
+    let (tx, rx) = events::channel(256);
+    let spawned = std::thread::Builder::new()
+        .name("cockpit-tee".into())
+        .spawn(move || {
+            while let Some(ev) = events.recv() {
+                feed.feed(&ev);
+                if !tx.send(ev) {
+                    break;
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("advisor feed thread: {e}");
+    }
+    rx
+}
+
+/// The front end of a training run: the dashboard, or progress lines.
+pub fn run_frontend(
+    use_tui: bool,
     events: EventRx,
     commands: Sender<Command>,
     cfg: &Config,
     run_dir: &Path,
+    flags: &SignalFlags,
 ) -> anyhow::Result<HeadlessOutcome> {
-    let flags = crate::headless::SignalFlags::default();
     let telemetry = training_telemetry(cfg, run_dir);
-    Ok(crate::headless::run(
-        events,
-        commands,
-        telemetry,
-        &flags,
-        std::time::Duration::from_secs(2),
-        &mut std::io::stderr(),
-    ))
-}
-
-pub fn training_telemetry(_cfg: &Config, _run_dir: &Path) -> Option<Receiver<MonitorUpdate>> {
-    None
+    let (events, updates) = match telemetry {
+        Some((rx, feed)) => (tee(events, feed), Some(rx)),
+        None => (events, None),
+    };
+    if use_tui {
+        let opts = tui_options(cfg, &cfg.run.theme, Some(run_dir)).map_err(anyhow::Error::msg)?;
+        // Without telemetry the dashboard still wants a receiver: one that never delivers.
+        let (_keep, empty) = mpsc::channel();
+        let exit = tui::run_training(events, commands, updates.unwrap_or(empty), opts)?;
+        let (finished, interrupted) = match exit {
+            TuiExit::Finished { reason } => (Some(reason), false),
+            TuiExit::Interrupted => (None, true),
+            TuiExit::StopRequested { .. } | TuiExit::EngineGone | TuiExit::Closed => (None, false),
+        };
+        Ok(HeadlessOutcome {
+            finished,
+            interrupted,
+        })
+    } else {
+        let log_every = Duration::from_secs_f64(cfg.run.log_every_secs);
+        Ok(headless::run(
+            events,
+            commands,
+            updates,
+            flags,
+            log_every,
+            &mut std::io::stderr(),
+        ))
+    }
 }
 
 /// Plots at the end of a run (failures are logged, never fatal: the run itself succeeded).
@@ -42,9 +144,119 @@ pub fn after_run(run_dir: &Path) {
 pub fn plot_run(run_dir: &Path) -> anyhow::Result<i32> {
     let summary = crate::report::plot_run_detailed(run_dir)?;
     println!("{summary}");
-    Ok(0)
+    Ok(EXIT_OK)
 }
 
-pub fn monitor(_m: MonitorArgs) -> anyhow::Result<i32> {
-    Ok(0)
+fn secs(flag: &str, v: Option<f64>) -> Result<Option<Duration>, String> {
+    match v {
+        None => Ok(None),
+        Some(s) if s > 0.0 && s.is_finite() => Duration::try_from_secs_f64(s)
+            .map(Some)
+            .map_err(|e| format!("{flag} {s}: {e}")),
+        Some(s) => Err(format!("{flag} {s}: must be a positive number of seconds")),
+    }
+}
+
+/// `cockpit monitor` / `cockpit --monitor-only`.
+pub fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
+    let cfg = Config::default();
+    let interval = match secs("--interval", m.interval.or(Some(cfg.monitor.interval_secs))) {
+        Ok(i) => i.unwrap_or(Duration::from_secs(1)),
+        Err(e) => return usage(&e),
+    };
+    let duration = match secs("--duration", m.duration) {
+        Ok(d) => d,
+        Err(e) => return usage(&e),
+    };
+    if m.record.is_some() && m.replay.is_some() {
+        return usage("--record and --replay cannot be combined");
+    }
+    if m.replay.as_ref().is_some_and(|p| !p.is_file()) {
+        return usage(&format!(
+            "--replay {}: no such file",
+            m.replay
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        ));
+    }
+    if !(m.replay_speed >= 0.0 && m.replay_speed.is_finite()) {
+        return usage(&format!(
+            "--replay-speed {}: must be ≥ 0 (0 = as fast as possible)",
+            m.replay_speed
+        ));
+    }
+    use std::io::IsTerminal;
+    let use_tui = !m.no_tui && !m.once && !m.json && std::io::stdout().is_terminal();
+    let out_dir = m.out_dir.clone().unwrap_or_else(|| {
+        Path::new(&cfg.run.runs_root).join(format!("monitor-{}", super::timestamp()))
+    });
+    let opts = MonitorOptions {
+        no_tui: !use_tui,
+        once: m.once,
+        json: m.json,
+        interval,
+        duration,
+        record: m.record.clone(),
+        replay: m.replay.clone(),
+        replay_speed: m.replay_speed,
+        out_dir: out_dir.clone(),
+    };
+    let session = if use_tui {
+        let theme = m.theme.clone().unwrap_or_else(|| cfg.run.theme.clone());
+        let tui_opts = match tui_options(&cfg, &theme, None) {
+            Ok(o) => o,
+            Err(e) => return usage(&e),
+        };
+        let pipeline = monitor::spawn_pipeline(&opts)?;
+        let source = format!("{:?}", pipeline.source());
+        let upstream = pipeline.into_receiver();
+        // Keep the history for the summary and plots while the dashboard renders.
+        let (tx, rx) = mpsc::channel();
+        let collector = std::thread::spawn(move || {
+            let mut session = MonitorSession::new(source);
+            while let Ok(u) = upstream.recv() {
+                session.push(&u);
+                if tx.send(u).is_err() {
+                    break;
+                }
+            }
+            session
+        });
+        tui::run_monitor(rx, tui_opts, duration)?;
+        collector
+            .join()
+            .map_err(|_| anyhow::anyhow!("the monitor collector panicked"))?
+    } else {
+        let stop = Arc::new(AtomicBool::new(false));
+        for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            signal_hook::flag::register_conditional_shutdown(
+                sig,
+                super::EXIT_INTERRUPTED,
+                stop.clone(),
+            )?;
+            signal_hook::flag::register(sig, stop.clone())?;
+        }
+        let mut stdout = std::io::stdout();
+        let session = monitor::run_headless(&opts, &mut stdout, &stop)?;
+        if m.once {
+            return Ok(EXIT_OK);
+        }
+        let _ = stop.load(Ordering::SeqCst);
+        session
+    };
+    if session.sample_count() > 0 {
+        let path = session.write_summary(&out_dir)?;
+        eprintln!("wrote {}", path.display());
+        match crate::report::plot_monitor_detailed(session.snapshots(), &out_dir) {
+            Ok(s) => eprintln!("{s}"),
+            Err(e) => eprintln!("plots: {e}"),
+        }
+    }
+    Ok(EXIT_OK)
+}
+
+fn usage(msg: &str) -> anyhow::Result<i32> {
+    eprintln!("cockpit monitor: {msg}");
+    Ok(EXIT_USAGE)
 }

@@ -8,13 +8,12 @@ mod frontends;
 use crate::config::{self, Config, ConfigError};
 use crate::engine::events::FinishReason;
 use crate::engine::{checkpoint, Engine, EngineOptions};
-use crate::headless::{self, SignalFlags};
+use crate::headless::SignalFlags;
 use anyhow::Context;
 use args::{Cli, Cmd, MonitorArgs, TrainArgs};
 use clap::Parser;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 pub const EXIT_OK: i32 = 0;
 pub const EXIT_FAILURE: i32 = 1;
@@ -165,6 +164,10 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Err(e) => return Ok(config_error(&e)),
     };
     let mut cfg = loaded.config;
+    if let Err(e) = frontends::validate_tui(&cfg) {
+        eprintln!("cockpit: config error:\n{}: {e}", loaded.origin);
+        return Ok(EXIT_USAGE);
+    }
     if a.test_run {
         apply_test_run(&mut cfg);
     }
@@ -222,28 +225,18 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             });
         }
     };
-    let flags = SignalFlags::default();
-    register_signals(&flags)?;
     let use_tui = !a.no_tui && std::io::stdout().is_terminal();
+    let flags = SignalFlags::default();
+    if !use_tui {
+        // The dashboard handles signals itself (and restores the terminal).
+        register_signals(&flags)?;
+    }
     let Engine {
         commands,
         events,
         thread,
     } = engine;
-    let outcome = if use_tui {
-        frontends::run_training_tui(events, commands, &cfg, &run_dir)?
-    } else {
-        let telemetry = frontends::training_telemetry(&cfg, &run_dir);
-        let log_every = Duration::from_secs_f64(cfg.run.log_every_secs);
-        headless::run(
-            events,
-            commands,
-            telemetry,
-            &flags,
-            log_every,
-            &mut std::io::stderr(),
-        )
-    };
+    let outcome = frontends::run_frontend(use_tui, events, commands, &cfg, &run_dir, &flags)?;
     let summary = thread.wait();
     frontends::after_run(&run_dir);
     let summary = match summary {

@@ -173,7 +173,7 @@ impl Default for DataConfig {
             builtin_vocab: 16,
             builtin_order: 2,
             builtin_branching: 4,
-            builtin_tokens: 2_000_000,
+            builtin_tokens: 20_000_000,
             builtin_seed: 7,
         }
     }

@@ -89,7 +89,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     ck.at_least("model.n_head", m.n_head as u64, 1);
     ck.at_least("model.n_embd", m.n_embd as u64, 1);
     ck.at_least("model.seq_len", m.seq_len as u64, 2);
-    if m.n_head > 0 && m.n_embd % m.n_head != 0 {
+    if m.n_head > 0 && !m.n_embd.is_multiple_of(m.n_head) {
         ck.fail(
             "model.n_head",
             m.n_head,
@@ -97,14 +97,14 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         );
     }
     let kv = c.kv_heads();
-    if m.n_head > 0 && (kv == 0 || m.n_head % kv != 0) {
+    if m.n_head > 0 && (kv == 0 || !m.n_head.is_multiple_of(kv)) {
         ck.fail(
             "model.n_kv_head",
             m.n_kv_head,
             format!("must divide model.n_head ({}); 0 means n_head", m.n_head),
         );
     }
-    if m.pos == PosEncoding::Rope && m.n_head > 0 && (m.n_embd / m.n_head) % 2 != 0 {
+    if m.pos == PosEncoding::Rope && m.n_head > 0 && !(m.n_embd / m.n_head).is_multiple_of(2) {
         ck.fail(
             "model.pos",
             "\"rope\"",
@@ -290,7 +290,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         "in [0, 100]",
     );
     ck.positive("scu.lambda_min", u.lambda_min);
-    if !(u.lambda_max >= u.lambda_min) {
+    if u.lambda_max.is_nan() || u.lambda_max < u.lambda_min {
         ck.fail(
             "scu.lambda_max",
             u.lambda_max,
@@ -307,7 +307,8 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             ),
         );
     }
-    if !u.enabled && !(u.lambda_init >= 0.0 && u.lambda_init.is_finite()) {
+    if !u.enabled && (u.lambda_init.is_nan() || u.lambda_init < 0.0 || u.lambda_init.is_infinite())
+    {
         ck.fail(
             "scu.lambda_init",
             u.lambda_init,
@@ -400,7 +401,9 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
 
     // [monitor]
     ck.positive("monitor.interval_secs", c.monitor.interval_secs);
-    if !(c.monitor.advisor_window_secs >= c.monitor.interval_secs) {
+    if c.monitor.advisor_window_secs.is_nan()
+        || c.monitor.advisor_window_secs < c.monitor.interval_secs
+    {
         ck.fail(
             "monitor.advisor_window_secs",
             c.monitor.advisor_window_secs,

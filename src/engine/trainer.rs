@@ -82,7 +82,30 @@ impl Engine {
         let (ev_tx, ev_rx) = events::channel(trainer.max_queued_steps);
         let handle = std::thread::Builder::new()
             .name("cockpit-engine".into())
-            .spawn(move || trainer.run(cmd_rx, ev_tx))
+            .spawn(move || {
+                let panic_tx = ev_tx.clone();
+                // A bug in the engine must not take the front end down with it: report it as
+                // a failed run instead of unwinding into nowhere.
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    trainer.run(cmd_rx, ev_tx)
+                })) {
+                    Ok(r) => r,
+                    Err(p) => {
+                        let msg = p
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "unknown panic".into());
+                        panic_tx.send(Event::Finished {
+                            step: 0,
+                            reason: FinishReason::Failed,
+                            message: format!("engine panicked: {msg}"),
+                            elapsed_s: 0.0,
+                        });
+                        Err(EngineError::Panicked)
+                    }
+                }
+            })
             .map_err(|e| EngineError::Io {
                 path: "engine thread".into(),
                 source: e,
@@ -548,7 +571,7 @@ impl Trainer {
             // Dropout masks depend only on (seed, step, micro-batch): a resumed run draws the same.
             self.model
                 .reseed_dropout(self.cfg.run.seed ^ (self.step.wrapping_mul(1 << 16) + a as u64));
-            let (batch, w) = self.loader.next();
+            let (batch, w) = self.loader.next_batch();
             wait += w;
             let (x, y) = self.batch_tensors(&batch)?;
             let ce = self.model.loss(&x, &y, true)?;
@@ -1135,14 +1158,14 @@ impl Trainer {
 
             window_ce += ce;
             window_n += 1;
-            if self.step % self.cfg.scu.control_every == 0 {
+            if self.step.is_multiple_of(self.cfg.scu.control_every) {
                 self.control(window_ce / window_n as f64, sumsq, out);
                 window_ce = 0.0;
                 window_n = 0;
             }
             let every = self.cfg.eval.every;
             let last = self.step == max_steps;
-            if (every > 0 && self.step % every == 0) || (last && self.cfg.eval.at_end) {
+            if (every > 0 && self.step.is_multiple_of(every)) || (last && self.cfg.eval.at_end) {
                 let ev = self.evaluate()?;
                 if self.best_val.is_none_or(|b| ev.val_loss < b) {
                     self.best_val = Some(ev.val_loss);
@@ -1151,7 +1174,7 @@ impl Trainer {
                 out.emit(Event::Eval(ev));
             }
             let c = &self.cfg.checkpoint;
-            let due_steps = c.every_steps > 0 && self.step % c.every_steps == 0;
+            let due_steps = c.every_steps > 0 && self.step.is_multiple_of(c.every_steps);
             let due_time = c.every_minutes > 0.0
                 && last_ckpt.elapsed().as_secs_f64() >= c.every_minutes * 60.0;
             if due_steps || due_time || (last && c.at_end) {

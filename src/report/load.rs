@@ -4,13 +4,9 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 
-use serde_json::Value;
-
 use super::{io_error, ReportError};
 use crate::engine::events::{EvalStats, Event, RunInfo, ScuStats, StepStats};
 
-/// Stands in for a `null` number while an event is decoded, then becomes NaN again.
-const NULL_NUMBER: f64 = f64::MIN;
 use crate::telemetry::Snapshot;
 
 /// A run's metrics, split by kind, in file order.
@@ -185,107 +181,10 @@ fn read_jsonl<T>(
     Ok((records, warnings))
 }
 
-/// Decode one event line.
-///
-/// serde_json writes NaN and ±infinity as `null`, which does not read back into an `f64`: a
-/// run whose loss diverged would leave a log nobody can load. For the events that carry
-/// training numbers (`step`, `eval`, `scu`, where every number is a plain `f64` except
-/// `memory_bytes`), a `null` is read back as NaN.
+/// Decode one event line (non-finite numbers, written as `null`, read back as NaN: see
+/// [`crate::engine::events::nan_f64`]).
 fn parse_event(line: &[u8]) -> Result<Event, serde_json::Error> {
-    let first = match serde_json::from_slice::<Event>(line) {
-        Ok(event) => return Ok(event),
-        Err(e) => e,
-    };
-    let Ok(Value::Object(mut map)) = serde_json::from_slice::<Value>(line) else {
-        return Err(first);
-    };
-    if !matches!(
-        map.get("event").and_then(Value::as_str),
-        Some("step" | "eval" | "scu")
-    ) {
-        return Err(first);
-    }
-    let mut replaced = false;
-    for (key, value) in map.iter_mut() {
-        if value.is_null() && key != "memory_bytes" {
-            *value = Value::from(NULL_NUMBER);
-            replaced = true;
-        }
-    }
-    if !replaced {
-        return Err(first);
-    }
-    let mut event: Event = serde_json::from_value(Value::Object(map)).map_err(|_| first)?;
-    restore_nan(&mut event);
-    Ok(event)
-}
-
-/// Turn the stand-ins of [`parse_event`] back into NaN. The patterns list every field, so a
-/// new field in these events has to be considered here.
-fn restore_nan(event: &mut Event) {
-    let fix = |values: &mut [&mut f64]| {
-        for v in values.iter_mut() {
-            if **v == NULL_NUMBER {
-                **v = f64::NAN;
-            }
-        }
-    };
-    match event {
-        Event::Step(StepStats {
-            step: _,
-            loss,
-            lr,
-            grad_norm,
-            tokens_per_sec,
-            step_ms,
-            data_wait_ms,
-            compute_ms,
-            optim_ms,
-            micro_batch: _,
-            accum: _,
-            tokens: _,
-            epoch,
-            elapsed_s,
-            memory_bytes: _,
-            dropped_before: _,
-        }) => fix(&mut [
-            loss,
-            lr,
-            grad_norm,
-            tokens_per_sec,
-            step_ms,
-            data_wait_ms,
-            compute_ms,
-            optim_ms,
-            epoch,
-            elapsed_s,
-        ]),
-        Event::Eval(EvalStats {
-            step: _,
-            val_loss,
-            val_bpt,
-            val_ppl,
-        }) => fix(&mut [val_loss, val_bpt, val_ppl]),
-        Event::Scu(ScuStats {
-            step: _,
-            ce_loss,
-            reg_loss,
-            total_loss,
-            data_bpt,
-            param_bpt,
-            s_ratio,
-            s_hat,
-            lambda,
-            integral,
-            error,
-            target,
-            control: _,
-        }) => fix(&mut [
-            ce_loss, reg_loss, total_loss, data_bpt, param_bpt, s_ratio, s_hat, lambda, integral,
-            error, target,
-        ]),
-        _ => {}
-    }
+    serde_json::from_slice::<Event>(line)
 }
 
 #[cfg(test)]

@@ -190,7 +190,7 @@ impl Loader {
     }
 
     /// The next batch and how long the caller waited for it.
-    pub fn next(&mut self) -> (Batch, Duration) {
+    pub fn next_batch(&mut self) -> (Batch, Duration) {
         if self.worker.is_none() {
             self.start_worker();
         }
@@ -252,8 +252,8 @@ mod tests {
         let mut a = Loader::new(Order::new(toks(10_000), 16, 3), 4, 2, Cursor::default());
         let mut b = Loader::new(Order::new(toks(10_000), 16, 3), 4, 2, Cursor::default());
         for _ in 0..20 {
-            let (x, _) = a.next();
-            let (y, _) = b.next();
+            let (x, _) = a.next_batch();
+            let (y, _) = b.next_batch();
             assert_eq!(x, y);
             for r in 0..4 {
                 assert_eq!(x.inputs[r * 16 + 1], x.targets[r * 16]);
@@ -268,20 +268,20 @@ mod tests {
         let mut one = Loader::new(order.clone(), 4, 3, Cursor::default());
         let mut seqs_one = Vec::new();
         for _ in 0..5 {
-            seqs_one.extend(one.next().0.inputs);
+            seqs_one.extend(one.next_batch().0.inputs);
         }
         let mut two = Loader::new(order.clone(), 4, 3, Cursor::default());
         let mut seqs_two = Vec::new();
         for _ in 0..3 {
-            seqs_two.extend(two.next().0.inputs);
+            seqs_two.extend(two.next_batch().0.inputs);
         }
         let saved = two.cursor();
         two.set_batch_size(8);
-        seqs_two.extend(two.next().0.inputs);
+        seqs_two.extend(two.next_batch().0.inputs);
         assert_eq!(seqs_one, seqs_two);
         // Restoring a cursor in a fresh loader continues identically.
         let mut three = Loader::new(order, 4, 1, saved);
-        let (b, _) = three.next();
+        let (b, _) = three.next_batch();
         assert_eq!(&b.inputs[..], &seqs_one[3 * 4 * 8..4 * 4 * 8]);
     }
 
@@ -290,8 +290,8 @@ mod tests {
         let order = Order::new(toks(16 * 10 + 1), 16, 5);
         assert_eq!(order.sequences_per_epoch(), 10);
         let mut l = Loader::new(order, 5, 2, Cursor::default());
-        let e0: Vec<u32> = (0..2).flat_map(|_| l.next().0.inputs).collect();
-        let e1: Vec<u32> = (0..2).flat_map(|_| l.next().0.inputs).collect();
+        let e0: Vec<u32> = (0..2).flat_map(|_| l.next_batch().0.inputs).collect();
+        let e1: Vec<u32> = (0..2).flat_map(|_| l.next_batch().0.inputs).collect();
         assert_eq!(
             l.cursor(),
             Cursor {

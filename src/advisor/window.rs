@@ -1,0 +1,256 @@
+//! Sliding windows of snapshots and step timings, and the figures the rules read off them.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use crate::engine::events::StepStats;
+use crate::telemetry::{GpuProcess, GpuSample, Snapshot};
+
+/// Throttle reasons that mean "too hot" (hw_slowdown is mostly thermal; NVML lumps in
+/// external power brakes).
+const THERMAL_REASONS: [&str; 3] = ["sw_thermal_slowdown", "hw_thermal_slowdown", "hw_slowdown"];
+/// Throttle reasons that mean "at the power limit".
+const POWER_REASONS: [&str; 2] = ["sw_power_cap", "hw_power_brake_slowdown"];
+
+/// One step's timing, stamped with the advisor clock when it was observed.
+#[derive(Clone, Copy, Debug)]
+struct StepTiming {
+    at_ms: u64,
+    step_ms: f64,
+    data_wait_ms: f64,
+}
+
+/// The last `length` of snapshots and step timings, on the snapshot clock.
+#[derive(Debug)]
+pub(crate) struct Window {
+    length_ms: u64,
+    snapshots: VecDeque<Snapshot>,
+    steps: VecDeque<StepTiming>,
+}
+
+impl Window {
+    pub(crate) fn new(length: Duration) -> Self {
+        Self {
+            length_ms: u64::try_from(length.as_millis()).unwrap_or(u64::MAX),
+            snapshots: VecDeque::new(),
+            steps: VecDeque::new(),
+        }
+    }
+
+    /// The advisor clock: the timestamp of the latest snapshot (0 before the first).
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.snapshots.back().map_or(0, |s| s.timestamp_ms)
+    }
+
+    /// Add a snapshot and drop what fell out of the window. A clock that jumps backwards
+    /// (e.g. a new trace) starts the window afresh.
+    pub(crate) fn push_snapshot(&mut self, snapshot: &Snapshot) {
+        if snapshot.timestamp_ms < self.now_ms() {
+            self.snapshots.clear();
+            self.steps.clear();
+        }
+        self.snapshots.push_back(snapshot.clone());
+        let oldest = self.now_ms().saturating_sub(self.length_ms);
+        while self
+            .snapshots
+            .front()
+            .is_some_and(|s| s.timestamp_ms < oldest)
+        {
+            self.snapshots.pop_front();
+        }
+        while self.steps.front().is_some_and(|s| s.at_ms < oldest) {
+            self.steps.pop_front();
+        }
+    }
+
+    /// Add a step timing, stamped with the current advisor clock.
+    pub(crate) fn push_step(&mut self, step: &StepStats) {
+        if step.step_ms.is_finite() && step.data_wait_ms.is_finite() && step.step_ms > 0.0 {
+            self.steps.push_back(StepTiming {
+                at_ms: self.now_ms(),
+                step_ms: step.step_ms,
+                data_wait_ms: step.data_wait_ms.clamp(0.0, step.step_ms),
+            });
+        }
+    }
+
+    /// The latest snapshot.
+    pub(crate) fn latest(&self) -> Option<&Snapshot> {
+        self.snapshots.back()
+    }
+
+    /// Step timings in the window.
+    pub(crate) fn step_count(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// Time covered by the window so far, in seconds.
+    pub(crate) fn span_s(&self) -> f64 {
+        match (self.snapshots.front(), self.snapshots.back()) {
+            (Some(first), Some(last)) => (last.timestamp_ms - first.timestamp_ms) as f64 / 1000.0,
+            _ => 0.0,
+        }
+    }
+
+    /// Share of step time spent waiting for data (0..1), when steps were seen.
+    pub(crate) fn data_wait_share(&self) -> Option<f64> {
+        let step: f64 = self.steps.iter().map(|s| s.step_ms).sum();
+        let wait: f64 = self.steps.iter().map(|s| s.data_wait_ms).sum();
+        (step > 0.0).then(|| wait / step)
+    }
+
+    /// Mean step time in the window, in ms.
+    pub(crate) fn mean_step_ms(&self) -> Option<f64> {
+        mean(self.steps.iter().map(|s| s.step_ms))
+    }
+
+    /// The window's samples of GPU `index`.
+    pub(crate) fn gpu(&self, index: u32) -> GpuWindow<'_> {
+        GpuWindow {
+            samples: self
+                .snapshots
+                .iter()
+                .filter_map(|s| s.gpus.iter().find(|g| g.index == index))
+                .collect(),
+        }
+    }
+}
+
+/// The samples of one GPU in the window (oldest first).
+pub(crate) struct GpuWindow<'a> {
+    samples: Vec<&'a GpuSample>,
+}
+
+impl<'a> GpuWindow<'a> {
+    pub(crate) fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub(crate) fn latest(&self) -> Option<&'a GpuSample> {
+        self.samples.last().copied()
+    }
+
+    /// Mean GPU utilization (%), over the samples that report it.
+    pub(crate) fn util_avg(&self) -> Option<f64> {
+        mean(
+            self.samples
+                .iter()
+                .filter_map(|s| s.util_gpu.map(f64::from)),
+        )
+    }
+
+    /// Mean SM activity (%, GPM), when the GPU reports it.
+    pub(crate) fn sm_activity_avg(&self) -> Option<f64> {
+        mean(self.samples.iter().filter_map(|s| s.sm_activity_pct))
+    }
+
+    /// Mean fraction of memory in use, over the samples that know the total.
+    pub(crate) fn mem_frac_avg(&self) -> Option<f64> {
+        mean(
+            self.samples
+                .iter()
+                .filter(|s| s.mem_total_bytes > 0)
+                .map(|s| s.mem_used_frac()),
+        )
+    }
+
+    /// Fraction of samples for which `pred` holds (0 for an empty window).
+    pub(crate) fn frac(&self, pred: impl Fn(&GpuSample) -> bool) -> f64 {
+        if self.samples.is_empty() {
+            return 0.0;
+        }
+        self.samples.iter().filter(|s| pred(s)).count() as f64 / self.samples.len() as f64
+    }
+
+    /// Fraction of samples with no process and (almost) no activity.
+    pub(crate) fn idle_frac(&self, idle_util_pct: f64) -> f64 {
+        self.frac(|s| {
+            s.processes.is_empty() && s.util_gpu.is_none_or(|u| f64::from(u) <= idle_util_pct)
+        })
+    }
+
+    /// Fraction of samples with work on the GPU: a process listed, or utilization above
+    /// `idle_util_pct` (NVML lists no process from inside some containers).
+    pub(crate) fn busy_frac(&self, idle_util_pct: f64) -> f64 {
+        1.0 - self.idle_frac(idle_util_pct)
+    }
+
+    /// Fraction of samples throttled for heat.
+    pub(crate) fn thermal_frac(&self) -> f64 {
+        self.frac(|s| has_any(s, &THERMAL_REASONS))
+    }
+
+    /// Fraction of samples throttled at the power limit.
+    pub(crate) fn power_frac(&self) -> f64 {
+        self.frac(|s| has_any(s, &POWER_REASONS))
+    }
+
+    /// Fraction of samples where processes compete for the GPU (see [`competitors`]).
+    pub(crate) fn contention_frac(&self, own_pid: u32) -> f64 {
+        self.frac(|s| !competitors(s, own_pid).is_empty())
+    }
+
+    /// The highest temperature seen (°C).
+    pub(crate) fn temperature_max(&self) -> Option<u32> {
+        self.samples.iter().filter_map(|s| s.temperature_c).max()
+    }
+
+    /// Mean power draw (W).
+    pub(crate) fn power_avg(&self) -> Option<f64> {
+        mean(self.samples.iter().filter_map(|s| s.power_w))
+    }
+
+    /// Mean SM clock (MHz).
+    pub(crate) fn sm_clock_avg(&self) -> Option<f64> {
+        mean(
+            self.samples
+                .iter()
+                .filter_map(|s| s.sm_clock_mhz.map(f64::from)),
+        )
+    }
+}
+
+/// Processes that compete with the workload on a GPU: when this cockpit is on it, every
+/// other process; otherwise (monitoring someone else's job), all of them once there are two
+/// or more.
+pub(crate) fn competitors(sample: &GpuSample, own_pid: u32) -> Vec<&GpuProcess> {
+    let ours = sample.processes.iter().any(|p| p.pid == own_pid);
+    if ours {
+        sample
+            .processes
+            .iter()
+            .filter(|p| p.pid != own_pid)
+            .collect()
+    } else if sample.processes.len() >= 2 {
+        sample.processes.iter().collect()
+    } else {
+        Vec::new()
+    }
+}
+
+fn has_any(sample: &GpuSample, reasons: &[&str]) -> bool {
+    sample
+        .throttle_reasons
+        .iter()
+        .any(|r| reasons.contains(&r.as_str()))
+}
+
+/// The active throttle reasons of a sample that belong to `group` ("thermal" or "power").
+pub(crate) fn throttle_reasons_in(sample: &GpuSample, thermal: bool) -> Vec<&str> {
+    let group: &[&str] = if thermal {
+        &THERMAL_REASONS
+    } else {
+        &POWER_REASONS
+    };
+    sample
+        .throttle_reasons
+        .iter()
+        .map(String::as_str)
+        .filter(|r| group.contains(r))
+        .collect()
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values.fold((0.0, 0usize), |(sum, n), v| (sum + v, n + 1));
+    (n > 0).then(|| sum / n as f64)
+}

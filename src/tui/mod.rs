@@ -1,0 +1,125 @@
+//! The ratatui dashboard (training and monitor views), keymap and themes.
+//!
+//! Structure: [`state`] holds plain data updated from engine [`Event`]s and
+//! [`MonitorUpdate`]s; [`views`] are widgets that draw that state; [`App`] is the pure state
+//! machine tying them together (events, updates and keys in; [`Action`]s out), testable on
+//! ratatui's `TestBackend`; [`run_training`] and [`run_monitor`] are the thin loops that
+//! drive it on a real terminal.
+//!
+//! [`Event`]: crate::engine::events::Event
+
+pub mod app;
+pub mod keymap;
+mod run;
+pub mod state;
+pub mod term;
+pub mod theme;
+pub mod views;
+
+pub use app::{Action, App, Mode, QuitChoice, RunStatus, TuiExit, MIN_SETPOINT};
+pub use keymap::{KeyAction, KeyBinding, Keymap, KeymapError};
+pub use theme::{ColorSupport, Rgb, Theme, ThemeError};
+
+use crate::advisor::MonitorUpdate;
+use crate::engine::events::{Command, EventRx};
+use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::{Duration, Instant};
+
+/// How the dashboard looks and behaves.
+#[derive(Clone, Debug)]
+pub struct TuiOptions {
+    /// Frames per second (clamped to 1..=60).
+    pub fps: u32,
+    /// Colours, as loaded (truecolor); resolved for the terminal by `color`.
+    pub theme: Theme,
+    /// Colour depth; `None` detects it from `COCKPIT_COLOR`, `COLORTERM` and `TERM`.
+    pub color: Option<ColorSupport>,
+    /// Key bindings.
+    pub keymap: Keymap,
+    /// SCU setpoint change per `]`/`[` press, as a fraction (0.001 = 0.1 percentage point).
+    pub setpoint_step: f64,
+    /// Also append the event log to this file.
+    pub log_path: Option<PathBuf>,
+    /// Steps shown by the charts' recent-window view.
+    pub recent_window: usize,
+    /// Points kept per chart series for the whole run (thinned by halving beyond this).
+    pub history_capacity: usize,
+}
+
+impl TuiOptions {
+    /// Default frame rate.
+    pub const DEFAULT_FPS: u32 = 10;
+    /// Default setpoint step: 0.1 percentage point.
+    pub const DEFAULT_SETPOINT_STEP: f64 = 0.001;
+
+    fn resolved(&self) -> TuiOptions {
+        let support = self.color.unwrap_or_else(ColorSupport::detect);
+        TuiOptions {
+            theme: self.theme.clone().with_color_support(support),
+            ..self.clone()
+        }
+    }
+}
+
+impl Default for TuiOptions {
+    fn default() -> Self {
+        TuiOptions {
+            fps: Self::DEFAULT_FPS,
+            theme: Theme::default(),
+            color: None,
+            keymap: Keymap::default(),
+            setpoint_step: Self::DEFAULT_SETPOINT_STEP,
+            log_path: None,
+            recent_window: 500,
+            history_capacity: 2048,
+        }
+    }
+}
+
+/// Runs the training dashboard until the user leaves, the run ends after a stop request, or
+/// SIGINT/SIGTERM arrives (which sends `Command::Stop { save: true }`). Events are drained
+/// with `try_recv` each frame; commands go out on `commands`. The terminal is always
+/// restored, also on error or panic. The caller should join the engine afterwards: for
+/// [`TuiExit::StopRequested`] and [`TuiExit::Interrupted`] it may still be saving.
+pub fn run_training(
+    events: EventRx,
+    commands: Sender<Command>,
+    telemetry: Receiver<MonitorUpdate>,
+    opts: TuiOptions,
+) -> anyhow::Result<TuiExit> {
+    let opts = opts.resolved();
+    let app = App::training(&opts);
+    run::run(
+        app,
+        run::Sources {
+            events: Some(events),
+            telemetry: Some(telemetry),
+            commands: Some(commands),
+        },
+        &opts,
+        None,
+    )
+}
+
+/// Runs the monitor dashboard until the user quits, `duration` passes, or SIGINT/SIGTERM.
+pub fn run_monitor(
+    updates: Receiver<MonitorUpdate>,
+    opts: TuiOptions,
+    duration: Option<Duration>,
+) -> anyhow::Result<()> {
+    let opts = opts.resolved();
+    let app = App::monitor(&opts);
+    let until = duration.map(|d| Instant::now() + d);
+    run::run(
+        app,
+        run::Sources {
+            events: None,
+            telemetry: Some(updates),
+            commands: None,
+        },
+        &opts,
+        until,
+    )?;
+    Ok(())
+}

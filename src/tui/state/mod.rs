@@ -1,0 +1,14 @@
+//! Dashboard state: plain data updated from engine events and monitor updates, rendered by
+//! the views. Nothing here draws or reads a clock.
+
+pub mod commands;
+pub mod history;
+pub mod log;
+pub mod run;
+pub mod telemetry;
+
+pub use commands::{CommandKind, CommandState, CommandStatus};
+pub use history::{Ema, History, RecentSeries, Ring, ThinnedSeries};
+pub use log::{EventLog, LogEntry, LogLevel};
+pub use run::{ChartSeries, Finished, HistorySizes, RunState};
+pub use telemetry::{GpuState, ProcessRow, TelemetryState};

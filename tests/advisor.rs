@@ -1,0 +1,434 @@
+//! Advisor rules on synthetic telemetry: each rule fires and clears, hysteresis holds, the
+//! window slides, and a recorded trace always gives the same advice.
+
+mod telemetry_support;
+
+use cockpit::advisor::{ids, Advisor, AdvisorOptions, Severity};
+use cockpit::telemetry::{read_trace, GpuSample};
+use telemetry_support::*;
+
+/// Ticks after which a windowed rule has certainly settled (window 30 s + confirmation).
+const SETTLE: usize = 40;
+
+fn has(ids: &[String], id: &str) -> bool {
+    ids.iter().any(|i| i == id)
+}
+
+fn last(history: &[Vec<String>]) -> Vec<String> {
+    history.last().cloned().unwrap_or_default()
+}
+
+/// A GPU with our training process on it.
+fn ours(util: u32, mem_frac: f64) -> Vec<GpuSample> {
+    vec![with_process(gpu(0, util, mem_frac), OWN_PID, "cockpit")]
+}
+
+/// A GPU with someone else's job on it (monitor-only).
+fn theirs(util: u32, mem_frac: f64) -> Vec<GpuSample> {
+    vec![with_process(gpu(0, util, mem_frac), 31337, "python")]
+}
+
+#[test]
+fn data_bound_fires_and_clears() {
+    let mut s = Session::new();
+    s.attach("bf16", "cuda:0 (Synthetic GPU)");
+    let fired = last(&s.run(SETTLE, || ours(20, 0.5), Some((100.0, 50.0))));
+    assert_eq!(fired, vec![ids::DATA_BOUND], "data-bound run: {fired:?}");
+    let rec = s.find(ids::DATA_BOUND).unwrap();
+    assert_eq!(rec.severity, Severity::Warn);
+    assert_eq!(rec.gpu, Some(0));
+    assert!(rec.action.contains("data.prefetch_depth") && rec.action.contains("cockpit prepare"));
+    let evidence: Vec<&str> = rec.evidence.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(evidence.contains(&"util_gpu_avg") && evidence.contains(&"data_wait_share"));
+    assert!(rec
+        .evidence
+        .contains(&("data_wait_share".to_string(), "50%".to_string())));
+
+    // The pipeline is fixed: data wait gone, the GPU busy.
+    let cleared = last(&s.run(SETTLE, || ours(92, 0.5), Some((100.0, 2.0))));
+    assert!(!has(&cleared, ids::DATA_BOUND), "{cleared:?}");
+    assert_eq!(cleared, vec![ids::WELL_UTILIZED]);
+}
+
+#[test]
+fn launch_bound_fires_with_the_batch_key_and_clears() {
+    let mut s = Session::new();
+    s.attach("bf16", "cuda:0");
+    let fired = last(&s.run(SETTLE, || ours(25, 0.5), Some((20.0, 0.5))));
+    assert_eq!(fired, vec![ids::LAUNCH_BOUND]);
+    let rec = s.find(ids::LAUNCH_BOUND).unwrap();
+    assert_eq!(rec.key.as_deref(), Some("+"));
+
+    let cleared = last(&s.run(SETTLE, || ours(90, 0.5), Some((20.0, 0.5))));
+    assert!(!has(&cleared, ids::LAUNCH_BOUND), "{cleared:?}");
+}
+
+#[test]
+fn monitor_only_low_utilization_is_underutilized_not_data_bound() {
+    let mut s = Session::new();
+    let history = s.run(SETTLE, || theirs(20, 0.5), None);
+    assert!(history
+        .iter()
+        .flatten()
+        .all(|id| id != ids::DATA_BOUND && id != ids::LAUNCH_BOUND));
+    assert_eq!(last(&history), vec![ids::UNDERUTILIZED]);
+    let rec = s.find(ids::UNDERUTILIZED).unwrap();
+    let evidence = |k: &str| {
+        rec.evidence
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(evidence("util_gpu_avg").as_deref(), Some("20%"));
+    assert!(evidence("processes")
+        .unwrap()
+        .contains("31337 python (alice)"));
+
+    let cleared = last(&s.run(SETTLE, || theirs(90, 0.5), None));
+    assert_eq!(cleared, vec![ids::WELL_UTILIZED]);
+}
+
+#[test]
+fn a_busy_gpu_without_visible_processes_is_still_judged() {
+    // Inside a container NVML may list no process; utilization still shows the work.
+    let mut s = Session::new();
+    let fired = last(&s.run(SETTLE, || vec![gpu(0, 20, 0.5)], None));
+    assert_eq!(fired, vec![ids::UNDERUTILIZED]);
+    let cleared = last(&s.run(SETTLE, || vec![gpu(0, 90, 0.5)], None));
+    assert_eq!(cleared, vec![ids::WELL_UTILIZED]);
+}
+
+#[test]
+fn an_idle_gpu_gets_one_idle_recommendation() {
+    let mut s = Session::new();
+    // Idle, with almost no memory in use: still no "raise the batch size".
+    let fired = last(&s.run(SETTLE, || vec![gpu(0, 0, 0.01)], None));
+    assert_eq!(fired, vec![ids::IDLE]);
+    let rec = s.find(ids::IDLE).unwrap();
+    assert_eq!(rec.severity, Severity::Info);
+    assert_eq!(rec.key, None);
+
+    // A job starts on it.
+    let cleared = last(&s.run(SETTLE, || theirs(95, 0.5), None));
+    assert!(!has(&cleared, ids::IDLE), "{cleared:?}");
+    assert_eq!(cleared, vec![ids::WELL_UTILIZED]);
+}
+
+#[test]
+fn an_attached_run_is_never_called_idle() {
+    let mut s = Session::new();
+    s.attach("bf16", "cuda:0");
+    let history = s.run(SETTLE, || vec![gpu(0, 0, 0.01)], None);
+    assert!(
+        history.iter().flatten().all(|id| id != ids::IDLE),
+        "{history:?}"
+    );
+}
+
+#[test]
+fn low_memory_fires_with_plus_and_clears() {
+    let mut s = Session::new();
+    s.attach("bf16", "cuda:0");
+    let fired = last(&s.run(SETTLE, || ours(95, 0.10), Some((100.0, 1.0))));
+    assert!(has(&fired, ids::MEM_LOW), "{fired:?}");
+    assert_eq!(s.find(ids::MEM_LOW).unwrap().key.as_deref(), Some("+"));
+
+    let cleared = last(&s.run(SETTLE, || ours(95, 0.60), Some((100.0, 1.0))));
+    assert!(!has(&cleared, ids::MEM_LOW), "{cleared:?}");
+}
+
+#[test]
+fn high_memory_fires_with_minus_and_clears() {
+    let mut s = Session::new();
+    s.attach("bf16", "cuda:0");
+    let fired = last(&s.run(SETTLE, || ours(95, 0.95), Some((100.0, 1.0))));
+    assert!(has(&fired, ids::MEM_HIGH), "{fired:?}");
+    assert!(
+        !has(&fired, ids::WELL_UTILIZED),
+        "a warning stands: {fired:?}"
+    );
+    let rec = s.find(ids::MEM_HIGH).unwrap();
+    assert_eq!(rec.key.as_deref(), Some("-"));
+    assert!(rec.action.contains("accum"));
+
+    let cleared = last(&s.run(SETTLE, || ours(95, 0.70), Some((100.0, 1.0))));
+    assert!(!has(&cleared, ids::MEM_HIGH), "{cleared:?}");
+    assert!(has(&cleared, ids::WELL_UTILIZED));
+}
+
+#[test]
+fn fp32_on_tensor_cores_fires_and_clears_with_the_dtype() {
+    let mut s = Session::new();
+    s.attach("f32", "cuda:0");
+    let fired = last(&s.run(5, || ours(95, 0.5), Some((100.0, 1.0))));
+    assert!(has(&fired, ids::FP32_ON_TENSOR_CORES), "{fired:?}");
+    assert!(s
+        .find(ids::FP32_ON_TENSOR_CORES)
+        .unwrap()
+        .action
+        .contains("precision.dtype = \"bf16\""));
+
+    s.attach("bf16", "cuda:0");
+    let cleared = last(&s.run(5, || ours(95, 0.5), Some((100.0, 1.0))));
+    assert!(!has(&cleared, ids::FP32_ON_TENSOR_CORES), "{cleared:?}");
+}
+
+#[test]
+fn fp32_without_tensor_cores_is_fine() {
+    let mut s = Session::new();
+    s.attach("f32", "cuda:0");
+    let old = || {
+        let mut g = with_process(gpu(0, 95, 0.5), OWN_PID, "cockpit");
+        g.compute_capability = Some((6, 1));
+        vec![g]
+    };
+    let history = s.run(SETTLE, old, Some((100.0, 1.0)));
+    assert!(history
+        .iter()
+        .flatten()
+        .all(|id| id != ids::FP32_ON_TENSOR_CORES));
+}
+
+#[test]
+fn thermal_and_power_throttling_fire_and_clear() {
+    for (reason, id) in [
+        ("hw_thermal_slowdown", ids::THERMAL_THROTTLE),
+        ("sw_power_cap", ids::POWER_THROTTLE),
+    ] {
+        let mut s = Session::new();
+        let hot = || {
+            vec![throttled(
+                with_process(gpu(0, 95, 0.5), 31337, "python"),
+                &[reason],
+            )]
+        };
+        let fired = last(&s.run(SETTLE, hot, None));
+        assert!(has(&fired, id), "{reason}: {fired:?}");
+        let rec = s.find(id).unwrap();
+        assert!(rec
+            .evidence
+            .iter()
+            .any(|(k, v)| k == "reasons" && v.contains(reason)));
+
+        let cleared = last(&s.run(SETTLE, || theirs(95, 0.5), None));
+        assert!(!has(&cleared, id), "{reason}: {cleared:?}");
+    }
+}
+
+#[test]
+fn another_process_on_our_gpu_is_contention() {
+    let mut s = Session::new();
+    s.attach("bf16", "cuda:0");
+    let shared = || {
+        let g = with_process(gpu(0, 95, 0.5), OWN_PID, "cockpit");
+        vec![with_process(g, 777, "miner")]
+    };
+    let fired = last(&s.run(SETTLE, shared, Some((100.0, 1.0))));
+    assert!(has(&fired, ids::GPU_CONTENTION), "{fired:?}");
+    let rec = s.find(ids::GPU_CONTENTION).unwrap();
+    let procs = rec.evidence.iter().find(|(k, _)| k == "processes").unwrap();
+    assert!(procs.1.contains("777 miner") && !procs.1.contains("cockpit"));
+
+    let cleared = last(&s.run(SETTLE, || ours(95, 0.5), Some((100.0, 1.0))));
+    assert!(!has(&cleared, ids::GPU_CONTENTION), "{cleared:?}");
+}
+
+#[test]
+fn monitor_only_contention_needs_two_processes() {
+    let mut s = Session::new();
+    let alone = s.run(SETTLE, || theirs(95, 0.5), None);
+    assert!(alone.iter().flatten().all(|id| id != ids::GPU_CONTENTION));
+    let two = || vec![with_process(with_process(gpu(0, 95, 0.5), 1, "a"), 2, "b")];
+    assert!(has(&last(&s.run(SETTLE, two, None)), ids::GPU_CONTENTION));
+}
+
+#[test]
+fn a_single_spike_neither_fires_nor_clears() {
+    // Well utilized; one sample at 0% does not make it under-used.
+    let mut s = Session::new();
+    s.run(SETTLE, || theirs(92, 0.5), None);
+    let after_dip = s.tick(theirs(0, 0.5), None);
+    let later = last(&s.run(10, || theirs(92, 0.5), None));
+    for ids_now in [&after_dip, &later] {
+        assert_eq!(ids_now, &vec![ids::WELL_UTILIZED.to_string()]);
+    }
+
+    // Under-used; one sample at 100% does not clear it.
+    let mut s = Session::new();
+    s.run(SETTLE, || theirs(20, 0.5), None);
+    let after_spike = s.tick(theirs(100, 0.5), None);
+    let later = last(&s.run(10, || theirs(20, 0.5), None));
+    for ids_now in [&after_spike, &later] {
+        assert_eq!(ids_now, &vec![ids::UNDERUTILIZED.to_string()]);
+    }
+
+    // Memory: one sample at 99% does not fire mem_high.
+    let mut s = Session::new();
+    s.run(SETTLE, || theirs(92, 0.6), None);
+    s.tick(theirs(92, 0.99), None);
+    let history = s.run(SETTLE, || theirs(92, 0.6), None);
+    assert!(history.iter().flatten().all(|id| id != ids::MEM_HIGH));
+}
+
+#[test]
+fn the_dead_zone_between_thresholds_keeps_the_state() {
+    // Fire under 50%, clear over 65%: hovering at 58% keeps whatever stood before.
+    let mut s = Session::new();
+    s.run(SETTLE, || theirs(20, 0.5), None);
+    let hovering = s.run(SETTLE, || theirs(58, 0.5), None);
+    assert!(
+        hovering.iter().all(|ids| has(ids, ids::UNDERUTILIZED)),
+        "{hovering:?}"
+    );
+
+    let mut s = Session::new();
+    let hovering = s.run(SETTLE, || theirs(58, 0.5), None);
+    assert!(hovering.iter().flatten().all(|id| id != ids::UNDERUTILIZED));
+}
+
+#[test]
+fn advice_follows_the_window_not_the_whole_run() {
+    // Five minutes under-used, then busy: a whole-run average would stay low for ages;
+    // the 30 s window clears within about a window's length.
+    let mut s = Session::new();
+    s.run(300, || theirs(10, 0.5), None);
+    let recovery = s.run(SETTLE, || theirs(95, 0.5), None);
+    let cleared_at = recovery
+        .iter()
+        .position(|ids| !has(ids, ids::UNDERUTILIZED));
+    assert!(
+        cleared_at.is_some_and(|t| t <= 35),
+        "cleared after {cleared_at:?} s"
+    );
+}
+
+#[test]
+fn advice_needs_a_few_samples_and_a_confirmation_streak() {
+    let mut s = Session::new();
+    let history = s.run(10, || theirs(10, 0.5), None);
+    let first = history
+        .iter()
+        .position(|ids| has(ids, ids::UNDERUTILIZED))
+        .unwrap();
+    let opts = options();
+    // Judged from the min_window_samples-th sample on, shown after confirm_samples in a row.
+    assert_eq!(
+        first + 1,
+        opts.min_window_samples + opts.confirm_samples as usize - 1
+    );
+}
+
+#[test]
+fn cpu_run_without_gpu_metrics_gets_job_level_data_advice() {
+    let mut s = Session::new();
+    s.attach("f32", "cpu");
+    let fired = last(&s.run(SETTLE, Vec::new, Some((100.0, 60.0))));
+    assert_eq!(fired, vec![ids::DATA_BOUND]);
+    assert_eq!(s.find(ids::DATA_BOUND).unwrap().gpu, None);
+    let cleared = last(&s.run(SETTLE, Vec::new, Some((100.0, 1.0))));
+    assert!(cleared.is_empty(), "{cleared:?}");
+}
+
+#[test]
+fn no_gpu_and_no_run_gives_no_advice() {
+    let mut s = Session::new();
+    assert!(last(&s.run(SETTLE, Vec::new, None)).is_empty());
+}
+
+#[test]
+fn recommendations_are_sorted_by_severity() {
+    let mut s = Session::new();
+    s.attach("bf16", "cuda:0");
+    // Memory nearly full (warn) and throttled at the power cap (info).
+    let gpus = || {
+        vec![throttled(
+            with_process(gpu(0, 95, 0.95), OWN_PID, "cockpit"),
+            &["sw_power_cap"],
+        )]
+    };
+    s.run(SETTLE, gpus, Some((100.0, 1.0)));
+    let recs = s.recs();
+    assert!(recs.len() >= 2, "{:?}", ids(&recs));
+    assert!(
+        recs.windows(2).all(|w| w[0].severity >= w[1].severity),
+        "{:?}",
+        ids(&recs)
+    );
+}
+
+#[test]
+fn gpus_are_judged_separately() {
+    let mut s = Session::new();
+    let two = || {
+        vec![
+            gpu(0, 0, 0.01),
+            with_process(gpu(1, 95, 0.5), 31337, "python"),
+        ]
+    };
+    s.run(SETTLE, two, None);
+    let recs = s.recs();
+    let by_gpu: Vec<(String, Option<u32>)> = recs.iter().map(|r| (r.id.clone(), r.gpu)).collect();
+    assert!(
+        by_gpu.contains(&(ids::IDLE.to_string(), Some(0))),
+        "{by_gpu:?}"
+    );
+    assert!(
+        by_gpu.contains(&(ids::WELL_UTILIZED.to_string(), Some(1))),
+        "{by_gpu:?}"
+    );
+}
+
+/// Replay a fixture through a fresh advisor; the ids standing after each snapshot.
+fn advise_trace(name: &str) -> Vec<Vec<String>> {
+    let snapshots = read_trace(&fixture(name)).unwrap();
+    let mut advisor = Advisor::new(options());
+    snapshots
+        .iter()
+        .map(|snap| {
+            advisor.observe_snapshot(snap);
+            ids(&advisor.recommendations())
+        })
+        .collect()
+}
+
+#[test]
+fn the_shipped_traces_give_the_expected_advice() {
+    assert_eq!(last(&advise_trace("idle_gpu.jsonl")), vec![ids::IDLE]);
+
+    let starved = advise_trace("data_starved.jsonl");
+    assert_eq!(starved[59], vec![ids::UNDERUTILIZED], "at 59 s");
+    assert_eq!(last(&starved), vec![ids::WELL_UTILIZED]);
+
+    let hot = advise_trace("hot_and_full.jsonl");
+    assert!(has(&hot[15], ids::MEM_HIGH) && !has(&hot[15], ids::THERMAL_THROTTLE));
+    let end = last(&hot);
+    assert!(
+        has(&end, ids::MEM_HIGH) && has(&end, ids::THERMAL_THROTTLE),
+        "{end:?}"
+    );
+}
+
+#[test]
+fn a_data_bound_run_replayed_with_its_steps_is_data_bound() {
+    // The monitor-side trace plus the run's step timings (as the TUI feeds them).
+    let snapshots = read_trace(&fixture("data_starved.jsonl")).unwrap();
+    let mut advisor = Advisor::new(AdvisorOptions {
+        own_pid: 31337,
+        ..options()
+    });
+    advisor.observe_run(&run_info("bf16", "cuda:0"));
+    let mut seen = Vec::new();
+    for (i, snap) in snapshots.iter().enumerate().take(60) {
+        advisor.observe_step(&step(i as u64, 200.0, 120.0));
+        advisor.observe_snapshot(snap);
+        seen = ids(&advisor.recommendations());
+    }
+    assert_eq!(seen, vec![ids::DATA_BOUND]);
+}
+
+#[test]
+fn replaying_a_trace_is_deterministic() {
+    for (name, _) in fixtures() {
+        assert_eq!(advise_trace(name), advise_trace(name), "{name}");
+    }
+}
