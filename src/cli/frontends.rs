@@ -246,8 +246,11 @@ pub fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
         session
     };
     if session.sample_count() > 0 {
-        let path = session.write_summary(&out_dir)?;
-        eprintln!("wrote {}", path.display());
+        if use_tui {
+            // The headless session writes its own summary; the dashboard's is written here.
+            let path = session.write_summary(&out_dir)?;
+            eprintln!("wrote {}", path.display());
+        }
         match crate::report::plot_monitor_detailed(session.snapshots(), &out_dir) {
             Ok(s) => eprintln!("{s}"),
             Err(e) => eprintln!("plots: {e}"),

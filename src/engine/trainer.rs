@@ -168,6 +168,9 @@ struct Trainer {
     fault_nan_steps: Vec<u64>,
     /// Config changes found at resume, reported once the run starts.
     resume_notes: Vec<String>,
+    /// Memory in use right after the last backward of the step (activations and gradients
+    /// alive: the step's high-water mark, near enough).
+    step_memory: Option<u64>,
 }
 
 #[derive(Default)]
@@ -323,6 +326,7 @@ impl Trainer {
             restores: 0,
             fault_nan_steps: opts.fault_nan_steps,
             resume_notes: Vec::new(),
+            step_memory: None,
         };
         if let Some(spec) = opts.resume {
             t.restore(&spec, true)?;
@@ -589,6 +593,9 @@ impl Trainer {
                 loss = (loss * scale)?;
             }
             let store = loss.backward()?;
+            if a + 1 == self.accum {
+                self.step_memory = device::memory_in_use(&self.device);
+            }
             for (g, slot) in grads.iter_mut().zip(&self.opt.slots) {
                 if let Some(new) = store.get(slot.var.as_tensor()) {
                     *g = Some(match g.take() {
@@ -1152,7 +1159,7 @@ impl Trainer {
                 tokens: self.tokens,
                 epoch: self.tokens as f64 / self.dataset.train.len().max(1) as f64,
                 elapsed_s: self.elapsed(start),
-                memory_bytes: device::memory_in_use(&self.device),
+                memory_bytes: self.step_memory,
                 dropped_before: 0,
             }));
 
