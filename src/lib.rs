@@ -6,6 +6,7 @@
 //! import nothing from candle.
 
 pub mod advisor;
+pub mod attach;
 pub mod cli;
 pub mod config;
 pub mod engine;

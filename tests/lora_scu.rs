@@ -101,7 +101,10 @@ fn high_lambda_shrinks_the_regularized_weights() {
 #[test]
 fn scu_writes_its_outputs() {
     let dir = tempfile::tempdir().unwrap();
-    let rows = scu(&run(small(&["run.max_steps=20", "scu.control_every=2"]), dir.path()));
+    let rows = scu(&run(
+        small(&["run.max_steps=20", "scu.control_every=2"]),
+        dir.path(),
+    ));
     assert_eq!(rows.len(), 10);
     let metrics: Vec<serde_json::Value> = serde_json::from_str(
         &std::fs::read_to_string(dir.path().join("scu_metrics.json")).unwrap(),
@@ -109,10 +112,22 @@ fn scu_writes_its_outputs() {
     .unwrap();
     assert_eq!(metrics.len(), rows.len());
     for key in [
-        "step", "ce_loss", "reg_loss", "total_loss", "data_bpt", "param_bpt", "s_ratio", "s_hat",
-        "lambda", "integral", "error",
+        "step",
+        "ce_loss",
+        "reg_loss",
+        "total_loss",
+        "data_bpt",
+        "param_bpt",
+        "s_ratio",
+        "s_hat",
+        "lambda",
+        "integral",
+        "error",
     ] {
-        assert!(metrics[0].get(key).is_some(), "scu_metrics.json rows have {key}");
+        assert!(
+            metrics[0].get(key).is_some(),
+            "scu_metrics.json rows have {key}"
+        );
     }
     let history: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.path().join("scu_history.json")).unwrap(),
@@ -120,7 +135,11 @@ fn scu_writes_its_outputs() {
     .unwrap();
     assert_eq!(history["s_ratio_history"].as_array().unwrap().len(), 10);
     let csv = std::fs::read_to_string(dir.path().join("scu.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 11, "header + one line per control step");
+    assert_eq!(
+        csv.lines().count(),
+        11,
+        "header + one line per control step"
+    );
     assert!(dir.path().join("scu_config.json").is_file());
     // S is ParamBPT / (DataBPT + ParamBPT), and the penalty is reported in the same units as CE.
     for r in &rows {

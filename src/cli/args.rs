@@ -14,6 +14,7 @@ Examples:
   cockpit monitor --once --json              one JSON snapshot of GPUs and host
   cockpit check                              what this machine has, and what cockpit would use
   cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
+  cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
 
 Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 130 interrupted.";
 
@@ -43,6 +44,21 @@ pub enum Cmd {
         config: PathBuf,
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         set: Vec<String>,
+    },
+    /// Open the dashboard on a run started elsewhere (e.g. `train --no-tui` under nohup):
+    /// history first, then live. `q` detaches; the run goes on.
+    Attach {
+        /// The run directory.
+        run_dir: PathBuf,
+        /// Progress lines instead of the dashboard.
+        #[arg(long)]
+        no_tui: bool,
+        /// Let this viewer stop the run (off: quitting only detaches).
+        #[arg(long)]
+        allow_stop: bool,
+        /// TUI theme.
+        #[arg(long, value_name = "NAME|PATH")]
+        theme: Option<String>,
     },
     /// Fold a LoRA run's adapters into its base weights (writes model.safetensors, HF names).
     Merge {

@@ -105,6 +105,24 @@ pub fn run_frontend(
         Some((rx, feed)) => (tee(events, feed), Some(rx)),
         None => (events, None),
     };
+    // Serve the run on RUN_DIR's owner-only socket so `cockpit attach` can watch and steer it.
+    let (events, updates, attach_guard) = match crate::attach::Server::start(run_dir) {
+        Ok(server) => {
+            tracing::info!("attach with: cockpit attach {}", run_dir.display());
+            if !use_tui {
+                eprintln!(
+                    "attach a dashboard with: cockpit attach {}",
+                    run_dir.display()
+                );
+            }
+            let r = server.relay(events, commands.clone(), updates);
+            (r.events, r.telemetry, Some(r.guard))
+        }
+        Err(e) => {
+            tracing::warn!("attach: this run cannot be attached to: {e}");
+            (events, updates, None)
+        }
+    };
     if use_tui {
         let opts = tui_options(cfg, &cfg.run.theme, Some(run_dir)).map_err(anyhow::Error::msg)?;
         // Without telemetry the dashboard still wants a receiver: one that never delivers.
@@ -118,17 +136,20 @@ pub fn run_frontend(
         Ok(HeadlessOutcome {
             finished,
             interrupted,
+            attach: attach_guard,
         })
     } else {
         let log_every = Duration::from_secs_f64(cfg.run.log_every_secs);
-        Ok(headless::run(
+        let mut outcome = headless::run(
             events,
             commands,
             updates,
             flags,
             log_every,
             &mut std::io::stderr(),
-        ))
+        );
+        outcome.attach = attach_guard;
+        Ok(outcome)
     }
 }
 
@@ -257,6 +278,38 @@ pub fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(EXIT_OK)
+}
+
+/// `cockpit attach RUN_DIR`.
+pub fn attach(
+    run_dir: &Path,
+    no_tui: bool,
+    allow_stop: bool,
+    theme: Option<&str>,
+) -> anyhow::Result<i32> {
+    use std::io::IsTerminal;
+    // The run's own config, for its theme and keys; the defaults when it cannot be read.
+    let cfg: Config = std::fs::read_to_string(run_dir.join("training_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let tui = if !no_tui && std::io::stdout().is_terminal() {
+        match tui_options(&cfg, theme.unwrap_or(&cfg.run.theme), None) {
+            Ok(o) => Some(o),
+            Err(e) => {
+                eprintln!("cockpit attach: {e}");
+                return Ok(EXIT_USAGE);
+            }
+        }
+    } else {
+        None
+    };
+    let opts = crate::attach::AttachOptions {
+        tui,
+        allow_stop,
+        log_every: Duration::from_secs_f64(cfg.run.log_every_secs),
+    };
+    crate::attach::run_attach(run_dir, opts)
 }
 
 fn usage(msg: &str) -> anyhow::Result<i32> {

@@ -36,6 +36,12 @@ pub fn main() -> i32 {
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
+        Some(Cmd::Attach {
+            run_dir,
+            no_tui,
+            allow_stop,
+            theme,
+        }) => frontends::attach(&run_dir, no_tui, allow_stop, theme.as_deref()),
         None if cli.monitor_only => monitor(cli.monitor),
         None => {
             eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, prepare, plot. See cockpit --help.");
@@ -238,6 +244,10 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     } = engine;
     let outcome = frontends::run_frontend(use_tui, events, commands, &cfg, &run_dir, &flags)?;
     let summary = thread.wait();
+    let interrupted = outcome.interrupted;
+    if let Some(guard) = outcome.attach {
+        guard.wait();
+    }
     frontends::after_run(&run_dir);
     let summary = match summary {
         Ok(s) => s,
@@ -271,7 +281,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             }
         });
     }
-    Ok(match (outcome.interrupted, summary.reason) {
+    Ok(match (interrupted, summary.reason) {
         (true, _) => EXIT_INTERRUPTED,
         (_, FinishReason::Failed) => EXIT_FAILURE,
         _ => EXIT_OK,

@@ -297,7 +297,7 @@ impl EventTx {
                 self.dropped_since_last.fetch_add(1, Ordering::Relaxed);
                 return true;
             }
-            s.dropped_before = self.dropped_since_last.swap(0, Ordering::Relaxed) as u64;
+            s.dropped_before += self.dropped_since_last.swap(0, Ordering::Relaxed) as u64;
             self.queued_steps.fetch_add(1, Ordering::AcqRel);
         }
         self.tx.send(ev).is_ok()

@@ -169,12 +169,14 @@ pub fn event_line(ev: &Event) -> Option<String> {
     })
 }
 
-/// How the headless loop ended.
-#[derive(Debug, Clone, PartialEq)]
+/// How the front end ended.
+#[derive(Default)]
 pub struct HeadlessOutcome {
     pub finished: Option<FinishReason>,
     /// A terminate signal arrived.
     pub interrupted: bool,
+    /// The attach server, to be shut down once the engine thread has been joined.
+    pub attach: Option<crate::attach::RelayGuard>,
 }
 
 /// Print progress until the engine finishes. Signals become commands.
@@ -223,6 +225,7 @@ pub fn run(
                     return HeadlessOutcome {
                         finished: Some(reason),
                         interrupted,
+                        attach: None,
                     };
                 }
             }
@@ -231,6 +234,7 @@ pub fn run(
                 return HeadlessOutcome {
                     finished: None,
                     interrupted,
+                    attach: None,
                 }
             }
         }
