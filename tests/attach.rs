@@ -336,6 +336,32 @@ fn the_dashboards_quit_popup_only_detaches() {
     assert_eq!(step_numbers(&front).len(), 20);
 }
 
+/// In the attached dashboard `q`, Ctrl+C and signals detach at once and send nothing.
+#[test]
+fn the_attached_dashboard_detaches_without_stopping() {
+    use cockpit::tui::{Action, App, TuiExit, TuiOptions};
+    use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+    let opts = TuiOptions {
+        attached: true,
+        ..TuiOptions::default()
+    };
+    let mut app = App::training(&opts);
+    assert_eq!(
+        app.on_key(KeyEvent::new(KeyCode::Char('q'), KeyModifiers::NONE)),
+        Some(Action::Quit)
+    );
+    assert_eq!(app.exit(), Some(&TuiExit::Detached));
+    let mut app = App::training(&opts);
+    assert_eq!(
+        app.on_key(KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL)),
+        Some(Action::Quit)
+    );
+    assert_eq!(app.exit(), Some(&TuiExit::Detached));
+    let mut app = App::training(&opts);
+    assert_eq!(app.on_signal(), None, "a signal sends no Stop");
+    assert_eq!(app.exit(), Some(&TuiExit::Detached));
+}
+
 /// More viewers than allowed are turned away with a reason.
 #[test]
 fn too_many_viewers_are_turned_away() {

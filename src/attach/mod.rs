@@ -252,6 +252,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
         Some(tui_opts) => {
             let tui_opts = TuiOptions {
                 log_path: None,
+                attached: true,
                 ..tui_opts
             };
             let exit = tui::run_training(events, commands, telemetry, tui_opts);
@@ -259,9 +260,10 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
             match exit? {
                 TuiExit::Finished { reason } => Some(Some(reason)),
                 TuiExit::EngineGone => None,
-                TuiExit::StopRequested { .. } | TuiExit::Interrupted | TuiExit::Closed => {
-                    Some(None)
-                }
+                TuiExit::StopRequested { .. }
+                | TuiExit::Interrupted
+                | TuiExit::Closed
+                | TuiExit::Detached => Some(None),
             }
         }
         None => {

@@ -20,6 +20,22 @@ fn os_name() -> String {
     )
 }
 
+/// ", driver 580.95, CUDA 13.0" from NVML, or nothing when it cannot tell.
+fn driver_versions() -> String {
+    let Ok(nvml) = nvml_wrapper::Nvml::init() else {
+        return String::new();
+    };
+    let driver = nvml
+        .sys_driver_version()
+        .map(|v| format!(", driver {v}"))
+        .unwrap_or_default();
+    let cuda = nvml
+        .sys_cuda_driver_version()
+        .map(|v| format!(", CUDA {}.{}", v / 1000, (v % 1000) / 10))
+        .unwrap_or_default();
+    format!("{driver}{cuda}")
+}
+
 pub fn run() -> anyhow::Result<i32> {
     let snap = crate::telemetry::sample_once();
     let cores = std::thread::available_parallelism()
@@ -61,7 +77,11 @@ pub fn run() -> anyhow::Result<i32> {
             missing.push("GPU telemetry: install the NVIDIA driver (it ships libnvidia-ml.so.1) on a machine with an NVIDIA GPU".to_string());
         }
         _ => {
-            println!("  NVML      ok, {} GPU(s)", snap.gpus.len());
+            println!(
+                "  NVML      ok, {} GPU(s){}",
+                snap.gpus.len(),
+                driver_versions()
+            );
             for g in &snap.gpus {
                 let cc = g
                     .compute_capability

@@ -131,7 +131,10 @@ pub fn run_frontend(
         let (finished, interrupted) = match exit {
             TuiExit::Finished { reason } => (Some(reason), false),
             TuiExit::Interrupted => (None, true),
-            TuiExit::StopRequested { .. } | TuiExit::EngineGone | TuiExit::Closed => (None, false),
+            TuiExit::StopRequested { .. }
+            | TuiExit::EngineGone
+            | TuiExit::Closed
+            | TuiExit::Detached => (None, false),
         };
         Ok(HeadlessOutcome {
             finished,

@@ -192,9 +192,15 @@ impl Trainer {
     fn new(opts: EngineOptions) -> Result<Self, EngineError> {
         let cfg = opts.config;
         let device = device::open(opts.device)?;
-        let (dtype, dtype_reason) =
-            precision::choose(cfg.precision.dtype, device::compute_capability(&device))
-                .map_err(EngineError::Config)?;
+        let cc = device::compute_capability(&device);
+        let (dtype, mut dtype_reason) =
+            precision::choose(cfg.precision.dtype, cc).map_err(EngineError::Config)?;
+        // TF32 tensor cores for fp32 matmuls (Ampere and later), when allowed.
+        let tf32 = cfg.precision.tf32 && cc.is_some_and(|(major, _)| major >= 8);
+        candle_core::cuda::set_gemm_reduced_precision_f32(tf32);
+        if tf32 {
+            dtype_reason.push_str("; TF32 for fp32 matmuls");
+        }
         // LoRA: the base decides the model's shape.
         let mut cfg = cfg;
         let base = if cfg.lora.enabled {

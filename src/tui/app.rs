@@ -55,6 +55,8 @@ pub enum TuiExit {
     Interrupted,
     /// The monitor view was closed.
     Closed,
+    /// An attached viewer left; the run goes on in its own process.
+    Detached,
 }
 
 /// The three answers of the quit popup.
@@ -171,6 +173,8 @@ pub struct App {
     stopping: Option<bool>,
     engine_gone: bool,
     exit: Option<TuiExit>,
+    /// Attached to a run in another process: leaving detaches, it never stops the run.
+    attached: bool,
 }
 
 impl App {
@@ -205,6 +209,7 @@ impl App {
             stopping: None,
             engine_gone: false,
             exit: None,
+            attached: opts.attached,
         }
     }
 
@@ -486,6 +491,10 @@ impl App {
     /// SIGINT or SIGTERM arrived: the dashboard closes. Returns the command to send first
     /// (a saving stop, while the run is going).
     pub fn on_signal(&mut self) -> Option<Command> {
+        if self.attached {
+            self.exit = Some(TuiExit::Detached);
+            return None;
+        }
         self.exit = Some(match self.mode {
             Mode::Monitor => TuiExit::Closed,
             Mode::Training => TuiExit::Interrupted,
@@ -531,6 +540,9 @@ impl App {
     }
 
     fn on_ctrl_c(&mut self) -> Option<Action> {
+        if self.attached {
+            return self.quit(TuiExit::Detached);
+        }
         match self.mode {
             Mode::Monitor => self.quit(TuiExit::Closed),
             Mode::Training => match self.status() {
@@ -650,6 +662,9 @@ impl App {
     fn on_quit_key(&mut self) -> Option<Action> {
         if self.mode == Mode::Monitor {
             return self.quit(TuiExit::Closed);
+        }
+        if self.attached {
+            return self.quit(TuiExit::Detached);
         }
         match self.status() {
             RunStatus::Finished(reason) => self.quit(TuiExit::Finished { reason }),

@@ -45,6 +45,9 @@ pub struct TuiOptions {
     pub recent_window: usize,
     /// Points kept per chart series for the whole run (thinned by halving beyond this).
     pub history_capacity: usize,
+    /// A viewer attached to a run owned by another process (`cockpit attach`): `q`, Ctrl+C
+    /// and signals detach and never stop the run.
+    pub attached: bool,
 }
 
 impl TuiOptions {
@@ -73,6 +76,7 @@ impl Default for TuiOptions {
             log_path: None,
             recent_window: 500,
             history_capacity: 2048,
+            attached: false,
         }
     }
 }
