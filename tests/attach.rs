@@ -360,6 +360,30 @@ fn the_attached_dashboard_detaches_without_stopping() {
     let mut app = App::training(&opts);
     assert_eq!(app.on_signal(), None, "a signal sends no Stop");
     assert_eq!(app.exit(), Some(&TuiExit::Detached));
+    // Stopping needs --allow-stop and its own confirmed key: Q, then s or x.
+    let shift_q = KeyEvent::new(KeyCode::Char('Q'), KeyModifiers::SHIFT);
+    let mut app = App::training(&opts);
+    assert_eq!(app.on_key(shift_q), None);
+    assert_eq!(
+        app.on_key(KeyEvent::new(KeyCode::Char('s'), KeyModifiers::NONE)),
+        None,
+        "read-only: no popup, nothing sent"
+    );
+    let mut app = App::training(&TuiOptions {
+        allow_stop: true,
+        ..opts
+    });
+    assert_eq!(app.on_key(shift_q), None, "the confirm popup opens");
+    assert_eq!(
+        app.on_key(KeyEvent::new(KeyCode::Enter, KeyModifiers::NONE)),
+        None,
+        "Enter on the default (cancel) sends nothing"
+    );
+    assert_eq!(app.on_key(shift_q), None);
+    assert_eq!(
+        app.on_key(KeyEvent::new(KeyCode::Char('s'), KeyModifiers::NONE)),
+        Some(Action::Send(Command::Stop { save: true }))
+    );
 }
 
 /// More viewers than allowed are turned away with a reason.

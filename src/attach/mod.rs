@@ -253,6 +253,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
             let tui_opts = TuiOptions {
                 log_path: None,
                 attached: true,
+                allow_stop: opts.allow_stop,
                 ..tui_opts
             };
             let exit = tui::run_training(events, commands, telemetry, tui_opts);

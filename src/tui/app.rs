@@ -175,6 +175,8 @@ pub struct App {
     exit: Option<TuiExit>,
     /// Attached to a run in another process: leaving detaches, it never stops the run.
     attached: bool,
+    /// Attached with permission to stop the run (through `Q` and the confirm popup).
+    allow_stop: bool,
 }
 
 impl App {
@@ -210,6 +212,7 @@ impl App {
             engine_gone: false,
             exit: None,
             attached: opts.attached,
+            allow_stop: opts.allow_stop,
         }
     }
 
@@ -533,6 +536,9 @@ impl App {
             }
             Overlay::QuitConfirm { selected } => self.on_quit_popup_key(key, selected),
             Overlay::None => {
+                if self.attached && key.code == KeyCode::Char('Q') {
+                    return self.on_attached_stop_key();
+                }
                 let action = self.keymap.action_for(&key)?;
                 self.on_action(action)
             }
@@ -656,6 +662,26 @@ impl App {
                 }
                 self.on_command_key(action)
             }
+        }
+    }
+
+    /// `Q` in an attached dashboard: stopping the run needs `--allow-stop` and a confirmation.
+    fn on_attached_stop_key(&mut self) -> Option<Action> {
+        if !self.allow_stop {
+            self.notice(
+                LogLevel::Warn,
+                "read-only viewer: attach with --allow-stop to stop the run (q detaches)",
+            );
+            return None;
+        }
+        match self.status() {
+            RunStatus::Waiting | RunStatus::Running | RunStatus::Paused => {
+                self.ui.overlay = Overlay::QuitConfirm {
+                    selected: QuitChoice::Cancel,
+                };
+                None
+            }
+            _ => None,
         }
     }
 

@@ -48,6 +48,8 @@ pub struct TuiOptions {
     /// A viewer attached to a run owned by another process (`cockpit attach`): `q`, Ctrl+C
     /// and signals detach and never stop the run.
     pub attached: bool,
+    /// An attached viewer may stop the run: `Q` opens the confirm popup (`q` still detaches).
+    pub allow_stop: bool,
 }
 
 impl TuiOptions {
@@ -77,6 +79,7 @@ impl Default for TuiOptions {
             recent_window: 500,
             history_capacity: 2048,
             attached: false,
+            allow_stop: false,
         }
     }
 }
