@@ -110,8 +110,11 @@ pub fn load_hf_llama(dir: &Path, seq_len: usize, device: &Device) -> Result<Base
     })
 }
 
-/// Load a cockpit checkpoint as a base: its model config and weights.
-pub fn load_cockpit_base(spec: &Path, device: &Device) -> Result<Base, CheckpointError> {
+/// A checkpoint with the config it was trained with.
+fn load_with_config(
+    spec: &Path,
+    device: &Device,
+) -> Result<(std::path::PathBuf, checkpoint::Loaded, Config), CheckpointError> {
     let dir = checkpoint::resolve(spec)?;
     let loaded = checkpoint::load(&dir, device)?;
     let cfg: Config = serde_json::from_value(loaded.state.config.clone()).map_err(|e| {
@@ -120,6 +123,12 @@ pub fn load_cockpit_base(spec: &Path, device: &Device) -> Result<Base, Checkpoin
             format!("no usable config in the checkpoint: {e}"),
         )
     })?;
+    Ok((dir, loaded, cfg))
+}
+
+/// Load a cockpit checkpoint as a base: its model config and weights.
+pub fn load_cockpit_base(spec: &Path, device: &Device) -> Result<Base, CheckpointError> {
+    let (dir, loaded, cfg) = load_with_config(spec, device)?;
     let tensors = loaded
         .model
         .into_iter()
@@ -196,14 +205,7 @@ pub fn model_from_checkpoint(
     spec: &Path,
     device: &Device,
 ) -> Result<(Model, Config), CheckpointError> {
-    let dir = checkpoint::resolve(spec)?;
-    let loaded = checkpoint::load(&dir, device)?;
-    let cfg: Config = serde_json::from_value(loaded.state.config.clone()).map_err(|e| {
-        corrupt(
-            &dir.join("state.json"),
-            format!("no usable config in the checkpoint: {e}"),
-        )
-    })?;
+    let (dir, loaded, cfg) = load_with_config(spec, device)?;
     let vocab = loaded
         .model
         .get("model.embed_tokens.weight")
