@@ -33,6 +33,20 @@ fn shipped_configs_load() {
 }
 
 #[test]
+fn lora_example_loads_once_its_base_exists() {
+    let path = Path::new("configs/lora-scu.toml");
+    let err = config::load(Some(path), &["lora.base=\"/no/such/base\"".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lora-scu.toml: lora.base"), "{err}");
+    let base = tempfile::tempdir().unwrap();
+    let set = format!("lora.base={:?}", base.path().display().to_string());
+    let c = config::load(Some(path), &[set]).unwrap().config;
+    assert!(c.lora.enabled && c.scu.enabled);
+    assert_eq!(c.scu.params, config::ScuParams::Lora);
+}
+
+#[test]
 fn overrides_are_typed_and_validated() {
     let c = config::load(
         None,
