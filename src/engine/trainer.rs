@@ -682,7 +682,8 @@ impl Recorder {
         if !self.failed {
             let ok = serde_json::to_writer(&mut self.file, &ev).is_ok()
                 && self.file.write_all(b"\n").is_ok();
-            let ok = ok && (matches!(ev, Event::Step(_)) || self.file.flush().is_ok());
+            // Flushed per event: `cockpit attach` backfills from this file while the run goes on.
+            let ok = ok && self.file.flush().is_ok();
             if !ok {
                 self.failed = true;
                 let msg = "could not write metrics.jsonl; events still reach the front end";

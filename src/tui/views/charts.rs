@@ -17,6 +17,9 @@ pub struct Series<'a> {
     pub points: &'a [(f64, f64)],
     /// Line colour.
     pub style: Style,
+    /// How points are drawn: braille lines by default; `Marker::Dot` draws the points alone
+    /// (a scatter), for sparse series such as val loss that must stay visible.
+    pub marker: Marker,
 }
 
 /// A bordered line chart over a step range, with y bounds fitted to what is visible.
@@ -83,8 +86,12 @@ impl Widget for SeriesChart<'_> {
             .iter()
             .map(|s| {
                 Dataset::default()
-                    .marker(Marker::Braille)
-                    .graph_type(GraphType::Line)
+                    .marker(s.marker)
+                    .graph_type(if s.marker == Marker::Dot {
+                        GraphType::Scatter
+                    } else {
+                        GraphType::Line
+                    })
                     .style(s.style)
                     .data(s.points)
             })
@@ -162,9 +169,11 @@ impl Widget for LossChartView<'_> {
         let x_range = self.run.x_range(self.recent);
         let train = Style::new().fg(c.train_loss);
         let val = Style::new().fg(c.val_loss).add_modifier(Modifier::BOLD);
+        // With smoothing on the raw series is drawn muted; its legend matches.
+        let raw = if self.smoothing { t.muted() } else { train };
         let mut title = vec![
             Span::styled(" loss ", t.title()),
-            legend("train", last_y(&s.train_loss), train, fmt::value),
+            legend("train", last_y(&s.train_loss), raw, fmt::value),
         ];
         let mut series = Vec::new();
         if self.smoothing {
@@ -172,21 +181,25 @@ impl Widget for LossChartView<'_> {
             series.push(Series {
                 points: visible(&s.train_loss, x_range, self.recent),
                 style: t.muted(),
+                marker: Marker::Braille,
             });
             series.push(Series {
                 points: visible(&s.train_loss_ema, x_range, self.recent),
                 style: train,
+                marker: Marker::Braille,
             });
         } else {
             series.push(Series {
                 points: visible(&s.train_loss, x_range, self.recent),
                 style: train,
+                marker: Marker::Braille,
             });
         }
         title.push(legend("val", last_y(&s.val_loss), val, fmt::value));
         series.push(Series {
             points: visible(&s.val_loss, x_range, self.recent),
             style: val,
+            marker: Marker::Dot,
         });
         let window = if self.recent {
             format!("last {} steps", fmt::count(self.run.recent_window() as u64))
@@ -277,10 +290,12 @@ impl Widget for ScuChartView<'_> {
                 Series {
                     points: visible(&s.setpoint, x_range, self.recent),
                     style: setpoint_style,
+                    marker: Marker::Braille,
                 },
                 Series {
                     points: visible(&s.s_ratio, x_range, self.recent),
                     style: s_style,
+                    marker: Marker::Braille,
                 },
             ],
             x_range,
@@ -305,6 +320,7 @@ impl Widget for ScuChartView<'_> {
             series: vec![Series {
                 points: visible(&s.lambda_log10, x_range, self.recent),
                 style: lambda_style,
+                marker: Marker::Braille,
             }],
             x_range,
             y_label: fmt::power_of_ten_short,
@@ -342,6 +358,7 @@ impl Widget for OptimChartsView<'_> {
             series: vec![Series {
                 points: visible(&s.lr, x_range, self.recent),
                 style: lr_style,
+                marker: Marker::Braille,
             }],
             x_range,
             y_label: fmt::value,
@@ -358,6 +375,7 @@ impl Widget for OptimChartsView<'_> {
             series: vec![Series {
                 points: visible(&s.grad_norm, x_range, self.recent),
                 style: gn_style,
+                marker: Marker::Braille,
             }],
             x_range,
             y_label: fmt::value,
