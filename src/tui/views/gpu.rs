@@ -246,7 +246,11 @@ impl Widget for HostPanelView<'_> {
         }
         let notice = match (&self.telemetry.gpu_notice, self.telemetry.updates) {
             (_, 0) => Span::styled("waiting for telemetry…", t.muted()),
-            (Some(n), _) => Span::styled(format!("no GPU telemetry: {n}"), t.level(Level::Warn)),
+            // The first clause fits a panel ("NVML not available"); the details are in the log.
+            (Some(n), _) => Span::styled(
+                format!("no GPU telemetry: {}", n.split(" (").next().unwrap_or(n)),
+                t.level(Level::Warn),
+            ),
             (None, _) => Span::styled("no GPU telemetry: no GPUs reported", t.level(Level::Warn)),
         };
         let ram_frac = if host.ram_total_bytes == 0 {
