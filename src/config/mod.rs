@@ -302,9 +302,4 @@ impl Config {
             self.model.n_kv_head
         }
     }
-
-    /// The resolved config as TOML text (what `training_config.json`'s TOML sibling holds).
-    pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).unwrap_or_default()
-    }
 }

@@ -134,7 +134,8 @@ pub struct Model {
     device: Device,
     mask: Tensor,
     rope: Option<(Tensor, Tensor)>,
-    dropout_rng: StdRng,
+    /// Dropout masks; interior mutability keeps the forward pass `&self`.
+    dropout_rng: std::cell::RefCell<StdRng>,
 }
 
 struct Init<'a> {
@@ -360,7 +361,7 @@ impl Model {
             device: device.clone(),
             mask,
             rope,
-            dropout_rng: StdRng::seed_from_u64(seed ^ 0xD5A0_9B1E),
+            dropout_rng: std::cell::RefCell::new(StdRng::seed_from_u64(seed ^ 0xD5A0_9B1E)),
             shape,
         })
     }
@@ -471,7 +472,7 @@ impl Model {
 
     /// Re-seed dropout (the trainer does it per micro-batch so resumed runs draw the same masks).
     pub fn reseed_dropout(&mut self, seed: u64) {
-        self.dropout_rng = StdRng::seed_from_u64(seed);
+        self.dropout_rng = std::cell::RefCell::new(StdRng::seed_from_u64(seed));
     }
 
     pub fn dtype(&self) -> DType {
@@ -554,22 +555,18 @@ impl Model {
         }
     }
 
-    fn dropout(&mut self, x: &Tensor, train: bool) -> Result<Tensor> {
+    fn dropout(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let p = self.shape.dropout;
         if !train || p <= 0.0 {
             return Ok(x.clone());
         }
         let n = x.elem_count();
         let keep = (1.0 / (1.0 - p)) as f32;
+        let mut rng = self.dropout_rng.borrow_mut();
         let mask: Vec<f32> = (0..n)
-            .map(|_| {
-                if self.dropout_rng.random::<f64>() < p {
-                    0.0
-                } else {
-                    keep
-                }
-            })
+            .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
             .collect();
+        drop(rng);
         let mask = Tensor::from_vec(mask, x.shape(), &self.device)?.to_dtype(x.dtype())?;
         x * mask
     }
@@ -588,7 +585,7 @@ impl Model {
         x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
     }
 
-    fn attention(&mut self, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
+    fn attention(&self, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
         let s = &self.shape;
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
@@ -650,8 +647,7 @@ impl Model {
             x = x.broadcast_add(&pos)?;
         }
         x = self.dropout(&x, train)?;
-        let blocks = self.blocks.clone();
-        for b in &blocks {
+        for b in &self.blocks {
             let h = self.norm(&b.ln1, &x)?;
             let a = self.attention(b, &h, train)?;
             x = (x + self.dropout(&a, train)?)?;

@@ -68,9 +68,6 @@ impl EngineThread {
     pub fn wait(self) -> Result<RunSummary, EngineError> {
         self.0.join().map_err(|_| EngineError::Panicked)?
     }
-    pub fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
 }
 
 impl Engine {

@@ -137,10 +137,6 @@ impl Loader {
         self.cursor
     }
 
-    pub fn batch_size(&self) -> usize {
-        self.batch
-    }
-
     pub fn sequences_per_epoch(&self) -> usize {
         self.order.sequences_per_epoch()
     }
