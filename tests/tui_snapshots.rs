@@ -483,6 +483,26 @@ fn snapshot_monitor() {
 }
 
 #[test]
+fn a_replayed_monitor_says_so_in_its_header() {
+    let mut app = App::monitor(&TuiOptions {
+        source: Some("REPLAY of trace.jsonl at 10×".into()),
+        ..opts()
+    });
+    for u in gpu_updates(5) {
+        app.on_update(&u);
+    }
+    let screen = render(&app, 120, 40);
+    assert!(
+        screen
+            .lines()
+            .next()
+            .is_some_and(|l| l.contains("REPLAY of trace.jsonl at 10×")),
+        "{screen}"
+    );
+    assert!(!render(&monitor_app(&gpu_updates(5)), 120, 40).contains("REPLAY"));
+}
+
+#[test]
 fn snapshot_monitor_waiting_and_no_gpu() {
     let app = monitor_app(&[]);
     insta::assert_snapshot!("monitor_waiting_80x24", render(&app, 80, 24));

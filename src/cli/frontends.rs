@@ -228,10 +228,22 @@ pub fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
     };
     let session = if use_tui {
         let theme = m.theme.clone().unwrap_or_else(|| cfg.run.theme.clone());
-        let tui_opts = match tui_options(&cfg, &theme, None) {
+        let mut tui_opts = match tui_options(&cfg, &theme, None) {
             Ok(o) => o,
             Err(e) => return usage(&e),
         };
+        tui_opts.source = m.replay.as_ref().map(|p| {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let speed = if m.replay_speed == 0.0 {
+                "as fast as possible".to_string()
+            } else {
+                format!("at {}×", m.replay_speed)
+            };
+            format!("REPLAY of {name} {speed}")
+        });
         let pipeline = monitor::spawn_pipeline(&opts)?;
         let source = format!("{:?}", pipeline.source());
         let upstream = pipeline.into_receiver();

@@ -177,6 +177,8 @@ pub struct App {
     attached: bool,
     /// Attached with permission to stop the run (through `Q` and the confirm popup).
     allow_stop: bool,
+    /// Not live: e.g. a replayed trace (see [`TuiOptions::source`]).
+    source: Option<String>,
 }
 
 impl App {
@@ -213,6 +215,7 @@ impl App {
             exit: None,
             attached: opts.attached,
             allow_stop: opts.allow_stop,
+            source: opts.source.clone(),
         }
     }
 
@@ -243,6 +246,10 @@ impl App {
     /// Key bindings.
     pub fn keymap(&self) -> &Keymap {
         &self.keymap
+    }
+    /// Where the data comes from when it is not live (a replay), for the header.
+    pub fn source(&self) -> Option<&str> {
+        self.source.as_deref()
     }
     /// Colours.
     pub fn theme(&self) -> &Theme {

@@ -50,6 +50,9 @@ pub struct TuiOptions {
     pub attached: bool,
     /// An attached viewer may stop the run: `Q` opens the confirm popup (`q` still detaches).
     pub allow_stop: bool,
+    /// Where the data comes from when it is not live, e.g. "replay of trace.jsonl at 10×";
+    /// shown in the monitor header so a recording is never mistaken for the machine.
+    pub source: Option<String>,
 }
 
 impl TuiOptions {
@@ -80,6 +83,7 @@ impl Default for TuiOptions {
             history_capacity: 2048,
             attached: false,
             allow_stop: false,
+            source: None,
         }
     }
 }

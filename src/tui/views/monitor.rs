@@ -33,6 +33,9 @@ impl Widget for MonitorView<'_> {
 
         let label = |s: &str| Span::styled(format!("{s} "), t.muted());
         let mut segments = vec![vec![Span::styled("cockpit monitor", t.title())]];
+        if let Some(source) = app.source() {
+            segments.push(vec![Span::styled(source.to_string(), t.level(Level::Warn))]);
+        }
         if tel.updates == 0 {
             segments.push(vec![Span::styled("waiting for telemetry…", t.muted())]);
         } else {
