@@ -105,16 +105,11 @@ fn process_list(processes: &[&crate::telemetry::GpuProcess]) -> String {
     processes
         .iter()
         .map(|p| {
-            let user = p
-                .user
-                .as_deref()
-                .map(|u| format!(" ({u})"))
-                .unwrap_or_default();
             let mem = p
                 .gpu_memory_bytes
                 .map(|b| format!(", {}", gib(b as f64)))
                 .unwrap_or_default();
-            format!("{} {}{user}{mem}", p.pid, p.name)
+            format!("{}{mem}", p.label())
         })
         .collect::<Vec<_>>()
         .join("; ")

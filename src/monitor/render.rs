@@ -210,19 +210,11 @@ fn gpu_block(g: &GpuSample) -> Vec<String> {
         lines.push("  processes: none".to_string());
     } else {
         for p in &g.processes {
-            let user = p
-                .user
-                .as_deref()
-                .map(|u| format!(" ({u})"))
-                .unwrap_or_default();
             let mem = p
                 .gpu_memory_bytes
                 .map(|b| format!("  {} GiB", gib(b)))
                 .unwrap_or_default();
-            lines.push(format!(
-                "  process {} {}{user}{mem} [{}]",
-                p.pid, p.name, p.kind
-            ));
+            lines.push(format!("  process {}{mem} [{}]", p.label(), p.kind));
         }
     }
     lines

@@ -14,6 +14,16 @@ pub struct GpuProcess {
     pub kind: String,
 }
 
+impl GpuProcess {
+    /// `1234 python (alice)`: pid, name and, when known, the user.
+    pub fn label(&self) -> String {
+        match &self.user {
+            Some(u) => format!("{} {} ({u})", self.pid, self.name),
+            None => format!("{} {}", self.pid, self.name),
+        }
+    }
+}
+
 /// One GPU at one instant. Fields NVML cannot report on a device are `None`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GpuSample {

@@ -50,49 +50,40 @@ impl Widget for TrainingView<'_> {
 
         // charts: loss gets the most room; the SCU row only when SCU is on
         let scu_on = run.info.as_ref().is_some_and(|i| i.scu_enabled);
-        if scu_on {
+        let (loss, scu, optim) = if scu_on {
             let [loss, scu, optim] = Layout::vertical([
                 Constraint::Fill(3),
                 Constraint::Fill(2),
                 Constraint::Fill(2),
             ])
             .areas(charts);
+            (loss, Some(scu), optim)
+        } else {
+            let [loss, optim] =
+                Layout::vertical([Constraint::Fill(3), Constraint::Fill(2)]).areas(charts);
+            (loss, None, optim)
+        };
+        if let Some(scu) = scu {
             ScuChartView {
                 run,
                 recent: ui.recent,
                 theme,
             }
             .render(scu, buf);
-            LossChartView {
-                run,
-                smoothing: ui.smoothing,
-                recent: ui.recent,
-                theme,
-            }
-            .render(loss, buf);
-            OptimChartsView {
-                run,
-                recent: ui.recent,
-                theme,
-            }
-            .render(optim, buf);
-        } else {
-            let [loss, optim] =
-                Layout::vertical([Constraint::Fill(3), Constraint::Fill(2)]).areas(charts);
-            LossChartView {
-                run,
-                smoothing: ui.smoothing,
-                recent: ui.recent,
-                theme,
-            }
-            .render(loss, buf);
-            OptimChartsView {
-                run,
-                recent: ui.recent,
-                theme,
-            }
-            .render(optim, buf);
         }
+        LossChartView {
+            run,
+            smoothing: ui.smoothing,
+            recent: ui.recent,
+            theme,
+        }
+        .render(loss, buf);
+        OptimChartsView {
+            run,
+            recent: ui.recent,
+            theme,
+        }
+        .render(optim, buf);
 
         // side: as many GPU panels as fit in ~40% of the height, then advice and events
         let telemetry = app.telemetry();
