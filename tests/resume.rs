@@ -73,27 +73,50 @@ fn losses(events: &[Event]) -> Vec<(u64, f64)> {
         .collect()
 }
 
-/// On CPU a resumed run's losses are bitwise those of an uninterrupted run.
+/// On CPU a resumed run's losses are bitwise those of an uninterrupted run: stopped once at a
+/// fixed odd step (between two SCU control steps) and once by a Stop command wherever it lands.
 #[test]
 fn resume_reproduces_the_uninterrupted_run_bitwise() {
-    let extra = ["run.max_steps=24", "scu.control_every=2"];
+    let base = ["scu.control_every=2", "schedule.kind=constant"];
+    let with = |extra: &[&str]| {
+        let v: Vec<&str> = base.iter().chain(extra).copied().collect();
+        small(&v)
+    };
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let (full, r) = run(opts(small(&extra), a.path(), None, vec![]), None);
+    let (full, r) = run(
+        opts(with(&["run.max_steps=24"]), a.path(), None, vec![]),
+        None,
+    );
     r.unwrap();
-    let (first, r) = run(opts(small(&extra), b.path(), None, vec![]), Some(10));
-    let stopped = r.unwrap();
-    assert_eq!(stopped.reason, FinishReason::Stopped);
-    let (second, r) = run(
+    let (first, r) = run(
         opts(
-            small(&extra),
+            with(&["run.max_steps=11", "checkpoint.at_end=true"]),
             b.path(),
-            Some(b.path().to_path_buf()),
+            None,
             vec![],
         ),
         None,
     );
+    assert_eq!(r.unwrap().step, 11);
+    let resume = |stop_after| {
+        run(
+            opts(
+                with(&["run.max_steps=24"]),
+                b.path(),
+                Some(b.path().to_path_buf()),
+                vec![],
+            ),
+            stop_after,
+        )
+    };
+    let (second, r) = resume(Some(16));
+    assert_eq!(r.unwrap().reason, FinishReason::Stopped);
+    let (third, r) = resume(None);
     assert_eq!(r.unwrap().step, 24);
-    let resumed: Vec<(u64, f64)> = losses(&first).into_iter().chain(losses(&second)).collect();
+    let resumed: Vec<(u64, f64)> = [first, second, third]
+        .iter()
+        .flat_map(|e| losses(e))
+        .collect();
     assert_eq!(resumed.len(), 24);
     assert_eq!(
         resumed,

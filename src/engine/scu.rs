@@ -24,6 +24,10 @@ pub struct ScuController {
     /// λ after each of the last control steps (for convergence).
     pub recent_lambda: Vec<f64>,
     pub converged: bool,
+    /// Cross-entropy of the steps since the last control step (sum, count): part of the
+    /// state, so a run stopped between control steps resumes onto the same λ trajectory.
+    #[serde(default)]
+    pub window: (f64, u64),
 }
 
 /// What one control step saw and did.
@@ -58,7 +62,23 @@ impl ScuController {
             s_hat: None,
             recent_lambda: Vec::new(),
             converged: false,
+            window: (0.0, 0),
         }
+    }
+
+    /// Record one step's cross-entropy for the next control step.
+    pub fn observe(&mut self, ce: f64) {
+        if !ce.is_finite() {
+            return;
+        }
+        self.window.0 += ce;
+        self.window.1 += 1;
+    }
+
+    /// Mean cross-entropy since the last call (None when no step was observed).
+    pub fn take_window_mean(&mut self) -> Option<f64> {
+        let (sum, n) = std::mem::take(&mut self.window);
+        (n > 0).then(|| sum / n as f64)
     }
 
     /// S-ratio from the two bits-per-token terms.

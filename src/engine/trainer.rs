@@ -1029,7 +1029,6 @@ impl Trainer {
         let mut last_ckpt = Instant::now();
         let mut paused = false;
         let mut prev_batch: Option<usize> = None;
-        let (mut window_ce, mut window_n) = (0.0, 0u64);
         let mut nonfinite_in_a_row = 0u32;
         for note in std::mem::take(&mut self.resume_notes) {
             out.emit(Event::Warning {
@@ -1167,12 +1166,11 @@ impl Trainer {
                 dropped_before: 0,
             }));
 
-            window_ce += ce;
-            window_n += 1;
+            self.scu.observe(ce);
             if self.step.is_multiple_of(self.cfg.scu.control_every) {
-                self.control(window_ce / window_n as f64, sumsq, out);
-                window_ce = 0.0;
-                window_n = 0;
+                if let Some(mean_ce) = self.scu.take_window_mean() {
+                    self.control(mean_ce, sumsq, out);
+                }
             }
             let every = self.cfg.eval.every;
             let last = self.step == max_steps;
