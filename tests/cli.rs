@@ -169,3 +169,34 @@ fn resume_of_nothing_is_a_usage_error() {
         .code(2)
         .stderr(predicate::str::contains("--resume"));
 }
+
+/// `cockpit bench` times real steps and writes the figures the reference script writes.
+#[test]
+fn bench_reports_timed_steps_as_text_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    cockpit()
+        .args(["bench", "--steps", "4", "--warmup", "1", "--device", "cpu"])
+        .args([
+            "--set",
+            "model.n_embd=32",
+            "--set",
+            "data.builtin_tokens=100000",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("ms/step").and(predicate::str::contains("tok/s")));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["steps"], 4);
+    assert_eq!(v["warmup"], 1);
+    assert!(v["tokens_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(v["ms_per_step_median"].as_f64().unwrap() > 0.0);
+    cockpit()
+        .args(["bench", "--set", "model.n_head=0"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("model.n_head"));
+}

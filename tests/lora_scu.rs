@@ -63,6 +63,47 @@ fn scu(events: &[Event]) -> Vec<ScuStats> {
         .collect()
 }
 
+/// Closed loop on real training: S settles within ±10% of S* and stays there (the last 40%
+/// of 3000 steps), with the default law and gains. N = 2M tokens puts the λ that holds
+/// S* = 2% near 5, inside [λ_min, λ_max]; the run starts at λ = 1 with S far from S*.
+#[test]
+fn scu_holds_s_at_the_setpoint_on_real_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = scu(&run(
+        small(&[
+            "run.max_steps=3000",
+            "checkpoint.at_end=false",
+            "scu.target=0.02",
+            "scu.tokens_per_epoch=2000000",
+        ]),
+        dir.path(),
+    ));
+    assert_eq!(rows.len(), 600);
+    let dev = |s: f64| (s - 0.02).abs() / 0.02;
+    let first = rows[0].s_ratio;
+    assert!(
+        dev(first) > 0.25,
+        "the loop must have work to do: S starts at {first}"
+    );
+    let tail = &rows[rows.len() * 6 / 10..];
+    let worst = tail.iter().map(|r| dev(r.s_ratio)).fold(0.0, f64::max);
+    let mean = tail.iter().map(|r| dev(r.s_ratio)).sum::<f64>() / tail.len() as f64;
+    let lambdas: Vec<f64> = tail.iter().map(|r| r.lambda).collect();
+    eprintln!(
+        "S deviation over the last 40%: mean {mean:.3}, worst {worst:.3}; λ {:.3}..{:.3}",
+        lambdas[0],
+        lambdas[lambdas.len() - 1]
+    );
+    assert!(
+        worst < 0.10,
+        "S left ±10% of S*: worst {worst:.3} (mean {mean:.3})"
+    );
+    assert!(
+        lambdas.iter().all(|&l| l > 1e-4 && l < 10.0),
+        "λ must hold S away from its clamps"
+    );
+}
+
 /// λ really acts: a high fixed λ leaves smaller regularized weights than a low one.
 #[test]
 fn high_lambda_shrinks_the_regularized_weights() {

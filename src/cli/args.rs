@@ -13,6 +13,7 @@ Examples:
   cockpit --monitor-only                     watch the GPUs (any job) with the advisor
   cockpit monitor --once --json              one JSON snapshot of GPUs and host
   cockpit check                              what this machine has, and what cockpit would use
+  cockpit bench configs/gpt2-small.toml      ms/step, tokens/s, MFU and peak memory of the step
   cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
   cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
 
@@ -38,6 +39,26 @@ pub enum Cmd {
     Monitor(MonitorArgs),
     /// Report what this machine has and what cockpit would use on it.
     Check,
+    /// Time the training step: warm-up, then the median over the second half of the timed
+    /// steps; tokens/s, the ms/step breakdown, MFU and peak memory (the same method as
+    /// benches/torch_reference.py).
+    Bench {
+        /// Config file (omit for the embedded default).
+        config: Option<PathBuf>,
+        /// Timed steps (after the warm-up).
+        #[arg(long, default_value_t = 50)]
+        steps: u64,
+        /// Warm-up steps (kernel compilation, allocator growth).
+        #[arg(long, default_value_t = 10)]
+        warmup: u64,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+        #[arg(long, value_name = "cpu|cuda[:N]")]
+        device: Option<String>,
+        /// Also write the figures as JSON.
+        #[arg(long, value_name = "FILE")]
+        json: Option<PathBuf>,
+    },
     /// Tokenize and pack a config's text data ahead of training.
     Prepare {
         /// Config file.

@@ -2,6 +2,7 @@
 //! chosen front end, and maps outcomes to exit codes (0 ok, 1 failure, 2 usage, 130 interrupted).
 
 pub mod args;
+mod bench;
 mod check;
 mod frontends;
 
@@ -33,6 +34,21 @@ pub fn main() -> i32 {
         Some(Cmd::Train(a)) => train(a),
         Some(Cmd::Monitor(m)) => monitor(m),
         Some(Cmd::Check) => check::run(),
+        Some(Cmd::Bench {
+            config,
+            steps,
+            warmup,
+            set,
+            device,
+            json,
+        }) => bench::run(bench::BenchArgs {
+            config: config.as_deref(),
+            set: &set,
+            steps,
+            warmup,
+            device: device.as_deref(),
+            json: json.as_deref(),
+        }),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
@@ -44,7 +60,7 @@ pub fn main() -> i32 {
         }) => frontends::attach(&run_dir, no_tui, allow_stop, theme.as_deref()),
         None if cli.monitor_only => monitor(cli.monitor),
         None => {
-            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, prepare, plot. See cockpit --help.");
+            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot. See cockpit --help.");
             Ok(EXIT_USAGE)
         }
     };

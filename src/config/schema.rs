@@ -296,9 +296,18 @@ pub struct ScuConfig {
     pub enabled: bool,
     /// Setpoint S* as a fraction (0.01 = 1%).
     pub target: f64,
-    pub kp: f64,
-    pub ki: f64,
-    pub deadband: f64,
+    /// Control law: `log-pi` (velocity-form PI on ε = ln(Ŝ/S*): Δln λ = Kp·Δε + Ki·ε) or
+    /// `reference` (λ ← λ·exp(Kp·e + I) with e = Ŝ − S* and a leaky integral I).
+    pub law: ScuLaw,
+    /// Proportional gain; unset = the law's default (log-pi 3.0, reference 0.8).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kp: Option<f64>,
+    /// Integral gain; unset = the law's default (log-pi 0.1, reference 0.15).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ki: Option<f64>,
+    /// |Ŝ − S*| at or below which λ holds; unset = the law's default (log-pi 0, reference 0.002).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadband: Option<f64>,
     pub ema_alpha: f64,
     pub integral_leak: f64,
     pub integral_max: f64,
@@ -319,9 +328,10 @@ impl Default for ScuConfig {
         Self {
             enabled: true,
             target: 0.02,
-            kp: 0.8,
-            ki: 0.15,
-            deadband: 0.002,
+            law: ScuLaw::LogPi,
+            kp: None,
+            ki: None,
+            deadband: None,
             ema_alpha: 0.1,
             integral_leak: 0.995,
             integral_max: 0.2,
@@ -333,6 +343,29 @@ impl Default for ScuConfig {
             control_every: 5,
             params: ScuParams::Auto,
         }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScuLaw {
+    #[default]
+    LogPi,
+    Reference,
+}
+
+impl ScuConfig {
+    /// (Kp, Ki, deadband) with the law's defaults filled in.
+    pub fn gains(&self) -> (f64, f64, f64) {
+        let (kp, ki, db) = match self.law {
+            ScuLaw::LogPi => (3.0, 0.1, 0.0),
+            ScuLaw::Reference => (0.8, 0.15, 0.002),
+        };
+        (
+            self.kp.unwrap_or(kp),
+            self.ki.unwrap_or(ki),
+            self.deadband.unwrap_or(db),
+        )
     }
 }
 

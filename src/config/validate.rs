@@ -277,9 +277,10 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         0.999_999,
         "in (0, 1) (a fraction: 0.01 = 1%)",
     );
-    ck.in_range("scu.kp", u.kp, 0.0, 100.0, "in [0, 100]");
-    ck.in_range("scu.ki", u.ki, 0.0, 100.0, "in [0, 100]");
-    ck.in_range("scu.deadband", u.deadband, 0.0, 0.5, "in [0, 0.5]");
+    let (kp, ki, deadband) = u.gains();
+    ck.in_range("scu.kp", kp, 0.0, 100.0, "in [0, 100]");
+    ck.in_range("scu.ki", ki, 0.0, 100.0, "in [0, 100]");
+    ck.in_range("scu.deadband", deadband, 0.0, 0.5, "in [0, 0.5]");
     ck.in_range("scu.ema_alpha", u.ema_alpha, 1e-6, 1.0, "in (0, 1]");
     ck.in_range("scu.integral_leak", u.integral_leak, 1e-6, 1.0, "in (0, 1]");
     ck.in_range(

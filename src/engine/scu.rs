@@ -1,13 +1,15 @@
 //! The Shannon Control Unit: PI control of the regularization weight λ that holds the
 //! S-ratio `S = ParamBPT / (DataBPT + ParamBPT)` at a setpoint.
 
-use crate::config::ScuConfig;
+use crate::config::{ScuConfig, ScuLaw};
 use serde::{Deserialize, Serialize};
 
 /// Controller state (saved in checkpoints).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScuController {
     pub target: f64,
+    #[serde(default)]
+    pub law: ScuLaw,
     pub kp: f64,
     pub ki: f64,
     pub deadband: f64,
@@ -28,6 +30,9 @@ pub struct ScuController {
     /// state, so a run stopped between control steps resumes onto the same λ trajectory.
     #[serde(default)]
     pub window: (f64, u64),
+    /// log-pi: ε = ln(Ŝ/S*) at the previous control step (None after a setpoint change).
+    #[serde(default)]
+    pub prev_eps: Option<f64>,
 }
 
 /// What one control step saw and did.
@@ -46,11 +51,13 @@ const CONVERGENCE_WINDOW: usize = 100;
 
 impl ScuController {
     pub fn new(c: &ScuConfig) -> Self {
+        let (kp, ki, deadband) = c.gains();
         Self {
             target: c.target,
-            kp: c.kp,
-            ki: c.ki,
-            deadband: c.deadband,
+            law: c.law,
+            kp,
+            ki,
+            deadband,
             ema_alpha: c.ema_alpha,
             leak: c.integral_leak,
             i_max: c.integral_max,
@@ -63,6 +70,7 @@ impl ScuController {
             recent_lambda: Vec::new(),
             converged: false,
             window: (0.0, 0),
+            prev_eps: None,
         }
     }
 
@@ -100,15 +108,9 @@ impl ScuController {
         self.s_hat = Some(s_hat);
         let e = s_hat - self.target;
         if self.enabled {
-            self.integral *= self.leak;
-            if e.abs() > self.deadband {
-                let at_max = self.lambda >= self.lambda_max && e > 0.0;
-                let at_min = self.lambda <= self.lambda_min && e < 0.0;
-                if !(at_max || at_min) {
-                    self.integral = (self.integral + self.ki * e).clamp(-self.i_max, self.i_max);
-                }
-                self.lambda = (self.lambda * (self.kp * e + self.integral).exp())
-                    .clamp(self.lambda_min, self.lambda_max);
+            match self.law {
+                ScuLaw::Reference => self.reference_step(e),
+                ScuLaw::LogPi => self.log_pi_step(e, s_hat),
             }
         }
         self.recent_lambda.push(self.lambda);
@@ -117,11 +119,7 @@ impl ScuController {
         }
         let mut newly = false;
         if self.recent_lambda.len() == CONVERGENCE_WINDOW {
-            let (lo, hi) = self
-                .recent_lambda
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
-            let settled = hi - lo < 1e-3 && ((s - self.target) / self.target).abs() < 0.05;
+            let settled = self.settled(s, s_hat);
             newly = settled && !self.converged;
             self.converged = settled;
         }
@@ -135,9 +133,56 @@ impl ScuController {
         }
     }
 
+    /// Convergence over the last CONVERGENCE_WINDOW control steps. Reference: λ moved < 1e-3
+    /// and |S − S*|/S* < 5%. log-pi keeps tracking a plant that drifts as the model learns,
+    /// so λ never stops outright: it counts as settled when λ drifted < 20% over the window
+    /// and |Ŝ − S*|/S* < 5%.
+    fn settled(&self, s: f64, s_hat: f64) -> bool {
+        let (lo, hi) = self
+            .recent_lambda
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+        match self.law {
+            ScuLaw::Reference => hi - lo < 1e-3 && ((s - self.target) / self.target).abs() < 0.05,
+            ScuLaw::LogPi => {
+                (hi / lo).ln() < 0.2 && ((s_hat - self.target) / self.target).abs() < 0.05
+            }
+        }
+    }
+
+    /// The reference law: λ ← λ·exp(Kp·e + I) with a leaky, clamped integral.
+    fn reference_step(&mut self, e: f64) {
+        self.integral *= self.leak;
+        if e.abs() > self.deadband {
+            let at_max = self.lambda >= self.lambda_max && e > 0.0;
+            let at_min = self.lambda <= self.lambda_min && e < 0.0;
+            if !(at_max || at_min) {
+                self.integral = (self.integral + self.ki * e).clamp(-self.i_max, self.i_max);
+            }
+            self.lambda = (self.lambda * (self.kp * e + self.integral).exp())
+                .clamp(self.lambda_min, self.lambda_max);
+        }
+    }
+
+    /// Velocity-form PI on the log error ε = ln(Ŝ/S*): Δln λ = Kp·(ε − ε₋₁) + Ki·ε.
+    /// ln λ is the controller's only integrator, so a plant that itself lags (weights
+    /// shrink over hundreds of steps) sees one integrator, not two; the clamps cannot wind
+    /// up because there is no separate integral state. `integral` reports Σ Ki·ε.
+    fn log_pi_step(&mut self, e: f64, s_hat: f64) {
+        let eps = (s_hat.max(1e-12) / self.target).ln();
+        let prev = self.prev_eps.replace(eps);
+        if e.abs() <= self.deadband {
+            return;
+        }
+        let du = self.kp * prev.map_or(0.0, |p| eps - p) + self.ki * eps;
+        self.integral += self.ki * eps;
+        self.lambda = (self.lambda * du.exp()).clamp(self.lambda_min, self.lambda_max);
+    }
+
     /// Bumpless setpoint change: λ and the integral stay where they are; only future errors change.
     pub fn set_target(&mut self, target: f64) {
         self.target = target;
+        self.prev_eps = None;
         self.converged = false;
         self.recent_lambda.clear();
     }
@@ -148,7 +193,14 @@ mod tests {
     use super::*;
 
     fn ctl() -> ScuController {
-        let mut c = ScuController::new(&ScuConfig::default());
+        law_ctl(ScuLaw::Reference)
+    }
+
+    fn law_ctl(law: ScuLaw) -> ScuController {
+        let mut c = ScuController::new(&ScuConfig {
+            law,
+            ..ScuConfig::default()
+        });
         c.target = 0.01;
         c.ema_alpha = 1.0; // no smoothing: each test drives S directly
         c
@@ -234,7 +286,8 @@ mod tests {
         // (The deadband is tightened so the 5% convergence test can be met.)
         let mut c = ScuController::new(&ScuConfig {
             target: 0.01,
-            deadband: 0.0002,
+            law: ScuLaw::Reference,
+            deadband: Some(0.0002),
             ..ScuConfig::default()
         });
         let mut events = 0;
@@ -248,5 +301,89 @@ mod tests {
         assert!((s - 0.01).abs() / 0.01 < 0.05, "S = {s}, λ = {}", c.lambda);
         assert!(c.converged);
         assert_eq!(events, 1);
+    }
+
+    /// A plant like training: S follows S_eq(λ) = 8%/λ with a lag of 50 control steps
+    /// (weights take hundreds of optimizer steps to shrink or grow), and drifts as the
+    /// model learns. Returns the largest |S − S*|/S* over the last half.
+    fn lagged_plant(c: &mut ScuController, steps: usize) -> f64 {
+        let mut s: f64 = 0.01;
+        let mut worst: f64 = 0.0;
+        for k in 0..steps {
+            let drift = 1.0 + 0.5 * (k as f64 / steps as f64);
+            let eq = 0.08 * drift / c.lambda;
+            s = (s.ln() + (eq.ln() - s.ln()) / 50.0).exp();
+            c.update(s);
+            if k >= steps / 2 {
+                worst = worst.max((s - c.target).abs() / c.target);
+            }
+        }
+        worst
+    }
+
+    /// Why log-pi is the default: on the same lagging plant the reference law's two
+    /// integrators (the multiplicative update and I) swing λ between its clamps.
+    #[test]
+    fn reference_law_limit_cycles_on_a_lagging_plant() {
+        let mut c = ctl();
+        c.target = 0.02;
+        c.ema_alpha = 0.1;
+        c.deadband = 0.0;
+        let worst = lagged_plant(&mut c, 2000);
+        assert!(worst > 0.5, "reference: worst deviation {worst}");
+    }
+
+    #[test]
+    fn log_pi_settles_on_a_lagging_plant() {
+        let mut c = law_ctl(ScuLaw::LogPi);
+        c.target = 0.02;
+        c.ema_alpha = 0.1;
+        let worst = lagged_plant(&mut c, 2000);
+        assert!(
+            worst < 0.02,
+            "log-pi: worst deviation {worst}, λ = {}",
+            c.lambda
+        );
+        assert!(c.converged);
+    }
+
+    #[test]
+    fn log_pi_sign_clamps_and_no_windup() {
+        let mut c = law_ctl(ScuLaw::LogPi);
+        c.update(0.05);
+        assert!(c.lambda > 1.0, "S above target raises λ");
+        let mut c = law_ctl(ScuLaw::LogPi);
+        c.update(0.001);
+        assert!(c.lambda < 1.0, "S below target lowers λ");
+        // Long saturation at λ_max, then the error flips: λ leaves the clamp at once.
+        let mut c = law_ctl(ScuLaw::LogPi);
+        for _ in 0..1000 {
+            c.update(0.9);
+        }
+        assert_eq!(c.lambda, c.lambda_max);
+        c.update(0.001);
+        assert!(c.lambda < c.lambda_max, "no wind-up: λ = {}", c.lambda);
+    }
+
+    #[test]
+    fn log_pi_setpoint_change_is_bumpless_and_deadband_holds() {
+        let mut c = law_ctl(ScuLaw::LogPi);
+        c.update(0.012);
+        c.update(0.012);
+        let l = c.lambda;
+        c.set_target(0.02);
+        assert_eq!(c.lambda, l);
+        // The first step after the change carries only the integral term, no Kp·Δε kick.
+        c.update(0.012);
+        let expected = l * (c.ki * (0.012f64 / 0.02).ln()).exp();
+        assert!(
+            (c.lambda - expected).abs() < 1e-12,
+            "{} vs {expected}",
+            c.lambda
+        );
+        let mut c = law_ctl(ScuLaw::LogPi);
+        c.deadband = 0.001;
+        c.update(0.0105);
+        assert_eq!(c.lambda, 1.0);
     }
 }

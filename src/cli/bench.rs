@@ -1,0 +1,196 @@
+//! `cockpit bench CONFIG`: the training step's speed on this machine, measured the way the
+//! PyTorch reference (`benches/torch_reference.py`) measures it — warm-up steps first, then
+//! the median over the second half of the timed steps; tokens/s, the ms/step breakdown, MFU
+//! and peak memory. Evaluation, checkpoints and the monitor are off; everything else (data
+//! prefetch, SCU measurement when enabled) runs as in training.
+
+use super::{config_error, EXIT_FAILURE, EXIT_OK};
+use crate::config;
+use crate::engine::events::{Event, RunInfo, StepStats};
+use crate::engine::{Engine, EngineOptions};
+use anyhow::Context;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What one benchmark measured (also written as JSON with `--json`).
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub system: &'static str,
+    pub device: String,
+    pub dtype: String,
+    pub batch: usize,
+    pub accum: usize,
+    pub seq: usize,
+    pub params: u64,
+    pub warmup: u64,
+    pub steps: u64,
+    pub ms_per_step_median: f64,
+    pub compute_ms_median: f64,
+    pub optim_ms_median: f64,
+    pub data_wait_ms_median: f64,
+    pub tokens_per_sec: f64,
+    pub mfu: Option<f64>,
+    pub peak_mem_gb: Option<f64>,
+    pub loss_first: f64,
+    pub loss_last: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// Summarize timed steps (warm-up already dropped): medians over their second half.
+pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchReport {
+    let half = &timed[timed.len() / 2..];
+    let med = |f: fn(&StepStats) -> f64| median(half.iter().map(f).collect());
+    let ms = med(|s| s.step_ms);
+    let tokens_per_step = (info.seq_len
+        * timed.last().map_or(info.micro_batch, |s| s.micro_batch)
+        * info.accum) as f64;
+    let tokens_per_sec = tokens_per_step / (ms / 1e3);
+    let peak = timed.iter().filter_map(|s| s.memory_bytes).max();
+    BenchReport {
+        system: "cockpit",
+        device: info.device.clone(),
+        dtype: info.dtype.clone(),
+        batch: info.micro_batch,
+        accum: info.accum,
+        seq: info.seq_len,
+        params: info.params_trainable,
+        warmup,
+        steps: timed.len() as u64,
+        ms_per_step_median: ms,
+        compute_ms_median: med(|s| s.compute_ms),
+        optim_ms_median: med(|s| s.optim_ms),
+        data_wait_ms_median: med(|s| s.data_wait_ms),
+        tokens_per_sec,
+        mfu: info
+            .peak_flops
+            .map(|p| info.flops_per_token * tokens_per_sec / p),
+        peak_mem_gb: peak.map(|b| b as f64 / 1e9),
+        loss_first: timed.first().map_or(f64::NAN, |s| s.loss),
+        loss_last: timed.last().map_or(f64::NAN, |s| s.loss),
+    }
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cockpit | {} {} | B{}×{} T{} | {:.1} ms/step (compute {:.1}, optim {:.1}, data wait {:.2}) | {:.1}k tok/s",
+            self.device,
+            self.dtype,
+            self.batch,
+            self.accum,
+            self.seq,
+            self.ms_per_step_median,
+            self.compute_ms_median,
+            self.optim_ms_median,
+            self.data_wait_ms_median,
+            self.tokens_per_sec / 1e3
+        )?;
+        if let Some(m) = self.mfu {
+            write!(f, " | MFU {:.1}%", m * 100.0)?;
+        }
+        if let Some(g) = self.peak_mem_gb {
+            write!(f, " | peak {g:.1} GB")?;
+        }
+        write!(f, " | loss {:.3} -> {:.3}", self.loss_first, self.loss_last)
+    }
+}
+
+pub struct BenchArgs<'a> {
+    pub config: Option<&'a Path>,
+    pub set: &'a [String],
+    pub steps: u64,
+    pub warmup: u64,
+    pub device: Option<&'a str>,
+    pub json: Option<&'a Path>,
+}
+
+pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
+    let total = a.warmup + a.steps;
+    let mut overrides = a.set.to_vec();
+    overrides.extend([
+        format!("run.max_steps={total}"),
+        // Constant LR, as in the reference script: the schedule does not change speed.
+        "schedule.kind=\"constant\"".into(),
+        "schedule.warmup_steps=0".into(),
+        "eval.every=0".into(),
+        "eval.at_end=false".into(),
+        "checkpoint.every_steps=0".into(),
+        "checkpoint.every_minutes=0".into(),
+        "checkpoint.at_end=false".into(),
+        "monitor.enabled=false".into(),
+        "run.log_every_secs=3600".into(),
+    ]);
+    if let Some(d) = a.device {
+        overrides.push(format!("run.device={d:?}"));
+    }
+    let loaded = match config::load(a.config, &overrides) {
+        Ok(l) => l,
+        Err(e) => return Ok(config_error(&e)),
+    };
+    let cfg = loaded.config;
+    let device =
+        crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
+    let run_dir: PathBuf =
+        std::env::temp_dir().join(format!("cockpit-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir)
+        .with_context(|| format!("creating the scratch run dir {}", run_dir.display()))?;
+    let engine = Engine::spawn(EngineOptions {
+        config: cfg,
+        run_dir: run_dir.clone(),
+        device,
+        resume: None,
+        max_queued_steps: 1_000_000,
+        fault_nan_steps: vec![],
+    })?;
+    let (mut info, mut steps, mut failure) = (None, Vec::new(), None);
+    while let Some(ev) = engine.events.recv() {
+        match ev {
+            Event::RunStarted(i) => info = Some(i),
+            Event::Step(s) if s.step > a.warmup => steps.push(s),
+            Event::Warning { message, .. } => eprintln!("cockpit bench: {message}"),
+            Event::Finished {
+                reason, message, ..
+            } => {
+                if reason != crate::engine::events::FinishReason::Completed {
+                    failure = Some(message);
+                }
+                break;
+            }
+            _ => {}
+        }
+    }
+    let joined = engine.thread.wait();
+    let _ = std::fs::remove_dir_all(&run_dir);
+    joined?;
+    if let Some(m) = failure {
+        eprintln!("cockpit bench: the run did not complete: {m}");
+        return Ok(EXIT_FAILURE);
+    }
+    let (Some(info), false) = (info, steps.is_empty()) else {
+        eprintln!(
+            "cockpit bench: no timed steps (warm-up {} of {total})",
+            a.warmup
+        );
+        return Ok(EXIT_FAILURE);
+    };
+    let report = summarize(&info, a.warmup, &steps);
+    println!("{report}");
+    if let Some(p) = a.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(EXIT_OK)
+}
