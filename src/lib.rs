@@ -9,6 +9,7 @@ pub mod advisor;
 pub mod attach;
 pub mod cli;
 pub mod config;
+pub mod distributed;
 pub mod engine;
 pub mod headless;
 pub mod monitor;

@@ -106,6 +106,23 @@ impl Order {
     }
 }
 
+impl Order {
+    /// Rank `shard.0`'s rows of the global batch of `shard.1 × batch` sequences at `cursor`.
+    pub fn shard_at(&mut self, cursor: Cursor, batch: usize, shard: (usize, usize)) -> Batch {
+        let (rank, world) = shard;
+        if world <= 1 {
+            return self.batch_at(cursor, batch);
+        }
+        let mut b = self.batch_at(cursor, batch * world);
+        let t = b.seq_len;
+        let rows = crate::distributed::shard_rows(rank, batch);
+        b.inputs = b.inputs[rows.start * t..rows.end * t].to_vec();
+        b.targets = b.targets[rows.start * t..rows.end * t].to_vec();
+        b.batch = batch;
+        b
+    }
+}
+
 /// The prefetching loader.
 pub struct Loader {
     order: Order,
@@ -114,6 +131,8 @@ pub struct Loader {
     /// Cursor after the last batch handed out by [`Loader::next`].
     cursor: Cursor,
     worker: Option<Worker>,
+    /// (rank, world): this rank's rows of each global batch of `world × batch` sequences.
+    shard: (usize, usize),
 }
 
 struct Worker {
@@ -130,7 +149,17 @@ impl Loader {
             batch: batch.max(1),
             cursor,
             worker: None,
+            shard: (0, 1),
         }
+    }
+
+    /// Data parallelism: every rank walks the same global stream of `world × batch`
+    /// sequences per micro-batch and keeps rows `[rank·batch, (rank+1)·batch)` — no overlap
+    /// between ranks, and the cursor (global) means the same at any world size.
+    pub fn with_shard(mut self, rank: usize, world: usize) -> Self {
+        self.stop_worker();
+        self.shard = (rank.min(world.max(1) - 1), world.max(1));
+        self
     }
 
     pub fn cursor(&self) -> Cursor {
@@ -159,12 +188,12 @@ impl Loader {
         let (tx, rx) = sync_channel(self.depth);
         let stop = Arc::new(AtomicBool::new(false));
         let mut order = self.order.clone();
-        let (batch, mut cursor, stop2) = (self.batch, self.cursor, stop.clone());
+        let (batch, mut cursor, stop2, shard) = (self.batch, self.cursor, stop.clone(), self.shard);
         let handle = std::thread::Builder::new()
             .name("cockpit-loader".into())
             .spawn(move || {
                 while !stop2.load(Ordering::Relaxed) {
-                    let b = order.batch_at(cursor, batch);
+                    let b = order.shard_at(cursor, batch, shard);
                     cursor = b.cursor;
                     if tx.send(b).is_err() {
                         break;
@@ -195,7 +224,7 @@ impl Loader {
             Some(Ok(b)) => b,
             _ => {
                 self.worker = None;
-                self.order.batch_at(self.cursor, self.batch)
+                self.order.shard_at(self.cursor, self.batch, self.shard)
             }
         };
         self.cursor = b.cursor;
@@ -301,5 +330,24 @@ mod tests {
         a.sort();
         b.sort();
         assert_eq!(a, b, "each epoch visits every sequence once");
+    }
+
+    #[test]
+    fn shards_split_the_global_batch_without_overlap() {
+        let order = Order::new(toks(10_000), 16, 5);
+        let mut whole = Loader::new(order.clone(), 6, 2, Cursor::default());
+        let mut ranks: Vec<Loader> = (0..3)
+            .map(|r| Loader::new(order.clone(), 2, 2, Cursor::default()).with_shard(r, 3))
+            .collect();
+        for _ in 0..5 {
+            let (w, _) = whole.next_batch();
+            let parts: Vec<Batch> = ranks.iter_mut().map(|l| l.next_batch().0).collect();
+            let joined: Vec<u32> = parts.iter().flat_map(|b| b.inputs.clone()).collect();
+            assert_eq!(
+                joined, w.inputs,
+                "rank shards concatenate to the global batch"
+            );
+            assert!(parts.iter().all(|b| b.cursor == w.cursor && b.batch == 2));
+        }
     }
 }
