@@ -53,6 +53,7 @@ fn invalid_configs_exit_2_naming_the_key() {
         ("syntax_error.toml", "line 1"),
         ("missing_tokenizer.toml", "data.tokenizer"),
         ("kv_heads_divide.toml", "model.n_kv_head"),
+        ("gpus_not_yet.toml", "distributed.gpus = 2"),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();
@@ -168,6 +169,26 @@ fn resume_of_nothing_is_a_usage_error() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("--resume"));
+}
+
+/// A torchrun-style environment is read: bad values are named, and WORLD_SIZE > 1 is
+/// refused plainly (one process per job in this version) instead of N ranks training alone.
+#[test]
+fn distributed_environment_is_checked() {
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", "1"])
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "5")
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("RANK = 5"));
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", "1"])
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "1")
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("WORLD_SIZE = 2 (rank 1)"));
 }
 
 /// `cockpit bench` times real steps and writes the figures the reference script writes.

@@ -186,6 +186,27 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Err(e) => return Ok(config_error(&e)),
     };
     let mut cfg = loaded.config;
+    // Started by a torchrun-style launcher? Say plainly that one process per job is all
+    // this version trains with, rather than have N ranks each train alone.
+    let env_var = |k: &str| std::env::var(k).ok();
+    match crate::distributed::Topology::from_env(
+        env_var,
+        &cfg.distributed.master_addr,
+        cfg.distributed.master_port,
+    ) {
+        Err(e) => {
+            eprintln!("cockpit: distributed environment: {e}");
+            return Ok(EXIT_USAGE);
+        }
+        Ok(Some(t)) if t.is_distributed() => {
+            eprintln!(
+                "cockpit: WORLD_SIZE = {} (rank {}): data-parallel training over NCCL is not in this version yet; run one process (unset WORLD_SIZE)",
+                t.world, t.rank
+            );
+            return Ok(EXIT_USAGE);
+        }
+        Ok(_) => {}
+    }
     if let Err(e) = frontends::validate_tui(&cfg) {
         eprintln!("cockpit: config error:\n{}: {e}", loaded.origin);
         return Ok(EXIT_USAGE);
