@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ScuController {
     pub target: f64,
-    #[serde(default)]
+    /// Checkpoints from before `scu.law` existed were written by the reference law.
+    #[serde(default = "legacy_law")]
     pub law: ScuLaw,
     pub kp: f64,
     pub ki: f64,
@@ -33,6 +34,10 @@ pub struct ScuController {
     /// log-pi: ε = ln(Ŝ/S*) at the previous control step (None after a setpoint change).
     #[serde(default)]
     pub prev_eps: Option<f64>,
+}
+
+fn legacy_law() -> ScuLaw {
+    ScuLaw::Reference
 }
 
 /// What one control step saw and did.
@@ -345,6 +350,18 @@ mod tests {
             c.lambda
         );
         assert!(c.converged);
+    }
+
+    #[test]
+    fn old_checkpoints_keep_the_reference_law() {
+        let mut v = serde_json::to_value(ctl()).unwrap();
+        let m = v.as_object_mut().unwrap();
+        m.remove("law");
+        m.remove("window");
+        m.remove("prev_eps");
+        let c: ScuController = serde_json::from_value(v).unwrap();
+        assert_eq!(c.law, ScuLaw::Reference);
+        assert_eq!(c.window, (0.0, 0));
     }
 
     #[test]
