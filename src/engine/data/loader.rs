@@ -116,8 +116,10 @@ impl Order {
         let mut b = self.batch_at(cursor, batch * world);
         let t = b.seq_len;
         let rows = crate::distributed::shard_rows(rank, batch);
-        b.inputs = b.inputs[rows.start * t..rows.end * t].to_vec();
-        b.targets = b.targets[rows.start * t..rows.end * t].to_vec();
+        for v in [&mut b.inputs, &mut b.targets] {
+            v.truncate(rows.end * t);
+            v.drain(..rows.start * t);
+        }
         b.batch = batch;
         b
     }
