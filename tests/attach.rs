@@ -48,6 +48,8 @@ fn spawn(overrides: &[&str], dir: &Path) -> Engine {
         resume: None,
         max_queued_steps: 100_000,
         fault_nan_steps: vec![],
+        dist: None,
+        fault_fail_step: None,
     })
     .unwrap()
 }

@@ -53,7 +53,7 @@ fn invalid_configs_exit_2_naming_the_key() {
         ("syntax_error.toml", "line 1"),
         ("missing_tokenizer.toml", "data.tokenizer"),
         ("kv_heads_divide.toml", "model.n_kv_head"),
-        ("gpus_not_yet.toml", "distributed.gpus = 2"),
+        ("bad_backend.toml", "distributed.backend = \"gloo\""),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();

@@ -31,6 +31,8 @@ fn spawn(cfg: Config, dir: &Path) -> Engine {
         resume: None,
         max_queued_steps: 100_000,
         fault_nan_steps: vec![],
+        dist: None,
+        fault_fail_step: None,
     })
     .unwrap()
 }
@@ -227,6 +229,8 @@ fn a_slow_consumer_never_blocks_the_engine() {
         resume: None,
         max_queued_steps: 4,
         fault_nan_steps: vec![],
+        dist: None,
+        fault_fail_step: None,
     })
     .unwrap();
     let summary = e.thread.wait().unwrap(); // finishes although nobody reads

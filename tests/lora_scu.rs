@@ -36,6 +36,8 @@ fn run(cfg: Config, dir: &Path) -> Vec<Event> {
         resume: None,
         max_queued_steps: 1_000_000,
         fault_nan_steps: vec![],
+        dist: None,
+        fault_fail_step: None,
     })
     .unwrap_or_else(|e| panic!("{e}"));
     let mut out = Vec::new();

@@ -35,6 +35,8 @@ fn opts(cfg: Config, dir: &Path, resume: Option<PathBuf>, faults: Vec<u64>) -> E
         resume,
         max_queued_steps: 1_000_000,
         fault_nan_steps: faults,
+        dist: None,
+        fault_fail_step: None,
     }
 }
 

@@ -76,6 +76,7 @@ fn step_stats(step: u64) -> StepStats {
         elapsed_s: s * 0.182,
         memory_bytes: Some(41 * GIB),
         dropped_before: 0,
+        ranks: vec![],
     }
 }
 

@@ -124,6 +124,11 @@ pub struct TrainArgs {
     /// cpu, cuda or cuda:N (default: run.device, "auto").
     #[arg(long, value_name = "cpu|cuda[:N]")]
     pub device: Option<String>,
+    /// Data-parallel on N GPUs of this machine: one worker process each (default:
+    /// distributed.gpus). Across machines, start one `cockpit train` per GPU with RANK,
+    /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (torchrun, srun, mpirun).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    pub gpus: Option<u16>,
 }
 
 #[derive(Args, Debug, Clone, Default)]

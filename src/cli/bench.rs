@@ -154,6 +154,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         resume: None,
         max_queued_steps: 1_000_000,
         fault_nan_steps: vec![],
+        dist: None,
+        fault_fail_step: None,
     })?;
     let (mut info, mut steps, mut failure) = (None, Vec::new(), None);
     while let Some(ev) = engine.events.recv() {

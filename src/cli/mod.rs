@@ -5,6 +5,7 @@ pub mod args;
 mod bench;
 mod check;
 mod frontends;
+mod launch;
 
 use crate::config::{self, Config, ConfigError};
 use crate::engine::events::FinishReason;
@@ -151,6 +152,16 @@ fn fault_nan_steps() -> Vec<u64> {
         .unwrap_or_default()
 }
 
+/// Fault injection for end-to-end tests: `COCKPIT_FAULT_FAIL=RANK:STEP` makes that rank's
+/// engine fail at that optimizer step (1-based).
+fn fault_fail_step(rank: usize) -> Option<u64> {
+    let v = std::env::var("COCKPIT_FAULT_FAIL").ok()?;
+    let (r, s) = v.split_once(':')?;
+    (r.trim().parse::<usize>().ok()? == rank)
+        .then(|| s.trim().parse().ok())
+        .flatten()
+}
+
 /// Settings `--test-run` forces: a few steps that pass through every stage.
 fn apply_test_run(c: &mut Config) {
     c.run.max_steps = c.run.max_steps.min(4);
@@ -186,10 +197,10 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Err(e) => return Ok(config_error(&e)),
     };
     let mut cfg = loaded.config;
-    // Started by a torchrun-style launcher? Say plainly that one process per job is all
-    // this version trains with, rather than have N ranks each train alone.
+    // Data parallelism: started as one rank of a job (torchrun-style environment, or our
+    // own launcher), or asked to launch one (`--gpus N` / distributed.gpus).
     let env_var = |k: &str| std::env::var(k).ok();
-    match crate::distributed::Topology::from_env(
+    let topology = match crate::distributed::Topology::from_env(
         env_var,
         &cfg.distributed.master_addr,
         cfg.distributed.master_port,
@@ -198,14 +209,37 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             eprintln!("cockpit: distributed environment: {e}");
             return Ok(EXIT_USAGE);
         }
-        Ok(Some(t)) if t.is_distributed() => {
+        Ok(t) => t.filter(|t| t.is_distributed()),
+    };
+    let gpus = a.gpus.map_or(cfg.distributed.gpus, usize::from);
+    let launching = topology.is_none() && gpus > 1;
+    let backend = match crate::distributed::Backend::parse(&cfg.distributed.backend) {
+        Some(b) => b,
+        None => {
             eprintln!(
-                "cockpit: WORLD_SIZE = {} (rank {}): data-parallel training over NCCL is not in this version yet; run one process (unset WORLD_SIZE)",
-                t.world, t.rank
+                "cockpit: config error:\n{}: distributed.backend = {:?}: allowed: nccl, tcp",
+                loaded.origin, cfg.distributed.backend
             );
             return Ok(EXIT_USAGE);
         }
-        Ok(_) => {}
+    };
+    let mut device =
+        crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
+    if let Some(t) = &topology {
+        use crate::util::DeviceSpec;
+        device = match (backend, device) {
+            (crate::distributed::Backend::Nccl, DeviceSpec::Cpu) => {
+                eprintln!("cockpit: config error:\n{}: distributed.backend = \"nccl\" needs CUDA devices, but run.device = \"cpu\" (backend \"tcp\" runs CPU processes)", loaded.origin);
+                return Ok(EXIT_USAGE);
+            }
+            // Each rank takes the GPU of its LOCAL_RANK (choose GPUs with CUDA_VISIBLE_DEVICES).
+            (crate::distributed::Backend::Nccl, _) => DeviceSpec::Cuda(t.local_rank),
+            (crate::distributed::Backend::Tcp, d) => d,
+        };
+        if t.rank != 0 {
+            // Rank 0 samples the GPUs and advises; the workers just train.
+            cfg.monitor.enabled = false;
+        }
     }
     if let Err(e) = frontends::validate_tui(&cfg) {
         eprintln!("cockpit: config error:\n{}: {e}", loaded.origin);
@@ -214,8 +248,6 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     if a.test_run {
         apply_test_run(&mut cfg);
     }
-    let device =
-        crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
     let runs_root = PathBuf::from(&cfg.run.runs_root);
     let resume = match a.resume.as_deref() {
         None => None,
@@ -246,10 +278,53 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             runs_root.join(format!("{}{tag}-{}", cfg.run.name, timestamp()))
         }
     };
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("creating the run dir {}", run_dir.display()))?;
-    init_logging(&run_dir);
-    tracing::info!(run_dir = %run_dir.display(), "starting");
+    if launching {
+        std::fs::create_dir_all(&run_dir)
+            .with_context(|| format!("creating the run dir {}", run_dir.display()))?;
+        return launch::run(&a, &cfg, gpus, run_dir);
+    }
+    // A rank meets the others first; every rank takes rank 0's run dir.
+    let (run_dir, joined) = match topology {
+        Some(t) => {
+            let rank = t.rank;
+            let timeout = crate::distributed::timeout(cfg.distributed.timeout_secs);
+            eprintln!(
+                "cockpit: rank {rank} of {}: meeting the other ranks at {}:{} ({} backend)",
+                t.world, t.master_addr, t.master_port, cfg.distributed.backend
+            );
+            match crate::distributed::join(t, backend, &run_dir.to_string_lossy(), timeout) {
+                Ok(j) => {
+                    if backend == crate::distributed::Backend::Nccl {
+                        // NCCL cannot notice a dead peer: the control sockets do, and end
+                        // this rank rather than leave it waiting in a collective.
+                        j.peers.watch(move |msg: String| {
+                            tracing::error!("{msg}");
+                            eprintln!("cockpit: {msg}; ending this rank");
+                            std::process::exit(EXIT_FAILURE);
+                        });
+                    }
+                    (PathBuf::from(&j.handshake.run_dir), Some(j))
+                }
+                Err(e) => {
+                    eprintln!("cockpit: {e}");
+                    let usage = matches!(e, crate::distributed::CommError::Setup(_));
+                    return Ok(if usage { EXIT_USAGE } else { EXIT_FAILURE });
+                }
+            }
+        }
+        None => (run_dir, None),
+    };
+    let rank = joined.as_ref().map_or(0, |j| j.topology.rank);
+    // Rank 0 owns the run dir; the other ranks keep their files in RUN_DIR/ranks/rank-N.
+    let own_dir = if rank == 0 {
+        run_dir.clone()
+    } else {
+        run_dir.join("ranks").join(format!("rank-{rank}"))
+    };
+    std::fs::create_dir_all(&own_dir)
+        .with_context(|| format!("creating the run dir {}", own_dir.display()))?;
+    init_logging(&own_dir);
+    tracing::info!(run_dir = %run_dir.display(), rank, "starting");
     let engine = match Engine::spawn(EngineOptions {
         config: cfg.clone(),
         run_dir: run_dir.clone(),
@@ -257,6 +332,8 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         resume,
         max_queued_steps: 256,
         fault_nan_steps: fault_nan_steps(),
+        fault_fail_step: fault_fail_step(rank),
+        dist: joined,
     }) {
         Ok(e) => e,
         Err(e) => {
@@ -268,7 +345,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             });
         }
     };
-    let use_tui = !a.no_tui && std::io::stdout().is_terminal();
+    let use_tui = !a.no_tui && rank == 0 && std::io::stdout().is_terminal();
     let flags = SignalFlags::default();
     if !use_tui {
         // The dashboard handles signals itself (and restores the terminal).
@@ -279,13 +356,15 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         events,
         thread,
     } = engine;
-    let outcome = frontends::run_frontend(use_tui, events, commands, &cfg, &run_dir, &flags)?;
+    let outcome = frontends::run_frontend(use_tui, events, commands, &cfg, &own_dir, &flags)?;
     let summary = thread.wait();
     let interrupted = outcome.interrupted;
     if let Some(guard) = outcome.attach {
         guard.wait();
     }
-    frontends::after_run(&run_dir);
+    if rank == 0 {
+        frontends::after_run(&run_dir);
+    }
     let summary = match summary {
         Ok(s) => s,
         Err(e) => {

@@ -417,18 +417,11 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
 
     // [distributed]
     ck.at_least("distributed.gpus", c.distributed.gpus as u64, 1);
-    if c.distributed.gpus > 1 {
-        ck.fail(
-            "distributed.gpus",
-            c.distributed.gpus,
-            "must be 1 for now: data-parallel training over NCCL is not in this version yet",
-        );
-    }
-    if c.distributed.backend != "nccl" {
+    if !matches!(c.distributed.backend.as_str(), "nccl" | "tcp") {
         ck.fail(
             "distributed.backend",
             quoted(&c.distributed.backend),
-            "allowed: nccl",
+            "allowed: nccl (CUDA devices), tcp (CPU processes; for testing)",
         );
     }
     ck.positive("distributed.timeout_secs", c.distributed.timeout_secs);

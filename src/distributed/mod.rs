@@ -3,8 +3,10 @@
 //! unique id to every rank at `MASTER_ADDR:MASTER_PORT`. The connections stay open as a
 //! control plane: a rank that vanishes without saying goodbye is noticed by its peers.
 
+mod collective;
 mod rendezvous;
 
+pub use collective::{join, Backend, Collective, CommError, Handshake, Joined};
 pub use rendezvous::{rendezvous, Peers, RendezvousError};
 
 use std::time::Duration;

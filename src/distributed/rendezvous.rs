@@ -54,6 +54,11 @@ enum Reply {
 #[serde(rename_all = "snake_case")]
 enum Control {
     Bye,
+    /// The sender is failing; `cause` says why (rank 0 relays a worker's to the others).
+    Failed {
+        rank: usize,
+        cause: String,
+    },
 }
 
 /// The open connections after a rendezvous: rank 0 holds one per worker, a worker holds one
@@ -276,9 +281,33 @@ impl Peers {
     /// Watch every connection on its own thread: a peer that closes its socket without
     /// [`Peers::goodbye`] has exited or crashed, and `on_lost` gets a message naming it.
     pub fn watch(&self, on_lost: impl Fn(String) + Send + Sync + Clone + 'static) {
+        // Rank 0 relays what it learns to every other worker, so each names the real cause
+        // rather than only "rank 0 went away".
+        let relay: std::sync::Arc<Vec<(usize, std::sync::Mutex<TcpStream>)>> = std::sync::Arc::new(
+            self.conns
+                .iter()
+                .filter_map(|(r, _, s)| s.try_clone().ok().map(|s| (*r, std::sync::Mutex::new(s))))
+                .collect(),
+        );
         for (rank, host, s) in &self.conns {
             let Ok(s) = s.try_clone() else { continue };
             let (rank, host, me, on_lost) = (*rank, host.clone(), self.rank, on_lost.clone());
+            let relay = relay.clone();
+            let tell_others = move |who: usize, cause: &str| {
+                for (r, s) in relay.iter() {
+                    if *r != who {
+                        if let Ok(mut s) = s.lock() {
+                            let _ = send_line(
+                                &mut s,
+                                &Control::Failed {
+                                    rank: who,
+                                    cause: cause.to_string(),
+                                },
+                            );
+                        }
+                    }
+                }
+            };
             let _ = std::thread::Builder::new()
                 .name(format!("cockpit-watch-rank{rank}"))
                 .spawn(move || {
@@ -289,16 +318,24 @@ impl Peers {
                         line.clear();
                         match r.read_line(&mut line) {
                             Ok(0) | Err(_) => {
-                                on_lost(format!(
-                                    "rank {me}: rank {rank} ({host}) went away without finishing: it exited, crashed or lost the network"
-                                ));
+                                let cause = format!("went away without finishing ({host}): it exited, crashed or lost the network");
+                                if me == 0 {
+                                    tell_others(rank, &cause);
+                                }
+                                on_lost(format!("rank {me}: rank {rank} {cause}"));
                                 return;
                             }
-                            Ok(_) => {
-                                if matches!(serde_json::from_str(&line), Ok(Control::Bye)) {
+                            Ok(_) => match serde_json::from_str(&line) {
+                                Ok(Control::Bye) => return,
+                                Ok(Control::Failed { rank: who, cause }) => {
+                                    if me == 0 {
+                                        tell_others(who, &cause);
+                                    }
+                                    on_lost(format!("rank {me}: rank {who} failed: {cause}"));
                                     return;
                                 }
-                            }
+                                Err(_) => {}
+                            },
                         }
                     }
                 });
@@ -310,6 +347,25 @@ impl Peers {
         for (_, _, s) in &mut self.conns {
             let _ = send_line(s, &Control::Bye);
         }
+    }
+
+    /// Tell the peers this rank is failing and why (best effort: the sockets may be gone).
+    /// Rank 0 also uses it to relay a worker's failure to the others.
+    pub fn fail(&mut self, rank: usize, cause: &str) {
+        for (_, _, s) in &mut self.conns {
+            let _ = send_line(
+                s,
+                &Control::Failed {
+                    rank,
+                    cause: cause.to_string(),
+                },
+            );
+        }
+    }
+
+    /// The connections themselves, by rank (for a data plane over TCP; no watcher then).
+    pub fn into_streams(self) -> Vec<(usize, TcpStream)> {
+        self.conns.into_iter().map(|(r, _, s)| (r, s)).collect()
     }
 
     /// The ranks this process is connected to.

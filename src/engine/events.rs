@@ -122,6 +122,22 @@ pub struct StepStats {
     /// Step events dropped since the last delivered one (slow consumer).
     #[serde(default)]
     pub dropped_before: u64,
+    /// Data parallelism: every rank's share of the step (empty for a single process).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankStat>,
+}
+
+/// One rank's part of a data-parallel step, gathered to every rank with the loss.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankStat {
+    pub rank: usize,
+    /// Forward/backward time of the step on this rank.
+    #[serde(deserialize_with = "nan_f64")]
+    pub compute_ms: f64,
+    #[serde(deserialize_with = "nan_f64")]
+    pub data_wait_ms: f64,
+    /// Device memory in use on this rank, when known.
+    pub memory_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

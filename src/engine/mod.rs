@@ -41,6 +41,8 @@ pub enum EngineError {
     Diverged { step: u64, message: String },
     #[error("the engine thread panicked")]
     Panicked,
+    #[error(transparent)]
+    Distributed(#[from] crate::distributed::CommError),
 }
 
 impl EngineError {
@@ -50,6 +52,7 @@ impl EngineError {
             self,
             EngineError::Config(_)
                 | EngineError::Device(_)
+                | EngineError::Distributed(crate::distributed::CommError::Setup(_))
                 | EngineError::Data(
                     data::DataError::NoFiles(_) | data::DataError::Tokenizer { .. }
                 )

@@ -6,7 +6,8 @@ use super::checkpoint::{self, TrainState};
 use super::data::loader::{val_batches, Batch, Cursor, Loader, Order};
 use super::data::{self, Dataset};
 use super::events::{
-    self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RunInfo, ScuStats, StepStats,
+    self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RankStat, RunInfo, ScuStats,
+    StepStats,
 };
 use super::model::{LoraSpec, Model, ParamKind, Shape};
 use super::optim::{global_norm, lr_at, AdamW};
@@ -14,6 +15,7 @@ use super::precision::{self, LossScaler};
 use super::scu::ScuController;
 use super::{device, EngineError};
 use crate::config::{Config, ScuParams};
+use crate::distributed::Collective;
 use crate::util::DeviceSpec;
 use candle_core::{DType, Device, Tensor};
 use sha2::{Digest, Sha256};
@@ -28,7 +30,7 @@ const LN2: f64 = std::f64::consts::LN_2;
 pub const MAX_MICRO_BATCH: usize = 4096;
 
 /// What to run.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct EngineOptions {
     pub config: Config,
     pub run_dir: PathBuf,
@@ -40,6 +42,13 @@ pub struct EngineOptions {
     /// Fault injection for tests: optimizer steps (1-based) whose loss is made NaN, once each.
     #[doc(hidden)]
     pub fault_nan_steps: Vec<u64>,
+    /// Data parallelism: this rank after the rendezvous (None: a single process).
+    /// `run_dir` is then the job's run dir (rank 0's); ranks other than 0 write their own
+    /// metrics under `run_dir/ranks/rank-N/` and never write checkpoints.
+    pub dist: Option<crate::distributed::Joined>,
+    /// Fault injection for tests: fail this optimizer step (1-based) with an error.
+    #[doc(hidden)]
+    pub fault_fail_step: Option<u64>,
 }
 
 /// How a run ended.
@@ -135,7 +144,15 @@ pub fn shape_hash(c: &Config) -> String {
 
 struct Trainer {
     cfg: Config,
+    /// The job's run dir: checkpoints live here (written by rank 0 only).
     run_dir: PathBuf,
+    /// Where this rank's own files go (metrics.jsonl, SCU files): the run dir on rank 0.
+    out_dir: PathBuf,
+    /// The process group, in a data-parallel run.
+    dist: Option<Box<dyn Collective>>,
+    rank: usize,
+    world: usize,
+    fault_fail_step: Option<u64>,
     device: Device,
     dtype: DType,
     dtype_reason: String,
@@ -275,13 +292,19 @@ impl Trainer {
             .collect();
         let o = &cfg.optim;
         let opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
+        let dist = match opts.dist {
+            Some(j) => Some(j.connect(&device)?),
+            None => None,
+        };
+        let (rank, world) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
         let order = Order::new(dataset.train.clone(), cfg.model.seq_len, cfg.run.seed);
         let loader = Loader::new(
             order,
             o.micro_batch,
             cfg.data.prefetch_depth,
             Cursor::default(),
-        );
+        )
+        .with_shard(rank, world);
         let val = val_batches(
             &dataset.val,
             cfg.model.seq_len,
@@ -299,7 +322,18 @@ impl Trainer {
             cfg.precision.loss_scale_growth_interval,
         );
         std::fs::create_dir_all(&opts.run_dir).map_err(io_err(&opts.run_dir))?;
+        let out_dir = if rank == 0 {
+            opts.run_dir.clone()
+        } else {
+            opts.run_dir.join("ranks").join(format!("rank-{rank}"))
+        };
+        std::fs::create_dir_all(&out_dir).map_err(io_err(&out_dir))?;
         let mut t = Trainer {
+            out_dir,
+            dist,
+            rank,
+            world,
+            fault_fail_step: opts.fault_fail_step,
             scu: ScuController::new(&cfg.scu),
             micro_batch: o.micro_batch,
             accum: o.accum,
@@ -334,6 +368,9 @@ impl Trainer {
         if let Some(spec) = opts.resume {
             t.restore(&spec, true)?;
         }
+        // Every rank starts from rank 0's weights (the same seed makes them equal already;
+        // this makes it a guarantee, whatever the seeds or files each rank saw).
+        t.sync_weights()?;
         Ok(t)
     }
 
@@ -473,10 +510,22 @@ impl Trainer {
         let s = &self.model.shape;
         let dev = device::describe(&self.device);
         let c = &self.cfg;
+        // Data parallelism: tokens/s are the job's, so MFU is against every rank's peak.
+        let peak_flops = device::peak_flops(&dev, self.dtype).map(|p| p * self.world as f64);
+        let dev = match &self.dist {
+            Some(d) => format!(
+                "{dev} · rank {} of {} ({}), global batch {} sequences",
+                self.rank,
+                self.world,
+                d.backend(),
+                self.world * self.micro_batch * self.accum
+            ),
+            None => dev,
+        };
         RunInfo {
             run_name: c.run.name.clone(),
             run_dir: self.run_dir.display().to_string(),
-            peak_flops: device::peak_flops(&dev, self.dtype),
+            peak_flops,
             device: dev,
             dtype: precision::dtype_name(self.dtype).into(),
             dtype_reason: self.dtype_reason.clone(),
@@ -623,7 +672,7 @@ impl Trainer {
     }
 
     fn run(mut self, commands: Receiver<Command>, tx: EventTx) -> Result<RunSummary, EngineError> {
-        let metrics_path = self.run_dir.join("metrics.jsonl");
+        let metrics_path = self.out_dir.join("metrics.jsonl");
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -635,6 +684,14 @@ impl Trainer {
             failed: false,
         };
         let result = self.train(&commands, &mut out);
+        if let Some(d) = &mut self.dist {
+            match &result {
+                Ok(_) => d.finish(),
+                // Another rank's failure: it has told everyone already.
+                Err(EngineError::Distributed(crate::distributed::CommError::Peer { .. })) => {}
+                Err(e) => d.abort(&e.to_string()),
+            }
+        }
         let (reason, message) = match &result {
             Ok((r, m)) => (*r, m.clone()),
             Err(e) => (FinishReason::Failed, e.to_string()),
@@ -704,6 +761,38 @@ enum Flow {
 
 /// Non-finite steps in a row after which the run fails.
 const MAX_NONFINITE_IN_A_ROW: u32 = 20;
+
+/// Gradients go to the all-reduce in buckets of at most this many elements (one flat f32
+/// buffer each: a few large collectives instead of one per tensor, with bounded extra memory).
+const BUCKET_ELEMS: usize = 1 << 25;
+
+/// The mean over the ranks of every gradient, bucket by bucket.
+fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {
+    let scale = 1.0 / d.world() as f64;
+    let mut out = Vec::with_capacity(grads.len());
+    let mut i = 0;
+    while i < grads.len() {
+        let (mut j, mut n) = (i, 0);
+        while j < grads.len() && (j == i || n + grads[j].elem_count() <= BUCKET_ELEMS) {
+            n += grads[j].elem_count();
+            j += 1;
+        }
+        let flat = grads[i..j]
+            .iter()
+            .map(|g| g.flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let sum = d.all_reduce_sum(Tensor::cat(&flat, 0)?)?;
+        let mean = (sum * scale)?;
+        let mut off = 0;
+        for g in &grads[i..j] {
+            let k = g.elem_count();
+            out.push(mean.narrow(0, off, k)?.reshape(g.shape())?);
+            off += k;
+        }
+        i = j;
+    }
+    Ok(out)
+}
 
 fn is_oom(e: &candle_core::Error) -> bool {
     let s = e.to_string().to_ascii_lowercase();
@@ -794,11 +883,103 @@ impl Trainer {
         Ok(())
     }
 
+    /// Data parallelism: every rank takes rank 0's weights.
+    fn sync_weights(&mut self) -> Result<(), EngineError> {
+        let Some(d) = self.dist.as_mut() else {
+            return Ok(());
+        };
+        for p in &self.model.params {
+            let t = d.broadcast(p.var.as_tensor())?;
+            p.var.set(&t)?;
+        }
+        Ok(())
+    }
+
+    /// Data parallelism, at a step boundary: rank 0 hands out the commands its front end
+    /// sent, and every rank applies the same ones in the same order (the other ranks' own
+    /// front ends do not steer the job). `Some(save)` when they include a stop.
+    fn shared_commands(
+        &mut self,
+        commands: &Receiver<Command>,
+        prev_batch: &mut Option<usize>,
+        start: Instant,
+        out: &mut Recorder,
+    ) -> Result<Option<bool>, EngineError> {
+        let mine: Vec<Command> = commands.try_iter().collect();
+        let mine = if self.rank == 0 { mine } else { Vec::new() };
+        let bytes = serde_json::to_vec(&mine).map_err(|e| EngineError::Config(e.to_string()))?;
+        let Some(d) = self.dist.as_mut() else {
+            return Ok(None);
+        };
+        let got = d.broadcast_bytes(bytes)?;
+        let cmds: Vec<Command> = serde_json::from_slice(&got).map_err(|e| {
+            crate::distributed::CommError::Setup(format!("commands from rank 0: {e}"))
+        })?;
+        let mut paused = false;
+        for cmd in cmds {
+            if matches!(cmd, Command::Pause | Command::Resume) {
+                out.emit(Event::CommandRejected {
+                    step: self.step,
+                    command: cmd,
+                    reason: "pause is not available in a multi-process run (the other ranks would wait inside a collective); stop with a checkpoint and resume instead".into(),
+                });
+                continue;
+            }
+            if let Flow::Stop { save } = self.apply(cmd, &mut paused, prev_batch, start, out)? {
+                return Ok(Some(save));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Data parallelism, after the backward: the mean of the gradients and of the loss
+    /// over the ranks (so every rank takes the same optimizer step and SCU sees the global
+    /// loss), and every rank's timings. A single process passes its values through.
+    fn reduce_step(
+        &mut self,
+        ce: f64,
+        grads: Vec<Tensor>,
+        wait: Duration,
+        compute: Duration,
+    ) -> Result<(f64, Vec<Tensor>, Vec<RankStat>), EngineError> {
+        let world = self.world;
+        let Some(d) = self.dist.as_mut() else {
+            return Ok((ce, grads, Vec::new()));
+        };
+        // [Σ CE, then per rank: compute ms, data wait ms, memory bytes (-1: unknown)]; each
+        // rank fills only its own slots, so the sum gathers them.
+        const PER: usize = 3;
+        let mut host = vec![0.0; 1 + world * PER];
+        host[0] = ce;
+        let mine = 1 + self.rank * PER;
+        host[mine] = compute.as_secs_f64() * 1e3;
+        host[mine + 1] = wait.as_secs_f64() * 1e3;
+        host[mine + 2] = self.step_memory.map_or(-1.0, |m| m as f64);
+        d.all_reduce_host(&mut host)?;
+        let ranks = (0..world)
+            .map(|r| {
+                let b = 1 + r * PER;
+                RankStat {
+                    rank: r,
+                    compute_ms: host[b],
+                    data_wait_ms: host[b + 1],
+                    memory_bytes: (host[b + 2] >= 0.0).then_some(host[b + 2] as u64),
+                }
+            })
+            .collect();
+        let grads = all_reduce_mean(d.as_mut(), &grads)?;
+        Ok((host[0] / world as f64, grads, ranks))
+    }
+
     fn elapsed(&self, start: Instant) -> f64 {
         self.elapsed_before + start.elapsed().as_secs_f64()
     }
 
     fn checkpoint_event(&mut self, start: Instant, out: &mut Recorder) -> Result<(), EngineError> {
+        if self.rank != 0 {
+            // Rank 0 writes the job's checkpoints; the ranks hold the same state.
+            return Ok(());
+        }
         let val = self
             .summary
             .last_val
@@ -932,7 +1113,7 @@ impl Trainer {
     }
 
     fn write_json(&self, name: &str, value: &impl serde::Serialize) -> Result<(), EngineError> {
-        let path = self.run_dir.join(name);
+        let path = self.out_dir.join(name);
         let text =
             serde_json::to_vec_pretty(value).map_err(|e| EngineError::Config(e.to_string()))?;
         checkpoint::atomic_write(&path, &text).map_err(io_err(&path))
@@ -988,7 +1169,7 @@ impl Trainer {
     }
 
     fn append_scu_csv(&self, r: &ScuStats) {
-        let path = self.run_dir.join("scu.csv");
+        let path = self.out_dir.join("scu.csv");
         let new = !path.exists();
         if let Ok(mut f) = std::fs::OpenOptions::new()
             .create(true)
@@ -1039,8 +1220,21 @@ impl Trainer {
         let max_steps = self.cfg.run.max_steps;
         let seq_len = self.model.shape.seq_len;
         while self.step < max_steps {
-            // Commands: only here, at the optimizer-step boundary.
-            loop {
+            // Commands: only here, at the optimizer-step boundary. In a data-parallel run
+            // rank 0's commands are broadcast and every rank applies the same ones.
+            if self.dist.is_some() {
+                if let Some(save) = self.shared_commands(commands, &mut prev_batch, start, out)? {
+                    self.elapsed_before = self.elapsed(start);
+                    if save {
+                        self.checkpoint_event(start, out)?;
+                    }
+                    return Ok((
+                        FinishReason::Stopped,
+                        format!("stopped by command at step {}", self.step),
+                    ));
+                }
+            }
+            while self.dist.is_none() {
                 let cmd = if paused {
                     match commands.recv_timeout(Duration::from_millis(100)) {
                         Ok(c) => c,
@@ -1074,10 +1268,15 @@ impl Trainer {
 
             let t_step = Instant::now();
             let step_cursor = self.loader.cursor();
-            let (ce, sumsq, mut grads, wait, compute) = match self.forward_backward(self.scu.lambda)
-            {
+            if self.fault_fail_step == Some(self.step + 1) {
+                return Err(EngineError::Diverged {
+                    step: self.step + 1,
+                    message: "injected fault (COCKPIT_FAULT_FAIL)".into(),
+                });
+            }
+            let (ce, sumsq, grads, wait, compute) = match self.forward_backward(self.scu.lambda) {
                 Ok(v) => v,
-                Err(e) if is_oom(&e) && prev_batch.is_some() => {
+                Err(e) if is_oom(&e) && prev_batch.is_some() && self.dist.is_none() => {
                     let (failed, old) = (self.micro_batch, prev_batch.take().unwrap_or(1));
                     self.micro_batch = old;
                     self.loader.seek(step_cursor);
@@ -1091,6 +1290,8 @@ impl Trainer {
                 Err(e) => return Err(e.into()),
             };
             prev_batch = None;
+            // Data parallelism: mean gradients and loss over the ranks, and every rank's timings.
+            let (ce, mut grads, ranks) = self.reduce_step(ce, grads, wait, compute)?;
             let t_opt = Instant::now();
             let norm = global_norm(&grads)?;
             let finite = norm.is_finite() && ce.is_finite();
@@ -1143,7 +1344,7 @@ impl Trainer {
             self.device.synchronize()?;
             let optim = t_opt.elapsed();
             self.step += 1;
-            let step_tokens = (self.micro_batch * self.accum * seq_len) as u64;
+            let step_tokens = (self.micro_batch * self.accum * seq_len * self.world) as u64;
             self.tokens += step_tokens;
             let step_s = t_step.elapsed().as_secs_f64();
             self.summary.last_loss = Some(ce);
@@ -1164,6 +1365,7 @@ impl Trainer {
                 elapsed_s: self.elapsed(start),
                 memory_bytes: self.step_memory,
                 dropped_before: 0,
+                ranks,
             }));
 
             self.scu.observe(ce);
@@ -1174,7 +1376,10 @@ impl Trainer {
             }
             let every = self.cfg.eval.every;
             let last = self.step == max_steps;
-            if (every > 0 && self.step.is_multiple_of(every)) || (last && self.cfg.eval.at_end) {
+            let eval_due =
+                (every > 0 && self.step.is_multiple_of(every)) || (last && self.cfg.eval.at_end);
+            // Rank 0 evaluates (the held-out loss does not depend on the rank).
+            if eval_due && self.rank == 0 {
                 let ev = self.evaluate()?;
                 if self.best_val.is_none_or(|b| ev.val_loss < b) {
                     self.best_val = Some(ev.val_loss);

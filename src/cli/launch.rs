@@ -1,0 +1,303 @@
+//! `cockpit train CONFIG --gpus N`: start one worker process per GPU on this machine (the
+//! same binary, with torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+//! MASTER_PORT), show rank 0's run (the dashboard on a terminal, progress lines otherwise),
+//! and end the whole job cleanly when any worker fails, naming the rank and its cause.
+
+use super::args::TrainArgs;
+use super::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
+use crate::config::Config;
+use crate::distributed::Topology;
+use std::io::{IsTerminal, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long workers get to stop after SIGTERM before they are killed.
+const GRACE: Duration = Duration::from_secs(15);
+
+/// The worker's log: `RUN_DIR/ranks/rank-N.log`.
+pub fn worker_log(run_dir: &Path, rank: usize) -> PathBuf {
+    run_dir.join("ranks").join(format!("rank-{rank}.log"))
+}
+
+/// The arguments a worker gets: the launcher's own, minus `--gpus`, plus the agreed run dir
+/// and `--no-tui` (rank 0's run is shown by the launcher).
+fn worker_args(a: &TrainArgs, run_dir: &Path) -> Vec<String> {
+    let mut v = vec!["train".to_string()];
+    if let Some(c) = &a.config {
+        v.push(c.display().to_string());
+    }
+    v.push("--no-tui".into());
+    v.push("--run-dir".into());
+    v.push(run_dir.display().to_string());
+    for s in &a.set {
+        v.push("--set".into());
+        v.push(s.clone());
+    }
+    if let Some(n) = a.max_steps {
+        v.push("--max-steps".into());
+        v.push(n.to_string());
+    }
+    if let Some(r) = &a.resume {
+        v.push(format!("--resume={r}"));
+    }
+    if a.test_run {
+        v.push("--test-run".into());
+    }
+    if let Some(d) = &a.device {
+        v.push("--device".into());
+        v.push(d.clone());
+    }
+    v
+}
+
+/// A free TCP port when the configured one is taken (another job on this machine).
+fn pick_port(addr: &str, want: u16) -> u16 {
+    if std::net::TcpListener::bind(("0.0.0.0", want)).is_ok() {
+        return want;
+    }
+    let free = std::net::TcpListener::bind((addr, 0))
+        .or_else(|_| std::net::TcpListener::bind(("127.0.0.1", 0)))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port());
+    match free {
+        Ok(p) => {
+            eprintln!("cockpit: port {want} is in use; the ranks meet on port {p} instead");
+            p
+        }
+        Err(_) => want,
+    }
+}
+
+/// The last lines of a worker's log (for the failure message).
+fn tail(path: &Path, lines: usize) -> String {
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(8192)));
+    let mut s = String::new();
+    let _ = f.read_to_string(&mut s);
+    let all: Vec<&str> = s.lines().filter(|l| !l.trim().is_empty()).collect();
+    all[all.len().saturating_sub(lines)..].join("\n    ")
+}
+
+struct Worker {
+    rank: usize,
+    child: Child,
+    status: Option<std::process::ExitStatus>,
+}
+
+/// The first worker to fail: (rank, how it ended, its exit code).
+type Failure = Option<(usize, String, Option<i32>)>;
+
+fn signal(child: &Child, sig: i32) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: kill(2) on a child we started and have not reaped.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
+/// Wait for every worker; when one fails (or the launcher is told to stop), stop the rest:
+/// SIGTERM, then SIGKILL after the grace period.
+fn supervise(
+    workers: Arc<Mutex<Vec<Worker>>>,
+    stop: Arc<AtomicBool>,
+    failure: Arc<Mutex<Failure>>,
+) {
+    let mut term_sent: Option<Instant> = None;
+    loop {
+        let (all_done, failed_now) = {
+            let Ok(mut ws) = workers.lock() else { return };
+            let mut failed_now = None;
+            for w in ws.iter_mut() {
+                if w.status.is_none() {
+                    if let Ok(Some(st)) = w.child.try_wait() {
+                        w.status = Some(st);
+                        if !st.success() && failed_now.is_none() {
+                            failed_now = Some((w.rank, describe_status(st), st.code()));
+                        }
+                    }
+                }
+            }
+            (ws.iter().all(|w| w.status.is_some()), failed_now)
+        };
+        if all_done {
+            return;
+        }
+        if let Some(f) = failed_now {
+            if let Ok(mut slot) = failure.lock() {
+                if slot.is_none() && !stop.load(Ordering::Relaxed) {
+                    *slot = Some(f);
+                }
+            }
+        }
+        let failing = failure.lock().map(|f| f.is_some()).unwrap_or(true);
+        if (failing || stop.load(Ordering::Relaxed)) && term_sent.is_none() {
+            term_sent = Some(Instant::now());
+            if let Ok(ws) = workers.lock() {
+                for w in ws.iter().filter(|w| w.status.is_none()) {
+                    signal(&w.child, libc::SIGTERM);
+                }
+            }
+        }
+        if term_sent.is_some_and(|t| t.elapsed() > GRACE) {
+            if let Ok(mut ws) = workers.lock() {
+                for w in ws.iter_mut().filter(|w| w.status.is_none()) {
+                    let _ = w.child.kill();
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn describe_status(st: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (st.code(), st.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("killed by signal {s}"),
+        _ => "ended abnormally".into(),
+    }
+}
+
+/// Launch `world` workers on this machine and follow the job.
+pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyhow::Result<i32> {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!(
+                "cockpit: --gpus {world}: cannot find this program to start the workers: {e}"
+            );
+            return Ok(EXIT_FAILURE);
+        }
+    };
+    let ranks_dir = run_dir.join("ranks");
+    if let Err(e) = std::fs::create_dir_all(&ranks_dir) {
+        eprintln!("cockpit: creating {}: {e}", ranks_dir.display());
+        return Ok(EXIT_FAILURE);
+    }
+    let d = &cfg.distributed;
+    let topology = Topology {
+        rank: 0,
+        world,
+        local_rank: 0,
+        master_addr: d.master_addr.clone(),
+        master_port: pick_port(&d.master_addr, d.master_port),
+    };
+    let args = worker_args(a, &run_dir);
+    let mut workers = Vec::with_capacity(world);
+    for rank in 0..world {
+        let log = worker_log(&run_dir, rank);
+        let spawned = std::fs::File::create(&log).and_then(|out| {
+            let err = out.try_clone()?;
+            let mut cmd = Command::new(&exe);
+            // Their own process group: a Ctrl+C at the terminal reaches the launcher only,
+            // which passes one SIGTERM on (two signals would make a worker quit at once).
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+            cmd.args(&args)
+                .envs(topology.worker_env(rank))
+                .stdin(Stdio::null())
+                .stdout(out)
+                .stderr(err);
+            cmd.spawn()
+        });
+        match spawned {
+            Ok(child) => workers.push(Worker {
+                rank,
+                child,
+                status: None,
+            }),
+            Err(e) => {
+                eprintln!("cockpit: could not start rank {rank}: {e}");
+                for w in &mut workers {
+                    let _ = w.child.kill();
+                    let _ = w.child.wait();
+                }
+                return Ok(EXIT_FAILURE);
+            }
+        }
+    }
+    eprintln!(
+        "cockpit: {world} workers ({} backend, rendezvous at {}:{}); their logs: {}/rank-N.log",
+        d.backend,
+        topology.master_addr,
+        topology.master_port,
+        ranks_dir.display()
+    );
+    let workers = Arc::new(Mutex::new(workers));
+    let stop = Arc::new(AtomicBool::new(false));
+    let failure: Arc<Mutex<Failure>> = Arc::new(Mutex::new(None));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let _ = signal_hook::flag::register(sig, stop.clone());
+    }
+    let supervisor = {
+        let (w, s, f) = (workers.clone(), stop.clone(), failure.clone());
+        std::thread::Builder::new()
+            .name("cockpit-launcher".into())
+            .spawn(move || supervise(w, s, f))?
+    };
+    // Rank 0's run: once its control socket is up, follow it like `cockpit attach`.
+    let tui = !a.no_tui && std::io::stdout().is_terminal();
+    let mut shown = false;
+    while !supervisor.is_finished() {
+        let live = crate::attach::socket_candidates(&run_dir)
+            .iter()
+            .any(|p| p.exists());
+        if live {
+            let theme = a.theme.as_deref();
+            let _ = super::frontends::attach(&run_dir, !tui, true, theme);
+            shown = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = supervisor.join();
+    let failed = failure.lock().ok().and_then(|f| f.clone());
+    let statuses: Vec<(usize, bool)> = workers
+        .lock()
+        .map(|ws| {
+            ws.iter()
+                .map(|w| (w.rank, w.status.is_some_and(|s| s.success())))
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some((rank, how, code)) = failed {
+        let log = worker_log(&run_dir, rank);
+        eprintln!(
+            "cockpit: rank {rank} failed ({how}); the other ranks were stopped. Its last words ({}):\n    {}",
+            log.display(),
+            tail(&log, 6)
+        );
+        // A config or usage error in a worker is one for the job.
+        return Ok(if code == Some(EXIT_USAGE) {
+            EXIT_USAGE
+        } else {
+            EXIT_FAILURE
+        });
+    }
+    if !shown {
+        eprintln!(
+            "cockpit: rank 0 never came up; see {}",
+            worker_log(&run_dir, 0).display()
+        );
+    }
+    if stop.load(Ordering::Relaxed) {
+        return Ok(super::EXIT_INTERRUPTED);
+    }
+    let bad: Vec<String> = statuses
+        .iter()
+        .filter(|(_, ok)| !ok)
+        .map(|(r, _)| r.to_string())
+        .collect();
+    if bad.is_empty() {
+        Ok(EXIT_OK)
+    } else {
+        eprintln!("cockpit: ranks {} did not finish cleanly", bad.join(", "));
+        Ok(if shown { EXIT_FAILURE } else { EXIT_USAGE })
+    }
+}
