@@ -133,7 +133,7 @@ pub fn join(
 
 #[cfg(feature = "nccl")]
 fn new_nccl_id() -> Result<Vec<u8>, CommError> {
-    let id = cudarc::nccl::safe::Id::new()
+    let id = candle_core::cuda_backend::cudarc::nccl::safe::Id::new()
         .map_err(|e| CommError::Setup(format!("NCCL: could not make a unique id: {e:?}")))?;
     Ok(id.internal().iter().map(|&c| c as u8).collect())
 }
@@ -434,8 +434,9 @@ impl Collective for TcpCollective {
 mod nccl {
     use super::{Collective, CommError, Joined};
     use candle_core::backend::BackendStorage;
-    use candle_core::{CudaStorage, DType, Device, InplaceOp1, Layout, Tensor};
-    use cudarc::nccl::safe::{Comm, Id, ReduceOp};
+    use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
+    use candle_core::cuda_backend::CudaStorage;
+    use candle_core::{DType, Device, InplaceOp1, Layout, Tensor};
     use std::sync::Arc;
 
     /// The communicator is used from the engine thread only (it is created before the
@@ -510,7 +511,9 @@ mod nccl {
     unsafe impl Send for InPlace {}
     unsafe impl Sync for InPlace {}
 
-    fn nccl_err(e: cudarc::nccl::result::NcclError) -> candle_core::Error {
+    fn nccl_err(
+        e: candle_core::cuda_backend::cudarc::nccl::result::NcclError,
+    ) -> candle_core::Error {
         candle_core::Error::Msg(format!("NCCL: {e:?}"))
     }
 
