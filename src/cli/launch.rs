@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 
 /// How long workers get to stop after SIGTERM before they are killed.
 const GRACE: Duration = Duration::from_secs(15);
+/// After a worker fails, how long the others get to notice (and name the cause in their
+/// logs) by themselves before they are sent SIGTERM.
+const NOTICE: Duration = Duration::from_secs(5);
 
 /// The worker's log: `RUN_DIR/ranks/rank-N.log`.
 pub fn worker_log(run_dir: &Path, rank: usize) -> PathBuf {
@@ -110,6 +113,7 @@ fn supervise(
     failure: Arc<Mutex<Failure>>,
 ) {
     let mut term_sent: Option<Instant> = None;
+    let mut failed_at: Option<Instant> = None;
     loop {
         let (all_done, failed_now) = {
             let Ok(mut ws) = workers.lock() else { return };
@@ -137,7 +141,11 @@ fn supervise(
             }
         }
         let failing = failure.lock().map(|f| f.is_some()).unwrap_or(true);
-        if (failing || stop.load(Ordering::Relaxed)) && term_sent.is_none() {
+        if failing && failed_at.is_none() {
+            failed_at = Some(Instant::now());
+        }
+        let give_up = failed_at.is_some_and(|t| t.elapsed() > NOTICE);
+        if (give_up || stop.load(Ordering::Relaxed)) && term_sent.is_none() {
             term_sent = Some(Instant::now());
             if let Ok(ws) = workers.lock() {
                 for w in ws.iter().filter(|w| w.status.is_none()) {

@@ -239,7 +239,32 @@ impl TcpCollective {
         head[0] = kind;
         head[1..].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
         let r = s.write_all(&head).and_then(|_| s.write_all(bytes));
-        r.map_err(|e| self.io(op, peer, e))
+        match r {
+            Ok(()) => Ok(()),
+            // The peer is gone; it may have said why before it went.
+            Err(e) => Err(self.last_words(i).unwrap_or_else(|| self.io(op, peer, e))),
+        }
+    }
+
+    /// A failure notice the peer of stream `i` left before closing, if any.
+    fn last_words(&mut self, i: usize) -> Option<CommError> {
+        let (peer, s) = &mut self.streams[i];
+        let peer = *peer;
+        let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+        let mut head = [0u8; 9];
+        let got = s.read_exact(&mut head).ok().and_then(|_| {
+            let mut len = [0u8; 8];
+            len.copy_from_slice(&head[1..]);
+            let n = u64::from_le_bytes(len) as usize;
+            // A failure notice is short; anything else is not one.
+            if head[0] != FAILED || n > 1 << 16 {
+                return None;
+            }
+            let mut buf = vec![0u8; n];
+            s.read_exact(&mut buf).ok().map(|_| buf)
+        });
+        let _ = s.set_read_timeout(Some(self.timeout));
+        got.map(|b| parse_failure(&String::from_utf8_lossy(&b), peer))
     }
 
     fn recv(&mut self, i: usize, op: &'static str) -> Result<Vec<u8>, CommError> {
@@ -254,21 +279,20 @@ impl TcpCollective {
         });
         let buf = r.map_err(|e| self.io(op, peer, e))?;
         if head[0] == FAILED {
-            let cause = String::from_utf8_lossy(&buf).into_owned();
             // Rank 0 passes a worker's failure on, so every rank can name it.
             if self.rank == 0 {
-                self.relay_failure(peer, &cause);
+                self.relay_failure(peer, &buf);
             }
-            return Err(parse_failure(&cause, peer));
+            return Err(parse_failure(&String::from_utf8_lossy(&buf), peer));
         }
         Ok(buf)
     }
 
-    fn relay_failure(&mut self, who: usize, cause: &str) {
-        let msg = format!("{who}\u{1f}{cause}");
+    /// `msg` as received: "RANK\u{1f}CAUSE".
+    fn relay_failure(&mut self, from: usize, msg: &[u8]) {
         for i in 0..self.streams.len() {
-            if self.streams[i].0 != who {
-                let _ = self.send(i, FAILED, msg.as_bytes(), "relay");
+            if self.streams[i].0 != from {
+                let _ = self.send(i, FAILED, msg, "relay");
             }
         }
     }

@@ -1,0 +1,205 @@
+//! Data parallelism end to end on the CPU (the `tcp` backend: the same launcher, rendezvous,
+//! sharding, gradient all-reduce, rank-0 writes and failure handling the NCCL backend uses
+//! on GPUs): N ranks × micro-batch B must train like one process at N·B.
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use std::path::Path;
+use std::time::Duration;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A small, fast run: the tiny model on a short built-in corpus, no dropout (masks would
+/// differ between one process and N ranks), eval only at the end.
+const SMALL: &[&str] = &[
+    "--device",
+    "cpu",
+    "--set",
+    "data.builtin_tokens=300000",
+    "--set",
+    "model.dropout=0.0",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "eval.batches=2",
+    "--set",
+    "monitor.enabled=false",
+    "--set",
+    "run.log_every_secs=60",
+    "--set",
+    "distributed.backend=\"tcp\"",
+];
+
+fn cockpit() -> Command {
+    let mut c = Command::cargo_bin("cockpit").unwrap();
+    c.timeout(Duration::from_secs(300));
+    c
+}
+
+fn losses(metrics: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(metrics)
+        .unwrap_or_else(|e| panic!("{}: {e}", metrics.display()))
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "step")
+        .map(|e| (e["step"].as_u64().unwrap(), e["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+fn assert_track(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
+    assert!(
+        !a.is_empty() && a.len() == b.len(),
+        "{what}: {a:?} vs {b:?}"
+    );
+    for ((sa, la), (sb, lb)) in a.iter().zip(b) {
+        assert_eq!(sa, sb, "{what}");
+        // Same data, same global batch: only the order of float sums differs.
+        assert!(
+            ((la - lb) / lb).abs() < 1e-4,
+            "{what}: step {sa}: {la} vs {lb}"
+        );
+    }
+}
+
+#[test]
+fn two_ranks_at_b_train_like_one_process_at_2b() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dp, single) = (dir.path().join("dp"), dir.path().join("single"));
+    let port = free_port().to_string();
+    cockpit()
+        .args(["train", "--gpus", "2", "--no-tui", "--max-steps", "12"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=8"])
+        .args(["--set", &format!("distributed.master_port={port}")])
+        .arg("--run-dir")
+        .arg(&dp)
+        .assert()
+        .success()
+        .stderr(predicate::str::contains("2 workers"));
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", "12"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=16"])
+        .arg("--run-dir")
+        .arg(&single)
+        .assert()
+        .success();
+    let (a, b) = (
+        losses(&dp.join("metrics.jsonl")),
+        losses(&single.join("metrics.jsonl")),
+    );
+    assert_track(&a, &b, "2 ranks × 8 vs 1 × 16");
+    // Every rank reports the same (global) loss.
+    let r1 = dp.join("ranks/rank-1/metrics.jsonl");
+    assert_track(&losses(&r1), &a, "rank 1 vs rank 0");
+    // Rank 0 writes the job's files; rank 1 writes no checkpoints.
+    assert!(dp.join("checkpoints").is_dir());
+    assert!(!dp.join("ranks/rank-1/checkpoints").exists());
+    assert!(dp.join("ranks/rank-0.log").is_file() && dp.join("ranks/rank-1.log").is_file());
+    // Every step carries both ranks' timings; the step's tokens are the global batch's.
+    let last = std::fs::read_to_string(dp.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "step")
+        .last()
+        .unwrap();
+    let ranks = last["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    assert!(ranks
+        .iter()
+        .all(|r| r["compute_ms"].as_f64().unwrap() > 0.0));
+    assert_eq!(last["tokens"], 12 * 16 * 64);
+}
+
+#[test]
+fn a_failing_rank_ends_the_job_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    cockpit()
+        .args(["train", "--gpus", "3", "--no-tui", "--max-steps", "50"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=4"])
+        .args(["--set", &format!("distributed.master_port={port}")])
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("COCKPIT_FAULT_FAIL", "1:3")
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("rank 1 failed")
+                .and(predicate::str::contains("injected fault")),
+        );
+    // The other ranks learnt why, and said so in their logs.
+    for r in [0, 2] {
+        let log =
+            std::fs::read_to_string(dir.path().join(format!("run/ranks/rank-{r}.log"))).unwrap();
+        assert!(log.contains("rank 1 failed"), "rank {r}:\n{log}");
+    }
+}
+
+/// Ranks started torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no launcher),
+/// then a resume of their checkpoint in one process at the same global batch: the resumed
+/// steps match the rest of the 2-rank run.
+#[test]
+fn torchrun_style_ranks_and_a_resume_at_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dp, resumed) = (dir.path().join("dp"), dir.path().join("resumed"));
+    let port = free_port().to_string();
+    let exe = assert_cmd::cargo::cargo_bin("cockpit");
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(["train", "--no-tui", "--max-steps", "16"])
+                .args(SMALL)
+                .args(["--set", "optim.micro_batch=8"])
+                .args(["--set", "checkpoint.every_steps=8"])
+                .args(["--set", "checkpoint.keep_last=4"])
+                .arg("--run-dir")
+                .arg(&dp)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let step8 = dp.join("checkpoints/step-00000008");
+    assert!(step8.is_dir(), "rank 0 checkpointed step 8");
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", "16"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=16"])
+        .arg("--resume")
+        .arg(&step8)
+        .arg("--run-dir")
+        .arg(&resumed)
+        .assert()
+        .success();
+    let tail: Vec<_> = losses(&dp.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|(s, _)| *s > 8)
+        .collect();
+    let again: Vec<_> = losses(&resumed.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|(s, _)| *s > 8)
+        .collect();
+    assert_track(&again, &tail, "1 × 16 resumed from 2 × 8");
+}
