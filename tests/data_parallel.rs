@@ -107,8 +107,7 @@ fn two_ranks_at_b_train_like_one_process_at_2b() {
         .unwrap()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|e| e["event"] == "step")
-        .last()
+        .rfind(|e| e["event"] == "step")
         .unwrap();
     let ranks = last["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 2);
