@@ -432,3 +432,55 @@ fn replaying_a_trace_is_deterministic() {
         assert_eq!(advise_trace(name), advise_trace(name), "{name}");
     }
 }
+
+/// Data parallelism: one rank whose steps take longer than the others' is named, with the
+/// per-rank figures; when the ranks even out, the advice goes.
+#[test]
+fn a_straggler_rank_is_named_and_clears_when_the_ranks_even_out() {
+    use cockpit::engine::events::RankStat;
+    let mut advisor = Advisor::new(options());
+    advisor.observe_run(&run_info("bf16", "cuda:0 (Synthetic GPU)"));
+    let mut n = 0;
+    let mut tick = |advisor: &mut Advisor, sec: u64, slow_ms: f64| {
+        for _ in 0..4 {
+            n += 1;
+            let mut st = step(n, 120.0, 1.0);
+            st.ranks = [100.0, 100.0, slow_ms, 100.0]
+                .iter()
+                .enumerate()
+                .map(|(rank, &ms)| RankStat {
+                    rank,
+                    compute_ms: ms,
+                    data_wait_ms: 1.0,
+                    memory_bytes: None,
+                })
+                .collect();
+            advisor.observe_step(&st);
+        }
+        advisor.observe_snapshot(&snapshot(sec, ours(95, 0.6)));
+        ids(&advisor.recommendations())
+    };
+    let mut seen = Vec::new();
+    for sec in 0..SETTLE as u64 {
+        seen = tick(&mut advisor, sec, 150.0);
+    }
+    assert!(has(&seen, ids::STRAGGLER), "{seen:?}");
+    let rec = advisor
+        .recommendations()
+        .into_iter()
+        .find(|r| r.id == ids::STRAGGLER)
+        .unwrap();
+    assert_eq!(rec.severity, Severity::Warn);
+    assert!(rec.message.contains("Rank 2"), "{}", rec.message);
+    let evidence: String = rec
+        .evidence
+        .iter()
+        .map(|(k, v)| format!("{k}={v};"))
+        .collect();
+    assert!(evidence.contains("rank 2: 150.0 ms"), "{evidence}");
+    assert!(evidence.contains("job_time_lost=33%"), "{evidence}");
+    for sec in SETTLE as u64..2 * SETTLE as u64 {
+        seen = tick(&mut advisor, sec, 102.0);
+    }
+    assert!(!has(&seen, ids::STRAGGLER), "{seen:?}");
+}

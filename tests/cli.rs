@@ -188,7 +188,26 @@ fn distributed_environment_is_checked() {
         .env("RANK", "1")
         .assert()
         .code(2)
-        .stderr(predicate::str::contains("WORLD_SIZE = 2 (rank 1)"));
+        .stderr(predicate::str::contains("this build has no NCCL").or(
+            // a build with NCCL on a machine without GPUs
+            predicate::str::contains("cuda"),
+        ));
+    // A rank whose rank 0 never comes: a clear error after distributed.timeout_secs.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", "1", "--device", "cpu"])
+        .args(["--set", "distributed.backend=\"tcp\""])
+        .args(["--set", "distributed.timeout_secs=1"])
+        .env("WORLD_SIZE", "2")
+        .env("RANK", "1")
+        .env("MASTER_PORT", port.to_string())
+        .assert()
+        .code(1)
+        .stderr(predicate::str::contains("could not reach rank 0"));
 }
 
 /// `cockpit bench` times real steps and writes the figures the reference script writes.

@@ -1196,3 +1196,46 @@ fn rendered_cells_use_only_the_terminal_palette() {
         app.theme().colors().severity_critical
     );
 }
+
+/// Data parallelism: the header shows every rank's compute time; a straggler is marked.
+#[test]
+fn the_header_shows_every_rank_and_marks_a_straggler() {
+    use cockpit::engine::events::RankStat;
+    let mut events = canned_run(50, false);
+    let mut last = step_stats(51);
+    last.ranks = [210.0, 208.0, 320.0]
+        .iter()
+        .enumerate()
+        .map(|(rank, &ms)| RankStat {
+            rank,
+            compute_ms: ms,
+            data_wait_ms: 0.5,
+            memory_bytes: None,
+        })
+        .collect();
+    events.push(Event::Step(last));
+    let app = training_app(events, &gpu_updates(3));
+    let screen = render(&app, 160, 40);
+    assert!(
+        screen.contains("3 ranks r0 210ms r1 208ms r2 320ms"),
+        "{screen}"
+    );
+    let mut terminal = Terminal::new(TestBackend::new(160, 40)).unwrap();
+    terminal.draw(|f| app.render(f)).unwrap();
+    let buf = terminal.backend().buffer().clone();
+    let row = (0..40)
+        .find(|&y| {
+            (0..160)
+                .map(|x| buf[(x, y)].symbol().to_string())
+                .collect::<String>()
+                .contains("r2 320ms")
+        })
+        .unwrap();
+    let line: String = (0..160)
+        .map(|x| buf[(x, row)].symbol().to_string())
+        .collect();
+    let x = line.find("r2 320ms").unwrap();
+    let x = line[..x].chars().count() as u16;
+    let (slow, fast) = (buf[(x, row)].fg, buf[(x - 9, row)].fg);
+    assert_ne!(slow, fast, "the straggler stands out");
+}

@@ -66,6 +66,8 @@ pub mod ids {
     pub const GPU_CONTENTION: &str = "gpu_contention";
     /// All good.
     pub const WELL_UTILIZED: &str = "well_utilized";
+    /// Data parallelism: one rank is slower than the rest, and all of them wait for it.
+    pub const STRAGGLER: &str = "straggler";
 }
 
 /// Identifies one rule's standing: (rule id, GPU index or `None` for the whole job).

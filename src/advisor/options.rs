@@ -112,6 +112,9 @@ pub struct AdvisorOptions {
     pub contention: Band,
     /// Process id of this cockpit (the training engine runs inside it).
     pub own_pid: u32,
+    /// Data parallelism: the slowest rank's compute time over the median rank's (every rank
+    /// waits for the slowest at each all-reduce).
+    pub straggler: Band,
 }
 
 impl Default for AdvisorOptions {
@@ -130,6 +133,7 @@ impl Default for AdvisorOptions {
             idle: Band::new(0.95, 0.80),
             throttle: Band::new(0.30, 0.10),
             contention: Band::new(0.50, 0.10),
+            straggler: Band::new(1.15, 1.07),
             own_pid: std::process::id(),
         }
     }

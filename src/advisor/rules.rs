@@ -503,6 +503,7 @@ pub(crate) fn well_utilized(ctx: &Context<'_>, index: u32, blocked: bool) -> Opt
 /// Rules about the whole job rather than one GPU: a data-bound run where no GPU can be seen
 /// (CPU training, or no NVML).
 pub(crate) fn job_rules(ctx: &Context<'_>, out: &mut Vec<Candidate>) {
+    out.extend(straggler(ctx));
     let opts = ctx.opts;
     let Some(latest) = ctx.window.latest() else {
         return;
@@ -538,6 +539,54 @@ pub(crate) fn job_rules(ctx: &Context<'_>, out: &mut Vec<Candidate>) {
         )
         .at(opts.data_wait.above(dw)),
     );
+}
+
+/// Data parallelism: every rank waits at the gradient all-reduce for the slowest, so one
+/// slow rank (a throttled or shared GPU, a slow data path) slows the whole job.
+fn straggler(ctx: &Context<'_>) -> Option<Candidate> {
+    let opts = ctx.opts;
+    if ctx.window.step_count() < opts.min_window_steps {
+        return None;
+    }
+    let means = ctx.window.rank_compute_means();
+    let mut sorted = means.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = *sorted.get(sorted.len() / 2)?;
+    let (slow, worst) = means.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1))?;
+    if median <= 0.0 {
+        return None;
+    }
+    let ratio = worst / median;
+    let lost = 1.0 - median / worst;
+    Some(
+        Advice::new(
+            ids::STRAGGLER,
+            Severity::Warn,
+            None,
+            format!(
+                "Rank {slow} is a straggler: its steps take {ratio:.2}× the median rank's, and every rank waits for it at each all-reduce"
+            ),
+        )
+        .evidence("slowest_rank", format!("rank {slow}: {worst:.1} ms compute"))
+        .evidence("median_rank", format!("{median:.1} ms compute"))
+        .evidence(
+            "per_rank_ms",
+            means
+                .iter()
+                .enumerate()
+                .map(|(r, m)| format!("{r}: {m:.1}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        )
+        .evidence("job_time_lost", share(lost))
+        .evidence("window", format!("{} steps", ctx.window.step_count()))
+        .action(format!(
+            "Look at rank {slow}'s GPU in the GPU panel (throttling, another process on it, a \
+             slower model or PCIe link) and its log; exclude that GPU with CUDA_VISIBLE_DEVICES \
+             if it stays slow."
+        ))
+        .at(opts.straggler.above(ratio)),
+    )
 }
 
 #[cfg(test)]

@@ -13,11 +13,13 @@ const THERMAL_REASONS: [&str; 3] = ["sw_thermal_slowdown", "hw_thermal_slowdown"
 const POWER_REASONS: [&str; 2] = ["sw_power_cap", "hw_power_brake_slowdown"];
 
 /// One step's timing, stamped with the advisor clock when it was observed.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct StepTiming {
     at_ms: u64,
     step_ms: f64,
     data_wait_ms: f64,
+    /// Data parallelism: each rank's compute time, by rank.
+    ranks: Vec<f64>,
 }
 
 /// The last `length` of snapshots and step timings, on the snapshot clock.
@@ -70,6 +72,7 @@ impl Window {
                 at_ms: self.now_ms(),
                 step_ms: step.step_ms,
                 data_wait_ms: step.data_wait_ms.clamp(0.0, step.step_ms),
+                ranks: step.ranks.iter().map(|r| r.compute_ms).collect(),
             });
         }
     }
@@ -97,6 +100,25 @@ impl Window {
         let step: f64 = self.steps.iter().map(|s| s.step_ms).sum();
         let wait: f64 = self.steps.iter().map(|s| s.data_wait_ms).sum();
         (step > 0.0).then(|| wait / step)
+    }
+
+    /// Data parallelism: each rank's mean compute time over the window's steps, by rank
+    /// (empty for a single process or a world size that changed within the window).
+    pub(crate) fn rank_compute_means(&self) -> Vec<f64> {
+        let Some(world) = self.steps.back().map(|s| s.ranks.len()) else {
+            return Vec::new();
+        };
+        let steps: Vec<&StepTiming> = self
+            .steps
+            .iter()
+            .filter(|s| s.ranks.len() == world)
+            .collect();
+        if world < 2 || steps.is_empty() {
+            return Vec::new();
+        }
+        (0..world)
+            .map(|r| steps.iter().map(|s| s.ranks[r]).sum::<f64>() / steps.len() as f64)
+            .collect()
     }
 
     /// Mean step time in the window, in ms.

@@ -227,6 +227,10 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
     if let Some(t) = &topology {
         use crate::util::DeviceSpec;
+        if backend == crate::distributed::Backend::Nccl && !cfg!(feature = "nccl") {
+            eprintln!("cockpit: rank {}: distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes", t.rank);
+            return Ok(EXIT_USAGE);
+        }
         device = match (backend, device) {
             (crate::distributed::Backend::Nccl, DeviceSpec::Cpu) => {
                 eprintln!("cockpit: config error:\n{}: distributed.backend = \"nccl\" needs CUDA devices, but run.device = \"cpu\" (backend \"tcp\" runs CPU processes)", loaded.origin);

@@ -61,6 +61,14 @@ impl Progress {
             "ETA {}",
             human_duration(rate * max.saturating_sub(s.step) as f64)
         ));
+        if s.ranks.len() > 1 {
+            let ms: Vec<String> = s
+                .ranks
+                .iter()
+                .map(|r| format!("r{} {:.0}ms", r.rank, r.compute_ms))
+                .collect();
+            parts.push(format!("ranks {}", ms.join(" ")));
+        }
         if let Some(scu) = &self.scu {
             parts.push(format!(
                 "S {:.2}% (S* {:.2}%) λ {:.3}",

@@ -164,6 +164,26 @@ impl HeaderView<'_> {
             }
             segments.push(scu);
         }
+        // Data parallelism: every rank's compute time this step; a straggler stands out.
+        if let Some(s) = self.run.last_step.as_ref().filter(|s| s.ranks.len() > 1) {
+            let mut times: Vec<f64> = s.ranks.iter().map(|r| r.compute_ms).collect();
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
+            let mut seg = vec![label(&format!("{} ranks", s.ranks.len()))];
+            for (i, r) in s.ranks.iter().enumerate() {
+                if i > 0 {
+                    seg.push(Span::styled(" ", t.muted()));
+                }
+                let slow = median > 0.0 && r.compute_ms > 1.15 * median;
+                let text = format!("r{} {:.0}ms", r.rank, r.compute_ms);
+                seg.push(if slow {
+                    Span::styled(text, t.level(Level::Warn))
+                } else {
+                    Span::raw(text)
+                });
+            }
+            segments.push(seg);
+        }
         if self.run.dropped_steps > 0 {
             segments.push(vec![Span::styled(
                 format!("{} step events dropped", fmt::count(self.run.dropped_steps)),
