@@ -17,7 +17,8 @@ Examples:
   cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
   cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
 
-Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 130 interrupted.";
+Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 3 this rank ended because another
+rank of its data-parallel job failed, 130 interrupted.";
 
 #[derive(Parser, Debug)]
 #[command(name = "cockpit", version, about = "A terminal training cockpit: train transformer LMs, steer them live, watch the GPU.", after_help = EXAMPLES)]

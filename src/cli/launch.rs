@@ -4,7 +4,7 @@
 //! and end the whole job cleanly when any worker fails, naming the rank and its cause.
 
 use super::args::TrainArgs;
-use super::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
+use super::{EXIT_FAILURE, EXIT_OK, EXIT_PEER_FAILED, EXIT_USAGE};
 use crate::config::Config;
 use crate::distributed::Topology;
 use std::io::{IsTerminal, Read, Seek, SeekFrom};
@@ -93,8 +93,16 @@ struct Worker {
     status: Option<std::process::ExitStatus>,
 }
 
-/// The first worker to fail: (rank, how it ended, its exit code).
-type Failure = Option<(usize, String, Option<i32>)>;
+/// The workers that failed, in the order they ended: (rank, how, exit code).
+type Failures = Vec<(usize, String, Option<i32>)>;
+
+/// The failure to report: the first rank that failed on its own, not one that ended because
+/// another did (exit code [`EXIT_PEER_FAILED`]); else the first.
+fn root_cause(f: &Failures) -> Option<&(usize, String, Option<i32>)> {
+    f.iter()
+        .find(|(_, _, code)| *code != Some(EXIT_PEER_FAILED))
+        .or_else(|| f.first())
+}
 
 fn signal(child: &Child, sig: i32) {
     if let Ok(pid) = i32::try_from(child.id()) {
@@ -110,20 +118,20 @@ fn signal(child: &Child, sig: i32) {
 fn supervise(
     workers: Arc<Mutex<Vec<Worker>>>,
     stop: Arc<AtomicBool>,
-    failure: Arc<Mutex<Failure>>,
+    failure: Arc<Mutex<Failures>>,
 ) {
     let mut term_sent: Option<Instant> = None;
     let mut failed_at: Option<Instant> = None;
     loop {
         let (all_done, failed_now) = {
             let Ok(mut ws) = workers.lock() else { return };
-            let mut failed_now = None;
+            let mut failed_now = Vec::new();
             for w in ws.iter_mut() {
                 if w.status.is_none() {
                     if let Ok(Some(st)) = w.child.try_wait() {
                         w.status = Some(st);
-                        if !st.success() && failed_now.is_none() {
-                            failed_now = Some((w.rank, describe_status(st), st.code()));
+                        if !st.success() {
+                            failed_now.push((w.rank, describe_status(st), st.code()));
                         }
                     }
                 }
@@ -133,14 +141,12 @@ fn supervise(
         if all_done {
             return;
         }
-        if let Some(f) = failed_now {
-            if let Ok(mut slot) = failure.lock() {
-                if slot.is_none() && !stop.load(Ordering::Relaxed) {
-                    *slot = Some(f);
-                }
+        if !failed_now.is_empty() && !stop.load(Ordering::Relaxed) {
+            if let Ok(mut f) = failure.lock() {
+                f.extend(failed_now);
             }
         }
-        let failing = failure.lock().map(|f| f.is_some()).unwrap_or(true);
+        let failing = failure.lock().map(|f| !f.is_empty()).unwrap_or(true);
         if failing && failed_at.is_none() {
             failed_at = Some(Instant::now());
         }
@@ -239,7 +245,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
     );
     let workers = Arc::new(Mutex::new(workers));
     let stop = Arc::new(AtomicBool::new(false));
-    let failure: Arc<Mutex<Failure>> = Arc::new(Mutex::new(None));
+    let failure: Arc<Mutex<Failures>> = Arc::new(Mutex::new(Vec::new()));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let _ = signal_hook::flag::register(sig, stop.clone());
     }
@@ -265,7 +271,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
         std::thread::sleep(Duration::from_millis(200));
     }
     let _ = supervisor.join();
-    let failed = failure.lock().ok().and_then(|f| f.clone());
+    let failed = failure.lock().ok().and_then(|f| root_cause(&f).cloned());
     let statuses: Vec<(usize, bool)> = workers
         .lock()
         .map(|ws| {

@@ -1,5 +1,6 @@
 //! The `cockpit` command line: parses arguments, loads the config, starts the engine and the
-//! chosen front end, and maps outcomes to exit codes (0 ok, 1 failure, 2 usage, 130 interrupted).
+//! chosen front end, and maps outcomes to exit codes (0 ok, 1 failure, 2 usage, 3 another rank failed, 130
+//! interrupted).
 
 pub mod args;
 mod bench;
@@ -21,6 +22,9 @@ pub const EXIT_OK: i32 = 0;
 pub const EXIT_FAILURE: i32 = 1;
 pub const EXIT_USAGE: i32 = 2;
 pub const EXIT_INTERRUPTED: i32 = 130;
+/// A rank of a data-parallel job that ended because another rank failed (the launcher
+/// names the rank that failed first on its own).
+pub const EXIT_PEER_FAILED: i32 = 3;
 
 /// Parse the process arguments and run; returns the exit code.
 pub fn main() -> i32 {
@@ -304,7 +308,11 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
                         j.peers.watch(move |msg: String| {
                             tracing::error!("{msg}");
                             eprintln!("cockpit: {msg}; ending this rank");
-                            std::process::exit(EXIT_FAILURE);
+                            // The engine thread may sit inside a collective that will never
+                            // complete: leave at once, without the exit handlers (the CUDA
+                            // runtime's would tear the context down under that thread).
+                            // SAFETY: _exit ends the process; nothing runs after it.
+                            unsafe { libc::_exit(EXIT_PEER_FAILED) }
                         });
                     }
                     (PathBuf::from(&j.handshake.run_dir), Some(j))
@@ -373,8 +381,14 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Ok(s) => s,
         Err(e) => {
             eprintln!("cockpit: training failed: {e}");
+            let peer = matches!(
+                e,
+                crate::engine::EngineError::Distributed(crate::distributed::CommError::Peer { .. })
+            );
             return Ok(if e.is_usage() {
                 EXIT_USAGE
+            } else if peer {
+                EXIT_PEER_FAILED
             } else {
                 EXIT_FAILURE
             });

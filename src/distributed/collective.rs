@@ -461,11 +461,11 @@ mod nccl {
     use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
     use candle_core::cuda_backend::CudaStorage;
     use candle_core::{DType, Device, InplaceOp1, Layout, Tensor};
-    use std::sync::Arc;
+    use std::rc::Rc;
 
     /// The communicator is used from the engine thread only (it is created before the
     /// thread starts and moved into it once).
-    struct SendComm(Arc<Comm>);
+    struct SendComm(Rc<Comm>);
     // SAFETY: an NCCL communicator may be used from any one thread at a time; the trainer
     // owns it and never shares it between threads.
     unsafe impl Send for SendComm {}
@@ -509,7 +509,7 @@ mod nccl {
                     cause: format!("{e:?}"),
                 })?;
             Ok(Self {
-                comm: SendComm(Arc::new(comm)),
+                comm: SendComm(Rc::new(comm)),
                 device: device.clone(),
                 rank,
                 world,
@@ -528,7 +528,7 @@ mod nccl {
     }
 
     struct InPlace {
-        comm: Arc<Comm>,
+        comm: Rc<Comm>,
         op: Op,
     }
     // SAFETY: see SendComm; the op lives only for one call on the engine thread.

@@ -67,6 +67,9 @@ pub struct Peers {
     pub rank: usize,
     pub world: usize,
     conns: Vec<(usize, String, TcpStream)>,
+    /// Set once this rank finishes or fails on its own: from then on a peer closing its
+    /// connection is expected, not news.
+    leaving: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn host() -> String {
@@ -115,6 +118,7 @@ pub fn rendezvous(
                 rank: 0,
                 world: t.world,
                 conns,
+                leaving: Default::default(),
             },
         ))
     } else {
@@ -262,6 +266,7 @@ fn join(
                 rank: t.rank,
                 world: t.world,
                 conns: vec![(0, t.master_addr.clone(), stream)],
+                leaving: Default::default(),
             },
         )),
         Ok(Reply::Error(m)) => Err(RendezvousError::Refused(m)),
@@ -293,6 +298,12 @@ impl Peers {
             let Ok(s) = s.try_clone() else { continue };
             let (rank, host, me, on_lost) = (*rank, host.clone(), self.rank, on_lost.clone());
             let relay = relay.clone();
+            let leaving = self.leaving.clone();
+            let on_lost = move |msg: String| {
+                if !leaving.load(std::sync::atomic::Ordering::SeqCst) {
+                    on_lost(msg);
+                }
+            };
             let tell_others = move |who: usize, cause: &str| {
                 for (r, s) in relay.iter() {
                     if *r != who {
@@ -344,6 +355,8 @@ impl Peers {
 
     /// Tell the peers this rank is finishing normally (so its closing socket is no alarm).
     pub fn goodbye(&mut self) {
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         for (_, _, s) in &mut self.conns {
             let _ = send_line(s, &Control::Bye);
         }
@@ -352,6 +365,8 @@ impl Peers {
     /// Tell the peers this rank is failing and why (best effort: the sockets may be gone).
     /// Rank 0 also uses it to relay a worker's failure to the others.
     pub fn fail(&mut self, rank: usize, cause: &str) {
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         for (_, _, s) in &mut self.conns {
             let _ = send_line(
                 s,
