@@ -50,6 +50,8 @@ fn spawn(overrides: &[&str], dir: &Path) -> Engine {
         fault_nan_steps: vec![],
         dist: None,
         fault_fail_step: None,
+        progress: None,
+        fault_hang_step: None,
     })
     .unwrap()
 }

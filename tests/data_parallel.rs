@@ -204,3 +204,30 @@ fn torchrun_style_ranks_and_a_resume_at_another_world_size() {
         .collect();
     assert_track(&again, &tail, "1 × 16 resumed from 2 × 8");
 }
+
+/// A rank that hangs (alive, but never reaches the next collective) cannot hang the job:
+/// after distributed.timeout_secs the ranks give up, and the message points at the stuck one.
+#[test]
+fn a_stuck_rank_times_the_job_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let started = std::time::Instant::now();
+    cockpit()
+        .args(["train", "--gpus", "2", "--no-tui", "--max-steps", "50"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=4"])
+        .args(["--set", "distributed.timeout_secs=3"])
+        .args(["--set", &format!("distributed.master_port={port}")])
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("COCKPIT_FAULT_HANG", "1:3")
+        .assert()
+        .code(1)
+        .stderr(
+            predicate::str::contains("cockpit: rank 1 failed (exit code 1)").and(
+                predicate::str::contains("rank 1: stuck: no optimizer step finished in 3 s"),
+            ),
+        );
+    // Well before the launcher's own grace periods would have to kill anything.
+    assert!(started.elapsed() < Duration::from_secs(60));
+}

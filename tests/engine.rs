@@ -33,6 +33,8 @@ fn spawn(cfg: Config, dir: &Path) -> Engine {
         fault_nan_steps: vec![],
         dist: None,
         fault_fail_step: None,
+        progress: None,
+        fault_hang_step: None,
     })
     .unwrap()
 }
@@ -231,6 +233,8 @@ fn a_slow_consumer_never_blocks_the_engine() {
         fault_nan_steps: vec![],
         dist: None,
         fault_fail_step: None,
+        progress: None,
+        fault_hang_step: None,
     })
     .unwrap();
     let summary = e.thread.wait().unwrap(); // finishes although nobody reads

@@ -38,6 +38,8 @@ fn run(cfg: Config, dir: &Path) -> Vec<Event> {
         fault_nan_steps: vec![],
         dist: None,
         fault_fail_step: None,
+        progress: None,
+        fault_hang_step: None,
     })
     .unwrap_or_else(|e| panic!("{e}"));
     let mut out = Vec::new();

@@ -37,6 +37,8 @@ fn opts(cfg: Config, dir: &Path, resume: Option<PathBuf>, faults: Vec<u64>) -> E
         fault_nan_steps: faults,
         dist: None,
         fault_fail_step: None,
+        progress: None,
+        fault_hang_step: None,
     }
 }
 

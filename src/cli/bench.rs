@@ -156,6 +156,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         fault_nan_steps: vec![],
         dist: None,
         fault_fail_step: None,
+        progress: None,
+        fault_hang_step: None,
     })?;
     let (mut info, mut steps, mut failure) = (None, Vec::new(), None);
     while let Some(ev) = engine.events.recv() {

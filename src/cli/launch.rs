@@ -138,13 +138,13 @@ fn supervise(
             }
             (ws.iter().all(|w| w.status.is_some()), failed_now)
         };
-        if all_done {
-            return;
-        }
         if !failed_now.is_empty() && !stop.load(Ordering::Relaxed) {
             if let Ok(mut f) = failure.lock() {
                 f.extend(failed_now);
             }
+        }
+        if all_done {
+            return;
         }
         let failing = failure.lock().map(|f| !f.is_empty()).unwrap_or(true);
         if failing && failed_at.is_none() {

@@ -157,13 +157,52 @@ fn fault_nan_steps() -> Vec<u64> {
 }
 
 /// Fault injection for end-to-end tests: `COCKPIT_FAULT_FAIL=RANK:STEP` makes that rank's
-/// engine fail at that optimizer step (1-based).
-fn fault_fail_step(rank: usize) -> Option<u64> {
-    let v = std::env::var("COCKPIT_FAULT_FAIL").ok()?;
+/// engine fail at that optimizer step (1-based), `COCKPIT_FAULT_HANG=RANK:STEP` hang there.
+fn fault_step(var: &str, rank: usize) -> Option<u64> {
+    let v = std::env::var(var).ok()?;
     let (r, s) = v.split_once(':')?;
     (r.trim().parse::<usize>().ok()? == rank)
         .then(|| s.trim().parse().ok())
         .flatten()
+}
+
+/// Data parallelism: a collective never returns when a peer is stuck (alive but not
+/// stepping), and NCCL has no timeout of its own. End this rank when no optimizer step has
+/// finished for `timeout_secs`; its peers then see it go and end too.
+fn stuck_watchdog(
+    rank: usize,
+    progress: std::sync::Arc<crate::engine::events::Progress>,
+    timeout_secs: f64,
+) {
+    use std::sync::atomic::Ordering;
+    let timeout = crate::distributed::timeout(timeout_secs);
+    let _ = std::thread::Builder::new()
+        .name("cockpit-stuck-watchdog".into())
+        .spawn(move || {
+            let (mut last, mut since) = (progress.step.load(Ordering::Relaxed), std::time::Instant::now());
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(250).min(timeout));
+                let now = progress.step.load(Ordering::Relaxed);
+                if now == u64::MAX {
+                    return;
+                }
+                if now != last {
+                    (last, since) = (now, std::time::Instant::now());
+                } else if since.elapsed() >= timeout {
+                    let secs = timeout.as_secs_f64();
+                    let waiting = progress.waiting.load(Ordering::Relaxed);
+                    let (msg, code) = if waiting {
+                        (format!("rank {rank}: waited {secs:.0} s (distributed.timeout_secs) in a collective after step {last}: another rank is stuck; ending this rank"), EXIT_PEER_FAILED)
+                    } else {
+                        (format!("rank {rank}: stuck: no optimizer step finished in {secs:.0} s (distributed.timeout_secs) after step {last}, and not waiting for the other ranks; ending this rank"), EXIT_FAILURE)
+                    };
+                    tracing::error!("{msg}");
+                    eprintln!("cockpit: {msg}");
+                    // SAFETY: see the NCCL watchdog: leave without exit handlers.
+                    unsafe { libc::_exit(code) }
+                }
+            }
+        });
 }
 
 /// Settings `--test-run` forces: a few steps that pass through every stage.
@@ -327,6 +366,8 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         None => (run_dir, None),
     };
     let rank = joined.as_ref().map_or(0, |j| j.topology.rank);
+    let distributed = joined.is_some();
+    let progress = std::sync::Arc::new(crate::engine::events::Progress::default());
     // Rank 0 owns the run dir; the other ranks keep their files in RUN_DIR/ranks/rank-N.
     let own_dir = if rank == 0 {
         run_dir.clone()
@@ -344,7 +385,9 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         resume,
         max_queued_steps: 256,
         fault_nan_steps: fault_nan_steps(),
-        fault_fail_step: fault_fail_step(rank),
+        fault_fail_step: fault_step("COCKPIT_FAULT_FAIL", rank),
+        fault_hang_step: fault_step("COCKPIT_FAULT_HANG", rank),
+        progress: distributed.then(|| progress.clone()),
         dist: joined,
     }) {
         Ok(e) => e,
@@ -357,6 +400,9 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             });
         }
     };
+    if distributed {
+        stuck_watchdog(rank, progress, cfg.distributed.timeout_secs);
+    }
     let use_tui = !a.no_tui && rank == 0 && std::io::stdout().is_terminal();
     let flags = SignalFlags::default();
     if !use_tui {

@@ -207,22 +207,27 @@ impl TcpCollective {
     }
 
     fn io(&self, op: &'static str, peer: usize, e: std::io::Error) -> CommError {
-        let cause = match e.kind() {
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
-                "no word from rank {peer} within {:.0} s (distributed.timeout_secs)",
-                self.timeout.as_secs_f64()
-            ),
+        let me = self.rank;
+        match e.kind() {
+            // The peer's doing, not this rank's: it is stuck or gone.
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => CommError::Peer {
+                rank: peer,
+                cause: format!(
+                    "rank {me} heard nothing from it within {:.0} s (distributed.timeout_secs) during {op}: it is stuck",
+                    self.timeout.as_secs_f64()
+                ),
+            },
             std::io::ErrorKind::UnexpectedEof
             | std::io::ErrorKind::ConnectionReset
-            | std::io::ErrorKind::BrokenPipe => {
-                format!("rank {peer} went away (it exited or crashed)")
-            }
-            _ => format!("with rank {peer}: {e}"),
-        };
-        CommError::Op {
-            rank: self.rank,
-            op,
-            cause,
+            | std::io::ErrorKind::BrokenPipe => CommError::Peer {
+                rank: peer,
+                cause: format!("it went away during {op} (it exited or crashed)"),
+            },
+            _ => CommError::Op {
+                rank: me,
+                op,
+                cause: format!("with rank {peer}: {e}"),
+            },
         }
     }
 

@@ -127,6 +127,16 @@ pub struct StepStats {
     pub ranks: Vec<RankStat>,
 }
 
+/// How far a run has got, for a watchdog on another thread: a run that stops stepping is
+/// stuck, and `waiting` says whether it waits in a collective (for a peer) or is stuck itself.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// The last finished optimizer step; `u64::MAX` once the run has ended.
+    pub step: std::sync::atomic::AtomicU64,
+    /// Inside a collective (waiting for the other ranks).
+    pub waiting: std::sync::atomic::AtomicBool,
+}
+
 /// One rank's part of a data-parallel step, gathered to every rank with the loss.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankStat {

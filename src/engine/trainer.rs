@@ -49,6 +49,12 @@ pub struct EngineOptions {
     /// Fault injection for tests: fail this optimizer step (1-based) with an error.
     #[doc(hidden)]
     pub fault_fail_step: Option<u64>,
+    /// Set to the step number after every optimizer step, and to `u64::MAX` when the run
+    /// ends: a watchdog can tell a run stuck (e.g. in a collective) from a slow one.
+    pub progress: Option<std::sync::Arc<events::Progress>>,
+    /// Fault injection for tests: hang (as a stuck rank would) before this optimizer step.
+    #[doc(hidden)]
+    pub fault_hang_step: Option<u64>,
 }
 
 /// How a run ended.
@@ -153,6 +159,8 @@ struct Trainer {
     rank: usize,
     world: usize,
     fault_fail_step: Option<u64>,
+    fault_hang_step: Option<u64>,
+    progress: Option<std::sync::Arc<events::Progress>>,
     device: Device,
     dtype: DType,
     dtype_reason: String,
@@ -334,6 +342,8 @@ impl Trainer {
             rank,
             world,
             fault_fail_step: opts.fault_fail_step,
+            fault_hang_step: opts.fault_hang_step,
+            progress: opts.progress,
             scu: ScuController::new(&cfg.scu),
             micro_batch: o.micro_batch,
             accum: o.accum,
@@ -684,6 +694,9 @@ impl Trainer {
             failed: false,
         };
         let result = self.train(&commands, &mut out);
+        if let Some(p) = &self.progress {
+            p.step.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(d) = &mut self.dist {
             match &result {
                 Ok(_) => d.finish(),
@@ -908,10 +921,13 @@ impl Trainer {
         let mine: Vec<Command> = commands.try_iter().collect();
         let mine = if self.rank == 0 { mine } else { Vec::new() };
         let bytes = serde_json::to_vec(&mine).map_err(|e| EngineError::Config(e.to_string()))?;
+        self.set_waiting(true);
         let Some(d) = self.dist.as_mut() else {
             return Ok(None);
         };
-        let got = d.broadcast_bytes(bytes)?;
+        let got = d.broadcast_bytes(bytes);
+        self.set_waiting(false);
+        let got = got?;
         let cmds: Vec<Command> = serde_json::from_slice(&got).map_err(|e| {
             crate::distributed::CommError::Setup(format!("commands from rank 0: {e}"))
         })?;
@@ -943,6 +959,30 @@ impl Trainer {
         compute: Duration,
     ) -> Result<(f64, Vec<Tensor>, Vec<RankStat>), EngineError> {
         let world = self.world;
+        if self.dist.is_none() {
+            return Ok((ce, grads, Vec::new()));
+        }
+        self.set_waiting(true);
+        let r = self.reduce_step_inner(ce, grads, wait, compute, world);
+        self.set_waiting(false);
+        r
+    }
+
+    fn set_waiting(&self, on: bool) {
+        if let Some(p) = &self.progress {
+            p.waiting.store(on, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn reduce_step_inner(
+        &mut self,
+        ce: f64,
+        grads: Vec<Tensor>,
+        wait: Duration,
+        compute: Duration,
+        world: usize,
+    ) -> Result<(f64, Vec<Tensor>, Vec<RankStat>), EngineError> {
+        let step_memory = self.step_memory;
         let Some(d) = self.dist.as_mut() else {
             return Ok((ce, grads, Vec::new()));
         };
@@ -954,7 +994,7 @@ impl Trainer {
         let mine = 1 + self.rank * PER;
         host[mine] = compute.as_secs_f64() * 1e3;
         host[mine + 1] = wait.as_secs_f64() * 1e3;
-        host[mine + 2] = self.step_memory.map_or(-1.0, |m| m as f64);
+        host[mine + 2] = step_memory.map_or(-1.0, |m| m as f64);
         d.all_reduce_host(&mut host)?;
         let ranks = (0..world)
             .map(|r| {
@@ -968,6 +1008,8 @@ impl Trainer {
             })
             .collect();
         let grads = all_reduce_mean(d.as_mut(), &grads)?;
+        // Wait for the all-reduce here (not in the optimizer), so a stuck peer is seen as one.
+        self.device.synchronize()?;
         Ok((host[0] / world as f64, grads, ranks))
     }
 
@@ -1268,6 +1310,11 @@ impl Trainer {
 
             let t_step = Instant::now();
             let step_cursor = self.loader.cursor();
+            if self.fault_hang_step == Some(self.step + 1) {
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
+            }
             if self.fault_fail_step == Some(self.step + 1) {
                 return Err(EngineError::Diverged {
                     step: self.step + 1,
@@ -1344,6 +1391,10 @@ impl Trainer {
             self.device.synchronize()?;
             let optim = t_opt.elapsed();
             self.step += 1;
+            if let Some(p) = &self.progress {
+                p.step
+                    .store(self.step, std::sync::atomic::Ordering::Relaxed);
+            }
             let step_tokens = (self.micro_batch * self.accum * seq_len * self.world) as u64;
             self.tokens += step_tokens;
             let step_s = t_step.elapsed().as_secs_f64();
