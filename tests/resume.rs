@@ -391,3 +391,44 @@ fn sigusr1_checkpoints_and_sigterm_saves_and_exits_130() {
     assert_ne!(first, last, "SIGTERM saved a newer checkpoint");
     checkpoint::load(&last, &candle_core::Device::Cpu).unwrap();
 }
+
+/// A resume keeps the controller's state (λ, the setpoint) but takes gains and limits from
+/// the config it is resumed with, so an edited `scu.kp` or `scu.lambda_max` applies.
+#[test]
+fn resume_takes_scu_gains_and_limits_from_the_new_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = small(&[
+        "run.max_steps=4",
+        "checkpoint.at_end=true",
+        "scu.control_every=1",
+    ]);
+    let (_, r) = run(opts(first, dir.path(), None, vec![]), None);
+    let before = r.unwrap();
+    assert!(before.final_lambda > 0.0);
+    let lambda_max = before.final_lambda / 2.0;
+    let edited = small(&[
+        "run.max_steps=5",
+        "checkpoint.at_end=true",
+        "scu.control_every=100",
+        "scu.kp=7.5",
+        &format!("scu.lambda_max={lambda_max}"),
+        &format!("scu.lambda_init={}", lambda_max / 2.0),
+    ]);
+    let (_, r) = run(
+        opts(edited, dir.path(), Some(dir.path().into()), vec![]),
+        None,
+    );
+    assert_eq!(r.unwrap().step, 5);
+    let l = checkpoint::load(
+        &checkpoint::resolve(dir.path()).unwrap(),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert_eq!(l.state.step, 5);
+    assert_eq!(l.state.scu.kp, 7.5);
+    assert_eq!(l.state.scu.lambda_max, lambda_max);
+    assert_eq!(
+        l.state.scu.lambda, lambda_max,
+        "λ clamped into the new limits"
+    );
+}

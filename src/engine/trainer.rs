@@ -434,9 +434,26 @@ impl Trainer {
         self.tokens = s.tokens;
         self.elapsed_before = s.elapsed_s;
         self.scaler = s.scaler;
-        // Keep the controller's state but take gains/limits from the (possibly edited) config.
-        let target = s.scu.target;
-        self.scu = ScuController { target, ..s.scu };
+        // Keep the controller's state (λ, Ŝ, window, a setpoint changed live) but take gains
+        // and limits from the (possibly edited) config — unless the checkpoint was written
+        // by another law (a checkpoint from before `scu.law`): then its own gains go with it.
+        let mut scu = s.scu;
+        let fresh = ScuController::new(&self.cfg.scu);
+        if scu.law == fresh.law {
+            scu.kp = fresh.kp;
+            scu.ki = fresh.ki;
+            scu.deadband = fresh.deadband;
+            scu.ema_alpha = fresh.ema_alpha;
+            scu.leak = fresh.leak;
+            scu.i_max = fresh.i_max;
+            scu.lambda_min = fresh.lambda_min;
+            scu.lambda_max = fresh.lambda_max;
+            scu.enabled = fresh.enabled;
+            if scu.enabled {
+                scu.lambda = scu.lambda.clamp(scu.lambda_min, scu.lambda_max);
+            }
+        }
+        self.scu = scu;
         self.best_val = s.best_val_loss;
         self.lr_scale = s.lr_scale;
         self.skipped_steps = s.skipped_steps;
