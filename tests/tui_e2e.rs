@@ -326,3 +326,95 @@ fn dashboard_steers_a_real_run_and_restores_the_terminal() {
         "the dashboard is gone from the screen:\n{screen}"
     );
 }
+
+/// `cockpit train --gpus 2` in a real terminal (CPU ranks over the `tcp` backend): the
+/// launcher shows rank 0's dashboard with both ranks' step times, and `q` then `s` stops the
+/// whole job with a checkpoint, as in a single-process run.
+#[test]
+fn the_launcher_dashboard_shows_every_rank_and_stops_the_job() {
+    if !tmux_available() {
+        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir: PathBuf = dir.path().join("run");
+    let exit_file = dir.path().join("exit-status");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let port_set = format!("distributed.master_port={port}");
+    let cockpit = [
+        env!("CARGO_BIN_EXE_cockpit"),
+        "train",
+        "--gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--run-dir",
+        run_dir.to_str().expect("utf-8 temp path"),
+        "--set",
+        "distributed.backend=\"tcp\"",
+        "--set",
+        &port_set,
+        "--set",
+        "model.n_embd=32",
+        "--set",
+        "model.seq_len=32",
+        "--set",
+        "run.max_steps=100000",
+        "--set",
+        "data.builtin_tokens=200000",
+        "--set",
+        "optim.micro_batch=16",
+    ]
+    .map(sh_quote)
+    .join(" ");
+    let script = format!(
+        "{cockpit}; status=$?; echo \"$status\" > {exit}; echo {EXITED}; exec sleep 600",
+        exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
+    );
+    let mut tmux = Tmux::new();
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        SESSION,
+        "-x",
+        &COLS.to_string(),
+        "-y",
+        &ROWS.to_string(),
+        "sh",
+        "-c",
+        &script,
+    ]);
+    tmux.socket_path = Some(PathBuf::from(tmux.display("#{socket_path}")));
+    let screen = tmux.wait_for("rank 0's dashboard with both ranks' step times", |s| {
+        header_step(s).is_some_and(|n| n >= 3) && s.contains("2 ranks r0 ") && s.contains(" r1 ")
+    });
+    assert!(screen.contains("rank 0 of 2 (tcp)"), "{screen}");
+    tmux.type_keys("q");
+    tmux.wait_for("the quit confirmation", |s| {
+        s.contains("Stop it?") && s.contains("save a checkpoint, then quit")
+    });
+    tmux.type_keys("s");
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = read_exit_file(&exit_file) {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the launcher did not exit after save-and-quit; the screen was:\n{}",
+            tmux.screen()
+        );
+        thread::sleep(POLL);
+    };
+    assert_eq!(status, "0", "exit status after save-and-quit");
+    assert!(run_dir.join("checkpoints").join("latest").is_file());
+    for r in [0, 1] {
+        let log = std::fs::read_to_string(run_dir.join(format!("ranks/rank-{r}.log")))
+            .expect("the worker's log");
+        assert!(log.contains("stopped by command"), "rank {r}:\n{log}");
+    }
+}

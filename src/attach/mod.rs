@@ -180,6 +180,10 @@ pub struct AttachOptions {
     pub allow_stop: bool,
     /// Progress line interval without the dashboard.
     pub log_every: Duration,
+    /// This viewer owns the run (the `--gpus N` launcher showing rank 0): the dashboard
+    /// behaves as in `cockpit train` — `q` asks whether to save and stop — instead of
+    /// detaching.
+    pub owner: bool,
 }
 
 impl Default for AttachOptions {
@@ -188,6 +192,7 @@ impl Default for AttachOptions {
             tui: Some(TuiOptions::default()),
             allow_stop: false,
             log_every: Duration::from_secs(10),
+            owner: false,
         }
     }
 }
@@ -252,7 +257,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
         Some(tui_opts) => {
             let tui_opts = TuiOptions {
                 log_path: None,
-                attached: true,
+                attached: !opts.owner,
                 allow_stop: opts.allow_stop,
                 ..tui_opts
             };

@@ -302,6 +302,18 @@ pub fn attach(
     allow_stop: bool,
     theme: Option<&str>,
 ) -> anyhow::Result<i32> {
+    follow(run_dir, no_tui, allow_stop, theme, false)
+}
+
+/// Show a run served on its control socket. `owner`: the viewer is the run's own front end
+/// (the `--gpus N` launcher), so quitting stops the run rather than detaching.
+pub fn follow(
+    run_dir: &Path,
+    no_tui: bool,
+    allow_stop: bool,
+    theme: Option<&str>,
+    owner: bool,
+) -> anyhow::Result<i32> {
     use std::io::IsTerminal;
     // The run's own config, for its theme and keys; the defaults when it cannot be read.
     let cfg: Config = std::fs::read_to_string(run_dir.join("training_config.json"))
@@ -323,6 +335,7 @@ pub fn attach(
         tui,
         allow_stop,
         log_every: Duration::from_secs_f64(cfg.run.log_every_secs),
+        owner,
     };
     crate::attach::run_attach(run_dir, opts)
 }

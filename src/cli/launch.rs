@@ -264,7 +264,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
             .any(|p| p.exists());
         if live {
             let theme = a.theme.as_deref();
-            let _ = super::frontends::attach(&run_dir, !tui, true, theme);
+            let _ = super::frontends::follow(&run_dir, !tui, true, theme, true);
             shown = true;
             break;
         }
