@@ -453,6 +453,8 @@ fn a_straggler_rank_is_named_and_clears_when_the_ranks_even_out() {
                     compute_ms: ms,
                     data_wait_ms: 1.0,
                     memory_bytes: None,
+                    gpu_util_pct: Some(if rank == 2 { 71.0 } else { 99.0 }),
+                    gpu_temp_c: Some(if rank == 2 { 87.0 } else { 60.0 }),
                 })
                 .collect();
             advisor.observe_step(&st);
@@ -479,6 +481,10 @@ fn a_straggler_rank_is_named_and_clears_when_the_ranks_even_out() {
         .collect();
     assert!(evidence.contains("rank 2: 150.0 ms"), "{evidence}");
     assert!(evidence.contains("job_time_lost=33%"), "{evidence}");
+    assert!(
+        evidence.contains("slowest_rank_gpu=util 71%, 87 °C"),
+        "{evidence}"
+    );
     for sec in SETTLE as u64..2 * SETTLE as u64 {
         seen = tick(&mut advisor, sec, 102.0);
     }

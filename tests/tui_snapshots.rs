@@ -1211,6 +1211,8 @@ fn the_header_shows_every_rank_and_marks_a_straggler() {
             compute_ms: ms,
             data_wait_ms: 0.5,
             memory_bytes: None,
+            gpu_util_pct: None,
+            gpu_temp_c: None,
         })
         .collect();
     events.push(Event::Step(last));

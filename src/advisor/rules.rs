@@ -569,6 +569,15 @@ fn straggler(ctx: &Context<'_>) -> Option<Candidate> {
         )
         .evidence("slowest_rank", format!("rank {slow}: {worst:.1} ms compute"))
         .evidence("median_rank", format!("{median:.1} ms compute"))
+        .evidence_opt(
+            "slowest_rank_gpu",
+            ctx.window.last_rank(slow).and_then(|r| {
+                let util = r.gpu_util_pct.map(|u| format!("util {u:.0}%"));
+                let temp = r.gpu_temp_c.map(|t| format!("{t:.0} °C"));
+                let parts: Vec<String> = util.into_iter().chain(temp).collect();
+                (!parts.is_empty()).then(|| parts.join(", "))
+            }),
+        )
         .evidence(
             "per_rank_ms",
             means

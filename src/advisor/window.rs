@@ -28,6 +28,8 @@ pub(crate) struct Window {
     length_ms: u64,
     snapshots: VecDeque<Snapshot>,
     steps: VecDeque<StepTiming>,
+    /// Data parallelism: the ranks of the latest step (their GPUs' utilization, temperature).
+    last_ranks: Vec<crate::engine::events::RankStat>,
 }
 
 impl Window {
@@ -36,6 +38,7 @@ impl Window {
             length_ms: u64::try_from(length.as_millis()).unwrap_or(u64::MAX),
             snapshots: VecDeque::new(),
             steps: VecDeque::new(),
+            last_ranks: Vec::new(),
         }
     }
 
@@ -74,6 +77,7 @@ impl Window {
                 data_wait_ms: step.data_wait_ms.clamp(0.0, step.step_ms),
                 ranks: step.ranks.iter().map(|r| r.compute_ms).collect(),
             });
+            self.last_ranks.clone_from(&step.ranks);
         }
     }
 
@@ -119,6 +123,11 @@ impl Window {
         (0..world)
             .map(|r| steps.iter().map(|s| s.ranks[r]).sum::<f64>() / steps.len() as f64)
             .collect()
+    }
+
+    /// Data parallelism: rank `r` of the latest step.
+    pub(crate) fn last_rank(&self, r: usize) -> Option<&crate::engine::events::RankStat> {
+        self.last_ranks.iter().find(|s| s.rank == r)
     }
 
     /// Mean step time in the window, in ms.

@@ -166,6 +166,45 @@ fn fault_step(var: &str, rank: usize) -> Option<u64> {
         .flatten()
 }
 
+/// The NVML index of a CUDA device: its ordinal, mapped through CUDA_VISIBLE_DEVICES when
+/// that lists indices (NVML does not see that variable).
+fn nvml_index_of(device: &crate::util::DeviceSpec) -> Option<u32> {
+    let crate::util::DeviceSpec::Cuda(ordinal) = device else {
+        return None;
+    };
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) if !v.trim().is_empty() => v.split(',').nth(*ordinal)?.trim().parse().ok(),
+        _ => u32::try_from(*ordinal).ok(),
+    }
+}
+
+/// Data parallelism: sample this rank's GPU once a second for the step's per-rank figures
+/// (they travel to rank 0, so a dashboard on rank 0 sees every rank's GPU on any node).
+fn rank_gpu_sampler(index: u32, progress: std::sync::Arc<crate::engine::events::Progress>) {
+    use std::sync::atomic::Ordering;
+    let _ = std::thread::Builder::new()
+        .name("cockpit-rank-gpu".into())
+        .spawn(move || {
+            let mut c = crate::telemetry::Collector::new();
+            if c.notice().is_some() {
+                return;
+            }
+            while progress.step.load(Ordering::Relaxed) != u64::MAX {
+                let snap = c.sample();
+                if let Some(g) = snap.gpus.iter().find(|g| g.index == index) {
+                    let v = |x: Option<u32>| x.unwrap_or(u32::MAX);
+                    progress
+                        .gpu_util_pct
+                        .store(v(g.util_gpu), Ordering::Relaxed);
+                    progress
+                        .gpu_temp_c
+                        .store(v(g.temperature_c), Ordering::Relaxed);
+                }
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        });
+}
+
 /// Data parallelism: a collective never returns when a peer is stuck (alive but not
 /// stepping), and NCCL has no timeout of its own. End this rank when no optimizer step has
 /// finished for `timeout_secs`; its peers then see it go and end too.
@@ -367,7 +406,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     };
     let rank = joined.as_ref().map_or(0, |j| j.topology.rank);
     let distributed = joined.is_some();
-    let progress = std::sync::Arc::new(crate::engine::events::Progress::default());
+    let progress = std::sync::Arc::new(crate::engine::events::Progress::new());
     // Rank 0 owns the run dir; the other ranks keep their files in RUN_DIR/ranks/rank-N.
     let own_dir = if rank == 0 {
         run_dir.clone()
@@ -401,6 +440,9 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         }
     };
     if distributed {
+        if let Some(nvml_index) = nvml_index_of(&device) {
+            rank_gpu_sampler(nvml_index, progress.clone());
+        }
         stuck_watchdog(rank, progress, cfg.distributed.timeout_secs);
     }
     let use_tui = !a.no_tui && rank == 0 && std::io::stdout().is_terminal();

@@ -135,6 +135,20 @@ pub struct Progress {
     pub step: std::sync::atomic::AtomicU64,
     /// Inside a collective (waiting for the other ranks).
     pub waiting: std::sync::atomic::AtomicBool,
+    /// This rank's GPU as last sampled by the front end (NVML): utilization % and
+    /// temperature °C, `u32::MAX` when unknown. They travel to rank 0 with the step.
+    pub gpu_util_pct: std::sync::atomic::AtomicU32,
+    pub gpu_temp_c: std::sync::atomic::AtomicU32,
+}
+
+impl Progress {
+    pub fn new() -> Self {
+        Self {
+            gpu_util_pct: u32::MAX.into(),
+            gpu_temp_c: u32::MAX.into(),
+            ..Self::default()
+        }
+    }
 }
 
 /// One rank's part of a data-parallel step, gathered to every rank with the loss.
@@ -148,6 +162,12 @@ pub struct RankStat {
     pub data_wait_ms: f64,
     /// Device memory in use on this rank, when known.
     pub memory_bytes: Option<u64>,
+    /// This rank's GPU utilization (NVML, sampled about once a second), when known.
+    #[serde(default)]
+    pub gpu_util_pct: Option<f64>,
+    /// This rank's GPU temperature, when known.
+    #[serde(default)]
+    pub gpu_temp_c: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -1000,18 +1000,27 @@ impl Trainer {
         world: usize,
     ) -> Result<(f64, Vec<Tensor>, Vec<RankStat>), EngineError> {
         let step_memory = self.step_memory;
+        let gauge = |g: Option<&std::sync::atomic::AtomicU32>| {
+            g.map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
+                .filter(|&v| v != u32::MAX)
+                .map_or(-1.0, f64::from)
+        };
+        let util = gauge(self.progress.as_deref().map(|p| &p.gpu_util_pct));
+        let temp = gauge(self.progress.as_deref().map(|p| &p.gpu_temp_c));
         let Some(d) = self.dist.as_mut() else {
             return Ok((ce, grads, Vec::new()));
         };
-        // [Σ CE, then per rank: compute ms, data wait ms, memory bytes (-1: unknown)]; each
-        // rank fills only its own slots, so the sum gathers them.
-        const PER: usize = 3;
+        // [Σ CE, then per rank: compute ms, data wait ms, memory bytes, GPU util %, GPU °C
+        // (-1: unknown)]; each rank fills only its own slots, so the sum gathers them.
+        const PER: usize = 5;
         let mut host = vec![0.0; 1 + world * PER];
         host[0] = ce;
         let mine = 1 + self.rank * PER;
         host[mine] = compute.as_secs_f64() * 1e3;
         host[mine + 1] = wait.as_secs_f64() * 1e3;
         host[mine + 2] = step_memory.map_or(-1.0, |m| m as f64);
+        host[mine + 3] = util;
+        host[mine + 4] = temp;
         d.all_reduce_host(&mut host)?;
         let ranks = (0..world)
             .map(|r| {
@@ -1021,6 +1030,8 @@ impl Trainer {
                     compute_ms: host[b],
                     data_wait_ms: host[b + 1],
                     memory_bytes: (host[b + 2] >= 0.0).then_some(host[b + 2] as u64),
+                    gpu_util_pct: (host[b + 3] >= 0.0).then_some(host[b + 3]),
+                    gpu_temp_c: (host[b + 4] >= 0.0).then_some(host[b + 4]),
                 }
             })
             .collect();

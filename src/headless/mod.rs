@@ -65,7 +65,13 @@ impl Progress {
             let ms: Vec<String> = s
                 .ranks
                 .iter()
-                .map(|r| format!("r{} {:.0}ms", r.rank, r.compute_ms))
+                .map(|r| {
+                    let util = r
+                        .gpu_util_pct
+                        .map(|u| format!(" {u:.0}%"))
+                        .unwrap_or_default();
+                    format!("r{} {:.0}ms{util}", r.rank, r.compute_ms)
+                })
                 .collect();
             parts.push(format!("ranks {}", ms.join(" ")));
         }

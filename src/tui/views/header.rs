@@ -175,7 +175,11 @@ impl HeaderView<'_> {
                     seg.push(Span::styled(" ", t.muted()));
                 }
                 let slow = median > 0.0 && r.compute_ms > 1.15 * median;
-                let text = format!("r{} {:.0}ms", r.rank, r.compute_ms);
+                let util = r
+                    .gpu_util_pct
+                    .map(|u| format!(" {u:.0}%"))
+                    .unwrap_or_default();
+                let text = format!("r{} {:.0}ms{util}", r.rank, r.compute_ms);
                 seg.push(if slow {
                     Span::styled(text, t.level(Level::Warn))
                 } else {
