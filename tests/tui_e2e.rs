@@ -75,6 +75,43 @@ impl Tmux {
         self.run(&["send-keys", "-t", SESSION, "-l", keys]);
     }
 
+    /// A server running `sh -c script` in the one session, at [`COLS`]×[`ROWS`].
+    fn start(script: &str) -> Self {
+        let mut tmux = Tmux::new();
+        tmux.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            SESSION,
+            "-x",
+            &COLS.to_string(),
+            "-y",
+            &ROWS.to_string(),
+            "sh",
+            "-c",
+            script,
+        ]);
+        tmux.socket_path = Some(PathBuf::from(tmux.display("#{socket_path}")));
+        tmux
+    }
+
+    /// The exit status the wrapper shell wrote to `exit_file`; panics with the screen when
+    /// cockpit has not exited within [`WAIT`] of `after`.
+    fn wait_exit(&self, exit_file: &Path, after: &str) -> String {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(status) = read_exit_file(exit_file) {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cockpit did not exit after {after}; the screen was:\n{}",
+                self.screen()
+            );
+            thread::sleep(POLL);
+        }
+    }
+
     /// Reads the screen until `ready` accepts it; panics with the last screen after [`WAIT`].
     fn wait_for(&self, what: &str, ready: impl Fn(&str) -> bool) -> String {
         let deadline = Instant::now() + WAIT;
@@ -207,21 +244,7 @@ fn dashboard_steers_a_real_run_and_restores_the_terminal() {
         exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
     );
 
-    let mut tmux = Tmux::new();
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        SESSION,
-        "-x",
-        &COLS.to_string(),
-        "-y",
-        &ROWS.to_string(),
-        "sh",
-        "-c",
-        &script,
-    ]);
-    tmux.socket_path = Some(PathBuf::from(tmux.display("#{socket_path}")));
+    let tmux = Tmux::start(&script);
 
     // The charts fill: a few steps in the header, a loss value and a curve.
     tmux.wait_for("the run to reach step 5 with a loss curve", |s| {
@@ -268,18 +291,7 @@ fn dashboard_steers_a_real_run_and_restores_the_terminal() {
         s.contains("Stop it?") && s.contains("save a checkpoint, then quit")
     });
     tmux.type_keys("s");
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = read_exit_file(&exit_file) {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "cockpit did not exit after save-and-quit; the screen was:\n{}",
-            tmux.screen()
-        );
-        thread::sleep(POLL);
-    };
+    let status = tmux.wait_exit(&exit_file, "save-and-quit");
     assert_eq!(status, "0", "exit status after save-and-quit");
 
     // The save on quit wrote a second checkpoint (the run's event log lists both).
@@ -374,21 +386,7 @@ fn the_launcher_dashboard_shows_every_rank_and_stops_the_job() {
         "{cockpit}; status=$?; echo \"$status\" > {exit}; echo {EXITED}; exec sleep 600",
         exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
     );
-    let mut tmux = Tmux::new();
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        SESSION,
-        "-x",
-        &COLS.to_string(),
-        "-y",
-        &ROWS.to_string(),
-        "sh",
-        "-c",
-        &script,
-    ]);
-    tmux.socket_path = Some(PathBuf::from(tmux.display("#{socket_path}")));
+    let tmux = Tmux::start(&script);
     let screen = tmux.wait_for("rank 0's dashboard with both ranks' step times", |s| {
         header_step(s).is_some_and(|n| n >= 3) && s.contains("2 ranks r0 ") && s.contains(" r1 ")
     });
@@ -398,18 +396,7 @@ fn the_launcher_dashboard_shows_every_rank_and_stops_the_job() {
         s.contains("Stop it?") && s.contains("save a checkpoint, then quit")
     });
     tmux.type_keys("s");
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = read_exit_file(&exit_file) {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the launcher did not exit after save-and-quit; the screen was:\n{}",
-            tmux.screen()
-        );
-        thread::sleep(POLL);
-    };
+    let status = tmux.wait_exit(&exit_file, "save-and-quit");
     assert_eq!(status, "0", "exit status after save-and-quit");
     assert!(run_dir.join("checkpoints").join("latest").is_file());
     for r in [0, 1] {
