@@ -42,16 +42,8 @@ fn small(overrides: &[&str]) -> Config {
 
 fn spawn(overrides: &[&str], dir: &Path) -> Engine {
     Engine::spawn(EngineOptions {
-        config: small(overrides),
-        run_dir: dir.to_path_buf(),
-        device: DeviceSpec::Cpu,
-        resume: None,
         max_queued_steps: 100_000,
-        fault_nan_steps: vec![],
-        dist: None,
-        fault_fail_step: None,
-        progress: None,
-        fault_hang_step: None,
+        ..EngineOptions::new(small(overrides), dir.to_path_buf(), DeviceSpec::Cpu)
     })
     .unwrap()
 }

@@ -25,16 +25,8 @@ fn small(overrides: &[&str]) -> Config {
 
 fn spawn(cfg: Config, dir: &Path) -> Engine {
     Engine::spawn(EngineOptions {
-        config: cfg,
-        run_dir: dir.to_path_buf(),
-        device: DeviceSpec::Cpu,
-        resume: None,
         max_queued_steps: 100_000,
-        fault_nan_steps: vec![],
-        dist: None,
-        fault_fail_step: None,
-        progress: None,
-        fault_hang_step: None,
+        ..EngineOptions::new(cfg, dir.to_path_buf(), DeviceSpec::Cpu)
     })
     .unwrap()
 }
@@ -225,16 +217,12 @@ fn commands_take_effect_at_the_next_boundary() {
 fn a_slow_consumer_never_blocks_the_engine() {
     let dir = tempfile::tempdir().unwrap();
     let e = Engine::spawn(EngineOptions {
-        config: small(&["run.max_steps=30"]),
-        run_dir: dir.path().to_path_buf(),
-        device: DeviceSpec::Cpu,
-        resume: None,
         max_queued_steps: 4,
-        fault_nan_steps: vec![],
-        dist: None,
-        fault_fail_step: None,
-        progress: None,
-        fault_hang_step: None,
+        ..EngineOptions::new(
+            small(&["run.max_steps=30"]),
+            dir.path().to_path_buf(),
+            DeviceSpec::Cpu,
+        )
     })
     .unwrap();
     let summary = e.thread.wait().unwrap(); // finishes although nobody reads

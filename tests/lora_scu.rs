@@ -29,19 +29,8 @@ fn small(overrides: &[&str]) -> Config {
 }
 
 fn run(cfg: Config, dir: &Path) -> Vec<Event> {
-    let e = Engine::spawn(EngineOptions {
-        config: cfg,
-        run_dir: dir.to_path_buf(),
-        device: DeviceSpec::Cpu,
-        resume: None,
-        max_queued_steps: 1_000_000,
-        fault_nan_steps: vec![],
-        dist: None,
-        fault_fail_step: None,
-        progress: None,
-        fault_hang_step: None,
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
+    let e = Engine::spawn(EngineOptions::new(cfg, dir.to_path_buf(), DeviceSpec::Cpu))
+        .unwrap_or_else(|e| panic!("{e}"));
     let mut out = Vec::new();
     while let Some(ev) = e.events.recv() {
         let done = matches!(ev, Event::Finished { .. });

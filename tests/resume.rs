@@ -29,16 +29,9 @@ fn small(extra: &[&str]) -> Config {
 
 fn opts(cfg: Config, dir: &Path, resume: Option<PathBuf>, faults: Vec<u64>) -> EngineOptions {
     EngineOptions {
-        config: cfg,
-        run_dir: dir.to_path_buf(),
-        device: DeviceSpec::Cpu,
         resume,
-        max_queued_steps: 1_000_000,
         fault_nan_steps: faults,
-        dist: None,
-        fault_fail_step: None,
-        progress: None,
-        fault_hang_step: None,
+        ..EngineOptions::new(cfg, dir.to_path_buf(), DeviceSpec::Cpu)
     }
 }
 

@@ -147,18 +147,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         std::env::temp_dir().join(format!("cockpit-bench-{}", std::process::id()));
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("creating the scratch run dir {}", run_dir.display()))?;
-    let engine = Engine::spawn(EngineOptions {
-        config: cfg,
-        run_dir: run_dir.clone(),
-        device,
-        resume: None,
-        max_queued_steps: 1_000_000,
-        fault_nan_steps: vec![],
-        dist: None,
-        fault_fail_step: None,
-        progress: None,
-        fault_hang_step: None,
-    })?;
+    let engine = Engine::spawn(EngineOptions::new(cfg, run_dir.clone(), device))?;
     let (mut info, mut steps, mut failure) = (None, Vec::new(), None);
     while let Some(ev) = engine.events.recv() {
         match ev {

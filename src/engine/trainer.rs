@@ -57,6 +57,25 @@ pub struct EngineOptions {
     pub fault_hang_step: Option<u64>,
 }
 
+impl EngineOptions {
+    /// A fresh run of `config` in `run_dir` on `device`: no resume, a deep event queue, no
+    /// data parallelism, no fault injection. Set the other fields with `..` where needed.
+    pub fn new(config: Config, run_dir: PathBuf, device: DeviceSpec) -> Self {
+        Self {
+            config,
+            run_dir,
+            device,
+            resume: None,
+            max_queued_steps: 1_000_000,
+            fault_nan_steps: Vec::new(),
+            dist: None,
+            fault_fail_step: None,
+            progress: None,
+            fault_hang_step: None,
+        }
+    }
+}
+
 /// How a run ended.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunSummary {
