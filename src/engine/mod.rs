@@ -7,6 +7,7 @@ pub mod data;
 pub mod device;
 pub mod events;
 pub mod lora;
+pub mod kernels;
 pub mod model;
 pub mod optim;
 pub mod precision;

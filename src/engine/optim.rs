@@ -2,7 +2,8 @@
 //! learning-rate schedules.
 
 use crate::config::{ScheduleConfig, ScheduleKind};
-use candle_core::{Result, Tensor, Var};
+use crate::engine::kernels;
+use candle_core::{DType, Result, Tensor, Var};
 
 /// One optimised parameter and its moments.
 pub struct Slot {
@@ -22,6 +23,9 @@ pub struct AdamW {
     pub weight_decay: f64,
     /// Optimizer steps taken (for bias correction).
     pub t: u64,
+    /// Use the fused in-place CUDA kernel where every slot is an fp32 CUDA tensor (config
+    /// `kernels.adamw`); the plain composition otherwise and always on the CPU.
+    pub fused: bool,
 }
 
 impl AdamW {
@@ -35,11 +39,11 @@ impl AdamW {
         let slots = params
             .into_iter()
             .map(|(name, var, decay)| {
-                let z = var.as_tensor().zeros_like()?;
+                // Separate buffers: the fused update writes m and v in place.
                 Ok(Slot {
                     name,
-                    m: z.clone(),
-                    v: z,
+                    m: var.as_tensor().zeros_like()?,
+                    v: var.as_tensor().zeros_like()?,
                     var,
                     decay,
                 })
@@ -52,6 +56,7 @@ impl AdamW {
             eps,
             weight_decay,
             t: 0,
+            fused: true,
         })
     }
 
@@ -60,6 +65,27 @@ impl AdamW {
         self.t += 1;
         let bc1 = 1.0 - self.beta1.powi(self.t as i32);
         let bc2 = 1.0 - self.beta2.powi(self.t as i32);
+        if self.fused && self.fusable(grads) {
+            for (slot, g) in self.slots.iter().zip(grads) {
+                let decay = if slot.decay && self.weight_decay > 0.0 {
+                    1.0 - lr * self.weight_decay
+                } else {
+                    1.0
+                };
+                let args = kernels::AdamWArgs {
+                    lr,
+                    beta1: self.beta1,
+                    beta2: self.beta2,
+                    eps: self.eps,
+                    decay,
+                    bc1,
+                    bc2,
+                    grad_scale: 1.0,
+                };
+                kernels::adamw_update(slot.var.as_tensor(), g, &slot.m, &slot.v, &args)?;
+            }
+            return Ok(());
+        }
         for (slot, g) in self.slots.iter_mut().zip(grads) {
             let m = ((&slot.m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
             let v = ((&slot.v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
@@ -78,8 +104,28 @@ impl AdamW {
     }
 }
 
-/// √(Σ‖g‖²) over all gradients, on the host.
+impl AdamW {
+    /// The fused kernel updates w, m, v in place: all must be contiguous fp32 CUDA tensors.
+    fn fusable(&self, grads: &[Tensor]) -> bool {
+        grads.len() == self.slots.len()
+            && self.slots.iter().all(|s| {
+                [s.var.as_tensor(), &s.m, &s.v].iter().all(|t| {
+                    kernels::usable(t) && t.dtype() == DType::F32 && t.is_contiguous()
+                })
+            })
+    }
+}
+
+/// √(Σ‖g‖²) over all gradients, on the host (one kernel per tensor and a single read-back
+/// on CUDA).
 pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
+    if !grads.is_empty()
+        && grads.iter().all(|g| {
+            kernels::usable(g) && g.dtype() == DType::F32 && g.device().same_device(grads[0].device())
+        })
+    {
+        return Ok(kernels::sumsq(grads)?.sqrt());
+    }
     let mut total: Option<Tensor> = None;
     for g in grads {
         let s = g.sqr()?.sum_all()?;

@@ -274,7 +274,8 @@ impl Trainer {
             })
             .collect();
         let o = &cfg.optim;
-        let opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
+        let mut opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
+        opt.fused = cfg.kernels.adamw;
         let order = Order::new(dataset.train.clone(), cfg.model.seq_len, cfg.run.seed);
         let loader = Loader::new(
             order,

@@ -1,0 +1,818 @@
+//! The CUDA side of the fused kernels: launches and the candle custom-op wiring.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{kernel_name, CudaDType, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{
+    CpuStorage, CudaDevice, CudaStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout,
+    Result, Shape, Storage, Tensor, WithDType,
+};
+use half::{bf16, f16};
+
+use super::AdamWArgs;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels.ptx"));
+const MODULE: &str = "cockpit_kernels";
+/// Threads per block for the row kernels (one warp per row).
+const ROW_BLOCK: u32 = 256;
+const ROWS_PER_BLOCK: usize = (ROW_BLOCK / 32) as usize;
+
+trait Elem: CudaDType + DeviceRepr + WithDType {}
+impl Elem for f32 {}
+impl Elem for bf16 {}
+impl Elem for f16 {}
+
+fn err(msg: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(msg.into())
+}
+
+/// Run `$f::<T>(args)` for the tensor dtype's element type.
+macro_rules! by_dtype {
+    ($dt:expr, $f:ident ( $($a:expr),* $(,)? )) => {
+        match $dt {
+            DType::F32 => $f::<f32>($($a),*),
+            DType::BF16 => $f::<bf16>($($a),*),
+            DType::F16 => $f::<f16>($($a),*),
+            dt => Err(err(format!("fused kernels take f32, bf16 or f16, not {dt:?}"))),
+        }
+    };
+}
+
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
+    let (o1, o2) = l
+        .contiguous_offsets()
+        .ok_or_else(|| err("fused kernel: input is not contiguous"))?;
+    Ok(s.as_cuda_slice::<T>()?.slice(o1..o2))
+}
+
+fn cuda_of(st: &Storage) -> Result<&CudaStorage> {
+    match st {
+        Storage::Cuda(c) => Ok(c),
+        _ => Err(err("fused kernel: tensor is not on a CUDA device")),
+    }
+}
+
+fn device_of(t: &Tensor) -> Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        _ => Err(err("fused kernel: tensor is not on a CUDA device")),
+    }
+}
+
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
+        shape,
+        BackpropOp::none(),
+        false,
+    )
+}
+
+fn row_cfg(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1),
+        block_dim: (ROW_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn flat_cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn i32_of(n: usize, what: &str) -> Result<i32> {
+    i32::try_from(n).map_err(|_| err(format!("fused kernel: {what} = {n} exceeds i32")))
+}
+
+fn last_dim(l: &Layout) -> Result<(usize, usize)> {
+    let dims = l.dims();
+    let c = *dims
+        .last()
+        .ok_or_else(|| err("fused kernel: scalar input"))?;
+    if c == 0 {
+        return Err(err("fused kernel: empty last dim"));
+    }
+    Ok((l.shape().elem_count() / c, c))
+}
+
+fn cpu_only(name: &str) -> Result<(CpuStorage, Shape)> {
+    Err(err(format!(
+        "{name}: fused kernel called on the CPU (the model uses the plain path there)"
+    )))
+}
+
+// ------------------------------------------------------------------------------------------
+// Causal softmax
+
+struct CausalSoftmax {
+    scale: f32,
+}
+
+fn softmax_fwd_t<T: Elem>(
+    s: &CudaStorage,
+    l: &Layout,
+    scale: f32,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = s.device();
+    let dims = l.dims();
+    if dims.len() < 2 {
+        return Err(err("causal softmax: needs [.., Tq, Tk]"));
+    }
+    let (tq, tk) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let rows = l.shape().elem_count() / tk.max(1);
+    let x = view::<T>(s, l)?;
+    // SAFETY: every element is written by the kernel.
+    let y = unsafe { dev.alloc::<T>(rows * tk)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("causal_softmax_fwd"), MODULE, PTX)?;
+    let mut b = f.builder();
+    let (rows_i, tq_i, tk_i) = (i32_of(rows, "rows")?, i32_of(tq, "Tq")?, i32_of(tk, "Tk")?);
+    b.arg(&x);
+    b.arg(&y);
+    b.arg(&rows_i);
+    b.arg(&tq_i);
+    b.arg(&tk_i);
+    b.arg(&scale);
+    // SAFETY: argument list matches the kernel signature; buffers hold rows·tk elements.
+    unsafe { b.launch(row_cfg(rows)) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        l.shape().clone(),
+    ))
+}
+
+fn softmax_bwd_t<T: Elem>(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Tensor> {
+    let dev = device_of(y)?;
+    let dims = y.dims().to_vec();
+    let (tq, tk) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let rows = y.elem_count() / tk.max(1);
+    let (ys, yl) = y.storage_and_layout();
+    let (ds, dl) = dy.storage_and_layout();
+    let yv = view::<T>(cuda_of(&ys)?, yl)?;
+    let dv = view::<T>(cuda_of(&ds)?, dl)?;
+    // SAFETY: every element is written by the kernel.
+    let dx = unsafe { dev.alloc::<T>(rows * tk)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("causal_softmax_bwd"), MODULE, PTX)?;
+    let mut b = f.builder();
+    let (rows_i, tq_i, tk_i) = (i32_of(rows, "rows")?, i32_of(tq, "Tq")?, i32_of(tk, "Tk")?);
+    b.arg(&yv);
+    b.arg(&dv);
+    b.arg(&dx);
+    b.arg(&rows_i);
+    b.arg(&tq_i);
+    b.arg(&tk_i);
+    b.arg(&scale);
+    // SAFETY: as in the forward.
+    unsafe { b.launch(row_cfg(rows)) }.w()?;
+    drop((ys, ds));
+    Ok(wrap(dx, &dev, dims))
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "cockpit-causal-softmax"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        by_dtype!(s.dtype(), softmax_fwd_t(s, l, self.scale))
+    }
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let dy = grad_res.contiguous()?;
+        let dx = by_dtype!(res.dtype(), softmax_bwd_t(res, &dy, self.scale))?;
+        Ok(Some(dx))
+    }
+}
+
+/// `softmax(scale·att + causal mask)` over the last dim of `att` `[.., Tq, Tk]` (query i sees
+/// keys j ≤ i + Tk − Tq); masked probabilities are exactly 0. Differentiable.
+pub fn causal_softmax(att: &Tensor, scale: f64) -> Result<Tensor> {
+    att.contiguous()?.apply_op1(CausalSoftmax {
+        scale: scale as f32,
+    })
+}
+
+// ------------------------------------------------------------------------------------------
+// LayerNorm / RMSNorm
+
+struct Norm {
+    eps: f32,
+    rms: bool,
+}
+
+fn norm_fwd_t<T: Elem>(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    b: Option<(&CudaStorage, &Layout)>,
+    eps: f32,
+    rms: bool,
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.0.device();
+    let (n, d) = last_dim(x.1)?;
+    if w.1.shape().elem_count() != d || b.is_some_and(|b| b.1.shape().elem_count() != d) {
+        return Err(err("norm: weight/bias length differs from the last dim"));
+    }
+    let xv = view::<T>(x.0, x.1)?;
+    let wv = view::<T>(w.0, w.1)?;
+    let bv = match b {
+        Some((s, l)) => Some(view::<T>(s, l)?),
+        None => None,
+    };
+    // SAFETY: every element is written by the kernel.
+    let y = unsafe { dev.alloc::<T>(n * d)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("norm_fwd"), MODULE, PTX)?;
+    let mut bld = f.builder();
+    let null = 0u64;
+    let (n_i, d_i, rms_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?, rms as i32);
+    bld.arg(&xv);
+    bld.arg(&wv);
+    match &bv {
+        Some(v) => bld.arg(v),
+        None => bld.arg(&null),
+    };
+    bld.arg(&y);
+    bld.arg(&n_i);
+    bld.arg(&d_i);
+    bld.arg(&eps);
+    bld.arg(&rms_i);
+    // SAFETY: argument list matches the kernel; a null bias pointer means no bias.
+    unsafe { bld.launch(row_cfg(n)) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        x.1.shape().clone(),
+    ))
+}
+
+/// (dx, dw f32, db f32)
+fn norm_bwd_t<T: Elem>(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    eps: f32,
+    rms: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = device_of(x)?;
+    let d = w.elem_count();
+    let n = x.elem_count() / d.max(1);
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    let (ds, dl) = dy.storage_and_layout();
+    let xv = view::<T>(cuda_of(&xs)?, xl)?;
+    let wv = view::<T>(cuda_of(&ws)?, wl)?;
+    let dv = view::<T>(cuda_of(&ds)?, dl)?;
+    // SAFETY: every element is written by the kernel.
+    let dx = unsafe { dev.alloc::<T>(n * d)? };
+    let dw = dev.alloc_zeros::<f32>(d)?;
+    let db = dev.alloc_zeros::<f32>(d)?;
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("norm_bwd"), MODULE, PTX)?;
+    let mut b = f.builder();
+    let (n_i, d_i, rms_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?, rms as i32);
+    b.arg(&xv);
+    b.arg(&wv);
+    b.arg(&dv);
+    b.arg(&dx);
+    b.arg(&dw);
+    b.arg(&db);
+    b.arg(&n_i);
+    b.arg(&d_i);
+    b.arg(&eps);
+    b.arg(&rms_i);
+    let shared = (2 * d * std::mem::size_of::<f32>()) as u32;
+    if shared > 48 * 1024 {
+        return Err(err("norm backward: dim too large for the shared-memory accumulators"));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(ROWS_PER_BLOCK).clamp(1, 264) as u32, 1, 1),
+        block_dim: (ROW_BLOCK, 1, 1),
+        shared_mem_bytes: shared,
+    };
+    // SAFETY: argument list matches the kernel; dw/db are zeroed accumulators of length d.
+    unsafe { b.launch(cfg) }.w()?;
+    drop((xs, ws, ds));
+    Ok((wrap(dx, &dev, x.dims()), wrap(dw, &dev, d), wrap(db, &dev, d)))
+}
+
+impl CustomOp3 for Norm {
+    fn name(&self) -> &'static str {
+        "cockpit-layer-norm"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(CustomOp3::name(self))
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        by_dtype!(
+            x.dtype(),
+            norm_fwd_t((x, xl), (w, wl), Some((b, bl)), self.eps, self.rms)
+        )
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dy = grad.contiguous()?;
+        let (dx, dw, db) = by_dtype!(x.dtype(), norm_bwd_t(x, w, &dy, self.eps, self.rms))?;
+        Ok((
+            Some(dx),
+            Some(dw.to_dtype(w.dtype())?),
+            Some(db.to_dtype(b.dtype())?),
+        ))
+    }
+}
+
+impl CustomOp2 for Norm {
+    fn name(&self) -> &'static str {
+        "cockpit-rms-norm"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(CustomOp2::name(self))
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        by_dtype!(x.dtype(), norm_fwd_t((x, xl), (w, wl), None, self.eps, self.rms))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = grad.contiguous()?;
+        let (dx, dw, _) = by_dtype!(x.dtype(), norm_bwd_t(x, w, &dy, self.eps, self.rms))?;
+        Ok((Some(dx), Some(dw.to_dtype(w.dtype())?)))
+    }
+}
+
+/// LayerNorm over the last dim: `(x − mean)/√(var + eps)·w + b`, f32 statistics.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op3(
+        &w.contiguous()?,
+        &b.contiguous()?,
+        Norm {
+            eps: eps as f32,
+            rms: false,
+        },
+    )
+}
+
+/// RMSNorm over the last dim: `x/√(mean(x²) + eps)·w`, f32 statistics.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(
+        &w.contiguous()?,
+        Norm {
+            eps: eps as f32,
+            rms: true,
+        },
+    )
+}
+
+// ------------------------------------------------------------------------------------------
+// Softmax cross-entropy
+
+struct CrossEntropy;
+
+fn ce_fwd_t<T: Elem>(
+    x: (&CudaStorage, &Layout),
+    t: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.0.device();
+    let (n, v) = last_dim(x.1)?;
+    if t.1.shape().elem_count() != n {
+        return Err(err("cross-entropy: targets and logits rows differ"));
+    }
+    let xv = view::<T>(x.0, x.1)?;
+    let tv = view::<u32>(t.0, t.1)?;
+    // SAFETY: every row is written by the kernel.
+    let loss = unsafe { dev.alloc::<f32>(n)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("ce_fwd"), MODULE, PTX)?;
+    let mut b = f.builder();
+    let (n_i, v_i) = (i32_of(n, "rows")?, i32_of(v, "vocab")?);
+    b.arg(&xv);
+    b.arg(&tv);
+    b.arg(&loss);
+    b.arg(&n_i);
+    b.arg(&v_i);
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (512, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument list matches the kernel.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok((CudaStorage::wrap_cuda_slice(loss, dev.clone()), Shape::from(n)))
+}
+
+fn ce_bwd_t<T: Elem>(x: &Tensor, t: &Tensor, loss: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let dev = device_of(x)?;
+    let (n, v) = x.dims2()?;
+    let (xs, xl) = x.storage_and_layout();
+    let (ts, tl) = t.storage_and_layout();
+    let (ls, ll) = loss.storage_and_layout();
+    let (gs, gl) = g.storage_and_layout();
+    let xv = view::<T>(cuda_of(&xs)?, xl)?;
+    let tv = view::<u32>(cuda_of(&ts)?, tl)?;
+    let lv = view::<f32>(cuda_of(&ls)?, ll)?;
+    let gv = view::<f32>(cuda_of(&gs)?, gl)?;
+    // SAFETY: every element is written by the kernel.
+    let dx = unsafe { dev.alloc::<T>(n * v)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("ce_bwd"), MODULE, PTX)?;
+    let mut b = f.builder();
+    let (n_i, v_i) = (i32_of(n, "rows")?, i32_of(v, "vocab")?);
+    b.arg(&xv);
+    b.arg(&tv);
+    b.arg(&lv);
+    b.arg(&gv);
+    b.arg(&dx);
+    b.arg(&n_i);
+    b.arg(&v_i);
+    let cfg = LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (512, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument list matches the kernel.
+    unsafe { b.launch(cfg) }.w()?;
+    drop((xs, ts, ls, gs));
+    Ok(wrap(dx, &dev, (n, v)))
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cockpit-cross-entropy"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        t: &CudaStorage,
+        tl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        if t.dtype() != DType::U32 {
+            return Err(err("cross-entropy: targets must be u32"));
+        }
+        by_dtype!(x.dtype(), ce_fwd_t((x, xl), (t, tl)))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        t: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.to_dtype(DType::F32)?.contiguous()?;
+        let dx = by_dtype!(x.dtype(), ce_bwd_t(x, t, res, &g))?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// Per-row softmax cross-entropy in f32 (`[N]`) of logits `[N, V]` (compute dtype) against
+/// u32 targets `[N]`; take `.mean_all()` for the usual mean loss. Differentiable in the logits.
+pub fn cross_entropy_rows(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let t = targets.flatten_all()?.contiguous()?;
+    logits.contiguous()?.apply_op2(&t, CrossEntropy)
+}
+
+// ------------------------------------------------------------------------------------------
+// Bias add, bias + GELU, column sums
+
+fn col_sum_t<T: Elem>(x: &Tensor) -> Result<Tensor> {
+    let dev = device_of(x)?;
+    let c = *x.dims().last().ok_or_else(|| err("col_sum: scalar"))?;
+    let n = x.elem_count() / c.max(1);
+    let (xs, xl) = x.storage_and_layout();
+    let xv = view::<T>(cuda_of(&xs)?, xl)?;
+    let out = dev.alloc_zeros::<f32>(c)?;
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("col_sum"), MODULE, PTX)?;
+    let mut b = f.builder();
+    let (n_i, c_i) = (i32_of(n, "rows")?, i32_of(c, "cols")?);
+    b.arg(&xv);
+    b.arg(&out);
+    b.arg(&n_i);
+    b.arg(&c_i);
+    let col_blocks = c.div_ceil(32);
+    let row_blocks = (n.div_ceil(64)).clamp(1, (1024 / col_blocks).max(4)).min(65535);
+    let cfg = LaunchConfig {
+        grid_dim: (col_blocks as u32, row_blocks as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: argument list matches the kernel; out is a zeroed accumulator of length c.
+    unsafe { b.launch(cfg) }.w()?;
+    drop(xs);
+    Ok(wrap(out, &dev, c))
+}
+
+/// Σ over all leading dims (a bias gradient), in f32.
+fn col_sum(x: &Tensor) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    by_dtype!(x.dtype(), col_sum_t(&x))
+}
+
+struct BiasAdd;
+
+fn bias_add_t<T: Elem>(
+    x: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.0.device();
+    let (n, c) = last_dim(x.1)?;
+    if b.1.shape().elem_count() != c {
+        return Err(err("bias add: bias length differs from the last dim"));
+    }
+    let xv = view::<T>(x.0, x.1)?;
+    let bv = view::<T>(b.0, b.1)?;
+    // SAFETY: every element is written by the kernel.
+    let y = unsafe { dev.alloc::<T>(n * c)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("bias_add"), MODULE, PTX)?;
+    let mut bld = f.builder();
+    let (total, c_i) = (n * c, i32_of(c, "cols")?);
+    bld.arg(&xv);
+    bld.arg(&bv);
+    bld.arg(&y);
+    bld.arg(&total);
+    bld.arg(&c_i);
+    // SAFETY: argument list matches the kernel.
+    unsafe { bld.launch(flat_cfg(total)) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        x.1.shape().clone(),
+    ))
+}
+
+impl CustomOp2 for BiasAdd {
+    fn name(&self) -> &'static str {
+        "cockpit-bias-add"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        by_dtype!(x.dtype(), bias_add_t((x, xl), (b, bl)))
+    }
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let db = col_sum(grad)?.to_dtype(b.dtype())?;
+        Ok((Some(grad.clone()), Some(db)))
+    }
+}
+
+/// `x + b` with `b` broadcast over the leading dims; the bias gradient is a column sum.
+pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&b.contiguous()?, BiasAdd)
+}
+
+struct BiasGelu;
+
+fn bias_gelu_fwd_t<T: Elem>(
+    x: (&CudaStorage, &Layout),
+    b: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = x.0.device();
+    let (n, c) = last_dim(x.1)?;
+    if b.1.shape().elem_count() != c {
+        return Err(err("bias gelu: bias length differs from the last dim"));
+    }
+    let xv = view::<T>(x.0, x.1)?;
+    let bv = view::<T>(b.0, b.1)?;
+    // SAFETY: every element is written by the kernel.
+    let y = unsafe { dev.alloc::<T>(n * c)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("bias_gelu_fwd"), MODULE, PTX)?;
+    let mut bld = f.builder();
+    let (total, c_i) = (n * c, i32_of(c, "cols")?);
+    bld.arg(&xv);
+    bld.arg(&bv);
+    bld.arg(&y);
+    bld.arg(&total);
+    bld.arg(&c_i);
+    // SAFETY: argument list matches the kernel.
+    unsafe { bld.launch(flat_cfg(total)) }.w()?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        x.1.shape().clone(),
+    ))
+}
+
+fn bias_gelu_bwd_t<T: Elem>(x: &Tensor, b: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let dev = device_of(x)?;
+    let c = b.elem_count();
+    let total = x.elem_count();
+    let (xs, xl) = x.storage_and_layout();
+    let (bs, bl) = b.storage_and_layout();
+    let (ds, dl) = dy.storage_and_layout();
+    let xv = view::<T>(cuda_of(&xs)?, xl)?;
+    let bv = view::<T>(cuda_of(&bs)?, bl)?;
+    let dv = view::<T>(cuda_of(&ds)?, dl)?;
+    // SAFETY: every element is written by the kernel.
+    let dx = unsafe { dev.alloc::<T>(total)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("bias_gelu_bwd"), MODULE, PTX)?;
+    let mut bld = f.builder();
+    let c_i = i32_of(c, "cols")?;
+    bld.arg(&xv);
+    bld.arg(&bv);
+    bld.arg(&dv);
+    bld.arg(&dx);
+    bld.arg(&total);
+    bld.arg(&c_i);
+    // SAFETY: argument list matches the kernel.
+    unsafe { bld.launch(flat_cfg(total)) }.w()?;
+    drop((xs, bs, ds));
+    Ok(wrap(dx, &dev, x.dims()))
+}
+
+impl CustomOp2 for BiasGelu {
+    fn name(&self) -> &'static str {
+        "cockpit-bias-gelu"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        by_dtype!(x.dtype(), bias_gelu_fwd_t((x, xl), (b, bl)))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = grad.contiguous()?;
+        let dx = by_dtype!(x.dtype(), bias_gelu_bwd_t(x, b, &dy))?;
+        let db = col_sum(&dx)?.to_dtype(b.dtype())?;
+        Ok((Some(dx), Some(db)))
+    }
+}
+
+/// `gelu_tanh(x + b)` (candle's `gelu`), `b` broadcast over the leading dims.
+pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(&b.contiguous()?, BiasGelu)
+}
+
+// ------------------------------------------------------------------------------------------
+// Optimizer
+
+/// Σ‖g‖² over f32 gradients on one CUDA device: one kernel per tensor into a single
+/// accumulator, one read-back.
+pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
+    let Some(first) = grads.first() else {
+        return Ok(0.0);
+    };
+    let dev = device_of(first)?;
+    let acc = dev.alloc_zeros::<f32>(1)?;
+    let f = dev.get_or_load_custom_func("sumsq_f32", MODULE, PTX)?;
+    for g in grads {
+        let g = if g.dtype() == DType::F32 {
+            g.contiguous()?
+        } else {
+            g.to_dtype(DType::F32)?
+        };
+        let n = g.elem_count();
+        if n == 0 {
+            continue;
+        }
+        let (gs, gl) = g.storage_and_layout();
+        let gv = view::<f32>(cuda_of(&gs)?, gl)?;
+        let mut b = f.builder();
+        b.arg(&gv);
+        b.arg(&n);
+        b.arg(&acc);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument list matches the kernel; acc is one f32.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    let host = dev.clone_dtoh(&acc)?;
+    Ok(host.first().copied().unwrap_or(0.0) as f64)
+}
+
+/// AdamW in place on fp32 `w`, `m`, `v` (contiguous, distinct storages) from gradient `g`.
+pub fn adamw_update(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, a: &AdamWArgs) -> Result<()> {
+    for t in [w, m, v] {
+        if t.dtype() != DType::F32 || !t.is_contiguous() || t.elem_count() != w.elem_count() {
+            return Err(err(
+                "fused AdamW: weights and moments must be contiguous f32 of one size",
+            ));
+        }
+    }
+    let dev = device_of(w)?;
+    let g = if g.dtype() == DType::F32 {
+        g.contiguous()?
+    } else {
+        g.to_dtype(DType::F32)?
+    };
+    let n = w.elem_count();
+    if g.elem_count() != n {
+        return Err(err("fused AdamW: gradient size differs from the weight"));
+    }
+    let (ws, wl) = w.storage_and_layout();
+    let (gs, gl) = g.storage_and_layout();
+    let (ms, ml) = m.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let wv = view::<f32>(cuda_of(&ws)?, wl)?;
+    let gv = view::<f32>(cuda_of(&gs)?, gl)?;
+    let mv = view::<f32>(cuda_of(&ms)?, ml)?;
+    let vv = view::<f32>(cuda_of(&vs)?, vl)?;
+    let f = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
+    let mut b = f.builder();
+    let s = [
+        a.lr as f32,
+        a.beta1 as f32,
+        a.beta2 as f32,
+        a.eps as f32,
+        a.decay as f32,
+        a.bc1 as f32,
+        a.bc2 as f32,
+        a.grad_scale as f32,
+    ];
+    b.arg(&wv);
+    b.arg(&gv);
+    b.arg(&mv);
+    b.arg(&vv);
+    b.arg(&n);
+    for x in &s {
+        b.arg(x);
+    }
+    // SAFETY: argument list matches the kernel; the four buffers hold n f32 each and the
+    // kernel updates w, m, v element-wise in place (the caller guarantees distinct storages).
+    unsafe { b.launch(flat_cfg(n)) }.w()?;
+    Ok(())
+}
