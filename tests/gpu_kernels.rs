@@ -346,6 +346,7 @@ fn model_with_fused_kernels_matches_the_plain_model() {
             let mut c = c.clone();
             c.kernels.norm = on;
             c.kernels.attention = on;
+            c.kernels.linear = on;
             c.kernels.cross_entropy = on;
             c.kernels.bias_gelu = on;
             let mut m = Model::new(Shape::from_config(&c, vocab), dt, &dev, 5).unwrap();
@@ -388,4 +389,102 @@ fn model_with_fused_kernels_matches_the_plain_model() {
             worst.0
         );
     }
+}
+
+#[test]
+fn fused_linear_region_matches_matmul_plus_bias() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        let x = var(&dev, &[3, 40, 96], dt, 1.0, 0.0);
+        let w = var(&dev, &[80, 96], dt, 0.1, 0.0);
+        let b = var(&dev, &[80], dt, 0.1, 0.0);
+        let fused = kernels::linear(x.as_tensor(), w.as_tensor(), Some(b.as_tensor())).unwrap();
+        let plain = x
+            .as_tensor()
+            .broadcast_matmul(&w.as_tensor().t().unwrap())
+            .unwrap()
+            .broadcast_add(b.as_tensor())
+            .unwrap();
+        check("linear fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        for (name, v) in [("dx", &x), ("dw", &w), ("db", &b)] {
+            check(
+                &format!("linear {name}"),
+                dt,
+                gf.get(v.as_tensor()).unwrap(),
+                gp.get(v.as_tensor()).unwrap(),
+            );
+        }
+        let fused = kernels::linear(x.as_tensor(), w.as_tensor(), None).unwrap();
+        let plain = x
+            .as_tensor()
+            .broadcast_matmul(&w.as_tensor().t().unwrap())
+            .unwrap();
+        check("linear (no bias) fwd", dt, &fused, &plain);
+    }
+}
+
+#[test]
+fn fused_attention_region_matches_the_composition() {
+    let Some(dev) = gpu() else { return };
+    let (b, t, h, hd) = (2usize, 33usize, 4usize, 16usize);
+    let c = h * hd;
+    for dt in [DType::F32, DType::BF16] {
+        let qkv = var(&dev, &[b, t, 3 * c], dt, 1.0, 0.0);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let fused = kernels::causal_attention_qkv(qkv.as_tensor(), h, scale).unwrap();
+        let split = |i: usize| {
+            qkv.as_tensor()
+                .narrow(2, i * c, c)
+                .unwrap()
+                .reshape((b, t, h, hd))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let (q, k, v) = (split(0), split(1), split(2));
+        let att = (q.matmul(&k.t().unwrap()).unwrap() * scale)
+            .unwrap()
+            .broadcast_add(&causal_mask(t, dt, &dev))
+            .unwrap();
+        let p = candle_nn::ops::softmax(&att, D::Minus1).unwrap();
+        let plain = p
+            .matmul(&v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((b, t, c))
+            .unwrap();
+        check("attention fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        check(
+            "attention dqkv",
+            dt,
+            gf.get(qkv.as_tensor()).unwrap(),
+            gp.get(qkv.as_tensor()).unwrap(),
+        );
+    }
+}
+
+#[test]
+fn fused_sum_of_squares_matches_sqr_sum() {
+    let Some(dev) = gpu() else { return };
+    let w = var(&dev, &[1000, 37], DType::F32, 1.0, 0.3);
+    let fused = kernels::sum_sq(w.as_tensor()).unwrap();
+    let plain = w.as_tensor().sqr().unwrap().sum_all().unwrap();
+    check("sum of squares", DType::F32, &fused, &plain);
+    let gf = (fused * 0.5).unwrap().backward().unwrap();
+    let gp = (plain * 0.5).unwrap().backward().unwrap();
+    check(
+        "sum of squares grad",
+        DType::F32,
+        gf.get(w.as_tensor()).unwrap(),
+        gp.get(w.as_tensor()).unwrap(),
+    );
 }

@@ -288,8 +288,11 @@ impl Default for PrecisionConfig {
 pub struct KernelsConfig {
     /// LayerNorm / RMSNorm forward and backward in one kernel each.
     pub norm: bool,
-    /// Attention: scale + causal mask + softmax (and its backward) in one kernel.
+    /// Attention: scale + causal mask + softmax (and its backward) in one kernel; with
+    /// `linear` too (and no RoPE/GQA/attention dropout), q·kᵀ → softmax → ·v as one graph node.
     pub attention: bool,
+    /// Linear layers as one graph node each (2-D matmul + bias, hand-written backward).
+    pub linear: bool,
     /// Softmax cross-entropy from the compute-dtype logits (no f32 copy of the logits).
     pub cross_entropy: bool,
     /// Bias add and bias + GELU after the matmuls; bias gradients by a column-sum kernel.
@@ -303,6 +306,7 @@ impl Default for KernelsConfig {
         Self {
             norm: true,
             attention: true,
+            linear: true,
             cross_entropy: true,
             bias_gelu: true,
             adamw: true,

@@ -559,6 +559,10 @@ impl Model {
     }
 
     fn linear(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
+        if l.lora.is_none() && self.fused(self.shape.kernels.linear, x) {
+            let b = l.b.as_ref().map(|b| self.cast(b)).transpose()?;
+            return kernels::linear(x, &self.cast(&l.w)?, b.as_ref());
+        }
         let (x2, out_dims) = Self::rows(x, l.w.as_tensor().dim(0)?)?;
         let mut y = self.linear_nobias(l, &x2)?;
         if let Some(b) = &l.b {
@@ -576,9 +580,13 @@ impl Model {
     fn linear_gelu(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
         match &l.b {
             Some(b) if self.fused(self.shape.kernels.bias_gelu, x) => {
-                let (x2, out_dims) = Self::rows(x, l.w.as_tensor().dim(0)?)?;
-                let y = self.linear_nobias(l, &x2)?;
-                kernels::bias_gelu(&y, &self.cast(b)?)?.reshape(out_dims)
+                let y = if l.lora.is_none() && self.fused(self.shape.kernels.linear, x) {
+                    kernels::linear(x, &self.cast(&l.w)?, None)?
+                } else {
+                    let (x2, out_dims) = Self::rows(x, l.w.as_tensor().dim(0)?)?;
+                    self.linear_nobias(l, &x2)?.reshape(out_dims)?
+                };
+                kernels::bias_gelu(&y, &self.cast(b)?)
             }
             _ => self.linear(l, x)?.gelu(),
         }
@@ -641,6 +649,29 @@ impl Model {
         let s = &self.shape;
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
+        let region = self.fused(s.kernels.attention && s.kernels.linear, x)
+            && self.rope.is_none()
+            && kvh == h
+            && (!train || s.dropout <= 0.0)
+            && [&b.q, &b.k, &b.v].iter().all(|l| l.lora.is_none());
+        if region {
+            // q | k | v as one matmul over concatenated weights, then the attention core as
+            // one graph node (kernels::causal_attention_qkv).
+            let w = Tensor::cat(
+                &[self.cast(&b.q.w)?, self.cast(&b.k.w)?, self.cast(&b.v.w)?],
+                0,
+            )?;
+            let bias = match (&b.q.b, &b.k.b, &b.v.b) {
+                (Some(bq), Some(bk), Some(bv)) => Some(Tensor::cat(
+                    &[self.cast(bq)?, self.cast(bk)?, self.cast(bv)?],
+                    0,
+                )?),
+                _ => None,
+            };
+            let qkv = kernels::linear(x, &w, bias.as_ref())?;
+            let y = kernels::causal_attention_qkv(&qkv, h, 1.0 / (hd as f64).sqrt())?;
+            return self.linear(&b.o, &y);
+        }
         let q = self
             .linear(&b.q, x)?
             .reshape((bsz, t, h, hd))?
@@ -718,6 +749,9 @@ impl Model {
             Some(w) => self.cast(w)?,
             None => wte,
         };
+        if self.fused(self.shape.kernels.linear, &x) {
+            return kernels::linear(&x, &head, None);
+        }
         x.matmul(&head.t()?)
     }
 

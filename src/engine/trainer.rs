@@ -518,7 +518,7 @@ impl Trainer {
     fn reg_sumsq(&self) -> candle_core::Result<Option<Tensor>> {
         let mut acc: Option<Tensor> = None;
         for &i in &self.reg_slots {
-            let s = self.opt.slots[i].var.as_tensor().sqr()?.sum_all()?;
+            let s = super::kernels::sum_sq(self.opt.slots[i].var.as_tensor())?;
             acc = Some(match acc {
                 Some(a) => (a + s)?,
                 None => s,

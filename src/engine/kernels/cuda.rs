@@ -816,3 +816,276 @@ pub fn adamw_update(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, a: &AdamWArg
     unsafe { b.launch(flat_cfg(n)) }.w()?;
     Ok(())
 }
+
+/// Σ w² of an f32 CUDA tensor as a differentiable scalar (grid-wide reduction, one kernel).
+struct SumSq;
+
+impl CustomOp1 for SumSq {
+    fn name(&self) -> &'static str {
+        "cockpit-sum-sq"
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name())
+    }
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dev = s.device();
+        let v = view::<f32>(s, l)?;
+        let n = l.shape().elem_count();
+        let acc = dev.alloc_zeros::<f32>(1)?;
+        if n > 0 {
+            let f = dev.get_or_load_custom_func("sumsq_f32", MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&v);
+            b.arg(&n);
+            b.arg(&acc);
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument list matches the kernel; acc is one f32.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok((
+            CudaStorage::wrap_cuda_slice(acc, dev.clone()),
+            Shape::from(()),
+        ))
+    }
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(arg.detach().broadcast_mul(&(grad * 2.0)?)?))
+    }
+}
+
+/// Σ t² (f32 scalar), differentiable: one reduction kernel on CUDA f32, the plain
+/// `sqr().sum_all()` elsewhere.
+pub fn sum_sq(t: &Tensor) -> Result<Tensor> {
+    if t.device().is_cuda() && t.dtype() == DType::F32 {
+        t.contiguous()?.apply_op1(SumSq)
+    } else {
+        t.sqr()?.sum_all()
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Fused regions: a block computed outside the autograd graph (on detached tensors, with the
+// kernels above and cuBLAS matmuls), attached to the graph as ONE node with a hand-written
+// backward. candle's backprop materialises a zero tensor and an add for every graph edge, and
+// every reshape/transpose is an edge: collapsing a linear layer or the attention core into one
+// node removes most of those full-size adds and copies.
+
+type RegionBwd = dyn Fn(&[Tensor], &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync;
+
+struct Region {
+    name: &'static str,
+    y: Tensor,
+    bwd: Box<RegionBwd>,
+}
+
+fn copy_t<T: Elem>(y: &Tensor) -> Result<(CudaStorage, Shape)> {
+    let dev = device_of(y)?;
+    let (ys, yl) = y.storage_and_layout();
+    let src = view::<T>(cuda_of(&ys)?, yl)?;
+    // SAFETY: fully overwritten by the copy below.
+    let mut out = unsafe { dev.alloc::<T>(y.elem_count())? };
+    dev.memcpy_dtod(&src, &mut out)?;
+    drop(ys);
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev.clone()),
+        y.shape().clone(),
+    ))
+}
+
+impl Region {
+    fn out(&self) -> Result<(CudaStorage, Shape)> {
+        by_dtype!(self.y.dtype(), copy_t(&self.y))
+    }
+    fn grads(&self, args: &[&Tensor], grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let args: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
+        let g = (self.bwd)(&args, &grad.contiguous()?)?;
+        if g.len() != args.len() {
+            return Err(err(format!("{}: backward returned the wrong arity", self.name)));
+        }
+        Ok(g)
+    }
+}
+
+impl CustomOp1 for Region {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name)
+    }
+    fn cuda_fwd(&self, _: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.out()
+    }
+    fn bwd(&self, a: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut g = self.grads(&[a], grad)?;
+        Ok(g.remove(0))
+    }
+}
+
+impl CustomOp2 for Region {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name)
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.out()
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.grads(&[a, b], grad)?.into_iter();
+        Ok((g.next().flatten(), g.next().flatten()))
+    }
+}
+
+impl CustomOp3 for Region {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        cpu_only(self.name)
+    }
+    fn cuda_fwd(
+        &self,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+        _: &CudaStorage,
+        _: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.out()
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.grads(&[a, b, c], grad)?.into_iter();
+        Ok((g.next().flatten(), g.next().flatten(), g.next().flatten()))
+    }
+}
+
+/// Attach `y` (computed from detached `args`) to the graph as one node over `args`.
+fn attach(
+    name: &'static str,
+    args: &[&Tensor],
+    y: Tensor,
+    bwd: Box<RegionBwd>,
+) -> Result<Tensor> {
+    let y = y.contiguous()?;
+    let r = Region { name, y, bwd };
+    match args {
+        [a] => a.apply_op1(r),
+        [a, b] => a.apply_op2(b, r),
+        [a, b, c] => a.apply_op3(b, c, r),
+        _ => Err(err("fused region: 1 to 3 inputs")),
+    }
+}
+
+/// `x·Wᵀ (+ b)` over the last dim of `x` `[.., in]` with `W` `[out, in]`, as one graph node:
+/// forward one 2-D cuBLAS matmul and the bias kernel; backward `dx = dy·W`, `dW = dyᵀ·x` and
+/// `db` by the column-sum kernel. Nothing reshaped or transposed enters the graph.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (out, inp) = w.dims2()?;
+    let x_dims = x.dims().to_vec();
+    let rows = x.elem_count() / inp.max(1);
+    let mut y_dims = x_dims.clone();
+    if let Some(l) = y_dims.last_mut() {
+        *l = out;
+    }
+    let x2 = x.detach().reshape((rows, inp))?;
+    let wd = w.detach();
+    let mut y = x2.matmul(&wd.t()?)?;
+    if let Some(b) = b {
+        y = bias_add(&y, &b.detach())?;
+    }
+    let y = y.reshape(y_dims)?;
+    let has_bias = b.is_some();
+    let bwd: Box<RegionBwd> = Box::new(move |args, dy| {
+        let (x, w) = (&args[0], &args[1]);
+        let dy2 = dy.reshape((rows, out))?;
+        let dx = dy2.matmul(w)?.reshape(x.dims())?;
+        let dw = dy2.t()?.matmul(&x.reshape((rows, inp))?)?;
+        let mut g = vec![Some(dx), Some(dw)];
+        if has_bias {
+            g.push(Some(col_sum(&dy2)?.to_dtype(args[2].dtype())?));
+        }
+        Ok(g)
+    });
+    match b {
+        Some(b) => attach("cockpit-linear", &[x, w, b], y, bwd),
+        None => attach("cockpit-linear", &[x, w], y, bwd),
+    }
+}
+
+/// Causal self-attention core on packed projections `qkv` `[B, T, 3·H·hd]` (q | k | v) →
+/// `[B, T, H·hd]`, as one graph node: scores by a batched cuBLAS matmul, the fused causal
+/// softmax kernel, probabilities·v; the backward reuses the saved probabilities
+/// (`dS = softmax_bwd(P, dY·Vᵀ)`, `dQ = dS·K`, `dK = dSᵀ·Q`, `dV = Pᵀ·dY`).
+pub fn causal_attention_qkv(qkv: &Tensor, n_head: usize, scale: f64) -> Result<Tensor> {
+    let (b, t, c3) = qkv.dims3()?;
+    let c = c3 / 3;
+    if c * 3 != c3 || n_head == 0 || c % n_head != 0 {
+        return Err(err("fused attention: qkv width must be 3·H·hd"));
+    }
+    let hd = c / n_head;
+    let split = |z: &Tensor, i: usize| -> Result<Tensor> {
+        z.narrow(2, i * c, c)?
+            .reshape((b, t, n_head, hd))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let merge = move |z: &Tensor| -> Result<Tensor> { z.transpose(1, 2)?.reshape((b, t, c)) };
+    let x = qkv.detach();
+    let (q, k, v) = (split(&x, 0)?, split(&x, 1)?, split(&x, 2)?);
+    let p = causal_softmax(&q.matmul(&k.t()?)?, scale)?;
+    let y = merge(&p.matmul(&v)?)?;
+    let scale = scale as f32;
+    let bwd: Box<RegionBwd> = Box::new(move |_args, dy| {
+        let dyh = dy
+            .reshape((b, t, n_head, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let dp = dyh.matmul(&v.t()?)?;
+        let dv = p.t()?.matmul(&dyh)?;
+        let ds = by_dtype!(p.dtype(), softmax_bwd_t(&p, &dp, scale))?;
+        let dq = ds.matmul(&k)?;
+        let dk = ds.t()?.matmul(&q)?;
+        let dqkv = Tensor::cat(&[merge(&dq)?, merge(&dk)?, merge(&dv)?], 2)?;
+        Ok(vec![Some(dqkv)])
+    });
+    attach("cockpit-attention", &[qkv], y, bwd)
+}

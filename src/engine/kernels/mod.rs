@@ -77,6 +77,15 @@ mod cpu_stubs {
     pub fn sumsq(_grads: &[Tensor]) -> Result<f64> {
         no_cuda()
     }
+    pub fn sum_sq(t: &Tensor) -> Result<Tensor> {
+        t.sqr()?.sum_all()
+    }
+    pub fn linear(_x: &Tensor, _w: &Tensor, _b: Option<&Tensor>) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn causal_attention_qkv(_qkv: &Tensor, _n_head: usize, _scale: f64) -> Result<Tensor> {
+        no_cuda()
+    }
     pub fn adamw_update(
         _w: &Tensor,
         _g: &Tensor,
