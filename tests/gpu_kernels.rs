@@ -488,3 +488,31 @@ fn fused_sum_of_squares_matches_sqr_sum() {
         gp.get(w.as_tensor()).unwrap(),
     );
 }
+
+#[test]
+fn fused_embedding_matches_index_select() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        let w = var(&dev, &[500, 64], dt, 1.0, 0.0);
+        // Repeated ids: their gradient rows must accumulate.
+        let ids: Vec<u32> = (0..2 * 77).map(|i| (i * i * 7 + 3) % 500).collect();
+        let ids = Tensor::from_vec(ids, (2, 77), &dev).unwrap();
+        let fused = kernels::embedding(&ids, w.as_tensor()).unwrap();
+        let plain = w
+            .as_tensor()
+            .embedding(&ids.flatten_all().unwrap())
+            .unwrap()
+            .reshape((2, 77, 64))
+            .unwrap();
+        check("embedding fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        check(
+            "embedding dw",
+            dt,
+            gf.get(w.as_tensor()).unwrap(),
+            gp.get(w.as_tensor()).unwrap(),
+        );
+    }
+}

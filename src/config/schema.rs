@@ -291,7 +291,8 @@ pub struct KernelsConfig {
     /// Attention: scale + causal mask + softmax (and its backward) in one kernel; with
     /// `linear` too (and no RoPE/GQA/attention dropout), q·kᵀ → softmax → ·v as one graph node.
     pub attention: bool,
-    /// Linear layers as one graph node each (2-D matmul + bias, hand-written backward).
+    /// Linear layers and the token embedding as one graph node each (2-D matmul + bias,
+    /// hand-written backward; embedding gradient by an atomic scatter kernel).
     pub linear: bool,
     /// Softmax cross-entropy from the compute-dtype logits (no f32 copy of the logits).
     pub cross_entropy: bool,

@@ -726,9 +726,12 @@ impl Model {
     pub fn forward(&mut self, ids: &Tensor, train: bool) -> Result<Tensor> {
         let (bsz, t) = ids.dims2()?;
         let wte = self.cast(&self.wte)?;
-        let mut x = wte
-            .embedding(&ids.flatten_all()?)?
-            .reshape((bsz, t, self.shape.n_embd))?;
+        let mut x = if self.fused(self.shape.kernels.linear, &wte) && ids.dtype() == DType::U32 {
+            kernels::embedding(ids, &wte)?
+        } else {
+            wte.embedding(&ids.flatten_all()?)?
+                .reshape((bsz, t, self.shape.n_embd))?
+        };
         if let Some(wpe) = &self.wpe {
             let pos = self.cast(wpe)?.narrow(0, 0, t)?;
             x = x.broadcast_add(&pos)?;

@@ -1051,6 +1051,116 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
 }
 
+fn split_heads_t<T: Elem>(
+    qkv: &Tensor,
+    (b, t, h, hd): (usize, usize, usize, usize),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = device_of(qkv)?;
+    let n = b * t * h * hd;
+    let (qs, ql) = qkv.storage_and_layout();
+    let src = view::<T>(cuda_of(&qs)?, ql)?;
+    // SAFETY: every element of q, k, v is written by the kernel.
+    let (q, k, v) = unsafe { (dev.alloc::<T>(n)?, dev.alloc::<T>(n)?, dev.alloc::<T>(n)?) };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("qkv_split"), MODULE, PTX)?;
+    let mut bld = f.builder();
+    let dims = [
+        i32_of(b, "B")?,
+        i32_of(t, "T")?,
+        i32_of(h, "H")?,
+        i32_of(hd, "hd")?,
+    ];
+    bld.arg(&src);
+    bld.arg(&q);
+    bld.arg(&k);
+    bld.arg(&v);
+    for d in &dims {
+        bld.arg(d);
+    }
+    // SAFETY: argument list matches the kernel; qkv holds 3·n elements.
+    unsafe { bld.launch(flat_cfg(3 * n)) }.w()?;
+    drop(qs);
+    let shape = (b, h, t, hd);
+    Ok((wrap(q, &dev, shape), wrap(k, &dev, shape), wrap(v, &dev, shape)))
+}
+
+/// Parts `[B, H, T, hd]` → one `[B, T, parts·H·hd]` buffer (part i at columns i·H·hd..).
+fn merge_heads_t<T: Elem>(
+    parts: &[&Tensor],
+    (b, t, h, hd): (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    let first = parts.first().ok_or_else(|| err("merge_heads: no parts"))?;
+    let dev = device_of(first)?;
+    let c = h * hd;
+    let ld = parts.len() * c;
+    // SAFETY: every element is written by one of the launches below.
+    let dst = unsafe { dev.alloc::<T>(b * t * ld)? };
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("heads_merge"), MODULE, PTX)?;
+    for (i, p) in parts.iter().enumerate() {
+        let p = p.contiguous()?;
+        if p.dims() != [b, h, t, hd] {
+            return Err(err("merge_heads: part shape"));
+        }
+        let (ps, pl) = p.storage_and_layout();
+        let src = view::<T>(cuda_of(&ps)?, pl)?;
+        let mut bld = f.builder();
+        let args = [
+            i32_of(b, "B")?,
+            i32_of(t, "T")?,
+            i32_of(h, "H")?,
+            i32_of(hd, "hd")?,
+            i32_of(ld, "ld")?,
+            i32_of(i * c, "offset")?,
+        ];
+        bld.arg(&src);
+        bld.arg(&dst);
+        for a in &args {
+            bld.arg(a);
+        }
+        // SAFETY: argument list matches the kernel; dst holds B·T·ld elements.
+        unsafe { bld.launch(flat_cfg(b * t * c)) }.w()?;
+    }
+    Ok(wrap(dst, &dev, (b, t, ld)))
+}
+
+fn embedding_bwd_t<T: Elem>(ids: &Tensor, dy: &Tensor, vocab: usize) -> Result<Tensor> {
+    let dev = device_of(dy)?;
+    let d = *dy.dims().last().ok_or_else(|| err("embedding: scalar grad"))?;
+    let n = dy.elem_count() / d.max(1);
+    let (is, il) = ids.storage_and_layout();
+    let (ds, dl) = dy.storage_and_layout();
+    let iv = view::<u32>(cuda_of(&is)?, il)?;
+    let dv = view::<T>(cuda_of(&ds)?, dl)?;
+    let dw = dev.alloc_zeros::<f32>(vocab * d)?;
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>("embedding_bwd"), MODULE, PTX)?;
+    let mut bld = f.builder();
+    let args = [i32_of(n, "rows")?, i32_of(d, "dim")?, i32_of(vocab, "vocab")?];
+    bld.arg(&iv);
+    bld.arg(&dv);
+    bld.arg(&dw);
+    for a in &args {
+        bld.arg(a);
+    }
+    // SAFETY: argument list matches the kernel; dw is a zeroed [vocab, d] f32 accumulator.
+    unsafe { bld.launch(flat_cfg(n * d)) }.w()?;
+    drop((is, ds));
+    Ok(wrap(dw, &dev, (vocab, d)))
+}
+
+/// Token embedding `w[ids]` (ids u32, any shape) as one graph node; the backward scatters
+/// the gradient rows with f32 atomics (no index_add over the vocabulary).
+pub fn embedding(ids: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (vocab, d) = w.dims2()?;
+    let ids = ids.contiguous()?;
+    let mut dims = ids.dims().to_vec();
+    dims.push(d);
+    let y = w.detach().embedding(&ids.flatten_all()?)?.reshape(dims)?;
+    let bwd: Box<RegionBwd> = Box::new(move |args, dy| {
+        let dw = by_dtype!(dy.dtype(), embedding_bwd_t(&args[0], dy, vocab))?;
+        Ok(vec![None, Some(dw.to_dtype(args[1].dtype())?)])
+    });
+    attach("cockpit-embedding", &[&ids, w], y, bwd)
+}
+
 /// Causal self-attention core on packed projections `qkv` `[B, T, 3·H·hd]` (q | k | v) →
 /// `[B, T, H·hd]`, as one graph node: scores by a batched cuBLAS matmul, the fused causal
 /// softmax kernel, probabilities·v; the backward reuses the saved probabilities
@@ -1062,29 +1172,24 @@ pub fn causal_attention_qkv(qkv: &Tensor, n_head: usize, scale: f64) -> Result<T
         return Err(err("fused attention: qkv width must be 3·H·hd"));
     }
     let hd = c / n_head;
-    let split = |z: &Tensor, i: usize| -> Result<Tensor> {
-        z.narrow(2, i * c, c)?
-            .reshape((b, t, n_head, hd))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    let merge = move |z: &Tensor| -> Result<Tensor> { z.transpose(1, 2)?.reshape((b, t, c)) };
-    let x = qkv.detach();
-    let (q, k, v) = (split(&x, 0)?, split(&x, 1)?, split(&x, 2)?);
+    let dims = (b, t, n_head, hd);
+    let x = qkv.detach().contiguous()?;
+    let (q, k, v) = by_dtype!(x.dtype(), split_heads_t(&x, dims))?;
     let p = causal_softmax(&q.matmul(&k.t()?)?, scale)?;
-    let y = merge(&p.matmul(&v)?)?;
+    let y = by_dtype!(x.dtype(), merge_heads_t(&[&p.matmul(&v)?], dims))?;
     let scale = scale as f32;
     let bwd: Box<RegionBwd> = Box::new(move |_args, dy| {
         let dyh = dy
             .reshape((b, t, n_head, hd))?
             .transpose(1, 2)?
             .contiguous()?;
+        let dt = dy.dtype();
         let dp = dyh.matmul(&v.t()?)?;
         let dv = p.t()?.matmul(&dyh)?;
         let ds = by_dtype!(p.dtype(), softmax_bwd_t(&p, &dp, scale))?;
         let dq = ds.matmul(&k)?;
         let dk = ds.t()?.matmul(&q)?;
-        let dqkv = Tensor::cat(&[merge(&dq)?, merge(&dk)?, merge(&dv)?], 2)?;
+        let dqkv = by_dtype!(dt, merge_heads_t(&[&dq, &dk, &dv], dims))?;
         Ok(vec![Some(dqkv)])
     });
     attach("cockpit-attention", &[qkv], y, bwd)

@@ -289,6 +289,52 @@ __device__ void col_sum(const T* __restrict__ x, float* __restrict__ out, int n,
     }
 }
 
+// Packed projections qkv [B, T, 3·H·hd] → q, k, v each [B, H, T, hd] (one pass, coalesced reads).
+template <typename T>
+__device__ void qkv_split(const T* __restrict__ src, T* __restrict__ q, T* __restrict__ k,
+                          T* __restrict__ v, int b, int t, int h, int hd) {
+    const int c = h * hd;
+    const size_t total = (size_t)b * t * 3 * c;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int j = (int)(i % (3 * c));
+        const size_t bt = i / (3 * c);
+        const int ti = (int)(bt % t), bi = (int)(bt / t);
+        const int which = j / c, hh = (j % c) / hd, d = j % hd;
+        T* dst = which == 0 ? q : (which == 1 ? k : v);
+        dst[(((size_t)bi * h + hh) * t + ti) * hd + d] = src[i];
+    }
+}
+
+// src [B, H, T, hd] → dst[b, t, off + h·hd + d] of a [B, T, ld] buffer.
+template <typename T>
+__device__ void heads_merge(const T* __restrict__ src, T* __restrict__ dst, int b, int t, int h,
+                            int hd, int ld, int off) {
+    const size_t total = (size_t)b * h * t * hd;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int d = (int)(i % hd);
+        size_t r = i / hd;
+        const int ti = (int)(r % t);
+        r /= t;
+        const int hh = (int)(r % h), bi = (int)(r / h);
+        dst[((size_t)bi * t + ti) * ld + off + hh * hd + d] = src[i];
+    }
+}
+
+// Embedding backward: dw[ids[r], :] += dy[r, :] in f32 (dw zeroed by the caller).
+template <typename T>
+__device__ void embedding_bwd(const uint32_t* __restrict__ ids, const T* __restrict__ dy,
+                              float* __restrict__ dw, int n, int d, int vocab) {
+    const size_t total = (size_t)n * d;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / d), j = (int)(i % d);
+        const uint32_t id = ids[r];
+        if (id < (uint32_t)vocab) atomicAdd(&dw[(size_t)id * d + j], to_f(dy[i]));
+    }
+}
+
 #define INSTANTIATE(T, S)                                                                       \
     extern "C" __global__ void causal_softmax_fwd_##S(const T* x, T* y, int rows, int tq,      \
                                                       int tk, float scale) {                  \
@@ -329,6 +375,18 @@ __device__ void col_sum(const T* __restrict__ x, float* __restrict__ out, int n,
     }                                                                                           \
     extern "C" __global__ void col_sum_##S(const T* x, float* out, int n, int c) {             \
         col_sum<T>(x, out, n, c);                                                             \
+    }                                                                                           \
+    extern "C" __global__ void qkv_split_##S(const T* src, T* q, T* k, T* v, int b, int t,     \
+                                             int h, int hd) {                                 \
+        qkv_split<T>(src, q, k, v, b, t, h, hd);                                              \
+    }                                                                                           \
+    extern "C" __global__ void heads_merge_##S(const T* src, T* dst, int b, int t, int h,      \
+                                               int hd, int ld, int off) {                     \
+        heads_merge<T>(src, dst, b, t, h, hd, ld, off);                                       \
+    }                                                                                           \
+    extern "C" __global__ void embedding_bwd_##S(const uint32_t* ids, const T* dy, float* dw,  \
+                                                 int n, int d, int vocab) {                   \
+        embedding_bwd<T>(ids, dy, dw, n, d, vocab);                                           \
     }
 
 INSTANTIATE(float, f32)

@@ -86,6 +86,9 @@ mod cpu_stubs {
     pub fn causal_attention_qkv(_qkv: &Tensor, _n_head: usize, _scale: f64) -> Result<Tensor> {
         no_cuda()
     }
+    pub fn embedding(_ids: &Tensor, _w: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
     pub fn adamw_update(
         _w: &Tensor,
         _g: &Tensor,
