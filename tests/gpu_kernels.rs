@@ -137,8 +137,8 @@ fn layer_norm_and_rms_norm_match_the_composition() {
             let w = var(&dev, &[d], dt, 0.2, 1.0);
             let b = var(&dev, &[d], dt, 0.2, 0.0);
             let eps = 1e-5;
-            let fused = kernels::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), eps)
-                .unwrap();
+            let fused =
+                kernels::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), eps).unwrap();
             let plain = candle_nn::ops::layer_norm_slow(
                 x.as_tensor(),
                 w.as_tensor(),
@@ -359,7 +359,12 @@ fn model_with_fused_kernels_matches_the_plain_model() {
             let grads: Vec<(String, Tensor)> = m
                 .params
                 .iter()
-                .map(|p| (p.name.clone(), store.get(p.var.as_tensor()).unwrap().clone()))
+                .map(|p| {
+                    (
+                        p.name.clone(),
+                        store.get(p.var.as_tensor()).unwrap().clone(),
+                    )
+                })
                 .collect();
             (loss, grads)
         };

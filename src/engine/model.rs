@@ -761,8 +761,7 @@ impl Model {
     /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
     pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
         let logits = self.forward(ids, train)?;
-        if self.fused(self.shape.kernels.cross_entropy, &logits) && targets.dtype() == DType::U32
-        {
+        if self.fused(self.shape.kernels.cross_entropy, &logits) && targets.dtype() == DType::U32 {
             return kernels::cross_entropy_rows(&logits, targets)?.mean_all();
         }
         let logits = logits.to_dtype(DType::F32)?;

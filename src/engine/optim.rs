@@ -109,9 +109,9 @@ impl AdamW {
     fn fusable(&self, grads: &[Tensor]) -> bool {
         grads.len() == self.slots.len()
             && self.slots.iter().all(|s| {
-                [s.var.as_tensor(), &s.m, &s.v].iter().all(|t| {
-                    kernels::usable(t) && t.dtype() == DType::F32 && t.is_contiguous()
-                })
+                [s.var.as_tensor(), &s.m, &s.v]
+                    .iter()
+                    .all(|t| kernels::usable(t) && t.dtype() == DType::F32 && t.is_contiguous())
             })
     }
 }
@@ -121,7 +121,9 @@ impl AdamW {
 pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
     if !grads.is_empty()
         && grads.iter().all(|g| {
-            kernels::usable(g) && g.dtype() == DType::F32 && g.device().same_device(grads[0].device())
+            kernels::usable(g)
+                && g.dtype() == DType::F32
+                && g.device().same_device(grads[0].device())
         })
     {
         return Ok(kernels::sumsq(grads)?.sqrt());

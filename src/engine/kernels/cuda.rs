@@ -115,11 +115,7 @@ struct CausalSoftmax {
     scale: f32,
 }
 
-fn softmax_fwd_t<T: Elem>(
-    s: &CudaStorage,
-    l: &Layout,
-    scale: f32,
-) -> Result<(CudaStorage, Shape)> {
+fn softmax_fwd_t<T: Elem>(s: &CudaStorage, l: &Layout, scale: f32) -> Result<(CudaStorage, Shape)> {
     let dev = s.device();
     let dims = l.dims();
     if dims.len() < 2 {
@@ -286,7 +282,9 @@ fn norm_bwd_t<T: Elem>(
     b.arg(&rms_i);
     let shared = (2 * d * std::mem::size_of::<f32>()) as u32;
     if shared > 48 * 1024 {
-        return Err(err("norm backward: dim too large for the shared-memory accumulators"));
+        return Err(err(
+            "norm backward: dim too large for the shared-memory accumulators",
+        ));
     }
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(ROWS_PER_BLOCK).clamp(1, 264) as u32, 1, 1),
@@ -296,7 +294,11 @@ fn norm_bwd_t<T: Elem>(
     // SAFETY: argument list matches the kernel; dw/db are zeroed accumulators of length d.
     unsafe { b.launch(cfg) }.w()?;
     drop((xs, ws, ds));
-    Ok((wrap(dx, &dev, x.dims()), wrap(dw, &dev, d), wrap(db, &dev, d)))
+    Ok((
+        wrap(dx, &dev, x.dims()),
+        wrap(dw, &dev, d),
+        wrap(db, &dev, d),
+    ))
 }
 
 impl CustomOp3 for Norm {
@@ -366,7 +368,10 @@ impl CustomOp2 for Norm {
         w: &CudaStorage,
         wl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        by_dtype!(x.dtype(), norm_fwd_t((x, xl), (w, wl), None, self.eps, self.rms))
+        by_dtype!(
+            x.dtype(),
+            norm_fwd_t((x, xl), (w, wl), None, self.eps, self.rms)
+        )
     }
     fn bwd(
         &self,
@@ -437,7 +442,10 @@ fn ce_fwd_t<T: Elem>(
     };
     // SAFETY: argument list matches the kernel.
     unsafe { b.launch(cfg) }.w()?;
-    Ok((CudaStorage::wrap_cuda_slice(loss, dev.clone()), Shape::from(n)))
+    Ok((
+        CudaStorage::wrap_cuda_slice(loss, dev.clone()),
+        Shape::from(n),
+    ))
 }
 
 fn ce_bwd_t<T: Elem>(x: &Tensor, t: &Tensor, loss: &Tensor, g: &Tensor) -> Result<Tensor> {
@@ -537,7 +545,9 @@ fn col_sum_t<T: Elem>(x: &Tensor) -> Result<Tensor> {
     b.arg(&n_i);
     b.arg(&c_i);
     let col_blocks = c.div_ceil(32);
-    let row_blocks = (n.div_ceil(64)).clamp(1, (1024 / col_blocks).max(4)).min(65535);
+    let row_blocks = (n.div_ceil(64))
+        .clamp(1, (1024 / col_blocks).max(4))
+        .min(65535);
     let cfg = LaunchConfig {
         grid_dim: (col_blocks as u32, row_blocks as u32, 1),
         block_dim: (32, 8, 1),
@@ -903,7 +913,10 @@ impl Region {
         let args: Vec<Tensor> = args.iter().map(|a| a.detach()).collect();
         let g = (self.bwd)(&args, &grad.contiguous()?)?;
         if g.len() != args.len() {
-            return Err(err(format!("{}: backward returned the wrong arity", self.name)));
+            return Err(err(format!(
+                "{}: backward returned the wrong arity",
+                self.name
+            )));
         }
         Ok(g)
     }
@@ -999,12 +1012,7 @@ impl CustomOp3 for Region {
 }
 
 /// Attach `y` (computed from detached `args`) to the graph as one node over `args`.
-fn attach(
-    name: &'static str,
-    args: &[&Tensor],
-    y: Tensor,
-    bwd: Box<RegionBwd>,
-) -> Result<Tensor> {
+fn attach(name: &'static str, args: &[&Tensor], y: Tensor, bwd: Box<RegionBwd>) -> Result<Tensor> {
     let y = y.contiguous()?;
     let r = Region { name, y, bwd };
     match args {
@@ -1080,7 +1088,11 @@ fn split_heads_t<T: Elem>(
     unsafe { bld.launch(flat_cfg(3 * n)) }.w()?;
     drop(qs);
     let shape = (b, h, t, hd);
-    Ok((wrap(q, &dev, shape), wrap(k, &dev, shape), wrap(v, &dev, shape)))
+    Ok((
+        wrap(q, &dev, shape),
+        wrap(k, &dev, shape),
+        wrap(v, &dev, shape),
+    ))
 }
 
 /// Parts `[B, H, T, hd]` → one `[B, T, parts·H·hd]` buffer (part i at columns i·H·hd..).
@@ -1124,7 +1136,10 @@ fn merge_heads_t<T: Elem>(
 
 fn embedding_bwd_t<T: Elem>(ids: &Tensor, dy: &Tensor, vocab: usize) -> Result<Tensor> {
     let dev = device_of(dy)?;
-    let d = *dy.dims().last().ok_or_else(|| err("embedding: scalar grad"))?;
+    let d = *dy
+        .dims()
+        .last()
+        .ok_or_else(|| err("embedding: scalar grad"))?;
     let n = dy.elem_count() / d.max(1);
     let (is, il) = ids.storage_and_layout();
     let (ds, dl) = dy.storage_and_layout();
@@ -1133,7 +1148,11 @@ fn embedding_bwd_t<T: Elem>(ids: &Tensor, dy: &Tensor, vocab: usize) -> Result<T
     let dw = dev.alloc_zeros::<f32>(vocab * d)?;
     let f = dev.get_or_load_custom_func(&kernel_name::<T>("embedding_bwd"), MODULE, PTX)?;
     let mut bld = f.builder();
-    let args = [i32_of(n, "rows")?, i32_of(d, "dim")?, i32_of(vocab, "vocab")?];
+    let args = [
+        i32_of(n, "rows")?,
+        i32_of(d, "dim")?,
+        i32_of(vocab, "vocab")?,
+    ];
     bld.arg(&iv);
     bld.arg(&dv);
     bld.arg(&dw);
