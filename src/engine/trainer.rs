@@ -590,7 +590,10 @@ impl Trainer {
                 if let Some(ss) = self.reg_sumsq()? {
                     sumsq_val = ss.to_scalar::<f32>()? as f64;
                     // λ·Σw²/(2σ²)/N: in the same per-token units as CE, and differentiable.
-                    loss = (loss + (ss * (lambda * coef))?)?;
+                    // At λ = 0 it adds nothing: keep it out of the graph (no backward pass).
+                    if lambda != 0.0 {
+                        loss = (loss + (ss * (lambda * coef))?)?;
+                    }
                 }
             }
             if scale != 1.0 {
