@@ -724,6 +724,16 @@ impl Model {
 
     /// Logits `[B·T, vocab]` in the compute dtype for token ids `[B, T]` (u32).
     pub fn forward(&mut self, ids: &Tensor, train: bool) -> Result<Tensor> {
+        let (x, head) = self.hidden(ids, train)?;
+        if self.fused(self.shape.kernels.linear, &x) {
+            return kernels::linear(&x, &head, None);
+        }
+        x.matmul(&head.t()?)
+    }
+
+    /// The final hidden states `[B·T, n_embd]` and the output projection `[vocab, n_embd]`
+    /// (both in the compute dtype).
+    fn hidden(&mut self, ids: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
         let (bsz, t) = ids.dims2()?;
         let wte = self.cast(&self.wte)?;
         let mut x = if self.fused(self.shape.kernels.linear, &wte) && ids.dtype() == DType::U32 {
@@ -752,14 +762,21 @@ impl Model {
             Some(w) => self.cast(w)?,
             None => wte,
         };
-        if self.fused(self.shape.kernels.linear, &x) {
-            return kernels::linear(&x, &head, None);
-        }
-        x.matmul(&head.t()?)
+        Ok((x, head))
     }
 
     /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
     pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
+        if targets.dtype() == DType::U32
+            && self.shape.kernels.linear
+            && self.shape.kernels.cross_entropy
+            && kernels::usable(self.wte.as_tensor())
+            && self.dtype != DType::F64
+        {
+            // Head matmul and CE as one node: the logits never enter the graph.
+            let (x, head) = self.hidden(ids, train)?;
+            return kernels::lm_head_cross_entropy(&x, &head, targets)?.mean_all();
+        }
         let logits = self.forward(ids, train)?;
         if self.fused(self.shape.kernels.cross_entropy, &logits) && targets.dtype() == DType::U32 {
             return kernels::cross_entropy_rows(&logits, targets)?.mean_all();

@@ -62,31 +62,52 @@ impl AdamW {
 
     /// Apply one update with gradients aligned to `slots`.
     pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        self.step_scaled(grads, lr, 1.0)
+    }
+
+    /// [`AdamW::step`] with every gradient multiplied by `grad_scale` first (global-norm
+    /// clipping without a separate pass over the gradients: the fused kernel applies it).
+    pub fn step_scaled(&mut self, grads: &[Tensor], lr: f64, grad_scale: f64) -> Result<()> {
         self.t += 1;
         let bc1 = 1.0 - self.beta1.powi(self.t as i32);
         let bc2 = 1.0 - self.beta2.powi(self.t as i32);
         if self.fused && self.fusable(grads) {
-            for (slot, g) in self.slots.iter().zip(grads) {
-                let decay = if slot.decay && self.weight_decay > 0.0 {
-                    1.0 - lr * self.weight_decay
-                } else {
-                    1.0
-                };
-                let args = kernels::AdamWArgs {
-                    lr,
-                    beta1: self.beta1,
-                    beta2: self.beta2,
-                    eps: self.eps,
-                    decay,
-                    bc1,
-                    bc2,
-                    grad_scale: 1.0,
-                };
-                kernels::adamw_update(slot.var.as_tensor(), g, &slot.m, &slot.v, &args)?;
-            }
-            return Ok(());
+            let items: Vec<kernels::AdamItem> = self
+                .slots
+                .iter()
+                .zip(grads)
+                .map(|(slot, g)| kernels::AdamItem {
+                    w: slot.var.as_tensor(),
+                    g,
+                    m: &slot.m,
+                    v: &slot.v,
+                    decay: if slot.decay && self.weight_decay > 0.0 {
+                        1.0 - lr * self.weight_decay
+                    } else {
+                        1.0
+                    },
+                })
+                .collect();
+            let args = kernels::AdamWArgs {
+                lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                decay: 1.0,
+                bc1,
+                bc2,
+                grad_scale,
+            };
+            return kernels::adamw_multi(&items, &args);
         }
         for (slot, g) in self.slots.iter_mut().zip(grads) {
+            let scaled;
+            let g = if grad_scale != 1.0 {
+                scaled = (g * grad_scale)?;
+                &scaled
+            } else {
+                g
+            };
             let m = ((&slot.m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
             let v = ((&slot.v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
             let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + self.eps)?)?;
@@ -238,6 +259,28 @@ mod tests {
             (b[0] - 0.9).abs() < 1e-5 && (b[1] + 0.9).abs() < 1e-5,
             "{b:?}"
         );
+    }
+
+    #[test]
+    fn step_scaled_equals_step_on_scaled_gradients() {
+        let dev = Device::Cpu;
+        let mk = || {
+            let w = Var::from_tensor(&Tensor::new(&[0.5f32, -2.0, 3.0], &dev).unwrap()).unwrap();
+            let o = AdamW::new(vec![("w".into(), w.clone(), true)], 0.9, 0.95, 1e-8, 0.1).unwrap();
+            (w, o)
+        };
+        let g = Tensor::new(&[0.3f32, -1.0, 4.0], &dev).unwrap();
+        let (wa, mut a) = mk();
+        let (wb, mut b) = mk();
+        for _ in 0..3 {
+            a.step_scaled(std::slice::from_ref(&g), 1e-2, 0.25).unwrap();
+            b.step(&[(&g * 0.25).unwrap()], 1e-2).unwrap();
+        }
+        let (x, y): (Vec<f32>, Vec<f32>) = (
+            wa.as_tensor().to_vec1().unwrap(),
+            wb.as_tensor().to_vec1().unwrap(),
+        );
+        assert_eq!(x, y);
     }
 
     #[test]

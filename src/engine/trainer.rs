@@ -1078,8 +1078,7 @@ impl Trainer {
 
             let t_step = Instant::now();
             let step_cursor = self.loader.cursor();
-            let (ce, sumsq, mut grads, wait, compute) = match self.forward_backward(self.scu.lambda)
-            {
+            let (ce, sumsq, grads, wait, compute) = match self.forward_backward(self.scu.lambda) {
                 Ok(v) => v,
                 Err(e) if is_oom(&e) && prev_batch.is_some() => {
                     let (failed, old) = (self.micro_batch, prev_batch.take().unwrap_or(1));
@@ -1103,14 +1102,13 @@ impl Trainer {
             if self.scaler.update(finite) {
                 nonfinite_in_a_row = 0;
                 let clip = self.cfg.optim.grad_clip;
-                if clip > 0.0 && norm > clip {
-                    let f = clip / (norm + 1e-6);
-                    grads = grads
-                        .iter()
-                        .map(|g| g * f)
-                        .collect::<candle_core::Result<Vec<_>>>()?;
-                }
-                self.opt.step(&grads, lr)?;
+                // Clipping is a gradient scale the (fused) update applies itself.
+                let f = if clip > 0.0 && norm > clip {
+                    clip / (norm + 1e-6)
+                } else {
+                    1.0
+                };
+                self.opt.step_scaled(&grads, lr, f)?;
             } else {
                 nonfinite_in_a_row += 1;
                 self.skipped_steps += 1;

@@ -2,7 +2,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{kernel_name, CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
@@ -737,41 +737,139 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 // ------------------------------------------------------------------------------------------
 // Optimizer
 
-/// Σ‖g‖² over f32 gradients on one CUDA device: one kernel per tensor into a single
-/// accumulator, one read-back.
+/// Device addresses of contiguous f32 CUDA tensors (the storages stay locked while `f` runs).
+fn with_f32_ptrs<R>(ts: &[&Tensor], f: impl FnOnce(&[u64]) -> Result<R>) -> Result<R> {
+    let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
+    let mut ptrs = Vec::with_capacity(ts.len());
+    for (st, l) in &guards {
+        let c = cuda_of(st)?;
+        let v = view::<f32>(c, l)?;
+        let stream = c.device().cuda_stream();
+        let (p, _sync) = v.device_ptr(&stream);
+        ptrs.push(p);
+    }
+    let r = f(&ptrs);
+    drop(guards);
+    r
+}
+
+fn multi_grid(max_n: usize, count: usize) -> Result<LaunchConfig> {
+    if count > 65_535 {
+        return Err(err("multi-tensor kernel: more than 65535 tensors"));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (
+            max_n.div_ceil(256 * 8).clamp(1, 1024) as u32,
+            count as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// Σ‖g‖² over f32 gradients on one CUDA device: ONE multi-tensor kernel over a table of
+/// (pointer, length), a single f32 accumulator, one read-back.
 pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
     let Some(first) = grads.first() else {
         return Ok(0.0);
     };
     let dev = device_of(first)?;
-    let acc = dev.alloc_zeros::<f32>(1)?;
-    let f = dev.get_or_load_custom_func("sumsq_f32", MODULE, PTX)?;
-    for g in grads {
-        let g = if g.dtype() == DType::F32 {
-            g.contiguous()?
-        } else {
-            g.to_dtype(DType::F32)?
-        };
-        let n = g.elem_count();
-        if n == 0 {
-            continue;
-        }
-        let (gs, gl) = g.storage_and_layout();
-        let gv = view::<f32>(cuda_of(&gs)?, gl)?;
-        let mut b = f.builder();
-        b.arg(&gv);
-        b.arg(&n);
-        b.arg(&acc);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: argument list matches the kernel; acc is one f32.
-        unsafe { b.launch(cfg) }.w()?;
+    let gs = grads
+        .iter()
+        .map(|g| g.to_dtype(DType::F32)?.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<&Tensor> = gs.iter().filter(|g| g.elem_count() > 0).collect();
+    if refs.is_empty() {
+        return Ok(0.0);
     }
+    let acc = dev.alloc_zeros::<f32>(1)?;
+    with_f32_ptrs(&refs, |ptrs| {
+        let mut table = Vec::with_capacity(2 * refs.len());
+        for (p, g) in ptrs.iter().zip(&refs) {
+            table.push(*p);
+            table.push(g.elem_count() as u64);
+        }
+        let table = dev.clone_htod(&table)?;
+        let max_n = refs.iter().map(|g| g.elem_count()).max().unwrap_or(1);
+        let f = dev.get_or_load_custom_func("sumsq_multi_f32", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&table);
+        b.arg(&acc);
+        // SAFETY: the table holds (pointer, length) of live, locked f32 buffers, matching the
+        // kernel's SqTensor layout; acc is one f32.
+        unsafe { b.launch(multi_grid(max_n, refs.len())?) }.w()?;
+        Ok(())
+    })?;
     let host = dev.clone_dtoh(&acc)?;
     Ok(host.first().copied().unwrap_or(0.0) as f64)
+}
+
+/// One parameter of a multi-tensor AdamW update.
+pub struct AdamItem<'a> {
+    pub w: &'a Tensor,
+    pub g: &'a Tensor,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+    /// `1 − lr·wd`, or 1 without decay.
+    pub decay: f64,
+}
+
+/// AdamW over many parameters in ONE launch (`a.decay` is ignored: each item has its own).
+/// Weights and moments are updated in place: contiguous f32, distinct storages.
+pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
+    let Some(first) = items.first() else {
+        return Ok(());
+    };
+    let dev = device_of(first.w)?;
+    let mut gs = Vec::with_capacity(items.len());
+    for it in items {
+        let n = it.w.elem_count();
+        for t in [it.w, it.m, it.v] {
+            if t.dtype() != DType::F32 || !t.is_contiguous() || t.elem_count() != n {
+                return Err(err(
+                    "fused AdamW: weights and moments must be contiguous f32 of one size",
+                ));
+            }
+        }
+        if it.g.elem_count() != n {
+            return Err(err("fused AdamW: gradient size differs from the weight"));
+        }
+        gs.push(it.g.to_dtype(DType::F32)?.contiguous()?);
+    }
+    let mut all: Vec<&Tensor> = Vec::with_capacity(4 * items.len());
+    for (it, g) in items.iter().zip(&gs) {
+        all.extend([it.w, g, it.m, it.v]);
+    }
+    with_f32_ptrs(&all, |ptrs| {
+        let mut table = Vec::with_capacity(6 * items.len());
+        for (it, p) in items.iter().zip(ptrs.chunks(4)) {
+            table.extend_from_slice(p);
+            table.push(it.w.elem_count() as u64);
+            table.push((it.decay as f32).to_bits() as u64);
+        }
+        let table = dev.clone_htod(&table)?;
+        let max_n = items.iter().map(|it| it.w.elem_count()).max().unwrap_or(1);
+        let f = dev.get_or_load_custom_func("adamw_multi_f32", MODULE, PTX)?;
+        let mut b = f.builder();
+        let s = [
+            a.lr as f32,
+            a.beta1 as f32,
+            a.beta2 as f32,
+            a.eps as f32,
+            a.bc1 as f32,
+            a.bc2 as f32,
+            a.grad_scale as f32,
+        ];
+        b.arg(&table);
+        for x in &s {
+            b.arg(x);
+        }
+        // SAFETY: the table matches the kernel's AdamTensor layout (4 pointers, length, decay
+        // as f32 bits in the low half of a u64) and points at live, locked f32 buffers.
+        unsafe { b.launch(multi_grid(max_n, items.len())?) }.w()?;
+        Ok(())
+    })
 }
 
 /// AdamW in place on fp32 `w`, `m`, `v` (contiguous, distinct storages) from gradient `g`.
@@ -1212,4 +1310,24 @@ pub fn causal_attention_qkv(qkv: &Tensor, n_head: usize, scale: f64) -> Result<T
         Ok(vec![Some(dqkv)])
     });
     attach("cockpit-attention", &[qkv], y, bwd)
+}
+
+/// Per-row cross-entropy (f32 `[N]`) of the logits `x·headᵀ` (`x` `[N, D]`, `head` `[V, D]`)
+/// against u32 targets, as ONE graph node: the `[N, V]` logits live only inside it (no
+/// gradient accumulation or copy of the logits in the graph); backward: the CE kernel writes
+/// dlogits in the compute dtype, then `dx = dlogits·head`, `dhead = dlogitsᵀ·x`.
+pub fn lm_head_cross_entropy(x: &Tensor, head: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let t = targets.flatten_all()?.contiguous()?;
+    let logits = x.detach().matmul(&head.detach().t()?)?;
+    let loss = cross_entropy_rows(&logits, &t)?;
+    let saved_loss = loss.clone();
+    let bwd: Box<RegionBwd> = Box::new(move |args, dy| {
+        let (x, head, t) = (&args[0], &args[1], &args[2]);
+        let g = dy.to_dtype(DType::F32)?.contiguous()?;
+        let dl = by_dtype!(logits.dtype(), ce_bwd_t(&logits, t, &saved_loss, &g))?;
+        let dx = dl.matmul(head)?;
+        let dhead = dl.t()?.matmul(x)?;
+        Ok(vec![Some(dx), Some(dhead), None])
+    });
+    attach("cockpit-lm-head-ce", &[x, head, &t], loss, bwd)
 }

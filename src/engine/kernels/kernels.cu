@@ -433,3 +433,54 @@ extern "C" __global__ void adamw_f32(float* __restrict__ w, const float* __restr
         w[i] = w[i] * decay - lr * upd;
     }
 }
+
+// Multi-tensor variants: one launch over a device table of tensors (blockIdx.y = tensor).
+struct AdamTensor {
+    float* w;
+    const float* g;
+    float* m;
+    float* v;
+    unsigned long long n;
+    float decay;
+};
+
+extern "C" __global__ void adamw_multi_f32(const AdamTensor* __restrict__ ts, float lr,
+                                           float beta1, float beta2, float eps, float bc1,
+                                           float bc2, float gscale) {
+    const AdamTensor t = ts[blockIdx.y];
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float gi = t.g[i] * gscale;
+        float mi = beta1 * t.m[i] + (1.f - beta1) * gi;
+        float vi = beta2 * t.v[i] + (1.f - beta2) * gi * gi;
+        t.m[i] = mi;
+        t.v[i] = vi;
+        float upd = (mi / bc1) / (sqrtf(vi / bc2) + eps);
+        t.w[i] = t.w[i] * t.decay - lr * upd;
+    }
+}
+
+struct SqTensor {
+    const float* g;
+    unsigned long long n;
+};
+
+extern "C" __global__ void sumsq_multi_f32(const SqTensor* __restrict__ ts, float* out) {
+    __shared__ float part[32];
+    const SqTensor t = ts[blockIdx.y];
+    float s = 0.f;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float v = t.g[i];
+        s += v * v;
+    }
+    s = warp_sum(s);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) part[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+        s = warp_sum(s);
+        if (lane == 0 && s != 0.f) atomicAdd(out, s);
+    }
+}

@@ -7,8 +7,12 @@
 //!   (no f32 copy of the logits; the gradient is written in the compute dtype);
 //! - [`bias_add`], [`bias_gelu`]: bias (+ tanh-GELU) over a matmul output, bias grads by a
 //!   column-sum kernel instead of a broadcast reduction;
-//! - [`sumsq`] and [`adamw_update`]: the global gradient norm with one read-back and AdamW in
-//!   place on the fp32 master weights and moments (no per-step allocation).
+//! - [`sumsq`] and [`adamw_multi`]: the global gradient norm and AdamW over all parameters,
+//!   one multi-tensor launch each (a small pointer table goes up per step), AdamW in place on
+//!   the fp32 master weights and moments, clipping folded in as a gradient scale;
+//! - [`linear`], [`causal_attention_qkv`], [`embedding`]: whole layers as single autograd
+//!   nodes with hand-written backward passes (fewer graph edges: candle's backprop
+//!   materialises a zero tensor and an add for every edge).
 //!
 //! The model and optimizer use them only where [`usable`] says so (a CUDA tensor in f32, bf16
 //! or f16) and the `[kernels]` config switch is on; everywhere else the plain candle
@@ -29,7 +33,7 @@ pub fn usable(t: &Tensor) -> bool {
         && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
 
-/// Scalars of one fused AdamW update ([`adamw_update`]).
+/// Scalars of one fused AdamW update ([`adamw_multi`], [`adamw_update`]).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWArgs {
     pub lr: f64,
@@ -84,6 +88,19 @@ mod cpu_stubs {
         no_cuda()
     }
     pub fn causal_attention_qkv(_qkv: &Tensor, _n_head: usize, _scale: f64) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub struct AdamItem<'a> {
+        pub w: &'a Tensor,
+        pub g: &'a Tensor,
+        pub m: &'a Tensor,
+        pub v: &'a Tensor,
+        pub decay: f64,
+    }
+    pub fn adamw_multi(_items: &[AdamItem], _a: &super::AdamWArgs) -> Result<()> {
+        no_cuda()
+    }
+    pub fn lm_head_cross_entropy(_x: &Tensor, _head: &Tensor, _t: &Tensor) -> Result<Tensor> {
         no_cuda()
     }
     pub fn embedding(_ids: &Tensor, _w: &Tensor) -> Result<Tensor> {
