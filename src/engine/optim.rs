@@ -128,11 +128,19 @@ impl AdamW {
 impl AdamW {
     /// The fused kernel updates w, m, v in place: all must be contiguous fp32 CUDA tensors.
     fn fusable(&self, grads: &[Tensor]) -> bool {
+        let Some(first) = self.slots.first() else {
+            return false;
+        };
+        let dev = first.var.as_tensor().device();
         grads.len() == self.slots.len()
+            && grads.iter().all(|g| g.device().same_device(dev))
             && self.slots.iter().all(|s| {
-                [s.var.as_tensor(), &s.m, &s.v]
-                    .iter()
-                    .all(|t| kernels::usable(t) && t.dtype() == DType::F32 && t.is_contiguous())
+                [s.var.as_tensor(), &s.m, &s.v].iter().all(|t| {
+                    kernels::usable(t)
+                        && t.dtype() == DType::F32
+                        && t.is_contiguous()
+                        && t.device().same_device(dev)
+                })
             })
     }
 }
