@@ -14,6 +14,7 @@ pub struct Config {
     pub optim: OptimConfig,
     pub schedule: ScheduleConfig,
     pub precision: PrecisionConfig,
+    pub kernels: KernelsConfig,
     pub scu: ScuConfig,
     pub lora: LoraConfig,
     pub checkpoint: CheckpointConfig,
@@ -276,6 +277,40 @@ impl Default for PrecisionConfig {
             tf32: true,
             loss_scale_init: 65536.0,
             loss_scale_growth_interval: 1000,
+        }
+    }
+}
+
+/// The fused CUDA kernels, each switchable (for ablations and tests). They run only on CUDA
+/// in f32/bf16/f16; the CPU always takes the plain candle composition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KernelsConfig {
+    /// LayerNorm / RMSNorm forward and backward in one kernel each.
+    pub norm: bool,
+    /// Attention: scale + causal mask + softmax (and its backward) in one kernel; with
+    /// `linear` too (and no RoPE/GQA/attention dropout), q·kᵀ → softmax → ·v as one graph node.
+    pub attention: bool,
+    /// Linear layers and the token embedding as one graph node each (2-D matmul + bias,
+    /// hand-written backward; embedding gradient by an atomic scatter kernel).
+    pub linear: bool,
+    /// Softmax cross-entropy from the compute-dtype logits (no f32 copy of the logits).
+    pub cross_entropy: bool,
+    /// Bias add and bias + GELU after the matmuls; bias gradients by a column-sum kernel.
+    pub bias_gelu: bool,
+    /// AdamW in place and the global gradient norm with one read-back.
+    pub adamw: bool,
+}
+
+impl Default for KernelsConfig {
+    fn default() -> Self {
+        Self {
+            norm: true,
+            attention: true,
+            linear: true,
+            cross_entropy: true,
+            bias_gelu: true,
+            adamw: true,
         }
     }
 }

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod events;
+pub mod kernels;
 pub mod lora;
 pub mod model;
 pub mod optim;

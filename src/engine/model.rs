@@ -7,7 +7,8 @@
 //! Tensor names follow the Hugging Face Llama layout (`model.layers.N.self_attn.q_proj.weight`),
 //! so HF checkpoints load by name and adapters get PEFT-compatible names.
 
-use crate::config::{Activation, Config, Norm, PosEncoding};
+use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding};
+use crate::engine::kernels;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -58,6 +59,8 @@ pub struct Shape {
     pub bias: bool,
     pub dropout: f64,
     pub init_std: f64,
+    /// Which fused CUDA kernels the forward/backward uses (ignored on the CPU).
+    pub kernels: KernelsConfig,
 }
 
 impl Shape {
@@ -80,6 +83,7 @@ impl Shape {
             bias: m.bias,
             dropout: m.dropout,
             init_std: m.init_std,
+            kernels: c.kernels,
         }
     }
     pub fn head_dim(&self) -> usize {
@@ -525,25 +529,81 @@ impl Model {
         }
     }
 
-    fn linear(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
+    /// Whether a fused kernel switch applies to this tensor (CUDA, a float compute dtype).
+    fn fused(&self, on: bool, t: &Tensor) -> bool {
+        on && kernels::usable(t)
+    }
+
+    /// `x·Wᵀ` (+ the LoRA delta) as one 2-D matmul over `[rows, in]`, without the bias.
+    /// The 2-D form keeps the weight gradient a single `[in, rows]·[rows, out]` matmul
+    /// (a batched `broadcast_matmul` would build a per-batch gradient and sum it).
+    fn linear_nobias(&self, l: &Linear, x2: &Tensor) -> Result<Tensor> {
         let w = self.cast(&l.w)?;
-        let mut y = x.broadcast_matmul(&w.t()?)?;
-        if let Some(b) = &l.b {
-            y = y.broadcast_add(&self.cast(b)?)?;
-        }
+        let mut y = x2.matmul(&w.t()?)?;
         if let Some(lora) = &l.lora {
             let a = self.cast(&lora.a)?;
             let b = self.cast(&lora.b)?;
-            let delta = x.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)?;
+            let delta = x2.matmul(&a.t()?)?.matmul(&b.t()?)?;
             y = (y + (delta * lora.scale)?)?;
         }
         Ok(y)
     }
 
+    /// Flatten the leading dims: `[.., in]` → `[rows, in]`, and the output dims to restore.
+    fn rows(x: &Tensor, out: usize) -> Result<(Tensor, Vec<usize>)> {
+        let dims = x.dims();
+        let inp = dims.last().copied().unwrap_or(1);
+        let mut out_dims = dims[..dims.len().saturating_sub(1)].to_vec();
+        out_dims.push(out);
+        Ok((x.reshape((x.elem_count() / inp.max(1), inp))?, out_dims))
+    }
+
+    fn linear(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
+        if l.lora.is_none() && self.fused(self.shape.kernels.linear, x) {
+            let b = l.b.as_ref().map(|b| self.cast(b)).transpose()?;
+            return kernels::linear(x, &self.cast(&l.w)?, b.as_ref());
+        }
+        let (x2, out_dims) = Self::rows(x, l.w.as_tensor().dim(0)?)?;
+        let mut y = self.linear_nobias(l, &x2)?;
+        if let Some(b) = &l.b {
+            let b = self.cast(b)?;
+            y = if self.fused(self.shape.kernels.bias_gelu, &y) {
+                kernels::bias_add(&y, &b)?
+            } else {
+                y.broadcast_add(&b)?
+            };
+        }
+        y.reshape(out_dims)
+    }
+
+    /// `gelu(linear(x))`, bias and GELU in one kernel on CUDA.
+    fn linear_gelu(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
+        match &l.b {
+            Some(b) if self.fused(self.shape.kernels.bias_gelu, x) => {
+                let y = if l.lora.is_none() && self.fused(self.shape.kernels.linear, x) {
+                    kernels::linear(x, &self.cast(&l.w)?, None)?
+                } else {
+                    let (x2, out_dims) = Self::rows(x, l.w.as_tensor().dim(0)?)?;
+                    self.linear_nobias(l, &x2)?.reshape(out_dims)?
+                };
+                kernels::bias_gelu(&y, &self.cast(b)?)
+            }
+            _ => self.linear(l, x)?.gelu(),
+        }
+    }
+
     fn norm(&self, n: &NormLayer, x: &Tensor) -> Result<Tensor> {
         let w = self.cast(&n.w)?;
         let eps = self.shape.norm_eps as f32;
+        let fused = self.fused(self.shape.kernels.norm, x);
         match (&self.shape.norm, &n.b) {
+            (Norm::LayerNorm, Some(b)) if fused => {
+                kernels::layer_norm(x, &w, &self.cast(b)?, self.shape.norm_eps)
+            }
+            (Norm::LayerNorm, None) if fused => {
+                kernels::layer_norm(x, &w, &w.zeros_like()?, self.shape.norm_eps)
+            }
+            (Norm::RmsNorm, _) if fused => kernels::rms_norm(x, &w, self.shape.norm_eps),
             (Norm::LayerNorm, Some(b)) => {
                 candle_nn::ops::layer_norm_slow(x, &w, &self.cast(b)?, eps)
             }
@@ -589,6 +649,29 @@ impl Model {
         let s = &self.shape;
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
+        let region = self.fused(s.kernels.attention && s.kernels.linear, x)
+            && self.rope.is_none()
+            && kvh == h
+            && (!train || s.dropout <= 0.0)
+            && [&b.q, &b.k, &b.v].iter().all(|l| l.lora.is_none());
+        if region {
+            // q | k | v as one matmul over concatenated weights, then the attention core as
+            // one graph node (kernels::causal_attention_qkv).
+            let w = Tensor::cat(
+                &[self.cast(&b.q.w)?, self.cast(&b.k.w)?, self.cast(&b.v.w)?],
+                0,
+            )?;
+            let bias = match (&b.q.b, &b.k.b, &b.v.b) {
+                (Some(bq), Some(bk), Some(bv)) => Some(Tensor::cat(
+                    &[self.cast(bq)?, self.cast(bk)?, self.cast(bv)?],
+                    0,
+                )?),
+                _ => None,
+            };
+            let qkv = kernels::linear(x, &w, bias.as_ref())?;
+            let y = kernels::causal_attention_qkv(&qkv, h, 1.0 / (hd as f64).sqrt())?;
+            return self.linear(&b.o, &y);
+        }
         let q = self
             .linear(&b.q, x)?
             .reshape((bsz, t, h, hd))?
@@ -618,10 +701,14 @@ impl Model {
             (k, v)
         };
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?;
-        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-        let att = att.broadcast_add(&mask)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let att = q.matmul(&k.t()?)?;
+        let att = if self.fused(s.kernels.attention, &att) {
+            kernels::causal_softmax(&att, scale)?
+        } else {
+            let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+            let att = (att * scale)?.broadcast_add(&mask)?;
+            candle_nn::ops::softmax(&att, D::Minus1)?
+        };
         let att = self.dropout(&att, train)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((bsz, t, h * hd))?;
         self.linear(&b.o, &y)
@@ -630,18 +717,31 @@ impl Model {
     fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
         let hidden = match &b.gate {
             Some(g) => (candle_nn::ops::silu(&self.linear(g, x)?)? * self.linear(&b.up, x)?)?,
-            None => self.linear(&b.up, x)?.gelu()?,
+            None => self.linear_gelu(&b.up, x)?,
         };
         self.linear(&b.down, &hidden)
     }
 
     /// Logits `[B·T, vocab]` in the compute dtype for token ids `[B, T]` (u32).
     pub fn forward(&mut self, ids: &Tensor, train: bool) -> Result<Tensor> {
+        let (x, head) = self.hidden(ids, train)?;
+        if self.fused(self.shape.kernels.linear, &x) {
+            return kernels::linear(&x, &head, None);
+        }
+        x.matmul(&head.t()?)
+    }
+
+    /// The final hidden states `[B·T, n_embd]` and the output projection `[vocab, n_embd]`
+    /// (both in the compute dtype).
+    fn hidden(&mut self, ids: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
         let (bsz, t) = ids.dims2()?;
         let wte = self.cast(&self.wte)?;
-        let mut x = wte
-            .embedding(&ids.flatten_all()?)?
-            .reshape((bsz, t, self.shape.n_embd))?;
+        let mut x = if self.fused(self.shape.kernels.linear, &wte) && ids.dtype() == DType::U32 {
+            kernels::embedding(ids, &wte)?
+        } else {
+            wte.embedding(&ids.flatten_all()?)?
+                .reshape((bsz, t, self.shape.n_embd))?
+        };
         if let Some(wpe) = &self.wpe {
             let pos = self.cast(wpe)?.narrow(0, 0, t)?;
             x = x.broadcast_add(&pos)?;
@@ -662,12 +762,26 @@ impl Model {
             Some(w) => self.cast(w)?,
             None => wte,
         };
-        x.matmul(&head.t()?)
+        Ok((x, head))
     }
 
     /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
     pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
-        let logits = self.forward(ids, train)?.to_dtype(DType::F32)?;
+        if targets.dtype() == DType::U32
+            && self.shape.kernels.linear
+            && self.shape.kernels.cross_entropy
+            && kernels::usable(self.wte.as_tensor())
+            && self.dtype != DType::F64
+        {
+            // Head matmul and CE as one node: the logits never enter the graph.
+            let (x, head) = self.hidden(ids, train)?;
+            return kernels::lm_head_cross_entropy(&x, &head, targets)?.mean_all();
+        }
+        let logits = self.forward(ids, train)?;
+        if self.fused(self.shape.kernels.cross_entropy, &logits) && targets.dtype() == DType::U32 {
+            return kernels::cross_entropy_rows(&logits, targets)?.mean_all();
+        }
+        let logits = logits.to_dtype(DType::F32)?;
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
     }
 

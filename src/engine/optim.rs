@@ -2,7 +2,8 @@
 //! learning-rate schedules.
 
 use crate::config::{ScheduleConfig, ScheduleKind};
-use candle_core::{Result, Tensor, Var};
+use crate::engine::kernels;
+use candle_core::{DType, Result, Tensor, Var};
 
 /// One optimised parameter and its moments.
 pub struct Slot {
@@ -22,6 +23,9 @@ pub struct AdamW {
     pub weight_decay: f64,
     /// Optimizer steps taken (for bias correction).
     pub t: u64,
+    /// Use the fused in-place CUDA kernel where every slot is an fp32 CUDA tensor (config
+    /// `kernels.adamw`); the plain composition otherwise and always on the CPU.
+    pub fused: bool,
 }
 
 impl AdamW {
@@ -35,11 +39,11 @@ impl AdamW {
         let slots = params
             .into_iter()
             .map(|(name, var, decay)| {
-                let z = var.as_tensor().zeros_like()?;
+                // Separate buffers: the fused update writes m and v in place.
                 Ok(Slot {
                     name,
-                    m: z.clone(),
-                    v: z,
+                    m: var.as_tensor().zeros_like()?,
+                    v: var.as_tensor().zeros_like()?,
                     var,
                     decay,
                 })
@@ -52,15 +56,58 @@ impl AdamW {
             eps,
             weight_decay,
             t: 0,
+            fused: true,
         })
     }
 
     /// Apply one update with gradients aligned to `slots`.
     pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        self.step_scaled(grads, lr, 1.0)
+    }
+
+    /// [`AdamW::step`] with every gradient multiplied by `grad_scale` first (global-norm
+    /// clipping without a separate pass over the gradients: the fused kernel applies it).
+    pub fn step_scaled(&mut self, grads: &[Tensor], lr: f64, grad_scale: f64) -> Result<()> {
         self.t += 1;
         let bc1 = 1.0 - self.beta1.powi(self.t as i32);
         let bc2 = 1.0 - self.beta2.powi(self.t as i32);
+        if self.fused && self.fusable(grads) {
+            let items: Vec<kernels::AdamItem> = self
+                .slots
+                .iter()
+                .zip(grads)
+                .map(|(slot, g)| kernels::AdamItem {
+                    w: slot.var.as_tensor(),
+                    g,
+                    m: &slot.m,
+                    v: &slot.v,
+                    decay: if slot.decay && self.weight_decay > 0.0 {
+                        1.0 - lr * self.weight_decay
+                    } else {
+                        1.0
+                    },
+                })
+                .collect();
+            let args = kernels::AdamWArgs {
+                lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                decay: 1.0,
+                bc1,
+                bc2,
+                grad_scale,
+            };
+            return kernels::adamw_multi(&items, &args);
+        }
         for (slot, g) in self.slots.iter_mut().zip(grads) {
+            let scaled;
+            let g = if grad_scale != 1.0 {
+                scaled = (g * grad_scale)?;
+                &scaled
+            } else {
+                g
+            };
             let m = ((&slot.m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
             let v = ((&slot.v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
             let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + self.eps)?)?;
@@ -78,8 +125,38 @@ impl AdamW {
     }
 }
 
-/// √(Σ‖g‖²) over all gradients, on the host.
+impl AdamW {
+    /// The fused kernel updates w, m, v in place: all must be contiguous fp32 CUDA tensors.
+    fn fusable(&self, grads: &[Tensor]) -> bool {
+        let Some(first) = self.slots.first() else {
+            return false;
+        };
+        let dev = first.var.as_tensor().device();
+        grads.len() == self.slots.len()
+            && grads.iter().all(|g| g.device().same_device(dev))
+            && self.slots.iter().all(|s| {
+                [s.var.as_tensor(), &s.m, &s.v].iter().all(|t| {
+                    kernels::usable(t)
+                        && t.dtype() == DType::F32
+                        && t.is_contiguous()
+                        && t.device().same_device(dev)
+                })
+            })
+    }
+}
+
+/// √(Σ‖g‖²) over all gradients, on the host (one kernel per tensor and a single read-back
+/// on CUDA).
 pub fn global_norm(grads: &[Tensor]) -> Result<f64> {
+    if !grads.is_empty()
+        && grads.iter().all(|g| {
+            kernels::usable(g)
+                && g.dtype() == DType::F32
+                && g.device().same_device(grads[0].device())
+        })
+    {
+        return Ok(kernels::sumsq(grads)?.sqrt());
+    }
     let mut total: Option<Tensor> = None;
     for g in grads {
         let s = g.sqr()?.sum_all()?;
@@ -190,6 +267,28 @@ mod tests {
             (b[0] - 0.9).abs() < 1e-5 && (b[1] + 0.9).abs() < 1e-5,
             "{b:?}"
         );
+    }
+
+    #[test]
+    fn step_scaled_equals_step_on_scaled_gradients() {
+        let dev = Device::Cpu;
+        let mk = || {
+            let w = Var::from_tensor(&Tensor::new(&[0.5f32, -2.0, 3.0], &dev).unwrap()).unwrap();
+            let o = AdamW::new(vec![("w".into(), w.clone(), true)], 0.9, 0.95, 1e-8, 0.1).unwrap();
+            (w, o)
+        };
+        let g = Tensor::new(&[0.3f32, -1.0, 4.0], &dev).unwrap();
+        let (wa, mut a) = mk();
+        let (wb, mut b) = mk();
+        for _ in 0..3 {
+            a.step_scaled(std::slice::from_ref(&g), 1e-2, 0.25).unwrap();
+            b.step(&[(&g * 0.25).unwrap()], 1e-2).unwrap();
+        }
+        let (x, y): (Vec<f32>, Vec<f32>) = (
+            wa.as_tensor().to_vec1().unwrap(),
+            wb.as_tensor().to_vec1().unwrap(),
+        );
+        assert_eq!(x, y);
     }
 
     #[test]

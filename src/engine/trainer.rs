@@ -318,7 +318,8 @@ impl Trainer {
             })
             .collect();
         let o = &cfg.optim;
-        let opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
+        let mut opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
+        opt.fused = cfg.kernels.adamw;
         let dist = match opts.dist {
             Some(j) => Some(j.connect(&device)?),
             None => None,
@@ -612,7 +613,7 @@ impl Trainer {
     fn reg_sumsq(&self) -> candle_core::Result<Option<Tensor>> {
         let mut acc: Option<Tensor> = None;
         for &i in &self.reg_slots {
-            let s = self.opt.slots[i].var.as_tensor().sqr()?.sum_all()?;
+            let s = super::kernels::sum_sq(self.opt.slots[i].var.as_tensor())?;
             acc = Some(match acc {
                 Some(a) => (a + s)?,
                 None => s,
@@ -684,7 +685,10 @@ impl Trainer {
                 if let Some(ss) = self.reg_sumsq()? {
                     sumsq_val = ss.to_scalar::<f32>()? as f64;
                     // λ·Σw²/(2σ²)/N: in the same per-token units as CE, and differentiable.
-                    loss = (loss + (ss * (lambda * coef))?)?;
+                    // At λ = 0 it adds nothing: keep it out of the graph (no backward pass).
+                    if lambda != 0.0 {
+                        loss = (loss + (ss * (lambda * coef))?)?;
+                    }
                 }
             }
             if scale != 1.0 {
@@ -1385,7 +1389,7 @@ impl Trainer {
             };
             prev_batch = None;
             // Data parallelism: mean gradients and loss over the ranks, and every rank's timings.
-            let (ce, mut grads, ranks) = self.reduce_step(ce, grads, wait, compute)?;
+            let (ce, grads, ranks) = self.reduce_step(ce, grads, wait, compute)?;
             let t_opt = Instant::now();
             let norm = global_norm(&grads)?;
             let finite = norm.is_finite() && ce.is_finite();
@@ -1394,14 +1398,13 @@ impl Trainer {
             if self.scaler.update(finite) {
                 nonfinite_in_a_row = 0;
                 let clip = self.cfg.optim.grad_clip;
-                if clip > 0.0 && norm > clip {
-                    let f = clip / (norm + 1e-6);
-                    grads = grads
-                        .iter()
-                        .map(|g| g * f)
-                        .collect::<candle_core::Result<Vec<_>>>()?;
-                }
-                self.opt.step(&grads, lr)?;
+                // Clipping is a gradient scale the (fused) update applies itself.
+                let f = if clip > 0.0 && norm > clip {
+                    clip / (norm + 1e-6)
+                } else {
+                    1.0
+                };
+                self.opt.step_scaled(&grads, lr, f)?;
             } else {
                 nonfinite_in_a_row += 1;
                 self.skipped_steps += 1;

@@ -1,0 +1,486 @@
+// Fused kernels for cockpit's CUDA engine (built to PTX by build.rs with the `cuda` feature).
+// Every kernel reads and writes the compute dtype (f32, bf16, f16) and accumulates in f32.
+// Layouts are contiguous row-major; the Rust side (src/engine/kernels/mod.rs) checks that.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16(x);
+}
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax over the last dim of attention scores [rows = B·H·Tq, Tk]:
+// y[i, j] = softmax_j(scale · x[i, j]) over j ≤ i mod Tq + (Tk − Tq); masked entries are 0.
+// One warp per row.
+template <typename T>
+__device__ void causal_softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int rows, int tq,
+                                   int tk, float scale) {
+    const int warps = blockDim.x >> 5;
+    const int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const T* xr = x + (size_t)row * tk;
+    T* yr = y + (size_t)row * tk;
+    const int lim = row % tq + (tk - tq);  // last visible column
+    float m = -INFINITY;
+    for (int j = lane; j <= lim; j += 32) m = fmaxf(m, to_f(xr[j]) * scale);
+    m = warp_max(m);
+    float s = 0.f;
+    for (int j = lane; j <= lim; j += 32) s += __expf(to_f(xr[j]) * scale - m);
+    s = warp_sum(s);
+    const float inv = s > 0.f ? 1.f / s : 0.f;
+    for (int j = lane; j < tk; j += 32) {
+        float p = j <= lim ? __expf(to_f(xr[j]) * scale - m) * inv : 0.f;
+        yr[j] = from_f<T>(p);
+    }
+}
+
+// dx = scale · y ⊙ (dy − Σ_j y_j dy_j)
+template <typename T>
+__device__ void causal_softmax_bwd(const T* __restrict__ y, const T* __restrict__ dy,
+                                   T* __restrict__ dx, int rows, int tq, int tk, float scale) {
+    const int warps = blockDim.x >> 5;
+    const int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const size_t off = (size_t)row * tk;
+    const int lim = row % tq + (tk - tq);
+    float d = 0.f;
+    for (int j = lane; j <= lim; j += 32) d += to_f(y[off + j]) * to_f(dy[off + j]);
+    d = warp_sum(d);
+    for (int j = lane; j < tk; j += 32) {
+        float g = j <= lim ? scale * to_f(y[off + j]) * (to_f(dy[off + j]) - d) : 0.f;
+        dx[off + j] = from_f<T>(g);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm / RMSNorm over the last dim d of x [n, d]; one warp per row, two-pass statistics.
+template <typename T>
+__device__ __forceinline__ void row_stats(const T* xr, int d, float eps, int rms, int lane,
+                                          float* mean, float* rstd) {
+    float mu = 0.f;
+    if (!rms) {
+        float s = 0.f;
+        for (int j = lane; j < d; j += 32) s += to_f(xr[j]);
+        mu = warp_sum(s) / d;
+    }
+    float ss = 0.f;
+    for (int j = lane; j < d; j += 32) {
+        float c = to_f(xr[j]) - mu;
+        ss += c * c;
+    }
+    ss = warp_sum(ss) / d;
+    *mean = mu;
+    *rstd = rsqrtf(ss + eps);
+}
+
+template <typename T>
+__device__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
+                         const T* __restrict__ b, T* __restrict__ y, int n, int d, float eps,
+                         int rms) {
+    const int warps = blockDim.x >> 5;
+    const int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;
+    const T* xr = x + (size_t)row * d;
+    T* yr = y + (size_t)row * d;
+    float mu, rstd;
+    row_stats(xr, d, eps, rms, lane, &mu, &rstd);
+    for (int j = lane; j < d; j += 32) {
+        float v = (to_f(xr[j]) - mu) * rstd * to_f(w[j]);
+        if (b != nullptr) v += to_f(b[j]);
+        yr[j] = from_f<T>(v);
+    }
+}
+
+// dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w (RMSNorm drops the mean(g) term);
+// dw += Σ_rows dy·x̂, db += Σ_rows dy into f32 accumulators (zeroed by the caller).
+// Rows are strided over the grid; each block keeps its partial dw/db in shared memory.
+template <typename T>
+__device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
+                         const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ dw,
+                         float* __restrict__ db, int n, int d, float eps, int rms) {
+    extern __shared__ float sh[];  // [2·d]: dw then db
+    for (int j = threadIdx.x; j < 2 * d; j += blockDim.x) sh[j] = 0.f;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31;
+    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
+        const T* xr = x + (size_t)row * d;
+        const T* dyr = dy + (size_t)row * d;
+        T* dxr = dx + (size_t)row * d;
+        float mu, rstd;
+        row_stats(xr, d, eps, rms, lane, &mu, &rstd);
+        float a = 0.f, c = 0.f;
+        for (int j = lane; j < d; j += 32) {
+            float xh = (to_f(xr[j]) - mu) * rstd;
+            float dyv = to_f(dyr[j]);
+            float g = dyv * to_f(w[j]);
+            a += g;
+            c += g * xh;
+            atomicAdd(&sh[j], dyv * xh);
+            if (!rms) atomicAdd(&sh[d + j], dyv);
+        }
+        a = rms ? 0.f : warp_sum(a) / d;
+        c = warp_sum(c) / d;
+        for (int j = lane; j < d; j += 32) {
+            float xh = (to_f(xr[j]) - mu) * rstd;
+            float g = to_f(dyr[j]) * to_f(w[j]);
+            dxr[j] = from_f<T>(rstd * (g - a - xh * c));
+        }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        atomicAdd(&dw[j], sh[j]);
+        if (!rms) atomicAdd(&db[j], sh[d + j]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax cross-entropy over the vocabulary, straight from the compute-dtype logits [n, v]:
+// loss[r] = logsumexp(x[r, :]) − x[r, t[r]] in f32. One block per row, online max/sum.
+__device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float s2) {
+    float mm = fmaxf(m, m2);
+    if (mm == -INFINITY) {
+        m = mm;
+        s = 0.f;
+        return;
+    }
+    s = s * __expf(m - mm) + s2 * __expf(m2 - mm);
+    m = mm;
+}
+
+template <typename T>
+__device__ void ce_fwd(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                       float* __restrict__ loss, int n, int v) {
+    __shared__ float sm[32], ss[32];
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const T* xr = x + (size_t)row * v;
+    float m = -INFINITY, s = 0.f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float z = to_f(xr[j]);
+        if (z > m) {
+            s = s * __expf(m - z) + 1.f;
+            m = z;
+        } else {
+            s += __expf(z - m);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+        float s2 = __shfl_xor_sync(FULL_MASK, s, o);
+        lse_combine(m, s, m2, s2);
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    if (lane == 0) {
+        sm[warp] = m;
+        ss[warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < warps ? sm[lane] : -INFINITY;
+        s = lane < warps ? ss[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) {
+            float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+            float s2 = __shfl_xor_sync(FULL_MASK, s, o);
+            lse_combine(m, s, m2, s2);
+        }
+        if (lane == 0) {
+            uint32_t tg = t[row];
+            loss[row] = tg < (uint32_t)v ? m + logf(s) - to_f(xr[tg]) : __int_as_float(0x7fc00000);
+        }
+    }
+}
+
+// dx[r, j] = g[r]·(softmax(x[r])_j − [j = t[r]]), with logsumexp = loss[r] + x[r, t[r]].
+template <typename T>
+__device__ void ce_bwd(const T* __restrict__ x, const uint32_t* __restrict__ t,
+                       const float* __restrict__ loss, const float* __restrict__ g,
+                       T* __restrict__ dx, int n, int v) {
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const T* xr = x + (size_t)row * v;
+    T* dxr = dx + (size_t)row * v;
+    const uint32_t tg = t[row];
+    const float gr = g[row];
+    const float lse = tg < (uint32_t)v ? loss[row] + to_f(xr[tg]) : 0.f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float p = __expf(to_f(xr[j]) - lse);
+        dxr[j] = from_f<T>(gr * (p - (j == (int)tg ? 1.f : 0.f)));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bias add and bias + GELU (tanh approximation, as candle's `gelu`) over x [n, c], b [c].
+template <typename T>
+__device__ void bias_add(const T* __restrict__ x, const T* __restrict__ b, T* __restrict__ y,
+                         size_t total, int c) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        y[i] = from_f<T>(to_f(x[i]) + to_f(b[i % c]));
+    }
+}
+
+#define GELU_K0 0.7978845608028654f
+#define GELU_K1 0.044715f
+
+template <typename T>
+__device__ void bias_gelu_fwd(const T* __restrict__ x, const T* __restrict__ b,
+                              T* __restrict__ y, size_t total, int c) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float u = to_f(x[i]) + (b != nullptr ? to_f(b[i % c]) : 0.f);
+        float th = tanhf(GELU_K0 * (u + GELU_K1 * u * u * u));
+        y[i] = from_f<T>(0.5f * u * (1.f + th));
+    }
+}
+
+template <typename T>
+__device__ void bias_gelu_bwd(const T* __restrict__ x, const T* __restrict__ b,
+                              const T* __restrict__ dy, T* __restrict__ dx, size_t total, int c) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float u = to_f(x[i]) + (b != nullptr ? to_f(b[i % c]) : 0.f);
+        float th = tanhf(GELU_K0 * (u + GELU_K1 * u * u * u));
+        float d = 0.5f * (1.f + th) +
+                  0.5f * u * (1.f - th * th) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
+        dx[i] = from_f<T>(to_f(dy[i]) * d);
+    }
+}
+
+// out[c] += Σ_rows x[r, c] (f32 accumulator zeroed by the caller). Block (32, 8).
+template <typename T>
+__device__ void col_sum(const T* __restrict__ x, float* __restrict__ out, int n, int c) {
+    __shared__ float part[8][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.f;
+    if (col < c) {
+        for (int r = blockIdx.y * 8 + threadIdx.y; r < n; r += gridDim.y * 8)
+            s += to_f(x[(size_t)r * c + col]);
+    }
+    part[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < c) {
+        float t = 0.f;
+        for (int k = 0; k < 8; k++) t += part[k][threadIdx.x];
+        atomicAdd(&out[col], t);
+    }
+}
+
+// Packed projections qkv [B, T, 3·H·hd] → q, k, v each [B, H, T, hd] (one pass, coalesced reads).
+template <typename T>
+__device__ void qkv_split(const T* __restrict__ src, T* __restrict__ q, T* __restrict__ k,
+                          T* __restrict__ v, int b, int t, int h, int hd) {
+    const int c = h * hd;
+    const size_t total = (size_t)b * t * 3 * c;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int j = (int)(i % (3 * c));
+        const size_t bt = i / (3 * c);
+        const int ti = (int)(bt % t), bi = (int)(bt / t);
+        const int which = j / c, hh = (j % c) / hd, d = j % hd;
+        T* dst = which == 0 ? q : (which == 1 ? k : v);
+        dst[(((size_t)bi * h + hh) * t + ti) * hd + d] = src[i];
+    }
+}
+
+// src [B, H, T, hd] → dst[b, t, off + h·hd + d] of a [B, T, ld] buffer.
+template <typename T>
+__device__ void heads_merge(const T* __restrict__ src, T* __restrict__ dst, int b, int t, int h,
+                            int hd, int ld, int off) {
+    const size_t total = (size_t)b * h * t * hd;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int d = (int)(i % hd);
+        size_t r = i / hd;
+        const int ti = (int)(r % t);
+        r /= t;
+        const int hh = (int)(r % h), bi = (int)(r / h);
+        dst[((size_t)bi * t + ti) * ld + off + hh * hd + d] = src[i];
+    }
+}
+
+// Embedding backward: dw[ids[r], :] += dy[r, :] in f32 (dw zeroed by the caller).
+template <typename T>
+__device__ void embedding_bwd(const uint32_t* __restrict__ ids, const T* __restrict__ dy,
+                              float* __restrict__ dw, int n, int d, int vocab) {
+    const size_t total = (size_t)n * d;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / d), j = (int)(i % d);
+        const uint32_t id = ids[r];
+        if (id < (uint32_t)vocab) atomicAdd(&dw[(size_t)id * d + j], to_f(dy[i]));
+    }
+}
+
+#define INSTANTIATE(T, S)                                                                       \
+    extern "C" __global__ void causal_softmax_fwd_##S(const T* x, T* y, int rows, int tq,      \
+                                                      int tk, float scale) {                  \
+        causal_softmax_fwd<T>(x, y, rows, tq, tk, scale);                                     \
+    }                                                                                           \
+    extern "C" __global__ void causal_softmax_bwd_##S(const T* y, const T* dy, T* dx, int rows, \
+                                                      int tq, int tk, float scale) {          \
+        causal_softmax_bwd<T>(y, dy, dx, rows, tq, tk, scale);                                \
+    }                                                                                           \
+    extern "C" __global__ void norm_fwd_##S(const T* x, const T* w, const T* b, T* y, int n,   \
+                                            int d, float eps, int rms) {                      \
+        norm_fwd<T>(x, w, b, y, n, d, eps, rms);                                              \
+    }                                                                                           \
+    extern "C" __global__ void norm_bwd_##S(const T* x, const T* w, const T* dy, T* dx,        \
+                                            float* dw, float* db, int n, int d, float eps,    \
+                                            int rms) {                                        \
+        norm_bwd<T>(x, w, dy, dx, dw, db, n, d, eps, rms);                                    \
+    }                                                                                           \
+    extern "C" __global__ void ce_fwd_##S(const T* x, const uint32_t* t, float* loss, int n,   \
+                                          int v) {                                            \
+        ce_fwd<T>(x, t, loss, n, v);                                                          \
+    }                                                                                           \
+    extern "C" __global__ void ce_bwd_##S(const T* x, const uint32_t* t, const float* loss,    \
+                                          const float* g, T* dx, int n, int v) {              \
+        ce_bwd<T>(x, t, loss, g, dx, n, v);                                                   \
+    }                                                                                           \
+    extern "C" __global__ void bias_add_##S(const T* x, const T* b, T* y, size_t total,        \
+                                            int c) {                                          \
+        bias_add<T>(x, b, y, total, c);                                                       \
+    }                                                                                           \
+    extern "C" __global__ void bias_gelu_fwd_##S(const T* x, const T* b, T* y, size_t total,   \
+                                                 int c) {                                     \
+        bias_gelu_fwd<T>(x, b, y, total, c);                                                  \
+    }                                                                                           \
+    extern "C" __global__ void bias_gelu_bwd_##S(const T* x, const T* b, const T* dy, T* dx,   \
+                                                 size_t total, int c) {                       \
+        bias_gelu_bwd<T>(x, b, dy, dx, total, c);                                             \
+    }                                                                                           \
+    extern "C" __global__ void col_sum_##S(const T* x, float* out, int n, int c) {             \
+        col_sum<T>(x, out, n, c);                                                             \
+    }                                                                                           \
+    extern "C" __global__ void qkv_split_##S(const T* src, T* q, T* k, T* v, int b, int t,     \
+                                             int h, int hd) {                                 \
+        qkv_split<T>(src, q, k, v, b, t, h, hd);                                              \
+    }                                                                                           \
+    extern "C" __global__ void heads_merge_##S(const T* src, T* dst, int b, int t, int h,      \
+                                               int hd, int ld, int off) {                     \
+        heads_merge<T>(src, dst, b, t, h, hd, ld, off);                                       \
+    }                                                                                           \
+    extern "C" __global__ void embedding_bwd_##S(const uint32_t* ids, const T* dy, float* dw,  \
+                                                 int n, int d, int vocab) {                   \
+        embedding_bwd<T>(ids, dy, dw, n, d, vocab);                                           \
+    }
+
+INSTANTIATE(float, f32)
+INSTANTIATE(__nv_bfloat16, bf16)
+INSTANTIATE(__half, f16)
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer (fp32 master weights and moments).
+
+// out[0] += Σ (scale·g)²; grid-stride, one atomic per block.
+extern "C" __global__ void sumsq_f32(const float* __restrict__ g, size_t n, float* out) {
+    __shared__ float part[32];
+    float s = 0.f;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float v = g[i];
+        s += v * v;
+    }
+    s = warp_sum(s);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) part[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+        s = warp_sum(s);
+        if (lane == 0) atomicAdd(out, s);
+    }
+}
+
+// AdamW in place: m ← β1·m + (1−β1)·g', v ← β2·v + (1−β2)·g'², g' = gscale·g,
+// w ← w·decay − lr·(m/bc1)/(√(v/bc2) + eps), with decay = 1 − lr·wd (1 for no-decay params).
+extern "C" __global__ void adamw_f32(float* __restrict__ w, const float* __restrict__ g,
+                                     float* __restrict__ m, float* __restrict__ v, size_t n,
+                                     float lr, float beta1, float beta2, float eps, float decay,
+                                     float bc1, float bc2, float gscale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float gi = g[i] * gscale;
+        float mi = beta1 * m[i] + (1.f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float upd = (mi / bc1) / (sqrtf(vi / bc2) + eps);
+        w[i] = w[i] * decay - lr * upd;
+    }
+}
+
+// Multi-tensor variants: one launch over a device table of tensors (blockIdx.y = tensor).
+struct AdamTensor {
+    float* w;
+    const float* g;
+    float* m;
+    float* v;
+    unsigned long long n;
+    float decay;
+};
+
+extern "C" __global__ void adamw_multi_f32(const AdamTensor* __restrict__ ts, float lr,
+                                           float beta1, float beta2, float eps, float bc1,
+                                           float bc2, float gscale) {
+    const AdamTensor t = ts[blockIdx.y];
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float gi = t.g[i] * gscale;
+        float mi = beta1 * t.m[i] + (1.f - beta1) * gi;
+        float vi = beta2 * t.v[i] + (1.f - beta2) * gi * gi;
+        t.m[i] = mi;
+        t.v[i] = vi;
+        float upd = (mi / bc1) / (sqrtf(vi / bc2) + eps);
+        t.w[i] = t.w[i] * t.decay - lr * upd;
+    }
+}
+
+struct SqTensor {
+    const float* g;
+    unsigned long long n;
+};
+
+extern "C" __global__ void sumsq_multi_f32(const SqTensor* __restrict__ ts, float* out) {
+    __shared__ float part[32];
+    const SqTensor t = ts[blockIdx.y];
+    float s = 0.f;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float v = t.g[i];
+        s += v * v;
+    }
+    s = warp_sum(s);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0) part[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.f;
+        s = warp_sum(s);
+        if (lane == 0 && s != 0.f) atomicAdd(out, s);
+    }
+}

@@ -1,0 +1,120 @@
+//! Fused CUDA kernels (CUDA C in `kernels.cu`, compiled to PTX by build.rs with the `cuda`
+//! feature) wired in as candle custom ops with their backward passes:
+//!
+//! - [`causal_softmax`]: scale + causal mask + softmax over attention scores, and its backward;
+//! - [`layer_norm`] / [`rms_norm`]: one kernel forward, one backward (dx, dw, db together);
+//! - [`cross_entropy_rows`]: softmax cross-entropy straight from the compute-dtype logits
+//!   (no f32 copy of the logits; the gradient is written in the compute dtype);
+//! - [`bias_add`], [`bias_gelu`]: bias (+ tanh-GELU) over a matmul output, bias grads by a
+//!   column-sum kernel instead of a broadcast reduction;
+//! - [`sumsq`] and [`adamw_multi`]: the global gradient norm and AdamW over all parameters,
+//!   one multi-tensor launch each (a small pointer table goes up per step), AdamW in place on
+//!   the fp32 master weights and moments, clipping folded in as a gradient scale;
+//! - [`linear`], [`causal_attention_qkv`], [`embedding`]: whole layers as single autograd
+//!   nodes with hand-written backward passes (fewer graph edges: candle's backprop
+//!   materialises a zero tensor and an add for every edge).
+//!
+//! The model and optimizer use them only where [`usable`] says so (a CUDA tensor in f32, bf16
+//! or f16) and the `[kernels]` config switch is on; everywhere else the plain candle
+//! composition runs, which is also the reference the GPU tests compare against.
+
+use candle_core::{DType, Tensor};
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::*;
+
+/// Whether the fused kernels can take this tensor: built with CUDA, on a CUDA device, in a
+/// floating dtype the kernels are instantiated for.
+pub fn usable(t: &Tensor) -> bool {
+    cfg!(feature = "cuda")
+        && t.device().is_cuda()
+        && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
+}
+
+/// Scalars of one fused AdamW update ([`adamw_multi`], [`adamw_update`]).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWArgs {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// `1 − lr·wd` for decayed parameters, 1 otherwise.
+    pub decay: f64,
+    /// Bias corrections `1 − βᵗ`.
+    pub bc1: f64,
+    pub bc2: f64,
+    /// Multiplies the gradient first (clipping).
+    pub grad_scale: f64,
+}
+
+#[cfg(not(feature = "cuda"))]
+mod cpu_stubs {
+    //! Without CUDA the fused kernels do not exist; [`super::usable`] is always false, so
+    //! these are never reached from the model. They fail plainly if called anyway.
+    use candle_core::{Result, Tensor};
+
+    fn no_cuda<T>() -> Result<T> {
+        Err(candle_core::Error::Msg(
+            "fused kernels need a build with the cuda feature".into(),
+        ))
+    }
+    pub fn causal_softmax(_att: &Tensor, _scale: f64) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn layer_norm(_x: &Tensor, _w: &Tensor, _b: &Tensor, _eps: f64) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn rms_norm(_x: &Tensor, _w: &Tensor, _eps: f64) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn cross_entropy_rows(_logits: &Tensor, _targets: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn bias_add(_x: &Tensor, _b: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn bias_gelu(_x: &Tensor, _b: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn sumsq(_grads: &[Tensor]) -> Result<f64> {
+        no_cuda()
+    }
+    pub fn sum_sq(t: &Tensor) -> Result<Tensor> {
+        t.sqr()?.sum_all()
+    }
+    pub fn linear(_x: &Tensor, _w: &Tensor, _b: Option<&Tensor>) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn causal_attention_qkv(_qkv: &Tensor, _n_head: usize, _scale: f64) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub struct AdamItem<'a> {
+        pub w: &'a Tensor,
+        pub g: &'a Tensor,
+        pub m: &'a Tensor,
+        pub v: &'a Tensor,
+        pub decay: f64,
+    }
+    pub fn adamw_multi(_items: &[AdamItem], _a: &super::AdamWArgs) -> Result<()> {
+        no_cuda()
+    }
+    pub fn lm_head_cross_entropy(_x: &Tensor, _head: &Tensor, _t: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn embedding(_ids: &Tensor, _w: &Tensor) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn adamw_update(
+        _w: &Tensor,
+        _g: &Tensor,
+        _m: &Tensor,
+        _v: &Tensor,
+        _a: &super::AdamWArgs,
+    ) -> Result<()> {
+        no_cuda()
+    }
+}
+#[cfg(not(feature = "cuda"))]
+pub use cpu_stubs::*;

@@ -1,0 +1,557 @@
+//! The fused CUDA kernels against the plain candle composition they replace: forward values
+//! and gradients, in f32 and bf16. Needs `--features cuda` and a GPU; each test prints a
+//! notice and passes when no CUDA device opens.
+//!
+//! Errors are reported as max|fused − plain| / max|plain| over the tensor; tolerances:
+//! f32 1e-4 (2e-4 for the end-to-end model), bf16 3e-2 (one bf16 ulp is 2⁻⁸ ≈ 3.9e-3; both
+//! sides round intermediate bf16 values differently).
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use cockpit::config::Config;
+use cockpit::engine::kernels;
+use cockpit::engine::model::{Model, Shape};
+use cockpit::engine::optim::{global_norm, AdamW};
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("no CUDA device ({e}): GPU kernel test skipped");
+            None
+        }
+    }
+}
+
+fn tol(dt: DType) -> f32 {
+    match dt {
+        DType::F32 => 1e-4,
+        _ => 3e-2,
+    }
+}
+
+/// max|a − b| / max|b|
+fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    assert_eq!(a.dims(), b.dims());
+    let d: f32 = (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    let m: f32 = b.abs().unwrap().max(0).unwrap().to_scalar().unwrap();
+    d / m.max(1e-20)
+}
+
+fn check(what: &str, dt: DType, fused: &Tensor, plain: &Tensor) {
+    let e = rel_err(fused, plain);
+    eprintln!("{what} [{dt:?}]: rel err {e:.3e} (tol {:.0e})", tol(dt));
+    assert!(
+        e.is_finite() && e <= tol(dt),
+        "{what} [{dt:?}]: rel err {e:.3e} > {:.0e}",
+        tol(dt)
+    );
+}
+
+fn var(dev: &Device, dims: &[usize], dt: DType, std: f64, mean: f64) -> Var {
+    let t = (Tensor::randn(0f32, 1f32, dims, dev).unwrap() * std).unwrap() + mean;
+    Var::from_tensor(&t.unwrap().to_dtype(dt).unwrap()).unwrap()
+}
+
+/// A random projection of the output, so every output element carries its own gradient.
+fn probe(y: &Tensor) -> (Tensor, Tensor) {
+    let r = Tensor::randn(0f32, 1f32, y.dims(), y.device())
+        .unwrap()
+        .to_dtype(y.dtype())
+        .unwrap();
+    let l = (y.to_dtype(DType::F32).unwrap() * r.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    (l, r)
+}
+
+fn loss_with(y: &Tensor, r: &Tensor) -> Tensor {
+    (y.to_dtype(DType::F32).unwrap() * r.to_dtype(DType::F32).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+}
+
+fn causal_mask(t: usize, dt: DType, dev: &Device) -> Tensor {
+    let m: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(m, (t, t), dev)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+}
+
+#[test]
+fn causal_softmax_matches_masked_softmax() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        for t in [1usize, 33, 128] {
+            let x = var(&dev, &[2, 3, t, t], dt, 2.0, 0.0);
+            let scale = 0.125;
+            let fused = kernels::causal_softmax(x.as_tensor(), scale).unwrap();
+            let plain = candle_nn::ops::softmax(
+                &(x.as_tensor() * scale)
+                    .unwrap()
+                    .broadcast_add(&causal_mask(t, dt, &dev))
+                    .unwrap(),
+                D::Minus1,
+            )
+            .unwrap();
+            check(&format!("causal softmax T{t} fwd"), dt, &fused, &plain);
+            let (lp, r) = probe(&plain);
+            let gp = lp.backward().unwrap();
+            let gf = loss_with(&fused, &r).backward().unwrap();
+            check(
+                &format!("causal softmax T{t} dx"),
+                dt,
+                gf.get(x.as_tensor()).unwrap(),
+                gp.get(x.as_tensor()).unwrap(),
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_and_rms_norm_match_the_composition() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        for d in [96usize, 768] {
+            let x = var(&dev, &[3, 37, d], dt, 2.0, 0.5);
+            let w = var(&dev, &[d], dt, 0.2, 1.0);
+            let b = var(&dev, &[d], dt, 0.2, 0.0);
+            let eps = 1e-5;
+            let fused =
+                kernels::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), eps).unwrap();
+            let plain = candle_nn::ops::layer_norm_slow(
+                x.as_tensor(),
+                w.as_tensor(),
+                b.as_tensor(),
+                eps as f32,
+            )
+            .unwrap();
+            check(&format!("layernorm D{d} fwd"), dt, &fused, &plain);
+            let (lp, r) = probe(&plain);
+            let gp = lp.backward().unwrap();
+            let gf = loss_with(&fused, &r).backward().unwrap();
+            for (name, v) in [("dx", &x), ("dw", &w), ("db", &b)] {
+                check(
+                    &format!("layernorm D{d} {name}"),
+                    dt,
+                    gf.get(v.as_tensor()).unwrap(),
+                    gp.get(v.as_tensor()).unwrap(),
+                );
+            }
+            let fused = kernels::rms_norm(x.as_tensor(), w.as_tensor(), eps).unwrap();
+            let plain =
+                candle_nn::ops::rms_norm_slow(x.as_tensor(), w.as_tensor(), eps as f32).unwrap();
+            check(&format!("rmsnorm D{d} fwd"), dt, &fused, &plain);
+            let (lp, r) = probe(&plain);
+            let gp = lp.backward().unwrap();
+            let gf = loss_with(&fused, &r).backward().unwrap();
+            for (name, v) in [("dx", &x), ("dw", &w)] {
+                check(
+                    &format!("rmsnorm D{d} {name}"),
+                    dt,
+                    gf.get(v.as_tensor()).unwrap(),
+                    gp.get(v.as_tensor()).unwrap(),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_matches_f32_log_softmax() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        let (n, v) = (70usize, 50257usize);
+        let x = var(&dev, &[n, v], dt, 3.0, 0.0);
+        let t: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % v as u32).collect();
+        let t = Tensor::from_vec(t, n, &dev).unwrap();
+        let fused = kernels::cross_entropy_rows(x.as_tensor(), &t)
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        let plain =
+            candle_nn::loss::cross_entropy(&x.as_tensor().to_dtype(DType::F32).unwrap(), &t)
+                .unwrap();
+        // The loss is an f32 reduction on both sides: hold it to f32 accuracy.
+        check("cross-entropy loss", DType::F32, &fused, &plain);
+        let gf = fused.backward().unwrap();
+        let gp = plain.backward().unwrap();
+        check(
+            "cross-entropy dlogits",
+            dt,
+            gf.get(x.as_tensor()).unwrap(),
+            gp.get(x.as_tensor()).unwrap(),
+        );
+        assert_eq!(gf.get(x.as_tensor()).unwrap().dtype(), dt);
+    }
+}
+
+#[test]
+fn bias_add_and_bias_gelu_match_the_composition() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        let x = var(&dev, &[4, 50, 96], dt, 1.5, 0.0);
+        let b = var(&dev, &[96], dt, 0.5, 0.0);
+        let fused = kernels::bias_gelu(x.as_tensor(), b.as_tensor()).unwrap();
+        let plain = x
+            .as_tensor()
+            .broadcast_add(b.as_tensor())
+            .unwrap()
+            .gelu()
+            .unwrap();
+        check("bias+gelu fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        for (name, v) in [("dx", &x), ("db", &b)] {
+            check(
+                &format!("bias+gelu {name}"),
+                dt,
+                gf.get(v.as_tensor()).unwrap(),
+                gp.get(v.as_tensor()).unwrap(),
+            );
+        }
+        let fused = kernels::bias_add(x.as_tensor(), b.as_tensor()).unwrap();
+        let plain = x.as_tensor().broadcast_add(b.as_tensor()).unwrap();
+        check("bias add fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        for (name, v) in [("dx", &x), ("db", &b)] {
+            check(
+                &format!("bias add {name}"),
+                dt,
+                gf.get(v.as_tensor()).unwrap(),
+                gp.get(v.as_tensor()).unwrap(),
+            );
+        }
+    }
+}
+
+#[test]
+fn fused_adamw_and_grad_norm_match_the_plain_optimizer() {
+    let Some(dev) = gpu() else { return };
+    let shapes: [&[usize]; 3] = [&[300, 70], &[1000], &[3]];
+    let make = |fused: bool| {
+        let slots: Vec<(String, Var, bool)> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let t = Tensor::arange(0u32, s.iter().product::<usize>() as u32, &dev)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap()
+                    .affine(0.001, -0.2)
+                    .unwrap()
+                    .sin()
+                    .unwrap()
+                    .reshape(*s)
+                    .unwrap();
+                (format!("p{i}"), Var::from_tensor(&t).unwrap(), i != 1)
+            })
+            .collect();
+        let mut o = AdamW::new(slots, 0.9, 0.95, 1e-8, 0.1).unwrap();
+        o.fused = fused;
+        o
+    };
+    let (mut a, mut b) = (make(true), make(false));
+    for step in 0..3 {
+        let grads: Vec<Tensor> = shapes
+            .iter()
+            .map(|s| {
+                Tensor::randn(0f32, 1f32, *s, &dev)
+                    .unwrap()
+                    .affine(1.0, step as f64 * 0.1)
+                    .unwrap()
+            })
+            .collect();
+        let fused_norm = global_norm(&grads).unwrap();
+        let plain_norm: f64 = grads
+            .iter()
+            .map(|g| {
+                g.sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
+            })
+            .sum::<f64>()
+            .sqrt();
+        let e = (fused_norm - plain_norm).abs() / plain_norm;
+        eprintln!("grad norm step {step}: rel err {e:.3e}");
+        assert!(e < 1e-5, "grad norm {fused_norm} vs {plain_norm}");
+        // Clipping folded into the update (grad scale 0.7) on both sides.
+        a.step_scaled(&grads, 1e-2, 0.7).unwrap();
+        b.step_scaled(&grads, 1e-2, 0.7).unwrap();
+    }
+    for (sa, sb) in a.slots.iter().zip(&b.slots) {
+        check(
+            &format!("adamw {} weights after 3 steps", sa.name),
+            DType::F32,
+            sa.var.as_tensor(),
+            sb.var.as_tensor(),
+        );
+        check(&format!("adamw {} m", sa.name), DType::F32, &sa.m, &sb.m);
+        check(&format!("adamw {} v", sa.name), DType::F32, &sa.v, &sb.v);
+    }
+}
+
+/// The whole model, all kernels on vs all off: loss and every parameter gradient.
+#[test]
+fn model_with_fused_kernels_matches_the_plain_model() {
+    let Some(dev) = gpu() else { return };
+    for (arch, dt) in [
+        ("gpt", DType::F32),
+        ("gpt", DType::BF16),
+        ("llama", DType::F32),
+        ("llama", DType::BF16),
+    ] {
+        let mut c = Config::default();
+        c.model.n_embd = 64;
+        c.model.n_head = 4;
+        c.model.n_layer = 2;
+        c.model.seq_len = 48;
+        if arch == "llama" {
+            c.model.norm = cockpit::config::Norm::RmsNorm;
+            c.model.pos = cockpit::config::PosEncoding::Rope;
+            c.model.activation = cockpit::config::Activation::SwiGlu;
+            c.model.bias = false;
+            c.model.tie_embeddings = false;
+        } else {
+            c.model.bias = true;
+        }
+        c.model.dropout = 0.0;
+        let vocab = 97;
+        let run = |on: bool| {
+            let mut c = c.clone();
+            c.kernels.norm = on;
+            c.kernels.attention = on;
+            c.kernels.linear = on;
+            c.kernels.cross_entropy = on;
+            c.kernels.bias_gelu = on;
+            let mut m = Model::new(Shape::from_config(&c, vocab), dt, &dev, 5).unwrap();
+            let ids: Vec<u32> = (0..3 * 48).map(|i| (i * 31 + 7) % vocab as u32).collect();
+            let tg: Vec<u32> = (0..3 * 48).map(|i| (i * 17 + 3) % vocab as u32).collect();
+            let x = Tensor::from_vec(ids, (3, 48), &dev).unwrap();
+            let y = Tensor::from_vec(tg, (3, 48), &dev).unwrap();
+            let loss = m.loss(&x, &y, true).unwrap();
+            let store = loss.backward().unwrap();
+            let grads: Vec<(String, Tensor)> = m
+                .params
+                .iter()
+                .map(|p| {
+                    (
+                        p.name.clone(),
+                        store.get(p.var.as_tensor()).unwrap().clone(),
+                    )
+                })
+                .collect();
+            (loss, grads)
+        };
+        let (lf, gf) = run(true);
+        let (lp, gp) = run(false);
+        let t = if dt == DType::F32 { 2e-4 } else { 3e-2 };
+        let e = rel_err(&lf, &lp);
+        eprintln!("model {arch} [{dt:?}] loss rel err {e:.3e}");
+        assert!(e <= t, "model {arch} [{dt:?}] loss rel err {e:.3e}");
+        let mut worst = (0f32, String::new());
+        for ((name, a), (_, b)) in gf.iter().zip(&gp) {
+            let e = rel_err(a, b);
+            if e > worst.0 || !e.is_finite() {
+                worst = (e, name.clone());
+            }
+        }
+        // bf16 gradients of whole layers accumulate many rounding differences: 6e-2 there.
+        let tg = if dt == DType::F32 { 2e-4 } else { 6e-2 };
+        eprintln!(
+            "model {arch} [{dt:?}] worst grad rel err {:.3e} ({})",
+            worst.0, worst.1
+        );
+        assert!(
+            worst.0.is_finite() && worst.0 <= tg,
+            "model {arch} [{dt:?}] grad {} rel err {:.3e}",
+            worst.1,
+            worst.0
+        );
+    }
+}
+
+#[test]
+fn fused_linear_region_matches_matmul_plus_bias() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        let x = var(&dev, &[3, 40, 96], dt, 1.0, 0.0);
+        let w = var(&dev, &[80, 96], dt, 0.1, 0.0);
+        let b = var(&dev, &[80], dt, 0.1, 0.0);
+        let fused = kernels::linear(x.as_tensor(), w.as_tensor(), Some(b.as_tensor())).unwrap();
+        let plain = x
+            .as_tensor()
+            .broadcast_matmul(&w.as_tensor().t().unwrap())
+            .unwrap()
+            .broadcast_add(b.as_tensor())
+            .unwrap();
+        check("linear fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        for (name, v) in [("dx", &x), ("dw", &w), ("db", &b)] {
+            check(
+                &format!("linear {name}"),
+                dt,
+                gf.get(v.as_tensor()).unwrap(),
+                gp.get(v.as_tensor()).unwrap(),
+            );
+        }
+        let fused = kernels::linear(x.as_tensor(), w.as_tensor(), None).unwrap();
+        let plain = x
+            .as_tensor()
+            .broadcast_matmul(&w.as_tensor().t().unwrap())
+            .unwrap();
+        check("linear (no bias) fwd", dt, &fused, &plain);
+    }
+}
+
+#[test]
+fn fused_attention_region_matches_the_composition() {
+    let Some(dev) = gpu() else { return };
+    let (b, t, h, hd) = (2usize, 33usize, 4usize, 16usize);
+    let c = h * hd;
+    for dt in [DType::F32, DType::BF16] {
+        let qkv = var(&dev, &[b, t, 3 * c], dt, 1.0, 0.0);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let fused = kernels::causal_attention_qkv(qkv.as_tensor(), h, scale).unwrap();
+        let split = |i: usize| {
+            qkv.as_tensor()
+                .narrow(2, i * c, c)
+                .unwrap()
+                .reshape((b, t, h, hd))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        };
+        let (q, k, v) = (split(0), split(1), split(2));
+        let att = (q.matmul(&k.t().unwrap()).unwrap() * scale)
+            .unwrap()
+            .broadcast_add(&causal_mask(t, dt, &dev))
+            .unwrap();
+        let p = candle_nn::ops::softmax(&att, D::Minus1).unwrap();
+        let plain = p
+            .matmul(&v)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((b, t, c))
+            .unwrap();
+        check("attention fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        check(
+            "attention dqkv",
+            dt,
+            gf.get(qkv.as_tensor()).unwrap(),
+            gp.get(qkv.as_tensor()).unwrap(),
+        );
+    }
+}
+
+#[test]
+fn fused_sum_of_squares_matches_sqr_sum() {
+    let Some(dev) = gpu() else { return };
+    let w = var(&dev, &[1000, 37], DType::F32, 1.0, 0.3);
+    let fused = kernels::sum_sq(w.as_tensor()).unwrap();
+    let plain = w.as_tensor().sqr().unwrap().sum_all().unwrap();
+    check("sum of squares", DType::F32, &fused, &plain);
+    let gf = (fused * 0.5).unwrap().backward().unwrap();
+    let gp = (plain * 0.5).unwrap().backward().unwrap();
+    check(
+        "sum of squares grad",
+        DType::F32,
+        gf.get(w.as_tensor()).unwrap(),
+        gp.get(w.as_tensor()).unwrap(),
+    );
+}
+
+#[test]
+fn fused_embedding_matches_index_select() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        let w = var(&dev, &[500, 64], dt, 1.0, 0.0);
+        // Repeated ids: their gradient rows must accumulate.
+        let ids: Vec<u32> = (0..2 * 77).map(|i| (i * i * 7 + 3) % 500).collect();
+        let ids = Tensor::from_vec(ids, (2, 77), &dev).unwrap();
+        let fused = kernels::embedding(&ids, w.as_tensor()).unwrap();
+        let plain = w
+            .as_tensor()
+            .embedding(&ids.flatten_all().unwrap())
+            .unwrap()
+            .reshape((2, 77, 64))
+            .unwrap();
+        check("embedding fwd", dt, &fused, &plain);
+        let (lp, r) = probe(&plain);
+        let gp = lp.backward().unwrap();
+        let gf = loss_with(&fused, &r).backward().unwrap();
+        check(
+            "embedding dw",
+            dt,
+            gf.get(w.as_tensor()).unwrap(),
+            gp.get(w.as_tensor()).unwrap(),
+        );
+    }
+}
+
+#[test]
+fn fused_lm_head_cross_entropy_matches_matmul_then_ce() {
+    let Some(dev) = gpu() else { return };
+    for dt in [DType::F32, DType::BF16] {
+        let (n, d, v) = (96usize, 64usize, 5000usize);
+        let x = var(&dev, &[n, d], dt, 1.0, 0.0);
+        let head = var(&dev, &[v, d], dt, 0.3, 0.0);
+        let t: Vec<u32> = (0..n as u32).map(|i| (i * 613 + 5) % v as u32).collect();
+        let t = Tensor::from_vec(t, n, &dev).unwrap();
+        let fused = kernels::lm_head_cross_entropy(x.as_tensor(), head.as_tensor(), &t)
+            .unwrap()
+            .mean_all()
+            .unwrap();
+        let logits = x
+            .as_tensor()
+            .matmul(&head.as_tensor().t().unwrap())
+            .unwrap();
+        let plain =
+            candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32).unwrap(), &t).unwrap();
+        check("lm-head CE loss", dt, &fused, &plain);
+        let gf = fused.backward().unwrap();
+        let gp = plain.backward().unwrap();
+        for (name, w) in [("dx", &x), ("dhead", &head)] {
+            check(
+                &format!("lm-head CE {name}"),
+                dt,
+                gf.get(w.as_tensor()).unwrap(),
+                gp.get(w.as_tensor()).unwrap(),
+            );
+        }
+    }
+}
