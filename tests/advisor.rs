@@ -490,3 +490,43 @@ fn a_straggler_rank_is_named_and_clears_when_the_ranks_even_out() {
     }
     assert!(!has(&seen, ids::STRAGGLER), "{seen:?}");
 }
+
+/// With two ranks the slower is measured against the other (a median over both would be
+/// the slower itself, and nothing would ever fire).
+#[test]
+fn a_straggler_among_two_ranks_is_named() {
+    use cockpit::engine::events::RankStat;
+    let mut advisor = Advisor::new(options());
+    advisor.observe_run(&run_info("bf16", "cuda:0 (Synthetic GPU)"));
+    let mut n = 0;
+    for sec in 0..SETTLE as u64 {
+        for _ in 0..4 {
+            n += 1;
+            let mut st = step(n, 90.0, 0.5);
+            st.ranks = [68.0, 80.0]
+                .iter()
+                .enumerate()
+                .map(|(rank, &ms)| RankStat {
+                    rank,
+                    compute_ms: ms,
+                    data_wait_ms: 0.5,
+                    memory_bytes: None,
+                    gpu_util_pct: None,
+                    gpu_temp_c: None,
+                })
+                .collect();
+            advisor.observe_step(&st);
+        }
+        advisor.observe_snapshot(&snapshot(sec, ours(90, 0.6)));
+    }
+    let rec = advisor
+        .recommendations()
+        .into_iter()
+        .find(|r| r.id == ids::STRAGGLER)
+        .expect("a straggler among two ranks");
+    assert!(
+        rec.message.contains("Rank 1") && rec.message.contains("1.18×"),
+        "{}",
+        rec.message
+    );
+}

@@ -549,10 +549,16 @@ fn straggler(ctx: &Context<'_>) -> Option<Candidate> {
         return None;
     }
     let means = ctx.window.rank_compute_means();
-    let mut sorted = means.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = *sorted.get(sorted.len() / 2)?;
     let (slow, worst) = means.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1))?;
+    // The slowest against the median of the others (with two ranks: the other one).
+    let mut others: Vec<f64> = means
+        .iter()
+        .enumerate()
+        .filter(|(r, _)| *r != slow)
+        .map(|(_, m)| *m)
+        .collect();
+    others.sort_by(f64::total_cmp);
+    let median = *others.get(others.len().saturating_sub(1) / 2)?;
     if median <= 0.0 {
         return None;
     }
@@ -564,11 +570,11 @@ fn straggler(ctx: &Context<'_>) -> Option<Candidate> {
             Severity::Warn,
             None,
             format!(
-                "Rank {slow} is a straggler: its steps take {ratio:.2}× the median rank's, and every rank waits for it at each all-reduce"
+                "Rank {slow} is a straggler: its steps take {ratio:.2}× the other ranks' (median), and every rank waits for it at each all-reduce"
             ),
         )
         .evidence("slowest_rank", format!("rank {slow}: {worst:.1} ms compute"))
-        .evidence("median_rank", format!("{median:.1} ms compute"))
+        .evidence("other_ranks_median", format!("{median:.1} ms compute"))
         .evidence_opt(
             "slowest_rank_gpu",
             ctx.window.last_rank(slow).and_then(|r| {

@@ -168,7 +168,8 @@ impl HeaderView<'_> {
         if let Some(s) = self.run.last_step.as_ref().filter(|s| s.ranks.len() > 1) {
             let mut times: Vec<f64> = s.ranks.iter().map(|r| r.compute_ms).collect();
             times.sort_by(f64::total_cmp);
-            let median = times[times.len() / 2];
+            // The lower median: with two ranks, the faster one is the reference.
+            let median = times[(times.len() - 1) / 2];
             let mut seg = vec![label(&format!("{} ranks", s.ranks.len()))];
             for (i, r) in s.ranks.iter().enumerate() {
                 if i > 0 {
