@@ -1,12 +1,13 @@
 //! The `cockpit` command line: parses arguments, loads the config, starts the engine and the
-//! chosen front end, and maps outcomes to exit codes (0 ok, 1 failure, 2 usage, 3 another rank failed, 130
-//! interrupted).
+//! chosen front end, and maps outcomes to exit codes (0 ok, 1 failure, 2 usage, 3 another
+//! rank failed, 130 interrupted).
 
 pub mod args;
 mod bench;
 mod check;
 mod frontends;
 mod launch;
+mod rank;
 
 use crate::config::{self, Config, ConfigError};
 use crate::engine::events::FinishReason;
@@ -156,94 +157,6 @@ fn fault_nan_steps() -> Vec<u64> {
         .unwrap_or_default()
 }
 
-/// Fault injection for end-to-end tests: `COCKPIT_FAULT_FAIL=RANK:STEP` makes that rank's
-/// engine fail at that optimizer step (1-based), `COCKPIT_FAULT_HANG=RANK:STEP` hang there.
-fn fault_step(var: &str, rank: usize) -> Option<u64> {
-    let v = std::env::var(var).ok()?;
-    let (r, s) = v.split_once(':')?;
-    (r.trim().parse::<usize>().ok()? == rank)
-        .then(|| s.trim().parse().ok())
-        .flatten()
-}
-
-/// The NVML index of a CUDA device: its ordinal, mapped through CUDA_VISIBLE_DEVICES when
-/// that lists indices (NVML does not see that variable).
-fn nvml_index_of(device: &crate::util::DeviceSpec) -> Option<u32> {
-    let crate::util::DeviceSpec::Cuda(ordinal) = device else {
-        return None;
-    };
-    match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(v) if !v.trim().is_empty() => v.split(',').nth(*ordinal)?.trim().parse().ok(),
-        _ => u32::try_from(*ordinal).ok(),
-    }
-}
-
-/// Data parallelism: sample this rank's GPU once a second for the step's per-rank figures
-/// (they travel to rank 0, so a dashboard on rank 0 sees every rank's GPU on any node).
-fn rank_gpu_sampler(index: u32, progress: std::sync::Arc<crate::engine::events::Progress>) {
-    use std::sync::atomic::Ordering;
-    let _ = std::thread::Builder::new()
-        .name("cockpit-rank-gpu".into())
-        .spawn(move || {
-            let mut c = crate::telemetry::Collector::new();
-            if c.notice().is_some() {
-                return;
-            }
-            while progress.step.load(Ordering::Relaxed) != u64::MAX {
-                let snap = c.sample();
-                if let Some(g) = snap.gpus.iter().find(|g| g.index == index) {
-                    let v = |x: Option<u32>| x.unwrap_or(u32::MAX);
-                    progress
-                        .gpu_util_pct
-                        .store(v(g.util_gpu), Ordering::Relaxed);
-                    progress
-                        .gpu_temp_c
-                        .store(v(g.temperature_c), Ordering::Relaxed);
-                }
-                std::thread::sleep(std::time::Duration::from_secs(1));
-            }
-        });
-}
-
-/// Data parallelism: a collective never returns when a peer is stuck (alive but not
-/// stepping), and NCCL has no timeout of its own. End this rank when no optimizer step has
-/// finished for `timeout_secs`; its peers then see it go and end too.
-fn stuck_watchdog(
-    rank: usize,
-    progress: std::sync::Arc<crate::engine::events::Progress>,
-    timeout_secs: f64,
-) {
-    use std::sync::atomic::Ordering;
-    let timeout = crate::distributed::timeout(timeout_secs);
-    let _ = std::thread::Builder::new()
-        .name("cockpit-stuck-watchdog".into())
-        .spawn(move || {
-            let (mut last, mut since) = (progress.step.load(Ordering::Relaxed), std::time::Instant::now());
-            loop {
-                std::thread::sleep(std::time::Duration::from_millis(250).min(timeout));
-                let now = progress.step.load(Ordering::Relaxed);
-                if now == u64::MAX {
-                    return;
-                }
-                if now != last {
-                    (last, since) = (now, std::time::Instant::now());
-                } else if since.elapsed() >= timeout {
-                    let secs = timeout.as_secs_f64();
-                    let waiting = progress.waiting.load(Ordering::Relaxed);
-                    let (msg, code) = if waiting {
-                        (format!("rank {rank}: waited {secs:.0} s (distributed.timeout_secs) in a collective after step {last}: another rank is stuck; ending this rank"), EXIT_PEER_FAILED)
-                    } else {
-                        (format!("rank {rank}: stuck: no optimizer step finished in {secs:.0} s (distributed.timeout_secs) after step {last}, and not waiting for the other ranks; ending this rank"), EXIT_FAILURE)
-                    };
-                    tracing::error!("{msg}");
-                    eprintln!("cockpit: {msg}");
-                    // SAFETY: see the NCCL watchdog: leave without exit handlers.
-                    unsafe { libc::_exit(code) }
-                }
-            }
-        });
-}
-
 /// Settings `--test-run` forces: a few steps that pass through every stage.
 fn apply_test_run(c: &mut Config) {
     c.run.max_steps = c.run.max_steps.min(4);
@@ -281,52 +194,11 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let mut cfg = loaded.config;
     // Data parallelism: started as one rank of a job (torchrun-style environment, or our
     // own launcher), or asked to launch one (`--gpus N` / distributed.gpus).
-    let env_var = |k: &str| std::env::var(k).ok();
-    let topology = match crate::distributed::Topology::from_env(
-        env_var,
-        &cfg.distributed.master_addr,
-        cfg.distributed.master_port,
-    ) {
-        Err(e) => {
-            eprintln!("cockpit: distributed environment: {e}");
-            return Ok(EXIT_USAGE);
-        }
-        Ok(t) => t.filter(|t| t.is_distributed()),
+    let plan = match rank::plan(&a, &mut cfg, &loaded.origin) {
+        Ok(p) => p,
+        Err(code) => return Ok(code),
     };
-    let gpus = a.gpus.map_or(cfg.distributed.gpus, usize::from);
-    let launching = topology.is_none() && gpus > 1;
-    let backend = match crate::distributed::Backend::parse(&cfg.distributed.backend) {
-        Some(b) => b,
-        None => {
-            eprintln!(
-                "cockpit: config error:\n{}: distributed.backend = {:?}: allowed: nccl, tcp",
-                loaded.origin, cfg.distributed.backend
-            );
-            return Ok(EXIT_USAGE);
-        }
-    };
-    let mut device =
-        crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
-    if let Some(t) = &topology {
-        use crate::util::DeviceSpec;
-        if backend == crate::distributed::Backend::Nccl && !cfg!(feature = "nccl") {
-            eprintln!("cockpit: rank {}: distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes", t.rank);
-            return Ok(EXIT_USAGE);
-        }
-        device = match (backend, device) {
-            (crate::distributed::Backend::Nccl, DeviceSpec::Cpu) => {
-                eprintln!("cockpit: config error:\n{}: distributed.backend = \"nccl\" needs CUDA devices, but run.device = \"cpu\" (backend \"tcp\" runs CPU processes)", loaded.origin);
-                return Ok(EXIT_USAGE);
-            }
-            // Each rank takes the GPU of its LOCAL_RANK (choose GPUs with CUDA_VISIBLE_DEVICES).
-            (crate::distributed::Backend::Nccl, _) => DeviceSpec::Cuda(t.local_rank),
-            (crate::distributed::Backend::Tcp, d) => d,
-        };
-        if t.rank != 0 {
-            // Rank 0 samples the GPUs and advises; the workers just train.
-            cfg.monitor.enabled = false;
-        }
-    }
+    let device = plan.device;
     if let Err(e) = frontends::validate_tui(&cfg) {
         eprintln!("cockpit: config error:\n{}: {e}", loaded.origin);
         return Ok(EXIT_USAGE);
@@ -364,44 +236,17 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             runs_root.join(format!("{}{tag}-{}", cfg.run.name, timestamp()))
         }
     };
-    if launching {
+    if plan.launching {
         std::fs::create_dir_all(&run_dir)
             .with_context(|| format!("creating the run dir {}", run_dir.display()))?;
-        return launch::run(&a, &cfg, gpus, run_dir);
+        return launch::run(&a, &cfg, plan.gpus, run_dir);
     }
     // A rank meets the others first; every rank takes rank 0's run dir.
-    let (run_dir, joined) = match topology {
-        Some(t) => {
-            let rank = t.rank;
-            let timeout = crate::distributed::timeout(cfg.distributed.timeout_secs);
-            eprintln!(
-                "cockpit: rank {rank} of {}: meeting the other ranks at {}:{} ({} backend)",
-                t.world, t.master_addr, t.master_port, cfg.distributed.backend
-            );
-            match crate::distributed::join(t, backend, &run_dir.to_string_lossy(), timeout) {
-                Ok(j) => {
-                    if backend == crate::distributed::Backend::Nccl {
-                        // NCCL cannot notice a dead peer: the control sockets do, and end
-                        // this rank rather than leave it waiting in a collective.
-                        j.peers.watch(move |msg: String| {
-                            tracing::error!("{msg}");
-                            eprintln!("cockpit: {msg}; ending this rank");
-                            // The engine thread may sit inside a collective that will never
-                            // complete: leave at once, without the exit handlers (the CUDA
-                            // runtime's would tear the context down under that thread).
-                            // SAFETY: _exit ends the process; nothing runs after it.
-                            unsafe { libc::_exit(EXIT_PEER_FAILED) }
-                        });
-                    }
-                    (PathBuf::from(&j.handshake.run_dir), Some(j))
-                }
-                Err(e) => {
-                    eprintln!("cockpit: {e}");
-                    let usage = matches!(e, crate::distributed::CommError::Setup(_));
-                    return Ok(if usage { EXIT_USAGE } else { EXIT_FAILURE });
-                }
-            }
-        }
+    let (run_dir, joined) = match plan.topology {
+        Some(t) => match rank::join(t, plan.backend, &run_dir, &cfg) {
+            Ok((dir, j)) => (dir, Some(j)),
+            Err(code) => return Ok(code),
+        },
         None => (run_dir, None),
     };
     let rank = joined.as_ref().map_or(0, |j| j.topology.rank);
@@ -424,8 +269,8 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         resume,
         max_queued_steps: 256,
         fault_nan_steps: fault_nan_steps(),
-        fault_fail_step: fault_step("COCKPIT_FAULT_FAIL", rank),
-        fault_hang_step: fault_step("COCKPIT_FAULT_HANG", rank),
+        fault_fail_step: rank::fault_step("COCKPIT_FAULT_FAIL", rank),
+        fault_hang_step: rank::fault_step("COCKPIT_FAULT_HANG", rank),
         progress: distributed.then(|| progress.clone()),
         dist: joined,
     }) {
@@ -440,10 +285,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         }
     };
     if distributed {
-        if let Some(nvml_index) = nvml_index_of(&device) {
-            rank_gpu_sampler(nvml_index, progress.clone());
-        }
-        stuck_watchdog(rank, progress, cfg.distributed.timeout_secs);
+        rank::watch_this_rank(rank, &device, progress, cfg.distributed.timeout_secs);
     }
     let use_tui = !a.no_tui && rank == 0 && std::io::stdout().is_terminal();
     let flags = SignalFlags::default();

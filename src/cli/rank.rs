@@ -1,0 +1,212 @@
+//! One rank of a data-parallel job: where it stands (from the environment or `--gpus`),
+//! meeting the other ranks, and the watchdogs that keep a job from hanging.
+
+use super::args::TrainArgs;
+use super::{EXIT_FAILURE, EXIT_PEER_FAILED, EXIT_USAGE};
+use crate::config::Config;
+use crate::distributed::{Backend, CommError, Joined, Topology};
+use crate::engine::events::Progress;
+use crate::util::DeviceSpec;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What this `cockpit train` process is in a data-parallel job.
+pub(super) struct Plan {
+    /// This process is one rank (the environment says so); None: a single process or a launcher.
+    pub topology: Option<Topology>,
+    /// `--gpus N` / distributed.gpus > 1 without a rank environment: start the workers.
+    pub launching: bool,
+    pub gpus: usize,
+    pub backend: Backend,
+    /// The device this process trains on (a rank on NCCL: `cuda:LOCAL_RANK`).
+    pub device: DeviceSpec,
+}
+
+/// Read the rank environment and settle the device. `Err(exit code)` after printing why.
+/// Ranks other than 0 get the monitor switched off (rank 0 samples the GPUs and advises).
+pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan, i32> {
+    let env_var = |k: &str| std::env::var(k).ok();
+    let topology = match Topology::from_env(
+        env_var,
+        &cfg.distributed.master_addr,
+        cfg.distributed.master_port,
+    ) {
+        Err(e) => {
+            eprintln!("cockpit: distributed environment: {e}");
+            return Err(EXIT_USAGE);
+        }
+        Ok(t) => t.filter(|t| t.is_distributed()),
+    };
+    let gpus = a.gpus.map_or(cfg.distributed.gpus, usize::from);
+    let Some(backend) = Backend::parse(&cfg.distributed.backend) else {
+        eprintln!(
+            "cockpit: config error:\n{origin}: distributed.backend = {:?}: allowed: nccl, tcp",
+            cfg.distributed.backend
+        );
+        return Err(EXIT_USAGE);
+    };
+    let mut device = crate::util::parse_device(&cfg.run.device).unwrap_or(DeviceSpec::Auto);
+    if let Some(t) = &topology {
+        if backend == Backend::Nccl && !cfg!(feature = "nccl") {
+            eprintln!("cockpit: rank {}: distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes", t.rank);
+            return Err(EXIT_USAGE);
+        }
+        device = match (backend, device) {
+            (Backend::Nccl, DeviceSpec::Cpu) => {
+                eprintln!("cockpit: config error:\n{origin}: distributed.backend = \"nccl\" needs CUDA devices, but run.device = \"cpu\" (backend \"tcp\" runs CPU processes)");
+                return Err(EXIT_USAGE);
+            }
+            // Each rank takes the GPU of its LOCAL_RANK (choose GPUs with CUDA_VISIBLE_DEVICES).
+            (Backend::Nccl, _) => DeviceSpec::Cuda(t.local_rank),
+            (Backend::Tcp, d) => d,
+        };
+        if t.rank != 0 {
+            cfg.monitor.enabled = false;
+        }
+    }
+    Ok(Plan {
+        launching: topology.is_none() && gpus > 1,
+        topology,
+        gpus,
+        backend,
+        device,
+    })
+}
+
+/// Meet the other ranks; every rank takes rank 0's run dir. On NCCL the control sockets
+/// are watched: NCCL cannot notice a dead peer, so this rank ends rather than wait in a
+/// collective forever. `Err(exit code)` after printing why.
+pub(super) fn join(
+    t: Topology,
+    backend: Backend,
+    run_dir: &Path,
+    cfg: &Config,
+) -> Result<(PathBuf, Joined), i32> {
+    let timeout = crate::distributed::timeout(cfg.distributed.timeout_secs);
+    eprintln!(
+        "cockpit: rank {} of {}: meeting the other ranks at {}:{} ({} backend)",
+        t.rank, t.world, t.master_addr, t.master_port, cfg.distributed.backend
+    );
+    match crate::distributed::join(t, backend, &run_dir.to_string_lossy(), timeout) {
+        Ok(j) => {
+            if backend == Backend::Nccl {
+                j.peers.watch(move |msg: String| {
+                    tracing::error!("{msg}");
+                    eprintln!("cockpit: {msg}; ending this rank");
+                    // The engine thread may sit inside a collective that will never
+                    // complete: leave at once, without the exit handlers (the CUDA
+                    // runtime's would tear the context down under that thread).
+                    // SAFETY: _exit ends the process; nothing runs after it.
+                    unsafe { libc::_exit(EXIT_PEER_FAILED) }
+                });
+            }
+            Ok((PathBuf::from(&j.handshake.run_dir), j))
+        }
+        Err(e) => {
+            eprintln!("cockpit: {e}");
+            Err(if matches!(e, CommError::Setup(_)) {
+                EXIT_USAGE
+            } else {
+                EXIT_FAILURE
+            })
+        }
+    }
+}
+
+/// The per-rank threads: this rank's GPU sampled for the step's figures, and the
+/// stuck-rank watchdog.
+pub(super) fn watch_this_rank(
+    rank: usize,
+    device: &DeviceSpec,
+    progress: Arc<Progress>,
+    timeout_secs: f64,
+) {
+    if let Some(index) = nvml_index_of(device) {
+        rank_gpu_sampler(index, progress.clone());
+    }
+    stuck_watchdog(rank, progress, timeout_secs);
+}
+
+/// Fault injection for end-to-end tests: `COCKPIT_FAULT_FAIL=RANK:STEP` makes that rank's
+/// engine fail at that optimizer step (1-based), `COCKPIT_FAULT_HANG=RANK:STEP` hang there.
+pub(super) fn fault_step(var: &str, rank: usize) -> Option<u64> {
+    let v = std::env::var(var).ok()?;
+    let (r, s) = v.split_once(':')?;
+    (r.trim().parse::<usize>().ok()? == rank)
+        .then(|| s.trim().parse().ok())
+        .flatten()
+}
+
+/// The NVML index of a CUDA device: its ordinal, mapped through CUDA_VISIBLE_DEVICES when
+/// that lists indices (NVML does not see that variable).
+fn nvml_index_of(device: &DeviceSpec) -> Option<u32> {
+    let DeviceSpec::Cuda(ordinal) = device else {
+        return None;
+    };
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) if !v.trim().is_empty() => v.split(',').nth(*ordinal)?.trim().parse().ok(),
+        _ => u32::try_from(*ordinal).ok(),
+    }
+}
+
+/// Data parallelism: sample this rank's GPU once a second for the step's per-rank figures
+/// (they travel to rank 0, so a dashboard on rank 0 sees every rank's GPU on any node).
+fn rank_gpu_sampler(index: u32, progress: Arc<Progress>) {
+    use std::sync::atomic::Ordering;
+    let _ = std::thread::Builder::new()
+        .name("cockpit-rank-gpu".into())
+        .spawn(move || {
+            let mut c = crate::telemetry::Collector::new();
+            if c.notice().is_some() {
+                return;
+            }
+            while progress.step.load(Ordering::Relaxed) != u64::MAX {
+                let snap = c.sample();
+                if let Some(g) = snap.gpus.iter().find(|g| g.index == index) {
+                    let v = |x: Option<u32>| x.unwrap_or(u32::MAX);
+                    progress
+                        .gpu_util_pct
+                        .store(v(g.util_gpu), Ordering::Relaxed);
+                    progress
+                        .gpu_temp_c
+                        .store(v(g.temperature_c), Ordering::Relaxed);
+                }
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        });
+}
+
+/// Data parallelism: a collective never returns when a peer is stuck (alive but not
+/// stepping), and NCCL has no timeout of its own. End this rank when no optimizer step has
+/// finished for `timeout_secs`; its peers then see it go and end too.
+fn stuck_watchdog(rank: usize, progress: Arc<Progress>, timeout_secs: f64) {
+    use std::sync::atomic::Ordering;
+    let timeout = crate::distributed::timeout(timeout_secs);
+    let _ = std::thread::Builder::new()
+        .name("cockpit-stuck-watchdog".into())
+        .spawn(move || {
+            let (mut last, mut since) = (progress.step.load(Ordering::Relaxed), std::time::Instant::now());
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(250).min(timeout));
+                let now = progress.step.load(Ordering::Relaxed);
+                if now == u64::MAX {
+                    return;
+                }
+                if now != last {
+                    (last, since) = (now, std::time::Instant::now());
+                } else if since.elapsed() >= timeout {
+                    let secs = timeout.as_secs_f64();
+                    let waiting = progress.waiting.load(Ordering::Relaxed);
+                    let (msg, code) = if waiting {
+                        (format!("rank {rank}: waited {secs:.0} s (distributed.timeout_secs) in a collective after step {last}: another rank is stuck; ending this rank"), EXIT_PEER_FAILED)
+                    } else {
+                        (format!("rank {rank}: stuck: no optimizer step finished in {secs:.0} s (distributed.timeout_secs) after step {last}, and not waiting for the other ranks; ending this rank"), EXIT_FAILURE)
+                    };
+                    tracing::error!("{msg}");
+                    eprintln!("cockpit: {msg}");
+                    // SAFETY: see the NCCL watchdog: leave without exit handlers.
+                    unsafe { libc::_exit(code) }
+                }
+            }
+        });
+}
