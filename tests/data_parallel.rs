@@ -114,6 +114,10 @@ fn two_ranks_at_b_train_like_one_process_at_2b() {
     assert!(ranks
         .iter()
         .all(|r| r["compute_ms"].as_f64().unwrap() > 0.0));
+    assert!(
+        last["comm_ms"].as_f64().unwrap() > 0.0,
+        "the all-reduce is timed"
+    );
     assert_eq!(last["tokens"], 12 * 16 * 64);
 }
 

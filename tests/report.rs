@@ -57,6 +57,7 @@ fn step(step: u64, loss: f64) -> Event {
         elapsed_s: step as f64 * 0.02,
         memory_bytes: None,
         dropped_before: 0,
+        comm_ms: 0.0,
         ranks: vec![],
     })
 }

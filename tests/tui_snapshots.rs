@@ -76,6 +76,7 @@ fn step_stats(step: u64) -> StepStats {
         elapsed_s: s * 0.182,
         memory_bytes: Some(41 * GIB),
         dropped_before: 0,
+        comm_ms: 0.0,
         ranks: vec![],
     }
 }
@@ -1215,11 +1216,12 @@ fn the_header_shows_every_rank_and_marks_a_straggler() {
             gpu_temp_c: None,
         })
         .collect();
+    last.comm_ms = 7.2;
     events.push(Event::Step(last));
     let app = training_app(events, &gpu_updates(3));
     let screen = render(&app, 160, 40);
     assert!(
-        screen.contains("3 ranks r0 210ms r1 208ms r2 320ms"),
+        screen.contains("3 ranks r0 210ms r1 208ms r2 320ms comm 7ms"),
         "{screen}"
     );
     let mut terminal = Terminal::new(TestBackend::new(160, 40)).unwrap();

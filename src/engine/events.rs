@@ -122,6 +122,10 @@ pub struct StepStats {
     /// Step events dropped since the last delivered one (slow consumer).
     #[serde(default)]
     pub dropped_before: u64,
+    /// Data parallelism: time in the gradient and loss all-reduce (with the wait for the
+    /// slowest rank), part of `step_ms`; 0 for a single process.
+    #[serde(default)]
+    pub comm_ms: f64,
     /// Data parallelism: every rank's share of the step (empty for a single process).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<RankStat>,

@@ -1389,7 +1389,13 @@ impl Trainer {
             };
             prev_batch = None;
             // Data parallelism: mean gradients and loss over the ranks, and every rank's timings.
+            let t_comm = Instant::now();
             let (ce, grads, ranks) = self.reduce_step(ce, grads, wait, compute)?;
+            let comm = if ranks.is_empty() {
+                0.0
+            } else {
+                t_comm.elapsed().as_secs_f64() * 1e3
+            };
             let t_opt = Instant::now();
             let norm = global_norm(&grads)?;
             let finite = norm.is_finite() && ce.is_finite();
@@ -1466,6 +1472,7 @@ impl Trainer {
                 elapsed_s: self.elapsed(start),
                 memory_bytes: self.step_memory,
                 dropped_before: 0,
+                comm_ms: comm,
                 ranks,
             }));
 

@@ -73,7 +73,7 @@ impl Progress {
                     format!("r{} {:.0}ms{util}", r.rank, r.compute_ms)
                 })
                 .collect();
-            parts.push(format!("ranks {}", ms.join(" ")));
+            parts.push(format!("ranks {} comm {:.0}ms", ms.join(" "), s.comm_ms));
         }
         if let Some(scu) = &self.scu {
             parts.push(format!(

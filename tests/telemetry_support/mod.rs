@@ -124,6 +124,7 @@ pub fn step(n: u64, step_ms: f64, data_wait_ms: f64) -> StepStats {
         elapsed_s: n as f64 * step_ms / 1000.0,
         memory_bytes: None,
         dropped_before: 0,
+        comm_ms: 0.0,
         ranks: vec![],
     }
 }

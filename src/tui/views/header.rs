@@ -187,6 +187,8 @@ impl HeaderView<'_> {
                     Span::raw(text)
                 });
             }
+            seg.push(Span::styled(" comm ", t.muted()));
+            seg.push(Span::raw(format!("{:.0}ms", s.comm_ms)));
             segments.push(seg);
         }
         if self.run.dropped_steps > 0 {
