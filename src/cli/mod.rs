@@ -311,13 +311,9 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Ok(s) => s,
         Err(e) => {
             eprintln!("cockpit: training failed: {e}");
-            let peer = matches!(
-                e,
-                crate::engine::EngineError::Distributed(crate::distributed::CommError::Peer { .. })
-            );
             return Ok(if e.is_usage() {
                 EXIT_USAGE
-            } else if peer {
+            } else if e.is_peer_failure() {
                 EXIT_PEER_FAILED
             } else {
                 EXIT_FAILURE

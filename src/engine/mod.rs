@@ -47,6 +47,14 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// Data parallelism: this rank stopped because another rank failed (which named itself).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Distributed(crate::distributed::CommError::Peer { .. })
+        )
+    }
+
     /// Usage/config errors exit with 2, everything else with 1.
     pub fn is_usage(&self) -> bool {
         matches!(

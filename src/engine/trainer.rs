@@ -741,7 +741,7 @@ impl Trainer {
             match &result {
                 Ok(_) => d.finish(),
                 // Another rank's failure: it has told everyone already.
-                Err(EngineError::Distributed(crate::distributed::CommError::Peer { .. })) => {}
+                Err(e) if e.is_peer_failure() => {}
                 Err(e) => d.abort(&e.to_string()),
             }
         }

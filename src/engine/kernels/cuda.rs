@@ -567,20 +567,26 @@ fn col_sum(x: &Tensor) -> Result<Tensor> {
 
 struct BiasAdd;
 
-fn bias_add_t<T: Elem>(
+/// `y = f(x + b)` elementwise with `b` broadcast over the leading dims: `kernel` is the
+/// bias kernel's base name (`bias_add`, `bias_gelu_fwd`), `what` names it in errors.
+fn bias_map_t<T: Elem>(
     x: (&CudaStorage, &Layout),
     b: (&CudaStorage, &Layout),
+    kernel: &str,
+    what: &str,
 ) -> Result<(CudaStorage, Shape)> {
     let dev = x.0.device();
     let (n, c) = last_dim(x.1)?;
     if b.1.shape().elem_count() != c {
-        return Err(err("bias add: bias length differs from the last dim"));
+        return Err(err(format!(
+            "{what}: bias length differs from the last dim"
+        )));
     }
     let xv = view::<T>(x.0, x.1)?;
     let bv = view::<T>(b.0, b.1)?;
     // SAFETY: every element is written by the kernel.
     let y = unsafe { dev.alloc::<T>(n * c)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("bias_add"), MODULE, PTX)?;
+    let f = dev.get_or_load_custom_func(&kernel_name::<T>(kernel), MODULE, PTX)?;
     let mut bld = f.builder();
     let (total, c_i) = (n * c, i32_of(c, "cols")?);
     bld.arg(&xv);
@@ -588,7 +594,7 @@ fn bias_add_t<T: Elem>(
     bld.arg(&y);
     bld.arg(&total);
     bld.arg(&c_i);
-    // SAFETY: argument list matches the kernel.
+    // SAFETY: argument list matches the kernel (x, b, y, total, cols).
     unsafe { bld.launch(flat_cfg(total)) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(y, dev.clone()),
@@ -616,7 +622,10 @@ impl CustomOp2 for BiasAdd {
         b: &CudaStorage,
         bl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        by_dtype!(x.dtype(), bias_add_t((x, xl), (b, bl)))
+        by_dtype!(
+            x.dtype(),
+            bias_map_t((x, xl), (b, bl), "bias_add", "bias add")
+        )
     }
     fn bwd(
         &self,
@@ -636,35 +645,6 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 struct BiasGelu;
-
-fn bias_gelu_fwd_t<T: Elem>(
-    x: (&CudaStorage, &Layout),
-    b: (&CudaStorage, &Layout),
-) -> Result<(CudaStorage, Shape)> {
-    let dev = x.0.device();
-    let (n, c) = last_dim(x.1)?;
-    if b.1.shape().elem_count() != c {
-        return Err(err("bias gelu: bias length differs from the last dim"));
-    }
-    let xv = view::<T>(x.0, x.1)?;
-    let bv = view::<T>(b.0, b.1)?;
-    // SAFETY: every element is written by the kernel.
-    let y = unsafe { dev.alloc::<T>(n * c)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("bias_gelu_fwd"), MODULE, PTX)?;
-    let mut bld = f.builder();
-    let (total, c_i) = (n * c, i32_of(c, "cols")?);
-    bld.arg(&xv);
-    bld.arg(&bv);
-    bld.arg(&y);
-    bld.arg(&total);
-    bld.arg(&c_i);
-    // SAFETY: argument list matches the kernel.
-    unsafe { bld.launch(flat_cfg(total)) }.w()?;
-    Ok((
-        CudaStorage::wrap_cuda_slice(y, dev.clone()),
-        x.1.shape().clone(),
-    ))
-}
 
 fn bias_gelu_bwd_t<T: Elem>(x: &Tensor, b: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let dev = device_of(x)?;
@@ -713,7 +693,10 @@ impl CustomOp2 for BiasGelu {
         b: &CudaStorage,
         bl: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        by_dtype!(x.dtype(), bias_gelu_fwd_t((x, xl), (b, bl)))
+        by_dtype!(
+            x.dtype(),
+            bias_map_t((x, xl), (b, bl), "bias_gelu_fwd", "bias gelu")
+        )
     }
     fn bwd(
         &self,
