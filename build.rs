@@ -8,6 +8,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/engine/kernels/kernels.cu");
+    println!("cargo:rerun-if-changed=src/engine/kernels/flash.cu");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=COCKPIT_PTX_ARCH");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

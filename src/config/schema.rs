@@ -300,6 +300,11 @@ pub struct KernelsConfig {
     pub bias_gelu: bool,
     /// AdamW in place and the global gradient norm with one read-back.
     pub adamw: bool,
+    /// GPT-2 style models in bf16 (LayerNorm, learned positions, GELU, biases, full
+    /// multi-head attention, no LoRA or dropout): the whole forward and backward as one
+    /// hand-scheduled CUDA program over preallocated buffers (direct cuBLAS, no autograd
+    /// graph, fp32 gradients accumulated in place). Other models take the per-op kernels.
+    pub step: bool,
 }
 
 impl Default for KernelsConfig {
@@ -311,6 +316,7 @@ impl Default for KernelsConfig {
             cross_entropy: true,
             bias_gelu: true,
             adamw: true,
+            step: true,
         }
     }
 }

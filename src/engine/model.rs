@@ -223,6 +223,26 @@ impl Init<'_> {
     }
 }
 
+/// A GPT-2 style model's weights for the whole-model CUDA step ([`Model::step_weights`]).
+/// Each layer: ln1 w, b; q, k, v weights; q, k, v biases; o w, b; ln2 w, b; up w, b;
+/// down w, b — so q|k|v sit next to each other in the step's flat buffers.
+#[derive(Clone, Debug)]
+pub struct StepWeights {
+    pub wte: Var,
+    /// Learned positions, or None with RoPE.
+    pub wpe: Option<Var>,
+    pub rope_theta: Option<f64>,
+    pub n_head: usize,
+    pub seq_len: usize,
+    /// Causal flash attention (head dim 64); otherwise the probabilities are materialised.
+    pub flash: bool,
+    pub layers: Vec<[Var; 16]>,
+    pub ln_f: [Var; 2],
+    /// The untied LM head, or None when it is `wte`.
+    pub head: Option<Var>,
+    pub eps: f64,
+}
+
 /// LoRA settings for [`Model::add_lora`].
 #[derive(Clone, Debug)]
 pub struct LoraSpec {
@@ -783,6 +803,55 @@ impl Model {
         }
         let logits = logits.to_dtype(DType::F32)?;
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+
+    /// The weights in the whole-model CUDA step's order, when this model is one it runs:
+    /// GPT-2 style (LayerNorm with biases, GELU, biases on every linear layer, full
+    /// multi-head attention; learned positions or RoPE), bf16 on CUDA, no LoRA, no dropout,
+    /// all trainable.
+    pub fn step_weights(&self) -> Option<StepWeights> {
+        let s = &self.shape;
+        let fits = s.kernels.step
+            && self.dtype == DType::BF16
+            && self.device.is_cuda()
+            && s.norm == Norm::LayerNorm
+            && s.activation == Activation::Gelu
+            && s.bias
+            && s.n_kv_head == s.n_head
+            && s.dropout <= 0.0
+            && self.params.iter().all(|p| p.trainable && !p.kind.is_lora());
+        if !fits {
+            return None;
+        }
+        let norm = |n: &NormLayer| Some([n.w.clone(), n.b.clone()?]);
+        let lin = |l: &Linear| Some([l.w.clone(), l.b.clone()?]);
+        let mut layers = Vec::with_capacity(self.blocks.len());
+        for b in &self.blocks {
+            let [ln1_w, ln1_b] = norm(&b.ln1)?;
+            let [q_w, q_b] = lin(&b.q)?;
+            let [k_w, k_b] = lin(&b.k)?;
+            let [v_w, v_b] = lin(&b.v)?;
+            let [o_w, o_b] = lin(&b.o)?;
+            let [ln2_w, ln2_b] = norm(&b.ln2)?;
+            let [up_w, up_b] = lin(&b.up)?;
+            let [down_w, down_b] = lin(&b.down)?;
+            layers.push([
+                ln1_w, ln1_b, q_w, k_w, v_w, q_b, k_b, v_b, o_w, o_b, ln2_w, ln2_b, up_w, up_b,
+                down_w, down_b,
+            ]);
+        }
+        Some(StepWeights {
+            wte: self.wte.clone(),
+            wpe: self.wpe.clone(),
+            rope_theta: (s.pos == PosEncoding::Rope).then_some(s.rope_theta),
+            n_head: s.n_head,
+            seq_len: s.seq_len,
+            flash: s.kernels.attention && s.head_dim() == 64,
+            layers,
+            ln_f: norm(&self.ln_f)?,
+            head: self.lm_head.clone(),
+            eps: s.norm_eps,
+        })
     }
 
     /// All weights by name (for checkpoints).

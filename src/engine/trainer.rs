@@ -212,6 +212,10 @@ struct Trainer {
     /// Memory in use right after the last backward of the step (activations and gradients
     /// alive: the step's high-water mark, near enough).
     step_memory: Option<u64>,
+    /// The whole-model CUDA step, for GPT-2 style bf16 models (`kernels.step`); built at
+    /// the first step, None where the model does not fit it (the per-op path runs then).
+    whole: Option<super::kernels::GptStep>,
+    whole_checked: bool,
 }
 
 #[derive(Default)]
@@ -394,6 +398,8 @@ impl Trainer {
             fault_nan_steps: opts.fault_nan_steps,
             resume_notes: Vec::new(),
             step_memory: None,
+            whole: None,
+            whole_checked: false,
         };
         if let Some(spec) = opts.resume {
             t.restore(&spec, true)?;
@@ -652,6 +658,17 @@ impl Trainer {
         &mut self,
         lambda: f64,
     ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        if !self.whole_checked {
+            self.whole_checked = true;
+            if self.scaler.scale == 1.0 && !self.scaler.enabled {
+                if let Some(w) = self.model.step_weights() {
+                    self.whole = Some(super::kernels::GptStep::new(&w)?);
+                }
+            }
+        }
+        if self.whole.is_some() {
+            return self.forward_backward_whole(lambda);
+        }
         let mut wait = Duration::ZERO;
         let t0 = Instant::now();
         let mut grads: Vec<Option<Tensor>> = vec![None; self.opt.slots.len()];
@@ -719,6 +736,67 @@ impl Trainer {
         self.device.synchronize()?;
         let compute = t0.elapsed().saturating_sub(wait);
         Ok((ce_sum / self.accum as f64, sumsq_val, grads, wait, compute))
+    }
+
+    /// [`Self::forward_backward`] on the whole-model CUDA step: the micro-batches run as
+    /// one hand-scheduled program each, gradients accumulate in its flat fp32 buffer, and
+    /// the loss comes back in one read at the end.
+    fn forward_backward_whole(
+        &mut self,
+        lambda: f64,
+    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        let mut wait = Duration::ZERO;
+        let t0 = Instant::now();
+        let inject_nan = match self
+            .fault_nan_steps
+            .iter()
+            .position(|&s| s == self.step + 1)
+        {
+            Some(i) => {
+                self.fault_nan_steps.remove(i);
+                true
+            }
+            None => false,
+        };
+        let Some(whole) = self.whole.as_mut() else {
+            return Err(candle_core::Error::Msg("no whole-model step".into()));
+        };
+        whole.begin()?;
+        let tokens = (self.micro_batch * self.model.shape.seq_len * self.accum) as f32;
+        let g = if inject_nan { f32::NAN } else { 1.0 / tokens };
+        for _ in 0..self.accum {
+            let (batch, w) = self.loader.next_batch();
+            wait += w;
+            whole.micro(&batch.inputs, &batch.targets, batch.batch, g)?;
+        }
+        let mut sumsq_val = 0.0;
+        if !self.reg_slots.is_empty() {
+            let vars: Vec<&candle_core::Var> = self
+                .reg_slots
+                .iter()
+                .map(|&i| &self.opt.slots[i].var)
+                .collect();
+            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            sumsq_val = super::kernels::sumsq(&ts)?;
+            if lambda != 0.0 {
+                // d/dw of λ·Σw²/(2σ²)/N = 2·λ·coef·w, added to the CE gradient in place.
+                let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
+                whole.add_scaled_weights(&vars, 2.0 * lambda * coef)?;
+            }
+        }
+        let ce = whole.loss()?;
+        self.step_memory = device::memory_in_use(&self.device);
+        let grads = self
+            .opt
+            .slots
+            .iter()
+            .map(|s| match whole.grad_of(&s.var)? {
+                Some(g) => Ok(g),
+                None => s.var.as_tensor().zeros_like(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let compute = t0.elapsed().saturating_sub(wait);
+        Ok((ce, sumsq_val, grads, wait, compute))
     }
 
     fn run(mut self, commands: Receiver<Command>, tx: EventTx) -> Result<RunSummary, EngineError> {

@@ -14,8 +14,8 @@ use half::{bf16, f16};
 
 use super::AdamWArgs;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels.ptx"));
-const MODULE: &str = "cockpit_kernels";
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels.ptx"));
+pub(super) const MODULE: &str = "cockpit_kernels";
 /// Threads per block for the row kernels (one warp per row).
 const ROW_BLOCK: u32 = 256;
 const ROWS_PER_BLOCK: usize = (ROW_BLOCK / 32) as usize;
@@ -25,7 +25,7 @@ impl Elem for f32 {}
 impl Elem for bf16 {}
 impl Elem for f16 {}
 
-fn err(msg: impl Into<String>) -> candle_core::Error {
+pub(super) fn err(msg: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(msg.into())
 }
 
@@ -71,7 +71,7 @@ fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Sh
     )
 }
 
-fn row_cfg(rows: usize) -> LaunchConfig {
+pub(super) fn row_cfg(rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1),
         block_dim: (ROW_BLOCK, 1, 1),
@@ -79,7 +79,7 @@ fn row_cfg(rows: usize) -> LaunchConfig {
     }
 }
 
-fn flat_cfg(n: usize) -> LaunchConfig {
+pub(super) fn flat_cfg(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -87,7 +87,7 @@ fn flat_cfg(n: usize) -> LaunchConfig {
     }
 }
 
-fn i32_of(n: usize, what: &str) -> Result<i32> {
+pub(super) fn i32_of(n: usize, what: &str) -> Result<i32> {
     i32::try_from(n).map_err(|_| err(format!("fused kernel: {what} = {n} exceeds i32")))
 }
 
@@ -721,7 +721,7 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 // Optimizer
 
 /// Device addresses of contiguous f32 CUDA tensors (the storages stay locked while `f` runs).
-fn with_f32_ptrs<R>(ts: &[&Tensor], f: impl FnOnce(&[u64]) -> Result<R>) -> Result<R> {
+pub(super) fn with_f32_ptrs<R>(ts: &[&Tensor], f: impl FnOnce(&[u64]) -> Result<R>) -> Result<R> {
     let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
     let mut ptrs = Vec::with_capacity(ts.len());
     for (st, l) in &guards {
@@ -736,7 +736,7 @@ fn with_f32_ptrs<R>(ts: &[&Tensor], f: impl FnOnce(&[u64]) -> Result<R>) -> Resu
     r
 }
 
-fn multi_grid(max_n: usize, count: usize) -> Result<LaunchConfig> {
+pub(super) fn multi_grid(max_n: usize, count: usize) -> Result<LaunchConfig> {
     if count > 65_535 {
         return Err(err("multi-tensor kernel: more than 65535 tensors"));
     }

@@ -117,10 +117,11 @@ __device__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
 // dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w (RMSNorm drops the mean(g) term);
 // dw += Σ_rows dy·x̂, db += Σ_rows dy into f32 accumulators (zeroed by the caller).
 // Rows are strided over the grid; each block keeps its partial dw/db in shared memory.
+// With `add`, dx accumulates (dx += …): the residual stream's gradient in the whole-model step.
 template <typename T>
 __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
                          const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ dw,
-                         float* __restrict__ db, int n, int d, float eps, int rms) {
+                         float* __restrict__ db, int n, int d, float eps, int rms, int add = 0) {
     extern __shared__ float sh[];  // [2·d]: dw then db
     for (int j = threadIdx.x; j < 2 * d; j += blockDim.x) sh[j] = 0.f;
     __syncthreads();
@@ -147,7 +148,8 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
         for (int j = lane; j < d; j += 32) {
             float xh = (to_f(xr[j]) - mu) * rstd;
             float g = to_f(dyr[j]) * to_f(w[j]);
-            dxr[j] = from_f<T>(rstd * (g - a - xh * c));
+            const float prev = add ? to_f(dxr[j]) : 0.f;
+            dxr[j] = from_f<T>(prev + rstd * (g - a - xh * c));
         }
     }
     __syncthreads();
@@ -484,3 +486,188 @@ extern "C" __global__ void sumsq_multi_f32(const SqTensor* __restrict__ ts, floa
         if (lane == 0 && s != 0.f) atomicAdd(out, s);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The whole-model training step (src/engine/kernels/step.rs): GPT-2 style, bf16 activations,
+// fp32 master weights and gradients. Kernels here only add what the per-op kernels above lack.
+typedef __nv_bfloat16 bf16_t;
+
+// fp32 master weights → the bf16 copy the step computes with; one launch over a table.
+struct CastItem {
+    const float* src;
+    bf16_t* dst;
+    unsigned long long n;
+};
+extern "C" __global__ void cast_multi_f32_bf16(const CastItem* __restrict__ ts) {
+    const CastItem t = ts[blockIdx.y];
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
+         i += (size_t)gridDim.x * blockDim.x)
+        t.dst[i] = __float2bfloat16(t.src[i]);
+}
+
+// y += a·x over a table of f32 tensors (the SCU regulariser's gradient 2·λ·coef·w).
+struct AxpyItem {
+    const float* x;
+    float* y;
+    unsigned long long n;
+};
+extern "C" __global__ void axpy_multi_f32(const AxpyItem* __restrict__ ts, float a) {
+    const AxpyItem t = ts[blockIdx.y];
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
+         i += (size_t)gridDim.x * blockDim.x)
+        t.y[i] += a * t.x[i];
+}
+
+// out[r, :] = wte[ids[r], :] + wpe[r mod t, :]
+extern "C" __global__ void embed_fwd_bf16(const uint32_t* __restrict__ ids,
+                                          const bf16_t* __restrict__ wte,
+                                          const bf16_t* __restrict__ wpe, bf16_t* __restrict__ out,
+                                          int n, int t, int c, int vocab) {
+    const size_t total = (size_t)n * c;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / c), j = (int)(i % c);
+        const uint32_t id = ids[r];
+        float v = id < (uint32_t)vocab ? to_f(wte[(size_t)id * c + j]) : 0.f;
+        if (wpe != nullptr) v += to_f(wpe[(size_t)(r % t) * c + j]);
+        out[i] = __float2bfloat16(v);
+    }
+}
+
+// The residual add fused with the next LayerNorm: res = x + y + bias (y null: res is x itself,
+// nothing written), out = LayerNorm(res)·w + b. One warp per row; the statistics are taken
+// from the stored bf16 residual, as the backward recomputes them.
+extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
+                                              const bf16_t* __restrict__ y,
+                                              const bf16_t* __restrict__ bias, bf16_t* res,
+                                              const bf16_t* __restrict__ w,
+                                              const bf16_t* __restrict__ b,
+                                              bf16_t* __restrict__ out, int n, int d, float eps) {
+    const int warps = blockDim.x >> 5;
+    const int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;
+    const bf16_t* src = x + (size_t)row * d;
+    if (y != nullptr) {
+        const bf16_t* yr = y + (size_t)row * d;
+        bf16_t* rr = res + (size_t)row * d;
+        for (int j = lane; j < d; j += 32)
+            rr[j] = __float2bfloat16(to_f(src[j]) + to_f(yr[j]) + to_f(bias[j]));
+        __syncwarp();
+        src = rr;
+    }
+    float mu, rstd;
+    row_stats(src, d, eps, 0, lane, &mu, &rstd);
+    bf16_t* o = out + (size_t)row * d;
+    for (int j = lane; j < d; j += 32)
+        o[j] = __float2bfloat16((to_f(src[j]) - mu) * rstd * to_f(w[j]) + to_f(b[j]));
+}
+
+extern "C" __global__ void norm_bwd_add_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* dy,
+                                             bf16_t* dx, float* dw, float* db, int n, int d,
+                                             float eps) {
+    norm_bwd<bf16_t>(x, w, dy, dx, dw, db, n, d, eps, 0, 1);
+}
+
+// Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary):
+// lse[r] = logsumexp(x[r, :v]); acc[r] += lse[r] − x[r, t[r]] (a per-row running sum over the
+// micro-batches of one step, read back once). One block per row.
+extern "C" __global__ void ce_fwd_acc_bf16(const bf16_t* __restrict__ x,
+                                           const uint32_t* __restrict__ t, float* __restrict__ lse,
+                                           float* __restrict__ acc, int n, int v, int ld) {
+    __shared__ float sm[32], ss[32];
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    const bf16_t* xr = x + (size_t)row * ld;
+    float m = -INFINITY, s = 0.f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float z = to_f(xr[j]);
+        if (z > m) {
+            s = s * __expf(m - z) + 1.f;
+            m = z;
+        } else {
+            s += __expf(z - m);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1)
+        lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o), __shfl_xor_sync(FULL_MASK, s, o));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    if (lane == 0) {
+        sm[warp] = m;
+        ss[warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < warps ? sm[lane] : -INFINITY;
+        s = lane < warps ? ss[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1)
+            lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o),
+                        __shfl_xor_sync(FULL_MASK, s, o));
+        if (lane == 0) {
+            const uint32_t tg = t[row];
+            const float l = m + logf(s);
+            lse[row] = l;
+            acc[row] += tg < (uint32_t)v ? l - to_f(xr[tg]) : __int_as_float(0x7fc00000);
+        }
+    }
+}
+
+// In place: x[r, j] = g·(softmax(x[r, :v])_j − [j = t[r]]) for j < v (padding columns untouched).
+extern "C" __global__ void ce_bwd_inplace_bf16(bf16_t* __restrict__ x,
+                                               const uint32_t* __restrict__ t,
+                                               const float* __restrict__ lse, float g, int n,
+                                               int v, int ld) {
+    const int row = blockIdx.x;
+    if (row >= n) return;
+    bf16_t* xr = x + (size_t)row * ld;
+    const int tg = (int)t[row];
+    const float l = lse[row];
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        const float p = __expf(to_f(xr[j]) - l);
+        xr[j] = __float2bfloat16(g * (p - (j == tg ? 1.f : 0.f)));
+    }
+}
+
+// RoPE in place on q and k of packed projections [B·T, ld] (q at columns 0.., k at h·hd..;
+// row bt at position bt mod t): the two halves of each head rotated by pos·θ^(−2j/hd) (the
+// Llama/NeoX layout, as the model's tables); dir = −1 rotates back (the backward). Angles in
+// double precision: fast-math sines lose accuracy at arguments of hundreds of radians.
+extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t, int h, int hd,
+                                         int ld, double log_theta, float dir) {
+    const int half = hd >> 1;
+    const size_t total = (size_t)nbt * 2 * h * half;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int j = (int)(i % half);
+        const size_t row = i / half;  // (bt, part, head)
+        const int hh = (int)(row % h), part = (int)((row / h) % 2);
+        const size_t bt = row / (2 * (size_t)h);
+        const double freq = exp(-(2.0 * j / hd) * log_theta);
+        double sd, cd;
+        sincos((double)(bt % t) * freq, &sd, &cd);
+        const float c = (float)cd, sn = dir * (float)sd;
+        bf16_t* xr = x + bt * ld + (size_t)part * h * hd + (size_t)hh * hd;
+        const float x1 = to_f(xr[j]), x2 = to_f(xr[j + half]);
+        xr[j] = __float2bfloat16(x1 * c - x2 * sn);
+        xr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+    }
+}
+
+// src[b, t, off + h·hd + d] of a [B, T, ld] buffer → dst [B, H, T, hd] (heads_merge's inverse).
+extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,
+                                            bf16_t* __restrict__ dst, int b, int t, int h,
+                                            int hd, int ld, int off) {
+    const size_t total = (size_t)b * h * t * hd;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int d = (int)(i % hd);
+        size_t r = i / hd;
+        const int ti = (int)(r % t);
+        r /= t;
+        const int hh = (int)(r % h), bi = (int)(r / h);
+        dst[i] = src[((size_t)bi * t + ti) * ld + off + hh * hd + d];
+    }
+}
+
+// Causal flash attention (head dim 64) for the whole-model step.
+#include "flash.cu"

@@ -24,6 +24,10 @@ use candle_core::{DType, Tensor};
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
+#[cfg(feature = "cuda")]
+mod step;
+#[cfg(feature = "cuda")]
+pub use step::GptStep;
 
 /// Whether the fused kernels can take this tensor: built with CUDA, on a CUDA device, in a
 /// floating dtype the kernels are instantiated for.
@@ -118,3 +122,42 @@ mod cpu_stubs {
 }
 #[cfg(not(feature = "cuda"))]
 pub use cpu_stubs::*;
+
+#[cfg(not(feature = "cuda"))]
+mod step_stub {
+    //! Without CUDA there is no whole-model step: `Model::step_weights` is always None on the
+    //! CPU, so the trainer never builds one.
+    use crate::engine::model::StepWeights;
+    use candle_core::{Result, Tensor, Var};
+
+    fn no_cuda<T>() -> Result<T> {
+        Err(candle_core::Error::Msg(
+            "the whole-model step needs a build with the cuda feature".into(),
+        ))
+    }
+
+    pub struct GptStep;
+
+    impl GptStep {
+        pub fn new(_w: &StepWeights) -> Result<Self> {
+            no_cuda()
+        }
+        pub fn grad_of(&self, _var: &Var) -> Result<Option<Tensor>> {
+            no_cuda()
+        }
+        pub fn begin(&mut self) -> Result<()> {
+            no_cuda()
+        }
+        pub fn micro(&mut self, _i: &[u32], _t: &[u32], _b: usize, _g: f32) -> Result<()> {
+            no_cuda()
+        }
+        pub fn loss(&self) -> Result<f64> {
+            no_cuda()
+        }
+        pub fn add_scaled_weights(&self, _vars: &[&Var], _a: f64) -> Result<()> {
+            no_cuda()
+        }
+    }
+}
+#[cfg(not(feature = "cuda"))]
+pub use step_stub::GptStep;

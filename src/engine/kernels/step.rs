@@ -1,0 +1,1413 @@
+//! The whole training step of a GPT-2 style model as one hand-scheduled CUDA program.
+//!
+//! The per-op path (the custom ops in `cuda.rs`) still goes through candle's autograd: every
+//! graph edge costs a zero-fill and an add, every f32 master weight is cast to bf16 by its own
+//! kernel and its gradient cast back, and every op allocates its output. Here none of that
+//! happens:
+//!
+//! - one multi-tensor kernel casts all fp32 master weights into ONE flat bf16 buffer, laid
+//!   out so that q|k|v of a layer are one `[3C, C]` matrix;
+//! - activations live in one preallocated arena per micro-batch size (no per-step device
+//!   allocation); the residual add is fused with the next LayerNorm;
+//! - matmuls call cuBLAS directly (bf16 in, fp32 accumulate), and the weight gradients are
+//!   accumulated by cuBLAS (`beta = 1`) straight into ONE flat fp32 gradient buffer, as are
+//!   the bias (column-sum), LayerNorm and embedding gradients — so gradient accumulation over
+//!   micro-batches is free and the optimizer reads views of that buffer;
+//! - the LM head's logits are written once into a padded buffer, the cross-entropy kernel
+//!   keeps the log-sum-exp, and its backward overwrites the logits with their gradient.
+//!
+//! The forward/backward is the same arithmetic as the plain candle model (tests/gpu_kernels.rs
+//! compares loss and every gradient on the GPU).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
+use candle_core::cuda_backend::cudarc::driver::{
+    result as drv, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
+use half::bf16;
+
+use super::cuda::{err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, MODULE, PTX};
+use crate::engine::model::StepWeights;
+
+/// Elements each sub-buffer is aligned to (256 bytes in bf16): cuBLAS and vector loads like it.
+const ALIGN: usize = 128;
+
+fn align(n: usize) -> usize {
+    n.div_ceil(ALIGN) * ALIGN
+}
+
+/// A kernel argument (the launch builder borrows its arguments, so they live in a slice).
+enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+    D(f64),
+}
+
+/// A linear layer's shape: `[rows, inp]` in, `[rows, out]` out; `ldy` is the output's (or
+/// its gradient's) row stride.
+#[derive(Clone, Copy)]
+struct Lin {
+    rows: usize,
+    inp: usize,
+    out: usize,
+    ldy: usize,
+}
+
+impl Lin {
+    fn new(rows: usize, inp: usize, out: usize, ldy: usize) -> Self {
+        Self {
+            rows,
+            inp,
+            out,
+            ldy,
+        }
+    }
+}
+
+/// A matrix operand for cuBLAS: device address, leading dimension, batch stride (elements).
+#[derive(Clone, Copy)]
+struct Mat {
+    p: u64,
+    ld: i32,
+    stride: i64,
+}
+
+fn mat(p: u64, ld: usize) -> Mat {
+    Mat {
+        p,
+        ld: ld as i32,
+        stride: 0,
+    }
+}
+
+fn bmat(p: u64, ld: usize, stride: usize) -> Mat {
+    Mat {
+        p,
+        ld: ld as i32,
+        stride: stride as i64,
+    }
+}
+
+struct Kernels {
+    cast: CudaFunction,
+    axpy: CudaFunction,
+    embed: CudaFunction,
+    residual_norm: CudaFunction,
+    norm_bwd: CudaFunction,
+    norm_bwd_add: CudaFunction,
+    ce_fwd: CudaFunction,
+    ce_bwd: CudaFunction,
+    bias_add: CudaFunction,
+    gelu_fwd: CudaFunction,
+    gelu_bwd: CudaFunction,
+    col_sum: CudaFunction,
+    qkv_split: CudaFunction,
+    heads_merge: CudaFunction,
+    heads_split: CudaFunction,
+    softmax_fwd: CudaFunction,
+    softmax_bwd: CudaFunction,
+    embedding_bwd: CudaFunction,
+    rope: CudaFunction,
+    flash_fwd: CudaFunction,
+    flash_pre: CudaFunction,
+    flash_bwd: CudaFunction,
+    flash_dq: CudaFunction,
+}
+
+impl Kernels {
+    fn load(dev: &CudaDevice) -> Result<Self> {
+        let f = |name: &str| -> Result<CudaFunction> {
+            Ok(dev
+                .get_or_load_custom_func(name, MODULE, PTX)?
+                .into_cuda_function())
+        };
+        Ok(Self {
+            cast: f("cast_multi_f32_bf16")?,
+            axpy: f("axpy_multi_f32")?,
+            embed: f("embed_fwd_bf16")?,
+            residual_norm: f("residual_norm_bf16")?,
+            norm_bwd: f("norm_bwd_bf16")?,
+            norm_bwd_add: f("norm_bwd_add_bf16")?,
+            ce_fwd: f("ce_fwd_acc_bf16")?,
+            ce_bwd: f("ce_bwd_inplace_bf16")?,
+            bias_add: f("bias_add_bf16")?,
+            gelu_fwd: f("bias_gelu_fwd_bf16")?,
+            gelu_bwd: f("bias_gelu_bwd_bf16")?,
+            col_sum: f("col_sum_bf16")?,
+            qkv_split: f("qkv_split_bf16")?,
+            heads_merge: f("heads_merge_bf16")?,
+            heads_split: f("heads_split_bf16")?,
+            softmax_fwd: f("causal_softmax_fwd_bf16")?,
+            softmax_bwd: f("causal_softmax_bwd_bf16")?,
+            embedding_bwd: f("embedding_bwd_bf16")?,
+            rope: f("rope_qkv_bf16")?,
+            flash_fwd: f("flash_fwd_bf16")?,
+            flash_pre: f("flash_bwd_preprocess_bf16")?,
+            flash_bwd: f("flash_bwd_bf16")?,
+            flash_dq: f("flash_bwd_dq_convert_bf16")?,
+        })
+    }
+}
+
+/// One parameter's place in the flat buffers (the same element offset in bf16 and f32).
+struct Entry {
+    var: Var,
+    off: usize,
+    n: usize,
+}
+
+/// Entry indices of one transformer layer, in [`StepWeights`] order.
+#[derive(Clone, Copy)]
+struct LayerIdx {
+    ln1_w: usize,
+    ln1_b: usize,
+    qkv_w: usize,
+    qkv_b: usize,
+    o_w: usize,
+    o_b: usize,
+    ln2_w: usize,
+    ln2_b: usize,
+    up_w: usize,
+    up_b: usize,
+    down_w: usize,
+    down_b: usize,
+}
+
+/// Device addresses of one micro-batch size's activations (bf16 unless noted).
+#[derive(Clone)]
+struct Lay {
+    b: usize,
+    /// Per layer: residual input, LN1 out, qkv, attention probabilities [B·H, T, T],
+    /// merged attention output, residual after attention, LN2 out, fc pre-activation, GELU out.
+    res: Vec<u64>,
+    ln1: Vec<u64>,
+    qkv: Vec<u64>,
+    prob: Vec<u64>,
+    atty: Vec<u64>,
+    mid: Vec<u64>,
+    ln2: Vec<u64>,
+    fc: Vec<u64>,
+    gelu: Vec<u64>,
+    lnf: u64,
+    logits: u64,
+    // scratch, reused by every layer
+    tmp: u64,
+    da: u64,
+    dres: u64,
+    dh: u64,
+    dqkv: u64,
+    heads: u64,
+    yh: u64,
+    dheads: u64,
+    dyh: u64,
+    dprob: u64,
+    // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
+    lse_att: Vec<u64>,
+    fa_scratch: u64,
+    lse: u64,
+    loss: u64,
+    // u32
+    ids: u64,
+    targets: u64,
+}
+
+struct Arena {
+    _bf: CudaSlice<bf16>,
+    f32s: CudaSlice<f32>,
+    ids: CudaSlice<u32>,
+    targets: CudaSlice<u32>,
+    lay: Lay,
+}
+
+/// The whole-model step for one [`StepWeights`] layout. Build it once per model; it sizes
+/// its activation arena for the micro-batch it is given (and re-sizes when that changes).
+pub struct GptStep {
+    dev: CudaDevice,
+    stream: Arc<CudaStream>,
+    blas: Arc<CudaBlas>,
+    k: Kernels,
+    n_layer: usize,
+    c: usize,
+    n_head: usize,
+    vocab: usize,
+    /// The logits' row stride: the vocabulary rounded up to 64.
+    vpad: usize,
+    t: usize,
+    hidden: usize,
+    eps: f32,
+    entries: Vec<Entry>,
+    by_id: HashMap<TensorId, usize>,
+    wte: usize,
+    wpe: Option<usize>,
+    /// ln θ for RoPE (None: learned positions).
+    rope: Option<f64>,
+    /// Flash attention (head dim 64) instead of materialised probabilities.
+    flash: bool,
+    layers: Vec<LayerIdx>,
+    lnf: [usize; 2],
+    head: Option<usize>,
+    _wbf: CudaSlice<bf16>,
+    wbf_p: u64,
+    grad: Tensor,
+    grad_p: u64,
+    arena: Option<Arena>,
+    /// Micro-batches since `begin` (the loss read-back divides by their tokens).
+    micro: usize,
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    let (p, _sync) = s.device_ptr(stream);
+    p
+}
+
+impl GptStep {
+    pub fn new(w: &StepWeights) -> Result<Self> {
+        let Device::Cuda(dev) = w.wte.as_tensor().device().clone() else {
+            return Err(err("the whole-model step needs a CUDA device"));
+        };
+        let stream = dev.cuda_stream();
+        let blas = dev.cublas_handle();
+        let k = Kernels::load(&dev)?;
+        let (vocab, c) = w.wte.as_tensor().dims2()?;
+        let t = w.seq_len;
+        let first = w
+            .layers
+            .first()
+            .ok_or_else(|| err("the whole-model step needs at least one layer"))?;
+        let hidden = first[12].as_tensor().dim(0)?;
+        let n_head = w.n_head;
+        if n_head == 0 || c % n_head != 0 || !(c / n_head).is_multiple_of(2) {
+            return Err(err(format!(
+                "whole-model step: n_embd {c} must split into n_head {n_head} heads of even size"
+            )));
+        }
+        let mut entries = Vec::new();
+        let mut off = 0usize;
+        // Each entry starts aligned, except k and v (weights and biases), which follow q
+        // directly so that q|k|v are one packed matrix and one bias.
+        let mut push_at = |v: &Var, pad: bool| -> usize {
+            if pad {
+                off = align(off);
+            }
+            let n = v.as_tensor().elem_count();
+            entries.push(Entry {
+                var: v.clone(),
+                off,
+                n,
+            });
+            off += n;
+            entries.len() - 1
+        };
+        let wte = push_at(&w.wte, true);
+        let wpe = w.wpe.as_ref().map(|v| push_at(v, true));
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in &w.layers {
+            let i: Vec<usize> = l
+                .iter()
+                .enumerate()
+                .map(|(j, v)| push_at(v, !matches!(j, 3 | 4 | 6 | 7)))
+                .collect();
+            layers.push(LayerIdx {
+                ln1_w: i[0],
+                ln1_b: i[1],
+                qkv_w: i[2],
+                qkv_b: i[5],
+                o_w: i[8],
+                o_b: i[9],
+                ln2_w: i[10],
+                ln2_b: i[11],
+                up_w: i[12],
+                up_b: i[13],
+                down_w: i[14],
+                down_b: i[15],
+            });
+        }
+        let lnf = [push_at(&w.ln_f[0], true), push_at(&w.ln_f[1], true)];
+        let head = w.head.as_ref().map(|v| push_at(v, true));
+        let total = align(off);
+        // q, k, v (and their biases) must be contiguous for the packed projection.
+        for (l, li) in layers.iter().enumerate() {
+            for (a, b) in [(li.qkv_w, 3), (li.qkv_b, 3)] {
+                let e0 = &entries[a];
+                for j in 1..b {
+                    let ej = &entries[a + j];
+                    if ej.off != e0.off + j * e0.n {
+                        return Err(err(format!(
+                            "whole-model step: layer {l}: q/k/v are not adjacent"
+                        )));
+                    }
+                }
+            }
+        }
+        // SAFETY: fully written by the cast kernel before every use.
+        let wbf = unsafe { dev.alloc::<bf16>(total)? };
+        let wbf_p = ptr(&wbf, &stream);
+        let grad = Tensor::zeros(total, DType::F32, &Device::Cuda(dev.clone()))?;
+        let grad_p = {
+            let (st, l) = grad.storage_and_layout();
+            let candle_core::Storage::Cuda(cs) = &*st else {
+                return Err(err("gradient buffer is not on the GPU"));
+            };
+            let v = cs.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
+            let (p, _sync) = v.device_ptr(&stream);
+            p
+        };
+        let by_id = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.var.as_tensor().id(), i))
+            .collect();
+        Ok(Self {
+            dev,
+            stream,
+            blas,
+            k,
+            n_layer: layers.len(),
+            c,
+            n_head,
+            rope: w.rope_theta.map(f64::ln),
+            flash: w.flash && c / n_head == 64,
+            vocab,
+            vpad: vocab.div_ceil(64) * 64,
+            t,
+            hidden,
+            eps: w.eps as f32,
+            entries,
+            by_id,
+            wte,
+            wpe,
+            layers,
+            lnf,
+            head,
+            _wbf: wbf,
+            wbf_p,
+            grad,
+            grad_p,
+            arena: None,
+            micro: 0,
+        })
+    }
+
+    fn w(&self, i: usize) -> u64 {
+        self.wbf_p + 2 * self.entries[i].off as u64
+    }
+
+    fn g(&self, i: usize) -> u64 {
+        self.grad_p + 4 * self.entries[i].off as u64
+    }
+
+    /// The fp32 gradient of `var` (a view of the flat buffer), if the step owns it.
+    pub fn grad_of(&self, var: &Var) -> Result<Option<Tensor>> {
+        let Some(&i) = self.by_id.get(&var.as_tensor().id()) else {
+            return Ok(None);
+        };
+        let e = &self.entries[i];
+        Ok(Some(
+            self.grad
+                .narrow(0, e.off, e.n)?
+                .reshape(var.as_tensor().dims())?,
+        ))
+    }
+
+    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::P(p) => b.arg(p),
+                Arg::I(i) => b.arg(i),
+                Arg::F(x) => b.arg(x),
+                Arg::D(x) => b.arg(x),
+            };
+        }
+        // SAFETY: every call site passes the argument list of its kernel in kernels.cu, with
+        // addresses inside this step's live buffers.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// `C = op(A)·op(B) (+ beta·C)` column-major, bf16 operands, fp32 accumulation; C in
+    /// fp32 (weight gradients) or bf16; `batch > 1` strides every operand.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        a: Mat,
+        b: Mat,
+        c: Mat,
+        c_f32: bool,
+        beta: f32,
+        batch: usize,
+    ) -> Result<()> {
+        let op = |t: bool| {
+            if t {
+                bsys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                bsys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let bf = bsys::cudaDataType::CUDA_R_16BF;
+        let ct = if c_f32 {
+            bsys::cudaDataType::CUDA_R_32F
+        } else {
+            bf
+        };
+        let alpha = 1.0f32;
+        let (m, n, k) = (i32_of(m, "m")?, i32_of(n, "n")?, i32_of(k, "k")?);
+        let h = *self.blas.handle();
+        let algo = bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP;
+        let compute = bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let alpha_p = &alpha as *const f32 as *const _;
+        let beta_p = &beta as *const f32 as *const _;
+        // SAFETY: the operands are device addresses inside this step's buffers, sized by the
+        // caller for these shapes; the handle is bound to this device's stream.
+        let r = unsafe {
+            if batch > 1 {
+                blas::gemm_strided_batched_ex(
+                    h,
+                    op(ta),
+                    op(tb),
+                    m,
+                    n,
+                    k,
+                    alpha_p,
+                    a.p as *const _,
+                    bf,
+                    a.ld,
+                    a.stride,
+                    b.p as *const _,
+                    bf,
+                    b.ld,
+                    b.stride,
+                    beta_p,
+                    c.p as *mut _,
+                    ct,
+                    c.ld,
+                    c.stride,
+                    i32_of(batch, "batch")?,
+                    compute,
+                    algo,
+                )
+            } else {
+                blas::gemm_ex(
+                    h,
+                    op(ta),
+                    op(tb),
+                    m,
+                    n,
+                    k,
+                    alpha_p,
+                    a.p as *const _,
+                    bf,
+                    a.ld,
+                    b.p as *const _,
+                    bf,
+                    b.ld,
+                    beta_p,
+                    c.p as *mut _,
+                    ct,
+                    c.ld,
+                    compute,
+                    algo,
+                )
+            }
+        };
+        r.map_err(|e| err(format!("cuBLAS gemm: {e:?}")))
+    }
+
+    /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
+    fn lin_fwd(&self, x: u64, w: u64, y: u64, d: Lin) -> Result<()> {
+        let Lin {
+            rows,
+            inp,
+            out,
+            ldy,
+        } = d;
+        self.gemm(
+            (true, false),
+            (out, rows, inp),
+            mat(w, inp),
+            mat(x, inp),
+            mat(y, ldy),
+            false,
+            0.0,
+            1,
+        )
+    }
+
+    /// `dx[rows, inp] = dy[rows, out]·w`.
+    fn lin_dx(&self, dy: u64, w: u64, dx: u64, d: Lin) -> Result<()> {
+        let Lin {
+            rows,
+            inp,
+            out,
+            ldy,
+        } = d;
+        self.gemm(
+            (false, false),
+            (inp, rows, out),
+            mat(w, inp),
+            mat(dy, ldy),
+            mat(dx, inp),
+            false,
+            0.0,
+            1,
+        )
+    }
+
+    /// `dw[out, inp] += dyᵀ·x` into fp32.
+    fn lin_dw(&self, x: u64, dy: u64, dw: u64, d: Lin) -> Result<()> {
+        let Lin {
+            rows,
+            inp,
+            out,
+            ldy,
+        } = d;
+        self.gemm(
+            (false, true),
+            (inp, out, rows),
+            mat(x, inp),
+            mat(dy, ldy),
+            mat(dw, inp),
+            true,
+            1.0,
+            1,
+        )
+    }
+
+    /// `out[c] += Σ_rows x[r, c]` (fp32).
+    fn col_sum(&self, x: u64, out: u64, n: usize, c: usize) -> Result<()> {
+        let col_blocks = c.div_ceil(32);
+        let row_blocks = n
+            .div_ceil(64)
+            .clamp(1, (1024 / col_blocks).max(4))
+            .min(65535);
+        let cfg = LaunchConfig {
+            grid_dim: (col_blocks as u32, row_blocks as u32, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            &self.k.col_sum,
+            cfg,
+            &[
+                Arg::P(x),
+                Arg::P(out),
+                Arg::I(i32_of(n, "rows")?),
+                Arg::I(i32_of(c, "cols")?),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_bwd(
+        &self,
+        x: u64,
+        w: u64,
+        dy: u64,
+        dx: u64,
+        dw: u64,
+        db: u64,
+        n: usize,
+        add: bool,
+    ) -> Result<()> {
+        let d = self.c;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(8).clamp(1, 264) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: (2 * d * 4) as u32,
+        };
+        let mut args = vec![
+            Arg::P(x),
+            Arg::P(w),
+            Arg::P(dy),
+            Arg::P(dx),
+            Arg::P(dw),
+            Arg::P(db),
+            Arg::I(i32_of(n, "rows")?),
+            Arg::I(i32_of(d, "dim")?),
+            Arg::F(self.eps),
+        ];
+        if add {
+            self.launch(&self.k.norm_bwd_add, cfg, &args)
+        } else {
+            args.push(Arg::I(0));
+            self.launch(&self.k.norm_bwd, cfg, &args)
+        }
+    }
+
+    /// Size (or re-size) the activation arena for micro-batch `b`.
+    fn ensure(&mut self, b: usize) -> Result<()> {
+        if self.arena.as_ref().is_some_and(|a| a.lay.b == b) {
+            return Ok(());
+        }
+        self.arena = None;
+        let (l, c, t, f) = (self.n_layer, self.c, self.t, self.hidden);
+        let n = b * t;
+        let nc = n * c;
+        // Materialised attention keeps [B·H, T, T] probabilities per layer; flash attention
+        // keeps none (a [B, H, T] log-sum-exp in f32 instead).
+        let probs = if self.flash {
+            0
+        } else {
+            b * self.n_head * t * t
+        };
+        let heads_len = if self.flash { 0 } else { 3 * nc };
+        let mut next = 0usize;
+        let mut take = |len: usize| {
+            let o = next;
+            next += align(len);
+            o
+        };
+        let mut per = |len: usize| (0..l).map(|_| take(len)).collect::<Vec<_>>();
+        let res_o = per(nc);
+        let ln1_o = per(nc);
+        let qkv_o = per(3 * nc);
+        let prob_o = per(probs);
+        let atty_o = per(nc);
+        let mid_o = per(nc);
+        let ln2_o = per(nc);
+        let fc_o = per(n * f);
+        let gelu_o = per(n * f);
+        let res_last = take(nc);
+        let lnf = take(nc);
+        let logits = take(n * self.vpad);
+        let tmp = take(nc);
+        let da = take(nc);
+        let dres = take(nc);
+        let dh = take(n * f);
+        let dqkv = take(3 * nc);
+        let heads = take(heads_len);
+        let yh = take(heads_len / 3);
+        let dheads = take(heads_len);
+        let dyh = take(heads_len / 3);
+        let dprob = take(probs);
+        let bf_len = next;
+        // f32: CE log-sum-exp [N], loss accumulator [N], then (flash) the per-layer attention
+        // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
+        let bht = if self.flash { b * self.n_head * t } else { 0 };
+        let f_lse_att = 2 * align(n);
+        let f_scratch = f_lse_att + l * align(bht);
+        let f_len = f_scratch
+            + if self.flash {
+                align(nc) + align(bht)
+            } else {
+                0
+            };
+        // SAFETY: every activation is written before it is read within a micro-batch.
+        let bf = unsafe { self.dev.alloc::<bf16>(bf_len)? };
+        let f32s = self.dev.alloc_zeros::<f32>(f_len)?;
+        let ids = self.dev.alloc_zeros::<u32>(n)?;
+        let targets = self.dev.alloc_zeros::<u32>(n)?;
+        let base = ptr(&bf, &self.stream);
+        let fbase = ptr(&f32s, &self.stream);
+        let at = |o: usize| base + 2 * o as u64;
+        let all = |v: &[usize]| v.iter().map(|&o| at(o)).collect::<Vec<_>>();
+        let mut res = all(&res_o);
+        res.push(at(res_last));
+        let lay = Lay {
+            b,
+            res,
+            ln1: all(&ln1_o),
+            qkv: all(&qkv_o),
+            prob: all(&prob_o),
+            atty: all(&atty_o),
+            mid: all(&mid_o),
+            ln2: all(&ln2_o),
+            fc: all(&fc_o),
+            gelu: all(&gelu_o),
+            lnf: at(lnf),
+            logits: at(logits),
+            tmp: at(tmp),
+            da: at(da),
+            dres: at(dres),
+            dh: at(dh),
+            dqkv: at(dqkv),
+            heads: at(heads),
+            yh: at(yh),
+            dheads: at(dheads),
+            dyh: at(dyh),
+            dprob: at(dprob),
+            lse_att: (0..l)
+                .map(|i| fbase + 4 * (f_lse_att + i * align(bht)) as u64)
+                .collect(),
+            fa_scratch: fbase + 4 * f_scratch as u64,
+            lse: fbase,
+            loss: fbase + 4 * align(n) as u64,
+            ids: ptr(&ids, &self.stream),
+            targets: ptr(&targets, &self.stream),
+        };
+        self.arena = Some(Arena {
+            _bf: bf,
+            f32s,
+            ids,
+            targets,
+            lay,
+        });
+        Ok(())
+    }
+
+    /// Start an optimizer step: cast the fp32 masters into the bf16 buffer, zero the
+    /// gradients and the loss accumulator.
+    pub fn begin(&mut self) -> Result<()> {
+        let ts: Vec<&Tensor> = self.entries.iter().map(|e| e.var.as_tensor()).collect();
+        let table = with_f32_ptrs(&ts, |ptrs| {
+            let mut table = Vec::with_capacity(3 * ptrs.len());
+            for (p, e) in ptrs.iter().zip(&self.entries) {
+                table.extend([*p, self.wbf_p + 2 * e.off as u64, e.n as u64]);
+            }
+            Ok(table)
+        })?;
+        let table = self.dev.clone_htod(&table)?;
+        let max_n = self.entries.iter().map(|e| e.n).max().unwrap_or(1);
+        let mut b = self.stream.launch_builder(&self.k.cast);
+        b.arg(&table);
+        // SAFETY: the table holds (f32 source, bf16 destination, length) triples matching the
+        // kernel's CastItem; sources are the live master weights, destinations inside wbf.
+        unsafe { b.launch(multi_grid(max_n, self.entries.len())?) }.w()?;
+        let bytes = self.grad.elem_count() * 4;
+        // SAFETY: grad_p addresses the live fp32 gradient buffer of `bytes` bytes.
+        unsafe { drv::memset_d8_async(self.grad_p, 0, bytes, self.stream.cu_stream()) }.w()?;
+        if let Some(a) = &self.arena {
+            let n = a.lay.b * self.t;
+            // SAFETY: the loss accumulator holds n f32.
+            unsafe { drv::memset_d8_async(a.lay.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
+        }
+        self.micro = 0;
+        Ok(())
+    }
+
+    /// Forward and backward of one micro-batch `[b, T]` of token ids and targets; gradients
+    /// add into the fp32 buffer scaled by `g` per token (1/(tokens·accum) for a mean loss).
+    pub fn micro(&mut self, inputs: &[u32], targets: &[u32], b: usize, g: f32) -> Result<()> {
+        let had = self.arena.as_ref().map(|a| a.lay.b);
+        self.ensure(b)?;
+        if had != Some(b) {
+            // A fresh arena: its loss accumulator must start from zero for this step.
+            if self.micro > 0 {
+                return Err(err(
+                    "whole-model step: micro-batch size changed inside an optimizer step",
+                ));
+            }
+            self.zero_loss()?;
+        }
+        let n = b * self.t;
+        if inputs.len() != n || targets.len() != n {
+            return Err(err(format!(
+                "whole-model step: a micro-batch of {b}×{} needs {n} ids and targets",
+                self.t
+            )));
+        }
+        {
+            let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+            self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
+            self.stream.memcpy_htod(targets, &mut a.targets).w()?;
+        }
+        let lay = self
+            .arena
+            .as_ref()
+            .map(|a| a.lay.clone())
+            .ok_or_else(|| err("no arena"))?;
+        self.forward(&lay)?;
+        self.backward(&lay, g)?;
+        self.micro += 1;
+        Ok(())
+    }
+
+    fn zero_loss(&self) -> Result<()> {
+        if let Some(a) = &self.arena {
+            let n = a.lay.b * self.t;
+            // SAFETY: the loss accumulator holds n f32.
+            unsafe { drv::memset_d8_async(a.lay.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
+        }
+        Ok(())
+    }
+
+    /// The step's mean loss over every token of every micro-batch since [`Self::begin`]
+    /// (one read-back; waits for the GPU).
+    pub fn loss(&self) -> Result<f64> {
+        let a = self
+            .arena
+            .as_ref()
+            .ok_or_else(|| err("no micro-batch ran"))?;
+        let n = a.lay.b * self.t;
+        let v = self
+            .stream
+            .clone_dtoh(&a.f32s.slice(align(n)..align(n) + n))
+            .w()?;
+        let sum: f64 = v.iter().map(|&x| x as f64).sum();
+        Ok(sum / (n * self.micro.max(1)) as f64)
+    }
+
+    /// `grad(var) += a·var` for each var (the SCU regulariser's gradient), one launch.
+    pub fn add_scaled_weights(&self, vars: &[&Var], a: f64) -> Result<()> {
+        let mut items = Vec::new();
+        for v in vars {
+            if let Some(&i) = self.by_id.get(&v.as_tensor().id()) {
+                items.push(i);
+            }
+        }
+        if items.is_empty() {
+            return Ok(());
+        }
+        let ts: Vec<&Tensor> = items
+            .iter()
+            .map(|&i| self.entries[i].var.as_tensor())
+            .collect();
+        let table = with_f32_ptrs(&ts, |ptrs| {
+            let mut table = Vec::with_capacity(3 * ptrs.len());
+            for (p, &i) in ptrs.iter().zip(&items) {
+                table.extend([*p, self.g(i), self.entries[i].n as u64]);
+            }
+            Ok(table)
+        })?;
+        let table = self.dev.clone_htod(&table)?;
+        let max_n = items.iter().map(|&i| self.entries[i].n).max().unwrap_or(1);
+        let a = a as f32;
+        let mut b = self.stream.launch_builder(&self.k.axpy);
+        b.arg(&table);
+        b.arg(&a);
+        // SAFETY: the table holds (f32 weight, f32 gradient, length) triples matching the
+        // kernel's AxpyItem, all live buffers.
+        unsafe { b.launch(multi_grid(max_n, items.len())?) }.w()?;
+        Ok(())
+    }
+
+    fn forward(&self, a: &Lay) -> Result<()> {
+        let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
+        let n = b * t;
+        let nc = n * c;
+        let (n_i, c_i) = (i32_of(n, "rows")?, i32_of(c, "n_embd")?);
+        self.launch(
+            &self.k.embed,
+            flat_cfg(nc),
+            &[
+                Arg::P(a.ids),
+                Arg::P(self.w(self.wte)),
+                Arg::P(self.wpe.map_or(0, |i| self.w(i))),
+                Arg::P(a.res[0]),
+                Arg::I(n_i),
+                Arg::I(i32_of(t, "T")?),
+                Arg::I(c_i),
+                Arg::I(i32_of(self.vocab, "vocab")?),
+            ],
+        )?;
+        // LN1 of layer 0 (no residual add before it).
+        let l0 = self.layers[0];
+        self.residual_norm(a.res[0], 0, 0, 0, l0.ln1_w, l0.ln1_b, a.ln1[0], n)?;
+        for (l, li) in self.layers.iter().enumerate() {
+            // qkv = ln1·Wqkvᵀ + b
+            self.lin_fwd(
+                a.ln1[l],
+                self.w(li.qkv_w),
+                a.qkv[l],
+                Lin::new(n, c, 3 * c, 3 * c),
+            )?;
+            self.bias(a.qkv[l], self.w(li.qkv_b), n, 3 * c)?;
+            self.rope(a.qkv[l], n, false)?;
+            self.attn_fwd(a, l)?;
+            // mid = res + atty·Woᵀ + bo, ln2 = LN2(mid)
+            self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
+            self.residual_norm(
+                a.res[l],
+                a.tmp,
+                self.w(li.o_b),
+                a.mid[l],
+                li.ln2_w,
+                li.ln2_b,
+                a.ln2[l],
+                n,
+            )?;
+            // MLP: gelu(ln2·Wupᵀ + b), then ·Wdownᵀ + b added to the residual, fused with
+            // the next layer's LN1 (or the final LN).
+            self.lin_fwd(a.ln2[l], self.w(li.up_w), a.fc[l], Lin::new(n, c, f, f))?;
+            self.launch(
+                &self.k.gelu_fwd,
+                flat_cfg(n * f),
+                &[
+                    Arg::P(a.fc[l]),
+                    Arg::P(self.w(li.up_b)),
+                    Arg::P(a.gelu[l]),
+                    Arg::P((n * f) as u64),
+                    Arg::I(i32_of(f, "hidden")?),
+                ],
+            )?;
+            self.lin_fwd(a.gelu[l], self.w(li.down_w), a.tmp, Lin::new(n, f, c, c))?;
+            let (nw, nb, out) = match self.layers.get(l + 1) {
+                Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
+                None => (self.lnf[0], self.lnf[1], a.lnf),
+            };
+            self.residual_norm(
+                a.mid[l],
+                a.tmp,
+                self.w(li.down_b),
+                a.res[l + 1],
+                nw,
+                nb,
+                out,
+                n,
+            )?;
+        }
+        // logits = lnf·headᵀ into rows of stride vpad, then per-row CE (keeps the LSE).
+        let head = self.head.unwrap_or(self.wte);
+        self.lin_fwd(
+            a.lnf,
+            self.w(head),
+            a.logits,
+            Lin::new(n, c, self.vocab, self.vpad),
+        )?;
+        self.launch(
+            &self.k.ce_fwd,
+            LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (512, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::P(a.logits),
+                Arg::P(a.targets),
+                Arg::P(a.lse),
+                Arg::P(a.loss),
+                Arg::I(n_i),
+                Arg::I(i32_of(self.vocab, "vocab")?),
+                Arg::I(i32_of(self.vpad, "vocab")?),
+            ],
+        )
+    }
+
+    fn backward(&self, a: &Lay, g: f32) -> Result<()> {
+        let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
+        let n = b * t;
+        let nc = n * c;
+        let n_i = i32_of(n, "rows")?;
+        self.launch(
+            &self.k.ce_bwd,
+            LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (512, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::P(a.logits),
+                Arg::P(a.targets),
+                Arg::P(a.lse),
+                Arg::F(g),
+                Arg::I(n_i),
+                Arg::I(i32_of(self.vocab, "vocab")?),
+                Arg::I(i32_of(self.vpad, "vocab")?),
+            ],
+        )?;
+        let head = self.head.unwrap_or(self.wte);
+        let v = self.vocab;
+        self.lin_dx(a.logits, self.w(head), a.da, Lin::new(n, c, v, self.vpad))?;
+        self.lin_dw(a.lnf, a.logits, self.g(head), Lin::new(n, c, v, self.vpad))?;
+        // d(final residual) = LN_f backward
+        let last = self.n_layer;
+        self.norm_bwd(
+            a.res[last],
+            self.w(self.lnf[0]),
+            a.da,
+            a.dres,
+            self.g(self.lnf[0]),
+            self.g(self.lnf[1]),
+            n,
+            false,
+        )?;
+        for (l, li) in self.layers.iter().enumerate().rev() {
+            // MLP down projection: res[l+1] = mid + gelu·Wdownᵀ + b
+            self.col_sum(a.dres, self.g(li.down_b), n, c)?;
+            self.lin_dw(a.gelu[l], a.dres, self.g(li.down_w), Lin::new(n, f, c, c))?;
+            self.lin_dx(a.dres, self.w(li.down_w), a.dh, Lin::new(n, f, c, c))?;
+            self.launch(
+                &self.k.gelu_bwd,
+                flat_cfg(n * f),
+                &[
+                    Arg::P(a.fc[l]),
+                    Arg::P(self.w(li.up_b)),
+                    Arg::P(a.dh),
+                    Arg::P(a.dh),
+                    Arg::P((n * f) as u64),
+                    Arg::I(i32_of(f, "hidden")?),
+                ],
+            )?;
+            self.col_sum(a.dh, self.g(li.up_b), n, f)?;
+            self.lin_dw(a.ln2[l], a.dh, self.g(li.up_w), Lin::new(n, c, f, f))?;
+            self.lin_dx(a.dh, self.w(li.up_w), a.da, Lin::new(n, c, f, f))?;
+            self.norm_bwd(
+                a.mid[l],
+                self.w(li.ln2_w),
+                a.da,
+                a.dres,
+                self.g(li.ln2_w),
+                self.g(li.ln2_b),
+                n,
+                true,
+            )?;
+            // attention output projection: mid = res + atty·Woᵀ + bo
+            self.col_sum(a.dres, self.g(li.o_b), n, c)?;
+            self.lin_dw(a.atty[l], a.dres, self.g(li.o_w), Lin::new(n, c, c, c))?;
+            self.lin_dx(a.dres, self.w(li.o_w), a.da, Lin::new(n, c, c, c))?;
+            self.attn_bwd(a, l)?;
+            self.rope(a.dqkv, n, true)?;
+            // qkv projection
+            self.col_sum(a.dqkv, self.g(li.qkv_b), n, 3 * c)?;
+            self.lin_dw(
+                a.ln1[l],
+                a.dqkv,
+                self.g(li.qkv_w),
+                Lin::new(n, c, 3 * c, 3 * c),
+            )?;
+            self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, Lin::new(n, c, 3 * c, 3 * c))?;
+            self.norm_bwd(
+                a.res[l],
+                self.w(li.ln1_w),
+                a.da,
+                a.dres,
+                self.g(li.ln1_w),
+                self.g(li.ln1_b),
+                n,
+                true,
+            )?;
+        }
+        // embeddings: token rows by an atomic scatter, positions summed over the batch
+        self.launch(
+            &self.k.embedding_bwd,
+            flat_cfg(nc),
+            &[
+                Arg::P(a.ids),
+                Arg::P(a.dres),
+                Arg::P(self.g(self.wte)),
+                Arg::I(n_i),
+                Arg::I(i32_of(c, "n_embd")?),
+                Arg::I(i32_of(self.vocab, "vocab")?),
+            ],
+        )?;
+        match self.wpe {
+            Some(i) => self.col_sum(a.dres, self.g(i), b, t * c),
+            None => Ok(()),
+        }
+    }
+
+    /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.
+    fn attn_fwd(&self, a: &Lay, l: usize) -> Result<()> {
+        let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
+        let hd = c / h;
+        let nc = b * t * c;
+        let bh = b * h;
+        let scale = 1.0 / (hd as f32).sqrt();
+        if self.flash {
+            return self.launch(
+                &self.k.flash_fwd,
+                self.flash_grid(b),
+                &[
+                    Arg::P(a.qkv[l]),
+                    Arg::P(a.atty[l]),
+                    Arg::P(a.lse_att[l]),
+                    Arg::I(i32_of(b, "B")?),
+                    Arg::I(i32_of(t, "T")?),
+                    Arg::I(i32_of(h, "H")?),
+                    Arg::F(scale),
+                ],
+            );
+        }
+        // attention: split heads, S = Q·Kᵀ, P = causal softmax(scale·S), Y = P·V, merge
+        let (q, k, v) = (a.heads, a.heads + 2 * nc as u64, a.heads + 4 * nc as u64);
+        self.launch(
+            &self.k.qkv_split,
+            flat_cfg(3 * nc),
+            &[
+                Arg::P(a.qkv[l]),
+                Arg::P(q),
+                Arg::P(k),
+                Arg::P(v),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(hd, "hd")?),
+            ],
+        )?;
+        self.gemm(
+            (true, false),
+            (t, t, hd),
+            bmat(k, hd, t * hd),
+            bmat(q, hd, t * hd),
+            bmat(a.prob[l], t, t * t),
+            false,
+            0.0,
+            bh,
+        )?;
+        self.softmax(&self.k.softmax_fwd, &[a.prob[l], a.prob[l]], bh * t, scale)?;
+        self.gemm(
+            (false, false),
+            (hd, t, t),
+            bmat(v, hd, t * hd),
+            bmat(a.prob[l], t, t * t),
+            bmat(a.yh, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        self.heads(&self.k.heads_merge, a.yh, a.atty[l], b, c, 0)?;
+        Ok(())
+    }
+
+    /// The attention backward of layer `l`: `da` (d atty) → `dqkv`.
+    fn attn_bwd(&self, a: &Lay, l: usize) -> Result<()> {
+        let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
+        let hd = c / h;
+        let nc = b * t * c;
+        let bh = b * h;
+        let scale = 1.0 / (hd as f32).sqrt();
+        if self.flash {
+            let (bi, ti, hi) = (i32_of(b, "B")?, i32_of(t, "T")?, i32_of(h, "H")?);
+            let delta = a.fa_scratch + 4 * nc as u64;
+            let rows = b * t * h;
+            self.launch(
+                &self.k.flash_pre,
+                LaunchConfig {
+                    grid_dim: (rows.div_ceil(32) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::P(a.atty[l]),
+                    Arg::P(a.da),
+                    Arg::P(delta),
+                    Arg::P(a.fa_scratch),
+                    Arg::I(bi),
+                    Arg::I(ti),
+                    Arg::I(hi),
+                ],
+            )?;
+            self.launch(
+                &self.k.flash_bwd,
+                self.flash_grid(b),
+                &[
+                    Arg::P(a.qkv[l]),
+                    Arg::P(a.da),
+                    Arg::P(a.lse_att[l]),
+                    Arg::P(delta),
+                    Arg::P(a.fa_scratch),
+                    Arg::P(a.dqkv),
+                    Arg::I(bi),
+                    Arg::I(ti),
+                    Arg::I(hi),
+                    Arg::F(scale),
+                ],
+            )?;
+            return self.launch(
+                &self.k.flash_dq,
+                LaunchConfig {
+                    grid_dim: ((rows * 16).div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::P(a.fa_scratch),
+                    Arg::P(a.dqkv),
+                    Arg::I(bi),
+                    Arg::I(ti),
+                    Arg::I(hi),
+                    Arg::F(scale),
+                ],
+            );
+        }
+        // attention core, from the saved probabilities
+        let (q, k, vv) = (a.heads, a.heads + 2 * nc as u64, a.heads + 4 * nc as u64);
+        let (dq, dk, dv) = (a.dheads, a.dheads + 2 * nc as u64, a.dheads + 4 * nc as u64);
+        self.launch(
+            &self.k.qkv_split,
+            flat_cfg(3 * nc),
+            &[
+                Arg::P(a.qkv[l]),
+                Arg::P(q),
+                Arg::P(k),
+                Arg::P(vv),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(hd, "hd")?),
+            ],
+        )?;
+        self.heads(&self.k.heads_split, a.da, a.dyh, b, c, 0)?;
+        // dP = dY·Vᵀ
+        self.gemm(
+            (true, false),
+            (t, t, hd),
+            bmat(vv, hd, t * hd),
+            bmat(a.dyh, hd, t * hd),
+            bmat(a.dprob, t, t * t),
+            false,
+            0.0,
+            bh,
+        )?;
+        // dV = Pᵀ·dY
+        self.gemm(
+            (false, true),
+            (hd, t, t),
+            bmat(a.dyh, hd, t * hd),
+            bmat(a.prob[l], t, t * t),
+            bmat(dv, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        // dS = softmax backward (scale folded in), in place
+        self.softmax(
+            &self.k.softmax_bwd,
+            &[a.prob[l], a.dprob, a.dprob],
+            bh * t,
+            scale,
+        )?;
+        // dQ = dS·K, dK = dSᵀ·Q
+        self.gemm(
+            (false, false),
+            (hd, t, t),
+            bmat(k, hd, t * hd),
+            bmat(a.dprob, t, t * t),
+            bmat(dq, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        self.gemm(
+            (false, true),
+            (hd, t, t),
+            bmat(q, hd, t * hd),
+            bmat(a.dprob, t, t * t),
+            bmat(dk, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        for (i, p) in [dq, dk, dv].into_iter().enumerate() {
+            self.heads(&self.k.heads_merge, p, a.dqkv, b, 3 * c, i)?;
+        }
+        Ok(())
+    }
+
+    /// Flash attention's grid: (B·H, query or key blocks of 64), 4 warps.
+    fn flash_grid(&self, b: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((b * self.n_head) as u32, self.t.div_ceil(64) as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// RoPE in place on q and k of packed projections `[rows, 3C]` (`inverse`: rotate
+    /// back, for their gradients).
+    fn rope(&self, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
+        let Some(log_theta) = self.rope else {
+            return Ok(());
+        };
+        let hd = self.c / self.n_head;
+        self.launch(
+            &self.k.rope,
+            flat_cfg(rows * self.c),
+            &[
+                Arg::P(qkv),
+                Arg::I(i32_of(rows, "rows")?),
+                Arg::I(i32_of(self.t, "T")?),
+                Arg::I(i32_of(self.n_head, "H")?),
+                Arg::I(i32_of(hd, "hd")?),
+                Arg::I(i32_of(3 * self.c, "ld")?),
+                Arg::D(log_theta),
+                Arg::F(if inverse { -1.0 } else { 1.0 }),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn residual_norm(
+        &self,
+        x: u64,
+        y: u64,
+        bias: u64,
+        res: u64,
+        w: usize,
+        bn: usize,
+        out: u64,
+        n: usize,
+    ) -> Result<()> {
+        self.launch(
+            &self.k.residual_norm,
+            row_cfg(n),
+            &[
+                Arg::P(x),
+                Arg::P(y),
+                Arg::P(bias),
+                Arg::P(res),
+                Arg::P(self.w(w)),
+                Arg::P(self.w(bn)),
+                Arg::P(out),
+                Arg::I(i32_of(n, "rows")?),
+                Arg::I(i32_of(self.c, "n_embd")?),
+                Arg::F(self.eps),
+            ],
+        )
+    }
+
+    /// `x[n, c] += b` in place.
+    fn bias(&self, x: u64, b: u64, n: usize, c: usize) -> Result<()> {
+        self.launch(
+            &self.k.bias_add,
+            flat_cfg(n * c),
+            &[
+                Arg::P(x),
+                Arg::P(b),
+                Arg::P(x),
+                Arg::P((n * c) as u64),
+                Arg::I(i32_of(c, "cols")?),
+            ],
+        )
+    }
+
+    /// Causal softmax forward (`ptrs` = x, y) or backward (`ptrs` = y, dy, dx) over
+    /// `rows` rows of T.
+    fn softmax(&self, f: &CudaFunction, ptrs: &[u64], rows: usize, scale: f32) -> Result<()> {
+        let t = i32_of(self.t, "T")?;
+        let mut args: Vec<Arg> = ptrs.iter().map(|&p| Arg::P(p)).collect();
+        args.extend([
+            Arg::I(i32_of(rows, "rows")?),
+            Arg::I(t),
+            Arg::I(t),
+            Arg::F(scale),
+        ]);
+        self.launch(f, row_cfg(rows), &args)
+    }
+
+    /// Heads `[B, H, T, hd]` ↔ columns `part·C ..` of a `[B, T, ld]` buffer (merge: src
+    /// heads → dst buffer; split: src buffer → dst heads).
+    #[allow(clippy::too_many_arguments)]
+    fn heads(
+        &self,
+        f: &CudaFunction,
+        src: u64,
+        dst: u64,
+        b: usize,
+        ld: usize,
+        part: usize,
+    ) -> Result<()> {
+        let (h, c) = (self.n_head, self.c);
+        self.launch(
+            f,
+            flat_cfg(b * self.t * c),
+            &[
+                Arg::P(src),
+                Arg::P(dst),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(self.t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(c / h, "hd")?),
+                Arg::I(i32_of(ld, "ld")?),
+                Arg::I(i32_of(part * c, "offset")?),
+            ],
+        )
+    }
+}
