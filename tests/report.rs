@@ -59,6 +59,7 @@ fn step(step: u64, loss: f64) -> Event {
         dropped_before: 0,
         comm_ms: 0.0,
         ranks: vec![],
+        kernels: vec![],
     })
 }
 

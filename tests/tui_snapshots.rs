@@ -78,6 +78,7 @@ fn step_stats(step: u64) -> StepStats {
         dropped_before: 0,
         comm_ms: 0.0,
         ranks: vec![],
+        kernels: vec![],
     }
 }
 

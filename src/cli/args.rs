@@ -59,6 +59,10 @@ pub enum Cmd {
         /// Also write the figures as JSON.
         #[arg(long, value_name = "FILE")]
         json: Option<PathBuf>,
+        /// Time every kernel of the whole-model CUDA step (CUDA events; slows the step a
+        /// little) and print the GPU time per kernel group.
+        #[arg(long)]
+        profile: bool,
     },
     /// Tokenize and pack a config's text data ahead of training.
     Prepare {

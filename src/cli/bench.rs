@@ -6,7 +6,7 @@
 
 use super::{config_error, EXIT_FAILURE, EXIT_OK};
 use crate::config;
-use crate::engine::events::{Event, RunInfo, StepStats};
+use crate::engine::events::{Event, KernelTime, RunInfo, StepStats};
 use crate::engine::{Engine, EngineOptions};
 use anyhow::Context;
 use serde::Serialize;
@@ -33,6 +33,9 @@ pub struct BenchReport {
     pub peak_mem_gb: Option<f64>,
     pub loss_first: f64,
     pub loss_last: f64,
+    /// With `--profile`: GPU ms per step by kernel group (mean over the timed steps).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kernels: Vec<KernelTime>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -79,7 +82,32 @@ pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchRepor
         peak_mem_gb: peak.map(|b| b as f64 / 1e9),
         loss_first: timed.first().map_or(f64::NAN, |s| s.loss),
         loss_last: timed.last().map_or(f64::NAN, |s| s.loss),
+        kernels: mean_kernels(timed),
     }
+}
+
+/// Per kernel group: GPU ms and launches per step, averaged over the steps that carry them.
+fn mean_kernels(timed: &[StepStats]) -> Vec<KernelTime> {
+    let with: Vec<&StepStats> = timed.iter().filter(|s| !s.kernels.is_empty()).collect();
+    let mut out: Vec<KernelTime> = Vec::new();
+    for s in &with {
+        for k in &s.kernels {
+            match out.iter_mut().find(|o| o.name == k.name) {
+                Some(o) => {
+                    o.ms += k.ms;
+                    o.launches += k.launches;
+                }
+                None => out.push(k.clone()),
+            }
+        }
+    }
+    let n = with.len().max(1);
+    for o in &mut out {
+        o.ms /= n as f64;
+        o.launches /= n as u32;
+    }
+    out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    out
 }
 
 impl std::fmt::Display for BenchReport {
@@ -104,7 +132,25 @@ impl std::fmt::Display for BenchReport {
         if let Some(g) = self.peak_mem_gb {
             write!(f, " | peak {g:.1} GB")?;
         }
-        write!(f, " | loss {:.3} -> {:.3}", self.loss_first, self.loss_last)
+        write!(f, " | loss {:.3} -> {:.3}", self.loss_first, self.loss_last)?;
+        if !self.kernels.is_empty() {
+            let total: f64 = self.kernels.iter().map(|k| k.ms).sum();
+            write!(
+                f,
+                "\nGPU time per step by kernel group ({total:.2} ms in all):"
+            )?;
+            for k in &self.kernels {
+                write!(
+                    f,
+                    "\n  {:<26} {:>7.2} ms {:>5.1}% {:>5} launches",
+                    k.name,
+                    k.ms,
+                    100.0 * k.ms / total.max(1e-9),
+                    k.launches
+                )?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -115,6 +161,7 @@ pub struct BenchArgs<'a> {
     pub warmup: u64,
     pub device: Option<&'a str>,
     pub json: Option<&'a Path>,
+    pub profile: bool,
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
@@ -147,7 +194,10 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         std::env::temp_dir().join(format!("cockpit-bench-{}", std::process::id()));
     std::fs::create_dir_all(&run_dir)
         .with_context(|| format!("creating the scratch run dir {}", run_dir.display()))?;
-    let engine = Engine::spawn(EngineOptions::new(cfg, run_dir.clone(), device))?;
+    let engine = Engine::spawn(EngineOptions {
+        profile_kernels: a.profile,
+        ..EngineOptions::new(cfg, run_dir.clone(), device)
+    })?;
     let (mut info, mut steps, mut failure) = (None, Vec::new(), None);
     while let Some(ev) = engine.events.recv() {
         match ev {

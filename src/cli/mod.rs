@@ -47,6 +47,7 @@ pub fn main() -> i32 {
             set,
             device,
             json,
+            profile,
         }) => bench::run(bench::BenchArgs {
             config: config.as_deref(),
             set: &set,
@@ -54,6 +55,7 @@ pub fn main() -> i32 {
             warmup,
             device: device.as_deref(),
             json: json.as_deref(),
+            profile,
         }),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
@@ -273,6 +275,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         fault_hang_step: rank::fault_step("COCKPIT_FAULT_HANG", rank),
         progress: distributed.then(|| progress.clone()),
         dist: joined,
+        profile_kernels: false,
     }) {
         Ok(e) => e,
         Err(e) => {

@@ -129,6 +129,18 @@ pub struct StepStats {
     /// Data parallelism: every rank's share of the step (empty for a single process).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<RankStat>,
+    /// GPU time of the step by kernel group (the whole-model CUDA step with kernel profiling
+    /// on, as `cockpit bench --profile`); empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub kernels: Vec<KernelTime>,
+}
+
+/// GPU time of one group of kernels in a step (CUDA events around each launch).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KernelTime {
+    pub name: String,
+    pub ms: f64,
+    pub launches: u32,
 }
 
 /// How far a run has got, for a watchdog on another thread: a run that stops stepping is

@@ -807,8 +807,8 @@ impl Model {
 
     /// The weights in the whole-model CUDA step's order, when this model is one it runs:
     /// GPT-2 style (LayerNorm with biases, GELU, biases on every linear layer, full
-    /// multi-head attention; learned positions or RoPE), bf16 on CUDA, no LoRA, no dropout,
-    /// all trainable.
+    /// multi-head attention; learned positions or RoPE; widths multiples of 8 for 16-byte
+    /// accesses), bf16 on CUDA, no LoRA, no dropout, all trainable.
     pub fn step_weights(&self) -> Option<StepWeights> {
         let s = &self.shape;
         let fits = s.kernels.step
@@ -818,6 +818,8 @@ impl Model {
             && s.activation == Activation::Gelu
             && s.bias
             && s.n_kv_head == s.n_head
+            && s.n_embd.is_multiple_of(8)
+            && s.hidden.is_multiple_of(8)
             && s.dropout <= 0.0
             && self.params.iter().all(|p| p.trainable && !p.kind.is_lora());
         if !fits {

@@ -55,6 +55,9 @@ pub struct EngineOptions {
     /// Fault injection for tests: hang (as a stuck rank would) before this optimizer step.
     #[doc(hidden)]
     pub fault_hang_step: Option<u64>,
+    /// Time every kernel of the whole-model CUDA step with CUDA events and report the GPU
+    /// time per kernel group in each step's `kernels` (`cockpit bench --profile`).
+    pub profile_kernels: bool,
 }
 
 impl EngineOptions {
@@ -72,6 +75,7 @@ impl EngineOptions {
             fault_fail_step: None,
             progress: None,
             fault_hang_step: None,
+            profile_kernels: false,
         }
     }
 }
@@ -179,6 +183,7 @@ struct Trainer {
     world: usize,
     fault_fail_step: Option<u64>,
     fault_hang_step: Option<u64>,
+    profile_kernels: bool,
     progress: Option<std::sync::Arc<events::Progress>>,
     device: Device,
     dtype: DType,
@@ -367,6 +372,7 @@ impl Trainer {
             world,
             fault_fail_step: opts.fault_fail_step,
             fault_hang_step: opts.fault_hang_step,
+            profile_kernels: opts.profile_kernels,
             progress: opts.progress,
             scu: ScuController::new(&cfg.scu),
             micro_batch: o.micro_batch,
@@ -662,7 +668,9 @@ impl Trainer {
             self.whole_checked = true;
             if self.scaler.scale == 1.0 && !self.scaler.enabled {
                 if let Some(w) = self.model.step_weights() {
-                    self.whole = Some(super::kernels::GptStep::new(&w)?);
+                    let mut step = super::kernels::GptStep::new(&w)?;
+                    step.set_profiling(self.profile_kernels);
+                    self.whole = Some(step);
                 }
             }
         }
@@ -1532,6 +1540,10 @@ impl Trainer {
             let step_tokens = (self.micro_batch * self.accum * seq_len * self.world) as u64;
             self.tokens += step_tokens;
             let step_s = t_step.elapsed().as_secs_f64();
+            let kernels = match &self.whole {
+                Some(w) => w.take_profile()?,
+                None => Vec::new(),
+            };
             self.summary.last_loss = Some(ce);
             out.emit(Event::Step(StepStats {
                 step: self.step,
@@ -1552,6 +1564,7 @@ impl Trainer {
                 dropped_before: 0,
                 comm_ms: comm,
                 ranks,
+                kernels,
             }));
 
             self.scu.observe(ce);

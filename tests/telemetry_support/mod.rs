@@ -126,6 +126,7 @@ pub fn step(n: u64, step_ms: f64, data_wait_ms: f64) -> StepStats {
         dropped_before: 0,
         comm_ms: 0.0,
         ranks: vec![],
+        kernels: vec![],
     }
 }
 

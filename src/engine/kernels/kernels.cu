@@ -116,8 +116,13 @@ __device__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
 
 // dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w (RMSNorm drops the mean(g) term);
 // dw += Σ_rows dy·x̂, db += Σ_rows dy into f32 accumulators (zeroed by the caller).
-// Rows are strided over the grid; each block keeps its partial dw/db in shared memory.
+// Rows are strided over the grid, one warp per row. For d ≤ 32·NORM_K each lane owns the
+// columns lane + 32·k: the row's x and dy stay in registers (one read each), and the lane
+// sums its columns' dw/db over all its rows in registers; the block combines the warps'
+// partials in shared memory once at the end, then one global atomic per column per block.
+// Wider rows take a slower path with shared-memory atomics per element.
 // With `add`, dx accumulates (dx += …): the residual stream's gradient in the whole-model step.
+#define NORM_K 32
 template <typename T>
 __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
                          const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ dw,
@@ -127,29 +132,94 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
     __syncthreads();
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
-    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
-        const T* xr = x + (size_t)row * d;
-        const T* dyr = dy + (size_t)row * d;
-        T* dxr = dx + (size_t)row * d;
-        float mu, rstd;
-        row_stats(xr, d, eps, rms, lane, &mu, &rstd);
-        float a = 0.f, c = 0.f;
-        for (int j = lane; j < d; j += 32) {
-            float xh = (to_f(xr[j]) - mu) * rstd;
-            float dyv = to_f(dyr[j]);
-            float g = dyv * to_f(w[j]);
-            a += g;
-            c += g * xh;
-            atomicAdd(&sh[j], dyv * xh);
-            if (!rms) atomicAdd(&sh[d + j], dyv);
+    if (d <= 32 * NORM_K) {
+        float aw[NORM_K], ab[NORM_K];
+#pragma unroll
+        for (int k = 0; k < NORM_K; k++) aw[k] = ab[k] = 0.f;
+        for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n;
+             row += gridDim.x * warps) {
+            const T* xr = x + (size_t)row * d;
+            const T* dyr = dy + (size_t)row * d;
+            T* dxr = dx + (size_t)row * d;
+            float xv[NORM_K], gv[NORM_K];
+            float s = 0.f;
+#pragma unroll
+            for (int k = 0; k < NORM_K; k++) {
+                const int j = lane + 32 * k;
+                xv[k] = j < d ? to_f(xr[j]) : 0.f;
+                gv[k] = j < d ? to_f(dyr[j]) : 0.f;  // dy for now
+                s += xv[k];
+            }
+            const float mu = rms ? 0.f : warp_sum(s) / d;
+            float ss = 0.f;
+#pragma unroll
+            for (int k = 0; k < NORM_K; k++) {
+                const int j = lane + 32 * k;
+                const float cdev = j < d ? xv[k] - mu : 0.f;
+                ss += cdev * cdev;
+            }
+            const float rstd = rsqrtf(warp_sum(ss) / d + eps);
+            float a = 0.f, c = 0.f;
+#pragma unroll
+            for (int k = 0; k < NORM_K; k++) {
+                const int j = lane + 32 * k;
+                if (j < d) {
+                    const float xh = (xv[k] - mu) * rstd;
+                    const float dyv = gv[k];
+                    aw[k] += dyv * xh;
+                    ab[k] += dyv;
+                    const float g = dyv * to_f(w[j]);
+                    gv[k] = g;
+                    xv[k] = xh;
+                    a += g;
+                    c += g * xh;
+                }
+            }
+            a = rms ? 0.f : warp_sum(a) / d;
+            c = warp_sum(c) / d;
+#pragma unroll
+            for (int k = 0; k < NORM_K; k++) {
+                const int j = lane + 32 * k;
+                if (j < d) {
+                    const float prev = add ? to_f(dxr[j]) : 0.f;
+                    dxr[j] = from_f<T>(prev + rstd * (gv[k] - a - xv[k] * c));
+                }
+            }
         }
-        a = rms ? 0.f : warp_sum(a) / d;
-        c = warp_sum(c) / d;
-        for (int j = lane; j < d; j += 32) {
-            float xh = (to_f(xr[j]) - mu) * rstd;
-            float g = to_f(dyr[j]) * to_f(w[j]);
-            const float prev = add ? to_f(dxr[j]) : 0.f;
-            dxr[j] = from_f<T>(prev + rstd * (g - a - xh * c));
+#pragma unroll
+        for (int k = 0; k < NORM_K; k++) {
+            const int j = lane + 32 * k;
+            if (j < d) {
+                atomicAdd(&sh[j], aw[k]);
+                if (!rms) atomicAdd(&sh[d + j], ab[k]);
+            }
+        }
+    } else {
+        for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n;
+             row += gridDim.x * warps) {
+            const T* xr = x + (size_t)row * d;
+            const T* dyr = dy + (size_t)row * d;
+            T* dxr = dx + (size_t)row * d;
+            float mu, rstd;
+            row_stats(xr, d, eps, rms, lane, &mu, &rstd);
+            float a = 0.f, c = 0.f;
+            for (int j = lane; j < d; j += 32) {
+                float xh = (to_f(xr[j]) - mu) * rstd;
+                float dyv = to_f(dyr[j]);
+                float g = dyv * to_f(w[j]);
+                a += g;
+                c += g * xh;
+                atomicAdd(&sh[j], dyv * xh);
+                if (!rms) atomicAdd(&sh[d + j], dyv);
+            }
+            a = rms ? 0.f : warp_sum(a) / d;
+            c = warp_sum(c) / d;
+            for (int j = lane; j < d; j += 32) {
+                float xh = (to_f(xr[j]) - mu) * rstd;
+                float g = to_f(dyr[j]) * to_f(w[j]);
+                const float prev = add ? to_f(dxr[j]) : 0.f;
+                dxr[j] = from_f<T>(prev + rstd * (g - a - xh * c));
+            }
         }
     }
     __syncthreads();
@@ -569,25 +639,51 @@ extern "C" __global__ void norm_bwd_add_bf16(const bf16_t* x, const bf16_t* w, c
     norm_bwd<bf16_t>(x, w, dy, dx, dw, db, n, d, eps, 0, 1);
 }
 
-// Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary):
-// lse[r] = logsumexp(x[r, :v]); acc[r] += lse[r] − x[r, t[r]] (a per-row running sum over the
-// micro-batches of one step, read back once). One block per row.
-extern "C" __global__ void ce_fwd_acc_bf16(const bf16_t* __restrict__ x,
-                                           const uint32_t* __restrict__ t, float* __restrict__ lse,
-                                           float* __restrict__ acc, int n, int v, int ld) {
-    __shared__ float sm[32], ss[32];
+// Eight bf16 values moved as one 16-byte access.
+union Bf8 {
+    uint4 u;
+    __nv_bfloat162 h[4];
+};
+
+// Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary; ld a
+// multiple of 8 and rows 16-byte aligned), forward and backward in one pass per row:
+// acc[r] += logsumexp(x[r, :v]) − x[r, t[r]] (a per-row running sum over the micro-batches of
+// one step, read back once), then in place x[r, j] = g·(softmax(x[r])_j − [j = t[r]]) while
+// the row is still in L2. One block per row, 16-byte loads and stores.
+extern "C" __global__ void ce_fused_bf16(bf16_t* __restrict__ x, const uint32_t* __restrict__ t,
+                                         float* __restrict__ acc, float g, int n, int v, int ld) {
+    __shared__ float sm[32], ss[32], lse_sh;
     const int row = blockIdx.x;
     if (row >= n) return;
-    const bf16_t* xr = x + (size_t)row * ld;
+    bf16_t* xr = x + (size_t)row * ld;
+    uint4* xv = reinterpret_cast<uint4*>(xr);
+    const int v8 = v >> 3;
     float m = -INFINITY, s = 0.f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        float z = to_f(xr[j]);
-        if (z > m) {
-            s = s * __expf(m - z) + 1.f;
-            m = z;
-        } else {
-            s += __expf(z - m);
+    for (int q = threadIdx.x; q < v8; q += blockDim.x) {
+        Bf8 b;
+        b.u = xv[q];
+        float z[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 f = __bfloat1622float2(b.h[i]);
+            z[2 * i] = f.x;
+            z[2 * i + 1] = f.y;
         }
+        float cm = z[0];
+#pragma unroll
+        for (int i = 1; i < 8; i++) cm = fmaxf(cm, z[i]);
+        const float mm = fmaxf(m, cm);
+        float cs = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) cs += __expf(z[i] - mm);
+        s = s * __expf(m - mm) + cs;
+        m = mm;
+    }
+    for (int j = (v8 << 3) + threadIdx.x; j < v; j += blockDim.x) {
+        const float z = to_f(xr[j]);
+        const float mm = fmaxf(m, z);
+        s = s * __expf(m - mm) + __expf(z - mm);
+        m = mm;
     }
     for (int o = 16; o > 0; o >>= 1)
         lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o), __shfl_xor_sync(FULL_MASK, s, o));
@@ -597,6 +693,7 @@ extern "C" __global__ void ce_fwd_acc_bf16(const bf16_t* __restrict__ x,
         ss[warp] = s;
     }
     __syncthreads();
+    const uint32_t tg = t[row];
     if (warp == 0) {
         m = lane < warps ? sm[lane] : -INFINITY;
         s = lane < warps ? ss[lane] : 0.f;
@@ -604,27 +701,91 @@ extern "C" __global__ void ce_fwd_acc_bf16(const bf16_t* __restrict__ x,
             lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o),
                         __shfl_xor_sync(FULL_MASK, s, o));
         if (lane == 0) {
-            const uint32_t tg = t[row];
             const float l = m + logf(s);
-            lse[row] = l;
+            lse_sh = l;
             acc[row] += tg < (uint32_t)v ? l - to_f(xr[tg]) : __int_as_float(0x7fc00000);
         }
     }
+    __syncthreads();
+    const float l = lse_sh;
+    for (int q = threadIdx.x; q < v8; q += blockDim.x) {
+        Bf8 b;
+        b.u = xv[q];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 f = __bfloat1622float2(b.h[i]);
+            const int j = q * 8 + 2 * i;
+            const float p0 = g * (__expf(f.x - l) - (j == (int)tg ? 1.f : 0.f));
+            const float p1 = g * (__expf(f.y - l) - (j + 1 == (int)tg ? 1.f : 0.f));
+            b.h[i] = __floats2bfloat162_rn(p0, p1);
+        }
+        xv[q] = b.u;
+    }
+    for (int j = (v8 << 3) + threadIdx.x; j < v; j += blockDim.x) {
+        const float p = __expf(to_f(xr[j]) - l);
+        xr[j] = __float2bfloat16(g * (p - (j == (int)tg ? 1.f : 0.f)));
+    }
 }
 
-// In place: x[r, j] = g·(softmax(x[r, :v])_j − [j = t[r]]) for j < v (padding columns untouched).
-extern "C" __global__ void ce_bwd_inplace_bf16(bf16_t* __restrict__ x,
-                                               const uint32_t* __restrict__ t,
-                                               const float* __restrict__ lse, float g, int n,
-                                               int v, int ld) {
-    const int row = blockIdx.x;
-    if (row >= n) return;
-    bf16_t* xr = x + (size_t)row * ld;
-    const int tg = (int)t[row];
-    const float l = lse[row];
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        const float p = __expf(to_f(xr[j]) - l);
-        xr[j] = __float2bfloat16(g * (p - (j == tg ? 1.f : 0.f)));
+// Vectorised bias epilogues over x [rows, c] with c a multiple of 8 (16-byte accesses):
+// y = x + b, y = gelu(x + b), and dx = dy·gelu'(x + b) (dx may alias dy, y may alias x).
+__device__ __forceinline__ float gelu_f(float u) {
+    return 0.5f * u * (1.f + tanhf(GELU_K0 * (u + GELU_K1 * u * u * u)));
+}
+__device__ __forceinline__ float gelu_grad_f(float u) {
+    const float th = tanhf(GELU_K0 * (u + GELU_K1 * u * u * u));
+    return 0.5f * (1.f + th) + 0.5f * u * (1.f - th * th) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
+}
+
+// mode 0: bias add, 1: bias + GELU
+extern "C" __global__ void bias_act_v8_bf16(const bf16_t* __restrict__ x,
+                                            const bf16_t* __restrict__ b, bf16_t* y,
+                                            size_t total8, int c8, int mode) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const uint4* bv = reinterpret_cast<const uint4*>(b);
+    uint4* yv = reinterpret_cast<uint4*>(y);
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < total8;
+         q += (size_t)gridDim.x * blockDim.x) {
+        Bf8 xa, ba, out;
+        xa.u = xv[q];
+        ba.u = bv[q % c8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 f = __bfloat1622float2(xa.h[i]);
+            const float2 fb = __bfloat1622float2(ba.h[i]);
+            float u0 = f.x + fb.x, u1 = f.y + fb.y;
+            if (mode == 1) {
+                u0 = gelu_f(u0);
+                u1 = gelu_f(u1);
+            }
+            out.h[i] = __floats2bfloat162_rn(u0, u1);
+        }
+        yv[q] = out.u;
+    }
+}
+
+extern "C" __global__ void bias_gelu_bwd_v8_bf16(const bf16_t* __restrict__ x,
+                                                 const bf16_t* __restrict__ b, const bf16_t* dy,
+                                                 bf16_t* dx, size_t total8, int c8) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const uint4* bv = reinterpret_cast<const uint4*>(b);
+    const uint4* dyv = reinterpret_cast<const uint4*>(dy);
+    uint4* dxv = reinterpret_cast<uint4*>(dx);
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < total8;
+         q += (size_t)gridDim.x * blockDim.x) {
+        Bf8 xa, ba, ga, out;
+        xa.u = xv[q];
+        ba.u = bv[q % c8];
+        ga.u = dyv[q];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 f = __bfloat1622float2(xa.h[i]);
+            const float2 fb = __bfloat1622float2(ba.h[i]);
+            const float2 fg = __bfloat1622float2(ga.h[i]);
+            out.h[i] = __floats2bfloat162_rn(fg.x * gelu_grad_f(f.x + fb.x),
+                                             fg.y * gelu_grad_f(f.y + fb.y));
+        }
+        dxv[q] = out.u;
     }
 }
 

@@ -157,6 +157,10 @@ mod step_stub {
         pub fn add_scaled_weights(&self, _vars: &[&Var], _a: f64) -> Result<()> {
             no_cuda()
         }
+        pub fn set_profiling(&mut self, _on: bool) {}
+        pub fn take_profile(&self) -> Result<Vec<crate::engine::events::KernelTime>> {
+            Ok(Vec::new())
+        }
     }
 }
 #[cfg(not(feature = "cuda"))]

@@ -19,18 +19,21 @@
 //! The forward/backward is the same arithmetic as the plain candle model (tests/gpu_kernels.rs
 //! compares loss and every gradient on the GPU).
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
-    result as drv, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    result as drv, sys::CUevent_flags, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
 use half::bf16;
 
 use super::cuda::{err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, MODULE, PTX};
+use crate::engine::events::KernelTime;
 use crate::engine::model::StepWeights;
 
 /// Elements each sub-buffer is aligned to (256 bytes in bf16): cuBLAS and vector loads like it.
@@ -93,38 +96,49 @@ fn bmat(p: u64, ld: usize, stride: usize) -> Mat {
     }
 }
 
+/// A timed launch: its group name and the events before and after it.
+type Mark = (&'static str, CudaEvent, CudaEvent);
+
+/// A loaded kernel and the name its GPU time is reported under.
+struct Kern {
+    f: CudaFunction,
+    name: &'static str,
+}
+
 struct Kernels {
-    cast: CudaFunction,
-    axpy: CudaFunction,
-    embed: CudaFunction,
-    residual_norm: CudaFunction,
-    norm_bwd: CudaFunction,
-    norm_bwd_add: CudaFunction,
-    ce_fwd: CudaFunction,
-    ce_bwd: CudaFunction,
-    bias_add: CudaFunction,
-    gelu_fwd: CudaFunction,
-    gelu_bwd: CudaFunction,
-    col_sum: CudaFunction,
-    qkv_split: CudaFunction,
-    heads_merge: CudaFunction,
-    heads_split: CudaFunction,
-    softmax_fwd: CudaFunction,
-    softmax_bwd: CudaFunction,
-    embedding_bwd: CudaFunction,
-    rope: CudaFunction,
-    flash_fwd: CudaFunction,
-    flash_pre: CudaFunction,
-    flash_bwd: CudaFunction,
-    flash_dq: CudaFunction,
+    cast: Kern,
+    axpy: Kern,
+    embed: Kern,
+    residual_norm: Kern,
+    norm_bwd: Kern,
+    norm_bwd_add: Kern,
+    ce: Kern,
+    bias_act: Kern,
+    gelu_bwd: Kern,
+    col_sum: Kern,
+    qkv_split: Kern,
+    heads_merge: Kern,
+    heads_split: Kern,
+    softmax_fwd: Kern,
+    softmax_bwd: Kern,
+    embedding_bwd: Kern,
+    rope: Kern,
+    flash_fwd: Kern,
+    flash_pre: Kern,
+    flash_bwd: Kern,
+    flash_dq: Kern,
 }
 
 impl Kernels {
     fn load(dev: &CudaDevice) -> Result<Self> {
-        let f = |name: &str| -> Result<CudaFunction> {
-            Ok(dev
+        let f = |name: &'static str| -> Result<Kern> {
+            let f = dev
                 .get_or_load_custom_func(name, MODULE, PTX)?
-                .into_cuda_function())
+                .into_cuda_function();
+            Ok(Kern {
+                f,
+                name: name.trim_end_matches("_bf16").trim_end_matches("_f32"),
+            })
         };
         Ok(Self {
             cast: f("cast_multi_f32_bf16")?,
@@ -133,11 +147,9 @@ impl Kernels {
             residual_norm: f("residual_norm_bf16")?,
             norm_bwd: f("norm_bwd_bf16")?,
             norm_bwd_add: f("norm_bwd_add_bf16")?,
-            ce_fwd: f("ce_fwd_acc_bf16")?,
-            ce_bwd: f("ce_bwd_inplace_bf16")?,
-            bias_add: f("bias_add_bf16")?,
-            gelu_fwd: f("bias_gelu_fwd_bf16")?,
-            gelu_bwd: f("bias_gelu_bwd_bf16")?,
+            ce: f("ce_fused_bf16")?,
+            bias_act: f("bias_act_v8_bf16")?,
+            gelu_bwd: f("bias_gelu_bwd_v8_bf16")?,
             col_sum: f("col_sum_bf16")?,
             qkv_split: f("qkv_split_bf16")?,
             heads_merge: f("heads_merge_bf16")?,
@@ -209,7 +221,6 @@ struct Lay {
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     lse_att: Vec<u64>,
     fa_scratch: u64,
-    lse: u64,
     loss: u64,
     // u32
     ids: u64,
@@ -256,6 +267,8 @@ pub struct GptStep {
     grad: Tensor,
     grad_p: u64,
     arena: Option<Arena>,
+    /// Timing events per launch when profiling (`set_profiling`).
+    prof: Option<RefCell<Vec<Mark>>>,
     /// Micro-batches since `begin` (the loss read-back divides by their tokens).
     micro: usize,
 }
@@ -389,6 +402,7 @@ impl GptStep {
             grad,
             grad_p,
             arena: None,
+            prof: None,
             micro: 0,
         })
     }
@@ -414,20 +428,68 @@ impl GptStep {
         ))
     }
 
-    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::P(p) => b.arg(p),
-                Arg::I(i) => b.arg(i),
-                Arg::F(x) => b.arg(x),
-                Arg::D(x) => b.arg(x),
-            };
-        }
-        // SAFETY: every call site passes the argument list of its kernel in kernels.cu, with
-        // addresses inside this step's live buffers.
-        unsafe { b.launch(cfg) }.w()?;
+    fn launch(&self, k: &Kern, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.timed(k.name, || {
+            let mut b = self.stream.launch_builder(&k.f);
+            for a in args {
+                match a {
+                    Arg::P(p) => b.arg(p),
+                    Arg::I(i) => b.arg(i),
+                    Arg::F(x) => b.arg(x),
+                    Arg::D(x) => b.arg(x),
+                };
+            }
+            // SAFETY: every call site passes the argument list of its kernel in kernels.cu,
+            // with addresses inside this step's live buffers.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(())
+        })
+    }
+
+    /// Run `f` (launches on the stream) between two timing events when profiling.
+    fn timed(&self, name: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        let Some(prof) = &self.prof else {
+            return f();
+        };
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(timing).w()?;
+        f()?;
+        let end = self.stream.record_event(timing).w()?;
+        prof.borrow_mut().push((name, start, end));
         Ok(())
+    }
+
+    /// Time every launch with CUDA events from now on (for `cockpit bench --profile`; the
+    /// events cost a little, so a normal run leaves this off).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.prof = on.then(|| RefCell::new(Vec::new()));
+    }
+
+    /// The GPU time per kernel group since the last call (waits for the GPU); empty when
+    /// profiling is off.
+    pub fn take_profile(&self) -> Result<Vec<KernelTime>> {
+        let Some(prof) = &self.prof else {
+            return Ok(Vec::new());
+        };
+        let marks = std::mem::take(&mut *prof.borrow_mut());
+        self.stream.synchronize().w()?;
+        let mut out: Vec<KernelTime> = Vec::new();
+        for (name, start, end) in &marks {
+            let ms = start.elapsed_ms(end).w()? as f64;
+            match out.iter_mut().find(|k| k.name == *name) {
+                Some(k) => {
+                    k.ms += ms;
+                    k.launches += 1;
+                }
+                None => out.push(KernelTime {
+                    name: name.to_string(),
+                    ms,
+                    launches: 1,
+                }),
+            }
+        }
+        out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(out)
     }
 
     /// `C = op(A)·op(B) (+ beta·C)` column-major, bf16 operands, fp32 accumulation; C in
@@ -435,6 +497,7 @@ impl GptStep {
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
+        name: &'static str,
         (ta, tb): (bool, bool),
         (m, n, k): (usize, usize, usize),
         a: Mat,
@@ -466,58 +529,60 @@ impl GptStep {
         let beta_p = &beta as *const f32 as *const _;
         // SAFETY: the operands are device addresses inside this step's buffers, sized by the
         // caller for these shapes; the handle is bound to this device's stream.
-        let r = unsafe {
-            if batch > 1 {
-                blas::gemm_strided_batched_ex(
-                    h,
-                    op(ta),
-                    op(tb),
-                    m,
-                    n,
-                    k,
-                    alpha_p,
-                    a.p as *const _,
-                    bf,
-                    a.ld,
-                    a.stride,
-                    b.p as *const _,
-                    bf,
-                    b.ld,
-                    b.stride,
-                    beta_p,
-                    c.p as *mut _,
-                    ct,
-                    c.ld,
-                    c.stride,
-                    i32_of(batch, "batch")?,
-                    compute,
-                    algo,
-                )
-            } else {
-                blas::gemm_ex(
-                    h,
-                    op(ta),
-                    op(tb),
-                    m,
-                    n,
-                    k,
-                    alpha_p,
-                    a.p as *const _,
-                    bf,
-                    a.ld,
-                    b.p as *const _,
-                    bf,
-                    b.ld,
-                    beta_p,
-                    c.p as *mut _,
-                    ct,
-                    c.ld,
-                    compute,
-                    algo,
-                )
-            }
-        };
-        r.map_err(|e| err(format!("cuBLAS gemm: {e:?}")))
+        self.timed(name, || {
+            let r = unsafe {
+                if batch > 1 {
+                    blas::gemm_strided_batched_ex(
+                        h,
+                        op(ta),
+                        op(tb),
+                        m,
+                        n,
+                        k,
+                        alpha_p,
+                        a.p as *const _,
+                        bf,
+                        a.ld,
+                        a.stride,
+                        b.p as *const _,
+                        bf,
+                        b.ld,
+                        b.stride,
+                        beta_p,
+                        c.p as *mut _,
+                        ct,
+                        c.ld,
+                        c.stride,
+                        i32_of(batch, "batch")?,
+                        compute,
+                        algo,
+                    )
+                } else {
+                    blas::gemm_ex(
+                        h,
+                        op(ta),
+                        op(tb),
+                        m,
+                        n,
+                        k,
+                        alpha_p,
+                        a.p as *const _,
+                        bf,
+                        a.ld,
+                        b.p as *const _,
+                        bf,
+                        b.ld,
+                        beta_p,
+                        c.p as *mut _,
+                        ct,
+                        c.ld,
+                        compute,
+                        algo,
+                    )
+                }
+            };
+            r.map_err(|e| err(format!("cuBLAS gemm: {e:?}")))
+        })
     }
 
     /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
@@ -529,6 +594,7 @@ impl GptStep {
             ldy,
         } = d;
         self.gemm(
+            "matmul fwd",
             (true, false),
             (out, rows, inp),
             mat(w, inp),
@@ -549,6 +615,7 @@ impl GptStep {
             ldy,
         } = d;
         self.gemm(
+            "matmul dgrad",
             (false, false),
             (inp, rows, out),
             mat(w, inp),
@@ -569,6 +636,7 @@ impl GptStep {
             ldy,
         } = d;
         self.gemm(
+            "matmul wgrad",
             (false, true),
             (inp, out, rows),
             mat(x, inp),
@@ -688,10 +756,10 @@ impl GptStep {
         let dyh = take(heads_len / 3);
         let dprob = take(probs);
         let bf_len = next;
-        // f32: CE log-sum-exp [N], loss accumulator [N], then (flash) the per-layer attention
+        // f32: the loss accumulator [N], then (flash) the per-layer attention
         // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
         let bht = if self.flash { b * self.n_head * t } else { 0 };
-        let f_lse_att = 2 * align(n);
+        let f_lse_att = align(n);
         let f_scratch = f_lse_att + l * align(bht);
         let f_len = f_scratch
             + if self.flash {
@@ -737,8 +805,7 @@ impl GptStep {
                 .map(|i| fbase + 4 * (f_lse_att + i * align(bht)) as u64)
                 .collect(),
             fa_scratch: fbase + 4 * f_scratch as u64,
-            lse: fbase,
-            loss: fbase + 4 * align(n) as u64,
+            loss: fbase,
             ids: ptr(&ids, &self.stream),
             targets: ptr(&targets, &self.stream),
         };
@@ -765,11 +832,14 @@ impl GptStep {
         })?;
         let table = self.dev.clone_htod(&table)?;
         let max_n = self.entries.iter().map(|e| e.n).max().unwrap_or(1);
-        let mut b = self.stream.launch_builder(&self.k.cast);
-        b.arg(&table);
-        // SAFETY: the table holds (f32 source, bf16 destination, length) triples matching the
-        // kernel's CastItem; sources are the live master weights, destinations inside wbf.
-        unsafe { b.launch(multi_grid(max_n, self.entries.len())?) }.w()?;
+        self.timed(self.k.cast.name, || {
+            let mut b = self.stream.launch_builder(&self.k.cast.f);
+            b.arg(&table);
+            // SAFETY: the table holds (f32 source, bf16 destination, length) triples matching
+            // the kernel's CastItem; sources are the live master weights, destinations in wbf.
+            unsafe { b.launch(multi_grid(max_n, self.entries.len())?) }.w()?;
+            Ok(())
+        })?;
         let bytes = self.grad.elem_count() * 4;
         // SAFETY: grad_p addresses the live fp32 gradient buffer of `bytes` bytes.
         unsafe { drv::memset_d8_async(self.grad_p, 0, bytes, self.stream.cu_stream()) }.w()?;
@@ -813,8 +883,8 @@ impl GptStep {
             .as_ref()
             .map(|a| a.lay.clone())
             .ok_or_else(|| err("no arena"))?;
-        self.forward(&lay)?;
-        self.backward(&lay, g)?;
+        self.forward(&lay, g)?;
+        self.backward(&lay)?;
         self.micro += 1;
         Ok(())
     }
@@ -838,7 +908,11 @@ impl GptStep {
         let n = a.lay.b * self.t;
         let v = self
             .stream
-            .clone_dtoh(&a.f32s.slice(align(n)..align(n) + n))
+            .clone_dtoh(
+                &a.f32s
+                    .try_slice(0..n)
+                    .ok_or_else(|| err("loss accumulator out of range"))?,
+            )
             .w()?;
         let sum: f64 = v.iter().map(|&x| x as f64).sum();
         Ok(sum / (n * self.micro.max(1)) as f64)
@@ -869,16 +943,19 @@ impl GptStep {
         let table = self.dev.clone_htod(&table)?;
         let max_n = items.iter().map(|&i| self.entries[i].n).max().unwrap_or(1);
         let a = a as f32;
-        let mut b = self.stream.launch_builder(&self.k.axpy);
-        b.arg(&table);
-        b.arg(&a);
-        // SAFETY: the table holds (f32 weight, f32 gradient, length) triples matching the
-        // kernel's AxpyItem, all live buffers.
-        unsafe { b.launch(multi_grid(max_n, items.len())?) }.w()?;
-        Ok(())
+        self.timed(self.k.axpy.name, || {
+            let mut b = self.stream.launch_builder(&self.k.axpy.f);
+            b.arg(&table);
+            b.arg(&a);
+            // SAFETY: the table holds (f32 weight, f32 gradient, length) triples matching the
+            // kernel's AxpyItem, all live buffers.
+            unsafe { b.launch(multi_grid(max_n, items.len())?) }.w()?;
+            Ok(())
+        })
     }
 
-    fn forward(&self, a: &Lay) -> Result<()> {
+    /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
+    fn forward(&self, a: &Lay, g: f32) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -908,7 +985,7 @@ impl GptStep {
                 a.qkv[l],
                 Lin::new(n, c, 3 * c, 3 * c),
             )?;
-            self.bias(a.qkv[l], self.w(li.qkv_b), n, 3 * c)?;
+            self.bias_act(a.qkv[l], self.w(li.qkv_b), a.qkv[l], n, 3 * c, 0)?;
             self.rope(a.qkv[l], n, false)?;
             self.attn_fwd(a, l)?;
             // mid = res + atty·Woᵀ + bo, ln2 = LN2(mid)
@@ -926,17 +1003,7 @@ impl GptStep {
             // MLP: gelu(ln2·Wupᵀ + b), then ·Wdownᵀ + b added to the residual, fused with
             // the next layer's LN1 (or the final LN).
             self.lin_fwd(a.ln2[l], self.w(li.up_w), a.fc[l], Lin::new(n, c, f, f))?;
-            self.launch(
-                &self.k.gelu_fwd,
-                flat_cfg(n * f),
-                &[
-                    Arg::P(a.fc[l]),
-                    Arg::P(self.w(li.up_b)),
-                    Arg::P(a.gelu[l]),
-                    Arg::P((n * f) as u64),
-                    Arg::I(i32_of(f, "hidden")?),
-                ],
-            )?;
+            self.bias_act(a.fc[l], self.w(li.up_b), a.gelu[l], n, f, 1)?;
             self.lin_fwd(a.gelu[l], self.w(li.down_w), a.tmp, Lin::new(n, f, c, c))?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
@@ -953,7 +1020,8 @@ impl GptStep {
                 n,
             )?;
         }
-        // logits = lnf·headᵀ into rows of stride vpad, then per-row CE (keeps the LSE).
+        // logits = lnf·headᵀ into rows of stride vpad, then per-row CE, whose gradient
+        // (scaled by g) overwrites the logits in the same pass.
         let head = self.head.unwrap_or(self.wte);
         self.lin_fwd(
             a.lnf,
@@ -962,7 +1030,7 @@ impl GptStep {
             Lin::new(n, c, self.vocab, self.vpad),
         )?;
         self.launch(
-            &self.k.ce_fwd,
+            &self.k.ce,
             LaunchConfig {
                 grid_dim: (n as u32, 1, 1),
                 block_dim: (512, 1, 1),
@@ -971,8 +1039,8 @@ impl GptStep {
             &[
                 Arg::P(a.logits),
                 Arg::P(a.targets),
-                Arg::P(a.lse),
                 Arg::P(a.loss),
+                Arg::F(g),
                 Arg::I(n_i),
                 Arg::I(i32_of(self.vocab, "vocab")?),
                 Arg::I(i32_of(self.vpad, "vocab")?),
@@ -980,28 +1048,12 @@ impl GptStep {
         )
     }
 
-    fn backward(&self, a: &Lay, g: f32) -> Result<()> {
+    /// The backward from the logits' gradient (written by the forward's CE kernel).
+    fn backward(&self, a: &Lay) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
         let n_i = i32_of(n, "rows")?;
-        self.launch(
-            &self.k.ce_bwd,
-            LaunchConfig {
-                grid_dim: (n as u32, 1, 1),
-                block_dim: (512, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            &[
-                Arg::P(a.logits),
-                Arg::P(a.targets),
-                Arg::P(a.lse),
-                Arg::F(g),
-                Arg::I(n_i),
-                Arg::I(i32_of(self.vocab, "vocab")?),
-                Arg::I(i32_of(self.vpad, "vocab")?),
-            ],
-        )?;
         let head = self.head.unwrap_or(self.wte);
         let v = self.vocab;
         self.lin_dx(a.logits, self.w(head), a.da, Lin::new(n, c, v, self.vpad))?;
@@ -1025,14 +1077,14 @@ impl GptStep {
             self.lin_dx(a.dres, self.w(li.down_w), a.dh, Lin::new(n, f, c, c))?;
             self.launch(
                 &self.k.gelu_bwd,
-                flat_cfg(n * f),
+                flat_cfg(n * f / 8),
                 &[
                     Arg::P(a.fc[l]),
                     Arg::P(self.w(li.up_b)),
                     Arg::P(a.dh),
                     Arg::P(a.dh),
-                    Arg::P((n * f) as u64),
-                    Arg::I(i32_of(f, "hidden")?),
+                    Arg::P((n * f / 8) as u64),
+                    Arg::I(i32_of(f / 8, "hidden")?),
                 ],
             )?;
             self.col_sum(a.dh, self.g(li.up_b), n, f)?;
@@ -1132,6 +1184,7 @@ impl GptStep {
             ],
         )?;
         self.gemm(
+            "attention matmul",
             (true, false),
             (t, t, hd),
             bmat(k, hd, t * hd),
@@ -1143,6 +1196,7 @@ impl GptStep {
         )?;
         self.softmax(&self.k.softmax_fwd, &[a.prob[l], a.prob[l]], bh * t, scale)?;
         self.gemm(
+            "attention matmul",
             (false, false),
             (hd, t, t),
             bmat(v, hd, t * hd),
@@ -1237,6 +1291,7 @@ impl GptStep {
         self.heads(&self.k.heads_split, a.da, a.dyh, b, c, 0)?;
         // dP = dY·Vᵀ
         self.gemm(
+            "attention matmul",
             (true, false),
             (t, t, hd),
             bmat(vv, hd, t * hd),
@@ -1248,6 +1303,7 @@ impl GptStep {
         )?;
         // dV = Pᵀ·dY
         self.gemm(
+            "attention matmul",
             (false, true),
             (hd, t, t),
             bmat(a.dyh, hd, t * hd),
@@ -1266,6 +1322,7 @@ impl GptStep {
         )?;
         // dQ = dS·K, dK = dSᵀ·Q
         self.gemm(
+            "attention matmul",
             (false, false),
             (hd, t, t),
             bmat(k, hd, t * hd),
@@ -1276,6 +1333,7 @@ impl GptStep {
             bh,
         )?;
         self.gemm(
+            "attention matmul",
             (false, true),
             (hd, t, t),
             bmat(q, hd, t * hd),
@@ -1353,24 +1411,26 @@ impl GptStep {
         )
     }
 
-    /// `x[n, c] += b` in place.
-    fn bias(&self, x: u64, b: u64, n: usize, c: usize) -> Result<()> {
+    /// `y[n, c] = x + b` (`mode` 0) or `gelu(x + b)` (`mode` 1); c a multiple of 8, y may
+    /// be x.
+    fn bias_act(&self, x: u64, b: u64, y: u64, n: usize, c: usize, mode: i32) -> Result<()> {
         self.launch(
-            &self.k.bias_add,
-            flat_cfg(n * c),
+            &self.k.bias_act,
+            flat_cfg(n * c / 8),
             &[
                 Arg::P(x),
                 Arg::P(b),
-                Arg::P(x),
-                Arg::P((n * c) as u64),
-                Arg::I(i32_of(c, "cols")?),
+                Arg::P(y),
+                Arg::P((n * c / 8) as u64),
+                Arg::I(i32_of(c / 8, "cols")?),
+                Arg::I(mode),
             ],
         )
     }
 
     /// Causal softmax forward (`ptrs` = x, y) or backward (`ptrs` = y, dy, dx) over
     /// `rows` rows of T.
-    fn softmax(&self, f: &CudaFunction, ptrs: &[u64], rows: usize, scale: f32) -> Result<()> {
+    fn softmax(&self, f: &Kern, ptrs: &[u64], rows: usize, scale: f32) -> Result<()> {
         let t = i32_of(self.t, "T")?;
         let mut args: Vec<Arg> = ptrs.iter().map(|&p| Arg::P(p)).collect();
         args.extend([
@@ -1385,15 +1445,7 @@ impl GptStep {
     /// Heads `[B, H, T, hd]` ↔ columns `part·C ..` of a `[B, T, ld]` buffer (merge: src
     /// heads → dst buffer; split: src buffer → dst heads).
     #[allow(clippy::too_many_arguments)]
-    fn heads(
-        &self,
-        f: &CudaFunction,
-        src: u64,
-        dst: u64,
-        b: usize,
-        ld: usize,
-        part: usize,
-    ) -> Result<()> {
+    fn heads(&self, f: &Kern, src: u64, dst: u64, b: usize, ld: usize, part: usize) -> Result<()> {
         let (h, c) = (self.n_head, self.c);
         self.launch(
             f,
