@@ -562,6 +562,13 @@ extern "C" __global__ void sumsq_multi_f32(const SqTensor* __restrict__ ts, floa
 // fp32 master weights and gradients. Kernels here only add what the per-op kernels above lack.
 typedef __nv_bfloat16 bf16_t;
 
+// Eight bf16 values moved as one 16-byte access.
+union Bf8 {
+    uint4 u;
+    __nv_bfloat162 h[4];
+};
+
+
 // fp32 master weights → the bf16 copy the step computes with; one launch over a table.
 struct CastItem {
     const float* src;
@@ -639,11 +646,170 @@ extern "C" __global__ void norm_bwd_add_bf16(const bf16_t* x, const bf16_t* w, c
     norm_bwd<bf16_t>(x, w, dy, dx, dw, db, n, d, eps, 0, 1);
 }
 
-// Eight bf16 values moved as one 16-byte access.
-union Bf8 {
-    uint4 u;
-    __nv_bfloat162 h[4];
-};
+// LayerNorm backward for bf16 rows with d a multiple of 8 and d ≤ 256·CH: as norm_bwd, but
+// each lane owns CH chunks of 8 adjacent columns (16-byte loads and stores), so a row is
+// read once in a few wide accesses. `add` as in norm_bwd.
+template <int CH>
+__device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                            const bf16_t* __restrict__ dy, bf16_t* dx, float* __restrict__ dw,
+                            float* __restrict__ db, int n, int d, float eps, int add) {
+    extern __shared__ float sh[];  // [2·d]: dw then db
+    for (int j = threadIdx.x; j < 2 * d; j += blockDim.x) sh[j] = 0.f;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31;
+    float aw[CH * 8], ab[CH * 8], wv[CH * 8];
+#pragma unroll
+    for (int c = 0; c < CH; c++) {
+        const int col0 = (lane + 32 * c) * 8;
+        Bf8 wa;
+        wa.u = col0 < d ? *reinterpret_cast<const uint4*>(w + col0) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 f = __bfloat1622float2(wa.h[i]);
+            wv[c * 8 + 2 * i] = f.x;
+            wv[c * 8 + 2 * i + 1] = f.y;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) aw[c * 8 + i] = ab[c * 8 + i] = 0.f;
+    }
+    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
+        const bf16_t* xr = x + (size_t)row * d;
+        const bf16_t* dyr = dy + (size_t)row * d;
+        bf16_t* dxr = dx + (size_t)row * d;
+        float xv[CH * 8], gv[CH * 8];
+        float s = 0.f;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            const int col0 = (lane + 32 * c) * 8;
+            Bf8 xa, ga;
+            if (col0 < d) {
+                xa.u = *reinterpret_cast<const uint4*>(xr + col0);
+                ga.u = *reinterpret_cast<const uint4*>(dyr + col0);
+            } else {
+                xa.u = ga.u = make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float2 fx = __bfloat1622float2(xa.h[i]);
+                const float2 fg = __bfloat1622float2(ga.h[i]);
+                xv[c * 8 + 2 * i] = fx.x;
+                xv[c * 8 + 2 * i + 1] = fx.y;
+                gv[c * 8 + 2 * i] = fg.x;
+                gv[c * 8 + 2 * i + 1] = fg.y;
+                s += fx.x + fx.y;
+            }
+        }
+        const float mu = warp_sum(s) / d;
+        float ss = 0.f;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            const bool in = (lane + 32 * c) * 8 < d;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float e = in ? xv[c * 8 + i] - mu : 0.f;
+                ss += e * e;
+            }
+        }
+        const float rstd = rsqrtf(warp_sum(ss) / d + eps);
+        float a = 0.f, cc = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH * 8; k++) {
+            const float xh = (xv[k] - mu) * rstd;  // padding lanes: gv = 0, so no effect
+            const float dyv = gv[k];
+            aw[k] += dyv * xh;
+            ab[k] += dyv;
+            const float g = dyv * wv[k];
+            gv[k] = g;
+            xv[k] = xh;
+            a += g;
+            cc += g * xh;
+        }
+        a = warp_sum(a) / d;
+        cc = warp_sum(cc) / d;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            const int col0 = (lane + 32 * c) * 8;
+            if (col0 < d) {
+                Bf8 prev, out;
+                prev.u = add ? *reinterpret_cast<const uint4*>(dxr + col0) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float2 p = add ? __bfloat1622float2(prev.h[i]) : make_float2(0.f, 0.f);
+                    const int k = c * 8 + 2 * i;
+                    out.h[i] = __floats2bfloat162_rn(
+                        p.x + rstd * (gv[k] - a - xv[k] * cc),
+                        p.y + rstd * (gv[k + 1] - a - xv[k + 1] * cc));
+                }
+                *reinterpret_cast<uint4*>(dxr + col0) = out.u;
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < CH; c++) {
+        const int col0 = (lane + 32 * c) * 8;
+        if (col0 < d) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                atomicAdd(&sh[col0 + i], aw[c * 8 + i]);
+                atomicAdd(&sh[d + col0 + i], ab[c * 8 + i]);
+            }
+        }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        atomicAdd(&dw[j], sh[j]);
+        atomicAdd(&db[j], sh[d + j]);
+    }
+}
+
+// out[c] += Σ_rows x[r, c] for bf16 x [n, c] with c a multiple of 8 (f32 accumulator, zeroed
+// or accumulating): 16-byte loads, 8 columns per thread. Block (32, 8), grid (⌈c/256⌉, any).
+extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* __restrict__ out,
+                                           int n, int c) {
+    __shared__ float part[8][256 + 4];
+    const int col0 = (blockIdx.x * 32 + threadIdx.x) * 8;
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = 0.f;
+    if (col0 < c) {
+        for (int r = blockIdx.y * 8 + threadIdx.y; r < n; r += gridDim.y * 8) {
+            Bf8 b;
+            b.u = *reinterpret_cast<const uint4*>(x + (size_t)r * c + col0);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float2 f = __bfloat1622float2(b.h[i]);
+                acc[2 * i] += f.x;
+                acc[2 * i + 1] += f.y;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) part[threadIdx.y][threadIdx.x * 8 + i] = acc[i];
+    __syncthreads();
+    // 256 threads, 256 columns of this block: one column each.
+    const int t = threadIdx.y * 32 + threadIdx.x;
+    const int col = blockIdx.x * 256 + t;
+    if (col < c) {
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) sum += part[k][t];
+        atomicAdd(&out[col], sum);
+    }
+}
+
+// The launcher picks CH = ceil(d / 256) (1 to 4, so d ≤ 1024).
+extern "C" __global__ void norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* dy,
+                                            bf16_t* dx, float* dw, float* db, int n, int d,
+                                            float eps, int add) {
+    switch ((d + 255) / 256) {
+        case 1: norm_bwd_v8<1>(x, w, dy, dx, dw, db, n, d, eps, add); break;
+        case 2: norm_bwd_v8<2>(x, w, dy, dx, dw, db, n, d, eps, add); break;
+        case 3: norm_bwd_v8<3>(x, w, dy, dx, dw, db, n, d, eps, add); break;
+        case 4: norm_bwd_v8<4>(x, w, dy, dx, dw, db, n, d, eps, add); break;
+        default: break;
+    }
+}
 
 // Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary; ld a
 // multiple of 8 and rows 16-byte aligned), forward and backward in one pass per row:

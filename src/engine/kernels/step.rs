@@ -112,6 +112,7 @@ struct Kernels {
     residual_norm: Kern,
     norm_bwd: Kern,
     norm_bwd_add: Kern,
+    norm_bwd_v8: Kern,
     ce: Kern,
     bias_act: Kern,
     gelu_bwd: Kern,
@@ -147,10 +148,11 @@ impl Kernels {
             residual_norm: f("residual_norm_bf16")?,
             norm_bwd: f("norm_bwd_bf16")?,
             norm_bwd_add: f("norm_bwd_add_bf16")?,
+            norm_bwd_v8: f("norm_bwd_v8_bf16")?,
             ce: f("ce_fused_bf16")?,
             bias_act: f("bias_act_v8_bf16")?,
             gelu_bwd: f("bias_gelu_bwd_v8_bf16")?,
-            col_sum: f("col_sum_bf16")?,
+            col_sum: f("col_sum_v8_bf16")?,
             qkv_split: f("qkv_split_bf16")?,
             heads_merge: f("heads_merge_bf16")?,
             heads_split: f("heads_split_bf16")?,
@@ -648,9 +650,9 @@ impl GptStep {
         )
     }
 
-    /// `out[c] += Σ_rows x[r, c]` (fp32).
+    /// `out[c] += Σ_rows x[r, c]` (fp32; c a multiple of 8).
     fn col_sum(&self, x: u64, out: u64, n: usize, c: usize) -> Result<()> {
-        let col_blocks = c.div_ceil(32);
+        let col_blocks = c.div_ceil(256);
         let row_blocks = n
             .div_ceil(64)
             .clamp(1, (1024 / col_blocks).max(4))
@@ -701,7 +703,11 @@ impl GptStep {
             Arg::I(i32_of(d, "dim")?),
             Arg::F(self.eps),
         ];
-        if add {
+        if d <= 1024 {
+            // 16-byte accesses, row in registers (d is a multiple of 8 for this step).
+            args.push(Arg::I(add as i32));
+            self.launch(&self.k.norm_bwd_v8, cfg, &args)
+        } else if add {
             self.launch(&self.k.norm_bwd_add, cfg, &args)
         } else {
             args.push(Arg::I(0));
