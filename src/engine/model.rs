@@ -925,6 +925,17 @@ mod tests {
     use crate::engine::optim::AdamW;
 
     #[test]
+    fn whole_model_step_only_takes_gpt_style_bf16_cuda_models() {
+        let c = Config::default();
+        let dev = Device::Cpu;
+        // The CPU never runs it, whatever the model.
+        let m = Model::new(Shape::from_config(&c, 32), DType::F32, &dev, 1).unwrap();
+        assert!(m.step_weights().is_none());
+        let m = Model::new(Shape::from_config(&c, 32), DType::BF16, &dev, 1).unwrap();
+        assert!(m.step_weights().is_none());
+    }
+
+    #[test]
     fn memorizes_a_fixed_batch() {
         let mut c = Config::default();
         c.model.n_embd = 64;

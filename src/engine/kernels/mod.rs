@@ -154,7 +154,7 @@ mod step_stub {
         pub fn loss(&self) -> Result<f64> {
             no_cuda()
         }
-        pub fn add_scaled_weights(&self, _vars: &[&Var], _a: f64) -> Result<()> {
+        pub fn add_scaled_weights(&mut self, _vars: &[&Var], _a: f64) -> Result<()> {
             no_cuda()
         }
         pub fn set_profiling(&mut self, _on: bool) {}

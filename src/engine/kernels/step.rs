@@ -271,6 +271,9 @@ pub struct GptStep {
     arena: Option<Arena>,
     /// Timing events per launch when profiling (`set_profiling`).
     prof: Option<RefCell<Vec<Mark>>>,
+    /// Device copies of the cast and SCU-gradient pointer tables (reused every step).
+    cast_table: Option<CudaSlice<u64>>,
+    axpy_table: Option<CudaSlice<u64>>,
     /// Micro-batches since `begin` (the loss read-back divides by their tokens).
     micro: usize,
 }
@@ -405,6 +408,8 @@ impl GptStep {
             grad_p,
             arena: None,
             prof: None,
+            cast_table: None,
+            axpy_table: None,
             micro: 0,
         })
     }
@@ -825,6 +830,22 @@ impl GptStep {
         Ok(())
     }
 
+    /// Copy a pointer table into its persistent device buffer (allocated once; the
+    /// pointers are re-read every step, as a resume may swap a weight's storage).
+    fn upload_table(&mut self, host: &[u64], axpy: bool) -> Result<u64> {
+        let slot = if axpy {
+            &mut self.axpy_table
+        } else {
+            &mut self.cast_table
+        };
+        if slot.as_ref().is_none_or(|t| t.len() != host.len()) {
+            *slot = Some(self.dev.alloc_zeros::<u64>(host.len())?);
+        }
+        let buf = slot.as_mut().ok_or_else(|| err("pointer table"))?;
+        self.stream.memcpy_htod(host, buf).w()?;
+        Ok(ptr(buf, &self.stream))
+    }
+
     /// Start an optimizer step: cast the fp32 masters into the bf16 buffer, zero the
     /// gradients and the loss accumulator.
     pub fn begin(&mut self) -> Result<()> {
@@ -836,7 +857,7 @@ impl GptStep {
             }
             Ok(table)
         })?;
-        let table = self.dev.clone_htod(&table)?;
+        let table = self.upload_table(&table, false)?;
         let max_n = self.entries.iter().map(|e| e.n).max().unwrap_or(1);
         self.timed(self.k.cast.name, || {
             let mut b = self.stream.launch_builder(&self.k.cast.f);
@@ -925,7 +946,7 @@ impl GptStep {
     }
 
     /// `grad(var) += a·var` for each var (the SCU regulariser's gradient), one launch.
-    pub fn add_scaled_weights(&self, vars: &[&Var], a: f64) -> Result<()> {
+    pub fn add_scaled_weights(&mut self, vars: &[&Var], a: f64) -> Result<()> {
         let mut items = Vec::new();
         for v in vars {
             if let Some(&i) = self.by_id.get(&v.as_tensor().id()) {
@@ -946,7 +967,7 @@ impl GptStep {
             }
             Ok(table)
         })?;
-        let table = self.dev.clone_htod(&table)?;
+        let table = self.upload_table(&table, true)?;
         let max_n = items.iter().map(|&i| self.entries[i].n).max().unwrap_or(1);
         let a = a as f32;
         self.timed(self.k.axpy.name, || {
