@@ -819,6 +819,7 @@ impl Model {
             && s.bias
             && s.n_kv_head == s.n_head
             && s.n_embd.is_multiple_of(8)
+            && s.head_dim().is_multiple_of(2)
             && s.hidden.is_multiple_of(8)
             && s.dropout <= 0.0
             && self.params.iter().all(|p| p.trainable && !p.kind.is_lora());

@@ -684,17 +684,7 @@ impl Trainer {
         let mut sumsq_val = 0.0;
         let scale = self.scaler.scale;
         let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
-        let inject_nan = match self
-            .fault_nan_steps
-            .iter()
-            .position(|&s| s == self.step + 1)
-        {
-            Some(i) => {
-                self.fault_nan_steps.remove(i);
-                true
-            }
-            None => false,
-        };
+        let inject_nan = self.take_nan_fault();
         for a in 0..self.accum {
             // Dropout masks depend only on (seed, step, micro-batch): a resumed run draws the same.
             self.model
@@ -746,16 +736,9 @@ impl Trainer {
         Ok((ce_sum / self.accum as f64, sumsq_val, grads, wait, compute))
     }
 
-    /// [`Self::forward_backward`] on the whole-model CUDA step: the micro-batches run as
-    /// one hand-scheduled program each, gradients accumulate in its flat fp32 buffer, and
-    /// the loss comes back in one read at the end.
-    fn forward_backward_whole(
-        &mut self,
-        lambda: f64,
-    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
-        let mut wait = Duration::ZERO;
-        let t0 = Instant::now();
-        let inject_nan = match self
+    /// Whether a NaN is injected into this step (fault injection for tests), once.
+    fn take_nan_fault(&mut self) -> bool {
+        match self
             .fault_nan_steps
             .iter()
             .position(|&s| s == self.step + 1)
@@ -765,7 +748,19 @@ impl Trainer {
                 true
             }
             None => false,
-        };
+        }
+    }
+
+    /// [`Self::forward_backward`] on the whole-model CUDA step: the micro-batches run as
+    /// one hand-scheduled program each, gradients accumulate in its flat fp32 buffer, and
+    /// the loss comes back in one read at the end.
+    fn forward_backward_whole(
+        &mut self,
+        lambda: f64,
+    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        let mut wait = Duration::ZERO;
+        let t0 = Instant::now();
+        let inject_nan = self.take_nan_fault();
         let Some(whole) = self.whole.as_mut() else {
             return Err(candle_core::Error::Msg("no whole-model step".into()));
         };
