@@ -243,10 +243,33 @@ __device__ __forceinline__ void lse_combine(float& m, float& s, float m2, float 
     m = mm;
 }
 
+// The log-sum-exp of a whole block's running (max, sum) pairs, returned to every thread
+// (blockDim.x a multiple of 32, at most 1024).
+__device__ float block_lse(float m, float s) {
+    __shared__ float sm[32], ss[32], out;
+    for (int o = 16; o > 0; o >>= 1)
+        lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o), __shfl_xor_sync(FULL_MASK, s, o));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    if (lane == 0) {
+        sm[warp] = m;
+        ss[warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = lane < warps ? sm[lane] : -INFINITY;
+        s = lane < warps ? ss[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1)
+            lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o),
+                        __shfl_xor_sync(FULL_MASK, s, o));
+        if (lane == 0) out = m + logf(s);
+    }
+    __syncthreads();
+    return out;
+}
+
 template <typename T>
 __device__ void ce_fwd(const T* __restrict__ x, const uint32_t* __restrict__ t,
                        float* __restrict__ loss, int n, int v) {
-    __shared__ float sm[32], ss[32];
     const int row = blockIdx.x;
     if (row >= n) return;
     const T* xr = x + (size_t)row * v;
@@ -260,29 +283,10 @@ __device__ void ce_fwd(const T* __restrict__ x, const uint32_t* __restrict__ t,
             s += __expf(z - m);
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float m2 = __shfl_xor_sync(FULL_MASK, m, o);
-        float s2 = __shfl_xor_sync(FULL_MASK, s, o);
-        lse_combine(m, s, m2, s2);
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    if (lane == 0) {
-        sm[warp] = m;
-        ss[warp] = s;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < warps ? sm[lane] : -INFINITY;
-        s = lane < warps ? ss[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) {
-            float m2 = __shfl_xor_sync(FULL_MASK, m, o);
-            float s2 = __shfl_xor_sync(FULL_MASK, s, o);
-            lse_combine(m, s, m2, s2);
-        }
-        if (lane == 0) {
-            uint32_t tg = t[row];
-            loss[row] = tg < (uint32_t)v ? m + logf(s) - to_f(xr[tg]) : __int_as_float(0x7fc00000);
-        }
+    const float lse = block_lse(m, s);
+    if (threadIdx.x == 0) {
+        uint32_t tg = t[row];
+        loss[row] = tg < (uint32_t)v ? lse - to_f(xr[tg]) : __int_as_float(0x7fc00000);
     }
 }
 
@@ -378,20 +382,25 @@ __device__ void qkv_split(const T* __restrict__ src, T* __restrict__ q, T* __res
     }
 }
 
+// Element i of heads [B, H, T, hd] → its offset in a [B, T, ld] buffer at column off + h·hd + d.
+__device__ __forceinline__ size_t heads_offset(size_t i, int t, int h, int hd, int ld, int off) {
+    const int d = (int)(i % hd);
+    size_t r = i / hd;
+    const int ti = (int)(r % t);
+    r /= t;
+    const int hh = (int)(r % h);
+    const size_t bi = r / h;
+    return (bi * t + ti) * ld + off + hh * hd + d;
+}
+
 // src [B, H, T, hd] → dst[b, t, off + h·hd + d] of a [B, T, ld] buffer.
 template <typename T>
 __device__ void heads_merge(const T* __restrict__ src, T* __restrict__ dst, int b, int t, int h,
                             int hd, int ld, int off) {
     const size_t total = (size_t)b * h * t * hd;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const int d = (int)(i % hd);
-        size_t r = i / hd;
-        const int ti = (int)(r % t);
-        r /= t;
-        const int hh = (int)(r % h), bi = (int)(r / h);
-        dst[((size_t)bi * t + ti) * ld + off + hh * hd + d] = src[i];
-    }
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[heads_offset(i, t, h, hd, ld, off)] = src[i];
 }
 
 // Embedding backward: dw[ids[r], :] += dy[r, :] in f32 (dw zeroed by the caller).
@@ -818,7 +827,6 @@ extern "C" __global__ void norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, co
 // the row is still in L2. One block per row, 16-byte loads and stores.
 extern "C" __global__ void ce_fused_bf16(bf16_t* __restrict__ x, const uint32_t* __restrict__ t,
                                          float* __restrict__ acc, float g, int n, int v, int ld) {
-    __shared__ float sm[32], ss[32], lse_sh;
     const int row = blockIdx.x;
     if (row >= n) return;
     bf16_t* xr = x + (size_t)row * ld;
@@ -851,29 +859,10 @@ extern "C" __global__ void ce_fused_bf16(bf16_t* __restrict__ x, const uint32_t*
         s = s * __expf(m - mm) + __expf(z - mm);
         m = mm;
     }
-    for (int o = 16; o > 0; o >>= 1)
-        lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o), __shfl_xor_sync(FULL_MASK, s, o));
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    if (lane == 0) {
-        sm[warp] = m;
-        ss[warp] = s;
-    }
-    __syncthreads();
+    const float l = block_lse(m, s);
     const uint32_t tg = t[row];
-    if (warp == 0) {
-        m = lane < warps ? sm[lane] : -INFINITY;
-        s = lane < warps ? ss[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1)
-            lse_combine(m, s, __shfl_xor_sync(FULL_MASK, m, o),
-                        __shfl_xor_sync(FULL_MASK, s, o));
-        if (lane == 0) {
-            const float l = m + logf(s);
-            lse_sh = l;
-            acc[row] += tg < (uint32_t)v ? l - to_f(xr[tg]) : __int_as_float(0x7fc00000);
-        }
-    }
-    __syncthreads();
-    const float l = lse_sh;
+    if (threadIdx.x == 0)
+        acc[row] += tg < (uint32_t)v ? l - to_f(xr[tg]) : __int_as_float(0x7fc00000);
     for (int q = threadIdx.x; q < v8; q += blockDim.x) {
         Bf8 b;
         b.u = xv[q];
@@ -986,14 +975,8 @@ extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,
                                             int hd, int ld, int off) {
     const size_t total = (size_t)b * h * t * hd;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const int d = (int)(i % hd);
-        size_t r = i / hd;
-        const int ti = (int)(r % t);
-        r /= t;
-        const int hh = (int)(r % h), bi = (int)(r / h);
-        dst[i] = src[((size_t)bi * t + ti) * ld + off + hh * hd + d];
-    }
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = src[heads_offset(i, t, h, hd, ld, off)];
 }
 
 // Causal flash attention (head dim 64) for the whole-model step.

@@ -594,19 +594,13 @@ impl GptStep {
 
     /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
     fn lin_fwd(&self, x: u64, w: u64, y: u64, d: Lin) -> Result<()> {
-        let Lin {
-            rows,
-            inp,
-            out,
-            ldy,
-        } = d;
         self.gemm(
             "matmul fwd",
             (true, false),
-            (out, rows, inp),
-            mat(w, inp),
-            mat(x, inp),
-            mat(y, ldy),
+            (d.out, d.rows, d.inp),
+            mat(w, d.inp),
+            mat(x, d.inp),
+            mat(y, d.ldy),
             false,
             0.0,
             1,
@@ -615,19 +609,13 @@ impl GptStep {
 
     /// `dx[rows, inp] = dy[rows, out]·w`.
     fn lin_dx(&self, dy: u64, w: u64, dx: u64, d: Lin) -> Result<()> {
-        let Lin {
-            rows,
-            inp,
-            out,
-            ldy,
-        } = d;
         self.gemm(
             "matmul dgrad",
             (false, false),
-            (inp, rows, out),
-            mat(w, inp),
-            mat(dy, ldy),
-            mat(dx, inp),
+            (d.inp, d.rows, d.out),
+            mat(w, d.inp),
+            mat(dy, d.ldy),
+            mat(dx, d.inp),
             false,
             0.0,
             1,
@@ -636,19 +624,13 @@ impl GptStep {
 
     /// `dw[out, inp] += dyᵀ·x` into fp32.
     fn lin_dw(&self, x: u64, dy: u64, dw: u64, d: Lin) -> Result<()> {
-        let Lin {
-            rows,
-            inp,
-            out,
-            ldy,
-        } = d;
         self.gemm(
             "matmul wgrad",
             (false, true),
-            (inp, out, rows),
-            mat(x, inp),
-            mat(dy, ldy),
-            mat(dw, inp),
+            (d.inp, d.out, d.rows),
+            mat(x, d.inp),
+            mat(dy, d.ldy),
+            mat(dw, d.inp),
             true,
             1.0,
             1,
