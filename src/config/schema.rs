@@ -297,6 +297,8 @@ pub struct KernelsConfig {
     /// Softmax cross-entropy from the compute-dtype logits (no f32 copy of the logits).
     pub cross_entropy: bool,
     /// Bias add and bias + GELU after the matmuls; bias gradients by a column-sum kernel.
+    /// In the whole-model step (`step`): bias, GELU and their gradients fused into the
+    /// matmuls as cuBLASLt epilogues (off: separate kernels).
     pub bias_gelu: bool,
     /// AdamW in place and the global gradient norm with one read-back.
     pub adamw: bool,

@@ -236,6 +236,9 @@ pub struct StepWeights {
     pub seq_len: usize,
     /// Causal flash attention (head dim 64); otherwise the probabilities are materialised.
     pub flash: bool,
+    /// Bias, GELU and bias gradients fused into the matmuls (cuBLASLt epilogues); otherwise
+    /// separate kernels.
+    pub epilogues: bool,
     pub layers: Vec<[Var; 16]>,
     pub ln_f: [Var; 2],
     /// The untied LM head, or None when it is `wte`.
@@ -850,6 +853,7 @@ impl Model {
             n_head: s.n_head,
             seq_len: s.seq_len,
             flash: s.kernels.attention && s.head_dim() == 64,
+            epilogues: s.kernels.bias_gelu,
             layers,
             ln_f: norm(&self.ln_f)?,
             head: self.lm_head.clone(),

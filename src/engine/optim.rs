@@ -68,6 +68,20 @@ impl AdamW {
     /// [`AdamW::step`] with every gradient multiplied by `grad_scale` first (global-norm
     /// clipping without a separate pass over the gradients: the fused kernel applies it).
     pub fn step_scaled(&mut self, grads: &[Tensor], lr: f64, grad_scale: f64) -> Result<()> {
+        self.step_with_copies(grads, lr, grad_scale, None)
+            .map(|_| ())
+    }
+
+    /// [`AdamW::step_scaled`] that also writes the updated weights into the bf16 copies of a
+    /// whole-model step, where it has one. True when the fused update did so for every weight
+    /// the step computes with (the step may then skip its cast); false on the plain path.
+    pub fn step_with_copies(
+        &mut self,
+        grads: &[Tensor],
+        lr: f64,
+        grad_scale: f64,
+        copies: Option<&kernels::GptStep>,
+    ) -> Result<bool> {
         self.t += 1;
         let bc1 = 1.0 - self.beta1.powi(self.t as i32);
         let bc2 = 1.0 - self.beta2.powi(self.t as i32);
@@ -81,11 +95,8 @@ impl AdamW {
                     g,
                     m: &slot.m,
                     v: &slot.v,
-                    decay: if slot.decay && self.weight_decay > 0.0 {
-                        1.0 - lr * self.weight_decay
-                    } else {
-                        1.0
-                    },
+                    decay: slot.decay && self.weight_decay > 0.0,
+                    copy: copies.and_then(|s| s.weight_copy(&slot.var)),
                 })
                 .collect();
             let args = kernels::AdamWArgs {
@@ -93,12 +104,14 @@ impl AdamW {
                 beta1: self.beta1,
                 beta2: self.beta2,
                 eps: self.eps,
-                decay: 1.0,
+                decay: 1.0 - lr * self.weight_decay,
                 bc1,
                 bc2,
                 grad_scale,
             };
-            return kernels::adamw_multi(&items, &args);
+            let copied = items.iter().filter(|it| it.copy.is_some()).count();
+            kernels::adamw_multi(&items, &args)?;
+            return Ok(copies.is_some_and(|s| copied == s.weight_count()));
         }
         for (slot, g) in self.slots.iter_mut().zip(grads) {
             let scaled;
@@ -121,7 +134,7 @@ impl AdamW {
             slot.m = m;
             slot.v = v;
         }
-        Ok(())
+        Ok(false)
     }
 }
 

@@ -221,6 +221,10 @@ struct Trainer {
     /// the first step, None where the model does not fit it (the per-op path runs then).
     whole: Option<super::kernels::GptStep>,
     whole_checked: bool,
+    /// The last optimizer step wrote the updated weights into the whole-model step's bf16
+    /// copies (its next `begin` need not cast them); anything else that sets the weights
+    /// clears it.
+    weights_copied: bool,
 }
 
 #[derive(Default)]
@@ -406,6 +410,7 @@ impl Trainer {
             step_memory: None,
             whole: None,
             whole_checked: false,
+            weights_copied: false,
         };
         if let Some(spec) = opts.resume {
             t.restore(&spec, true)?;
@@ -419,6 +424,7 @@ impl Trainer {
     /// Load a checkpoint into the trainer. `resume`: a user resume (check and report config
     /// changes, honour a changed micro-batch); otherwise a fault-recovery restore.
     fn restore(&mut self, spec: &Path, resume: bool) -> Result<(), EngineError> {
+        self.weights_copied = false;
         let dir = checkpoint::resolve(spec)?;
         let l = checkpoint::load(&dir, &self.device)?;
         let mismatch = |message: String| {
@@ -764,7 +770,7 @@ impl Trainer {
         let Some(whole) = self.whole.as_mut() else {
             return Err(candle_core::Error::Msg("no whole-model step".into()));
         };
-        whole.begin()?;
+        whole.begin(std::mem::take(&mut self.weights_copied))?;
         let tokens = (self.micro_batch * self.model.shape.seq_len * self.accum) as f32;
         let g = if inject_nan { f32::NAN } else { 1.0 / tokens };
         for _ in 0..self.accum {
@@ -1019,6 +1025,7 @@ impl Trainer {
 
     /// Data parallelism: every rank takes rank 0's weights.
     fn sync_weights(&mut self) -> Result<(), EngineError> {
+        self.weights_copied = false;
         let Some(d) = self.dist.as_mut() else {
             return Ok(());
         };
@@ -1491,7 +1498,9 @@ impl Trainer {
                 } else {
                     1.0
                 };
-                self.opt.step_scaled(&grads, lr, f)?;
+                self.weights_copied =
+                    self.opt
+                        .step_with_copies(&grads, lr, f, self.whole.as_ref())?;
             } else {
                 nonfinite_in_a_row += 1;
                 self.skipped_steps += 1;

@@ -751,8 +751,34 @@ pub(super) fn multi_grid(max_n: usize, count: usize) -> Result<LaunchConfig> {
     })
 }
 
-/// Σ‖g‖² over f32 gradients on one CUDA device: ONE multi-tensor kernel over a table of
-/// (pointer, length), a single f32 accumulator, one read-back.
+/// Elements per chunk of the multi-tensor kernels (`MT_CHUNK` in kernels.cu).
+const MT_CHUNK: usize = 8192;
+
+/// Chunk offsets of tensors of these lengths for the chunked multi-tensor kernels: each
+/// tensor's first chunk index, and the total.
+fn chunk_offsets(lens: impl Iterator<Item = usize>) -> (Vec<u64>, u64) {
+    let mut total = 0u64;
+    let offs = lens
+        .map(|n| {
+            let at = total;
+            total += n.div_ceil(MT_CHUNK) as u64;
+            at
+        })
+        .collect();
+    (offs, total)
+}
+
+/// A fixed grid that strides over `chunks` chunks of 256 threads each.
+fn chunk_grid(chunks: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (chunks.clamp(1, 2048) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Σ‖g‖² over f32 gradients on one CUDA device: ONE chunked multi-tensor kernel over a table
+/// of (pointer, length, first chunk), one atomic add per block, one read-back.
 pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
     let Some(first) = grads.first() else {
         return Ok(0.0);
@@ -768,20 +794,22 @@ pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
     }
     let acc = dev.alloc_zeros::<f32>(1)?;
     with_f32_ptrs(&refs, |ptrs| {
-        let mut table = Vec::with_capacity(2 * refs.len());
-        for (p, g) in ptrs.iter().zip(&refs) {
-            table.push(*p);
-            table.push(g.elem_count() as u64);
+        let (offs, chunks) = chunk_offsets(refs.iter().map(|g| g.elem_count()));
+        let mut table = Vec::with_capacity(3 * refs.len());
+        for ((p, g), c0) in ptrs.iter().zip(&refs).zip(&offs) {
+            table.extend([*p, g.elem_count() as u64, *c0]);
         }
         let table = dev.clone_htod(&table)?;
-        let max_n = refs.iter().map(|g| g.elem_count()).max().unwrap_or(1);
-        let f = dev.get_or_load_custom_func("sumsq_multi_f32", MODULE, PTX)?;
+        let f = dev.get_or_load_custom_func("sumsq_chunks_f32", MODULE, PTX)?;
         let mut b = f.builder();
+        let nt = i32_of(refs.len(), "tensors")?;
         b.arg(&table);
+        b.arg(&nt);
+        b.arg(&chunks);
         b.arg(&acc);
-        // SAFETY: the table holds (pointer, length) of live, locked f32 buffers, matching the
-        // kernel's SqTensor layout; acc is one f32.
-        unsafe { b.launch(multi_grid(max_n, refs.len())?) }.w()?;
+        // SAFETY: the table holds (pointer, length, first chunk) of live, locked f32 buffers,
+        // matching the kernel's SqTensor layout, in chunk order; acc is one f32.
+        unsafe { b.launch(chunk_grid(chunks)) }.w()?;
         Ok(())
     })?;
     let host = dev.clone_dtoh(&acc)?;
@@ -794,12 +822,14 @@ pub struct AdamItem<'a> {
     pub g: &'a Tensor,
     pub m: &'a Tensor,
     pub v: &'a Tensor,
-    /// `1 − lr·wd`, or 1 without decay.
-    pub decay: f64,
+    /// Whether weight decay applies (`AdamWArgs::decay` is its factor).
+    pub decay: bool,
+    /// Where to write the updated weight in bf16 as well, if anywhere.
+    pub copy: Option<super::WeightCopy<'a>>,
 }
 
-/// AdamW over many parameters in ONE launch (`a.decay` is ignored: each item has its own).
-/// Weights and moments are updated in place: contiguous f32, distinct storages.
+/// AdamW over many parameters in ONE launch: a chunked multi-tensor kernel, float4 accesses
+/// where aligned. Weights and moments are updated in place: contiguous f32, distinct storages.
 pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
     let Some(first) = items.first() else {
         return Ok(());
@@ -825,16 +855,19 @@ pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
         all.extend([it.w, g, it.m, it.v]);
     }
     with_f32_ptrs(&all, |ptrs| {
-        let mut table = Vec::with_capacity(6 * items.len());
-        for (it, p) in items.iter().zip(ptrs.chunks(4)) {
+        let (offs, chunks) = chunk_offsets(items.iter().map(|it| it.w.elem_count()));
+        let mut table = Vec::with_capacity(8 * items.len());
+        for ((it, p), c0) in items.iter().zip(ptrs.chunks(4)).zip(&offs) {
+            let copy = it.copy.map_or(0, |c| c.addr);
+            let aligned = p.iter().all(|a| a % 16 == 0) && copy % 8 == 0;
+            let flags = it.decay as u64 | (aligned as u64) << 1 | ((copy != 0) as u64) << 2;
             table.extend_from_slice(p);
-            table.push(it.w.elem_count() as u64);
-            table.push((it.decay as f32).to_bits() as u64);
+            table.extend([copy, it.w.elem_count() as u64, *c0, flags]);
         }
         let table = dev.clone_htod(&table)?;
-        let max_n = items.iter().map(|it| it.w.elem_count()).max().unwrap_or(1);
-        let f = dev.get_or_load_custom_func("adamw_multi_f32", MODULE, PTX)?;
+        let f = dev.get_or_load_custom_func("adamw_chunks_f32", MODULE, PTX)?;
         let mut b = f.builder();
+        let nt = i32_of(items.len(), "tensors")?;
         let s = [
             a.lr as f32,
             a.beta1 as f32,
@@ -843,14 +876,18 @@ pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
             a.bc1 as f32,
             a.bc2 as f32,
             a.grad_scale as f32,
+            a.decay as f32,
         ];
         b.arg(&table);
+        b.arg(&nt);
+        b.arg(&chunks);
         for x in &s {
             b.arg(x);
         }
-        // SAFETY: the table matches the kernel's AdamTensor layout (4 pointers, length, decay
-        // as f32 bits in the low half of a u64) and points at live, locked f32 buffers.
-        unsafe { b.launch(multi_grid(max_n, items.len())?) }.w()?;
+        // SAFETY: the table matches the kernel's AdamTensor layout (4 f32 pointers, the bf16
+        // copy or null, length, first chunk, flags) in chunk order, and points at live, locked
+        // f32 buffers; a bf16 copy lies inside its step's weight buffer, borrowed for 'a.
+        unsafe { b.launch(chunk_grid(chunks)) }.w()?;
         Ok(())
     })
 }

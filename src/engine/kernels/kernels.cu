@@ -19,6 +19,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 }
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
 
+typedef __nv_bfloat16 bf16_t;
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
     return v;
@@ -515,45 +517,124 @@ extern "C" __global__ void adamw_f32(float* __restrict__ w, const float* __restr
     }
 }
 
-// Multi-tensor variants: one launch over a device table of tensors (blockIdx.y = tensor).
+// Multi-tensor kernels: one launch over a device table of tensors cut into chunks of
+// MT_CHUNK elements; a fixed grid strides over the chunks (no empty blocks, whatever the
+// tensor sizes), each block finds its tensor by a binary search over the chunk offsets.
+#define MT_CHUNK 8192
+
+template <typename T>
+__device__ __forceinline__ int mt_find(const T* __restrict__ ts, int nt, unsigned long long c) {
+    int lo = 0, hi = nt - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (ts[mid].chunk0 <= c) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// AdamW in place on fp32 weights and moments. flags: 1 = weight decay, 2 = 16-byte aligned
+// (float4 accesses), 4 = also write the updated weight as bf16 to `wbf` (the whole-model
+// step's compute copy, so the step needs no separate cast pass).
 struct AdamTensor {
     float* w;
     const float* g;
     float* m;
     float* v;
+    bf16_t* wbf;
     unsigned long long n;
-    float decay;
+    unsigned long long chunk0;
+    unsigned long long flags;
 };
 
-extern "C" __global__ void adamw_multi_f32(const AdamTensor* __restrict__ ts, float lr,
-                                           float beta1, float beta2, float eps, float bc1,
-                                           float bc2, float gscale) {
-    const AdamTensor t = ts[blockIdx.y];
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float gi = t.g[i] * gscale;
-        float mi = beta1 * t.m[i] + (1.f - beta1) * gi;
-        float vi = beta2 * t.v[i] + (1.f - beta2) * gi * gi;
-        t.m[i] = mi;
-        t.v[i] = vi;
-        float upd = (mi / bc1) / (sqrtf(vi / bc2) + eps);
-        t.w[i] = t.w[i] * t.decay - lr * upd;
+struct AdamScalars {
+    float lr, beta1, beta2, eps, bc1, bc2, gscale, decay;
+};
+
+__device__ __forceinline__ float adam_one(float w, float g, float& m, float& v,
+                                          const AdamScalars& a, float decay) {
+    g *= a.gscale;
+    m = a.beta1 * m + (1.f - a.beta1) * g;
+    v = a.beta2 * v + (1.f - a.beta2) * g * g;
+    return w * decay - a.lr * (m / a.bc1) / (sqrtf(v / a.bc2) + a.eps);
+}
+
+extern "C" __global__ void adamw_chunks_f32(const AdamTensor* __restrict__ ts, int nt,
+                                            unsigned long long nchunks, float lr, float beta1,
+                                            float beta2, float eps, float bc1, float bc2,
+                                            float gscale, float decay_factor) {
+    const AdamScalars a{lr, beta1, beta2, eps, bc1, bc2, gscale, decay_factor};
+    for (unsigned long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        const AdamTensor t = ts[mt_find(ts, nt, c)];
+        const size_t start = (size_t)(c - t.chunk0) * MT_CHUNK;
+        const size_t end = min(start + MT_CHUNK, (size_t)t.n);
+        const float decay = (t.flags & 1) ? a.decay : 1.f;
+        const bool cast = (t.flags & 4) != 0;
+        size_t i = start + 4 * threadIdx.x;
+        if (t.flags & 2) {
+            for (; i + 4 <= end; i += 4 * blockDim.x) {
+                const float4 g = *reinterpret_cast<const float4*>(t.g + i);
+                float4 w = *reinterpret_cast<const float4*>(t.w + i);
+                float4 m = *reinterpret_cast<const float4*>(t.m + i);
+                float4 v = *reinterpret_cast<const float4*>(t.v + i);
+                w.x = adam_one(w.x, g.x, m.x, v.x, a, decay);
+                w.y = adam_one(w.y, g.y, m.y, v.y, a, decay);
+                w.z = adam_one(w.z, g.z, m.z, v.z, a, decay);
+                w.w = adam_one(w.w, g.w, m.w, v.w, a, decay);
+                *reinterpret_cast<float4*>(t.w + i) = w;
+                *reinterpret_cast<float4*>(t.m + i) = m;
+                *reinterpret_cast<float4*>(t.v + i) = v;
+                if (cast) {
+                    __nv_bfloat162 lo = __floats2bfloat162_rn(w.x, w.y);
+                    __nv_bfloat162 hi = __floats2bfloat162_rn(w.z, w.w);
+                    uint2 o;
+                    o.x = *reinterpret_cast<uint32_t*>(&lo);
+                    o.y = *reinterpret_cast<uint32_t*>(&hi);
+                    *reinterpret_cast<uint2*>(t.wbf + i) = o;
+                }
+            }
+            // The tail of a tensor whose length is not a multiple of 4: one element a thread.
+            i = (end & ~(size_t)3) + threadIdx.x;
+            if (i < start) i = end;
+        } else {
+            i = start + threadIdx.x;
+        }
+        for (; i < end; i += blockDim.x) {
+            float m = t.m[i], v = t.v[i];
+            const float w = adam_one(t.w[i], t.g[i], m, v, a, decay);
+            t.w[i] = w;
+            t.m[i] = m;
+            t.v[i] = v;
+            if (cast) t.wbf[i] = __float2bfloat16(w);
+        }
     }
 }
 
+// Σ x² over a table of f32 tensors into one f32 (zeroed by the caller): one atomic per block.
 struct SqTensor {
     const float* g;
     unsigned long long n;
+    unsigned long long chunk0;
 };
 
-extern "C" __global__ void sumsq_multi_f32(const SqTensor* __restrict__ ts, float* out) {
+extern "C" __global__ void sumsq_chunks_f32(const SqTensor* __restrict__ ts, int nt,
+                                            unsigned long long nchunks, float* out) {
     __shared__ float part[32];
-    const SqTensor t = ts[blockIdx.y];
     float s = 0.f;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        float v = t.g[i];
-        s += v * v;
+    for (unsigned long long c = blockIdx.x; c < nchunks; c += gridDim.x) {
+        const SqTensor t = ts[mt_find(ts, nt, c)];
+        const size_t start = (size_t)(c - t.chunk0) * MT_CHUNK;
+        const size_t end = min(start + MT_CHUNK, (size_t)t.n);
+        if ((reinterpret_cast<uintptr_t>(t.g) & 15) == 0) {
+            size_t i = start + 4 * threadIdx.x;
+            for (; i + 4 <= end; i += 4 * blockDim.x) {
+                const float4 v = *reinterpret_cast<const float4*>(t.g + i);
+                s += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+            for (i = (end & ~(size_t)3) + threadIdx.x; i >= start && i < end; i += blockDim.x)
+                s += t.g[i] * t.g[i];
+        } else {
+            for (size_t i = start + threadIdx.x; i < end; i += blockDim.x) s += t.g[i] * t.g[i];
+        }
     }
     s = warp_sum(s);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -569,7 +650,6 @@ extern "C" __global__ void sumsq_multi_f32(const SqTensor* __restrict__ ts, floa
 // ---------------------------------------------------------------------------------------------
 // The whole-model training step (src/engine/kernels/step.rs): GPT-2 style, bf16 activations,
 // fp32 master weights and gradients. Kernels here only add what the per-op kernels above lack.
-typedef __nv_bfloat16 bf16_t;
 
 // Eight bf16 values moved as one 16-byte access.
 union Bf8 {
@@ -655,9 +735,86 @@ extern "C" __global__ void norm_bwd_add_bf16(const bf16_t* x, const bf16_t* w, c
     norm_bwd<bf16_t>(x, w, dy, dx, dw, db, n, d, eps, 0, 1);
 }
 
-// LayerNorm backward for bf16 rows with d a multiple of 8 and d ≤ 256·CH: as norm_bwd, but
-// each lane owns CH chunks of 8 adjacent columns (16-byte loads and stores), so a row is
-// read once in a few wide accesses. `add` as in norm_bwd.
+// Row-in-registers LayerNorm kernels for bf16 rows with d a multiple of 8 and d ≤ 256·CH:
+// one warp per row, each lane owns CH chunks of 8 adjacent columns (16-byte accesses), so a
+// row is read once. The raw bf16 chunks stay packed in registers (converted on use) to keep
+// the register count low enough for two 256-thread blocks per SM.
+__device__ __forceinline__ float2 bf2f(const Bf8& v, int i) { return __bfloat1622float2(v.h[i]); }
+
+// The residual add fused with the next LayerNorm: res = x + y + bias (y null: res is x),
+// out = LayerNorm(res)·w + b. The statistics come from the rounded bf16 residual as stored,
+// which is what the backward recomputes them from.
+template <int CH>
+__device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ y,
+                                 const bf16_t* __restrict__ bias, bf16_t* res,
+                                 const bf16_t* __restrict__ w, const bf16_t* __restrict__ b,
+                                 bf16_t* __restrict__ out, int n, int d, float eps) {
+    const int warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31;
+    for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
+        Bf8 r[CH];
+        float s = 0.f;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            const int col0 = (lane + 32 * c) * 8;
+            r[c].u = make_uint4(0, 0, 0, 0);
+            if (col0 < d) {
+                const size_t o = (size_t)row * d + col0;
+                r[c].u = *reinterpret_cast<const uint4*>(x + o);
+                if (y != nullptr) {
+                    Bf8 yv, bv;
+                    yv.u = *reinterpret_cast<const uint4*>(y + o);
+                    bv.u = *reinterpret_cast<const uint4*>(bias + col0);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float2 a = bf2f(r[c], i), e = bf2f(yv, i), f = bf2f(bv, i);
+                        r[c].h[i] = __floats2bfloat162_rn(a.x + e.x + f.x, a.y + e.y + f.y);
+                    }
+                    *reinterpret_cast<uint4*>(res + o) = r[c].u;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float2 a = bf2f(r[c], i);
+                s += a.x + a.y;
+            }
+        }
+        const float mu = warp_sum(s) / d;
+        float ss = 0.f;
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            if ((lane + 32 * c) * 8 < d) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float2 a = bf2f(r[c], i);
+                    ss += (a.x - mu) * (a.x - mu) + (a.y - mu) * (a.y - mu);
+                }
+            }
+        }
+        const float rstd = rsqrtf(warp_sum(ss) / d + eps);
+#pragma unroll
+        for (int c = 0; c < CH; c++) {
+            const int col0 = (lane + 32 * c) * 8;
+            if (col0 < d) {
+                Bf8 wv, bv, o;
+                wv.u = *reinterpret_cast<const uint4*>(w + col0);
+                bv.u = *reinterpret_cast<const uint4*>(b + col0);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const float2 a = bf2f(r[c], i), g = bf2f(wv, i), f = bf2f(bv, i);
+                    o.h[i] = __floats2bfloat162_rn((a.x - mu) * rstd * g.x + f.x,
+                                                   (a.y - mu) * rstd * g.y + f.y);
+                }
+                *reinterpret_cast<uint4*>(out + (size_t)row * d + col0) = o.u;
+            }
+        }
+    }
+}
+
+// LayerNorm backward: dx (+)= rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w; dw += Σ dy·x̂,
+// db += Σ dy over the rows. `add`: dx accumulates into what it holds (the residual stream's
+// gradient). The dw/db partials stay in registers for the whole grid-stride loop and are
+// reduced through shared memory once per block.
 template <int CH>
 __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                             const bf16_t* __restrict__ dy, bf16_t* dx, float* __restrict__ dw,
@@ -667,72 +824,61 @@ __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restri
     __syncthreads();
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
-    float aw[CH * 8], ab[CH * 8], wv[CH * 8];
+    float aw[CH * 8], ab[CH * 8];
 #pragma unroll
-    for (int c = 0; c < CH; c++) {
-        const int col0 = (lane + 32 * c) * 8;
-        Bf8 wa;
-        wa.u = col0 < d ? *reinterpret_cast<const uint4*>(w + col0) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float2 f = __bfloat1622float2(wa.h[i]);
-            wv[c * 8 + 2 * i] = f.x;
-            wv[c * 8 + 2 * i + 1] = f.y;
-        }
-#pragma unroll
-        for (int i = 0; i < 8; i++) aw[c * 8 + i] = ab[c * 8 + i] = 0.f;
-    }
+    for (int k = 0; k < CH * 8; k++) aw[k] = ab[k] = 0.f;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
-        const bf16_t* xr = x + (size_t)row * d;
-        const bf16_t* dyr = dy + (size_t)row * d;
-        bf16_t* dxr = dx + (size_t)row * d;
-        float xv[CH * 8], gv[CH * 8];
+        // Every load of the row first (x, dy and the residual gradient), one round trip.
+        Bf8 xa[CH], ga[CH], pa[CH];
         float s = 0.f;
 #pragma unroll
         for (int c = 0; c < CH; c++) {
             const int col0 = (lane + 32 * c) * 8;
-            Bf8 xa, ga;
+            xa[c].u = ga[c].u = pa[c].u = make_uint4(0, 0, 0, 0);
             if (col0 < d) {
-                xa.u = *reinterpret_cast<const uint4*>(xr + col0);
-                ga.u = *reinterpret_cast<const uint4*>(dyr + col0);
-            } else {
-                xa.u = ga.u = make_uint4(0, 0, 0, 0);
+                const size_t o = (size_t)row * d + col0;
+                xa[c].u = *reinterpret_cast<const uint4*>(x + o);
+                ga[c].u = *reinterpret_cast<const uint4*>(dy + o);
+                if (add) pa[c].u = *reinterpret_cast<const uint4*>(dx + o);
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const float2 fx = __bfloat1622float2(xa.h[i]);
-                const float2 fg = __bfloat1622float2(ga.h[i]);
-                xv[c * 8 + 2 * i] = fx.x;
-                xv[c * 8 + 2 * i + 1] = fx.y;
-                gv[c * 8 + 2 * i] = fg.x;
-                gv[c * 8 + 2 * i + 1] = fg.y;
-                s += fx.x + fx.y;
+                const float2 a = bf2f(xa[c], i);
+                s += a.x + a.y;
             }
         }
         const float mu = warp_sum(s) / d;
         float ss = 0.f;
 #pragma unroll
         for (int c = 0; c < CH; c++) {
-            const bool in = (lane + 32 * c) * 8 < d;
+            if ((lane + 32 * c) * 8 < d) {
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float e = in ? xv[c * 8 + i] - mu : 0.f;
-                ss += e * e;
+                for (int i = 0; i < 4; i++) {
+                    const float2 a = bf2f(xa[c], i);
+                    ss += (a.x - mu) * (a.x - mu) + (a.y - mu) * (a.y - mu);
+                }
             }
         }
         const float rstd = rsqrtf(warp_sum(ss) / d + eps);
         float a = 0.f, cc = 0.f;
 #pragma unroll
-        for (int k = 0; k < CH * 8; k++) {
-            const float xh = (xv[k] - mu) * rstd;  // padding lanes: gv = 0, so no effect
-            const float dyv = gv[k];
-            aw[k] += dyv * xh;
-            ab[k] += dyv;
-            const float g = dyv * wv[k];
-            gv[k] = g;
-            xv[k] = xh;
-            a += g;
-            cc += g * xh;
+        for (int c = 0; c < CH; c++) {
+            Bf8 wv;
+            const int col0 = (lane + 32 * c) * 8;
+            wv.u = col0 < d ? *reinterpret_cast<const uint4*>(w + col0) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float2 xv = bf2f(xa[c], i), gv = bf2f(ga[c], i), wf = bf2f(wv, i);
+                const float h0 = (xv.x - mu) * rstd, h1 = (xv.y - mu) * rstd;
+                const int k = c * 8 + 2 * i;
+                aw[k] += gv.x * h0;  // padding lanes: dy = 0, so no effect
+                aw[k + 1] += gv.y * h1;
+                ab[k] += gv.x;
+                ab[k + 1] += gv.y;
+                const float g0 = gv.x * wf.x, g1 = gv.y * wf.y;
+                a += g0 + g1;
+                cc += g0 * h0 + g1 * h1;
+            }
         }
         a = warp_sum(a) / d;
         cc = warp_sum(cc) / d;
@@ -740,17 +886,17 @@ __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restri
         for (int c = 0; c < CH; c++) {
             const int col0 = (lane + 32 * c) * 8;
             if (col0 < d) {
-                Bf8 prev, out;
-                prev.u = add ? *reinterpret_cast<const uint4*>(dxr + col0) : make_uint4(0, 0, 0, 0);
+                Bf8 wv, out;
+                wv.u = *reinterpret_cast<const uint4*>(w + col0);
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    const float2 p = add ? __bfloat1622float2(prev.h[i]) : make_float2(0.f, 0.f);
-                    const int k = c * 8 + 2 * i;
-                    out.h[i] = __floats2bfloat162_rn(
-                        p.x + rstd * (gv[k] - a - xv[k] * cc),
-                        p.y + rstd * (gv[k + 1] - a - xv[k + 1] * cc));
+                    const float2 xv = bf2f(xa[c], i), gv = bf2f(ga[c], i), wf = bf2f(wv, i);
+                    const float2 p = bf2f(pa[c], i);
+                    const float h0 = (xv.x - mu) * rstd, h1 = (xv.y - mu) * rstd;
+                    out.h[i] = __floats2bfloat162_rn(p.x + rstd * (gv.x * wf.x - a - h0 * cc),
+                                                     p.y + rstd * (gv.y * wf.y - a - h1 * cc));
                 }
-                *reinterpret_cast<uint4*>(dxr + col0) = out.u;
+                *reinterpret_cast<uint4*>(dx + (size_t)row * d + col0) = out.u;
             }
         }
     }
@@ -808,17 +954,23 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
 }
 
 // The launcher picks CH = ceil(d / 256) (1 to 4, so d ≤ 1024).
-extern "C" __global__ void norm_bwd_v8_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* dy,
-                                            bf16_t* dx, float* dw, float* db, int n, int d,
-                                            float eps, int add) {
-    switch ((d + 255) / 256) {
-        case 1: norm_bwd_v8<1>(x, w, dy, dx, dw, db, n, d, eps, add); break;
-        case 2: norm_bwd_v8<2>(x, w, dy, dx, dw, db, n, d, eps, add); break;
-        case 3: norm_bwd_v8<3>(x, w, dy, dx, dw, db, n, d, eps, add); break;
-        case 4: norm_bwd_v8<4>(x, w, dy, dx, dw, db, n, d, eps, add); break;
-        default: break;
+// One entry point per row width (CH chunks of 256 columns), each with its own register
+// budget: up to d = 768 two 256-thread blocks fit on an SM.
+#define COCKPIT_NORM_V8(CH, MINB)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, MINB) norm_bwd_v8_bf16_##CH(              \
+        const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, float* dw, float* db,   \
+        int n, int d, float eps, int add) {                                                     \
+        norm_bwd_v8<CH>(x, w, dy, dx, dw, db, n, d, eps, add);                                  \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(256, MINB) residual_norm_v8_bf16_##CH(         \
+        const bf16_t* x, const bf16_t* y, const bf16_t* bias, bf16_t* res, const bf16_t* w,     \
+        const bf16_t* b, bf16_t* out, int n, int d, float eps) {                                \
+        residual_norm_v8<CH>(x, y, bias, res, w, b, out, n, d, eps);                            \
     }
-}
+COCKPIT_NORM_V8(1, 2)
+COCKPIT_NORM_V8(2, 2)
+COCKPIT_NORM_V8(3, 2)
+COCKPIT_NORM_V8(4, 1)
 
 // Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary; ld a
 // multiple of 8 and rows 16-byte aligned), forward and backward in one pass per row:

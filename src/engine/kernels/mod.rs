@@ -25,6 +25,8 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::*;
 #[cfg(feature = "cuda")]
+mod lt;
+#[cfg(feature = "cuda")]
 mod step;
 #[cfg(feature = "cuda")]
 pub use step::GptStep;
@@ -44,13 +46,23 @@ pub struct AdamWArgs {
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
-    /// `1 − lr·wd` for decayed parameters, 1 otherwise.
+    /// `1 − lr·wd`: the factor on parameters with weight decay.
     pub decay: f64,
     /// Bias corrections `1 − βᵗ`.
     pub bc1: f64,
     pub bc2: f64,
     /// Multiplies the gradient first (clipping).
     pub grad_scale: f64,
+}
+
+/// The bf16 compute copy of one weight inside a [`GptStep`] (its device address, valid while
+/// the step is borrowed): the fused AdamW writes the updated weight there too, which saves
+/// the step its cast pass.
+#[derive(Clone, Copy)]
+pub struct WeightCopy<'a> {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) addr: u64,
+    pub(crate) _step: std::marker::PhantomData<&'a GptStep>,
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -99,7 +111,8 @@ mod cpu_stubs {
         pub g: &'a Tensor,
         pub m: &'a Tensor,
         pub v: &'a Tensor,
-        pub decay: f64,
+        pub decay: bool,
+        pub copy: Option<super::WeightCopy<'a>>,
     }
     pub fn adamw_multi(_items: &[AdamItem], _a: &super::AdamWArgs) -> Result<()> {
         no_cuda()
@@ -145,8 +158,14 @@ mod step_stub {
         pub fn grad_of(&self, _var: &Var) -> Result<Option<Tensor>> {
             no_cuda()
         }
-        pub fn begin(&mut self) -> Result<()> {
+        pub fn begin(&mut self, _weights_copied: bool) -> Result<()> {
             no_cuda()
+        }
+        pub fn weight_copy(&self, _var: &Var) -> Option<super::WeightCopy<'_>> {
+            None
+        }
+        pub fn weight_count(&self) -> usize {
+            0
         }
         pub fn micro(&mut self, _i: &[u32], _t: &[u32], _b: usize, _g: f32) -> Result<()> {
             no_cuda()

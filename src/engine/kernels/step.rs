@@ -25,14 +25,17 @@ use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
-    result as drv, sys::CUevent_flags, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr,
-    LaunchConfig, PushKernelArg,
+    result as drv,
+    sys::{CUdevice_attribute, CUevent_flags},
+    CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
 use half::bf16;
 
 use super::cuda::{err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, MODULE, PTX};
+use super::lt::{Epi, Lt, Operand};
+use super::WeightCopy;
 use crate::engine::events::KernelTime;
 use crate::engine::model::StepWeights;
 
@@ -112,7 +115,8 @@ struct Kernels {
     residual_norm: Kern,
     norm_bwd: Kern,
     norm_bwd_add: Kern,
-    norm_bwd_v8: Kern,
+    /// Row-in-registers LayerNorm kernels for the model's width (n_embd ≤ 1024).
+    norm_v8: Option<NormV8>,
     ce: Kern,
     bias_act: Kern,
     gelu_bwd: Kern,
@@ -130,16 +134,42 @@ struct Kernels {
     flash_dq: Kern,
 }
 
+/// The LayerNorm kernels specialised for rows of ⌈n_embd/256⌉ chunks, and the grid that
+/// fills every SM once (their register budget allows `per_sm` blocks of 256 threads).
+struct NormV8 {
+    fwd: Kern,
+    bwd: Kern,
+    grid: u32,
+}
+
 impl Kernels {
-    fn load(dev: &CudaDevice) -> Result<Self> {
-        let f = |name: &'static str| -> Result<Kern> {
+    fn load(dev: &CudaDevice, stream: &CudaStream, c: usize) -> Result<Self> {
+        let named = |name: &str, group: &'static str| -> Result<Kern> {
             let f = dev
                 .get_or_load_custom_func(name, MODULE, PTX)?
                 .into_cuda_function();
-            Ok(Kern {
-                f,
-                name: name.trim_end_matches("_bf16").trim_end_matches("_f32"),
+            Ok(Kern { f, name: group })
+        };
+        let f = |name: &'static str| -> Result<Kern> {
+            named(
+                name,
+                name.trim_end_matches("_bf16").trim_end_matches("_f32"),
+            )
+        };
+        let norm_v8 = if c.is_multiple_of(8) && c <= 1024 {
+            let ch = c.div_ceil(256);
+            let sms = stream
+                .context()
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .w()?;
+            let per_sm = if ch <= 3 { 2 } else { 1 };
+            Some(NormV8 {
+                fwd: named(&format!("residual_norm_v8_bf16_{ch}"), "residual_norm")?,
+                bwd: named(&format!("norm_bwd_v8_bf16_{ch}"), "norm_bwd")?,
+                grid: (sms.max(1) as u32) * per_sm,
             })
+        } else {
+            None
         };
         Ok(Self {
             cast: f("cast_multi_f32_bf16")?,
@@ -148,7 +178,7 @@ impl Kernels {
             residual_norm: f("residual_norm_bf16")?,
             norm_bwd: f("norm_bwd_bf16")?,
             norm_bwd_add: f("norm_bwd_add_bf16")?,
-            norm_bwd_v8: f("norm_bwd_v8_bf16")?,
+            norm_v8,
             ce: f("ce_fused_bf16")?,
             bias_act: f("bias_act_v8_bf16")?,
             gelu_bwd: f("bias_gelu_bwd_v8_bf16")?,
@@ -243,6 +273,9 @@ pub struct GptStep {
     dev: CudaDevice,
     stream: Arc<CudaStream>,
     blas: Arc<CudaBlas>,
+    /// cuBLASLt for the matmuls with fused bias/GELU epilogues (None: plain cuBLAS and
+    /// separate kernels throughout).
+    lt: Option<Lt>,
     k: Kernels,
     n_layer: usize,
     c: usize,
@@ -290,8 +323,8 @@ impl GptStep {
         };
         let stream = dev.cuda_stream();
         let blas = dev.cublas_handle();
-        let k = Kernels::load(&dev)?;
         let (vocab, c) = w.wte.as_tensor().dims2()?;
+        let k = Kernels::load(&dev, &stream, c)?;
         let t = w.seq_len;
         let first = w
             .layers
@@ -380,10 +413,16 @@ impl GptStep {
             .enumerate()
             .map(|(i, e)| (e.var.as_tensor().id(), i))
             .collect();
+        let lt = if w.epilogues {
+            Lt::new(stream.clone()).ok()
+        } else {
+            None
+        };
         Ok(Self {
             dev,
             stream,
             blas,
+            lt,
             k,
             n_layer: layers.len(),
             c,
@@ -637,6 +676,90 @@ impl GptStep {
         )
     }
 
+    /// [`Self::lin_fwd`] with a bias (+ GELU) epilogue through cuBLASLt. Ok(false): not
+    /// available, nothing ran.
+    fn lin_fwd_epi(&self, x: u64, w: u64, y: u64, d: Lin, epi: Epi) -> Result<bool> {
+        let Some(lt) = &self.lt else {
+            return Ok(false);
+        };
+        let name = match epi {
+            Epi::GeluAuxBias { .. } => "matmul fwd+bias+gelu",
+            _ => "matmul fwd+bias",
+        };
+        let mut done = false;
+        self.timed(name, || {
+            done = lt.matmul(
+                (true, false),
+                (d.out, d.rows, d.inp),
+                Operand { p: w, ld: d.inp },
+                Operand { p: x, ld: d.inp },
+                Operand { p: y, ld: d.ldy },
+                false,
+                0.0,
+                epi,
+            )?;
+            Ok(())
+        })?;
+        Ok(done)
+    }
+
+    /// [`Self::lin_dx`] with the GELU-backward and bias-gradient epilogue. Ok(false): not
+    /// available, nothing ran.
+    fn lin_dx_epi(&self, dy: u64, w: u64, dx: u64, d: Lin, epi: Epi) -> Result<bool> {
+        let Some(lt) = &self.lt else {
+            return Ok(false);
+        };
+        let name = match epi {
+            Epi::DGelu { .. } => "matmul dgrad+dgelu",
+            _ => "matmul dgrad+dgelu+bgrad",
+        };
+        let mut done = false;
+        self.timed(name, || {
+            done = lt.matmul(
+                (false, false),
+                (d.inp, d.rows, d.out),
+                Operand { p: w, ld: d.inp },
+                Operand { p: dy, ld: d.ldy },
+                Operand { p: dx, ld: d.inp },
+                false,
+                0.0,
+                epi,
+            )?;
+            Ok(())
+        })?;
+        Ok(done)
+    }
+
+    /// Weight gradient `dw += dyᵀ·x` and bias gradient `db (+)= Σ_rows dy` of a linear layer
+    /// (entries `w`, `b`): one cuBLASLt matmul with the bias-gradient epilogue on the first
+    /// micro-batch (it writes, the buffer is zero), the column-sum kernel otherwise.
+    fn lin_dw_bias(&self, x: u64, dy: u64, w: usize, b: usize, d: Lin, first: bool) -> Result<()> {
+        if let (Some(lt), true) = (&self.lt, first) {
+            let mut done = false;
+            self.timed("matmul wgrad+bgrad", || {
+                done = lt.matmul(
+                    (false, true),
+                    (d.inp, d.out, d.rows),
+                    Operand { p: x, ld: d.inp },
+                    Operand { p: dy, ld: d.ldy },
+                    Operand {
+                        p: self.g(w),
+                        ld: d.inp,
+                    },
+                    true,
+                    1.0,
+                    Epi::BGradB { bgrad: self.g(b) },
+                )?;
+                Ok(())
+            })?;
+            if done {
+                return Ok(());
+            }
+        }
+        self.col_sum(dy, self.g(b), d.rows, d.out)?;
+        self.lin_dw(x, dy, self.g(w), d)
+    }
+
     /// `out[c] += Σ_rows x[r, c]` (fp32; c a multiple of 8).
     fn col_sum(&self, x: u64, out: u64, n: usize, c: usize) -> Result<()> {
         let col_blocks = c.div_ceil(256);
@@ -674,11 +797,6 @@ impl GptStep {
         add: bool,
     ) -> Result<()> {
         let d = self.c;
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(8).clamp(1, 264) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: (2 * d * 4) as u32,
-        };
         let mut args = vec![
             Arg::P(x),
             Arg::P(w),
@@ -690,11 +808,23 @@ impl GptStep {
             Arg::I(i32_of(d, "dim")?),
             Arg::F(self.eps),
         ];
-        if d <= 1024 {
-            // 16-byte accesses, row in registers (d is a multiple of 8 for this step).
+        let shared_mem_bytes = (2 * d * 4) as u32;
+        if let Some(v8) = &self.k.norm_v8 {
+            // 16-byte accesses, rows in registers, one wave of blocks.
+            let cfg = LaunchConfig {
+                grid_dim: (v8.grid.min(n.div_ceil(8).max(1) as u32), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes,
+            };
             args.push(Arg::I(add as i32));
-            self.launch(&self.k.norm_bwd_v8, cfg, &args)
-        } else if add {
+            return self.launch(&v8.bwd, cfg, &args);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(8).clamp(1, 264) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes,
+        };
+        if add {
             self.launch(&self.k.norm_bwd_add, cfg, &args)
         } else {
             args.push(Arg::I(0));
@@ -828,9 +958,23 @@ impl GptStep {
         Ok(ptr(buf, &self.stream))
     }
 
-    /// Start an optimizer step: cast the fp32 masters into the bf16 buffer, zero the
-    /// gradients and the loss accumulator.
-    pub fn begin(&mut self) -> Result<()> {
+    /// The bf16 compute copy of `var` (None if the step does not own it), for the fused
+    /// AdamW to write the updated weight into.
+    pub fn weight_copy(&self, var: &Var) -> Option<WeightCopy<'_>> {
+        let &i = self.by_id.get(&var.as_tensor().id())?;
+        Some(WeightCopy {
+            addr: self.w(i),
+            _step: std::marker::PhantomData,
+        })
+    }
+
+    /// How many weights the step computes with (each has a bf16 copy).
+    pub fn weight_count(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// fp32 master weights → the bf16 copies, one multi-tensor launch.
+    fn cast_weights(&mut self) -> Result<()> {
         let ts: Vec<&Tensor> = self.entries.iter().map(|e| e.var.as_tensor()).collect();
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
@@ -849,6 +993,16 @@ impl GptStep {
             unsafe { b.launch(multi_grid(max_n, self.entries.len())?) }.w()?;
             Ok(())
         })?;
+        Ok(())
+    }
+
+    /// Start an optimizer step: cast the fp32 masters into the bf16 buffer (unless the last
+    /// fused AdamW already wrote them there and nothing changed the weights since), zero the
+    /// gradients and the loss accumulator.
+    pub fn begin(&mut self, weights_copied: bool) -> Result<()> {
+        if !weights_copied {
+            self.cast_weights()?;
+        }
         let bytes = self.grad.elem_count() * 4;
         // SAFETY: grad_p addresses the live fp32 gradient buffer of `bytes` bytes.
         unsafe { drv::memset_d8_async(self.grad_p, 0, bytes, self.stream.cu_stream()) }.w()?;
@@ -893,7 +1047,7 @@ impl GptStep {
             .map(|a| a.lay.clone())
             .ok_or_else(|| err("no arena"))?;
         self.forward(&lay, g)?;
-        self.backward(&lay)?;
+        self.backward(&lay, self.micro == 0)?;
         self.micro += 1;
         Ok(())
     }
@@ -988,13 +1142,14 @@ impl GptStep {
         self.residual_norm(a.res[0], 0, 0, 0, l0.ln1_w, l0.ln1_b, a.ln1[0], n)?;
         for (l, li) in self.layers.iter().enumerate() {
             // qkv = ln1·Wqkvᵀ + b
-            self.lin_fwd(
-                a.ln1[l],
-                self.w(li.qkv_w),
-                a.qkv[l],
-                Lin::new(n, c, 3 * c, 3 * c),
-            )?;
-            self.bias_act(a.qkv[l], self.w(li.qkv_b), a.qkv[l], n, 3 * c, 0)?;
+            let qkv = Lin::new(n, c, 3 * c, 3 * c);
+            let bias = Epi::Bias {
+                bias: self.w(li.qkv_b),
+            };
+            if !self.lin_fwd_epi(a.ln1[l], self.w(li.qkv_w), a.qkv[l], qkv, bias)? {
+                self.lin_fwd(a.ln1[l], self.w(li.qkv_w), a.qkv[l], qkv)?;
+                self.bias_act(a.qkv[l], self.w(li.qkv_b), a.qkv[l], n, 3 * c, 0)?;
+            }
             self.rope(a.qkv[l], n, false)?;
             self.attn_fwd(a, l)?;
             // mid = res + atty·Woᵀ + bo, ln2 = LN2(mid)
@@ -1011,8 +1166,16 @@ impl GptStep {
             )?;
             // MLP: gelu(ln2·Wupᵀ + b), then ·Wdownᵀ + b added to the residual, fused with
             // the next layer's LN1 (or the final LN).
-            self.lin_fwd(a.ln2[l], self.w(li.up_w), a.fc[l], Lin::new(n, c, f, f))?;
-            self.bias_act(a.fc[l], self.w(li.up_b), a.gelu[l], n, f, 1)?;
+            let up = Lin::new(n, c, f, f);
+            let gelu = Epi::GeluAuxBias {
+                bias: self.w(li.up_b),
+                aux: a.fc[l],
+                ld: f,
+            };
+            if !self.lin_fwd_epi(a.ln2[l], self.w(li.up_w), a.gelu[l], up, gelu)? {
+                self.lin_fwd(a.ln2[l], self.w(li.up_w), a.fc[l], up)?;
+                self.bias_act(a.fc[l], self.w(li.up_b), a.gelu[l], n, f, 1)?;
+            }
             self.lin_fwd(a.gelu[l], self.w(li.down_w), a.tmp, Lin::new(n, f, c, c))?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
@@ -1058,7 +1221,9 @@ impl GptStep {
     }
 
     /// The backward from the logits' gradient (written by the forward's CE kernel).
-    fn backward(&self, a: &Lay) -> Result<()> {
+    /// `first`: the first micro-batch of the step, whose bias gradients the matmul epilogues
+    /// may write (the buffer is zero); later ones accumulate with the column-sum kernel.
+    fn backward(&self, a: &Lay, first: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -1081,22 +1246,37 @@ impl GptStep {
         )?;
         for (l, li) in self.layers.iter().enumerate().rev() {
             // MLP down projection: res[l+1] = mid + gelu·Wdownᵀ + b
-            self.col_sum(a.dres, self.g(li.down_b), n, c)?;
-            self.lin_dw(a.gelu[l], a.dres, self.g(li.down_w), Lin::new(n, f, c, c))?;
-            self.lin_dx(a.dres, self.w(li.down_w), a.dh, Lin::new(n, f, c, c))?;
-            self.launch(
-                &self.k.gelu_bwd,
-                flat_cfg(n * f / 8),
-                &[
-                    Arg::P(a.fc[l]),
-                    Arg::P(self.w(li.up_b)),
-                    Arg::P(a.dh),
-                    Arg::P(a.dh),
-                    Arg::P((n * f / 8) as u64),
-                    Arg::I(i32_of(f / 8, "hidden")?),
-                ],
-            )?;
-            self.col_sum(a.dh, self.g(li.up_b), n, f)?;
+            let down = Lin::new(n, f, c, c);
+            self.lin_dw_bias(a.gelu[l], a.dres, li.down_w, li.down_b, down, first)?;
+            let dgelu = Epi::DGeluBGrad {
+                bgrad: self.g(li.up_b),
+                aux: a.fc[l],
+                ld: f,
+            };
+            let dgelu_only = Epi::DGelu {
+                aux: a.fc[l],
+                ld: f,
+            };
+            if first && self.lin_dx_epi(a.dres, self.w(li.down_w), a.dh, down, dgelu)? {
+                // GELU backward and the up-projection's bias gradient fused in the matmul.
+            } else if self.lin_dx_epi(a.dres, self.w(li.down_w), a.dh, down, dgelu_only)? {
+                self.col_sum(a.dh, self.g(li.up_b), n, f)?;
+            } else {
+                self.lin_dx(a.dres, self.w(li.down_w), a.dh, down)?;
+                self.launch(
+                    &self.k.gelu_bwd,
+                    flat_cfg(n * f / 8),
+                    &[
+                        Arg::P(a.fc[l]),
+                        Arg::P(self.w(li.up_b)),
+                        Arg::P(a.dh),
+                        Arg::P(a.dh),
+                        Arg::P((n * f / 8) as u64),
+                        Arg::I(i32_of(f / 8, "hidden")?),
+                    ],
+                )?;
+                self.col_sum(a.dh, self.g(li.up_b), n, f)?;
+            }
             self.lin_dw(a.ln2[l], a.dh, self.g(li.up_w), Lin::new(n, c, f, f))?;
             self.lin_dx(a.dh, self.w(li.up_w), a.da, Lin::new(n, c, f, f))?;
             self.norm_bwd(
@@ -1110,19 +1290,14 @@ impl GptStep {
                 true,
             )?;
             // attention output projection: mid = res + atty·Woᵀ + bo
-            self.col_sum(a.dres, self.g(li.o_b), n, c)?;
-            self.lin_dw(a.atty[l], a.dres, self.g(li.o_w), Lin::new(n, c, c, c))?;
+            let o = Lin::new(n, c, c, c);
+            self.lin_dw_bias(a.atty[l], a.dres, li.o_w, li.o_b, o, first)?;
             self.lin_dx(a.dres, self.w(li.o_w), a.da, Lin::new(n, c, c, c))?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
             // qkv projection
-            self.col_sum(a.dqkv, self.g(li.qkv_b), n, 3 * c)?;
-            self.lin_dw(
-                a.ln1[l],
-                a.dqkv,
-                self.g(li.qkv_w),
-                Lin::new(n, c, 3 * c, 3 * c),
-            )?;
+            let qkv = Lin::new(n, c, 3 * c, 3 * c);
+            self.lin_dw_bias(a.ln1[l], a.dqkv, li.qkv_w, li.qkv_b, qkv, first)?;
             self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, Lin::new(n, c, 3 * c, 3 * c))?;
             self.norm_bwd(
                 a.res[l],
@@ -1402,22 +1577,29 @@ impl GptStep {
         out: u64,
         n: usize,
     ) -> Result<()> {
-        self.launch(
-            &self.k.residual_norm,
-            row_cfg(n),
-            &[
-                Arg::P(x),
-                Arg::P(y),
-                Arg::P(bias),
-                Arg::P(res),
-                Arg::P(self.w(w)),
-                Arg::P(self.w(bn)),
-                Arg::P(out),
-                Arg::I(i32_of(n, "rows")?),
-                Arg::I(i32_of(self.c, "n_embd")?),
-                Arg::F(self.eps),
-            ],
-        )
+        let args = [
+            Arg::P(x),
+            Arg::P(y),
+            Arg::P(bias),
+            Arg::P(res),
+            Arg::P(self.w(w)),
+            Arg::P(self.w(bn)),
+            Arg::P(out),
+            Arg::I(i32_of(n, "rows")?),
+            Arg::I(i32_of(self.c, "n_embd")?),
+            Arg::F(self.eps),
+        ];
+        match &self.k.norm_v8 {
+            Some(v8) => {
+                let cfg = LaunchConfig {
+                    grid_dim: (v8.grid.min(n.div_ceil(8).max(1) as u32), 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.launch(&v8.fwd, cfg, &args)
+            }
+            None => self.launch(&self.k.residual_norm, row_cfg(n), &args),
+        }
     }
 
     /// `y[n, c] = x + b` (`mode` 0) or `gelu(x + b)` (`mode` 1); c a multiple of 8, y may
