@@ -748,7 +748,8 @@ template <int CH>
 __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ y,
                                  const bf16_t* __restrict__ bias, bf16_t* res,
                                  const bf16_t* __restrict__ w, const bf16_t* __restrict__ b,
-                                 bf16_t* __restrict__ out, int n, int d, float eps) {
+                                 bf16_t* __restrict__ out, float2* __restrict__ stats, int n,
+                                 int d, float eps) {
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -792,6 +793,7 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
             }
         }
         const float rstd = rsqrtf(warp_sum(ss) / d + eps);
+        if (stats != nullptr && lane == 0) stats[row] = make_float2(mu, rstd);
 #pragma unroll
         for (int c = 0; c < CH; c++) {
             const int col0 = (lane + 32 * c) * 8;
@@ -818,7 +820,8 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
 template <int CH>
 __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                             const bf16_t* __restrict__ dy, bf16_t* dx, float* __restrict__ dw,
-                            float* __restrict__ db, int n, int d, float eps, int add) {
+                            float* __restrict__ db, const float2* __restrict__ stats, int n,
+                            int d, float eps, int add) {
     extern __shared__ float sh[];  // [2·d]: dw then db
     for (int j = threadIdx.x; j < 2 * d; j += blockDim.x) sh[j] = 0.f;
     __syncthreads();
@@ -830,7 +833,7 @@ __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restri
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
         // Every load of the row first (x, dy and the residual gradient), one round trip.
         Bf8 xa[CH], ga[CH], pa[CH];
-        float s = 0.f;
+        const float2 st = stats != nullptr ? stats[row] : make_float2(0.f, 0.f);
 #pragma unroll
         for (int c = 0; c < CH; c++) {
             const int col0 = (lane + 32 * c) * 8;
@@ -841,25 +844,32 @@ __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restri
                 ga[c].u = *reinterpret_cast<const uint4*>(dy + o);
                 if (add) pa[c].u = *reinterpret_cast<const uint4*>(dx + o);
             }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float2 a = bf2f(xa[c], i);
-                s += a.x + a.y;
-            }
         }
-        const float mu = warp_sum(s) / d;
-        float ss = 0.f;
+        float mu = st.x, rstd = st.y;
+        if (stats == nullptr) {  // recompute the forward's statistics (two passes)
+            float s = 0.f;
 #pragma unroll
-        for (int c = 0; c < CH; c++) {
-            if ((lane + 32 * c) * 8 < d) {
+            for (int c = 0; c < CH; c++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const float2 a = bf2f(xa[c], i);
-                    ss += (a.x - mu) * (a.x - mu) + (a.y - mu) * (a.y - mu);
+                    s += a.x + a.y;
                 }
             }
+            mu = warp_sum(s) / d;
+            float ss = 0.f;
+#pragma unroll
+            for (int c = 0; c < CH; c++) {
+                if ((lane + 32 * c) * 8 < d) {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float2 a = bf2f(xa[c], i);
+                        ss += (a.x - mu) * (a.x - mu) + (a.y - mu) * (a.y - mu);
+                    }
+                }
+            }
+            rstd = rsqrtf(warp_sum(ss) / d + eps);
         }
-        const float rstd = rsqrtf(warp_sum(ss) / d + eps);
         float a = 0.f, cc = 0.f;
 #pragma unroll
         for (int c = 0; c < CH; c++) {
@@ -959,13 +969,13 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
 #define COCKPIT_NORM_V8(CH, MINB)                                                              \
     extern "C" __global__ void __launch_bounds__(256, MINB) norm_bwd_v8_bf16_##CH(              \
         const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, float* dw, float* db,   \
-        int n, int d, float eps, int add) {                                                     \
-        norm_bwd_v8<CH>(x, w, dy, dx, dw, db, n, d, eps, add);                                  \
+        const float2* stats, int n, int d, float eps, int add) {                                \
+        norm_bwd_v8<CH>(x, w, dy, dx, dw, db, stats, n, d, eps, add);                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, MINB) residual_norm_v8_bf16_##CH(         \
         const bf16_t* x, const bf16_t* y, const bf16_t* bias, bf16_t* res, const bf16_t* w,     \
-        const bf16_t* b, bf16_t* out, int n, int d, float eps) {                                \
-        residual_norm_v8<CH>(x, y, bias, res, w, b, out, n, d, eps);                            \
+        const bf16_t* b, bf16_t* out, float2* stats, int n, int d, float eps) {                 \
+        residual_norm_v8<CH>(x, y, bias, res, w, b, out, stats, n, d, eps);                     \
     }
 COCKPIT_NORM_V8(1, 2)
 COCKPIT_NORM_V8(2, 2)

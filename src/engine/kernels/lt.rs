@@ -26,8 +26,6 @@ pub(super) enum Epi {
     Bias { bias: u64 },
     /// `aux = D + bias`, `D = gelu_tanh(aux)` (aux: bf16, m × n with leading dim `ld`).
     GeluAuxBias { bias: u64, aux: u64, ld: usize },
-    /// `D = gelu_tanh'(aux) ⊙ D`, `bgrad = Σ_columns D` (fp32, length m).
-    DGeluBGrad { bgrad: u64, aux: u64, ld: usize },
     /// `D = gelu_tanh'(aux) ⊙ D`.
     DGelu { aux: u64, ld: usize },
     /// `bgrad = Σ_k op(B)` (fp32, length n): the bias gradient of the weight-gradient matmul.
@@ -39,9 +37,8 @@ impl Epi {
         match self {
             Epi::Bias { .. } => 0,
             Epi::GeluAuxBias { .. } => 1,
-            Epi::DGeluBGrad { .. } => 2,
             Epi::BGradB { .. } => 3,
-            Epi::DGelu { .. } => 4,
+            Epi::DGelu { .. } => 2,
         }
     }
 }
@@ -191,7 +188,6 @@ impl Lt {
         let epilogue = match epi {
             Epi::Bias { .. } => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
             Epi::GeluAuxBias { .. } => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
-            Epi::DGeluBGrad { .. } => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DGELU_BGRAD,
             Epi::BGradB { .. } => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
             Epi::DGelu { .. } => sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DGELU,
         };
@@ -200,7 +196,7 @@ impl Lt {
             set(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(key.ta))?;
             set(desc, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(key.tb))?;
             set(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-            if matches!(epi, Epi::DGeluBGrad { .. } | Epi::BGradB { .. }) {
+            if matches!(epi, Epi::BGradB { .. }) {
                 // Bias gradients straight into the fp32 gradient buffer.
                 set(desc, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &f32t)?;
             }
@@ -251,7 +247,6 @@ impl Lt {
         let (bias, aux) = match *epi {
             Epi::Bias { bias } => (Some(bias), None),
             Epi::GeluAuxBias { bias, aux, .. } => (Some(bias), Some(aux)),
-            Epi::DGeluBGrad { bgrad, aux, .. } => (Some(bgrad), Some(aux)),
             Epi::BGradB { bgrad } => (Some(bgrad), None),
             Epi::DGelu { aux, .. } => (None, Some(aux)),
         };
@@ -290,7 +285,7 @@ impl Lt {
         epi: Epi,
     ) -> Result<bool> {
         let aux_ld = match epi {
-            Epi::GeluAuxBias { ld, .. } | Epi::DGeluBGrad { ld, .. } | Epi::DGelu { ld, .. } => ld,
+            Epi::GeluAuxBias { ld, .. } | Epi::DGelu { ld, .. } => ld,
             _ => 0,
         };
         let key = Key {

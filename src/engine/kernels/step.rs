@@ -253,6 +253,9 @@ struct Lay {
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     lse_att: Vec<u64>,
     fa_scratch: u64,
+    /// f32 (mean, rstd) per row of every LayerNorm, kept from the forward for the backward:
+    /// LN1 of layer l at 2l, LN2 at 2l + 1, the final LN at 2L.
+    stats: Vec<u64>,
     loss: u64,
     // u32
     ids: u64,
@@ -703,18 +706,14 @@ impl GptStep {
         Ok(done)
     }
 
-    /// [`Self::lin_dx`] with the GELU-backward and bias-gradient epilogue. Ok(false): not
-    /// available, nothing ran.
+    /// [`Self::lin_dx`] with the GELU-backward epilogue. Ok(false): not available, nothing
+    /// ran.
     fn lin_dx_epi(&self, dy: u64, w: u64, dx: u64, d: Lin, epi: Epi) -> Result<bool> {
         let Some(lt) = &self.lt else {
             return Ok(false);
         };
-        let name = match epi {
-            Epi::DGelu { .. } => "matmul dgrad+dgelu",
-            _ => "matmul dgrad+dgelu+bgrad",
-        };
         let mut done = false;
-        self.timed(name, || {
+        self.timed("matmul dgrad+dgelu", || {
             done = lt.matmul(
                 (false, false),
                 (d.inp, d.rows, d.out),
@@ -784,6 +783,8 @@ impl GptStep {
         )
     }
 
+    /// LayerNorm backward of rows `x` (forward statistics in `stats` where the v8 kernels
+    /// run) with weight `w`: dx (+)= …, dw and db accumulate.
     #[allow(clippy::too_many_arguments)]
     fn norm_bwd(
         &self,
@@ -791,8 +792,8 @@ impl GptStep {
         w: u64,
         dy: u64,
         dx: u64,
-        dw: u64,
-        db: u64,
+        (dw, db): (u64, u64),
+        stats: u64,
         n: usize,
         add: bool,
     ) -> Result<()> {
@@ -804,21 +805,26 @@ impl GptStep {
             Arg::P(dx),
             Arg::P(dw),
             Arg::P(db),
+        ];
+        let tail = [
             Arg::I(i32_of(n, "rows")?),
             Arg::I(i32_of(d, "dim")?),
             Arg::F(self.eps),
         ];
         let shared_mem_bytes = (2 * d * 4) as u32;
         if let Some(v8) = &self.k.norm_v8 {
-            // 16-byte accesses, rows in registers, one wave of blocks.
+            // 16-byte accesses, rows in registers, the forward's statistics, one wave.
             let cfg = LaunchConfig {
                 grid_dim: (v8.grid.min(n.div_ceil(8).max(1) as u32), 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes,
             };
+            args.push(Arg::P(stats));
+            args.extend(tail);
             args.push(Arg::I(add as i32));
             return self.launch(&v8.bwd, cfg, &args);
         }
+        args.extend(tail);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(8).clamp(1, 264) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -884,12 +890,13 @@ impl GptStep {
         let bht = if self.flash { b * self.n_head * t } else { 0 };
         let f_lse_att = align(n);
         let f_scratch = f_lse_att + l * align(bht);
-        let f_len = f_scratch
+        let f_stats = f_scratch
             + if self.flash {
                 align(nc) + align(bht)
             } else {
                 0
             };
+        let f_len = f_stats + (2 * l + 1) * align(2 * n);
         // SAFETY: every activation is written before it is read within a micro-batch.
         let bf = unsafe { self.dev.alloc::<bf16>(bf_len)? };
         let f32s = self.dev.alloc_zeros::<f32>(f_len)?;
@@ -928,6 +935,9 @@ impl GptStep {
                 .map(|i| fbase + 4 * (f_lse_att + i * align(bht)) as u64)
                 .collect(),
             fa_scratch: fbase + 4 * f_scratch as u64,
+            stats: (0..2 * l + 1)
+                .map(|i| fbase + 4 * (f_stats + i * align(2 * n)) as u64)
+                .collect(),
             loss: fbase,
             ids: ptr(&ids, &self.stream),
             targets: ptr(&targets, &self.stream),
@@ -1139,7 +1149,8 @@ impl GptStep {
         )?;
         // LN1 of layer 0 (no residual add before it).
         let l0 = self.layers[0];
-        self.residual_norm(a.res[0], 0, 0, 0, l0.ln1_w, l0.ln1_b, a.ln1[0], n)?;
+        let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
+        self.residual_norm(a.res[0], 0, 0, 0, ln, a.ln1[0], n)?;
         for (l, li) in self.layers.iter().enumerate() {
             // qkv = ln1·Wqkvᵀ + b
             let qkv = Lin::new(n, c, 3 * c, 3 * c);
@@ -1154,16 +1165,8 @@ impl GptStep {
             self.attn_fwd(a, l)?;
             // mid = res + atty·Woᵀ + bo, ln2 = LN2(mid)
             self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
-            self.residual_norm(
-                a.res[l],
-                a.tmp,
-                self.w(li.o_b),
-                a.mid[l],
-                li.ln2_w,
-                li.ln2_b,
-                a.ln2[l],
-                n,
-            )?;
+            let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
+            self.residual_norm(a.res[l], a.tmp, self.w(li.o_b), a.mid[l], ln, a.ln2[l], n)?;
             // MLP: gelu(ln2·Wupᵀ + b), then ·Wdownᵀ + b added to the residual, fused with
             // the next layer's LN1 (or the final LN).
             let up = Lin::new(n, c, f, f);
@@ -1181,16 +1184,8 @@ impl GptStep {
                 Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
                 None => (self.lnf[0], self.lnf[1], a.lnf),
             };
-            self.residual_norm(
-                a.mid[l],
-                a.tmp,
-                self.w(li.down_b),
-                a.res[l + 1],
-                nw,
-                nb,
-                out,
-                n,
-            )?;
+            let ln = (nw, nb, a.stats[2 * l + 2]);
+            self.residual_norm(a.mid[l], a.tmp, self.w(li.down_b), a.res[l + 1], ln, out, n)?;
         }
         // logits = lnf·headᵀ into rows of stride vpad, then per-row CE, whose gradient
         // (scaled by g) overwrites the logits in the same pass.
@@ -1239,8 +1234,8 @@ impl GptStep {
             self.w(self.lnf[0]),
             a.da,
             a.dres,
-            self.g(self.lnf[0]),
-            self.g(self.lnf[1]),
+            (self.g(self.lnf[0]), self.g(self.lnf[1])),
+            a.stats[2 * last],
             n,
             false,
         )?;
@@ -1248,20 +1243,13 @@ impl GptStep {
             // MLP down projection: res[l+1] = mid + gelu·Wdownᵀ + b
             let down = Lin::new(n, f, c, c);
             self.lin_dw_bias(a.gelu[l], a.dres, li.down_w, li.down_b, down, first)?;
-            let dgelu = Epi::DGeluBGrad {
-                bgrad: self.g(li.up_b),
+            // The GELU backward fused into the down projection's data gradient (cuBLASLt has
+            // no fp32 bias gradient with it for bf16 outputs: the column sum stays).
+            let dgelu = Epi::DGelu {
                 aux: a.fc[l],
                 ld: f,
             };
-            let dgelu_only = Epi::DGelu {
-                aux: a.fc[l],
-                ld: f,
-            };
-            if first && self.lin_dx_epi(a.dres, self.w(li.down_w), a.dh, down, dgelu)? {
-                // GELU backward and the up-projection's bias gradient fused in the matmul.
-            } else if self.lin_dx_epi(a.dres, self.w(li.down_w), a.dh, down, dgelu_only)? {
-                self.col_sum(a.dh, self.g(li.up_b), n, f)?;
-            } else {
+            if !self.lin_dx_epi(a.dres, self.w(li.down_w), a.dh, down, dgelu)? {
                 self.lin_dx(a.dres, self.w(li.down_w), a.dh, down)?;
                 self.launch(
                     &self.k.gelu_bwd,
@@ -1275,8 +1263,8 @@ impl GptStep {
                         Arg::I(i32_of(f / 8, "hidden")?),
                     ],
                 )?;
-                self.col_sum(a.dh, self.g(li.up_b), n, f)?;
             }
+            self.col_sum(a.dh, self.g(li.up_b), n, f)?;
             self.lin_dw(a.ln2[l], a.dh, self.g(li.up_w), Lin::new(n, c, f, f))?;
             self.lin_dx(a.dh, self.w(li.up_w), a.da, Lin::new(n, c, f, f))?;
             self.norm_bwd(
@@ -1284,8 +1272,8 @@ impl GptStep {
                 self.w(li.ln2_w),
                 a.da,
                 a.dres,
-                self.g(li.ln2_w),
-                self.g(li.ln2_b),
+                (self.g(li.ln2_w), self.g(li.ln2_b)),
+                a.stats[2 * l + 1],
                 n,
                 true,
             )?;
@@ -1304,8 +1292,8 @@ impl GptStep {
                 self.w(li.ln1_w),
                 a.da,
                 a.dres,
-                self.g(li.ln1_w),
-                self.g(li.ln1_b),
+                (self.g(li.ln1_w), self.g(li.ln1_b)),
+                a.stats[2 * l],
                 n,
                 true,
             )?;
@@ -1565,6 +1553,8 @@ impl GptStep {
         )
     }
 
+    /// `res = x + y + bias` (y = 0: res is x), `out = LayerNorm(res)` with the weight and
+    /// bias entries of `ln`, whose third part receives the rows' (mean, rstd) for the backward.
     #[allow(clippy::too_many_arguments)]
     fn residual_norm(
         &self,
@@ -1572,12 +1562,11 @@ impl GptStep {
         y: u64,
         bias: u64,
         res: u64,
-        w: usize,
-        bn: usize,
+        (w, bn, stats): (usize, usize, u64),
         out: u64,
         n: usize,
     ) -> Result<()> {
-        let args = [
+        let mut args = vec![
             Arg::P(x),
             Arg::P(y),
             Arg::P(bias),
@@ -1585,6 +1574,8 @@ impl GptStep {
             Arg::P(self.w(w)),
             Arg::P(self.w(bn)),
             Arg::P(out),
+        ];
+        let tail = [
             Arg::I(i32_of(n, "rows")?),
             Arg::I(i32_of(self.c, "n_embd")?),
             Arg::F(self.eps),
@@ -1596,9 +1587,14 @@ impl GptStep {
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
+                args.push(Arg::P(stats));
+                args.extend(tail);
                 self.launch(&v8.fwd, cfg, &args)
             }
-            None => self.launch(&self.k.residual_norm, row_cfg(n), &args),
+            None => {
+                args.extend(tail);
+                self.launch(&self.k.residual_norm, row_cfg(n), &args)
+            }
         }
     }
 
