@@ -741,6 +741,33 @@ extern "C" __global__ void norm_bwd_add_bf16(const bf16_t* x, const bf16_t* w, c
 // the register count low enough for two 256-thread blocks per SM.
 __device__ __forceinline__ float2 bf2f(const Bf8& v, int i) { return __bfloat1622float2(v.h[i]); }
 
+// (mean, rstd) of a row held as CH packed chunks per lane (padding chunks are zero), two-pass.
+template <int CH>
+__device__ __forceinline__ float2 row_stats_v8(const Bf8 (&r)[CH], int lane, int d, float eps) {
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < CH; c++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 a = bf2f(r[c], i);
+            s += a.x + a.y;
+        }
+    }
+    const float mu = warp_sum(s) / d;
+    float ss = 0.f;
+#pragma unroll
+    for (int c = 0; c < CH; c++) {
+        if ((lane + 32 * c) * 8 < d) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float2 a = bf2f(r[c], i);
+                ss += (a.x - mu) * (a.x - mu) + (a.y - mu) * (a.y - mu);
+            }
+        }
+    }
+    return make_float2(mu, rsqrtf(warp_sum(ss) / d + eps));
+}
+
 // The residual add fused with the next LayerNorm: res = x + y + bias (y null: res is x),
 // out = LayerNorm(res)·w + b. The statistics come from the rounded bf16 residual as stored,
 // which is what the backward recomputes them from.
@@ -754,7 +781,6 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
         Bf8 r[CH];
-        float s = 0.f;
 #pragma unroll
         for (int c = 0; c < CH; c++) {
             const int col0 = (lane + 32 * c) * 8;
@@ -774,25 +800,9 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                     *reinterpret_cast<uint4*>(res + o) = r[c].u;
                 }
             }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float2 a = bf2f(r[c], i);
-                s += a.x + a.y;
-            }
         }
-        const float mu = warp_sum(s) / d;
-        float ss = 0.f;
-#pragma unroll
-        for (int c = 0; c < CH; c++) {
-            if ((lane + 32 * c) * 8 < d) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const float2 a = bf2f(r[c], i);
-                    ss += (a.x - mu) * (a.x - mu) + (a.y - mu) * (a.y - mu);
-                }
-            }
-        }
-        const float rstd = rsqrtf(warp_sum(ss) / d + eps);
+        const float2 st = row_stats_v8<CH>(r, lane, d, eps);
+        const float mu = st.x, rstd = st.y;
         if (stats != nullptr && lane == 0) stats[row] = make_float2(mu, rstd);
 #pragma unroll
         for (int c = 0; c < CH; c++) {
@@ -845,31 +855,9 @@ __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restri
                 if (add) pa[c].u = *reinterpret_cast<const uint4*>(dx + o);
             }
         }
-        float mu = st.x, rstd = st.y;
-        if (stats == nullptr) {  // recompute the forward's statistics (two passes)
-            float s = 0.f;
-#pragma unroll
-            for (int c = 0; c < CH; c++) {
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const float2 a = bf2f(xa[c], i);
-                    s += a.x + a.y;
-                }
-            }
-            mu = warp_sum(s) / d;
-            float ss = 0.f;
-#pragma unroll
-            for (int c = 0; c < CH; c++) {
-                if ((lane + 32 * c) * 8 < d) {
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const float2 a = bf2f(xa[c], i);
-                        ss += (a.x - mu) * (a.x - mu) + (a.y - mu) * (a.y - mu);
-                    }
-                }
-            }
-            rstd = rsqrtf(warp_sum(ss) / d + eps);
-        }
+        // The forward's statistics, or recomputed the same way.
+        const float2 ms = stats != nullptr ? st : row_stats_v8<CH>(xa, lane, d, eps);
+        const float mu = ms.x, rstd = ms.y;
         float a = 0.f, cc = 0.f;
 #pragma unroll
         for (int c = 0; c < CH; c++) {

@@ -50,6 +50,17 @@ pub(super) struct Operand {
     pub ld: usize,
 }
 
+/// One matmul `D = op(A)·op(B)` in cuBLAS's column-major terms: transposes, (m, n, k), and
+/// the operands (C is also D).
+#[derive(Clone, Copy)]
+pub(super) struct Mm {
+    pub t: (bool, bool),
+    pub mnk: (usize, usize, usize),
+    pub a: Operand,
+    pub b: Operand,
+    pub c: Operand,
+}
+
 /// Everything that selects a plan.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
@@ -272,18 +283,14 @@ impl Lt {
 
     /// `D = op(A)·op(B) + β·C` with the epilogue, D in place of C. Ok(false): cuBLASLt has
     /// no algorithm for this (nothing ran; the caller does it another way).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn matmul(
-        &self,
-        (ta, tb): (bool, bool),
-        (m, n, k): (usize, usize, usize),
-        a: Operand,
-        b: Operand,
-        c: Operand,
-        c_f32: bool,
-        beta: f32,
-        epi: Epi,
-    ) -> Result<bool> {
+    pub(super) fn matmul(&self, mm: Mm, c_f32: bool, beta: f32, epi: Epi) -> Result<bool> {
+        let Mm {
+            t: (ta, tb),
+            mnk: (m, n, k),
+            a,
+            b,
+            c,
+        } = mm;
         let aux_ld = match epi {
             Epi::GeluAuxBias { ld, .. } | Epi::DGelu { ld, .. } => ld,
             _ => 0,

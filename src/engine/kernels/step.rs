@@ -34,7 +34,7 @@ use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
 use half::bf16;
 
 use super::cuda::{err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, MODULE, PTX};
-use super::lt::{Epi, Lt, Operand};
+use super::lt::{Epi, Lt, Mm, Operand};
 use super::WeightCopy;
 use crate::engine::events::KernelTime;
 use crate::engine::model::StepWeights;
@@ -71,6 +71,42 @@ impl Lin {
             inp,
             out,
             ldy,
+        }
+    }
+
+    /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
+    fn fwd(&self, x: u64, w: u64, y: u64) -> Mm {
+        let op = |p, ld| Operand { p, ld };
+        Mm {
+            t: (true, false),
+            mnk: (self.out, self.rows, self.inp),
+            a: op(w, self.inp),
+            b: op(x, self.inp),
+            c: op(y, self.ldy),
+        }
+    }
+
+    /// `dx[rows, inp] = dy[rows, out]·w`.
+    fn dx(&self, dy: u64, w: u64, dx: u64) -> Mm {
+        let op = |p, ld| Operand { p, ld };
+        Mm {
+            t: (false, false),
+            mnk: (self.inp, self.rows, self.out),
+            a: op(w, self.inp),
+            b: op(dy, self.ldy),
+            c: op(dx, self.inp),
+        }
+    }
+
+    /// `dw[out, inp] (+)= dyᵀ·x`.
+    fn dw(&self, x: u64, dy: u64, dw: u64) -> Mm {
+        let op = |p, ld| Operand { p, ld };
+        Mm {
+            t: (false, true),
+            mnk: (self.inp, self.out, self.rows),
+            a: op(x, self.inp),
+            b: op(dy, self.ldy),
+            c: op(dw, self.inp),
         }
     }
 }
@@ -634,126 +670,68 @@ impl GptStep {
         })
     }
 
-    /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
-    fn lin_fwd(&self, x: u64, w: u64, y: u64, d: Lin) -> Result<()> {
+    /// One linear layer's matmul through cuBLAS (bf16 operands, C in fp32 or bf16).
+    fn lin_gemm(&self, name: &'static str, mm: Mm, c_f32: bool, beta: f32) -> Result<()> {
+        let m = |o: Operand| mat(o.p, o.ld);
         self.gemm(
-            "matmul fwd",
-            (true, false),
-            (d.out, d.rows, d.inp),
-            mat(w, d.inp),
-            mat(x, d.inp),
-            mat(y, d.ldy),
-            false,
-            0.0,
+            name,
+            mm.t,
+            mm.mnk,
+            m(mm.a),
+            m(mm.b),
+            m(mm.c),
+            c_f32,
+            beta,
             1,
         )
+    }
+
+    /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
+    fn lin_fwd(&self, x: u64, w: u64, y: u64, d: Lin) -> Result<()> {
+        self.lin_gemm("matmul fwd", d.fwd(x, w, y), false, 0.0)
     }
 
     /// `dx[rows, inp] = dy[rows, out]·w`.
     fn lin_dx(&self, dy: u64, w: u64, dx: u64, d: Lin) -> Result<()> {
-        self.gemm(
-            "matmul dgrad",
-            (false, false),
-            (d.inp, d.rows, d.out),
-            mat(w, d.inp),
-            mat(dy, d.ldy),
-            mat(dx, d.inp),
-            false,
-            0.0,
-            1,
-        )
+        self.lin_gemm("matmul dgrad", d.dx(dy, w, dx), false, 0.0)
     }
 
     /// `dw[out, inp] += dyᵀ·x` into fp32.
     fn lin_dw(&self, x: u64, dy: u64, dw: u64, d: Lin) -> Result<()> {
-        self.gemm(
-            "matmul wgrad",
-            (false, true),
-            (d.inp, d.out, d.rows),
-            mat(x, d.inp),
-            mat(dy, d.ldy),
-            mat(dw, d.inp),
-            true,
-            1.0,
-            1,
-        )
+        self.lin_gemm("matmul wgrad", d.dw(x, dy, dw), true, 1.0)
     }
 
-    /// [`Self::lin_fwd`] with a bias (+ GELU) epilogue through cuBLASLt. Ok(false): not
-    /// available, nothing ran.
-    fn lin_fwd_epi(&self, x: u64, w: u64, y: u64, d: Lin, epi: Epi) -> Result<bool> {
+    /// One linear layer's matmul through cuBLASLt with an epilogue. Ok(false): no cuBLASLt
+    /// or no algorithm for it; nothing ran.
+    fn lin_lt(&self, name: &'static str, mm: Mm, c_f32: bool, beta: f32, epi: Epi) -> Result<bool> {
         let Some(lt) = &self.lt else {
             return Ok(false);
         };
+        let mut done = false;
+        self.timed(name, || {
+            done = lt.matmul(mm, c_f32, beta, epi)?;
+            Ok(())
+        })?;
+        Ok(done)
+    }
+
+    /// [`Self::lin_fwd`] with a bias (+ GELU) epilogue.
+    fn lin_fwd_epi(&self, x: u64, w: u64, y: u64, d: Lin, epi: Epi) -> Result<bool> {
         let name = match epi {
             Epi::GeluAuxBias { .. } => "matmul fwd+bias+gelu",
             _ => "matmul fwd+bias",
         };
-        let mut done = false;
-        self.timed(name, || {
-            done = lt.matmul(
-                (true, false),
-                (d.out, d.rows, d.inp),
-                Operand { p: w, ld: d.inp },
-                Operand { p: x, ld: d.inp },
-                Operand { p: y, ld: d.ldy },
-                false,
-                0.0,
-                epi,
-            )?;
-            Ok(())
-        })?;
-        Ok(done)
-    }
-
-    /// [`Self::lin_dx`] with the GELU-backward epilogue. Ok(false): not available, nothing
-    /// ran.
-    fn lin_dx_epi(&self, dy: u64, w: u64, dx: u64, d: Lin, epi: Epi) -> Result<bool> {
-        let Some(lt) = &self.lt else {
-            return Ok(false);
-        };
-        let mut done = false;
-        self.timed("matmul dgrad+dgelu", || {
-            done = lt.matmul(
-                (false, false),
-                (d.inp, d.rows, d.out),
-                Operand { p: w, ld: d.inp },
-                Operand { p: dy, ld: d.ldy },
-                Operand { p: dx, ld: d.inp },
-                false,
-                0.0,
-                epi,
-            )?;
-            Ok(())
-        })?;
-        Ok(done)
+        self.lin_lt(name, d.fwd(x, w, y), false, 0.0, epi)
     }
 
     /// Weight gradient `dw += dyᵀ·x` and bias gradient `db (+)= Σ_rows dy` of a linear layer
     /// (entries `w`, `b`): one cuBLASLt matmul with the bias-gradient epilogue on the first
     /// micro-batch (it writes, the buffer is zero), the column-sum kernel otherwise.
     fn lin_dw_bias(&self, x: u64, dy: u64, w: usize, b: usize, d: Lin, first: bool) -> Result<()> {
-        if let (Some(lt), true) = (&self.lt, first) {
-            let mut done = false;
-            self.timed("matmul wgrad+bgrad", || {
-                done = lt.matmul(
-                    (false, true),
-                    (d.inp, d.out, d.rows),
-                    Operand { p: x, ld: d.inp },
-                    Operand { p: dy, ld: d.ldy },
-                    Operand {
-                        p: self.g(w),
-                        ld: d.inp,
-                    },
-                    true,
-                    1.0,
-                    Epi::BGradB { bgrad: self.g(b) },
-                )?;
-                Ok(())
-            })?;
-            if done {
-                return Ok(());
-            }
+        let bgrad = Epi::BGradB { bgrad: self.g(b) };
+        let mm = d.dw(x, dy, self.g(w));
+        if first && self.lin_lt("matmul wgrad+bgrad", mm, true, 1.0, bgrad)? {
+            return Ok(());
         }
         self.col_sum(dy, self.g(b), d.rows, d.out)?;
         self.lin_dw(x, dy, self.g(w), d)
@@ -1249,7 +1227,8 @@ impl GptStep {
                 aux: a.fc[l],
                 ld: f,
             };
-            if !self.lin_dx_epi(a.dres, self.w(li.down_w), a.dh, down, dgelu)? {
+            let mm = down.dx(a.dres, self.w(li.down_w), a.dh);
+            if !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
                 self.lin_dx(a.dres, self.w(li.down_w), a.dh, down)?;
                 self.launch(
                     &self.k.gelu_bwd,
