@@ -705,3 +705,67 @@ fn whole_model_step_matches_the_f32_model() {
         }
     }
 }
+
+#[test]
+fn graph_replay_matches_eager_launches() {
+    let Some(dev) = gpu() else { return };
+    let mut c = Config::default();
+    c.model.n_embd = 128;
+    c.model.n_head = 2;
+    c.model.n_layer = 2;
+    c.model.seq_len = 64;
+    c.model.bias = true;
+    c.model.dropout = 0.0;
+    let vocab = 101;
+    let t = 64usize;
+    let batch = |b: usize, k: u32| {
+        let ids: Vec<u32> = (0..(b * t) as u32)
+            .map(|i| (i * 29 + 5 * k) % vocab as u32)
+            .collect();
+        let tg: Vec<u32> = (0..(b * t) as u32)
+            .map(|i| (i * 13 + 1 + k) % vocab as u32)
+            .collect();
+        (ids, tg)
+    };
+    let run = |graphs: bool| {
+        let mut c = c.clone();
+        c.kernels.graphs = graphs;
+        let m = Model::new(Shape::from_config(&c, vocab), DType::BF16, &dev, 9).unwrap();
+        let w = m.step_weights().unwrap();
+        let mut step = kernels::GptStep::new(&w).unwrap();
+        let mut out = Vec::new();
+        // Three steps of two micro-batches at B = 3 (the first micro-batch eager, the second
+        // captured, the rest replayed), one at B = 2 (a new arena), and two more at B = 3
+        // (captured again over the new buffers).
+        for b in [3, 3, 3, 2, 3, 3] {
+            step.begin(false).unwrap();
+            for k in 0..2 {
+                let (ids, tg) = batch(b, k);
+                step.micro(&ids, &tg, b, 1.0 / (2 * b * t) as f32).unwrap();
+            }
+            let grads: Vec<Tensor> = m
+                .params
+                .iter()
+                .map(|p| step.grad_of(&p.var).unwrap().unwrap().copy().unwrap())
+                .collect();
+            out.push((step.loss().unwrap(), grads));
+        }
+        (out, step.graphs_captured())
+    };
+    let (eager, none) = run(false);
+    let (graphed, captured) = run(true);
+    assert_eq!(none, 0, "graphs off captures nothing");
+    assert_eq!(
+        captured, 1,
+        "every micro-batch of the last arena replays one graph"
+    );
+    for (i, ((le, ge), (lg, gg))) in eager.iter().zip(&graphed).enumerate() {
+        eprintln!("graphs, step {i}: loss {lg:.6} vs eager {le:.6}");
+        assert_eq!(le, lg, "step {i}: the replayed loss differs");
+        for (a, b) in ge.iter().zip(gg) {
+            // Atomics (embedding, column sums, dQ) sum in any order: equal up to rounding.
+            let e = rel_err(b, a);
+            assert!(e < 1e-5, "step {i}: gradient rel err {e:.2e}");
+        }
+    }
+}

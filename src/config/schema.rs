@@ -300,6 +300,12 @@ pub struct KernelsConfig {
     /// In the whole-model step (`step`): bias, GELU and their gradients fused into the
     /// matmuls as cuBLASLt epilogues (off: separate kernels).
     pub bias_gelu: bool,
+    /// In the whole-model step: time cuBLASLt's top algorithms for each matmul shape once, at
+    /// the first step, and keep the fastest (off: the heuristic's first pick).
+    pub autotune: bool,
+    /// In the whole-model step: capture each micro-batch's forward and backward as a CUDA
+    /// graph and replay it with one launch (off: a few hundred launches per micro-batch).
+    pub graphs: bool,
     /// AdamW in place and the global gradient norm with one read-back.
     pub adamw: bool,
     /// GPT-2 style models in bf16 (LayerNorm, learned positions, GELU, biases, full
@@ -317,6 +323,8 @@ impl Default for KernelsConfig {
             linear: true,
             cross_entropy: true,
             bias_gelu: true,
+            autotune: true,
+            graphs: true,
             adamw: true,
             step: true,
         }

@@ -239,6 +239,10 @@ pub struct StepWeights {
     /// Bias, GELU and bias gradients fused into the matmuls (cuBLASLt epilogues); otherwise
     /// separate kernels.
     pub epilogues: bool,
+    /// Time cuBLASLt's candidate algorithms per matmul shape once and keep the fastest.
+    pub autotune: bool,
+    /// Replay each micro-batch as a captured CUDA graph.
+    pub graphs: bool,
     pub layers: Vec<[Var; 16]>,
     pub ln_f: [Var; 2],
     /// The untied LM head, or None when it is `wte`.
@@ -854,6 +858,8 @@ impl Model {
             seq_len: s.seq_len,
             flash: s.kernels.attention && s.head_dim() == 64,
             epilogues: s.kernels.bias_gelu,
+            autotune: s.kernels.autotune,
+            graphs: s.kernels.graphs,
             layers,
             ln_f: norm(&self.ln_f)?,
             head: self.lm_head.clone(),

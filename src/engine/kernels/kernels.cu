@@ -823,23 +823,29 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
     }
 }
 
-// LayerNorm backward: dx (+)= rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w; dw += Σ dy·x̂,
-// db += Σ dy over the rows. `add`: dx accumulates into what it holds (the residual stream's
-// gradient). The dw/db partials stay in registers for the whole grid-stride loop and are
-// reduced through shared memory once per block.
+// acc[i] += the 8 bf16 values of u.
+__device__ __forceinline__ void add_bf8(float* acc, uint4 u) {
+    Bf8 b;
+    b.u = u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(b.h[i]);
+        acc[2 * i] += f.x;
+        acc[2 * i + 1] += f.y;
+    }
+}
+
+// LayerNorm backward in two passes. This one: dx (+)= rstd·(g − mean(g) − x̂·mean(g·x̂)) with
+// g = dy·w, a warp per row. `add`: dx accumulates into what it holds (the residual stream's
+// gradient). No column sums here (norm_bwd_wb_v8 does them), so few registers and many
+// rows in flight per multiprocessor.
 template <int CH>
-__device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
-                            const bf16_t* __restrict__ dy, bf16_t* dx, float* __restrict__ dw,
-                            float* __restrict__ db, const float2* __restrict__ stats, int n,
-                            int d, float eps, int add) {
-    extern __shared__ float sh[];  // [2·d]: dw then db
-    for (int j = threadIdx.x; j < 2 * d; j += blockDim.x) sh[j] = 0.f;
-    __syncthreads();
+__device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                               const bf16_t* __restrict__ dy, bf16_t* dx,
+                               const float2* __restrict__ stats, int n, int d, float eps,
+                               int add) {
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
-    float aw[CH * 8], ab[CH * 8];
-#pragma unroll
-    for (int k = 0; k < CH * 8; k++) aw[k] = ab[k] = 0.f;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
         // Every load of the row first (x, dy and the residual gradient), one round trip.
         Bf8 xa[CH], ga[CH], pa[CH];
@@ -867,15 +873,9 @@ __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restri
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const float2 xv = bf2f(xa[c], i), gv = bf2f(ga[c], i), wf = bf2f(wv, i);
-                const float h0 = (xv.x - mu) * rstd, h1 = (xv.y - mu) * rstd;
-                const int k = c * 8 + 2 * i;
-                aw[k] += gv.x * h0;  // padding lanes: dy = 0, so no effect
-                aw[k + 1] += gv.y * h1;
-                ab[k] += gv.x;
-                ab[k + 1] += gv.y;
                 const float g0 = gv.x * wf.x, g1 = gv.y * wf.y;
                 a += g0 + g1;
-                cc += g0 * h0 + g1 * h1;
+                cc += g0 * (xv.x - mu) * rstd + g1 * (xv.y - mu) * rstd;
             }
         }
         a = warp_sum(a) / d;
@@ -898,26 +898,88 @@ __device__ void norm_bwd_v8(const bf16_t* __restrict__ x, const bf16_t* __restri
             }
         }
     }
+}
+
+// LayerNorm backward, second pass: the column sums dw += Σ dy·x̂ and db += Σ dy over the rows,
+// and, where `dsum` is given, dsum += Σ dx of the first pass's output (the residual stream's
+// gradient, which is the next linear layer's bias gradient). Rows' statistics from the
+// forward. Block (32, 8), 8 columns per thread, two rows' loads in flight per thread; grid
+// (⌈d/256⌉, any): few row blocks, so each column takes few atomics.
+extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
+                                               const bf16_t* __restrict__ dy,
+                                               const bf16_t* __restrict__ dx,
+                                               const float2* __restrict__ stats,
+                                               float* __restrict__ dw, float* __restrict__ db,
+                                               float* __restrict__ dsum, int n, int d) {
+    __shared__ float part[3][8][256 + 4];
+    const int col0 = (blockIdx.x * 32 + threadIdx.x) * 8;
+    const bool sum = dsum != nullptr;
+    float aw[8], ab[8], as[8];
 #pragma unroll
-    for (int c = 0; c < CH; c++) {
-        const int col0 = (lane + 32 * c) * 8;
-        if (col0 < d) {
+    for (int i = 0; i < 8; i++) aw[i] = ab[i] = as[i] = 0.f;
+    if (col0 < d) {
+        const int step = gridDim.y * 8;
+        const size_t ld = (size_t)d / 8;  // row stride in uint4
+        const uint4* px = reinterpret_cast<const uint4*>(x + col0);
+        const uint4* pg = reinterpret_cast<const uint4*>(dy + col0);
+        const uint4* po = reinterpret_cast<const uint4*>(dx + col0);
+        auto add_row = [&](uint4 xu, uint4 gu, uint4 ou, float2 st) {
+            Bf8 xb, gb;
+            xb.u = xu;
+            gb.u = gu;
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                atomicAdd(&sh[col0 + i], aw[c * 8 + i]);
-                atomicAdd(&sh[d + col0 + i], ab[c * 8 + i]);
+            for (int i = 0; i < 4; i++) {
+                const float2 xv = bf2f(xb, i), gv = bf2f(gb, i);
+                aw[2 * i] += gv.x * (xv.x - st.x) * st.y;
+                aw[2 * i + 1] += gv.y * (xv.y - st.x) * st.y;
+                ab[2 * i] += gv.x;
+                ab[2 * i + 1] += gv.y;
             }
+            if (sum) add_bf8(as, ou);
+        };
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        int r = blockIdx.y * 8 + threadIdx.y;
+        for (; r + step < n; r += 2 * step) {
+            const size_t o0 = (size_t)r * ld, o1 = (size_t)(r + step) * ld;
+            const uint4 x0 = px[o0], g0 = pg[o0], x1 = px[o1], g1 = pg[o1];
+            const uint4 s0 = sum ? po[o0] : zero, s1 = sum ? po[o1] : zero;
+            const float2 st0 = stats[r], st1 = stats[r + step];
+            add_row(x0, g0, s0, st0);
+            add_row(x1, g1, s1, st1);
+        }
+        if (r < n) {
+            const size_t o0 = (size_t)r * ld;
+            add_row(px[o0], pg[o0], sum ? po[o0] : zero, stats[r]);
         }
     }
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        part[0][threadIdx.y][threadIdx.x * 8 + i] = aw[i];
+        part[1][threadIdx.y][threadIdx.x * 8 + i] = ab[i];
+        part[2][threadIdx.y][threadIdx.x * 8 + i] = as[i];
+    }
     __syncthreads();
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        atomicAdd(&dw[j], sh[j]);
-        atomicAdd(&db[j], sh[d + j]);
+    // 256 threads, 256 columns of this block: one column each.
+    const int t = threadIdx.y * 32 + threadIdx.x;
+    const int col = blockIdx.x * 256 + t;
+    if (col < d) {
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            s0 += part[0][k][t];
+            s1 += part[1][k][t];
+            s2 += part[2][k][t];
+        }
+        atomicAdd(&dw[col], s0);
+        atomicAdd(&db[col], s1);
+        if (sum) atomicAdd(&dsum[col], s2);
     }
 }
 
 // out[c] += Σ_rows x[r, c] for bf16 x [n, c] with c a multiple of 8 (f32 accumulator, zeroed
-// or accumulating): 16-byte loads, 8 columns per thread. Block (32, 8), grid (⌈c/256⌉, any).
+// or accumulating): 16-byte loads, 8 columns per thread, four rows' loads in flight per
+// thread. Block (32, 8), grid (⌈c/256⌉, any): few row blocks (about two blocks per
+// multiprocessor in all), so each column takes few atomics.
 extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* __restrict__ out,
                                            int n, int c) {
     __shared__ float part[8][256 + 4];
@@ -926,16 +988,19 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[i] = 0.f;
     if (col0 < c) {
-        for (int r = blockIdx.y * 8 + threadIdx.y; r < n; r += gridDim.y * 8) {
-            Bf8 b;
-            b.u = *reinterpret_cast<const uint4*>(x + (size_t)r * c + col0);
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float2 f = __bfloat1622float2(b.h[i]);
-                acc[2 * i] += f.x;
-                acc[2 * i + 1] += f.y;
-            }
+        const int step = gridDim.y * 8;
+        const uint4* p = reinterpret_cast<const uint4*>(x + col0);
+        const size_t ld = (size_t)c / 8;  // row stride in uint4
+        int r = blockIdx.y * 8 + threadIdx.y;
+        for (; r + 3 * step < n; r += 4 * step) {
+            const uint4 a = p[(size_t)r * ld], b = p[(size_t)(r + step) * ld],
+                        cc = p[(size_t)(r + 2 * step) * ld], d = p[(size_t)(r + 3 * step) * ld];
+            add_bf8(acc, a);
+            add_bf8(acc, b);
+            add_bf8(acc, cc);
+            add_bf8(acc, d);
         }
+        for (; r < n; r += step) add_bf8(acc, p[(size_t)r * ld]);
     }
 #pragma unroll
     for (int i = 0; i < 8; i++) part[threadIdx.y][threadIdx.x * 8 + i] = acc[i];
@@ -953,22 +1018,23 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
 
 // The launcher picks CH = ceil(d / 256) (1 to 4, so d ≤ 1024).
 // One entry point per row width (CH chunks of 256 columns), each with its own register
-// budget: up to d = 768 two 256-thread blocks fit on an SM.
-#define COCKPIT_NORM_V8(CH, MINB)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, MINB) norm_bwd_v8_bf16_##CH(              \
-        const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, float* dw, float* db,   \
-        const float2* stats, int n, int d, float eps, int add) {                                \
-        norm_bwd_v8<CH>(x, w, dy, dx, dw, db, stats, n, d, eps, add);                           \
+// budget: up to d = 768 four 256-thread blocks of the forward fit on an SM, and three of
+// the backward's dx pass (the launcher's grids assume these).
+#define COCKPIT_NORM_V8(CH, FWD_MINB, BWD_MINB)                                                \
+    extern "C" __global__ void __launch_bounds__(256, BWD_MINB) norm_bwd_dx_v8_bf16_##CH(       \
+        const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, const float2* stats,    \
+        int n, int d, float eps, int add) {                                                     \
+        norm_bwd_dx_v8<CH>(x, w, dy, dx, stats, n, d, eps, add);                                \
     }                                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, MINB) residual_norm_v8_bf16_##CH(         \
+    extern "C" __global__ void __launch_bounds__(256, FWD_MINB) residual_norm_v8_bf16_##CH(     \
         const bf16_t* x, const bf16_t* y, const bf16_t* bias, bf16_t* res, const bf16_t* w,     \
         const bf16_t* b, bf16_t* out, float2* stats, int n, int d, float eps) {                 \
         residual_norm_v8<CH>(x, y, bias, res, w, b, out, stats, n, d, eps);                     \
     }
-COCKPIT_NORM_V8(1, 2)
-COCKPIT_NORM_V8(2, 2)
-COCKPIT_NORM_V8(3, 2)
-COCKPIT_NORM_V8(4, 1)
+COCKPIT_NORM_V8(1, 4, 3)
+COCKPIT_NORM_V8(2, 4, 3)
+COCKPIT_NORM_V8(3, 4, 3)
+COCKPIT_NORM_V8(4, 2, 2)
 
 // Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary; ld a
 // multiple of 8 and rows 16-byte aligned), forward and backward in one pass per row:

@@ -167,6 +167,9 @@ mod step_stub {
         pub fn weight_count(&self) -> usize {
             0
         }
+        pub fn graphs_captured(&self) -> usize {
+            0
+        }
         pub fn micro(&mut self, _i: &[u32], _t: &[u32], _b: usize, _g: f32) -> Result<()> {
             no_cuda()
         }

@@ -26,8 +26,9 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
     result as drv,
-    sys::{CUdevice_attribute, CUevent_flags},
-    CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    sys::{CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode},
+    CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
@@ -145,6 +146,8 @@ struct Kern {
 }
 
 struct Kernels {
+    /// The device's multiprocessor count (grid sizes).
+    sms: usize,
     cast: Kern,
     axpy: Kern,
     embed: Kern,
@@ -170,12 +173,17 @@ struct Kernels {
     flash_dq: Kern,
 }
 
-/// The LayerNorm kernels specialised for rows of ⌈n_embd/256⌉ chunks, and the grid that
-/// fills every SM once (their register budget allows `per_sm` blocks of 256 threads).
+/// The LayerNorm kernels specialised for rows of ⌈n_embd/256⌉ chunks, and the grids that
+/// fill every SM once (kernels.cu's launch bounds: blocks of 256 threads per SM).
 struct NormV8 {
     fwd: Kern,
+    /// The backward's dx pass (per width) and its column-sum pass.
     bwd: Kern,
+    bwd_wb: Kern,
+    /// One wave of the forward (blocks).
     grid: u32,
+    /// One wave of the backward's dx pass.
+    bwd_grid: u32,
 }
 
 impl Kernels {
@@ -192,22 +200,27 @@ impl Kernels {
                 name.trim_end_matches("_bf16").trim_end_matches("_f32"),
             )
         };
+        let sms = stream
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?
+            .max(1) as usize;
         let norm_v8 = if c.is_multiple_of(8) && c <= 1024 {
             let ch = c.div_ceil(256);
-            let sms = stream
-                .context()
-                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .w()?;
-            let per_sm = if ch <= 3 { 2 } else { 1 };
+            // (forward, backward dx pass) blocks per SM, as kernels.cu's launch bounds give.
+            let (fwd_per_sm, bwd_per_sm) = if ch <= 3 { (4, 3) } else { (2, 2) };
             Some(NormV8 {
                 fwd: named(&format!("residual_norm_v8_bf16_{ch}"), "residual_norm")?,
-                bwd: named(&format!("norm_bwd_v8_bf16_{ch}"), "norm_bwd")?,
-                grid: (sms.max(1) as u32) * per_sm,
+                bwd: named(&format!("norm_bwd_dx_v8_bf16_{ch}"), "norm_bwd")?,
+                bwd_wb: named("norm_bwd_wb_v8_bf16", "norm_bwd_wb")?,
+                grid: sms as u32 * fwd_per_sm,
+                bwd_grid: sms as u32 * bwd_per_sm,
             })
         } else {
             None
         };
         Ok(Self {
+            sms,
             cast: f("cast_multi_f32_bf16")?,
             axpy: f("axpy_multi_f32")?,
             embed: f("embed_fwd_bf16")?,
@@ -304,7 +317,27 @@ struct Arena {
     ids: CudaSlice<u32>,
     targets: CudaSlice<u32>,
     lay: Lay,
+    /// The micro-batch programs captured over this arena's buffers (dropped with it).
+    graphs: Graphs,
 }
+
+/// What selects a captured micro-batch program: the loss-gradient scale's bits (the arena
+/// fixes everything else).
+type GraphKey = u32;
+
+/// CUDA graphs of whole micro-batches (forward and backward, a few hundred launches each),
+/// replayed with one launch. A key is captured the second time it runs: the first run is
+/// eager, and makes (and tunes) the matmul plans, which needs synchronising.
+#[derive(Default)]
+struct Graphs {
+    seen: std::collections::HashSet<GraphKey>,
+    ready: HashMap<GraphKey, CudaGraph>,
+}
+
+// SAFETY: a `CudaGraph` holds driver handles that are not thread-safe to use concurrently;
+// the graphs live inside the step, which is not Sync and moves to the engine thread whole,
+// where it alone launches them.
+unsafe impl Send for Graphs {}
 
 /// The whole-model step for one [`StepWeights`] layout. Build it once per model; it sizes
 /// its activation arena for the micro-batch it is given (and re-sizes when that changes).
@@ -312,9 +345,13 @@ pub struct GptStep {
     dev: CudaDevice,
     stream: Arc<CudaStream>,
     blas: Arc<CudaBlas>,
-    /// cuBLASLt for the matmuls with fused bias/GELU epilogues (None: plain cuBLAS and
+    /// cuBLASLt for the linear layers' matmuls, tuned per shape (None: plain cuBLAS and
     /// separate kernels throughout).
     lt: Option<Lt>,
+    /// Bias, GELU and bias gradients as cuBLASLt epilogues (else separate kernels).
+    epilogues: bool,
+    /// Replay micro-batches as CUDA graphs (off while profiling, which times each launch).
+    graphs: bool,
     k: Kernels,
     n_layer: usize,
     c: usize,
@@ -452,16 +489,14 @@ impl GptStep {
             .enumerate()
             .map(|(i, e)| (e.var.as_tensor().id(), i))
             .collect();
-        let lt = if w.epilogues {
-            Lt::new(stream.clone()).ok()
-        } else {
-            None
-        };
+        let lt = Lt::new(stream.clone(), w.autotune).ok();
         Ok(Self {
             dev,
             stream,
             blas,
             lt,
+            epilogues: w.epilogues,
+            graphs: w.graphs,
             k,
             n_layer: layers.len(),
             c,
@@ -670,8 +705,12 @@ impl GptStep {
         })
     }
 
-    /// One linear layer's matmul through cuBLAS (bf16 operands, C in fp32 or bf16).
+    /// One linear layer's matmul (bf16 operands, C in fp32 or bf16): cuBLASLt's tuned
+    /// algorithm, or cuBLAS where cuBLASLt has none.
     fn lin_gemm(&self, name: &'static str, mm: Mm, c_f32: bool, beta: f32) -> Result<()> {
+        if self.lt_matmul(name, mm, c_f32, beta, Epi::None)? {
+            return Ok(());
+        }
         let m = |o: Operand| mat(o.p, o.ld);
         self.gemm(
             name,
@@ -701,9 +740,24 @@ impl GptStep {
         self.lin_gemm("matmul wgrad", d.dw(x, dy, dw), true, 1.0)
     }
 
-    /// One linear layer's matmul through cuBLASLt with an epilogue. Ok(false): no cuBLASLt
-    /// or no algorithm for it; nothing ran.
+    /// One linear layer's matmul through cuBLASLt with an epilogue. Ok(false): epilogues
+    /// off, no cuBLASLt or no algorithm for it; nothing ran.
     fn lin_lt(&self, name: &'static str, mm: Mm, c_f32: bool, beta: f32, epi: Epi) -> Result<bool> {
+        if !self.epilogues {
+            return Ok(false);
+        }
+        self.lt_matmul(name, mm, c_f32, beta, epi)
+    }
+
+    /// [`Lt::matmul`], timed under `name`. Ok(false): no cuBLASLt or no algorithm for it.
+    fn lt_matmul(
+        &self,
+        name: &'static str,
+        mm: Mm,
+        c_f32: bool,
+        beta: f32,
+        epi: Epi,
+    ) -> Result<bool> {
         let Some(lt) = &self.lt else {
             return Ok(false);
         };
@@ -724,25 +778,13 @@ impl GptStep {
         self.lin_lt(name, d.fwd(x, w, y), false, 0.0, epi)
     }
 
-    /// Weight gradient `dw += dyᵀ·x` and bias gradient `db (+)= Σ_rows dy` of a linear layer
-    /// (entries `w`, `b`): one cuBLASLt matmul with the bias-gradient epilogue on the first
-    /// micro-batch (it writes, the buffer is zero), the column-sum kernel otherwise.
-    fn lin_dw_bias(&self, x: u64, dy: u64, w: usize, b: usize, d: Lin, first: bool) -> Result<()> {
-        let bgrad = Epi::BGradB { bgrad: self.g(b) };
-        let mm = d.dw(x, dy, self.g(w));
-        if first && self.lin_lt("matmul wgrad+bgrad", mm, true, 1.0, bgrad)? {
-            return Ok(());
-        }
-        self.col_sum(dy, self.g(b), d.rows, d.out)?;
-        self.lin_dw(x, dy, self.g(w), d)
-    }
-
     /// `out[c] += Σ_rows x[r, c]` (fp32; c a multiple of 8).
     fn col_sum(&self, x: u64, out: u64, n: usize, c: usize) -> Result<()> {
         let col_blocks = c.div_ceil(256);
-        let row_blocks = n
-            .div_ceil(64)
-            .clamp(1, (1024 / col_blocks).max(4))
+        // About two blocks per multiprocessor in all: enough loads in flight (four rows
+        // per thread), few atomics per column.
+        let row_blocks = (2 * self.k.sms / col_blocks)
+            .clamp(1, n.div_ceil(8).max(1))
             .min(65535);
         let cfg = LaunchConfig {
             grid_dim: (col_blocks as u32, row_blocks as u32, 1),
@@ -762,7 +804,9 @@ impl GptStep {
     }
 
     /// LayerNorm backward of rows `x` (forward statistics in `stats` where the v8 kernels
-    /// run) with weight `w`: dx (+)= …, dw and db accumulate.
+    /// run) with weight `w`: dx (+)= …, dw and db accumulate. Where `bias_grad` is non-zero
+    /// and the v8 kernels run, `bias_grad += Σ_rows dx` too (the residual stream's gradient
+    /// is the bias gradient of the linear layer that wrote into it): Ok(true) says so.
     #[allow(clippy::too_many_arguments)]
     fn norm_bwd(
         &self,
@@ -774,8 +818,51 @@ impl GptStep {
         stats: u64,
         n: usize,
         add: bool,
-    ) -> Result<()> {
+        bias_grad: u64,
+    ) -> Result<bool> {
         let d = self.c;
+        let (n_i, d_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?);
+        if let Some(v8) = &self.k.norm_v8 {
+            // Two passes: dx with 16-byte accesses and rows in registers, then the column
+            // sums (the forward's statistics in both).
+            let cfg = LaunchConfig {
+                grid_dim: (v8.bwd_grid.min(n.div_ceil(8).max(1) as u32), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = [
+                Arg::P(x),
+                Arg::P(w),
+                Arg::P(dy),
+                Arg::P(dx),
+                Arg::P(stats),
+                Arg::I(n_i),
+                Arg::I(d_i),
+                Arg::F(self.eps),
+                Arg::I(add as i32),
+            ];
+            self.launch(&v8.bwd, cfg, &args)?;
+            let col_blocks = d.div_ceil(256);
+            let row_blocks = (2 * self.k.sms / col_blocks).clamp(1, n.div_ceil(8).max(1));
+            let cfg = LaunchConfig {
+                grid_dim: (col_blocks as u32, row_blocks as u32, 1),
+                block_dim: (32, 8, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = [
+                Arg::P(x),
+                Arg::P(dy),
+                Arg::P(dx),
+                Arg::P(stats),
+                Arg::P(dw),
+                Arg::P(db),
+                Arg::P(bias_grad),
+                Arg::I(n_i),
+                Arg::I(d_i),
+            ];
+            self.launch(&v8.bwd_wb, cfg, &args)?;
+            return Ok(bias_grad != 0);
+        }
         let mut args = vec![
             Arg::P(x),
             Arg::P(w),
@@ -783,37 +870,22 @@ impl GptStep {
             Arg::P(dx),
             Arg::P(dw),
             Arg::P(db),
-        ];
-        let tail = [
-            Arg::I(i32_of(n, "rows")?),
-            Arg::I(i32_of(d, "dim")?),
+            Arg::I(n_i),
+            Arg::I(d_i),
             Arg::F(self.eps),
         ];
-        let shared_mem_bytes = (2 * d * 4) as u32;
-        if let Some(v8) = &self.k.norm_v8 {
-            // 16-byte accesses, rows in registers, the forward's statistics, one wave.
-            let cfg = LaunchConfig {
-                grid_dim: (v8.grid.min(n.div_ceil(8).max(1) as u32), 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes,
-            };
-            args.push(Arg::P(stats));
-            args.extend(tail);
-            args.push(Arg::I(add as i32));
-            return self.launch(&v8.bwd, cfg, &args);
-        }
-        args.extend(tail);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(8).clamp(1, 264) as u32, 1, 1),
             block_dim: (256, 1, 1),
-            shared_mem_bytes,
+            shared_mem_bytes: (2 * d * 4) as u32,
         };
         if add {
-            self.launch(&self.k.norm_bwd_add, cfg, &args)
+            self.launch(&self.k.norm_bwd_add, cfg, &args)?;
         } else {
             args.push(Arg::I(0));
-            self.launch(&self.k.norm_bwd, cfg, &args)
+            self.launch(&self.k.norm_bwd, cfg, &args)?;
         }
+        Ok(false)
     }
 
     /// Size (or re-size) the activation arena for micro-batch `b`.
@@ -926,6 +998,7 @@ impl GptStep {
             ids,
             targets,
             lay,
+            graphs: Graphs::default(),
         });
         Ok(())
     }
@@ -1029,15 +1102,57 @@ impl GptStep {
             self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
             self.stream.memcpy_htod(targets, &mut a.targets).w()?;
         }
-        let lay = self
-            .arena
-            .as_ref()
-            .map(|a| a.lay.clone())
-            .ok_or_else(|| err("no arena"))?;
-        self.forward(&lay, g)?;
-        self.backward(&lay, self.micro == 0)?;
+        self.run_micro(g)?;
         self.micro += 1;
         Ok(())
+    }
+
+    /// The forward and backward of the arena's micro-batch: a replay of its captured graph,
+    /// a capture (the key's second run), or eager launches.
+    fn run_micro(&mut self, g: f32) -> Result<()> {
+        let key = g.to_bits();
+        let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+        let lay = a.lay.clone();
+        if !self.graphs || self.prof.is_some() {
+            return self.fwd_bwd(&lay, g);
+        }
+        if let Some(graph) = a.graphs.ready.get(&key) {
+            return graph.launch().w();
+        }
+        if a.graphs.seen.insert(key) {
+            return self.fwd_bwd(&lay, g);
+        }
+        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        self.stream.begin_capture(mode).w()?;
+        let run = self.fwd_bwd(&lay, g);
+        // End the capture whatever happened, so the stream is usable again.
+        let flags = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+        let graph = self.stream.end_capture(flags);
+        run?;
+        match graph.w()? {
+            Some(graph) => {
+                graph.launch().w()?;
+                if let Some(a) = self.arena.as_mut() {
+                    a.graphs.ready.insert(key, graph);
+                }
+                Ok(())
+            }
+            // Nothing was captured: run it eagerly, and keep doing so.
+            None => {
+                self.graphs = false;
+                self.fwd_bwd(&lay, g)
+            }
+        }
+    }
+
+    /// How many micro-batch graphs the current arena holds (for tests and diagnostics).
+    pub fn graphs_captured(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.graphs.ready.len())
+    }
+
+    fn fwd_bwd(&self, lay: &Lay, g: f32) -> Result<()> {
+        self.forward(lay, g)?;
+        self.backward(lay)
     }
 
     fn zero_loss(&self) -> Result<()> {
@@ -1194,9 +1309,10 @@ impl GptStep {
     }
 
     /// The backward from the logits' gradient (written by the forward's CE kernel).
-    /// `first`: the first micro-batch of the step, whose bias gradients the matmul epilogues
-    /// may write (the buffer is zero); later ones accumulate with the column-sum kernel.
-    fn backward(&self, a: &Lay, first: bool) -> Result<()> {
+    /// The bias gradients of the attention-out and MLP-down projections are column sums of
+    /// the residual stream's gradient, which the LayerNorm backward that writes it adds up
+    /// as it goes (where its v8 kernels run; else a column-sum kernel).
+    fn backward(&self, a: &Lay) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -1207,7 +1323,8 @@ impl GptStep {
         self.lin_dw(a.lnf, a.logits, self.g(head), Lin::new(n, c, v, self.vpad))?;
         // d(final residual) = LN_f backward
         let last = self.n_layer;
-        self.norm_bwd(
+        let down_b = |l: usize| self.layers.get(l).map_or(0, |li| self.g(li.down_b));
+        let mut down_b_done = self.norm_bwd(
             a.res[last],
             self.w(self.lnf[0]),
             a.da,
@@ -1216,11 +1333,15 @@ impl GptStep {
             a.stats[2 * last],
             n,
             false,
+            down_b(last - 1),
         )?;
         for (l, li) in self.layers.iter().enumerate().rev() {
             // MLP down projection: res[l+1] = mid + gelu·Wdownᵀ + b
             let down = Lin::new(n, f, c, c);
-            self.lin_dw_bias(a.gelu[l], a.dres, li.down_w, li.down_b, down, first)?;
+            if !down_b_done {
+                self.col_sum(a.dres, self.g(li.down_b), n, c)?;
+            }
+            self.lin_dw(a.gelu[l], a.dres, self.g(li.down_w), down)?;
             // The GELU backward fused into the down projection's data gradient (cuBLASLt has
             // no fp32 bias gradient with it for bf16 outputs: the column sum stays).
             let dgelu = Epi::DGelu {
@@ -1246,7 +1367,7 @@ impl GptStep {
             self.col_sum(a.dh, self.g(li.up_b), n, f)?;
             self.lin_dw(a.ln2[l], a.dh, self.g(li.up_w), Lin::new(n, c, f, f))?;
             self.lin_dx(a.dh, self.w(li.up_w), a.da, Lin::new(n, c, f, f))?;
-            self.norm_bwd(
+            let o_b_done = self.norm_bwd(
                 a.mid[l],
                 self.w(li.ln2_w),
                 a.da,
@@ -1255,18 +1376,26 @@ impl GptStep {
                 a.stats[2 * l + 1],
                 n,
                 true,
+                self.g(li.o_b),
             )?;
             // attention output projection: mid = res + atty·Woᵀ + bo
             let o = Lin::new(n, c, c, c);
-            self.lin_dw_bias(a.atty[l], a.dres, li.o_w, li.o_b, o, first)?;
+            if !o_b_done {
+                self.col_sum(a.dres, self.g(li.o_b), n, c)?;
+            }
+            self.lin_dw(a.atty[l], a.dres, self.g(li.o_w), o)?;
             self.lin_dx(a.dres, self.w(li.o_w), a.da, Lin::new(n, c, c, c))?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
             // qkv projection
             let qkv = Lin::new(n, c, 3 * c, 3 * c);
-            self.lin_dw_bias(a.ln1[l], a.dqkv, li.qkv_w, li.qkv_b, qkv, first)?;
-            self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, Lin::new(n, c, 3 * c, 3 * c))?;
-            self.norm_bwd(
+            self.col_sum(a.dqkv, self.g(li.qkv_b), n, 3 * c)?;
+            self.lin_dw(a.ln1[l], a.dqkv, self.g(li.qkv_w), qkv)?;
+            self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, qkv)?;
+            // The residual stream's gradient below this layer: the down projection bias's
+            // gradient of the layer below (none under layer 0).
+            let below = l.checked_sub(1).map_or(0, down_b);
+            down_b_done = self.norm_bwd(
                 a.res[l],
                 self.w(li.ln1_w),
                 a.da,
@@ -1275,6 +1404,7 @@ impl GptStep {
                 a.stats[2 * l],
                 n,
                 true,
+                below,
             )?;
         }
         // embeddings: token rows by an atomic scatter, positions summed over the batch
