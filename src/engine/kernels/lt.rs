@@ -319,6 +319,8 @@ impl Lt {
             }
             None => mm.c.p,
         };
+        // Time on an idle GPU: nothing queued earlier, on any stream, runs alongside.
+        self.stream.context().synchronize().w()?;
         let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
         let mut best = (f32::INFINITY, found[0].algo);
         let mut first = None;

@@ -157,6 +157,7 @@ struct Kernels {
     /// Row-in-registers LayerNorm kernels for the model's width (n_embd ≤ 1024).
     norm_v8: Option<NormV8>,
     ce: Kern,
+    ce_reg: Kern,
     bias_act: Kern,
     gelu_bwd: Kern,
     col_sum: Kern,
@@ -229,6 +230,7 @@ impl Kernels {
             norm_bwd_add: f("norm_bwd_add_bf16")?,
             norm_v8,
             ce: f("ce_fused_bf16")?,
+            ce_reg: named("ce_fused_reg_bf16", "ce_fused")?,
             bias_act: f("bias_act_v8_bf16")?,
             gelu_bwd: f("bias_gelu_bwd_v8_bf16")?,
             col_sum: f("col_sum_v8_bf16")?,
@@ -1289,8 +1291,14 @@ impl GptStep {
             a.logits,
             Lin::new(n, c, self.vocab, self.vpad),
         )?;
+        // A row in registers where it fits (kernels.cu: 512 threads × CE_REG 16-byte chunks).
+        let ce = if self.vocab / 8 <= 512 * 13 {
+            &self.k.ce_reg
+        } else {
+            &self.k.ce
+        };
         self.launch(
-            &self.k.ce,
+            ce,
             LaunchConfig {
                 grid_dim: (n as u32, 1, 1),
                 block_dim: (512, 1, 1),
