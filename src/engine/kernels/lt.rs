@@ -2,7 +2,9 @@
 //! (and GELU) in the forward projections and the GELU backward in the MLP's data gradient,
 //! so those elementwise passes over the activations disappear. (Bias gradients are not
 //! epilogues: `BGRADB` rules out split-K, and on the weight gradients' small outputs and
-//! long K it was slower than the plain matmul plus a column sum.)
+//! long K it was slower than the plain matmul plus a column sum; `DGELU_BGRAD`, with a bf16
+//! bias gradient (cuBLASLt has no fp32 one there), ran the MLP's data gradient in 231 µs
+//! against 75 µs for `DGELU` on an H200.)
 //!
 //! A plan (descriptors, layouts and an algorithm) is made once per shape and epilogue and
 //! cached; only the pointers are set per call. With tuning on, making a plan times the

@@ -323,9 +323,10 @@ struct Arena {
     graphs: Graphs,
 }
 
-/// What selects a captured micro-batch program: the loss-gradient scale's bits (the arena
-/// fixes everything else).
-type GraphKey = u32;
+/// What selects a captured micro-batch program: whether it is the step's first micro-batch
+/// (its weight-gradient matmuls overwrite instead of adding) and the loss-gradient scale's
+/// bits (the arena fixes everything else).
+type GraphKey = (bool, u32);
 
 /// CUDA graphs of whole micro-batches (forward and backward, a few hundred launches each),
 /// replayed with one launch. A key is captured the second time it runs: the first run is
@@ -379,6 +380,9 @@ pub struct GptStep {
     wbf_p: u64,
     grad: Tensor,
     grad_p: u64,
+    /// Where the gradients summed from zero start (the matrices before are overwritten by
+    /// the first micro-batch's weight-gradient matmuls).
+    zero_from: usize,
     arena: Option<Arena>,
     /// Timing events per launch when profiling (`set_profiling`).
     prof: Option<RefCell<Vec<Mark>>>,
@@ -432,33 +436,59 @@ impl GptStep {
             off += n;
             entries.len() - 1
         };
-        let wte = push_at(&w.wte, true);
+        // First the matrices whose gradient a weight-gradient matmul writes first in every
+        // step (it overwrites: no zeroing), then everything whose gradient is summed from
+        // zero (biases, norms, positions, an untied embedding): only that tail is cleared.
+        let tied = w.head.is_none();
+        let wte_first = tied.then(|| push_at(&w.wte, true));
+        let mats: Vec<[usize; 4]> = w
+            .layers
+            .iter()
+            .map(|l| {
+                let qkv = push_at(&l[2], true);
+                push_at(&l[3], false);
+                push_at(&l[4], false);
+                [
+                    qkv,
+                    push_at(&l[8], true),
+                    push_at(&l[12], true),
+                    push_at(&l[14], true),
+                ]
+            })
+            .collect();
+        let head = w.head.as_ref().map(|v| push_at(v, true));
+        let n_mats = tied as usize + 6 * w.layers.len() + head.is_some() as usize;
+        let wte = match wte_first {
+            Some(i) => i,
+            None => push_at(&w.wte, true),
+        };
         let wpe = w.wpe.as_ref().map(|v| push_at(v, true));
         let mut layers = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
-            let i: Vec<usize> = l
-                .iter()
-                .enumerate()
-                .map(|(j, v)| push_at(v, !matches!(j, 3 | 4 | 6 | 7)))
-                .collect();
+        for (l, [qkv_w, o_w, up_w, down_w]) in w.layers.iter().zip(mats) {
+            let mut vec_at = |j: usize| push_at(&l[j], !matches!(j, 6 | 7));
+            let (ln1_w, ln1_b) = (vec_at(0), vec_at(1));
+            let qkv_b = vec_at(5);
+            vec_at(6);
+            vec_at(7);
             layers.push(LayerIdx {
-                ln1_w: i[0],
-                ln1_b: i[1],
-                qkv_w: i[2],
-                qkv_b: i[5],
-                o_w: i[8],
-                o_b: i[9],
-                ln2_w: i[10],
-                ln2_b: i[11],
-                up_w: i[12],
-                up_b: i[13],
-                down_w: i[14],
-                down_b: i[15],
+                ln1_w,
+                ln1_b,
+                qkv_w,
+                qkv_b,
+                o_w,
+                o_b: vec_at(9),
+                ln2_w: vec_at(10),
+                ln2_b: vec_at(11),
+                up_w,
+                up_b: vec_at(13),
+                down_w,
+                down_b: vec_at(15),
             });
         }
         let lnf = [push_at(&w.ln_f[0], true), push_at(&w.ln_f[1], true)];
-        let head = w.head.as_ref().map(|v| push_at(v, true));
         let total = align(off);
+        // (Every entry after the matrices starts aligned: the tail from its offset on.)
+        let zero_from = entries.get(n_mats).map_or(total, |e| e.off);
         // q, k, v (and their biases) must be contiguous for the packed projection.
         for (l, li) in layers.iter().enumerate() {
             for (a, b) in [(li.qkv_w, 3), (li.qkv_b, 3)] {
@@ -521,6 +551,7 @@ impl GptStep {
             wbf_p,
             grad,
             grad_p,
+            zero_from,
             arena: None,
             prof: None,
             cast_table: None,
@@ -737,9 +768,11 @@ impl GptStep {
         self.lin_gemm("matmul dgrad", d.dx(dy, w, dx), false, 0.0)
     }
 
-    /// `dw[out, inp] += dyᵀ·x` into fp32.
-    fn lin_dw(&self, x: u64, dy: u64, dw: u64, d: Lin) -> Result<()> {
-        self.lin_gemm("matmul wgrad", d.dw(x, dy, dw), true, 1.0)
+    /// `dw[out, inp] += dyᵀ·x` into fp32; the step's first micro-batch overwrites instead
+    /// (`first`: the buffer is not zeroed, and C is not read).
+    fn lin_dw(&self, x: u64, dy: u64, dw: u64, d: Lin, first: bool) -> Result<()> {
+        let beta = if first { 0.0 } else { 1.0 };
+        self.lin_gemm("matmul wgrad", d.dw(x, dy, dw), true, beta)
     }
 
     /// One linear layer's matmul through cuBLASLt with an epilogue. Ok(false): epilogues
@@ -1066,9 +1099,10 @@ impl GptStep {
         if !weights_copied {
             self.cast_weights()?;
         }
-        let bytes = self.grad.elem_count() * 4;
-        // SAFETY: grad_p addresses the live fp32 gradient buffer of `bytes` bytes.
-        unsafe { drv::memset_d8_async(self.grad_p, 0, bytes, self.stream.cu_stream()) }.w()?;
+        let start = self.grad_p + 4 * self.zero_from as u64;
+        let bytes = (self.grad.elem_count() - self.zero_from) * 4;
+        // SAFETY: from `zero_from` on, the live fp32 gradient buffer holds `bytes` bytes.
+        unsafe { drv::memset_d8_async(start, 0, bytes, self.stream.cu_stream()) }.w()?;
         if let Some(a) = &self.arena {
             let n = a.lay.b * self.t;
             // SAFETY: the loss accumulator holds n f32.
@@ -1104,29 +1138,29 @@ impl GptStep {
             self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
             self.stream.memcpy_htod(targets, &mut a.targets).w()?;
         }
-        self.run_micro(g)?;
+        self.run_micro(self.micro == 0, g)?;
         self.micro += 1;
         Ok(())
     }
 
     /// The forward and backward of the arena's micro-batch: a replay of its captured graph,
     /// a capture (the key's second run), or eager launches.
-    fn run_micro(&mut self, g: f32) -> Result<()> {
-        let key = g.to_bits();
+    fn run_micro(&mut self, first: bool, g: f32) -> Result<()> {
+        let key = (first, g.to_bits());
         let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
         let lay = a.lay.clone();
         if !self.graphs || self.prof.is_some() {
-            return self.fwd_bwd(&lay, g);
+            return self.fwd_bwd(&lay, g, first);
         }
         if let Some(graph) = a.graphs.ready.get(&key) {
             return graph.launch().w();
         }
         if a.graphs.seen.insert(key) {
-            return self.fwd_bwd(&lay, g);
+            return self.fwd_bwd(&lay, g, first);
         }
         let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         self.stream.begin_capture(mode).w()?;
-        let run = self.fwd_bwd(&lay, g);
+        let run = self.fwd_bwd(&lay, g, first);
         // End the capture whatever happened, so the stream is usable again.
         let flags = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = self.stream.end_capture(flags);
@@ -1142,7 +1176,7 @@ impl GptStep {
             // Nothing was captured: run it eagerly, and keep doing so.
             None => {
                 self.graphs = false;
-                self.fwd_bwd(&lay, g)
+                self.fwd_bwd(&lay, g, first)
             }
         }
     }
@@ -1152,9 +1186,9 @@ impl GptStep {
         self.arena.as_ref().map_or(0, |a| a.graphs.ready.len())
     }
 
-    fn fwd_bwd(&self, lay: &Lay, g: f32) -> Result<()> {
+    fn fwd_bwd(&self, lay: &Lay, g: f32, first: bool) -> Result<()> {
         self.forward(lay, g)?;
-        self.backward(lay)
+        self.backward(lay, first)
     }
 
     fn zero_loss(&self) -> Result<()> {
@@ -1319,8 +1353,10 @@ impl GptStep {
     /// The backward from the logits' gradient (written by the forward's CE kernel).
     /// The bias gradients of the attention-out and MLP-down projections are column sums of
     /// the residual stream's gradient, which the LayerNorm backward that writes it adds up
-    /// as it goes (where its v8 kernels run; else a column-sum kernel).
-    fn backward(&self, a: &Lay) -> Result<()> {
+    /// as it goes (where its v8 kernels run; else a column-sum kernel). `first`: the step's
+    /// first micro-batch, whose weight-gradient matmuls overwrite the (unzeroed) matrices'
+    /// gradients; later ones add.
+    fn backward(&self, a: &Lay, first: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -1328,7 +1364,13 @@ impl GptStep {
         let head = self.head.unwrap_or(self.wte);
         let v = self.vocab;
         self.lin_dx(a.logits, self.w(head), a.da, Lin::new(n, c, v, self.vpad))?;
-        self.lin_dw(a.lnf, a.logits, self.g(head), Lin::new(n, c, v, self.vpad))?;
+        self.lin_dw(
+            a.lnf,
+            a.logits,
+            self.g(head),
+            Lin::new(n, c, v, self.vpad),
+            first,
+        )?;
         // d(final residual) = LN_f backward
         let last = self.n_layer;
         let down_b = |l: usize| self.layers.get(l).map_or(0, |li| self.g(li.down_b));
@@ -1349,7 +1391,7 @@ impl GptStep {
             if !down_b_done {
                 self.col_sum(a.dres, self.g(li.down_b), n, c)?;
             }
-            self.lin_dw(a.gelu[l], a.dres, self.g(li.down_w), down)?;
+            self.lin_dw(a.gelu[l], a.dres, self.g(li.down_w), down, first)?;
             // The GELU backward fused into the down projection's data gradient (cuBLASLt has
             // no fp32 bias gradient with it for bf16 outputs: the column sum stays).
             let dgelu = Epi::DGelu {
@@ -1373,7 +1415,7 @@ impl GptStep {
                 )?;
             }
             self.col_sum(a.dh, self.g(li.up_b), n, f)?;
-            self.lin_dw(a.ln2[l], a.dh, self.g(li.up_w), Lin::new(n, c, f, f))?;
+            self.lin_dw(a.ln2[l], a.dh, self.g(li.up_w), Lin::new(n, c, f, f), first)?;
             self.lin_dx(a.dh, self.w(li.up_w), a.da, Lin::new(n, c, f, f))?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],
@@ -1391,14 +1433,14 @@ impl GptStep {
             if !o_b_done {
                 self.col_sum(a.dres, self.g(li.o_b), n, c)?;
             }
-            self.lin_dw(a.atty[l], a.dres, self.g(li.o_w), o)?;
+            self.lin_dw(a.atty[l], a.dres, self.g(li.o_w), o, first)?;
             self.lin_dx(a.dres, self.w(li.o_w), a.da, Lin::new(n, c, c, c))?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
             // qkv projection
             let qkv = Lin::new(n, c, 3 * c, 3 * c);
             self.col_sum(a.dqkv, self.g(li.qkv_b), n, 3 * c)?;
-            self.lin_dw(a.ln1[l], a.dqkv, self.g(li.qkv_w), qkv)?;
+            self.lin_dw(a.ln1[l], a.dqkv, self.g(li.qkv_w), qkv, first)?;
             self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, qkv)?;
             // The residual stream's gradient below this layer: the down projection bias's
             // gradient of the layer below (none under layer 0).
