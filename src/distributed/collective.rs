@@ -42,6 +42,14 @@ pub trait Collective: Send {
     /// Element-wise sum over the ranks of an f32 tensor. May reduce in place: pass a tensor
     /// no one else reads (e.g. a fresh concatenation).
     fn all_reduce_sum(&mut self, t: Tensor) -> Result<Tensor, CommError>;
+    /// Element-wise sum over the ranks into `t` itself (contiguous). The default sums into a
+    /// new tensor and copies it back; NCCL reduces in place.
+    fn all_reduce_sum_in_place(&mut self, t: &Tensor) -> Result<(), CommError> {
+        let rank = self.rank();
+        let sum = self.all_reduce_sum(t.clone())?;
+        t.slice_set(&sum, 0, 0)
+            .map_err(tensor_err(rank, "all-reduce"))
+    }
     /// Rank 0's value of `t`, on every rank.
     fn broadcast(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
     /// Element-wise sum over the ranks of a few host values.
@@ -614,6 +622,15 @@ mod nccl {
             };
             self.in_place(&t, Op::Sum, "all-reduce")?;
             Ok(t)
+        }
+
+        fn all_reduce_sum_in_place(&mut self, t: &Tensor) -> Result<(), CommError> {
+            if !t.is_contiguous() {
+                return Err(self.err("all-reduce")(candle_core::Error::Msg(
+                    "in-place all-reduce of a non-contiguous tensor".into(),
+                )));
+            }
+            self.in_place(t, Op::Sum, "all-reduce")
         }
 
         fn broadcast(&mut self, t: &Tensor) -> Result<Tensor, CommError> {

@@ -907,6 +907,15 @@ const MAX_NONFINITE_IN_A_ROW: u32 = 20;
 const BUCKET_ELEMS: usize = 1 << 25;
 
 /// The mean over the ranks of every gradient, bucket by bucket.
+/// A step's loss, gradients and rank timings after data parallelism's reduction.
+struct Reduced {
+    ce: f64,
+    grads: Vec<Tensor>,
+    ranks: Vec<RankStat>,
+    /// What the gradients still need multiplying by: 1/world where they hold the ranks' sum.
+    grad_scale: f64,
+}
+
 fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {
     let scale = 1.0 / d.world() as f64;
     let mut out = Vec::with_capacity(grads.len());
@@ -1085,10 +1094,15 @@ impl Trainer {
         grads: Vec<Tensor>,
         wait: Duration,
         compute: Duration,
-    ) -> Result<(f64, Vec<Tensor>, Vec<RankStat>), EngineError> {
+    ) -> Result<Reduced, EngineError> {
         let world = self.world;
         if self.dist.is_none() {
-            return Ok((ce, grads, Vec::new()));
+            return Ok(Reduced {
+                ce,
+                grads,
+                ranks: Vec::new(),
+                grad_scale: 1.0,
+            });
         }
         self.set_waiting(true);
         let r = self.reduce_step_inner(ce, grads, wait, compute, world);
@@ -1109,7 +1123,7 @@ impl Trainer {
         wait: Duration,
         compute: Duration,
         world: usize,
-    ) -> Result<(f64, Vec<Tensor>, Vec<RankStat>), EngineError> {
+    ) -> Result<Reduced, EngineError> {
         let step_memory = self.step_memory;
         let gauge = |g: Option<&std::sync::atomic::AtomicU32>| {
             g.map(|a| a.load(std::sync::atomic::Ordering::Relaxed))
@@ -1119,7 +1133,12 @@ impl Trainer {
         let util = gauge(self.progress.as_deref().map(|p| &p.gpu_util_pct));
         let temp = gauge(self.progress.as_deref().map(|p| &p.gpu_temp_c));
         let Some(d) = self.dist.as_mut() else {
-            return Ok((ce, grads, Vec::new()));
+            return Ok(Reduced {
+                ce,
+                grads,
+                ranks: Vec::new(),
+                grad_scale: 1.0,
+            });
         };
         // [Σ CE, then per rank: compute ms, data wait ms, memory bytes, GPU util %, GPU °C
         // (-1: unknown)]; each rank fills only its own slots, so the sum gathers them.
@@ -1146,10 +1165,24 @@ impl Trainer {
                 }
             })
             .collect();
-        let grads = all_reduce_mean(d.as_mut(), &grads)?;
+        // The whole-model step's gradients are views of one flat buffer: summed in place in
+        // one call, and the 1/world left to the optimizer's gradient scale (no copies).
+        let flat = self.whole.as_ref().and_then(|w| w.grad_buffer());
+        let (grads, grad_scale) = match flat {
+            Some(flat) => {
+                d.all_reduce_sum_in_place(flat)?;
+                (grads, 1.0 / world as f64)
+            }
+            None => (all_reduce_mean(d.as_mut(), &grads)?, 1.0),
+        };
         // Wait for the all-reduce here (not in the optimizer), so a stuck peer is seen as one.
         self.device.synchronize()?;
-        Ok((host[0] / world as f64, grads, ranks))
+        Ok(Reduced {
+            ce: host[0] / world as f64,
+            grads,
+            ranks,
+            grad_scale,
+        })
     }
 
     fn elapsed(&self, start: Instant) -> f64 {
@@ -1478,26 +1511,33 @@ impl Trainer {
             prev_batch = None;
             // Data parallelism: mean gradients and loss over the ranks, and every rank's timings.
             let t_comm = Instant::now();
-            let (ce, grads, ranks) = self.reduce_step(ce, grads, wait, compute)?;
+            let Reduced {
+                ce,
+                grads,
+                ranks,
+                grad_scale,
+            } = self.reduce_step(ce, grads, wait, compute)?;
             let comm = if ranks.is_empty() {
                 0.0
             } else {
                 t_comm.elapsed().as_secs_f64() * 1e3
             };
             let t_opt = Instant::now();
-            let norm = global_norm(&grads)?;
+            let norm = global_norm(&grads)? * grad_scale;
             let finite = norm.is_finite() && ce.is_finite();
             let lr =
                 lr_at(&self.cfg.schedule, self.cfg.optim.lr, self.step, max_steps) * self.lr_scale;
             if self.scaler.update(finite) {
                 nonfinite_in_a_row = 0;
                 let clip = self.cfg.optim.grad_clip;
-                // Clipping is a gradient scale the (fused) update applies itself.
-                let f = if clip > 0.0 && norm > clip {
-                    clip / (norm + 1e-6)
-                } else {
-                    1.0
-                };
+                // Clipping (and data parallelism's 1/world where the gradients hold the ranks'
+                // sum) is a gradient scale the (fused) update applies itself.
+                let f = grad_scale
+                    * if clip > 0.0 && norm > clip {
+                        clip / (norm + 1e-6)
+                    } else {
+                        1.0
+                    };
                 self.weights_copied =
                     self.opt
                         .step_with_copies(&grads, lr, f, self.whole.as_ref())?;

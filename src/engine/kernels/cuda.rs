@@ -777,8 +777,63 @@ fn chunk_grid(chunks: u64) -> LaunchConfig {
     }
 }
 
+/// The device buffers that the once-per-step multi-tensor kernels reuse (their pointer tables
+/// and the norm's accumulator), per thread and device, so a training step allocates none.
+#[derive(Default)]
+struct Reused {
+    tables: std::collections::HashMap<(candle_core::cuda_backend::DeviceId, Slot), CudaSlice<u64>>,
+    accs: std::collections::HashMap<candle_core::cuda_backend::DeviceId, CudaSlice<f32>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Slot {
+    Sumsq,
+    Adamw,
+}
+
+thread_local! {
+    static REUSED: std::cell::RefCell<Reused> = std::cell::RefCell::new(Reused::default());
+}
+
+/// `f` with `host` in `dev`'s reused table `slot` (allocated, or grown, only when too small).
+/// The copy is ordered on the device's stream after every earlier use of the table.
+fn with_table<R>(
+    dev: &CudaDevice,
+    slot: Slot,
+    host: &[u64],
+    f: impl FnOnce(&CudaSlice<u64>) -> Result<R>,
+) -> Result<R> {
+    let key = (dev.id(), slot);
+    let kept = REUSED.with(|r| r.borrow_mut().tables.remove(&key));
+    let mut table = match kept {
+        Some(t) if t.len() >= host.len() => t,
+        // SAFETY: written below before the kernel reads it.
+        _ => unsafe { dev.alloc::<u64>(host.len().max(1))? },
+    };
+    let stream = dev.cuda_stream();
+    stream
+        .memcpy_htod(host, &mut table.slice_mut(0..host.len()))
+        .w()?;
+    let r = f(&table);
+    REUSED.with(|r| r.borrow_mut().tables.insert(key, table));
+    r
+}
+
+/// `dev`'s reused one-float accumulator, zeroed on its stream.
+fn zeroed_acc(dev: &CudaDevice) -> Result<CudaSlice<f32>> {
+    let kept = REUSED.with(|r| r.borrow_mut().accs.remove(&dev.id()));
+    match kept {
+        Some(mut acc) => {
+            dev.cuda_stream().memset_zeros(&mut acc).w()?;
+            Ok(acc)
+        }
+        None => dev.alloc_zeros::<f32>(1),
+    }
+}
+
 /// Σ‖g‖² over f32 gradients on one CUDA device: ONE chunked multi-tensor kernel over a table
-/// of (pointer, length, first chunk), one atomic add per block, one read-back.
+/// of (pointer, length, first chunk), one atomic add per block, one read-back. The table and
+/// the accumulator are reused from call to call.
 pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
     let Some(first) = grads.first() else {
         return Ok(0.0);
@@ -792,28 +847,30 @@ pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
     if refs.is_empty() {
         return Ok(0.0);
     }
-    let acc = dev.alloc_zeros::<f32>(1)?;
-    with_f32_ptrs(&refs, |ptrs| {
+    let acc = zeroed_acc(&dev)?;
+    let launched = with_f32_ptrs(&refs, |ptrs| {
         let (offs, chunks) = chunk_offsets(refs.iter().map(|g| g.elem_count()));
-        let mut table = Vec::with_capacity(3 * refs.len());
+        let mut host = Vec::with_capacity(3 * refs.len());
         for ((p, g), c0) in ptrs.iter().zip(&refs).zip(&offs) {
-            table.extend([*p, g.elem_count() as u64, *c0]);
+            host.extend([*p, g.elem_count() as u64, *c0]);
         }
-        let table = dev.clone_htod(&table)?;
-        let f = dev.get_or_load_custom_func("sumsq_chunks_f32", MODULE, PTX)?;
-        let mut b = f.builder();
-        let nt = i32_of(refs.len(), "tensors")?;
-        b.arg(&table);
-        b.arg(&nt);
-        b.arg(&chunks);
-        b.arg(&acc);
-        // SAFETY: the table holds (pointer, length, first chunk) of live, locked f32 buffers,
-        // matching the kernel's SqTensor layout, in chunk order; acc is one f32.
-        unsafe { b.launch(chunk_grid(chunks)) }.w()?;
-        Ok(())
-    })?;
-    let host = dev.clone_dtoh(&acc)?;
-    Ok(host.first().copied().unwrap_or(0.0) as f64)
+        with_table(&dev, Slot::Sumsq, &host, |table| {
+            let f = dev.get_or_load_custom_func("sumsq_chunks_f32", MODULE, PTX)?;
+            let mut b = f.builder();
+            let nt = i32_of(refs.len(), "tensors")?;
+            b.arg(table);
+            b.arg(&nt);
+            b.arg(&chunks);
+            b.arg(&acc);
+            // SAFETY: the table holds (pointer, length, first chunk) of live, locked f32
+            // buffers, matching the kernel's SqTensor layout, in chunk order; acc is one f32.
+            unsafe { b.launch(chunk_grid(chunks)) }.w()?;
+            Ok(())
+        })
+    });
+    let host = launched.and_then(|_| dev.clone_dtoh(&acc));
+    REUSED.with(|r| r.borrow_mut().accs.insert(dev.id(), acc));
+    Ok(host?.first().copied().unwrap_or(0.0) as f64)
 }
 
 /// One parameter of a multi-tensor AdamW update.
@@ -830,6 +887,7 @@ pub struct AdamItem<'a> {
 
 /// AdamW over many parameters in ONE launch: a chunked multi-tensor kernel, float4 accesses
 /// where aligned. Weights and moments are updated in place: contiguous f32, distinct storages.
+/// The pointer table is reused from call to call.
 pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
     let Some(first) = items.first() else {
         return Ok(());
@@ -864,31 +922,33 @@ pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
             table.extend_from_slice(p);
             table.extend([copy, it.w.elem_count() as u64, *c0, flags]);
         }
-        let table = dev.clone_htod(&table)?;
-        let f = dev.get_or_load_custom_func("adamw_chunks_f32", MODULE, PTX)?;
-        let mut b = f.builder();
-        let nt = i32_of(items.len(), "tensors")?;
-        let s = [
-            a.lr as f32,
-            a.beta1 as f32,
-            a.beta2 as f32,
-            a.eps as f32,
-            a.bc1 as f32,
-            a.bc2 as f32,
-            a.grad_scale as f32,
-            a.decay as f32,
-        ];
-        b.arg(&table);
-        b.arg(&nt);
-        b.arg(&chunks);
-        for x in &s {
-            b.arg(x);
-        }
-        // SAFETY: the table matches the kernel's AdamTensor layout (4 f32 pointers, the bf16
-        // copy or null, length, first chunk, flags) in chunk order, and points at live, locked
-        // f32 buffers; a bf16 copy lies inside its step's weight buffer, borrowed for 'a.
-        unsafe { b.launch(chunk_grid(chunks)) }.w()?;
-        Ok(())
+        with_table(&dev, Slot::Adamw, &table, |table| {
+            let f = dev.get_or_load_custom_func("adamw_chunks_f32", MODULE, PTX)?;
+            let mut b = f.builder();
+            let nt = i32_of(items.len(), "tensors")?;
+            let s = [
+                a.lr as f32,
+                a.beta1 as f32,
+                a.beta2 as f32,
+                a.eps as f32,
+                a.bc1 as f32,
+                a.bc2 as f32,
+                a.grad_scale as f32,
+                a.decay as f32,
+            ];
+            b.arg(table);
+            b.arg(&nt);
+            b.arg(&chunks);
+            for x in &s {
+                b.arg(x);
+            }
+            // SAFETY: the table matches the kernel's AdamTensor layout (4 f32 pointers, the
+            // bf16 copy or null, length, first chunk, flags) in chunk order, and points at
+            // live, locked f32 buffers; a bf16 copy lies inside its step's weight buffer,
+            // borrowed for 'a.
+            unsafe { b.launch(chunk_grid(chunks)) }.w()?;
+            Ok(())
+        })
     })
 }
 

@@ -158,6 +158,9 @@ mod step_stub {
         pub fn grad_of(&self, _var: &Var) -> Result<Option<Tensor>> {
             no_cuda()
         }
+        pub fn grad_buffer(&self) -> Option<&Tensor> {
+            None
+        }
         pub fn begin(&mut self, _weights_copied: bool) -> Result<()> {
             no_cuda()
         }

@@ -568,6 +568,12 @@ impl GptStep {
         self.grad_p + 4 * self.entries[i].off as u64
     }
 
+    /// The flat fp32 gradient buffer every [`Self::grad_of`] is a view of (data parallelism
+    /// reduces it in place, in one call).
+    pub fn grad_buffer(&self) -> Option<&Tensor> {
+        Some(&self.grad)
+    }
+
     /// The fp32 gradient of `var` (a view of the flat buffer), if the step owns it.
     pub fn grad_of(&self, var: &Var) -> Result<Option<Tensor>> {
         let Some(&i) = self.by_id.get(&var.as_tensor().id()) else {
