@@ -1,5 +1,5 @@
-//! Data-parallel plumbing that needs no GPU: the TCP rendezvous, its errors, and the
-//! watchdog that notices a rank going away.
+//! Data-parallel plumbing that needs no GPU: the TCP rendezvous, its errors, the watchdog
+//! that notices a rank going away, and the TCP collective's in-place sum.
 
 use cockpit::distributed::{rendezvous, RendezvousError, Topology};
 use std::sync::mpsc;
@@ -108,5 +108,36 @@ fn the_watchdog_names_a_rank_that_vanishes_but_not_one_that_says_goodbye() {
             let m = got.unwrap();
             assert!(m.contains("rank 1") && m.contains("went away"), "{m}");
         }
+    }
+}
+
+#[test]
+fn tcp_all_reduce_sums_in_place_on_every_rank() {
+    use candle_core::{Device, Tensor};
+    use cockpit::distributed::{join, Backend};
+    let port = free_port();
+    let world = 3;
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let joined = join(
+                    topo(r, world, port),
+                    Backend::Tcp,
+                    "/tmp/unused",
+                    Duration::from_secs(20),
+                )
+                .unwrap();
+                let mut c = joined.connect(&Device::Cpu).unwrap();
+                // Rank r holds (r + 1)·[1, 2, 3, 4]; the sum over ranks is 6·[1, 2, 3, 4].
+                let k = (r + 1) as f32;
+                let t = Tensor::new(&[k, 2.0 * k, 3.0 * k, 4.0 * k], &Device::Cpu).unwrap();
+                c.all_reduce_sum_in_place(&t).unwrap();
+                c.finish();
+                t.to_vec1::<f32>().unwrap()
+            })
+        })
+        .collect();
+    for (r, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.join().unwrap(), vec![6.0, 12.0, 18.0, 24.0], "rank {r}");
     }
 }
