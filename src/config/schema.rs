@@ -297,8 +297,8 @@ pub struct KernelsConfig {
     /// Softmax cross-entropy from the compute-dtype logits (no f32 copy of the logits).
     pub cross_entropy: bool,
     /// Bias add and bias + GELU after the matmuls; bias gradients by a column-sum kernel.
-    /// In the whole-model step (`step`): bias, GELU and their gradients fused into the
-    /// matmuls as cuBLASLt epilogues (off: separate kernels).
+    /// In the whole-model step (`step`): the bias and GELU, and the GELU backward, fused
+    /// into the matmuls as cuBLASLt epilogues (off: separate kernels).
     pub bias_gelu: bool,
     /// In the whole-model step: time cuBLASLt's top algorithms for each matmul shape once, at
     /// the first step, and keep the fastest (off: the heuristic's first pick).

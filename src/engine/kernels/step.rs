@@ -351,7 +351,8 @@ pub struct GptStep {
     /// cuBLASLt for the linear layers' matmuls, tuned per shape (None: plain cuBLAS and
     /// separate kernels throughout).
     lt: Option<Lt>,
-    /// Bias, GELU and bias gradients as cuBLASLt epilogues (else separate kernels).
+    /// Bias and GELU (forward) and the GELU backward as cuBLASLt epilogues (else separate
+    /// kernels).
     epilogues: bool,
     /// Replay micro-batches as CUDA graphs (off while profiling, which times each launch).
     graphs: bool,
@@ -819,19 +820,24 @@ impl GptStep {
         self.lin_lt(name, d.fwd(x, w, y), false, 0.0, epi)
     }
 
-    /// `out[c] += Σ_rows x[r, c]` (fp32; c a multiple of 8).
-    fn col_sum(&self, x: u64, out: u64, n: usize, c: usize) -> Result<()> {
+    /// The grid of the column-sum kernels over `[n, c]` (blocks of 32 × 8 threads, 256
+    /// columns each): about two blocks per multiprocessor in all, enough loads in flight (a
+    /// few rows per thread) and few atomics per column.
+    fn col_grid(&self, n: usize, c: usize) -> LaunchConfig {
         let col_blocks = c.div_ceil(256);
-        // About two blocks per multiprocessor in all: enough loads in flight (four rows
-        // per thread), few atomics per column.
         let row_blocks = (2 * self.k.sms / col_blocks)
             .clamp(1, n.div_ceil(8).max(1))
             .min(65535);
-        let cfg = LaunchConfig {
+        LaunchConfig {
             grid_dim: (col_blocks as u32, row_blocks as u32, 1),
             block_dim: (32, 8, 1),
             shared_mem_bytes: 0,
-        };
+        }
+    }
+
+    /// `out[c] += Σ_rows x[r, c]` (fp32; c a multiple of 8).
+    fn col_sum(&self, x: u64, out: u64, n: usize, c: usize) -> Result<()> {
+        let cfg = self.col_grid(n, c);
         self.launch(
             &self.k.col_sum,
             cfg,
@@ -844,8 +850,8 @@ impl GptStep {
         )
     }
 
-    /// LayerNorm backward of rows `x` (forward statistics in `stats` where the v8 kernels
-    /// run) with weight `w`: dx (+)= …, dw and db accumulate. Where `bias_grad` is non-zero
+    /// LayerNorm backward of rows `x` (the forward's statistics in `stats`, which the v8
+    /// kernels need) with weight `w`: dx (+)= …, dw and db accumulate. Where `bias_grad` is non-zero
     /// and the v8 kernels run, `bias_grad += Σ_rows dx` too (the residual stream's gradient
     /// is the bias gradient of the linear layer that wrote into it): Ok(true) says so.
     #[allow(clippy::too_many_arguments)]
@@ -883,13 +889,6 @@ impl GptStep {
                 Arg::I(add as i32),
             ];
             self.launch(&v8.bwd, cfg, &args)?;
-            let col_blocks = d.div_ceil(256);
-            let row_blocks = (2 * self.k.sms / col_blocks).clamp(1, n.div_ceil(8).max(1));
-            let cfg = LaunchConfig {
-                grid_dim: (col_blocks as u32, row_blocks as u32, 1),
-                block_dim: (32, 8, 1),
-                shared_mem_bytes: 0,
-            };
             let args = [
                 Arg::P(x),
                 Arg::P(dy),
@@ -901,7 +900,7 @@ impl GptStep {
                 Arg::I(n_i),
                 Arg::I(d_i),
             ];
-            self.launch(&v8.bwd_wb, cfg, &args)?;
+            self.launch(&v8.bwd_wb, self.col_grid(n, d), &args)?;
             return Ok(bias_grad != 0);
         }
         let mut args = vec![
