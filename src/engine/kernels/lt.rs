@@ -9,7 +9,7 @@
 //! A plan (descriptors, layouts and an algorithm) is made once per shape and epilogue and
 //! cached; only the pointers are set per call. With tuning on, making a plan times the
 //! heuristic's first [`CANDIDATES`] algorithms on the call's own operands and keeps the
-//! fastest: the heuristic's first pick is not always it (on an H200, up to 12 % slower on
+//! fastest: the heuristic's first pick is not always it (on an H200, 11–13 % slower on
 //! the LM head and the q|k|v projection). Where cuBLASLt offers no algorithm for a
 //! combination, [`Lt::matmul`] says so and the caller runs the separate kernels instead.
 
