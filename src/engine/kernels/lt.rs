@@ -40,21 +40,13 @@ pub(super) enum Epi {
 }
 
 impl Epi {
+    /// The epilogue's name (in the tuning log, and as part of a plan's key).
     fn name(&self) -> &'static str {
         match self {
             Epi::None => "none",
             Epi::Bias { .. } => "bias",
             Epi::GeluAuxBias { .. } => "gelu+bias",
             Epi::DGelu { .. } => "dgelu",
-        }
-    }
-
-    fn kind(&self) -> u8 {
-        match self {
-            Epi::None => 4,
-            Epi::Bias { .. } => 0,
-            Epi::GeluAuxBias { .. } => 1,
-            Epi::DGelu { .. } => 2,
         }
     }
 }
@@ -89,7 +81,7 @@ struct Key {
     ldb: usize,
     ldc: usize,
     c_f32: bool,
-    epi: u8,
+    epi: &'static str,
     aux_ld: usize,
 }
 
@@ -407,7 +399,7 @@ impl Lt {
             ldb: b.ld,
             ldc: c.ld,
             c_f32,
-            epi: epi.kind(),
+            epi: epi.name(),
             aux_ld,
         };
         let mut plans = self.plans.borrow_mut();

@@ -1152,15 +1152,16 @@ impl GptStep {
     /// a capture (the key's second run), or eager launches.
     fn run_micro(&mut self, first: bool, g: f32) -> Result<()> {
         let key = (first, g.to_bits());
+        let replay = self.graphs && self.prof.is_none();
         let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+        if replay {
+            if let Some(graph) = a.graphs.ready.get(&key) {
+                return graph.launch().w();
+            }
+        }
+        // (The layout is cloned only off the replay path: `fwd_bwd` borrows the step.)
         let lay = a.lay.clone();
-        if !self.graphs || self.prof.is_some() {
-            return self.fwd_bwd(&lay, g, first);
-        }
-        if let Some(graph) = a.graphs.ready.get(&key) {
-            return graph.launch().w();
-        }
-        if a.graphs.seen.insert(key) {
+        if !replay || a.graphs.seen.insert(key) {
             return self.fwd_bwd(&lay, g, first);
         }
         let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
