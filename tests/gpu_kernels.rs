@@ -709,7 +709,7 @@ fn whole_model_step_matches_the_f32_model() {
 }
 
 #[test]
-fn graph_replay_matches_eager_launches() {
+fn graph_replay_and_the_side_stream_match_eager_launches_on_one_stream() {
     let Some(dev) = gpu() else { return };
     let mut c = Config::default();
     c.model.n_embd = 128;
@@ -729,9 +729,10 @@ fn graph_replay_matches_eager_launches() {
             .collect();
         (ids, tg)
     };
-    let run = |graphs: bool| {
+    let run = |graphs: bool, overlap: bool| {
         let mut c = c.clone();
         c.kernels.graphs = graphs;
+        c.kernels.overlap = overlap;
         let m = Model::new(Shape::from_config(&c, vocab), DType::BF16, &dev, 9).unwrap();
         let w = m.step_weights().unwrap();
         let mut step = kernels::GptStep::new(&w).unwrap();
@@ -754,20 +755,24 @@ fn graph_replay_matches_eager_launches() {
         }
         (out, step.graphs_captured())
     };
-    let (eager, none) = run(false);
-    let (graphed, captured) = run(true);
+    let (eager, none) = run(false, false);
+    let (graphed, captured) = run(true, true);
+    // The weight gradients on a second stream, captured (above) and eager.
+    let (side, _) = run(false, true);
     assert_eq!(none, 0, "graphs off captures nothing");
     assert_eq!(
         captured, 2,
         "the last arena holds a graph for first and one for later micro-batches"
     );
-    for (i, ((le, ge), (lg, gg))) in eager.iter().zip(&graphed).enumerate() {
-        eprintln!("graphs, step {i}: loss {lg:.6} vs eager {le:.6}");
-        assert_eq!(le, lg, "step {i}: the replayed loss differs");
-        for (a, b) in ge.iter().zip(gg) {
-            // Atomics (embedding, column sums, dQ) sum in any order: equal up to rounding.
-            let e = rel_err(b, a);
-            assert!(e < 1e-5, "step {i}: gradient rel err {e:.2e}");
+    for (what, other) in [("graphs + side stream", &graphed), ("side stream", &side)] {
+        for (i, ((le, ge), (lg, gg))) in eager.iter().zip(other).enumerate() {
+            eprintln!("{what}, step {i}: loss {lg:.6} vs one eager stream {le:.6}");
+            assert_eq!(le, lg, "{what}, step {i}: the loss differs");
+            for (a, b) in ge.iter().zip(gg) {
+                // Atomics (embedding, column sums, dQ) sum in any order: equal up to rounding.
+                let e = rel_err(b, a);
+                assert!(e < 1e-5, "{what}, step {i}: gradient rel err {e:.2e}");
+            }
         }
     }
 }

@@ -306,6 +306,9 @@ pub struct KernelsConfig {
     /// In the whole-model step: capture each micro-batch's forward and backward as a CUDA
     /// graph and replay it with one launch (off: a few hundred launches per micro-batch).
     pub graphs: bool,
+    /// In the whole-model step: the backward's weight gradients and bias sums on a second
+    /// CUDA stream, alongside the chain of data gradients (off: one stream).
+    pub overlap: bool,
     /// AdamW in place and the global gradient norm with one read-back.
     pub adamw: bool,
     /// GPT-2 style models in bf16 (LayerNorm, learned positions, GELU, biases, full
@@ -325,6 +328,7 @@ impl Default for KernelsConfig {
             bias_gelu: true,
             autotune: true,
             graphs: true,
+            overlap: true,
             adamw: true,
             step: true,
         }

@@ -243,6 +243,8 @@ pub struct StepWeights {
     pub autotune: bool,
     /// Replay each micro-batch as a captured CUDA graph.
     pub graphs: bool,
+    /// Weight gradients and bias sums on a second stream in the backward.
+    pub overlap: bool,
     pub layers: Vec<[Var; 16]>,
     pub ln_f: [Var; 2],
     /// The untied LM head, or None when it is `wte`.
@@ -860,6 +862,7 @@ impl Model {
             epilogues: s.kernels.bias_gelu,
             autotune: s.kernels.autotune,
             graphs: s.kernels.graphs,
+            overlap: s.kernels.overlap,
             layers,
             ln_f: norm(&self.ln_f)?,
             head: self.lm_head.clone(),

@@ -109,6 +109,9 @@ pub(super) struct Lt {
     _ws: CudaSlice<u8>,
     ws_p: u64,
     ws_size: usize,
+    /// The workspace of matmuls queued on a second stream (they may run alongside the main
+    /// stream's, which must not share a workspace with them).
+    side_ws: Option<(CudaSlice<u8>, u64)>,
     /// None: cuBLASLt has no algorithm for this key (the caller falls back).
     plans: RefCell<HashMap<Key, Option<Plan>>>,
     /// Time the heuristic's candidates when making a plan (else take its first).
@@ -173,9 +176,24 @@ impl Lt {
             _ws: ws,
             ws_p,
             ws_size,
+            side_ws: None,
             plans: RefCell::new(HashMap::new()),
             tune,
         })
+    }
+
+    /// Give matmuls on a second stream ([`Lt::matmul_on`]) their own workspace.
+    pub(super) fn enable_side(&mut self) -> Result<()> {
+        if self.side_ws.is_none() {
+            // SAFETY: scratch for cuBLASLt; never read by us.
+            let ws = unsafe { self.stream.alloc::<u8>(self.ws_size) }.w()?;
+            let p = {
+                let (p, _sync) = ws.device_ptr(&self.stream);
+                p
+            };
+            self.side_ws = Some((ws, p));
+        }
+        Ok(())
     }
 
     /// Make the plan for `key` (None when cuBLASLt has no algorithm for it), tuned on the
@@ -378,6 +396,20 @@ impl Lt {
     /// `D = op(A)·op(B) + β·C` with the epilogue, D in place of C. Ok(false): cuBLASLt has
     /// no algorithm for this (nothing ran; the caller does it another way).
     pub(super) fn matmul(&self, mm: Mm, c_f32: bool, beta: f32, epi: Epi) -> Result<bool> {
+        self.matmul_on(mm, c_f32, beta, epi, None)
+    }
+
+    /// [`Lt::matmul`] queued on `side` (with the side workspace, [`Lt::enable_side`]) instead
+    /// of the step's stream; None, or no side workspace: the step's stream. A plan made here
+    /// is still made and tuned on the step's stream, after a device-wide synchronise.
+    pub(super) fn matmul_on(
+        &self,
+        mm: Mm,
+        c_f32: bool,
+        beta: f32,
+        epi: Epi,
+        side: Option<&CudaStream>,
+    ) -> Result<bool> {
         let Mm {
             t: (ta, tb),
             mnk: (m, n, k),
@@ -413,11 +445,16 @@ impl Lt {
             return Ok(false);
         };
         self.set_pointers(plan, &epi)?;
-        self.run(plan, &plan.algo, &mm, mm.c.p, beta)?;
+        let on = match (side, &self.side_ws) {
+            (Some(s), Some((_, ws))) => (s, *ws),
+            _ => (&*self.stream, self.ws_p),
+        };
+        self.run_on(plan, &plan.algo, &mm, mm.c.p, beta, on)?;
         Ok(true)
     }
 
-    /// Launch `plan` with `algo`, writing D at `d` (C is read from `d` too).
+    /// Launch `plan` with `algo` on the step's stream, writing D at `d` (C is read from `d`
+    /// too).
     fn run(
         &self,
         plan: &Plan,
@@ -426,10 +463,23 @@ impl Lt {
         d: u64,
         beta: f32,
     ) -> Result<()> {
+        self.run_on(plan, algo, mm, d, beta, (&self.stream, self.ws_p))
+    }
+
+    /// [`Lt::run`] on `stream` with the workspace at `ws` (of `ws_size` bytes).
+    fn run_on(
+        &self,
+        plan: &Plan,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        mm: &Mm,
+        d: u64,
+        beta: f32,
+        (stream, ws): (&CudaStream, u64),
+    ) -> Result<()> {
         let alpha = 1.0f32;
         // SAFETY: the operands are device addresses inside the step's buffers (or a scratch
         // copy of D of the same layout), sized by the caller for these shapes; the plan's
-        // layouts describe exactly them; the workspace is ours and the stream is the step's.
+        // layouts describe exactly them; the workspace is ours, and used by no other stream.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -445,9 +495,9 @@ impl Lt {
                 d as *mut c_void,
                 plan.layouts[2],
                 algo,
-                self.ws_p as *mut c_void,
+                ws as *mut c_void,
                 self.ws_size,
-                self.stream.cu_stream() as sys::cudaStream_t,
+                stream.cu_stream() as sys::cudaStream_t,
             )
         }
         .map_err(|e| lt_err("matmul", e))

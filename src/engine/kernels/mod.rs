@@ -27,6 +27,8 @@ pub use cuda::*;
 #[cfg(feature = "cuda")]
 mod lt;
 #[cfg(feature = "cuda")]
+mod side;
+#[cfg(feature = "cuda")]
 mod step;
 #[cfg(feature = "cuda")]
 pub use step::GptStep;

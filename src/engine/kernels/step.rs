@@ -36,6 +36,7 @@ use half::bf16;
 
 use super::cuda::{err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, MODULE, PTX};
 use super::lt::{Epi, Lt, Mm, Operand};
+use super::side::{Buf, Side};
 use super::WeightCopy;
 use crate::engine::events::KernelTime;
 use crate::engine::model::StepWeights;
@@ -356,6 +357,9 @@ pub struct GptStep {
     epilogues: bool,
     /// Replay micro-batches as CUDA graphs (off while profiling, which times each launch).
     graphs: bool,
+    /// The second stream of the backward's weight gradients and bias sums (None: one
+    /// stream; unused while profiling, which times launches on one stream).
+    side: Option<Side>,
     k: Kernels,
     n_layer: usize,
     c: usize,
@@ -522,7 +526,12 @@ impl GptStep {
             .enumerate()
             .map(|(i, e)| (e.var.as_tensor().id(), i))
             .collect();
-        let lt = Lt::new(stream.clone(), w.autotune).ok();
+        let mut lt = Lt::new(stream.clone(), w.autotune).ok();
+        // The second stream needs its own cuBLASLt workspace; without either, one stream.
+        let side = match (w.overlap, lt.as_mut()) {
+            (true, Some(lt)) => lt.enable_side().and_then(|()| Side::new(&stream)).ok(),
+            _ => None,
+        };
         Ok(Self {
             dev,
             stream,
@@ -530,6 +539,7 @@ impl GptStep {
             lt,
             epilogues: w.epilogues,
             graphs: w.graphs,
+            side,
             k,
             n_layer: layers.len(),
             c,
@@ -589,8 +599,19 @@ impl GptStep {
     }
 
     fn launch(&self, k: &Kern, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.launch_on(&self.stream, k, cfg, args)
+    }
+
+    /// [`Self::launch`] on `stream` (the step's, or the side stream).
+    fn launch_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        k: &Kern,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
         self.timed(k.name, || {
-            let mut b = self.stream.launch_builder(&k.f);
+            let mut b = stream.launch_builder(&k.f);
             for a in args {
                 match a {
                     Arg::P(p) => b.arg(p),
@@ -778,8 +799,57 @@ impl GptStep {
     /// `dw[out, inp] += dyᵀ·x` into fp32; the step's first micro-batch overwrites instead
     /// (`first`: the buffer is not zeroed, and C is not read).
     fn lin_dw(&self, x: u64, dy: u64, dw: u64, d: Lin, first: bool) -> Result<()> {
+        self.lin_dw_on(None, x, dy, dw, d, first)
+    }
+
+    /// [`Self::lin_dw`] queued on `side` when there is one (and cuBLASLt has an algorithm;
+    /// else on the step's stream, which is as well ordered: after the gradient `dy` is
+    /// written, before anything overwrites it).
+    fn lin_dw_on(
+        &self,
+        side: Option<&Arc<CudaStream>>,
+        x: u64,
+        dy: u64,
+        dw: u64,
+        d: Lin,
+        first: bool,
+    ) -> Result<()> {
         let beta = if first { 0.0 } else { 1.0 };
-        self.lin_gemm("matmul wgrad", d.dw(x, dy, dw), true, beta)
+        let mm = d.dw(x, dy, dw);
+        if let (Some(s), Some(lt)) = (side, &self.lt) {
+            let mut done = false;
+            self.timed("matmul wgrad", || {
+                done = lt.matmul_on(mm, true, beta, Epi::None, Some(s))?;
+                Ok(())
+            })?;
+            if done {
+                return Ok(());
+            }
+        }
+        self.lin_gemm("matmul wgrad", mm, true, beta)
+    }
+
+    /// The side stream, after it waits for the main stream's work so far ([`Side::fork`]);
+    /// None when there is none or profiling is on.
+    fn fork(&self) -> Result<Option<&Arc<CudaStream>>> {
+        match self.side() {
+            Some(s) => s.fork().map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn side(&self) -> Option<&Side> {
+        self.side.as_ref().filter(|_| self.prof.is_none())
+    }
+
+    /// [`Side::release`] (nothing without a side stream).
+    fn release(&self, buf: Buf) -> Result<()> {
+        self.side().map_or(Ok(()), |s| s.release(buf))
+    }
+
+    /// [`Side::reclaim`] (nothing without a side stream).
+    fn reclaim(&self, buf: Buf) -> Result<()> {
+        self.side().map_or(Ok(()), |s| s.reclaim(buf))
     }
 
     /// One linear layer's matmul through cuBLASLt with an epilogue. Ok(false): epilogues
@@ -837,8 +907,21 @@ impl GptStep {
 
     /// `out[c] += Σ_rows x[r, c]` (fp32; c a multiple of 8).
     fn col_sum(&self, x: u64, out: u64, n: usize, c: usize) -> Result<()> {
+        self.col_sum_on(&self.stream, x, out, n, c)
+    }
+
+    /// [`Self::col_sum`] on `stream` (the step's, or the side stream).
+    fn col_sum_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: u64,
+        out: u64,
+        n: usize,
+        c: usize,
+    ) -> Result<()> {
         let cfg = self.col_grid(n, c);
-        self.launch(
+        self.launch_on(
+            stream,
             &self.k.col_sum,
             cfg,
             &[
@@ -1391,13 +1474,21 @@ impl GptStep {
             false,
             down_b(last - 1),
         )?;
+        // Weight gradients and bias sums go to the side stream when there is one (`fork`),
+        // which marks its reads of each scratch gradient done (`release`) for the main stream
+        // to wait on before it rewrites that buffer (`reclaim`); the main stream keeps the
+        // chain of data gradients.
+        let main = &self.stream;
         for (l, li) in self.layers.iter().enumerate().rev() {
             // MLP down projection: res[l+1] = mid + gelu·Wdownᵀ + b
             let down = Lin::new(n, f, c, c);
             if !down_b_done {
                 self.col_sum(a.dres, self.g(li.down_b), n, c)?;
             }
-            self.lin_dw(a.gelu[l], a.dres, self.g(li.down_w), down, first)?;
+            let side = self.fork()?;
+            self.lin_dw_on(side, a.gelu[l], a.dres, self.g(li.down_w), down, first)?;
+            self.release(Buf::Dres)?;
+            self.reclaim(Buf::Dh)?;
             // The GELU backward fused into the down projection's data gradient (its variant
             // with the bias gradient, DGELU_BGRAD, has no fp32 bias output and ran 3× slower
             // in bf16: the column sum stays).
@@ -1421,9 +1512,13 @@ impl GptStep {
                     ],
                 )?;
             }
-            self.col_sum(a.dh, self.g(li.up_b), n, f)?;
-            self.lin_dw(a.ln2[l], a.dh, self.g(li.up_w), Lin::new(n, c, f, f), first)?;
-            self.lin_dx(a.dh, self.w(li.up_w), a.da, Lin::new(n, c, f, f))?;
+            let side = self.fork()?;
+            self.col_sum_on(side.unwrap_or(main), a.dh, self.g(li.up_b), n, f)?;
+            let up = Lin::new(n, c, f, f);
+            self.lin_dw_on(side, a.ln2[l], a.dh, self.g(li.up_w), up, first)?;
+            self.release(Buf::Dh)?;
+            self.lin_dx(a.dh, self.w(li.up_w), a.da, up)?;
+            self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],
                 self.w(li.ln2_w),
@@ -1440,15 +1535,21 @@ impl GptStep {
             if !o_b_done {
                 self.col_sum(a.dres, self.g(li.o_b), n, c)?;
             }
-            self.lin_dw(a.atty[l], a.dres, self.g(li.o_w), o, first)?;
-            self.lin_dx(a.dres, self.w(li.o_w), a.da, Lin::new(n, c, c, c))?;
+            let side = self.fork()?;
+            self.lin_dw_on(side, a.atty[l], a.dres, self.g(li.o_w), o, first)?;
+            self.release(Buf::Dres)?;
+            self.lin_dx(a.dres, self.w(li.o_w), a.da, o)?;
+            self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
             // qkv projection
             let qkv = Lin::new(n, c, 3 * c, 3 * c);
-            self.col_sum(a.dqkv, self.g(li.qkv_b), n, 3 * c)?;
-            self.lin_dw(a.ln1[l], a.dqkv, self.g(li.qkv_w), qkv, first)?;
+            let side = self.fork()?;
+            self.col_sum_on(side.unwrap_or(main), a.dqkv, self.g(li.qkv_b), n, 3 * c)?;
+            self.lin_dw_on(side, a.ln1[l], a.dqkv, self.g(li.qkv_w), qkv, first)?;
+            self.release(Buf::Dqkv)?;
             self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, qkv)?;
+            self.reclaim(Buf::Dres)?;
             // The residual stream's gradient below this layer: the down projection bias's
             // gradient of the layer below (none under layer 0).
             let below = l.checked_sub(1).map_or(0, down_b);
@@ -1477,10 +1578,11 @@ impl GptStep {
                 Arg::I(i32_of(self.vocab, "vocab")?),
             ],
         )?;
-        match self.wpe {
-            Some(i) => self.col_sum(a.dres, self.g(i), b, t * c),
-            None => Ok(()),
+        if let Some(i) = self.wpe {
+            self.col_sum(a.dres, self.g(i), b, t * c)?;
         }
+        // The optimizer reads every gradient, and a capture must end joined.
+        self.side().map_or(Ok(()), Side::join)
     }
 
     /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.
