@@ -1446,6 +1446,19 @@ impl GptStep {
     /// first micro-batch, whose weight-gradient matmuls overwrite the (unzeroed) matrices'
     /// gradients; later ones add.
     fn backward(&self, a: &Lay, first: bool) -> Result<()> {
+        let run = self.backward_streams(a, first);
+        if run.is_err() {
+            // A pass that failed midway still leaves nothing running on the side stream
+            // behind the main stream's back (the caller may free or resize the buffers).
+            if let Some(s) = self.side() {
+                let _ = s.join();
+            }
+        }
+        run
+    }
+
+    /// [`Self::backward`]'s launches.
+    fn backward_streams(&self, a: &Lay, first: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
