@@ -182,7 +182,7 @@ impl Lt {
         })
     }
 
-    /// Give matmuls on a second stream ([`Lt::matmul_on`]) their own workspace.
+    /// Give matmuls on a second stream ([`Lt::matmul`]) their own workspace.
     pub(super) fn enable_side(&mut self) -> Result<()> {
         if self.side_ws.is_none() {
             // SAFETY: scratch for cuBLASLt; never read by us.
@@ -373,36 +373,25 @@ impl Lt {
             Epi::GeluAuxBias { bias, aux, .. } => (Some(bias), Some(aux)),
             Epi::DGelu { aux, .. } => (None, Some(aux)),
         };
-        // SAFETY: the descriptor is live; pointer attributes take a device address.
-        unsafe {
-            if let Some(bias) = bias {
-                set(
-                    plan.desc,
-                    A::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    &(bias as *const c_void),
-                )?;
-            }
-            if let Some(aux) = aux {
-                set(
-                    plan.desc,
-                    A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                    &(aux as *const c_void),
-                )?;
+        let attrs = [
+            (A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias),
+            (A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux),
+        ];
+        for (attr, p) in attrs {
+            if let Some(p) = p {
+                // SAFETY: the descriptor is live; pointer attributes take a device address.
+                unsafe { set(plan.desc, attr, &(p as *const c_void))? };
             }
         }
         Ok(())
     }
 
-    /// `D = op(A)·op(B) + β·C` with the epilogue, D in place of C. Ok(false): cuBLASLt has
-    /// no algorithm for this (nothing ran; the caller does it another way).
-    pub(super) fn matmul(&self, mm: Mm, c_f32: bool, beta: f32, epi: Epi) -> Result<bool> {
-        self.matmul_on(mm, c_f32, beta, epi, None)
-    }
-
-    /// [`Lt::matmul`] queued on `side` (with the side workspace, [`Lt::enable_side`]) instead
-    /// of the step's stream; None, or no side workspace: the step's stream. A plan made here
-    /// is still made and tuned on the step's stream, after a device-wide synchronise.
-    pub(super) fn matmul_on(
+    /// `D = op(A)·op(B) + β·C` with the epilogue, D in place of C, queued on `side` (with the
+    /// side workspace, [`Lt::enable_side`]) or, when None or without a side workspace, on the
+    /// step's stream. A plan is made and tuned on the step's stream, after a device-wide
+    /// synchronise. Ok(false): cuBLASLt has no algorithm for this (nothing ran; the caller
+    /// does it another way).
+    pub(super) fn matmul(
         &self,
         mm: Mm,
         c_f32: bool,

@@ -767,9 +767,18 @@ impl GptStep {
     }
 
     /// One linear layer's matmul (bf16 operands, C in fp32 or bf16): cuBLASLt's tuned
-    /// algorithm, or cuBLAS where cuBLASLt has none.
-    fn lin_gemm(&self, name: &'static str, mm: Mm, c_f32: bool, beta: f32) -> Result<()> {
-        if self.lt_matmul(name, mm, c_f32, beta, Epi::None)? {
+    /// algorithm, on `side` if given, or cuBLAS where cuBLASLt has none (on the step's
+    /// stream, which is as well ordered: after the operands are written, before anything
+    /// overwrites them).
+    fn lin_gemm(
+        &self,
+        name: &'static str,
+        mm: Mm,
+        c_f32: bool,
+        beta: f32,
+        side: Option<&Arc<CudaStream>>,
+    ) -> Result<()> {
+        if self.lt_matmul(name, mm, c_f32, beta, Epi::None, side)? {
             return Ok(());
         }
         let m = |o: Operand| mat(o.p, o.ld);
@@ -788,12 +797,12 @@ impl GptStep {
 
     /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
     fn lin_fwd(&self, x: u64, w: u64, y: u64, d: Lin) -> Result<()> {
-        self.lin_gemm("matmul fwd", d.fwd(x, w, y), false, 0.0)
+        self.lin_gemm("matmul fwd", d.fwd(x, w, y), false, 0.0, None)
     }
 
     /// `dx[rows, inp] = dy[rows, out]·w`.
     fn lin_dx(&self, dy: u64, w: u64, dx: u64, d: Lin) -> Result<()> {
-        self.lin_gemm("matmul dgrad", d.dx(dy, w, dx), false, 0.0)
+        self.lin_gemm("matmul dgrad", d.dx(dy, w, dx), false, 0.0, None)
     }
 
     /// `dw[out, inp] += dyᵀ·x` into fp32; the step's first micro-batch overwrites instead
@@ -802,9 +811,7 @@ impl GptStep {
         self.lin_dw_on(None, x, dy, dw, d, first)
     }
 
-    /// [`Self::lin_dw`] queued on `side` when there is one (and cuBLASLt has an algorithm;
-    /// else on the step's stream, which is as well ordered: after the gradient `dy` is
-    /// written, before anything overwrites it).
+    /// [`Self::lin_dw`] queued on `side` when there is one ([`Self::lin_gemm`]).
     fn lin_dw_on(
         &self,
         side: Option<&Arc<CudaStream>>,
@@ -815,18 +822,7 @@ impl GptStep {
         first: bool,
     ) -> Result<()> {
         let beta = if first { 0.0 } else { 1.0 };
-        let mm = d.dw(x, dy, dw);
-        if let (Some(s), Some(lt)) = (side, &self.lt) {
-            let mut done = false;
-            self.timed("matmul wgrad", || {
-                done = lt.matmul_on(mm, true, beta, Epi::None, Some(s))?;
-                Ok(())
-            })?;
-            if done {
-                return Ok(());
-            }
-        }
-        self.lin_gemm("matmul wgrad", mm, true, beta)
+        self.lin_gemm("matmul wgrad", d.dw(x, dy, dw), true, beta, side)
     }
 
     /// The side stream, after it waits for the main stream's work so far ([`Side::fork`]);
@@ -858,7 +854,7 @@ impl GptStep {
         if !self.epilogues {
             return Ok(false);
         }
-        self.lt_matmul(name, mm, c_f32, beta, epi)
+        self.lt_matmul(name, mm, c_f32, beta, epi, None)
     }
 
     /// [`Lt::matmul`], timed under `name`. Ok(false): no cuBLASLt or no algorithm for it.
@@ -869,13 +865,14 @@ impl GptStep {
         c_f32: bool,
         beta: f32,
         epi: Epi,
+        side: Option<&Arc<CudaStream>>,
     ) -> Result<bool> {
         let Some(lt) = &self.lt else {
             return Ok(false);
         };
         let mut done = false;
         self.timed(name, || {
-            done = lt.matmul(mm, c_f32, beta, epi)?;
+            done = lt.matmul(mm, c_f32, beta, epi, side.map(|s| &**s))?;
             Ok(())
         })?;
         Ok(done)
