@@ -1,113 +1,211 @@
-"""PyTorch reference benchmark for cockpit's GPT-2 small training step.
+"""PyTorch reference benchmark for cockpit's training step, built from a cockpit config.
 
-This is the baseline that `cockpit bench configs/gpt2-small.toml` is measured against: the
-same model (GPT-2 small, 124M, tied embeddings, learned positions, LayerNorm with bias, GELU-tanh
-MLP, no dropout), the same init and the same AdamW settings, trained on random token ids that live
-on the GPU, so that only the training step itself (forward, backward, clip, optimizer) is timed.
+This is the baseline that `cockpit bench CONFIG` is measured against: the model the config
+describes (GPT-2 or Llama family: LayerNorm or RMSNorm, GELU-tanh or SwiGLU MLP, biases or not,
+grouped-query attention, learned positions or RoPE, tied or untied head, dropout), cockpit's init
+and AdamW groups, trained on random token ids that live on the GPU, so that only the training step
+itself (forward, backward, clip, optimizer) is timed. Keys the config leaves out take the defaults
+of configs/tiny.toml, and `model.arch = "llama"` its family's defaults, as in cockpit.
 
-Usage (GPU machine with PyTorch 2.x + CUDA, no internet needed):
+Usage (GPU machine with PyTorch 2.5+ + CUDA, no internet needed):
 
-    python3 benches/torch_reference.py --mode compile --json out.json
-    python3 benches/torch_reference.py --mode eager --batch 8 --seq 1024 --dtype bf16
-    python3 benches/torch_reference.py --mode eager-naive --steps 30 --warmup 5
+    python3 benches/torch_reference.py --config configs/gpt2-small.toml --mode compile --json out.json
+    python3 benches/torch_reference.py --config configs/llama-small.toml --mode eager --batch 8
+    python3 benches/torch_reference.py --set model.dropout=0.2 --set model.bias=false --mode compile
 
-Modes: `eager` and `compile` use F.scaled_dot_product_attention(is_causal=True); `compile` wraps
-the model (forward + loss) in torch.compile; `eager-naive` spells attention out as
-softmax(QK^T / sqrt(d) + causal mask) V, the closest analogue of an unfused implementation.
+Modes: `eager` and `compile` use F.scaled_dot_product_attention(is_causal=True, enable_gqa for
+grouped-query attention); `compile` wraps the model (forward + loss) in torch.compile;
+`eager-naive` spells attention out as softmax(QK^T / sqrt(d) + causal mask) V, the closest
+analogue of an unfused implementation.
 """
 
 import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import time
+import tomllib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# configs/gpt2-small.toml
-VOCAB, N_LAYER, N_HEAD, N_EMBD, BLOCK, MLP_RATIO = 50304, 12, 12, 768, 1024, 4
-DATA_VOCAB = 50257  # the builtin corpus draws ids below GPT-2's real vocabulary size
-LR, BETAS, EPS, WD, CLIP, INIT_STD = 6e-4, (0.9, 0.95), 1e-8, 0.1, 1.0, 0.02
+HERE = os.path.dirname(os.path.abspath(__file__))
+CLIP = 1.0
+
+
+def load_config(path, overrides):
+    """The config as cockpit resolves it: tiny.toml's defaults, the file, `--set` overrides,
+    then the arch's family defaults for the model keys left out."""
+    with open(os.path.join(HERE, "..", "configs", "tiny.toml"), "rb") as f:
+        cfg = tomllib.load(f)
+    with open(path, "rb") as f:
+        given = tomllib.load(f)
+    for arg in overrides:
+        key, raw = arg.split("=", 1)
+        section, name = key.strip().split(".", 1)
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        given.setdefault(section, {})[name] = value
+    for section, table in given.items():
+        cfg.setdefault(section, {}).update(table)
+    m = cfg["model"]
+    if m["arch"] == "llama":
+        family = {"norm": "rmsnorm", "pos": "rope", "activation": "swiglu", "bias": False,
+                  "tie_embeddings": False}
+        for k, v in family.items():
+            if k not in given.get("model", {}):
+                m[k] = v
+    return cfg
+
+
+class Norm(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        d, eps = m["n_embd"], m["norm_eps"]
+        if m["norm"] == "rmsnorm":
+            self.norm = nn.RMSNorm(d, eps=eps)
+        else:
+            self.norm = nn.LayerNorm(d, eps=eps, bias=m["bias"])
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def rope_tables(m, t, device):
+    hd = m["n_embd"] // m["n_head"]
+    inv = 1.0 / (m["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None, :]
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().float().to(device), ang.sin().float().to(device)
+
+
+def rotate(x, cos, sin):
+    # the two halves of each head (the Llama/NeoX layout), as cockpit
+    h = x.size(-1) // 2
+    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, naive):
+    def __init__(self, m, naive):
         super().__init__()
-        self.qkv = nn.Linear(N_EMBD, 3 * N_EMBD)
-        self.proj = nn.Linear(N_EMBD, N_EMBD)
+        self.h, self.kv = m["n_head"], m["n_kv_head"] or m["n_head"]
+        self.hd = m["n_embd"] // self.h
+        d, bias = m["n_embd"], m["bias"]
+        self.qkv = nn.Linear(d, (self.h + 2 * self.kv) * self.hd, bias=bias)
+        self.proj = nn.Linear(d, d, bias=bias)
         self.proj.residual = True
-        self.naive = naive
+        self.naive, self.p = naive, m["dropout"]
 
-    def forward(self, x):
+    def forward(self, x, rope):
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, N_HEAD, c // N_HEAD).transpose(1, 2) for z in (q, k, v))
+        q, k, v = self.qkv(x).split([self.h * self.hd, self.kv * self.hd, self.kv * self.hd], 2)
+        q = q.view(b, t, self.h, self.hd).transpose(1, 2)
+        k = k.view(b, t, self.kv, self.hd).transpose(1, 2)
+        v = v.view(b, t, self.kv, self.hd).transpose(1, 2)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        p = self.p if self.training else 0.0
         if self.naive:
+            if self.kv != self.h:
+                k = k.repeat_interleave(self.h // self.kv, dim=1)
+                v = v.repeat_interleave(self.h // self.kv, dim=1)
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            att = F.dropout(att.masked_fill(~mask, float("-inf")).softmax(dim=-1), p)
             y = att @ v
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               enable_gqa=self.kv != self.h)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class Block(nn.Module):
-    def __init__(self, naive):
+    def __init__(self, m, naive):
         super().__init__()
-        self.ln1 = nn.LayerNorm(N_EMBD, eps=1e-5)
-        self.attn = Attention(naive)
-        self.ln2 = nn.LayerNorm(N_EMBD, eps=1e-5)
-        self.up = nn.Linear(N_EMBD, MLP_RATIO * N_EMBD)
-        self.down = nn.Linear(MLP_RATIO * N_EMBD, N_EMBD)
+        d, bias = m["n_embd"], m["bias"]
+        hidden = max(1, round(d * m["mlp_ratio"]))
+        self.ln1, self.ln2 = Norm(m), Norm(m)
+        self.attn = Attention(m, naive)
+        self.swiglu = m["activation"] == "swiglu"
+        # SwiGLU: gate and up as one matmul (as cockpit's fast step does)
+        self.up = nn.Linear(d, (2 if self.swiglu else 1) * hidden, bias=bias)
+        self.down = nn.Linear(hidden, d, bias=bias)
         self.down.residual = True
+        self.drop = nn.Dropout(m["dropout"])
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.down(F.gelu(self.up(self.ln2(x)), approximate="tanh"))
+    def forward(self, x, rope):
+        x = x + self.drop(self.attn(self.ln1(x), rope))
+        u = self.up(self.ln2(x))
+        if self.swiglu:
+            g, u = u.chunk(2, dim=-1)
+            a = F.silu(g) * u
+        else:
+            a = F.gelu(u, approximate="tanh")
+        return x + self.drop(self.down(a))
 
 
 class GPT(nn.Module):
-    def __init__(self, naive=False):
+    def __init__(self, m, vocab, naive=False):
         super().__init__()
-        self.wte = nn.Embedding(VOCAB, N_EMBD)
-        self.wpe = nn.Embedding(BLOCK, N_EMBD)
-        self.blocks = nn.ModuleList(Block(naive) for _ in range(N_LAYER))
-        self.ln_f = nn.LayerNorm(N_EMBD, eps=1e-5)
-        self.head = nn.Linear(N_EMBD, VOCAB, bias=False)
-        self.head.weight = self.wte.weight  # tied: one tensor, counted once by parameters()
-        resid_std = INIT_STD / math.sqrt(2 * N_LAYER)
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)) and m is not self.head:
-                std = resid_std if getattr(m, "residual", False) else INIT_STD
-                nn.init.normal_(m.weight, mean=0.0, std=std)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
+        d, std = m["n_embd"], m["init_std"]
+        self.m, self.vocab = m, vocab
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(m["seq_len"], d) if m["pos"] == "learned" else None
+        self.blocks = nn.ModuleList(Block(m, naive) for _ in range(m["n_layer"]))
+        self.ln_f = Norm(m)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.drop = nn.Dropout(m["dropout"])
+        if m["tie_embeddings"]:
+            self.head.weight = self.wte.weight  # tied: one tensor, counted once by parameters()
+        resid_std = std / math.sqrt(2 * m["n_layer"])
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                if mod is self.head and m["tie_embeddings"]:
+                    continue
+                s = resid_std if getattr(mod, "residual", False) else std
+                s = s / 2 if mod is self.wpe else s
+                nn.init.normal_(mod.weight, mean=0.0, std=s)
+                if getattr(mod, "bias", None) is not None:
+                    nn.init.zeros_(mod.bias)
+        self.rope = None
 
     def forward(self, idx, targets):
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        t = idx.size(1)
+        x = self.wte(idx)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(t, device=idx.device))
+        else:
+            if self.rope is None or self.rope[0].size(0) < t:
+                self.rope = rope_tables(self.m, t, idx.device)
+            rope = (self.rope[0][:t], self.rope[1][:t])
+        x = self.drop(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rope)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, self.vocab), targets.view(-1))
 
 
-def make_optimizer(model):
+def make_optimizer(model, o):
     # Decay only the Linear weight matrices, as cockpit does by default (Matrix params decay;
     # embeddings, norms and biases do not: optim.decay_embeddings = false). The tied wte/head
-    # tensor is an embedding, so it is not decayed.
-    emb = {id(model.wte.weight), id(model.wpe.weight)}
+    # tensor is an embedding, so it is not decayed; an untied head is a matrix and is.
+    emb = {id(model.wte.weight)} | ({id(model.wpe.weight)} if model.wpe is not None else set())
     decay = [p for p in model.parameters() if p.dim() == 2 and id(p) not in emb]
     rest = [p for p in model.parameters() if p.dim() != 2 or id(p) in emb]
-    groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": o["weight_decay"]},
+              {"params": rest, "weight_decay": 0.0}]
+    kw = dict(lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"])
     try:
-        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
+        return torch.optim.AdamW(groups, fused=True, **kw)
     except (TypeError, RuntimeError):
-        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+        return torch.optim.AdamW(groups, **kw)
 
 
 def peak_flops(name, dtype):
@@ -126,17 +224,27 @@ def peak_flops(name, dtype):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=os.path.join(HERE, "..", "configs", "gpt2-small.toml"))
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config key, as cockpit's --set")
     ap.add_argument("--mode", choices=["eager", "compile", "eager-naive"], default="eager")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=None, help="default: optim.micro_batch")
+    ap.add_argument("--seq", type=int, default=None, help="default: model.seq_len")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--json", default=None, help="write the results as a JSON object here")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
-    assert 1 <= args.seq <= BLOCK, f"--seq must be in 1..{BLOCK}"
+    cfg = load_config(args.config, args.set)
+    m = cfg["model"]
+    args.batch = args.batch or cfg["optim"]["micro_batch"]
+    args.seq = args.seq or m["seq_len"]
+    assert 1 <= args.seq <= m["seq_len"], f"--seq must be in 1..{m['seq_len']}"
     assert args.steps >= 2, "--steps must be at least 2"
+    assert cfg["data"]["source"] == "builtin", "the reference draws random ids: builtin data only"
+    data_vocab = cfg["data"]["builtin_vocab"]
+    vocab = m["vocab_size"] or data_vocab
 
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -144,9 +252,9 @@ def main():
     dev = torch.device("cuda")
     b, t = args.batch, args.seq
 
-    model = GPT(naive=args.mode == "eager-naive").to(dev)
+    model = GPT(m, vocab, naive=args.mode == "eager-naive").to(dev)
     n_params = sum(p.numel() for p in model.parameters())  # shared wte/head counted once
-    opt = make_optimizer(model)
+    opt = make_optimizer(model, cfg["optim"])
     step_model = torch.compile(model) if args.mode == "compile" else model
     if args.dtype == "bf16":
         autocast = lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)
@@ -155,7 +263,7 @@ def main():
 
     # All tokens generated once on the GPU; each step takes a fresh contiguous slice.
     total = args.warmup + args.steps
-    tokens = torch.randint(0, DATA_VOCAB, (total * b * t + 1,), device=dev)
+    tokens = torch.randint(0, data_vocab, (total * b * t + 1,), device=dev)
 
     def batch(i):
         s = i * b * t
@@ -193,7 +301,11 @@ def main():
     # PaLM-style FLOPs per token: 6N for the weight matmuls (fwd + bwd) plus 12·L·d·T for the
     # attention scores and values. The causal half is NOT discounted (as in PaLM / nanoGPT), so
     # this matches the convention cockpit's bench reports, not the FLOPs actually executed.
-    flops_per_token = 6 * n_params + 12 * N_LAYER * N_EMBD * t
+    # (cockpit counts the matmul weights and a tied head once more as the head's matmul.)
+    mats = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n
+               and "wte" not in n)
+    head = vocab * m["n_embd"] if m["tie_embeddings"] else 0
+    flops_per_token = 6 * (mats + head) + 12 * m["n_layer"] * m["n_embd"] * t
     name = torch.cuda.get_device_name(dev)
     peak = peak_flops(name, args.dtype)
     if peak is None:
@@ -202,6 +314,7 @@ def main():
     peak_mem = torch.cuda.max_memory_allocated(dev) / 1e9
 
     system = f"torch-{args.mode}"
+    print(f"model: {os.path.basename(args.config)} {' '.join(args.set)} | {n_params / 1e6:.1f}M params")
     mfu_s = f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a"
     print(
         f"{system} | {1e3 * median:.1f} ms/step | {tok_s / 1e3:.0f}k tok/s | {mfu_s} | "

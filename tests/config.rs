@@ -26,7 +26,7 @@ fn every_valid_config_loads() {
 
 #[test]
 fn shipped_configs_load() {
-    for name in ["tiny.toml", "gpt2-small.toml"] {
+    for name in ["tiny.toml", "gpt2-small.toml", "llama-small.toml"] {
         let path = Path::new("configs").join(name);
         config::load(Some(&path), &[]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     }
@@ -84,4 +84,37 @@ fn all_semantic_problems_are_reported_at_once() {
         err.contains("x.toml: optim.lr = 0: must be a positive number"),
         "{err}"
     );
+}
+
+#[test]
+fn llama_arch_sets_the_family_defaults_and_explicit_keys_win() {
+    use cockpit::config::{Activation, Norm, PosEncoding};
+    let load = |text: &str| config::from_str(text, "t.toml", Path::new("."), &[]).unwrap().config;
+    let c = load("[model]\narch = \"llama\"\n");
+    assert_eq!(c.model.norm, Norm::RmsNorm);
+    assert_eq!(c.model.pos, PosEncoding::Rope);
+    assert_eq!(c.model.activation, Activation::SwiGlu);
+    assert!(!c.model.bias && !c.model.tie_embeddings);
+    assert!(c.model.arch_notes.is_empty());
+    // An explicit key wins, and the header's notes say so.
+    let c = load("[model]\narch = \"llama\"\ntie_embeddings = true\nnorm = \"layernorm\"\n");
+    assert!(c.model.tie_embeddings);
+    assert_eq!(c.model.norm, Norm::LayerNorm);
+    assert_eq!(c.model.activation, Activation::SwiGlu);
+    assert_eq!(c.model.arch_notes.len(), 2, "{:?}", c.model.arch_notes);
+    assert!(c.model.arch_notes[0].contains("norm = layernorm"));
+    // --set counts as explicit too.
+    let c = config::from_str(
+        "[model]\narch = \"llama\"\n",
+        "t.toml",
+        Path::new("."),
+        &["model.bias=true".into()],
+    )
+    .unwrap()
+    .config;
+    assert!(c.model.bias);
+    // The default arch changes nothing.
+    let c = load("[model]\narch = \"gpt\"\n");
+    assert_eq!(c.model.norm, Norm::LayerNorm);
+    assert!(c.model.bias);
 }

@@ -137,6 +137,7 @@ pub fn from_str(
         }])
     })?;
     let mut config = config;
+    apply_arch_defaults(&mut config, &table);
     resolve_paths(&mut config, base_dir);
     let issues = validate::validate(&config, origin);
     if !issues.is_empty() {
@@ -270,6 +271,45 @@ fn humanize_serde(msg: &str) -> String {
         }
     }
     rust_types(&clean(msg))
+}
+
+/// `model.arch` sets its family's defaults for the keys the config (file or `--set`) leaves
+/// out; a key given explicitly wins, and `model.arch_notes` records where it differs from the
+/// family's default (the run header shows it).
+fn apply_arch_defaults(c: &mut Config, table: &toml::Table) {
+    let m = &mut c.model;
+    m.arch_notes.clear();
+    let family = match m.arch {
+        Arch::Gpt => return,
+        Arch::Llama => ModelConfig::llama_family(),
+    };
+    let given = |key: &str| lookup(table, &format!("model.{key}")).is_some();
+    let mut notes = Vec::new();
+    family_key(given("norm"), "norm", &mut m.norm, family.norm, &mut notes);
+    family_key(given("pos"), "pos", &mut m.pos, family.pos, &mut notes);
+    let act = family.activation;
+    family_key(given("activation"), "activation", &mut m.activation, act, &mut notes);
+    family_key(given("bias"), "bias", &mut m.bias, family.bias, &mut notes);
+    let tie = family.tie_embeddings;
+    family_key(given("tie_embeddings"), "tie_embeddings", &mut m.tie_embeddings, tie, &mut notes);
+    m.arch_notes = notes;
+}
+
+/// One family default: taken when the key was not given, else noted where the given value
+/// differs from it.
+fn family_key<T: PartialEq + Copy + fmt::Debug>(
+    given: bool,
+    key: &str,
+    value: &mut T,
+    default: T,
+    notes: &mut Vec<String>,
+) {
+    if !given {
+        *value = default;
+    } else if *value != default {
+        let show = |v: &T| format!("{v:?}").to_lowercase();
+        notes.push(format!("{key} = {} (family default {})", show(value), show(&default)));
+    }
 }
 
 /// Make data and model paths absolute against the config file's directory.

@@ -110,6 +110,26 @@ pub struct ModelConfig {
     pub bias: bool,
     /// Std of the normal init (GPT-2: 0.02; residual projections are scaled by 1/sqrt(2·n_layer)).
     pub init_std: f64,
+    /// Keys given explicitly that differ from `arch`'s family defaults (filled at load, shown
+    /// in the run header; not a config key).
+    #[serde(skip)]
+    pub arch_notes: Vec<String>,
+}
+
+impl ModelConfig {
+    /// The Llama family's defaults for the keys `arch = "llama"` decides: RMSNorm, RoPE,
+    /// SwiGLU, no biases, an untied head.
+    pub fn llama_family() -> Self {
+        Self {
+            arch: Arch::Llama,
+            norm: Norm::RmsNorm,
+            pos: PosEncoding::Rope,
+            activation: Activation::SwiGlu,
+            bias: false,
+            tie_embeddings: false,
+            ..Self::default()
+        }
+    }
 }
 
 impl Default for ModelConfig {
@@ -132,6 +152,7 @@ impl Default for ModelConfig {
             dropout: 0.0,
             bias: true,
             init_std: 0.02,
+            arch_notes: Vec::new(),
         }
     }
 }

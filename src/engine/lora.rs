@@ -97,6 +97,7 @@ pub fn load_hf_llama(dir: &Path, seq_len: usize, device: &Device) -> Result<Base
         dropout: 0.0,
         bias: false,
         init_std: 0.02,
+        arch_notes: Vec::new(),
     };
     let description = format!(
         "Hugging Face Llama {} ({} files)",

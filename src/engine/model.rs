@@ -223,18 +223,41 @@ impl Init<'_> {
     }
 }
 
-/// A GPT-2 style model's weights for the whole-model CUDA step ([`Model::step_weights`]).
-/// Each layer: ln1 w, b; q, k, v weights; q, k, v biases; o w, b; ln2 w, b; up w, b;
-/// down w, b — so q|k|v sit next to each other in the step's flat buffers.
+/// A weight and its optional bias (linear layers and norms) for the whole-model step.
+pub type WeightBias = (Var, Option<Var>);
+
+/// One transformer block's weights for the whole-model step.
+#[derive(Clone, Debug)]
+pub struct StepLayer {
+    pub ln1: WeightBias,
+    pub q: WeightBias,
+    pub k: WeightBias,
+    pub v: WeightBias,
+    pub o: WeightBias,
+    pub ln2: WeightBias,
+    /// SwiGLU's gate projection (None: a GELU MLP).
+    pub gate: Option<WeightBias>,
+    pub up: WeightBias,
+    pub down: WeightBias,
+}
+
+/// A model's weights and shape for the whole-model CUDA step ([`Model::step_weights`]): any
+/// family the [`Shape`] describes — LayerNorm or RMSNorm, GELU or SwiGLU, biases or none,
+/// multi-head or grouped-query attention, learned positions or RoPE, tied or untied head.
 #[derive(Clone, Debug)]
 pub struct StepWeights {
     pub wte: Var,
     /// Learned positions, or None with RoPE.
     pub wpe: Option<Var>,
-    pub rope_theta: Option<f64>,
+    /// RoPE's inverse frequencies per rotated pair (head_dim / 2), None with learned positions.
+    pub rope_inv_freq: Option<Vec<f64>>,
     pub n_head: usize,
+    pub n_kv_head: usize,
     pub seq_len: usize,
-    /// Causal flash attention (head dim 64); otherwise the probabilities are materialised.
+    /// RMSNorm (else LayerNorm).
+    pub rms: bool,
+    /// Causal flash attention (head dim 64); otherwise the probabilities are materialised
+    /// (multi-head attention only).
     pub flash: bool,
     /// Bias, GELU and bias gradients fused into the matmuls (cuBLASLt epilogues); otherwise
     /// separate kernels.
@@ -245,8 +268,8 @@ pub struct StepWeights {
     pub graphs: bool,
     /// Weight gradients and bias sums on a second stream in the backward.
     pub overlap: bool,
-    pub layers: Vec<[Var; 16]>,
-    pub ln_f: [Var; 2],
+    pub layers: Vec<StepLayer>,
+    pub ln_f: WeightBias,
     /// The untied LM head, or None when it is `wte`.
     pub head: Option<Var>,
     pub eps: f64,
@@ -380,7 +403,7 @@ impl Model {
             .collect();
         let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)?;
         let rope = match s.pos {
-            PosEncoding::Rope => Some(rope_tables(t, hd, s.rope_theta, dtype, device)?),
+            PosEncoding::Rope => Some(rope_tables(t, &rope_inv_freq(s), dtype, device)?),
             PosEncoding::Learned => None,
         };
         Ok(Self {
@@ -814,57 +837,59 @@ impl Model {
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
     }
 
-    /// The weights in the whole-model CUDA step's order, when this model is one it runs:
-    /// GPT-2 style (LayerNorm with biases, GELU, biases on every linear layer, full
-    /// multi-head attention; learned positions or RoPE; widths multiples of 8 for 16-byte
-    /// accesses), bf16 on CUDA, no LoRA, no dropout, all trainable.
+    /// The weights for the whole-model CUDA step, when this model is one it runs: bf16 on
+    /// CUDA, no LoRA, no dropout, all trainable, widths multiples of 8 (16-byte accesses),
+    /// an even head dim; grouped-query attention needs flash attention (head dim 64).
     pub fn step_weights(&self) -> Option<StepWeights> {
         let s = &self.shape;
+        let hd = s.head_dim();
+        let flash = s.kernels.attention && hd == 64;
         let fits = s.kernels.step
             && self.dtype == DType::BF16
             && self.device.is_cuda()
-            && s.norm == Norm::LayerNorm
-            && s.activation == Activation::Gelu
-            && s.bias
-            && s.n_kv_head == s.n_head
             && s.n_embd.is_multiple_of(8)
-            && s.head_dim().is_multiple_of(2)
+            && hd.is_multiple_of(2)
             && s.hidden.is_multiple_of(8)
+            && s.n_kv_head > 0
+            && s.n_head.is_multiple_of(s.n_kv_head)
+            && (s.n_kv_head == s.n_head || flash)
             && s.dropout <= 0.0
             && self.params.iter().all(|p| p.trainable && !p.kind.is_lora());
         if !fits {
             return None;
         }
-        let norm = |n: &NormLayer| Some([n.w.clone(), n.b.clone()?]);
-        let lin = |l: &Linear| Some([l.w.clone(), l.b.clone()?]);
-        let mut layers = Vec::with_capacity(self.blocks.len());
-        for b in &self.blocks {
-            let [ln1_w, ln1_b] = norm(&b.ln1)?;
-            let [q_w, q_b] = lin(&b.q)?;
-            let [k_w, k_b] = lin(&b.k)?;
-            let [v_w, v_b] = lin(&b.v)?;
-            let [o_w, o_b] = lin(&b.o)?;
-            let [ln2_w, ln2_b] = norm(&b.ln2)?;
-            let [up_w, up_b] = lin(&b.up)?;
-            let [down_w, down_b] = lin(&b.down)?;
-            layers.push([
-                ln1_w, ln1_b, q_w, k_w, v_w, q_b, k_b, v_b, o_w, o_b, ln2_w, ln2_b, up_w, up_b,
-                down_w, down_b,
-            ]);
-        }
+        let norm = |n: &NormLayer| (n.w.clone(), n.b.clone());
+        let lin = |l: &Linear| (l.w.clone(), l.b.clone());
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| StepLayer {
+                ln1: norm(&b.ln1),
+                q: lin(&b.q),
+                k: lin(&b.k),
+                v: lin(&b.v),
+                o: lin(&b.o),
+                ln2: norm(&b.ln2),
+                gate: b.gate.as_ref().map(lin),
+                up: lin(&b.up),
+                down: lin(&b.down),
+            })
+            .collect();
         Some(StepWeights {
             wte: self.wte.clone(),
             wpe: self.wpe.clone(),
-            rope_theta: (s.pos == PosEncoding::Rope).then_some(s.rope_theta),
+            rope_inv_freq: (s.pos == PosEncoding::Rope).then(|| rope_inv_freq(s)),
             n_head: s.n_head,
+            n_kv_head: s.n_kv_head,
             seq_len: s.seq_len,
-            flash: s.kernels.attention && s.head_dim() == 64,
+            rms: s.norm == Norm::RmsNorm,
+            flash,
             epilogues: s.kernels.bias_gelu,
             autotune: s.kernels.autotune,
             graphs: s.kernels.graphs,
             overlap: s.kernels.overlap,
             layers,
-            ln_f: norm(&self.ln_f)?,
+            ln_f: norm(&self.ln_f),
             head: self.lm_head.clone(),
             eps: s.norm_eps,
         })
@@ -909,20 +934,28 @@ impl Model {
     }
 }
 
+/// RoPE's inverse frequencies `θ^(−2j/hd)` for the `hd/2` rotated pairs of a head: the one
+/// definition the candle model's tables and the whole-model step's kernel both use.
+pub fn rope_inv_freq(shape: &Shape) -> Vec<f64> {
+    let hd = shape.head_dim();
+    (0..hd / 2)
+        .map(|j| 1.0 / shape.rope_theta.powf((2 * j) as f64 / hd as f64))
+        .collect()
+}
+
 fn rope_tables(
     t: usize,
-    hd: usize,
-    theta: f64,
+    inv_freq: &[f64],
     dtype: DType,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let half = hd / 2;
+    let half = inv_freq.len();
+    let hd = 2 * half;
     let mut cos = Vec::with_capacity(t * hd);
     let mut sin = Vec::with_capacity(t * hd);
     for pos in 0..t {
         for j in 0..hd {
-            let freq = 1.0 / theta.powf((2 * (j % half)) as f64 / hd as f64);
-            let a = pos as f64 * freq;
+            let a = pos as f64 * inv_freq[j % half];
             cos.push(a.cos() as f32);
             sin.push(a.sin() as f32);
         }

@@ -608,8 +608,8 @@ impl Trainer {
             scu_enabled: c.scu.enabled,
             scu_target: self.scu.target,
             summary: format!(
-                "{:?} {}L {}H d{} T{} vocab {} | {} | AdamW lr {:.1e} {:?} | {}",
-                c.model.arch,
+                "{} {}L {}H d{} T{} vocab {} | {} | AdamW lr {:.1e} {:?} | {}",
+                family(&c.model, s),
                 s.n_layer,
                 s.n_head,
                 s.n_embd,
@@ -914,6 +914,31 @@ struct Reduced {
     ranks: Vec<RankStat>,
     /// What the gradients still need multiplying by: 1/world where they hold the ranks' sum.
     grad_scale: f64,
+}
+
+/// The resolved model family for the run header: the arch, what it resolved to, and any
+/// explicit key that overrode the family's default.
+fn family(m: &crate::config::ModelConfig, s: &super::model::Shape) -> String {
+    let kv = if s.n_kv_head == s.n_head {
+        String::new()
+    } else {
+        format!(" GQA {}/{}", s.n_head, s.n_kv_head)
+    };
+    let mut out = format!(
+        "{:?} ({:?} {:?} {:?}{}{}{})",
+        m.arch,
+        s.norm,
+        s.pos,
+        s.activation,
+        if s.bias { " bias" } else { " no-bias" },
+        if s.tie_embeddings { " tied" } else { " untied" },
+        kv,
+    )
+    .to_lowercase();
+    if !m.arch_notes.is_empty() {
+        out.push_str(&format!(" [{}]", m.arch_notes.join(", ")));
+    }
+    out
 }
 
 fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {

@@ -4,14 +4,17 @@
 //
 // ============================== LAUNCH CONTRACT ==============================================
 // D = 64 is fixed (FA_D). scale = 1/sqrt(64) is passed in. T may be any value >= 1.
+// Grouped-query attention: H query heads share KVH key/value heads (KVH divides H; query head h
+// reads key/value head h / (H / KVH)); KVH = H is plain multi-head attention.
 // Layouts (row-major, contiguous):
-//   qkv  [B, T, 3, H, 64] bf16     o, dout [B, T, H, 64] bf16     lse [B, H, T] f32 (natural log)
-//   dqkv [B, T, 3, H, 64] bf16 (every element written by the backward)
+//   qkv  [B, T, H + 2·KVH, 64] bf16 (q heads, then k heads, then v heads)
+//   o, dout [B, T, H, 64] bf16     lse [B, H, T] f32 (natural log)
+//   dqkv like qkv (every element written by the backward)
 // Let NB = ceil(T / 64). All kernels use STATIC shared memory only (<= 48 KB):
 // dynamic shared memory bytes = 0 everywhere, no cuFuncSetAttribute needed.
 //
 // FORWARD (one launch):
-//   flash_fwd_bf16(const bf16* qkv, bf16* o, float* lse, int B, int T, int H, float scale)
+//   flash_fwd_bf16(const bf16* qkv, bf16* o, float* lse, int B, int T, int H, int KVH, float scale)
 //     grid = (B*H, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
 //
 // BACKWARD (three launches, in this order, same stream):
@@ -23,12 +26,13 @@
 //        grid = (ceil(B*T*H / 32), 1, 1), block = (256, 1, 1), dynamic smem = 0
 //        delta = rowsum(o * dout); zeroes dq_acc.
 //   2. flash_bwd_bf16(const bf16* qkv, const bf16* dout, const float* lse, const float* delta,
-//                     float* dq_acc, bf16* dqkv, int B, int T, int H, float scale)
-//        grid = (B*H, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
-//        parallel over key blocks of 64; writes dk, dv into dqkv; dq accumulated by fp32 atomics
-//        into dq_acc. (This is the default build, FA_BWD_NW = 4. Built with -DFA_BWD_NW=8 the
+//                     float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH, float scale)
+//        grid = (B*KVH, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
+//        parallel over key blocks of 64 of one key/value head, looping over the H/KVH query
+//        heads that share it (dk, dv summed in registers, no atomics); writes dk, dv into dqkv;
+//        dq accumulated by fp32 atomics into dq_acc. (This is the default build, FA_BWD_NW = 4. Built with -DFA_BWD_NW=8 the
 //        contract becomes grid = (B*H, ceil(T/128), 1), block = (256, 1, 1), static smem 48 KB.)
-//   3. flash_bwd_dq_convert_bf16(const float* dq_acc, bf16* dqkv, int B, int T, int H,
+//   3. flash_bwd_dq_convert_bf16(const float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH,
 //                                float scale)
 //        grid = (ceil(B*T*H*16 / 256), 1, 1), block = (256, 1, 1), dynamic smem = 0
 //        dq = scale * dq_acc -> bf16 into the q slot of dqkv.
@@ -149,7 +153,7 @@ __device__ __forceinline__ void fa_ldA_t(uint32_t s, int m0, int k0, int lane, u
 // skipped. Heavy (late) query blocks are scheduled first.
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 4)
 flash_fwd_bf16(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
-               float* __restrict__ lse, int B, int T, int H, float scale) {
+               float* __restrict__ lse, int B, int T, int H, int KVH, float scale) {
     __shared__ __align__(128) __nv_bfloat16 sQ[FA_BM * FA_D];
     __shared__ __align__(128) __nv_bfloat16 sK[2][FA_BN * FA_D];
     __shared__ __align__(128) __nv_bfloat16 sV[2][FA_BN * FA_D];
@@ -158,10 +162,11 @@ flash_fwd_bf16(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict_
     const int g = lane >> 2, t4 = lane & 3;
     const int qb = gridDim.y - 1 - blockIdx.y;  // heaviest query blocks first
     const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int HD = H * FA_D, ld = 3 * HD;
+    const int HD = H * FA_D, KD = KVH * FA_D, ld = HD + 2 * KD;
+    const int kvh = h / (H / KVH);
     const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * FA_D;
-    const __nv_bfloat16* kg = qg + HD;
-    const __nv_bfloat16* vg = qg + 2 * HD;
+    const __nv_bfloat16* kg = qkv + (size_t)b * T * ld + HD + kvh * FA_D;
+    const __nv_bfloat16* vg = kg + KD;
     const int q0 = qb * FA_BM;
     const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK[0]), sVa = fa_smem_u32(sV[0]);
     const uint32_t TILE = FA_BN * FA_D * 2;
@@ -411,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(FA_BWD_THREADS, (FA_BWD_NW == 8 ? 1
 flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta,
                float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, int H,
-               float scale) {
+               int KVH, float scale) {
     constexpr int BN = FA_BWD_BN, NT = FA_BWD_THREADS;
     constexpr int DQN = FA_BWD_DQN, DQNT = FA_BWD_DQNT, NKC = BN / 16, DQMT = FA_BWD_DQMT;
     constexpr int DQR = DQMT * 16;  // dQ rows per warp
@@ -423,15 +428,15 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
     const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
     const int k0 = kblk * BN;
     const int i0 = k0 / FA_BM;    // first query tile that sees these keys
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int HD = H * FA_D, ld = 3 * HD;
-    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * FA_D;
-    const __nv_bfloat16* kg = qg + HD;
-    const __nv_bfloat16* vg = qg + 2 * HD;
-    const __nv_bfloat16* dog = dout + (size_t)b * T * HD + h * FA_D;
-    const float* lseg = lse + (size_t)bh * T;
-    const float* dlg = delta + (size_t)bh * T;
+    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
+    const int HD = H * FA_D, KD = KVH * FA_D, ld = HD + 2 * KD;
+    const int rep = H / KVH, h0 = kvh * rep;  // the query heads that share this key/value head
+    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
+    const __nv_bfloat16* kg = qkv_b + HD + kvh * FA_D;
+    const __nv_bfloat16* vg = kg + KD;
+    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
     const int nq = (T + FA_BM - 1) / FA_BM;
+    const int ntile = nq - k0 / FA_BM;  // query tiles per query head
     const float L2E = 1.4426950408889634f;
     const float sl2 = scale * L2E;
 
@@ -441,8 +446,8 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
     // prologue: K -> sdS, V -> buffer 1 (BN rows), Q and dO of the first tile -> buffer 0
     fa_load_rows<BN, NT>(sdSa, kg, ld, k0, T, tid);
     fa_load_rows<BN, NT>(sbase + BUF, vg, ld, k0, T, tid);
-    fa_load_rows<FA_BM, NT>(sbase, qg, ld, i0 * FA_BM, T, tid);
-    fa_load_rows<FA_BM, NT>(sbase + DOFF, dog, HD, i0 * FA_BM, T, tid);
+    fa_load_rows<FA_BM, NT>(sbase, qkv_b + h0 * FA_D, ld, i0 * FA_BM, T, tid);
+    fa_load_rows<FA_BM, NT>(sbase + DOFF, dout_b + h0 * FA_D, HD, i0 * FA_BM, T, tid);
     fa_cp_commit();
     fa_cp_wait_all();
     __syncthreads();
@@ -482,15 +487,21 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
     const int kr0 = wk0 + g, kr1 = kr0 + 8;       // keys of this thread's accumulator rows
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8; // ... local rows
 
-    for (int i = i0; i < nq; ++i) {
-        const int bsel = (i - i0) & 1;
+    // (query head, query tile) pairs in order: the tiles of head h0, then of h0 + 1, ...
+    for (int it = 0; it < rep * ntile; ++it) {
+        const int hq = it / ntile, i = i0 + (it - hq * ntile);
+        const int h = h0 + hq;
+        const float* lseg = lse + ((size_t)b * H + h) * T;
+        const float* dlg = delta + ((size_t)b * H + h) * T;
+        const int bsel = it & 1;
         const uint32_t sQa = sbase + bsel * BUF, sdOa = sQa + DOFF;
         fa_cp_wait_all();
         __syncthreads();  // tile i landed; everybody is done with tile i-1 (its buffer and sdS)
-        if (i + 1 < nq) {
+        if (it + 1 < rep * ntile) {
+            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
             const uint32_t nb = sbase + (bsel ^ 1) * BUF;
-            fa_load_rows<FA_BM, NT>(nb, qg, ld, (i + 1) * FA_BM, T, tid);
-            fa_load_rows<FA_BM, NT>(nb + DOFF, dog, HD, (i + 1) * FA_BM, T, tid);
+            fa_load_rows<FA_BM, NT>(nb, qkv_b + (h0 + hn) * FA_D, ld, in * FA_BM, T, tid);
+            fa_load_rows<FA_BM, NT>(nb + DOFF, dout_b + (h0 + hn) * FA_D, HD, in * FA_BM, T, tid);
             fa_cp_commit();
         }
         const int q0 = i * FA_BM;
@@ -675,10 +686,10 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
         const int r = idx >> 3, c = idx & 7;
         const int key = wk0 + r;
         if (key < T) {
-            __nv_bfloat16* dst = dqkv + ((size_t)b * T + key) * ld + h * FA_D + c * 8;
-            *reinterpret_cast<uint4*>(dst + HD) =
+            __nv_bfloat16* dst = dqkv + ((size_t)b * T + key) * ld + HD + kvh * FA_D + c * 8;
+            *reinterpret_cast<uint4*>(dst) =
                 *reinterpret_cast<const uint4*>(sKc + fa_swz(warp * 16 + r, c * 8));
-            *reinterpret_cast<uint4*>(dst + 2 * HD) =
+            *reinterpret_cast<uint4*>(dst + KD) =
                 *reinterpret_cast<const uint4*>(sVc + fa_swz(warp * 16 + r, c * 8));
         }
     }
@@ -688,7 +699,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
 // Backward 3: dq = scale * dq_acc -> bf16 into the q slot of dqkv. 4 elements per thread.
 extern "C" __global__ void __launch_bounds__(256)
 flash_bwd_dq_convert_bf16(const float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B,
-                          int T, int H, float scale) {
+                          int T, int H, int KVH, float scale) {
     const int n4 = B * T * H * (FA_D / 4);
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n4) return;
@@ -699,7 +710,7 @@ flash_bwd_dq_convert_bf16(const float* __restrict__ dq_acc, __nv_bfloat16* __res
     uint2 out;
     out.x = fa_pack(v.x * scale, v.y * scale);
     out.y = fa_pack(v.z * scale, v.w * scale);
-    *reinterpret_cast<uint2*>(dqkv + (size_t)bt * 3 * H * FA_D + h * FA_D + d) = out;
+    *reinterpret_cast<uint2*>(dqkv + (size_t)bt * (H + 2 * KVH) * FA_D + h * FA_D + d) = out;
 }
 
 #endif  // COCKPIT_FLASH_CU

@@ -193,7 +193,7 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
             const int j = lane + 32 * k;
             if (j < d) {
                 atomicAdd(&sh[j], aw[k]);
-                if (!rms) atomicAdd(&sh[d + j], ab[k]);
+                if (!rms && db != nullptr) atomicAdd(&sh[d + j], ab[k]);
             }
         }
     } else {
@@ -212,7 +212,7 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
                 a += g;
                 c += g * xh;
                 atomicAdd(&sh[j], dyv * xh);
-                if (!rms) atomicAdd(&sh[d + j], dyv);
+                if (!rms && db != nullptr) atomicAdd(&sh[d + j], dyv);
             }
             a = rms ? 0.f : warp_sum(a) / d;
             c = warp_sum(c) / d;
@@ -227,7 +227,7 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
     __syncthreads();
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
         atomicAdd(&dw[j], sh[j]);
-        if (!rms) atomicAdd(&db[j], sh[d + j]);
+        if (!rms && db != nullptr) atomicAdd(&db[j], sh[d + j]);
     }
 }
 
@@ -700,15 +700,17 @@ extern "C" __global__ void embed_fwd_bf16(const uint32_t* __restrict__ ids,
     }
 }
 
-// The residual add fused with the next LayerNorm: res = x + y + bias (y null: res is x itself,
-// nothing written), out = LayerNorm(res)·w + b. One warp per row; the statistics are taken
-// from the stored bf16 residual, as the backward recomputes them.
+// The residual add fused with the next norm: res = x + y + bias (y null: res is x itself,
+// nothing written; bias may be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm, no
+// mean). One warp per row; the statistics are taken from the stored bf16 residual, as the
+// backward recomputes them.
 extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
                                               const bf16_t* __restrict__ y,
                                               const bf16_t* __restrict__ bias, bf16_t* res,
                                               const bf16_t* __restrict__ w,
                                               const bf16_t* __restrict__ b,
-                                              bf16_t* __restrict__ out, int n, int d, float eps) {
+                                              bf16_t* __restrict__ out, int n, int d, float eps,
+                                              int rms) {
     const int warps = blockDim.x >> 5;
     const int row = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -718,21 +720,23 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
         const bf16_t* yr = y + (size_t)row * d;
         bf16_t* rr = res + (size_t)row * d;
         for (int j = lane; j < d; j += 32)
-            rr[j] = __float2bfloat16(to_f(src[j]) + to_f(yr[j]) + to_f(bias[j]));
+            rr[j] = __float2bfloat16(to_f(src[j]) + to_f(yr[j]) +
+                                     (bias != nullptr ? to_f(bias[j]) : 0.f));
         __syncwarp();
         src = rr;
     }
     float mu, rstd;
-    row_stats(src, d, eps, 0, lane, &mu, &rstd);
+    row_stats(src, d, eps, rms, lane, &mu, &rstd);
     bf16_t* o = out + (size_t)row * d;
     for (int j = lane; j < d; j += 32)
-        o[j] = __float2bfloat16((to_f(src[j]) - mu) * rstd * to_f(w[j]) + to_f(b[j]));
+        o[j] = __float2bfloat16((to_f(src[j]) - mu) * rstd * to_f(w[j]) +
+                                (b != nullptr ? to_f(b[j]) : 0.f));
 }
 
 extern "C" __global__ void norm_bwd_add_bf16(const bf16_t* x, const bf16_t* w, const bf16_t* dy,
                                              bf16_t* dx, float* dw, float* db, int n, int d,
-                                             float eps) {
-    norm_bwd<bf16_t>(x, w, dy, dx, dw, db, n, d, eps, 0, 1);
+                                             float eps, int rms) {
+    norm_bwd<bf16_t>(x, w, dy, dx, dw, db, n, d, eps, rms, 1);
 }
 
 // Row-in-registers LayerNorm kernels for bf16 rows with d a multiple of 8 and d ≤ 256·CH:
@@ -741,19 +745,23 @@ extern "C" __global__ void norm_bwd_add_bf16(const bf16_t* x, const bf16_t* w, c
 // the register count low enough for two 256-thread blocks per SM.
 __device__ __forceinline__ float2 bf2f(const Bf8& v, int i) { return __bfloat1622float2(v.h[i]); }
 
-// (mean, rstd) of a row held as CH packed chunks per lane (padding chunks are zero), two-pass.
+// (mean, rstd) of a row held as CH packed chunks per lane (padding chunks are zero), two-pass;
+// rms: RMSNorm's (0, 1/sqrt(mean(x²) + eps)).
 template <int CH>
-__device__ __forceinline__ float2 row_stats_v8(const Bf8 (&r)[CH], int lane, int d, float eps) {
+__device__ __forceinline__ float2 row_stats_v8(const Bf8 (&r)[CH], int lane, int d, float eps,
+                                               int rms) {
     float s = 0.f;
+    if (!rms) {
 #pragma unroll
-    for (int c = 0; c < CH; c++) {
+        for (int c = 0; c < CH; c++) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const float2 a = bf2f(r[c], i);
-            s += a.x + a.y;
+            for (int i = 0; i < 4; i++) {
+                const float2 a = bf2f(r[c], i);
+                s += a.x + a.y;
+            }
         }
     }
-    const float mu = warp_sum(s) / d;
+    const float mu = rms ? 0.f : warp_sum(s) / d;
     float ss = 0.f;
 #pragma unroll
     for (int c = 0; c < CH; c++) {
@@ -768,15 +776,15 @@ __device__ __forceinline__ float2 row_stats_v8(const Bf8 (&r)[CH], int lane, int
     return make_float2(mu, rsqrtf(warp_sum(ss) / d + eps));
 }
 
-// The residual add fused with the next LayerNorm: res = x + y + bias (y null: res is x),
-// out = LayerNorm(res)·w + b. The statistics come from the rounded bf16 residual as stored,
-// which is what the backward recomputes them from.
+// The residual add fused with the next norm: res = x + y + bias (y null: res is x; bias may
+// be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm). The statistics come from the
+// rounded bf16 residual as stored, which is what the backward recomputes them from.
 template <int CH>
 __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ y,
                                  const bf16_t* __restrict__ bias, bf16_t* res,
                                  const bf16_t* __restrict__ w, const bf16_t* __restrict__ b,
                                  bf16_t* __restrict__ out, float2* __restrict__ stats, int n,
-                                 int d, float eps) {
+                                 int d, float eps, int rms) {
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -791,7 +799,8 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                 if (y != nullptr) {
                     Bf8 yv, bv;
                     yv.u = *reinterpret_cast<const uint4*>(y + o);
-                    bv.u = *reinterpret_cast<const uint4*>(bias + col0);
+                    bv.u = bias != nullptr ? *reinterpret_cast<const uint4*>(bias + col0)
+                                           : make_uint4(0, 0, 0, 0);
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         const float2 a = bf2f(r[c], i), e = bf2f(yv, i), f = bf2f(bv, i);
@@ -801,7 +810,7 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                 }
             }
         }
-        const float2 st = row_stats_v8<CH>(r, lane, d, eps);
+        const float2 st = row_stats_v8<CH>(r, lane, d, eps, rms);
         const float mu = st.x, rstd = st.y;
         if (stats != nullptr && lane == 0) stats[row] = make_float2(mu, rstd);
 #pragma unroll
@@ -810,7 +819,8 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
             if (col0 < d) {
                 Bf8 wv, bv, o;
                 wv.u = *reinterpret_cast<const uint4*>(w + col0);
-                bv.u = *reinterpret_cast<const uint4*>(b + col0);
+                bv.u = b != nullptr ? *reinterpret_cast<const uint4*>(b + col0)
+                                    : make_uint4(0, 0, 0, 0);
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const float2 a = bf2f(r[c], i), g = bf2f(wv, i), f = bf2f(bv, i);
@@ -843,7 +853,7 @@ template <int CH>
 __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                const bf16_t* __restrict__ dy, bf16_t* dx,
                                const float2* __restrict__ stats, int n, int d, float eps,
-                               int add) {
+                               int add, int rms) {
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -862,7 +872,7 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
             }
         }
         // The forward's statistics, or recomputed the same way.
-        const float2 ms = stats != nullptr ? st : row_stats_v8<CH>(xa, lane, d, eps);
+        const float2 ms = stats != nullptr ? st : row_stats_v8<CH>(xa, lane, d, eps, rms);
         const float mu = ms.x, rstd = ms.y;
         float a = 0.f, cc = 0.f;
 #pragma unroll
@@ -878,7 +888,7 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
                 cc += g0 * (xv.x - mu) * rstd + g1 * (xv.y - mu) * rstd;
             }
         }
-        a = warp_sum(a) / d;
+        a = rms ? 0.f : warp_sum(a) / d;
         cc = warp_sum(cc) / d;
 #pragma unroll
         for (int c = 0; c < CH; c++) {
@@ -971,7 +981,7 @@ extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
             s2 += part[2][k][t];
         }
         atomicAdd(&dw[col], s0);
-        atomicAdd(&db[col], s1);
+        if (db != nullptr) atomicAdd(&db[col], s1);
         if (sum) atomicAdd(&dsum[col], s2);
     }
 }
@@ -1023,13 +1033,13 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
 #define COCKPIT_NORM_V8(CH, FWD_MINB, BWD_MINB)                                                \
     extern "C" __global__ void __launch_bounds__(256, BWD_MINB) norm_bwd_dx_v8_bf16_##CH(       \
         const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, const float2* stats,    \
-        int n, int d, float eps, int add) {                                                     \
-        norm_bwd_dx_v8<CH>(x, w, dy, dx, stats, n, d, eps, add);                                \
+        int n, int d, float eps, int add, int rms) {                                            \
+        norm_bwd_dx_v8<CH>(x, w, dy, dx, stats, n, d, eps, add, rms);                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, FWD_MINB) residual_norm_v8_bf16_##CH(     \
         const bf16_t* x, const bf16_t* y, const bf16_t* bias, bf16_t* res, const bf16_t* w,     \
-        const bf16_t* b, bf16_t* out, float2* stats, int n, int d, float eps) {                 \
-        residual_norm_v8<CH>(x, y, bias, res, w, b, out, stats, n, d, eps);                     \
+        const bf16_t* b, bf16_t* out, float2* stats, int n, int d, float eps, int rms) {        \
+        residual_norm_v8<CH>(x, y, bias, res, w, b, out, stats, n, d, eps, rms);                \
     }
 COCKPIT_NORM_V8(1, 4, 3)
 COCKPIT_NORM_V8(2, 4, 3)
@@ -1167,7 +1177,7 @@ __device__ __forceinline__ float gelu_grad_f(float u) {
     return 0.5f * (1.f + th) + 0.5f * u * (1.f - th * th) * GELU_K0 * (1.f + 3.f * GELU_K1 * u * u);
 }
 
-// mode 0: bias add, 1: bias + GELU
+// mode 0: bias add, 1: bias + GELU (b may be null: no bias)
 extern "C" __global__ void bias_act_v8_bf16(const bf16_t* __restrict__ x,
                                             const bf16_t* __restrict__ b, bf16_t* y,
                                             size_t total8, int c8, int mode) {
@@ -1178,7 +1188,7 @@ extern "C" __global__ void bias_act_v8_bf16(const bf16_t* __restrict__ x,
          q += (size_t)gridDim.x * blockDim.x) {
         Bf8 xa, ba, out;
         xa.u = xv[q];
-        ba.u = bv[q % c8];
+        ba.u = bv != nullptr ? bv[q % c8] : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const float2 f = __bfloat1622float2(xa.h[i]);
@@ -1205,7 +1215,7 @@ extern "C" __global__ void bias_gelu_bwd_v8_bf16(const bf16_t* __restrict__ x,
          q += (size_t)gridDim.x * blockDim.x) {
         Bf8 xa, ba, ga, out;
         xa.u = xv[q];
-        ba.u = bv[q % c8];
+        ba.u = bv != nullptr ? bv[q % c8] : make_uint4(0, 0, 0, 0);
         ga.u = dyv[q];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -1219,28 +1229,81 @@ extern "C" __global__ void bias_gelu_bwd_v8_bf16(const bf16_t* __restrict__ x,
     }
 }
 
-// RoPE in place on q and k of packed projections [B·T, ld] (q at columns 0.., k at h·hd..;
-// row bt at position bt mod t): the two halves of each head rotated by pos·θ^(−2j/hd) (the
-// Llama/NeoX layout, as the model's tables); dir = −1 rotates back (the backward). Angles in
-// double precision: fast-math sines lose accuracy at arguments of hundreds of radians.
-extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t, int h, int hd,
-                                         int ld, double log_theta, float dir) {
+// RoPE in place on the q and k heads of packed projections [B·T, ld]: the first `nh` heads of
+// each row (q's H heads, then k's KV heads, adjacent), row bt at position bt mod t; the two
+// halves of each head rotated by pos·inv_freq[j] (the Llama/NeoX layout, as the model's
+// tables; inv_freq [hd/2] in double, with any rope scaling already applied); dir = −1 rotates
+// back (the backward). Angles in double precision: fast-math sines lose accuracy at arguments
+// of hundreds of radians.
+extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t, int nh, int hd,
+                                         int ld, const double* __restrict__ inv_freq, float dir) {
     const int half = hd >> 1;
-    const size_t total = (size_t)nbt * 2 * h * half;
+    const size_t total = (size_t)nbt * nh * half;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
         const int j = (int)(i % half);
-        const size_t row = i / half;  // (bt, part, head)
-        const int hh = (int)(row % h), part = (int)((row / h) % 2);
-        const size_t bt = row / (2 * (size_t)h);
-        const double freq = exp(-(2.0 * j / hd) * log_theta);
+        const size_t row = i / half;  // (bt, head)
+        const int hh = (int)(row % nh);
+        const size_t bt = row / nh;
         double sd, cd;
-        sincos((double)(bt % t) * freq, &sd, &cd);
+        sincos((double)(bt % t) * inv_freq[j], &sd, &cd);
         const float c = (float)cd, sn = dir * (float)sd;
-        bf16_t* xr = x + bt * ld + (size_t)part * h * hd + (size_t)hh * hd;
+        bf16_t* xr = x + bt * ld + (size_t)hh * hd;
         const float x1 = to_f(xr[j]), x2 = to_f(xr[j + half]);
         xr[j] = __float2bfloat16(x1 * c - x2 * sn);
         xr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+    }
+}
+
+// SwiGLU over packed gate|up projections gu [n, 2·hid] (gate columns first): h = silu(g)·u,
+// [n, hid]; hid a multiple of 8 (16-byte accesses). The backward writes dgu [n, 2·hid]:
+// dg = dh·u·σ(g)·(1 + g·(1 − σ(g))), du = dh·silu(g).
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+extern "C" __global__ void swiglu_fwd_v8_bf16(const bf16_t* __restrict__ gu, bf16_t* __restrict__ h,
+                                              size_t total8, int hid8) {
+    const uint4* gv = reinterpret_cast<const uint4*>(gu);
+    uint4* hv = reinterpret_cast<uint4*>(h);
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < total8;
+         q += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = q / hid8, col = q % hid8;
+        Bf8 g, u, out;
+        g.u = gv[row * 2 * hid8 + col];
+        u.u = gv[row * 2 * hid8 + hid8 + col];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 fg = __bfloat1622float2(g.h[i]), fu = __bfloat1622float2(u.h[i]);
+            // silu rounded to bf16 first, as the per-op model computes silu(g) then the product
+            const float s0 = __bfloat162float(__float2bfloat16(fg.x * sigmoid_f(fg.x)));
+            const float s1 = __bfloat162float(__float2bfloat16(fg.y * sigmoid_f(fg.y)));
+            out.h[i] = __floats2bfloat162_rn(s0 * fu.x, s1 * fu.y);
+        }
+        hv[q] = out.u;
+    }
+}
+extern "C" __global__ void swiglu_bwd_v8_bf16(const bf16_t* __restrict__ gu,
+                                              const bf16_t* __restrict__ dh,
+                                              bf16_t* __restrict__ dgu, size_t total8, int hid8) {
+    const uint4* gv = reinterpret_cast<const uint4*>(gu);
+    const uint4* dv = reinterpret_cast<const uint4*>(dh);
+    uint4* ov = reinterpret_cast<uint4*>(dgu);
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < total8;
+         q += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = q / hid8, col = q % hid8;
+        Bf8 g, u, d, og, ou;
+        g.u = gv[row * 2 * hid8 + col];
+        u.u = gv[row * 2 * hid8 + hid8 + col];
+        d.u = dv[q];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 fg = __bfloat1622float2(g.h[i]), fu = __bfloat1622float2(u.h[i]);
+            const float2 fd = __bfloat1622float2(d.h[i]);
+            const float sg0 = sigmoid_f(fg.x), sg1 = sigmoid_f(fg.y);
+            og.h[i] = __floats2bfloat162_rn(fd.x * fu.x * sg0 * (1.f + fg.x * (1.f - sg0)),
+                                            fd.y * fu.y * sg1 * (1.f + fg.y * (1.f - sg1)));
+            ou.h[i] = __floats2bfloat162_rn(fd.x * fg.x * sg0, fd.y * fg.y * sg1);
+        }
+        ov[row * 2 * hid8 + col] = og.u;
+        ov[row * 2 * hid8 + hid8 + col] = ou.u;
     }
 }
 

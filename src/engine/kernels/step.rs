@@ -1,4 +1,7 @@
-//! The whole training step of a GPT-2 style model as one hand-scheduled CUDA program.
+//! The whole training step of a decoder-only model as one hand-scheduled CUDA program, built
+//! from the model's shape ([`StepWeights`]): LayerNorm or RMSNorm, GELU or SwiGLU MLP, biases
+//! or none, multi-head or grouped-query attention, learned positions or RoPE, tied or untied
+//! head — one program for every family, not one per architecture.
 //!
 //! The per-op path (the custom ops in `cuda.rs`) still goes through candle's autograd: every
 //! graph edge costs a zero-fill and an add, every f32 master weight is cast to bf16 by its own
@@ -6,7 +9,8 @@
 //! happens:
 //!
 //! - one multi-tensor kernel casts all fp32 master weights into ONE flat bf16 buffer, laid
-//!   out so that q|k|v of a layer are one `[3C, C]` matrix;
+//!   out so that q|k|v of a layer are one `[(H + 2·KV)·hd, C]` matrix (and a SwiGLU MLP's
+//!   gate|up one `[2F, C]` matrix);
 //! - activations live in one preallocated arena per micro-batch size (no per-step device
 //!   allocation); the residual add is fused with the next LayerNorm;
 //! - matmuls call cuBLAS directly (bf16 in, fp32 accumulate), and the weight gradients are
@@ -39,7 +43,7 @@ use super::lt::{Epi, Lt, Mm, Operand};
 use super::side::{Buf, Side};
 use super::WeightCopy;
 use crate::engine::events::KernelTime;
-use crate::engine::model::StepWeights;
+use crate::engine::model::{StepWeights, WeightBias};
 
 /// Elements each sub-buffer is aligned to (256 bytes in bf16): cuBLAS and vector loads like it.
 const ALIGN: usize = 128;
@@ -53,7 +57,6 @@ enum Arg {
     P(u64),
     I(i32),
     F(f32),
-    D(f64),
 }
 
 /// A linear layer's shape: `[rows, inp]` in, `[rows, out]` out; `ldy` is the output's (or
@@ -169,6 +172,8 @@ struct Kernels {
     softmax_bwd: Kern,
     embedding_bwd: Kern,
     rope: Kern,
+    swiglu_fwd: Kern,
+    swiglu_bwd: Kern,
     flash_fwd: Kern,
     flash_pre: Kern,
     flash_bwd: Kern,
@@ -242,6 +247,8 @@ impl Kernels {
             softmax_bwd: f("causal_softmax_bwd_bf16")?,
             embedding_bwd: f("embedding_bwd_bf16")?,
             rope: f("rope_qkv_bf16")?,
+            swiglu_fwd: f("swiglu_fwd_v8_bf16")?,
+            swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
             flash_fwd: f("flash_fwd_bf16")?,
             flash_pre: f("flash_bwd_preprocess_bf16")?,
             flash_bwd: f("flash_bwd_bf16")?,
@@ -257,21 +264,77 @@ struct Entry {
     n: usize,
 }
 
-/// Entry indices of one transformer layer, in [`StepWeights`] order.
+/// Entry indices of one transformer layer (None: the model has no such bias). `qkv` is the
+/// packed q|k|v projection, `up` the packed gate|up projection of a SwiGLU MLP (or the GELU
+/// MLP's up projection).
 #[derive(Clone, Copy)]
 struct LayerIdx {
     ln1_w: usize,
-    ln1_b: usize,
+    ln1_b: Option<usize>,
     qkv_w: usize,
-    qkv_b: usize,
+    qkv_b: Option<usize>,
     o_w: usize,
-    o_b: usize,
+    o_b: Option<usize>,
     ln2_w: usize,
-    ln2_b: usize,
+    ln2_b: Option<usize>,
     up_w: usize,
-    up_b: usize,
+    up_b: Option<usize>,
     down_w: usize,
-    down_b: usize,
+    down_b: Option<usize>,
+}
+
+/// The flat buffers' layout as it is built: each entry's offset.
+#[derive(Default)]
+struct Layout {
+    entries: Vec<Entry>,
+    off: usize,
+}
+
+impl Layout {
+    /// Place `v` next (aligned unless `pad` is false, which keeps it adjacent to the entry
+    /// before: packed projections); its entry index.
+    fn push(&mut self, v: &Var, pad: bool) -> usize {
+        if pad {
+            self.off = align(self.off);
+        }
+        let n = v.as_tensor().elem_count();
+        self.entries.push(Entry {
+            var: v.clone(),
+            off: self.off,
+            n,
+        });
+        self.off += n;
+        self.entries.len() - 1
+    }
+
+    /// `v` if there is one, aligned.
+    fn push_opt(&mut self, v: &Option<Var>) -> Option<usize> {
+        v.as_ref().map(|v| self.push(v, true))
+    }
+
+    /// Weights packed into one matrix (or biases into one vector): the first aligned, the
+    /// rest adjacent; the first's index.
+    fn pack(&mut self, vs: &[&Var]) -> usize {
+        let first = self.push(vs[0], true);
+        for v in &vs[1..] {
+            self.push(v, false);
+        }
+        first
+    }
+
+    /// The packed biases of `parts`, which must all have one or none (`what` names them).
+    fn pack_biases(&mut self, parts: &[&WeightBias], what: &str) -> Result<Option<usize>> {
+        let biases: Vec<&Var> = parts.iter().filter_map(|p| p.1.as_ref()).collect();
+        if biases.is_empty() {
+            return Ok(None);
+        }
+        if biases.len() != parts.len() {
+            return Err(err(format!(
+                "whole-model step: {what} must all have biases or none"
+            )));
+        }
+        Ok(Some(self.pack(&biases)))
+    }
 }
 
 /// Device addresses of one micro-batch size's activations (bf16 unless noted).
@@ -287,6 +350,8 @@ struct Lay {
     atty: Vec<u64>,
     mid: Vec<u64>,
     ln2: Vec<u64>,
+    /// The MLP's pre-activation ([N, F], or SwiGLU's packed gate|up [N, 2F]) and activation
+    /// output [N, F].
     fc: Vec<u64>,
     gelu: Vec<u64>,
     lnf: u64,
@@ -295,7 +360,10 @@ struct Lay {
     tmp: u64,
     da: u64,
     dres: u64,
+    /// The MLP pre-activation's gradient (the side stream reads it; SwiGLU: [N, 2F]).
     dh: u64,
+    /// SwiGLU: the activation output's gradient [N, F] (before the SwiGLU backward).
+    dact: u64,
     dqkv: u64,
     heads: u64,
     yh: u64,
@@ -364,6 +432,15 @@ pub struct GptStep {
     n_layer: usize,
     c: usize,
     n_head: usize,
+    n_kv_head: usize,
+    /// Head dim.
+    hd: usize,
+    /// Width of the packed q|k|v projection: (H + 2·KV)·hd.
+    qkv_out: usize,
+    /// RMSNorm (else LayerNorm).
+    rms: bool,
+    /// SwiGLU MLP (gate|up packed), else GELU.
+    swiglu: bool,
     vocab: usize,
     /// The logits' row stride: the vocabulary rounded up to 64.
     vpad: usize,
@@ -374,12 +451,12 @@ pub struct GptStep {
     by_id: HashMap<TensorId, usize>,
     wte: usize,
     wpe: Option<usize>,
-    /// ln θ for RoPE (None: learned positions).
-    rope: Option<f64>,
+    /// RoPE's inverse frequencies on the device (None: learned positions).
+    rope: Option<CudaSlice<f64>>,
     /// Flash attention (head dim 64) instead of materialised probabilities.
     flash: bool,
     layers: Vec<LayerIdx>,
-    lnf: [usize; 2],
+    lnf: (usize, Option<usize>),
     head: Option<usize>,
     _wbf: CudaSlice<bf16>,
     wbf_p: u64,
@@ -417,97 +494,89 @@ impl GptStep {
             .layers
             .first()
             .ok_or_else(|| err("the whole-model step needs at least one layer"))?;
-        let hidden = first[12].as_tensor().dim(0)?;
-        let n_head = w.n_head;
+        let hidden = first.up.0.as_tensor().dim(0)?;
+        let swiglu = first.gate.is_some();
+        let (n_head, n_kv_head) = (w.n_head, w.n_kv_head);
         if n_head == 0 || c % n_head != 0 || !(c / n_head).is_multiple_of(2) {
             return Err(err(format!(
                 "whole-model step: n_embd {c} must split into n_head {n_head} heads of even size"
             )));
         }
-        let mut entries = Vec::new();
-        let mut off = 0usize;
-        // Each entry starts aligned, except k and v (weights and biases), which follow q
-        // directly so that q|k|v are one packed matrix and one bias.
-        let mut push_at = |v: &Var, pad: bool| -> usize {
-            if pad {
-                off = align(off);
-            }
-            let n = v.as_tensor().elem_count();
-            entries.push(Entry {
-                var: v.clone(),
-                off,
-                n,
-            });
-            off += n;
-            entries.len() - 1
-        };
+        let hd = c / n_head;
+        let flash = w.flash && hd == 64;
+        if n_kv_head == 0 || n_head % n_kv_head != 0 || (n_kv_head != n_head && !flash) {
+            return Err(err(format!(
+                "whole-model step: {n_kv_head} key/value heads for {n_head} heads (grouped-query \
+                 attention needs flash attention, head dim 64)"
+            )));
+        }
+        if !c.is_multiple_of(8) || !hidden.is_multiple_of(8) {
+            return Err(err(format!(
+                "whole-model step: n_embd {c} and the MLP width {hidden} must be multiples of 8"
+            )));
+        }
         // First the matrices whose gradient a weight-gradient matmul writes first in every
         // step (it overwrites: no zeroing), then everything whose gradient is summed from
         // zero (biases, norms, positions, an untied embedding): only that tail is cleared.
+        // q|k|v (and a SwiGLU MLP's gate|up) are packed: one matrix, one matmul.
+        let mut lay = Layout::default();
         let tied = w.head.is_none();
-        let wte_first = tied.then(|| push_at(&w.wte, true));
+        let wte_first = tied.then(|| lay.push(&w.wte, true));
         let mats: Vec<[usize; 4]> = w
             .layers
             .iter()
             .map(|l| {
-                let qkv = push_at(&l[2], true);
-                push_at(&l[3], false);
-                push_at(&l[4], false);
-                [
-                    qkv,
-                    push_at(&l[8], true),
-                    push_at(&l[12], true),
-                    push_at(&l[14], true),
-                ]
+                let qkv = lay.pack(&[&l.q.0, &l.k.0, &l.v.0]);
+                let o = lay.push(&l.o.0, true);
+                let up = match &l.gate {
+                    Some(g) => lay.pack(&[&g.0, &l.up.0]),
+                    None => lay.push(&l.up.0, true),
+                };
+                [qkv, o, up, lay.push(&l.down.0, true)]
             })
             .collect();
-        let head = w.head.as_ref().map(|v| push_at(v, true));
-        let n_mats = tied as usize + 6 * w.layers.len() + head.is_some() as usize;
+        let head = w.head.as_ref().map(|v| lay.push(v, true));
+        let n_mats = lay.entries.len();
         let wte = match wte_first {
             Some(i) => i,
-            None => push_at(&w.wte, true),
+            None => lay.push(&w.wte, true),
         };
-        let wpe = w.wpe.as_ref().map(|v| push_at(v, true));
+        let wpe = w.wpe.as_ref().map(|v| lay.push(v, true));
         let mut layers = Vec::with_capacity(w.layers.len());
         for (l, [qkv_w, o_w, up_w, down_w]) in w.layers.iter().zip(mats) {
-            let mut vec_at = |j: usize| push_at(&l[j], !matches!(j, 6 | 7));
-            let (ln1_w, ln1_b) = (vec_at(0), vec_at(1));
-            let qkv_b = vec_at(5);
-            vec_at(6);
-            vec_at(7);
+            if l.gate.is_some() != swiglu {
+                return Err(err("whole-model step: every layer needs the same MLP"));
+            }
+            let ln1_w = lay.push(&l.ln1.0, true);
+            let ln1_b = lay.push_opt(&l.ln1.1);
+            let qkv_b = lay.pack_biases(&[&l.q, &l.k, &l.v], "q, k and v")?;
+            let o_b = lay.push_opt(&l.o.1);
+            let ln2_w = lay.push(&l.ln2.0, true);
+            let ln2_b = lay.push_opt(&l.ln2.1);
+            let up_b = match &l.gate {
+                Some(g) => lay.pack_biases(&[g, &l.up], "gate and up")?,
+                None => lay.push_opt(&l.up.1),
+            };
             layers.push(LayerIdx {
                 ln1_w,
                 ln1_b,
                 qkv_w,
                 qkv_b,
                 o_w,
-                o_b: vec_at(9),
-                ln2_w: vec_at(10),
-                ln2_b: vec_at(11),
+                o_b,
+                ln2_w,
+                ln2_b,
                 up_w,
-                up_b: vec_at(13),
+                up_b,
                 down_w,
-                down_b: vec_at(15),
+                down_b: lay.push_opt(&l.down.1),
             });
         }
-        let lnf = [push_at(&w.ln_f[0], true), push_at(&w.ln_f[1], true)];
-        let total = align(off);
+        let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
+        let total = align(lay.off);
+        let entries = lay.entries;
         // (Every entry after the matrices starts aligned: the tail from its offset on.)
         let zero_from = entries.get(n_mats).map_or(total, |e| e.off);
-        // q, k, v (and their biases) must be contiguous for the packed projection.
-        for (l, li) in layers.iter().enumerate() {
-            for (a, b) in [(li.qkv_w, 3), (li.qkv_b, 3)] {
-                let e0 = &entries[a];
-                for j in 1..b {
-                    let ej = &entries[a + j];
-                    if ej.off != e0.off + j * e0.n {
-                        return Err(err(format!(
-                            "whole-model step: layer {l}: q/k/v are not adjacent"
-                        )));
-                    }
-                }
-            }
-        }
         // SAFETY: fully written by the cast kernel before every use.
         let wbf = unsafe { dev.alloc::<bf16>(total)? };
         let wbf_p = ptr(&wbf, &stream);
@@ -526,6 +595,16 @@ impl GptStep {
             .enumerate()
             .map(|(i, e)| (e.var.as_tensor().id(), i))
             .collect();
+        let rope = match &w.rope_inv_freq {
+            Some(f) if f.len() == hd / 2 => Some(stream.clone_htod(f).w()?),
+            Some(f) => {
+                return Err(err(format!(
+                    "whole-model step: {} RoPE frequencies for head dim {hd}",
+                    f.len()
+                )))
+            }
+            None => None,
+        };
         let mut lt = Lt::new(stream.clone(), w.autotune).ok();
         // The second stream needs its own cuBLASLt workspace; without either, one stream.
         let side = match (w.overlap, lt.as_mut()) {
@@ -544,8 +623,13 @@ impl GptStep {
             n_layer: layers.len(),
             c,
             n_head,
-            rope: w.rope_theta.map(f64::ln),
-            flash: w.flash && c / n_head == 64,
+            n_kv_head,
+            hd,
+            qkv_out: (n_head + 2 * n_kv_head) * hd,
+            rms: w.rms,
+            swiglu,
+            rope,
+            flash,
             vocab,
             vpad: vocab.div_ceil(64) * 64,
             t,
@@ -617,7 +701,6 @@ impl GptStep {
                     Arg::P(p) => b.arg(p),
                     Arg::I(i) => b.arg(i),
                     Arg::F(x) => b.arg(x),
-                    Arg::D(x) => b.arg(x),
                 };
             }
             // SAFETY: every call site passes the argument list of its kernel in kernels.cu,
@@ -930,18 +1013,18 @@ impl GptStep {
         )
     }
 
-    /// LayerNorm backward of rows `x` (the forward's statistics in `stats`, which the v8
-    /// kernels need) with weight `w`: dx (+)= …, dw and db accumulate. Where `bias_grad` is non-zero
+    /// The norm backward (LayerNorm or RMSNorm) of rows `x` with the weight and bias entries
+    /// `(w, b)`, from the forward's row statistics `stats` (which the v8 kernels need):
+    /// dx (+)= …, the weight (and bias) gradients accumulate. Where `bias_grad` is non-zero
     /// and the v8 kernels run, `bias_grad += Σ_rows dx` too (the residual stream's gradient
     /// is the bias gradient of the linear layer that wrote into it): Ok(true) says so.
     #[allow(clippy::too_many_arguments)]
     fn norm_bwd(
         &self,
         x: u64,
-        w: u64,
+        (w, b): (usize, Option<usize>),
         dy: u64,
         dx: u64,
-        (dw, db): (u64, u64),
         stats: u64,
         n: usize,
         add: bool,
@@ -949,6 +1032,8 @@ impl GptStep {
     ) -> Result<bool> {
         let d = self.c;
         let (n_i, d_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?);
+        let (dw, db) = (self.g(w), self.gb(b));
+        let rms = Arg::I(self.rms as i32);
         if let Some(v8) = &self.k.norm_v8 {
             // Two passes: dx with 16-byte accesses and rows in registers, then the column
             // sums (the forward's statistics in both).
@@ -959,7 +1044,7 @@ impl GptStep {
             };
             let args = [
                 Arg::P(x),
-                Arg::P(w),
+                Arg::P(self.w(w)),
                 Arg::P(dy),
                 Arg::P(dx),
                 Arg::P(stats),
@@ -967,6 +1052,7 @@ impl GptStep {
                 Arg::I(d_i),
                 Arg::F(self.eps),
                 Arg::I(add as i32),
+                rms,
             ];
             self.launch(&v8.bwd, cfg, &args)?;
             let args = [
@@ -983,9 +1069,9 @@ impl GptStep {
             self.launch(&v8.bwd_wb, self.col_grid(n, d), &args)?;
             return Ok(bias_grad != 0);
         }
-        let mut args = vec![
+        let args = [
             Arg::P(x),
-            Arg::P(w),
+            Arg::P(self.w(w)),
             Arg::P(dy),
             Arg::P(dx),
             Arg::P(dw),
@@ -993,18 +1079,19 @@ impl GptStep {
             Arg::I(n_i),
             Arg::I(d_i),
             Arg::F(self.eps),
+            rms,
         ];
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(8).clamp(1, 264) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: (2 * d * 4) as u32,
         };
-        if add {
-            self.launch(&self.k.norm_bwd_add, cfg, &args)?;
+        let k = if add {
+            &self.k.norm_bwd_add
         } else {
-            args.push(Arg::I(0));
-            self.launch(&self.k.norm_bwd, cfg, &args)?;
-        }
+            &self.k.norm_bwd
+        };
+        self.launch(k, cfg, &args)?;
         Ok(false)
     }
 
@@ -1034,12 +1121,14 @@ impl GptStep {
         let mut per = |len: usize| (0..l).map(|_| take(len)).collect::<Vec<_>>();
         let res_o = per(nc);
         let ln1_o = per(nc);
-        let qkv_o = per(3 * nc);
+        let qkv_o = per(n * self.qkv_out);
         let prob_o = per(probs);
         let atty_o = per(nc);
         let mid_o = per(nc);
         let ln2_o = per(nc);
-        let fc_o = per(n * f);
+        // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
+        let up_out = if self.swiglu { 2 * f } else { f };
+        let fc_o = per(n * up_out);
         let gelu_o = per(n * f);
         let res_last = take(nc);
         let lnf = take(nc);
@@ -1047,8 +1136,9 @@ impl GptStep {
         let tmp = take(nc);
         let da = take(nc);
         let dres = take(nc);
-        let dh = take(n * f);
-        let dqkv = take(3 * nc);
+        let dh = take(n * up_out);
+        let dact = take(if self.swiglu { n * f } else { 0 });
+        let dqkv = take(n * self.qkv_out);
         let heads = take(heads_len);
         let yh = take(heads_len / 3);
         let dheads = take(heads_len);
@@ -1095,6 +1185,7 @@ impl GptStep {
             da: at(da),
             dres: at(dres),
             dh: at(dh),
+            dact: at(dact),
             dqkv: at(dqkv),
             heads: at(heads),
             yh: at(yh),
@@ -1342,6 +1433,63 @@ impl GptStep {
         })
     }
 
+    /// The bf16 address of an optional entry (0: none; the kernels take null as absent).
+    fn wb(&self, i: Option<usize>) -> u64 {
+        i.map_or(0, |i| self.w(i))
+    }
+
+    /// The fp32 gradient address of an optional entry (0: none).
+    fn gb(&self, i: Option<usize>) -> u64 {
+        i.map_or(0, |i| self.g(i))
+    }
+
+    /// `y = x·wᵀ (+ b)`: the bias as a cuBLASLt epilogue where it runs, else a bias kernel.
+    fn lin_fwd_bias(&self, x: u64, w: usize, b: Option<usize>, y: u64, d: Lin) -> Result<()> {
+        let Some(b) = b else {
+            return self.lin_fwd(x, self.w(w), y, d);
+        };
+        let bias = Epi::Bias { bias: self.w(b) };
+        if !self.lin_fwd_epi(x, self.w(w), y, d, bias)? {
+            self.lin_fwd(x, self.w(w), y, d)?;
+            self.bias_act(y, self.w(b), y, d.rows, d.out, 0)?;
+        }
+        Ok(())
+    }
+
+    /// The MLP's up projection and activation of layer `l`: `fc[l]` (the pre-activation,
+    /// which the backward needs) and `gelu[l]` (the activation's output).
+    fn mlp_act_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+        let (n, c, f) = (a.b * self.t, self.c, self.hidden);
+        if self.swiglu {
+            // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
+            let gu = Lin::new(n, c, 2 * f, 2 * f);
+            self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], gu)?;
+            return self.launch(
+                &self.k.swiglu_fwd,
+                flat_cfg(n * f / 8),
+                &[
+                    Arg::P(a.fc[l]),
+                    Arg::P(a.gelu[l]),
+                    Arg::P((n * f / 8) as u64),
+                    Arg::I(i32_of(f / 8, "hidden")?),
+                ],
+            );
+        }
+        let up = Lin::new(n, c, f, f);
+        if let Some(up_b) = li.up_b {
+            let gelu = Epi::GeluAuxBias {
+                bias: self.w(up_b),
+                aux: a.fc[l],
+                ld: f,
+            };
+            if self.lin_fwd_epi(a.ln2[l], self.w(li.up_w), a.gelu[l], up, gelu)? {
+                return Ok(());
+            }
+        }
+        self.lin_fwd(a.ln2[l], self.w(li.up_w), a.fc[l], up)?;
+        self.bias_act(a.fc[l], self.wb(li.up_b), a.gelu[l], n, f, 1)
+    }
+
     /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
     fn forward(&self, a: &Lay, g: f32) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
@@ -1367,40 +1515,27 @@ impl GptStep {
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
         self.residual_norm(a.res[0], 0, 0, 0, ln, a.ln1[0], n)?;
         for (l, li) in self.layers.iter().enumerate() {
-            // qkv = ln1·Wqkvᵀ + b
-            let qkv = Lin::new(n, c, 3 * c, 3 * c);
-            let bias = Epi::Bias {
-                bias: self.w(li.qkv_b),
-            };
-            if !self.lin_fwd_epi(a.ln1[l], self.w(li.qkv_w), a.qkv[l], qkv, bias)? {
-                self.lin_fwd(a.ln1[l], self.w(li.qkv_w), a.qkv[l], qkv)?;
-                self.bias_act(a.qkv[l], self.w(li.qkv_b), a.qkv[l], n, 3 * c, 0)?;
-            }
+            // qkv = ln1·Wqkvᵀ (+ b)
+            let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
+            self.lin_fwd_bias(a.ln1[l], li.qkv_w, li.qkv_b, a.qkv[l], qkv)?;
             self.rope(a.qkv[l], n, false)?;
             self.attn_fwd(a, l)?;
-            // mid = res + atty·Woᵀ + bo, ln2 = LN2(mid)
+            // mid = res + atty·Woᵀ (+ bo), ln2 = Norm2(mid)
             self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
             let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
-            self.residual_norm(a.res[l], a.tmp, self.w(li.o_b), a.mid[l], ln, a.ln2[l], n)?;
-            // MLP: gelu(ln2·Wupᵀ + b), then ·Wdownᵀ + b added to the residual, fused with
-            // the next layer's LN1 (or the final LN).
-            let up = Lin::new(n, c, f, f);
-            let gelu = Epi::GeluAuxBias {
-                bias: self.w(li.up_b),
-                aux: a.fc[l],
-                ld: f,
-            };
-            if !self.lin_fwd_epi(a.ln2[l], self.w(li.up_w), a.gelu[l], up, gelu)? {
-                self.lin_fwd(a.ln2[l], self.w(li.up_w), a.fc[l], up)?;
-                self.bias_act(a.fc[l], self.w(li.up_b), a.gelu[l], n, f, 1)?;
-            }
+            let o_b = self.wb(li.o_b);
+            self.residual_norm(a.res[l], a.tmp, o_b, a.mid[l], ln, a.ln2[l], n)?;
+            // MLP: act(ln2·Wupᵀ (+ b)), then ·Wdownᵀ (+ b) added to the residual, fused with
+            // the next layer's norm (or the final one).
+            self.mlp_act_fwd(a, l, li)?;
             self.lin_fwd(a.gelu[l], self.w(li.down_w), a.tmp, Lin::new(n, f, c, c))?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
-                None => (self.lnf[0], self.lnf[1], a.lnf),
+                None => (self.lnf.0, self.lnf.1, a.lnf),
             };
             let ln = (nw, nb, a.stats[2 * l + 2]);
-            self.residual_norm(a.mid[l], a.tmp, self.w(li.down_b), a.res[l + 1], ln, out, n)?;
+            let down_b = self.wb(li.down_b);
+            self.residual_norm(a.mid[l], a.tmp, down_b, a.res[l + 1], ln, out, n)?;
         }
         // logits = lnf·headᵀ into rows of stride vpad, then per-row CE, whose gradient
         // (scaled by g) overwrites the logits in the same pass.
@@ -1454,6 +1589,53 @@ impl GptStep {
         run
     }
 
+    /// The MLP activation's backward of layer `l`: from the residual gradient `dres` through
+    /// the down projection (`down`) to the pre-activation's gradient in `dh`; its width (the
+    /// up projection's output: F, or 2F for SwiGLU's packed gate|up).
+    fn mlp_act_bwd(&self, a: &Lay, l: usize, li: &LayerIdx, down: Lin) -> Result<usize> {
+        let (n, f) = (a.b * self.t, self.hidden);
+        let dact = if self.swiglu { a.dact } else { a.dh };
+        if self.swiglu {
+            self.lin_dx(a.dres, self.w(li.down_w), dact, down)?;
+            self.launch(
+                &self.k.swiglu_bwd,
+                flat_cfg(n * f / 8),
+                &[
+                    Arg::P(a.fc[l]),
+                    Arg::P(dact),
+                    Arg::P(a.dh),
+                    Arg::P((n * f / 8) as u64),
+                    Arg::I(i32_of(f / 8, "hidden")?),
+                ],
+            )?;
+            return Ok(2 * f);
+        }
+        // The GELU backward fused into the down projection's data gradient (its variant with
+        // the bias gradient, DGELU_BGRAD, has no fp32 bias output and ran 3× slower in bf16:
+        // the column sum stays).
+        let dgelu = Epi::DGelu {
+            aux: a.fc[l],
+            ld: f,
+        };
+        let mm = down.dx(a.dres, self.w(li.down_w), a.dh);
+        if !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
+            self.lin_dx(a.dres, self.w(li.down_w), a.dh, down)?;
+            self.launch(
+                &self.k.gelu_bwd,
+                flat_cfg(n * f / 8),
+                &[
+                    Arg::P(a.fc[l]),
+                    Arg::P(self.wb(li.up_b)),
+                    Arg::P(a.dh),
+                    Arg::P(a.dh),
+                    Arg::P((n * f / 8) as u64),
+                    Arg::I(i32_of(f / 8, "hidden")?),
+                ],
+            )?;
+        }
+        Ok(f)
+    }
+
     /// [`Self::backward`]'s launches.
     fn backward_streams(&self, a: &Lay, first: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
@@ -1470,15 +1652,14 @@ impl GptStep {
             Lin::new(n, c, v, self.vpad),
             first,
         )?;
-        // d(final residual) = LN_f backward
+        // d(final residual) = the final norm's backward
         let last = self.n_layer;
-        let down_b = |l: usize| self.layers.get(l).map_or(0, |li| self.g(li.down_b));
+        let down_b = |l: usize| self.layers.get(l).map_or(0, |li| self.gb(li.down_b));
         let mut down_b_done = self.norm_bwd(
             a.res[last],
-            self.w(self.lnf[0]),
+            self.lnf,
             a.da,
             a.dres,
-            (self.g(self.lnf[0]), self.g(self.lnf[1])),
             a.stats[2 * last],
             n,
             false,
@@ -1490,60 +1671,39 @@ impl GptStep {
         // chain of data gradients.
         let main = &self.stream;
         for (l, li) in self.layers.iter().enumerate().rev() {
-            // MLP down projection: res[l+1] = mid + gelu·Wdownᵀ + b
+            // MLP down projection: res[l+1] = mid + act·Wdownᵀ (+ b)
             let down = Lin::new(n, f, c, c);
-            if !down_b_done {
-                self.col_sum(a.dres, self.g(li.down_b), n, c)?;
+            if let (Some(db), false) = (li.down_b, down_b_done) {
+                self.col_sum(a.dres, self.g(db), n, c)?;
             }
             let side = self.fork()?;
             self.lin_dw_on(side, a.gelu[l], a.dres, self.g(li.down_w), down, first)?;
             self.release(Buf::Dres)?;
             self.reclaim(Buf::Dh)?;
-            // The GELU backward fused into the down projection's data gradient (its variant
-            // with the bias gradient, DGELU_BGRAD, has no fp32 bias output and ran 3× slower
-            // in bf16: the column sum stays).
-            let dgelu = Epi::DGelu {
-                aux: a.fc[l],
-                ld: f,
-            };
-            let mm = down.dx(a.dres, self.w(li.down_w), a.dh);
-            if !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
-                self.lin_dx(a.dres, self.w(li.down_w), a.dh, down)?;
-                self.launch(
-                    &self.k.gelu_bwd,
-                    flat_cfg(n * f / 8),
-                    &[
-                        Arg::P(a.fc[l]),
-                        Arg::P(self.w(li.up_b)),
-                        Arg::P(a.dh),
-                        Arg::P(a.dh),
-                        Arg::P((n * f / 8) as u64),
-                        Arg::I(i32_of(f / 8, "hidden")?),
-                    ],
-                )?;
-            }
+            let up_out = self.mlp_act_bwd(a, l, li, down)?;
             let side = self.fork()?;
-            self.col_sum_on(side.unwrap_or(main), a.dh, self.g(li.up_b), n, f)?;
-            let up = Lin::new(n, c, f, f);
+            if let Some(ub) = li.up_b {
+                self.col_sum_on(side.unwrap_or(main), a.dh, self.g(ub), n, up_out)?;
+            }
+            let up = Lin::new(n, c, up_out, up_out);
             self.lin_dw_on(side, a.ln2[l], a.dh, self.g(li.up_w), up, first)?;
             self.release(Buf::Dh)?;
             self.lin_dx(a.dh, self.w(li.up_w), a.da, up)?;
             self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],
-                self.w(li.ln2_w),
+                (li.ln2_w, li.ln2_b),
                 a.da,
                 a.dres,
-                (self.g(li.ln2_w), self.g(li.ln2_b)),
                 a.stats[2 * l + 1],
                 n,
                 true,
-                self.g(li.o_b),
+                self.gb(li.o_b),
             )?;
-            // attention output projection: mid = res + atty·Woᵀ + bo
+            // attention output projection: mid = res + atty·Woᵀ (+ bo)
             let o = Lin::new(n, c, c, c);
-            if !o_b_done {
-                self.col_sum(a.dres, self.g(li.o_b), n, c)?;
+            if let (Some(ob), false) = (li.o_b, o_b_done) {
+                self.col_sum(a.dres, self.g(ob), n, c)?;
             }
             let side = self.fork()?;
             self.lin_dw_on(side, a.atty[l], a.dres, self.g(li.o_w), o, first)?;
@@ -1553,9 +1713,11 @@ impl GptStep {
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
             // qkv projection
-            let qkv = Lin::new(n, c, 3 * c, 3 * c);
+            let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
             let side = self.fork()?;
-            self.col_sum_on(side.unwrap_or(main), a.dqkv, self.g(li.qkv_b), n, 3 * c)?;
+            if let Some(qb) = li.qkv_b {
+                self.col_sum_on(side.unwrap_or(main), a.dqkv, self.g(qb), n, self.qkv_out)?;
+            }
             self.lin_dw_on(side, a.ln1[l], a.dqkv, self.g(li.qkv_w), qkv, first)?;
             self.release(Buf::Dqkv)?;
             self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, qkv)?;
@@ -1565,10 +1727,9 @@ impl GptStep {
             let below = l.checked_sub(1).map_or(0, down_b);
             down_b_done = self.norm_bwd(
                 a.res[l],
-                self.w(li.ln1_w),
+                (li.ln1_w, li.ln1_b),
                 a.da,
                 a.dres,
-                (self.g(li.ln1_w), self.g(li.ln1_b)),
                 a.stats[2 * l],
                 n,
                 true,
@@ -1605,7 +1766,7 @@ impl GptStep {
         if self.flash {
             return self.launch(
                 &self.k.flash_fwd,
-                self.flash_grid(b),
+                self.flash_grid(b, h),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.atty[l]),
@@ -1613,6 +1774,7 @@ impl GptStep {
                     Arg::I(i32_of(b, "B")?),
                     Arg::I(i32_of(t, "T")?),
                     Arg::I(i32_of(h, "H")?),
+                    Arg::I(i32_of(self.n_kv_head, "KV heads")?),
                     Arg::F(scale),
                 ],
             );
@@ -1669,6 +1831,7 @@ impl GptStep {
         let scale = 1.0 / (hd as f32).sqrt();
         if self.flash {
             let (bi, ti, hi) = (i32_of(b, "B")?, i32_of(t, "T")?, i32_of(h, "H")?);
+            let kvi = i32_of(self.n_kv_head, "KV heads")?;
             let delta = a.fa_scratch + 4 * nc as u64;
             let rows = b * t * h;
             self.launch(
@@ -1690,7 +1853,7 @@ impl GptStep {
             )?;
             self.launch(
                 &self.k.flash_bwd,
-                self.flash_grid(b),
+                self.flash_grid(b, self.n_kv_head),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.da),
@@ -1701,6 +1864,7 @@ impl GptStep {
                     Arg::I(bi),
                     Arg::I(ti),
                     Arg::I(hi),
+                    Arg::I(kvi),
                     Arg::F(scale),
                 ],
             )?;
@@ -1717,6 +1881,7 @@ impl GptStep {
                     Arg::I(bi),
                     Arg::I(ti),
                     Arg::I(hi),
+                    Arg::I(kvi),
                     Arg::F(scale),
                 ],
             );
@@ -1799,40 +1964,41 @@ impl GptStep {
         Ok(())
     }
 
-    /// Flash attention's grid: (B·H, query or key blocks of 64), 4 warps.
-    fn flash_grid(&self, b: usize) -> LaunchConfig {
+    /// Flash attention's grid: (B·heads, query or key blocks of 64), 4 warps; the forward
+    /// runs a block per query head, the backward per key/value head.
+    fn flash_grid(&self, b: usize, heads: usize) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: ((b * self.n_head) as u32, self.t.div_ceil(64) as u32, 1),
+            grid_dim: ((b * heads) as u32, self.t.div_ceil(64) as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         }
     }
 
-    /// RoPE in place on q and k of packed projections `[rows, 3C]` (`inverse`: rotate
-    /// back, for their gradients).
+    /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
+    /// (`inverse`: rotate back, for their gradients).
     fn rope(&self, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
-        let Some(log_theta) = self.rope else {
+        let Some(freq) = &self.rope else {
             return Ok(());
         };
-        let hd = self.c / self.n_head;
+        let nh = self.n_head + self.n_kv_head;
         self.launch(
             &self.k.rope,
-            flat_cfg(rows * self.c),
+            flat_cfg(rows * nh * self.hd / 2),
             &[
                 Arg::P(qkv),
                 Arg::I(i32_of(rows, "rows")?),
                 Arg::I(i32_of(self.t, "T")?),
-                Arg::I(i32_of(self.n_head, "H")?),
-                Arg::I(i32_of(hd, "hd")?),
-                Arg::I(i32_of(3 * self.c, "ld")?),
-                Arg::D(log_theta),
+                Arg::I(i32_of(nh, "heads")?),
+                Arg::I(i32_of(self.hd, "hd")?),
+                Arg::I(i32_of(self.qkv_out, "ld")?),
+                Arg::P(ptr(freq, &self.stream)),
                 Arg::F(if inverse { -1.0 } else { 1.0 }),
             ],
         )
     }
 
-    /// `res = x + y + bias` (y = 0: res is x), `out = LayerNorm(res)` with the weight and
-    /// bias entries of `ln`, whose third part receives the rows' (mean, rstd) for the backward.
+    /// `res = x + y (+ bias)` (y = 0: res is x), `out = Norm(res)` with the weight and
+    /// bias entries of `ln`, whose third part receives the rows' statistics for the backward.
     #[allow(clippy::too_many_arguments)]
     fn residual_norm(
         &self,
@@ -1840,7 +2006,7 @@ impl GptStep {
         y: u64,
         bias: u64,
         res: u64,
-        (w, bn, stats): (usize, usize, u64),
+        (w, bn, stats): (usize, Option<usize>, u64),
         out: u64,
         n: usize,
     ) -> Result<()> {
@@ -1850,13 +2016,14 @@ impl GptStep {
             Arg::P(bias),
             Arg::P(res),
             Arg::P(self.w(w)),
-            Arg::P(self.w(bn)),
+            Arg::P(self.wb(bn)),
             Arg::P(out),
         ];
         let tail = [
             Arg::I(i32_of(n, "rows")?),
             Arg::I(i32_of(self.c, "n_embd")?),
             Arg::F(self.eps),
+            Arg::I(self.rms as i32),
         ];
         match &self.k.norm_v8 {
             Some(v8) => {
