@@ -312,19 +312,24 @@ def main():
         print(f"unknown peak for {name!r}: MFU not reported")
     mfu = flops_per_token * tok_s / peak if peak else None
     peak_mem = torch.cuda.max_memory_allocated(dev) / 1e9
+    # What the device has in use (total − free: the CUDA context, the caching allocator's
+    # reserve, library workspaces), the way `cockpit bench` reports its peak.
+    free, total_mem = torch.cuda.mem_get_info(dev)
+    device_mem = (total_mem - free) / 1e9
 
     system = f"torch-{args.mode}"
     print(f"model: {os.path.basename(args.config)} {' '.join(args.set)} | {n_params / 1e6:.1f}M params")
     mfu_s = f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a"
     print(
         f"{system} | {1e3 * median:.1f} ms/step | {tok_s / 1e3:.0f}k tok/s | {mfu_s} | "
-        f"peak {peak_mem:.1f} GB | loss {loss_first:.2f} -> {loss_last:.2f}"
+        f"peak {peak_mem:.1f} GB allocated, {device_mem:.1f} GB in use on the device | "
+        f"loss {loss_first:.2f} -> {loss_last:.2f}"
     )
     if args.json:
         result = {
             "system": system, "device": name, "dtype": args.dtype, "batch": b, "seq": t,
             "params": n_params, "ms_per_step_median": 1e3 * median, "tokens_per_sec": tok_s,
-            "mfu": mfu, "peak_mem_gb": peak_mem, "loss_first": loss_first, "loss_last": loss_last,
+            "mfu": mfu, "peak_mem_gb": peak_mem, "device_mem_gb": device_mem, "loss_first": loss_first, "loss_last": loss_last,
             "steps": args.steps, "warmup": args.warmup, "torch_version": torch.__version__,
         }
         with open(args.json, "w") as f:

@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use cockpit::config::Config;
-use cockpit::engine::kernels;
+use cockpit::engine::{dropout, kernels};
 use cockpit::engine::model::{Model, Shape};
 use cockpit::engine::optim::{global_norm, AdamW};
 
@@ -688,6 +688,34 @@ fn whole_model_step_matches_the_f32_model() {
             },
         },
         Family {
+            name: "gpt without biases, dropout 0.2 (embedding, attention, block outputs)",
+            vocab: 97,
+            set: |c| {
+                c.model.bias = false;
+                c.model.dropout = 0.2;
+            },
+        },
+        Family {
+            name: "gpt with biases, dropout 0.1, learned positions, untied",
+            vocab: 97,
+            set: |c| {
+                c.model.pos = Learned;
+                c.model.tie_embeddings = false;
+                c.model.dropout = 0.1;
+            },
+        },
+        Family {
+            name: "llama: GQA 4/2, dropout 0.2",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.dropout = 0.2;
+            },
+        },
+        Family {
             name: "llama with biases and LayerNorm + SwiGLU",
             vocab: 97,
             set: |c| {
@@ -725,9 +753,12 @@ fn whole_model_step_matches_the_f32_model() {
         let mut m32 = Model::new(Shape::from_config(&c, vocab), DType::F32, &dev, 5).unwrap();
         let mut loss_ref = 0.0;
         let mut total: Option<Tensor> = None;
-        for (ids, tg) in &batches {
+        // Dropout masks from each micro-batch's seed: the same in both executors.
+        let seeds = [dropout::micro_seed(11, 3, 0), dropout::micro_seed(11, 3, 1)];
+        for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
             let x = Tensor::from_vec(ids.clone(), (b, t), &dev).unwrap();
             let y = Tensor::from_vec(tg.clone(), (b, t), &dev).unwrap();
+            m32.reseed_dropout(seed);
             let l = (m32.loss(&x, &y, true).unwrap() * 0.5).unwrap();
             loss_ref += l.to_scalar::<f32>().unwrap() as f64;
             total = Some(match total {
@@ -743,7 +774,8 @@ fn whole_model_step_matches_the_f32_model() {
             .unwrap_or_else(|| panic!("{name}: a bf16 model fits the step"));
         let mut step = kernels::GptStep::new(&w).unwrap();
         step.begin(false).unwrap();
-        for (ids, tg) in &batches {
+        for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
+            step.set_dropout_seed(seed);
             step.micro(ids, tg, b, 1.0 / (2 * b * t) as f32).unwrap();
         }
         let loss = step.loss().unwrap();
@@ -832,15 +864,40 @@ fn whole_model_step_matches_the_f32_model() {
 }
 
 #[test]
+fn dropout_masks_drawn_on_the_gpu_equal_the_hosts() {
+    let Some(dev) = gpu() else { return };
+    use dropout::Layout;
+    for layout in [Layout::Rows, Layout::Attention] {
+        for (rows, cols, p) in [(37, 200, 0.2), (5, 1000, 0.5), (3, 64, 0.05)] {
+            let got = kernels::dropout_mask(&dev, (rows, cols), 99, 7, p, layout)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let want = dropout::mask(rows, cols, 99, 7, p, layout);
+            assert_eq!(got, want, "{layout:?} {rows}x{cols} p {p}");
+        }
+    }
+}
+
+#[test]
 fn graph_replay_and_the_side_stream_match_eager_launches_on_one_stream() {
     let Some(dev) = gpu() else { return };
+    for p in [0.0, 0.1] {
+        graph_replay_matches_eager(&dev, p);
+    }
+}
+
+/// [`graph_replay_and_the_side_stream_match_eager_launches_on_one_stream`] at dropout `p`.
+fn graph_replay_matches_eager(dev: &Device, p: f64) {
     let mut c = Config::default();
     c.model.n_embd = 128;
     c.model.n_head = 2;
     c.model.n_layer = 2;
     c.model.seq_len = 64;
     c.model.bias = true;
-    c.model.dropout = 0.0;
+    c.model.dropout = p;
     let vocab = 101;
     let t = 64usize;
     let batch = |b: usize, k: u32| {
@@ -856,16 +913,18 @@ fn graph_replay_and_the_side_stream_match_eager_launches_on_one_stream() {
         let mut c = c.clone();
         c.kernels.graphs = graphs;
         c.kernels.overlap = overlap;
-        let m = Model::new(Shape::from_config(&c, vocab), DType::BF16, &dev, 9).unwrap();
+        let m = Model::new(Shape::from_config(&c, vocab), DType::BF16, dev, 9).unwrap();
         let w = m.step_weights().unwrap();
         let mut step = kernels::GptStep::new(&w).unwrap();
         let mut out = Vec::new();
         // Three steps of two micro-batches at B = 3 (first and later micro-batches are two
         // programs: eager at step 1, captured at step 2, replayed at step 3), one at B = 2 (a
         // new arena), and two more at B = 3 (captured again over the new buffers).
-        for b in [3, 3, 3, 2, 3, 3] {
+        for (i, b) in [3, 3, 3, 2, 3, 3].into_iter().enumerate() {
             step.begin(false).unwrap();
             for k in 0..2 {
+                // (new masks every micro-batch: a replayed graph reads its seed from the device)
+                step.set_dropout_seed(dropout::micro_seed(5, i as u64, k as usize));
                 let (ids, tg) = batch(b, k);
                 step.micro(&ids, &tg, b, 1.0 / (2 * b * t) as f32).unwrap();
             }
@@ -889,7 +948,7 @@ fn graph_replay_and_the_side_stream_match_eager_launches_on_one_stream() {
     );
     for (what, other) in [("graphs + side stream", &graphed), ("side stream", &side)] {
         for (i, ((le, ge), (lg, gg))) in eager.iter().zip(other).enumerate() {
-            eprintln!("{what}, step {i}: loss {lg:.6} vs one eager stream {le:.6}");
+            eprintln!("{what}, dropout {p}, step {i}: loss {lg:.6} vs one eager stream {le:.6}");
             assert_eq!(le, lg, "{what}, step {i}: the loss differs");
             for (a, b) in ge.iter().zip(gg) {
                 // Atomics (embedding, column sums, dQ) sum in any order: equal up to rounding.

@@ -5,6 +5,7 @@
 pub mod checkpoint;
 pub mod data;
 pub mod device;
+pub mod dropout;
 pub mod events;
 pub mod kernels;
 pub mod lora;

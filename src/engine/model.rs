@@ -8,6 +8,7 @@
 //! so HF checkpoints load by name and adapters get PEFT-compatible names.
 
 use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding};
+use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::rngs::StdRng;
@@ -138,8 +139,9 @@ pub struct Model {
     device: Device,
     mask: Tensor,
     rope: Option<(Tensor, Tensor)>,
-    /// Dropout masks; interior mutability keeps the forward pass `&self`.
-    dropout_rng: std::cell::RefCell<StdRng>,
+    /// The seed of the dropout masks ([`dropout`]: a mask is a function of the seed, the site
+    /// and the element, drawn on the model's device).
+    dropout_seed: u64,
 }
 
 struct Init<'a> {
@@ -268,6 +270,9 @@ pub struct StepWeights {
     pub graphs: bool,
     /// Weight gradients and bias sums on a second stream in the backward.
     pub overlap: bool,
+    /// Dropout probability (embedding, attention probabilities, block outputs; needs flash
+    /// attention), masks from [`dropout`]'s Philox as the candle model draws them.
+    pub dropout: f64,
     pub layers: Vec<StepLayer>,
     pub ln_f: WeightBias,
     /// The untied LM head, or None when it is `wte`.
@@ -417,7 +422,7 @@ impl Model {
             device: device.clone(),
             mask,
             rope,
-            dropout_rng: std::cell::RefCell::new(StdRng::seed_from_u64(seed ^ 0xD5A0_9B1E)),
+            dropout_seed: seed ^ 0xD5A0_9B1E,
             shape,
         })
     }
@@ -526,9 +531,11 @@ impl Model {
             .collect())
     }
 
-    /// Re-seed dropout (the trainer does it per micro-batch so resumed runs draw the same masks).
+    /// Re-seed dropout (the trainer does it per micro-batch, with
+    /// [`dropout::micro_seed`], so resumed runs — and the whole-model step — draw the same
+    /// masks).
     pub fn reseed_dropout(&mut self, seed: u64) {
-        self.dropout_rng = std::cell::RefCell::new(StdRng::seed_from_u64(seed));
+        self.dropout_seed = seed;
     }
 
     pub fn dtype(&self) -> DType {
@@ -667,20 +674,23 @@ impl Model {
         }
     }
 
-    fn dropout(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+    /// Dropout of `x` (viewed as `[rows, last dim]`) at `site` ([`dropout`]'s sites and
+    /// layouts): the mask is drawn where `x` lives — by a kernel on a GPU.
+    fn dropout(&self, x: &Tensor, train: bool, site: u32, layout: Layout) -> Result<Tensor> {
         let p = self.shape.dropout;
         if !train || p <= 0.0 {
             return Ok(x.clone());
         }
-        let n = x.elem_count();
-        let keep = (1.0 / (1.0 - p)) as f32;
-        let mut rng = self.dropout_rng.borrow_mut();
-        let mask: Vec<f32> = (0..n)
-            .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
-            .collect();
-        drop(rng);
-        let mask = Tensor::from_vec(mask, x.shape(), &self.device)?.to_dtype(x.dtype())?;
-        x * mask
+        let cols = x.dims().last().copied().unwrap_or(1).max(1);
+        let rows = x.elem_count() / cols;
+        let seed = self.dropout_seed;
+        let mask = if self.device.is_cuda() {
+            kernels::dropout_mask(&self.device, (rows, cols), seed, site, p, layout)?
+        } else {
+            let m = dropout::mask(rows, cols, seed, site, p, layout);
+            Tensor::from_vec(m, (rows, cols), &self.device)?
+        };
+        x * mask.reshape(x.shape())?.to_dtype(x.dtype())?
     }
 
     fn apply_rope(&self, x: &Tensor) -> Result<Tensor> {
@@ -697,7 +707,7 @@ impl Model {
         x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
     }
 
-    fn attention(&self, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
+    fn attention(&self, l: usize, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
         let s = &self.shape;
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
@@ -761,7 +771,7 @@ impl Model {
             let att = (att * scale)?.broadcast_add(&mask)?;
             candle_nn::ops::softmax(&att, D::Minus1)?
         };
-        let att = self.dropout(&att, train)?;
+        let att = self.dropout(&att, train, dropout::site_attention(l), Layout::Attention)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((bsz, t, h * hd))?;
         self.linear(&b.o, &y)
     }
@@ -798,14 +808,14 @@ impl Model {
             let pos = self.cast(wpe)?.narrow(0, 0, t)?;
             x = x.broadcast_add(&pos)?;
         }
-        x = self.dropout(&x, train)?;
-        for b in &self.blocks {
+        x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
+        for (l, b) in self.blocks.iter().enumerate() {
             let h = self.norm(&b.ln1, &x)?;
-            let a = self.attention(b, &h, train)?;
-            x = (x + self.dropout(&a, train)?)?;
+            let a = self.attention(l, b, &h, train)?;
+            x = (x + self.dropout(&a, train, dropout::site_attention_out(l), Layout::Rows)?)?;
             let h = self.norm(&b.ln2, &x)?;
             let m = self.mlp(b, &h)?;
-            x = (x + self.dropout(&m, train)?)?;
+            x = (x + self.dropout(&m, train, dropout::site_mlp_out(l), Layout::Rows)?)?;
         }
         let x = self
             .norm(&self.ln_f, &x)?
@@ -838,8 +848,8 @@ impl Model {
     }
 
     /// The weights for the whole-model CUDA step, when this model is one it runs: bf16 on
-    /// CUDA, no LoRA, no dropout, all trainable, widths multiples of 8 (16-byte accesses),
-    /// an even head dim; grouped-query attention needs flash attention (head dim 64).
+    /// CUDA, no LoRA, all trainable, widths multiples of 8 (16-byte accesses), an even head
+    /// dim; grouped-query attention and dropout need flash attention (head dim 64).
     pub fn step_weights(&self) -> Option<StepWeights> {
         let s = &self.shape;
         let hd = s.head_dim();
@@ -852,8 +862,7 @@ impl Model {
             && s.hidden.is_multiple_of(8)
             && s.n_kv_head > 0
             && s.n_head.is_multiple_of(s.n_kv_head)
-            && (s.n_kv_head == s.n_head || flash)
-            && s.dropout <= 0.0
+            && ((s.n_kv_head == s.n_head && s.dropout <= 0.0) || flash)
             && self.params.iter().all(|p| p.trainable && !p.kind.is_lora());
         if !fits {
             return None;
@@ -888,6 +897,7 @@ impl Model {
             autotune: s.kernels.autotune,
             graphs: s.kernels.graphs,
             overlap: s.kernels.overlap,
+            dropout: s.dropout.max(0.0),
             layers,
             ln_f: norm(&self.ln_f),
             head: self.lm_head.clone(),

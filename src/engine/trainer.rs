@@ -693,8 +693,8 @@ impl Trainer {
         let inject_nan = self.take_nan_fault();
         for a in 0..self.accum {
             // Dropout masks depend only on (seed, step, micro-batch): a resumed run draws the same.
-            self.model
-                .reseed_dropout(self.cfg.run.seed ^ (self.step.wrapping_mul(1 << 16) + a as u64));
+            let seed = super::dropout::micro_seed(self.cfg.run.seed, self.step, a);
+            self.model.reseed_dropout(seed);
             let (batch, w) = self.loader.next_batch();
             wait += w;
             let (x, y) = self.batch_tensors(&batch)?;
@@ -773,9 +773,11 @@ impl Trainer {
         whole.begin(std::mem::take(&mut self.weights_copied))?;
         let tokens = (self.micro_batch * self.model.shape.seq_len * self.accum) as f32;
         let g = if inject_nan { f32::NAN } else { 1.0 / tokens };
-        for _ in 0..self.accum {
+        for a in 0..self.accum {
             let (batch, w) = self.loader.next_batch();
             wait += w;
+            // The same masks as the per-op path draws (a pure function of this seed).
+            whole.set_dropout_seed(super::dropout::micro_seed(self.cfg.run.seed, self.step, a));
             whole.micro(&batch.inputs, &batch.targets, batch.batch, g)?;
         }
         let mut sumsq_val = 0.0;

@@ -14,7 +14,12 @@
 // dynamic shared memory bytes = 0 everywhere, no cuFuncSetAttribute needed.
 //
 // FORWARD (one launch):
-//   flash_fwd_bf16(const bf16* qkv, bf16* o, float* lse, int B, int T, int H, int KVH, float scale)
+//   flash_fwd_bf16(const bf16* qkv, bf16* o, float* lse, int B, int T, int H, int KVH, float scale,
+//                  const u64* seed, u32 site, u32 thr, float dscale, u16* mbits)
+//     Dropout of the probabilities where thr > 0 (kernels.cu's attention layout, the seed read
+//     from the device): the kept-flags go to mbits, one u64 per (query row, 64-key tile),
+//     [B·H·T, ceil(T/64)], bit 16·t4 + 2·nt + e of key 8·nt + 2·t4 + e; lse is of the
+//     undropped probabilities. thr = 0: no dropout, seed and mbits unused (may be null).
 //     grid = (B*H, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
 //
 // BACKWARD (three launches, in this order, same stream):
@@ -26,7 +31,9 @@
 //        grid = (ceil(B*T*H / 32), 1, 1), block = (256, 1, 1), dynamic smem = 0
 //        delta = rowsum(o * dout); zeroes dq_acc.
 //   2. flash_bwd_bf16(const bf16* qkv, const bf16* dout, const float* lse, const float* delta,
-//                     float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH, float scale)
+//                     float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH, float scale,
+//                     u32 thr, float dscale, const u64* mbits)
+//        (dropout: the forward's kept-flags; delta stays rowsum(o * dout))
 //        grid = (B*KVH, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
 //        parallel over key blocks of 64 of one key/value head, looping over the H/KVH query
 //        heads that share it (dk, dv summed in registers, no atomics); writes dk, dv into dqkv;
@@ -151,9 +158,11 @@ __device__ __forceinline__ void fa_ldA_t(uint32_t s, int m0, int k0, int lane, u
 // Forward. Block = 64 query rows of one (b, h); warp w owns rows 16w..16w+15. K/V tiles of 64
 // keys are double-buffered through shared memory with cp.async; tiles above the diagonal are
 // skipped. Heavy (late) query blocks are scheduled first.
-extern "C" __global__ void __launch_bounds__(FA_THREADS, 4)
-flash_fwd_bf16(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
-               float* __restrict__ lse, int B, int T, int H, int KVH, float scale) {
+template <bool DROP>
+__device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
+               float* __restrict__ lse, int B, int T, int H, int KVH, float scale,
+               const unsigned long long* __restrict__ seed, uint32_t site, uint32_t thr,
+               float dscale, uint16_t* __restrict__ mbits) {
     __shared__ __align__(128) __nv_bfloat16 sQ[FA_BM * FA_D];
     __shared__ __align__(128) __nv_bfloat16 sK[2][FA_BN * FA_D];
     __shared__ __align__(128) __nv_bfloat16 sV[2][FA_BN * FA_D];
@@ -165,20 +174,21 @@ flash_fwd_bf16(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict_
     const int HD = H * FA_D, KD = KVH * FA_D, ld = HD + 2 * KD;
     const int kvh = h / (H / KVH);
     const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * FA_D;
-    const __nv_bfloat16* kg = qkv + (size_t)b * T * ld + HD + kvh * FA_D;
-    const __nv_bfloat16* vg = kg + KD;
+    const int koff = HD + (kvh - h) * FA_D;  // k of this head's group, from q (v: + KD)
     const int q0 = qb * FA_BM;
     const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK[0]), sVa = fa_smem_u32(sV[0]);
     const uint32_t TILE = FA_BN * FA_D * 2;
 
     fa_load_tile(sQa, qg, ld, q0, T, tid);
-    fa_load_tile(sKa, kg, ld, 0, T, tid);
-    fa_load_tile(sVa, vg, ld, 0, T, tid);
+    fa_load_tile(sKa, qg + koff, ld, 0, T, tid);
+    fa_load_tile(sVa, qg + koff + KD, ld, 0, T, tid);
     fa_cp_commit();
 
     const int nkv = qb + 1;
     const float sl2 = scale * 1.4426950408889634f;
     const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+    const unsigned long long sd = DROP ? *seed : 0ull;
+    const int nkt = (T + FA_BN - 1) / FA_BN;
 
     uint32_t qf[4][4];
     float oacc[8][4];
@@ -197,8 +207,8 @@ flash_fwd_bf16(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict_
         }
         if (j + 1 < nkv) {
             const uint32_t nb = ((j + 1) & 1) * TILE;
-            fa_load_tile(sKa + nb, kg, ld, (j + 1) * FA_BN, T, tid);
-            fa_load_tile(sVa + nb, vg, ld, (j + 1) * FA_BN, T, tid);
+            fa_load_tile(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
+            fa_load_tile(sVa + nb, qg + koff + KD, ld, (j + 1) * FA_BN, T, tid);
             fa_cp_commit();
         }
         const uint32_t kb = sKa + (j & 1) * TILE, vb = sVa + (j & 1) * TILE;
@@ -261,6 +271,29 @@ flash_fwd_bf16(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict_
             l0 += s[nt][0] + s[nt][1];
             l1 += s[nt][2] + s[nt][3];
         }
+        if (DROP) {  // dropout after the row sums: the normaliser is of the undropped row
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const unsigned long long r = (unsigned long long)bh * T + (hf ? row1 : row0);
+                const Philox4 c0 = philox4x32_10((uint32_t)r, (uint32_t)(r >> 32),
+                                                 8 * j + 2 * t4, site, (uint32_t)sd,
+                                                 (uint32_t)(sd >> 32));
+                const Philox4 c1 = philox4x32_10((uint32_t)r, (uint32_t)(r >> 32),
+                                                 8 * j + 2 * t4 + 1, site, (uint32_t)sd,
+                                                 (uint32_t)(sd >> 32));
+                uint32_t bits = 0;
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const uint32_t u = philox_u16(nt < 4 ? c0 : c1, 2 * (nt & 3) + e);
+                        const bool keep = u >= thr;
+                        bits |= (keep ? 1u : 0u) << (2 * nt + e);
+                        s[nt][2 * hf + e] = keep ? s[nt][2 * hf + e] * dscale : 0.f;
+                    }
+                if ((hf ? row1 : row0) < T) mbits[((size_t)r * nkt + j) * 4 + t4] = (uint16_t)bits;
+            }
+        }
 
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
@@ -308,6 +341,19 @@ flash_fwd_bf16(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict_
             *reinterpret_cast<uint4*>(o + ((size_t)b * T + grow) * HD + h * FA_D + c * 8) =
                 *reinterpret_cast<const uint4*>(sQc + fa_swz(warp * 16 + r, c * 8));
     }
+}
+
+// Two entry points, so that the plain forward keeps its registers (the dropout variant spills
+// a few): the launcher picks flash_fwd_drop_bf16 when thr > 0.
+#define FA_FWD_ARGS                                                                              \
+    const __nv_bfloat16 *__restrict__ qkv, __nv_bfloat16 *__restrict__ o, float *__restrict__ lse, \
+        int B, int T, int H, int KVH, float scale, const unsigned long long *__restrict__ seed,  \
+        uint32_t site, uint32_t thr, float dscale, uint16_t *__restrict__ mbits
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_bf16(FA_FWD_ARGS) {
+    flash_fwd<false>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits);
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_drop_bf16(FA_FWD_ARGS) {
+    flash_fwd<true>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -416,7 +462,8 @@ extern "C" __global__ void __launch_bounds__(FA_BWD_THREADS, (FA_BWD_NW == 8 ? 1
 flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta,
                float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, int H,
-               int KVH, float scale) {
+               int KVH, float scale, uint32_t thr, float dscale,
+               const unsigned long long* __restrict__ mbits) {
     constexpr int BN = FA_BWD_BN, NT = FA_BWD_THREADS;
     constexpr int DQN = FA_BWD_DQN, DQNT = FA_BWD_DQNT, NKC = BN / 16, DQMT = FA_BWD_DQMT;
     constexpr int DQR = DQMT * 16;  // dQ rows per warp
@@ -437,6 +484,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
     const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
     const int nq = (T + FA_BM - 1) / FA_BM;
     const int ntile = nq - k0 / FA_BM;  // query tiles per query head
+    const int nkt = (T + FA_BM - 1) / FA_BM;
     const float L2E = 1.4426950408889634f;
     const float sl2 = scale * L2E;
 
@@ -562,14 +610,30 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                     fa_mma(dpt[2 * np + 1], va[kc], b2, b3);
                 }
             }
-            // dS^T = P^T * (dP^T - delta[q])
+            // dS^T = P^T * (dP^T - delta[q]); with dropout dP is the dropped one's gradient
+            // through the mask, and dV takes the dropped P^T
+            const int jk = kr0 & 63;  // this thread's first key in its 64-key tile (kr1: +8)
+            const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, nt * 4 + t4);
-                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dl);
-                    dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
+                    if (thr) {
+                        const int q = q0 + nt * 8 + t4 * 2 + e;
+                        const unsigned long long m =
+                            q < T ? __ldg(mbits + ((size_t)(b * H + h) * T + q) * nkt + (kr0 >> 6))
+                                  : 0ull;
+                        const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
+                        const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
+                        dpt[nt][e] = st[nt][e] * (dpt[nt][e] * m0 - dl);
+                        dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] * m1 - dl);
+                        st[nt][e] *= m0;
+                        st[nt][2 + e] *= m1;
+                    } else {
+                        dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dl);
+                        dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
+                    }
                 }
             // dV += P^T dO ; dK += dS^T Q   (k = query dim); dS^T -> smem for dQ
             char* sdSc = reinterpret_cast<char*>(sdS);

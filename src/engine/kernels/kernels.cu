@@ -31,6 +31,82 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dropout masks from a counter-based RNG: Philox4x32-10 (Salmon et al., SC'11), keyed by the
+// micro-batch's 64-bit seed; the counter names the element, so a mask is a pure function of
+// (seed, site, element) — a replayed step draws the same one, on any device, in any order.
+// src/engine/dropout.rs is the same arithmetic on the host (the CPU path and the tests).
+// Each call gives 128 bits = eight 16-bit uniforms u; an element is kept iff u >= thr, where
+// thr = round(p·65536), and a kept value is scaled by 65536 / (65536 − thr).
+//   rows [rows, cols] (embedding and residual dropout): element (r, c) ↦ counter
+//     (r lo, r hi, c / 8, site), uniform (c mod 8) — eight adjacent columns per call.
+//   attention probabilities [B·H·T, T]: element (query row r, key j) with j = 64·tile + jj,
+//     jj = 8·nt + 2·t4 + e ↦ counter (r lo, r hi, 8·tile + 2·t4 + nt / 4, site), uniform
+//     2·(nt mod 4) + e — the layout of flash attention's mma fragments (a thread's 16 keys
+//     of a 64-key tile in two calls).
+struct Philox4 {
+    uint32_t v[4];
+};
+__device__ __forceinline__ Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
+                                                 uint32_t c3, uint32_t k0, uint32_t k1) {
+#pragma unroll
+    for (int i = 0; i < 10; i++) {
+        const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    Philox4 r;
+    r.v[0] = c0;
+    r.v[1] = c1;
+    r.v[2] = c2;
+    r.v[3] = c3;
+    return r;
+}
+// The 16-bit uniform i (0..7) of a call.
+__device__ __forceinline__ uint32_t philox_u16(const Philox4& r, int i) {
+    return (r.v[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
+}
+// Eight kept flags (bit i: uniform i kept) of the rows layout's call for (row, col / 8).
+__device__ __forceinline__ uint32_t drop_bits8(unsigned long long seed, uint32_t site,
+                                               unsigned long long row, uint32_t col8,
+                                               uint32_t thr) {
+    const Philox4 r = philox4x32_10((uint32_t)row, (uint32_t)(row >> 32), col8, site,
+                                    (uint32_t)seed, (uint32_t)(seed >> 32));
+    uint32_t bits = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) bits |= (philox_u16(r, i) >= thr ? 1u : 0u) << i;
+    return bits;
+}
+
+// The mask (0 or scale) of either layout as f32 [rows, cols] (the per-op path multiplies by it).
+extern "C" __global__ void dropout_mask_f32(float* __restrict__ out, int rows, int cols,
+                                            unsigned long long seed, uint32_t site, uint32_t thr,
+                                            float scale, int attn) {
+    const size_t total = (size_t)rows * cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const unsigned long long r = i / cols;
+        const uint32_t c = (uint32_t)(i % cols);
+        uint32_t ctr2, u;
+        if (attn) {
+            const uint32_t tile = c >> 6, jj = c & 63, nt = jj >> 3, t4 = (jj >> 1) & 3;
+            ctr2 = 8 * tile + 2 * t4 + (nt >> 2);
+            u = 2 * (nt & 3) + (jj & 1);
+        } else {
+            ctr2 = c >> 3;
+            u = c & 7;
+        }
+        const Philox4 p = philox4x32_10((uint32_t)r, (uint32_t)(r >> 32), ctr2, site,
+                                        (uint32_t)seed, (uint32_t)(seed >> 32));
+        out[i] = philox_u16(p, u) >= thr ? scale : 0.f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Causal softmax over the last dim of attention scores [rows = B·H·Tq, Tk]:
 // y[i, j] = softmax_j(scale · x[i, j]) over j ≤ i mod Tq + (Tk − Tq); masked entries are 0.
 // One warp per row.
@@ -710,7 +786,8 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
                                               const bf16_t* __restrict__ w,
                                               const bf16_t* __restrict__ b,
                                               bf16_t* __restrict__ out, int n, int d, float eps,
-                                              int rms) {
+                                              int rms, const unsigned long long* seed,
+                                              uint32_t site, uint32_t thr, float dscale) {
     const int warps = blockDim.x >> 5;
     const int row = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -719,9 +796,14 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
     if (y != nullptr) {
         const bf16_t* yr = y + (size_t)row * d;
         bf16_t* rr = res + (size_t)row * d;
-        for (int j = lane; j < d; j += 32)
-            rr[j] = __float2bfloat16(to_f(src[j]) + to_f(yr[j]) +
-                                     (bias != nullptr ? to_f(bias[j]) : 0.f));
+        for (int j = lane; j < d; j += 32) {
+            float u = to_f(yr[j]) + (bias != nullptr ? to_f(bias[j]) : 0.f);
+            if (thr) {
+                const uint32_t keep = drop_bits8(*seed, site, row, j >> 3, thr);
+                u = (keep >> (j & 7)) & 1 ? __bfloat162float(__float2bfloat16(u)) * dscale : 0.f;
+            }
+            rr[j] = __float2bfloat16(to_f(src[j]) + u);
+        }
         __syncwarp();
         src = rr;
     }
@@ -779,12 +861,15 @@ __device__ __forceinline__ float2 row_stats_v8(const Bf8 (&r)[CH], int lane, int
 // The residual add fused with the next norm: res = x + y + bias (y null: res is x; bias may
 // be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm). The statistics come from the
 // rounded bf16 residual as stored, which is what the backward recomputes them from.
+// With thr > 0, y + bias goes through dropout first (rows layout, site `site`, the seed read
+// from the device so that a captured graph draws a new mask per micro-batch).
 template <int CH>
 __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ y,
                                  const bf16_t* __restrict__ bias, bf16_t* res,
                                  const bf16_t* __restrict__ w, const bf16_t* __restrict__ b,
                                  bf16_t* __restrict__ out, float2* __restrict__ stats, int n,
-                                 int d, float eps, int rms) {
+                                 int d, float eps, int rms, const unsigned long long* seed,
+                                 uint32_t site, uint32_t thr, float dscale) {
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -801,10 +886,20 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                     yv.u = *reinterpret_cast<const uint4*>(y + o);
                     bv.u = bias != nullptr ? *reinterpret_cast<const uint4*>(bias + col0)
                                            : make_uint4(0, 0, 0, 0);
+                    const uint32_t keep =
+                        thr ? drop_bits8(*seed, site, row, col0 >> 3, thr) : 0xFFu;
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         const float2 a = bf2f(r[c], i), e = bf2f(yv, i), f = bf2f(bv, i);
-                        r[c].h[i] = __floats2bfloat162_rn(a.x + e.x + f.x, a.y + e.y + f.y);
+                        float u0 = e.x + f.x, u1 = e.y + f.y;
+                        if (thr) {
+                            // (rounded to bf16 first, as the per-op model's projection output)
+                            u0 = __bfloat162float(__float2bfloat16(u0));
+                            u1 = __bfloat162float(__float2bfloat16(u1));
+                            u0 = (keep >> (2 * i)) & 1 ? u0 * dscale : 0.f;
+                            u1 = (keep >> (2 * i + 1)) & 1 ? u1 * dscale : 0.f;
+                        }
+                        r[c].h[i] = __floats2bfloat162_rn(a.x + u0, a.y + u1);
                     }
                     *reinterpret_cast<uint4*>(res + o) = r[c].u;
                 }
@@ -1038,8 +1133,10 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, FWD_MINB) residual_norm_v8_bf16_##CH(     \
         const bf16_t* x, const bf16_t* y, const bf16_t* bias, bf16_t* res, const bf16_t* w,     \
-        const bf16_t* b, bf16_t* out, float2* stats, int n, int d, float eps, int rms) {        \
-        residual_norm_v8<CH>(x, y, bias, res, w, b, out, stats, n, d, eps, rms);                \
+        const bf16_t* b, bf16_t* out, float2* stats, int n, int d, float eps, int rms,          \
+        const unsigned long long* seed, uint32_t site, uint32_t thr, float dscale) {            \
+        residual_norm_v8<CH>(x, y, bias, res, w, b, out, stats, n, d, eps, rms, seed, site, thr, \
+                             dscale);                                                           \
     }
 COCKPIT_NORM_V8(1, 4, 3)
 COCKPIT_NORM_V8(2, 4, 3)
@@ -1252,6 +1349,30 @@ extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t,
         const float x1 = to_f(xr[j]), x2 = to_f(xr[j + half]);
         xr[j] = __float2bfloat16(x1 * c - x2 * sn);
         xr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+    }
+}
+
+// y = dropout(x) over bf16 [n, d] (rows layout; d a multiple of 8; y may be x): the
+// embedding's dropout, and in the backward the masked copies of the residual gradient.
+extern "C" __global__ void dropout_rows_v8_bf16(const bf16_t* x, bf16_t* y, size_t total8, int d8,
+                                                const unsigned long long* __restrict__ seed,
+                                                uint32_t site, uint32_t thr, float dscale) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* yv = reinterpret_cast<uint4*>(y);
+    const unsigned long long sd = *seed;
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < total8;
+         q += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = q / d8;
+        const uint32_t keep = drop_bits8(sd, site, row, (uint32_t)(q % d8), thr);
+        Bf8 a, o;
+        a.u = xv[q];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float2 f = __bfloat1622float2(a.h[i]);
+            o.h[i] = __floats2bfloat162_rn((keep >> (2 * i)) & 1 ? f.x * dscale : 0.f,
+                                           (keep >> (2 * i + 1)) & 1 ? f.y * dscale : 0.f);
+        }
+        yv[q] = o.u;
     }
 }
 

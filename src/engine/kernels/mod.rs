@@ -125,6 +125,16 @@ mod cpu_stubs {
     pub fn embedding(_ids: &Tensor, _w: &Tensor) -> Result<Tensor> {
         no_cuda()
     }
+    pub fn dropout_mask(
+        _device: &candle_core::Device,
+        _shape: (usize, usize),
+        _seed: u64,
+        _site: u32,
+        _p: f64,
+        _layout: crate::engine::dropout::Layout,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
     pub fn adamw_update(
         _w: &Tensor,
         _g: &Tensor,

@@ -41,8 +41,11 @@ pub(super) enum Buf {
     Dh = 1,
     /// The packed q|k|v gradient (q|k|v weight gradient and bias).
     Dqkv = 2,
+    /// With dropout: the residual gradient through a dropout mask (the attention-out and
+    /// MLP-down projections' output gradient).
+    Dmask = 3,
 }
-const BUFS: usize = 3;
+const BUFS: usize = 4;
 
 pub(super) struct Side {
     /// `raw`, wrapped for cudarc's launch builder (borrowed: dropping it destroys nothing).

@@ -42,6 +42,7 @@ use super::cuda::{err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, MOD
 use super::lt::{Epi, Lt, Mm, Operand};
 use super::side::{Buf, Side};
 use super::WeightCopy;
+use crate::engine::dropout;
 use crate::engine::events::KernelTime;
 use crate::engine::model::{StepWeights, WeightBias};
 
@@ -56,6 +57,7 @@ fn align(n: usize) -> usize {
 enum Arg {
     P(u64),
     I(i32),
+    U(u32),
     F(f32),
 }
 
@@ -175,6 +177,8 @@ struct Kernels {
     swiglu_fwd: Kern,
     swiglu_bwd: Kern,
     flash_fwd: Kern,
+    flash_fwd_drop: Kern,
+    dropout_rows: Kern,
     flash_pre: Kern,
     flash_bwd: Kern,
     flash_dq: Kern,
@@ -250,6 +254,8 @@ impl Kernels {
             swiglu_fwd: f("swiglu_fwd_v8_bf16")?,
             swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
             flash_fwd: f("flash_fwd_bf16")?,
+            flash_fwd_drop: named("flash_fwd_drop_bf16", "flash_fwd")?,
+            dropout_rows: f("dropout_rows_v8_bf16")?,
             flash_pre: f("flash_bwd_preprocess_bf16")?,
             flash_bwd: f("flash_bwd_bf16")?,
             flash_dq: f("flash_bwd_dq_convert_bf16")?,
@@ -370,6 +376,11 @@ struct Lay {
     dheads: u64,
     dyh: u64,
     dprob: u64,
+    /// With dropout: the residual gradient through a mask [N, C] (bf16), flash attention's
+    /// kept-flags per layer (u64 [B·H·T, ⌈T/64⌉]) and the micro-batch's seed (one u64).
+    dmask: u64,
+    mbits: Vec<u64>,
+    seed: u64,
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     lse_att: Vec<u64>,
     fa_scratch: u64,
@@ -384,6 +395,8 @@ struct Lay {
 
 struct Arena {
     _bf: CudaSlice<bf16>,
+    /// The dropout seed (one u64), then the kept-flags of every layer.
+    words: CudaSlice<u64>,
     f32s: CudaSlice<f32>,
     ids: CudaSlice<u32>,
     targets: CudaSlice<u32>,
@@ -473,6 +486,11 @@ pub struct GptStep {
     axpy_table: Option<CudaSlice<u64>>,
     /// Micro-batches since `begin` (the loss read-back divides by their tokens).
     micro: usize,
+    /// Dropout: the keep threshold (0: none) and a kept element's scale ([`dropout`]).
+    drop_thr: u32,
+    drop_scale: f32,
+    /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
+    drop_seed: u64,
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
@@ -509,6 +527,9 @@ impl GptStep {
                 "whole-model step: {n_kv_head} key/value heads for {n_head} heads (grouped-query \
                  attention needs flash attention, head dim 64)"
             )));
+        }
+        if w.dropout > 0.0 && !flash {
+            return Err(err("whole-model step: dropout needs flash attention (head dim 64)"));
         }
         if !c.is_multiple_of(8) || !hidden.is_multiple_of(8) {
             return Err(err(format!(
@@ -652,6 +673,9 @@ impl GptStep {
             cast_table: None,
             axpy_table: None,
             micro: 0,
+            drop_thr: dropout::threshold(w.dropout),
+            drop_scale: dropout::keep_scale(dropout::threshold(w.dropout)),
+            drop_seed: 0,
         })
     }
 
@@ -700,6 +724,7 @@ impl GptStep {
                 match a {
                     Arg::P(p) => b.arg(p),
                     Arg::I(i) => b.arg(i),
+                    Arg::U(u) => b.arg(u),
                     Arg::F(x) => b.arg(x),
                 };
             }
@@ -1144,6 +1169,8 @@ impl GptStep {
         let dheads = take(heads_len);
         let dyh = take(heads_len / 3);
         let dprob = take(probs);
+        let drop = self.drop_thr > 0;
+        let dmask = take(if drop { nc } else { 0 });
         let bf_len = next;
         // f32: the loss accumulator [N], then (flash) the per-layer attention
         // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
@@ -1160,6 +1187,15 @@ impl GptStep {
         // SAFETY: every activation is written before it is read within a micro-batch.
         let bf = unsafe { self.dev.alloc::<bf16>(bf_len)? };
         let f32s = self.dev.alloc_zeros::<f32>(f_len)?;
+        // u64 words: the seed, then each layer's kept-flags (aligned to 16 words).
+        let nkt = t.div_ceil(64);
+        let bits_len = if drop {
+            (b * self.n_head * t * nkt).div_ceil(16) * 16
+        } else {
+            0
+        };
+        let words = self.dev.alloc_zeros::<u64>(16 + l * bits_len)?;
+        let wbase = ptr(&words, &self.stream);
         let ids = self.dev.alloc_zeros::<u32>(n)?;
         let targets = self.dev.alloc_zeros::<u32>(n)?;
         let base = ptr(&bf, &self.stream);
@@ -1192,6 +1228,11 @@ impl GptStep {
             dheads: at(dheads),
             dyh: at(dyh),
             dprob: at(dprob),
+            dmask: at(dmask),
+            mbits: (0..l)
+                .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
+                .collect(),
+            seed: wbase,
             lse_att: (0..l)
                 .map(|i| fbase + 4 * (f_lse_att + i * align(bht)) as u64)
                 .collect(),
@@ -1205,6 +1246,7 @@ impl GptStep {
         };
         self.arena = Some(Arena {
             _bf: bf,
+            words,
             f32s,
             ids,
             targets,
@@ -1313,6 +1355,11 @@ impl GptStep {
             let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
             self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
             self.stream.memcpy_htod(targets, &mut a.targets).w()?;
+            if self.drop_thr > 0 {
+                // (Read by the kernels from the device: a replayed graph draws new masks.)
+                let mut seed = a.words.slice_mut(0..1);
+                self.stream.memcpy_htod(&[self.drop_seed], &mut seed).w()?;
+            }
         }
         self.run_micro(self.micro == 0, g)?;
         self.micro += 1;
@@ -1356,6 +1403,12 @@ impl GptStep {
                 self.fwd_bwd(&lay, g, first)
             }
         }
+    }
+
+    /// The dropout seed of the next micro-batches ([`dropout::micro_seed`]: the candle model
+    /// draws the same masks from it).
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.drop_seed = seed;
     }
 
     /// How many micro-batch graphs the current arena holds (for tests and diagnostics).
@@ -1510,10 +1563,13 @@ impl GptStep {
                 Arg::I(i32_of(self.vocab, "vocab")?),
             ],
         )?;
+        if self.drop_thr > 0 {
+            self.drop_rows(a, a.res[0], a.res[0], n, dropout::site_embedding())?;
+        }
         // LN1 of layer 0 (no residual add before it).
         let l0 = self.layers[0];
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
-        self.residual_norm(a.res[0], 0, 0, 0, ln, a.ln1[0], n)?;
+        self.residual_norm(a, (a.res[0], 0, 0, None), 0, ln, a.ln1[0], n)?;
         for (l, li) in self.layers.iter().enumerate() {
             // qkv = ln1·Wqkvᵀ (+ b)
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
@@ -1523,8 +1579,8 @@ impl GptStep {
             // mid = res + atty·Woᵀ (+ bo), ln2 = Norm2(mid)
             self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
             let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
-            let o_b = self.wb(li.o_b);
-            self.residual_norm(a.res[l], a.tmp, o_b, a.mid[l], ln, a.ln2[l], n)?;
+            let y = (a.res[l], a.tmp, self.wb(li.o_b), Some(dropout::site_attention_out(l)));
+            self.residual_norm(a, y, a.mid[l], ln, a.ln2[l], n)?;
             // MLP: act(ln2·Wupᵀ (+ b)), then ·Wdownᵀ (+ b) added to the residual, fused with
             // the next layer's norm (or the final one).
             self.mlp_act_fwd(a, l, li)?;
@@ -1534,8 +1590,8 @@ impl GptStep {
                 None => (self.lnf.0, self.lnf.1, a.lnf),
             };
             let ln = (nw, nb, a.stats[2 * l + 2]);
-            let down_b = self.wb(li.down_b);
-            self.residual_norm(a.mid[l], a.tmp, down_b, a.res[l + 1], ln, out, n)?;
+            let y = (a.mid[l], a.tmp, self.wb(li.down_b), Some(dropout::site_mlp_out(l)));
+            self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
         }
         // logits = lnf·headᵀ into rows of stride vpad, then per-row CE, whose gradient
         // (scaled by g) overwrites the logits in the same pass.
@@ -1592,11 +1648,11 @@ impl GptStep {
     /// The MLP activation's backward of layer `l`: from the residual gradient `dres` through
     /// the down projection (`down`) to the pre-activation's gradient in `dh`; its width (the
     /// up projection's output: F, or 2F for SwiGLU's packed gate|up).
-    fn mlp_act_bwd(&self, a: &Lay, l: usize, li: &LayerIdx, down: Lin) -> Result<usize> {
+    fn mlp_act_bwd(&self, a: &Lay, l: usize, li: &LayerIdx, dy: u64, down: Lin) -> Result<usize> {
         let (n, f) = (a.b * self.t, self.hidden);
         let dact = if self.swiglu { a.dact } else { a.dh };
         if self.swiglu {
-            self.lin_dx(a.dres, self.w(li.down_w), dact, down)?;
+            self.lin_dx(dy, self.w(li.down_w), dact, down)?;
             self.launch(
                 &self.k.swiglu_bwd,
                 flat_cfg(n * f / 8),
@@ -1617,9 +1673,9 @@ impl GptStep {
             aux: a.fc[l],
             ld: f,
         };
-        let mm = down.dx(a.dres, self.w(li.down_w), a.dh);
+        let mm = down.dx(dy, self.w(li.down_w), a.dh);
         if !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
-            self.lin_dx(a.dres, self.w(li.down_w), a.dh, down)?;
+            self.lin_dx(dy, self.w(li.down_w), a.dh, down)?;
             self.launch(
                 &self.k.gelu_bwd,
                 flat_cfg(n * f / 8),
@@ -1654,7 +1710,10 @@ impl GptStep {
         )?;
         // d(final residual) = the final norm's backward
         let last = self.n_layer;
-        let down_b = |l: usize| self.layers.get(l).map_or(0, |li| self.gb(li.down_b));
+        // The norm backward sums the residual gradient's columns into the projection bias
+        // below it as it goes — unless dropout sits between them.
+        let fuse = |g: u64| if self.drop_thr > 0 { 0 } else { g };
+        let down_b = |l: usize| fuse(self.layers.get(l).map_or(0, |li| self.gb(li.down_b)));
         let mut down_b_done = self.norm_bwd(
             a.res[last],
             self.lnf,
@@ -1673,14 +1732,15 @@ impl GptStep {
         for (l, li) in self.layers.iter().enumerate().rev() {
             // MLP down projection: res[l+1] = mid + act·Wdownᵀ (+ b)
             let down = Lin::new(n, f, c, c);
+            let (dy, dy_buf) = self.drop_grad(a, dropout::site_mlp_out(l))?;
             if let (Some(db), false) = (li.down_b, down_b_done) {
-                self.col_sum(a.dres, self.g(db), n, c)?;
+                self.col_sum(dy, self.g(db), n, c)?;
             }
             let side = self.fork()?;
-            self.lin_dw_on(side, a.gelu[l], a.dres, self.g(li.down_w), down, first)?;
-            self.release(Buf::Dres)?;
+            self.lin_dw_on(side, a.gelu[l], dy, self.g(li.down_w), down, first)?;
+            self.release(dy_buf)?;
             self.reclaim(Buf::Dh)?;
-            let up_out = self.mlp_act_bwd(a, l, li, down)?;
+            let up_out = self.mlp_act_bwd(a, l, li, dy, down)?;
             let side = self.fork()?;
             if let Some(ub) = li.up_b {
                 self.col_sum_on(side.unwrap_or(main), a.dh, self.g(ub), n, up_out)?;
@@ -1698,17 +1758,18 @@ impl GptStep {
                 a.stats[2 * l + 1],
                 n,
                 true,
-                self.gb(li.o_b),
+                fuse(self.gb(li.o_b)),
             )?;
-            // attention output projection: mid = res + atty·Woᵀ (+ bo)
+            // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
             let o = Lin::new(n, c, c, c);
+            let (dy, dy_buf) = self.drop_grad(a, dropout::site_attention_out(l))?;
             if let (Some(ob), false) = (li.o_b, o_b_done) {
-                self.col_sum(a.dres, self.g(ob), n, c)?;
+                self.col_sum(dy, self.g(ob), n, c)?;
             }
             let side = self.fork()?;
-            self.lin_dw_on(side, a.atty[l], a.dres, self.g(li.o_w), o, first)?;
-            self.release(Buf::Dres)?;
-            self.lin_dx(a.dres, self.w(li.o_w), a.da, o)?;
+            self.lin_dw_on(side, a.atty[l], dy, self.g(li.o_w), o, first)?;
+            self.release(dy_buf)?;
+            self.lin_dx(dy, self.w(li.o_w), a.da, o)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
@@ -1735,6 +1796,9 @@ impl GptStep {
                 true,
                 below,
             )?;
+        }
+        if self.drop_thr > 0 {
+            self.drop_rows(a, a.dres, a.dres, n, dropout::site_embedding())?;
         }
         // embeddings: token rows by an atomic scatter, positions summed over the batch
         self.launch(
@@ -1764,8 +1828,13 @@ impl GptStep {
         let bh = b * h;
         let scale = 1.0 / (hd as f32).sqrt();
         if self.flash {
+            let kern = if self.drop_thr > 0 {
+                &self.k.flash_fwd_drop
+            } else {
+                &self.k.flash_fwd
+            };
             return self.launch(
-                &self.k.flash_fwd,
+                kern,
                 self.flash_grid(b, h),
                 &[
                     Arg::P(a.qkv[l]),
@@ -1776,6 +1845,11 @@ impl GptStep {
                     Arg::I(i32_of(h, "H")?),
                     Arg::I(i32_of(self.n_kv_head, "KV heads")?),
                     Arg::F(scale),
+                    Arg::P(a.seed),
+                    Arg::U(dropout::site_attention(l)),
+                    Arg::U(self.drop_thr),
+                    Arg::F(self.drop_scale),
+                    Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
                 ],
             );
         }
@@ -1866,6 +1940,9 @@ impl GptStep {
                     Arg::I(hi),
                     Arg::I(kvi),
                     Arg::F(scale),
+                    Arg::U(self.drop_thr),
+                    Arg::F(self.drop_scale),
+                    Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
                 ],
             )?;
             return self.launch(
@@ -1974,6 +2051,37 @@ impl GptStep {
         }
     }
 
+    /// `y = dropout(x)` over `[n, C]` at `site` (y may be x).
+    fn drop_rows(&self, a: &Lay, x: u64, y: u64, n: usize, site: u32) -> Result<()> {
+        let total8 = n * self.c / 8;
+        self.launch(
+            &self.k.dropout_rows,
+            flat_cfg(total8),
+            &[
+                Arg::P(x),
+                Arg::P(y),
+                Arg::P(total8 as u64),
+                Arg::I(i32_of(self.c / 8, "n_embd")?),
+                Arg::P(a.seed),
+                Arg::U(site),
+                Arg::U(self.drop_thr),
+                Arg::F(self.drop_scale),
+            ],
+        )
+    }
+
+    /// The output gradient of a projection whose output went through dropout at `site` into
+    /// the residual stream: `dres` through the mask (into `dmask`), or `dres` itself without
+    /// dropout; and the scratch buffer that is ([`Buf`], for the side stream's reads).
+    fn drop_grad(&self, a: &Lay, site: u32) -> Result<(u64, Buf)> {
+        if self.drop_thr == 0 {
+            return Ok((a.dres, Buf::Dres));
+        }
+        self.reclaim(Buf::Dmask)?;
+        self.drop_rows(a, a.dres, a.dmask, a.b * self.t, site)?;
+        Ok((a.dmask, Buf::Dmask))
+    }
+
     /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
     /// (`inverse`: rotate back, for their gradients).
     fn rope(&self, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
@@ -1997,19 +2105,19 @@ impl GptStep {
         )
     }
 
-    /// `res = x + y (+ bias)` (y = 0: res is x), `out = Norm(res)` with the weight and
-    /// bias entries of `ln`, whose third part receives the rows' statistics for the backward.
-    #[allow(clippy::too_many_arguments)]
+    /// `res = x + dropout(y (+ bias))` (y = 0: res is x; the dropout at `site` where the model
+    /// has one), `out = Norm(res)` with the weight and bias entries of `ln`, whose third part
+    /// receives the rows' statistics for the backward.
     fn residual_norm(
         &self,
-        x: u64,
-        y: u64,
-        bias: u64,
+        a: &Lay,
+        (x, y, bias, site): (u64, u64, u64, Option<u32>),
         res: u64,
         (w, bn, stats): (usize, Option<usize>, u64),
         out: u64,
         n: usize,
     ) -> Result<()> {
+        let thr = site.map_or(0, |_| self.drop_thr);
         let mut args = vec![
             Arg::P(x),
             Arg::P(y),
@@ -2024,6 +2132,10 @@ impl GptStep {
             Arg::I(i32_of(self.c, "n_embd")?),
             Arg::F(self.eps),
             Arg::I(self.rms as i32),
+            Arg::P(a.seed),
+            Arg::U(site.unwrap_or(0)),
+            Arg::U(thr),
+            Arg::F(self.drop_scale),
         ];
         match &self.k.norm_v8 {
             Some(v8) => {
