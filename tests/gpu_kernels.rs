@@ -937,6 +937,12 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
         }
         (out, step.graphs_captured())
     };
+    let m_names: Vec<String> = Model::new(Shape::from_config(&c, vocab), DType::BF16, dev, 9)
+        .unwrap()
+        .params
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
     let (eager, none) = run(false, false);
     let (graphed, captured) = run(true, true);
     // The weight gradients on a second stream, captured (above) and eager.
@@ -950,10 +956,21 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
         for (i, ((le, ge), (lg, gg))) in eager.iter().zip(other).enumerate() {
             eprintln!("{what}, dropout {p}, step {i}: loss {lg:.6} vs one eager stream {le:.6}");
             assert_eq!(le, lg, "{what}, step {i}: the loss differs");
-            for (a, b) in ge.iter().zip(gg) {
-                // Atomics (embedding, column sums, dQ) sum in any order: equal up to rounding.
-                let e = rel_err(b, a);
-                assert!(e < 1e-5, "{what}, step {i}: gradient rel err {e:.2e}");
+            for (j, (a, b)) in ge.iter().zip(gg).enumerate() {
+                // Atomics (embedding, column sums, dQ) sum in any order: equal up to rounding
+                // — relative to the gradient's size, or absolute for one that is zero in exact
+                // arithmetic (the key bias's: what is left of it is summation noise).
+                let amax = |t: &Tensor| -> f32 {
+                    let t = t.flatten_all().unwrap().abs().unwrap();
+                    t.max(0).unwrap().to_scalar().unwrap()
+                };
+                let d = amax(&(b - a).unwrap());
+                assert!(
+                    d <= 1e-5 * amax(a) + 1e-7,
+                    "{what}, dropout {p}, step {i}: gradient {j} ({}) differs by {d:.2e} (max {:.2e})",
+                    m_names[j],
+                    amax(a)
+                );
             }
         }
     }
