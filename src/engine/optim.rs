@@ -131,8 +131,11 @@ impl AdamW {
                 w.clone()
             };
             slot.var.set(&(w - (update * lr)?)?)?;
-            slot.m = m;
-            slot.v = v;
+            // Detached: a gradient from candle's backward still records the ops that made it
+            // (they reach back through the step's activations), so moments built from it
+            // would keep every earlier step's graph alive — memory growing without bound.
+            slot.m = m.detach();
+            slot.v = v.detach();
         }
         Ok(false)
     }

@@ -721,9 +721,12 @@ impl Trainer {
             }
             for (g, slot) in grads.iter_mut().zip(&self.opt.slots) {
                 if let Some(new) = store.get(slot.var.as_tensor()) {
+                    // Detached: candle's gradient of a variable records the ops that made it,
+                    // which reach back through the whole step's activations.
+                    let new = new.detach();
                     *g = Some(match g.take() {
                         Some(acc) => (acc + new)?,
-                        None => new.clone(),
+                        None => new,
                     });
                 }
             }
