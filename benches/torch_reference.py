@@ -12,6 +12,12 @@ Usage (GPU machine with PyTorch 2.5+ + CUDA, no internet needed):
     python3 benches/torch_reference.py --config configs/gpt2-small.toml --mode compile --json out.json
     python3 benches/torch_reference.py --config configs/llama-small.toml --mode eager --batch 8
     python3 benches/torch_reference.py --set model.dropout=0.2 --set model.bias=false --mode compile
+    python3 benches/torch_reference.py --config configs/llama-small.toml --set lora.enabled=true \
+        --set lora.r=16 --set 'lora.targets=["q","v"]' --mode compile
+
+With `lora.enabled` the base is frozen in bf16 (no gradient, no optimizer state) and fp32
+adapters train on the config's `lora.targets` (`y += alpha/r · (x·Aᵀ)·Bᵀ`, B from zero), as a
+compiled PEFT-style LoRA would.
 
 Modes: `eager` and `compile` use F.scaled_dot_product_attention(is_causal=True, enable_gqa for
 grouped-query attention); `compile` wraps the model (forward + loss) in torch.compile;
@@ -192,13 +198,65 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, self.vocab), targets.view(-1))
 
 
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus LoRA adapters on column slices of its (packed) output."""
+
+    def __init__(self, base, slices, r, alpha):
+        super().__init__()
+        self.base, self.scale = base, alpha / r
+        self.slices = slices  # [(col, width)] in order, adapted or not: (col, width, adapted)
+        self.a = nn.ParameterList()
+        self.b = nn.ParameterList()
+        for _, width, adapted in slices:
+            if adapted:
+                a = torch.empty(r, base.in_features)
+                nn.init.normal_(a, std=1.0 / math.sqrt(base.in_features))
+                self.a.append(nn.Parameter(a))
+                self.b.append(nn.Parameter(torch.zeros(width, r)))
+
+    def forward(self, x):
+        y = self.base(x)
+        parts, k = [], 0
+        for _, width, adapted in self.slices:
+            if adapted:
+                parts.append(((x @ self.a[k].t()) @ self.b[k].t()) * self.scale)
+                k += 1
+            else:
+                parts.append(y.new_zeros(*y.shape[:-1], width))
+        return y + torch.cat(parts, dim=-1)
+
+
+def add_lora(model, lcfg):
+    """Freeze the base in bf16 and put adapters on the configured projections."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+        p.data = p.data.to(torch.bfloat16)
+    targets, r, alpha = set(lcfg["targets"]), lcfg["r"], lcfg["alpha"]
+    for blk in model.blocks:
+        at = blk.attn
+        q, kv = at.h * at.hd, at.kv * at.hd
+        qkv = [(0, q, "q" in targets), (q, kv, "k" in targets), (q + kv, kv, "v" in targets)]
+        if any(s[2] for s in qkv):
+            at.qkv = LoRALinear(at.qkv, qkv, r, alpha)
+        if "o" in targets:
+            at.proj = LoRALinear(at.proj, [(0, at.proj.out_features, True)], r, alpha)
+        hidden = blk.down.in_features
+        up = ([(0, hidden, "gate" in targets), (hidden, hidden, "up" in targets)]
+              if blk.swiglu else [(0, hidden, "up" in targets)])
+        if any(s[2] for s in up):
+            blk.up = LoRALinear(blk.up, up, r, alpha)
+        if "down" in targets:
+            blk.down = LoRALinear(blk.down, [(0, blk.down.out_features, True)], r, alpha)
+
+
 def make_optimizer(model, o):
     # Decay only the Linear weight matrices, as cockpit does by default (Matrix params decay;
     # embeddings, norms and biases do not: optim.decay_embeddings = false). The tied wte/head
     # tensor is an embedding, so it is not decayed; an untied head is a matrix and is.
     emb = {id(model.wte.weight)} | ({id(model.wpe.weight)} if model.wpe is not None else set())
-    decay = [p for p in model.parameters() if p.dim() == 2 and id(p) not in emb]
-    rest = [p for p in model.parameters() if p.dim() != 2 or id(p) in emb]
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    decay = [p for p in params if p.dim() == 2 and id(p) not in emb]
+    rest = [p for p in params if p.dim() != 2 or id(p) in emb]
     groups = [{"params": decay, "weight_decay": o["weight_decay"]},
               {"params": rest, "weight_decay": 0.0}]
     kw = dict(lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"])
@@ -254,6 +312,9 @@ def main():
 
     model = GPT(m, vocab, naive=args.mode == "eager-naive").to(dev)
     n_params = sum(p.numel() for p in model.parameters())  # shared wte/head counted once
+    lora = cfg["lora"]["enabled"]
+    if lora:
+        add_lora(model, cfg["lora"])
     opt = make_optimizer(model, cfg["optim"])
     step_model = torch.compile(model) if args.mode == "compile" else model
     if args.dtype == "bf16":
@@ -274,7 +335,7 @@ def main():
         with autocast():
             loss = step_model(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], CLIP)
         opt.step()  # constant lr: the cosine schedule does not change the step's cost
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -303,7 +364,7 @@ def main():
     # this matches the convention cockpit's bench reports, not the FLOPs actually executed.
     # (cockpit counts the matmul weights and a tied head once more as the head's matmul.)
     mats = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "wpe" not in n
-               and "wte" not in n)
+               and "wte" not in n)  # (with LoRA: the base and the adapters, as cockpit counts)
     head = vocab * m["n_embd"] if m["tie_embeddings"] else 0
     flops_per_token = 6 * (mats + head) + 12 * m["n_layer"] * m["n_embd"] * t
     name = torch.cuda.get_device_name(dev)
@@ -317,7 +378,7 @@ def main():
     free, total_mem = torch.cuda.mem_get_info(dev)
     device_mem = (total_mem - free) / 1e9
 
-    system = f"torch-{args.mode}"
+    system = f"torch-{args.mode}" + ("-lora" if lora else "")
     print(f"model: {os.path.basename(args.config)} {' '.join(args.set)} | {n_params / 1e6:.1f}M params")
     mfu_s = f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a"
     print(

@@ -863,6 +863,129 @@ fn whole_model_step_matches_the_f32_model() {
     }
 }
 
+/// The whole-model step with LoRA (a frozen bf16 base, trainable adapters) against the f32
+/// candle model with the same adapters: loss and every adapter's gradient. B starts at zero
+/// in a fresh adapter (which would hide A's gradient), so both models get the same random B.
+#[test]
+fn whole_model_step_with_lora_matches_the_f32_model() {
+    let Some(dev) = gpu() else { return };
+    use cockpit::config::{Activation::SwiGlu, Norm::RmsNorm};
+    use cockpit::engine::model::LoraSpec;
+    let all: Vec<String> = ["q", "k", "v", "o", "gate", "up", "down"]
+        .map(String::from)
+        .to_vec();
+    let cases: [(&str, fn(&mut Config), Vec<String>); 3] = [
+        (
+            "llama GQA 4/2, adapters on every projection",
+            |c| {
+                c.model.norm = RmsNorm;
+                c.model.activation = SwiGlu;
+                c.model.bias = false;
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.mlp_ratio = 2.75;
+            },
+            all.clone(),
+        ),
+        (
+            "gpt with biases, adapters on q, v, up, down (GELU)",
+            |c| c.model.tie_embeddings = false,
+            ["q", "v", "up", "down"].map(String::from).to_vec(),
+        ),
+        (
+            "llama, dropout 0.1, adapters on q and v",
+            |c| {
+                c.model.norm = RmsNorm;
+                c.model.activation = SwiGlu;
+                c.model.bias = false;
+                c.model.dropout = 0.1;
+            },
+            ["q", "v"].map(String::from).to_vec(),
+        ),
+    ];
+    for (name, set, targets) in cases {
+        let mut c = Config::default();
+        c.model.n_embd = 128;
+        c.model.n_head = 2;
+        c.model.n_layer = 2;
+        c.model.seq_len = 80;
+        set(&mut c);
+        let (b, t, vocab) = (3usize, 80usize, 97usize);
+        let spec = LoraSpec {
+            r: 8,
+            alpha: 16.0,
+            targets,
+        };
+        let build = |dt: DType| {
+            let mut m = Model::new(Shape::from_config(&c, vocab), dt, &dev, 5).unwrap();
+            m.add_lora(&spec, 5).unwrap();
+            for (k, p) in m.params.iter().enumerate() {
+                if p.name.ends_with("lora_B.weight") {
+                    let dims = p.var.as_tensor().dims().to_vec();
+                    let n: usize = dims.iter().product();
+                    let vals: Vec<f32> = (0..n)
+                        .map(|i| (((i * 7919 + k * 104729) % 1000) as f32 / 1000.0 - 0.5) * 0.05)
+                        .collect();
+                    p.var
+                        .set(&Tensor::from_vec(vals, dims, &dev).unwrap())
+                        .unwrap();
+                }
+            }
+            m
+        };
+        let mut m32 = build(DType::F32);
+        let m16 = build(DType::BF16);
+        let ids: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 31 + 7) % vocab as u32).collect();
+        let tg: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 17 + 3) % vocab as u32).collect();
+        let seed = dropout::micro_seed(3, 1, 0);
+        m32.reseed_dropout(seed);
+        let x = Tensor::from_vec(ids.clone(), (b, t), &dev).unwrap();
+        let y = Tensor::from_vec(tg.clone(), (b, t), &dev).unwrap();
+        let l = m32.loss(&x, &y, true).unwrap();
+        let loss_ref = l.to_scalar::<f32>().unwrap() as f64;
+        let store = l.backward().unwrap();
+        let w = m16
+            .step_weights()
+            .unwrap_or_else(|| panic!("{name}: a LoRA bf16 model fits the step"));
+        assert!(w.frozen_base);
+        let mut step = kernels::GptStep::new(&w).unwrap();
+        step.begin(false).unwrap();
+        step.set_dropout_seed(seed);
+        step.micro(&ids, &tg, b, 1.0 / (b * t) as f32).unwrap();
+        let loss = step.loss().unwrap();
+        let e = ((loss - loss_ref) / loss_ref).abs();
+        eprintln!("LoRA step ({name}): loss {loss:.5} vs f32 {loss_ref:.5}, rel {e:.2e}");
+        assert!(e < 1e-2, "{name}: loss {loss} vs {loss_ref}");
+        let mut worst = (0f32, String::new());
+        let mut adapters = 0;
+        for (p32, p16) in m32.params.iter().zip(&m16.params) {
+            let g = step.grad_of(&p16.var).unwrap();
+            if !p16.trainable {
+                assert!(g.is_none(), "{name}: frozen {} has a gradient", p16.name);
+                continue;
+            }
+            adapters += 1;
+            let g = g.unwrap_or_else(|| panic!("{name}: {} has no gradient", p16.name));
+            let e = rel_err(&g, store.get(p32.var.as_tensor()).unwrap());
+            if e > worst.0 || !e.is_finite() {
+                worst = (e, p32.name.clone());
+            }
+        }
+        eprintln!(
+            "LoRA step ({name}): {adapters} adapter tensors, worst grad rel err {:.3e} ({})",
+            worst.0, worst.1
+        );
+        assert!(adapters > 0);
+        assert!(
+            worst.0.is_finite() && worst.0 <= 6e-2,
+            "{name}: grad {} rel err {:.3e}",
+            worst.1,
+            worst.0
+        );
+    }
+}
+
 #[test]
 fn dropout_masks_drawn_on_the_gpu_equal_the_hosts() {
     let Some(dev) = gpu() else { return };

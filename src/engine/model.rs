@@ -228,6 +228,17 @@ impl Init<'_> {
 /// A weight and its optional bias (linear layers and norms) for the whole-model step.
 pub type WeightBias = (Var, Option<Var>);
 
+/// A LoRA adapter for the whole-model step: `y += scale·(x·Aᵀ)·Bᵀ`.
+#[derive(Clone, Debug)]
+pub struct StepLora {
+    pub a: Var,
+    pub b: Var,
+    pub scale: f64,
+}
+
+/// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
+pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
+
 /// One transformer block's weights for the whole-model step.
 #[derive(Clone, Debug)]
 pub struct StepLayer {
@@ -241,6 +252,8 @@ pub struct StepLayer {
     pub gate: Option<WeightBias>,
     pub up: WeightBias,
     pub down: WeightBias,
+    /// LoRA adapters on q k v o gate up down ([`LORA_TARGETS`]' order).
+    pub lora: [Option<StepLora>; 7],
 }
 
 /// A model's weights and shape for the whole-model CUDA step ([`Model::step_weights`]): any
@@ -274,6 +287,9 @@ pub struct StepWeights {
     /// attention), masks from [`dropout`]'s Philox as the candle model draws them.
     pub dropout: f64,
     pub layers: Vec<StepLayer>,
+    /// LoRA fine-tuning: every base weight is frozen (one bf16 copy, no gradient, no
+    /// optimizer state); only the adapters train.
+    pub frozen_base: bool,
     pub ln_f: WeightBias,
     /// The untied LM head, or None when it is `wte`.
     pub head: Option<Var>,
@@ -848,12 +864,14 @@ impl Model {
     }
 
     /// The weights for the whole-model CUDA step, when this model is one it runs: bf16 on
-    /// CUDA, no LoRA, all trainable, widths multiples of 8 (16-byte accesses), an even head
-    /// dim; grouped-query attention and dropout need flash attention (head dim 64).
+    /// CUDA, widths multiples of 8 (16-byte accesses), an even head dim, everything trainable
+    /// or (LoRA) exactly the adapters; grouped-query attention and dropout need flash
+    /// attention (head dim 64).
     pub fn step_weights(&self) -> Option<StepWeights> {
         let s = &self.shape;
         let hd = s.head_dim();
         let flash = s.kernels.attention && hd == 64;
+        let lora = self.params.iter().any(|p| p.kind.is_lora());
         let fits = s.kernels.step
             && self.dtype == DType::BF16
             && self.device.is_cuda()
@@ -863,12 +881,19 @@ impl Model {
             && s.n_kv_head > 0
             && s.n_head.is_multiple_of(s.n_kv_head)
             && ((s.n_kv_head == s.n_head && s.dropout <= 0.0) || flash)
-            && self.params.iter().all(|p| p.trainable && !p.kind.is_lora());
+            && self.params.iter().all(|p| p.trainable == (!lora || p.kind.is_lora()));
         if !fits {
             return None;
         }
         let norm = |n: &NormLayer| (n.w.clone(), n.b.clone());
         let lin = |l: &Linear| (l.w.clone(), l.b.clone());
+        let adapter = |l: Option<&Linear>| {
+            l.and_then(|l| l.lora.as_ref()).map(|a| StepLora {
+                a: a.a.clone(),
+                b: a.b.clone(),
+                scale: a.scale,
+            })
+        };
         let layers = self
             .blocks
             .iter()
@@ -882,6 +907,15 @@ impl Model {
                 gate: b.gate.as_ref().map(lin),
                 up: lin(&b.up),
                 down: lin(&b.down),
+                lora: [
+                    adapter(Some(&b.q)),
+                    adapter(Some(&b.k)),
+                    adapter(Some(&b.v)),
+                    adapter(Some(&b.o)),
+                    adapter(b.gate.as_ref()),
+                    adapter(Some(&b.up)),
+                    adapter(Some(&b.down)),
+                ],
             })
             .collect();
         Some(StepWeights {
@@ -899,6 +933,7 @@ impl Model {
             overlap: s.kernels.overlap,
             dropout: s.dropout.max(0.0),
             layers,
+            frozen_base: lora,
             ln_f: norm(&self.ln_f),
             head: self.lm_head.clone(),
             eps: s.norm_eps,

@@ -302,7 +302,7 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
     }
     __syncthreads();
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        atomicAdd(&dw[j], sh[j]);
+        if (dw != nullptr) atomicAdd(&dw[j], sh[j]);
         if (!rms && db != nullptr) atomicAdd(&db[j], sh[d + j]);
     }
 }
@@ -1075,7 +1075,7 @@ extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
             s1 += part[1][k][t];
             s2 += part[2][k][t];
         }
-        atomicAdd(&dw[col], s0);
+        if (dw != nullptr) atomicAdd(&dw[col], s0);
         if (db != nullptr) atomicAdd(&db[col], s1);
         if (sum) atomicAdd(&dsum[col], s2);
     }

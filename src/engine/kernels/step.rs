@@ -44,7 +44,7 @@ use super::side::{Buf, Side};
 use super::WeightCopy;
 use crate::engine::dropout;
 use crate::engine::events::KernelTime;
-use crate::engine::model::{StepWeights, WeightBias};
+use crate::engine::model::{StepLora, StepWeights, WeightBias};
 
 /// Elements each sub-buffer is aligned to (256 bytes in bf16): cuBLAS and vector loads like it.
 const ALIGN: usize = 128;
@@ -268,7 +268,32 @@ struct Entry {
     var: Var,
     off: usize,
     n: usize,
+    /// A frozen weight (LoRA's base): its bf16 copy lives in the frozen buffer (`off` is
+    /// there), and it has no gradient.
+    frozen: bool,
 }
+
+/// A LoRA adapter of one projection: its A `[r, inp]` and B `[out, r]` entries, the scale,
+/// and the column where its output starts in the projection's (packed) output.
+#[derive(Clone, Copy)]
+struct LoraIdx {
+    a: usize,
+    b: usize,
+    r: usize,
+    inp: usize,
+    out: usize,
+    col: usize,
+    scale: f32,
+}
+
+/// [`LoraIdx`] slots of a layer, in `model::LORA_TARGETS` order.
+const Q: usize = 0;
+const K: usize = 1;
+const V: usize = 2;
+const O: usize = 3;
+const GATE: usize = 4;
+const UP: usize = 5;
+const DOWN: usize = 6;
 
 /// Entry indices of one transformer layer (None: the model has no such bias). `qkv` is the
 /// packed q|k|v projection, `up` the packed gate|up projection of a SwiGLU MLP (or the GELU
@@ -287,30 +312,62 @@ struct LayerIdx {
     up_b: Option<usize>,
     down_w: usize,
     down_b: Option<usize>,
+    lora: [Option<LoraIdx>; 7],
 }
 
-/// The flat buffers' layout as it is built: each entry's offset.
+/// The flat buffers' layout as it is built: each entry's offset in the trainable buffers
+/// (bf16 copy and fp32 gradient), or, while `frozen` is set, in the frozen bf16 buffer.
 #[derive(Default)]
 struct Layout {
     entries: Vec<Entry>,
     off: usize,
+    frozen_off: usize,
+    frozen: bool,
 }
 
 impl Layout {
     /// Place `v` next (aligned unless `pad` is false, which keeps it adjacent to the entry
     /// before: packed projections); its entry index.
     fn push(&mut self, v: &Var, pad: bool) -> usize {
+        let off = if self.frozen {
+            &mut self.frozen_off
+        } else {
+            &mut self.off
+        };
         if pad {
-            self.off = align(self.off);
+            *off = align(*off);
         }
         let n = v.as_tensor().elem_count();
         self.entries.push(Entry {
             var: v.clone(),
-            off: self.off,
+            off: *off,
             n,
+            frozen: self.frozen,
         });
-        self.off += n;
+        *off += n;
         self.entries.len() - 1
+    }
+
+    /// A LoRA adapter's entries (always trainable), writing `out` columns from `col` on.
+    fn adapter(&mut self, l: &Option<StepLora>, col: usize) -> Result<Option<LoraIdx>> {
+        let Some(l) = l else { return Ok(None) };
+        let (r, inp) = l.a.as_tensor().dims2()?;
+        let (out, r2) = l.b.as_tensor().dims2()?;
+        if r2 != r {
+            return Err(err(format!("whole-model step: LoRA A is [{r}, {inp}], B [{out}, {r2}]")));
+        }
+        let frozen = std::mem::replace(&mut self.frozen, false);
+        let (a, b) = (self.push(&l.a, true), self.push(&l.b, true));
+        self.frozen = frozen;
+        Ok(Some(LoraIdx {
+            a,
+            b,
+            r,
+            inp,
+            out,
+            col,
+            scale: l.scale as f32,
+        }))
     }
 
     /// `v` if there is one, aligned.
@@ -381,6 +438,9 @@ struct Lay {
     dmask: u64,
     mbits: Vec<u64>,
     seed: u64,
+    /// LoRA: per layer, each adapter's `x·Aᵀ` [N, r] (0: no adapter), and the `du` scratch.
+    lora_u: Vec<[u64; 7]>,
+    lora_du: u64,
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     lse_att: Vec<u64>,
     fa_scratch: u64,
@@ -473,6 +533,9 @@ pub struct GptStep {
     head: Option<usize>,
     _wbf: CudaSlice<bf16>,
     wbf_p: u64,
+    /// The frozen weights' bf16 copies (LoRA's base; none otherwise).
+    _fbf: CudaSlice<bf16>,
+    fbf_p: u64,
     grad: Tensor,
     grad_p: u64,
     /// Where the gradients summed from zero start (the matrices before are overwritten by
@@ -540,31 +603,42 @@ impl GptStep {
         // step (it overwrites: no zeroing), then everything whose gradient is summed from
         // zero (biases, norms, positions, an untied embedding): only that tail is cleared.
         // q|k|v (and a SwiGLU MLP's gate|up) are packed: one matrix, one matmul.
-        let mut lay = Layout::default();
+        // A frozen base (LoRA) goes to the frozen buffer instead; its adapters are the
+        // trainable matrices.
+        let mut lay = Layout {
+            frozen: w.frozen_base,
+            ..Layout::default()
+        };
         let tied = w.head.is_none();
         let wte_first = tied.then(|| lay.push(&w.wte, true));
-        let mats: Vec<[usize; 4]> = w
-            .layers
-            .iter()
-            .map(|l| {
-                let qkv = lay.pack(&[&l.q.0, &l.k.0, &l.v.0]);
-                let o = lay.push(&l.o.0, true);
-                let up = match &l.gate {
-                    Some(g) => lay.pack(&[&g.0, &l.up.0]),
-                    None => lay.push(&l.up.0, true),
-                };
-                [qkv, o, up, lay.push(&l.down.0, true)]
-            })
-            .collect();
+        let (h_out, kv_out) = (n_head * (c / n_head), n_kv_head * (c / n_head));
+        let up_col = if swiglu { hidden } else { 0 };
+        let mut mats: Vec<([usize; 4], [Option<LoraIdx>; 7])> = Vec::new();
+        for l in &w.layers {
+            let qkv = lay.pack(&[&l.q.0, &l.k.0, &l.v.0]);
+            let o = lay.push(&l.o.0, true);
+            let up = match &l.gate {
+                Some(g) => lay.pack(&[&g.0, &l.up.0]),
+                None => lay.push(&l.up.0, true),
+            };
+            let down = lay.push(&l.down.0, true);
+            let cols = [0, h_out, h_out + kv_out, 0, 0, up_col, 0];
+            let mut lora = [None; 7];
+            for (j, slot) in lora.iter_mut().enumerate() {
+                *slot = lay.adapter(&l.lora[j], cols[j])?;
+            }
+            mats.push(([qkv, o, up, down], lora));
+        }
         let head = w.head.as_ref().map(|v| lay.push(v, true));
-        let n_mats = lay.entries.len();
+        // (Every trainable entry after the matrices starts aligned: the tail from here on.)
+        let zero_from = align(lay.off);
         let wte = match wte_first {
             Some(i) => i,
             None => lay.push(&w.wte, true),
         };
         let wpe = w.wpe.as_ref().map(|v| lay.push(v, true));
         let mut layers = Vec::with_capacity(w.layers.len());
-        for (l, [qkv_w, o_w, up_w, down_w]) in w.layers.iter().zip(mats) {
+        for (l, ([qkv_w, o_w, up_w, down_w], lora)) in w.layers.iter().zip(mats) {
             if l.gate.is_some() != swiglu {
                 return Err(err("whole-model step: every layer needs the same MLP"));
             }
@@ -591,16 +665,19 @@ impl GptStep {
                 up_b,
                 down_w,
                 down_b: lay.push_opt(&l.down.1),
+                lora,
             });
         }
         let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
-        let total = align(lay.off);
+        let total = align(lay.off).max(ALIGN);
+        let frozen_total = align(lay.frozen_off);
         let entries = lay.entries;
-        // (Every entry after the matrices starts aligned: the tail from its offset on.)
-        let zero_from = entries.get(n_mats).map_or(total, |e| e.off);
         // SAFETY: fully written by the cast kernel before every use.
         let wbf = unsafe { dev.alloc::<bf16>(total)? };
         let wbf_p = ptr(&wbf, &stream);
+        // SAFETY: likewise (cast whenever the trainable copies are).
+        let fbf = unsafe { dev.alloc::<bf16>(frozen_total.max(ALIGN))? };
+        let fbf_p = ptr(&fbf, &stream);
         let grad = Tensor::zeros(total, DType::F32, &Device::Cuda(dev.clone()))?;
         let grad_p = {
             let (st, l) = grad.storage_and_layout();
@@ -665,6 +742,8 @@ impl GptStep {
             head,
             _wbf: wbf,
             wbf_p,
+            _fbf: fbf,
+            fbf_p,
             grad,
             grad_p,
             zero_from,
@@ -680,11 +759,18 @@ impl GptStep {
     }
 
     fn w(&self, i: usize) -> u64 {
-        self.wbf_p + 2 * self.entries[i].off as u64
+        let e = &self.entries[i];
+        (if e.frozen { self.fbf_p } else { self.wbf_p }) + 2 * e.off as u64
     }
 
+    /// The fp32 gradient of a trainable entry (callers skip frozen ones: [`Self::gt`]).
     fn g(&self, i: usize) -> u64 {
         self.grad_p + 4 * self.entries[i].off as u64
+    }
+
+    /// The gradient address of entry `i` if it trains (None: frozen).
+    fn gt(&self, i: usize) -> Option<u64> {
+        (!self.entries[i].frozen).then(|| self.g(i))
     }
 
     /// The flat fp32 gradient buffer every [`Self::grad_of`] is a view of (data parallelism
@@ -699,6 +785,9 @@ impl GptStep {
             return Ok(None);
         };
         let e = &self.entries[i];
+        if e.frozen {
+            return Ok(None);
+        }
         Ok(Some(
             self.grad
                 .narrow(0, e.off, e.n)?
@@ -787,13 +876,27 @@ impl GptStep {
     fn gemm(
         &self,
         name: &'static str,
-        (ta, tb): (bool, bool),
-        (m, n, k): (usize, usize, usize),
+        t: (bool, bool),
+        mnk: (usize, usize, usize),
         a: Mat,
         b: Mat,
         c: Mat,
         c_f32: bool,
         beta: f32,
+        batch: usize,
+    ) -> Result<()> {
+        self.gemm_ab(name, t, mnk, (a, b, c), c_f32, (1.0, beta), batch)
+    }
+
+    /// [`Self::gemm`] with `C = alpha·op(A)·op(B) + beta·C`.
+    fn gemm_ab(
+        &self,
+        name: &'static str,
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        (a, b, c): (Mat, Mat, Mat),
+        c_f32: bool,
+        (alpha, beta): (f32, f32),
         batch: usize,
     ) -> Result<()> {
         let op = |t: bool| {
@@ -809,7 +912,6 @@ impl GptStep {
         } else {
             bf
         };
-        let alpha = 1.0f32;
         let (m, n, k) = (i32_of(m, "m")?, i32_of(n, "n")?, i32_of(k, "k")?);
         let h = *self.blas.handle();
         let algo = bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP;
@@ -1057,7 +1159,7 @@ impl GptStep {
     ) -> Result<bool> {
         let d = self.c;
         let (n_i, d_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?);
-        let (dw, db) = (self.g(w), self.gb(b));
+        let (dw, db) = (self.gt(w).unwrap_or(0), self.gb(b));
         let rms = Arg::I(self.rms as i32);
         if let Some(v8) = &self.k.norm_v8 {
             // Two passes: dx with 16-byte accesses and rows in registers, then the column
@@ -1091,7 +1193,9 @@ impl GptStep {
                 Arg::I(n_i),
                 Arg::I(d_i),
             ];
-            self.launch(&v8.bwd_wb, self.col_grid(n, d), &args)?;
+            if dw != 0 || db != 0 || bias_grad != 0 {
+                self.launch(&v8.bwd_wb, self.col_grid(n, d), &args)?;
+            }
             return Ok(bias_grad != 0);
         }
         let args = [
@@ -1171,6 +1275,14 @@ impl GptStep {
         let dprob = take(probs);
         let drop = self.drop_thr > 0;
         let dmask = take(if drop { nc } else { 0 });
+        // LoRA: each adapter's x·Aᵀ [N, r] (kept for its backward), and one du scratch.
+        let lora_u: Vec<[Option<usize>; 7]> = self
+            .layers
+            .iter()
+            .map(|li| li.lora.map(|ad| ad.map(|ad| take(n * ad.r))))
+            .collect();
+        let rmax = self.layers.iter().flat_map(|li| li.lora.iter().flatten());
+        let lora_du = take(n * rmax.map(|ad| ad.r).max().unwrap_or(0));
         let bf_len = next;
         // f32: the loss accumulator [N], then (flash) the per-layer attention
         // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
@@ -1229,6 +1341,11 @@ impl GptStep {
             dyh: at(dyh),
             dprob: at(dprob),
             dmask: at(dmask),
+            lora_u: lora_u
+                .iter()
+                .map(|u| u.map(|o| o.map_or(0, at)))
+                .collect(),
+            lora_du: at(lora_du),
             mbits: (0..l)
                 .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
                 .collect(),
@@ -1284,7 +1401,7 @@ impl GptStep {
 
     /// How many weights the step computes with (each has a bf16 copy).
     pub fn weight_count(&self) -> usize {
-        self.entries.len()
+        self.entries.iter().filter(|e| !e.frozen).count()
     }
 
     /// fp32 master weights → the bf16 copies, one multi-tensor launch.
@@ -1292,8 +1409,8 @@ impl GptStep {
         let ts: Vec<&Tensor> = self.entries.iter().map(|e| e.var.as_tensor()).collect();
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
-            for (p, e) in ptrs.iter().zip(&self.entries) {
-                table.extend([*p, self.wbf_p + 2 * e.off as u64, e.n as u64]);
+            for (p, (i, e)) in ptrs.iter().zip(self.entries.iter().enumerate()) {
+                table.extend([*p, self.w(i), e.n as u64]);
             }
             Ok(table)
         })?;
@@ -1454,8 +1571,9 @@ impl GptStep {
     pub fn add_scaled_weights(&mut self, vars: &[&Var], a: f64) -> Result<()> {
         let mut items = Vec::new();
         for v in vars {
-            if let Some(&i) = self.by_id.get(&v.as_tensor().id()) {
-                items.push(i);
+            match self.by_id.get(&v.as_tensor().id()) {
+                Some(&i) if !self.entries[i].frozen => items.push(i),
+                _ => {}
             }
         }
         if items.is_empty() {
@@ -1491,9 +1609,9 @@ impl GptStep {
         i.map_or(0, |i| self.w(i))
     }
 
-    /// The fp32 gradient address of an optional entry (0: none).
+    /// The fp32 gradient address of an optional entry (0: none, or frozen).
     fn gb(&self, i: Option<usize>) -> u64 {
-        i.map_or(0, |i| self.g(i))
+        i.and_then(|i| self.gt(i)).unwrap_or(0)
     }
 
     /// `y = x·wᵀ (+ b)`: the bias as a cuBLASLt epilogue where it runs, else a bias kernel.
@@ -1517,6 +1635,8 @@ impl GptStep {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
             let gu = Lin::new(n, c, 2 * f, 2 * f);
             self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], gu)?;
+            self.lora_fwd(a, l, li, GATE, a.ln2[l], a.fc[l], 2 * f)?;
+            self.lora_fwd(a, l, li, UP, a.ln2[l], a.fc[l], 2 * f)?;
             return self.launch(
                 &self.k.swiglu_fwd,
                 flat_cfg(n * f / 8),
@@ -1529,18 +1649,82 @@ impl GptStep {
             );
         }
         let up = Lin::new(n, c, f, f);
-        if let Some(up_b) = li.up_b {
-            let gelu = Epi::GeluAuxBias {
-                bias: self.w(up_b),
-                aux: a.fc[l],
-                ld: f,
-            };
-            if self.lin_fwd_epi(a.ln2[l], self.w(li.up_w), a.gelu[l], up, gelu)? {
-                return Ok(());
+        match li.up_b {
+            Some(up_b) if li.lora[UP].is_none() => {
+                let gelu = Epi::GeluAuxBias {
+                    bias: self.w(up_b),
+                    aux: a.fc[l],
+                    ld: f,
+                };
+                if self.lin_fwd_epi(a.ln2[l], self.w(li.up_w), a.gelu[l], up, gelu)? {
+                    return Ok(());
+                }
             }
+            _ => {}
         }
-        self.lin_fwd(a.ln2[l], self.w(li.up_w), a.fc[l], up)?;
-        self.bias_act(a.fc[l], self.wb(li.up_b), a.gelu[l], n, f, 1)
+        // fc = ln2·Wupᵀ + b (+ the adapter): the pre-activation the backward reads, bias
+        // included (as the epilogue's aux), then gelu(fc).
+        self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], up)?;
+        self.lora_fwd(a, l, li, UP, a.ln2[l], a.fc[l], f)?;
+        self.bias_act(a.fc[l], 0, a.gelu[l], n, f, 1)
+    }
+
+    /// A LoRA adapter's forward on slot `j` of layer `l` (nothing without one): `u = x·Aᵀ`
+    /// (kept for the backward), `y[:, col..] += scale·u·Bᵀ` into the projection's output of
+    /// row stride `ldy`.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_fwd(
+        &self,
+        a: &Lay,
+        l: usize,
+        li: &LayerIdx,
+        j: usize,
+        x: u64,
+        y: u64,
+        ldy: usize,
+    ) -> Result<()> {
+        let Some(ad) = li.lora[j] else { return Ok(()) };
+        let n = a.b * self.t;
+        let u = a.lora_u[l][j];
+        let down = Lin::new(n, ad.inp, ad.r, ad.r);
+        self.mm("lora", down.fwd(x, self.w(ad.a), u), false, 1.0, 0.0)?;
+        let up = Lin::new(n, ad.r, ad.out, ldy);
+        let y = y + 2 * ad.col as u64;
+        self.mm("lora", up.fwd(u, self.w(ad.b), y), false, ad.scale, 1.0)
+    }
+
+    /// A LoRA adapter's backward on slot `j` of layer `l` (nothing without one), from the
+    /// projection output's gradient `dy` (row stride `ldy`): dB (+)= scale·dyᵀ·u,
+    /// du = scale·dy·B, dA (+)= duᵀ·x, and `dx += du·A` into the input's gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_bwd(
+        &self,
+        a: &Lay,
+        (l, li, j): (usize, &LayerIdx, usize),
+        x: u64,
+        dy: u64,
+        ldy: usize,
+        dx: u64,
+        first: bool,
+    ) -> Result<()> {
+        let Some(ad) = li.lora[j] else { return Ok(()) };
+        let n = a.b * self.t;
+        let (u, du) = (a.lora_u[l][j], a.lora_du);
+        let beta = if first { 0.0 } else { 1.0 };
+        let dy = dy + 2 * ad.col as u64;
+        let up = Lin::new(n, ad.r, ad.out, ldy);
+        self.mm("lora", up.dw(u, dy, self.g(ad.b)), true, ad.scale, beta)?;
+        self.mm("lora", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
+        let down = Lin::new(n, ad.inp, ad.r, ad.r);
+        self.mm("lora", down.dw(x, du, self.g(ad.a)), true, 1.0, beta)?;
+        self.mm("lora", down.dx(du, self.w(ad.a), dx), false, 1.0, 1.0)
+    }
+
+    /// One matmul through cuBLAS with `alpha` (the adapters' small matmuls).
+    fn mm(&self, name: &'static str, mm: Mm, c_f32: bool, alpha: f32, beta: f32) -> Result<()> {
+        let m = |o: Operand| mat(o.p, o.ld);
+        let (a, b, c) = (m(mm.a), m(mm.b), m(mm.c));
+        self.gemm_ab(name, mm.t, mm.mnk, (a, b, c), c_f32, (alpha, beta), 1)
     }
 
     /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
@@ -1574,10 +1758,14 @@ impl GptStep {
             // qkv = ln1·Wqkvᵀ (+ b)
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
             self.lin_fwd_bias(a.ln1[l], li.qkv_w, li.qkv_b, a.qkv[l], qkv)?;
+            for j in [Q, K, V] {
+                self.lora_fwd(a, l, li, j, a.ln1[l], a.qkv[l], self.qkv_out)?;
+            }
             self.rope(a.qkv[l], n, false)?;
             self.attn_fwd(a, l)?;
             // mid = res + atty·Woᵀ (+ bo), ln2 = Norm2(mid)
             self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
+            self.lora_fwd(a, l, li, O, a.atty[l], a.tmp, c)?;
             let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
             let y = (a.res[l], a.tmp, self.wb(li.o_b), Some(dropout::site_attention_out(l)));
             self.residual_norm(a, y, a.mid[l], ln, a.ln2[l], n)?;
@@ -1585,6 +1773,7 @@ impl GptStep {
             // the next layer's norm (or the final one).
             self.mlp_act_fwd(a, l, li)?;
             self.lin_fwd(a.gelu[l], self.w(li.down_w), a.tmp, Lin::new(n, f, c, c))?;
+            self.lora_fwd(a, l, li, DOWN, a.gelu[l], a.tmp, c)?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
                 None => (self.lnf.0, self.lnf.1, a.lnf),
@@ -1648,11 +1837,24 @@ impl GptStep {
     /// The MLP activation's backward of layer `l`: from the residual gradient `dres` through
     /// the down projection (`down`) to the pre-activation's gradient in `dh`; its width (the
     /// up projection's output: F, or 2F for SwiGLU's packed gate|up).
-    fn mlp_act_bwd(&self, a: &Lay, l: usize, li: &LayerIdx, dy: u64, down: Lin) -> Result<usize> {
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_act_bwd(
+        &self,
+        a: &Lay,
+        l: usize,
+        li: &LayerIdx,
+        dy: u64,
+        down: Lin,
+        first: bool,
+    ) -> Result<usize> {
         let (n, f) = (a.b * self.t, self.hidden);
         let dact = if self.swiglu { a.dact } else { a.dh };
+        // The down projection's adapter adds into its input's gradient, before the
+        // activation's backward (so no fused GELU backward with one).
+        let adapted = li.lora[DOWN].is_some();
         if self.swiglu {
             self.lin_dx(dy, self.w(li.down_w), dact, down)?;
+            self.lora_bwd(a, (l, li, DOWN), a.gelu[l], dy, self.c, dact, first)?;
             self.launch(
                 &self.k.swiglu_bwd,
                 flat_cfg(n * f / 8),
@@ -1674,14 +1876,16 @@ impl GptStep {
             ld: f,
         };
         let mm = down.dx(dy, self.w(li.down_w), a.dh);
-        if !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
+        if adapted || !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
             self.lin_dx(dy, self.w(li.down_w), a.dh, down)?;
+            self.lora_bwd(a, (l, li, DOWN), a.gelu[l], dy, self.c, a.dh, first)?;
+            // (fc holds the pre-activation with its bias: no bias here)
             self.launch(
                 &self.k.gelu_bwd,
                 flat_cfg(n * f / 8),
                 &[
                     Arg::P(a.fc[l]),
-                    Arg::P(self.wb(li.up_b)),
+                    Arg::P(0),
                     Arg::P(a.dh),
                     Arg::P(a.dh),
                     Arg::P((n * f / 8) as u64),
@@ -1690,6 +1894,32 @@ impl GptStep {
             )?;
         }
         Ok(f)
+    }
+
+    /// A projection's weight and bias gradients from its output gradient `dy` (in the
+    /// scratch buffer `buf`, row stride `d.out`): the bias's column sum (unless `bias_done`:
+    /// the norm backward summed it) and the weight-gradient matmul, on the side stream where
+    /// there is one (which then releases `buf`); nothing for a frozen weight and bias.
+    fn proj_grads(
+        &self,
+        (x, dy, buf): (u64, u64, Buf),
+        (w, b, bias_done): (usize, Option<usize>, bool),
+        d: Lin,
+        first: bool,
+    ) -> Result<()> {
+        let gw = self.gt(w);
+        let gbias = if bias_done { 0 } else { self.gb(b) };
+        if gw.is_none() && gbias == 0 {
+            return Ok(());
+        }
+        let side = self.fork()?;
+        if gbias != 0 {
+            self.col_sum_on(side.unwrap_or(&self.stream), dy, gbias, d.rows, d.out)?;
+        }
+        if let Some(gw) = gw {
+            self.lin_dw_on(side, x, dy, gw, d, first)?;
+        }
+        self.release(buf)
     }
 
     /// [`Self::backward`]'s launches.
@@ -1701,13 +1931,9 @@ impl GptStep {
         let head = self.head.unwrap_or(self.wte);
         let v = self.vocab;
         self.lin_dx(a.logits, self.w(head), a.da, Lin::new(n, c, v, self.vpad))?;
-        self.lin_dw(
-            a.lnf,
-            a.logits,
-            self.g(head),
-            Lin::new(n, c, v, self.vpad),
-            first,
-        )?;
+        if let Some(gh) = self.gt(head) {
+            self.lin_dw(a.lnf, a.logits, gh, Lin::new(n, c, v, self.vpad), first)?;
+        }
         // d(final residual) = the final norm's backward
         let last = self.n_layer;
         // The norm backward sums the residual gradient's columns into the projection bias
@@ -1727,28 +1953,25 @@ impl GptStep {
         // Weight gradients and bias sums go to the side stream when there is one (`fork`),
         // which marks its reads of each scratch gradient done (`release`) for the main stream
         // to wait on before it rewrites that buffer (`reclaim`); the main stream keeps the
-        // chain of data gradients.
-        let main = &self.stream;
+        // chain of data gradients (and the LoRA adapters' small matmuls).
         for (l, li) in self.layers.iter().enumerate().rev() {
             // MLP down projection: res[l+1] = mid + act·Wdownᵀ (+ b)
             let down = Lin::new(n, f, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_mlp_out(l))?;
-            if let (Some(db), false) = (li.down_b, down_b_done) {
-                self.col_sum(dy, self.g(db), n, c)?;
-            }
-            let side = self.fork()?;
-            self.lin_dw_on(side, a.gelu[l], dy, self.g(li.down_w), down, first)?;
-            self.release(dy_buf)?;
+            let bias = (li.down_w, li.down_b, down_b_done);
+            self.proj_grads((a.gelu[l], dy, dy_buf), bias, down, first)?;
             self.reclaim(Buf::Dh)?;
-            let up_out = self.mlp_act_bwd(a, l, li, dy, down)?;
-            let side = self.fork()?;
-            if let Some(ub) = li.up_b {
-                self.col_sum_on(side.unwrap_or(main), a.dh, self.g(ub), n, up_out)?;
-            }
+            let up_out = self.mlp_act_bwd(a, l, li, dy, down, first)?;
             let up = Lin::new(n, c, up_out, up_out);
-            self.lin_dw_on(side, a.ln2[l], a.dh, self.g(li.up_w), up, first)?;
-            self.release(Buf::Dh)?;
+            let bias = (li.up_w, li.up_b, false);
+            self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
             self.lin_dx(a.dh, self.w(li.up_w), a.da, up)?;
+            let (gate_col, up_col) = (0, if self.swiglu { f } else { 0 });
+            debug_assert!(li.lora[GATE].is_none_or(|g| g.col == gate_col));
+            debug_assert!(li.lora[UP].is_none_or(|u| u.col == up_col));
+            for j in [GATE, UP] {
+                self.lora_bwd(a, (l, li, j), a.ln2[l], a.dh, up_out, a.da, first)?;
+            }
             self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],
@@ -1763,25 +1986,20 @@ impl GptStep {
             // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
             let o = Lin::new(n, c, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_attention_out(l))?;
-            if let (Some(ob), false) = (li.o_b, o_b_done) {
-                self.col_sum(dy, self.g(ob), n, c)?;
-            }
-            let side = self.fork()?;
-            self.lin_dw_on(side, a.atty[l], dy, self.g(li.o_w), o, first)?;
-            self.release(dy_buf)?;
+            self.proj_grads((a.atty[l], dy, dy_buf), (li.o_w, li.o_b, o_b_done), o, first)?;
             self.lin_dx(dy, self.w(li.o_w), a.da, o)?;
+            self.lora_bwd(a, (l, li, O), a.atty[l], dy, c, a.da, first)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
             // qkv projection
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
-            let side = self.fork()?;
-            if let Some(qb) = li.qkv_b {
-                self.col_sum_on(side.unwrap_or(main), a.dqkv, self.g(qb), n, self.qkv_out)?;
-            }
-            self.lin_dw_on(side, a.ln1[l], a.dqkv, self.g(li.qkv_w), qkv, first)?;
-            self.release(Buf::Dqkv)?;
+            let bias = (li.qkv_w, li.qkv_b, false);
+            self.proj_grads((a.ln1[l], a.dqkv, Buf::Dqkv), bias, qkv, first)?;
             self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, qkv)?;
+            for j in [Q, K, V] {
+                self.lora_bwd(a, (l, li, j), a.ln1[l], a.dqkv, self.qkv_out, a.da, first)?;
+            }
             self.reclaim(Buf::Dres)?;
             // The residual stream's gradient below this layer: the down projection bias's
             // gradient of the layer below (none under layer 0).
@@ -1801,20 +2019,22 @@ impl GptStep {
             self.drop_rows(a, a.dres, a.dres, n, dropout::site_embedding())?;
         }
         // embeddings: token rows by an atomic scatter, positions summed over the batch
-        self.launch(
-            &self.k.embedding_bwd,
-            flat_cfg(nc),
-            &[
-                Arg::P(a.ids),
-                Arg::P(a.dres),
-                Arg::P(self.g(self.wte)),
-                Arg::I(n_i),
-                Arg::I(i32_of(c, "n_embd")?),
-                Arg::I(i32_of(self.vocab, "vocab")?),
-            ],
-        )?;
-        if let Some(i) = self.wpe {
-            self.col_sum(a.dres, self.g(i), b, t * c)?;
+        if let Some(gw) = self.gt(self.wte) {
+            self.launch(
+                &self.k.embedding_bwd,
+                flat_cfg(nc),
+                &[
+                    Arg::P(a.ids),
+                    Arg::P(a.dres),
+                    Arg::P(gw),
+                    Arg::I(n_i),
+                    Arg::I(i32_of(c, "n_embd")?),
+                    Arg::I(i32_of(self.vocab, "vocab")?),
+                ],
+            )?;
+        }
+        if let Some(gp) = self.wpe.and_then(|i| self.gt(i)) {
+            self.col_sum(a.dres, gp, b, t * c)?;
         }
         // The optimizer reads every gradient, and a capture must end joined.
         self.side().map_or(Ok(()), Side::join)
