@@ -310,11 +310,12 @@ def main():
     dev = torch.device("cuda")
     b, t = args.batch, args.seq
 
-    model = GPT(m, vocab, naive=args.mode == "eager-naive").to(dev)
+    model = GPT(m, vocab, naive=args.mode == "eager-naive")
     n_params = sum(p.numel() for p in model.parameters())  # shared wte/head counted once
     lora = cfg["lora"]["enabled"]
     if lora:
         add_lora(model, cfg["lora"])
+    model = model.to(dev)
     opt = make_optimizer(model, cfg["optim"])
     step_model = torch.compile(model) if args.mode == "compile" else model
     if args.dtype == "bf16":

@@ -240,3 +240,32 @@ fn bench_reports_timed_steps_as_text_and_json() {
         .code(2)
         .stderr(predicate::str::contains("model.n_head"));
 }
+
+/// A launcher never forks more workers than the machine can run: the request is checked
+/// before anything starts (exit 2, the key, the value, what is available; no run dir).
+#[test]
+fn a_world_larger_than_the_machine_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    for (set, says) in [
+        (
+            ["distributed.gpus=70000", "distributed.backend=\"tcp\""],
+            "the tcp backend runs one CPU process per rank: at most",
+        ),
+        (
+            ["distributed.gpus=4096", "distributed.backend=\"nccl\""],
+            "nccl",
+        ),
+    ] {
+        let mut c = cockpit();
+        c.args(["train", "--no-tui", "--run-dir"]).arg(&run);
+        for s in set {
+            c.args(["--set", s]);
+        }
+        c.assert()
+            .code(2)
+            .stderr(predicate::str::contains(set[0].replace('=', " = ")))
+            .stderr(predicate::str::contains(says));
+        assert!(!run.exists(), "{set:?}: nothing may be started or written");
+    }
+}

@@ -89,7 +89,11 @@ fn all_semantic_problems_are_reported_at_once() {
 #[test]
 fn llama_arch_sets_the_family_defaults_and_explicit_keys_win() {
     use cockpit::config::{Activation, Norm, PosEncoding};
-    let load = |text: &str| config::from_str(text, "t.toml", Path::new("."), &[]).unwrap().config;
+    let load = |text: &str| {
+        config::from_str(text, "t.toml", Path::new("."), &[])
+            .unwrap()
+            .config
+    };
     let c = load("[model]\narch = \"llama\"\n");
     assert_eq!(c.model.norm, Norm::RmsNorm);
     assert_eq!(c.model.pos, PosEncoding::Rope);

@@ -9,9 +9,9 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use cockpit::config::Config;
-use cockpit::engine::{dropout, kernels};
 use cockpit::engine::model::{Model, Shape};
 use cockpit::engine::optim::{global_norm, AdamW};
+use cockpit::engine::{dropout, kernels};
 
 /// The GPU, held by one test at a time. The tests share one CUDA device (and candle's stream
 /// on it): a test capturing a CUDA graph must not see another test's launches on that stream,
@@ -936,8 +936,12 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         };
         let mut m32 = build(DType::F32);
         let m16 = build(DType::BF16);
-        let ids: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 31 + 7) % vocab as u32).collect();
-        let tg: Vec<u32> = (0..(b * t) as u32).map(|i| (i * 17 + 3) % vocab as u32).collect();
+        let ids: Vec<u32> = (0..(b * t) as u32)
+            .map(|i| (i * 31 + 7) % vocab as u32)
+            .collect();
+        let tg: Vec<u32> = (0..(b * t) as u32)
+            .map(|i| (i * 17 + 3) % vocab as u32)
+            .collect();
         let seed = dropout::micro_seed(3, 1, 0);
         m32.reseed_dropout(seed);
         let x = Tensor::from_vec(ids.clone(), (b, t), &dev).unwrap();

@@ -26,9 +26,16 @@ fn resident_memory_stays_flat_over_a_long_run() {
         "monitor.enabled=false",
     ];
     let mut cmd = Command::cargo_bin("cockpit").unwrap();
-    cmd.args(["train", "--no-tui", "--max-steps", "1500", "--device", "cpu"])
-        .arg("--run-dir")
-        .arg(&run);
+    cmd.args([
+        "train",
+        "--no-tui",
+        "--max-steps",
+        "1500",
+        "--device",
+        "cpu",
+    ])
+    .arg("--run-dir")
+    .arg(&run);
     for s in sets {
         cmd.args(["--set", s]);
     }
@@ -40,7 +47,11 @@ fn resident_memory_stays_flat_over_a_long_run() {
         .filter(|v| v["event"] == "step")
         .filter_map(|v| Some((v["step"].as_u64()?, v["memory_bytes"].as_f64()?)))
         .collect();
-    assert!(mem.len() >= 1400, "{} steps with a memory figure", mem.len());
+    assert!(
+        mem.len() >= 1400,
+        "{} steps with a memory figure",
+        mem.len()
+    );
     let window = |lo: u64, hi: u64| {
         median(
             mem.iter()

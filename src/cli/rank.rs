@@ -64,13 +64,57 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
             cfg.monitor.enabled = false;
         }
     }
+    let launching = topology.is_none() && gpus > 1;
+    if launching {
+        // Before anything starts: a launcher never forks more workers than can run.
+        let what = match a.gpus {
+            Some(_) => format!("--gpus {gpus}"),
+            None => format!("{origin}: distributed.gpus = {gpus}"),
+        };
+        if let Err(why) = check_world(gpus, backend) {
+            eprintln!("cockpit: config error:\n{what}: {why}");
+            return Err(EXIT_USAGE);
+        }
+    }
     Ok(Plan {
-        launching: topology.is_none() && gpus > 1,
+        launching,
         topology,
         gpus,
         backend,
         device,
     })
+}
+
+/// Whether this machine can run `world` ranks of `backend`: NCCL needs a visible CUDA device
+/// per rank (and a build with NCCL); TCP ranks are CPU processes, at most four per core (and
+/// at least eight). Err: why not, for the user.
+fn check_world(world: usize, backend: Backend) -> Result<(), String> {
+    match backend {
+        Backend::Nccl if !cfg!(feature = "nccl") => Err(
+            "distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes".into(),
+        ),
+        Backend::Nccl => {
+            let visible = crate::engine::device::cuda_device_count();
+            if world > visible {
+                Err(format!(
+                    "one worker per GPU, but this process sees {visible} CUDA device(s) (CUDA_VISIBLE_DEVICES chooses them); ask for at most {visible}"
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        Backend::Tcp => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let cap = (4 * cores).max(8);
+            if world > cap {
+                Err(format!(
+                    "the tcp backend runs one CPU process per rank: at most {cap} on this machine ({cores} cores)"
+                ))
+            } else {
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Meet the other ranks; every rank takes rank 0's run dir. On NCCL the control sockets

@@ -288,10 +288,22 @@ fn apply_arch_defaults(c: &mut Config, table: &toml::Table) {
     family_key(given("norm"), "norm", &mut m.norm, family.norm, &mut notes);
     family_key(given("pos"), "pos", &mut m.pos, family.pos, &mut notes);
     let act = family.activation;
-    family_key(given("activation"), "activation", &mut m.activation, act, &mut notes);
+    family_key(
+        given("activation"),
+        "activation",
+        &mut m.activation,
+        act,
+        &mut notes,
+    );
     family_key(given("bias"), "bias", &mut m.bias, family.bias, &mut notes);
     let tie = family.tie_embeddings;
-    family_key(given("tie_embeddings"), "tie_embeddings", &mut m.tie_embeddings, tie, &mut notes);
+    family_key(
+        given("tie_embeddings"),
+        "tie_embeddings",
+        &mut m.tie_embeddings,
+        tie,
+        &mut notes,
+    );
     m.arch_notes = notes;
 }
 
@@ -308,7 +320,11 @@ fn family_key<T: PartialEq + Copy + fmt::Debug>(
         *value = default;
     } else if *value != default {
         let show = |v: &T| format!("{v:?}").to_lowercase();
-        notes.push(format!("{key} = {} (family default {})", show(value), show(&default)));
+        notes.push(format!(
+            "{key} = {} (family default {})",
+            show(value),
+            show(&default)
+        ));
     }
 }
 

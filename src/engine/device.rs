@@ -65,6 +65,19 @@ pub fn memory_in_use(device: &Device) -> Option<u64> {
     rss_bytes()
 }
 
+/// How many CUDA devices this process can see (CUDA_VISIBLE_DEVICES applies); 0 without a
+/// CUDA build, a driver or a device.
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::result;
+        if result::init().is_ok() {
+            return result::device::get_count().map_or(0, |n| n.max(0) as usize);
+        }
+    }
+    0
+}
+
 /// Resident set size of this process (Linux /proc), None elsewhere.
 pub fn rss_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;

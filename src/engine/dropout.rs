@@ -135,12 +135,17 @@ mod tests {
             let m = mask(64, 256, 7, 1, 0.2, layout);
             let dropped = m.iter().filter(|&&v| v == 0.0).count() as f64 / m.len() as f64;
             let mean = m.iter().map(|&v| v as f64).sum::<f64>() / m.len() as f64;
-            assert!((dropped - 0.2).abs() < 0.01, "{layout:?}: dropped {dropped}");
+            assert!(
+                (dropped - 0.2).abs() < 0.01,
+                "{layout:?}: dropped {dropped}"
+            );
             assert!((mean - 1.0).abs() < 0.02, "{layout:?}: mean {mean}");
             assert_eq!(m, mask(64, 256, 7, 1, 0.2, layout), "a pure function");
             assert_ne!(m, mask(64, 256, 7, 2, 0.2, layout), "another site");
             assert_ne!(m, mask(64, 256, 8, 1, 0.2, layout), "another seed");
         }
-        assert!(mask(4, 8, 1, 0, 0.0, Layout::Rows).iter().all(|&v| v == 1.0));
+        assert!(mask(4, 8, 1, 0, 0.0, Layout::Rows)
+            .iter()
+            .all(|&v| v == 1.0));
     }
 }

@@ -881,7 +881,10 @@ impl Model {
             && s.n_kv_head > 0
             && s.n_head.is_multiple_of(s.n_kv_head)
             && ((s.n_kv_head == s.n_head && s.dropout <= 0.0) || flash)
-            && self.params.iter().all(|p| p.trainable == (!lora || p.kind.is_lora()));
+            && self
+                .params
+                .iter()
+                .all(|p| p.trainable == (!lora || p.kind.is_lora()));
         if !fits {
             return None;
         }

@@ -58,6 +58,10 @@ pub(super) struct Side {
     /// Which of `free` were recorded since the last join (waiting on one recorded before
     /// would be a wait on another pass, and inside a graph capture an error).
     armed: Cell<u8>,
+    /// Whether the side stream was forked since the last join (a pass with nothing for it —
+    /// LoRA's frozen base — must not join it: inside a capture that would be a dependency on
+    /// uncaptured work).
+    forked: Cell<bool>,
 }
 
 // SAFETY: the stream and events are driver handles, usable from any thread of the context;
@@ -81,6 +85,7 @@ impl Side {
             free: [std::ptr::null_mut(); BUFS],
             done: std::ptr::null_mut(),
             armed: Cell::new(0),
+            forked: Cell::new(false),
         };
         side.fork = event()?;
         for f in &mut side.free {
@@ -106,6 +111,7 @@ impl Side {
     pub(super) fn fork(&self) -> Result<&Arc<CudaStream>> {
         Self::record(self.fork, self.main.cu_stream())?;
         Self::wait(self.raw, self.fork)?;
+        self.forked.set(true);
         Ok(&self.stream)
     }
 
@@ -127,8 +133,10 @@ impl Side {
 
     /// The main stream waits for everything queued on the side stream.
     pub(super) fn join(&self) -> Result<()> {
-        Self::record(self.done, self.raw)?;
-        Self::wait(self.main.cu_stream(), self.done)?;
+        if self.forked.replace(false) {
+            Self::record(self.done, self.raw)?;
+            Self::wait(self.main.cu_stream(), self.done)?;
+        }
         self.armed.set(0);
         Ok(())
     }

@@ -354,7 +354,9 @@ impl Layout {
         let (r, inp) = l.a.as_tensor().dims2()?;
         let (out, r2) = l.b.as_tensor().dims2()?;
         if r2 != r {
-            return Err(err(format!("whole-model step: LoRA A is [{r}, {inp}], B [{out}, {r2}]")));
+            return Err(err(format!(
+                "whole-model step: LoRA A is [{r}, {inp}], B [{out}, {r2}]"
+            )));
         }
         let frozen = std::mem::replace(&mut self.frozen, false);
         let (a, b) = (self.push(&l.a, true), self.push(&l.b, true));
@@ -592,7 +594,9 @@ impl GptStep {
             )));
         }
         if w.dropout > 0.0 && !flash {
-            return Err(err("whole-model step: dropout needs flash attention (head dim 64)"));
+            return Err(err(
+                "whole-model step: dropout needs flash attention (head dim 64)",
+            ));
         }
         if !c.is_multiple_of(8) || !hidden.is_multiple_of(8) {
             return Err(err(format!(
@@ -1341,10 +1345,7 @@ impl GptStep {
             dyh: at(dyh),
             dprob: at(dprob),
             dmask: at(dmask),
-            lora_u: lora_u
-                .iter()
-                .map(|u| u.map(|o| o.map_or(0, at)))
-                .collect(),
+            lora_u: lora_u.iter().map(|u| u.map(|o| o.map_or(0, at))).collect(),
             lora_du: at(lora_du),
             mbits: (0..l)
                 .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
@@ -1767,7 +1768,12 @@ impl GptStep {
             self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
             self.lora_fwd(a, l, li, O, a.atty[l], a.tmp, c)?;
             let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
-            let y = (a.res[l], a.tmp, self.wb(li.o_b), Some(dropout::site_attention_out(l)));
+            let y = (
+                a.res[l],
+                a.tmp,
+                self.wb(li.o_b),
+                Some(dropout::site_attention_out(l)),
+            );
             self.residual_norm(a, y, a.mid[l], ln, a.ln2[l], n)?;
             // MLP: act(ln2·Wupᵀ (+ b)), then ·Wdownᵀ (+ b) added to the residual, fused with
             // the next layer's norm (or the final one).
@@ -1779,7 +1785,12 @@ impl GptStep {
                 None => (self.lnf.0, self.lnf.1, a.lnf),
             };
             let ln = (nw, nb, a.stats[2 * l + 2]);
-            let y = (a.mid[l], a.tmp, self.wb(li.down_b), Some(dropout::site_mlp_out(l)));
+            let y = (
+                a.mid[l],
+                a.tmp,
+                self.wb(li.down_b),
+                Some(dropout::site_mlp_out(l)),
+            );
             self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
         }
         // logits = lnf·headᵀ into rows of stride vpad, then per-row CE, whose gradient
@@ -1986,7 +1997,12 @@ impl GptStep {
             // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
             let o = Lin::new(n, c, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_attention_out(l))?;
-            self.proj_grads((a.atty[l], dy, dy_buf), (li.o_w, li.o_b, o_b_done), o, first)?;
+            self.proj_grads(
+                (a.atty[l], dy, dy_buf),
+                (li.o_w, li.o_b, o_b_done),
+                o,
+                first,
+            )?;
             self.lin_dx(dy, self.w(li.o_w), a.da, o)?;
             self.lora_bwd(a, (l, li, O), a.atty[l], dy, c, a.da, first)?;
             self.reclaim(Buf::Dqkv)?;
