@@ -874,7 +874,8 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
     let all: Vec<String> = ["q", "k", "v", "o", "gate", "up", "down"]
         .map(String::from)
         .to_vec();
-    let cases: [(&str, fn(&mut Config), Vec<String>); 3] = [
+    type Case = (&'static str, fn(&mut Config), Vec<String>);
+    let cases: [Case; 3] = [
         (
             "llama GQA 4/2, adapters on every projection",
             |c| {

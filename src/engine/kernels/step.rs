@@ -893,6 +893,7 @@ impl GptStep {
     }
 
     /// [`Self::gemm`] with `C = alpha·op(A)·op(B) + beta·C`.
+    #[allow(clippy::too_many_arguments)]
     fn gemm_ab(
         &self,
         name: &'static str,
