@@ -3,7 +3,8 @@
 
 mod telemetry_support;
 
-use cockpit::advisor::{ids, Advisor, AdvisorOptions, Severity};
+use cockpit::advisor::{ids, Advisor, AdvisorOptions, Recommendation, Severity};
+use cockpit::engine::events::RunInfo;
 use cockpit::telemetry::{read_trace, GpuSample};
 use telemetry_support::*;
 
@@ -528,5 +529,66 @@ fn a_straggler_among_two_ranks_is_named() {
         rec.message.contains("Rank 1") && rec.message.contains("1.18×"),
         "{}",
         rec.message
+    );
+}
+
+/// Steps on the CPU whose RSS follows `rss(step)`, one snapshot per 4 steps; the advice
+/// standing at the end.
+fn cpu_run_with_rss(rss: impl Fn(u64) -> u64, steps: u64, max_steps: u64) -> Vec<Recommendation> {
+    let mut advisor = Advisor::new(options());
+    advisor.observe_run(&RunInfo {
+        max_steps,
+        ..run_info("f32", "cpu (2 threads)")
+    });
+    for n in 1..=steps {
+        let mut st = step(n, 100.0, 1.0);
+        st.memory_bytes = Some(rss(n));
+        st.host_rss_bytes = Some(rss(n));
+        advisor.observe_step(&st);
+        if n % 4 == 0 {
+            advisor.observe_snapshot(&snapshot(n / 4, vec![]));
+        }
+    }
+    advisor.recommendations()
+}
+
+#[test]
+fn a_host_memory_climb_is_flagged_with_the_steps_left() {
+    // The leak: 6.5 MB per step from 200 MB; the host has 52 GiB free.
+    let recs = cpu_run_with_rss(|n| 200_000_000 + n * 6_500_000, 200, 100_000);
+    let r = recs
+        .iter()
+        .find(|r| r.id == "memory_climb")
+        .expect("memory_climb");
+    assert!(
+        r.message
+            .starts_with("Host memory (RSS) grows 6.5 MB/step: ~8"),
+        "{}",
+        r.message
+    );
+    // 52 GiB / 6.5 MB ≈ 8,590 steps: before max_steps, so the run will not finish.
+    assert_eq!(r.severity, Severity::Critical);
+    assert!(r.message.contains("steps until the machine is full"));
+    // A short run that ends before memory does: a warning only.
+    let recs = cpu_run_with_rss(|n| 200_000_000 + n * 6_500_000, 200, 400);
+    let r = recs.iter().find(|r| r.id == "memory_climb").unwrap();
+    assert_eq!(r.severity, Severity::Warn);
+}
+
+#[test]
+fn flat_memory_with_eval_spikes_and_the_warm_up_climb_is_not_a_leak() {
+    // Fast growth in the first 20 steps (allocator pools), then flat with spikes.
+    let recs = cpu_run_with_rss(
+        |n| {
+            let warm = n.min(20) * 20_000_000;
+            let spike = if n % 50 == 0 { 300_000_000 } else { 0 };
+            200_000_000 + warm + spike + (n % 3) * 100_000
+        },
+        400,
+        100_000,
+    );
+    assert!(
+        !ids(&recs).contains(&"memory_climb".to_string()),
+        "{recs:?}"
     );
 }

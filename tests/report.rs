@@ -56,6 +56,7 @@ fn step(step: u64, loss: f64) -> Event {
         epoch: step as f64 / 1000.0,
         elapsed_s: step as f64 * 0.02,
         memory_bytes: None,
+        host_rss_bytes: None,
         dropped_before: 0,
         comm_ms: 0.0,
         ranks: vec![],

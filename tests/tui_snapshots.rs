@@ -75,6 +75,7 @@ fn step_stats(step: u64) -> StepStats {
         epoch: tokens as f64 / 300_000_000.0,
         elapsed_s: s * 0.182,
         memory_bytes: Some(41 * GIB),
+        host_rss_bytes: None,
         dropped_before: 0,
         comm_ms: 0.0,
         ranks: vec![],

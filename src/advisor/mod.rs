@@ -22,12 +22,16 @@
 //! * `thermal_throttle` / `power_throttle` — clocks cut for heat / at the power limit.
 //! * `gpu_contention` — other processes on the GPU.
 //! * `well_utilized` — high utilization and no warning standing.
+//! * `memory_climb` (job-level) — host RSS or the run's device memory grows step after step
+//!   past the warm-up (a leak), with the steps left until memory is full; critical when that
+//!   comes before `max_steps`.
 mod recommendation;
 pub use recommendation::*;
 
 mod latch;
 mod options;
 mod rules;
+pub mod trend;
 mod window;
 
 pub use options::{AdvisorOptions, Band, Level};
@@ -68,6 +72,9 @@ pub mod ids {
     pub const WELL_UTILIZED: &str = "well_utilized";
     /// Data parallelism: one rank is slower than the rest, and all of them wait for it.
     pub const STRAGGLER: &str = "straggler";
+    /// Host or device memory grows step after step: a leak that ends the run when memory
+    /// runs out.
+    pub const MEMORY_CLIMB: &str = "memory_climb";
 }
 
 /// Identifies one rule's standing: (rule id, GPU index or `None` for the whole job).
@@ -107,6 +114,7 @@ impl Advisor {
     /// A training run is attached (or restarted with new settings).
     pub fn observe_run(&mut self, run: &RunInfo) {
         self.run = Some(run.clone());
+        self.window.reset_memory();
     }
 
     /// The attached run ended: back to monitor-only judgement.

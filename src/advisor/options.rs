@@ -115,6 +115,16 @@ pub struct AdvisorOptions {
     /// Data parallelism: the slowest rank's compute time over the median rank's (every rank
     /// waits for the slowest at each all-reduce).
     pub straggler: Band,
+    /// Memory growth over the steps judged, as a share of what counts as a leak (the larger
+    /// of [`AdvisorOptions::memory_climb_bytes`] and [`AdvisorOptions::memory_climb_frac`] of
+    /// the memory at the first step judged): 1 fires.
+    pub memory_climb: Band,
+    /// Least growth (bytes) over the steps judged that is a leak.
+    pub memory_climb_bytes: f64,
+    /// Least growth, as a fraction of the memory in use, that is a leak.
+    pub memory_climb_frac: f64,
+    /// Steps (after the warm-up) the memory history must hold before it is judged.
+    pub memory_climb_steps: usize,
 }
 
 impl Default for AdvisorOptions {
@@ -134,6 +144,10 @@ impl Default for AdvisorOptions {
             throttle: Band::new(0.30, 0.10),
             contention: Band::new(0.50, 0.10),
             straggler: Band::new(1.15, 1.07),
+            memory_climb: Band::new(1.0, 0.5),
+            memory_climb_bytes: 32.0 * 1024.0 * 1024.0,
+            memory_climb_frac: 0.05,
+            memory_climb_steps: 50,
             own_pid: std::process::id(),
         }
     }

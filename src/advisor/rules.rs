@@ -504,6 +504,7 @@ pub(crate) fn well_utilized(ctx: &Context<'_>, index: u32, blocked: bool) -> Opt
 /// (CPU training, or no NVML).
 pub(crate) fn job_rules(ctx: &Context<'_>, out: &mut Vec<Candidate>) {
     out.extend(straggler(ctx));
+    out.extend(memory_climb(ctx));
     let opts = ctx.opts;
     let Some(latest) = ctx.window.latest() else {
         return;
@@ -602,6 +603,103 @@ fn straggler(ctx: &Context<'_>) -> Option<Candidate> {
         ))
         .at(opts.straggler.above(ratio)),
     )
+}
+
+/// Host RSS or the run's device memory climbing step after step past the warm-up: a leak,
+/// with the steps left until memory is full (from the latest snapshot's free memory).
+/// Critical when memory runs out before the run reaches `max_steps`.
+fn memory_climb(ctx: &Context<'_>) -> Vec<Candidate> {
+    let opts = ctx.opts;
+    let Some(run) = ctx.run else {
+        return Vec::new();
+    };
+    let on_gpu = ctx.run_gpu();
+    let latest = ctx.window.latest();
+    let mem = ctx.window.memory();
+    // On the CPU `memory_bytes` is the process's RSS: the host series when nothing else is.
+    let host: Vec<(u64, u64)> = mem
+        .iter()
+        .filter_map(|m| {
+            let rss = m.host.or(if on_gpu.is_none() { m.device } else { None });
+            rss.map(|b| (m.step, b))
+        })
+        .collect();
+    let device: Vec<(u64, u64)> = match on_gpu {
+        Some(_) => mem
+            .iter()
+            .filter_map(|m| m.device.map(|b| (m.step, b)))
+            .collect(),
+        None => Vec::new(),
+    };
+    let host_free = latest
+        .map(|s| &s.host)
+        .filter(|h| h.ram_total_bytes > 0)
+        .map(|h| h.ram_total_bytes.saturating_sub(h.ram_used_bytes));
+    let device_free = on_gpu.and_then(|i| {
+        let g = latest?.gpus.iter().find(|g| g.index == i)?;
+        (g.mem_total_bytes > 0).then(|| g.mem_total_bytes.saturating_sub(g.mem_used_bytes))
+    });
+    let mut out = Vec::new();
+    for (series, free, what, gpu) in [
+        (host, host_free, "Host memory (RSS)", None),
+        (device, device_free, "GPU memory", on_gpu),
+    ] {
+        let Some(c) = super::trend::judge(
+            &series,
+            run.start_step,
+            opts.memory_climb_steps,
+            opts.memory_climb_bytes,
+            opts.memory_climb_frac,
+        ) else {
+            continue;
+        };
+        let steps_left = free
+            .filter(|_| c.per_step > 0.0)
+            .map(|f| (f as f64 / c.per_step).floor() as u64);
+        let run_left = run.max_steps.saturating_sub(c.to.0);
+        let severity = if steps_left.is_some_and(|n| n < run_left) {
+            Severity::Critical
+        } else {
+            Severity::Warn
+        };
+        let mb = |b: f64| format!("{:.1} MB", b / 1e6);
+        let until = match steps_left {
+            Some(n) => format!(": ~{} steps until the machine is full", n),
+            None => String::new(),
+        };
+        let verdict = if severity == Severity::Critical {
+            format!(" (the run has {run_left} steps to go)")
+        } else {
+            String::new()
+        };
+        out.push(
+            Advice::new(
+                ids::MEMORY_CLIMB,
+                severity,
+                gpu,
+                format!("{what} grows {}/step{until}{verdict}", mb(c.per_step)),
+            )
+            .evidence(
+                "memory",
+                format!(
+                    "{} at step {} → {} at step {}",
+                    gib(c.from.1 as f64),
+                    c.from.0,
+                    gib(c.to.1 as f64),
+                    c.to.0
+                ),
+            )
+            .evidence_opt("free", free.map(|f| gib(f as f64)))
+            .evidence("window", format!("{} steps", series.len()))
+            .action(
+                "Memory should stay flat after the first steps: this is a leak. Save a \
+                 checkpoint and resume from it before memory runs out, and report it with the \
+                 run's metrics.jsonl (memory_bytes, host_rss_bytes).",
+            )
+            .at(opts.memory_climb.above(c.ratio)),
+        );
+    }
+    out
 }
 
 #[cfg(test)]

@@ -22,12 +22,25 @@ struct StepTiming {
     ranks: Vec<f64>,
 }
 
+/// Steps of memory history kept for the leak check (by step, not time: a leak is per step).
+const MEMORY_STEPS: usize = 512;
+
+/// One step's memory: host RSS and the device's memory in use (bytes), where known.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MemoryPoint {
+    pub(crate) step: u64,
+    pub(crate) host: Option<u64>,
+    pub(crate) device: Option<u64>,
+}
+
 /// The last `length` of snapshots and step timings, on the snapshot clock.
 #[derive(Debug)]
 pub(crate) struct Window {
     length_ms: u64,
     snapshots: VecDeque<Snapshot>,
     steps: VecDeque<StepTiming>,
+    /// The last [`MEMORY_STEPS`] steps' memory, on the step clock.
+    memory: VecDeque<MemoryPoint>,
     /// Data parallelism: the ranks of the latest step (their GPUs' utilization, temperature).
     last_ranks: Vec<crate::engine::events::RankStat>,
 }
@@ -38,6 +51,7 @@ impl Window {
             length_ms: u64::try_from(length.as_millis()).unwrap_or(u64::MAX),
             snapshots: VecDeque::new(),
             steps: VecDeque::new(),
+            memory: VecDeque::new(),
             last_ranks: Vec::new(),
         }
     }
@@ -53,6 +67,7 @@ impl Window {
         if snapshot.timestamp_ms < self.now_ms() {
             self.snapshots.clear();
             self.steps.clear();
+            self.memory.clear();
         }
         self.snapshots.push_back(snapshot.clone());
         let oldest = self.now_ms().saturating_sub(self.length_ms);
@@ -70,6 +85,7 @@ impl Window {
 
     /// Add a step timing, stamped with the current advisor clock.
     pub(crate) fn push_step(&mut self, step: &StepStats) {
+        self.push_memory(step);
         if step.step_ms.is_finite() && step.data_wait_ms.is_finite() && step.step_ms > 0.0 {
             self.steps.push_back(StepTiming {
                 at_ms: self.now_ms(),
@@ -79,6 +95,33 @@ impl Window {
             });
             self.last_ranks.clone_from(&step.ranks);
         }
+    }
+
+    /// A step's memory. `device`: whether `memory_bytes` is device memory (a CUDA run) or
+    /// the process's RSS (the CPU). A step that does not follow the last (a new run, a resume
+    /// from an earlier checkpoint) starts the history afresh.
+    fn push_memory(&mut self, step: &StepStats) {
+        if self.memory.back().is_some_and(|m| m.step >= step.step) {
+            self.memory.clear();
+        }
+        self.memory.push_back(MemoryPoint {
+            step: step.step,
+            host: step.host_rss_bytes,
+            device: step.memory_bytes,
+        });
+        while self.memory.len() > MEMORY_STEPS {
+            self.memory.pop_front();
+        }
+    }
+
+    /// The memory history (oldest first).
+    pub(crate) fn memory(&self) -> &VecDeque<MemoryPoint> {
+        &self.memory
+    }
+
+    /// A new run: its memory is judged from its own first step.
+    pub(crate) fn reset_memory(&mut self) {
+        self.memory.clear();
     }
 
     /// The latest snapshot.

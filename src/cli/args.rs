@@ -14,6 +14,7 @@ Examples:
   cockpit monitor --once --json              one JSON snapshot of GPUs and host
   cockpit check                              what this machine has, and what cockpit would use
   cockpit bench configs/gpt2-small.toml      ms/step, tokens/s, MFU and peak memory of the step
+  cockpit bench --soak 3000                  3000 steps: exit 1 if host or device memory grows
   cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
   cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
 
@@ -63,6 +64,10 @@ pub enum Cmd {
         /// little) and print the GPU time per kernel group.
         #[arg(long)]
         profile: bool,
+        /// Soak test: run STEPS steps after the warm-up and judge memory, not time — host
+        /// RSS (and device memory on a GPU) must not grow past the warm-up; exit 1 if it does.
+        #[arg(long, value_name = "STEPS", conflicts_with = "steps")]
+        soak: Option<u64>,
     },
     /// Tokenize and pack a config's text data ahead of training.
     Prepare {

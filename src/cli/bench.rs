@@ -162,6 +162,112 @@ pub struct BenchArgs<'a> {
     pub device: Option<&'a str>,
     pub json: Option<&'a Path>,
     pub profile: bool,
+    /// Judge memory growth over the timed steps (`--soak`): exit 1 on a leak.
+    pub soak: bool,
+}
+
+/// A soak's verdict on one memory series.
+#[derive(Debug, Serialize)]
+pub struct SoakReport {
+    /// "host RSS" or "device memory".
+    pub what: &'static str,
+    pub from_bytes: u64,
+    pub from_step: u64,
+    pub to_bytes: u64,
+    pub to_step: u64,
+    pub bytes_per_step: f64,
+    /// Fitted growth over the judged steps, and the most that is not a leak.
+    pub growth_bytes: f64,
+    pub limit_bytes: f64,
+    pub leak: bool,
+}
+
+/// Least growth over a soak that counts as a leak: 3% of the memory after the warm-up, and at
+/// least 4 MiB (allocator noise).
+const SOAK_MIN_FRAC: f64 = 0.03;
+const SOAK_MIN_BYTES: f64 = 4.0 * 1024.0 * 1024.0;
+
+/// The memory of a soak's steps, thinned to at most [`MemoryTrace::MAX`] points (every
+/// other one dropped when full) so that what the bench keeps does not grow with the steps.
+#[derive(Default)]
+pub struct MemoryTrace {
+    host: Vec<(u64, u64)>,
+    device: Vec<(u64, u64)>,
+    stride: u64,
+    seen: u64,
+}
+
+impl MemoryTrace {
+    const MAX: usize = 2048;
+
+    pub fn push(&mut self, s: &StepStats, device_is_gpu: bool) {
+        self.stride = self.stride.max(1);
+        self.seen += 1;
+        if !(self.seen - 1).is_multiple_of(self.stride) {
+            return;
+        }
+        if let Some(b) = s.host_rss_bytes {
+            self.host.push((s.step, b));
+        }
+        if let Some(b) = s.memory_bytes.filter(|_| device_is_gpu) {
+            self.device.push((s.step, b));
+        }
+        if self.host.len().max(self.device.len()) >= Self::MAX {
+            for v in [&mut self.host, &mut self.device] {
+                let kept: Vec<(u64, u64)> = v.iter().copied().step_by(2).collect();
+                *v = kept;
+            }
+            self.stride *= 2;
+        }
+    }
+}
+
+/// Judge the host RSS and, on a GPU, the device memory of the timed steps.
+pub fn soak(warmup: u64, trace: &MemoryTrace) -> Vec<SoakReport> {
+    let min_points = (trace.host.len().max(trace.device.len()) / 2).clamp(2, 50);
+    [("host RSS", &trace.host), ("device memory", &trace.device)]
+        .into_iter()
+        .filter_map(|(what, series)| {
+            let c = crate::advisor::trend::judge(
+                series,
+                warmup,
+                min_points,
+                SOAK_MIN_BYTES,
+                SOAK_MIN_FRAC,
+            )?;
+            Some(SoakReport {
+                what,
+                from_bytes: c.from.1,
+                from_step: c.from.0,
+                to_bytes: c.to.1,
+                to_step: c.to.0,
+                bytes_per_step: c.per_step,
+                growth_bytes: c.growth,
+                limit_bytes: c.growth / c.ratio,
+                leak: c.ratio >= 1.0,
+            })
+        })
+        .collect()
+}
+
+impl std::fmt::Display for SoakReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mb = |b: f64| b / 1e6;
+        write!(
+            f,
+            "soak | {} {:.1} MB at step {} -> {:.1} MB at step {} | {:+.1} KB/step, {:+.1} MB fitted over {} steps (a leak: > {:.1} MB) | {}",
+            self.what,
+            mb(self.from_bytes as f64),
+            self.from_step,
+            mb(self.to_bytes as f64),
+            self.to_step,
+            self.bytes_per_step / 1e3,
+            mb(self.growth_bytes),
+            self.to_step - self.from_step,
+            mb(self.limit_bytes),
+            if self.leak { "LEAK" } else { "flat" }
+        )
+    }
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
@@ -206,11 +312,23 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         profile_kernels: a.profile,
         ..EngineOptions::new(cfg, run_dir.clone(), device)
     })?;
-    let (mut info, mut steps, mut failure) = (None, Vec::new(), None);
+    let (mut info, mut steps, mut failure) = (None::<RunInfo>, Vec::new(), None);
+    let mut trace = MemoryTrace::default();
     while let Some(ev) = engine.events.recv() {
         match ev {
             Event::RunStarted(i) => info = Some(i),
-            Event::Step(s) if s.step > a.warmup => steps.push(s),
+            Event::Step(s) if s.step > a.warmup => {
+                if a.soak {
+                    let gpu = info.as_ref().is_some_and(|i| i.device.starts_with("cuda"));
+                    trace.push(&s, gpu);
+                    // A soak judges the bench's own memory too: keep the first timed step
+                    // and the latest ones only, so the record does not grow with the steps.
+                    if steps.len() >= 512 {
+                        steps.drain(1..257);
+                    }
+                }
+                steps.push(s);
+            }
             Event::Warning { message, .. } => eprintln!("cockpit bench: {message}"),
             Event::Finished {
                 reason, message, ..
@@ -239,9 +357,32 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
     };
     let report = summarize(&info, a.warmup, &steps);
     println!("{report}");
+    let soaked = if a.soak {
+        soak(a.warmup, &trace)
+    } else {
+        Vec::new()
+    };
+    for s in &soaked {
+        println!("{s}");
+    }
     if let Some(p) = a.json {
-        let text = serde_json::to_string_pretty(&report)?;
+        let mut value = serde_json::to_value(&report)?;
+        if a.soak {
+            value["soak"] = serde_json::to_value(&soaked)?;
+        }
+        let text = serde_json::to_string_pretty(&value)?;
         std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if a.soak && soaked.is_empty() {
+        eprintln!(
+            "cockpit bench: --soak: too few steps after the warm-up to judge memory (at least {} needed)",
+            crate::advisor::trend::WARMUP_STEPS + 2
+        );
+        return Ok(EXIT_FAILURE);
+    }
+    if soaked.iter().any(|s| s.leak) {
+        eprintln!("cockpit bench: memory grows step after step: a leak (see the soak lines)");
+        return Ok(EXIT_FAILURE);
     }
     Ok(EXIT_OK)
 }

@@ -117,8 +117,12 @@ pub struct StepStats {
     pub epoch: f64,
     #[serde(deserialize_with = "nan_f64")]
     pub elapsed_s: f64,
-    /// Device memory in use by the engine in bytes, when known.
+    /// Device memory in use by the engine in bytes, when known (the process's RSS on the CPU).
     pub memory_bytes: Option<u64>,
+    /// The process's resident host memory in bytes, when known (on every device: a CUDA run
+    /// can leak host memory while its device memory stays flat).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_rss_bytes: Option<u64>,
     /// Step events dropped since the last delivered one (slow consumer).
     #[serde(default)]
     pub dropped_before: u64,

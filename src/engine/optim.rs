@@ -131,9 +131,10 @@ impl AdamW {
                 w.clone()
             };
             slot.var.set(&(w - (update * lr)?)?)?;
-            // Detached: a gradient from candle's backward still records the ops that made it
-            // (they reach back through the step's activations), so moments built from it
-            // would keep every earlier step's graph alive — memory growing without bound.
+            // Detached: a variable's gradient from `backward()` still carries its op graph
+            // (candle detaches only the intermediate nodes' gradients), so moments built from
+            // it would hold this step's whole forward and backward, and the next step's
+            // moments this one's: a chain that grew by every step's activations (issue 26).
             slot.m = m.detach();
             slot.v = v.detach();
         }
@@ -252,6 +253,31 @@ mod tests {
         assert!((lr_at(&o, 1e-3, 0, 100) - 1e-4).abs() < 1e-12);
         assert!((lr_at(&o, 1e-3, 25, 100) - 1e-3).abs() < 1e-12);
         assert!((lr_at(&o, 1e-3, 100, 100) - 1e-4).abs() < 1e-12);
+    }
+
+    /// A variable's gradient from `backward()` keeps its op graph; the moments must not, or
+    /// each step's moments hold the last step's and its activations (issue 26's leak).
+    #[test]
+    fn adamw_moments_hold_no_graph_from_the_gradients() {
+        let dev = Device::Cpu;
+        let w = Var::from_tensor(&Tensor::new(&[1.0f32, -2.0, 3.0], &dev).unwrap()).unwrap();
+        let x = Tensor::new(&[0.5f32, 0.25, 2.0], &dev).unwrap();
+        let mut opt =
+            AdamW::new(vec![("w".into(), w.clone(), false)], 0.9, 0.95, 1e-8, 0.0).unwrap();
+        for _ in 0..3 {
+            // Σ w·(w·x): as in a matmul with activations, the op on w has another input that
+            // depends on w, so w's gradient is built from it.
+            let wx = (w.as_tensor() * &x).unwrap();
+            let y = (w.as_tensor() * &wx).unwrap().sum_all().unwrap();
+            let grads = y.backward().unwrap();
+            let g = grads.get(w.as_tensor()).unwrap().clone();
+            assert!(
+                g.track_op(),
+                "candle returns leaf gradients with their graph"
+            );
+            opt.step(&[g], 1e-2).unwrap();
+            assert!(!opt.slots[0].m.track_op() && !opt.slots[0].v.track_op());
+        }
     }
 
     #[test]

@@ -721,8 +721,8 @@ impl Trainer {
             }
             for (g, slot) in grads.iter_mut().zip(&self.opt.slots) {
                 if let Some(new) = store.get(slot.var.as_tensor()) {
-                    // Detached: candle's gradient of a variable records the ops that made it,
-                    // which reach back through the whole step's activations.
+                    // A leaf's gradient keeps its op graph (and so every activation of this
+                    // micro-batch) alive; the gradient itself is all the step needs.
                     let new = new.detach();
                     *g = Some(match g.take() {
                         Some(acc) => (acc + new)?,
@@ -1635,6 +1635,7 @@ impl Trainer {
                 epoch: self.tokens as f64 / self.dataset.train.len().max(1) as f64,
                 elapsed_s: self.elapsed(start),
                 memory_bytes: self.step_memory,
+                host_rss_bytes: device::rss_bytes(),
                 dropped_before: 0,
                 comm_ms: comm,
                 ranks,

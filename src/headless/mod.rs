@@ -183,6 +183,38 @@ pub fn event_line(ev: &Event) -> Option<String> {
     })
 }
 
+/// The advisor's warnings as lines: each once when it starts to stand (again, after it
+/// cleared). Info-level advice stays on the dashboard.
+#[derive(Default)]
+pub struct AdviceLines {
+    standing: std::collections::BTreeSet<(String, Option<u32>)>,
+}
+
+impl AdviceLines {
+    pub fn update(&mut self, recs: &[crate::advisor::Recommendation]) -> Vec<String> {
+        let warn: Vec<&crate::advisor::Recommendation> = recs
+            .iter()
+            .filter(|r| r.severity >= crate::advisor::Severity::Warn)
+            .collect();
+        let now: std::collections::BTreeSet<(String, Option<u32>)> =
+            warn.iter().map(|r| (r.id.clone(), r.gpu)).collect();
+        let lines = warn
+            .iter()
+            .filter(|r| !self.standing.contains(&(r.id.clone(), r.gpu)))
+            .map(|r| {
+                let level = if r.severity == crate::advisor::Severity::Critical {
+                    "CRITICAL "
+                } else {
+                    ""
+                };
+                format!("advice | {level}{}. {}", r.message, r.action)
+            })
+            .collect();
+        self.standing = now;
+        lines
+    }
+}
+
 /// How the front end ended.
 #[derive(Default)]
 pub struct HeadlessOutcome {
@@ -206,6 +238,7 @@ pub fn run(
     let mut last_line = Instant::now();
     let mut interrupted = false;
     let mut printed_step = 0;
+    let mut advice = AdviceLines::default();
     loop {
         if signals.terminate.load(Ordering::SeqCst) && !interrupted {
             interrupted = true;
@@ -220,6 +253,9 @@ pub fn run(
         }
         if let Some(rx) = &telemetry {
             while let Ok(u) = rx.try_recv() {
+                for l in advice.update(&u.advice) {
+                    let _ = writeln!(out, "{l}");
+                }
                 p.telemetry = Some(u);
             }
         }
@@ -259,5 +295,37 @@ pub fn run(
                 last_line = Instant::now();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AdviceLines;
+    use crate::advisor::{Recommendation, Severity};
+
+    fn rec(id: &str, severity: Severity) -> Recommendation {
+        Recommendation {
+            id: id.into(),
+            severity,
+            gpu: None,
+            message: format!("{id} message"),
+            evidence: Vec::new(),
+            action: "do this".into(),
+            key: None,
+        }
+    }
+
+    #[test]
+    fn advice_lines_print_each_warning_once_while_it_stands() {
+        let mut a = AdviceLines::default();
+        let climb = rec("memory_climb", Severity::Critical);
+        let info = rec("mem_low", Severity::Info);
+        assert_eq!(
+            a.update(&[climb.clone(), info.clone()]),
+            vec!["advice | CRITICAL memory_climb message. do this".to_string()]
+        );
+        assert!(a.update(&[climb.clone()]).is_empty());
+        assert!(a.update(&[]).is_empty());
+        assert_eq!(a.update(&[climb]).len(), 1, "again after it cleared");
     }
 }

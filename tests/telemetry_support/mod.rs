@@ -123,6 +123,7 @@ pub fn step(n: u64, step_ms: f64, data_wait_ms: f64) -> StepStats {
         epoch: 0.0,
         elapsed_s: n as f64 * step_ms / 1000.0,
         memory_bytes: None,
+        host_rss_bytes: None,
         dropped_before: 0,
         comm_ms: 0.0,
         ranks: vec![],
