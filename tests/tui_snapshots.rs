@@ -873,6 +873,64 @@ fn quit_popup_flow() {
     assert_eq!(app.on_key(key('s')), send(Command::Stop { save: true }));
 }
 
+/// Issue 26: with the README's `quit = "x"`, pressing `x` twice stopped the run without
+/// saving (the popup hard-coded `x`). The quit key again now takes the highlighted answer
+/// (save and quit); quitting without saving has its own shown key that no binding uses.
+#[test]
+fn the_quit_key_twice_saves_and_discarding_needs_its_own_key() {
+    let names: HashMap<String, String> = HashMap::from([("quit".to_string(), "x".to_string())]);
+    let keymap = Keymap::from_names(&names).unwrap();
+    assert_eq!(keymap.discard_key(), Some('X'));
+    let custom = TuiOptions { keymap, ..opts() };
+    let fresh = || {
+        let mut app = App::training(&custom);
+        for ev in canned_run(10, true) {
+            app.on_event(ev);
+        }
+        app
+    };
+    let mut app = fresh();
+    assert_eq!(app.on_key(key('x')), None, "the popup opens");
+    let popup = render(&app, 120, 40);
+    assert!(popup.contains("[X] quit WITHOUT saving"), "{popup}");
+    assert!(!popup.contains("[x]"), "{popup}");
+    assert_eq!(app.on_key(key('x')), send(Command::Stop { save: true }));
+    let mut app = fresh();
+    app.on_key(key('x'));
+    assert_eq!(app.on_key(key('X')), send(Command::Stop { save: false }));
+    // Every binding taken by a candidate: discarding is reached with the arrows only.
+    let names: HashMap<String, String> = [
+        ("quit", "x"),
+        ("pause", "X"),
+        ("window", "D"),
+        ("help", "!"),
+    ]
+    .into_iter()
+    .map(|(a, k)| (a.to_string(), k.to_string()))
+    .collect();
+    let keymap = Keymap::from_names(&names).unwrap();
+    assert_eq!(keymap.discard_key(), None);
+    let custom = TuiOptions { keymap, ..opts() };
+    let mut app = App::training(&custom);
+    for ev in canned_run(10, true) {
+        app.on_event(ev);
+    }
+    app.on_key(key('x'));
+    assert_eq!(
+        app.on_key(key('X')),
+        None,
+        "a binding does nothing in the popup"
+    );
+    assert!(matches!(
+        app.ui().overlay,
+        cockpit::tui::app::Overlay::QuitConfirm { .. }
+    ));
+    assert_eq!(
+        app.on_key(code(KeyCode::Enter)),
+        send(Command::Stop { save: true })
+    );
+}
+
 #[test]
 fn finished_run_quits_without_popup() {
     let mut app = training_app(canned_run(20, true), &[]);

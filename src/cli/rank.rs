@@ -66,13 +66,13 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
     }
     let launching = topology.is_none() && gpus > 1;
     if launching {
-        // Before anything starts: a launcher never forks more workers than can run.
-        let what = match a.gpus {
-            Some(_) => format!("--gpus {gpus}"),
-            None => format!("{origin}: distributed.gpus = {gpus}"),
+        let key = if a.gpus.is_some() {
+            "--gpus".to_string()
+        } else {
+            format!("{origin}: distributed.gpus =")
         };
-        if let Err(why) = check_world(gpus, backend) {
-            eprintln!("cockpit: config error:\n{what}: {why}");
+        if let Err(e) = check_world(gpus, backend, crate::engine::device::cuda_device_count) {
+            eprintln!("cockpit: config error:\n{key} {gpus}: {e}");
             return Err(EXIT_USAGE);
         }
     }
@@ -85,36 +85,46 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
     })
 }
 
-/// Whether this machine can run `world` ranks of `backend`: NCCL needs a visible CUDA device
-/// per rank (and a build with NCCL); TCP ranks are CPU processes, at most four per core (and
-/// at least eight). Err: why not, for the user.
-fn check_world(world: usize, backend: Backend) -> Result<(), String> {
+/// Worker processes the `tcp` backend may start per CPU core of this machine, and at least:
+/// more only queue for the same cores (and a typo could fork thousands of processes).
+pub const TCP_RANKS_PER_CORE: usize = 4;
+pub const TCP_RANKS_MIN: usize = 8;
+
+/// Whether `world` workers may be started on this machine, before any is: on NCCL one per
+/// visible GPU, on TCP at most [`TCP_RANKS_PER_CORE`] per CPU core. `Err` says what is
+/// available.
+pub(super) fn check_world(
+    world: usize,
+    backend: Backend,
+    visible_gpus: impl Fn() -> usize,
+) -> Result<(), String> {
     match backend {
-        Backend::Nccl if !cfg!(feature = "nccl") => Err(
-            "distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes".into(),
-        ),
         Backend::Nccl => {
-            let visible = crate::engine::device::cuda_device_count();
-            if world > visible {
-                Err(format!(
-                    "one worker per GPU, but this process sees {visible} CUDA device(s) (CUDA_VISIBLE_DEVICES chooses them); ask for at most {visible}"
-                ))
-            } else {
-                Ok(())
+            if !cfg!(feature = "nccl") {
+                return Err("distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes".into());
+            }
+            let n = visible_gpus();
+            if world > n {
+                let visible = std::env::var("CUDA_VISIBLE_DEVICES")
+                    .map(|v| format!(" (CUDA_VISIBLE_DEVICES={v:?})"))
+                    .unwrap_or_default();
+                return Err(format!(
+                    "one worker per GPU, and this process can see {n} GPU{}{visible}",
+                    if n == 1 { "" } else { "s" }
+                ));
             }
         }
         Backend::Tcp => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let cap = (4 * cores).max(8);
+            let cap = (cores * TCP_RANKS_PER_CORE).max(TCP_RANKS_MIN);
             if world > cap {
-                Err(format!(
-                    "the tcp backend runs one CPU process per rank: at most {cap} on this machine ({cores} cores)"
-                ))
-            } else {
-                Ok(())
+                return Err(format!(
+                    "the \"tcp\" backend runs one CPU process per rank: at most {cap} on this machine ({cores} CPU cores × {TCP_RANKS_PER_CORE}, at least {TCP_RANKS_MIN})"
+                ));
             }
         }
     }
+    Ok(())
 }
 
 /// Meet the other ranks; every rank takes rank 0's run dir. On NCCL the control sockets
@@ -253,4 +263,26 @@ fn stuck_watchdog(rank: usize, progress: Arc<Progress>, timeout_secs: f64) {
                 }
             }
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_world_is_checked_against_the_gpus_and_cores_before_anything_starts() {
+        let e = check_world(70000, Backend::Nccl, || 0).unwrap_err();
+        if cfg!(feature = "nccl") {
+            assert!(e.contains("can see 0 GPUs"), "{e}");
+            assert!(check_world(4, Backend::Nccl, || 8).is_ok());
+            assert!(check_world(8, Backend::Nccl, || 8).is_ok());
+            assert!(check_world(9, Backend::Nccl, || 8).is_err());
+        } else {
+            assert!(e.contains("this build has no NCCL"), "{e}");
+        }
+        let e = check_world(70000, Backend::Tcp, || 0).unwrap_err();
+        assert!(e.contains("at most") && e.contains("CPU cores"), "{e}");
+        // A few CPU ranks always fit (the end-to-end tests run 3 on 2 cores).
+        assert!(check_world(TCP_RANKS_MIN, Backend::Tcp, || 0).is_ok());
+    }
 }

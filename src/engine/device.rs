@@ -31,6 +31,22 @@ pub fn open(spec: DeviceSpec) -> Result<Device, DeviceError> {
     }
 }
 
+/// CUDA devices this process can see (after CUDA_VISIBLE_DEVICES): 0 without a CUDA build,
+/// a driver or a device.
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::{sys, CudaContext};
+        // SAFETY: only looks for the driver library; loads nothing else.
+        if !unsafe { sys::is_culib_present() } {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
+    }
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
 /// A human label: "cpu" or "cuda:0 (NVIDIA H100 80GB HBM3)".
 pub fn describe(device: &Device) -> String {
     match device {
@@ -63,19 +79,6 @@ pub fn memory_in_use(device: &Device) -> Option<u64> {
     }
     let _ = device;
     rss_bytes()
-}
-
-/// How many CUDA devices this process can see (CUDA_VISIBLE_DEVICES applies); 0 without a
-/// CUDA build, a driver or a device.
-pub fn cuda_device_count() -> usize {
-    #[cfg(feature = "cuda")]
-    {
-        use candle_core::cuda_backend::cudarc::driver::result;
-        if result::init().is_ok() {
-            return result::device::get_count().map_or(0, |n| n.max(0) as usize);
-        }
-    }
-    0
 }
 
 /// Resident set size of this process (Linux /proc), None elsewhere.

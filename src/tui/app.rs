@@ -586,12 +586,17 @@ impl App {
         });
     }
 
+    /// The quit popup: Enter (or the quit key again) takes the highlighted answer, which is
+    /// "save, then quit" unless chosen otherwise; `s` saves too; Esc, `n`, `c` cancel. Quitting
+    /// without saving has its own key ([`Keymap::discard_key`]) that no binding uses.
     fn on_quit_popup_key(&mut self, key: KeyEvent, selected: QuitChoice) -> Option<Action> {
+        let discard = self.keymap.discard_key();
         let choice = match key.code {
-            KeyCode::Char('s' | 'S') => QuitChoice::SaveAndQuit,
-            KeyCode::Char('x' | 'X') => QuitChoice::Quit,
-            KeyCode::Char('c' | 'C' | 'n' | 'N') | KeyCode::Esc => QuitChoice::Cancel,
+            KeyCode::Char(c) if Some(c) == discard => QuitChoice::Quit,
             KeyCode::Enter => selected,
+            _ if self.keymap.action_for(&key) == Some(KeyAction::Quit) => selected,
+            KeyCode::Char('s' | 'S') => QuitChoice::SaveAndQuit,
+            KeyCode::Char('c' | 'C' | 'n' | 'N') | KeyCode::Esc => QuitChoice::Cancel,
             KeyCode::Left | KeyCode::Up | KeyCode::BackTab => {
                 self.ui.overlay = Overlay::QuitConfirm {
                     selected: selected.step(false),

@@ -405,6 +405,17 @@ impl Keymap {
             .find(|(_, binding)| binding.matches(key))
             .map(|(action, _)| *action)
     }
+
+    /// The quit popup's key for "quit without saving": the first of `x`, `X`, `D`, `!` that
+    /// no action is bound to (and not `s`, `n` or `c`, the popup's other answers), so that
+    /// pressing a binding twice can never throw the run away. None when all are taken (the
+    /// choice is then reached with the arrows and Enter only).
+    pub fn discard_key(&self) -> Option<char> {
+        ['x', 'X', 'D', '!'].into_iter().find(|&c| {
+            self.action_for(&KeyEvent::new(KeyCode::Char(c), KeyModifiers::NONE))
+                .is_none()
+        })
+    }
 }
 
 #[cfg(test)]

@@ -54,6 +54,7 @@ pub fn render(app: &App, frame: &mut Frame) {
         Overlay::QuitConfirm { selected } => popup::QuitView {
             selected,
             theme: app.theme(),
+            discard: app.keymap().discard_key(),
         }
         .render(area, buf),
     }

@@ -16,6 +16,8 @@ pub struct QuitView<'a> {
     pub selected: QuitChoice,
     /// Colours.
     pub theme: &'a Theme,
+    /// The key for "quit without saving" (one no binding uses), if any is free.
+    pub discard: Option<char>,
 }
 
 impl Widget for QuitView<'_> {
@@ -31,15 +33,19 @@ impl Widget for QuitView<'_> {
             Line::from("The run is still going. Stop it?"),
             Line::from(""),
         ];
+        let discard = self.discard.map(String::from);
         for choice in QuitChoice::ALL {
             let (key, text) = match choice {
-                QuitChoice::SaveAndQuit => ("s", "save a checkpoint, then quit"),
-                QuitChoice::Quit => ("x", "quit without saving"),
-                QuitChoice::Cancel => ("Esc", "cancel, keep training"),
+                QuitChoice::SaveAndQuit => (Some("s"), "save a checkpoint, then quit"),
+                QuitChoice::Quit => (discard.as_deref(), "quit WITHOUT saving"),
+                QuitChoice::Cancel => (Some("Esc"), "cancel, keep training"),
             };
             let is_selected = choice == self.selected;
             let marker = if is_selected { "▶ " } else { "  " };
-            let body = format!("[{key}] {text}");
+            let body = match key {
+                Some(k) => format!("[{k}] {text}"),
+                None => format!("    {text}"),
+            };
             lines.push(Line::from(vec![
                 Span::styled(marker, t.accent()),
                 if is_selected {
@@ -51,7 +57,7 @@ impl Widget for QuitView<'_> {
         }
         lines.push(Line::from(""));
         lines.push(Line::from(Span::styled(
-            "↑/↓ choose · Enter confirm",
+            "↑/↓ choose · Enter: the highlighted one",
             t.muted(),
         )));
         Paragraph::new(lines)
@@ -101,8 +107,14 @@ impl Widget for HelpView<'_> {
                 "stop with a checkpoint (twice: leave now)",
             ));
             lines.push(Line::from(""));
+            let discard = self
+                .app
+                .keymap()
+                .discard_key()
+                .map(|k| format!(" · {k} no save"))
+                .unwrap_or_default();
             lines.push(Line::from(Span::styled(
-                "quit popup: s save · x no save · Esc cancel",
+                format!("quit popup: Enter/s save{discard} · Esc cancel"),
                 t.muted(),
             )));
         } else {
