@@ -324,7 +324,7 @@ mod tests {
             a.update(&[climb.clone(), info.clone()]),
             vec!["advice | CRITICAL memory_climb message. do this".to_string()]
         );
-        assert!(a.update(&[climb.clone()]).is_empty());
+        assert!(a.update(std::slice::from_ref(&climb)).is_empty());
         assert!(a.update(&[]).is_empty());
         assert_eq!(a.update(&[climb]).len(), 1, "again after it cleared");
     }
