@@ -360,7 +360,26 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
         eprintln!("{}: data.source = {:?}: nothing to prepare (the built-in corpus is generated at start)", loaded.origin, loaded.config.data.source);
         return Ok(EXIT_OK);
     }
-    match crate::engine::data::prepare(&loaded.config) {
+    // The same tokenizer and BOS/EOS as training: a base model brings them.
+    let mut cfg = loaded.config;
+    let meta = match crate::engine::base::spec(&cfg) {
+        Some((_, path)) => match crate::engine::base::meta(Path::new(path)) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("cockpit: prepare: {e}");
+                return Ok(EXIT_USAGE);
+            }
+        },
+        None => None,
+    };
+    let special = match crate::engine::base::resolve_data(&mut cfg, meta.as_ref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("cockpit: prepare: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    };
+    match crate::engine::data::prepare_with(&cfg, special) {
         Ok(p) => {
             eprintln!(
                 "{} {}",

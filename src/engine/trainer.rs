@@ -255,26 +255,53 @@ impl Trainer {
         if tf32 {
             dtype_reason.push_str("; TF32 for fp32 matmuls");
         }
-        // LoRA: the base decides the model's shape.
+        // A base (model.init_from, lora.base) decides the model's shape and brings its
+        // tokenizer and special tokens.
         let mut cfg = cfg;
-        let base = if cfg.lora.enabled {
-            let b = super::lora::load_base(&cfg.lora, cfg.model.seq_len, &device)?;
-            cfg.model = super::lora::Base::shape_for(&b, &cfg.model);
-            Some(b)
-        } else {
-            None
+        let base = match super::base::spec(&cfg) {
+            Some((key, path)) => {
+                let b = super::base::load(Path::new(path))?;
+                cfg.model = super::base::resolve_model(&b.meta, &cfg.model, key)
+                    .map_err(EngineError::Config)?;
+                Some((key, b))
+            }
+            None => None,
         };
-        let dataset = data::load(&cfg)?;
+        let special = super::base::resolve_data(&mut cfg, base.as_ref().map(|(_, b)| &b.meta))?;
+        if cfg.lora.enabled
+            && cfg.lora.targets.iter().any(|t| t == "gate")
+            && cfg.model.activation != crate::config::Activation::SwiGlu
+        {
+            return Err(EngineError::Config(
+                "lora.targets: \"gate\" exists only in SwiGLU models; the base has a GELU MLP"
+                    .into(),
+            ));
+        }
+        let dataset = data::load_with(&cfg, special)?;
+        if let Some((_, b)) = &base {
+            if cfg.model.vocab_size == 0 {
+                // An older cockpit base took its vocabulary from its data: its embedding says.
+                if let Some(t) = b.tensors.get("model.embed_tokens.weight") {
+                    cfg.model.vocab_size = t.dim(0)?;
+                }
+            }
+        }
         let vocab = if cfg.model.vocab_size == 0 {
             dataset.vocab_size
         } else {
             cfg.model.vocab_size
         };
         if vocab < dataset.vocab_size {
-            return Err(EngineError::Config(format!(
-                "model.vocab_size = {vocab}: the data uses {} token ids; set 0 to take it from the data",
-                dataset.vocab_size
-            )));
+            return Err(EngineError::Config(match &base {
+                Some((key, _)) => format!(
+                    "data.tokenizer = {:?}: {} token ids, but the base's embedding ({key}) has {vocab} rows; use the base's tokenizer (data.tokenizer = \"base\")",
+                    cfg.data.tokenizer, dataset.vocab_size
+                ),
+                None => format!(
+                    "model.vocab_size = {vocab}: the data uses {} token ids; set 0 to take it from the data",
+                    dataset.vocab_size
+                ),
+            }));
         }
         let min_tokens = cfg.model.seq_len + 1;
         if dataset.train.len() < 2 * min_tokens || dataset.val.len() < min_tokens {
@@ -291,13 +318,10 @@ impl Trainer {
             &device,
             cfg.run.seed,
         )?;
-        if let Some(base) = base {
-            model.load_named(&base.tensors, true).map_err(|m| {
-                EngineError::Checkpoint(checkpoint::CheckpointError::Mismatch {
-                    path: cfg.lora.base.clone(),
-                    message: m,
-                })
-            })?;
+        if let Some((key, b)) = &base {
+            super::base::load_into(&model, b, key)?;
+        }
+        if cfg.lora.enabled {
             let spec = LoraSpec {
                 r: cfg.lora.r,
                 alpha: cfg.lora.alpha,
@@ -369,6 +393,9 @@ impl Trainer {
             opts.run_dir.join("ranks").join(format!("rank-{rank}"))
         };
         std::fs::create_dir_all(&out_dir).map_err(io_err(&out_dir))?;
+        if let (Some((_, b)), 0) = (&base, rank) {
+            super::base::keep_hf_files(&b.meta, &opts.run_dir)?;
+        }
         let mut t = Trainer {
             out_dir,
             dist,
