@@ -94,6 +94,17 @@ pub fn meta(spec: &Path) -> Result<BaseMeta, CheckpointError> {
             tokenizer: hf_tokenizer(spec),
         });
     }
+    let looks_hf = std::fs::read_dir(spec).is_ok_and(|rd| {
+        rd.filter_map(|e| e.ok())
+            .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+    }) && !spec.join("manifest.json").is_file()
+        && !spec.join("checkpoints").is_dir();
+    if looks_hf {
+        return Err(CheckpointError::Corrupt {
+            path: spec.join("config.json").display().to_string(),
+            message: "missing: a Hugging Face model directory needs its config.json".into(),
+        });
+    }
     let dir = checkpoint::resolve(spec)?;
     let cfg = checkpoint_config(&dir)?;
     let kept = match run_dir_of(&dir) {

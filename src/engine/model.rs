@@ -13,6 +13,9 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+mod decode;
+pub use decode::KvCache;
+
 /// What role a parameter plays: decides weight decay, SCU regularization and freezing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ParamKind {
@@ -749,13 +752,8 @@ impl Model {
         let Some((cos, sin)) = &self.rope else {
             return Ok(x.clone());
         };
-        let (_, _, t, hd) = x.dims4()?;
-        let cos = cos.narrow(0, 0, t)?;
-        let sin = sin.narrow(0, 0, t)?;
-        let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
-        let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
-        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+        let t = x.dim(2)?;
+        rotate_half(x, &cos.narrow(0, 0, t)?, &sin.narrow(0, 0, t)?)
     }
 
     fn attention(&self, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
@@ -1010,6 +1008,16 @@ impl Model {
         }
         Ok(())
     }
+}
+
+/// RoPE on `[B, H, T, hd]` with cos/sin `[T, hd]`: rotate the two halves of each head (the
+/// Llama/NeoX layout).
+fn rotate_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let hd = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+    let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
 }
 
 /// cos and sin `[t, head_dim]` of positions `start..start + t` (each frequency twice: the

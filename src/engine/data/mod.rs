@@ -287,13 +287,50 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-enum Tok {
+/// A tokenizer: bytes, or a Hugging Face tokenizer.json.
+pub enum Tok {
     Byte,
     Hf(Box<tokenizers::Tokenizer>),
 }
 
 impl Tok {
-    fn vocab_size(&self) -> usize {
+    /// "byte" or the path of a tokenizer.json.
+    pub fn open(spec: &str) -> Result<Tok, DataError> {
+        if spec == "byte" {
+            return Ok(Tok::Byte);
+        }
+        tokenizers::Tokenizer::from_file(spec)
+            .map(|t| Tok::Hf(Box::new(t)))
+            .map_err(|e| DataError::Tokenizer {
+                path: spec.to_string(),
+                message: e.to_string(),
+            })
+    }
+    /// Text of token ids (bytes decoded lossily as UTF-8).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tok::Byte => {
+                let bytes: Vec<u8> = ids.iter().map(|&i| i.min(255) as u8).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            Tok::Hf(t) => t.decode(ids, true).unwrap_or_default(),
+        }
+    }
+    /// Ids of a prompt: with the tokenizer's own special tokens (a BOS, for most), as
+    /// transformers does.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        match self {
+            Tok::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Tok::Hf(t) => t
+                .encode(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| DataError::Tokenizer {
+                    path: "tokenizer.json".into(),
+                    message: e.to_string(),
+                }),
+        }
+    }
+    pub fn vocab_size(&self) -> usize {
         match self {
             Tok::Byte => 256,
             Tok::Hf(t) => t.get_vocab_size(true),
@@ -339,11 +376,7 @@ pub fn prepare_with(cfg: &Config, special: Special) -> Result<Prepared, DataErro
         (Tok::Byte, "byte".to_string())
     } else {
         let path = Path::new(&d.tokenizer);
-        let t = tokenizers::Tokenizer::from_file(path).map_err(|e| DataError::Tokenizer {
-            path: d.tokenizer.clone(),
-            message: e.to_string(),
-        })?;
-        (Tok::Hf(Box::new(t)), sha256_file(path)?.0)
+        (Tok::open(&d.tokenizer)?, sha256_file(path)?.0)
     };
     let describe = |files: &[PathBuf]| -> Result<Vec<SourceFile>, DataError> {
         files
