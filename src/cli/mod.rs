@@ -6,6 +6,7 @@ pub mod args;
 mod bench;
 mod check;
 mod frontends;
+mod hf;
 mod launch;
 mod rank;
 
@@ -59,6 +60,40 @@ pub fn main() -> i32 {
         }),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
+        Some(Cmd::Export {
+            source,
+            out,
+            adapter,
+            dtype,
+            max_shard_size,
+        }) => hf::export(&source, &out, adapter, dtype.as_deref(), &max_shard_size),
+        Some(Cmd::Generate {
+            source,
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            device,
+            ids,
+            ignore_eos,
+        }) => hf::generate(hf::GenerateArgs {
+            source: &source,
+            prompt,
+            prompt_ids,
+            max_tokens,
+            sampling: crate::engine::generate::Sampling {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            },
+            device: device.as_deref(),
+            ids,
+            ignore_eos,
+        }),
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
         Some(Cmd::Attach {
             run_dir,
@@ -68,7 +103,7 @@ pub fn main() -> i32 {
         }) => frontends::attach(&run_dir, no_tui, allow_stop, theme.as_deref()),
         None if cli.monitor_only => monitor(cli.monitor),
         None => {
-            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot. See cockpit --help.");
+            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot, export, generate. See cockpit --help.");
             Ok(EXIT_USAGE)
         }
     };

@@ -37,6 +37,11 @@ pub fn save_adapter(dir: &Path, model: &Model, lora: &LoraConfig) -> Result<(), 
         .and_then(|f| f.sync_all())
         .and_then(|_| std::fs::rename(&tmp, &dest))
         .map_err(|e| corrupt(&dest, e.to_string()))?;
+    save_adapter_config(dir, lora)
+}
+
+/// `adapter_config.json` (the PEFT layout) for adapters on `lora.targets`.
+pub fn save_adapter_config(dir: &Path, lora: &LoraConfig) -> Result<(), CheckpointError> {
     let modules: Vec<String> = lora.targets.iter().map(|t| format!("{t}_proj")).collect();
     let config = serde_json::json!({
         "peft_type": "LORA",
@@ -76,6 +81,15 @@ pub fn model_from_checkpoint(
     spec: &Path,
     device: &Device,
 ) -> Result<(Model, Config), CheckpointError> {
+    model_from_checkpoint_as(spec, candle_core::DType::F32, device)
+}
+
+/// [`model_from_checkpoint`] computing in `dtype`.
+pub fn model_from_checkpoint_as(
+    spec: &Path,
+    dtype: candle_core::DType,
+    device: &Device,
+) -> Result<(Model, Config), CheckpointError> {
     let (dir, loaded, cfg) = load_with_config(spec, device)?;
     let vocab = loaded
         .model
@@ -86,7 +100,7 @@ pub fn model_from_checkpoint(
     let shape = super::model::Shape::from_config(&cfg, vocab);
     let tensor_err = |e: candle_core::Error| CheckpointError::Tensor(e.to_string());
     let mut model =
-        Model::new(shape, candle_core::DType::F32, device, cfg.run.seed).map_err(tensor_err)?;
+        Model::new(shape, dtype, device, cfg.run.seed).map_err(tensor_err)?;
     if cfg.lora.enabled {
         let spec = super::model::LoraSpec {
             r: cfg.lora.r,

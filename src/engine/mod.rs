@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod events;
+pub mod export;
 pub mod generate;
 pub mod hf;
 pub mod kernels;
