@@ -295,6 +295,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     } else {
         run_dir.join("ranks").join(format!("rank-{rank}"))
     };
+    let fresh_dir = !own_dir.exists();
     std::fs::create_dir_all(&own_dir)
         .with_context(|| format!("creating the run dir {}", own_dir.display()))?;
     init_logging(&own_dir);
@@ -315,6 +316,9 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Ok(e) => e,
         Err(e) => {
             eprintln!("cockpit: {e}");
+            if fresh_dir && e.is_usage() {
+                remove_unused_run_dir(&own_dir);
+            }
             return Ok(if e.is_usage() {
                 EXIT_USAGE
             } else {
@@ -384,6 +388,18 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         (_, FinishReason::Failed) => EXIT_FAILURE,
         _ => EXIT_OK,
     })
+}
+
+/// A run dir this call made for a run that never started (bad input): remove it, so a
+/// refused run leaves nothing behind. Only when it holds nothing but the log.
+fn remove_unused_run_dir(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let names: Vec<_> = entries.filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+    if names.iter().all(|n| n == "cockpit.log") {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
