@@ -11,7 +11,10 @@ Needs torch, transformers and tokenizers (CI does not run this; the outputs are 
     /tmp/hfvenv/bin/python scripts/hf_fixtures.py [OUT_DIR]
 
 `--check-export DIR [FIXTURE]` loads a directory written by `cockpit export` with
-AutoModelForCausalLM and prints its loss on the fixture's sequence (the round trip CI cannot run).
+AutoModelForCausalLM and prints its loss and greedy tokens on the fixture's sequence, beside the
+fixture's own; `--check-adapter ADAPTER_DIR BASE_DIR MERGED_DIR` loads an `export --adapter`
+directory with PEFT on its base and compares its logits with the merged export (the round
+trips CI cannot run: it has no torch).
 """
 import json
 import math
@@ -180,8 +183,25 @@ def check_export(export_dir, fixture_dir):
         print(json.dumps({"tokenizer": type(tok).__name__, "decoded": tok.decode(greedy)}))
 
 
+def check_adapter(adapter_dir, base_dir, merged_dir):
+    """Load a cockpit --adapter export with PEFT on its base; compare with the merged export."""
+    from peft import PeftModel
+    exp = json.load(open(os.path.join(base_dir, "expected.json")))
+    x = torch.tensor([exp["ids"]])
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, adapter_dir).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    with torch.no_grad():
+        a, b = peft(x).logits, merged.eval()(x).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)(x).logits
+    print(json.dumps({"peft_vs_merged_max_abs": float((a - b).abs().max()),
+                      "adapter_effect_max_abs": float((a - plain).abs().max())}))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) >= 3 and sys.argv[1] == "--check-export":
+    if len(sys.argv) == 5 and sys.argv[1] == "--check-adapter":
+        check_adapter(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "--check-export":
         check_export(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "tests/fixtures/hf/llama2")
     else:
         make(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")

@@ -225,7 +225,8 @@ fn rope_scaling_reads_both_config_layouts_and_matters() {
 
 #[test]
 fn what_cockpit_does_not_compute_is_refused_by_name() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, &str)> = vec![
+    type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Change, &str)> = vec![
         ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, gpt2, granite)"),
         ("llama2", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})), "rope_type = \"yarn\""),
         ("llama2", Box::new(|c| c["hidden_act"] = "gelu".into()), "hidden_act = gelu"),

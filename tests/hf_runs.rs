@@ -8,7 +8,7 @@ use cockpit::config::{self, Config, ModelConfig};
 use cockpit::engine::events::Event;
 use cockpit::engine::export::{self, ExportOptions};
 use cockpit::engine::model::Model;
-use cockpit::engine::{base, Engine, EngineOptions};
+use cockpit::engine::{Engine, EngineOptions};
 use cockpit::util::DeviceSpec;
 use std::path::{Path, PathBuf};
 
@@ -45,7 +45,10 @@ fn loss(model: &mut Model, ids: &[u32]) -> f64 {
     let logits = model.forward(&x, false).unwrap();
     let lp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
     let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
-    -(0..n).map(|i| lp[i][ids[i + 1] as usize] as f64).sum::<f64>() / n as f64
+    -(0..n)
+        .map(|i| lp[i][ids[i + 1] as usize] as f64)
+        .sum::<f64>()
+        / n as f64
 }
 
 /// Loss of the fixture's sequence under whatever `src` holds (HF dir or run; a run's model
@@ -114,10 +117,42 @@ fn run(c: Config, dir: &Path) -> Vec<f64> {
 fn full_fine_tuning_from_a_hugging_face_model_then_export() {
     let data = corpus();
     let run_dir = tempfile::tempdir().unwrap();
-    let init = format!("model.init_from={:?}", fixture("llama3").display().to_string());
-    let losses = run(cfg(data.path(), &[init, "run.max_steps=6".into()]), run_dir.path());
+    let init = format!(
+        "model.init_from={:?}",
+        fixture("llama3").display().to_string()
+    );
+    let losses = run(
+        cfg(
+            data.path(),
+            &[
+                init,
+                "run.max_steps=6".into(),
+                "eval.every=3".into(),
+                "eval.sample_tokens=12".into(),
+                "eval.sample_prompt=\"The quick brown\"".into(),
+            ],
+        ),
+        run_dir.path(),
+    );
     assert_eq!(losses.len(), 6);
-    assert!(losses[0] < 3.0, "starts from the pretrained model: {losses:?}");
+    // eval.sample_tokens: the model's text at each eval, in metrics.jsonl.
+    let metrics = std::fs::read_to_string(run_dir.path().join("metrics.jsonl")).unwrap();
+    let samples: Vec<serde_json::Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "sample")
+        .collect();
+    assert_eq!(samples.len(), 2, "one per eval");
+    assert_eq!(samples[0]["prompt"], "The quick brown");
+    assert!(
+        samples[1]["text"].as_str().unwrap().starts_with(" fox"),
+        "{:?}",
+        samples[1]
+    );
+    assert!(
+        losses[0] < 3.0,
+        "starts from the pretrained model: {losses:?}"
+    );
     // The base's files are kept with the run; the data was packed with its tokenizer + BOS/EOS.
     assert!(run_dir.path().join("hf_base/tokenizer.json").is_file());
     let state: serde_json::Value = serde_json::from_str(
@@ -188,7 +223,10 @@ fn every_fixture_survives_export_and_reimport() {
         let c: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dest.join("config.json")).unwrap())
                 .unwrap();
-        let want_type = match name { "llama2" | "llama3" => "llama", other => other };
+        let want_type = match name {
+            "llama2" | "llama3" => "llama",
+            other => other,
+        };
         assert_eq!(c["model_type"], want_type);
     }
 }
@@ -216,7 +254,10 @@ fn lora_on_every_family() {
             run_dir.path(),
         );
         assert_eq!(losses.len(), 4, "{name}");
-        assert!(losses.iter().all(|l| l.is_finite() && *l < 4.0), "{name}: {losses:?}");
+        assert!(
+            losses.iter().all(|l| l.is_finite() && *l < 4.0),
+            "{name}: {losses:?}"
+        );
         let out = tempfile::tempdir().unwrap();
         let merged = out.path().join("merged");
         export::export(
@@ -239,7 +280,10 @@ fn lora_on_every_family() {
         let (ids_all, ..) = expected(name);
         let mut s = export::open(&merged, DType::F32, &Device::Cpu, 31).unwrap();
         let merged_32 = loss(&mut s.model, &ids_all[..32]);
-        assert!((with_adapter - merged_32).abs() < 1e-4, "{name}: {with_adapter} vs {merged_32}");
+        assert!(
+            (with_adapter - merged_32).abs() < 1e-4,
+            "{name}: {with_adapter} vs {merged_32}"
+        );
         assert!(merged_loss.is_finite());
         let adapter = out.path().join("adapter");
         let r = export::export(
@@ -278,7 +322,9 @@ fn train_refuses_bad_bases_and_contradictions_before_writing_anything() {
         std::fs::copy(fixture("gpt2").join(f), broken.path().join(f)).unwrap();
     }
     let cp = broken.path().join("config.json");
-    let text = std::fs::read_to_string(&cp).unwrap().replace("\"gpt2\"", "\"bloom\"");
+    let text = std::fs::read_to_string(&cp)
+        .unwrap()
+        .replace("\"gpt2\"", "\"bloom\"");
     std::fs::write(&cp, text).unwrap();
     let runs = tempfile::tempdir().unwrap();
     let cases = [
@@ -321,8 +367,19 @@ fn generate_and_export_on_the_command_line() {
     let (_, _, prompt, greedy) = expected("qwen2");
     let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let out = cockpit()
-        .args(["generate", &fixture("qwen2").display().to_string(), "--temperature", "0"])
-        .args(["--max-tokens", &greedy.len().to_string(), "--ids", "--prompt-ids", &ids.join(",")])
+        .args([
+            "generate",
+            &fixture("qwen2").display().to_string(),
+            "--temperature",
+            "0",
+        ])
+        .args([
+            "--max-tokens",
+            &greedy.len().to_string(),
+            "--ids",
+            "--prompt-ids",
+            &ids.join(","),
+        ])
         .assert()
         .success()
         .get_output()
@@ -334,7 +391,12 @@ fn generate_and_export_on_the_command_line() {
     assert_eq!(got, greedy);
     // Text in, text out, streamed.
     cockpit()
-        .args(["generate", &fixture("llama2").display().to_string(), "--prompt", "The quick brown"])
+        .args([
+            "generate",
+            &fixture("llama2").display().to_string(),
+            "--prompt",
+            "The quick brown",
+        ])
         .args(["--temperature", "0", "--max-tokens", "6"])
         .assert()
         .success()
@@ -342,8 +404,21 @@ fn generate_and_export_on_the_command_line() {
     // A sampled run is reproducible from its seed.
     let sample = |seed: &str| {
         cockpit()
-            .args(["generate", &fixture("gpt2").display().to_string(), "--prompt", "The"])
-            .args(["--max-tokens", "12", "--seed", seed, "--temperature", "1.5", "--ids"])
+            .args([
+                "generate",
+                &fixture("gpt2").display().to_string(),
+                "--prompt",
+                "The",
+            ])
+            .args([
+                "--max-tokens",
+                "12",
+                "--seed",
+                seed,
+                "--temperature",
+                "1.5",
+                "--ids",
+            ])
             .assert()
             .success()
             .get_output()
@@ -361,7 +436,12 @@ fn generate_and_export_on_the_command_line() {
         .code(2)
         .stderr(predicates::str::contains("--dtype \"f8\""));
     cockpit()
-        .args(["generate", &fixture("gpt2").display().to_string(), "--prompt", "x"])
+        .args([
+            "generate",
+            &fixture("gpt2").display().to_string(),
+            "--prompt",
+            "x",
+        ])
         .args(["--max-tokens", "500"])
         .assert()
         .code(2)

@@ -396,7 +396,10 @@ fn remove_unused_run_dir(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
-    let names: Vec<_> = entries.filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+    let names: Vec<_> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .collect();
     if names.iter().all(|n| n == "cockpit.log") {
         let _ = std::fs::remove_dir_all(dir);
     }

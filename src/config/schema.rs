@@ -572,6 +572,11 @@ pub struct EvalConfig {
     /// Batches of the val split per evaluation.
     pub batches: usize,
     pub at_end: bool,
+    /// At each eval, continue a fixed prompt greedily by this many tokens (into
+    /// metrics.jsonl and the dashboard); 0 = off.
+    pub sample_tokens: usize,
+    /// The prompt for `sample_tokens`; "" = the first tokens of the val split.
+    pub sample_prompt: String,
 }
 
 impl Default for EvalConfig {
@@ -580,6 +585,8 @@ impl Default for EvalConfig {
             every: 100,
             batches: 8,
             at_end: true,
+            sample_tokens: 0,
+            sample_prompt: String::new(),
         }
     }
 }

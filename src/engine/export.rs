@@ -35,7 +35,12 @@ fn usage(message: String) -> EngineError {
 
 /// Open a run dir, checkpoint or Hugging Face directory as a model on `device` in `dtype`.
 /// `seq_len` sizes the model's training tables (generation decodes past it with RoPE).
-pub fn open(spec: &Path, dtype: DType, device: &Device, seq_len: usize) -> Result<Source, EngineError> {
+pub fn open(
+    spec: &Path,
+    dtype: DType,
+    device: &Device,
+    seq_len: usize,
+) -> Result<Source, EngineError> {
     if base::is_hf_dir(spec) {
         let b = base::load(spec)?;
         let max_positions = b.meta.model.seq_len.max(b.meta.model.n_positions);
@@ -132,10 +137,12 @@ pub fn export(src: &Path, out: &Path, o: &ExportOptions) -> Result<Exported, Eng
     let lora = s.run.as_ref().map(|c| c.lora.clone()).filter(|l| l.enabled);
     let model_type = hf::model_type_for(&s.config, s.hf.as_ref().map(|h| h.model_type.as_str()))
         .map_err(|m| usage(format!("{}: {m}", src.display())))?;
-    let dtype = o
-        .dtype
-        .or(s.hf.as_ref().and_then(|h| h.dtype))
-        .unwrap_or(DType::F32);
+    // Adapters stay f32 unless asked (PEFT's default); merged weights take the base's dtype.
+    let dtype = match (o.dtype, o.adapter) {
+        (Some(d), _) => d,
+        (None, true) => DType::F32,
+        (None, false) => s.hf.as_ref().and_then(|h| h.dtype).unwrap_or(DType::F32),
+    };
     let name = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -328,7 +335,11 @@ pub fn run_generate(
     if prompt_ids.is_empty() {
         match s.hf.as_ref().and_then(|h| h.bos) {
             Some(b) => prompt_ids.push(b),
-            None => return Err(usage("the prompt is empty (and the model has no BOS token to start from)".into())),
+            None => {
+                return Err(usage(
+                    "the prompt is empty (and the model has no BOS token to start from)".into(),
+                ))
+            }
         }
     }
     let vocab = s.model.shape.vocab_size;
@@ -360,22 +371,29 @@ pub fn run_generate(
     let start = std::time::Instant::now();
     let mut ids: Vec<u32> = Vec::new();
     let mut shown = String::new();
-    let out = generate::generate(&s.model, &prompt_ids, o.max_tokens, &o.sampling, &stop, |t| {
-        ids.push(t);
-        match &tok {
-            Some(tk) => {
-                let text = tk.decode(&ids);
-                // Print what is new; a token that completes a character shows up with it.
-                if let Some(new) = text.strip_prefix(shown.as_str()) {
-                    if !new.is_empty() && !new.ends_with('\u{FFFD}') {
-                        on_text(new);
-                        shown = text;
+    let out = generate::generate(
+        &s.model,
+        &prompt_ids,
+        o.max_tokens,
+        &o.sampling,
+        &stop,
+        |t| {
+            ids.push(t);
+            match &tok {
+                Some(tk) => {
+                    let text = tk.decode(&ids);
+                    // Print what is new; a token that completes a character shows up with it.
+                    if let Some(new) = text.strip_prefix(shown.as_str()) {
+                        if !new.is_empty() && !new.ends_with('\u{FFFD}') {
+                            on_text(new);
+                            shown = text;
+                        }
                     }
                 }
+                None => on_text(&format!("{t} ")),
             }
-            None => on_text(&format!("{t} ")),
-        }
-    })?;
+        },
+    )?;
     let secs = start.elapsed().as_secs_f64();
     let text = tok.as_ref().map(|t| t.decode(&out));
     if let (Some(full), Some(_)) = (&text, &tok) {

@@ -99,8 +99,7 @@ pub fn model_from_checkpoint_as(
         .ok_or_else(|| corrupt(&dir, "no model.embed_tokens.weight"))?;
     let shape = super::model::Shape::from_config(&cfg, vocab);
     let tensor_err = |e: candle_core::Error| CheckpointError::Tensor(e.to_string());
-    let mut model =
-        Model::new(shape, dtype, device, cfg.run.seed).map_err(tensor_err)?;
+    let mut model = Model::new(shape, dtype, device, cfg.run.seed).map_err(tensor_err)?;
     if cfg.lora.enabled {
         let spec = super::model::LoraSpec {
             r: cfg.lora.r,

@@ -221,6 +221,9 @@ struct Trainer {
     /// the first step, None where the model does not fit it (the per-op path runs then).
     whole: Option<super::kernels::GptStep>,
     whole_checked: bool,
+    /// `eval.sample_tokens`: the prompt's ids and the tokenizer that shows the text (None:
+    /// the built-in corpus, shown as ids).
+    sample: Option<(Vec<u32>, Option<data::Tok>)>,
     /// The last optimizer step wrote the updated weights into the whole-model step's bf16
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.
@@ -396,6 +399,32 @@ impl Trainer {
         if let (Some((_, b)), 0) = (&base, rank) {
             super::base::keep_hf_files(&b.meta, &opts.run_dir)?;
         }
+        let sample = if cfg.eval.sample_tokens > 0 {
+            let tok = if cfg.data.source == "files" {
+                Some(data::Tok::open(&cfg.data.tokenizer)?)
+            } else {
+                None
+            };
+            let prompt = match (&tok, cfg.eval.sample_prompt.as_str()) {
+                (Some(t), p) if !p.is_empty() => t.encode_prompt(p)?,
+                _ => {
+                    let n = (cfg.model.seq_len / 2).clamp(1, 16);
+                    let mut v = Vec::with_capacity(n);
+                    dataset.val.extend_into(0, n.min(dataset.val.len()), &mut v);
+                    v
+                }
+            };
+            if prompt.is_empty() || prompt.len() >= cfg.model.seq_len {
+                return Err(EngineError::Config(format!(
+                    "eval.sample_prompt: {} tokens; it must have 1 to model.seq_len - 1 ({})",
+                    prompt.len(),
+                    cfg.model.seq_len - 1
+                )));
+            }
+            Some((prompt, tok))
+        } else {
+            None
+        };
         let mut t = Trainer {
             out_dir,
             dist,
@@ -437,6 +466,7 @@ impl Trainer {
             step_memory: None,
             whole: None,
             whole_checked: false,
+            sample,
             weights_copied: false,
         };
         if let Some(spec) = opts.resume {
@@ -681,6 +711,40 @@ impl Trainer {
             val_bpt: val_loss / LN2,
             val_ppl: val_loss.exp(),
         })
+    }
+
+    /// `eval.sample_tokens`: the model's greedy continuation of the fixed prompt, within the
+    /// training context.
+    fn sample_text(&self) -> candle_core::Result<Option<Event>> {
+        let Some((prompt, tok)) = &self.sample else {
+            return Ok(None);
+        };
+        let n = self
+            .cfg
+            .eval
+            .sample_tokens
+            .min(self.model.shape.seq_len - prompt.len());
+        let ids = super::generate::generate(
+            &self.model,
+            prompt,
+            n,
+            &super::generate::Sampling::greedy(),
+            &[],
+            |_| {},
+        )?;
+        let show = |ids: &[u32]| match tok {
+            Some(t) => t.decode(ids),
+            None => ids
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(" "),
+        };
+        Ok(Some(Event::Sample {
+            step: self.step,
+            prompt: show(prompt),
+            text: show(&ids),
+        }))
     }
 
     fn batch_tensors(&self, b: &Batch) -> candle_core::Result<(Tensor, Tensor)> {
@@ -1656,6 +1720,9 @@ impl Trainer {
                 }
                 self.summary.last_val = Some(ev.clone());
                 out.emit(Event::Eval(ev));
+                if let Some(ev) = self.sample_text()? {
+                    out.emit(ev);
+                }
             }
             let c = &self.cfg.checkpoint;
             let due_steps = c.every_steps > 0 && self.step.is_multiple_of(c.every_steps);
