@@ -330,7 +330,7 @@ fn lora_on_a_hugging_face_llama_dir() {
     });
     std::fs::write(hf.path().join("config.json"), config.to_string()).unwrap();
 
-    let base = lora::load_hf_llama(hf.path(), 32, &Device::Cpu).unwrap();
+    let base = cockpit::engine::base::meta(hf.path()).unwrap();
     assert_eq!(
         (base.model.n_layer, base.model.n_kv_head, base.model.n_embd),
         (2, 2, 32)

@@ -17,6 +17,8 @@ Examples:
   cockpit bench --soak 3000                  3000 steps: exit 1 if host or device memory grows
   cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
   cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
+  cockpit export runs/ft-20260101-120000 out/ft   a Hugging Face directory transformers loads
+  cockpit generate out/ft --prompt 'Once upon'    continue a prompt (run dir, checkpoint or HF dir)
 
 Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 3 this rank ended because another
 rank of its data-parallel job failed, 130 interrupted.";
@@ -98,6 +100,57 @@ pub enum Cmd {
         /// Output directory (default: <run>/merged).
         #[arg(long, value_name = "DIR")]
         out: Option<PathBuf>,
+    },
+    /// Write a Hugging Face model directory (config.json, safetensors, tokenizer files,
+    /// generation_config.json) that transformers' AutoModelForCausalLM loads.
+    Export {
+        /// A run dir, checkpoints dir or checkpoint (or a Hugging Face directory).
+        source: PathBuf,
+        /// The directory to write (must not exist, or be empty).
+        out: PathBuf,
+        /// LoRA runs: the PEFT adapter alone (adapter_config.json + adapter_model.safetensors)
+        /// instead of merged weights.
+        #[arg(long)]
+        adapter: bool,
+        /// Weights dtype: f32, bf16 or f16 (default: the base model's, else f32).
+        #[arg(long, value_name = "f32|bf16|f16")]
+        dtype: Option<String>,
+        /// Split the weights into shards of at most this size, with an index (e.g. 500MB, 5GB).
+        #[arg(long, value_name = "SIZE", default_value = "5GB")]
+        max_shard_size: String,
+    },
+    /// Continue a prompt with a trained model (KV cache), streaming the text to stdout.
+    Generate {
+        /// A run dir, checkpoints dir, checkpoint, or Hugging Face model directory.
+        source: PathBuf,
+        /// The prompt text (encoded with the model's tokenizer, special tokens included).
+        #[arg(long, value_name = "TEXT")]
+        prompt: Option<String>,
+        /// The prompt as token ids instead: 1,2,3.
+        #[arg(long, value_name = "IDS", value_delimiter = ',')]
+        prompt_ids: Vec<u32>,
+        /// New tokens at most (generation also stops at the model's end-of-sequence token).
+        #[arg(long, value_name = "N", default_value_t = 128)]
+        max_tokens: usize,
+        /// 0 = greedy (always the most likely token).
+        #[arg(long, value_name = "T", default_value_t = 0.8)]
+        temperature: f64,
+        /// Sample from the K most likely tokens; 0 = all.
+        #[arg(long, value_name = "K", default_value_t = 40)]
+        top_k: usize,
+        /// Sample from the smallest set of tokens with probability ≥ P; 1 = all.
+        #[arg(long, value_name = "P", default_value_t = 0.95)]
+        top_p: f64,
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        seed: u64,
+        #[arg(long, value_name = "cpu|cuda[:N]")]
+        device: Option<String>,
+        /// Print the new token ids (one line) instead of text.
+        #[arg(long)]
+        ids: bool,
+        /// Do not stop at the end-of-sequence token.
+        #[arg(long)]
+        ignore_eos: bool,
     },
     /// Write PNG and SVG plots of a run (loss, S-ratio, λ, LR, tokens/s, GPU).
     Plot {

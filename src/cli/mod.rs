@@ -6,6 +6,7 @@ pub mod args;
 mod bench;
 mod check;
 mod frontends;
+mod hf;
 mod launch;
 mod rank;
 
@@ -61,6 +62,40 @@ pub fn main() -> i32 {
         }),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
+        Some(Cmd::Export {
+            source,
+            out,
+            adapter,
+            dtype,
+            max_shard_size,
+        }) => hf::export(&source, &out, adapter, dtype.as_deref(), &max_shard_size),
+        Some(Cmd::Generate {
+            source,
+            prompt,
+            prompt_ids,
+            max_tokens,
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            device,
+            ids,
+            ignore_eos,
+        }) => hf::generate(hf::GenerateArgs {
+            source: &source,
+            prompt,
+            prompt_ids,
+            max_tokens,
+            sampling: crate::engine::generate::Sampling {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            },
+            device: device.as_deref(),
+            ids,
+            ignore_eos,
+        }),
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
         Some(Cmd::Attach {
             run_dir,
@@ -70,7 +105,7 @@ pub fn main() -> i32 {
         }) => frontends::attach(&run_dir, no_tui, allow_stop, theme.as_deref()),
         None if cli.monitor_only => monitor(cli.monitor),
         None => {
-            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot. See cockpit --help.");
+            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot, export, generate. See cockpit --help.");
             Ok(EXIT_USAGE)
         }
     };
@@ -262,6 +297,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     } else {
         run_dir.join("ranks").join(format!("rank-{rank}"))
     };
+    let fresh_dir = !own_dir.exists();
     std::fs::create_dir_all(&own_dir)
         .with_context(|| format!("creating the run dir {}", own_dir.display()))?;
     init_logging(&own_dir);
@@ -282,6 +318,9 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Ok(e) => e,
         Err(e) => {
             eprintln!("cockpit: {e}");
+            if fresh_dir && e.is_usage() {
+                remove_unused_run_dir(&own_dir);
+            }
             return Ok(if e.is_usage() {
                 EXIT_USAGE
             } else {
@@ -353,6 +392,21 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     })
 }
 
+/// A run dir this call made for a run that never started (bad input): remove it, so a
+/// refused run leaves nothing behind. Only when it holds nothing but the log.
+fn remove_unused_run_dir(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let names: Vec<_> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name())
+        .collect();
+    if names.iter().all(|n| n == "cockpit.log") {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
     let loaded = match config::load(Some(config_path), set) {
         Ok(l) => l,
@@ -362,7 +416,26 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
         eprintln!("{}: data.source = {:?}: nothing to prepare (the built-in corpus is generated at start)", loaded.origin, loaded.config.data.source);
         return Ok(EXIT_OK);
     }
-    match crate::engine::data::prepare(&loaded.config) {
+    // The same tokenizer and BOS/EOS as training: a base model brings them.
+    let mut cfg = loaded.config;
+    let meta = match crate::engine::base::spec(&cfg) {
+        Some((_, path)) => match crate::engine::base::meta(Path::new(path)) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                eprintln!("cockpit: prepare: {e}");
+                return Ok(EXIT_USAGE);
+            }
+        },
+        None => None,
+    };
+    let special = match crate::engine::base::resolve_data(&mut cfg, meta.as_ref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("cockpit: prepare: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    };
+    match crate::engine::data::prepare_with(&cfg, special) {
         Ok(p) => {
             eprintln!(
                 "{} {}",

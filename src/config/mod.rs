@@ -339,10 +339,11 @@ fn resolve_paths(c: &mut Config, base: &Path) {
         fix(&mut c.data.train);
         fix(&mut c.data.val);
     }
-    if c.data.tokenizer != "byte" {
+    if !["byte", "auto", "base"].contains(&c.data.tokenizer.as_str()) {
         fix(&mut c.data.tokenizer);
     }
     fix(&mut c.lora.base);
+    fix(&mut c.model.init_from);
     let theme_path = base.join(&c.run.theme);
     if c.run.theme.ends_with(".toml") && theme_path.exists() {
         c.run.theme = theme_path.to_string_lossy().into_owned();

@@ -110,10 +110,77 @@ pub struct ModelConfig {
     pub bias: bool,
     /// Std of the normal init (GPT-2: 0.02; residual projections are scaled by 1/sqrt(2·n_layer)).
     pub init_std: f64,
+    /// Width of one attention head; 0 = n_embd / n_head.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub head_dim: usize,
+    /// Biases on the q, k and v projections only (Qwen2); `bias` puts them everywhere.
+    #[serde(skip_serializing_if = "is_false")]
+    pub qkv_bias: bool,
+    /// Rows of the learned position table (`pos = "learned"`); 0 = seq_len.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub n_positions: usize,
+    /// RoPE frequency scaling, as Hugging Face's `rope_scaling`.
+    #[serde(skip_serializing_if = "RopeScaling::is_none")]
+    pub rope_scaling: RopeScaling,
+    /// Granite: token embeddings are multiplied by this.
+    #[serde(skip_serializing_if = "is_one")]
+    pub embedding_multiplier: f64,
+    /// Granite: the attention score scale; 0 = 1/sqrt(head_dim).
+    #[serde(skip_serializing_if = "is_zero_f64")]
+    pub attention_multiplier: f64,
+    /// Granite: each block's attention and MLP outputs are multiplied by this before the
+    /// residual add.
+    #[serde(skip_serializing_if = "is_one")]
+    pub residual_multiplier: f64,
+    /// Granite: the logits are divided by this.
+    #[serde(skip_serializing_if = "is_one")]
+    pub logits_scaling: f64,
+    /// Full fine-tuning: start from these weights (a Hugging Face model directory or a
+    /// cockpit run/checkpoint); the model's shape comes from them.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub init_from: String,
     /// Keys given explicitly that differ from `arch`'s family defaults (filled at load, shown
     /// in the run header; not a config key).
     #[serde(skip)]
     pub arch_notes: Vec<String>,
+}
+
+// The keys Hugging Face imports added are left out of the JSON at their defaults, so the
+// shape hash of checkpoints written before them stays the same.
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+fn is_zero_f64(v: &f64) -> bool {
+    *v == 0.0
+}
+fn is_one(v: &f64) -> bool {
+    *v == 1.0
+}
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+impl RopeScaling {
+    pub fn is_none(&self) -> bool {
+        *self == RopeScaling::None
+    }
+}
+
+/// RoPE frequency scaling (Hugging Face's `rope_scaling` types that cockpit computes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase", deny_unknown_fields)]
+pub enum RopeScaling {
+    #[default]
+    None,
+    /// Every frequency divided by `factor` (position interpolation).
+    Linear { factor: f64 },
+    /// Llama 3.1+: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
 }
 
 impl ModelConfig {
@@ -152,6 +219,15 @@ impl Default for ModelConfig {
             dropout: 0.0,
             bias: true,
             init_std: 0.02,
+            head_dim: 0,
+            qkv_bias: false,
+            n_positions: 0,
+            rope_scaling: RopeScaling::None,
+            embedding_multiplier: 1.0,
+            attention_multiplier: 0.0,
+            residual_multiplier: 1.0,
+            logits_scaling: 1.0,
+            init_from: String::new(),
             arch_notes: Vec::new(),
         }
     }
@@ -167,7 +243,9 @@ pub struct DataConfig {
     /// Optional validation file(s); empty = split `val_fraction` off the train data.
     pub val: String,
     pub val_fraction: f64,
-    /// "byte" (256 symbols) or a path to a Hugging Face tokenizer.json.
+    /// "auto" (the base model's tokenizer when `model.init_from` or `lora.base` has one, else
+    /// "byte"), "base" (the base's; an error without one), "byte" (256 symbols) or a path to a
+    /// Hugging Face tokenizer.json.
     pub tokenizer: String,
     /// Batches prepared ahead by the loader thread.
     pub prefetch_depth: usize,
@@ -190,7 +268,7 @@ impl Default for DataConfig {
             train: String::new(),
             val: String::new(),
             val_fraction: 0.05,
-            tokenizer: "byte".into(),
+            tokenizer: "auto".into(),
             prefetch_depth: 4,
             builtin_vocab: 16,
             builtin_order: 2,
@@ -454,7 +532,8 @@ pub struct LoraConfig {
     pub dropout: f64,
     /// Linear layers to adapt: q, k, v, o, up, down, gate.
     pub targets: Vec<String>,
-    /// Base weights: a cockpit checkpoint dir or a Hugging Face Llama dir.
+    /// Base weights: a cockpit run/checkpoint or a Hugging Face model directory (see
+    /// `model.init_from` for the model types).
     pub base: String,
 }
 
@@ -514,6 +593,11 @@ pub struct EvalConfig {
     /// Batches of the val split per evaluation.
     pub batches: usize,
     pub at_end: bool,
+    /// At each eval, continue a fixed prompt greedily by this many tokens (into
+    /// metrics.jsonl and the dashboard); 0 = off.
+    pub sample_tokens: usize,
+    /// The prompt for `sample_tokens`; "" = the first tokens of the val split.
+    pub sample_prompt: String,
 }
 
 impl Default for EvalConfig {
@@ -522,6 +606,8 @@ impl Default for EvalConfig {
             every: 100,
             batches: 8,
             at_end: true,
+            sample_tokens: 0,
+            sample_prompt: String::new(),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Semantic validation: everything serde's types cannot say.
 
-use super::{Activation, Config, ConfigIssue, PosEncoding, ScuParams};
+use super::{Activation, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams};
 use std::path::Path;
 
 /// The LoRA target names the engine knows.
@@ -89,13 +89,21 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     ck.at_least("model.n_head", m.n_head as u64, 1);
     ck.at_least("model.n_embd", m.n_embd as u64, 1);
     ck.at_least("model.seq_len", m.seq_len as u64, 2);
-    if m.n_head > 0 && !m.n_embd.is_multiple_of(m.n_head) {
+    if m.n_head > 0 && m.head_dim == 0 && !m.n_embd.is_multiple_of(m.n_head) {
         ck.fail(
             "model.n_head",
             m.n_head,
-            format!("must divide model.n_embd ({})", m.n_embd),
+            format!(
+                "must divide model.n_embd ({}) unless model.head_dim is set",
+                m.n_embd
+            ),
         );
     }
+    let head_dim = if m.head_dim == 0 {
+        m.n_embd / m.n_head.max(1)
+    } else {
+        m.head_dim
+    };
     let kv = c.kv_heads();
     if m.n_head > 0 && (kv == 0 || !m.n_head.is_multiple_of(kv)) {
         ck.fail(
@@ -104,15 +112,73 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             format!("must divide model.n_head ({}); 0 means n_head", m.n_head),
         );
     }
-    if m.pos == PosEncoding::Rope && m.n_head > 0 && !(m.n_embd / m.n_head).is_multiple_of(2) {
+    if m.pos == PosEncoding::Rope && m.n_head > 0 && !head_dim.is_multiple_of(2) {
         ck.fail(
             "model.pos",
             "\"rope\"",
+            format!("needs an even head size; the head size is {head_dim}"),
+        );
+    }
+    if m.n_positions != 0 && m.n_positions < m.seq_len {
+        ck.fail(
+            "model.n_positions",
+            m.n_positions,
             format!(
-                "needs an even head size; n_embd / n_head = {}",
-                m.n_embd / m.n_head.max(1)
+                "must be 0 (= seq_len) or at least model.seq_len ({})",
+                m.seq_len
             ),
         );
+    }
+    match m.rope_scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => ck.positive("model.rope_scaling.factor", factor),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            ck.positive("model.rope_scaling.factor", factor);
+            ck.positive("model.rope_scaling.low_freq_factor", low_freq_factor);
+            if high_freq_factor.partial_cmp(&low_freq_factor) != Some(std::cmp::Ordering::Greater) {
+                ck.fail(
+                    "model.rope_scaling.high_freq_factor",
+                    high_freq_factor,
+                    "must be greater than low_freq_factor",
+                );
+            }
+            ck.at_least(
+                "model.rope_scaling.original_max_position_embeddings",
+                original_max_position_embeddings as u64,
+                1,
+            );
+        }
+    }
+    ck.positive("model.embedding_multiplier", m.embedding_multiplier);
+    ck.positive("model.residual_multiplier", m.residual_multiplier);
+    ck.positive("model.logits_scaling", m.logits_scaling);
+    if !(m.attention_multiplier >= 0.0 && m.attention_multiplier.is_finite()) {
+        ck.fail(
+            "model.attention_multiplier",
+            m.attention_multiplier,
+            "must be 0 (1/sqrt(head size)) or positive",
+        );
+    }
+    if !m.init_from.is_empty() {
+        if !Path::new(&m.init_from).exists() {
+            ck.fail(
+                "model.init_from",
+                quoted(&m.init_from),
+                "no such file or directory",
+            );
+        }
+        if c.lora.enabled {
+            ck.fail(
+                "model.init_from",
+                quoted(&m.init_from),
+                "LoRA takes its base from lora.base; set one of the two",
+            );
+        }
     }
     ck.positive("model.mlp_ratio", m.mlp_ratio);
     ck.in_range("model.dropout", m.dropout, 0.0, 0.9, "in [0, 0.9]");
@@ -203,11 +269,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             "in (0, 0.5] when data.val is empty",
         );
     }
-    if d.tokenizer != "byte" && !Path::new(&d.tokenizer).is_file() {
+    if !["byte", "auto", "base"].contains(&d.tokenizer.as_str())
+        && !Path::new(&d.tokenizer).is_file()
+    {
         ck.fail(
             "data.tokenizer",
             quoted(&d.tokenizer),
-            "allowed: \"byte\" or the path of an existing tokenizer.json",
+            "allowed: \"auto\", \"base\", \"byte\" or the path of an existing tokenizer.json",
         );
     }
     ck.at_least("data.prefetch_depth", d.prefetch_depth as u64, 1);
@@ -351,7 +419,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                 quoted(t),
                 format!("allowed: {}", LORA_TARGETS.join(", ")),
             );
-        } else if t == "gate" && m.activation != Activation::SwiGlu {
+        } else if t == "gate" && m.activation != Activation::SwiGlu && l.base.is_empty() {
             ck.fail(
                 "lora.targets",
                 quoted(t),
@@ -368,7 +436,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             );
         }
         if l.base.is_empty() {
-            ck.fail("lora.base", "\"\"", "must name base weights (a cockpit checkpoint or a Hugging Face Llama directory) when lora.enabled = true");
+            ck.fail("lora.base", "\"\"", "must name base weights (a cockpit run or checkpoint, or a Hugging Face model directory) when lora.enabled = true");
         } else if !Path::new(&l.base).exists() {
             ck.fail("lora.base", quoted(&l.base), "no such file or directory");
         }

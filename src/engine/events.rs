@@ -287,6 +287,12 @@ pub enum Event {
         step: u64,
         message: String,
     },
+    /// A greedy continuation of a fixed prompt at an eval (`eval.sample_tokens`).
+    Sample {
+        step: u64,
+        prompt: String,
+        text: String,
+    },
     Finished {
         step: u64,
         reason: FinishReason,
@@ -310,6 +316,7 @@ impl Event {
             | Event::Paused { step }
             | Event::Resumed { step }
             | Event::Warning { step, .. }
+            | Event::Sample { step, .. }
             | Event::Finished { step, .. } => *step,
         }
     }

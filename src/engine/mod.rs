@@ -2,11 +2,15 @@
 //! thread. It takes [`Command`]s only at optimizer-step boundaries, emits [`Event`]s and never
 //! blocks on a consumer. Nothing here imports a front end.
 
+pub mod base;
 pub mod checkpoint;
 pub mod data;
 pub mod device;
 pub mod dropout;
 pub mod events;
+pub mod export;
+pub mod generate;
+pub mod hf;
 pub mod kernels;
 pub mod lora;
 pub mod model;

@@ -7,12 +7,15 @@
 //! Tensor names follow the Hugging Face Llama layout (`model.layers.N.self_attn.q_proj.weight`),
 //! so HF checkpoints load by name and adapters get PEFT-compatible names.
 
-use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding};
+use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding, RopeScaling};
 use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+mod decode;
+pub use decode::KvCache;
 
 /// What role a parameter plays: decides weight decay, SCU regularization and freezing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +65,22 @@ pub struct Shape {
     pub init_std: f64,
     /// Which fused CUDA kernels the forward/backward uses (ignored on the CPU).
     pub kernels: KernelsConfig,
+    /// Width of one head (n_head · head_dim may differ from n_embd).
+    pub head_dim: usize,
+    /// Biases on q, k and v even when `bias` is off (Qwen2).
+    pub qkv_bias: bool,
+    /// Rows of the learned position table (≥ seq_len; generation may use them all).
+    pub n_positions: usize,
+    /// RoPE frequency scaling; see [`rope_inv_freq`].
+    pub rope_scaling: RopeScaling,
+    /// Granite: token embeddings × this.
+    pub embedding_multiplier: f64,
+    /// Granite: the attention score scale in place of 1/sqrt(head_dim).
+    pub attention_multiplier: Option<f64>,
+    /// Granite: attention and MLP outputs × this before each residual add.
+    pub residual_multiplier: f64,
+    /// Granite: logits ÷ this.
+    pub logits_scaling: f64,
 }
 
 impl Shape {
@@ -85,10 +104,75 @@ impl Shape {
             dropout: m.dropout,
             init_std: m.init_std,
             kernels: c.kernels,
+            head_dim: if m.head_dim == 0 {
+                m.n_embd / m.n_head.max(1)
+            } else {
+                m.head_dim
+            },
+            qkv_bias: m.qkv_bias,
+            n_positions: m.n_positions.max(m.seq_len),
+            rope_scaling: m.rope_scaling,
+            embedding_multiplier: m.embedding_multiplier,
+            attention_multiplier: (m.attention_multiplier != 0.0).then_some(m.attention_multiplier),
+            residual_multiplier: m.residual_multiplier,
+            logits_scaling: m.logits_scaling,
         }
     }
     pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head
+        self.head_dim
+    }
+    /// The attention score scale: Granite's multiplier, else 1/sqrt(head_dim).
+    pub fn attention_scale(&self) -> f64 {
+        self.attention_multiplier
+            .unwrap_or_else(|| 1.0 / (self.head_dim as f64).sqrt())
+    }
+    /// Whether the whole-model CUDA step computes this model's arithmetic: everything but an
+    /// explicit head width (n_head·head_dim ≠ n_embd) and Granite's multipliers (q/k/v-only
+    /// biases, a longer position table and RoPE scaling it does compute).
+    pub fn step_computes(&self) -> bool {
+        self.head_dim * self.n_head == self.n_embd
+            && self.embedding_multiplier == 1.0
+            && self.attention_multiplier.is_none()
+            && self.residual_multiplier == 1.0
+            && self.logits_scaling == 1.0
+    }
+}
+
+/// RoPE inverse frequencies (radians per position), one per pair of a head's dimensions:
+/// `θ^(-2i/head_dim)`, then Hugging Face's `rope_scaling` (linear, llama3). The one place the
+/// frequencies are computed: the candle model, generation and the CUDA step use it.
+pub fn rope_inv_freq(shape: &Shape) -> Vec<f64> {
+    let hd = shape.head_dim;
+    let base: Vec<f64> = (0..hd / 2)
+        .map(|i| 1.0 / shape.rope_theta.powf((2 * i) as f64 / hd as f64))
+        .collect();
+    match shape.rope_scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let old = original_max_position_embeddings as f64;
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
     }
 }
 
@@ -326,7 +410,7 @@ impl Model {
         let wpe = match s.pos {
             PosEncoding::Learned => Some(init.normal(
                 "model.embed_positions.weight".into(),
-                (s.seq_len, s.n_embd),
+                (s.n_positions, s.n_embd),
                 std / 2.0,
                 ParamKind::Embedding,
             )?),
@@ -342,21 +426,21 @@ impl Model {
                 s.n_head * hd,
                 s.n_embd,
                 std,
-                s.bias,
+                s.bias || s.qkv_bias,
             )?;
             let k = init.linear(
                 &format!("{p}.self_attn.k_proj"),
                 s.n_kv_head * hd,
                 s.n_embd,
                 std,
-                s.bias,
+                s.bias || s.qkv_bias,
             )?;
             let v = init.linear(
                 &format!("{p}.self_attn.v_proj"),
                 s.n_kv_head * hd,
                 s.n_embd,
                 std,
-                s.bias,
+                s.bias || s.qkv_bias,
             )?;
             let o = init.linear(
                 &format!("{p}.self_attn.o_proj"),
@@ -424,7 +508,7 @@ impl Model {
             .collect();
         let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)?;
         let rope = match s.pos {
-            PosEncoding::Rope => Some(rope_tables(t, &rope_inv_freq(s), dtype, device)?),
+            PosEncoding::Rope => Some(rope_tables(&rope_inv_freq(s), 0, t, dtype, device)?),
             PosEncoding::Learned => None,
         };
         Ok(Self {
@@ -714,13 +798,8 @@ impl Model {
         let Some((cos, sin)) = &self.rope else {
             return Ok(x.clone());
         };
-        let (_, _, t, hd) = x.dims4()?;
-        let cos = cos.narrow(0, 0, t)?;
-        let sin = sin.narrow(0, 0, t)?;
-        let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
-        let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
-        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-        x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+        let t = x.dim(2)?;
+        rotate_half(x, &cos.narrow(0, 0, t)?, &sin.narrow(0, 0, t)?)
     }
 
     fn attention(&self, l: usize, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
@@ -747,7 +826,7 @@ impl Model {
                 _ => None,
             };
             let qkv = kernels::linear(x, &w, bias.as_ref())?;
-            let y = kernels::causal_attention_qkv(&qkv, h, 1.0 / (hd as f64).sqrt())?;
+            let y = kernels::causal_attention_qkv(&qkv, h, s.attention_scale())?;
             return self.linear(&b.o, &y);
         }
         let q = self
@@ -778,7 +857,7 @@ impl Model {
         } else {
             (k, v)
         };
-        let scale = 1.0 / (hd as f64).sqrt();
+        let scale = s.attention_scale();
         let att = q.matmul(&k.t()?)?;
         let att = if self.fused(s.kernels.attention, &att) {
             kernels::causal_softmax(&att, scale)?
@@ -820,6 +899,9 @@ impl Model {
             wte.embedding(&ids.flatten_all()?)?
                 .reshape((bsz, t, self.shape.n_embd))?
         };
+        if self.shape.embedding_multiplier != 1.0 {
+            x = (x * self.shape.embedding_multiplier)?;
+        }
         if let Some(wpe) = &self.wpe {
             let pos = self.cast(wpe)?.narrow(0, 0, t)?;
             x = x.broadcast_add(&pos)?;
@@ -827,20 +909,35 @@ impl Model {
         x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = self.norm(&b.ln1, &x)?;
-            let a = self.attention(l, b, &h, train)?;
+            let a = self.residual(self.attention(l, b, &h, train)?)?;
             x = (x + self.dropout(&a, train, dropout::site_attention_out(l), Layout::Rows)?)?;
             let h = self.norm(&b.ln2, &x)?;
-            let m = self.mlp(b, &h)?;
+            let m = self.residual(self.mlp(b, &h)?)?;
             x = (x + self.dropout(&m, train, dropout::site_mlp_out(l), Layout::Rows)?)?;
         }
-        let x = self
-            .norm(&self.ln_f, &x)?
-            .reshape((bsz * t, self.shape.n_embd))?;
+        let x = self.final_norm(&x)?.reshape((bsz * t, self.shape.n_embd))?;
         let head = match &self.lm_head {
             Some(w) => self.cast(w)?,
             None => wte,
         };
         Ok((x, head))
+    }
+
+    /// Granite's residual multiplier on a block's attention or MLP output.
+    fn residual(&self, y: Tensor) -> Result<Tensor> {
+        match self.shape.residual_multiplier {
+            1.0 => Ok(y),
+            m => y * m,
+        }
+    }
+
+    /// The final norm, with Granite's logits scaling folded in (`(x/s)·Wᵀ = (x·Wᵀ)/s`).
+    fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.norm(&self.ln_f, x)?;
+        match self.shape.logits_scaling {
+            1.0 => Ok(x),
+            s => x * (1.0 / s),
+        }
     }
 
     /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
@@ -881,6 +978,7 @@ impl Model {
             && s.n_kv_head > 0
             && s.n_head.is_multiple_of(s.n_kv_head)
             && ((s.n_kv_head == s.n_head && s.dropout <= 0.0) || flash)
+            && s.step_computes()
             && self
                 .params
                 .iter()
@@ -982,28 +1080,31 @@ impl Model {
     }
 }
 
-/// RoPE's inverse frequencies `θ^(−2j/hd)` for the `hd/2` rotated pairs of a head: the one
-/// definition the candle model's tables and the whole-model step's kernel both use.
-pub fn rope_inv_freq(shape: &Shape) -> Vec<f64> {
-    let hd = shape.head_dim();
-    (0..hd / 2)
-        .map(|j| 1.0 / shape.rope_theta.powf((2 * j) as f64 / hd as f64))
-        .collect()
+/// RoPE on `[B, H, T, hd]` with cos/sin `[T, hd]`: rotate the two halves of each head (the
+/// Llama/NeoX layout).
+fn rotate_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let hd = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+    let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
 }
 
+/// cos and sin `[t, head_dim]` of positions `start..start + t` (each frequency twice: the
+/// two halves of a head rotate together).
 fn rope_tables(
-    t: usize,
     inv_freq: &[f64],
+    start: usize,
+    t: usize,
     dtype: DType,
     device: &Device,
 ) -> Result<(Tensor, Tensor)> {
-    let half = inv_freq.len();
-    let hd = 2 * half;
+    let hd = 2 * inv_freq.len();
     let mut cos = Vec::with_capacity(t * hd);
     let mut sin = Vec::with_capacity(t * hd);
-    for pos in 0..t {
+    for pos in start..start + t {
         for j in 0..hd {
-            let a = pos as f64 * inv_freq[j % half];
+            let a = pos as f64 * inv_freq[j % inv_freq.len()];
             cos.push(a.cos() as f32);
             sin.push(a.sin() as f32);
         }

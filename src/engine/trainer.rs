@@ -221,6 +221,9 @@ struct Trainer {
     /// the first step, None where the model does not fit it (the per-op path runs then).
     whole: Option<super::kernels::GptStep>,
     whole_checked: bool,
+    /// `eval.sample_tokens`: the prompt's ids and the tokenizer that shows the text (None:
+    /// the built-in corpus, shown as ids).
+    sample: Option<(Vec<u32>, Option<data::Tok>)>,
     /// The last optimizer step wrote the updated weights into the whole-model step's bf16
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.
@@ -255,26 +258,53 @@ impl Trainer {
         if tf32 {
             dtype_reason.push_str("; TF32 for fp32 matmuls");
         }
-        // LoRA: the base decides the model's shape.
+        // A base (model.init_from, lora.base) decides the model's shape and brings its
+        // tokenizer and special tokens.
         let mut cfg = cfg;
-        let base = if cfg.lora.enabled {
-            let b = super::lora::load_base(&cfg.lora, cfg.model.seq_len, &device)?;
-            cfg.model = super::lora::Base::shape_for(&b, &cfg.model);
-            Some(b)
-        } else {
-            None
+        let base = match super::base::spec(&cfg) {
+            Some((key, path)) => {
+                let b = super::base::load(Path::new(path))?;
+                cfg.model = super::base::resolve_model(&b.meta, &cfg.model, key)
+                    .map_err(EngineError::Config)?;
+                Some((key, b))
+            }
+            None => None,
         };
-        let dataset = data::load(&cfg)?;
+        let special = super::base::resolve_data(&mut cfg, base.as_ref().map(|(_, b)| &b.meta))?;
+        if cfg.lora.enabled
+            && cfg.lora.targets.iter().any(|t| t == "gate")
+            && cfg.model.activation != crate::config::Activation::SwiGlu
+        {
+            return Err(EngineError::Config(
+                "lora.targets: \"gate\" exists only in SwiGLU models; the base has a GELU MLP"
+                    .into(),
+            ));
+        }
+        let dataset = data::load_with(&cfg, special)?;
+        if let Some((_, b)) = &base {
+            if cfg.model.vocab_size == 0 {
+                // An older cockpit base took its vocabulary from its data: its embedding says.
+                if let Some(t) = b.tensors.get("model.embed_tokens.weight") {
+                    cfg.model.vocab_size = t.dim(0)?;
+                }
+            }
+        }
         let vocab = if cfg.model.vocab_size == 0 {
             dataset.vocab_size
         } else {
             cfg.model.vocab_size
         };
         if vocab < dataset.vocab_size {
-            return Err(EngineError::Config(format!(
-                "model.vocab_size = {vocab}: the data uses {} token ids; set 0 to take it from the data",
-                dataset.vocab_size
-            )));
+            return Err(EngineError::Config(match &base {
+                Some((key, _)) => format!(
+                    "data.tokenizer = {:?}: {} token ids, but the base's embedding ({key}) has {vocab} rows; use the base's tokenizer (data.tokenizer = \"base\")",
+                    cfg.data.tokenizer, dataset.vocab_size
+                ),
+                None => format!(
+                    "model.vocab_size = {vocab}: the data uses {} token ids; set 0 to take it from the data",
+                    dataset.vocab_size
+                ),
+            }));
         }
         let min_tokens = cfg.model.seq_len + 1;
         if dataset.train.len() < 2 * min_tokens || dataset.val.len() < min_tokens {
@@ -291,13 +321,10 @@ impl Trainer {
             &device,
             cfg.run.seed,
         )?;
-        if let Some(base) = base {
-            model.load_named(&base.tensors, true).map_err(|m| {
-                EngineError::Checkpoint(checkpoint::CheckpointError::Mismatch {
-                    path: cfg.lora.base.clone(),
-                    message: m,
-                })
-            })?;
+        if let Some((key, b)) = &base {
+            super::base::load_into(&model, b, key)?;
+        }
+        if cfg.lora.enabled {
             let spec = LoraSpec {
                 r: cfg.lora.r,
                 alpha: cfg.lora.alpha,
@@ -369,6 +396,35 @@ impl Trainer {
             opts.run_dir.join("ranks").join(format!("rank-{rank}"))
         };
         std::fs::create_dir_all(&out_dir).map_err(io_err(&out_dir))?;
+        if let (Some((_, b)), 0) = (&base, rank) {
+            super::base::keep_hf_files(&b.meta, &opts.run_dir)?;
+        }
+        let sample = if cfg.eval.sample_tokens > 0 {
+            let tok = if cfg.data.source == "files" {
+                Some(data::Tok::open(&cfg.data.tokenizer)?)
+            } else {
+                None
+            };
+            let prompt = match (&tok, cfg.eval.sample_prompt.as_str()) {
+                (Some(t), p) if !p.is_empty() => t.encode_prompt(p)?,
+                _ => {
+                    let n = (cfg.model.seq_len / 2).clamp(1, 16);
+                    let mut v = Vec::with_capacity(n);
+                    dataset.val.extend_into(0, n.min(dataset.val.len()), &mut v);
+                    v
+                }
+            };
+            if prompt.is_empty() || prompt.len() >= cfg.model.seq_len {
+                return Err(EngineError::Config(format!(
+                    "eval.sample_prompt: {} tokens; it must have 1 to model.seq_len - 1 ({})",
+                    prompt.len(),
+                    cfg.model.seq_len - 1
+                )));
+            }
+            Some((prompt, tok))
+        } else {
+            None
+        };
         let mut t = Trainer {
             out_dir,
             dist,
@@ -410,6 +466,7 @@ impl Trainer {
             step_memory: None,
             whole: None,
             whole_checked: false,
+            sample,
             weights_copied: false,
         };
         if let Some(spec) = opts.resume {
@@ -654,6 +711,40 @@ impl Trainer {
             val_bpt: val_loss / LN2,
             val_ppl: val_loss.exp(),
         })
+    }
+
+    /// `eval.sample_tokens`: the model's greedy continuation of the fixed prompt, within the
+    /// training context.
+    fn sample_text(&self) -> candle_core::Result<Option<Event>> {
+        let Some((prompt, tok)) = &self.sample else {
+            return Ok(None);
+        };
+        let n = self
+            .cfg
+            .eval
+            .sample_tokens
+            .min(self.model.shape.seq_len - prompt.len());
+        let ids = super::generate::generate(
+            &self.model,
+            prompt,
+            n,
+            &super::generate::Sampling::greedy(),
+            &[],
+            |_| {},
+        )?;
+        let show = |ids: &[u32]| match tok {
+            Some(t) => t.decode(ids),
+            None => ids
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(" "),
+        };
+        Ok(Some(Event::Sample {
+            step: self.step,
+            prompt: show(prompt),
+            text: show(&ids),
+        }))
     }
 
     fn batch_tensors(&self, b: &Batch) -> candle_core::Result<(Tensor, Tensor)> {
@@ -1660,6 +1751,9 @@ impl Trainer {
                 }
                 self.summary.last_val = Some(ev.clone());
                 out.emit(Event::Eval(ev));
+                if let Some(ev) = self.sample_text()? {
+                    out.emit(ev);
+                }
             }
             let c = &self.cfg.checkpoint;
             let due_steps = c.every_steps > 0 && self.step.is_multiple_of(c.every_steps);

@@ -166,6 +166,11 @@ pub fn event_line(ev: &Event) -> Option<String> {
             reason,
         } => format!("cmd   step {step} | rejected {}: {reason}", command.label()),
         Event::Warning { step, message } => format!("warn  step {step} | {message}"),
+        Event::Sample { step, prompt, text } => format!(
+            "text  step {step} | {} ⟶ {}",
+            prompt.escape_debug(),
+            text.escape_debug()
+        ),
         Event::Finished {
             step,
             reason,

@@ -406,6 +406,15 @@ impl App {
             Event::Warning { step, message } => {
                 self.log.push(Some(step), LogLevel::Warn, message);
             }
+            Event::Sample { step, prompt, text } => {
+                // One line: the model's greedy text after the fixed prompt.
+                let flat = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+                self.log.push(
+                    Some(step),
+                    LogLevel::Info,
+                    format!("sample: {} ⟶ {}", flat(&prompt), flat(&text)),
+                );
+            }
             Event::Finished {
                 step,
                 reason,

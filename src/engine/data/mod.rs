@@ -6,6 +6,7 @@ pub mod builtin;
 pub mod loader;
 
 use crate::config::Config;
+pub use crate::engine::base::Special;
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -112,6 +113,11 @@ pub struct Dataset {
 
 /// Build the dataset a config asks for (tokenizing and caching files when needed).
 pub fn load(cfg: &Config) -> Result<Dataset, DataError> {
+    load_with(cfg, Special::default())
+}
+
+/// [`load`], with BOS/EOS ids put around each document (text file) when packing.
+pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
     let d = &cfg.data;
     if d.source == "builtin" {
         let src = builtin::MarkovSource::new(
@@ -135,7 +141,7 @@ pub fn load(cfg: &Config) -> Result<Dataset, DataError> {
             ),
         });
     }
-    let prepared = prepare(cfg)?;
+    let prepared = prepare_with(cfg, special)?;
     let train = map_shard(&prepared.dir.join("train.bin"), prepared.manifest.width)?;
     let val = if prepared.manifest.val_tokens > 0 {
         map_shard(&prepared.dir.join("val.bin"), prepared.manifest.width)?
@@ -200,6 +206,12 @@ pub struct Manifest {
     pub width: usize,
     pub train_tokens: u64,
     pub val_tokens: u64,
+    /// Put before each document when packing (a base model's BOS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bos: Option<u32>,
+    /// Put after each document when packing (a base model's EOS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eos: Option<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -275,13 +287,50 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-enum Tok {
+/// A tokenizer: bytes, or a Hugging Face tokenizer.json.
+pub enum Tok {
     Byte,
     Hf(Box<tokenizers::Tokenizer>),
 }
 
 impl Tok {
-    fn vocab_size(&self) -> usize {
+    /// "byte" or the path of a tokenizer.json.
+    pub fn open(spec: &str) -> Result<Tok, DataError> {
+        if spec == "byte" {
+            return Ok(Tok::Byte);
+        }
+        tokenizers::Tokenizer::from_file(spec)
+            .map(|t| Tok::Hf(Box::new(t)))
+            .map_err(|e| DataError::Tokenizer {
+                path: spec.to_string(),
+                message: e.to_string(),
+            })
+    }
+    /// Text of token ids (bytes decoded lossily as UTF-8).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tok::Byte => {
+                let bytes: Vec<u8> = ids.iter().map(|&i| i.min(255) as u8).collect();
+                String::from_utf8_lossy(&bytes).into_owned()
+            }
+            Tok::Hf(t) => t.decode(ids, true).unwrap_or_default(),
+        }
+    }
+    /// Ids of a prompt: with the tokenizer's own special tokens (a BOS, for most), as
+    /// transformers does.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        match self {
+            Tok::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Tok::Hf(t) => t
+                .encode(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| DataError::Tokenizer {
+                    path: "tokenizer.json".into(),
+                    message: e.to_string(),
+                }),
+        }
+    }
+    pub fn vocab_size(&self) -> usize {
         match self {
             Tok::Byte => 256,
             Tok::Hf(t) => t.get_vocab_size(true),
@@ -304,6 +353,11 @@ impl Tok {
 /// Tokenize and pack the configured text files (cached: a second call with unchanged sources
 /// and tokenizer returns the existing shards).
 pub fn prepare(cfg: &Config) -> Result<Prepared, DataError> {
+    prepare_with(cfg, Special::default())
+}
+
+/// [`prepare`], with BOS/EOS ids around each document.
+pub fn prepare_with(cfg: &Config, special: Special) -> Result<Prepared, DataError> {
     let d = &cfg.data;
     let train_files = list_files(&d.train)?;
     let val_files = if d.val.is_empty() {
@@ -311,15 +365,18 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, DataError> {
     } else {
         list_files(&d.val)?
     };
-    let (tok, tok_sha) = if d.tokenizer == "byte" {
+    if d.tokenizer == "base" {
+        return Err(DataError::Tokenizer {
+            path: d.tokenizer.clone(),
+            message: "no base model to take it from (model.init_from or lora.base)".into(),
+        });
+    }
+    // "auto" without a base (the engine resolves it against the base first) is bytes.
+    let (tok, tok_sha) = if d.tokenizer == "byte" || d.tokenizer == "auto" {
         (Tok::Byte, "byte".to_string())
     } else {
         let path = Path::new(&d.tokenizer);
-        let t = tokenizers::Tokenizer::from_file(path).map_err(|e| DataError::Tokenizer {
-            path: d.tokenizer.clone(),
-            message: e.to_string(),
-        })?;
-        (Tok::Hf(Box::new(t)), sha256_file(path)?.0)
+        (Tok::open(&d.tokenizer)?, sha256_file(path)?.0)
     };
     let describe = |files: &[PathBuf]| -> Result<Vec<SourceFile>, DataError> {
         files
@@ -341,6 +398,11 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, DataError> {
         h.update(s.sha256.as_bytes());
     }
     h.update(tok_sha.as_bytes());
+    for (tag, id) in [("bos", special.bos), ("eos", special.eos)] {
+        if let Some(id) = id {
+            h.update(format!("{tag}={id}").as_bytes());
+        }
+    }
     let key = hex(&h.finalize())[..16].to_string();
     let base = if Path::new(&d.train).is_dir() {
         PathBuf::from(&d.train)
@@ -371,7 +433,9 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, DataError> {
         for f in files {
             let bytes = std::fs::read(f).map_err(io_err(f))?;
             let text = String::from_utf8_lossy(&bytes);
+            out.extend(special.bos);
             out.extend(tok.encode(&text, &f.display().to_string())?);
+            out.extend(special.eos);
         }
         Ok(out)
     };
@@ -392,6 +456,8 @@ pub fn prepare(cfg: &Config) -> Result<Prepared, DataError> {
         width,
         train_tokens: train.len() as u64,
         val_tokens: val.len() as u64,
+        bos: special.bos,
+        eos: special.eos,
     };
     let text = serde_json::to_string_pretty(&manifest).unwrap_or_default();
     crate::engine::checkpoint::atomic_write(&manifest_path, text.as_bytes()).map_err(|e| {

@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Make the tiny Hugging Face models that cockpit's parity tests (tests/hf.rs) check against.
+
+One directory per supported model_type under tests/fixtures/hf/: a model made and trained a few
+dozen steps with transformers (so its predictions are sharp), saved with save_pretrained, a tiny
+BPE tokenizer, and expected.json: the per-token log-probabilities of a fixed token sequence and
+the greedy continuation of a prompt, computed by transformers in float32 on the CPU.
+
+Needs torch, transformers and tokenizers (CI does not run this; the outputs are committed):
+    python3 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers safetensors peft
+    /tmp/hfvenv/bin/python scripts/hf_fixtures.py [OUT_DIR]
+
+`--check-export DIR [FIXTURE]` loads a directory written by `cockpit export` with
+AutoModelForCausalLM and prints its loss and greedy tokens on the fixture's sequence, beside the
+fixture's own; `--check-adapter ADAPTER_DIR BASE_DIR MERGED_DIR` loads an `export --adapter`
+directory with PEFT on its base and compares its logits with the merged export (the round
+trips CI cannot run: it has no torch).
+"""
+import json
+import math
+import os
+import shutil
+import sys
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+TEXT = """\
+The quick brown fox jumps over the lazy dog. A cockpit shows the pilot what the machine is doing,
+and a training cockpit shows the researcher what the model is doing. Loss goes down, the learning
+rate follows its schedule, and the gradient norm stays bounded. When the loss spikes, the pilot
+looks at the gauges first: the learning rate, the batch size, the precision, the data. Small
+models learn small texts by heart; large models learn the world. Every number after a silent
+mistake is meaningless, so the loader must fail loudly or be exact. The dog sleeps, the fox runs,
+the model predicts the next token, and the cockpit draws the curve.
+"""
+
+VOCAB = 300
+SEQ = 48
+PROMPT = 8
+NEW = 16
+
+
+def make_tokenizer(out):
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 2,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    path = os.path.join(out, "_tokenizer.json")
+    tok.save(path)
+    return path
+
+
+def configs(vocab, bos, eos):
+    common = dict(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos, max_position_embeddings=64)
+    return {
+        # Llama-2 layout: MHA, untied, theta 1e4; saved in f32 and sharded through an index.
+        "llama2": ("f32", "shard", transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=False, **common)),
+        # Llama-3.2 layout: GQA, tied, theta 5e5, llama3 rope_scaling, head_dim·heads ≠ hidden.
+        "llama3": ("bf16", None, transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=500000.0,
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                              high_freq_factor=4.0, original_max_position_embeddings=32),
+            tie_word_embeddings=True, **common)),
+        # Mistral: GQA, linear rope scaling, a sliding window longer than the sequences; f16.
+        "mistral": ("f16", None, transformers.MistralConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=1, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
+            rope_scaling=dict(rope_type="linear", factor=2.0), tie_word_embeddings=False,
+            **common)),
+        # Qwen2: q/k/v biases, tied, bf16.
+        "qwen2": ("bf16", None, transformers.Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+            tie_word_embeddings=True, use_sliding_window=False, **common)),
+        # GPT-2: LayerNorm with bias, learned positions, gelu_new, Conv1D weights, tied head.
+        "gpt2": ("f32", None, transformers.GPT2Config(
+            vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+            bos_token_id=bos, eos_token_id=eos, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0)),
+        # Granite (dense): embedding/attention/residual multipliers and logits scaling.
+        "granite": ("f32", None, transformers.GraniteConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+            embedding_multiplier=4.0, attention_multiplier=0.125, residual_multiplier=0.5,
+            logits_scaling=2.0, tie_word_embeddings=False, **common)),
+    }
+
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def expected(model, ids):
+    """Per-token log-probs of ids[1:] given the prefix, and the greedy continuation."""
+    model.eval()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        logits = model(x).logits.float()
+        lp = torch.log_softmax(logits[0, :-1], dim=-1)
+        tok_lp = lp.gather(1, x[0, 1:, None])[:, 0]
+        prompt = torch.tensor([ids[:PROMPT]])
+        out = model.generate(prompt, max_new_tokens=NEW, do_sample=False,
+                             attention_mask=torch.ones_like(prompt))
+    return [float(v) for v in tok_lp], out[0, PROMPT:].tolist()
+
+
+def make(out_root):
+    torch.manual_seed(0)
+    os.makedirs(out_root, exist_ok=True)
+    tok_path = make_tokenizer(out_root)
+    tok = Tokenizer.from_file(tok_path)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    data = tok.encode(TEXT).ids
+    vocab = tok.get_vocab_size()
+    assert vocab <= VOCAB, vocab
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=tok_path, bos_token="<s>",
+                                                eos_token="</s>")
+    seq = data[:SEQ]
+    for name, (dtype, shard, cfg) in configs(vocab, bos, eos).items():
+        torch.manual_seed(1)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+        g = torch.Generator().manual_seed(2)
+        model.train()
+        for step in range(200):
+            starts = torch.randint(0, len(data) - SEQ - 1, (8,), generator=g)
+            x = torch.stack([torch.tensor(data[s:s + SEQ]) for s in starts.tolist()])
+            loss = model(x, labels=x).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        d = os.path.join(out_root, name)
+        shutil.rmtree(d, ignore_errors=True)
+        model = model.to(DTYPES[dtype])
+        kw = {"max_shard_size": "150KB"} if shard else {}
+        model.save_pretrained(d, **kw)
+        fast.save_pretrained(d)
+        # Expected values from the saved files, in float32 (what cockpit computes on the CPU).
+        ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        lps, greedy = expected(ref, seq)
+        exp = {
+            "model_type": cfg.model_type,
+            "dtype": dtype,
+            "ids": seq,
+            "logprobs": lps,
+            "loss": -sum(lps) / len(lps),
+            "prompt_ids": seq[:PROMPT],
+            "prompt_text": tok.decode(seq[:PROMPT]),
+            "greedy": greedy,
+            "train_loss": float(loss.detach()),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        }
+        with open(os.path.join(d, "expected.json"), "w") as f:
+            json.dump(exp, f, indent=1)
+        print(f"{name:8s} {dtype:4s} loss {exp['loss']:.4f} (train {float(loss.detach()):.3f}) "
+              f"greedy {greedy}")
+    os.remove(tok_path)
+
+
+def check_export(export_dir, fixture_dir):
+    """Load a cockpit export with transformers; print its loss on a fixture's sequence."""
+    exp = json.load(open(os.path.join(fixture_dir, "expected.json")))
+    model = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+    lps, greedy = expected(model, exp["ids"])
+    loss = -sum(lps) / len(lps)
+    print(json.dumps({"model_type": model.config.model_type, "loss": loss,
+                      "fixture_loss": exp["loss"], "greedy": greedy,
+                      "fixture_greedy": exp["greedy"]}))
+    if os.path.exists(os.path.join(export_dir, "tokenizer.json")):
+        tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+        print(json.dumps({"tokenizer": type(tok).__name__, "decoded": tok.decode(greedy)}))
+
+
+def check_adapter(adapter_dir, base_dir, merged_dir):
+    """Load a cockpit --adapter export with PEFT on its base; compare with the merged export."""
+    from peft import PeftModel
+    exp = json.load(open(os.path.join(base_dir, "expected.json")))
+    x = torch.tensor([exp["ids"]])
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, adapter_dir).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    with torch.no_grad():
+        a, b = peft(x).logits, merged.eval()(x).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)(x).logits
+    print(json.dumps({"peft_vs_merged_max_abs": float((a - b).abs().max()),
+                      "adapter_effect_max_abs": float((a - plain).abs().max())}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--check-adapter":
+        check_adapter(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "--check-export":
+        check_export(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "tests/fixtures/hf/llama2")
+    else:
+        make(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")

@@ -1,0 +1,376 @@
+//! Pretrained weights a run starts from (`model.init_from` for full fine-tuning, `lora.base`
+//! for LoRA): a Hugging Face directory or a cockpit run/checkpoint. The base fixes the model's
+//! shape; a `[model]` key set to something else is an error naming both values. The base also
+//! brings its tokenizer (`data.tokenizer = "auto" | "base"`) and its BOS/EOS ids.
+
+use super::checkpoint::{self, CheckpointError};
+use super::hf::{self, HfInfo};
+use super::EngineError;
+use crate::config::{Config, ModelConfig, PosEncoding};
+use candle_core::Tensor;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// A run dir keeps its Hugging Face base's config, generation config and tokenizer files
+/// here, so export and generate work after the base directory moved.
+pub const HF_BASE_DIR: &str = "hf_base";
+
+/// What a base is, without its weights.
+#[derive(Clone, Debug)]
+pub struct BaseMeta {
+    /// Its model, with seq_len = the longest context it supports.
+    pub model: ModelConfig,
+    /// The Hugging Face side: model_type and token ids (a cockpit base trained from one
+    /// carries its base's).
+    pub hf: Option<HfInfo>,
+    /// The directory holding config.json and the tokenizer files of the Hugging Face side.
+    pub hf_dir: Option<PathBuf>,
+    /// The tokenizer the base was trained with: a tokenizer.json path, "byte", or None
+    /// (a Hugging Face directory without tokenizer.json; the built-in corpus).
+    pub tokenizer: Option<String>,
+    pub description: String,
+}
+
+/// Base weights (cockpit names, on the CPU in their stored dtype) and what they are.
+pub struct Base {
+    pub meta: BaseMeta,
+    pub tensors: HashMap<String, Tensor>,
+}
+
+/// Whether `dir` is a Hugging Face model directory (config.json, no cockpit manifest).
+pub fn is_hf_dir(dir: &Path) -> bool {
+    dir.join("config.json").is_file() && !dir.join("manifest.json").is_file()
+}
+
+fn hf_tokenizer(dir: &Path) -> Option<String> {
+    let t = dir.join("tokenizer.json");
+    t.is_file().then(|| t.display().to_string())
+}
+
+fn run_dir_of(step_dir: &Path) -> Option<PathBuf> {
+    let parent = step_dir.parent()?;
+    (parent.file_name()? == "checkpoints")
+        .then(|| parent.parent().map(Path::to_path_buf))
+        .flatten()
+}
+
+/// The Hugging Face side a run dir kept (`RUN/hf_base/`), if any.
+pub fn kept_hf(run_dir: &Path) -> Result<Option<(HfInfo, PathBuf)>, CheckpointError> {
+    let d = run_dir.join(HF_BASE_DIR);
+    if !d.join("config.json").is_file() {
+        return Ok(None);
+    }
+    let (_, info) = hf::read_config(&d)?;
+    Ok(Some((info, d)))
+}
+
+/// The config a cockpit checkpoint was trained with.
+pub fn checkpoint_config(step_dir: &Path) -> Result<Config, CheckpointError> {
+    let sp = step_dir.join("state.json");
+    let text = std::fs::read_to_string(&sp).map_err(|e| CheckpointError::Corrupt {
+        path: sp.display().to_string(),
+        message: e.to_string(),
+    })?;
+    let state: checkpoint::TrainState =
+        serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
+            path: sp.display().to_string(),
+            message: e.to_string(),
+        })?;
+    serde_json::from_value(state.config).map_err(|e| CheckpointError::Corrupt {
+        path: sp.display().to_string(),
+        message: format!("no usable config in the checkpoint: {e}"),
+    })
+}
+
+/// Read what a base is (config files only, no weights).
+pub fn meta(spec: &Path) -> Result<BaseMeta, CheckpointError> {
+    if is_hf_dir(spec) {
+        let (model, info) = hf::read_config(spec)?;
+        return Ok(BaseMeta {
+            description: format!("Hugging Face {} model {}", info.model_type, spec.display()),
+            model,
+            hf: Some(info),
+            hf_dir: Some(spec.to_path_buf()),
+            tokenizer: hf_tokenizer(spec),
+        });
+    }
+    let looks_hf = std::fs::read_dir(spec).is_ok_and(|rd| {
+        rd.filter_map(|e| e.ok())
+            .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+    }) && !spec.join("manifest.json").is_file()
+        && !spec.join("checkpoints").is_dir();
+    if looks_hf {
+        return Err(CheckpointError::Corrupt {
+            path: spec.join("config.json").display().to_string(),
+            message: "missing: a Hugging Face model directory needs its config.json".into(),
+        });
+    }
+    let dir = checkpoint::resolve(spec)?;
+    let cfg = checkpoint_config(&dir)?;
+    let kept = match run_dir_of(&dir) {
+        Some(run) => kept_hf(&run)?,
+        None => None,
+    };
+    let tokenizer = match (cfg.data.source.as_str(), &kept) {
+        (_, Some((_, d))) if d.join("tokenizer.json").is_file() => hf_tokenizer(d),
+        ("files", _) => Some(cfg.data.tokenizer.clone()),
+        _ => None,
+    };
+    let mut model = cfg.model;
+    if model.pos == PosEncoding::Learned {
+        model.n_positions = model.n_positions.max(model.seq_len);
+    }
+    Ok(BaseMeta {
+        model,
+        hf: kept.as_ref().map(|(i, _)| i.clone()),
+        hf_dir: kept.map(|(_, d)| d),
+        tokenizer,
+        description: format!("cockpit checkpoint {}", dir.display()),
+    })
+}
+
+/// Load a base: its description and its weights (LoRA adapters of a cockpit base left out).
+pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
+    if is_hf_dir(spec) {
+        let m = meta(spec)?;
+        let (_, _, tensors) = hf::load(spec)?;
+        return Ok(Base { meta: m, tensors });
+    }
+    let m = meta(spec)?;
+    let dir = checkpoint::resolve(spec)?;
+    let loaded = checkpoint::load(&dir, &candle_core::Device::Cpu)?;
+    let tensors = loaded
+        .model
+        .into_iter()
+        .filter(|(k, _)| !k.contains(".lora_"))
+        .collect();
+    Ok(Base { meta: m, tensors })
+}
+
+/// Which key names the base of a run, and its path.
+pub fn spec(cfg: &Config) -> Option<(&'static str, &str)> {
+    if cfg.lora.enabled && !cfg.lora.base.is_empty() {
+        Some(("lora.base", cfg.lora.base.as_str()))
+    } else if !cfg.model.init_from.is_empty() {
+        Some(("model.init_from", cfg.model.init_from.as_str()))
+    } else {
+        None
+    }
+}
+
+/// The run's model: the base's, with the run's seq_len, dropout and init settings. A `[model]`
+/// key the run sets (to other than its default) that differs from the base's is an error.
+pub fn resolve_model(base: &BaseMeta, run: &ModelConfig, key: &str) -> Result<ModelConfig, String> {
+    let b = &base.model;
+    let default = ModelConfig::default();
+    let as_map = |m: &ModelConfig| match serde_json::to_value(m) {
+        Ok(serde_json::Value::Object(o)) => o,
+        _ => serde_json::Map::new(),
+    };
+    let (bm, rm, dm) = (as_map(b), as_map(run), as_map(&default));
+    let free = ["seq_len", "dropout", "init_std", "init_from", "n_positions"];
+    for (k, rv) in &rm {
+        if free.contains(&k.as_str()) || dm.get(k) == Some(rv) {
+            continue;
+        }
+        let bv = bm.get(k).cloned().unwrap_or(serde_json::Value::Null);
+        let same = match (k.as_str(), rv.as_u64(), bv.as_u64()) {
+            // 0 means "n_embd / n_head" and "n_head": compare what they resolve to.
+            ("head_dim", Some(r), _) => r as usize == head_dim(b),
+            ("n_kv_head", Some(r), _) => r as usize == kv_heads(b),
+            ("mlp_ratio", ..) => {
+                let hidden = |m: &ModelConfig| (m.n_embd as f64 * m.mlp_ratio).round() as usize;
+                let mut r = b.clone();
+                r.mlp_ratio = rv.as_f64().unwrap_or(0.0);
+                hidden(&r) == hidden(b)
+            }
+            _ => *rv == bv,
+        };
+        if !same {
+            return Err(format!(
+                "model.{k} = {rv} contradicts the base's {bv} ({key} = {:?}); remove the key (the base fixes the model's shape)",
+                base_name(base)
+            ));
+        }
+    }
+    if run.seq_len > b.seq_len.max(b.n_positions) {
+        return Err(format!(
+            "model.seq_len = {} is longer than the base supports ({}, {key} = {:?})",
+            run.seq_len,
+            b.seq_len.max(b.n_positions),
+            base_name(base)
+        ));
+    }
+    if let Some(w) = base.hf.as_ref().and_then(|h| h.sliding_window) {
+        if run.seq_len > w {
+            return Err(format!(
+                "model.seq_len = {} exceeds the base's sliding_window = {w}: cockpit has no sliding-window attention; use model.seq_len ≤ {w}",
+                run.seq_len
+            ));
+        }
+    }
+    let mut m = b.clone();
+    if m.pos == PosEncoding::Learned {
+        m.n_positions = b.n_positions.max(b.seq_len);
+    }
+    m.seq_len = run.seq_len;
+    m.dropout = run.dropout;
+    m.init_std = run.init_std;
+    m.init_from = run.init_from.clone();
+    Ok(m)
+}
+
+fn base_name(base: &BaseMeta) -> String {
+    base.description
+        .rsplit(' ')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn head_dim(m: &ModelConfig) -> usize {
+    if m.head_dim == 0 {
+        m.n_embd / m.n_head.max(1)
+    } else {
+        m.head_dim
+    }
+}
+
+fn kv_heads(m: &ModelConfig) -> usize {
+    if m.n_kv_head == 0 {
+        m.n_head
+    } else {
+        m.n_kv_head
+    }
+}
+
+/// BOS/EOS put around each document when packing (from the base's config).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Special {
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+}
+
+/// Resolve `data.tokenizer` ("auto": the base's when it has one, else byte; "base": the base's,
+/// an error when it has none) and the BOS/EOS ids to pack documents with.
+pub fn resolve_data(cfg: &mut Config, base: Option<&BaseMeta>) -> Result<Special, EngineError> {
+    let key = spec(cfg).map(|(k, _)| k).unwrap_or("model.init_from");
+    let tok = cfg.data.tokenizer.clone();
+    let from_base = base.and_then(|b| b.tokenizer.clone());
+    cfg.data.tokenizer = match (tok.as_str(), base) {
+        ("auto", _) => from_base.clone().unwrap_or_else(|| "byte".into()),
+        ("base", None) => {
+            return Err(EngineError::Config(format!(
+                "data.tokenizer = \"base\": no base model is set (set {key} or lora.base)"
+            )))
+        }
+        ("base", Some(b)) => from_base.clone().ok_or_else(|| {
+            EngineError::Config(format!(
+                "data.tokenizer = \"base\": {} has no tokenizer.json",
+                b.description
+            ))
+        })?,
+        _ => tok.clone(),
+    };
+    let uses_base_tokenizer =
+        from_base.is_some() && from_base.as_deref() == Some(&cfg.data.tokenizer);
+    let special = match base.and_then(|b| b.hf.as_ref()) {
+        Some(h) if uses_base_tokenizer && cfg.data.source == "files" => {
+            let eos = h.eos.first().copied();
+            Special {
+                // GPT-2 style: one <|endoftext|> between documents, not two.
+                bos: h.bos.filter(|b| Some(*b) != eos),
+                eos,
+            }
+        }
+        _ => Special::default(),
+    };
+    if let Some(b) = base {
+        let vocab = b.model.vocab_size;
+        for (what, id) in [("BOS", special.bos), ("EOS", special.eos)] {
+            if let Some(id) = id {
+                if id as usize >= vocab {
+                    return Err(EngineError::Config(format!(
+                        "{}: {what} id {id} is outside the model's vocabulary ({vocab})",
+                        b.description
+                    )));
+                }
+            }
+        }
+    }
+    Ok(special)
+}
+
+/// Copy a Hugging Face base's config, generation config and tokenizer files into
+/// `run_dir/hf_base/` (export and generate read them from there).
+pub fn keep_hf_files(base: &BaseMeta, run_dir: &Path) -> Result<(), EngineError> {
+    let Some(src) = &base.hf_dir else {
+        return Ok(());
+    };
+    let dest = run_dir.join(HF_BASE_DIR);
+    if src == &dest {
+        return Ok(());
+    }
+    std::fs::create_dir_all(&dest).map_err(|e| EngineError::Io {
+        path: dest.display().to_string(),
+        source: e,
+    })?;
+    let names = ["config.json", "generation_config.json"]
+        .into_iter()
+        .chain(hf::TOKENIZER_FILES.iter().copied());
+    for name in names {
+        let from = src.join(name);
+        if from.is_file() {
+            let to = dest.join(name);
+            std::fs::copy(&from, &to).map_err(|e| EngineError::Io {
+                path: to.display().to_string(),
+                source: e,
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Set a model's weights from its base: every parameter (but adapters) present with its
+/// shape, and no tensor of the base left unused.
+pub fn load_into(model: &super::model::Model, base: &Base, key: &str) -> Result<(), EngineError> {
+    let mismatch = |message: String| {
+        EngineError::Checkpoint(CheckpointError::Mismatch {
+            path: format!("{key} = {:?}", base_name(&base.meta)),
+            message,
+        })
+    };
+    let names: std::collections::HashSet<&str> =
+        model.params.iter().map(|p| p.name.as_str()).collect();
+    let mut extra: Vec<&String> = base
+        .tensors
+        .keys()
+        .filter(|k| !names.contains(k.as_str()))
+        .collect();
+    extra.sort();
+    if let Some(name) = extra.first() {
+        return Err(mismatch(format!(
+            "{name}: a tensor the model would not use ({} such); refusing to drop it",
+            extra.len()
+        )));
+    }
+    model.load_named(&base.tensors, true).map_err(mismatch)
+}
+
+/// A model of `m` (seq_len as given) holding the base's weights, frozen or not as trained.
+pub fn build(
+    base: &Base,
+    m: &ModelConfig,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+    key: &str,
+) -> Result<super::model::Model, EngineError> {
+    let cfg = Config {
+        model: m.clone(),
+        ..Config::default()
+    };
+    let shape = super::model::Shape::from_config(&cfg, m.vocab_size);
+    let model = super::model::Model::new(shape, dtype, device, 0)?;
+    load_into(&model, base, key)?;
+    Ok(model)
+}

@@ -1,0 +1,304 @@
+//! Hugging Face models in and out, checked against transformers: the fixtures under
+//! tests/fixtures/hf/ (made by scripts/hf_fixtures.py) hold tiny trained models of every
+//! supported model_type with transformers' per-token log-probabilities and greedy tokens.
+
+use candle_core::{DType, Device, Tensor, D};
+use cockpit::config::ModelConfig;
+use cockpit::engine::base;
+use cockpit::engine::model::Model;
+use std::path::{Path, PathBuf};
+
+const FIXTURES: &[&str] = &["llama2", "llama3", "mistral", "qwen2", "gpt2", "granite"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+struct Expected {
+    ids: Vec<u32>,
+    logprobs: Vec<f64>,
+    loss: f64,
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn expected(dir: &Path) -> Expected {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    Expected {
+        ids: ids("ids"),
+        logprobs: v["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect(),
+        loss: v["loss"].as_f64().unwrap(),
+        prompt: ids("prompt_ids"),
+        greedy: ids("greedy"),
+    }
+}
+
+/// The fixture's model (f32, CPU) with seq_len = the fixed sequence's length.
+fn load(dir: &Path, seq_len: usize) -> Model {
+    let b = base::load(dir).unwrap_or_else(|e| panic!("{e}"));
+    let run = ModelConfig {
+        seq_len,
+        ..ModelConfig::default()
+    };
+    let m = base::resolve_model(&b.meta, &run, "model.init_from").unwrap();
+    base::build(&b, &m, DType::F32, &Device::Cpu, "model.init_from")
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Per-token log-probabilities of ids[1..] under the model.
+fn logprobs(model: &mut Model, ids: &[u32]) -> Vec<f64> {
+    let n = ids.len() - 1;
+    let x = Tensor::from_vec(ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
+    let logits = model.forward(&x, false).unwrap();
+    let lp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32).unwrap(), D::Minus1).unwrap();
+    let lp: Vec<Vec<f32>> = lp.to_vec2().unwrap();
+    (0..n).map(|i| lp[i][ids[i + 1] as usize] as f64).collect()
+}
+
+#[test]
+fn every_model_type_computes_what_transformers_computes() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let e = expected(&dir);
+        let mut model = load(&dir, e.ids.len() - 1);
+        let lp = logprobs(&mut model, &e.ids);
+        let loss = -lp.iter().sum::<f64>() / lp.len() as f64;
+        let worst = lp
+            .iter()
+            .zip(&e.logprobs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        eprintln!(
+            "{name}: loss {loss:.6} vs transformers {:.6}; worst token {worst:.2e}",
+            e.loss
+        );
+        assert!(
+            (loss - e.loss).abs() < 1e-4,
+            "{name}: loss {loss} vs {}",
+            e.loss
+        );
+        assert!(worst < 1e-3, "{name}: a token's log-prob is {worst} off");
+    }
+}
+
+#[test]
+fn greedy_decoding_with_the_kv_cache_matches_transformers() {
+    use cockpit::engine::generate::{generate, Sampling};
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let e = expected(&dir);
+        let model = load(&dir, e.ids.len() - 1);
+        let mut streamed = Vec::new();
+        let out = generate(
+            &model,
+            &e.prompt,
+            e.greedy.len(),
+            &Sampling::greedy(),
+            &[],
+            |t| streamed.push(t),
+        )
+        .unwrap();
+        assert_eq!(
+            out, e.greedy,
+            "{name}: greedy tokens differ from transformers'"
+        );
+        assert_eq!(streamed, out);
+    }
+}
+
+/// The cache gives the logits a full forward gives, position by position.
+#[test]
+fn cached_decoding_equals_the_full_forward() {
+    for name in ["llama3", "gpt2", "granite"] {
+        let dir = fixture(name);
+        let e = expected(&dir);
+        let n = 20;
+        let mut model = load(&dir, e.ids.len() - 1);
+        let x = Tensor::from_vec(e.ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
+        let full: Vec<Vec<f32>> = model.forward(&x, false).unwrap().to_vec2().unwrap();
+        let mut cache = model.kv_cache();
+        // A block of 7, then one token at a time.
+        let mut rows: Vec<Vec<f32>> = model
+            .decode(&e.ids[..7], &mut cache)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        for &t in &e.ids[7..n] {
+            rows.extend(
+                model
+                    .decode(&[t], &mut cache)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap(),
+            );
+        }
+        assert_eq!(cache.len(), n);
+        let worst = full
+            .iter()
+            .flatten()
+            .zip(rows.iter().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-4, "{name}: cached logits differ by {worst}");
+    }
+}
+
+/// A copy of a fixture with its config.json changed.
+fn variant(name: &str, change: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let cp = tmp.path().join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cp).unwrap()).unwrap();
+    change(&mut c);
+    std::fs::write(&cp, c.to_string()).unwrap();
+    tmp
+}
+
+fn load_err(dir: &Path) -> String {
+    match base::load(dir) {
+        Ok(b) => {
+            let run = ModelConfig {
+                seq_len: 47,
+                ..ModelConfig::default()
+            };
+            match base::resolve_model(&b.meta, &run, "model.init_from") {
+                Err(e) => e,
+                Ok(m) => match base::build(&b, &m, DType::F32, &Device::Cpu, "model.init_from") {
+                    Err(e) => e.to_string(),
+                    Ok(_) => panic!("{} loaded", dir.display()),
+                },
+            }
+        }
+        Err(e) => e.to_string(),
+    }
+}
+
+fn loss_of(dir: &Path) -> f64 {
+    let e = expected(&fixture("llama3"));
+    let mut model = load(dir, e.ids.len() - 1);
+    let lp = logprobs(&mut model, &e.ids);
+    -lp.iter().sum::<f64>() / lp.len() as f64
+}
+
+/// transformers 4 wrote `rope_theta` + `rope_scaling`; 5 writes `rope_parameters`: the same
+/// model either way. And the llama3 scaling is not a no-op on the fixture.
+#[test]
+fn rope_scaling_reads_both_config_layouts_and_matters() {
+    let want = expected(&fixture("llama3")).loss;
+    let v4 = variant("llama3", |c| {
+        let mut p = c["rope_parameters"].take();
+        let o = c.as_object_mut().unwrap();
+        o.remove("rope_parameters");
+        o.insert("rope_theta".into(), p["rope_theta"].take());
+        p.as_object_mut().unwrap().remove("rope_theta");
+        o.insert("rope_scaling".into(), p);
+    });
+    assert!((loss_of(v4.path()) - want).abs() < 1e-4);
+    let unscaled = variant("llama3", |c| {
+        c["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
+    });
+    let off = loss_of(unscaled.path());
+    assert!(
+        (off - want).abs() > 1e-2,
+        "ignoring rope_scaling must show: {off} vs {want}"
+    );
+}
+
+#[test]
+fn what_cockpit_does_not_compute_is_refused_by_name() {
+    type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Change, &str)> = vec![
+        ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, gpt2, granite)"),
+        ("llama2", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})), "rope_type = \"yarn\""),
+        ("llama2", Box::new(|c| c["hidden_act"] = "gelu".into()), "hidden_act = gelu"),
+        ("llama2", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true with mlp_bias = false"),
+        ("llama2", Box::new(|c| c["some_new_switch"] = 3.into()), "some_new_switch = 3: a key cockpit does not know"),
+        ("llama2", Box::new(|c| c["quantization_config"] = serde_json::json!({"quant_method": "gptq"})), "quantized"),
+        ("mistral", Box::new(|c| c["sliding_window"] = 16.into()), "sliding_window = 16"),
+        ("qwen2", Box::new(|c| c["use_sliding_window"] = true.into()), "use_sliding_window = true"),
+        ("gpt2", Box::new(|c| c["activation_function"] = "relu".into()), "activation_function = \"relu\""),
+        ("gpt2", Box::new(|c| c["scale_attn_by_inverse_layer_idx"] = true.into()), "scale_attn_by_inverse_layer_idx = true"),
+        ("granite", Box::new(|c| c["hidden_size"] = 32.into()), "shape [298, 64] in the file, the model has [298, 32]"),
+    ];
+    for (name, change, want) in cases {
+        let dir = variant(name, change);
+        let err = load_err(dir.path());
+        assert!(err.contains(want), "{name}: {err:?} should say {want:?}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+}
+
+#[test]
+fn broken_weight_files_are_refused_by_name() {
+    // A shard the index names is missing.
+    let dir = variant("llama2", |_| {});
+    std::fs::remove_file(dir.path().join("model-00002-of-00004.safetensors")).unwrap();
+    let err = load_err(dir.path());
+    assert!(
+        err.contains("model-00002-of-00004.safetensors") && err.contains("missing"),
+        "{err}"
+    );
+    // A truncated file.
+    let dir = variant("gpt2", |_| {});
+    let p = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let err = load_err(dir.path());
+    assert!(
+        err.contains("model.safetensors") && err.contains("not a readable safetensors file"),
+        "{err}"
+    );
+    // No config.json at all.
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    let err = load_err(dir.path());
+    assert!(err.contains("config.json: missing"), "{err}");
+    // A tensor the model would not use, a missing tensor, an integer tensor.
+    let mut t: std::collections::HashMap<String, Tensor> =
+        candle_core::safetensors::load(fixture("granite").join("model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let dir = variant("granite", |_| {});
+    let p = dir.path().join("model.safetensors");
+    let mut extra = t.clone();
+    extra.insert(
+        "model.layers.0.self_attn.q_norm.weight".into(),
+        Tensor::ones(64, DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&extra, &p).unwrap();
+    let err = load_err(dir.path());
+    assert!(
+        err.contains("model.layers.0.self_attn.q_norm.weight: a tensor the model would not use"),
+        "{err}"
+    );
+    t.remove("model.norm.weight");
+    candle_core::safetensors::save(&t, &p).unwrap();
+    assert!(load_err(dir.path()).contains("model.norm.weight: missing"));
+    t.insert(
+        "model.norm.weight".into(),
+        Tensor::zeros(64, DType::I64, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&t, &p).unwrap();
+    let err = load_err(dir.path());
+    assert!(
+        err.contains("model.norm.weight: dtype I64 is not supported"),
+        "{err}"
+    );
+}
