@@ -36,12 +36,12 @@ pub fn open(spec: DeviceSpec) -> Result<Device, DeviceError> {
 pub fn cuda_device_count() -> usize {
     #[cfg(feature = "cuda")]
     {
-        use candle_core::cuda_backend::cudarc::driver::{sys, CudaContext};
-        // SAFETY: only looks for the driver library; loads nothing else.
-        if !unsafe { sys::is_culib_present() } {
+        use candle_core::cuda_backend::cudarc::driver::result;
+        // (The driver library is linked: with the driver missing this build does not start.)
+        if result::init().is_err() {
             return 0;
         }
-        CudaContext::device_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
+        result::device::get_count().map_or(0, |n| usize::try_from(n).unwrap_or(0))
     }
     #[cfg(not(feature = "cuda"))]
     0
