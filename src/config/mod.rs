@@ -353,10 +353,25 @@ fn resolve_paths(c: &mut Config, base: &Path) {
 impl Config {
     /// Effective key/value heads.
     pub fn kv_heads(&self) -> usize {
-        if self.model.n_kv_head == 0 {
-            self.model.n_head
+        self.model.kv_heads()
+    }
+}
+
+impl ModelConfig {
+    /// Effective key/value heads (0 = n_head).
+    pub fn kv_heads(&self) -> usize {
+        if self.n_kv_head == 0 {
+            self.n_head
         } else {
-            self.model.n_kv_head
+            self.n_kv_head
+        }
+    }
+    /// Effective head width (0 = n_embd / n_head).
+    pub fn head_size(&self) -> usize {
+        if self.head_dim == 0 {
+            self.n_embd / self.n_head.max(1)
+        } else {
+            self.head_dim
         }
     }
 }

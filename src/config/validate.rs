@@ -99,11 +99,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             ),
         );
     }
-    let head_dim = if m.head_dim == 0 {
-        m.n_embd / m.n_head.max(1)
-    } else {
-        m.head_dim
-    };
+    let head_dim = m.head_size();
     let kv = c.kv_heads();
     if m.n_head > 0 && (kv == 0 || !m.n_head.is_multiple_of(kv)) {
         ck.fail(

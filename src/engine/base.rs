@@ -176,8 +176,8 @@ pub fn resolve_model(base: &BaseMeta, run: &ModelConfig, key: &str) -> Result<Mo
         let bv = bm.get(k).cloned().unwrap_or(serde_json::Value::Null);
         let same = match (k.as_str(), rv.as_u64(), bv.as_u64()) {
             // 0 means "n_embd / n_head" and "n_head": compare what they resolve to.
-            ("head_dim", Some(r), _) => r as usize == head_dim(b),
-            ("n_kv_head", Some(r), _) => r as usize == kv_heads(b),
+            ("head_dim", Some(r), _) => r as usize == b.head_size(),
+            ("n_kv_head", Some(r), _) => r as usize == b.kv_heads(),
             ("mlp_ratio", ..) => {
                 let hidden = |m: &ModelConfig| (m.n_embd as f64 * m.mlp_ratio).round() as usize;
                 let mut r = b.clone();
@@ -226,22 +226,6 @@ fn base_name(base: &BaseMeta) -> String {
         .next()
         .unwrap_or_default()
         .to_string()
-}
-
-fn head_dim(m: &ModelConfig) -> usize {
-    if m.head_dim == 0 {
-        m.n_embd / m.n_head.max(1)
-    } else {
-        m.head_dim
-    }
-}
-
-fn kv_heads(m: &ModelConfig) -> usize {
-    if m.n_kv_head == 0 {
-        m.n_head
-    } else {
-        m.n_kv_head
-    }
 }
 
 /// BOS/EOS put around each document when packing (from the base's config).

@@ -819,16 +819,8 @@ pub fn config_json(
     dtype: DType,
 ) -> Value {
     let hidden = ((m.n_embd as f64 * m.mlp_ratio).round() as usize).max(1);
-    let head_dim = if m.head_dim == 0 {
-        m.n_embd / m.n_head.max(1)
-    } else {
-        m.head_dim
-    };
-    let kv = if m.n_kv_head == 0 {
-        m.n_head
-    } else {
-        m.n_kv_head
-    };
+    let head_dim = m.head_size();
+    let kv = m.kv_heads();
     let mut c = serde_json::json!({
         "model_type": model_type,
         "vocab_size": vocab,

@@ -104,11 +104,7 @@ impl Shape {
             dropout: m.dropout,
             init_std: m.init_std,
             kernels: c.kernels,
-            head_dim: if m.head_dim == 0 {
-                m.n_embd / m.n_head.max(1)
-            } else {
-                m.head_dim
-            },
+            head_dim: m.head_size(),
             qkv_bias: m.qkv_bias,
             n_positions: m.n_positions.max(m.seq_len),
             rope_scaling: m.rope_scaling,
