@@ -13,6 +13,7 @@ pub mod distributed;
 pub mod engine;
 pub mod headless;
 pub mod monitor;
+pub mod process;
 pub mod report;
 pub mod telemetry;
 pub mod tui;

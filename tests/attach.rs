@@ -354,7 +354,7 @@ fn the_attached_dashboard_detaches_without_stopping() {
     );
     assert_eq!(app.exit(), Some(&TuiExit::Detached));
     let mut app = App::training(&opts);
-    assert_eq!(app.on_signal(), None, "a signal sends no Stop");
+    assert_eq!(app.on_signal("SIGINT"), None, "a signal sends no Stop");
     assert_eq!(app.exit(), Some(&TuiExit::Detached));
     // Stopping needs --allow-stop and its own confirmed key: Q, then s or x.
     let shift_q = KeyEvent::new(KeyCode::Char('Q'), KeyModifiers::SHIFT);

@@ -425,3 +425,173 @@ fn resume_takes_scu_gains_and_limits_from_the_new_config() {
         "λ clamped into the new limits"
     );
 }
+
+/// Wait until `dir`'s metrics.jsonl has at least `n` step events.
+fn wait_for_steps(dir: &Path, n: usize) {
+    let t0 = Instant::now();
+    while std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .map(|t| t.matches("\"event\":\"step\"").count())
+        .unwrap_or(0)
+        < n
+    {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no {n} steps");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// SIGINT (headless) is logged as an interruption, not as a stop command, and every end
+/// prints a summary — run dir, steps, losses, checkpoints, plots — with the plots written.
+#[test]
+fn sigint_is_an_interruption_with_a_summary_and_plots() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = spawn_cli(
+        dir.path(),
+        &["run.max_steps=100000", "eval.every=2", "eval.batches=1"],
+    );
+    wait_for_steps(dir.path(), 3);
+    signal(&child, libc::SIGINT);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Interrupted: interrupted by SIGINT at step"),
+        "{err}"
+    );
+    assert!(!err.contains("stopped by command"), "{err}");
+    for row in [
+        "cockpit: run ended: interrupted at step",
+        "run dir",
+        "steps",
+        "loss",
+        "best ckpt",
+        "last ckpt",
+        "plots",
+        "resume with",
+    ] {
+        assert!(err.contains(row), "summary lacks {row:?}:\n{err}");
+    }
+    let best = dir.path().join("checkpoints").join("best");
+    assert!(
+        best.is_file() || err.contains("no checkpoint with a val loss"),
+        "{err}"
+    );
+    let plots: Vec<_> = std::fs::read_dir(dir.path().join("plots"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert!(!plots.is_empty(), "plots written after an interruption");
+}
+
+/// SIGHUP (the terminal went away): the run goes on, its output moved to cockpit.out, and
+/// its control socket stays; SIGTERM then saves and ends it.
+#[test]
+fn sighup_leaves_the_run_going_headless() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = spawn_cli(
+        dir.path(),
+        &["run.max_steps=100000", "run.log_every_secs=0.2"],
+    );
+    wait_for_steps(dir.path(), 2);
+    signal(&child, libc::SIGHUP);
+    let t0 = Instant::now();
+    let log = dir.path().join("cockpit.out");
+    while !std::fs::read_to_string(&log).is_ok_and(|t| t.contains("SIGHUP")) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no SIGHUP note");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let steps = |d: &Path| {
+        std::fs::read_to_string(d.join("metrics.jsonl"))
+            .unwrap()
+            .matches("\"event\":\"step\"")
+            .count()
+    };
+    let before = steps(dir.path());
+    wait_for_steps(dir.path(), before + 3);
+    let mut child = child;
+    assert!(child.try_wait().unwrap().is_none(), "still running");
+    assert!(
+        cockpit::attach::socket_candidates(dir.path())
+            .iter()
+            .any(|p| p.exists()),
+        "the control socket stays for `cockpit attach`"
+    );
+    signal(&child, libc::SIGTERM);
+    assert_eq!(child.wait().unwrap().code(), Some(130));
+    let out = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        out.contains("interrupted by SIGTERM") && out.contains("cockpit: run ended"),
+        "{out}"
+    );
+    checkpoint::load(
+        &checkpoint::resolve(dir.path()).unwrap(),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+}
+
+/// `--resume latest --run-dir DIR` resumes DIR's latest checkpoint (wherever DIR is, whatever
+/// its name); a DIR without one is a usage error naming it.
+#[test]
+fn resume_latest_with_a_run_dir_means_that_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("my-own-name");
+    let first = Proc::new(env!("CARGO_BIN_EXE_cockpit"))
+        .args(["train", "--no-tui", "--max-steps", "3", "--run-dir"])
+        .arg(&run_dir)
+        .args(
+            SMALL
+                .iter()
+                .chain(&["checkpoint.at_end=true"])
+                .flat_map(|s| ["--set", s]),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let second = Proc::new(env!("CARGO_BIN_EXE_cockpit"))
+        .current_dir(dir.path())
+        .args([
+            "train",
+            "--no-tui",
+            "--max-steps",
+            "5",
+            "--resume",
+            "latest",
+            "--run-dir",
+        ])
+        .arg(&run_dir)
+        .args(
+            SMALL
+                .iter()
+                .chain(&["checkpoint.at_end=true"])
+                .flat_map(|s| ["--set", s]),
+        )
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(second.status.success(), "{err}");
+    let started: Vec<u64> = std::fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "run_started")
+        .filter_map(|v| v["start_step"].as_u64())
+        .collect();
+    assert_eq!(started, vec![0, 3], "the second run resumed at step 3");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = Proc::new(env!("CARGO_BIN_EXE_cockpit"))
+        .args(["train", "--no-tui", "--resume", "latest", "--run-dir"])
+        .arg(&empty)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--resume latest --run-dir") && err.contains("empty"),
+        "{err}"
+    );
+}

@@ -405,3 +405,84 @@ fn the_launcher_dashboard_shows_every_rank_and_stops_the_job() {
         assert!(log.contains("stopped by command"), "rank {r}:\n{log}");
     }
 }
+
+/// The README's `keys = { quit = "x" }`: the popup shows its own key for quitting without
+/// saving, and `x` twice saves. Then the terminal goes away under the dashboard (the tmux
+/// server is killed: SIGHUP): the run goes on headless, its output in `cockpit.out`, until
+/// SIGTERM saves and ends it.
+#[test]
+fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
+    if !tmux_available() {
+        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let run_dir: PathBuf = dir.path().join("run");
+    let pid_file = dir.path().join("pid");
+    let config = dir.path().join("x.toml");
+    std::fs::write(&config, "[tui]\nkeys = { quit = \"x\" }\n").expect("config");
+    let cockpit = [
+        env!("CARGO_BIN_EXE_cockpit"),
+        "train",
+        config.to_str().expect("utf-8 temp path"),
+        "--run-dir",
+        run_dir.to_str().expect("utf-8 temp path"),
+        "--set",
+        "model.n_embd=32",
+        "--set",
+        "model.seq_len=32",
+        "--set",
+        "run.max_steps=100000",
+        "--set",
+        "data.builtin_tokens=200000",
+        "--set",
+        "run.log_every_secs=0.2",
+    ]
+    .map(sh_quote)
+    .join(" ");
+    // `exec`: the pane's process is cockpit itself, so its pid is the shell's.
+    let script = format!(
+        "echo $$ > {pid}; exec {cockpit}",
+        pid = sh_quote(pid_file.to_str().expect("utf-8 temp path")),
+    );
+    let tmux = Tmux::start(&script);
+    tmux.wait_for("the run to reach step 3", |s| {
+        header_step(s).is_some_and(|n| n >= 3)
+    });
+    tmux.type_keys("x");
+    let popup = tmux.wait_for("the quit confirmation", |s| s.contains("Stop it?"));
+    assert!(popup.contains("[X] quit WITHOUT saving"), "{popup}");
+    tmux.run(&["send-keys", "-t", SESSION, "Escape"]);
+    tmux.wait_for("the popup to close", |s| !s.contains("Stop it?"));
+
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    drop(tmux); // kill-server: the pane's terminal hangs up
+    let out = run_dir.join("cockpit.out");
+    let deadline = Instant::now() + WAIT;
+    while !std::fs::read_to_string(&out).is_ok_and(|t| t.contains("step ")) {
+        assert!(Instant::now() < deadline, "the run did not go on headless");
+        thread::sleep(POLL);
+    }
+    // SAFETY: signal 0 only checks that the process exists; SIGTERM asks it to save and stop.
+    assert_eq!(
+        unsafe { libc::kill(pid, 0) },
+        0,
+        "still running after SIGHUP"
+    );
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let deadline = Instant::now() + WAIT;
+    while !std::fs::read_to_string(&out).is_ok_and(|t| t.contains("cockpit: run ended")) {
+        assert!(Instant::now() < deadline, "no summary after SIGTERM");
+        thread::sleep(POLL);
+    }
+    let text = std::fs::read_to_string(&out).expect("cockpit.out");
+    assert!(text.contains("interrupted by SIGTERM"), "{text}");
+    assert!(
+        run_dir.join("checkpoints").join("latest").is_file(),
+        "{text}"
+    );
+}

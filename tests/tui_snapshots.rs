@@ -960,12 +960,22 @@ fn finished_run_quits_without_popup() {
 #[test]
 fn ctrl_c_signals_and_a_vanished_engine() {
     let mut app = training_app(canned_run(20, true), &[]);
-    assert_eq!(app.on_key(ctrl_c()), send(Command::Stop { save: true }));
+    assert_eq!(
+        app.on_key(ctrl_c()),
+        send(Command::Interrupt {
+            signal: "Ctrl+C".into()
+        })
+    );
     assert_eq!(app.on_key(ctrl_c()), Some(Action::Quit));
     assert_eq!(app.exit(), Some(&TuiExit::StopRequested { save: true }));
 
     let mut app = training_app(canned_run(20, true), &[]);
-    assert_eq!(app.on_signal(), Some(Command::Stop { save: true }));
+    assert_eq!(
+        app.on_signal("SIGTERM"),
+        Some(Command::Interrupt {
+            signal: "SIGTERM".into()
+        })
+    );
     assert_eq!(app.exit(), Some(&TuiExit::Interrupted));
 
     let mut app = training_app(canned_run(20, true), &[]);

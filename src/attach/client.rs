@@ -556,7 +556,7 @@ fn follow(
 fn send_commands(stream: UnixStream, commands: &Receiver<Command>, allow_stop: bool, sink: &Sink) {
     let mut out = stream;
     for command in commands.iter() {
-        if matches!(command, Command::Stop { .. }) && !allow_stop {
+        if matches!(command, Command::Stop { .. } | Command::Interrupt { .. }) && !allow_stop {
             tracing::info!(
                 "attach: not sending {:?}: this viewer is attached without allow_stop",
                 command.label()

@@ -18,9 +18,10 @@ pub use client::{connect, replay, Attached, Connection};
 pub use peer::{my_uid, peer_cred, PeerCred};
 pub use server::{RelayGuard, Relayed, Server, ServerOptions, ServerStats, StatsHandle};
 
-use crate::cli::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 use crate::engine::events::FinishReason;
-use crate::headless::{self, SignalFlags};
+use crate::headless;
+use crate::process::SignalFlags;
+use crate::process::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 use crate::tui::{self, TuiExit, TuiOptions};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -269,6 +270,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
                 TuiExit::StopRequested { .. }
                 | TuiExit::Interrupted
                 | TuiExit::Closed
+                | TuiExit::HangUp
                 | TuiExit::Detached => Some(None),
             }
         }
@@ -280,7 +282,11 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
                 Some(telemetry),
                 &SignalFlags::default(),
                 opts.log_every,
-                &mut io::stderr(),
+                headless::Output {
+                    out: &mut io::stderr(),
+                    hangup_log: None,
+                    run: None,
+                },
             );
             connection.detach();
             outcome.finished.map(Some)

@@ -204,7 +204,11 @@ pub fn validate_command(command: &Command) -> Result<(), String> {
                 ));
             }
         }
-        Command::CheckpointNow | Command::Pause | Command::Resume | Command::Stop { .. } => {}
+        Command::CheckpointNow
+        | Command::Pause
+        | Command::Resume
+        | Command::Stop { .. }
+        | Command::Interrupt { .. } => {}
     }
     Ok(())
 }

@@ -6,8 +6,9 @@ use super::{EXIT_OK, EXIT_USAGE};
 use crate::advisor::MonitorUpdate;
 use crate::config::Config;
 use crate::engine::events::{self, Command, EventRx};
-use crate::headless::{self, HeadlessOutcome, SignalFlags};
+use crate::headless::{self, HeadlessOutcome};
 use crate::monitor::{self, MonitorOptions, MonitorSession, PipelineFeed};
+use crate::process::SignalFlags;
 use crate::tui::{self, Keymap, Theme, TuiExit, TuiOptions};
 use std::collections::HashMap;
 use std::path::Path;
@@ -91,7 +92,21 @@ fn tee(events: EventRx, feed: PipelineFeed) -> EventRx {
     rx
 }
 
-/// The front end of a training run: the dashboard, or progress lines.
+/// How the front end of a training run ended.
+pub struct Frontend {
+    pub outcome: HeadlessOutcome,
+    /// The attach server, to be shut down once the engine thread has been joined.
+    pub attach: Option<crate::attach::RelayGuard>,
+}
+
+/// Where the run's output goes once its terminal is gone.
+pub fn hangup_log(run_dir: &Path) -> std::path::PathBuf {
+    run_dir.join("cockpit.out")
+}
+
+/// The front end of a training run: the dashboard, or progress lines. When the dashboard's
+/// terminal hangs up the run goes on headless (output in `RUN_DIR/cockpit.out`; its control
+/// socket stays up, so `cockpit attach` brings a dashboard back).
 pub fn run_frontend(
     use_tui: bool,
     events: EventRx,
@@ -99,7 +114,7 @@ pub fn run_frontend(
     cfg: &Config,
     run_dir: &Path,
     flags: &SignalFlags,
-) -> anyhow::Result<HeadlessOutcome> {
+) -> anyhow::Result<Frontend> {
     let telemetry = training_telemetry(cfg, run_dir);
     let (events, updates) = match telemetry {
         Some((rx, feed)) => (tee(events, feed), Some(rx)),
@@ -127,40 +142,84 @@ pub fn run_frontend(
         let opts = tui_options(cfg, &cfg.run.theme, Some(run_dir)).map_err(anyhow::Error::msg)?;
         // Without telemetry the dashboard still wants a receiver: one that never delivers.
         let (_keep, empty) = mpsc::channel();
-        let exit = tui::run_training(events, commands, updates.unwrap_or(empty), opts)?;
-        let (finished, interrupted) = match exit {
+        let end = tui::run_training_handback(events, commands, updates.unwrap_or(empty), opts)?;
+        let (finished, interrupted) = match end.exit {
             TuiExit::Finished { reason } => (Some(reason), false),
             TuiExit::Interrupted => (None, true),
+            TuiExit::HangUp => {
+                let (Some(events), Some(commands)) = (end.events, end.commands) else {
+                    return Ok(Frontend {
+                        outcome: HeadlessOutcome::default(),
+                        attach: attach_guard,
+                    });
+                };
+                // The terminal is gone: follow the run headless from here on.
+                crate::process::register(flags)?;
+                let mut err = std::io::stderr();
+                headless::hang_up(&hangup_log(run_dir), &mut err);
+                let outcome = headless::run(
+                    events,
+                    commands,
+                    end.telemetry,
+                    flags,
+                    Duration::from_secs_f64(cfg.run.log_every_secs),
+                    headless::Output {
+                        out: &mut err,
+                        hangup_log: Some(&hangup_log(run_dir)),
+                        run: end.run,
+                    },
+                );
+                return Ok(Frontend {
+                    outcome,
+                    attach: attach_guard,
+                });
+            }
             TuiExit::StopRequested { .. }
             | TuiExit::EngineGone
             | TuiExit::Closed
             | TuiExit::Detached => (None, false),
         };
-        Ok(HeadlessOutcome {
-            finished,
-            interrupted,
+        Ok(Frontend {
+            outcome: HeadlessOutcome {
+                finished,
+                interrupted,
+            },
             attach: attach_guard,
         })
     } else {
         let log_every = Duration::from_secs_f64(cfg.run.log_every_secs);
-        let mut outcome = headless::run(
+        let outcome = headless::run(
             events,
             commands,
             updates,
             flags,
             log_every,
-            &mut std::io::stderr(),
+            headless::Output {
+                out: &mut std::io::stderr(),
+                hangup_log: Some(&hangup_log(run_dir)),
+                run: None,
+            },
         );
-        outcome.attach = attach_guard;
-        Ok(outcome)
+        Ok(Frontend {
+            outcome,
+            attach: attach_guard,
+        })
     }
 }
 
-/// Plots at the end of a run (failures are logged, never fatal: the run itself succeeded).
-pub fn after_run(run_dir: &Path) {
+/// Plots at the end of a run, however it ended (failures are logged, never fatal): where
+/// they went, or why there are none, for the summary.
+pub fn after_run(run_dir: &Path) -> String {
     match crate::report::plot_run_detailed(run_dir) {
-        Ok(summary) => tracing::info!("plots: {summary}"),
-        Err(e) => tracing::warn!("plots: {e}"),
+        Ok(summary) => {
+            tracing::info!("plots: {summary}");
+            let charts = summary.charts().len();
+            format!("{} ({charts} charts)", run_dir.join("plots").display())
+        }
+        Err(e) => {
+            tracing::warn!("plots: {e}");
+            format!("none ({e})")
+        }
     }
 }
 

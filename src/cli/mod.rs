@@ -13,20 +13,14 @@ mod rank;
 use crate::config::{self, Config, ConfigError};
 use crate::engine::events::FinishReason;
 use crate::engine::{checkpoint, Engine, EngineOptions};
-use crate::headless::SignalFlags;
+use crate::process::SignalFlags;
 use anyhow::Context;
 use args::{Cli, Cmd, MonitorArgs, TrainArgs};
 use clap::Parser;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-pub const EXIT_OK: i32 = 0;
-pub const EXIT_FAILURE: i32 = 1;
-pub const EXIT_USAGE: i32 = 2;
-pub const EXIT_INTERRUPTED: i32 = 130;
-/// A rank of a data-parallel job that ended because another rank failed (the launcher
-/// names the rank that failed first on its own).
-pub const EXIT_PEER_FAILED: i32 = 3;
+pub use crate::process::{EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_PEER_FAILED, EXIT_USAGE};
 
 /// Parse the process arguments and run; returns the exit code.
 pub fn main() -> i32 {
@@ -173,19 +167,47 @@ fn init_logging(run_dir: &Path) {
         .try_init();
 }
 
-fn register_signals(flags: &SignalFlags) -> anyhow::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
-    for sig in [SIGINT, SIGTERM] {
-        // A second signal while the first is being handled exits at once.
-        signal_hook::flag::register_conditional_shutdown(
-            sig,
-            EXIT_INTERRUPTED,
-            flags.terminate.clone(),
-        )?;
-        signal_hook::flag::register(sig, flags.terminate.clone())?;
+/// What a run left behind, printed after every end (the dashboard is gone by then).
+fn print_summary(
+    run_dir: &Path,
+    ended: &str,
+    summary: Option<&crate::engine::RunSummary>,
+    max_steps: u64,
+    plots: &str,
+    config: Option<&Path>,
+) {
+    let row = |k: &str, v: String| eprintln!("  {k:<12} {v}");
+    eprintln!("cockpit: run ended: {ended}");
+    row("run dir", run_dir.display().to_string());
+    if let Some(s) = summary {
+        row("steps", format!("{} of {max_steps}", s.step));
+        let train = s.last_loss.map_or("-".into(), |l| format!("{l:.4}"));
+        let val = s.last_val.as_ref().map_or("-".into(), |v| {
+            format!("{:.4} (step {})", v.val_loss, v.step)
+        });
+        row("loss", format!("train {train} | val {val}"));
     }
-    signal_hook::flag::register(SIGUSR1, flags.checkpoint.clone())?;
-    Ok(())
+    let root = run_dir.join("checkpoints");
+    match checkpoint::best(&root) {
+        Some((dir, v)) => row("best ckpt", format!("{} (val {v:.4})", dir.display())),
+        None => row("best ckpt", "- (no checkpoint with a val loss)".into()),
+    }
+    let latest = checkpoint::resolve(&root).ok();
+    match &latest {
+        Some(dir) => row("last ckpt", dir.display().to_string()),
+        None => row("last ckpt", "- (none written)".into()),
+    }
+    row("plots", plots.to_string());
+    if latest.is_some() && summary.is_none_or(|s| s.step < max_steps) {
+        row(
+            "resume with",
+            format!(
+                "cockpit train {}--resume {}",
+                config.map_or(String::new(), |c| format!("{} ", c.display())),
+                run_dir.display()
+            ),
+        );
+    }
 }
 
 /// Fault injection for end-to-end tests: `COCKPIT_FAULT_NAN_STEPS=10,11,12` makes those
@@ -246,20 +268,31 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         apply_test_run(&mut cfg);
     }
     let runs_root = PathBuf::from(&cfg.run.runs_root);
-    let resume = match a.resume.as_deref() {
-        None => None,
-        Some("latest") => match latest_run(&runs_root, &cfg.run.name) {
+    let resume = match (a.resume.as_deref(), &a.run_dir) {
+        (None, _) => None,
+        // With --run-dir, `latest` is that run's latest checkpoint.
+        (Some("latest"), Some(dir)) => match checkpoint::resolve(dir) {
+            Ok(_) => Some(dir.clone()),
+            Err(e) => {
+                eprintln!(
+                    "cockpit: --resume latest --run-dir {}: no checkpoint to resume from ({e})",
+                    dir.display()
+                );
+                return Ok(EXIT_USAGE);
+            }
+        },
+        (Some("latest"), None) => match latest_run(&runs_root, &cfg.run.name) {
             Some(dir) => Some(dir),
             None => {
                 eprintln!(
-                    "cockpit: --resume latest: no run of {:?} with a checkpoint under {}",
+                    "cockpit: --resume latest: no run of {:?} with a checkpoint under {} (name a run with --run-dir DIR, or a checkpoint with --resume PATH)",
                     cfg.run.name,
                     runs_root.display()
                 );
                 return Ok(EXIT_USAGE);
             }
         },
-        Some(p) => Some(PathBuf::from(p)),
+        (Some(p), _) => Some(PathBuf::from(p)),
     };
     let run_dir = match (&a.run_dir, &resume) {
         (Some(d), _) => d.clone(),
@@ -335,26 +368,52 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let flags = SignalFlags::default();
     if !use_tui {
         // The dashboard handles signals itself (and restores the terminal).
-        register_signals(&flags)?;
+        crate::process::register(&flags)?;
     }
     let Engine {
         commands,
         events,
         thread,
     } = engine;
-    let outcome = frontends::run_frontend(use_tui, events, commands, &cfg, &own_dir, &flags)?;
+    let frontend = frontends::run_frontend(use_tui, events, commands, &cfg, &own_dir, &flags);
     let summary = thread.wait();
-    let interrupted = outcome.interrupted;
-    if let Some(guard) = outcome.attach {
+    let (interrupted, attach) = match frontend {
+        Ok(f) => (f.outcome.interrupted, f.attach),
+        Err(e) => {
+            eprintln!("cockpit: the front end failed: {e:#}");
+            (false, None)
+        }
+    };
+    if let Some(guard) = attach {
         guard.wait();
     }
-    if rank == 0 {
-        frontends::after_run(&run_dir);
+    // Plots and the summary after every end: finished, stopped, interrupted or failed.
+    let plots = (rank == 0).then(|| frontends::after_run(&run_dir));
+    let ended = match &summary {
+        Ok(s) => match s.reason {
+            FinishReason::Completed => "completed".to_string(),
+            FinishReason::Stopped => format!("stopped at step {}", s.step),
+            FinishReason::Interrupted => format!("interrupted at step {}", s.step),
+            FinishReason::Failed => format!("failed at step {}", s.step),
+        },
+        Err(e) => format!("failed: {e}"),
+    };
+    if let Some(plots) = &plots {
+        print_summary(
+            &run_dir,
+            &ended,
+            summary.as_ref().ok(),
+            cfg.run.max_steps,
+            plots,
+            a.config.as_deref(),
+        );
     }
     let summary = match summary {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("cockpit: training failed: {e}");
+            if plots.is_none() {
+                eprintln!("cockpit: training failed: {e}");
+            }
             return Ok(if e.is_usage() {
                 EXIT_USAGE
             } else if e.is_peer_failure() {
@@ -386,7 +445,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         });
     }
     Ok(match (interrupted, summary.reason) {
-        (true, _) => EXIT_INTERRUPTED,
+        (true, _) | (_, FinishReason::Interrupted) => EXIT_INTERRUPTED,
         (_, FinishReason::Failed) => EXIT_FAILURE,
         _ => EXIT_OK,
     })

@@ -145,7 +145,10 @@ pub fn save(
     keep_last: usize,
     keep_best: bool,
 ) -> Result<(PathBuf, u64), CheckpointError> {
+    // A second Ctrl+C while this runs waits for it: the checkpoint is committed whole.
+    let _commit = crate::process::CommitGuard::begin();
     std::fs::create_dir_all(root).map_err(io(root))?;
+    remove_leftovers(root);
     let name = step_dir_name(state.step);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
     if tmp.exists() {
@@ -211,6 +214,28 @@ pub fn save(
     }
     prune(root, keep_last);
     Ok((dest, total))
+}
+
+/// The checkpoint with the best validation loss under `root` (a checkpoints dir), and that
+/// loss, when one was recorded and still exists.
+pub fn best(root: &Path) -> Option<(PathBuf, f64)> {
+    let (name, v) = read_best(root)?;
+    let dir = root.join(name);
+    dir.join("manifest.json").is_file().then_some((dir, v))
+}
+
+/// Half-written checkpoints of a process that was killed while saving (`.tmp-…`, `.old-…`):
+/// never pointed at by `latest`, so they are discarded.
+fn remove_leftovers(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".tmp-step-") || name.starts_with(".old-step-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 fn read_best(root: &Path) -> Option<(String, f64)> {

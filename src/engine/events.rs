@@ -35,6 +35,10 @@ pub enum Command {
     Stop {
         save: bool,
     },
+    /// A signal (e.g. "SIGINT"): write a checkpoint, then stop; the run ends `Interrupted`.
+    Interrupt {
+        signal: String,
+    },
 }
 
 impl Command {
@@ -48,6 +52,7 @@ impl Command {
             Command::Resume => "resume".into(),
             Command::Stop { save: true } => "save and stop".into(),
             Command::Stop { save: false } => "stop".into(),
+            Command::Interrupt { signal } => format!("save and stop ({signal})"),
         }
     }
 }

@@ -992,7 +992,25 @@ impl Recorder {
 
 enum Flow {
     Continue,
-    Stop { save: bool },
+    /// `interrupted`: the signal that asked for it (the run ends `Interrupted`).
+    Stop {
+        save: bool,
+        interrupted: Option<String>,
+    },
+}
+
+/// How a run that was told to stop ends: `Interrupted` by a signal, else `Stopped`.
+fn stop_reason(interrupted: Option<String>, step: u64) -> (FinishReason, String) {
+    match interrupted {
+        Some(signal) => (
+            FinishReason::Interrupted,
+            format!("interrupted by {signal} at step {step}"),
+        ),
+        None => (
+            FinishReason::Stopped,
+            format!("stopped by command at step {step}"),
+        ),
+    }
 }
 
 /// Non-finite steps in a row after which the run fails.
@@ -1175,7 +1193,7 @@ impl Trainer {
         prev_batch: &mut Option<usize>,
         start: Instant,
         out: &mut Recorder,
-    ) -> Result<Option<bool>, EngineError> {
+    ) -> Result<Option<(bool, Option<String>)>, EngineError> {
         let mine: Vec<Command> = commands.try_iter().collect();
         let mine = if self.rank == 0 { mine } else { Vec::new() };
         let bytes = serde_json::to_vec(&mine).map_err(|e| EngineError::Config(e.to_string()))?;
@@ -1199,8 +1217,10 @@ impl Trainer {
                 });
                 continue;
             }
-            if let Flow::Stop { save } = self.apply(cmd, &mut paused, prev_batch, start, out)? {
-                return Ok(Some(save));
+            if let Flow::Stop { save, interrupted } =
+                self.apply(cmd, &mut paused, prev_batch, start, out)?
+            {
+                return Ok(Some((save, interrupted)));
             }
         }
         Ok(None)
@@ -1441,7 +1461,23 @@ impl Trainer {
                         "stopping".into()
                     },
                 });
-                return Ok(Flow::Stop { save });
+                return Ok(Flow::Stop {
+                    save,
+                    interrupted: None,
+                });
+            }
+            Command::Interrupt { signal } => {
+                out.emit(Event::CommandApplied {
+                    step,
+                    command: Command::Interrupt {
+                        signal: signal.clone(),
+                    },
+                    detail: format!("{signal}: saving, then stopping"),
+                });
+                return Ok(Flow::Stop {
+                    save: true,
+                    interrupted: Some(signal),
+                });
             }
         }
         Ok(Flow::Continue)
@@ -1558,15 +1594,14 @@ impl Trainer {
             // Commands: only here, at the optimizer-step boundary. In a data-parallel run
             // rank 0's commands are broadcast and every rank applies the same ones.
             if self.dist.is_some() {
-                if let Some(save) = self.shared_commands(commands, &mut prev_batch, start, out)? {
+                if let Some((save, interrupted)) =
+                    self.shared_commands(commands, &mut prev_batch, start, out)?
+                {
                     self.elapsed_before = self.elapsed(start);
                     if save {
                         self.checkpoint_event(start, out)?;
                     }
-                    return Ok((
-                        FinishReason::Stopped,
-                        format!("stopped by command at step {}", self.step),
-                    ));
+                    return Ok(stop_reason(interrupted, self.step));
                 }
             }
             while self.dist.is_none() {
@@ -1587,17 +1622,14 @@ impl Trainer {
                         Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
                     }
                 };
-                if let Flow::Stop { save } =
+                if let Flow::Stop { save, interrupted } =
                     self.apply(cmd, &mut paused, &mut prev_batch, start, out)?
                 {
                     self.elapsed_before = self.elapsed(start);
                     if save {
                         self.checkpoint_event(start, out)?;
                     }
-                    return Ok((
-                        FinishReason::Stopped,
-                        format!("stopped by command at step {}", self.step),
-                    ));
+                    return Ok(stop_reason(interrupted, self.step));
                 }
             }
 

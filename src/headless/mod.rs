@@ -8,17 +8,12 @@ use crate::engine::events::{
 };
 use crate::util::{gb, human_count, human_duration};
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Flags set by signal handlers (SIGINT/SIGTERM: save and stop; SIGUSR1: checkpoint now).
-#[derive(Clone, Default)]
-pub struct SignalFlags {
-    pub terminate: Arc<AtomicBool>,
-    pub checkpoint: Arc<AtomicBool>,
-}
+pub use crate::process::SignalFlags;
 
 /// What the progress line knows.
 #[derive(Default)]
@@ -188,6 +183,21 @@ pub fn event_line(ev: &Event) -> Option<String> {
     })
 }
 
+/// The terminal went away: the run goes on, its output from now on in `path`.
+pub fn hang_up(path: &Path, out: &mut dyn Write) {
+    let run_dir = path.parent().unwrap_or(Path::new("."));
+    match crate::process::redirect_output(path) {
+        Ok(()) => {
+            let _ = writeln!(
+                out,
+                "SIGHUP: the terminal went away; the run goes on, printing here (attach a dashboard with `cockpit attach {}`)",
+                run_dir.display()
+            );
+        }
+        Err(e) => tracing::warn!("SIGHUP: cannot move the output to {}: {e}", path.display()),
+    }
+}
+
 /// The advisor's warnings as lines: each once when it starts to stand (again, after it
 /// cleared). Info-level advice stays on the dashboard.
 #[derive(Default)]
@@ -226,20 +236,36 @@ pub struct HeadlessOutcome {
     pub finished: Option<FinishReason>,
     /// A terminate signal arrived.
     pub interrupted: bool,
-    /// The attach server, to be shut down once the engine thread has been joined.
-    pub attach: Option<crate::attach::RelayGuard>,
 }
 
-/// Print progress until the engine finishes. Signals become commands.
+/// Where the headless front end writes, and where its output goes when the terminal hangs
+/// up (`hangup_log`: the run goes on and prints there; None: the output stays where it is).
+pub struct Output<'a> {
+    pub out: &'a mut dyn Write,
+    pub hangup_log: Option<&'a Path>,
+    /// The run, when its `RunStarted` event went to an earlier front end (the dashboard).
+    pub run: Option<RunInfo>,
+}
+
+/// Print progress until the engine finishes. Signals become commands; a hang-up (SIGHUP)
+/// moves the output to `hangup_log` and the run goes on.
 pub fn run(
     events: EventRx,
     commands: Sender<Command>,
     telemetry: Option<Receiver<MonitorUpdate>>,
     signals: &SignalFlags,
     log_every: Duration,
-    out: &mut dyn Write,
+    output: Output<'_>,
 ) -> HeadlessOutcome {
-    let mut p = Progress::default();
+    let Output {
+        out,
+        hangup_log,
+        run,
+    } = output;
+    let mut p = Progress {
+        run,
+        ..Progress::default()
+    };
     let mut last_line = Instant::now();
     let mut interrupted = false;
     let mut printed_step = 0;
@@ -247,11 +273,19 @@ pub fn run(
     loop {
         if signals.terminate.load(Ordering::SeqCst) && !interrupted {
             interrupted = true;
+            let signal = signals.terminate_name();
             let _ = writeln!(
                 out,
-                "signal: saving a checkpoint, then stopping (send it again to quit at once)"
+                "signal: {signal}: saving a checkpoint, then stopping (send it again to quit at once)"
             );
-            let _ = commands.send(Command::Stop { save: true });
+            let _ = commands.send(Command::Interrupt {
+                signal: signal.into(),
+            });
+        }
+        if signals.hangup.swap(false, Ordering::SeqCst) {
+            if let Some(path) = hangup_log {
+                hang_up(path, out);
+            }
         }
         if signals.checkpoint.swap(false, Ordering::SeqCst) {
             let _ = commands.send(Command::CheckpointNow);
@@ -280,7 +314,6 @@ pub fn run(
                     return HeadlessOutcome {
                         finished: Some(reason),
                         interrupted,
-                        attach: None,
                     };
                 }
             }
@@ -289,7 +322,6 @@ pub fn run(
                 return HeadlessOutcome {
                     finished: None,
                     interrupted,
-                    attach: None,
                 }
             }
         }

@@ -51,8 +51,11 @@ pub enum TuiExit {
     },
     /// The engine's event channel closed without a `Finished` event.
     EngineGone,
-    /// SIGINT or SIGTERM: `Command::Stop { save: true }` was sent to the engine.
+    /// SIGINT, SIGTERM or SIGQUIT: `Command::Interrupt` (save, then stop) was sent to the
+    /// engine.
     Interrupted,
+    /// The terminal went away (SIGHUP, or its input failed): the run goes on headless.
+    HangUp,
     /// The monitor view was closed.
     Closed,
     /// An attached viewer left; the run goes on in its own process.
@@ -509,7 +512,7 @@ impl App {
 
     /// SIGINT or SIGTERM arrived: the dashboard closes. Returns the command to send first
     /// (a saving stop, while the run is going).
-    pub fn on_signal(&mut self) -> Option<Command> {
+    pub fn on_signal(&mut self, signal: &str) -> Option<Command> {
         if self.attached {
             self.exit = Some(TuiExit::Detached);
             return None;
@@ -520,7 +523,9 @@ impl App {
         });
         if self.mode == Mode::Training && self.accepts_commands() {
             self.stopping = Some(true);
-            let command = Command::Stop { save: true };
+            let command = Command::Interrupt {
+                signal: signal.to_string(),
+            };
             self.log.push(
                 self.run.step(),
                 LogLevel::Warn,
@@ -577,7 +582,10 @@ impl App {
                         LogLevel::Warn,
                         "Ctrl+C: stopping with a checkpoint (Ctrl+C again leaves now)",
                     );
-                    self.stop(true)
+                    self.stopping = Some(true);
+                    self.send(Command::Interrupt {
+                        signal: "Ctrl+C".into(),
+                    })
                 }
             },
         }

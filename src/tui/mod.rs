@@ -89,7 +89,7 @@ impl Default for TuiOptions {
 }
 
 /// Runs the training dashboard until the user leaves, the run ends after a stop request, or
-/// SIGINT/SIGTERM arrives (which sends `Command::Stop { save: true }`). Events are drained
+/// SIGINT/SIGTERM/SIGQUIT arrives (which sends `Command::Interrupt`). Events are drained
 /// with `try_recv` each frame; commands go out on `commands`. The terminal is always
 /// restored, also on error or panic. The caller should join the engine afterwards: for
 /// [`TuiExit::StopRequested`] and [`TuiExit::Interrupted`] it may still be saving.
@@ -99,9 +99,31 @@ pub fn run_training(
     telemetry: Receiver<MonitorUpdate>,
     opts: TuiOptions,
 ) -> anyhow::Result<TuiExit> {
+    run_training_handback(events, commands, telemetry, opts).map(|end| end.exit)
+}
+
+/// How the training dashboard ended, with the channels it ran on: after
+/// [`TuiExit::HangUp`] (the terminal went away) the run goes on and the caller follows it
+/// headless on these.
+pub struct TrainingEnd {
+    pub exit: TuiExit,
+    pub events: Option<EventRx>,
+    pub commands: Option<Sender<Command>>,
+    pub telemetry: Option<Receiver<MonitorUpdate>>,
+    /// The run, as its `RunStarted` event described it (when it came).
+    pub run: Option<crate::engine::events::RunInfo>,
+}
+
+/// [`run_training`], handing the channels back.
+pub fn run_training_handback(
+    events: EventRx,
+    commands: Sender<Command>,
+    telemetry: Receiver<MonitorUpdate>,
+    opts: TuiOptions,
+) -> anyhow::Result<TrainingEnd> {
     let opts = opts.resolved();
     let app = App::training(&opts);
-    run::run(
+    let (exit, sources, run) = run::run(
         app,
         run::Sources {
             events: Some(events),
@@ -110,7 +132,14 @@ pub fn run_training(
         },
         &opts,
         None,
-    )
+    )?;
+    Ok(TrainingEnd {
+        exit,
+        events: sources.events,
+        commands: sources.commands,
+        telemetry: sources.telemetry,
+        run,
+    })
 }
 
 /// Runs the monitor dashboard until the user quits, `duration` passes, or SIGINT/SIGTERM.

@@ -111,24 +111,69 @@ fn perform(app: &mut App, sources: &Sources, action: Action) -> bool {
     }
 }
 
-/// Runs the dashboard until it exits, the deadline passes or a signal arrives.
+/// Runs the dashboard until it exits, the deadline passes or a signal arrives. Returns why,
+/// and the sources (a run whose terminal hung up goes on with them, headless).
 pub(crate) fn run(
     mut app: App,
     mut sources: Sources,
     opts: &TuiOptions,
     until: Option<Instant>,
-) -> anyhow::Result<TuiExit> {
+) -> anyhow::Result<(TuiExit, Sources, Option<crate::engine::events::RunInfo>)> {
     let mut log_file = LogFile::open(opts.log_path.clone())?;
     let mut guard = TerminalGuard::enter().context("cannot set up the terminal")?;
+    let result = frames(
+        &mut app,
+        &mut sources,
+        opts,
+        until,
+        &mut guard,
+        &mut log_file,
+    );
+    let hand_over = (guard.hung_up() || result.is_err())
+        && app.mode() == crate::tui::Mode::Training
+        && app.exit().is_none();
+    if guard.hung_up() || hand_over {
+        // Nothing can be shown on a terminal that is gone, and writing to it fails (which
+        // `eprintln!` turns into a panic): the caller moves the output somewhere useful.
+        let _ = crate::process::redirect_output(std::path::Path::new("/dev/null"));
+    }
+    drop(guard);
+    if let Some(file) = &mut log_file {
+        // best effort: the dashboard is closing anyway
+        let _ = file.write_new(&app);
+    }
+    if hand_over {
+        // The terminal is gone (SIGHUP, or it can no longer be read or drawn on): the run
+        // is not the terminal's to end. Hand it back to go on headless.
+        if let Err(e) = &result {
+            tracing::warn!("the dashboard lost its terminal: {e:#}");
+        }
+        crate::tui::term::keep_signals_caught()?;
+        return Ok((TuiExit::HangUp, sources, app.run().info.clone()));
+    }
+    result?;
+    let exit = app.exit().cloned().unwrap_or(TuiExit::Closed);
+    Ok((exit, sources, app.run().info.clone()))
+}
+
+/// Draw and handle input until the dashboard exits, a signal arrives, the terminal hangs up
+/// or the deadline passes.
+fn frames(
+    app: &mut App,
+    sources: &mut Sources,
+    opts: &TuiOptions,
+    until: Option<Instant>,
+    guard: &mut TerminalGuard,
+    log_file: &mut Option<LogFile>,
+) -> anyhow::Result<()> {
     let tick = tick(opts.fps);
     let mut next_frame = Instant::now();
-
     'run: loop {
-        drain(&mut app, &mut sources);
-        if let Some(file) = &mut log_file {
-            if let Err(e) = file.write_new(&app) {
+        drain(app, sources);
+        if let Some(file) = log_file.as_mut() {
+            if let Err(e) = file.write_new(app) {
                 let path = file.path.display().to_string();
-                log_file = None;
+                *log_file = None;
                 app.push_log(
                     LogLevel::Error,
                     format!("stopped writing the event log to {path}: {e}"),
@@ -148,7 +193,7 @@ pub(crate) fn run(
 
         // wait for input until the next frame is due; a key redraws at once
         while let Some(wait) = next_frame.checked_duration_since(Instant::now()) {
-            if guard.signalled() || until.is_some_and(|t| Instant::now() >= t) {
+            if guard.signalled() || guard.hung_up() || until.is_some_and(|t| Instant::now() >= t) {
                 break;
             }
             if !term_event::poll(wait)? {
@@ -157,7 +202,7 @@ pub(crate) fn run(
             match term_event::read()? {
                 TermEvent::Key(key) if key.kind != KeyEventKind::Release => {
                     if let Some(action) = app.on_key(key) {
-                        if perform(&mut app, &sources, action) {
+                        if perform(app, sources, action) {
                             break 'run;
                         }
                     }
@@ -172,8 +217,11 @@ pub(crate) fn run(
             }
         }
 
+        if guard.hung_up() {
+            break;
+        }
         if guard.signalled() {
-            if let Some(command) = app.on_signal() {
+            if let Some(command) = app.on_signal(guard.signal_name()) {
                 if let Some(tx) = &sources.commands {
                     let _ = tx.send(command);
                 }
@@ -184,10 +232,5 @@ pub(crate) fn run(
             break;
         }
     }
-    drop(guard);
-    if let Some(file) = &mut log_file {
-        // best effort: the dashboard is closing anyway
-        let _ = file.write_new(&app);
-    }
-    Ok(app.exit().cloned().unwrap_or(TuiExit::Closed))
+    Ok(())
 }

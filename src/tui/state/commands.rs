@@ -26,7 +26,7 @@ impl CommandKind {
             Command::SetScuSetpoint { .. } => CommandKind::Setpoint,
             Command::CheckpointNow => CommandKind::Checkpoint,
             Command::Pause | Command::Resume => CommandKind::PauseResume,
-            Command::Stop { .. } => CommandKind::Stop,
+            Command::Stop { .. } | Command::Interrupt { .. } => CommandKind::Stop,
         }
     }
 }
