@@ -716,6 +716,23 @@ fn whole_model_step_matches_the_f32_model() {
             },
         },
         Family {
+            name: "qwen2-like: q/k/v biases only, GQA 4/2, llama3 RoPE scaling",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.qkv_bias = true;
+                c.model.rope_scaling = cockpit::config::RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 32,
+                };
+            },
+        },
+        Family {
             name: "llama with biases and LayerNorm + SwiGLU",
             vocab: 97,
             set: |c| {
