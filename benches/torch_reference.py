@@ -82,7 +82,7 @@ class Norm(nn.Module):
         return self.norm(x)
 
 
-def rope_tables(m, t, device):
+def rope_tables(m, t, device):  # (rope_scaling only changes the values, not the cost)
     hd = m["n_embd"] // m["n_head"]
     inv = 1.0 / (m["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None, :]
@@ -199,31 +199,30 @@ class GPT(nn.Module):
 
 
 class LoRALinear(nn.Module):
-    """A frozen linear layer plus LoRA adapters on column slices of its (packed) output."""
+    """A frozen linear layer plus LoRA adapters on column slices of its (packed) output.
+
+    The adapters of all adapted slices act as one pair of matmuls: A stacks every slice's
+    A [k·r, in]; B is a dense [out, k·r] matrix masked to the block each slice owns (the
+    entries outside the blocks get a zero gradient and stay zero), so the delta is exactly
+    Σ_slices scale·(x·A_sᵀ)·B_sᵀ written into its columns, with nothing concatenated per step.
+    """
 
     def __init__(self, base, slices, r, alpha):
         super().__init__()
         self.base, self.scale = base, alpha / r
-        self.slices = slices  # [(col, width)] in order, adapted or not: (col, width, adapted)
-        self.a = nn.ParameterList()
-        self.b = nn.ParameterList()
-        for _, width, adapted in slices:
-            if adapted:
-                a = torch.empty(r, base.in_features)
-                nn.init.normal_(a, std=1.0 / math.sqrt(base.in_features))
-                self.a.append(nn.Parameter(a))
-                self.b.append(nn.Parameter(torch.zeros(width, r)))
+        adapted = [(col, width) for col, width, on in slices if on]
+        a = torch.empty(len(adapted) * r, base.in_features)
+        for k in range(len(adapted)):
+            nn.init.normal_(a[k * r:(k + 1) * r], std=1.0 / math.sqrt(base.in_features))
+        self.a = nn.Parameter(a)
+        self.b = nn.Parameter(torch.zeros(base.out_features, len(adapted) * r))
+        mask = torch.zeros(base.out_features, len(adapted) * r)
+        for k, (col, width) in enumerate(adapted):
+            mask[col:col + width, k * r:(k + 1) * r] = 1.0
+        self.register_buffer("mask", mask)
 
     def forward(self, x):
-        y = self.base(x)
-        parts, k = [], 0
-        for _, width, adapted in self.slices:
-            if adapted:
-                parts.append(((x @ self.a[k].t()) @ self.b[k].t()) * self.scale)
-                k += 1
-            else:
-                parts.append(y.new_zeros(*y.shape[:-1], width))
-        return y + torch.cat(parts, dim=-1)
+        return self.base(x) + ((x @ self.a.t()) @ (self.b * self.mask).t()) * self.scale
 
 
 def add_lora(model, lcfg):

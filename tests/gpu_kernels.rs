@@ -733,6 +733,27 @@ fn whole_model_step_matches_the_f32_model() {
             },
         },
         Family {
+            name: "llama: GQA 4/2, dropout 0.2, recompute full",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.dropout = 0.2;
+                c.model.recompute = cockpit::config::Recompute::Full;
+            },
+        },
+        Family {
+            name: "gpt: 4 heads (materialised), biases, recompute attention",
+            vocab: 97,
+            set: |c| {
+                c.model.pos = Learned;
+                c.model.n_head = 4;
+                c.model.recompute = cockpit::config::Recompute::Attention;
+            },
+        },
+        Family {
             name: "llama with biases and LayerNorm + SwiGLU",
             vocab: 97,
             set: |c| {
@@ -790,6 +811,10 @@ fn whole_model_step_matches_the_f32_model() {
             .step_weights()
             .unwrap_or_else(|| panic!("{name}: a bf16 model fits the step"));
         let mut step = kernels::GptStep::new(&w).unwrap();
+        if vocab > 1000 {
+            // The LM head in chunks of 64 rows (the last one partial): 240 rows, 4 chunks.
+            step.set_head_chunk_rows(Some(64));
+        }
         step.begin(false).unwrap();
         for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
             step.set_dropout_seed(seed);
@@ -876,6 +901,18 @@ fn whole_model_step_matches_the_f32_model() {
                 (l_copy - loss).abs() > 1e-6,
                 "the update changed the weights"
             );
+        } else {
+            // Evaluation on the step (its forward alone, dropout off) against the f32
+            // model's eval loss of the same weights.
+            step.begin(false).unwrap();
+            let (ids, tg) = &batches[0];
+            let ev = step.eval_loss(ids, tg, b, false).unwrap();
+            let x = Tensor::from_vec(ids.clone(), (b, t), &dev).unwrap();
+            let y = Tensor::from_vec(tg.clone(), (b, t), &dev).unwrap();
+            let ev_ref = m32.loss(&x, &y, false).unwrap().to_scalar::<f32>().unwrap() as f64;
+            let e = ((ev - ev_ref) / ev_ref).abs();
+            eprintln!("eval on the step ({name}): {ev:.5} vs f32 {ev_ref:.5}, rel {e:.2e}");
+            assert!(e < 1e-2, "{name}: eval loss {ev} vs {ev_ref}");
         }
     }
 }
@@ -935,8 +972,14 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             alpha: 16.0,
             targets,
         };
+        // The bf16 model stores its frozen base in bf16, as a LoRA run on the GPU does.
         let build = |dt: DType| {
-            let mut m = Model::new(Shape::from_config(&c, vocab), dt, &dev, 5).unwrap();
+            let store = cockpit::engine::model::BaseStore {
+                dtype: if dt == DType::BF16 { dt } else { DType::F32 },
+                random_on_device: false,
+            };
+            let shape = Shape::from_config(&c, vocab);
+            let mut m = Model::new_with(shape, dt, &dev, 5, store).unwrap();
             m.add_lora(&spec, 5).unwrap();
             for (k, p) in m.params.iter().enumerate() {
                 if p.name.ends_with("lora_B.weight") {
@@ -1116,6 +1159,85 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
                     m_names[j],
                     amax(a)
                 );
+            }
+        }
+    }
+}
+
+/// `model.recompute`: "attention" and "full" give the loss and gradients of "none" (the same
+/// kernels on the same inputs; only summation orders of atomics may differ), with LoRA
+/// adapters and dropout, and two micro-batches accumulated.
+#[test]
+fn recompute_matches_keeping_the_activations() {
+    let Some(dev) = gpu() else { return };
+    use cockpit::config::Recompute;
+    use cockpit::engine::model::LoraSpec;
+    let (b, t, vocab) = (2usize, 128usize, 97usize);
+    let run = |recompute: Recompute, lora: bool| -> (f64, Vec<Tensor>) {
+        let mut c = Config::default();
+        c.model.norm = cockpit::config::Norm::RmsNorm;
+        c.model.activation = cockpit::config::Activation::SwiGlu;
+        c.model.pos = cockpit::config::PosEncoding::Rope;
+        c.model.bias = false;
+        c.model.mlp_ratio = 2.75;
+        c.model.n_embd = 256;
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        c.model.n_layer = 3;
+        c.model.seq_len = t;
+        c.model.dropout = 0.1;
+        c.model.recompute = recompute;
+        let store = cockpit::engine::model::BaseStore {
+            dtype: if lora { DType::BF16 } else { DType::F32 },
+            random_on_device: false,
+        };
+        let shape = Shape::from_config(&c, vocab);
+        let mut m = Model::new_with(shape, DType::BF16, &dev, 9, store).unwrap();
+        if lora {
+            let spec = LoraSpec {
+                r: 8,
+                alpha: 16.0,
+                targets: ["q", "v", "down"].map(String::from).to_vec(),
+            };
+            m.add_lora(&spec, 9).unwrap();
+            for p in m.params.iter().filter(|p| p.name.ends_with("lora_B.weight")) {
+                let dims = p.var.as_tensor().dims().to_vec();
+                p.var
+                    .set(&Tensor::randn(0f32, 0.02, dims, &dev).unwrap())
+                    .unwrap();
+            }
+        }
+        let w = m.step_weights().expect("fits the step");
+        let mut step = kernels::GptStep::new(&w).unwrap();
+        step.begin(false).unwrap();
+        for k in 0..2u32 {
+            let ids: Vec<u32> = (0..(b * t) as u32)
+                .map(|i| (i * 31 + 7 * k) % vocab as u32)
+                .collect();
+            let tg: Vec<u32> = (0..(b * t) as u32)
+                .map(|i| (i * 17 + 3 + k) % vocab as u32)
+                .collect();
+            step.set_dropout_seed(dropout::micro_seed(4, 1, k as u64));
+            step.micro(&ids, &tg, b, 1.0 / (2 * b * t) as f32).unwrap();
+        }
+        let grads = m
+            .params
+            .iter()
+            .filter_map(|p| step.grad_of(&p.var).unwrap())
+            .map(|g| g.copy().unwrap())
+            .collect();
+        (step.loss().unwrap(), grads)
+    };
+    for lora in [false, true] {
+        let (l0, g0) = run(Recompute::None, lora);
+        for r in [Recompute::Attention, Recompute::Full] {
+            let (l, g) = run(r, lora);
+            eprintln!("recompute {r:?} (LoRA {lora}): loss {l:.7} vs {l0:.7}");
+            assert_eq!(l, l0, "{r:?}: the forward is the same arithmetic");
+            assert_eq!(g.len(), g0.len());
+            for (a, b) in g.iter().zip(&g0) {
+                let e = rel_err(a, b);
+                assert!(e < 1e-5, "{r:?} (LoRA {lora}): grad rel err {e:.2e}");
             }
         }
     }

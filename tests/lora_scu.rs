@@ -365,3 +365,31 @@ fn lora_on_a_hugging_face_llama_dir() {
         .join("adapter/adapter_model.safetensors")
         .is_file());
 }
+
+/// `lora.base = "random"` (benchmarks): a base of the [model] shape with random weights, no
+/// files; only the adapters train, and the run learns.
+#[test]
+fn lora_on_a_random_base() {
+    let ft = tempfile::tempdir().unwrap();
+    let events = run(
+        small(&[
+            "run.max_steps=30",
+            "lora.enabled=true",
+            "lora.base=\"random\"",
+            "lora.targets=[\"q\",\"v\",\"up\"]",
+            "optim.lr=0.01",
+            "scu.enabled=false",
+        ]),
+        ft.path(),
+    );
+    let losses: Vec<f64> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Step(s) => Some(s.loss),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(losses.len(), 30);
+    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    assert!(last < first, "adapters on a random base learn: {first} -> {last}");
+}

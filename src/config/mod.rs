@@ -342,7 +342,9 @@ fn resolve_paths(c: &mut Config, base: &Path) {
     if !["byte", "auto", "base"].contains(&c.data.tokenizer.as_str()) {
         fix(&mut c.data.tokenizer);
     }
-    fix(&mut c.lora.base);
+    if c.lora.base != RANDOM_BASE {
+        fix(&mut c.lora.base);
+    }
     fix(&mut c.model.init_from);
     let theme_path = base.join(&c.run.theme);
     if c.run.theme.ends_with(".toml") && theme_path.exists() {

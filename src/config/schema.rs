@@ -135,6 +135,13 @@ pub struct ModelConfig {
     /// Granite: the logits are divided by this.
     #[serde(skip_serializing_if = "is_one")]
     pub logits_scaling: f64,
+    /// Activation recompute on the CUDA fast step: "none" keeps every layer's activations
+    /// for the backward; "attention" keeps the MLP's and recomputes each block's attention
+    /// half (norm, q/k/v, attention) in the backward; "full" keeps only each block's input
+    /// and recomputes the whole block. Same loss and gradients; less memory, more compute.
+    /// (Not a shape: a run may resume with another setting.)
+    #[serde(skip_serializing_if = "Recompute::is_none")]
+    pub recompute: Recompute,
     /// Full fine-tuning: start from these weights (a Hugging Face model directory or a
     /// cockpit run/checkpoint); the model's shape comes from them.
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -158,6 +165,22 @@ fn is_one(v: &f64) -> bool {
 }
 fn is_false(v: &bool) -> bool {
     !*v
+}
+
+/// `model.recompute`: which activations the fast step recomputes in the backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    #[default]
+    None,
+    Attention,
+    Full,
+}
+
+impl Recompute {
+    pub fn is_none(&self) -> bool {
+        *self == Recompute::None
+    }
 }
 
 impl RopeScaling {
@@ -229,6 +252,7 @@ impl Default for ModelConfig {
             logits_scaling: 1.0,
             init_from: String::new(),
             arch_notes: Vec::new(),
+            recompute: Recompute::None,
         }
     }
 }
@@ -523,6 +547,10 @@ impl ScuConfig {
     }
 }
 
+/// `lora.base = "random"`: a base of the `[model]` shape with random weights, drawn on the
+/// device (for benchmarks; what it learns means nothing).
+pub const RANDOM_BASE: &str = "random";
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoraConfig {
@@ -533,7 +561,8 @@ pub struct LoraConfig {
     /// Linear layers to adapt: q, k, v, o, up, down, gate.
     pub targets: Vec<String>,
     /// Base weights: a cockpit run/checkpoint or a Hugging Face model directory (see
-    /// `model.init_from` for the model types).
+    /// `model.init_from` for the model types), or [`RANDOM_BASE`] for a base of the
+    /// `[model]` shape with random weights (benchmarks: no model files needed).
     pub base: String,
 }
 

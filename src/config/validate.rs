@@ -1,6 +1,6 @@
 //! Semantic validation: everything serde's types cannot say.
 
-use super::{Activation, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams};
+use super::{Activation, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams, RANDOM_BASE};
 use std::path::Path;
 
 /// The LoRA target names the engine knows.
@@ -415,7 +415,10 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                 quoted(t),
                 format!("allowed: {}", LORA_TARGETS.join(", ")),
             );
-        } else if t == "gate" && m.activation != Activation::SwiGlu && l.base.is_empty() {
+        } else if t == "gate"
+            && m.activation != Activation::SwiGlu
+            && (l.base.is_empty() || l.base == RANDOM_BASE)
+        {
             ck.fail(
                 "lora.targets",
                 quoted(t),
@@ -433,7 +436,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         }
         if l.base.is_empty() {
             ck.fail("lora.base", "\"\"", "must name base weights (a cockpit run or checkpoint, or a Hugging Face model directory) when lora.enabled = true");
-        } else if !Path::new(&l.base).exists() {
+        } else if l.base != RANDOM_BASE && !Path::new(&l.base).exists() {
             ck.fail("lora.base", quoted(&l.base), "no such file or directory");
         }
     }

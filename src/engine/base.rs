@@ -149,7 +149,7 @@ pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
 
 /// Which key names the base of a run, and its path.
 pub fn spec(cfg: &Config) -> Option<(&'static str, &str)> {
-    if cfg.lora.enabled && !cfg.lora.base.is_empty() {
+    if cfg.lora.enabled && !cfg.lora.base.is_empty() && cfg.lora.base != crate::config::RANDOM_BASE {
         Some(("lora.base", cfg.lora.base.as_str()))
     } else if !cfg.model.init_from.is_empty() {
         Some(("model.init_from", cfg.model.init_from.as_str()))
@@ -168,7 +168,14 @@ pub fn resolve_model(base: &BaseMeta, run: &ModelConfig, key: &str) -> Result<Mo
         _ => serde_json::Map::new(),
     };
     let (bm, rm, dm) = (as_map(b), as_map(run), as_map(&default));
-    let free = ["seq_len", "dropout", "init_std", "init_from", "n_positions"];
+    let free = [
+        "seq_len",
+        "dropout",
+        "init_std",
+        "init_from",
+        "n_positions",
+        "recompute",
+    ];
     for (k, rv) in &rm {
         if free.contains(&k.as_str()) || dm.get(k) == Some(rv) {
             continue;
@@ -217,6 +224,7 @@ pub fn resolve_model(base: &BaseMeta, run: &ModelConfig, key: &str) -> Result<Mo
     m.dropout = run.dropout;
     m.init_std = run.init_std;
     m.init_from = run.init_from.clone();
+    m.recompute = run.recompute;
     Ok(m)
 }
 

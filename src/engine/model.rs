@@ -7,7 +7,9 @@
 //! Tensor names follow the Hugging Face Llama layout (`model.layers.N.self_attn.q_proj.weight`),
 //! so HF checkpoints load by name and adapters get PEFT-compatible names.
 
-use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding, RopeScaling};
+use crate::config::{
+    Activation, Config, KernelsConfig, Norm, PosEncoding, Recompute, RopeScaling,
+};
 use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
@@ -81,6 +83,8 @@ pub struct Shape {
     pub residual_multiplier: f64,
     /// Granite: logits ÷ this.
     pub logits_scaling: f64,
+    /// What the fast step recomputes in the backward (the per-op path keeps autograd's).
+    pub recompute: Recompute,
 }
 
 impl Shape {
@@ -112,6 +116,7 @@ impl Shape {
             attention_multiplier: (m.attention_multiplier != 0.0).then_some(m.attention_multiplier),
             residual_multiplier: m.residual_multiplier,
             logits_scaling: m.logits_scaling,
+            recompute: m.recompute,
         }
     }
     pub fn head_dim(&self) -> usize {
@@ -228,6 +233,28 @@ struct Init<'a> {
     rng: StdRng,
     device: &'a Device,
     params: Vec<Param>,
+    store: BaseStore,
+}
+
+/// How [`Model::new_with`] stores and initialises the weights it creates.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BaseStore {
+    /// The weights' storage dtype: F32 masters for training, or BF16 for a base that stays
+    /// frozen (LoRA on a GPU: half the memory, no fp32 copy).
+    pub dtype: DType,
+    /// Draw the random init on the model's device (fast; for a base whose values do not
+    /// matter, e.g. a benchmark's `lora.base = "random"`) instead of the host's seeded
+    /// generator (deterministic on every device).
+    pub random_on_device: bool,
+}
+
+impl Default for BaseStore {
+    fn default() -> Self {
+        Self {
+            dtype: DType::F32,
+            random_on_device: false,
+        }
+    }
 }
 
 impl Init<'_> {
@@ -238,18 +265,23 @@ impl Init<'_> {
         std: f64,
         kind: ParamKind,
     ) -> Result<Var> {
-        let n = shape.0 * shape.1;
-        let mut v = Vec::with_capacity(n);
-        while v.len() < n {
-            // Box–Muller: two independent standard normals per pair of uniforms.
-            let u1: f64 = 1.0 - self.rng.random::<f64>();
-            let u2: f64 = self.rng.random();
-            let r = (-2.0 * u1.ln()).sqrt();
-            v.push((r * (std::f64::consts::TAU * u2).cos() * std) as f32);
-            v.push((r * (std::f64::consts::TAU * u2).sin() * std) as f32);
-        }
-        v.truncate(n);
-        let var = Var::from_tensor(&Tensor::from_vec(v, shape, self.device)?)?;
+        let t = if self.store.random_on_device {
+            Tensor::randn(0f32, std as f32, shape, self.device)?
+        } else {
+            let n = shape.0 * shape.1;
+            let mut v = Vec::with_capacity(n);
+            while v.len() < n {
+                // Box–Muller: two independent standard normals per pair of uniforms.
+                let u1: f64 = 1.0 - self.rng.random::<f64>();
+                let u2: f64 = self.rng.random();
+                let r = (-2.0 * u1.ln()).sqrt();
+                v.push((r * (std::f64::consts::TAU * u2).cos() * std) as f32);
+                v.push((r * (std::f64::consts::TAU * u2).sin() * std) as f32);
+            }
+            v.truncate(n);
+            Tensor::from_vec(v, shape, self.device)?
+        };
+        let var = Var::from_tensor(&t.to_dtype(self.store.dtype)?)?;
         self.params.push(Param {
             name,
             var: var.clone(),
@@ -259,7 +291,7 @@ impl Init<'_> {
         Ok(var)
     }
     fn constant(&mut self, name: String, len: usize, value: f32, kind: ParamKind) -> Result<Var> {
-        let var = Var::from_tensor(&Tensor::full(value, len, self.device)?)?;
+        let var = Var::from_tensor(&Tensor::full(value, len, self.device)?.to_dtype(self.store.dtype)?)?;
         self.params.push(Param {
             name,
             var: var.clone(),
@@ -370,6 +402,8 @@ pub struct StepWeights {
     /// LoRA fine-tuning: every base weight is frozen (one bf16 copy, no gradient, no
     /// optimizer state); only the adapters train.
     pub frozen_base: bool,
+    /// Which activations the backward recomputes instead of keeping.
+    pub recompute: Recompute,
     pub ln_f: WeightBias,
     /// The untied LM head, or None when it is `wte`.
     pub head: Option<Var>,
@@ -389,11 +423,23 @@ impl Model {
     /// A freshly initialised model (GPT-2 init: N(0, init_std), residual projections scaled by
     /// 1/sqrt(2·n_layer), zero biases, unit norms), deterministic from `seed` on any device.
     pub fn new(shape: Shape, dtype: DType, device: &Device, seed: u64) -> Result<Self> {
+        Self::new_with(shape, dtype, device, seed, BaseStore::default())
+    }
+
+    /// [`Self::new`] with the weights stored and initialised as `store` says.
+    pub fn new_with(
+        shape: Shape,
+        dtype: DType,
+        device: &Device,
+        seed: u64,
+        store: BaseStore,
+    ) -> Result<Self> {
         let s = &shape;
         let mut init = Init {
             rng: StdRng::seed_from_u64(seed),
             device,
             params: Vec::new(),
+            store,
         };
         let std = s.init_std;
         let resid_std = std / (2.0 * s.n_layer as f64).sqrt();
@@ -529,6 +575,8 @@ impl Model {
             rng: StdRng::seed_from_u64(seed ^ 0x10CA),
             device: &self.device,
             params: Vec::new(),
+            // Adapters are trained: fp32 masters, drawn as on every device.
+            store: BaseStore::default(),
         };
         let scale = spec.alpha / spec.r as f64;
         for (i, b) in self.blocks.iter_mut().enumerate() {
@@ -609,7 +657,8 @@ impl Model {
         for (name, lin) in self.linears() {
             if let Some(l) = &lin.lora {
                 let delta = (l.b.as_tensor().matmul(l.a.as_tensor())? * l.scale)?;
-                merged.insert(format!("{name}.weight"), (lin.w.as_tensor() + delta)?);
+                let w = lin.w.as_tensor().to_dtype(DType::F32)?;
+                merged.insert(format!("{name}.weight"), (w + delta)?);
             }
         }
         Ok(self
@@ -1031,6 +1080,7 @@ impl Model {
             dropout: s.dropout.max(0.0),
             layers,
             frozen_base: lora,
+            recompute: s.recompute,
             ln_f: norm(&self.ln_f),
             head: self.lm_head.clone(),
             eps: s.norm_eps,
@@ -1063,7 +1113,7 @@ impl Model {
                         ));
                     }
                     let t = t
-                        .to_dtype(DType::F32)
+                        .to_dtype(p.var.dtype())
                         .and_then(|t| t.to_device(&self.device))
                         .map_err(|e| e.to_string())?;
                     p.var.set(&t).map_err(|e| e.to_string())?;

@@ -9,7 +9,7 @@ use super::events::{
     self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RankStat, RunInfo, ScuStats,
     StepStats,
 };
-use super::model::{LoraSpec, Model, ParamKind, Shape};
+use super::model::{BaseStore, LoraSpec, Model, ParamKind, Shape};
 use super::optim::{global_norm, lr_at, AdamW};
 use super::precision::{self, LossScaler};
 use super::scu::ScuController;
@@ -156,7 +156,12 @@ impl Engine {
 /// The hash of everything that fixes tensor shapes and the data stream.
 pub fn shape_hash(c: &Config) -> String {
     let mut h = Sha256::new();
-    h.update(serde_json::to_vec(&c.model).unwrap_or_default());
+    // (Recompute changes what the step keeps, not the model: left out.)
+    let model = crate::config::ModelConfig {
+        recompute: crate::config::Recompute::None,
+        ..c.model.clone()
+    };
+    h.update(serde_json::to_vec(&model).unwrap_or_default());
     h.update(
         serde_json::to_vec(&(
             &c.data.source,
@@ -315,11 +320,24 @@ impl Trainer {
                 cfg.model.seq_len
             )));
         }
-        let mut model = Model::new(
+        // LoRA on a GPU in bf16 keeps the frozen base in bf16 only (the fast step computes
+        // with it as is); a random base is drawn on the device.
+        let store = BaseStore {
+            dtype: if cfg.lora.enabled && dtype == DType::BF16 && device.is_cuda() {
+                DType::BF16
+            } else {
+                DType::F32
+            },
+            random_on_device: cfg.lora.enabled
+                && cfg.lora.base == crate::config::RANDOM_BASE
+                && device.is_cuda(),
+        };
+        let mut model = Model::new_with(
             Shape::from_config(&cfg, vocab),
             dtype,
             &device,
             cfg.run.seed,
+            store,
         )?;
         if let Some((key, b)) = &base {
             super::base::load_into(&model, b, key)?;
@@ -697,12 +715,25 @@ impl Trainer {
         Ok(acc)
     }
 
+    /// The mean loss of one held-out batch: on the whole-model step when the run has one (its
+    /// forward alone), else the candle model's.
+    fn eval_batch(&mut self, b: &Batch) -> candle_core::Result<f64> {
+        self.check_whole()?;
+        if let Some(whole) = self.whole.as_mut() {
+            let loss = whole.eval_loss(&b.inputs, &b.targets, b.batch, self.weights_copied)?;
+            // The bf16 copies are current now, until the next optimizer step.
+            self.weights_copied = true;
+            return Ok(loss);
+        }
+        let (x, y) = self.batch_tensors(b)?;
+        Ok(self.model.loss(&x, &y, false)?.to_scalar::<f32>()? as f64)
+    }
+
     fn evaluate(&mut self) -> candle_core::Result<EvalStats> {
         let mut total = 0.0;
         let batches = self.val.clone();
         for b in &batches {
-            let (x, y) = self.batch_tensors(b)?;
-            total += self.model.loss(&x, &y, false)?.to_scalar::<f32>()? as f64;
+            total += self.eval_batch(b)?;
         }
         let val_loss = total / batches.len().max(1) as f64;
         Ok(EvalStats {
@@ -755,12 +786,8 @@ impl Trainer {
         ))
     }
 
-    /// One optimizer step's forward/backward over `accum` micro-batches.
-    /// Returns (mean CE, Σw² value, grads, data wait, compute time).
-    fn forward_backward(
-        &mut self,
-        lambda: f64,
-    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+    /// Build the whole-model CUDA step once, where the model fits it.
+    fn check_whole(&mut self) -> candle_core::Result<()> {
         if !self.whole_checked {
             self.whole_checked = true;
             if self.scaler.scale == 1.0 && !self.scaler.enabled {
@@ -771,6 +798,16 @@ impl Trainer {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// One optimizer step's forward/backward over `accum` micro-batches.
+    /// Returns (mean CE, Σw² value, grads, data wait, compute time).
+    fn forward_backward(
+        &mut self,
+        lambda: f64,
+    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        self.check_whole()?;
         if self.whole.is_some() {
             return self.forward_backward_whole(lambda);
         }
@@ -1178,8 +1215,9 @@ impl Trainer {
             return Ok(());
         };
         for p in &self.model.params {
-            let t = d.broadcast(p.var.as_tensor())?;
-            p.var.set(&t)?;
+            // (Collectives move f32; a frozen bf16 base goes through it and back, exactly.)
+            let t = d.broadcast(&p.var.as_tensor().to_dtype(DType::F32)?)?;
+            p.var.set(&t.to_dtype(p.var.dtype())?)?;
         }
         Ok(())
     }

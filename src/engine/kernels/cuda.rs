@@ -722,11 +722,19 @@ pub fn bias_gelu(x: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// Device addresses of contiguous f32 CUDA tensors (the storages stay locked while `f` runs).
 pub(super) fn with_f32_ptrs<R>(ts: &[&Tensor], f: impl FnOnce(&[u64]) -> Result<R>) -> Result<R> {
+    with_ptrs::<f32, R>(ts, f)
+}
+
+/// [`with_f32_ptrs`] for tensors of element type `T`.
+pub(super) fn with_ptrs<T: CudaDType, R>(
+    ts: &[&Tensor],
+    f: impl FnOnce(&[u64]) -> Result<R>,
+) -> Result<R> {
     let guards: Vec<_> = ts.iter().map(|t| t.storage_and_layout()).collect();
     let mut ptrs = Vec::with_capacity(ts.len());
     for (st, l) in &guards {
         let c = cuda_of(st)?;
-        let v = view::<f32>(c, l)?;
+        let v = view::<T>(c, l)?;
         let stream = c.device().cuda_stream();
         let (p, _sync) = v.device_ptr(&stream);
         ptrs.push(p);

@@ -194,6 +194,10 @@ mod step_stub {
         pub fn add_scaled_weights(&mut self, _vars: &[&Var], _a: f64) -> Result<()> {
             no_cuda()
         }
+        pub fn eval_loss(&mut self, _i: &[u32], _t: &[u32], _b: usize, _w: bool) -> Result<f64> {
+            no_cuda()
+        }
+        pub fn set_head_chunk_rows(&mut self, _rows: Option<usize>) {}
         pub fn set_dropout_seed(&mut self, _seed: u64) {}
         pub fn set_profiling(&mut self, _on: bool) {}
         pub fn take_profile(&self) -> Result<Vec<crate::engine::events::KernelTime>> {

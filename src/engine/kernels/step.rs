@@ -17,8 +17,10 @@
 //!   accumulated by cuBLAS (`beta = 1`) straight into ONE flat fp32 gradient buffer, as are
 //!   the bias (column-sum), LayerNorm and embedding gradients — so gradient accumulation over
 //!   micro-batches is free and the optimizer reads views of that buffer;
-//! - the LM head's logits are written once into a padded buffer, the cross-entropy kernel
-//!   keeps the log-sum-exp, and its backward overwrites the logits with their gradient.
+//! - the LM head runs in chunks of rows: each chunk's logits are written into one padded
+//!   buffer, the cross-entropy kernel overwrites them with their gradient, and the head's
+//!   backward for those rows follows at once — the logits never exist whole (at a 128k
+//!   vocabulary they would outweigh every other activation).
 //!
 //! The forward/backward is the same arithmetic as the plain candle model (tests/gpu_kernels.rs
 //! compares loss and every gradient on the GPU).
@@ -38,10 +40,13 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
 use half::bf16;
 
-use super::cuda::{err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, MODULE, PTX};
+use super::cuda::{
+    err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, with_ptrs, MODULE, PTX,
+};
 use super::lt::{Epi, Lt, Mm, Operand};
 use super::side::{Buf, Side};
 use super::WeightCopy;
+use crate::config::Recompute;
 use crate::engine::dropout;
 use crate::engine::events::KernelTime;
 use crate::engine::model::{StepLora, StepWeights, WeightBias};
@@ -271,6 +276,11 @@ struct Entry {
     /// A frozen weight (LoRA's base): its bf16 copy lives in the frozen buffer (`off` is
     /// there), and it has no gradient.
     frozen: bool,
+    /// A frozen bf16 matrix the step reads where it is (the model's own storage, at
+    /// `ext_ptr`): no copy at all. Packed projections made of such matrices run as one
+    /// matmul per part ([`GptStep::lin_fwd_parts`]).
+    ext: bool,
+    ext_ptr: u64,
 }
 
 /// A LoRA adapter of one projection: its A `[r, inp]` and B `[out, r]` entries, the scale,
@@ -329,7 +339,13 @@ impl Layout {
     /// Place `v` next (aligned unless `pad` is false, which keeps it adjacent to the entry
     /// before: packed projections); its entry index.
     fn push(&mut self, v: &Var, pad: bool) -> usize {
-        let off = if self.frozen {
+        let n = v.as_tensor().elem_count();
+        let ext = self.frozen && v.dtype() == DType::BF16 && v.rank() == 2;
+        let mut nowhere = 0;
+        let off = if ext {
+            // (Not in any buffer: read in place.)
+            &mut nowhere
+        } else if self.frozen {
             &mut self.frozen_off
         } else {
             &mut self.off
@@ -337,12 +353,13 @@ impl Layout {
         if pad {
             *off = align(*off);
         }
-        let n = v.as_tensor().elem_count();
         self.entries.push(Entry {
             var: v.clone(),
             off: *off,
             n,
             frozen: self.frozen,
+            ext,
+            ext_ptr: 0,
         });
         *off += n;
         self.entries.len() - 1
@@ -420,7 +437,9 @@ struct Lay {
     fc: Vec<u64>,
     gelu: Vec<u64>,
     lnf: u64,
+    /// One chunk of the logits: [head_rows, vpad] ([`GptStep::head_and_loss`]).
     logits: u64,
+    head_rows: usize,
     // scratch, reused by every layer
     tmp: u64,
     da: u64,
@@ -553,6 +572,10 @@ pub struct GptStep {
     micro: usize,
     /// Dropout: the keep threshold (0: none) and a kept element's scale ([`dropout`]).
     drop_thr: u32,
+    /// What the backward recomputes instead of keeping ([`Recompute`]).
+    recompute: Recompute,
+    /// Rows per LM-head chunk, when set ([`Self::set_head_chunk_rows`]).
+    head_chunk_rows: Option<usize>,
     drop_scale: f32,
     /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
     drop_seed: u64,
@@ -675,7 +698,14 @@ impl GptStep {
         let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
         let total = align(lay.off).max(ALIGN);
         let frozen_total = align(lay.frozen_off);
-        let entries = lay.entries;
+        let mut entries = lay.entries;
+        // Frozen bf16 matrices are read where the model keeps them.
+        let ext: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].ext).collect();
+        let ts: Vec<&Tensor> = ext.iter().map(|&i| entries[i].var.as_tensor()).collect();
+        let ptrs = with_ptrs::<bf16, _>(&ts, |p| Ok(p.to_vec()))?;
+        for (&i, p) in ext.iter().zip(ptrs) {
+            entries[i].ext_ptr = p;
+        }
         // SAFETY: fully written by the cast kernel before every use.
         let wbf = unsafe { dev.alloc::<bf16>(total)? };
         let wbf_p = ptr(&wbf, &stream);
@@ -709,7 +739,10 @@ impl GptStep {
         };
         let mut lt = Lt::new(stream.clone(), w.autotune).ok();
         // The second stream needs its own cuBLASLt workspace; without either, one stream.
-        let side = match (w.overlap, lt.as_mut()) {
+        // Recompute rewrites shared activation buffers that the side stream's weight
+        // gradients would still be reading: one stream then.
+        let overlap = w.overlap && w.recompute == Recompute::None;
+        let side = match (overlap, lt.as_mut()) {
             (true, Some(lt)) => lt.enable_side().and_then(|()| Side::new(&stream)).ok(),
             _ => None,
         };
@@ -757,6 +790,8 @@ impl GptStep {
             axpy_table: None,
             micro: 0,
             drop_thr: dropout::threshold(w.dropout),
+            recompute: w.recompute,
+            head_chunk_rows: None,
             drop_scale: dropout::keep_scale(dropout::threshold(w.dropout)),
             drop_seed: 0,
         })
@@ -764,6 +799,9 @@ impl GptStep {
 
     fn w(&self, i: usize) -> u64 {
         let e = &self.entries[i];
+        if e.ext {
+            return e.ext_ptr;
+        }
         (if e.frozen { self.fbf_p } else { self.wbf_p }) + 2 * e.off as u64
     }
 
@@ -1230,6 +1268,21 @@ impl GptStep {
     }
 
     /// Size (or re-size) the activation arena for micro-batch `b`.
+    /// Rows per chunk of the LM head ([`Self::head_and_loss`]) for `n` rows: the logits chunk
+    /// stays under 256 MiB when the head trains (each further chunk re-reads and re-writes
+    /// its fp32 gradient) and under 64 MiB when it is frozen (no such cost).
+    fn head_rows(&self, n: usize) -> usize {
+        if let Some(rows) = self.head_chunk_rows {
+            return rows.clamp(1, n);
+        }
+        let head = self.head.unwrap_or(self.wte);
+        let limit = if self.gt(head).is_some() { 256 } else { 64 } << 20;
+        let per_row = 2 * self.vpad;
+        let chunks = (n * per_row).div_ceil(limit).max(1);
+        // Whole chunks of 64 rows (tensor-core tiles), at least one row.
+        n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
+    }
+
     fn ensure(&mut self, b: usize) -> Result<()> {
         if self.arena.as_ref().is_some_and(|a| a.lay.b == b) {
             return Ok(());
@@ -1252,21 +1305,47 @@ impl GptStep {
             next += align(len);
             o
         };
-        let mut per = |len: usize| (0..l).map(|_| take(len)).collect::<Vec<_>>();
-        let res_o = per(nc);
-        let ln1_o = per(nc);
-        let qkv_o = per(n * self.qkv_out);
-        let prob_o = per(probs);
-        let atty_o = per(nc);
-        let mid_o = per(nc);
-        let ln2_o = per(nc);
+        // A projection's input is kept for the backward only where a gradient needs it (its
+        // weight trains, or an adapter sits on it); elsewhere (a frozen LoRA base) every
+        // layer writes it into one shared buffer.
+        let keep = |w: fn(&LayerIdx) -> usize, ad: &[usize]| -> Vec<bool> {
+            self.layers
+                .iter()
+                .map(|li| self.gt(w(li)).is_some() || ad.iter().any(|&j| li.lora[j].is_some()))
+                .collect()
+        };
+        // Recompute: the attention half's activations (and with "full" the MLP half's) are
+        // rewritten in the backward, one layer at a time, into shared buffers.
+        let attn_kept = self.recompute == Recompute::None;
+        let mlp_kept = self.recompute != Recompute::Full;
+        let and = |v: Vec<bool>, k: bool| v.into_iter().map(|x| x && k).collect::<Vec<_>>();
+        let keep_ln1 = and(keep(|li| li.qkv_w, &[Q, K, V]), attn_kept);
+        let keep_ln2 = and(keep(|li| li.up_w, &[GATE, UP]), mlp_kept);
+        let keep_act = and(keep(|li| li.down_w, &[DOWN]), mlp_kept);
+        let attn_layers = vec![attn_kept; l];
+        let mlp_layers = vec![mlp_kept; l];
+        let mut per_if = |len: usize, keep: &[bool]| {
+            let mut shared = None;
+            keep.iter()
+                .map(|&k| if k { take(len) } else { *shared.get_or_insert_with(|| take(len)) })
+                .collect::<Vec<_>>()
+        };
+        let all_layers = vec![true; l];
+        let res_o = per_if(nc, &all_layers);
+        let ln1_o = per_if(nc, &keep_ln1);
+        let qkv_o = per_if(n * self.qkv_out, &attn_layers);
+        let prob_o = per_if(probs, &attn_layers);
+        let atty_o = per_if(nc, &attn_layers);
+        let mid_o = per_if(nc, &mlp_layers);
+        let ln2_o = per_if(nc, &keep_ln2);
         // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
         let up_out = if self.swiglu { 2 * f } else { f };
-        let fc_o = per(n * up_out);
-        let gelu_o = per(n * f);
+        let fc_o = per_if(n * up_out, &mlp_layers);
+        let gelu_o = per_if(n * f, &keep_act);
         let res_last = take(nc);
         let lnf = take(nc);
-        let logits = take(n * self.vpad);
+        let head_rows = self.head_rows(n);
+        let logits = take(head_rows * self.vpad);
         let tmp = take(nc);
         let da = take(nc);
         let dres = take(nc);
@@ -1334,6 +1413,7 @@ impl GptStep {
             gelu: all(&gelu_o),
             lnf: at(lnf),
             logits: at(logits),
+            head_rows,
             tmp: at(tmp),
             da: at(da),
             dres: at(dres),
@@ -1407,23 +1487,48 @@ impl GptStep {
     }
 
     /// fp32 master weights → the bf16 copies, one multi-tensor launch.
+    /// A base stored in bf16 (LoRA on the GPU: [`crate::engine::model::BaseStore`]) is
+    /// copied as is.
     fn cast_weights(&mut self) -> Result<()> {
-        let ts: Vec<&Tensor> = self.entries.iter().map(|e| e.var.as_tensor()).collect();
+        let (f32s, bf16s): (Vec<usize>, Vec<usize>) = (0..self.entries.len())
+            .filter(|&i| !self.entries[i].ext)
+            .partition(|&i| self.entries[i].var.dtype() != DType::BF16);
+        let ts: Vec<&Tensor> = bf16s.iter().map(|&i| self.entries[i].var.as_tensor()).collect();
+        with_ptrs::<bf16, _>(&ts, |ptrs| {
+            for (&src, &i) in ptrs.iter().zip(&bf16s) {
+                // SAFETY: both hold entries[i].n bf16 (the source is the live var, contiguous).
+                unsafe {
+                    drv::memcpy_dtod_async(
+                        self.w(i),
+                        src,
+                        2 * self.entries[i].n,
+                        self.stream.cu_stream(),
+                    )
+                }
+                .w()?;
+            }
+            Ok(())
+        })?;
+        if f32s.is_empty() {
+            return Ok(());
+        }
+        let ts: Vec<&Tensor> = f32s.iter().map(|&i| self.entries[i].var.as_tensor()).collect();
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
-            for (p, (i, e)) in ptrs.iter().zip(self.entries.iter().enumerate()) {
-                table.extend([*p, self.w(i), e.n as u64]);
+            for (p, &i) in ptrs.iter().zip(&f32s) {
+                table.extend([*p, self.w(i), self.entries[i].n as u64]);
             }
             Ok(table)
         })?;
         let table = self.upload_table(&table, false)?;
-        let max_n = self.entries.iter().map(|e| e.n).max().unwrap_or(1);
+        let max_n = f32s.iter().map(|&i| self.entries[i].n).max().unwrap_or(1);
+        let count = f32s.len();
         self.timed(self.k.cast.name, || {
             let mut b = self.stream.launch_builder(&self.k.cast.f);
             b.arg(&table);
             // SAFETY: the table holds (f32 source, bf16 destination, length) triples matching
             // the kernel's CastItem; sources are the live master weights, destinations in wbf.
-            unsafe { b.launch(multi_grid(max_n, self.entries.len())?) }.w()?;
+            unsafe { b.launch(multi_grid(max_n, count)?) }.w()?;
             Ok(())
         })?;
         Ok(())
@@ -1530,13 +1635,20 @@ impl GptStep {
         self.drop_seed = seed;
     }
 
+    /// Rows per chunk of the LM head (None: sized by memory, [`Self::head_rows`]); takes
+    /// effect with the next arena (tests use it to split small batches).
+    pub fn set_head_chunk_rows(&mut self, rows: Option<usize>) {
+        self.head_chunk_rows = rows;
+        self.arena = None;
+    }
+
     /// How many micro-batch graphs the current arena holds (for tests and diagnostics).
     pub fn graphs_captured(&self) -> usize {
         self.arena.as_ref().map_or(0, |a| a.graphs.ready.len())
     }
 
     fn fwd_bwd(&self, lay: &Lay, g: f32, first: bool) -> Result<()> {
-        self.forward(lay, g)?;
+        self.forward(lay, g, first, true)?;
         self.backward(lay, first)
     }
 
@@ -1567,6 +1679,48 @@ impl GptStep {
             .w()?;
         let sum: f64 = v.iter().map(|&x| x as f64).sum();
         Ok(sum / (n * self.micro.max(1)) as f64)
+    }
+
+    /// The mean loss of one batch `[b, T]` by the forward alone (evaluation: no dropout, no
+    /// gradient; the LM head's backward is skipped), between optimizer steps. The bf16
+    /// copies are cast first unless `weights_current` (the last fused AdamW wrote them).
+    pub fn eval_loss(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        b: usize,
+        weights_current: bool,
+    ) -> Result<f64> {
+        if self.micro > 0 {
+            return Err(err("whole-model step: evaluation inside an optimizer step"));
+        }
+        let n = b * self.t;
+        if inputs.len() != n || targets.len() != n {
+            return Err(err(format!(
+                "whole-model step: a batch of {b}×{} needs {n} ids and targets",
+                self.t
+            )));
+        }
+        if !weights_current {
+            self.cast_weights()?;
+        }
+        self.ensure(b)?;
+        self.zero_loss()?;
+        let lay = {
+            let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+            self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
+            self.stream.memcpy_htod(targets, &mut a.targets).w()?;
+            a.lay.clone()
+        };
+        let thr = std::mem::replace(&mut self.drop_thr, 0);
+        let run = self.forward(&lay, 0.0, false, false);
+        self.drop_thr = thr;
+        run?;
+        self.micro = 1;
+        let loss = self.loss();
+        self.micro = 0;
+        self.zero_loss()?;
+        loss
     }
 
     /// `grad(var) += a·var` for each var (the SCU regulariser's gradient), one launch.
@@ -1617,6 +1771,55 @@ impl GptStep {
     }
 
     /// `y = x·wᵀ (+ b)`: the bias as a cuBLASLt epilogue where it runs, else a bias kernel.
+    /// Whether the `count` entries from `first` (a packed projection's parts) are one
+    /// matrix in memory — not so for a frozen base read in place ([`Entry::ext`]).
+    fn packed(&self, (first, count): (usize, usize)) -> bool {
+        count == 1 || !self.entries[first].ext
+    }
+
+    /// [`Self::lin_fwd_bias`] of a packed projection (`parts`: its first entry and how many):
+    /// one matmul, or one per part into its columns of `y` when the parts lie apart.
+    fn lin_fwd_parts(
+        &self,
+        x: u64,
+        parts: (usize, usize),
+        b: Option<usize>,
+        y: u64,
+        d: Lin,
+    ) -> Result<()> {
+        if self.packed(parts) {
+            return self.lin_fwd_bias(x, parts.0, b, y, d);
+        }
+        let mut col = 0;
+        for i in parts.0..parts.0 + parts.1 {
+            let out = self.entries[i].var.as_tensor().dim(0)?;
+            let part = Lin::new(d.rows, d.inp, out, d.ldy);
+            self.lin_fwd(x, self.w(i), y + 2 * col as u64, part)?;
+            col += out;
+        }
+        if let Some(b) = b {
+            self.bias_act(y, self.w(b), y, d.rows, d.out, 0)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::lin_dx`] of a packed projection: the parts' data gradients summed (one
+    /// matmul when they are one matrix).
+    fn lin_dx_parts(&self, dy: u64, parts: (usize, usize), dx: u64, d: Lin) -> Result<()> {
+        if self.packed(parts) {
+            return self.lin_dx(dy, self.w(parts.0), dx, d);
+        }
+        let mut col = 0;
+        for (k, i) in (parts.0..parts.0 + parts.1).enumerate() {
+            let out = self.entries[i].var.as_tensor().dim(0)?;
+            let mm = Lin::new(d.rows, d.inp, out, d.ldy).dx(dy + 2 * col as u64, self.w(i), dx);
+            let beta = if k == 0 { 0.0 } else { 1.0 };
+            self.lin_gemm("matmul dgrad", mm, false, beta, None)?;
+            col += out;
+        }
+        Ok(())
+    }
+
     fn lin_fwd_bias(&self, x: u64, w: usize, b: Option<usize>, y: u64, d: Lin) -> Result<()> {
         let Some(b) = b else {
             return self.lin_fwd(x, self.w(w), y, d);
@@ -1636,7 +1839,7 @@ impl GptStep {
         if self.swiglu {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
             let gu = Lin::new(n, c, 2 * f, 2 * f);
-            self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], gu)?;
+            self.lin_fwd_parts(a.ln2[l], (li.up_w, 2), li.up_b, a.fc[l], gu)?;
             self.lora_fwd(a, l, li, GATE, a.ln2[l], a.fc[l], 2 * f)?;
             self.lora_fwd(a, l, li, UP, a.ln2[l], a.fc[l], 2 * f)?;
             return self.launch(
@@ -1730,7 +1933,9 @@ impl GptStep {
     }
 
     /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
-    fn forward(&self, a: &Lay, g: f32) -> Result<()> {
+    /// The forward to the loss; with `grad`, the loss's gradient and the LM head's backward
+    /// too (they run with the loss, chunk by chunk: [`Self::head_and_loss`]).
+    fn forward(&self, a: &Lay, g: f32, first: bool, grad: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -1757,28 +1962,10 @@ impl GptStep {
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
         self.residual_norm(a, (a.res[0], 0, 0, None), 0, ln, a.ln1[0], n)?;
         for (l, li) in self.layers.iter().enumerate() {
-            // qkv = ln1·Wqkvᵀ (+ b)
-            let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
-            self.lin_fwd_bias(a.ln1[l], li.qkv_w, li.qkv_b, a.qkv[l], qkv)?;
-            for j in [Q, K, V] {
-                self.lora_fwd(a, l, li, j, a.ln1[l], a.qkv[l], self.qkv_out)?;
-            }
-            self.rope(a.qkv[l], n, false)?;
-            self.attn_fwd(a, l)?;
-            // mid = res + atty·Woᵀ (+ bo), ln2 = Norm2(mid)
-            self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
-            self.lora_fwd(a, l, li, O, a.atty[l], a.tmp, c)?;
-            let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
-            let y = (
-                a.res[l],
-                a.tmp,
-                self.wb(li.o_b),
-                Some(dropout::site_attention_out(l)),
-            );
-            self.residual_norm(a, y, a.mid[l], ln, a.ln2[l], n)?;
-            // MLP: act(ln2·Wupᵀ (+ b)), then ·Wdownᵀ (+ b) added to the residual, fused with
-            // the next layer's norm (or the final one).
-            self.mlp_act_fwd(a, l, li)?;
+            self.attention(a, l, li)?;
+            self.mlp_half_fwd(a, l, li)?;
+            // ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm (or the
+            // final one).
             self.lin_fwd(a.gelu[l], self.w(li.down_w), a.tmp, Lin::new(n, f, c, c))?;
             self.lora_fwd(a, l, li, DOWN, a.gelu[l], a.tmp, c)?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
@@ -1794,38 +1981,97 @@ impl GptStep {
             );
             self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
         }
-        // logits = lnf·headᵀ into rows of stride vpad, then per-row CE, whose gradient
-        // (scaled by g) overwrites the logits in the same pass.
+        self.head_and_loss(a, g, first, grad)
+    }
+
+    /// A block's attention from its normed input `ln1[l]`: qkv = ln1·Wqkvᵀ (+ b) (+ the
+    /// adapters), RoPE, attention into `atty[l]`.
+    fn attention(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+        let (n, c) = (a.b * self.t, self.c);
+        let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
+        self.lin_fwd_parts(a.ln1[l], (li.qkv_w, 3), li.qkv_b, a.qkv[l], qkv)?;
+        for j in [Q, K, V] {
+            self.lora_fwd(a, l, li, j, a.ln1[l], a.qkv[l], self.qkv_out)?;
+        }
+        self.rope(a.qkv[l], n, false)?;
+        self.attn_fwd(a, l)
+    }
+
+    /// Recompute (`model.recompute`): block `l`'s attention half again from its kept input
+    /// `res[l]` — the norm (the same arithmetic as the forward's fused add + norm: that one
+    /// normalises the rounded sum it stores) and [`Self::attention`]. Dropout masks are
+    /// functions of the micro-batch's seed: drawn again the same.
+    fn attn_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+        let ln = (li.ln1_w, li.ln1_b, a.stats[2 * l]);
+        self.residual_norm(a, (a.res[l], 0, 0, None), 0, ln, a.ln1[l], a.b * self.t)?;
+        self.attention(a, l, li)
+    }
+
+    /// A block's middle: mid = res + dropout(atty·Woᵀ (+ bo)), ln2 = Norm2(mid), then the
+    /// MLP's activation act(ln2·Wupᵀ (+ b)) into `fc[l]`/`gelu[l]` (the forward, and the
+    /// "full" recompute).
+    fn mlp_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+        let (n, c) = (a.b * self.t, self.c);
+        self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
+        self.lora_fwd(a, l, li, O, a.atty[l], a.tmp, c)?;
+        let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
+        let y = (
+            a.res[l],
+            a.tmp,
+            self.wb(li.o_b),
+            Some(dropout::site_attention_out(l)),
+        );
+        self.residual_norm(a, y, a.mid[l], ln, a.ln2[l], n)?;
+        self.mlp_act_fwd(a, l, li)
+    }
+
+    /// The LM head and its loss, in chunks of rows so that the logits never exist whole:
+    /// per chunk, logits = lnf·headᵀ (rows of stride vpad), then per-row CE, whose gradient
+    /// (scaled by g) overwrites the logits in the same pass, then at once the head's backward
+    /// for those rows (`da` = dlogits·head, the head's gradient += dlogitsᵀ·lnf).
+    fn head_and_loss(&self, a: &Lay, g: f32, first: bool, grad: bool) -> Result<()> {
+        let (n, c, v) = (a.b * self.t, self.c, self.vocab);
         let head = self.head.unwrap_or(self.wte);
-        self.lin_fwd(
-            a.lnf,
-            self.w(head),
-            a.logits,
-            Lin::new(n, c, self.vocab, self.vpad),
-        )?;
         // A row in registers where it fits (kernels.cu: 512 threads × CE_REG 16-byte chunks).
-        let ce = if self.vocab / 8 <= 512 * 13 {
+        let ce = if v / 8 <= 512 * 13 {
             &self.k.ce_reg
         } else {
             &self.k.ce
         };
-        self.launch(
-            ce,
-            LaunchConfig {
-                grid_dim: (n as u32, 1, 1),
-                block_dim: (512, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            &[
-                Arg::P(a.logits),
-                Arg::P(a.targets),
-                Arg::P(a.loss),
-                Arg::F(g),
-                Arg::I(n_i),
-                Arg::I(i32_of(self.vocab, "vocab")?),
-                Arg::I(i32_of(self.vpad, "vocab")?),
-            ],
-        )
+        let mut start = 0;
+        while start < n {
+            let rows = a.head_rows.min(n - start);
+            let d = Lin::new(rows, c, v, self.vpad);
+            let x = a.lnf + 2 * (start * c) as u64;
+            self.lin_fwd(x, self.w(head), a.logits, d)?;
+            self.launch(
+                ce,
+                LaunchConfig {
+                    grid_dim: (rows as u32, 1, 1),
+                    block_dim: (512, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::P(a.logits),
+                    Arg::P(a.targets + 4 * start as u64),
+                    Arg::P(a.loss + 4 * start as u64),
+                    Arg::F(g),
+                    Arg::I(i32_of(rows, "rows")?),
+                    Arg::I(i32_of(v, "vocab")?),
+                    Arg::I(i32_of(self.vpad, "vocab")?),
+                ],
+            )?;
+            if !grad {
+                start += rows;
+                continue;
+            }
+            self.lin_dx(a.logits, self.w(head), a.da + 2 * (start * c) as u64, d)?;
+            if let Some(gh) = self.gt(head) {
+                self.lin_dw(x, a.logits, gh, d, first && start == 0)?;
+            }
+            start += rows;
+        }
+        Ok(())
     }
 
     /// The backward from the logits' gradient (written by the forward's CE kernel).
@@ -1940,12 +2186,7 @@ impl GptStep {
         let n = b * t;
         let nc = n * c;
         let n_i = i32_of(n, "rows")?;
-        let head = self.head.unwrap_or(self.wte);
-        let v = self.vocab;
-        self.lin_dx(a.logits, self.w(head), a.da, Lin::new(n, c, v, self.vpad))?;
-        if let Some(gh) = self.gt(head) {
-            self.lin_dw(a.lnf, a.logits, gh, Lin::new(n, c, v, self.vpad), first)?;
-        }
+        // (The head's backward ran with the loss: `da` holds d(lnf).)
         // d(final residual) = the final norm's backward
         let last = self.n_layer;
         // The norm backward sums the residual gradient's columns into the projection bias
@@ -1967,6 +2208,10 @@ impl GptStep {
         // to wait on before it rewrites that buffer (`reclaim`); the main stream keeps the
         // chain of data gradients (and the LoRA adapters' small matmuls).
         for (l, li) in self.layers.iter().enumerate().rev() {
+            if self.recompute == Recompute::Full {
+                self.attn_half_fwd(a, l, li)?;
+                self.mlp_half_fwd(a, l, li)?;
+            }
             // MLP down projection: res[l+1] = mid + act·Wdownᵀ (+ b)
             let down = Lin::new(n, f, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_mlp_out(l))?;
@@ -1977,7 +2222,7 @@ impl GptStep {
             let up = Lin::new(n, c, up_out, up_out);
             let bias = (li.up_w, li.up_b, false);
             self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
-            self.lin_dx(a.dh, self.w(li.up_w), a.da, up)?;
+            self.lin_dx_parts(a.dh, (li.up_w, 1 + self.swiglu as usize), a.da, up)?;
             let (gate_col, up_col) = (0, if self.swiglu { f } else { 0 });
             debug_assert!(li.lora[GATE].is_none_or(|g| g.col == gate_col));
             debug_assert!(li.lora[UP].is_none_or(|u| u.col == up_col));
@@ -1995,6 +2240,9 @@ impl GptStep {
                 true,
                 fuse(self.gb(li.o_b)),
             )?;
+            if self.recompute == Recompute::Attention {
+                self.attn_half_fwd(a, l, li)?;
+            }
             // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
             let o = Lin::new(n, c, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_attention_out(l))?;
@@ -2013,7 +2261,7 @@ impl GptStep {
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
             let bias = (li.qkv_w, li.qkv_b, false);
             self.proj_grads((a.ln1[l], a.dqkv, Buf::Dqkv), bias, qkv, first)?;
-            self.lin_dx(a.dqkv, self.w(li.qkv_w), a.da, qkv)?;
+            self.lin_dx_parts(a.dqkv, (li.qkv_w, 3), a.da, qkv)?;
             for j in [Q, K, V] {
                 self.lora_bwd(a, (l, li, j), a.ln1[l], a.dqkv, self.qkv_out, a.da, first)?;
             }
