@@ -281,3 +281,51 @@ fn events_round_trip_through_serde() {
         );
     }
 }
+
+/// Out of memory at a step (not after a batch change): the micro-batch is split and the
+/// accumulation raised so each optimizer step trains on the same sequences, the step is
+/// redone, the user is told, and the run goes on exactly as one configured that way.
+#[test]
+fn out_of_memory_splits_the_micro_batch_and_keeps_the_step() {
+    let set = ["run.max_steps=6", "optim.micro_batch=8", "optim.accum=1"];
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::spawn(EngineOptions {
+        max_queued_steps: 100_000,
+        fault_oom_above: Some(2),
+        ..EngineOptions::new(small(&set), dir.path().to_path_buf(), DeviceSpec::Cpu)
+    })
+    .unwrap();
+    let mut events = Vec::new();
+    while let Some(ev) = e.events.recv() {
+        let done = matches!(ev, Event::Finished { .. });
+        events.push(ev);
+        if done {
+            break;
+        }
+    }
+    e.thread.wait().unwrap();
+    let warnings: Vec<&String> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Warning { message, .. } => Some(message),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        warnings.iter().any(|m| m.contains("out of memory at micro-batch 8"))
+            && warnings
+                .iter()
+                .any(|m| m.contains("micro-batch 2 × accumulation 4")),
+        "{warnings:?}"
+    );
+    let got = steps(&events);
+    let dir2 = tempfile::tempdir().unwrap();
+    let want = steps(&run_to_end(
+        small(&["run.max_steps=6", "optim.micro_batch=2", "optim.accum=4"]),
+        dir2.path(),
+    ));
+    assert_eq!(got.len(), 6);
+    for (a, b) in got.iter().zip(&want) {
+        assert_eq!(a.loss, b.loss, "step {}", a.step);
+    }
+}

@@ -347,6 +347,7 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         progress: distributed.then(|| progress.clone()),
         dist: joined,
         profile_kernels: false,
+        fault_oom_above: None,
     }) {
         Ok(e) => e,
         Err(e) => {

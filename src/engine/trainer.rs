@@ -58,6 +58,10 @@ pub struct EngineOptions {
     /// Time every kernel of the whole-model CUDA step with CUDA events and report the GPU
     /// time per kernel group in each step's `kernels` (`cockpit bench --profile`).
     pub profile_kernels: bool,
+    /// Fault injection for tests: a forward/backward at a micro-batch above this fails as
+    /// out of memory (a device smaller than the batch).
+    #[doc(hidden)]
+    pub fault_oom_above: Option<usize>,
 }
 
 impl EngineOptions {
@@ -76,6 +80,7 @@ impl EngineOptions {
             progress: None,
             fault_hang_step: None,
             profile_kernels: false,
+            fault_oom_above: None,
         }
     }
 }
@@ -188,6 +193,7 @@ struct Trainer {
     world: usize,
     fault_fail_step: Option<u64>,
     fault_hang_step: Option<u64>,
+    fault_oom_above: Option<usize>,
     profile_kernels: bool,
     progress: Option<std::sync::Arc<events::Progress>>,
     device: Device,
@@ -450,6 +456,7 @@ impl Trainer {
             world,
             fault_fail_step: opts.fault_fail_step,
             fault_hang_step: opts.fault_hang_step,
+            fault_oom_above: opts.fault_oom_above,
             profile_kernels: opts.profile_kernels,
             progress: opts.progress,
             scu: ScuController::new(&cfg.scu),
@@ -577,10 +584,17 @@ impl Trainer {
                 .config
                 .pointer("/optim/micro_batch")
                 .and_then(|v| v.as_u64());
+            let old_cfg_accum = s.config.pointer("/optim/accum").and_then(|v| v.as_u64());
+            self.accum = self.cfg.optim.accum;
             if old_cfg_mb.is_none_or(|mb| mb as usize == self.cfg.optim.micro_batch) {
                 self.micro_batch = s.micro_batch;
+                // (An out-of-memory split kept the step's sequences: it carries over too.)
+                if old_cfg_accum.is_some_and(|a| a as usize == self.cfg.optim.accum)
+                    && s.accum > 0
+                {
+                    self.accum = s.accum;
+                }
             }
-            self.accum = self.cfg.optim.accum;
         } else {
             self.micro_batch = s.micro_batch;
         }
@@ -807,6 +821,11 @@ impl Trainer {
         &mut self,
         lambda: f64,
     ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        if self.fault_oom_above.is_some_and(|n| self.micro_batch > n) {
+            return Err(candle_core::Error::Msg(
+                "injected fault: CUDA_ERROR_OUT_OF_MEMORY, out of memory".into(),
+            ));
+        }
         self.check_whole()?;
         if self.whole.is_some() {
             return self.forward_backward_whole(lambda);
@@ -1694,6 +1713,27 @@ impl Trainer {
                     out.emit(Event::Warning {
                         step: self.step,
                         message: format!("out of memory at micro-batch {failed}: back to {old}, step {} redone (nothing lost)", self.step + 1),
+                    });
+                    continue;
+                }
+                // Out of memory anywhere else: split the micro-batch and accumulate more, so
+                // the optimizer step stays the same sequences; the step is redone.
+                Err(e) if is_oom(&e) && self.dist.is_none() && self.micro_batch > 1 => {
+                    let mb = self.micro_batch;
+                    let k = (2..=mb).find(|k| mb % k == 0).unwrap_or(mb);
+                    self.micro_batch = mb / k;
+                    self.accum *= k;
+                    self.loader.seek(step_cursor);
+                    self.loader.set_batch_size(self.micro_batch);
+                    out.emit(Event::Warning {
+                        step: self.step,
+                        message: format!(
+                            "out of memory at micro-batch {mb}: micro-batch {} × accumulation {} from now on (the same {} sequences a step), step {} redone",
+                            self.micro_batch,
+                            self.accum,
+                            self.micro_batch * self.accum,
+                            self.step + 1
+                        ),
                     });
                     continue;
                 }
