@@ -276,4 +276,10 @@ fn bench_reports_timed_steps_as_text_and_json() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("model.n_head"));
+    // The batch search is about device memory: on the CPU it says so (exit 2).
+    cockpit()
+        .args(["bench", "--find-batch", "--device", "cpu"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("needs a CUDA device"));
 }

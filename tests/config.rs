@@ -136,6 +136,9 @@ fn lora_llama_1b_config_loads_for_its_benchmark() {
         .config;
     assert!(c.lora.enabled && c.scu.enabled);
     assert_eq!(c.lora.base, "random");
-    assert_eq!((c.model.n_layer, c.model.n_embd, c.model.n_kv_head), (16, 2048, 8));
+    assert_eq!(
+        (c.model.n_layer, c.model.n_embd, c.model.n_kv_head),
+        (16, 2048, 8)
+    );
     assert_eq!(c.lora.targets.len(), 7);
 }

@@ -312,7 +312,9 @@ fn out_of_memory_splits_the_micro_batch_and_keeps_the_step() {
         })
         .collect();
     assert!(
-        warnings.iter().any(|m| m.contains("out of memory at micro-batch 8"))
+        warnings
+            .iter()
+            .any(|m| m.contains("out of memory at micro-batch 8"))
             && warnings
                 .iter()
                 .any(|m| m.contains("micro-batch 2 × accumulation 4")),

@@ -1200,7 +1200,11 @@ fn recompute_matches_keeping_the_activations() {
                 targets: ["q", "v", "down"].map(String::from).to_vec(),
             };
             m.add_lora(&spec, 9).unwrap();
-            for p in m.params.iter().filter(|p| p.name.ends_with("lora_B.weight")) {
+            for p in m
+                .params
+                .iter()
+                .filter(|p| p.name.ends_with("lora_B.weight"))
+            {
                 let dims = p.var.as_tensor().dims().to_vec();
                 p.var
                     .set(&Tensor::randn(0f32, 0.02, dims, &dev).unwrap())

@@ -391,5 +391,8 @@ fn lora_on_a_random_base() {
         .collect();
     assert_eq!(losses.len(), 30);
     let (first, last) = (losses[0], losses[losses.len() - 1]);
-    assert!(last < first, "adapters on a random base learn: {first} -> {last}");
+    assert!(
+        last < first,
+        "adapters on a random base learn: {first} -> {last}"
+    );
 }

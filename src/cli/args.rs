@@ -15,6 +15,7 @@ Examples:
   cockpit check                              what this machine has, and what cockpit would use
   cockpit bench configs/gpt2-small.toml      ms/step, tokens/s, MFU and peak memory of the step
   cockpit bench --soak 3000                  3000 steps: exit 1 if host or device memory grows
+  cockpit bench cfg.toml --find-batch        the largest micro-batch that fits this device
   cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
   cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
   cockpit export runs/ft-20260101-120000 out/ft   a Hugging Face directory transformers loads
@@ -70,6 +71,10 @@ pub enum Cmd {
         /// RSS (and device memory on a GPU) must not grow past the warm-up; exit 1 if it does.
         #[arg(long, value_name = "STEPS", conflicts_with = "steps")]
         soak: Option<u64>,
+        /// Find the largest micro-batch that fits, by trying (two steps each: doubling, then
+        /// bisecting); prints it and one with a 10% margin to set as optim.micro_batch.
+        #[arg(long, conflicts_with_all = ["soak", "profile"])]
+        find_batch: bool,
     },
     /// Tokenize and pack a config's text data ahead of training.
     Prepare {

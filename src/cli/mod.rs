@@ -44,6 +44,7 @@ pub fn main() -> i32 {
             json,
             profile,
             soak,
+            find_batch,
         }) => bench::run(bench::BenchArgs {
             config: config.as_deref(),
             set: &set,
@@ -53,6 +54,7 @@ pub fn main() -> i32 {
             json: json.as_deref(),
             profile,
             soak: soak.is_some(),
+            find_batch,
         }),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),

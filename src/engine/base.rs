@@ -149,7 +149,8 @@ pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
 
 /// Which key names the base of a run, and its path.
 pub fn spec(cfg: &Config) -> Option<(&'static str, &str)> {
-    if cfg.lora.enabled && !cfg.lora.base.is_empty() && cfg.lora.base != crate::config::RANDOM_BASE {
+    if cfg.lora.enabled && !cfg.lora.base.is_empty() && cfg.lora.base != crate::config::RANDOM_BASE
+    {
         Some(("lora.base", cfg.lora.base.as_str()))
     } else if !cfg.model.init_from.is_empty() {
         Some(("model.init_from", cfg.model.init_from.as_str()))

@@ -7,9 +7,7 @@
 //! Tensor names follow the Hugging Face Llama layout (`model.layers.N.self_attn.q_proj.weight`),
 //! so HF checkpoints load by name and adapters get PEFT-compatible names.
 
-use crate::config::{
-    Activation, Config, KernelsConfig, Norm, PosEncoding, Recompute, RopeScaling,
-};
+use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding, Recompute, RopeScaling};
 use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
@@ -291,7 +289,8 @@ impl Init<'_> {
         Ok(var)
     }
     fn constant(&mut self, name: String, len: usize, value: f32, kind: ParamKind) -> Result<Var> {
-        let var = Var::from_tensor(&Tensor::full(value, len, self.device)?.to_dtype(self.store.dtype)?)?;
+        let var =
+            Var::from_tensor(&Tensor::full(value, len, self.device)?.to_dtype(self.store.dtype)?)?;
         self.params.push(Param {
             name,
             var: var.clone(),

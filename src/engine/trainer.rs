@@ -589,8 +589,7 @@ impl Trainer {
             if old_cfg_mb.is_none_or(|mb| mb as usize == self.cfg.optim.micro_batch) {
                 self.micro_batch = s.micro_batch;
                 // (An out-of-memory split kept the step's sequences: it carries over too.)
-                if old_cfg_accum.is_some_and(|a| a as usize == self.cfg.optim.accum)
-                    && s.accum > 0
+                if old_cfg_accum.is_some_and(|a| a as usize == self.cfg.optim.accum) && s.accum > 0
                 {
                     self.accum = s.accum;
                 }

@@ -1327,7 +1327,13 @@ impl GptStep {
         let mut per_if = |len: usize, keep: &[bool]| {
             let mut shared = None;
             keep.iter()
-                .map(|&k| if k { take(len) } else { *shared.get_or_insert_with(|| take(len)) })
+                .map(|&k| {
+                    if k {
+                        take(len)
+                    } else {
+                        *shared.get_or_insert_with(|| take(len))
+                    }
+                })
                 .collect::<Vec<_>>()
         };
         let all_layers = vec![true; l];
@@ -1493,7 +1499,10 @@ impl GptStep {
         let (f32s, bf16s): (Vec<usize>, Vec<usize>) = (0..self.entries.len())
             .filter(|&i| !self.entries[i].ext)
             .partition(|&i| self.entries[i].var.dtype() != DType::BF16);
-        let ts: Vec<&Tensor> = bf16s.iter().map(|&i| self.entries[i].var.as_tensor()).collect();
+        let ts: Vec<&Tensor> = bf16s
+            .iter()
+            .map(|&i| self.entries[i].var.as_tensor())
+            .collect();
         with_ptrs::<bf16, _>(&ts, |ptrs| {
             for (&src, &i) in ptrs.iter().zip(&bf16s) {
                 // SAFETY: both hold entries[i].n bf16 (the source is the live var, contiguous).
@@ -1512,7 +1521,10 @@ impl GptStep {
         if f32s.is_empty() {
             return Ok(());
         }
-        let ts: Vec<&Tensor> = f32s.iter().map(|&i| self.entries[i].var.as_tensor()).collect();
+        let ts: Vec<&Tensor> = f32s
+            .iter()
+            .map(|&i| self.entries[i].var.as_tensor())
+            .collect();
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
             for (p, &i) in ptrs.iter().zip(&f32s) {
