@@ -1221,7 +1221,7 @@ fn recompute_matches_keeping_the_activations() {
             let tg: Vec<u32> = (0..(b * t) as u32)
                 .map(|i| (i * 17 + 3 + k) % vocab as u32)
                 .collect();
-            step.set_dropout_seed(dropout::micro_seed(4, 1, k as u64));
+            step.set_dropout_seed(dropout::micro_seed(4, 1, k as usize));
             step.micro(&ids, &tg, b, 1.0 / (2 * b * t) as f32).unwrap();
         }
         let grads = m
