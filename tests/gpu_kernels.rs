@@ -754,6 +754,26 @@ fn whole_model_step_matches_the_f32_model() {
             },
         },
         Family {
+            name: "llama: width 2048, 32 heads / 8 KV (the wide-row norm kernels)",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 2048;
+                c.model.n_head = 32;
+                c.model.n_kv_head = 8;
+                c.model.mlp_ratio = 1.0;
+            },
+        },
+        Family {
+            name: "gpt: width 1344 (a part-empty wide row), 21 heads, dropout 0.1",
+            vocab: 97,
+            set: |c| {
+                c.model.n_embd = 1344;
+                c.model.n_head = 21;
+                c.model.dropout = 0.1;
+            },
+        },
+        Family {
             name: "llama with biases and LayerNorm + SwiGLU",
             vocab: 97,
             set: |c| {
@@ -1187,6 +1207,9 @@ fn recompute_matches_keeping_the_activations() {
         c.model.seq_len = t;
         c.model.dropout = 0.1;
         c.model.recompute = recompute;
+        // Timed algorithm choice may pick other matmul algorithms run to run (other
+        // rounding): the heuristic's first choice keeps the runs comparable bit for bit.
+        c.kernels.autotune = false;
         let store = cockpit::engine::model::BaseStore {
             dtype: if lora { DType::BF16 } else { DType::F32 },
             random_on_device: false,
@@ -1200,15 +1223,18 @@ fn recompute_matches_keeping_the_activations() {
                 targets: ["q", "v", "down"].map(String::from).to_vec(),
             };
             m.add_lora(&spec, 9).unwrap();
-            for p in m
-                .params
-                .iter()
-                .filter(|p| p.name.ends_with("lora_B.weight"))
-            {
-                let dims = p.var.as_tensor().dims().to_vec();
-                p.var
-                    .set(&Tensor::randn(0f32, 0.02, dims, &dev).unwrap())
-                    .unwrap();
+            // (The same B in every run: a fresh adapter's zero B would hide A's gradient.)
+            for (k, p) in m.params.iter().enumerate() {
+                if p.name.ends_with("lora_B.weight") {
+                    let dims = p.var.as_tensor().dims().to_vec();
+                    let n: usize = dims.iter().product();
+                    let vals: Vec<f32> = (0..n)
+                        .map(|i| (((i * 7919 + k * 104729) % 1000) as f32 / 1000.0 - 0.5) * 0.05)
+                        .collect();
+                    p.var
+                        .set(&Tensor::from_vec(vals, dims, &dev).unwrap())
+                        .unwrap();
+                }
             }
         }
         let w = m.step_weights().expect("fits the step");

@@ -963,7 +963,8 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
                 const size_t o = (size_t)row * d + col0;
                 xa[c].u = *reinterpret_cast<const uint4*>(x + o);
                 ga[c].u = *reinterpret_cast<const uint4*>(dy + o);
-                if (add) pa[c].u = *reinterpret_cast<const uint4*>(dx + o);
+                // (Wide rows load the residual gradient only when they add it: registers.)
+                if (add && CH <= 4) pa[c].u = *reinterpret_cast<const uint4*>(dx + o);
             }
         }
         // The forward's statistics, or recomputed the same way.
@@ -991,6 +992,7 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
             if (col0 < d) {
                 Bf8 wv, out;
                 wv.u = *reinterpret_cast<const uint4*>(w + col0);
+                if (add && CH > 4) pa[c].u = *reinterpret_cast<const uint4*>(dx + (size_t)row * d + col0);
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const float2 xv = bf2f(xa[c], i), gv = bf2f(ga[c], i), wf = bf2f(wv, i);
@@ -1121,7 +1123,7 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
     }
 }
 
-// The launcher picks CH = ceil(d / 256) (1 to 4, so d ≤ 1024).
+// The launcher picks the smallest instantiated CH ≥ ceil(d / 256) (d ≤ 4096).
 // One entry point per row width (CH chunks of 256 columns), each with its own register
 // budget: up to d = 768 four 256-thread blocks of the forward fit on an SM, and three of
 // the backward's dx pass (the launcher's grids assume these).
@@ -1142,6 +1144,13 @@ COCKPIT_NORM_V8(1, 4, 3)
 COCKPIT_NORM_V8(2, 4, 3)
 COCKPIT_NORM_V8(3, 4, 3)
 COCKPIT_NORM_V8(4, 2, 2)
+// Wider rows (d up to 4096: Llama 1B–8B, Qwen 1.5B–7B widths), a warp per row still.
+COCKPIT_NORM_V8(6, 2, 2)
+COCKPIT_NORM_V8(8, 2, 2)
+COCKPIT_NORM_V8(10, 2, 1)
+COCKPIT_NORM_V8(12, 2, 1)
+COCKPIT_NORM_V8(14, 2, 1)
+COCKPIT_NORM_V8(16, 2, 1)
 
 // Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary; ld a
 // multiple of 8 and rows 16-byte aligned), forward and backward in one pass per row:

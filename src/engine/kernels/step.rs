@@ -221,10 +221,16 @@ impl Kernels {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .w()?
             .max(1) as usize;
-        let norm_v8 = if c.is_multiple_of(8) && c <= 1024 {
-            let ch = c.div_ceil(256);
+        // Row widths (256-column chunks) with a kernel of their own in kernels.cu.
+        const NORM_CH: [usize; 10] = [1, 2, 3, 4, 6, 8, 10, 12, 14, 16];
+        let ch = NORM_CH.into_iter().find(|&ch| ch * 256 >= c);
+        let norm_v8 = if let (true, Some(ch)) = (c.is_multiple_of(8), ch) {
             // (forward, backward dx pass) blocks per SM, as kernels.cu's launch bounds give.
-            let (fwd_per_sm, bwd_per_sm) = if ch <= 3 { (4, 3) } else { (2, 2) };
+            let (fwd_per_sm, bwd_per_sm) = match ch {
+                1..=3 => (4, 3),
+                4..=8 => (2, 2),
+                _ => (2, 1),
+            };
             Some(NormV8 {
                 fwd: named(&format!("residual_norm_v8_bf16_{ch}"), "residual_norm")?,
                 bwd: named(&format!("norm_bwd_dx_v8_bf16_{ch}"), "norm_bwd")?,
@@ -1269,14 +1275,13 @@ impl GptStep {
 
     /// Size (or re-size) the activation arena for micro-batch `b`.
     /// Rows per chunk of the LM head ([`Self::head_and_loss`]) for `n` rows: the logits chunk
-    /// stays under 256 MiB when the head trains (each further chunk re-reads and re-writes
-    /// its fp32 gradient) and under 64 MiB when it is frozen (no such cost).
+    /// stays under 256 MiB (a trained head re-reads and re-writes its fp32 gradient once per
+    /// chunk; smaller chunks also make smaller matmuls).
     fn head_rows(&self, n: usize) -> usize {
         if let Some(rows) = self.head_chunk_rows {
             return rows.clamp(1, n);
         }
-        let head = self.head.unwrap_or(self.wte);
-        let limit = if self.gt(head).is_some() { 256 } else { 64 } << 20;
+        let limit = 256 << 20;
         let per_row = 2 * self.vpad;
         let chunks = (n * per_row).div_ceil(limit).max(1);
         // Whole chunks of 64 rows (tensor-core tiles), at least one row.
