@@ -1719,7 +1719,7 @@ impl Trainer {
                 // the optimizer step stays the same sequences; the step is redone.
                 Err(e) if is_oom(&e) && self.dist.is_none() && self.micro_batch > 1 => {
                     let mb = self.micro_batch;
-                    let k = (2..=mb).find(|k| mb % k == 0).unwrap_or(mb);
+                    let k = (2..=mb).find(|k| mb.is_multiple_of(*k)).unwrap_or(mb);
                     self.micro_batch = mb / k;
                     self.accum *= k;
                     self.loader.seek(step_cursor);
