@@ -276,6 +276,29 @@ fn bench_reports_timed_steps_as_text_and_json() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("model.n_head"));
+    // A model that cannot fit is refused before anything is allocated, naming its keys.
+    let runs = tempfile::tempdir().unwrap();
+    cockpit()
+        .args([
+            "train",
+            "--no-tui",
+            "--device",
+            "cpu",
+            "--max-steps",
+            "1",
+            "--run-dir",
+        ])
+        .arg(runs.path().join("big"))
+        .args([
+            "--set",
+            "model.vocab_size=16000000",
+            "--set",
+            "optim.micro_batch=512",
+        ])
+        .args(["--set", "schedule.warmup_steps=0"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("model.vocab_size = 16000000"));
     // The batch search is about device memory: on the CPU it says so (exit 2).
     cockpit()
         .args(["bench", "--find-batch", "--device", "cpu"])

@@ -142,3 +142,24 @@ fn lora_llama_1b_config_loads_for_its_benchmark() {
     );
     assert_eq!(c.lora.targets.len(), 7);
 }
+
+/// Sizes and durations past any use are config errors naming the key, not an abort later
+/// (a billion-sequence micro-batch, a 1e30-second interval, a queue of a billion batches).
+#[test]
+fn absurd_sizes_and_durations_are_refused() {
+    for (set, key) in [
+        ("optim.micro_batch=1000000000", "optim.micro_batch"),
+        ("model.n_layer=100000", "model.n_layer"),
+        ("model.mlp_ratio=1e9", "model.mlp_ratio"),
+        ("data.prefetch_depth=1000000000", "data.prefetch_depth"),
+        ("model.vocab_size=100000000", "model.vocab_size"),
+        ("run.log_every_secs=1e30", "run.log_every_secs"),
+        ("monitor.interval_secs=1e30", "monitor.interval_secs"),
+        ("distributed.timeout_secs=1e30", "distributed.timeout_secs"),
+    ] {
+        let err = config::load(None, &[set.to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(key), "{set}: {err}");
+    }
+}

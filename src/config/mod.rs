@@ -6,6 +6,7 @@ mod schema;
 mod validate;
 
 pub use schema::*;
+pub use validate::MAX_MICRO_BATCH;
 
 use std::fmt;
 use std::path::{Path, PathBuf};

@@ -37,6 +37,12 @@ impl Check<'_> {
     }
 }
 
+/// The longest duration a config key may name (about 11 days).
+const MAX_SECS: f64 = 1e6;
+
+/// The largest micro-batch (the live `+` key is held to it too).
+pub const MAX_MICRO_BATCH: usize = 4096;
+
 fn quoted(s: &str) -> String {
     format!("{s:?}")
 }
@@ -82,6 +88,15 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         );
     }
     ck.positive("run.log_every_secs", c.run.log_every_secs);
+    // Durations and sizes are bounded: a value past any use would only overflow or exhaust
+    // memory later (a duration of 1e30 s, a queue of a billion batches).
+    ck.in_range(
+        "run.log_every_secs",
+        c.run.log_every_secs,
+        0.0,
+        MAX_SECS,
+        "at most 1e6 (seconds)",
+    );
 
     // [model]
     let m = &c.model;
@@ -177,6 +192,28 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         }
     }
     ck.positive("model.mlp_ratio", m.mlp_ratio);
+    ck.in_range("model.mlp_ratio", m.mlp_ratio, 0.0, 64.0, "at most 64");
+    ck.in_range(
+        "model.n_layer",
+        m.n_layer as f64,
+        0.0,
+        4096.0,
+        "at most 4096",
+    );
+    ck.in_range(
+        "model.n_embd",
+        m.n_embd as f64,
+        0.0,
+        65536.0,
+        "at most 65536",
+    );
+    ck.in_range(
+        "model.vocab_size",
+        m.vocab_size as f64,
+        0.0,
+        (1u64 << 24) as f64,
+        "at most 16777216",
+    );
     ck.in_range("model.dropout", m.dropout, 0.0, 0.9, "in [0, 0.9]");
     ck.positive("model.norm_eps", m.norm_eps);
     ck.positive("model.rope_theta", m.rope_theta);
@@ -275,6 +312,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         );
     }
     ck.at_least("data.prefetch_depth", d.prefetch_depth as u64, 1);
+    ck.in_range(
+        "data.prefetch_depth",
+        d.prefetch_depth as f64,
+        0.0,
+        1024.0,
+        "at most 1024 (batches prepared ahead)",
+    );
 
     // [optim]
     let o = &c.optim;
@@ -297,6 +341,14 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         "0 (off) or positive",
     );
     ck.at_least("optim.micro_batch", o.micro_batch as u64, 1);
+    ck.in_range(
+        "optim.micro_batch",
+        o.micro_batch as f64,
+        0.0,
+        MAX_MICRO_BATCH as f64,
+        "at most 4096 (sequences per micro-batch; accumulate for more)",
+    );
+    ck.in_range("optim.accum", o.accum as f64, 0.0, 1e6, "at most 1000000");
     ck.at_least("optim.accum", o.accum as u64, 1);
 
     // [schedule]
@@ -469,6 +521,20 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
 
     // [monitor]
     ck.positive("monitor.interval_secs", c.monitor.interval_secs);
+    ck.in_range(
+        "monitor.interval_secs",
+        c.monitor.interval_secs,
+        0.0,
+        3600.0,
+        "at most 3600 (seconds)",
+    );
+    ck.in_range(
+        "monitor.advisor_window_secs",
+        c.monitor.advisor_window_secs,
+        0.0,
+        MAX_SECS,
+        "at most 1e6 (seconds)",
+    );
     if c.monitor.advisor_window_secs.is_nan()
         || c.monitor.advisor_window_secs < c.monitor.interval_secs
     {
@@ -492,6 +558,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         );
     }
     ck.positive("distributed.timeout_secs", c.distributed.timeout_secs);
+    ck.in_range(
+        "distributed.timeout_secs",
+        c.distributed.timeout_secs,
+        0.0,
+        MAX_SECS,
+        "at most 1e6 (seconds)",
+    );
 
     // [tui]
     ck.in_range("tui.fps", c.tui.fps as f64, 1.0, 60.0, "in [1, 60]");

@@ -81,6 +81,20 @@ pub fn memory_in_use(device: &Device) -> Option<u64> {
     rss_bytes()
 }
 
+/// Memory free for this process's tensors: the device's free memory on a GPU, the host's
+/// available memory (Linux /proc/meminfo) on the CPU; None when unknown.
+pub fn memory_free(device: &Device) -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return cuda::memory_free(device);
+    }
+    let _ = device;
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// Resident set size of this process (Linux /proc), None elsewhere.
 pub fn rss_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
@@ -154,5 +168,11 @@ mod cuda {
         let ctx = dev(device)?.cuda_stream().context().clone();
         let (free, total) = ctx.mem_get_info().ok()?;
         Some((total - free) as u64)
+    }
+
+    pub fn memory_free(device: &Device) -> Option<u64> {
+        let ctx = dev(device)?.cuda_stream().context().clone();
+        let (free, _) = ctx.mem_get_info().ok()?;
+        Some(free as u64)
     }
 }

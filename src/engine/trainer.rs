@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 const LN2: f64 = std::f64::consts::LN_2;
 /// Largest micro-batch the engine accepts from a command.
-pub const MAX_MICRO_BATCH: usize = 4096;
+pub use crate::config::MAX_MICRO_BATCH;
 
 /// What to run.
 #[derive(Debug)]
@@ -338,6 +338,7 @@ impl Trainer {
                 && cfg.lora.base == crate::config::RANDOM_BASE
                 && device.is_cuda(),
         };
+        check_fits(&cfg, &Shape::from_config(&cfg, vocab), &device, store.dtype)?;
         let mut model = Model::new_with(
             Shape::from_config(&cfg, vocab),
             dtype,
@@ -1135,6 +1136,61 @@ fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tenso
         i = j;
     }
     Ok(out)
+}
+
+/// Refuse, before allocating anything, a model whose weights and optimizer state alone do not
+/// fit the memory the device has free (a config error naming the keys that size the model).
+fn check_fits(cfg: &Config, s: &Shape, device: &Device, store: DType) -> Result<(), EngineError> {
+    let Some(free) = device::memory_free(device) else {
+        return Ok(());
+    };
+    let (c, hd) = (s.n_embd as f64, s.head_dim as f64);
+    let mlp = if s.activation == crate::config::Activation::SwiGlu {
+        3.0
+    } else {
+        2.0
+    };
+    let attn = c * hd * (2 * s.n_head + 2 * s.n_kv_head) as f64;
+    let layer = attn + mlp * c * s.hidden as f64;
+    let embed = s.vocab_size as f64 * c * if s.tie_embeddings { 1.0 } else { 2.0 };
+    let pos = if s.pos == crate::config::PosEncoding::Learned {
+        s.n_positions as f64 * c
+    } else {
+        0.0
+    };
+    let params = s.n_layer as f64 * layer + embed + pos;
+    // Full training: fp32 master, gradient and two moments; LoRA: the frozen base as stored.
+    let per_param = if cfg.lora.enabled {
+        store.size_in_bytes() as f64
+    } else {
+        16.0
+    };
+    // The per-op path also holds a micro-batch's logits in f32 a few times over (the CUDA
+    // fast step keeps one chunk: not counted there).
+    let logits = if device.is_cuda() {
+        0.0
+    } else {
+        12.0 * (cfg.optim.micro_batch * s.seq_len) as f64 * s.vocab_size as f64
+    };
+    let need = params * per_param + logits;
+    if need <= free as f64 {
+        return Ok(());
+    }
+    let m = &cfg.model;
+    let gb = |b: f64| b / 1e9;
+    Err(EngineError::Config(format!(
+        "model.n_layer = {}, model.n_embd = {}, model.mlp_ratio = {}, model.vocab_size = {}, optim.micro_batch = {}: {:.2e} parameters, whose weights{} need ~{:.1} GB; this {} has {:.1} GB free",
+        m.n_layer,
+        m.n_embd,
+        m.mlp_ratio,
+        s.vocab_size,
+        cfg.optim.micro_batch,
+        params,
+        if cfg.lora.enabled { "" } else { " and optimizer state (and the logits)" },
+        gb(need),
+        if device.is_cuda() { "GPU" } else { "machine" },
+        gb(free as f64)
+    )))
 }
 
 fn is_oom(e: &candle_core::Error) -> bool {
