@@ -336,78 +336,10 @@ impl Init<'_> {
     }
 }
 
-/// A weight and its optional bias (linear layers and norms) for the whole-model step.
-pub type WeightBias = (Var, Option<Var>);
-
-/// A LoRA adapter for the whole-model step: `y += scale·(x·Aᵀ)·Bᵀ`.
-#[derive(Clone, Debug)]
-pub struct StepLora {
-    pub a: Var,
-    pub b: Var,
-    pub scale: f64,
-}
-
-/// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
-pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
-
-/// One transformer block's weights for the whole-model step.
-#[derive(Clone, Debug)]
-pub struct StepLayer {
-    pub ln1: WeightBias,
-    pub q: WeightBias,
-    pub k: WeightBias,
-    pub v: WeightBias,
-    pub o: WeightBias,
-    pub ln2: WeightBias,
-    /// SwiGLU's gate projection (None: a GELU MLP).
-    pub gate: Option<WeightBias>,
-    pub up: WeightBias,
-    pub down: WeightBias,
-    /// LoRA adapters on q k v o gate up down ([`LORA_TARGETS`]' order).
-    pub lora: [Option<StepLora>; 7],
-}
-
-/// A model's weights and shape for the whole-model CUDA step ([`Model::step_weights`]): any
-/// family the [`Shape`] describes — LayerNorm or RMSNorm, GELU or SwiGLU, biases or none,
-/// multi-head or grouped-query attention, learned positions or RoPE, tied or untied head.
-#[derive(Clone, Debug)]
-pub struct StepWeights {
-    pub wte: Var,
-    /// Learned positions, or None with RoPE.
-    pub wpe: Option<Var>,
-    /// RoPE's inverse frequencies per rotated pair (head_dim / 2), None with learned positions.
-    pub rope_inv_freq: Option<Vec<f64>>,
-    pub n_head: usize,
-    pub n_kv_head: usize,
-    pub seq_len: usize,
-    /// RMSNorm (else LayerNorm).
-    pub rms: bool,
-    /// Causal flash attention (head dim 64); otherwise the probabilities are materialised
-    /// (multi-head attention only).
-    pub flash: bool,
-    /// Bias, GELU and bias gradients fused into the matmuls (cuBLASLt epilogues); otherwise
-    /// separate kernels.
-    pub epilogues: bool,
-    /// Time cuBLASLt's candidate algorithms per matmul shape once and keep the fastest.
-    pub autotune: bool,
-    /// Replay each micro-batch as a captured CUDA graph.
-    pub graphs: bool,
-    /// Weight gradients and bias sums on a second stream in the backward.
-    pub overlap: bool,
-    /// Dropout probability (embedding, attention probabilities, block outputs; needs flash
-    /// attention), masks from [`dropout`]'s Philox as the candle model draws them.
-    pub dropout: f64,
-    pub layers: Vec<StepLayer>,
-    /// LoRA fine-tuning: every base weight is frozen (one bf16 copy, no gradient, no
-    /// optimizer state); only the adapters train.
-    pub frozen_base: bool,
-    /// Which activations the backward recomputes instead of keeping.
-    pub recompute: Recompute,
-    pub ln_f: WeightBias,
-    /// The untied LM head, or None when it is `wte`.
-    pub head: Option<Var>,
-    pub eps: f64,
-}
+// The step's input types live with the step (kernels); the model builds them.
+pub use crate::engine::kernels::spec::{
+    StepLayer, StepLora, StepWeights, WeightBias, LORA_TARGETS,
+};
 
 /// LoRA settings for [`Model::add_lora`].
 #[derive(Clone, Debug)]

@@ -19,6 +19,7 @@
 //! composition runs, which is also the reference the GPU tests compare against.
 
 use candle_core::{DType, Tensor};
+pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -152,7 +153,7 @@ pub use cpu_stubs::*;
 mod step_stub {
     //! Without CUDA there is no whole-model step: `Model::step_weights` is always None on the
     //! CPU, so the trainer never builds one.
-    use crate::engine::model::StepWeights;
+    use super::spec::StepWeights;
     use candle_core::{Result, Tensor, Var};
 
     fn no_cuda<T>() -> Result<T> {

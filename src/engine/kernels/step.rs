@@ -45,11 +45,11 @@ use super::cuda::{
 };
 use super::lt::{Epi, Lt, Mm, Operand};
 use super::side::{Buf, Side};
+use super::spec::{StepLora, StepWeights, WeightBias};
 use super::WeightCopy;
 use crate::config::Recompute;
 use crate::engine::dropout;
 use crate::engine::events::KernelTime;
-use crate::engine::model::{StepLora, StepWeights, WeightBias};
 
 /// Elements each sub-buffer is aligned to (256 bytes in bf16): cuBLAS and vector loads like it.
 const ALIGN: usize = 128;
@@ -1498,7 +1498,7 @@ impl GptStep {
     }
 
     /// fp32 master weights → the bf16 copies, one multi-tensor launch.
-    /// A base stored in bf16 (LoRA on the GPU: [`crate::engine::model::BaseStore`]) is
+    /// A base stored in bf16 (LoRA on the GPU: the model's `BaseStore`) is
     /// copied as is.
     fn cast_weights(&mut self) -> Result<()> {
         let (f32s, bf16s): (Vec<usize>, Vec<usize>) = (0..self.entries.len())
