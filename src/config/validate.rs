@@ -275,6 +275,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         );
     }
     ck.at_least("data.prefetch_depth", d.prefetch_depth as u64, 1);
+    if d.doc_separator.is_empty() {
+        ck.fail(
+            "data.doc_separator",
+            "\"\"",
+            "allowed: \"auto\", \"eos\", \"none\" or a non-empty text",
+        );
+    }
 
     // [optim]
     let o = &c.optim;
@@ -461,8 +468,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         "in (0, 1]",
     );
 
-    // [eval]
-    ck.at_least("eval.batches", c.eval.batches as u64, 1);
+    // [eval]: batches = 0 is the whole val split.
 
     // [monitor]
     ck.positive("monitor.interval_secs", c.monitor.interval_secs);

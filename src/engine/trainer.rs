@@ -3,7 +3,7 @@
 //! appended to `metrics.jsonl` in the run dir.
 
 use super::checkpoint::{self, TrainState};
-use super::data::loader::{val_batches, Batch, Cursor, Loader, Order};
+use super::data::loader::{mean_se, Batch, Cursor, EvalPlan, Loader, Order, Windows};
 use super::data::{self, Dataset};
 use super::events::{
     self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RankStat, RunInfo, ScuStats,
@@ -194,7 +194,7 @@ struct Trainer {
     /// Indices into `opt.slots` whose weights SCU regularizes.
     reg_slots: Vec<usize>,
     loader: Loader,
-    val: Vec<Batch>,
+    val: EvalPlan,
     scu: ScuController,
     scaler: LossScaler,
     tokens_per_epoch: f64,
@@ -308,11 +308,10 @@ impl Trainer {
         }
         let min_tokens = cfg.model.seq_len + 1;
         if dataset.train.len() < 2 * min_tokens || dataset.val.len() < min_tokens {
-            return Err(EngineError::Config(format!(
-                "data: {} train / {} val tokens is too little for model.seq_len = {}",
+            return Err(EngineError::Config(data::too_small(
+                &cfg,
                 dataset.train.len(),
                 dataset.val.len(),
-                cfg.model.seq_len
             )));
         }
         let mut model = Model::new(
@@ -365,7 +364,18 @@ impl Trainer {
             None => None,
         };
         let (rank, world) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
-        let order = Order::new(dataset.train.clone(), cfg.model.seq_len, cfg.run.seed);
+        let windows = match cfg.data.sampling {
+            crate::config::Sampling::Random => Windows::Random,
+            crate::config::Sampling::Aligned => Windows::Aligned,
+            crate::config::Sampling::Auto if cfg.data.source == "files" => Windows::Random,
+            crate::config::Sampling::Auto => Windows::Aligned,
+        };
+        let order = Order::with_windows(
+            dataset.train.clone(),
+            cfg.model.seq_len,
+            cfg.run.seed,
+            windows,
+        );
         let loader = Loader::new(
             order,
             o.micro_batch,
@@ -373,7 +383,7 @@ impl Trainer {
             Cursor::default(),
         )
         .with_shard(rank, world);
-        let val = val_batches(
+        let val = EvalPlan::new(
             &dataset.val,
             cfg.model.seq_len,
             o.micro_batch,
@@ -665,7 +675,7 @@ impl Trainer {
             scu_enabled: c.scu.enabled,
             scu_target: self.scu.target,
             summary: format!(
-                "{} {}L {}H d{} T{} vocab {} | {} | AdamW lr {:.1e} {:?} | {}",
+                "{} {}L {}H d{} T{} vocab {} | {} | {} windows, {} | AdamW lr {:.1e} {:?} | {}",
                 family(&c.model, s),
                 s.n_layer,
                 s.n_head,
@@ -673,6 +683,11 @@ impl Trainer {
                 s.seq_len,
                 s.vocab_size,
                 self.dataset.description,
+                match self.loader.windows() {
+                    Windows::Random => "random",
+                    Windows::Aligned => "aligned",
+                },
+                self.val.describe(),
                 c.optim.lr,
                 c.schedule.kind,
                 if c.lora.enabled {
@@ -697,19 +712,25 @@ impl Trainer {
         Ok(acc)
     }
 
+    /// The mean loss of the eval's windows and its standard error (over windows).
     fn evaluate(&mut self) -> candle_core::Result<EvalStats> {
-        let mut total = 0.0;
-        let batches = self.val.clone();
-        for b in &batches {
-            let (x, y) = self.batch_tensors(b)?;
-            total += self.model.loss(&x, &y, false)?.to_scalar::<f32>()? as f64;
+        let mut per_window = Vec::with_capacity(self.val.windows());
+        let plan = self.val.clone();
+        for b in plan.batches(self.micro_batch) {
+            let (x, y) = self.batch_tensors(&b)?;
+            let losses = self.model.token_losses(&x, &y)?;
+            let rows = losses.reshape((b.batch, b.seq_len))?.mean(1)?;
+            per_window.extend(rows.to_vec1::<f32>()?.into_iter().map(f64::from));
         }
-        let val_loss = total / batches.len().max(1) as f64;
+        let (val_loss, se) = mean_se(&per_window);
         Ok(EvalStats {
             step: self.step,
             val_loss,
             val_bpt: val_loss / LN2,
             val_ppl: val_loss.exp(),
+            val_loss_se: se,
+            val_bpt_se: se / LN2,
+            val_tokens: plan.tokens_scored(),
         })
     }
 
@@ -1582,6 +1603,12 @@ impl Trainer {
         let mut paused = false;
         let mut prev_batch: Option<usize> = None;
         let mut nonfinite_in_a_row = 0u32;
+        for message in self.dataset.warnings.clone() {
+            out.emit(Event::Warning {
+                step: self.step,
+                message,
+            });
+        }
         for note in std::mem::take(&mut self.resume_notes) {
             out.emit(Event::Warning {
                 step: self.step,
