@@ -650,4 +650,38 @@ mod tests {
         let eos = tok.eos_id().unwrap();
         assert_eq!(separator("eos", &tok, none).unwrap(), vec![eos]);
     }
+
+    #[test]
+    fn hashes_are_kept_by_size_and_mtime() {
+        let tmp = tempfile::tempdir().unwrap();
+        let f = tmp.path().join("a.txt");
+        let old = SystemTime::now() - std::time::Duration::from_secs(3600);
+        let write = |body: &str, mtime: SystemTime| {
+            std::fs::write(&f, body).unwrap();
+            File::options()
+                .write(true)
+                .open(&f)
+                .unwrap()
+                .set_modified(mtime)
+                .unwrap();
+        };
+        write("hello", old);
+        let root = tmp.path().join(CACHE_DIR);
+        let mut c = HashCache::load(&root);
+        let (first, n) = c.sha256(&f).unwrap();
+        assert_eq!(n, 5);
+        c.save(&root);
+        // Same size and mtime: not read again (the stale hash shows it).
+        write("HELLO", old);
+        let mut c = HashCache::load(&root);
+        assert_eq!(c.sha256(&f).unwrap().0, first);
+        // Another mtime: hashed again.
+        write("HELLO", old + std::time::Duration::from_secs(1));
+        assert_ne!(c.sha256(&f).unwrap().0, first);
+        // A file written just now is hashed but not remembered (its mtime may not settle).
+        let g = tmp.path().join("b.txt");
+        std::fs::write(&g, "new").unwrap();
+        c.sha256(&g).unwrap();
+        assert!(!c.files.keys().any(|k| k.ends_with("b.txt")));
+    }
 }
