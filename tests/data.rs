@@ -133,15 +133,24 @@ fn jsonl_documents_separators_warnings_and_eval_standard_error() {
         "{}",
         &s[..80]
     );
-    assert_eq!(ds.warnings, p.manifest.warnings, "warnings survive the cache");
+    assert_eq!(
+        ds.warnings, p.manifest.warnings,
+        "warnings survive the cache"
+    );
 
     // Progress without a terminal: a line per 10%.
     std::fs::remove_dir_all(text.join(".cockpit-cache")).unwrap();
     let out = cockpit().arg("prepare").arg(&cfg_path).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(err.contains("prepare: 100.0%") && err.contains("MB/s"), "{err}");
-    assert!(err.contains("warning: ") && err.contains("empty.txt"), "{err}");
+    assert!(
+        err.contains("prepare: 100.0%") && err.contains("MB/s"),
+        "{err}"
+    );
+    assert!(
+        err.contains("warning: ") && err.contains("empty.txt"),
+        "{err}"
+    );
 
     let run = tmp.path().join("run");
     let out = cockpit()
@@ -169,7 +178,10 @@ fn jsonl_documents_separators_warnings_and_eval_standard_error() {
         assert!(se > 0.0 && se < 1.0, "{e}");
         assert_eq!(e["val_tokens"], 384);
     }
-    assert!(err.contains(" ± "), "the headless eval line shows ± se: {err}");
+    assert!(
+        err.contains(" ± "),
+        "the headless eval line shows ± se: {err}"
+    );
 }
 
 /// Bad input fails with a clear error naming the file (exit 2), never an empty eval.
@@ -201,7 +213,10 @@ fn bad_input_is_named() {
     };
     let err = case(
         "jsonl",
-        &[("t/a.jsonl", "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n")],
+        &[(
+            "t/a.jsonl",
+            "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n",
+        )],
         "",
     );
     assert!(err.contains("a.jsonl:2: no \"text\" field"), "{err}");

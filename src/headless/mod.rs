@@ -36,7 +36,7 @@ impl Progress {
         }
     }
 
-    /// `step 1200/5000 | loss 1.532 | val 1.611 | lr 3.0e-4 | 41.2k tok/s | ETA 12m | GPU … | CPU 45% | RAM 67%`
+    /// `step 1200/5000 | loss 1.532 | val 1.611 ± 0.012 | lr 3.0e-4 | 41.2k tok/s | ETA 12m | GPU … | CPU 45% | RAM 67%`
     pub fn line(&self) -> Option<String> {
         let s = self.step.as_ref()?;
         let max = self.run.as_ref().map(|r| r.max_steps).unwrap_or(s.step);
