@@ -20,9 +20,9 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Bytes per tokenization job.
-const PIECE: usize = 1 << 20;
+const PIECE: usize = 256 << 10;
 /// Bytes of text handed to the thread pool at once.
-const BATCH: usize = 32 << 20;
+const BATCH: usize = 16 << 20;
 /// Bump when the packed layout changes (the cache key includes it).
 const FORMAT: &str = "pack-v2";
 
@@ -480,23 +480,28 @@ fn is_jsonl(f: &Path) -> bool {
 }
 
 /// Where to cut `buf` (longer than `target`) at or after `target`, so that tokenizing the two
-/// parts apart gives the tokens of the whole for GPT-2 style pre-tokenizers: the start of a
-/// line that begins with a non-space; else before a space that starts a word (`"a| b"`);
-/// else any UTF-8 character boundary.
+/// parts apart gives the tokens of the whole for GPT-2 style pre-tokenizers: after a lone
+/// newline between two non-spaces (`"a\n|b"`: a longer run of whitespace is split differently
+/// at the end of a text); else before a lone space that starts a word (`"a| b"`); else any
+/// UTF-8 character boundary.
 pub(crate) fn cut(buf: &[u8], target: usize) -> usize {
-    let target = target.clamp(1, buf.len());
-    let starts_word = |b: u8| !b.is_ascii_whitespace();
-    if let Some(i) = (target..buf.len()).find(|&i| buf[i - 1] == b'\n' && starts_word(buf[i])) {
-        return i;
-    }
-    if let Some(i) = (target..buf.len().saturating_sub(1)).find(|&i| {
-        buf[i] == b' ' && buf[i + 1].is_ascii_alphanumeric() && !buf[i - 1].is_ascii_whitespace()
-    }) {
-        return i;
-    }
+    let target = target.clamp(2, buf.len());
+    clean_cut(buf, target).unwrap_or_else(|| {
+        (target..buf.len())
+            .find(|&i| buf[i] & 0xC0 != 0x80)
+            .unwrap_or(buf.len())
+    })
+}
+
+/// The first cut at or after `target` (≥ 2) that keeps the words of the whole, if any.
+fn clean_cut(buf: &[u8], target: usize) -> Option<usize> {
+    let text = |b: u8| !b.is_ascii_whitespace();
     (target..buf.len())
-        .find(|&i| buf[i] & 0xC0 != 0x80)
-        .unwrap_or(buf.len())
+        .find(|&i| buf[i - 1] == b'\n' && text(buf[i]) && text(buf[i - 2]))
+        .or_else(|| {
+            (target..buf.len().saturating_sub(1))
+                .find(|&i| buf[i] == b' ' && buf[i + 1].is_ascii_alphanumeric() && text(buf[i - 1]))
+        })
 }
 
 /// SHA-256 of source files, remembered by (size, mtime) in `.cockpit-cache/hashes.json`: an
@@ -594,35 +599,52 @@ mod tests {
         Tok::open(p).unwrap()
     }
 
+    /// GPT-2 pre-tokenization (the words BPE then splits) of `text`.
+    fn words(text: &str) -> Vec<String> {
+        use tokenizers::tokenizer::{OffsetReferential, OffsetType, PreTokenizedString};
+        use tokenizers::PreTokenizer;
+        let mut p = PreTokenizedString::from(text);
+        tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, true, true)
+            .pre_tokenize(&mut p)
+            .unwrap();
+        p.get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(s, _, _)| s.to_string())
+            .collect()
+    }
+
     #[test]
-    fn cuts_keep_the_tokens_of_the_whole() {
-        let tok = gpt2();
+    fn cuts_keep_the_words_of_the_whole() {
         let text = "Hello world.\n\n  indented line\nNext line, with  two spaces\n\n\nÉté \
-                    déjà\nx = 1;\n"
+                    déjà\r\n\r\nx = 1;\r\ny\n\tz\n"
             .repeat(40);
-        let whole = tok.encode_bytes(text.as_bytes(), "t").unwrap();
-        for target in [1, 7, 50, 333, 1000] {
+        let whole = words(&text);
+        let tok = gpt2();
+        let whole_ids = tok.encode_bytes(text.as_bytes(), "t").unwrap();
+        for target in [2, 7, 50, 333, 1000] {
             let mut rest = text.as_bytes();
-            let mut ids = Vec::new();
+            let (mut w, mut ids) = (Vec::new(), Vec::new());
             while !rest.is_empty() {
                 let at = if rest.len() <= target {
                     rest.len()
                 } else {
-                    cut(rest, target)
+                    clean_cut(rest, target).unwrap_or(rest.len())
                 };
                 assert!(at > 0);
+                w.extend(words(std::str::from_utf8(&rest[..at]).unwrap()));
                 ids.extend(tok.encode_bytes(&rest[..at], "t").unwrap());
                 rest = &rest[at..];
             }
-            assert_eq!(ids, whole, "pieces of about {target} bytes");
+            assert_eq!(w, whole, "pieces of about {target} bytes");
+            assert_eq!(ids, whole_ids, "pieces of about {target} bytes");
         }
         // One long line: cut before a word.
         let line = "lorem ipsum dolor sit amet ".repeat(100);
         let at = cut(line.as_bytes(), 100);
         assert_eq!(line.as_bytes()[at], b' ');
-        let mut ids = tok.encode_bytes(&line.as_bytes()[..at], "t").unwrap();
-        ids.extend(tok.encode_bytes(&line.as_bytes()[at..], "t").unwrap());
-        assert_eq!(ids, tok.encode_bytes(line.as_bytes(), "t").unwrap());
+        let mut w = words(&line[..at]);
+        w.extend(words(&line[at..]));
+        assert_eq!(w, words(&line));
         // No spaces at all: a character boundary.
         let s = "é".repeat(100);
         assert!(std::str::from_utf8(&s.as_bytes()[..cut(s.as_bytes(), 11)]).is_ok());
