@@ -493,14 +493,26 @@ pub(crate) fn cut(buf: &[u8], target: usize) -> usize {
     })
 }
 
-/// The first cut at or after `target` (≥ 2) that keeps the words of the whole, if any.
+/// The first cut at or after `target` (≥ 2) that keeps the words of the whole, if any: after
+/// a lone newline, before a lone space, or between ASCII letters, digits and punctuation
+/// (`"a|,"`, `"1|x"`; not around `'`, which starts `'s`-style words).
 fn clean_cut(buf: &[u8], target: usize) -> Option<usize> {
     let text = |b: u8| !b.is_ascii_whitespace();
+    let class = |b: u8| match b {
+        b'a'..=b'z' | b'A'..=b'Z' => Some(0),
+        b'0'..=b'9' => Some(1),
+        b'\'' => None,
+        _ if b.is_ascii_punctuation() => Some(2),
+        _ => None,
+    };
+    let end = buf.len().saturating_sub(1);
     (target..buf.len())
         .find(|&i| buf[i - 1] == b'\n' && text(buf[i]) && text(buf[i - 2]))
+        .or_else(|| (target..end).find(|&i| buf[i] == b' ' && text(buf[i + 1]) && text(buf[i - 1])))
         .or_else(|| {
-            (target..buf.len().saturating_sub(1))
-                .find(|&i| buf[i] == b' ' && buf[i + 1].is_ascii_alphanumeric() && text(buf[i - 1]))
+            (target..buf.len()).find(
+                |&i| matches!((class(buf[i - 1]), class(buf[i])), (Some(a), Some(b)) if a != b),
+            )
         })
 }
 
@@ -616,7 +628,7 @@ mod tests {
     #[test]
     fn cuts_keep_the_words_of_the_whole() {
         let text = "Hello world.\n\n  indented line\nNext line, with  two spaces\n\n\nÉté \
-                    déjà\r\n\r\nx = 1;\r\ny\n\tz\n"
+                    déjà\r\n\r\nx = 1;\r\ny\n\tz\n  {\"k\": \"v\", 'a' 's}\n   ],\n   \"V\":\"2012\"\n"
             .repeat(40);
         let whole = words(&text);
         let tok = gpt2();
