@@ -50,6 +50,15 @@ pub fn human_duration(secs: f64) -> String {
     }
 }
 
+/// `1.234 ± 0.012` with `decimals` decimals, or the value alone when `se` is not finite.
+pub fn plus_minus(v: f64, se: f64, decimals: usize) -> String {
+    if se.is_finite() {
+        format!("{v:.decimals$} ± {se:.decimals$}")
+    } else {
+        format!("{v:.decimals$}")
+    }
+}
+
 /// Bytes as GB with one decimal.
 pub fn gb(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / 1e9)

@@ -70,6 +70,9 @@ fn eval(step: u64, val_loss: f64) -> Event {
         val_loss,
         val_bpt: val_loss / std::f64::consts::LN_2,
         val_ppl: val_loss.exp(),
+        val_loss_se: f64::NAN,
+        val_bpt_se: f64::NAN,
+        val_tokens: 0,
     })
 }
 

@@ -74,7 +74,17 @@ fn losses(events: &[Event]) -> Vec<(u64, f64)> {
 /// fixed odd step (between two SCU control steps) and once by a Stop command wherever it lands.
 #[test]
 fn resume_reproduces_the_uninterrupted_run_bitwise() {
-    let base = ["scu.control_every=2", "schedule.kind=constant"];
+    resume_bitwise("data.sampling=\"aligned\"");
+}
+
+/// The same across random windows (they start anywhere: the checkpoint falls mid-stream).
+#[test]
+fn resume_across_random_windows_is_bitwise() {
+    resume_bitwise("data.sampling=\"random\"");
+}
+
+fn resume_bitwise(sampling: &str) {
+    let base = ["scu.control_every=2", "schedule.kind=constant", sampling];
     let with = |extra: &[&str]| {
         let v: Vec<&str> = base.iter().chain(extra).copied().collect();
         small(&v)

@@ -118,6 +118,9 @@ fn canned_run(last: u64, scu_enabled: bool) -> Vec<Event> {
                 val_loss: loss_at(step) + 0.12,
                 val_bpt: (loss_at(step) + 0.12) / std::f64::consts::LN_2,
                 val_ppl: (loss_at(step) + 0.12).exp(),
+                val_loss_se: 0.03,
+                val_bpt_se: 0.03 / std::f64::consts::LN_2,
+                val_tokens: 65_536,
             }));
         }
         if step % 500 == 0 {

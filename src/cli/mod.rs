@@ -497,8 +497,14 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
             return Ok(EXIT_USAGE);
         }
     };
-    match crate::engine::data::prepare_with(&cfg, special) {
+    let mut bar = ProgressBar::new();
+    let result = crate::engine::data::prepare_with_progress(&cfg, special, &mut |p| bar.show(p));
+    bar.finish();
+    match result {
         Ok(p) => {
+            for w in &p.manifest.warnings {
+                eprintln!("warning: {w}");
+            }
             eprintln!(
                 "{} {}",
                 if p.cached {
@@ -513,6 +519,71 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
         Err(e) => {
             eprintln!("cockpit: prepare: {e}");
             Ok(EXIT_USAGE)
+        }
+    }
+}
+
+/// `cockpit prepare`'s progress on stderr: a bar redrawn in place on a terminal, else a line
+/// every 10%.
+struct ProgressBar {
+    start: std::time::Instant,
+    tty: bool,
+    drawn: Option<std::time::Instant>,
+    next_pct: u64,
+}
+
+impl ProgressBar {
+    fn new() -> Self {
+        use std::io::IsTerminal;
+        Self {
+            start: std::time::Instant::now(),
+            tty: std::io::stderr().is_terminal(),
+            drawn: None,
+            next_pct: 10,
+        }
+    }
+
+    fn show(&mut self, p: &crate::engine::data::PrepareProgress) {
+        let frac = p.bytes_done as f64 / p.bytes_total.max(1) as f64;
+        let secs = self.start.elapsed().as_secs_f64();
+        let rate = p.bytes_done as f64 / secs.max(1e-9);
+        let eta = (p.bytes_total.saturating_sub(p.bytes_done)) as f64 / rate.max(1.0);
+        let text = format!(
+            "{:5.1}% {:.0}/{:.0} MB · {:.1} MB/s · {} tokens · ETA {}",
+            frac * 100.0,
+            p.bytes_done as f64 / 1e6,
+            p.bytes_total as f64 / 1e6,
+            rate / 1e6,
+            crate::util::human_count(p.tokens as f64),
+            crate::util::human_duration(eta)
+        );
+        if self.tty {
+            if self
+                .drawn
+                .is_some_and(|t| t.elapsed().as_millis() < 100 && frac < 1.0)
+            {
+                return;
+            }
+            const W: usize = 24;
+            let full = ((frac * W as f64) as usize).min(W);
+            eprint!(
+                "\rprepare [{}{}] {text}\x1b[K",
+                "█".repeat(full),
+                "·".repeat(W - full)
+            );
+            self.drawn = Some(std::time::Instant::now());
+        } else {
+            let pct = (frac * 100.0) as u64;
+            if pct >= self.next_pct {
+                eprintln!("prepare: {text}");
+                self.next_pct = (pct / 10 + 1) * 10;
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if self.tty && self.drawn.is_some() {
+            eprintln!();
         }
     }
 }

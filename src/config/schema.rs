@@ -257,6 +257,15 @@ impl Default for ModelConfig {
     }
 }
 
+/// `data.sampling`: where training windows start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sampling {
+    Auto,
+    Random,
+    Aligned,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
@@ -273,6 +282,14 @@ pub struct DataConfig {
     pub tokenizer: String,
     /// Batches prepared ahead by the loader thread.
     pub prefetch_depth: usize,
+    /// Where training windows start: "random" (any token, from the seed and the position in
+    /// the stream), "aligned" (non-overlapping windows of seq_len, reshuffled each epoch) or
+    /// "auto" (random for files, aligned for the built-in corpus).
+    pub sampling: Sampling,
+    /// Put after each document (file, or JSONL record) when packing: "auto" (the tokenizer's
+    /// EOS when it has one, else nothing), "eos" (an error without one), "none", or any other
+    /// string: that text, tokenized.
+    pub doc_separator: String,
     /// Built-in corpus: alphabet size.
     pub builtin_vocab: usize,
     /// Built-in corpus: Markov order (tokens of context that determine the next one).
@@ -294,6 +311,8 @@ impl Default for DataConfig {
             val_fraction: 0.05,
             tokenizer: "auto".into(),
             prefetch_depth: 4,
+            sampling: Sampling::Auto,
+            doc_separator: "auto".into(),
             builtin_vocab: 16,
             builtin_order: 2,
             builtin_branching: 4,
@@ -619,7 +638,8 @@ impl Default for CheckpointConfig {
 pub struct EvalConfig {
     /// Evaluate every N optimizer steps; 0 = only at the end.
     pub every: u64,
-    /// Batches of the val split per evaluation.
+    /// Batches (of optim.micro_batch windows at fixed random offsets, the same at every eval)
+    /// of the val split per evaluation; 0 = the whole split.
     pub batches: usize,
     pub at_end: bool,
     /// At each eval, continue a fixed prompt greedily by this many tokens (into

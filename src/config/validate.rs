@@ -319,6 +319,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         1024.0,
         "at most 1024 (batches prepared ahead)",
     );
+    if d.doc_separator.is_empty() {
+        ck.fail(
+            "data.doc_separator",
+            "\"\"",
+            "allowed: \"auto\", \"eos\", \"none\" or a non-empty text",
+        );
+    }
 
     // [optim]
     let o = &c.optim;
@@ -516,8 +523,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         "in (0, 1]",
     );
 
-    // [eval]
-    ck.at_least("eval.batches", c.eval.batches as u64, 1);
+    // [eval]: batches = 0 is the whole val split.
 
     // [monitor]
     ck.positive("monitor.interval_secs", c.monitor.interval_secs);

@@ -204,6 +204,20 @@ pub struct EvalStats {
     pub val_bpt: f64,
     #[serde(deserialize_with = "nan_f64")]
     pub val_ppl: f64,
+    /// Standard error of `val_loss` over the eval's windows (NaN when unknown: one window, or
+    /// a run from before it was recorded).
+    #[serde(default = "nan", deserialize_with = "nan_f64")]
+    pub val_loss_se: f64,
+    /// The same in bits/token.
+    #[serde(default = "nan", deserialize_with = "nan_f64")]
+    pub val_bpt_se: f64,
+    /// Val tokens the eval scored (0 when unknown).
+    #[serde(default)]
+    pub val_tokens: u64,
+}
+
+fn nan() -> f64 {
+    f64::NAN
 }
 
 /// One SCU control step.

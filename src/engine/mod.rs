@@ -68,7 +68,10 @@ impl EngineError {
                 | EngineError::Device(_)
                 | EngineError::Distributed(crate::distributed::CommError::Setup(_))
                 | EngineError::Data(
-                    data::DataError::NoFiles(_) | data::DataError::Tokenizer { .. }
+                    data::DataError::NoFiles(_)
+                        | data::DataError::Tokenizer { .. }
+                        | data::DataError::Input { .. }
+                        | data::DataError::TooSmall(_)
                 )
         ) || matches!(
             self,

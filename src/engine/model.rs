@@ -936,6 +936,35 @@ impl Model {
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
     }
 
+    /// Cross-entropy in nats (f32 `[B·T]`) of each next-token prediction, without dropout
+    /// (the eval's per-window losses).
+    pub fn token_losses(&mut self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        if targets.dtype() == DType::U32
+            && self.shape.kernels.linear
+            && self.shape.kernels.cross_entropy
+            && kernels::usable(self.wte.as_tensor())
+            && self.dtype != DType::F64
+        {
+            let (x, head) = self.hidden(ids, false)?;
+            return kernels::lm_head_cross_entropy(&x, &head, targets)?
+                .detach()
+                .to_dtype(DType::F32);
+        }
+        let logits = self.forward(ids, false)?;
+        if self.fused(self.shape.kernels.cross_entropy, &logits) && targets.dtype() == DType::U32 {
+            return kernels::cross_entropy_rows(&logits, targets)?
+                .detach()
+                .to_dtype(DType::F32);
+        }
+        let logp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+        let t = targets.flatten_all()?.unsqueeze(1)?;
+        logp.gather(&t, 1)?
+            .squeeze(1)?
+            .neg()?
+            .detach()
+            .to_dtype(DType::F32)
+    }
+
     /// The weights for the whole-model CUDA step, when this model is one it runs: bf16 on
     /// CUDA, widths multiples of 8 (16-byte accesses), an even head dim, everything trainable
     /// or (LoRA) exactly the adapters; grouped-query attention and dropout need flash

@@ -3,7 +3,7 @@
 //! appended to `metrics.jsonl` in the run dir.
 
 use super::checkpoint::{self, TrainState};
-use super::data::loader::{val_batches, Batch, Cursor, Loader, Order};
+use super::data::loader::{mean_se, Batch, Cursor, EvalPlan, Loader, Order, Windows};
 use super::data::{self, Dataset};
 use super::events::{
     self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RankStat, RunInfo, ScuStats,
@@ -205,7 +205,7 @@ struct Trainer {
     /// Indices into `opt.slots` whose weights SCU regularizes.
     reg_slots: Vec<usize>,
     loader: Loader,
-    val: Vec<Batch>,
+    val: EvalPlan,
     scu: ScuController,
     scaler: LossScaler,
     tokens_per_epoch: f64,
@@ -319,11 +319,10 @@ impl Trainer {
         }
         let min_tokens = cfg.model.seq_len + 1;
         if dataset.train.len() < 2 * min_tokens || dataset.val.len() < min_tokens {
-            return Err(EngineError::Config(format!(
-                "data: {} train / {} val tokens is too little for model.seq_len = {}",
+            return Err(EngineError::Config(data::too_small(
+                &cfg,
                 dataset.train.len(),
                 dataset.val.len(),
-                cfg.model.seq_len
             )));
         }
         // LoRA on a GPU in bf16 keeps the frozen base in bf16 only (the fast step computes
@@ -390,7 +389,18 @@ impl Trainer {
             None => None,
         };
         let (rank, world) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
-        let order = Order::new(dataset.train.clone(), cfg.model.seq_len, cfg.run.seed);
+        let windows = match cfg.data.sampling {
+            crate::config::Sampling::Random => Windows::Random,
+            crate::config::Sampling::Aligned => Windows::Aligned,
+            crate::config::Sampling::Auto if cfg.data.source == "files" => Windows::Random,
+            crate::config::Sampling::Auto => Windows::Aligned,
+        };
+        let order = Order::with_windows(
+            dataset.train.clone(),
+            cfg.model.seq_len,
+            cfg.run.seed,
+            windows,
+        );
         let loader = Loader::new(
             order,
             o.micro_batch,
@@ -398,7 +408,7 @@ impl Trainer {
             Cursor::default(),
         )
         .with_shard(rank, world);
-        let val = val_batches(
+        let val = EvalPlan::new(
             &dataset.val,
             cfg.model.seq_len,
             o.micro_batch,
@@ -697,7 +707,7 @@ impl Trainer {
             scu_enabled: c.scu.enabled,
             scu_target: self.scu.target,
             summary: format!(
-                "{} {}L {}H d{} T{} vocab {} | {} | AdamW lr {:.1e} {:?} | {}",
+                "{} {}L {}H d{} T{} vocab {} | {} | {} windows, {} | AdamW lr {:.1e} {:?} | {}",
                 family(&c.model, s),
                 s.n_layer,
                 s.n_head,
@@ -705,6 +715,11 @@ impl Trainer {
                 s.seq_len,
                 s.vocab_size,
                 self.dataset.description,
+                match self.loader.windows() {
+                    Windows::Random => "random",
+                    Windows::Aligned => "aligned",
+                },
+                self.val.describe(),
                 c.optim.lr,
                 c.schedule.kind,
                 if c.lora.enabled {
@@ -729,32 +744,39 @@ impl Trainer {
         Ok(acc)
     }
 
-    /// The mean loss of one held-out batch: on the whole-model step when the run has one (its
-    /// forward alone), else the candle model's.
-    fn eval_batch(&mut self, b: &Batch) -> candle_core::Result<f64> {
+    /// Each window's mean loss in one held-out batch: on the whole-model step when the run
+    /// has one and the batch is a full micro-batch (its forward alone), else the candle
+    /// model's.
+    fn eval_windows(&mut self, b: &Batch) -> candle_core::Result<Vec<f64>> {
         self.check_whole()?;
-        if let Some(whole) = self.whole.as_mut() {
-            let loss = whole.eval_loss(&b.inputs, &b.targets, b.batch, self.weights_copied)?;
+        if let Some(whole) = self.whole.as_mut().filter(|_| b.batch == self.micro_batch) {
+            let losses = whole.eval_losses(&b.inputs, &b.targets, b.batch, self.weights_copied)?;
             // The bf16 copies are current now, until the next optimizer step.
             self.weights_copied = true;
-            return Ok(loss);
+            return Ok(losses);
         }
         let (x, y) = self.batch_tensors(b)?;
-        Ok(self.model.loss(&x, &y, false)?.to_scalar::<f32>()? as f64)
+        let losses = self.model.token_losses(&x, &y)?;
+        let rows = losses.reshape((b.batch, b.seq_len))?.mean(1)?;
+        Ok(rows.to_vec1::<f32>()?.into_iter().map(f64::from).collect())
     }
 
+    /// The mean loss of the eval's windows and its standard error (over windows).
     fn evaluate(&mut self) -> candle_core::Result<EvalStats> {
-        let mut total = 0.0;
-        let batches = self.val.clone();
-        for b in &batches {
-            total += self.eval_batch(b)?;
+        let mut per_window = Vec::with_capacity(self.val.windows());
+        let plan = self.val.clone();
+        for b in plan.batches(self.micro_batch) {
+            per_window.extend(self.eval_windows(&b)?);
         }
-        let val_loss = total / batches.len().max(1) as f64;
+        let (val_loss, se) = mean_se(&per_window);
         Ok(EvalStats {
             step: self.step,
             val_loss,
             val_bpt: val_loss / LN2,
             val_ppl: val_loss.exp(),
+            val_loss_se: se,
+            val_bpt_se: se / LN2,
+            val_tokens: plan.tokens_scored(),
         })
     }
 
@@ -1694,6 +1716,12 @@ impl Trainer {
         let mut paused = false;
         let mut prev_batch: Option<usize> = None;
         let mut nonfinite_in_a_row = 0u32;
+        for message in self.dataset.warnings.clone() {
+            out.emit(Event::Warning {
+                step: self.step,
+                message,
+            });
+        }
         for note in std::mem::take(&mut self.resume_notes) {
             out.emit(Event::Warning {
                 step: self.step,

@@ -36,7 +36,7 @@ impl Progress {
         }
     }
 
-    /// `step 1200/5000 | loss 1.532 | val 1.611 | lr 3.0e-4 | 41.2k tok/s | ETA 12m | GPU … | CPU 45% | RAM 67%`
+    /// `step 1200/5000 | loss 1.532 | val 1.611 ± 0.012 | lr 3.0e-4 | 41.2k tok/s | ETA 12m | GPU … | CPU 45% | RAM 67%`
     pub fn line(&self) -> Option<String> {
         let s = self.step.as_ref()?;
         let max = self.run.as_ref().map(|r| r.max_steps).unwrap_or(s.step);
@@ -45,7 +45,10 @@ impl Progress {
             format!("loss {:.3}", s.loss),
         ];
         if let Some(e) = &self.eval {
-            parts.push(format!("val {:.3}", e.val_loss));
+            parts.push(format!(
+                "val {}",
+                crate::util::plus_minus(e.val_loss, e.val_loss_se, 3)
+            ));
         }
         parts.push(format!("lr {:.1e}", s.lr));
         parts.push(format!("{} tok/s", human_count(s.tokens_per_sec)));
@@ -130,8 +133,16 @@ pub fn event_line(ev: &Event) -> Option<String> {
             )
         }
         Event::Eval(e) => format!(
-            "eval  step {} | val loss {:.4} | {:.3} bits/token | ppl {:.2}",
-            e.step, e.val_loss, e.val_bpt, e.val_ppl
+            "eval  step {} | val loss {} | {} bits/token | ppl {:.2}{}",
+            e.step,
+            crate::util::plus_minus(e.val_loss, e.val_loss_se, 4),
+            crate::util::plus_minus(e.val_bpt, e.val_bpt_se, 3),
+            e.val_ppl,
+            if e.val_tokens > 0 {
+                format!(" | {} tokens", human_count(e.val_tokens as f64))
+            } else {
+                String::new()
+            }
         ),
         Event::ScuConverged {
             step,

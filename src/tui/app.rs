@@ -318,8 +318,10 @@ impl App {
                     Some(e.step),
                     LogLevel::Info,
                     format!(
-                        "eval: val loss {:.4} · {:.3} bits/token · ppl {:.2}",
-                        e.val_loss, e.val_bpt, e.val_ppl
+                        "eval: {} bits/token · val loss {:.4} · ppl {:.2}",
+                        crate::util::plus_minus(e.val_bpt, e.val_bpt_se, 3),
+                        e.val_loss,
+                        e.val_ppl
                     ),
                 );
             }

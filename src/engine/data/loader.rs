@@ -1,6 +1,12 @@
 //! The batch loader: a prefetch thread with a bounded queue, a deterministic order from the
 //! seed, and a cursor a checkpoint can save and restore. The batch size can change at any
 //! time: the loader restarts from the cursor of the last batch handed out.
+//!
+//! Windows are either aligned (non-overlapping windows of `seq_len`, a permutation per epoch)
+//! or random: window `i` of epoch `e` starts at a token drawn from `(seed, e, i)` alone, so the
+//! stream is a pure function of the seed and the position in it (resume is exact, and data
+//! parallel ranks, which take disjoint rows of the same global stream, see different windows).
+//! Either way an epoch is `sequences_per_epoch` windows: about one pass over the tokens.
 
 use super::Tokens;
 use rand::rngs::StdRng;
@@ -32,27 +38,62 @@ pub struct Batch {
     pub cursor: Cursor,
 }
 
-/// The order of sequence windows in an epoch: a permutation fixed by (seed, epoch).
+/// Where training windows start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Windows {
+    /// Non-overlapping windows at multiples of `seq_len`, in a permutation per epoch.
+    Aligned,
+    /// Any token, drawn from (seed, epoch, index in the epoch).
+    Random,
+}
+
+/// SplitMix64's finalizer: a bijective 64-bit mix.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The start of random window `index` of `epoch`, uniform in `[0, starts)` (a pure function of
+/// its arguments; `starts` = tokens − seq_len, the positions a whole window fits after).
+pub fn window_start(seed: u64, epoch: u64, index: u64, starts: u64) -> u64 {
+    let h = mix(mix(mix(seed ^ 0x9E37_79B9_7F4A_7C15) ^ epoch) ^ index);
+    ((h as u128 * starts as u128) >> 64) as u64
+}
+
+/// The order of sequence windows in an epoch: a permutation fixed by (seed, epoch), or
+/// random starts.
 #[derive(Clone, Debug)]
 pub struct Order {
     tokens: Tokens,
     seq_len: usize,
     seed: u64,
+    windows: Windows,
     epoch: u64,
     perm: Vec<u32>,
 }
 
 impl Order {
+    /// Aligned windows.
     pub fn new(tokens: Tokens, seq_len: usize, seed: u64) -> Self {
+        Self::with_windows(tokens, seq_len, seed, Windows::Aligned)
+    }
+
+    pub fn with_windows(tokens: Tokens, seq_len: usize, seed: u64, windows: Windows) -> Self {
         let mut o = Self {
             tokens,
             seq_len,
             seed,
+            windows,
             epoch: u64::MAX,
             perm: Vec::new(),
         };
         o.set_epoch(0);
         o
+    }
+
+    pub fn windows(&self) -> Windows {
+        self.windows
     }
 
     /// Non-overlapping windows of seq_len + 1 tokens (inputs plus the shifted targets).
@@ -61,7 +102,7 @@ impl Order {
     }
 
     fn set_epoch(&mut self, epoch: u64) {
-        if self.epoch == epoch {
+        if self.epoch == epoch || self.windows == Windows::Random {
             return;
         }
         self.epoch = epoch;
@@ -88,10 +129,20 @@ impl Order {
                     index: 0,
                 };
             }
-            self.set_epoch(cursor.epoch);
-            let seq = self.perm.get(cursor.index as usize).copied().unwrap_or(0) as usize;
+            let start = match self.windows {
+                Windows::Aligned => {
+                    self.set_epoch(cursor.epoch);
+                    self.perm.get(cursor.index as usize).copied().unwrap_or(0) as usize * t
+                }
+                Windows::Random => window_start(
+                    self.seed,
+                    cursor.epoch,
+                    cursor.index,
+                    self.tokens.len().saturating_sub(t) as u64,
+                ) as usize,
+            };
             row.clear();
-            self.tokens.extend_into(seq * t, t + 1, &mut row);
+            self.tokens.extend_into(start, t + 1, &mut row);
             inputs.extend_from_slice(&row[..t]);
             targets.extend_from_slice(&row[1..]);
             cursor.index += 1;
@@ -172,6 +223,10 @@ impl Loader {
         self.order.sequences_per_epoch()
     }
 
+    pub fn windows(&self) -> Windows {
+        self.order.windows()
+    }
+
     /// Change the micro-batch size; the next batch starts where the last one handed out ended.
     pub fn set_batch_size(&mut self, batch: usize) {
         if batch != self.batch {
@@ -240,30 +295,106 @@ impl Drop for Loader {
     }
 }
 
-/// Fixed, ordered val batches (no shuffle): the first `n_batches` of the val split.
-pub fn val_batches(tokens: &Tokens, seq_len: usize, batch: usize, n_batches: usize) -> Vec<Batch> {
-    let mut order = Order {
-        tokens: tokens.clone(),
-        seq_len,
-        seed: 0,
-        epoch: 0,
-        perm: Vec::new(),
-    };
-    let n = order.sequences_per_epoch();
-    order.perm = (0..n as u32).collect();
-    let per = batch.min(n).max(1);
-    let count = n_batches.min(n / per).max(1);
-    (0..count)
-        .map(|i| {
-            order.batch_at(
-                Cursor {
-                    epoch: 0,
-                    index: (i * per) as u64,
-                },
-                per,
-            )
+/// The eval's seed: fixed (not run.seed), so every eval of every run of a val split scores the
+/// same windows and their losses compare.
+pub const EVAL_SEED: u64 = 0x00C0_C4E7_E5A1;
+
+/// The val windows an eval scores: `n_batches × batch` windows at random starts drawn from
+/// [`EVAL_SEED`] (the same at every eval), or the whole split in non-overlapping windows when
+/// `n_batches` is 0 or asks for at least as many windows as the split holds.
+#[derive(Clone, Debug)]
+pub struct EvalPlan {
+    tokens: Tokens,
+    seq_len: usize,
+    starts: Vec<usize>,
+    /// Every token of the split (but a tail shorter than a window) is scored once.
+    pub whole: bool,
+}
+
+impl EvalPlan {
+    pub fn new(tokens: &Tokens, seq_len: usize, batch: usize, n_batches: usize) -> Self {
+        let n = tokens.len();
+        let all = n.saturating_sub(1) / seq_len.max(1);
+        let want = n_batches.saturating_mul(batch.max(1));
+        let whole = n_batches == 0 || want >= all;
+        let starts = if whole {
+            (0..all).map(|i| i * seq_len).collect()
+        } else {
+            let starts = n.saturating_sub(seq_len) as u64;
+            (0..want as u64)
+                .map(|i| window_start(EVAL_SEED, 0, i, starts) as usize)
+                .collect()
+        };
+        Self {
+            tokens: tokens.clone(),
+            seq_len,
+            starts,
+            whole,
+        }
+    }
+
+    /// Windows scored per eval.
+    pub fn windows(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// Tokens scored per eval.
+    pub fn tokens_scored(&self) -> u64 {
+        (self.starts.len() * self.seq_len) as u64
+    }
+
+    /// The windows in batches of (at most) `batch`.
+    pub fn batches(&self, batch: usize) -> impl Iterator<Item = Batch> + '_ {
+        let t = self.seq_len;
+        self.starts.chunks(batch.max(1)).map(move |starts| {
+            let mut inputs = Vec::with_capacity(starts.len() * t);
+            let mut targets = Vec::with_capacity(starts.len() * t);
+            let mut row = Vec::with_capacity(t + 1);
+            for &s in starts {
+                row.clear();
+                self.tokens.extend_into(s, t + 1, &mut row);
+                inputs.extend_from_slice(&row[..t]);
+                targets.extend_from_slice(&row[1..]);
+            }
+            Batch {
+                inputs,
+                targets,
+                batch: starts.len(),
+                seq_len: t,
+                cursor: Cursor::default(),
+            }
         })
-        .collect()
+    }
+
+    /// For the run header: what an eval covers.
+    pub fn describe(&self) -> String {
+        let how = if self.whole {
+            "the whole split"
+        } else {
+            "fixed random windows"
+        };
+        format!(
+            "eval {} windows × {} = {} of {} val tokens ({how})",
+            self.windows(),
+            self.seq_len,
+            self.tokens_scored(),
+            self.tokens.len()
+        )
+    }
+}
+
+/// Mean and standard error of the mean (sample standard deviation / √n; NaN below 2 values).
+pub fn mean_se(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    if xs.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean, f64::NAN);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, (var / n).sqrt())
 }
 
 #[cfg(test)]
@@ -351,5 +482,165 @@ mod tests {
             );
             assert!(parts.iter().all(|b| b.cursor == w.cursor && b.batch == 2));
         }
+    }
+
+    fn starts(b: &Batch) -> Vec<u32> {
+        b.inputs.chunks(b.seq_len).map(|c| c[0]).collect()
+    }
+
+    #[test]
+    fn random_windows_are_reproducible_and_cover_every_offset_class() {
+        let (n, t) = (10_000, 16);
+        let order = || Order::with_windows(toks(n), t, 3, Windows::Random);
+        let mut a = Loader::new(order(), 8, 2, Cursor::default());
+        let mut b = Loader::new(order(), 8, 2, Cursor::default());
+        let mut other = Loader::new(
+            Order::with_windows(toks(n), t, 4, Windows::Random),
+            8,
+            2,
+            Cursor::default(),
+        );
+        let mut classes = [0usize; 16];
+        let mut all = Vec::new();
+        for _ in 0..100 {
+            let (x, _) = a.next_batch();
+            assert_eq!(x, b.next_batch().0, "the same seed gives the same stream");
+            assert_ne!(starts(&x), starts(&other.next_batch().0), "seeds differ");
+            for r in 0..8 {
+                // Contiguous tokens: the targets are the inputs shifted by one.
+                assert_eq!(x.inputs[r * t + 1], x.targets[r * t]);
+                assert_eq!(x.targets[r * t + t - 1], x.inputs[r * t] + t as u32);
+            }
+            for s in starts(&x) {
+                assert!((s as usize) + t < n, "a whole window fits");
+                classes[s as usize % t] += 1;
+                all.push(s);
+            }
+        }
+        // 800 windows over 16 classes: each class ~50 times.
+        assert!(classes.iter().all(|&c| c > 20), "{classes:?}");
+        all.sort();
+        all.dedup();
+        assert!(all.len() > 750, "starts are spread: {} distinct", all.len());
+        // An epoch is counted in windows (≈ one pass over the tokens).
+        assert_eq!(a.sequences_per_epoch(), (n - 1) / t);
+        assert_eq!(
+            a.cursor(),
+            Cursor {
+                epoch: 1,
+                index: 800 - 624
+            }
+        );
+    }
+
+    #[test]
+    fn random_windows_resume_rebatch_and_shard_like_aligned_ones() {
+        let order = Order::with_windows(toks(5_000), 8, 11, Windows::Random);
+        let mut one = Loader::new(order.clone(), 4, 3, Cursor::default());
+        let all: Vec<u32> = (0..6).flat_map(|_| one.next_batch().0.inputs).collect();
+        let mut two = Loader::new(order.clone(), 4, 3, Cursor::default());
+        let mut seen: Vec<u32> = (0..2).flat_map(|_| two.next_batch().0.inputs).collect();
+        // Resume from a saved cursor at another batch size: the same stream.
+        let mut three = Loader::new(order.clone(), 8, 1, two.cursor());
+        seen.extend((0..2).flat_map(|_| three.next_batch().0.inputs));
+        assert_eq!(seen, all);
+        // Two ranks at B = 2 take disjoint rows of the stream one process at B = 4 reads.
+        let mut ranks: Vec<Loader> = (0..2)
+            .map(|r| Loader::new(order.clone(), 2, 2, Cursor::default()).with_shard(r, 2))
+            .collect();
+        let mut joined = Vec::new();
+        for _ in 0..6 {
+            for l in &mut ranks {
+                joined.extend(l.next_batch().0.inputs);
+            }
+        }
+        assert_eq!(joined, all);
+    }
+
+    #[test]
+    fn eval_plan_is_fixed_or_the_whole_split() {
+        let val = toks(4_001);
+        let a = EvalPlan::new(&val, 16, 4, 3);
+        let b = EvalPlan::new(&val, 16, 4, 3);
+        assert!(!a.whole);
+        assert_eq!((a.windows(), a.tokens_scored()), (12, 12 * 16));
+        let sa: Vec<Batch> = a.batches(4).collect();
+        assert_eq!(
+            sa,
+            b.batches(4).collect::<Vec<_>>(),
+            "the same windows each time"
+        );
+        assert_eq!(sa.len(), 3);
+        // Another batch size: the same windows.
+        let flat: Vec<u32> = a.batches(5).flat_map(|b| b.inputs).collect();
+        assert_eq!(
+            flat,
+            sa.iter().flat_map(|b| b.inputs.clone()).collect::<Vec<_>>()
+        );
+        assert!(starts(&sa[0]).iter().any(|s| s % 16 != 0), "random starts");
+        // 0, or more windows than the split holds: every window of the split once.
+        for n in [0, 100] {
+            let w = EvalPlan::new(&val, 16, 4, n);
+            assert!(w.whole);
+            assert_eq!(w.windows(), 250);
+            let s: Vec<u32> = w.batches(7).flat_map(|b| starts(&b)).collect();
+            assert_eq!(s, (0..250).map(|i| i * 16).collect::<Vec<u32>>());
+            assert!(w.describe().contains("4000 of 4001 val tokens"));
+        }
+    }
+
+    /// An i.i.d. source with P(1) = p and a model that knows p: the per-token loss has mean H
+    /// (the entropy) and variance p(1-p)·ln²((1-p)/p). The eval's se must match
+    /// σ/√(windows·T), and mean ± 1.96·se must cover H about 95% of the time.
+    #[test]
+    fn eval_standard_error_is_right_on_a_source_of_known_entropy() {
+        let p: f64 = 0.2;
+        let h = -p * p.ln() - (1.0 - p) * (1.0 - p).ln();
+        let sigma = (p * (1.0 - p)).sqrt() * ((1.0 - p) / p).ln();
+        let (t, batch, n_batches) = (32, 16, 8);
+        let want_se = sigma / ((batch * n_batches * t) as f64).sqrt();
+        let (mut covered, trials) = (0, 200);
+        let mut ratios = Vec::new();
+        for trial in 0..trials {
+            let mut rng = StdRng::seed_from_u64(trial);
+            let v: Vec<u32> = (0..60_000)
+                .map(|_| u32::from(rand::Rng::random::<f64>(&mut rng) < p))
+                .collect();
+            let plan = EvalPlan::new(&Tokens::from_vec(v), t, batch, n_batches);
+            let per_window: Vec<f64> = plan
+                .batches(batch)
+                .flat_map(|b| {
+                    b.targets
+                        .chunks(t)
+                        .map(|w| {
+                            let nll = |y: &u32| if *y == 1 { -p.ln() } else { -(1.0 - p).ln() };
+                            w.iter().map(nll).sum::<f64>() / t as f64
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            assert_eq!(per_window.len(), batch * n_batches);
+            let (mean, se) = mean_se(&per_window);
+            ratios.push(se / want_se);
+            if (mean - h).abs() < 1.96 * se {
+                covered += 1;
+            }
+        }
+        let mean_ratio = ratios.iter().sum::<f64>() / ratios.len() as f64;
+        assert!(
+            (0.93..1.07).contains(&mean_ratio),
+            "se / σ/√N = {mean_ratio}"
+        );
+        let coverage = covered as f64 / trials as f64;
+        assert!((0.89..=0.99).contains(&coverage), "coverage {coverage}");
+    }
+
+    #[test]
+    fn mean_se_edges() {
+        assert!(mean_se(&[]).0.is_nan());
+        let (m, se) = mean_se(&[2.0]);
+        assert!(m == 2.0 && se.is_nan());
+        let (m, se) = mean_se(&[1.0, 3.0]);
+        assert!(m == 2.0 && (se - 1.0).abs() < 1e-12);
     }
 }

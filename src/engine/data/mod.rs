@@ -4,12 +4,14 @@
 
 pub mod builtin;
 pub mod loader;
+mod prepare;
+
+pub use prepare::{prepare, prepare_with, prepare_with_progress, PrepareProgress};
 
 use crate::config::Config;
 pub use crate::engine::base::Special;
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -28,6 +30,10 @@ pub enum DataError {
     Shard { path: String, message: String },
     #[error("data: {0}")]
     TooSmall(String),
+    /// Input that cannot be used (an empty corpus, a JSONL record without text, a bad
+    /// `data.doc_separator`).
+    #[error("{path}: {message}")]
+    Input { path: String, message: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
@@ -109,6 +115,8 @@ pub struct Dataset {
     /// Bits per token a perfect model reaches (built-in corpus only).
     pub entropy_floor_bpt: Option<f64>,
     pub description: String,
+    /// Problems with the input worth a warning at start (skipped empty files, …).
+    pub warnings: Vec<String>,
 }
 
 /// Build the dataset a config asks for (tokenizing and caching files when needed).
@@ -139,6 +147,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
                 "built-in order-{} Markov corpus, {} symbols, {} tokens, entropy floor {:.3} bits/token",
                 d.builtin_order, d.builtin_vocab, n, floor
             ),
+            warnings: Vec::new(),
         });
     }
     let prepared = prepare_with(cfg, special)?;
@@ -149,9 +158,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
         let n = train.len();
         let n_val = ((n as f64 * d.val_fraction) as usize).max(cfg.model.seq_len + 1);
         if n_val >= n {
-            return Err(DataError::TooSmall(format!(
-                "{n} tokens cannot hold a val split of {n_val}"
-            )));
+            return Err(DataError::TooSmall(too_small(cfg, n, 0)));
         }
         let val = train.slice(n - n_val, n_val);
         return Ok(Dataset {
@@ -160,6 +167,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
             vocab_size: prepared.manifest.vocab_size,
             entropy_floor_bpt: None,
             description: prepared.describe(),
+            warnings: prepared.manifest.warnings.clone(),
         });
     };
     Ok(Dataset {
@@ -168,7 +176,36 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
         vocab_size: prepared.manifest.vocab_size,
         entropy_floor_bpt: None,
         description: prepared.describe(),
+        warnings: prepared.manifest.warnings.clone(),
     })
+}
+
+/// The error for splits too small for a window of `model.seq_len + 1` tokens, naming the files.
+pub fn too_small(cfg: &Config, train: usize, val: usize) -> String {
+    let (d, t) = (&cfg.data, cfg.model.seq_len);
+    let need = t + 1;
+    if d.source != "files" {
+        return format!(
+            "data: {train} train / {val} val tokens is too little for model.seq_len = {t}"
+        );
+    }
+    if train < 2 * need {
+        format!(
+            "data.train = {:?}: {train} tokens (after the val split) is too little for model.seq_len = {t} (at least {} needed)",
+            d.train,
+            2 * need
+        )
+    } else if d.val.is_empty() {
+        format!(
+            "data.train = {:?}: a val split of {val} tokens (data.val_fraction = {}) is smaller than one window of model.seq_len + 1 = {need} tokens; raise data.val_fraction or set data.val",
+            d.train, d.val_fraction
+        )
+    } else {
+        format!(
+            "data.val = {:?}: {val} tokens is smaller than one window of model.seq_len + 1 = {need} tokens",
+            d.val
+        )
+    }
 }
 
 fn map_shard(path: &Path, width: usize) -> Result<Tokens, DataError> {
@@ -212,6 +249,15 @@ pub struct Manifest {
     /// Put after each document when packing (a base model's EOS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eos: Option<u32>,
+    /// Put after each document when packing (`data.doc_separator`).
+    #[serde(default)]
+    pub separator: Vec<u32>,
+    /// Documents packed (files, JSONL records).
+    #[serde(default)]
+    pub documents: u64,
+    /// Problems found while packing (skipped empty files, …), repeated at each load.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -232,12 +278,19 @@ pub struct Prepared {
 
 impl Prepared {
     pub fn describe(&self) -> String {
+        let m = &self.manifest;
+        let sep = if m.separator.is_empty() {
+            "no separator".to_string()
+        } else {
+            format!("{} separator tokens after each", m.separator.len())
+        };
         format!(
-            "{} files, {} train + {} val tokens ({}), cache {}",
-            self.manifest.sources.len(),
-            self.manifest.train_tokens,
-            self.manifest.val_tokens,
-            self.manifest.tokenizer,
+            "{} files, {} documents ({sep}), {} train + {} val tokens ({}), cache {}",
+            m.sources.len() + m.val_sources.len(),
+            m.documents,
+            m.train_tokens,
+            m.val_tokens,
+            m.tokenizer,
             self.dir.display()
         )
     }
@@ -277,11 +330,6 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
 }
 
 const CACHE_DIR: &str = ".cockpit-cache";
-
-fn sha256_file(path: &Path) -> Result<(String, u64), DataError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
-    Ok((hex(&Sha256::digest(&bytes)), bytes.len() as u64))
-}
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -336,11 +384,20 @@ impl Tok {
             Tok::Hf(t) => t.get_vocab_size(true),
         }
     }
-    fn encode(&self, text: &str, path: &str) -> Result<Vec<u32>, DataError> {
+    /// The id of the tokenizer's end-of-text token, when it has one of the usual names.
+    pub fn eos_id(&self) -> Option<u32> {
         match self {
-            Tok::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Tok::Byte => None,
+            Tok::Hf(t) => EOS_NAMES.iter().find_map(|n| t.token_to_id(n)),
+        }
+    }
+    /// Ids of a piece of a document (no special tokens added; invalid UTF-8 is replaced for a
+    /// tokenizer.json, kept as bytes for the byte-level one).
+    fn encode_bytes(&self, bytes: &[u8], path: &str) -> Result<Vec<u32>, DataError> {
+        match self {
+            Tok::Byte => Ok(bytes.iter().map(|&b| u32::from(b)).collect()),
             Tok::Hf(t) => t
-                .encode(text, false)
+                .encode_fast(String::from_utf8_lossy(bytes), false)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| DataError::Tokenizer {
                     path: path.to_string(),
@@ -350,140 +407,5 @@ impl Tok {
     }
 }
 
-/// Tokenize and pack the configured text files (cached: a second call with unchanged sources
-/// and tokenizer returns the existing shards).
-pub fn prepare(cfg: &Config) -> Result<Prepared, DataError> {
-    prepare_with(cfg, Special::default())
-}
-
-/// [`prepare`], with BOS/EOS ids around each document.
-pub fn prepare_with(cfg: &Config, special: Special) -> Result<Prepared, DataError> {
-    let d = &cfg.data;
-    let train_files = list_files(&d.train)?;
-    let val_files = if d.val.is_empty() {
-        Vec::new()
-    } else {
-        list_files(&d.val)?
-    };
-    if d.tokenizer == "base" {
-        return Err(DataError::Tokenizer {
-            path: d.tokenizer.clone(),
-            message: "no base model to take it from (model.init_from or lora.base)".into(),
-        });
-    }
-    // "auto" without a base (the engine resolves it against the base first) is bytes.
-    let (tok, tok_sha) = if d.tokenizer == "byte" || d.tokenizer == "auto" {
-        (Tok::Byte, "byte".to_string())
-    } else {
-        let path = Path::new(&d.tokenizer);
-        (Tok::open(&d.tokenizer)?, sha256_file(path)?.0)
-    };
-    let describe = |files: &[PathBuf]| -> Result<Vec<SourceFile>, DataError> {
-        files
-            .iter()
-            .map(|f| {
-                let (sha256, bytes) = sha256_file(f)?;
-                Ok(SourceFile {
-                    path: f.display().to_string(),
-                    bytes,
-                    sha256,
-                })
-            })
-            .collect()
-    };
-    let sources = describe(&train_files)?;
-    let val_sources = describe(&val_files)?;
-    let mut h = Sha256::new();
-    for s in sources.iter().chain(&val_sources) {
-        h.update(s.sha256.as_bytes());
-    }
-    h.update(tok_sha.as_bytes());
-    for (tag, id) in [("bos", special.bos), ("eos", special.eos)] {
-        if let Some(id) = id {
-            h.update(format!("{tag}={id}").as_bytes());
-        }
-    }
-    let key = hex(&h.finalize())[..16].to_string();
-    let base = if Path::new(&d.train).is_dir() {
-        PathBuf::from(&d.train)
-    } else {
-        train_files[0]
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default()
-    };
-    let dir = base.join(CACHE_DIR).join(&key);
-    let manifest_path = dir.join("manifest.json");
-    if let Ok(text) = std::fs::read_to_string(&manifest_path) {
-        if let Ok(m) = serde_json::from_str::<Manifest>(&text) {
-            if m.key == key && m.sources == sources && m.val_sources == val_sources {
-                return Ok(Prepared {
-                    dir,
-                    manifest: m,
-                    cached: true,
-                });
-            }
-        }
-    }
-    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-    let vocab_size = tok.vocab_size();
-    let width = if vocab_size <= 1 << 16 { 2 } else { 4 };
-    let tokenize_all = |files: &[PathBuf]| -> Result<Vec<u32>, DataError> {
-        let mut out = Vec::new();
-        for f in files {
-            let bytes = std::fs::read(f).map_err(io_err(f))?;
-            let text = String::from_utf8_lossy(&bytes);
-            out.extend(special.bos);
-            out.extend(tok.encode(&text, &f.display().to_string())?);
-            out.extend(special.eos);
-        }
-        Ok(out)
-    };
-    let train = tokenize_all(&train_files)?;
-    let val = tokenize_all(&val_files)?;
-    write_shard(&dir.join("train.bin"), &train, width)?;
-    if !val.is_empty() {
-        write_shard(&dir.join("val.bin"), &val, width)?;
-    }
-    let manifest = Manifest {
-        version: 1,
-        key,
-        sources,
-        val_sources,
-        tokenizer: d.tokenizer.clone(),
-        tokenizer_sha256: tok_sha,
-        vocab_size,
-        width,
-        train_tokens: train.len() as u64,
-        val_tokens: val.len() as u64,
-        bos: special.bos,
-        eos: special.eos,
-    };
-    let text = serde_json::to_string_pretty(&manifest).unwrap_or_default();
-    crate::engine::checkpoint::atomic_write(&manifest_path, text.as_bytes()).map_err(|e| {
-        DataError::Shard {
-            path: manifest_path.display().to_string(),
-            message: e.to_string(),
-        }
-    })?;
-    Ok(Prepared {
-        dir,
-        manifest,
-        cached: false,
-    })
-}
-
-fn write_shard(path: &Path, tokens: &[u32], width: usize) -> Result<(), DataError> {
-    let mut buf = Vec::with_capacity(tokens.len() * width);
-    for &t in tokens {
-        if width == 2 {
-            buf.extend_from_slice(&(t as u16).to_le_bytes());
-        } else {
-            buf.extend_from_slice(&t.to_le_bytes());
-        }
-    }
-    crate::engine::checkpoint::atomic_write(path, &buf).map_err(|e| DataError::Shard {
-        path: path.display().to_string(),
-        message: e.to_string(),
-    })
-}
+/// End-of-text tokens by name (GPT-2, Llama 3, Llama 2 / Mistral, Gemma), in that order.
+const EOS_NAMES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];

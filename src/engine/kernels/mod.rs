@@ -195,7 +195,13 @@ mod step_stub {
         pub fn add_scaled_weights(&mut self, _vars: &[&Var], _a: f64) -> Result<()> {
             no_cuda()
         }
-        pub fn eval_loss(&mut self, _i: &[u32], _t: &[u32], _b: usize, _w: bool) -> Result<f64> {
+        pub fn eval_losses(
+            &mut self,
+            _i: &[u32],
+            _t: &[u32],
+            _b: usize,
+            _w: bool,
+        ) -> Result<Vec<f64>> {
             no_cuda()
         }
         pub fn set_head_chunk_rows(&mut self, _rows: Option<usize>) {}

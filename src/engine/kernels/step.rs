@@ -1698,16 +1698,17 @@ impl GptStep {
         Ok(sum / (n * self.micro.max(1)) as f64)
     }
 
-    /// The mean loss of one batch `[b, T]` by the forward alone (evaluation: no dropout, no
-    /// gradient; the LM head's backward is skipped), between optimizer steps. The bf16
-    /// copies are cast first unless `weights_current` (the last fused AdamW wrote them).
-    pub fn eval_loss(
+    /// Each sequence's mean loss in one batch `[b, T]`, by the forward alone (evaluation:
+    /// no dropout, no gradient; the LM head's backward is skipped), between optimizer steps.
+    /// The bf16 copies are cast first unless `weights_current` (the last fused AdamW wrote
+    /// them).
+    pub fn eval_losses(
         &mut self,
         inputs: &[u32],
         targets: &[u32],
         b: usize,
         weights_current: bool,
-    ) -> Result<f64> {
+    ) -> Result<Vec<f64>> {
         if self.micro > 0 {
             return Err(err("whole-model step: evaluation inside an optimizer step"));
         }
@@ -1733,11 +1734,20 @@ impl GptStep {
         let run = self.forward(&lay, 0.0, false, false);
         self.drop_thr = thr;
         run?;
-        self.micro = 1;
-        let loss = self.loss();
-        self.micro = 0;
+        // The loss accumulator holds each token's loss: a mean per sequence.
+        let a = self.arena.as_ref().ok_or_else(|| err("no arena"))?;
+        let v = self
+            .stream
+            .clone_dtoh(
+                &a.f32s
+                    .try_slice(0..n)
+                    .ok_or_else(|| err("loss accumulator out of range"))?,
+            )
+            .w()?;
         self.zero_loss()?;
-        loss
+        Ok(v.chunks(self.t)
+            .map(|row| row.iter().map(|&x| x as f64).sum::<f64>() / self.t as f64)
+            .collect())
     }
 
     /// `grad(var) += a·var` for each var (the SCU regulariser's gradient), one launch.

@@ -35,6 +35,9 @@ pub struct ChartSeries {
     pub train_loss_ema: History,
     /// Validation loss per evaluation.
     pub val_loss: History,
+    /// Validation loss ± its standard error (the band around `val_loss`).
+    pub val_lo: History,
+    pub val_hi: History,
     /// S-ratio in percent.
     pub s_ratio: History,
     /// Setpoint S* in percent.
@@ -54,6 +57,8 @@ impl ChartSeries {
             train_loss: h(),
             train_loss_ema: h(),
             val_loss: h(),
+            val_lo: h(),
+            val_hi: h(),
             s_ratio: h(),
             setpoint: h(),
             lambda_log10: h(),
@@ -154,6 +159,11 @@ impl RunState {
     /// Records an evaluation.
     pub fn on_eval(&mut self, e: &EvalStats) {
         self.series.val_loss.push(e.step as f64, e.val_loss);
+        if e.val_loss_se.is_finite() {
+            let x = e.step as f64;
+            self.series.val_lo.push(x, e.val_loss - e.val_loss_se);
+            self.series.val_hi.push(x, e.val_loss + e.val_loss_se);
+        }
         self.last_eval = Some(e.clone());
     }
 

@@ -195,7 +195,32 @@ impl Widget for LossChartView<'_> {
                 marker: Marker::Braille,
             });
         }
-        title.push(legend("val", last_y(&s.val_loss), val, fmt::value));
+        title.push(
+            match self
+                .run
+                .last_eval
+                .as_ref()
+                .filter(|e| e.val_loss_se.is_finite())
+            {
+                Some(e) => Span::styled(
+                    format!(
+                        "━ val {} ±{} ",
+                        fmt::value(e.val_loss),
+                        fmt::value(e.val_loss_se)
+                    ),
+                    val,
+                ),
+                None => legend("val", last_y(&s.val_loss), val, fmt::value),
+            },
+        );
+        // The standard-error band: muted dots above and below each eval.
+        for band in [&s.val_lo, &s.val_hi] {
+            series.push(Series {
+                points: visible(band, x_range, self.recent),
+                style: t.muted(),
+                marker: Marker::Dot,
+            });
+        }
         series.push(Series {
             points: visible(&s.val_loss, x_range, self.recent),
             style: val,
