@@ -1569,7 +1569,10 @@ impl Trainer {
         {
             use std::io::Write;
             if new {
-                let _ = writeln!(f, "step,param_bpt_now,gain,growth,lambda_eq,lambda_m,lambda,lr");
+                let _ = writeln!(
+                    f,
+                    "step,param_bpt_now,gain,growth,lambda_eq,lambda_m,lambda,lr"
+                );
             }
             let opt = |v: Option<f64>| v.map_or(String::new(), |v| v.to_string());
             let _ = writeln!(
