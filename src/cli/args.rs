@@ -17,6 +17,8 @@ Examples:
   cockpit bench --soak 3000                  3000 steps: exit 1 if host or device memory grows
   cockpit bench cfg.toml --find-batch        the largest micro-batch that fits this device
   cockpit plot runs/tiny-20260101-120000     PNG/SVG plots of a run
+  cockpit sweep --set-grid scu.target=0.01,0.02 --set-grid scu.enabled=false --seeds 3
+  cockpit compare runs/sweep-tiny-20260101-120000   table + overlaid charts of its runs
   cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
   cockpit export runs/ft-20260101-120000 out/ft   a Hugging Face directory transformers loads
   cockpit generate out/ft --prompt 'Once upon'    continue a prompt (run dir, checkpoint or HF dir)
@@ -161,6 +163,38 @@ pub enum Cmd {
     Plot {
         /// The run directory.
         run_dir: PathBuf,
+    },
+    /// Train every combination of a grid of config values, each seed, one run after another,
+    /// each in its own run dir under one sweep dir; the same command again resumes it.
+    Sweep {
+        /// Config file (omit for the embedded default).
+        config: Option<PathBuf>,
+        /// One family of runs: KEY=V1,V2,... ; keys joined by `+` make their product
+        /// (`scu.enabled=false+scu.lambda_init=0,0.1,1`). Repeatable: the sweep is the union.
+        #[arg(long = "set-grid", value_name = "KEY=V1,V2[+KEY=...]")]
+        set_grid: Vec<String>,
+        /// Seeds per configuration: run.seed, run.seed+1, ...
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
+        /// Override a config key for every run (repeatable).
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+        /// The sweep dir (default: runs/sweep-<name>-<timestamp>); an existing one resumes.
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        #[arg(long, value_name = "cpu|cuda[:N]")]
+        device: Option<String>,
+    },
+    /// Runs side by side: final/best held-out bits/token (mean ± sd over seeds), λ and S at
+    /// the end, tokens/s; overlaid PNG/SVG charts of val bits/token, S and λ.
+    Compare {
+        /// Run dirs, or a sweep dir (or any dir with run dirs in it).
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Where compare.md, compare.json and the charts go (default: SWEEP_DIR/compare, or
+        /// compare-<timestamp>).
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
     },
 }
 

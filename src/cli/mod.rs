@@ -9,6 +9,7 @@ mod frontends;
 mod hf;
 mod launch;
 mod rank;
+mod sweep;
 
 use crate::config::{self, Config, ConfigError};
 use crate::engine::events::FinishReason;
@@ -58,6 +59,22 @@ pub fn main() -> i32 {
         }),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
+        Some(Cmd::Sweep {
+            config,
+            set_grid,
+            seeds,
+            set,
+            out,
+            device,
+        }) => sweep::run(sweep::SweepArgs {
+            config: config.as_deref(),
+            set: &set,
+            grid: &set_grid,
+            seeds,
+            out: out.as_deref(),
+            device: device.as_deref(),
+        }),
+        Some(Cmd::Compare { paths, out }) => compare(&paths, out.as_deref()),
         Some(Cmd::Export {
             source,
             out,
@@ -628,6 +645,43 @@ fn plot(run_dir: &Path) -> anyhow::Result<i32> {
         return Ok(EXIT_USAGE);
     }
     frontends::plot_run(run_dir)
+}
+
+/// `cockpit compare`: the table on stdout (and compare.md, compare.json), overlaid charts.
+fn compare(paths: &[PathBuf], out: Option<&Path>) -> anyhow::Result<i32> {
+    use crate::report::compare::{self as cmp, CompareError};
+    let (groups, runs) = match cmp::compare(paths) {
+        Ok(v) => v,
+        Err(CompareError::NoRuns(p)) => {
+            eprintln!(
+                "cockpit: compare: {}: no runs here (no metrics.jsonl in it or in the directories under it)",
+                p.display()
+            );
+            return Ok(EXIT_USAGE);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let out_dir = match out {
+        Some(d) => d.to_path_buf(),
+        None if paths.len() == 1 && !paths[0].join(crate::report::METRICS_FILE).is_file() => {
+            paths[0].join("compare")
+        }
+        None => PathBuf::from(format!("compare-{}", timestamp())),
+    };
+    let table = cmp::table_markdown(&groups);
+    print!("{table}");
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    std::fs::write(out_dir.join("compare.md"), &table)
+        .with_context(|| format!("writing {}", out_dir.join("compare.md").display()))?;
+    std::fs::write(
+        out_dir.join("compare.json"),
+        serde_json::to_vec_pretty(&groups)?,
+    )
+    .with_context(|| format!("writing {}", out_dir.join("compare.json").display()))?;
+    let labels: Vec<String> = groups.iter().map(|g| g.label.clone()).collect();
+    let summary = cmp::plot_compare(&labels, &runs, &out_dir)?;
+    eprintln!("{summary}");
+    Ok(EXIT_OK)
 }
 
 fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {

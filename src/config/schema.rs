@@ -493,9 +493,15 @@ pub struct ScuConfig {
     pub enabled: bool,
     /// Setpoint S* as a fraction (0.01 = 1%).
     pub target: f64,
-    /// Control law: `log-pi` (velocity-form PI on ε = ln(Ŝ/S*): Δln λ = Kp·Δε + Ki·ε) or
-    /// `reference` (λ ← λ·exp(Kp·e + I) with e = Ŝ − S* and a leaky integral I).
+    /// Control law: `adaptive` (measures the plant online — how fast the penalty shrinks
+    /// ln Σw² per unit of λ and of learning rate, from the optimizer's second moments — and
+    /// sets λ from that model), `log-pi` (velocity-form PI on ε = ln(Ŝ/S*): Δln λ = Kp·Δε +
+    /// Ki·ε) or `reference` (the published law: λ ← λ·exp(Kp·e + I) with e = Ŝ − S* and a
+    /// leaky integral I).
     pub law: ScuLaw,
+    /// adaptive: the fraction of the log error ln(S*/S) the next control step is planned to
+    /// close (0.3 ≈ settled to 5% in 10–20 control steps).
+    pub rate: f64,
     /// Proportional gain; unset = the law's default (log-pi 3.0, reference 0.8).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kp: Option<f64>,
@@ -525,7 +531,8 @@ impl Default for ScuConfig {
         Self {
             enabled: true,
             target: 0.02,
-            law: ScuLaw::LogPi,
+            law: ScuLaw::Adaptive,
+            rate: 0.3,
             kp: None,
             ki: None,
             deadband: None,
@@ -534,7 +541,7 @@ impl Default for ScuConfig {
             integral_max: 0.2,
             lambda_init: 1.0,
             lambda_min: 1e-4,
-            lambda_max: 10.0,
+            lambda_max: 1000.0,
             prior_sigma: 0.01,
             tokens_per_epoch: 0,
             control_every: 5,
@@ -547,6 +554,7 @@ impl Default for ScuConfig {
 #[serde(rename_all = "kebab-case")]
 pub enum ScuLaw {
     #[default]
+    Adaptive,
     LogPi,
     Reference,
 }
@@ -555,7 +563,7 @@ impl ScuConfig {
     /// (Kp, Ki, deadband) with the law's defaults filled in.
     pub fn gains(&self) -> (f64, f64, f64) {
         let (kp, ki, db) = match self.law {
-            ScuLaw::LogPi => (3.0, 0.1, 0.0),
+            ScuLaw::LogPi | ScuLaw::Adaptive => (3.0, 0.1, 0.0),
             ScuLaw::Reference => (0.8, 0.15, 0.002),
         };
         (

@@ -404,6 +404,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     ck.in_range("scu.kp", kp, 0.0, 100.0, "in [0, 100]");
     ck.in_range("scu.ki", ki, 0.0, 100.0, "in [0, 100]");
     ck.in_range("scu.deadband", deadband, 0.0, 0.5, "in [0, 0.5]");
+    ck.in_range("scu.rate", u.rate, 1e-3, 1.0, "in (0, 1]");
     ck.in_range("scu.ema_alpha", u.ema_alpha, 1e-6, 1.0, "in (0, 1]");
     ck.in_range("scu.integral_leak", u.integral_leak, 1e-6, 1.0, "in (0, 1]");
     ck.in_range(

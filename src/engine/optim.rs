@@ -143,6 +143,32 @@ impl AdamW {
 }
 
 impl AdamW {
+    /// What an L2 penalty in the loss does to these slots' weights through Adam, for SCU's
+    /// plant model: (Σw², Σ w²/(√v̂+ε)). A penalty gradient k·w moves Σw² by
+    /// −2·lr·k·Σ w²/(√v̂+ε) per step (to first order, the momentum's lag aside), so the second
+    /// sum over the first is the penalty's authority over ln Σw².
+    pub fn penalty_stats(&self, slots: &[usize]) -> Result<(f64, f64)> {
+        let bc2 = 1.0 - self.beta2.powi(self.t.max(1) as i32);
+        let (mut sumsq, mut weighted) = (0.0, 0.0);
+        for &i in slots {
+            let Some(s) = self.slots.get(i) else {
+                continue;
+            };
+            let w = s.var.as_tensor().to_dtype(DType::F32)?;
+            let v = s.v.to_dtype(DType::F32)?;
+            let w2 = w.sqr()?;
+            let denom = ((v / bc2)?.sqrt()? + self.eps)?;
+            sumsq += w2.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            weighted += (w2 / denom)?
+                .sum_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+        }
+        Ok((sumsq, weighted))
+    }
+}
+
+impl AdamW {
     /// The fused kernel updates w, m, v in place: all must be contiguous fp32 CUDA tensors.
     fn fusable(&self, grads: &[Tensor]) -> bool {
         let Some(first) = self.slots.first() else {

@@ -34,7 +34,75 @@ pub struct ScuController {
     /// log-pi: ε = ln(Ŝ/S*) at the previous control step (None after a setpoint change).
     #[serde(default)]
     pub prev_eps: Option<f64>,
+    /// adaptive: the fraction of ln(S*/S) the next control step is planned to close.
+    #[serde(default = "default_rate")]
+    pub rate: f64,
+    /// adaptive: the plant model, measured online.
+    #[serde(default)]
+    pub plant: Plant,
 }
+
+fn default_rate() -> f64 {
+    0.3
+}
+
+/// The adaptive law's model of the plant and what it measured.
+///
+/// With the penalty λ·coef·Σw² in the loss, Adam moves y = ln Σw² per optimizer step by
+/// `lr·(a − κ·f·λ_m)`: a is the growth the data gradient drives (per unit of learning rate),
+/// κ = 4·coef·Σ(w²/(√v̂+ε))/Σw² the penalty's authority (read from the optimizer's second
+/// moments at each control step), f the gradient-clipping factor and λ_m the λ that Adam's
+/// first moment carries (λ filtered by β1: the loop's delay). Everything scales with lr, so a
+/// schedule phase change does not disturb the model; a batch-size change moves v̂ and so κ,
+/// which is measured, not assumed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Plant {
+    /// Adam's β1 (the filter between λ and the update).
+    pub beta1: f64,
+    /// λ as Adam's first moment carries it.
+    pub lambda_m: Option<f64>,
+    /// Since the last control step: Σ lr, Σ lr·f·λ_m, Σ lr·f, optimizer steps.
+    pub lr_sum: f64,
+    pub pen_sum: f64,
+    pub lrf_sum: f64,
+    pub steps: u64,
+    /// The learning rate of the last step.
+    pub last_lr: f64,
+    /// y = ln ParamBPT at the last control step.
+    pub y_prev: Option<f64>,
+    /// a: growth of y per unit of lr without the penalty (smoothed).
+    pub growth: Option<f64>,
+    /// κ measured at the last control step.
+    pub gain: f64,
+    /// The equilibrium λ = a/(κ·f): the feedforward, where the penalty's shrink balances the
+    /// data gradient's growth.
+    pub lambda_eq: Option<f64>,
+    /// The trend of the growth per control step (Holt).
+    pub growth_trend: Option<f64>,
+    /// DataBPT smoothed (Holt: level and trend per control step).
+    pub data_level: Option<f64>,
+    pub data_trend: Option<f64>,
+}
+
+/// What the engine measures for the adaptive law at a control step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlantReading {
+    /// DataBPT of the window.
+    pub data_bpt: f64,
+    /// ParamBPT of the weights as they are now (after the last update).
+    pub param_bpt: f64,
+    /// κ: how fast the penalty shrinks ln Σw² per unit of lr·λ (see [`Plant`]).
+    pub gain: f64,
+}
+
+/// Smoothing of the growth estimate a (per control step).
+const GROWTH_ALPHA: f64 = 0.5;
+const GROWTH_BETA: f64 = 0.3;
+/// The adaptive law moves λ by at most this factor per control step.
+const MAX_STEP: f64 = 4.0;
+/// Holt smoothing of DataBPT: level and trend.
+const DATA_ALPHA: f64 = 0.2;
+const DATA_BETA: f64 = 0.1;
 
 fn legacy_law() -> ScuLaw {
     ScuLaw::Reference
@@ -76,7 +144,36 @@ impl ScuController {
             converged: false,
             window: (0.0, 0),
             prev_eps: None,
+            rate: c.rate,
+            plant: Plant::default(),
         }
+    }
+
+    /// Set Adam's β1 (the adaptive law models the first moment's lag).
+    pub fn with_beta1(mut self, beta1: f64) -> Self {
+        self.plant.beta1 = beta1;
+        self
+    }
+
+    /// Record one optimizer step: its cross-entropy, learning rate and the factor its
+    /// gradients were scaled by (clipping; 0 = the step was skipped).
+    pub fn observe_step(&mut self, ce: f64, lr: f64, applied: f64) {
+        self.observe(ce);
+        if !(lr.is_finite() && applied.is_finite()) || applied <= 0.0 {
+            return;
+        }
+        let p = &mut self.plant;
+        let b = p.beta1.clamp(0.0, 0.9999);
+        let m = match p.lambda_m {
+            Some(m) => b * m + (1.0 - b) * self.lambda,
+            None => self.lambda,
+        };
+        p.lambda_m = Some(m);
+        p.lr_sum += lr;
+        p.pen_sum += lr * applied * m;
+        p.lrf_sum += lr * applied;
+        p.steps += 1;
+        p.last_lr = lr;
     }
 
     /// Record one step's cross-entropy for the next control step.
@@ -106,6 +203,12 @@ impl ScuController {
 
     /// One control step with the measured S. S above target ⇒ λ rises.
     pub fn update(&mut self, s: f64) -> ControlOutcome {
+        self.update_with(s, None)
+    }
+
+    /// One control step with the measured S and, for the adaptive law, the plant reading
+    /// (without one the adaptive law holds λ).
+    pub fn update_with(&mut self, s: f64, reading: Option<PlantReading>) -> ControlOutcome {
         let s_hat = match self.s_hat {
             Some(prev) => self.ema_alpha * s + (1.0 - self.ema_alpha) * prev,
             None => s,
@@ -116,6 +219,11 @@ impl ScuController {
             match self.law {
                 ScuLaw::Reference => self.reference_step(e),
                 ScuLaw::LogPi => self.log_pi_step(e, s_hat),
+                ScuLaw::Adaptive => {
+                    if let Some(r) = reading {
+                        self.adaptive_step(&r);
+                    }
+                }
             }
         }
         self.recent_lambda.push(self.lambda);
@@ -149,7 +257,7 @@ impl ScuController {
             .fold((f64::MAX, f64::MIN), |(a, b), &x| (a.min(x), b.max(x)));
         match self.law {
             ScuLaw::Reference => hi - lo < 1e-3 && ((s - self.target) / self.target).abs() < 0.05,
-            ScuLaw::LogPi => {
+            ScuLaw::LogPi | ScuLaw::Adaptive => {
                 (hi / lo).ln() < 0.2 && ((s_hat - self.target) / self.target).abs() < 0.05
             }
         }
@@ -182,6 +290,104 @@ impl ScuController {
         let du = self.kp * prev.map_or(0.0, |p| eps - p) + self.ki * eps;
         self.integral += self.ki * eps;
         self.lambda = (self.lambda * du.exp()).clamp(self.lambda_min, self.lambda_max);
+    }
+
+    /// The adaptive law. From the window just ended it measures the growth a = (Δy +
+    /// κ·Σ lr·f·λ_m)/Σ lr (a disturbance observer: whatever the data gradient did), then
+    /// plans the next window: λ such that lr·(a − κ·f·λ) moves y by `rate`·(y* − y), where
+    /// y* = ln(S*/(1 − S*)·DataBPT). At y = y* that λ is the equilibrium a/(κ·f): the
+    /// feedforward. No integral state (a is re-measured each step), so nothing winds up at
+    /// the clamps; λ moves by at most ×4 per control step.
+    fn adaptive_step(&mut self, r: &PlantReading) {
+        let p = &mut self.plant;
+        let (lr_sum, pen_sum, lrf_sum, steps) = (p.lr_sum, p.pen_sum, p.lrf_sum, p.steps);
+        (p.lr_sum, p.pen_sum, p.lrf_sum, p.steps) = (0.0, 0.0, 0.0, 0);
+        if !(r.param_bpt > 0.0 && r.param_bpt.is_finite() && r.data_bpt > 0.0) {
+            return;
+        }
+        let y = r.param_bpt.ln();
+        let gain_ok = r.gain.is_finite() && r.gain > 0.0;
+        if let (Some(yp), true) = (p.y_prev, lr_sum > 0.0 && gain_ok) {
+            let a = (y - yp + r.gain * pen_sum) / lr_sum;
+            if a.is_finite() {
+                // Holt's level + trend: the growth rises steadily while the model learns fast,
+                // and a level alone would lag it by a window or two.
+                match (p.growth, p.growth_trend) {
+                    (Some(level), Some(trend)) => {
+                        let pred = level + trend;
+                        let new = pred + GROWTH_ALPHA * (a - pred);
+                        p.growth_trend = Some(trend + GROWTH_BETA * (new - pred));
+                        p.growth = Some(new);
+                    }
+                    _ => {
+                        p.growth = Some(a);
+                        p.growth_trend = Some(0.0);
+                    }
+                }
+            }
+        }
+        p.y_prev = Some(y);
+        p.gain = r.gain;
+        // DataBPT carries the window's sampling noise (±1–2% here) and drifts down as the
+        // model learns: Holt's level + trend follows the drift without the noise.
+        let d = match (p.data_level, p.data_trend) {
+            (Some(level), Some(trend)) => {
+                let pred = level + trend;
+                let level = pred + DATA_ALPHA * (r.data_bpt - pred);
+                p.data_trend = Some(trend + DATA_BETA * (level - pred));
+                level
+            }
+            _ => {
+                p.data_trend = Some(0.0);
+                r.data_bpt
+            }
+        };
+        p.data_level = Some(d);
+        let (Some(a), true) = (p.growth, gain_ok && steps > 0 && p.last_lr > 0.0) else {
+            return;
+        };
+        // The growth over the next window: one and a half trend steps ahead of the level
+        // (the level is the window just ended; the next window's middle is 1.5 windows on).
+        let a = a + 1.5 * p.growth_trend.unwrap_or(0.0);
+        let f = if lr_sum > 0.0 && lrf_sum > 0.0 {
+            lrf_sum / lr_sum
+        } else {
+            1.0
+        };
+        let y_star = (self.target / (1.0 - self.target) * d).ln();
+        let span = steps as f64 * p.last_lr;
+        // The target moves with DataBPT (down while the model learns): follow its trend, and
+        // close `rate` of the gap on top.
+        let drift = match p.data_trend {
+            Some(t) if d > 0.0 && (d + t) > 0.0 => ((d + t) / d).ln(),
+            _ => 0.0,
+        };
+        let want = self.rate * (y_star - y) + drift;
+        p.lambda_eq = Some(a / (r.gain * f));
+        self.integral = a / (r.gain * f);
+        // λ_plan is the λ Adam's first moment should carry over the next two windows; the
+        // moment follows λ with β1 per step, so set λ beyond it (the predictor for the
+        // loop's delay): λ = λ_m + (λ_plan − λ_m)·n/(n − Σ_{j=1..n} β1^j), n = 2 windows.
+        let plan = (a - want / span) / (r.gain * f);
+        let lam = match p.lambda_m {
+            Some(m) if p.beta1 > 0.0 && p.beta1 < 1.0 => {
+                let n = 2.0 * steps as f64;
+                let b = p.beta1;
+                let w = b * (1.0 - b.powf(n)) / (1.0 - b);
+                m + (plan - m) * n / (n - w)
+            }
+            _ => plan,
+        };
+        if !lam.is_finite() {
+            return;
+        }
+        // The slew limit spans the current λ and the equilibrium: the feedforward may jump
+        // (from λ_min after a growth phase, say), the error term only by ×MAX_STEP beyond it.
+        let eq = (a / (r.gain * f)).max(self.lambda_min);
+        let (lo, hi) = (self.lambda.min(eq), self.lambda.max(eq));
+        self.lambda = lam
+            .clamp(lo / MAX_STEP, hi * MAX_STEP)
+            .clamp(self.lambda_min, self.lambda_max);
     }
 
     /// Bumpless setpoint change: λ and the integral stay where they are; only future errors change.

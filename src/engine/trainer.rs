@@ -12,9 +12,9 @@ use super::events::{
 use super::model::{BaseStore, LoraSpec, Model, ParamKind, Shape};
 use super::optim::{global_norm, lr_at, AdamW};
 use super::precision::{self, LossScaler};
-use super::scu::ScuController;
+use super::scu::{PlantReading, ScuController};
 use super::{device, EngineError};
-use crate::config::{Config, ScuParams};
+use crate::config::{Config, ScuLaw, ScuParams};
 use crate::distributed::Collective;
 use crate::util::DeviceSpec;
 use candle_core::{DType, Device, Tensor};
@@ -470,7 +470,7 @@ impl Trainer {
             fault_oom_above: opts.fault_oom_above,
             profile_kernels: opts.profile_kernels,
             progress: opts.progress,
-            scu: ScuController::new(&cfg.scu),
+            scu: ScuController::new(&cfg.scu).with_beta1(cfg.optim.beta1),
             micro_batch: o.micro_batch,
             accum: o.accum,
             shape_hash: shape_hash(&cfg),
@@ -569,8 +569,10 @@ impl Trainer {
         // and limits from the (possibly edited) config — unless the checkpoint was written
         // by another law (a checkpoint from before `scu.law`): then its own gains go with it.
         let mut scu = s.scu;
-        let fresh = ScuController::new(&self.cfg.scu);
+        let fresh = ScuController::new(&self.cfg.scu).with_beta1(self.cfg.optim.beta1);
         if scu.law == fresh.law {
+            scu.rate = fresh.rate;
+            scu.plant.beta1 = fresh.plant.beta1;
             scu.kp = fresh.kp;
             scu.ki = fresh.ki;
             scu.deadband = fresh.deadband;
@@ -1635,14 +1637,26 @@ impl Trainer {
         self.write_json("scu_history.json", &history)
     }
 
-    fn control(&mut self, ce_mean: f64, sumsq: f64, out: &mut Recorder) {
+    fn control(&mut self, ce_mean: f64, sumsq: f64, out: &mut Recorder) -> Result<(), EngineError> {
         let c = &self.cfg.scu;
         let coef = 1.0 / (2.0 * c.prior_sigma.powi(2) * self.tokens_per_epoch);
         let data_bpt = ce_mean / LN2;
         let param_bpt = sumsq * coef / LN2;
         let s = ScuController::s_ratio(data_bpt, param_bpt);
         let lambda_used = self.scu.lambda;
-        let o = self.scu.update(s);
+        // The adaptive law's plant reading: the weights after this step's update, and the
+        // penalty's authority over ln Σw² through Adam's second moments.
+        let reading = if c.enabled && c.law == ScuLaw::Adaptive {
+            let (now, weighted) = self.opt.penalty_stats(&self.reg_slots)?;
+            (now > 0.0).then(|| PlantReading {
+                data_bpt,
+                param_bpt: now * coef / LN2,
+                gain: 4.0 * coef * weighted / now,
+            })
+        } else {
+            None
+        };
+        let o = self.scu.update_with(s, reading);
         let reg_loss = lambda_used * sumsq * coef;
         let row = ScuStats {
             step: self.step,
@@ -1670,6 +1684,43 @@ impl Trainer {
                 lambda: o.lambda,
                 target: self.scu.target,
             });
+        }
+        if let Some(r) = reading {
+            self.append_plant_csv(&r);
+        }
+        Ok(())
+    }
+
+    /// The adaptive law's plant measurements, one line per control step (scu_plant.csv).
+    fn append_plant_csv(&self, r: &PlantReading) {
+        let path = self.out_dir.join("scu_plant.csv");
+        let new = !path.exists();
+        let p = &self.scu.plant;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+        {
+            use std::io::Write;
+            if new {
+                let _ = writeln!(
+                    f,
+                    "step,param_bpt_now,gain,growth,lambda_eq,lambda_m,lambda,lr"
+                );
+            }
+            let opt = |v: Option<f64>| v.map_or(String::new(), |v| v.to_string());
+            let _ = writeln!(
+                f,
+                "{},{},{},{},{},{},{},{}",
+                self.step,
+                r.param_bpt,
+                r.gain,
+                opt(p.growth),
+                opt(p.lambda_eq),
+                opt(p.lambda_m),
+                self.scu.lambda,
+                p.last_lr
+            );
         }
     }
 
@@ -1841,6 +1892,7 @@ impl Trainer {
             let finite = norm.is_finite() && ce.is_finite();
             let lr =
                 lr_at(&self.cfg.schedule, self.cfg.optim.lr, self.step, max_steps) * self.lr_scale;
+            let mut applied = 0.0;
             if self.scaler.update(finite) {
                 nonfinite_in_a_row = 0;
                 let clip = self.cfg.optim.grad_clip;
@@ -1852,6 +1904,7 @@ impl Trainer {
                     } else {
                         1.0
                     };
+                applied = f;
                 self.weights_copied =
                     self.opt
                         .step_with_copies(&grads, lr, f, self.whole.as_ref())?;
@@ -1926,10 +1979,10 @@ impl Trainer {
                 kernels,
             }));
 
-            self.scu.observe(ce);
+            self.scu.observe_step(ce, lr, applied);
             if self.step.is_multiple_of(self.cfg.scu.control_every) {
                 if let Some(mean_ce) = self.scu.take_window_mean() {
-                    self.control(mean_ce, sumsq, out);
+                    self.control(mean_ce, sumsq, out)?;
                 }
             }
             let every = self.cfg.eval.every;

@@ -15,6 +15,7 @@
 //! without it, and the summary carries a one-line notice saying so.
 
 mod chart;
+pub mod compare;
 mod font;
 mod load;
 mod monitor;
