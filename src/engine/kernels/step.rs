@@ -1699,9 +1699,9 @@ impl GptStep {
     }
 
     /// Each sequence's mean loss in one batch `[b, T]`, by the forward alone (evaluation:
-    /// no dropout, no gradient; the LM head's backward is skipped), between optimizer steps.
-    /// The bf16 copies are cast first unless `weights_current` (the last fused AdamW wrote
-    /// them).
+    /// no dropout, no gradient; the LM head's backward is skipped), between optimizer steps:
+    /// it reuses the loss accumulator, so read the step's [`Self::loss`] first. The bf16
+    /// copies are cast first unless `weights_current` (the last fused AdamW wrote them).
     pub fn eval_losses(
         &mut self,
         inputs: &[u32],
@@ -1709,9 +1709,6 @@ impl GptStep {
         b: usize,
         weights_current: bool,
     ) -> Result<Vec<f64>> {
-        if self.micro > 0 {
-            return Err(err("whole-model step: evaluation inside an optimizer step"));
-        }
         let n = b * self.t;
         if inputs.len() != n || targets.len() != n {
             return Err(err(format!(
@@ -1745,6 +1742,8 @@ impl GptStep {
             )
             .w()?;
         self.zero_loss()?;
+        // (A step's accumulation ends here: the next starts with `begin`.)
+        self.micro = 0;
         Ok(v.chunks(self.t)
             .map(|row| row.iter().map(|&x| x as f64).sum::<f64>() / self.t as f64)
             .collect())
