@@ -241,3 +241,31 @@ fn bad_input_is_named() {
         "{err}"
     );
 }
+
+/// The cache's manifest is untrusted input: a hand-edited width or vocabulary is an error
+/// naming the file, not a division by zero or a giant allocation.
+#[test]
+fn a_tampered_cache_manifest_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    corpus(&tmp.path().join("text"));
+    let cfg_path = tmp.path().join("files.toml");
+    std::fs::write(
+        &cfg_path,
+        "[data]\nsource = \"files\"\ntrain = \"text\"\nval_fraction = 0.1\n[model]\nn_embd = 32\nseq_len = 32\n",
+    )
+    .unwrap();
+    let cfg = config::load(Some(&cfg_path), &[]).unwrap().config;
+    let p = data::prepare(&cfg).unwrap();
+    let path = p.dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    for (key, value) in [("width", 0u64), ("vocab_size", 100_000_000)] {
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v[key] = serde_json::json!(value);
+        std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
+        let err = data::load(&cfg)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("manifest.json"), "{key} = {value}: {err}");
+    }
+}

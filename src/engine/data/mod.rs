@@ -151,6 +151,17 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
         });
     }
     let prepared = prepare_with(cfg, special)?;
+    // The cache's manifest is a file anyone can edit: its numbers are checked before use.
+    let m = &prepared.manifest;
+    if !matches!(m.width, 2 | 4) || m.vocab_size == 0 || m.vocab_size > 1 << 24 {
+        return Err(DataError::Shard {
+            path: prepared.dir.join("manifest.json").display().to_string(),
+            message: format!(
+                "width {} and vocab_size {}: not a cache cockpit wrote (width 2 or 4, vocab_size 1 to 16777216); delete the directory to rebuild it",
+                m.width, m.vocab_size
+            ),
+        });
+    }
     let train = map_shard(&prepared.dir.join("train.bin"), prepared.manifest.width)?;
     let val = if prepared.manifest.val_tokens > 0 {
         map_shard(&prepared.dir.join("val.bin"), prepared.manifest.width)?
