@@ -32,7 +32,11 @@ fn spawn(cfg: Config, dir: &Path) -> Engine {
 }
 
 fn run_to_end(cfg: Config, dir: &Path) -> Vec<Event> {
-    let e = spawn(cfg, dir);
+    collect(spawn(cfg, dir))
+}
+
+/// Every event of a run, to its end.
+fn collect(e: Engine) -> Vec<Event> {
     let mut events = Vec::new();
     while let Some(ev) = e.events.recv() {
         let done = matches!(ev, Event::Finished { .. });
@@ -289,21 +293,14 @@ fn events_round_trip_through_serde() {
 fn out_of_memory_splits_the_micro_batch_and_keeps_the_step() {
     let set = ["run.max_steps=6", "optim.micro_batch=8", "optim.accum=1"];
     let dir = tempfile::tempdir().unwrap();
-    let e = Engine::spawn(EngineOptions {
-        max_queued_steps: 100_000,
-        fault_oom_above: Some(2),
-        ..EngineOptions::new(small(&set), dir.path().to_path_buf(), DeviceSpec::Cpu)
-    })
-    .unwrap();
-    let mut events = Vec::new();
-    while let Some(ev) = e.events.recv() {
-        let done = matches!(ev, Event::Finished { .. });
-        events.push(ev);
-        if done {
-            break;
-        }
-    }
-    e.thread.wait().unwrap();
+    let events = collect(
+        Engine::spawn(EngineOptions {
+            max_queued_steps: 100_000,
+            fault_oom_above: Some(2),
+            ..EngineOptions::new(small(&set), dir.path().to_path_buf(), DeviceSpec::Cpu)
+        })
+        .unwrap(),
+    );
     let warnings: Vec<&String> = events
         .iter()
         .filter_map(|e| match e {

@@ -1681,21 +1681,23 @@ impl GptStep {
     /// The step's mean loss over every token of every micro-batch since [`Self::begin`]
     /// (one read-back; waits for the GPU).
     pub fn loss(&self) -> Result<f64> {
+        let v = self.token_losses()?;
+        let sum: f64 = v.iter().map(|&x| x as f64).sum();
+        Ok(sum / (v.len() * self.micro.max(1)) as f64)
+    }
+
+    /// The loss accumulator, one sum per token row of the arena (one read-back).
+    fn token_losses(&self) -> Result<Vec<f32>> {
         let a = self
             .arena
             .as_ref()
             .ok_or_else(|| err("no micro-batch ran"))?;
         let n = a.lay.b * self.t;
-        let v = self
-            .stream
-            .clone_dtoh(
-                &a.f32s
-                    .try_slice(0..n)
-                    .ok_or_else(|| err("loss accumulator out of range"))?,
-            )
-            .w()?;
-        let sum: f64 = v.iter().map(|&x| x as f64).sum();
-        Ok(sum / (n * self.micro.max(1)) as f64)
+        let rows = a
+            .f32s
+            .try_slice(0..n)
+            .ok_or_else(|| err("loss accumulator out of range"))?;
+        self.stream.clone_dtoh(&rows).w()
     }
 
     /// Each sequence's mean loss in one batch `[b, T]`, by the forward alone (evaluation:
@@ -1732,15 +1734,7 @@ impl GptStep {
         self.drop_thr = thr;
         run?;
         // The loss accumulator holds each token's loss: a mean per sequence.
-        let a = self.arena.as_ref().ok_or_else(|| err("no arena"))?;
-        let v = self
-            .stream
-            .clone_dtoh(
-                &a.f32s
-                    .try_slice(0..n)
-                    .ok_or_else(|| err("loss accumulator out of range"))?,
-            )
-            .w()?;
+        let v = self.token_losses()?;
         self.zero_loss()?;
         // (A step's accumulation ends here: the next starts with `begin`.)
         self.micro = 0;
