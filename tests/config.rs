@@ -123,24 +123,31 @@ fn llama_arch_sets_the_family_defaults_and_explicit_keys_win() {
     assert!(c.model.bias);
 }
 
-/// The 1B LoRA config validates as its benchmark line runs it: a random base, built-in data.
+/// The 1B and 8B LoRA configs validate as their benchmark lines run them: a random base,
+/// built-in data.
 #[test]
-fn lora_llama_1b_config_loads_for_its_benchmark() {
-    let path = Path::new("configs/lora-llama-1b.toml");
-    let set = [
-        "lora.base=\"random\"".to_string(),
-        "data.source=\"builtin\"".to_string(),
-    ];
-    let c = config::load(Some(path), &set)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .config;
-    assert!(c.lora.enabled && c.scu.enabled);
-    assert_eq!(c.lora.base, "random");
-    assert_eq!(
-        (c.model.n_layer, c.model.n_embd, c.model.n_kv_head),
-        (16, 2048, 8)
-    );
-    assert_eq!(c.lora.targets.len(), 7);
+fn lora_llama_configs_load_for_their_benchmarks() {
+    for (file, shape, hd) in [
+        ("configs/lora-llama-1b.toml", (16, 2048, 8), 64),
+        ("configs/lora-llama-8b.toml", (32, 4096, 8), 128),
+    ] {
+        let set = [
+            "lora.base=\"random\"".to_string(),
+            "data.source=\"builtin\"".to_string(),
+        ];
+        let c = config::load(Some(Path::new(file)), &set)
+            .unwrap_or_else(|e| panic!("{file}: {e}"))
+            .config;
+        assert!(c.lora.enabled && c.scu.enabled, "{file}");
+        assert_eq!(c.lora.base, "random");
+        assert_eq!(
+            (c.model.n_layer, c.model.n_embd, c.model.n_kv_head),
+            shape,
+            "{file}"
+        );
+        assert_eq!(c.model.n_embd / c.model.n_head, hd, "{file}");
+        assert_eq!(c.lora.targets.len(), 7);
+    }
 }
 
 /// Sizes and durations past any use are config errors naming the key, not an abort later

@@ -602,7 +602,7 @@ fn whole_model_step_matches_the_f32_model() {
         c.model.bias = false;
         c.model.mlp_ratio = 2.75;
     }
-    // Head dim 32 materialises the attention probabilities; head dim 64 takes flash
+    // Head dim 32 materialises the attention probabilities; head dims 64 and 128 take flash
     // attention. T = 80 is not a multiple of flash attention's 64-row tiles.
     // Width 640 takes the LayerNorm kernels' three-chunk rows with half-empty last chunks.
     // A vocabulary of 60001 takes the cross-entropy kernel that reads each row twice (rows
@@ -774,6 +774,39 @@ fn whole_model_step_matches_the_f32_model() {
             },
         },
         Family {
+            name: "llama: head dim 128 (flash), GQA 4/2, untied",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 512;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.tie_embeddings = false;
+            },
+        },
+        Family {
+            name: "mistral-like: head dim 128, GQA 4/1, dropout 0.2, T 200 (four query tiles)",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 512;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 1;
+                c.model.dropout = 0.2;
+                c.model.seq_len = 200;
+            },
+        },
+        Family {
+            name: "gpt: head dim 128, multi-head, biases, learned positions, recompute full",
+            vocab: 97,
+            set: |c| {
+                c.model.pos = Learned;
+                c.model.n_embd = 256;
+                c.model.n_head = 2;
+                c.model.recompute = cockpit::config::Recompute::Full;
+            },
+        },
+        Family {
             name: "llama with biases and LayerNorm + SwiGLU",
             vocab: 97,
             set: |c| {
@@ -796,7 +829,7 @@ fn whole_model_step_matches_the_f32_model() {
         c.model.tie_embeddings = true;
         (fam.set)(&mut c);
         let (name, vocab) = (fam.name, fam.vocab);
-        let (b, t) = (3usize, 80usize);
+        let (b, t) = (3usize, c.model.seq_len);
         let batch = |k: u32| {
             let ids: Vec<u32> = (0..(b * t) as u32)
                 .map(|i| (i * 31 + 7 * k) % vocab as u32)
@@ -939,6 +972,62 @@ fn whole_model_step_matches_the_f32_model() {
     }
 }
 
+/// The NF4 kernels (quantize at load, dequantize before a matmul) compute exactly what the
+/// host reference in src/engine/nf4.rs computes.
+#[test]
+fn nf4_kernels_match_the_host_reference() {
+    let Some(dev) = gpu() else { return };
+    use cockpit::engine::nf4::{self, Nf4};
+    // 320 rows of 192: 960 blocks, so the last of 4 groups of 256 blocks is partial.
+    let (out, inp) = (320usize, 192usize);
+    let vals: Vec<f32> = (0..out * inp)
+        .map(|i| {
+            let x = ((i * 2_654_435_761usize) % 10_007) as f32 / 10_007.0 - 0.5;
+            // a few rows 100× larger, one block all zero
+            let row = i / inp;
+            if (64..128).contains(&i) {
+                0.0
+            } else if row % 97 == 3 {
+                x
+            } else {
+                x * 0.01
+            }
+        })
+        .collect();
+    let w = Tensor::from_vec(vals, (out, inp), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let host: Vec<f32> = w
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let (codes, absq, gscale) = nf4::quantize_host(&host);
+    let q = Nf4::quantize(&w).unwrap();
+    assert_eq!(q.codes.to_vec1::<u8>().unwrap(), codes, "codes");
+    assert_eq!(q.absq.to_vec1::<u8>().unwrap(), absq, "block maxima");
+    assert_eq!(q.gscale.to_vec1::<f32>().unwrap(), gscale, "group scales");
+    let back: Vec<f32> = q
+        .dequantize(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let want = nf4::dequantize_host(&codes, &absq, &gscale);
+    for (i, (a, b)) in back.iter().zip(&want).enumerate() {
+        // the kernel rounds to bf16
+        assert!(
+            (a - b).abs() <= b.abs() * 4e-3 + 1e-12,
+            "element {i}: {a} vs {b}"
+        );
+    }
+    assert!(back[64..128].iter().all(|&x| x == 0.0));
+}
+
 /// The whole-model step with LoRA (a frozen bf16 base, trainable adapters) against the f32
 /// candle model with the same adapters: loss and every adapter's gradient. B starts at zero
 /// in a fresh adapter (which would hide A's gradient), so both models get the same random B.
@@ -950,8 +1039,9 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
     let all: Vec<String> = ["q", "k", "v", "o", "gate", "up", "down"]
         .map(String::from)
         .to_vec();
-    type Case = (&'static str, fn(&mut Config), Vec<String>);
-    let cases: [Case; 3] = [
+    // (name, shape, targets, base in NF4)
+    type Case = (&'static str, fn(&mut Config), Vec<String>, bool);
+    let cases: [Case; 5] = [
         (
             "llama GQA 4/2, adapters on every projection",
             |c| {
@@ -964,11 +1054,13 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 c.model.mlp_ratio = 2.75;
             },
             all.clone(),
+            false,
         ),
         (
             "gpt with biases, adapters on q, v, up, down (GELU)",
             |c| c.model.tie_embeddings = false,
             ["q", "v", "up", "down"].map(String::from).to_vec(),
+            false,
         ),
         (
             "llama, dropout 0.1, adapters on q and v",
@@ -979,9 +1071,38 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 c.model.dropout = 0.1;
             },
             ["q", "v"].map(String::from).to_vec(),
+            false,
+        ),
+        (
+            "llama head dim 128, GQA 4/1, adapters on k, v and gate (groups without their first)",
+            |c| {
+                c.model.norm = RmsNorm;
+                c.model.activation = SwiGlu;
+                c.model.bias = false;
+                c.model.n_embd = 512;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 1;
+                c.model.mlp_ratio = 2.0;
+            },
+            ["k", "v", "gate"].map(String::from).to_vec(),
+            false,
+        ),
+        (
+            "llama GQA 4/2, NF4 base (QLoRA), adapters on every projection",
+            |c| {
+                c.model.norm = RmsNorm;
+                c.model.activation = SwiGlu;
+                c.model.bias = false;
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.mlp_ratio = 2.75;
+            },
+            all.clone(),
+            true,
         ),
     ];
-    for (name, set, targets) in cases {
+    for (name, set, targets, nf4) in cases {
         let mut c = Config::default();
         c.model.n_embd = 128;
         c.model.n_head = 2;
@@ -1002,6 +1123,10 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             };
             let shape = Shape::from_config(&c, vocab);
             let mut m = Model::new_with(shape, dt, &dev, 5, store).unwrap();
+            if nf4 {
+                // Both models quantize the same bf16 values: the same 4-bit base.
+                m.quantize_base_nf4().unwrap();
+            }
             m.add_lora(&spec, 5).unwrap();
             for (k, p) in m.params.iter().enumerate() {
                 if p.name.ends_with("lora_B.weight") {
@@ -1123,6 +1248,9 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
         let mut c = c.clone();
         c.kernels.graphs = graphs;
         c.kernels.overlap = overlap;
+        // Each step times its own matmul candidates: under other tests' load two steps may
+        // pick different (equally right) algorithms, whose sums differ in the last bit.
+        c.kernels.autotune = false;
         let m = Model::new(Shape::from_config(&c, vocab), DType::BF16, dev, 9).unwrap();
         let w = m.step_weights().unwrap();
         let mut step = kernels::GptStep::new(&w).unwrap();

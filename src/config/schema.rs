@@ -591,6 +591,18 @@ pub struct LoraConfig {
     /// `model.init_from` for the model types), or [`RANDOM_BASE`] for a base of the
     /// `[model]` shape with random weights (benchmarks: no model files needed).
     pub base: String,
+    /// How the frozen base's linear layers are stored: in the training dtype (bf16 on a GPU)
+    /// or in 4-bit NormalFloat (QLoRA; CUDA only).
+    pub base_dtype: BaseDtype,
+}
+
+/// `lora.base_dtype`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BaseDtype {
+    #[default]
+    Bf16,
+    Nf4,
 }
 
 impl Default for LoraConfig {
@@ -602,6 +614,7 @@ impl Default for LoraConfig {
             dropout: 0.0,
             targets: vec!["q".into(), "v".into()],
             base: String::new(),
+            base_dtype: BaseDtype::Bf16,
         }
     }
 }

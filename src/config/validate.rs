@@ -1,6 +1,8 @@
 //! Semantic validation: everything serde's types cannot say.
 
-use super::{Activation, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams, RANDOM_BASE};
+use super::{
+    Activation, BaseDtype, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams, RANDOM_BASE,
+};
 use std::path::Path;
 
 /// The LoRA target names the engine knows.
@@ -468,6 +470,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             "must be 0: dropout on the adapter input is not supported yet (model.dropout applies)",
         );
     }
+    if l.base_dtype == BaseDtype::Nf4 && !l.enabled {
+        ck.fail(
+            "lora.base_dtype",
+            "\"nf4\"",
+            "quantizes a frozen LoRA base: needs lora.enabled = true",
+        );
+    }
     for t in &l.targets {
         if !LORA_TARGETS.contains(&t.as_str()) {
             ck.fail(
@@ -492,6 +501,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                 "lora.targets",
                 "[]",
                 "must name at least one layer when lora.enabled = true",
+            );
+        }
+        if l.base_dtype == BaseDtype::Nf4 && c.run.device == "cpu" {
+            ck.fail(
+                "lora.base_dtype",
+                "\"nf4\"",
+                "4-bit bases run on CUDA only (run.device = \"cpu\"); use \"bf16\"",
             );
         }
         if l.base.is_empty() {

@@ -10,6 +10,7 @@
 use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding, Recompute, RopeScaling};
 use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
+use crate::engine::nf4::Nf4;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -185,9 +186,27 @@ struct Lora {
 
 #[derive(Clone, Debug)]
 struct Linear {
-    w: Var,
+    w: Weight,
     b: Option<Var>,
     lora: Option<Lora>,
+}
+
+/// A linear layer's matrix: a parameter, or (a frozen LoRA base with
+/// `lora.base_dtype = "nf4"`) a 4-bit copy that is dequantized where it is used.
+#[derive(Clone, Debug)]
+enum Weight {
+    Dense(Var),
+    Nf4(std::sync::Arc<Nf4>),
+}
+
+impl Weight {
+    /// `(out, in)`.
+    fn dims2(&self) -> Result<(usize, usize)> {
+        match self {
+            Weight::Dense(v) => v.as_tensor().dims2(),
+            Weight::Nf4(q) => Ok((q.out, q.inp)),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -323,7 +342,11 @@ impl Init<'_> {
         } else {
             None
         };
-        Ok(Linear { w, b, lora: None })
+        Ok(Linear {
+            w: Weight::Dense(w),
+            b,
+            lora: None,
+        })
     }
     fn norm(&mut self, name: &str, dim: usize, norm: Norm, bias: bool) -> Result<NormLayer> {
         let w = self.constant(format!("{name}.weight"), dim, 1.0, ParamKind::Norm)?;
@@ -338,7 +361,7 @@ impl Init<'_> {
 
 // The step's input types live with the step (kernels); the model builds them.
 pub use crate::engine::kernels::spec::{
-    StepLayer, StepLora, StepWeights, WeightBias, LORA_TARGETS,
+    LinearWB, StepLayer, StepLora, StepMatrix, StepWeights, WeightBias, LORA_TARGETS,
 };
 
 /// LoRA settings for [`Model::add_lora`].
@@ -526,7 +549,7 @@ impl Model {
                 if !spec.targets.iter().any(|t| t == short) {
                     continue;
                 }
-                let (out, inp) = lin.w.as_tensor().dims2()?;
+                let (out, inp) = lin.w.dims2()?;
                 let name = format!("model.layers.{i}.{path}");
                 // Kaiming-uniform-like A (scaled normal here), zero B: the adapter starts as a no-op.
                 let a = init.normal(
@@ -581,18 +604,30 @@ impl Model {
             .collect()
     }
 
-    /// Base weights with every adapter folded in: `W + (alpha/r)·B·A`; no LoRA tensors.
+    /// Base weights with every adapter folded in: `W + (alpha/r)·B·A`; no LoRA tensors. A
+    /// 4-bit base comes out dequantized (f32), after the other weights.
     pub fn merged_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut merged: std::collections::HashMap<String, Tensor> =
             std::collections::HashMap::new();
+        let mut nf4 = Vec::new();
         for (name, lin) in self.linears() {
+            let name = format!("{name}.weight");
+            let quantized = matches!(lin.w, Weight::Nf4(_));
+            if lin.lora.is_none() && !quantized {
+                continue;
+            }
+            let mut w = self.weight_as(&lin.w, DType::F32)?;
             if let Some(l) = &lin.lora {
                 let delta = (l.b.as_tensor().matmul(l.a.as_tensor())? * l.scale)?;
-                let w = lin.w.as_tensor().to_dtype(DType::F32)?;
-                merged.insert(format!("{name}.weight"), (w + delta)?);
+                w = (w + delta)?;
+            }
+            if quantized {
+                nf4.push((name, w));
+            } else {
+                merged.insert(name, w);
             }
         }
-        Ok(self
+        let mut out: Vec<(String, Tensor)> = self
             .params
             .iter()
             .filter(|p| !p.kind.is_lora())
@@ -604,7 +639,43 @@ impl Model {
                         .unwrap_or_else(|| p.var.as_tensor().clone()),
                 )
             })
-            .collect())
+            .collect();
+        out.extend(nf4);
+        Ok(out)
+    }
+
+    /// Store the frozen base's linear layers in NF4 (`lora.base_dtype = "nf4"`; before
+    /// [`Self::add_lora`]): each matrix is quantized where it lives and its parameter dropped
+    /// (embeddings, norms and biases stay as they are). Returns the bytes the matrices took
+    /// before and take now.
+    pub fn quantize_base_nf4(&mut self) -> Result<(u64, u64)> {
+        let (mut before, mut after) = (0u64, 0u64);
+        let mut dropped = std::collections::HashSet::new();
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            let mut lins: Vec<(String, &mut Linear)> = vec![
+                (format!("{p}.self_attn.q_proj"), &mut b.q),
+                (format!("{p}.self_attn.k_proj"), &mut b.k),
+                (format!("{p}.self_attn.v_proj"), &mut b.v),
+                (format!("{p}.self_attn.o_proj"), &mut b.o),
+                (format!("{p}.mlp.up_proj"), &mut b.up),
+                (format!("{p}.mlp.down_proj"), &mut b.down),
+            ];
+            if let Some(g) = b.gate.as_mut() {
+                lins.push((format!("{p}.mlp.gate_proj"), g));
+            }
+            for (name, lin) in lins {
+                let Weight::Dense(v) = &lin.w else { continue };
+                let t = v.as_tensor();
+                before += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+                let q = Nf4::quantize(t)?;
+                after += q.bytes() as u64;
+                lin.w = Weight::Nf4(std::sync::Arc::new(q));
+                dropped.insert(format!("{name}.weight"));
+            }
+        }
+        self.params.retain(|p| !dropped.contains(&p.name));
+        Ok((before, after))
     }
 
     /// Re-seed dropout (the trainer does it per micro-batch, with
@@ -630,7 +701,18 @@ impl Model {
                 .map(|p| p.var.as_tensor().elem_count() as u64)
                 .sum::<u64>()
         };
-        (count(&|_| true), count(&|p| p.trainable))
+        (count(&|_| true) + self.nf4_elems(), count(&|p| p.trainable))
+    }
+
+    /// Weights stored in NF4 (not parameters: [`Self::quantize_base_nf4`]).
+    fn nf4_elems(&self) -> u64 {
+        self.linears()
+            .iter()
+            .filter_map(|(_, l)| match &l.w {
+                Weight::Nf4(q) => Some((q.out * q.inp) as u64),
+                Weight::Dense(_) => None,
+            })
+            .sum()
     }
 
     /// Training FLOPs per token (forward + backward): 6·N over the matmul weights plus
@@ -647,7 +729,8 @@ impl Model {
                 )
             })
             .map(|p| p.var.as_tensor().elem_count() as u64)
-            .sum();
+            .sum::<u64>()
+            + self.nf4_elems();
         let head = if s.tie_embeddings {
             (s.vocab_size * s.n_embd) as f64
         } else {
@@ -664,6 +747,18 @@ impl Model {
         }
     }
 
+    /// A linear layer's matrix in the compute dtype (a 4-bit one dequantized).
+    fn weight(&self, w: &Weight) -> Result<Tensor> {
+        self.weight_as(w, self.dtype)
+    }
+
+    fn weight_as(&self, w: &Weight, dtype: DType) -> Result<Tensor> {
+        match w {
+            Weight::Dense(v) => v.as_tensor().to_dtype(dtype),
+            Weight::Nf4(q) => q.dequantize(dtype),
+        }
+    }
+
     /// Whether a fused kernel switch applies to this tensor (CUDA, a float compute dtype).
     fn fused(&self, on: bool, t: &Tensor) -> bool {
         on && kernels::usable(t)
@@ -673,7 +768,7 @@ impl Model {
     /// The 2-D form keeps the weight gradient a single `[in, rows]·[rows, out]` matmul
     /// (a batched `broadcast_matmul` would build a per-batch gradient and sum it).
     fn linear_nobias(&self, l: &Linear, x2: &Tensor) -> Result<Tensor> {
-        let w = self.cast(&l.w)?;
+        let w = self.weight(&l.w)?;
         let mut y = x2.matmul(&w.t()?)?;
         if let Some(lora) = &l.lora {
             let a = self.cast(&lora.a)?;
@@ -696,9 +791,9 @@ impl Model {
     fn linear(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
         if l.lora.is_none() && self.fused(self.shape.kernels.linear, x) {
             let b = l.b.as_ref().map(|b| self.cast(b)).transpose()?;
-            return kernels::linear(x, &self.cast(&l.w)?, b.as_ref());
+            return kernels::linear(x, &self.weight(&l.w)?, b.as_ref());
         }
-        let (x2, out_dims) = Self::rows(x, l.w.as_tensor().dim(0)?)?;
+        let (x2, out_dims) = Self::rows(x, l.w.dims2()?.0)?;
         let mut y = self.linear_nobias(l, &x2)?;
         if let Some(b) = &l.b {
             let b = self.cast(b)?;
@@ -716,9 +811,9 @@ impl Model {
         match &l.b {
             Some(b) if self.fused(self.shape.kernels.bias_gelu, x) => {
                 let y = if l.lora.is_none() && self.fused(self.shape.kernels.linear, x) {
-                    kernels::linear(x, &self.cast(&l.w)?, None)?
+                    kernels::linear(x, &self.weight(&l.w)?, None)?
                 } else {
-                    let (x2, out_dims) = Self::rows(x, l.w.as_tensor().dim(0)?)?;
+                    let (x2, out_dims) = Self::rows(x, l.w.dims2()?.0)?;
                     self.linear_nobias(l, &x2)?.reshape(out_dims)?
                 };
                 kernels::bias_gelu(&y, &self.cast(b)?)
@@ -791,7 +886,11 @@ impl Model {
             // q | k | v as one matmul over concatenated weights, then the attention core as
             // one graph node (kernels::causal_attention_qkv).
             let w = Tensor::cat(
-                &[self.cast(&b.q.w)?, self.cast(&b.k.w)?, self.cast(&b.v.w)?],
+                &[
+                    self.weight(&b.q.w)?,
+                    self.weight(&b.k.w)?,
+                    self.weight(&b.v.w)?,
+                ],
                 0,
             )?;
             let bias = match (&b.q.b, &b.k.b, &b.v.b) {
@@ -965,34 +1064,82 @@ impl Model {
             .to_dtype(DType::F32)
     }
 
-    /// The weights for the whole-model CUDA step, when this model is one it runs: bf16 on
-    /// CUDA, widths multiples of 8 (16-byte accesses), an even head dim, everything trainable
-    /// or (LoRA) exactly the adapters; grouped-query attention and dropout need flash
-    /// attention (head dim 64).
+    /// The weights for the whole-model CUDA step, when this model is one it runs.
     pub fn step_weights(&self) -> Option<StepWeights> {
+        self.step_plan().ok()
+    }
+
+    /// The weights for the whole-model CUDA step, or why this model takes the per-op path:
+    /// the step needs bf16 on CUDA, widths multiples of 8 (16-byte accesses), an even head
+    /// dim, everything trainable or (LoRA) exactly the adapters; grouped-query attention and
+    /// dropout need flash attention (head dim 64 or 128).
+    pub fn step_plan(&self) -> std::result::Result<StepWeights, String> {
         let s = &self.shape;
         let hd = s.head_dim();
-        let flash = s.kernels.attention && hd == 64;
+        let flash = s.kernels.attention && kernels::spec::FLASH_HEAD_DIMS.contains(&hd);
         let lora = self.params.iter().any(|p| p.kind.is_lora());
-        let fits = s.kernels.step
-            && self.dtype == DType::BF16
-            && self.device.is_cuda()
-            && s.n_embd.is_multiple_of(8)
-            && hd.is_multiple_of(2)
-            && s.hidden.is_multiple_of(8)
-            && s.n_kv_head > 0
-            && s.n_head.is_multiple_of(s.n_kv_head)
-            && ((s.n_kv_head == s.n_head && s.dropout <= 0.0) || flash)
-            && s.step_computes()
-            && self
-                .params
-                .iter()
-                .all(|p| p.trainable == (!lora || p.kind.is_lora()));
-        if !fits {
-            return None;
+        let why = if !s.kernels.step {
+            Some("kernels.step = false".to_string())
+        } else if !self.device.is_cuda() {
+            Some("not on a CUDA device".into())
+        } else if self.dtype != DType::BF16 {
+            Some(format!("precision {:?} (the step runs bf16)", self.dtype))
+        } else if !s.n_embd.is_multiple_of(8) || !s.hidden.is_multiple_of(8) {
+            Some(format!(
+                "n_embd {} and the MLP width {} must be multiples of 8",
+                s.n_embd, s.hidden
+            ))
+        } else if !hd.is_multiple_of(2) {
+            Some(format!("odd head dim {hd}"))
+        } else if s.n_kv_head == 0 || !s.n_head.is_multiple_of(s.n_kv_head) {
+            Some(format!(
+                "{} key/value heads do not divide {} heads",
+                s.n_kv_head, s.n_head
+            ))
+        } else if !flash && s.n_kv_head != s.n_head {
+            Some(format!(
+                "grouped-query attention at head dim {hd} (flash attention has head dims 64 \
+                 and 128{})",
+                if s.kernels.attention {
+                    ""
+                } else {
+                    "; kernels.attention = false"
+                }
+            ))
+        } else if !flash && s.dropout > 0.0 {
+            Some(format!(
+                "dropout at head dim {hd} (flash attention has head dims 64 and 128{})",
+                if s.kernels.attention {
+                    ""
+                } else {
+                    "; kernels.attention = false"
+                }
+            ))
+        } else if !s.step_computes() {
+            Some(
+                "a head dim other than n_embd / n_head, or Granite multipliers (per-op only)"
+                    .into(),
+            )
+        } else if !self
+            .params
+            .iter()
+            .all(|p| p.trainable == (!lora || p.kind.is_lora()))
+        {
+            Some("a mix of frozen and trainable weights other than LoRA's".into())
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(why);
         }
         let norm = |n: &NormLayer| (n.w.clone(), n.b.clone());
-        let lin = |l: &Linear| (l.w.clone(), l.b.clone());
+        let lin = |l: &Linear| {
+            let m = match &l.w {
+                Weight::Dense(v) => StepMatrix::Var(v.clone()),
+                Weight::Nf4(q) => StepMatrix::Nf4(q.clone()),
+            };
+            (m, l.b.clone())
+        };
         let adapter = |l: Option<&Linear>| {
             l.and_then(|l| l.lora.as_ref()).map(|a| StepLora {
                 a: a.a.clone(),
@@ -1024,7 +1171,7 @@ impl Model {
                 ],
             })
             .collect();
-        Some(StepWeights {
+        Ok(StepWeights {
             wte: self.wte.clone(),
             wpe: self.wpe.clone(),
             rope_inv_freq: (s.pos == PosEncoding::Rope).then(|| rope_inv_freq(s)),
@@ -1135,6 +1282,60 @@ mod tests {
         assert!(m.step_weights().is_none());
         let m = Model::new(Shape::from_config(&c, 32), DType::BF16, &dev, 1).unwrap();
         assert!(m.step_weights().is_none());
+    }
+
+    #[test]
+    fn a_base_in_nf4_computes_nearly_what_the_dense_base_does() {
+        // (The reference arithmetic on the host; the CUDA kernels are held to it by
+        // tests/gpu_kernels.rs.)
+        let mut c = Config::default();
+        c.model.n_embd = 64;
+        let dev = Device::Cpu;
+        let shape = Shape::from_config(&c, 32);
+        let dense = Model::new(shape.clone(), DType::F32, &dev, 3).unwrap();
+        let mut q = Model::new(shape, DType::F32, &dev, 3).unwrap();
+        let (before, after) = q.quantize_base_nf4().unwrap();
+        assert!(
+            after * 7 < before && after * 8 > before,
+            "{after} of {before} bytes"
+        );
+        let spec = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            targets: vec!["q".into(), "v".into()],
+        };
+        q.add_lora(&spec, 1).unwrap();
+        // The quantized matrices are no parameters (not in checkpoints), yet counted.
+        assert!(q.params.iter().all(|p| !p.name.ends_with("q_proj.weight")));
+        assert_eq!(q.param_count().0, dense.param_count().0 + q.param_count().1);
+        assert!(q.step_weights().is_none());
+        let ids: Vec<u32> = (0..2 * 64).map(|i| (i * 5 % 32) as u32).collect();
+        let tg: Vec<u32> = (0..2 * 64).map(|i| ((i * 5 + 3) % 32) as u32).collect();
+        let x = Tensor::from_vec(ids, (2, 64), &dev).unwrap();
+        let y = Tensor::from_vec(tg, (2, 64), &dev).unwrap();
+        let l_dense = dense
+            .loss(&x, &y, false)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let l_q = q.loss(&x, &y, false).unwrap().to_scalar::<f32>().unwrap();
+        assert!((l_q - l_dense).abs() < 0.02 * l_dense, "{l_q} vs {l_dense}");
+        assert_ne!(l_q, l_dense);
+        // The adapters train through the 4-bit base.
+        let l = q.loss(&x, &y, true).unwrap();
+        let grads = l.backward().unwrap();
+        let a = q
+            .params
+            .iter()
+            .find(|p| p.kind == ParamKind::LoraA)
+            .unwrap();
+        assert!(grads.get(a.var.as_tensor()).is_some());
+        // Merged exports carry every base matrix, dequantized.
+        let merged = q.merged_tensors().unwrap();
+        let names: Vec<&str> = merged.iter().map(|(n, _)| n.as_str()).collect();
+        assert!(names.contains(&"model.layers.0.self_attn.q_proj.weight"));
+        assert!(names.contains(&"model.layers.0.mlp.down_proj.weight"));
+        assert!(names.iter().all(|n| !n.contains("lora")));
     }
 
     #[test]

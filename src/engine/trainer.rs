@@ -232,6 +232,8 @@ struct Trainer {
     /// the first step, None where the model does not fit it (the per-op path runs then).
     whole: Option<super::kernels::GptStep>,
     whole_checked: bool,
+    /// Why a CUDA run takes the per-op path (said once, as a warning, after the first step).
+    whole_why: Option<String>,
     /// `eval.sample_tokens`: the prompt's ids and the tokenizer that shows the text (None:
     /// the built-in corpus, shown as ids).
     sample: Option<(Vec<u32>, Option<data::Tok>)>,
@@ -347,6 +349,19 @@ impl Trainer {
         )?;
         if let Some((key, b)) = &base {
             super::base::load_into(&model, b, key)?;
+        }
+        if cfg.lora.enabled && cfg.lora.base_dtype == crate::config::BaseDtype::Nf4 {
+            if !device.is_cuda() {
+                return Err(EngineError::Config(
+                    "lora.base_dtype = \"nf4\": 4-bit bases run on CUDA only, and this run is on the CPU; use \"bf16\"".into(),
+                ));
+            }
+            let (before, after) = model.quantize_base_nf4()?;
+            dtype_reason.push_str(&format!(
+                "; LoRA base linear layers in NF4: {:.2} GB instead of {:.2} GB",
+                after as f64 / 1e9,
+                before as f64 / 1e9
+            ));
         }
         if cfg.lora.enabled {
             let spec = LoraSpec {
@@ -502,6 +517,7 @@ impl Trainer {
             step_memory: None,
             whole: None,
             whole_checked: false,
+            whole_why: None,
             sample,
             weights_copied: false,
         };
@@ -828,12 +844,21 @@ impl Trainer {
     fn check_whole(&mut self) -> candle_core::Result<()> {
         if !self.whole_checked {
             self.whole_checked = true;
-            if self.scaler.scale == 1.0 && !self.scaler.enabled {
-                if let Some(w) = self.model.step_weights() {
+            let plan = if self.scaler.scale == 1.0 && !self.scaler.enabled {
+                self.model.step_plan()
+            } else {
+                Err("fp16 loss scaling (the step runs bf16)".into())
+            };
+            match plan {
+                Ok(w) => {
                     let mut step = super::kernels::GptStep::new(&w)?;
                     step.set_profiling(self.profile_kernels);
                     self.whole = Some(step);
                 }
+                Err(why) if self.device.is_cuda() && self.cfg.kernels.step => {
+                    self.whole_why = Some(why);
+                }
+                Err(_) => {}
             }
         }
         Ok(())
@@ -1838,7 +1863,18 @@ impl Trainer {
                 });
             }
             let (ce, sumsq, grads, wait, compute) = match self.forward_backward(self.scu.lambda) {
-                Ok(v) => v,
+                Ok(v) => {
+                    if let Some(why) = self.whole_why.take() {
+                        out.emit(Event::Warning {
+                            step: self.step,
+                            message: format!(
+                                "the per-op CUDA path runs (several times slower than the \
+                                 whole-model step): {why}"
+                            ),
+                        });
+                    }
+                    v
+                }
                 Err(e) if is_oom(&e) && prev_batch.is_some() && self.dist.is_none() => {
                     let (failed, old) = (self.micro_batch, prev_batch.take().unwrap_or(1));
                     self.micro_batch = old;

@@ -1458,3 +1458,99 @@ pub fn dropout_mask(
     unsafe { b.launch(flat_cfg(n)) }.w()?;
     Ok(wrap(out, dev, (rows, cols)))
 }
+
+/// A launch of one thread per item, 256 a block (the NF4 kernels index without a grid-stride
+/// loop).
+fn per_item_cfg(items: usize, threads_per_item: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((items * threads_per_item).div_ceil(256).max(1) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// NF4 quantization of a contiguous bf16 matrix (kernels.cu's `nf4_*`; the host reference is
+/// `nf4::quantize_host`): (codes U8 [n/2], absq U8 [n/64], gscale F32 [⌈n/64/256⌉]).
+pub fn nf4_quantize(w: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    use crate::engine::nf4::{BLOCK, GROUP};
+    let dev = device_of(w)?;
+    let n = w.elem_count();
+    if !n.is_multiple_of(BLOCK) || w.dtype() != DType::BF16 {
+        return Err(err(
+            "nf4_quantize: a bf16 matrix of whole 64-element blocks",
+        ));
+    }
+    let (blocks, groups) = (n / BLOCK, (n / BLOCK).div_ceil(GROUP));
+    let (ws, wl) = w.storage_and_layout();
+    let src = view::<bf16>(cuda_of(&ws)?, wl)?;
+    // SAFETY: every element of each is written by the kernels below before it is read.
+    let (amax, absq, gscale, codes) = unsafe {
+        (
+            dev.alloc::<f32>(blocks)?,
+            dev.alloc::<u8>(blocks)?,
+            dev.alloc::<f32>(groups)?,
+            dev.alloc::<u8>(n / 2)?,
+        )
+    };
+    let (blocks_i, n8) = (blocks as i64, (n / 8) as i64);
+    let f = dev.get_or_load_custom_func("nf4_absmax_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&src);
+    b.arg(&amax);
+    b.arg(&blocks_i);
+    // SAFETY: argument list matches the kernel; one warp per 64-element block.
+    unsafe { b.launch(per_item_cfg(blocks, 32)) }.w()?;
+    let f = dev.get_or_load_custom_func("nf4_group_f32", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&amax);
+    b.arg(&absq);
+    b.arg(&gscale);
+    b.arg(&blocks_i);
+    // SAFETY: as above; one warp per group of 256 blocks.
+    unsafe { b.launch(per_item_cfg(groups, 32)) }.w()?;
+    let f = dev.get_or_load_custom_func("nf4_codes_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&src);
+    b.arg(&absq);
+    b.arg(&gscale);
+    b.arg(&codes);
+    b.arg(&n8);
+    // SAFETY: as above; one thread per 8 elements, writing 4 code bytes as one 32-bit word
+    // (the allocation is aligned; little-endian: byte i of the word is byte 4·t + i).
+    unsafe { b.launch(per_item_cfg(n / 8, 1)) }.w()?;
+    Ok((
+        wrap(codes, &dev, n / 2),
+        wrap(absq, &dev, blocks),
+        wrap(gscale, &dev, groups),
+    ))
+}
+
+/// A matrix in NF4 back to bf16 `[out, inp]` (kernels.cu's `nf4_dequant_bf16`).
+pub fn nf4_dequantize(q: &crate::engine::nf4::Nf4) -> Result<Tensor> {
+    let dev = device_of(&q.codes)?;
+    let n = q.out * q.inp;
+    if q.codes.elem_count() != n / 2 || !q.codes.is_contiguous() {
+        return Err(err("nf4_dequantize: codes of another shape"));
+    }
+    let (cs, cl) = q.codes.storage_and_layout();
+    let (asr, al) = q.absq.storage_and_layout();
+    let (gs, gl) = q.gscale.storage_and_layout();
+    let codes = view::<u8>(cuda_of(&cs)?, cl)?;
+    let absq = view::<u8>(cuda_of(&asr)?, al)?;
+    let gscale = view::<f32>(cuda_of(&gs)?, gl)?;
+    // SAFETY: every element is written by the kernel.
+    let out = unsafe { dev.alloc::<bf16>(n)? };
+    let n8 = (n / 8) as i64;
+    let f = dev.get_or_load_custom_func("nf4_dequant_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&codes);
+    b.arg(&absq);
+    b.arg(&gscale);
+    b.arg(&out);
+    b.arg(&n8);
+    // SAFETY: argument list matches the kernel; the codes are read as 32-bit words, so they
+    // must start 4-byte aligned (a whole tensor of their own, as `nf4_quantize` makes them, is);
+    // one thread per 8 elements.
+    unsafe { b.launch(per_item_cfg(n / 8, 1)) }.w()?;
+    Ok(wrap(out, &dev, (q.out, q.inp)))
+}

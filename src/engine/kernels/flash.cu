@@ -1,17 +1,20 @@
-// Causal flash attention (FlashAttention-2 style) for head dim 64, bf16 in/out, fp32 accumulate.
+// Causal flash attention (FlashAttention-2 style) for head dims 64 and 128, bf16 in/out, fp32
+// accumulate.
 // Tensor cores through mma.sync.m16n8k16 (bf16), ldmatrix and cp.async: sm_80 features only
 // (built as PTX for compute_80, JIT-ed on Hopper).
 //
 // ============================== LAUNCH CONTRACT ==============================================
-// D = 64 is fixed (FA_D). scale = 1/sqrt(64) is passed in. T may be any value >= 1.
+// Head dim D = 64 (the kernels without a suffix) or 128 (the `_d128` kernels, same arguments;
+// their dynamic shared memory is given below). scale (1/sqrt(D)) is passed in. T may be any value >= 1.
 // Grouped-query attention: H query heads share KVH key/value heads (KVH divides H; query head h
 // reads key/value head h / (H / KVH)); KVH = H is plain multi-head attention.
 // Layouts (row-major, contiguous):
-//   qkv  [B, T, H + 2·KVH, 64] bf16 (q heads, then k heads, then v heads)
-//   o, dout [B, T, H, 64] bf16     lse [B, H, T] f32 (natural log)
+//   qkv  [B, T, H + 2·KVH, D] bf16 (q heads, then k heads, then v heads)
+//   o, dout [B, T, H, D] bf16     lse [B, H, T] f32 (natural log)
 //   dqkv like qkv (every element written by the backward)
-// Let NB = ceil(T / 64). All kernels use STATIC shared memory only (<= 48 KB):
-// dynamic shared memory bytes = 0 everywhere, no cuFuncSetAttribute needed.
+// Let NB = ceil(T / 64). The D = 64 kernels use static shared memory only (<= 48 KB, dynamic
+// shared memory bytes = 0). The D = 128 forward and main backward kernel use dynamic shared
+// memory above 48 KB: the launcher sets CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first.
 //
 // FORWARD (one launch):
 //   flash_fwd_bf16(const bf16* qkv, bf16* o, float* lse, int B, int T, int H, int KVH, float scale,
@@ -21,11 +24,12 @@
 //     [B·H·T, ceil(T/64)], bit 16·t4 + 2·nt + e of key 8·nt + 2·t4 + e; lse is of the
 //     undropped probabilities. thr = 0: no dropout, seed and mbits unused (may be null).
 //     grid = (B*H, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
+//     flash_fwd[_drop]_d128_bf16: same grid and block, dynamic smem = FA_FWD_D128_SMEM (80 KB)
 //
 // BACKWARD (three launches, in this order, same stream):
-//   scratch: one f32 buffer of B*T*H*64 + B*H*T floats; need NOT be zeroed (kernel 1 does it).
-//     dq_acc = scratch                      (B*T*H*64 floats, layout [B, T, H, 64])
-//     delta  = scratch + B*T*H*64           (B*H*T floats,    layout [B, H, T])
+//   scratch: one f32 buffer of B*T*H*D + B*H*T floats; need NOT be zeroed (kernel 1 does it).
+//     dq_acc = scratch                      (B*T*H*D floats, layout [B, T, H, D])
+//     delta  = scratch + B*T*H*D            (B*H*T floats,   layout [B, H, T])
 //   1. flash_bwd_preprocess_bf16(const bf16* o, const bf16* dout, float* delta, float* dq_acc,
 //                                int B, int T, int H)
 //        grid = (ceil(B*T*H / 32), 1, 1), block = (256, 1, 1), dynamic smem = 0
@@ -39,18 +43,21 @@
 //        heads that share it (dk, dv summed in registers, no atomics); writes dk, dv into dqkv;
 //        dq accumulated by fp32 atomics into dq_acc. (This is the default build, FA_BWD_NW = 4. Built with -DFA_BWD_NW=8 the
 //        contract becomes grid = (B*H, ceil(T/128), 1), block = (256, 1, 1), static smem 48 KB.)
+//        flash_bwd_d128_bf16: grid = (B*KVH, NB, 1), block = (128, 1, 1), dynamic smem =
+//        FA_BWD_D128_SMEM (104 KB); K and V stay in shared memory (see the kernel).
 //   3. flash_bwd_dq_convert_bf16(const float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH,
 //                                float scale)
-//        grid = (ceil(B*T*H*16 / 256), 1, 1), block = (256, 1, 1), dynamic smem = 0
+//        grid = (ceil(B*T*H*D/4 / 256), 1, 1), block = (256, 1, 1), dynamic smem = 0
 //        dq = scale * dq_acc -> bf16 into the q slot of dqkv.
 // Sizes: row offsets are computed in size_t; kernel 3 indexes float4s with int, so
-// B*T*H*16 < 2^31 (B*H*T < 1.3e8). Grid y = NB <= 65535 (T <= 4M).
+// B*T*H*D/4 < 2^31 (B*H*T < 1.3e8 at D = 64, 6.7e7 at D = 128). Grid y = NB <= 65535 (T <= 4M).
 // Grid x = b*H + h runs fastest so that the heaviest tiles (blockIdx.y == 0) are all issued first.
 // Alignment: every pointer must be 16-byte aligned (16-byte vector loads/stores and cp.async);
 // cudarc allocations are; sub-slices must start at multiples of 8 bf16 / 4 f32 elements.
 // The backward needs o and lse exactly as written by flash_fwd_bf16 with the same scale.
 // Resources (sm_90, ptxas 13.0): fwd 128 regs (launch bounds 128x4); bwd 255 regs (launch bounds
-// 128x2, 2 blocks/SM), no spills.
+// 128x2, 2 blocks/SM), no spills. D = 128: fwd 225 regs (drop 252), bwd 255, no spills; two
+// blocks per SM (launch bounds 128x2).
 // Measured on H100 (B=8, T=1024, H=12, PTX JIT): fwd 0.058 ms; bwd (3 kernels) 0.203 ms =
 // preprocess 0.024 + main 0.167 + dq_convert 0.015 (was 0.265 = 0.025 + 0.228 + 0.015).
 // =============================================================================================
@@ -74,9 +81,12 @@ __device__ __forceinline__ uint32_t fa_smem_u32(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
 }
 
-// byte offset of element (row, col) in a 64x64 bf16 tile: 128-byte rows, 16-byte chunks XOR-swizzled
+// byte offset of element (row, col) in a tile of D bf16 columns: 2D-byte rows, 16-byte chunks
+// XOR-swizzled (the low three chunk bits with the row's low three bits: the 8 rows an ldmatrix
+// reads hit 8 different 16-byte bank groups)
+template <int D = 64>
 __device__ __forceinline__ uint32_t fa_swz(int row, int col) {
-    return (uint32_t)(row * 128 + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1));
+    return (uint32_t)(row * (2 * D) + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1));
 }
 
 __device__ __forceinline__ void fa_cp_async16(uint32_t dst, const void* src, bool pred) {
@@ -116,72 +126,80 @@ __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Load a 64-row x 64-col bf16 tile (rows row0..row0+63 of a matrix with leading dim ld, whose
+// Load a 64-row x D-col bf16 tile (rows row0..row0+63 of a matrix with leading dim ld, whose
 // column 0 is at g) into a swizzled smem tile; rows >= T are zero-filled. 128 threads.
+template <int D = 64>
 __device__ __forceinline__ void fa_load_tile(uint32_t s, const __nv_bfloat16* g, int ld, int row0,
                                              int T, int tid) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int idx = tid + k * FA_THREADS;
-        const int r = idx >> 3, c = idx & 7;
+    for (int k = 0; k < 64 * CH / FA_THREADS; ++k) {
+        const unsigned idx = tid + k * FA_THREADS;
+        const int r = idx / CH, c = idx % CH;
         const int gr = row0 + r;
         const bool ok = gr < T;
         const __nv_bfloat16* src = g + (size_t)(ok ? gr : 0) * ld + c * 8;
-        fa_cp_async16(s + fa_swz(r, c * 8), src, ok);
+        fa_cp_async16(s + fa_swz<D>(r, c * 8), src, ok);
     }
 }
 
 // A fragments (16 rows starting at row0, 16 cols starting at col0) of a row-major smem tile.
+template <int D = 64>
 __device__ __forceinline__ void fa_ldA(uint32_t s, int row0, int col0, int lane, uint32_t* a) {
-    fa_ldsm_x4(s + fa_swz(row0 + (lane & 7) + ((lane >> 3) & 1) * 8, col0 + (lane >> 4) * 8), a[0],
+    fa_ldsm_x4(s + fa_swz<D>(row0 + (lane & 7) + ((lane >> 3) & 1) * 8, col0 + (lane >> 4) * 8), a[0],
                a[1], a[2], a[3]);
 }
 // B fragments for two n-tiles (n0..n0+15) x k (k0..k0+15) where the smem tile is stored [n][k].
+template <int D = 64>
 __device__ __forceinline__ void fa_ldB_nk(uint32_t s, int n0, int k0, int lane, uint32_t& b0,
                                           uint32_t& b1, uint32_t& b2, uint32_t& b3) {
-    fa_ldsm_x4(s + fa_swz(n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8), b0, b1,
+    fa_ldsm_x4(s + fa_swz<D>(n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8), b0, b1,
                b2, b3);
 }
 // B fragments for two n-tiles (n0..n0+15) x k (k0..k0+15) where the smem tile is stored [k][n].
+template <int D = 64>
 __device__ __forceinline__ void fa_ldB_kn(uint32_t s, int k0, int n0, int lane, uint32_t& b0,
                                           uint32_t& b1, uint32_t& b2, uint32_t& b3) {
-    fa_ldsm_x4_t(s + fa_swz(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8), b0,
+    fa_ldsm_x4_t(s + fa_swz<D>(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8), b0,
                  b1, b2, b3);
 }
 // A fragments (16 rows m0.., 16 cols k0..) of A where the smem tile stores A^T, i.e. [k][m].
+template <int D = 64>
 __device__ __forceinline__ void fa_ldA_t(uint32_t s, int m0, int k0, int lane, uint32_t* a) {
-    fa_ldsm_x4_t(s + fa_swz(k0 + (lane & 7) + (lane >> 4) * 8, m0 + ((lane >> 3) & 1) * 8), a[0],
+    fa_ldsm_x4_t(s + fa_swz<D>(k0 + (lane & 7) + (lane >> 4) * 8, m0 + ((lane >> 3) & 1) * 8), a[0],
                  a[1], a[2], a[3]);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Forward. Block = 64 query rows of one (b, h); warp w owns rows 16w..16w+15. K/V tiles of 64
 // keys are double-buffered through shared memory with cp.async; tiles above the diagonal are
-// skipped. Heavy (late) query blocks are scheduled first.
-template <bool DROP>
+// skipped. Heavy (late) query blocks are scheduled first. Head dim D (64 or 128); shared memory
+// `sm` holds Q [64][D], K [2][64][D] and V [2][64][D] (5·64·D bf16).
+template <int D, bool DROP>
 __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
                float* __restrict__ lse, int B, int T, int H, int KVH, float scale,
                const unsigned long long* __restrict__ seed, uint32_t site, uint32_t thr,
-               float dscale, uint16_t* __restrict__ mbits) {
-    __shared__ __align__(128) __nv_bfloat16 sQ[FA_BM * FA_D];
-    __shared__ __align__(128) __nv_bfloat16 sK[2][FA_BN * FA_D];
-    __shared__ __align__(128) __nv_bfloat16 sV[2][FA_BN * FA_D];
+               float dscale, uint16_t* __restrict__ mbits, __nv_bfloat16* sm) {
+    constexpr int KC = D / 16;  // k16 chunks of the head dim
+    __nv_bfloat16* sQ = sm;
+    const __nv_bfloat16* sK = sm + FA_BM * D;
+    const __nv_bfloat16* sV = sK + 2 * FA_BN * D;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
     const int qb = gridDim.y - 1 - blockIdx.y;  // heaviest query blocks first
     const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int HD = H * FA_D, KD = KVH * FA_D, ld = HD + 2 * KD;
+    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
     const int kvh = h / (H / KVH);
-    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * FA_D;
-    const int koff = HD + (kvh - h) * FA_D;  // k of this head's group, from q (v: + KD)
+    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * D;
+    const int koff = HD + (kvh - h) * D;  // k of this head's group, from q (v: + KD)
     const int q0 = qb * FA_BM;
-    const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK[0]), sVa = fa_smem_u32(sV[0]);
-    const uint32_t TILE = FA_BN * FA_D * 2;
+    const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
+    const uint32_t TILE = FA_BN * D * 2;
 
-    fa_load_tile(sQa, qg, ld, q0, T, tid);
-    fa_load_tile(sKa, qg + koff, ld, 0, T, tid);
-    fa_load_tile(sVa, qg + koff + KD, ld, 0, T, tid);
+    fa_load_tile<D>(sQa, qg, ld, q0, T, tid);
+    fa_load_tile<D>(sKa, qg + koff, ld, 0, T, tid);
+    fa_load_tile<D>(sVa, qg + koff + KD, ld, 0, T, tid);
     fa_cp_commit();
 
     const int nkv = qb + 1;
@@ -190,10 +208,10 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const unsigned long long sd = DROP ? *seed : 0ull;
     const int nkt = (T + FA_BN - 1) / FA_BN;
 
-    uint32_t qf[4][4];
-    float oacc[8][4];
+    uint32_t qf[KC][4];
+    float oacc[2 * KC][4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < 2 * KC; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
@@ -203,12 +221,12 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         __syncthreads();
         if (j == 0) {
 #pragma unroll
-            for (int kc = 0; kc < 4; ++kc) fa_ldA(sQa, warp * 16, kc * 16, lane, qf[kc]);
+            for (int kc = 0; kc < KC; ++kc) fa_ldA<D>(sQa, warp * 16, kc * 16, lane, qf[kc]);
         }
         if (j + 1 < nkv) {
             const uint32_t nb = ((j + 1) & 1) * TILE;
-            fa_load_tile(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
-            fa_load_tile(sVa + nb, qg + koff + KD, ld, (j + 1) * FA_BN, T, tid);
+            fa_load_tile<D>(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
+            fa_load_tile<D>(sVa + nb, qg + koff + KD, ld, (j + 1) * FA_BN, T, tid);
             fa_cp_commit();
         }
         const uint32_t kb = sKa + (j & 1) * TILE, vb = sVa + (j & 1) * TILE;
@@ -219,11 +237,11 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
+        for (int kc = 0; kc < KC; ++kc) {
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 uint32_t b0, b1, b2, b3;
-                fa_ldB_nk(kb, np * 16, kc * 16, lane, b0, b1, b2, b3);
+                fa_ldB_nk<D>(kb, np * 16, kc * 16, lane, b0, b1, b2, b3);
                 fa_mma(s[2 * np], qf[kc], b0, b1);
                 fa_mma(s[2 * np + 1], qf[kc], b2, b3);
             }
@@ -258,6 +276,13 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         m1 = mx1;
         l0 *= al0;
         l1 *= al1;
+#pragma unroll
+        for (int nt = 8; nt < 2 * KC; ++nt) {  // (D > 64: the head dims beyond the key tile's)
+            oacc[nt][0] *= al0;
+            oacc[nt][1] *= al0;
+            oacc[nt][2] *= al1;
+            oacc[nt][3] *= al1;
+        }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             oacc[nt][0] *= al0;
@@ -303,9 +328,9 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
             pa[2] = fa_pack(s[2 * kc + 1][0], s[2 * kc + 1][1]);
             pa[3] = fa_pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
 #pragma unroll
-            for (int dp = 0; dp < 4; ++dp) {
+            for (int dp = 0; dp < KC; ++dp) {
                 uint32_t b0, b1, b2, b3;
-                fa_ldB_kn(vb, kc * 16, dp * 16, lane, b0, b1, b2, b3);
+                fa_ldB_kn<D>(vb, kc * 16, dp * 16, lane, b0, b1, b2, b3);
                 fa_mma(oacc[2 * dp], pa, b0, b1);
                 fa_mma(oacc[2 * dp + 1], pa, b2, b3);
             }
@@ -325,21 +350,22 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     char* sQc = reinterpret_cast<char*>(sQ);
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-        *reinterpret_cast<uint32_t*>(sQc + fa_swz(lr0, nt * 8 + t4 * 2)) =
+    for (int nt = 0; nt < 2 * KC; ++nt) {
+        *reinterpret_cast<uint32_t*>(sQc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) =
             fa_pack(oacc[nt][0] * inv0, oacc[nt][1] * inv0);
-        *reinterpret_cast<uint32_t*>(sQc + fa_swz(lr1, nt * 8 + t4 * 2)) =
+        *reinterpret_cast<uint32_t*>(sQc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) =
             fa_pack(oacc[nt][2] * inv1, oacc[nt][3] * inv1);
     }
     __syncwarp();
+    constexpr int CH = D / 8;  // 16-byte chunks per row
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int idx = lane + k * 32;
-        const int r = idx >> 3, c = idx & 7;
+    for (int k = 0; k < 16 * CH / 32; ++k) {
+        const unsigned idx = lane + k * 32;
+        const int r = idx / CH, c = idx % CH;
         const int grow = q0 + warp * 16 + r;
         if (grow < T)
-            *reinterpret_cast<uint4*>(o + ((size_t)b * T + grow) * HD + h * FA_D + c * 8) =
-                *reinterpret_cast<const uint4*>(sQc + fa_swz(warp * 16 + r, c * 8));
+            *reinterpret_cast<uint4*>(o + ((size_t)b * T + grow) * HD + h * D + c * 8) =
+                *reinterpret_cast<const uint4*>(sQc + fa_swz<D>(warp * 16 + r, c * 8));
     }
 }
 
@@ -349,41 +375,64 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const __nv_bfloat16 *__restrict__ qkv, __nv_bfloat16 *__restrict__ o, float *__restrict__ lse, \
         int B, int T, int H, int KVH, float scale, const unsigned long long *__restrict__ seed,  \
         uint32_t site, uint32_t thr, float dscale, uint16_t *__restrict__ mbits
+#define FA_FWD_PASS qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_bf16(FA_FWD_ARGS) {
-    flash_fwd<false>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits);
+    __shared__ __align__(128) __nv_bfloat16 sm[5 * 64 * 64];
+    flash_fwd<64, false>(FA_FWD_PASS, sm);
 }
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_drop_bf16(FA_FWD_ARGS) {
-    flash_fwd<true>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits);
+    __shared__ __align__(128) __nv_bfloat16 sm[5 * 64 * 64];
+    flash_fwd<64, true>(FA_FWD_PASS, sm);
+}
+// Head dim 128: 80 KB of dynamic shared memory (FA_FWD_D128_SMEM; the launcher raises the
+// function's dynamic shared memory limit), two blocks per SM.
+#define FA_FWD_D128_SMEM (5 * 64 * 128 * 2)
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_fwd_d128_bf16(FA_FWD_ARGS) {
+    extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
+    flash_fwd<128, false>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_fwd_drop_d128_bf16(FA_FWD_ARGS) {
+    extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
+    flash_fwd<128, true>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward 1: delta[b, h, t] = sum_d o * dout; dq_acc = 0. 8 threads per (b, t, h) row.
-extern "C" __global__ void __launch_bounds__(256)
-flash_bwd_preprocess_bf16(const __nv_bfloat16* __restrict__ o, const __nv_bfloat16* __restrict__ dout,
-                          float* __restrict__ delta, float* __restrict__ dq_acc, int B, int T, int H) {
+template <int D>
+__device__ __forceinline__ void flash_bwd_preprocess(const __nv_bfloat16* __restrict__ o,
+                                                     const __nv_bfloat16* __restrict__ dout,
+                                                     float* __restrict__ delta,
+                                                     float* __restrict__ dq_acc, int B, int T, int H) {
     const int rows = B * T * H;
     const int r = blockIdx.x * 32 + (threadIdx.x >> 3);
     const int sub = threadIdx.x & 7;
     float s = 0.f;
     if (r < rows) {
-        const uint4 ov = *reinterpret_cast<const uint4*>(o + (size_t)r * FA_D + sub * 8);
-        const uint4 dv = *reinterpret_cast<const uint4*>(dout + (size_t)r * FA_D + sub * 8);
-        const __nv_bfloat162* op = reinterpret_cast<const __nv_bfloat162*>(&ov);
-        const __nv_bfloat162* dp = reinterpret_cast<const __nv_bfloat162*>(&dv);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 a = __bfloat1622float2(op[i]);
-            const float2 c = __bfloat1622float2(dp[i]);
-            s = fmaf(a.x, c.x, s);
-            s = fmaf(a.y, c.y, s);
+        for (int part = 0; part < D / 64; ++part) {
+            const size_t at = (size_t)r * D + part * 64 + sub * 8;
+            const uint4 ov = *reinterpret_cast<const uint4*>(o + at);
+            const uint4 dv = *reinterpret_cast<const uint4*>(dout + at);
+            const __nv_bfloat162* op = reinterpret_cast<const __nv_bfloat162*>(&ov);
+            const __nv_bfloat162* dp = reinterpret_cast<const __nv_bfloat162*>(&dv);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 a = __bfloat1622float2(op[i]);
+                const float2 c = __bfloat1622float2(dp[i]);
+                s = fmaf(a.x, c.x, s);
+                s = fmaf(a.y, c.y, s);
+            }
         }
     }
     {  // zero this warp's 4 rows of dq_acc with lane-contiguous 16-byte stores
         const int lane = threadIdx.x & 31;
         const int r0 = blockIdx.x * 32 + (threadIdx.x >> 5) * 4;
-        float4* z = reinterpret_cast<float4*>(dq_acc + (size_t)r0 * FA_D);
-        if (r0 + (lane >> 4) < rows) z[lane] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (r0 + 2 + (lane >> 4) < rows) z[32 + lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+        float4* z = reinterpret_cast<float4*>(dq_acc + (size_t)r0 * D);
+#pragma unroll
+        for (int k = 0; k < D / 32; ++k) {
+            const int idx = lane + 32 * k;  // float4 index in the 4 rows
+            if (r0 + idx / (D / 4) < rows) z[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
     s += __shfl_xor_sync(0xffffffffu, s, 1);
     s += __shfl_xor_sync(0xffffffffu, s, 2);
@@ -393,6 +442,15 @@ flash_bwd_preprocess_bf16(const __nv_bfloat16* __restrict__ o, const __nv_bfloat
         const int b = bt / T, t = bt - b * T;
         delta[((size_t)b * H + h) * T + t] = s;
     }
+}
+#define FA_PRE_ARGS                                                                             \
+    const __nv_bfloat16 *__restrict__ o, const __nv_bfloat16 *__restrict__ dout,               \
+        float *__restrict__ delta, float *__restrict__ dq_acc, int B, int T, int H
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_bf16(FA_PRE_ARGS) {
+    flash_bwd_preprocess<64>(o, dout, delta, dq_acc, B, T, H);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_d128_bf16(FA_PRE_ARGS) {
+    flash_bwd_preprocess<128>(o, dout, delta, dq_acc, B, T, H);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -443,18 +501,19 @@ __device__ __forceinline__ void fa_dq_mma(float (&dq)[MT][NTL][4], uint32_t sdSa
     }
 }
 
-// R rows x 64 cols bf16 (rows row0.. of a matrix with leading dim ld) -> swizzled smem; rows >= T zeroed
-template <int R, int NT>
+// R rows x D cols bf16 (rows row0.. of a matrix with leading dim ld) -> swizzled smem; rows >= T zeroed
+template <int R, int NT, int D = 64>
 __device__ __forceinline__ void fa_load_rows(uint32_t s, const __nv_bfloat16* g, int ld, int row0,
                                              int T, int tid) {
+    constexpr int CH = D / 8;  // 16-byte chunks per row
 #pragma unroll
-    for (int k = 0; k < R * 8 / NT; ++k) {
-        const int idx = tid + k * NT;
-        const int r = idx >> 3, c = idx & 7;
+    for (int k = 0; k < R * CH / NT; ++k) {
+        const unsigned idx = tid + k * NT;
+        const int r = idx / CH, c = idx % CH;
         const int gr = row0 + r;
         const bool ok = gr < T;
         const __nv_bfloat16* src = g + (size_t)(ok ? gr : 0) * ld + c * 8;
-        fa_cp_async16(s + fa_swz(r, c * 8), src, ok);
+        fa_cp_async16(s + fa_swz<D>(r, c * 8), src, ok);
     }
 }
 
@@ -760,21 +819,301 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
 }
 
 // ---------------------------------------------------------------------------------------------
+// Backward 2, head dim 128: block = 64 keys of one (b, key/value head), 4 warps, warp w owns keys
+// 16w..16w+15 and accumulates their dK, dV rows (16 x 128 fp32 each: 128 registers per thread)
+// over the query tiles of every query head of the group. The 64-dim kernel's register copies of
+// K, V and K^T do not fit beside those accumulators, so K and V stay in shared memory (read as
+// fragments per use) and each 64-query tile is taken in two halves of 32 queries (S^T, P^T, dP^T,
+// dS^T of a half in registers). dQ = dS K per tile: warp w computes 32 queries x 64 head-dim
+// columns in two passes of 32 columns, staged in the tile's free Q/dO buffer for coalesced fp32
+// atomics (one 128-byte row segment per instruction).
+// Shared memory (dynamic, FA_BWD_D128_SMEM = 104 KB): sK [64][128], sV [64][128],
+// Q/dO [2 buffers][2][64][128], dS^T [64 keys][64 queries]. Two blocks per SM.
+#define FA_BWD_D128_SMEM ((2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2)
+extern "C" __global__ void __launch_bounds__(128, 2)
+flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout,
+                    const float* __restrict__ lse, const float* __restrict__ delta,
+                    float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T,
+                    int H, int KVH, float scale, uint32_t thr, float dscale,
+                    const unsigned long long* __restrict__ mbits) {
+    constexpr int D = 128, KC = D / 16, BN = 64, NT = 128;
+    extern __shared__ __align__(128) uint4 fa_dyn_bwd[];
+    __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(fa_dyn_bwd);
+    __nv_bfloat16* sV = sK + BN * D;
+    __nv_bfloat16* sQD = sV + BN * D;           // [buffer][Q, dO][64][128]
+    __nv_bfloat16* sdS = sQD + 4 * FA_BM * D;   // dS^T: [key][query], 64 x 64
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
+    const int k0 = kblk * BN;
+    const int i0 = k0 / FA_BM;    // first query tile that sees these keys
+    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
+    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
+    const int rep = H / KVH, h0 = kvh * rep;  // the query heads that share this key/value head
+    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
+    const __nv_bfloat16* kg = qkv_b + HD + kvh * D;
+    const __nv_bfloat16* vg = kg + KD;
+    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
+    const int nq = (T + FA_BM - 1) / FA_BM;
+    const int ntile = nq - i0;  // query tiles per query head
+    const float L2E = 1.4426950408889634f;
+    const float sl2 = scale * L2E;
+
+    const uint32_t sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
+    const uint32_t sbase = fa_smem_u32(sQD), sdSa = fa_smem_u32(sdS);
+    constexpr uint32_t BUF = 2 * FA_BM * D * 2, DOFF = FA_BM * D * 2;
+
+    fa_load_rows<BN, NT, D>(sKa, kg, ld, k0, T, tid);
+    fa_load_rows<BN, NT, D>(sVa, vg, ld, k0, T, tid);
+    fa_load_rows<FA_BM, NT, D>(sbase, qkv_b + h0 * D, ld, i0 * FA_BM, T, tid);
+    fa_load_rows<FA_BM, NT, D>(sbase + DOFF, dout_b + h0 * D, HD, i0 * FA_BM, T, tid);
+    fa_cp_commit();
+
+    float dk[2 * KC][4], dv[2 * KC][4];
+#pragma unroll
+    for (int i = 0; i < 2 * KC; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dk[i][e] = 0.f;
+            dv[i][e] = 0.f;
+        }
+    const int wk0 = k0 + warp * 16;                // first key of this warp
+    const int kr0 = wk0 + g, kr1 = kr0 + 8;        // keys of this thread's accumulator rows
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // ... local rows
+    const int jk = kr0 & 63;  // this thread's first key in its 64-key mask tile (kr1: +8)
+    const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
+    // dQ work split: warp -> 32 query rows (dqm0..) x 64 head-dim columns (dqc0..), two passes
+    const int dqm0 = (warp >> 1) * 32, dqc0 = (warp & 1) * 64;
+
+    for (int it = 0; it < rep * ntile; ++it) {
+        const int hq = it / ntile, i = i0 + (it - hq * ntile);
+        const int h = h0 + hq;
+        const float* lseg = lse + ((size_t)b * H + h) * T;
+        const float* dlg = delta + ((size_t)b * H + h) * T;
+        const int bsel = it & 1;
+        const uint32_t sQa = sbase + bsel * BUF, sdOa = sQa + DOFF;
+        fa_cp_wait_all();
+        __syncthreads();  // tile landed; everybody is done with the previous tile (buffer, sdS)
+        if (it + 1 < rep * ntile) {
+            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
+            const uint32_t nb = sbase + (bsel ^ 1) * BUF;
+            fa_load_rows<FA_BM, NT, D>(nb, qkv_b + (h0 + hn) * D, ld, in * FA_BM, T, tid);
+            fa_load_rows<FA_BM, NT, D>(nb + DOFF, dout_b + (h0 + hn) * D, HD, in * FA_BM, T, tid);
+            fa_cp_commit();
+        }
+        const int q0 = i * FA_BM;
+        // lane l holds lse (log2 units) / delta of queries q0 + 2l, q0 + 2l + 1
+        const int qa = q0 + 2 * lane;
+        const float lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
+        const float lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
+        const float dla = qa < T ? __ldg(dlg + qa) : 0.f;
+        const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
+        char* sdSc = reinterpret_cast<char*>(sdS);
+
+#pragma unroll 1
+        for (int hh = 0; hh < 2; ++hh) {  // queries q0 + 32hh .. + 31
+            const int qh = hh * 32;
+            float st[4][4], dpt[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    st[a][e] = 0.f;
+                    dpt[a][e] = 0.f;
+                }
+            // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc) {
+                uint32_t ka[4], va[4];
+                fa_ldA<D>(sKa, warp * 16, kc * 16, lane, ka);
+                fa_ldA<D>(sVa, warp * 16, kc * 16, lane, va);
+#pragma unroll
+                for (int np = 0; np < 2; ++np) {
+                    uint32_t b0, b1, b2, b3;
+                    fa_ldB_nk<D>(sQa, qh + np * 16, kc * 16, lane, b0, b1, b2, b3);
+                    fa_mma(st[2 * np], ka, b0, b1);
+                    fa_mma(st[2 * np + 1], ka, b2, b3);
+                    fa_ldB_nk<D>(sdOa, qh + np * 16, kc * 16, lane, b0, b1, b2, b3);
+                    fa_mma(dpt[2 * np], va, b0, b1);
+                    fa_mma(dpt[2 * np + 1], va, b2, b3);
+                }
+            }
+            // P^T = exp(scale*S^T - lse[q]) with the causal mask; dS^T = P^T (dP^T - delta[q]);
+            // with dropout dP goes through the forward's mask and dV takes the dropped P^T
+            const bool diag = wk0 + 15 > q0 + qh;
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int q = q0 + qh + nt * 8 + t4 * 2 + e;
+                    const int src = hh * 16 + nt * 4 + t4;
+                    const float lq = __shfl_sync(0xffffffffu, e ? lsb : lsa, src);
+                    const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, src);
+                    float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
+                    float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
+                    if (diag) {
+                        if (kr0 > q) p0 = 0.f;
+                        if (kr1 > q) p1 = 0.f;
+                    }
+                    if (thr) {
+                        const unsigned long long m =
+                            q < T ? __ldg(mbits + ((size_t)(b * H + h) * T + q) * nq + (kr0 >> 6))
+                                  : 0ull;
+                        const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
+                        const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
+                        dpt[nt][e] = p0 * (dpt[nt][e] * m0 - dl);
+                        dpt[nt][2 + e] = p1 * (dpt[nt][2 + e] * m1 - dl);
+                        st[nt][e] = p0 * m0;
+                        st[nt][2 + e] = p1 * m1;
+                    } else {
+                        dpt[nt][e] = p0 * (dpt[nt][e] - dl);
+                        dpt[nt][2 + e] = p1 * (dpt[nt][2 + e] - dl);
+                        st[nt][e] = p0;
+                        st[nt][2 + e] = p1;
+                    }
+                }
+            // dV += P^T dO ; dK += dS^T Q (k = query); dS^T -> smem for dQ
+#pragma unroll
+            for (int kc = 0; kc < 2; ++kc) {
+                uint32_t pa[4], sa[4];
+                pa[0] = fa_pack(st[2 * kc][0], st[2 * kc][1]);
+                pa[1] = fa_pack(st[2 * kc][2], st[2 * kc][3]);
+                pa[2] = fa_pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
+                pa[3] = fa_pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
+                sa[0] = fa_pack(dpt[2 * kc][0], dpt[2 * kc][1]);
+                sa[1] = fa_pack(dpt[2 * kc][2], dpt[2 * kc][3]);
+                sa[2] = fa_pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
+                sa[3] = fa_pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+                const int qc = qh + kc * 16 + t4 * 2;
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc)) = sa[0];
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc)) = sa[1];
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc + 8)) = sa[2];
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc + 8)) = sa[3];
+#pragma unroll
+                for (int dp = 0; dp < KC; ++dp) {
+                    uint32_t b0, b1, b2, b3;
+                    fa_ldB_kn<D>(sdOa, qh + kc * 16, dp * 16, lane, b0, b1, b2, b3);
+                    fa_mma(dv[2 * dp], pa, b0, b1);
+                    fa_mma(dv[2 * dp + 1], pa, b2, b3);
+                    fa_ldB_kn<D>(sQa, qh + kc * 16, dp * 16, lane, b0, b1, b2, b3);
+                    fa_mma(dk[2 * dp], sa, b0, b1);
+                    fa_mma(dk[2 * dp + 1], sa, b2, b3);
+                }
+            }
+        }
+        __syncthreads();  // dS^T complete; this tile's Q/dO buffer is free
+
+        // dQ[dqm0.. +32][dqc0 + 32p .. +32] = dS K over the block's 64 keys
+        float* stg0 = reinterpret_cast<float*>(sQD + bsel * 2 * FA_BM * D) + warp * 2 * (32 * 32);
+#pragma unroll 1
+        for (int p = 0; p < 2; ++p) {
+            const int c0 = dqc0 + p * 32;
+            float dq[2][4][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dq[m][n][e] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) {
+                uint32_t kb[8];
+                fa_ldB_kn<D>(sKa, kc * 16, c0, lane, kb[0], kb[1], kb[2], kb[3]);
+                fa_ldB_kn<D>(sKa, kc * 16, c0 + 16, lane, kb[4], kb[5], kb[6], kb[7]);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    uint32_t a4[4];
+                    fa_ldA_t(sdSa, dqm0 + m * 16, kc * 16, lane, a4);
+#pragma unroll
+                    for (int n = 0; n < 4; ++n) fa_mma(dq[m][n], a4, kb[2 * n], kb[2 * n + 1]);
+                }
+            }
+            float* stg = stg0 + p * (32 * 32);  // [32 rows][32 cols], swizzled
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int n = 0; n < 4; ++n)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf) {
+                        const int r = m * 16 + g + hf * 8;
+                        const int c = (n * 8 + t4 * 2) ^ fa_dq_swz<32>(r);
+                        *reinterpret_cast<float2*>(stg + r * 32 + c) =
+                            make_float2(dq[m][n][2 * hf], dq[m][n][2 * hf + 1]);
+                    }
+            __syncwarp();
+            const int qr = q0 + dqm0;
+            float* dst = dq_acc + ((size_t)b * T + qr) * HD + h * D + c0 + lane;
+#pragma unroll
+            for (int k0r = 0; k0r < 32; k0r += 8) {
+                float v[8];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int r = k0r + k;
+                    v[k] = stg[r * 32 + (lane ^ fa_dq_swz<32>(r))];
+                }
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (qr + k0r + k < T) atomicAdd(dst + (size_t)(k0r + k) * HD, v[k]);
+            }
+        }
+    }
+
+    // epilogue: dK (scaled) -> sK rows, dV -> sV rows of this warp, then 16-byte stores
+    __syncthreads();
+    char* sKc = reinterpret_cast<char*>(sK);
+    char* sVc = reinterpret_cast<char*>(sV);
+#pragma unroll
+    for (int nt = 0; nt < 2 * KC; ++nt) {
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) =
+            fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) =
+            fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 16 * (D / 8) / 32; ++k) {
+        const unsigned idx = lane + k * 32;
+        const int r = idx / (D / 8), c = idx % (D / 8);
+        const int key = wk0 + r;
+        if (key < T) {
+            __nv_bfloat16* dst = dqkv + ((size_t)b * T + key) * ld + HD + kvh * D + c * 8;
+            *reinterpret_cast<uint4*>(dst) =
+                *reinterpret_cast<const uint4*>(sKc + fa_swz<D>(warp * 16 + r, c * 8));
+            *reinterpret_cast<uint4*>(dst + KD) =
+                *reinterpret_cast<const uint4*>(sVc + fa_swz<D>(warp * 16 + r, c * 8));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Backward 3: dq = scale * dq_acc -> bf16 into the q slot of dqkv. 4 elements per thread.
-extern "C" __global__ void __launch_bounds__(256)
-flash_bwd_dq_convert_bf16(const float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B,
-                          int T, int H, int KVH, float scale) {
-    const int n4 = B * T * H * (FA_D / 4);
+template <int D>
+__device__ __forceinline__ void flash_bwd_dq_convert(const float* __restrict__ dq_acc,
+                                                     __nv_bfloat16* __restrict__ dqkv, int B, int T,
+                                                     int H, int KVH, float scale) {
+    const int n4 = B * T * H * (D / 4);
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n4) return;
     const float4 v = reinterpret_cast<const float4*>(dq_acc)[i];
-    const int r = i >> 4;            // (b*T + t)*H + h
-    const int d = (i & 15) * 4;
+    const int r = i / (D / 4);  // (b*T + t)*H + h
+    const int d = (i % (D / 4)) * 4;
     const int bt = r / H, h = r - bt * H;
     uint2 out;
     out.x = fa_pack(v.x * scale, v.y * scale);
     out.y = fa_pack(v.z * scale, v.w * scale);
-    *reinterpret_cast<uint2*>(dqkv + (size_t)bt * (H + 2 * KVH) * FA_D + h * FA_D + d) = out;
+    *reinterpret_cast<uint2*>(dqkv + (size_t)bt * (H + 2 * KVH) * D + h * D + d) = out;
+}
+#define FA_DQ_ARGS                                                                             \
+    const float *__restrict__ dq_acc, __nv_bfloat16 *__restrict__ dqkv, int B, int T, int H, \
+        int KVH, float scale
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_bf16(FA_DQ_ARGS) {
+    flash_bwd_dq_convert<64>(dq_acc, dqkv, B, T, H, KVH, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_d128_bf16(FA_DQ_ARGS) {
+    flash_bwd_dq_convert<128>(dq_acc, dqkv, B, T, H, KVH, scale);
 }
 
 #endif  // COCKPIT_FLASH_CU

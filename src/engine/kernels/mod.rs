@@ -136,6 +136,12 @@ mod cpu_stubs {
     ) -> Result<Tensor> {
         no_cuda()
     }
+    pub fn nf4_quantize(_w: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        no_cuda()
+    }
+    pub fn nf4_dequantize(_q: &crate::engine::nf4::Nf4) -> Result<Tensor> {
+        no_cuda()
+    }
     pub fn adamw_update(
         _w: &Tensor,
         _g: &Tensor,

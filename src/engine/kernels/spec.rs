@@ -3,10 +3,33 @@
 //! not the other way round.
 
 use crate::config::Recompute;
+use crate::engine::nf4::Nf4;
 use candle_core::Var;
+use std::sync::Arc;
 
-/// A weight and its optional bias (linear layers and norms) for the whole-model step.
+/// A weight and its optional bias (norms) for the whole-model step.
 pub type WeightBias = (Var, Option<Var>);
+
+/// A linear layer's matrix for the whole-model step: a parameter, or a frozen LoRA base
+/// matrix in NF4 (`lora.base_dtype = "nf4"`), which the step dequantizes where it is used.
+#[derive(Clone, Debug)]
+pub enum StepMatrix {
+    Var(Var),
+    Nf4(Arc<Nf4>),
+}
+
+impl StepMatrix {
+    /// Output features.
+    pub fn rows(&self) -> candle_core::Result<usize> {
+        match self {
+            StepMatrix::Var(v) => v.as_tensor().dim(0),
+            StepMatrix::Nf4(q) => Ok(q.out),
+        }
+    }
+}
+
+/// A linear layer's matrix and optional bias.
+pub type LinearWB = (StepMatrix, Option<Var>);
 
 /// A LoRA adapter for the whole-model step: `y += scale·(x·Aᵀ)·Bᵀ`.
 #[derive(Clone, Debug)]
@@ -16,6 +39,10 @@ pub struct StepLora {
     pub scale: f64,
 }
 
+/// The head dims flash.cu has kernels for; other head dims materialise the attention
+/// probabilities (multi-head attention without dropout only).
+pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
+
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
 pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 
@@ -23,15 +50,15 @@ pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 #[derive(Clone, Debug)]
 pub struct StepLayer {
     pub ln1: WeightBias,
-    pub q: WeightBias,
-    pub k: WeightBias,
-    pub v: WeightBias,
-    pub o: WeightBias,
+    pub q: LinearWB,
+    pub k: LinearWB,
+    pub v: LinearWB,
+    pub o: LinearWB,
     pub ln2: WeightBias,
     /// SwiGLU's gate projection (None: a GELU MLP).
-    pub gate: Option<WeightBias>,
-    pub up: WeightBias,
-    pub down: WeightBias,
+    pub gate: Option<LinearWB>,
+    pub up: LinearWB,
+    pub down: LinearWB,
     /// LoRA adapters on q k v o gate up down ([`LORA_TARGETS`]' order).
     pub lora: [Option<StepLora>; 7],
 }
@@ -51,7 +78,7 @@ pub struct StepWeights {
     pub seq_len: usize,
     /// RMSNorm (else LayerNorm).
     pub rms: bool,
-    /// Causal flash attention (head dim 64); otherwise the probabilities are materialised
+    /// Causal flash attention (head dim 64 or 128); otherwise the probabilities are materialised
     /// (multi-head attention only).
     pub flash: bool,
     /// Bias, GELU and bias gradients fused into the matmuls (cuBLASLt epilogues); otherwise

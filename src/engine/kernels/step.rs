@@ -32,7 +32,10 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use candle_core::cuda_backend::cudarc::driver::{
     result as drv,
-    sys::{CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode},
+    sys::{
+        CUdevice_attribute, CUevent_flags, CUfunction_attribute, CUgraphInstantiate_flags,
+        CUstreamCaptureMode,
+    },
     CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
     PushKernelArg,
 };
@@ -45,11 +48,12 @@ use super::cuda::{
 };
 use super::lt::{Epi, Lt, Mm, Operand};
 use super::side::{Buf, Side};
-use super::spec::{StepLora, StepWeights, WeightBias};
+use super::spec::{LinearWB, StepLora, StepMatrix, StepWeights, LORA_TARGETS};
 use super::WeightCopy;
 use crate::config::Recompute;
 use crate::engine::dropout;
 use crate::engine::events::KernelTime;
+use crate::engine::nf4::Nf4;
 
 /// Elements each sub-buffer is aligned to (256 bytes in bf16): cuBLAS and vector loads like it.
 const ALIGN: usize = 128;
@@ -64,6 +68,7 @@ enum Arg {
     I(i32),
     U(u32),
     F(f32),
+    L(i64),
 }
 
 /// A linear layer's shape: `[rows, inp]` in, `[rows, out]` out; `ldy` is the output's (or
@@ -74,6 +79,8 @@ struct Lin {
     inp: usize,
     out: usize,
     ldy: usize,
+    /// The input's (or its gradient's) row stride: `inp` unless set ([`Lin::ldx`]).
+    ldx: usize,
 }
 
 impl Lin {
@@ -83,7 +90,13 @@ impl Lin {
             inp,
             out,
             ldy,
+            ldx: inp,
         }
+    }
+
+    /// The same layer over an input of row stride `ldx` (columns of a wider matrix).
+    fn ldx(self, ldx: usize) -> Self {
+        Self { ldx, ..self }
     }
 
     /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
@@ -93,7 +106,7 @@ impl Lin {
             t: (true, false),
             mnk: (self.out, self.rows, self.inp),
             a: op(w, self.inp),
-            b: op(x, self.inp),
+            b: op(x, self.ldx),
             c: op(y, self.ldy),
         }
     }
@@ -106,7 +119,7 @@ impl Lin {
             mnk: (self.inp, self.rows, self.out),
             a: op(w, self.inp),
             b: op(dy, self.ldy),
-            c: op(dx, self.inp),
+            c: op(dx, self.ldx),
         }
     }
 
@@ -116,7 +129,7 @@ impl Lin {
         Mm {
             t: (false, true),
             mnk: (self.inp, self.out, self.rows),
-            a: op(x, self.inp),
+            a: op(x, self.ldx),
             b: op(dy, self.ldy),
             c: op(dw, self.inp),
         }
@@ -181,12 +194,59 @@ struct Kernels {
     rope: Kern,
     swiglu_fwd: Kern,
     swiglu_bwd: Kern,
-    flash_fwd: Kern,
-    flash_fwd_drop: Kern,
     dropout_rows: Kern,
-    flash_pre: Kern,
-    flash_bwd: Kern,
-    flash_dq: Kern,
+    nf4_dequant: Kern,
+    /// Flash attention for head dim 64 and for head dim 128.
+    flash64: Flash,
+    flash128: Flash,
+}
+
+/// flash.cu's kernels for one head dim, and the dynamic shared memory the forward and the
+/// backward's main kernel launch with (0 where the kernel's memory is static).
+struct Flash {
+    fwd: Kern,
+    fwd_drop: Kern,
+    pre: Kern,
+    bwd: Kern,
+    dq: Kern,
+    fwd_smem: u32,
+    bwd_smem: u32,
+}
+
+impl Flash {
+    fn load(named: &dyn Fn(&str, &'static str) -> Result<Kern>, hd: usize) -> Result<Self> {
+        let sfx = if hd == 64 { "" } else { "_d128" };
+        let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
+        let f = Self {
+            fwd: k("flash_fwd", "flash_fwd")?,
+            fwd_drop: k("flash_fwd_drop", "flash_fwd")?,
+            pre: k("flash_bwd_preprocess", "flash_bwd_preprocess")?,
+            bwd: k("flash_bwd", "flash_bwd")?,
+            dq: k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?,
+            // flash.cu's FA_FWD_D128_SMEM and FA_BWD_D128_SMEM
+            fwd_smem: if hd == 64 { 0 } else { 5 * 64 * 128 * 2 },
+            bwd_smem: if hd == 64 {
+                0
+            } else {
+                (2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2
+            },
+        };
+        // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly.
+        let allow = |k: &Kern, bytes: u32| -> Result<()> {
+            if bytes > 48 * 1024 {
+                k.f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .w()?;
+            }
+            Ok(())
+        };
+        allow(&f.fwd, f.fwd_smem)?;
+        allow(&f.fwd_drop, f.fwd_smem)?;
+        allow(&f.bwd, f.bwd_smem)?;
+        Ok(f)
+    }
 }
 
 /// The LayerNorm kernels specialised for rows of ⌈n_embd/256⌉ chunks, and the grids that
@@ -264,19 +324,25 @@ impl Kernels {
             rope: f("rope_qkv_bf16")?,
             swiglu_fwd: f("swiglu_fwd_v8_bf16")?,
             swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
-            flash_fwd: f("flash_fwd_bf16")?,
-            flash_fwd_drop: named("flash_fwd_drop_bf16", "flash_fwd")?,
             dropout_rows: f("dropout_rows_v8_bf16")?,
-            flash_pre: f("flash_bwd_preprocess_bf16")?,
-            flash_bwd: f("flash_bwd_bf16")?,
-            flash_dq: f("flash_bwd_dq_convert_bf16")?,
+            nf4_dequant: f("nf4_dequant_bf16")?,
+            flash64: Flash::load(&named, 64)?,
+            flash128: Flash::load(&named, 128)?,
         })
     }
 }
 
 /// One parameter's place in the flat buffers (the same element offset in bf16 and f32).
 struct Entry {
-    var: Var,
+    /// The parameter (None: a 4-bit base matrix, `nf4`).
+    var: Option<Var>,
+    /// A frozen base matrix in NF4: dequantized into the step's scratch where a matmul reads
+    /// it ([`GptStep::wl`]); in no buffer of the step. `nf4_ptrs`: its codes, block maxima
+    /// and group scales on the device.
+    nf4: Option<Arc<Nf4>>,
+    nf4_ptrs: [u64; 3],
+    /// Rows (a matrix's output features; a vector's length).
+    rows: usize,
     off: usize,
     n: usize,
     /// A frozen weight (LoRA's base): its bf16 copy lives in the frozen buffer (`off` is
@@ -300,6 +366,8 @@ struct LoraIdx {
     out: usize,
     col: usize,
     scale: f32,
+    /// Its first column in its group's `x·Aᵀ` ([`LORA_GROUPS`]).
+    ucol: usize,
 }
 
 /// [`LoraIdx`] slots of a layer, in `model::LORA_TARGETS` order.
@@ -310,6 +378,16 @@ const O: usize = 3;
 const GATE: usize = 4;
 const UP: usize = 5;
 const DOWN: usize = 6;
+
+/// Adapters that share their input: q, k, v (the normed block input) and gate, up (the normed
+/// MLP input). A group's A matrices sit adjacent in the buffers, stacked into one
+/// `[count·r, inp]` matrix, so that `u = x·[A₁; A₂; …]ᵀ`, its weight gradient and its data
+/// gradient `dx += du·[A₁; A₂; …]` are one matmul each for the whole group.
+const LORA_GROUPS: [&[usize]; 4] = [&[Q, K, V], &[O], &[GATE, UP], &[DOWN]];
+const G_QKV: usize = 0;
+const G_O: usize = 1;
+const G_GU: usize = 2;
+const G_DOWN: usize = 3;
 
 /// Entry indices of one transformer layer (None: the model has no such bias). `qkv` is the
 /// packed q|k|v projection, `up` the packed gate|up projection of a SwiGLU MLP (or the GELU
@@ -346,6 +424,7 @@ impl Layout {
     /// before: packed projections); its entry index.
     fn push(&mut self, v: &Var, pad: bool) -> usize {
         let n = v.as_tensor().elem_count();
+        let rows = v.as_tensor().dims().first().copied().unwrap_or(1);
         let ext = self.frozen && v.dtype() == DType::BF16 && v.rank() == 2;
         let mut nowhere = 0;
         let off = if ext {
@@ -360,7 +439,10 @@ impl Layout {
             *off = align(*off);
         }
         self.entries.push(Entry {
-            var: v.clone(),
+            var: Some(v.clone()),
+            nf4: None,
+            nf4_ptrs: [0; 3],
+            rows,
             off: *off,
             n,
             frozen: self.frozen,
@@ -371,28 +453,72 @@ impl Layout {
         self.entries.len() - 1
     }
 
-    /// A LoRA adapter's entries (always trainable), writing `out` columns from `col` on.
-    fn adapter(&mut self, l: &Option<StepLora>, col: usize) -> Result<Option<LoraIdx>> {
-        let Some(l) = l else { return Ok(None) };
-        let (r, inp) = l.a.as_tensor().dims2()?;
-        let (out, r2) = l.b.as_tensor().dims2()?;
-        if r2 != r {
-            return Err(err(format!(
-                "whole-model step: LoRA A is [{r}, {inp}], B [{out}, {r2}]"
-            )));
-        }
+    /// The LoRA adapters of one group of slots ([`LORA_GROUPS`]; always trainable): their A
+    /// matrices adjacent (one stacked matrix), then their B matrices; adapter `j` writes its
+    /// projection's output columns from `cols[j]` on.
+    fn adapters(
+        &mut self,
+        ls: &[Option<StepLora>; 7],
+        group: &[usize],
+        cols: &[usize; 7],
+        slots: &mut [Option<LoraIdx>; 7],
+    ) -> Result<()> {
         let frozen = std::mem::replace(&mut self.frozen, false);
-        let (a, b) = (self.push(&l.a, true), self.push(&l.b, true));
+        let mut ucol = 0;
+        let mut shape = None;
+        for &j in group {
+            let Some(l) = &ls[j] else { continue };
+            let (r, inp) = l.a.as_tensor().dims2()?;
+            let (out, r2) = l.b.as_tensor().dims2()?;
+            if r2 != r || shape.is_some_and(|s| s != (r, inp)) {
+                return Err(err(format!(
+                    "whole-model step: LoRA {} A is [{r}, {inp}], B [{out}, {r2}] (the adapters \
+                     of one input share r)",
+                    LORA_TARGETS[j]
+                )));
+            }
+            shape = Some((r, inp));
+            slots[j] = Some(LoraIdx {
+                a: self.push(&l.a, ucol == 0),
+                b: 0,
+                r,
+                inp,
+                out,
+                col: cols[j],
+                scale: l.scale as f32,
+                ucol,
+            });
+            ucol += r;
+        }
+        for &j in group {
+            if let (Some(l), Some(ad)) = (&ls[j], slots[j].as_mut()) {
+                ad.b = self.push(&l.b, true);
+            }
+        }
         self.frozen = frozen;
-        Ok(Some(LoraIdx {
-            a,
-            b,
-            r,
-            inp,
-            out,
-            col,
-            scale: l.scale as f32,
-        }))
+        Ok(())
+    }
+
+    /// A linear layer's matrix: a parameter ([`Self::push`]) or a frozen 4-bit one (in no
+    /// buffer).
+    fn push_mat(&mut self, m: &StepMatrix, pad: bool) -> usize {
+        match m {
+            StepMatrix::Var(v) => self.push(v, pad),
+            StepMatrix::Nf4(q) => {
+                self.entries.push(Entry {
+                    var: None,
+                    nf4: Some(q.clone()),
+                    nf4_ptrs: [0; 3],
+                    rows: q.out,
+                    off: 0,
+                    n: q.out * q.inp,
+                    frozen: true,
+                    ext: false,
+                    ext_ptr: 0,
+                });
+                self.entries.len() - 1
+            }
+        }
     }
 
     /// `v` if there is one, aligned.
@@ -410,8 +536,17 @@ impl Layout {
         first
     }
 
+    /// [`Self::pack`] of linear layers' matrices.
+    fn pack_mats(&mut self, ms: &[&StepMatrix]) -> usize {
+        let first = self.push_mat(ms[0], true);
+        for m in &ms[1..] {
+            self.push_mat(m, false);
+        }
+        first
+    }
+
     /// The packed biases of `parts`, which must all have one or none (`what` names them).
-    fn pack_biases(&mut self, parts: &[&WeightBias], what: &str) -> Result<Option<usize>> {
+    fn pack_biases(&mut self, parts: &[&LinearWB], what: &str) -> Result<Option<usize>> {
         let biases: Vec<&Var> = parts.iter().filter_map(|p| p.1.as_ref()).collect();
         if biases.is_empty() {
             return Ok(None);
@@ -466,7 +601,7 @@ struct Lay {
     mbits: Vec<u64>,
     seed: u64,
     /// LoRA: per layer, each adapter's `x·Aᵀ` [N, r] (0: no adapter), and the `du` scratch.
-    lora_u: Vec<[u64; 7]>,
+    lora_u: Vec<[u64; 4]>,
     lora_du: u64,
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     lse_att: Vec<u64>,
@@ -553,7 +688,7 @@ pub struct GptStep {
     wpe: Option<usize>,
     /// RoPE's inverse frequencies on the device (None: learned positions).
     rope: Option<CudaSlice<f64>>,
-    /// Flash attention (head dim 64) instead of materialised probabilities.
+    /// Flash attention (head dim 64 or 128) instead of materialised probabilities.
     flash: bool,
     layers: Vec<LayerIdx>,
     lnf: (usize, Option<usize>),
@@ -563,6 +698,9 @@ pub struct GptStep {
     /// The frozen weights' bf16 copies (LoRA's base; none otherwise).
     _fbf: CudaSlice<bf16>,
     fbf_p: u64,
+    /// The bf16 scratch a 4-bit base matrix is dequantized into before a matmul reads it.
+    _nf4_buf: CudaSlice<bf16>,
+    nf4_p: u64,
     grad: Tensor,
     grad_p: u64,
     /// Where the gradients summed from zero start (the matrices before are overwritten by
@@ -606,7 +744,7 @@ impl GptStep {
             .layers
             .first()
             .ok_or_else(|| err("the whole-model step needs at least one layer"))?;
-        let hidden = first.up.0.as_tensor().dim(0)?;
+        let hidden = first.up.0.rows()?;
         let swiglu = first.gate.is_some();
         let (n_head, n_kv_head) = (w.n_head, w.n_kv_head);
         if n_head == 0 || c % n_head != 0 || !(c / n_head).is_multiple_of(2) {
@@ -615,17 +753,17 @@ impl GptStep {
             )));
         }
         let hd = c / n_head;
-        let flash = w.flash && hd == 64;
+        let flash = w.flash && super::spec::FLASH_HEAD_DIMS.contains(&hd);
         if n_kv_head == 0 || n_head % n_kv_head != 0 || (n_kv_head != n_head && !flash) {
             return Err(err(format!(
-                "whole-model step: {n_kv_head} key/value heads for {n_head} heads (grouped-query \
-                 attention needs flash attention, head dim 64)"
+                "whole-model step: {n_kv_head} key/value heads for {n_head} heads of size {hd} \
+                 (grouped-query attention needs flash attention: head dim 64 or 128)"
             )));
         }
         if w.dropout > 0.0 && !flash {
-            return Err(err(
-                "whole-model step: dropout needs flash attention (head dim 64)",
-            ));
+            return Err(err(format!(
+                "whole-model step: dropout needs flash attention (head dim 64 or 128, not {hd})"
+            )));
         }
         if !c.is_multiple_of(8) || !hidden.is_multiple_of(8) {
             return Err(err(format!(
@@ -648,17 +786,17 @@ impl GptStep {
         let up_col = if swiglu { hidden } else { 0 };
         let mut mats: Vec<([usize; 4], [Option<LoraIdx>; 7])> = Vec::new();
         for l in &w.layers {
-            let qkv = lay.pack(&[&l.q.0, &l.k.0, &l.v.0]);
-            let o = lay.push(&l.o.0, true);
+            let qkv = lay.pack_mats(&[&l.q.0, &l.k.0, &l.v.0]);
+            let o = lay.push_mat(&l.o.0, true);
             let up = match &l.gate {
-                Some(g) => lay.pack(&[&g.0, &l.up.0]),
-                None => lay.push(&l.up.0, true),
+                Some(g) => lay.pack_mats(&[&g.0, &l.up.0]),
+                None => lay.push_mat(&l.up.0, true),
             };
-            let down = lay.push(&l.down.0, true);
+            let down = lay.push_mat(&l.down.0, true);
             let cols = [0, h_out, h_out + kv_out, 0, 0, up_col, 0];
             let mut lora = [None; 7];
-            for (j, slot) in lora.iter_mut().enumerate() {
-                *slot = lay.adapter(&l.lora[j], cols[j])?;
+            for group in LORA_GROUPS {
+                lay.adapters(&l.lora, group, &cols, &mut lora)?;
             }
             mats.push(([qkv, o, up, down], lora));
         }
@@ -707,11 +845,28 @@ impl GptStep {
         let mut entries = lay.entries;
         // Frozen bf16 matrices are read where the model keeps them.
         let ext: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].ext).collect();
-        let ts: Vec<&Tensor> = ext.iter().map(|&i| entries[i].var.as_tensor()).collect();
+        let ts: Vec<&Tensor> = ext
+            .iter()
+            .filter_map(|&i| entries[i].var.as_ref().map(Var::as_tensor))
+            .collect();
         let ptrs = with_ptrs::<bf16, _>(&ts, |p| Ok(p.to_vec()))?;
         for (&i, p) in ext.iter().zip(ptrs) {
             entries[i].ext_ptr = p;
         }
+        // 4-bit base matrices: their parts' addresses, and one bf16 scratch of the largest,
+        // which each matmul through one of them dequantizes into first (on the main stream,
+        // which alone reads base weights).
+        let mut nf4_len = 0;
+        for e in entries.iter_mut() {
+            let Some(q) = &e.nf4 else { continue };
+            let codes = with_ptrs::<u8, _>(&[&q.codes, &q.absq], |p| Ok([p[0], p[1]]))?;
+            let gscale = with_f32_ptrs(&[&q.gscale], |p| Ok(p[0]))?;
+            e.nf4_ptrs = [codes[0], codes[1], gscale];
+            nf4_len = nf4_len.max(e.n);
+        }
+        // SAFETY: written by the dequantization before each read.
+        let nf4_buf = unsafe { dev.alloc::<bf16>(nf4_len.max(1))? };
+        let nf4_p = ptr(&nf4_buf, &stream);
         // SAFETY: fully written by the cast kernel before every use.
         let wbf = unsafe { dev.alloc::<bf16>(total)? };
         let wbf_p = ptr(&wbf, &stream);
@@ -731,7 +886,7 @@ impl GptStep {
         let by_id = entries
             .iter()
             .enumerate()
-            .map(|(i, e)| (e.var.as_tensor().id(), i))
+            .filter_map(|(i, e)| e.var.as_ref().map(|v| (v.as_tensor().id(), i)))
             .collect();
         let rope = match &w.rope_inv_freq {
             Some(f) if f.len() == hd / 2 => Some(stream.clone_htod(f).w()?),
@@ -787,6 +942,8 @@ impl GptStep {
             wbf_p,
             _fbf: fbf,
             fbf_p,
+            _nf4_buf: nf4_buf,
+            nf4_p,
             grad,
             grad_p,
             zero_from,
@@ -808,7 +965,39 @@ impl GptStep {
         if e.ext {
             return e.ext_ptr;
         }
+        // (A 4-bit matrix has no bf16 address of its own: [`Self::wl`]; null faults loudly.)
+        debug_assert!(e.nf4.is_none(), "a 4-bit matrix read without wl()");
+        if e.nf4.is_some() {
+            return 0;
+        }
         (if e.frozen { self.fbf_p } else { self.wbf_p }) + 2 * e.off as u64
+    }
+
+    /// A linear layer's matrix for a matmul launched next on the main stream: its bf16
+    /// address, after dequantizing it into the scratch when it is a 4-bit base matrix.
+    fn wl(&self, i: usize) -> Result<u64> {
+        let e = &self.entries[i];
+        if e.nf4.is_none() {
+            return Ok(self.w(i));
+        }
+        let [codes, absq, gscale] = e.nf4_ptrs;
+        let n8 = e.n / 8;
+        self.launch(
+            &self.k.nf4_dequant,
+            LaunchConfig {
+                grid_dim: (n8.div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                Arg::P(codes),
+                Arg::P(absq),
+                Arg::P(gscale),
+                Arg::P(self.nf4_p),
+                Arg::L(n8 as i64),
+            ],
+        )?;
+        Ok(self.nf4_p)
     }
 
     /// The fp32 gradient of a trainable entry (callers skip frozen ones: [`Self::gt`]).
@@ -863,6 +1052,7 @@ impl GptStep {
                     Arg::I(i) => b.arg(i),
                     Arg::U(u) => b.arg(u),
                     Arg::F(x) => b.arg(x),
+                    Arg::L(x) => b.arg(x),
                 };
             }
             // SAFETY: every call site passes the argument list of its kernel in kernels.cu,
@@ -1370,14 +1560,26 @@ impl GptStep {
         let dprob = take(probs);
         let drop = self.drop_thr > 0;
         let dmask = take(if drop { nc } else { 0 });
-        // LoRA: each adapter's x·Aᵀ [N, r] (kept for its backward), and one du scratch.
-        let lora_u: Vec<[Option<usize>; 7]> = self
+        // LoRA: each group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward), and one du
+        // scratch of the widest group.
+        let lora_u: Vec<[Option<usize>; 4]> = self
             .layers
             .iter()
-            .map(|li| li.lora.map(|ad| ad.map(|ad| take(n * ad.r))))
+            .map(|li| {
+                std::array::from_fn(|g| {
+                    Some(lora_width(li, g))
+                        .filter(|&w| w > 0)
+                        .map(|w| take(n * w))
+                })
+            })
             .collect();
-        let rmax = self.layers.iter().flat_map(|li| li.lora.iter().flatten());
-        let lora_du = take(n * rmax.map(|ad| ad.r).max().unwrap_or(0));
+        let wmax = self
+            .layers
+            .iter()
+            .flat_map(|li| (0..LORA_GROUPS.len()).map(|g| lora_width(li, g)))
+            .max()
+            .unwrap_or(0);
+        let lora_du = take(n * wmax);
         let bf_len = next;
         // f32: the loss accumulator [N], then (flash) the per-layer attention
         // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
@@ -1502,11 +1704,16 @@ impl GptStep {
     /// copied as is.
     fn cast_weights(&mut self) -> Result<()> {
         let (f32s, bf16s): (Vec<usize>, Vec<usize>) = (0..self.entries.len())
-            .filter(|&i| !self.entries[i].ext)
-            .partition(|&i| self.entries[i].var.dtype() != DType::BF16);
+            .filter(|&i| !self.entries[i].ext && self.entries[i].var.is_some())
+            .partition(|&i| {
+                self.entries[i]
+                    .var
+                    .as_ref()
+                    .is_some_and(|v| v.dtype() != DType::BF16)
+            });
         let ts: Vec<&Tensor> = bf16s
             .iter()
-            .map(|&i| self.entries[i].var.as_tensor())
+            .filter_map(|&i| self.entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
         with_ptrs::<bf16, _>(&ts, |ptrs| {
             for (&src, &i) in ptrs.iter().zip(&bf16s) {
@@ -1528,7 +1735,7 @@ impl GptStep {
         }
         let ts: Vec<&Tensor> = f32s
             .iter()
-            .map(|&i| self.entries[i].var.as_tensor())
+            .filter_map(|&i| self.entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
@@ -1757,7 +1964,7 @@ impl GptStep {
         }
         let ts: Vec<&Tensor> = items
             .iter()
-            .map(|&i| self.entries[i].var.as_tensor())
+            .filter_map(|&i| self.entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
@@ -1794,7 +2001,7 @@ impl GptStep {
     /// Whether the `count` entries from `first` (a packed projection's parts) are one
     /// matrix in memory — not so for a frozen base read in place ([`Entry::ext`]).
     fn packed(&self, (first, count): (usize, usize)) -> bool {
-        count == 1 || !self.entries[first].ext
+        count == 1 || !(self.entries[first].ext || self.entries[first].nf4.is_some())
     }
 
     /// [`Self::lin_fwd_bias`] of a packed projection (`parts`: its first entry and how many):
@@ -1812,9 +2019,9 @@ impl GptStep {
         }
         let mut col = 0;
         for i in parts.0..parts.0 + parts.1 {
-            let out = self.entries[i].var.as_tensor().dim(0)?;
+            let out = self.entries[i].rows;
             let part = Lin::new(d.rows, d.inp, out, d.ldy);
-            self.lin_fwd(x, self.w(i), y + 2 * col as u64, part)?;
+            self.lin_fwd(x, self.wl(i)?, y + 2 * col as u64, part)?;
             col += out;
         }
         if let Some(b) = b {
@@ -1827,12 +2034,12 @@ impl GptStep {
     /// matmul when they are one matrix).
     fn lin_dx_parts(&self, dy: u64, parts: (usize, usize), dx: u64, d: Lin) -> Result<()> {
         if self.packed(parts) {
-            return self.lin_dx(dy, self.w(parts.0), dx, d);
+            return self.lin_dx(dy, self.wl(parts.0)?, dx, d);
         }
         let mut col = 0;
         for (k, i) in (parts.0..parts.0 + parts.1).enumerate() {
-            let out = self.entries[i].var.as_tensor().dim(0)?;
-            let mm = Lin::new(d.rows, d.inp, out, d.ldy).dx(dy + 2 * col as u64, self.w(i), dx);
+            let out = self.entries[i].rows;
+            let mm = Lin::new(d.rows, d.inp, out, d.ldy).dx(dy + 2 * col as u64, self.wl(i)?, dx);
             let beta = if k == 0 { 0.0 } else { 1.0 };
             self.lin_gemm("matmul dgrad", mm, false, beta, None)?;
             col += out;
@@ -1842,11 +2049,12 @@ impl GptStep {
 
     fn lin_fwd_bias(&self, x: u64, w: usize, b: Option<usize>, y: u64, d: Lin) -> Result<()> {
         let Some(b) = b else {
-            return self.lin_fwd(x, self.w(w), y, d);
+            return self.lin_fwd(x, self.wl(w)?, y, d);
         };
         let bias = Epi::Bias { bias: self.w(b) };
-        if !self.lin_fwd_epi(x, self.w(w), y, d, bias)? {
-            self.lin_fwd(x, self.w(w), y, d)?;
+        let wp = self.wl(w)?;
+        if !self.lin_fwd_epi(x, wp, y, d, bias)? {
+            self.lin_fwd(x, wp, y, d)?;
             self.bias_act(y, self.w(b), y, d.rows, d.out, 0)?;
         }
         Ok(())
@@ -1860,8 +2068,7 @@ impl GptStep {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
             let gu = Lin::new(n, c, 2 * f, 2 * f);
             self.lin_fwd_parts(a.ln2[l], (li.up_w, 2), li.up_b, a.fc[l], gu)?;
-            self.lora_fwd(a, l, li, GATE, a.ln2[l], a.fc[l], 2 * f)?;
-            self.lora_fwd(a, l, li, UP, a.ln2[l], a.fc[l], 2 * f)?;
+            self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], 2 * f)?;
             return self.launch(
                 &self.k.swiglu_fwd,
                 flat_cfg(n * f / 8),
@@ -1881,7 +2088,7 @@ impl GptStep {
                     aux: a.fc[l],
                     ld: f,
                 };
-                if self.lin_fwd_epi(a.ln2[l], self.w(li.up_w), a.gelu[l], up, gelu)? {
+                if self.lin_fwd_epi(a.ln2[l], self.wl(li.up_w)?, a.gelu[l], up, gelu)? {
                     return Ok(());
                 }
             }
@@ -1890,59 +2097,73 @@ impl GptStep {
         // fc = ln2·Wupᵀ + b (+ the adapter): the pre-activation the backward reads, bias
         // included (as the epilogue's aux), then gelu(fc).
         self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], up)?;
-        self.lora_fwd(a, l, li, UP, a.ln2[l], a.fc[l], f)?;
+        self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], f)?;
         self.bias_act(a.fc[l], 0, a.gelu[l], n, f, 1)
     }
 
-    /// A LoRA adapter's forward on slot `j` of layer `l` (nothing without one): `u = x·Aᵀ`
-    /// (kept for the backward), `y[:, col..] += scale·u·Bᵀ` into the projection's output of
-    /// row stride `ldy`.
+    /// The forward of LoRA group `g` of layer `l` ([`LORA_GROUPS`]; nothing without an
+    /// adapter): `u = x·[A₁; A₂; …]ᵀ` in one matmul (kept for the backward), then each
+    /// adapter's `y[:, col..] += scale·u_k·B_kᵀ` into the projection's output of row stride
+    /// `ldy`.
     #[allow(clippy::too_many_arguments)]
     fn lora_fwd(
         &self,
         a: &Lay,
         l: usize,
         li: &LayerIdx,
-        j: usize,
+        g: usize,
         x: u64,
         y: u64,
         ldy: usize,
     ) -> Result<()> {
-        let Some(ad) = li.lora[j] else { return Ok(()) };
+        let width = lora_width(li, g);
+        let Some(first) = LORA_GROUPS[g].iter().find_map(|&j| li.lora[j]) else {
+            return Ok(());
+        };
         let n = a.b * self.t;
-        let u = a.lora_u[l][j];
-        let down = Lin::new(n, ad.inp, ad.r, ad.r);
-        self.mm("lora", down.fwd(x, self.w(ad.a), u), false, 1.0, 0.0)?;
-        let up = Lin::new(n, ad.r, ad.out, ldy);
-        let y = y + 2 * ad.col as u64;
-        self.mm("lora", up.fwd(u, self.w(ad.b), y), false, ad.scale, 1.0)
+        let u = a.lora_u[l][g];
+        let down = Lin::new(n, first.inp, width, width);
+        self.mm("lora", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
+        for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
+            let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
+            let (u, y) = (u + 2 * ad.ucol as u64, y + 2 * ad.col as u64);
+            self.mm("lora", up.fwd(u, self.w(ad.b), y), false, ad.scale, 1.0)?;
+        }
+        Ok(())
     }
 
-    /// A LoRA adapter's backward on slot `j` of layer `l` (nothing without one), from the
-    /// projection output's gradient `dy` (row stride `ldy`): dB (+)= scale·dyᵀ·u,
-    /// du = scale·dy·B, dA (+)= duᵀ·x, and `dx += du·A` into the input's gradient.
+    /// The backward of LoRA group `g` of layer `l` (nothing without an adapter), from the
+    /// projection output's gradient `dy` (row stride `ldy`): per adapter dB (+)= scale·dyᵀ·u_k
+    /// and du_k = scale·dy·B_k, then for the group dA (+)= duᵀ·x and `dx += du·[A₁; A₂; …]`
+    /// into the input's gradient, one matmul each.
     #[allow(clippy::too_many_arguments)]
     fn lora_bwd(
         &self,
         a: &Lay,
-        (l, li, j): (usize, &LayerIdx, usize),
+        (l, li, g): (usize, &LayerIdx, usize),
         x: u64,
         dy: u64,
         ldy: usize,
         dx: u64,
         first: bool,
     ) -> Result<()> {
-        let Some(ad) = li.lora[j] else { return Ok(()) };
+        let width = lora_width(li, g);
+        let Some(a0) = LORA_GROUPS[g].iter().find_map(|&j| li.lora[j]) else {
+            return Ok(());
+        };
         let n = a.b * self.t;
-        let (u, du) = (a.lora_u[l][j], a.lora_du);
+        let (u, du) = (a.lora_u[l][g], a.lora_du);
         let beta = if first { 0.0 } else { 1.0 };
-        let dy = dy + 2 * ad.col as u64;
-        let up = Lin::new(n, ad.r, ad.out, ldy);
-        self.mm("lora", up.dw(u, dy, self.g(ad.b)), true, ad.scale, beta)?;
-        self.mm("lora", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
-        let down = Lin::new(n, ad.inp, ad.r, ad.r);
-        self.mm("lora", down.dw(x, du, self.g(ad.a)), true, 1.0, beta)?;
-        self.mm("lora", down.dx(du, self.w(ad.a), dx), false, 1.0, 1.0)
+        for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
+            let dy = dy + 2 * ad.col as u64;
+            let (u, du) = (u + 2 * ad.ucol as u64, du + 2 * ad.ucol as u64);
+            let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
+            self.mm("lora", up.dw(u, dy, self.g(ad.b)), true, ad.scale, beta)?;
+            self.mm("lora", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
+        }
+        let down = Lin::new(n, a0.inp, width, width);
+        self.mm("lora", down.dw(x, du, self.g(a0.a)), true, 1.0, beta)?;
+        self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 1.0)
     }
 
     /// One matmul through cuBLAS with `alpha` (the adapters' small matmuls).
@@ -1986,8 +2207,8 @@ impl GptStep {
             self.mlp_half_fwd(a, l, li)?;
             // ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm (or the
             // final one).
-            self.lin_fwd(a.gelu[l], self.w(li.down_w), a.tmp, Lin::new(n, f, c, c))?;
-            self.lora_fwd(a, l, li, DOWN, a.gelu[l], a.tmp, c)?;
+            self.lin_fwd(a.gelu[l], self.wl(li.down_w)?, a.tmp, Lin::new(n, f, c, c))?;
+            self.lora_fwd(a, l, li, G_DOWN, a.gelu[l], a.tmp, c)?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
                 None => (self.lnf.0, self.lnf.1, a.lnf),
@@ -2010,9 +2231,7 @@ impl GptStep {
         let (n, c) = (a.b * self.t, self.c);
         let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
         self.lin_fwd_parts(a.ln1[l], (li.qkv_w, 3), li.qkv_b, a.qkv[l], qkv)?;
-        for j in [Q, K, V] {
-            self.lora_fwd(a, l, li, j, a.ln1[l], a.qkv[l], self.qkv_out)?;
-        }
+        self.lora_fwd(a, l, li, G_QKV, a.ln1[l], a.qkv[l], self.qkv_out)?;
         self.rope(a.qkv[l], n, false)?;
         self.attn_fwd(a, l)
     }
@@ -2032,8 +2251,8 @@ impl GptStep {
     /// "full" recompute).
     fn mlp_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
-        self.lin_fwd(a.atty[l], self.w(li.o_w), a.tmp, Lin::new(n, c, c, c))?;
-        self.lora_fwd(a, l, li, O, a.atty[l], a.tmp, c)?;
+        self.lin_fwd(a.atty[l], self.wl(li.o_w)?, a.tmp, Lin::new(n, c, c, c))?;
+        self.lora_fwd(a, l, li, G_O, a.atty[l], a.tmp, c)?;
         let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
         let y = (
             a.res[l],
@@ -2131,8 +2350,8 @@ impl GptStep {
         // activation's backward (so no fused GELU backward with one).
         let adapted = li.lora[DOWN].is_some();
         if self.swiglu {
-            self.lin_dx(dy, self.w(li.down_w), dact, down)?;
-            self.lora_bwd(a, (l, li, DOWN), a.gelu[l], dy, self.c, dact, first)?;
+            self.lin_dx(dy, self.wl(li.down_w)?, dact, down)?;
+            self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, dact, first)?;
             self.launch(
                 &self.k.swiglu_bwd,
                 flat_cfg(n * f / 8),
@@ -2153,10 +2372,11 @@ impl GptStep {
             aux: a.fc[l],
             ld: f,
         };
-        let mm = down.dx(dy, self.w(li.down_w), a.dh);
+        let wd = self.wl(li.down_w)?;
+        let mm = down.dx(dy, wd, a.dh);
         if adapted || !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
-            self.lin_dx(dy, self.w(li.down_w), a.dh, down)?;
-            self.lora_bwd(a, (l, li, DOWN), a.gelu[l], dy, self.c, a.dh, first)?;
+            self.lin_dx(dy, wd, a.dh, down)?;
+            self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, a.dh, first)?;
             // (fc holds the pre-activation with its bias: no bias here)
             self.launch(
                 &self.k.gelu_bwd,
@@ -2246,9 +2466,7 @@ impl GptStep {
             let (gate_col, up_col) = (0, if self.swiglu { f } else { 0 });
             debug_assert!(li.lora[GATE].is_none_or(|g| g.col == gate_col));
             debug_assert!(li.lora[UP].is_none_or(|u| u.col == up_col));
-            for j in [GATE, UP] {
-                self.lora_bwd(a, (l, li, j), a.ln2[l], a.dh, up_out, a.da, first)?;
-            }
+            self.lora_bwd(a, (l, li, G_GU), a.ln2[l], a.dh, up_out, a.da, first)?;
             self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],
@@ -2272,8 +2490,8 @@ impl GptStep {
                 o,
                 first,
             )?;
-            self.lin_dx(dy, self.w(li.o_w), a.da, o)?;
-            self.lora_bwd(a, (l, li, O), a.atty[l], dy, c, a.da, first)?;
+            self.lin_dx(dy, self.wl(li.o_w)?, a.da, o)?;
+            self.lora_bwd(a, (l, li, G_O), a.atty[l], dy, c, a.da, first)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
@@ -2282,9 +2500,15 @@ impl GptStep {
             let bias = (li.qkv_w, li.qkv_b, false);
             self.proj_grads((a.ln1[l], a.dqkv, Buf::Dqkv), bias, qkv, first)?;
             self.lin_dx_parts(a.dqkv, (li.qkv_w, 3), a.da, qkv)?;
-            for j in [Q, K, V] {
-                self.lora_bwd(a, (l, li, j), a.ln1[l], a.dqkv, self.qkv_out, a.da, first)?;
-            }
+            self.lora_bwd(
+                a,
+                (l, li, G_QKV),
+                a.ln1[l],
+                a.dqkv,
+                self.qkv_out,
+                a.da,
+                first,
+            )?;
             self.reclaim(Buf::Dres)?;
             // The residual stream's gradient below this layer: the down projection bias's
             // gradient of the layer below (none under layer 0).
@@ -2333,14 +2557,15 @@ impl GptStep {
         let bh = b * h;
         let scale = 1.0 / (hd as f32).sqrt();
         if self.flash {
+            let fk = self.flash_kernels();
             let kern = if self.drop_thr > 0 {
-                &self.k.flash_fwd_drop
+                &fk.fwd_drop
             } else {
-                &self.k.flash_fwd
+                &fk.fwd
             };
             return self.launch(
                 kern,
-                self.flash_grid(b, h),
+                self.flash_grid(b, h, fk.fwd_smem),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.atty[l]),
@@ -2413,8 +2638,9 @@ impl GptStep {
             let kvi = i32_of(self.n_kv_head, "KV heads")?;
             let delta = a.fa_scratch + 4 * nc as u64;
             let rows = b * t * h;
+            let fk = self.flash_kernels();
             self.launch(
-                &self.k.flash_pre,
+                &fk.pre,
                 LaunchConfig {
                     grid_dim: (rows.div_ceil(32) as u32, 1, 1),
                     block_dim: (256, 1, 1),
@@ -2431,8 +2657,8 @@ impl GptStep {
                 ],
             )?;
             self.launch(
-                &self.k.flash_bwd,
-                self.flash_grid(b, self.n_kv_head),
+                &fk.bwd,
+                self.flash_grid(b, self.n_kv_head, fk.bwd_smem),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.da),
@@ -2451,9 +2677,9 @@ impl GptStep {
                 ],
             )?;
             return self.launch(
-                &self.k.flash_dq,
+                &fk.dq,
                 LaunchConfig {
-                    grid_dim: ((rows * 16).div_ceil(256) as u32, 1, 1),
+                    grid_dim: ((rows * hd / 4).div_ceil(256) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 },
@@ -2548,11 +2774,20 @@ impl GptStep {
 
     /// Flash attention's grid: (B·heads, query or key blocks of 64), 4 warps; the forward
     /// runs a block per query head, the backward per key/value head.
-    fn flash_grid(&self, b: usize, heads: usize) -> LaunchConfig {
+    fn flash_grid(&self, b: usize, heads: usize, smem: u32) -> LaunchConfig {
         LaunchConfig {
             grid_dim: ((b * heads) as u32, self.t.div_ceil(64) as u32, 1),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
+        }
+    }
+
+    /// The flash kernels of this model's head dim (one of [`FLASH_HEAD_DIMS`]).
+    fn flash_kernels(&self) -> &Flash {
+        if self.hd == 64 {
+            &self.k.flash64
+        } else {
+            &self.k.flash128
         }
     }
 
@@ -2711,4 +2946,13 @@ impl GptStep {
             ],
         )
     }
+}
+
+/// The columns of LoRA group `g`'s `x·Aᵀ` in layer `li` (Σ r over its adapters; 0: none).
+fn lora_width(li: &LayerIdx, g: usize) -> usize {
+    LORA_GROUPS[g]
+        .iter()
+        .filter_map(|&j| li.lora[j])
+        .map(|ad| ad.r)
+        .sum()
 }
