@@ -170,3 +170,42 @@ fn absurd_sizes_and_durations_are_refused() {
         assert!(err.contains(key), "{set}: {err}");
     }
 }
+
+/// A 4-bit base is a LoRA base on a GPU: asked for on the CPU or without LoRA, an error
+/// naming the key.
+#[test]
+fn nf4_base_needs_lora_and_cuda() {
+    let set = |extra: &[&str]| -> Vec<String> {
+        let mut v = vec!["lora.base_dtype=\"nf4\"".to_string()];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let err = config::load(None, &set(&[])).unwrap_err().to_string();
+    assert!(
+        err.contains("lora.base_dtype") && err.contains("lora.enabled"),
+        "{err}"
+    );
+    let err = config::load(
+        None,
+        &set(&[
+            "lora.enabled=true",
+            "lora.base=\"random\"",
+            "run.device=\"cpu\"",
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("lora.base_dtype") && err.contains("CUDA"),
+        "{err}"
+    );
+    let ok = config::load(
+        None,
+        &set(&[
+            "lora.enabled=true",
+            "lora.base=\"random\"",
+            "run.device=\"auto\"",
+        ]),
+    );
+    assert!(ok.is_ok(), "{:?}", ok.err());
+}

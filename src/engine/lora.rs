@@ -100,6 +100,21 @@ pub fn model_from_checkpoint_as(
     let shape = super::model::Shape::from_config(&cfg, vocab);
     let tensor_err = |e: candle_core::Error| CheckpointError::Tensor(e.to_string());
     let mut model = Model::new(shape, dtype, device, cfg.run.seed).map_err(tensor_err)?;
+    if cfg.lora.enabled && cfg.lora.base_dtype == crate::config::BaseDtype::Nf4 {
+        // The checkpoint holds no 4-bit matrices: the base is quantized again, as the run did.
+        let mismatch = |message: String| CheckpointError::Mismatch {
+            path: dir.display().to_string(),
+            message,
+        };
+        if cfg.lora.base == crate::config::RANDOM_BASE {
+            return Err(mismatch(
+                "the run trained adapters on a random NF4 base (lora.base = \"random\"), which no file holds".into(),
+            ));
+        }
+        let base = super::base::load(Path::new(&cfg.lora.base))?;
+        super::base::load_into(&model, &base, "lora.base").map_err(|e| mismatch(e.to_string()))?;
+        model.quantize_base_nf4().map_err(tensor_err)?;
+    }
     if cfg.lora.enabled {
         let spec = super::model::LoraSpec {
             r: cfg.lora.r,

@@ -51,7 +51,7 @@ pub struct Nf4 {
 
 /// Why a matrix cannot be stored in NF4 (its element count must fill whole blocks).
 pub fn check_shape(out: usize, inp: usize) -> std::result::Result<(), String> {
-    if (out * inp) % BLOCK != 0 {
+    if !(out * inp).is_multiple_of(BLOCK) {
         return Err(format!(
             "a [{out}, {inp}] matrix does not split into NF4 blocks of {BLOCK} weights"
         ));
@@ -60,8 +60,8 @@ pub fn check_shape(out: usize, inp: usize) -> std::result::Result<(), String> {
 }
 
 impl Nf4 {
-    /// Quantize `w` `[out, inp]` (on the GPU from bf16 with the CUDA kernels, on the host
-    /// with [`quantize_host`]).
+    /// Quantize `w` `[out, inp]`, rounded to bf16 first (on the GPU with the CUDA kernels, on
+    /// the host with [`quantize_host`]: the same codes).
     pub fn quantize(w: &Tensor) -> Result<Self> {
         let (out, inp) = w.dims2()?;
         check_shape(out, inp).map_err(candle_core::Error::Msg)?;
@@ -69,7 +69,12 @@ impl Nf4 {
         let (codes, absq, gscale) = if dev.is_cuda() {
             super::kernels::nf4_quantize(&w.to_dtype(DType::BF16)?.contiguous()?)?
         } else {
-            let v = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            // From bf16, as on the GPU: the same codes wherever a base is quantized.
+            let v = w
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             let (c, a, g) = quantize_host(&v);
             let (nc, na, ng) = (c.len(), a.len(), g.len());
             (
