@@ -1,6 +1,6 @@
 //! The footer: the latest command outcome or notice on the left, keys on the right.
 
-use super::fmt;
+use crate::tui::fmt;
 use crate::tui::app::{Mode, Notice, RunStatus};
 use crate::tui::keymap::{KeyAction, Keymap};
 use crate::tui::state::{CommandState, CommandStatus, LogLevel};

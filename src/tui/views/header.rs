@@ -1,6 +1,7 @@
 //! The training header: run identity, status badge, throughput, ETA and progress.
 
-use super::{flow, fmt};
+use super::flow;
+use crate::tui::fmt;
 use crate::engine::events::{Command, FinishReason};
 use crate::tui::app::RunStatus;
 use crate::tui::state::{CommandKind, CommandState, RunState};
