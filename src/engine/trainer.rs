@@ -178,7 +178,7 @@ pub fn shape_hash(c: &Config) -> String {
         .unwrap_or_default(),
     );
     h.update(serde_json::to_vec(&(&c.lora.enabled, c.lora.r, &c.lora.targets)).unwrap_or_default());
-    data::hex(&h.finalize())[..16].to_string()
+    crate::util::hex(&h.finalize())[..16].to_string()
 }
 
 struct Trainer {
@@ -1623,7 +1623,7 @@ impl Trainer {
         let path = self.out_dir.join(name);
         let text =
             serde_json::to_vec_pretty(value).map_err(|e| EngineError::Config(e.to_string()))?;
-        checkpoint::atomic_write(&path, &text).map_err(io_err(&path))
+        crate::util::atomic_write(&path, &text).map_err(io_err(&path))
     }
 
     fn write_scu_files(&self) -> Result<(), EngineError> {
