@@ -95,10 +95,7 @@ pub fn step_dir_name(step: u64) -> String {
 
 fn sha256_file(path: &Path) -> Result<(u64, String), CheckpointError> {
     let bytes = std::fs::read(path).map_err(io(path))?;
-    Ok((
-        bytes.len() as u64,
-        hex(&Sha256::digest(&bytes)),
-    ))
+    Ok((bytes.len() as u64, hex(&Sha256::digest(&bytes))))
 }
 
 fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), CheckpointError> {

@@ -5,11 +5,11 @@
 use super::checkpoint::{self, TrainState};
 use super::data::loader::{mean_se, Batch, Cursor, EvalPlan, Loader, Order, Windows};
 use super::data::{self, Dataset};
-use super::faults::Faults;
 use super::events::{
     self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RankStat, RunInfo, ScuStats,
     StepStats,
 };
+use super::faults::Faults;
 use super::model::{BaseStore, LoraSpec, Model, ParamKind, Shape};
 use super::optim::{global_norm, lr_at, AdamW};
 use super::precision::{self, LossScaler};

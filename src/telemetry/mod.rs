@@ -23,12 +23,12 @@ mod trace;
 
 pub use collector::{sample_once, Collector};
 pub use error::TelemetryError;
-pub use sampler::{spawn_sampler, Sampler, SamplerOptions, SourceKind};
 pub use replay::Replay;
+pub use sampler::{spawn_sampler, Sampler, SamplerOptions, SourceKind};
 pub use trace::{read_trace, TraceWriter};
 
-pub(crate) use sampler::{live_parts, spawn_source, SnapshotSink, SourceThread};
 pub(crate) use replay::replay_parts;
+pub(crate) use sampler::{live_parts, spawn_source, SnapshotSink, SourceThread};
 
 /// Round a measured percentage to two decimals: finer digits are noise, and short decimals
 /// survive a trace's JSON round trip exactly.

@@ -2,12 +2,12 @@
 //! commands to send and the decision to quit out. It never touches the terminal or a clock,
 //! so every behaviour can be driven and rendered in tests.
 
+use super::fmt;
 use super::keymap::{KeyAction, Keymap};
 use super::state::{
     CommandKind, CommandState, EventLog, Finished, HistorySizes, LogLevel, RunState, TelemetryState,
 };
 use super::theme::Theme;
-use super::fmt;
 use super::TuiOptions;
 use crate::advisor::MonitorUpdate;
 use crate::engine::events::{Command, Event, FinishReason};
@@ -432,10 +432,7 @@ impl App {
         let text = if message.is_empty() {
             format!("finished ({})", fmt::finish_reason(reason))
         } else {
-            format!(
-                "finished ({}): {message}",
-                fmt::finish_reason(reason)
-            )
+            format!("finished ({}): {message}", fmt::finish_reason(reason))
         };
         self.log.push(Some(step), level, text);
         self.run.paused = false;
