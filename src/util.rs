@@ -1,5 +1,9 @@
 //! Small shared helpers.
 
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
 /// A device request: CPU, or a CUDA ordinal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceSpec {
@@ -62,4 +66,35 @@ pub fn plus_minus(v: f64, se: f64, decimals: usize) -> String {
 /// Bytes as GB with one decimal.
 pub fn gb(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / 1e9)
+}
+
+/// Lower-case hex of `bytes` (digests in manifests and cache keys).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Write a file atomically: temp file in the same dir, fsync, rename over, fsync the dir.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    sync_dir(dir)
+}
+
+/// fsync a directory (after a rename in it, so that the rename survives a crash).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
 }

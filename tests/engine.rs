@@ -2,6 +2,7 @@
 
 use cockpit::config::{self, Config};
 use cockpit::engine::events::{Command, Event, FinishReason, StepStats};
+use cockpit::engine::faults::Faults;
 use cockpit::engine::{Engine, EngineOptions};
 use cockpit::util::DeviceSpec;
 use std::path::Path;
@@ -296,7 +297,10 @@ fn out_of_memory_splits_the_micro_batch_and_keeps_the_step() {
     let events = collect(
         Engine::spawn(EngineOptions {
             max_queued_steps: 100_000,
-            fault_oom_above: Some(2),
+            faults: Faults {
+                oom_above: Some(2),
+                ..Faults::default()
+            },
             ..EngineOptions::new(small(&set), dir.path().to_path_buf(), DeviceSpec::Cpu)
         })
         .unwrap(),

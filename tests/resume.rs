@@ -2,6 +2,7 @@
 
 use cockpit::config::{self, Config};
 use cockpit::engine::events::{Command, Event, FinishReason};
+use cockpit::engine::faults::Faults;
 use cockpit::engine::{checkpoint, Engine, EngineError, EngineOptions};
 use cockpit::util::DeviceSpec;
 use std::path::{Path, PathBuf};
@@ -30,7 +31,10 @@ fn small(extra: &[&str]) -> Config {
 fn opts(cfg: Config, dir: &Path, resume: Option<PathBuf>, faults: Vec<u64>) -> EngineOptions {
     EngineOptions {
         resume,
-        fault_nan_steps: faults,
+        faults: Faults {
+            nan_steps: faults,
+            ..Faults::default()
+        },
         ..EngineOptions::new(cfg, dir.to_path_buf(), DeviceSpec::Cpu)
     }
 }

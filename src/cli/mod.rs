@@ -229,14 +229,6 @@ fn print_summary(
     }
 }
 
-/// Fault injection for end-to-end tests: `COCKPIT_FAULT_NAN_STEPS=10,11,12` makes those
-/// steps' loss NaN (once each).
-fn fault_nan_steps() -> Vec<u64> {
-    std::env::var("COCKPIT_FAULT_NAN_STEPS")
-        .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
-        .unwrap_or_default()
-}
-
 /// Settings `--test-run` forces: a few steps that pass through every stage.
 fn apply_test_run(c: &mut Config) {
     c.run.max_steps = c.run.max_steps.min(4);
@@ -360,13 +352,10 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
         device,
         resume,
         max_queued_steps: 256,
-        fault_nan_steps: fault_nan_steps(),
-        fault_fail_step: rank::fault_step("COCKPIT_FAULT_FAIL", rank),
-        fault_hang_step: rank::fault_step("COCKPIT_FAULT_HANG", rank),
         progress: distributed.then(|| progress.clone()),
         dist: joined,
         profile_kernels: false,
-        fault_oom_above: None,
+        faults: crate::engine::faults::Faults::from_env(rank),
     }) {
         Ok(e) => e,
         Err(e) => {

@@ -181,16 +181,6 @@ pub(super) fn watch_this_rank(
     stuck_watchdog(rank, progress, timeout_secs);
 }
 
-/// Fault injection for end-to-end tests: `COCKPIT_FAULT_FAIL=RANK:STEP` makes that rank's
-/// engine fail at that optimizer step (1-based), `COCKPIT_FAULT_HANG=RANK:STEP` hang there.
-pub(super) fn fault_step(var: &str, rank: usize) -> Option<u64> {
-    let v = std::env::var(var).ok()?;
-    let (r, s) = v.split_once(':')?;
-    (r.trim().parse::<usize>().ok()? == rank)
-        .then(|| s.trim().parse().ok())
-        .flatten()
-}
-
 /// The NVML index of a CUDA device: its ordinal, mapped through CUDA_VISIBLE_DEVICES when
 /// that lists indices (NVML does not see that variable).
 fn nvml_index_of(device: &DeviceSpec) -> Option<u32> {

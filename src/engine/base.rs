@@ -4,6 +4,7 @@
 //! brings its tokenizer (`data.tokenizer = "auto" | "base"`) and its BOS/EOS ids.
 
 use super::checkpoint::{self, CheckpointError};
+use super::data::Special;
 use super::hf::{self, HfInfo};
 use super::EngineError;
 use crate::config::{Config, ModelConfig, PosEncoding};
@@ -235,13 +236,6 @@ fn base_name(base: &BaseMeta) -> String {
         .next()
         .unwrap_or_default()
         .to_string()
-}
-
-/// BOS/EOS put around each document when packing (from the base's config).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Special {
-    pub bos: Option<u32>,
-    pub eos: Option<u32>,
 }
 
 /// Resolve `data.tokenizer` ("auto": the base's when it has one, else byte; "base": the base's,

@@ -4,6 +4,7 @@
 use super::data::loader::Cursor;
 use super::precision::LossScaler;
 use super::scu::ScuController;
+use crate::util::{atomic_write, hex, sync_dir};
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -32,31 +33,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
         path: path.display().to_string(),
         source,
     }
-}
-
-/// Write a file atomically: temp file in the same dir, fsync, rename over, fsync the dir.
-pub fn atomic_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    sync_dir(dir)
-}
-
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
 }
 
 /// Everything but the tensors.
@@ -119,10 +95,7 @@ pub fn step_dir_name(step: u64) -> String {
 
 fn sha256_file(path: &Path) -> Result<(u64, String), CheckpointError> {
     let bytes = std::fs::read(path).map_err(io(path))?;
-    Ok((
-        bytes.len() as u64,
-        crate::engine::data::hex(&Sha256::digest(&bytes)),
-    ))
+    Ok((bytes.len() as u64, hex(&Sha256::digest(&bytes))))
 }
 
 fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), CheckpointError> {

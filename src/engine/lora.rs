@@ -1,9 +1,10 @@
 //! LoRA fine-tuning around the model: PEFT-compatible adapter files, merging adapters into
 //! the base, and rebuilding a trained model from a checkpoint (the base itself: `base`).
 
-use super::checkpoint::{self, atomic_write, CheckpointError};
+use super::checkpoint::{self, CheckpointError};
 use super::model::Model;
 use crate::config::{Config, LoraConfig};
+use crate::util::atomic_write;
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::Path;

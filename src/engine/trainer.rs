@@ -9,6 +9,7 @@ use super::events::{
     self, Command, EvalStats, Event, EventRx, EventTx, FinishReason, RankStat, RunInfo, ScuStats,
     StepStats,
 };
+use super::faults::Faults;
 use super::model::{BaseStore, LoraSpec, Model, ParamKind, Shape};
 use super::optim::{global_norm, lr_at, AdamW};
 use super::precision::{self, LossScaler};
@@ -39,29 +40,19 @@ pub struct EngineOptions {
     pub resume: Option<PathBuf>,
     /// Undelivered Step events the channel holds before dropping new ones.
     pub max_queued_steps: usize,
-    /// Fault injection for tests: optimizer steps (1-based) whose loss is made NaN, once each.
-    #[doc(hidden)]
-    pub fault_nan_steps: Vec<u64>,
     /// Data parallelism: this rank after the rendezvous (None: a single process).
     /// `run_dir` is then the job's run dir (rank 0's); ranks other than 0 write their own
     /// metrics under `run_dir/ranks/rank-N/` and never write checkpoints.
     pub dist: Option<crate::distributed::Joined>,
-    /// Fault injection for tests: fail this optimizer step (1-based) with an error.
-    #[doc(hidden)]
-    pub fault_fail_step: Option<u64>,
     /// Set to the step number after every optimizer step, and to `u64::MAX` when the run
     /// ends: a watchdog can tell a run stuck (e.g. in a collective) from a slow one.
     pub progress: Option<std::sync::Arc<events::Progress>>,
-    /// Fault injection for tests: hang (as a stuck rank would) before this optimizer step.
-    #[doc(hidden)]
-    pub fault_hang_step: Option<u64>,
     /// Time every kernel of the whole-model CUDA step with CUDA events and report the GPU
     /// time per kernel group in each step's `kernels` (`cockpit bench --profile`).
     pub profile_kernels: bool,
-    /// Fault injection for tests: a forward/backward at a micro-batch above this fails as
-    /// out of memory (a device smaller than the batch).
+    /// Faults to inject, for tests (inert without the `fault-injection` feature).
     #[doc(hidden)]
-    pub fault_oom_above: Option<usize>,
+    pub faults: Faults,
 }
 
 impl EngineOptions {
@@ -74,13 +65,10 @@ impl EngineOptions {
             device,
             resume: None,
             max_queued_steps: 1_000_000,
-            fault_nan_steps: Vec::new(),
             dist: None,
-            fault_fail_step: None,
             progress: None,
-            fault_hang_step: None,
             profile_kernels: false,
-            fault_oom_above: None,
+            faults: Faults::default(),
         }
     }
 }
@@ -178,7 +166,7 @@ pub fn shape_hash(c: &Config) -> String {
         .unwrap_or_default(),
     );
     h.update(serde_json::to_vec(&(&c.lora.enabled, c.lora.r, &c.lora.targets)).unwrap_or_default());
-    data::hex(&h.finalize())[..16].to_string()
+    crate::util::hex(&h.finalize())[..16].to_string()
 }
 
 struct Trainer {
@@ -191,9 +179,8 @@ struct Trainer {
     dist: Option<Box<dyn Collective>>,
     rank: usize,
     world: usize,
-    fault_fail_step: Option<u64>,
-    fault_hang_step: Option<u64>,
-    fault_oom_above: Option<usize>,
+    /// Faults to inject (tests only).
+    faults: Faults,
     profile_kernels: bool,
     progress: Option<std::sync::Arc<events::Progress>>,
     device: Device,
@@ -222,7 +209,6 @@ struct Trainer {
     scu_rows: Vec<ScuStats>,
     skipped_steps: u64,
     restores: u32,
-    fault_nan_steps: Vec<u64>,
     /// Config changes found at resume, reported once the run starts.
     resume_notes: Vec<String>,
     /// Memory in use right after the last backward of the step (activations and gradients
@@ -480,9 +466,7 @@ impl Trainer {
             dist,
             rank,
             world,
-            fault_fail_step: opts.fault_fail_step,
-            fault_hang_step: opts.fault_hang_step,
-            fault_oom_above: opts.fault_oom_above,
+            faults: opts.faults,
             profile_kernels: opts.profile_kernels,
             progress: opts.progress,
             scu: ScuController::new(&cfg.scu).with_beta1(cfg.optim.beta1),
@@ -512,7 +496,6 @@ impl Trainer {
             scu_rows: Vec::new(),
             skipped_steps: 0,
             restores: 0,
-            fault_nan_steps: opts.fault_nan_steps,
             resume_notes: Vec::new(),
             step_memory: None,
             whole: None,
@@ -870,11 +853,7 @@ impl Trainer {
         &mut self,
         lambda: f64,
     ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
-        if self.fault_oom_above.is_some_and(|n| self.micro_batch > n) {
-            return Err(candle_core::Error::Msg(
-                "injected fault: CUDA_ERROR_OUT_OF_MEMORY, out of memory".into(),
-            ));
-        }
+        self.faults.oom_at(self.micro_batch)?;
         self.check_whole()?;
         if self.whole.is_some() {
             return self.forward_backward_whole(lambda);
@@ -943,17 +922,7 @@ impl Trainer {
 
     /// Whether a NaN is injected into this step (fault injection for tests), once.
     fn take_nan_fault(&mut self) -> bool {
-        match self
-            .fault_nan_steps
-            .iter()
-            .position(|&s| s == self.step + 1)
-        {
-            Some(i) => {
-                self.fault_nan_steps.remove(i);
-                true
-            }
-            None => false,
-        }
+        self.faults.take_nan(self.step + 1)
     }
 
     /// [`Self::forward_backward`] on the whole-model CUDA step: the micro-batches run as
@@ -1648,7 +1617,7 @@ impl Trainer {
         let path = self.out_dir.join(name);
         let text =
             serde_json::to_vec_pretty(value).map_err(|e| EngineError::Config(e.to_string()))?;
-        checkpoint::atomic_write(&path, &text).map_err(io_err(&path))
+        crate::util::atomic_write(&path, &text).map_err(io_err(&path))
     }
 
     fn write_scu_files(&self) -> Result<(), EngineError> {
@@ -1851,17 +1820,8 @@ impl Trainer {
 
             let t_step = Instant::now();
             let step_cursor = self.loader.cursor();
-            if self.fault_hang_step == Some(self.step + 1) {
-                loop {
-                    std::thread::sleep(Duration::from_secs(3600));
-                }
-            }
-            if self.fault_fail_step == Some(self.step + 1) {
-                return Err(EngineError::Diverged {
-                    step: self.step + 1,
-                    message: "injected fault (COCKPIT_FAULT_FAIL)".into(),
-                });
-            }
+            self.faults.hang_at(self.step + 1);
+            self.faults.fail_at(self.step + 1)?;
             let (ce, sumsq, grads, wait, compute) = match self.forward_backward(self.scu.lambda) {
                 Ok(v) => {
                     if let Some(why) = self.whole_why.take() {

@@ -17,16 +17,18 @@ mod collector;
 mod error;
 mod gpu;
 mod host;
+mod replay;
 mod sampler;
 mod trace;
 
 pub use collector::{sample_once, Collector};
 pub use error::TelemetryError;
+pub use replay::Replay;
 pub use sampler::{spawn_sampler, Sampler, SamplerOptions, SourceKind};
-pub use trace::{read_trace, Replay, TraceWriter};
+pub use trace::{read_trace, TraceWriter};
 
+pub(crate) use replay::replay_parts;
 pub(crate) use sampler::{live_parts, spawn_source, SnapshotSink, SourceThread};
-pub(crate) use trace::replay_parts;
 
 /// Round a measured percentage to two decimals: finer digits are noise, and short decimals
 /// survive a trace's JSON round trip exactly.

@@ -2,17 +2,16 @@
 //! commands to send and the decision to quit out. It never touches the terminal or a clock,
 //! so every behaviour can be driven and rendered in tests.
 
+use super::fmt;
 use super::keymap::{KeyAction, Keymap};
 use super::state::{
     CommandKind, CommandState, EventLog, Finished, HistorySizes, LogLevel, RunState, TelemetryState,
 };
 use super::theme::Theme;
-use super::views;
 use super::TuiOptions;
 use crate::advisor::MonitorUpdate;
 use crate::engine::events::{Command, Event, FinishReason};
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
-use ratatui::Frame;
 
 /// The SCU setpoint never goes below this (0.01 %).
 pub const MIN_SETPOINT: f64 = 1e-4;
@@ -286,11 +285,6 @@ impl App {
         self.run.finished.is_none() && !self.engine_gone && self.stopping.is_none()
     }
 
-    /// Draws the whole dashboard.
-    pub fn render(&self, frame: &mut Frame) {
-        views::render(self, frame);
-    }
-
     // ---------------------------------------------------------------- engine events
 
     /// Applies one engine event.
@@ -340,7 +334,7 @@ impl App {
                         "SCU converged: S {:.2}% (S* {:.2}%), λ {}",
                         s_ratio * 100.0,
                         target * 100.0,
-                        views::fmt::value(lambda)
+                        fmt::value(lambda)
                     ),
                 );
             }
@@ -357,7 +351,7 @@ impl App {
                     LogLevel::Good,
                     format!(
                         "checkpoint saved: {path} ({}, {:.0} ms)",
-                        views::fmt::bytes(bytes),
+                        fmt::bytes(bytes),
                         ms
                     ),
                 );
@@ -436,12 +430,9 @@ impl App {
             FinishReason::Failed => LogLevel::Error,
         };
         let text = if message.is_empty() {
-            format!("finished ({})", views::fmt::finish_reason(reason))
+            format!("finished ({})", fmt::finish_reason(reason))
         } else {
-            format!(
-                "finished ({}): {message}",
-                views::fmt::finish_reason(reason)
-            )
+            format!("finished ({}): {message}", fmt::finish_reason(reason))
         };
         self.log.push(Some(step), level, text);
         self.run.paused = false;

@@ -9,6 +9,7 @@
 //! [`Event`]: crate::engine::events::Event
 
 pub mod app;
+pub mod fmt;
 pub mod keymap;
 mod run;
 pub mod state;

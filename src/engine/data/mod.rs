@@ -9,7 +9,6 @@ mod prepare;
 pub use prepare::{prepare, prepare_with, prepare_with_progress, PrepareProgress};
 
 use crate::config::Config;
-pub use crate::engine::base::Special;
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -340,11 +339,14 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
     Ok(())
 }
 
-const CACHE_DIR: &str = ".cockpit-cache";
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// BOS/EOS put around each document when packing (from the base's config).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Special {
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
 }
+
+const CACHE_DIR: &str = ".cockpit-cache";
 
 /// A tokenizer: bytes, or a Hugging Face tokenizer.json.
 pub enum Tok {

@@ -7,9 +7,11 @@
 //! keyed on the sources' SHA-256, and a file's hash is recomputed only when its (size, mtime)
 //! changed since the last prepare.
 
-use super::{hex, io_err, list_files, DataError, Manifest, Prepared, SourceFile, Tok, CACHE_DIR};
+use super::{
+    io_err, list_files, DataError, Manifest, Prepared, SourceFile, Special, Tok, CACHE_DIR,
+};
 use crate::config::Config;
-use crate::engine::base::Special;
+use crate::util::{atomic_write, hex};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -175,11 +177,9 @@ pub fn prepare_with_progress(
         separator,
     };
     let text = serde_json::to_string_pretty(&manifest).unwrap_or_default();
-    crate::engine::checkpoint::atomic_write(&manifest_path, text.as_bytes()).map_err(|e| {
-        DataError::Shard {
-            path: manifest_path.display().to_string(),
-            message: e.to_string(),
-        }
+    atomic_write(&manifest_path, text.as_bytes()).map_err(|e| DataError::Shard {
+        path: manifest_path.display().to_string(),
+        message: e.to_string(),
     })?;
     Ok(Prepared {
         dir,
@@ -544,7 +544,7 @@ impl HashCache {
     fn save(&self, root: &Path) {
         if self.changed {
             if let Ok(text) = serde_json::to_vec(self) {
-                let _ = crate::engine::checkpoint::atomic_write(&root.join("hashes.json"), &text);
+                let _ = atomic_write(&root.join("hashes.json"), &text);
             }
         }
     }

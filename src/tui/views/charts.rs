@@ -1,7 +1,8 @@
 //! Step charts: loss (train, EMA, val), S-ratio with its setpoint and λ on a log scale,
 //! learning rate and gradient norm.
 
-use super::{fmt, panel};
+use super::panel;
+use crate::tui::fmt;
 use crate::tui::state::{History, RunState};
 use crate::tui::theme::{Level, Theme};
 use ratatui::buffer::Buffer;

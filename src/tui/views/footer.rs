@@ -1,7 +1,7 @@
 //! The footer: the latest command outcome or notice on the left, keys on the right.
 
-use super::fmt;
 use crate::tui::app::{Mode, Notice, RunStatus};
+use crate::tui::fmt;
 use crate::tui::keymap::{KeyAction, Keymap};
 use crate::tui::state::{CommandState, CommandStatus, LogLevel};
 use crate::tui::theme::{Level, Theme};

@@ -1,8 +1,9 @@
 //! The training header: run identity, status badge, throughput, ETA and progress.
 
-use super::{flow, fmt};
+use super::flow;
 use crate::engine::events::{Command, FinishReason};
 use crate::tui::app::RunStatus;
+use crate::tui::fmt;
 use crate::tui::state::{CommandKind, CommandState, RunState};
 use crate::tui::theme::{Level, Theme};
 use ratatui::buffer::Buffer;

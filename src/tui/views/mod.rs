@@ -3,7 +3,6 @@
 
 pub mod advisor;
 pub mod charts;
-pub mod fmt;
 pub mod footer;
 pub mod gpu;
 pub mod header;
@@ -25,6 +24,13 @@ use ratatui::Frame;
 pub const TRAINING_MIN_SIZE: (u16, u16) = (72, 22);
 /// Smallest terminal the monitor dashboard draws in (columns, rows).
 pub const MONITOR_MIN_SIZE: (u16, u16) = (56, 14);
+
+impl App {
+    /// Draws the whole dashboard.
+    pub fn render(&self, frame: &mut Frame) {
+        render(self, frame);
+    }
+}
 
 /// Draws the dashboard for `app` over the whole frame.
 pub fn render(app: &App, frame: &mut Frame) {

@@ -1,11 +1,12 @@
 //! The monitor dashboard: GPU panels and advice on top, the GPU process table below.
 
 use super::advisor::AdvisorView;
+use super::flow;
 use super::footer::FooterView;
 use super::gpu::GpuColumnView;
 use super::processes::ProcessTableView;
-use super::{flow, fmt};
 use crate::tui::app::App;
+use crate::tui::fmt;
 use crate::tui::theme::Level;
 use ratatui::buffer::Buffer;
 use ratatui::layout::{Constraint, Layout, Rect};

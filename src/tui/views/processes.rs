@@ -1,6 +1,7 @@
 //! The GPU process table of the monitor view.
 
-use super::{fmt, panel};
+use super::panel;
+use crate::tui::fmt;
 use crate::tui::state::ProcessRow;
 use crate::tui::theme::Theme;
 use ratatui::buffer::Buffer;
