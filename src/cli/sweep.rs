@@ -143,9 +143,12 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
             overrides.extend(arm.iter().cloned());
             overrides.push(format!("run.seed={seed}"));
             if let Err(e) = config::load(a.config, &overrides) {
-                // Name the grid entry, not the internal --set list.
-                let msg = e.to_string().replace("--set ", "--set-grid ");
-                return Err(PlanError::Usage(format!("config error:\n{msg}")));
+                // One line naming the grid entry, not the internal --set list.
+                return Err(PlanError::Usage(format!(
+                    "--set-grid {}: {}",
+                    arm.join(" "),
+                    one_line(&e)
+                )));
             }
             runs.push(SweepRun {
                 name: format!("{}-s{seed}", slug(arm)),
@@ -159,6 +162,24 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
         config: a.config.map(Path::to_path_buf),
         runs,
     })
+}
+
+/// A config error as one line: the keys, values and what is wrong, without the origin (the
+/// caller names the grid entry).
+fn one_line(e: &config::ConfigError) -> String {
+    match e {
+        config::ConfigError::Override { message, .. } => message.clone(),
+        config::ConfigError::Invalid(issues) => issues
+            .iter()
+            .map(|i| match &i.value {
+                Some(v) if !i.key.is_empty() => format!("{} = {v}: {}", i.key, i.message),
+                _ if !i.key.is_empty() => format!("{}: {}", i.key, i.message),
+                _ => i.message.clone(),
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+        other => other.to_string().lines().collect::<Vec<_>>().join(" "),
+    }
 }
 
 #[derive(Debug)]
