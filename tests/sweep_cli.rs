@@ -148,3 +148,58 @@ fn compare_without_runs_exits_2_naming_the_dir() {
     assert!(err.contains("no runs"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
+
+/// The grid and seeds from a `[sweep]` table; bad entries there exit 2 naming `sweep.*`.
+#[test]
+fn sweep_table_in_the_config() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let write = |name: &str, table: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, format!("[run]\nmax_steps = 100\n\n[sweep]\n{table}\n"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        p
+    };
+    for (table, needles) in [
+        ("seeds = 0", &["sweep.seeds", "[1, 1000]"][..]),
+        ("grid = [\"scu.target\"]", &["sweep.grid", "KEY=V1,V2"][..]),
+        (
+            "grid = \"scu.target=0.1\"",
+            &["sweep.grid", "wrong type"][..],
+        ),
+        (
+            "grid = [\"scu.nope=1\"]",
+            &["sweep.grid scu.nope=1", "unknown key"][..],
+        ),
+    ] {
+        let cfg = write("bad.toml", table);
+        let out = dir.path().join("never");
+        let o = cockpit()
+            .arg("sweep")
+            .arg(&cfg)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{table}: {err}");
+        for n in needles {
+            assert!(err.contains(n), "{table}: expected {n:?} in {err}");
+        }
+        assert!(!out.exists(), "{table}");
+    }
+    // A good table plans its grid × seeds (a run refused by --seeds 0 shows the plan is not
+    // run: the flag is checked first).
+    let cfg = write(
+        "good.toml",
+        "grid = [\"scu.target=0.01,0.02\", \"scu.enabled=false\"]\nseeds = 2",
+    );
+    let o = cockpit()
+        .arg("sweep")
+        .arg(&cfg)
+        .args(["--seeds", "0"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--seeds 0"), "{err}");
+}

@@ -22,6 +22,7 @@ pub struct Config {
     pub monitor: MonitorConfig,
     pub distributed: DistributedConfig,
     pub tui: TuiConfig,
+    pub sweep: SweepConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -712,6 +713,28 @@ impl Default for DistributedConfig {
         }
     }
 }
+
+/// `cockpit sweep` without `--set-grid` / `--seeds` (training ignores this section).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SweepConfig {
+    /// Families of runs, each `KEY=V1,V2,...`; keys joined by `+` form their product.
+    pub grid: Vec<String>,
+    /// Seeds per combination: run.seed, run.seed+1, ...
+    pub seeds: u64,
+}
+
+impl Default for SweepConfig {
+    fn default() -> Self {
+        Self {
+            grid: Vec::new(),
+            seeds: 1,
+        }
+    }
+}
+
+/// Seeds per combination a sweep may ask for.
+pub const MAX_SWEEP_SEEDS: u64 = 1000;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
