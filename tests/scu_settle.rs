@@ -61,11 +61,9 @@ fn drive(cfg: Config, dir: &Path, cmd: Option<(u64, Command)>) -> (Vec<ScuStats>
             .recv_timeout(Duration::from_secs(300))
             .unwrap_or_else(|e| panic!("no event: {e:?}"));
         match ev {
-            Event::Step(s) => {
-                if pending.as_ref().is_some_and(|(at, _)| s.step >= *at) {
-                    if let Some((_, c)) = pending.take() {
-                        e.commands.send(c).unwrap_or_else(|e| panic!("{e}"));
-                    }
+            Event::Step(s) if pending.as_ref().is_some_and(|(at, _)| s.step >= *at) => {
+                if let Some((_, c)) = pending.take() {
+                    e.commands.send(c).unwrap_or_else(|e| panic!("{e}"));
                 }
             }
             Event::Scu(r) => rows.push(r),
