@@ -400,7 +400,8 @@ fn sigusr1_checkpoints_and_sigterm_saves_and_exits_130() {
 }
 
 /// A resume keeps the controller's state (λ, the setpoint) but takes gains and limits from
-/// the config it is resumed with, so an edited `scu.kp` or `scu.lambda_max` applies.
+/// the config it is resumed with, so an edited `scu.kp` or `scu.lambda_max` applies. (The
+/// published law, pinned: Kp is its gain; the adaptive law has none.)
 #[test]
 fn resume_takes_scu_gains_and_limits_from_the_new_config() {
     let dir = tempfile::tempdir().unwrap();
@@ -408,6 +409,7 @@ fn resume_takes_scu_gains_and_limits_from_the_new_config() {
         "run.max_steps=4",
         "checkpoint.at_end=true",
         "scu.control_every=1",
+        "scu.law=\"reference\"",
     ]);
     let (_, r) = run(opts(first, dir.path(), None, vec![]), None);
     let before = r.unwrap();
@@ -417,6 +419,7 @@ fn resume_takes_scu_gains_and_limits_from_the_new_config() {
         "run.max_steps=5",
         "checkpoint.at_end=true",
         "scu.control_every=100",
+        "scu.law=\"reference\"",
         "scu.kp=7.5",
         &format!("scu.lambda_max={lambda_max}"),
         &format!("scu.lambda_init={}", lambda_max / 2.0),

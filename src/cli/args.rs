@@ -173,9 +173,10 @@ pub enum Cmd {
         /// (`scu.enabled=false+scu.lambda_init=0,0.1,1`). Repeatable: the sweep is the union.
         #[arg(long = "set-grid", value_name = "KEY=V1,V2[+KEY=...]")]
         set_grid: Vec<String>,
-        /// Seeds per configuration: run.seed, run.seed+1, ...
-        #[arg(long, default_value_t = 1)]
-        seeds: u64,
+        /// Seeds per configuration: run.seed, run.seed+1, ... (default: the config's
+        /// sweep.seeds, 1)
+        #[arg(long)]
+        seeds: Option<u64>,
         /// Override a config key for every run (repeatable).
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         set: Vec<String>,

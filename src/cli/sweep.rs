@@ -20,8 +20,10 @@ pub const SWEEP_FILE: &str = "sweep.json";
 pub struct SweepArgs<'a> {
     pub config: Option<&'a Path>,
     pub set: &'a [String],
+    /// Empty: the config's `sweep.grid`.
     pub grid: &'a [String],
-    pub seeds: u64,
+    /// None: the config's `sweep.seeds`.
+    pub seeds: Option<u64>,
     pub out: Option<&'a Path>,
     pub device: Option<&'a str>,
 }
@@ -117,9 +119,21 @@ fn slug(arm: &[String]) -> String {
 /// Build the plan and check every run's config (unknown keys and wrong types are found here,
 /// before anything runs). Err: the message of a usage error.
 pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
+    let mut base = a.set.to_vec();
+    if let Some(d) = a.device {
+        base.push(format!("run.device={d:?}"));
+    }
+    let base_cfg = config::load(a.config, &base).map_err(PlanError::Config)?;
+    // --set-grid wins over the config's [sweep] table; errors name where the entry came from.
+    let (grid, source) = if a.grid.is_empty() {
+        (base_cfg.config.sweep.grid.clone(), "sweep.grid")
+    } else {
+        (a.grid.to_vec(), "--set-grid")
+    };
     let mut arms: Vec<Vec<String>> = Vec::new();
-    for spec in a.grid {
-        for arm in family(spec).map_err(PlanError::Usage)? {
+    for spec in &grid {
+        let fam = family(spec).map_err(|m| PlanError::Usage(m.replace("--set-grid", source)))?;
+        for arm in fam {
             if !arms.contains(&arm) {
                 arms.push(arm);
             }
@@ -128,13 +142,17 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
     if arms.is_empty() {
         arms.push(Vec::new());
     }
-    let mut base = a.set.to_vec();
-    if let Some(d) = a.device {
-        base.push(format!("run.device={d:?}"));
-    }
-    let base_cfg = config::load(a.config, &base).map_err(PlanError::Config)?;
     let seed0 = base_cfg.config.run.seed;
-    let seeds = a.seeds.max(1);
+    let seeds = match a.seeds {
+        Some(n) if n == 0 || n > config::MAX_SWEEP_SEEDS => {
+            return Err(PlanError::Usage(format!(
+                "--seeds {n}: must be in [1, {}]",
+                config::MAX_SWEEP_SEEDS
+            )))
+        }
+        Some(n) => n,
+        None => base_cfg.config.sweep.seeds,
+    };
     let mut runs = Vec::new();
     for arm in &arms {
         for k in 0..seeds {
@@ -143,9 +161,12 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
             overrides.extend(arm.iter().cloned());
             overrides.push(format!("run.seed={seed}"));
             if let Err(e) = config::load(a.config, &overrides) {
-                // Name the grid entry, not the internal --set list.
-                let msg = e.to_string().replace("--set ", "--set-grid ");
-                return Err(PlanError::Usage(format!("config error:\n{msg}")));
+                // One line naming the grid entry, not the internal --set list.
+                return Err(PlanError::Usage(format!(
+                    "{source} {}: {}",
+                    arm.join(" "),
+                    one_line(&e)
+                )));
             }
             runs.push(SweepRun {
                 name: format!("{}-s{seed}", slug(arm)),
@@ -159,6 +180,24 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
         config: a.config.map(Path::to_path_buf),
         runs,
     })
+}
+
+/// A config error as one line: the keys, values and what is wrong, without the origin (the
+/// caller names the grid entry).
+fn one_line(e: &config::ConfigError) -> String {
+    match e {
+        config::ConfigError::Override { message, .. } => message.clone(),
+        config::ConfigError::Invalid(issues) => issues
+            .iter()
+            .map(|i| match &i.value {
+                Some(v) if !i.key.is_empty() => format!("{} = {v}: {}", i.key, i.message),
+                _ if !i.key.is_empty() => format!("{}: {}", i.key, i.message),
+                _ => i.message.clone(),
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+        other => other.to_string().lines().collect::<Vec<_>>().join(" "),
+    }
 }
 
 #[derive(Debug)]
@@ -385,7 +424,7 @@ mod tests {
             config: None,
             set: &[],
             grid: &grid,
-            seeds: 2,
+            seeds: Some(2),
             out: None,
             device: None,
         })
@@ -398,7 +437,7 @@ mod tests {
             config: None,
             set: &[],
             grid: &bad,
-            seeds: 1,
+            seeds: Some(1),
             out: None,
             device: None,
         });
@@ -406,5 +445,34 @@ mod tests {
             Err(PlanError::Usage(m)) => assert!(m.contains("scu.nope"), "{m}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn plan_from_the_sweep_table_and_flags_win() {
+        let dir = std::env::temp_dir().join(format!("cockpit-sweep-plan-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("c.toml");
+        std::fs::write(
+            &cfg,
+            "[sweep]\ngrid = [\"scu.target=0.01,0.02\", \"scu.enabled=false\"]\nseeds = 2\n",
+        )
+        .unwrap();
+        let args = |grid: &'static [String], seeds| SweepArgs {
+            config: Some(cfg.as_path()),
+            set: &[],
+            grid,
+            seeds,
+            out: None,
+            device: None,
+        };
+        let p = plan(&args(&[], None)).unwrap();
+        assert_eq!(p.runs.len(), 6, "3 arms × 2 seeds from [sweep]");
+        let p = plan(&args(&[], Some(1))).unwrap();
+        assert_eq!(p.runs.len(), 3, "--seeds wins");
+        static GRID: std::sync::LazyLock<Vec<String>> =
+            std::sync::LazyLock::new(|| vec!["scu.target=0.05".to_string()]);
+        let p = plan(&args(&GRID, None)).unwrap();
+        assert_eq!(p.runs.len(), 2, "--set-grid wins, seeds from [sweep]");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -234,6 +234,19 @@ fn render_value(v: &toml::Value) -> String {
 
 /// Turn serde's wording into ours: say what is allowed, without backticks and Rust type names.
 fn humanize_serde(msg: &str) -> String {
+    // serde/toml may break a message over lines around an "in `key`" note (the key is named
+    // already): keep one line.
+    let mut one = String::new();
+    for l in msg.lines().map(str::trim) {
+        if l.is_empty() || l.starts_with("in ") {
+            continue;
+        }
+        if !one.is_empty() && !l.starts_with(',') {
+            one.push(' ');
+        }
+        one.push_str(l);
+    }
+    let msg = one.as_str();
     let clean = |s: &str| s.replace('`', "");
     let rust_types = |s: &str| {
         s.replace("usize", "a non-negative integer")

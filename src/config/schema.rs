@@ -22,6 +22,7 @@ pub struct Config {
     pub monitor: MonitorConfig,
     pub distributed: DistributedConfig,
     pub tui: TuiConfig,
+    pub sweep: SweepConfig,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -500,7 +501,7 @@ pub struct ScuConfig {
     /// leaky integral I).
     pub law: ScuLaw,
     /// adaptive: the fraction of the log error ln(S*/S) the next control step is planned to
-    /// close (0.3 ≈ settled to 5% in 10–20 control steps).
+    /// close (0.5: see the README for the settle times it gives on the tiny model).
     pub rate: f64,
     /// Proportional gain; unset = the law's default (log-pi 3.0, reference 0.8).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -532,7 +533,7 @@ impl Default for ScuConfig {
             enabled: true,
             target: 0.02,
             law: ScuLaw::Adaptive,
-            rate: 0.3,
+            rate: 0.5,
             kp: None,
             ki: None,
             deadband: None,
@@ -725,6 +726,28 @@ impl Default for DistributedConfig {
         }
     }
 }
+
+/// `cockpit sweep` without `--set-grid` / `--seeds` (training ignores this section).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SweepConfig {
+    /// Families of runs, each `KEY=V1,V2,...`; keys joined by `+` form their product.
+    pub grid: Vec<String>,
+    /// Seeds per combination: run.seed, run.seed+1, ...
+    pub seeds: u64,
+}
+
+impl Default for SweepConfig {
+    fn default() -> Self {
+        Self {
+            grid: Vec::new(),
+            seeds: 1,
+        }
+    }
+}
+
+/// Seeds per combination a sweep may ask for.
+pub const MAX_SWEEP_SEEDS: u64 = 1000;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -599,5 +599,28 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         "in (0, 0.1]",
     );
 
+    // [sweep]
+    ck.in_range(
+        "sweep.seeds",
+        c.sweep.seeds as f64,
+        1.0,
+        super::MAX_SWEEP_SEEDS as f64,
+        "in [1, 1000]",
+    );
+    for g in &c.sweep.grid {
+        let ok = g.split('+').all(|axis| {
+            axis.split_once('=').is_some_and(|(k, v)| {
+                !k.trim().is_empty() && !v.trim().is_empty() && !v.trim_end().ends_with(',')
+            })
+        });
+        if !ok {
+            ck.fail(
+                "sweep.grid",
+                quoted(g),
+                "each entry is KEY=V1,V2,... (keys joined by + form a product)",
+            );
+        }
+    }
+
     ck.issues.clone()
 }

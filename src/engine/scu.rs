@@ -609,4 +609,268 @@ mod tests {
         c.update(0.0105);
         assert_eq!(c.lambda, 1.0);
     }
+
+    /// A synthetic plant of the adaptive law's own form: per optimizer step y = ln ParamBPT
+    /// moves by lr·(a − κ·f·λ_m), λ_m the λ Adam's first moment carries (β1 = 0.9). Runs
+    /// `ctl` control steps of 5 optimizer steps each and returns S at each.
+    struct Toy {
+        y: f64,
+        m: Option<f64>,
+        data: f64,
+        kappa: f64,
+        clip: f64,
+        lr: f64,
+    }
+
+    impl Toy {
+        fn new() -> Self {
+            // S starts at 0.03%, far below every setpoint; the equilibrium λ is a/(κ·f) = 2.
+            Toy {
+                y: 0.001f64.ln(),
+                m: None,
+                data: 3.0,
+                kappa: 10.0,
+                clip: 1.0,
+                lr: 0.01,
+            }
+        }
+
+        fn s(&self) -> f64 {
+            ScuController::s_ratio(self.data, self.y.exp())
+        }
+
+        fn run(&mut self, c: &mut ScuController, growth: f64, ctl: usize) -> Vec<f64> {
+            let mut out = Vec::with_capacity(ctl);
+            for _ in 0..ctl {
+                for _ in 0..5 {
+                    let m = match self.m {
+                        Some(m) => 0.9 * m + 0.1 * c.lambda,
+                        None => c.lambda,
+                    };
+                    self.m = Some(m);
+                    c.observe_step(self.data * std::f64::consts::LN_2, self.lr, self.clip);
+                    self.y += self.lr * (growth - self.kappa * self.clip * m);
+                }
+                let reading = PlantReading {
+                    data_bpt: self.data,
+                    param_bpt: self.y.exp(),
+                    gain: self.kappa,
+                };
+                c.update_with(self.s(), Some(reading));
+                out.push(self.s());
+            }
+            out
+        }
+    }
+
+    fn adaptive(target: f64) -> ScuController {
+        let mut c = ScuController::new(&ScuConfig {
+            target,
+            ..ScuConfig::default()
+        })
+        .with_beta1(0.9);
+        assert_eq!(c.law, ScuLaw::Adaptive, "the adaptive law is the default");
+        c.ema_alpha = 1.0;
+        c
+    }
+
+    /// The first control step after which |S − S*|/S* stays within `band`.
+    fn settle(s: &[f64], target: f64, band: f64) -> usize {
+        let mut k = s.len();
+        while k > 0 && ((s[k - 1] - target) / target).abs() <= band {
+            k -= 1;
+        }
+        k
+    }
+
+    #[test]
+    fn adaptive_measures_the_plant_growth_and_equilibrium() {
+        let mut c = adaptive(0.02);
+        let mut toy = Toy::new();
+        toy.run(&mut c, 20.0, 60);
+        let a = c.plant.growth.unwrap();
+        assert!((a - 20.0).abs() < 0.2, "growth a = {a}, plant 20");
+        assert_eq!(c.plant.gain, 10.0);
+        let eq = c.plant.lambda_eq.unwrap();
+        assert!((eq - 2.0).abs() < 0.05, "λ_eq = {eq}, plant 2");
+        assert!(
+            (c.lambda - 2.0).abs() < 0.05,
+            "λ = {} at equilibrium",
+            c.lambda
+        );
+        // Gradient clipping halves the penalty's authority: the measured equilibrium doubles.
+        let mut c = adaptive(0.02);
+        let mut toy = Toy {
+            clip: 0.5,
+            ..Toy::new()
+        };
+        toy.run(&mut c, 20.0, 60);
+        let eq = c.plant.lambda_eq.unwrap();
+        assert!((eq - 4.0).abs() < 0.1, "λ_eq with f = 0.5: {eq}");
+    }
+
+    #[test]
+    fn adaptive_settles_fast_at_every_setpoint_without_overshooting_far() {
+        for target in [0.005, 0.01, 0.02, 0.05] {
+            let mut c = adaptive(target);
+            let mut toy = Toy::new();
+            let s = toy.run(&mut c, 20.0, 100);
+            let k = settle(&s, target, 0.05);
+            let over = s.iter().map(|&x| (x - target) / target).fold(0.0, f64::max);
+            assert!(k <= 25, "S* {target}: settled after {k} control steps");
+            assert!(over < 0.3, "S* {target}: overshoot {over:.3}");
+            let end = (s[s.len() - 1] - target).abs() / target;
+            assert!(end < 0.005, "S* {target}: {end} off at the end");
+        }
+    }
+
+    #[test]
+    fn adaptive_rejects_a_step_in_the_growth() {
+        // The model starts learning faster: the data gradient's growth doubles. The growth
+        // observer measures it and λ follows to the new equilibrium.
+        let mut c = adaptive(0.02);
+        let mut toy = Toy::new();
+        toy.run(&mut c, 20.0, 60);
+        let s = toy.run(&mut c, 40.0, 60);
+        let k = settle(&s, 0.02, 0.05);
+        assert!(k <= 15, "settled {k} control steps after the growth step");
+        assert!(
+            (c.lambda - 4.0).abs() < 0.1,
+            "λ = {}, new equilibrium 4",
+            c.lambda
+        );
+    }
+
+    #[test]
+    fn adaptive_setpoint_change_is_bumpless_then_settles() {
+        let mut c = adaptive(0.02);
+        let mut toy = Toy::new();
+        toy.run(&mut c, 20.0, 60);
+        let (lambda, plant) = (c.lambda, c.plant.clone());
+        c.set_target(0.01);
+        assert_eq!(c.lambda, lambda, "λ holds through the change");
+        assert_eq!(c.plant, plant, "the plant model holds through the change");
+        let s = toy.run(&mut c, 20.0, 60);
+        // The first step after the change plans only `rate` of the log error: λ moves by
+        // at most ×4 (the slew limit), not to a clamp.
+        assert!(c.lambda < c.lambda_max);
+        let k = settle(&s, 0.01, 0.05);
+        assert!(k <= 20, "settled {k} control steps after the setpoint step");
+        assert!((s[s.len() - 1] - 0.01).abs() / 0.01 < 0.005);
+    }
+
+    #[test]
+    fn adaptive_slew_limit_and_clamps_without_windup() {
+        // The first control step measures nothing yet (no growth): λ holds.
+        let mut c = adaptive(0.02);
+        let mut toy = Toy::new();
+        toy.run(&mut c, 20.0, 1);
+        assert_eq!(c.lambda, 1.0);
+        // Each later step moves λ by at most ×MAX_STEP beyond the span of λ and λ_eq.
+        let mut prev = c.lambda;
+        for _ in 0..40 {
+            toy.run(&mut c, 20.0, 1);
+            let eq = c.plant.lambda_eq.unwrap().max(c.lambda_min);
+            let (lo, hi) = (prev.min(eq), prev.max(eq));
+            assert!(
+                c.lambda >= lo / MAX_STEP - 1e-12 && c.lambda <= hi * MAX_STEP + 1e-12,
+                "λ {prev} → {} with λ_eq {eq}",
+                c.lambda
+            );
+            prev = c.lambda;
+        }
+        // An equilibrium far above λ_max: λ sits at the clamp ...
+        let mut c = adaptive(0.02);
+        c.lambda_max = 3.0;
+        let mut toy = Toy::new();
+        let s = toy.run(&mut c, 35.0, 40);
+        assert_eq!(c.lambda, 3.0);
+        assert!(s[s.len() - 1] > 0.02, "S runs away above S* at the clamp");
+        // ... and once the growth falls, λ leaves the clamp as S comes back to S*: nothing
+        // wound up while it was saturated, so S does not undershoot far below S*.
+        let s = toy.run(&mut c, 5.0, 80);
+        let low = s.iter().fold(f64::MAX, |a, &b| a.min(b));
+        assert!(low > 0.02 * 0.8, "S undershoots to {low} after the clamp");
+        assert!(settle(&s, 0.02, 0.05) <= 40, "{:?}", &s[..40]);
+        assert!((c.lambda - 0.5).abs() < 0.01, "λ = {}", c.lambda);
+        // The same at λ_min (the data gradient alone holds S below S*): λ leaves the clamp as
+        // soon as the growth rises.
+        let mut c = adaptive(0.02);
+        c.lambda_min = 0.5;
+        let mut toy = Toy::new();
+        toy.run(&mut c, 2.0, 80);
+        assert_eq!(c.lambda, 0.5);
+        let s = toy.run(&mut c, 20.0, 80);
+        let high = s.iter().fold(0.0, |a: f64, &b| a.max(b));
+        assert!(high < 0.02 * 1.2, "S overshoots to {high} after the clamp");
+        assert!((c.lambda - 2.0).abs() < 0.05, "λ = {}", c.lambda);
+    }
+
+    #[test]
+    fn adaptive_holds_without_a_reading_or_when_disabled() {
+        let mut c = adaptive(0.02);
+        let mut toy = Toy::new();
+        toy.run(&mut c, 20.0, 10);
+        let l = c.lambda;
+        c.update(0.5);
+        assert_eq!(c.lambda, l, "no plant reading: λ holds");
+        let mut c = adaptive(0.02);
+        c.enabled = false;
+        toy = Toy::new();
+        toy.run(&mut c, 20.0, 10);
+        assert_eq!(c.lambda, 1.0, "control off: λ stays at lambda_init");
+        // Non-finite or non-positive readings are ignored.
+        let mut c = adaptive(0.02);
+        let mut toy = Toy::new();
+        toy.run(&mut c, 20.0, 10);
+        let (l, p) = (c.lambda, c.plant.y_prev);
+        for bad in [f64::NAN, 0.0, -1.0, f64::INFINITY] {
+            c.update_with(
+                0.02,
+                Some(PlantReading {
+                    data_bpt: 3.0,
+                    param_bpt: bad,
+                    gain: 10.0,
+                }),
+            );
+        }
+        assert_eq!((c.lambda, c.plant.y_prev), (l, p));
+    }
+
+    /// The published law is still selectable and computes what it did: λ ← λ·exp(Kp·e + I)
+    /// with its own defaults (Kp 0.8, Ki 0.15, deadband 0.002), and it ignores a plant reading.
+    #[test]
+    fn reference_law_is_selectable_and_unchanged() {
+        let cfg = ScuConfig {
+            law: ScuLaw::Reference,
+            ..ScuConfig::default()
+        };
+        assert_eq!(cfg.gains(), (0.8, 0.15, 0.002));
+        let mut c = ScuController::new(&cfg);
+        c.target = 0.01;
+        c.ema_alpha = 1.0;
+        let reading = PlantReading {
+            data_bpt: 3.0,
+            param_bpt: 0.1,
+            gain: 10.0,
+        };
+        let o = c.update_with(0.05, Some(reading));
+        let e: f64 = 0.05 - 0.01;
+        let i = 0.15 * e;
+        assert!((o.integral - i).abs() < 1e-15);
+        assert!((o.lambda - (0.8 * e + i).exp()).abs() < 1e-12);
+        let o = c.update_with(0.03, Some(reading));
+        let i2 = (i * 0.995 + 0.15 * 0.02).min(0.2);
+        let l2 = (0.8 * e + i).exp() * (0.8 * 0.02 + i2).exp();
+        assert!((o.integral - i2).abs() < 1e-15 && (o.lambda - l2).abs() < 1e-12);
+        assert_eq!(
+            c.plant,
+            Plant::default(),
+            "the reference law keeps no plant model"
+        );
+        // A config naming it selects it.
+        let loaded = crate::config::load(None, &["scu.law=\"reference\"".to_string()])
+            .map(|l| l.config.scu.law);
+        assert_eq!(loaded.ok(), Some(ScuLaw::Reference));
+    }
 }
