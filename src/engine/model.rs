@@ -1292,7 +1292,7 @@ mod tests {
         c.model.n_embd = 64;
         let dev = Device::Cpu;
         let shape = Shape::from_config(&c, 32);
-        let dense = Model::new(shape.clone(), DType::F32, &dev, 3).unwrap();
+        let mut dense = Model::new(shape.clone(), DType::F32, &dev, 3).unwrap();
         let mut q = Model::new(shape, DType::F32, &dev, 3).unwrap();
         let (before, after) = q.quantize_base_nf4().unwrap();
         assert!(
