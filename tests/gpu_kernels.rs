@@ -977,7 +977,7 @@ fn whole_model_step_matches_the_f32_model() {
 #[test]
 fn nf4_kernels_match_the_host_reference() {
     let Some(dev) = gpu() else { return };
-    use cockpit::engine::nf4::{self, Nf4};
+    use cockpit::engine::kernels::nf4::{self, Nf4};
     // 320 rows of 192: 960 blocks, so the last of 4 groups of 256 blocks is partial.
     let (out, inp) = (320usize, 192usize);
     let vals: Vec<f32> = (0..out * inp)

@@ -15,7 +15,6 @@ pub mod hf;
 pub mod kernels;
 pub mod lora;
 pub mod model;
-pub mod nf4;
 pub mod optim;
 pub mod precision;
 pub mod scu;

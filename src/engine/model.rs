@@ -10,7 +10,7 @@
 use crate::config::{Activation, Config, KernelsConfig, Norm, PosEncoding, Recompute, RopeScaling};
 use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
-use crate::engine::nf4::Nf4;
+use crate::engine::kernels::nf4::Nf4;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -1471,8 +1471,18 @@ fn per_item_cfg(items: usize, threads_per_item: usize) -> LaunchConfig {
 
 /// NF4 quantization of a contiguous bf16 matrix (kernels.cu's `nf4_*`; the host reference is
 /// `nf4::quantize_host`): (codes U8 [n/2], absq U8 [n/64], gscale F32 [⌈n/64/256⌉]).
-pub fn nf4_quantize(w: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    use crate::engine::nf4::{BLOCK, GROUP};
+/// `(block, group)`: nf4.rs's BLOCK and GROUP (the kernels are written for 64 and 256).
+pub fn nf4_quantize(
+    w: &Tensor,
+    (block, group): (usize, usize),
+) -> Result<(Tensor, Tensor, Tensor)> {
+    const BLOCK: usize = 64;
+    const GROUP: usize = 256;
+    if (block, group) != (BLOCK, GROUP) {
+        return Err(err(
+            "nf4_quantize: the kernels take blocks of 64 in groups of 256",
+        ));
+    }
     let dev = device_of(w)?;
     let n = w.elem_count();
     if !n.is_multiple_of(BLOCK) || w.dtype() != DType::BF16 {
@@ -1526,15 +1536,19 @@ pub fn nf4_quantize(w: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
 }
 
 /// A matrix in NF4 back to bf16 `[out, inp]` (kernels.cu's `nf4_dequant_bf16`).
-pub fn nf4_dequantize(q: &crate::engine::nf4::Nf4) -> Result<Tensor> {
-    let dev = device_of(&q.codes)?;
-    let n = q.out * q.inp;
-    if q.codes.elem_count() != n / 2 || !q.codes.is_contiguous() {
+/// `parts`: the codes, block maxima and group scales of nf4.rs's `Nf4`.
+pub fn nf4_dequantize(
+    (codes, absq, gscale): (&Tensor, &Tensor, &Tensor),
+    (rows, cols): (usize, usize),
+) -> Result<Tensor> {
+    let dev = device_of(codes)?;
+    let n = rows * cols;
+    if codes.elem_count() != n / 2 || !codes.is_contiguous() {
         return Err(err("nf4_dequantize: codes of another shape"));
     }
-    let (cs, cl) = q.codes.storage_and_layout();
-    let (asr, al) = q.absq.storage_and_layout();
-    let (gs, gl) = q.gscale.storage_and_layout();
+    let (cs, cl) = codes.storage_and_layout();
+    let (asr, al) = absq.storage_and_layout();
+    let (gs, gl) = gscale.storage_and_layout();
     let codes = view::<u8>(cuda_of(&cs)?, cl)?;
     let absq = view::<u8>(cuda_of(&asr)?, al)?;
     let gscale = view::<f32>(cuda_of(&gs)?, gl)?;
@@ -1552,5 +1566,5 @@ pub fn nf4_dequantize(q: &crate::engine::nf4::Nf4) -> Result<Tensor> {
     // must start 4-byte aligned (a whole tensor of their own, as `nf4_quantize` makes them, is);
     // one thread per 8 elements.
     unsafe { b.launch(per_item_cfg(n / 8, 1)) }.w()?;
-    Ok(wrap(out, &dev, (q.out, q.inp)))
+    Ok(wrap(out, &dev, (rows, cols)))
 }

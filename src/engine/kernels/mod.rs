@@ -19,6 +19,7 @@
 //! composition runs, which is also the reference the GPU tests compare against.
 
 use candle_core::{DType, Tensor};
+pub mod nf4;
 pub mod spec;
 
 #[cfg(feature = "cuda")]
@@ -136,10 +137,13 @@ mod cpu_stubs {
     ) -> Result<Tensor> {
         no_cuda()
     }
-    pub fn nf4_quantize(_w: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    pub fn nf4_quantize(_w: &Tensor, _bg: (usize, usize)) -> Result<(Tensor, Tensor, Tensor)> {
         no_cuda()
     }
-    pub fn nf4_dequantize(_q: &crate::engine::nf4::Nf4) -> Result<Tensor> {
+    pub fn nf4_dequantize(
+        _parts: (&Tensor, &Tensor, &Tensor),
+        _shape: (usize, usize),
+    ) -> Result<Tensor> {
         no_cuda()
     }
     pub fn adamw_update(

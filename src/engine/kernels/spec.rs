@@ -3,7 +3,7 @@
 //! not the other way round.
 
 use crate::config::Recompute;
-use crate::engine::nf4::Nf4;
+use crate::engine::kernels::nf4::Nf4;
 use candle_core::Var;
 use std::sync::Arc;
 

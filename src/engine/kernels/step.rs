@@ -53,7 +53,7 @@ use super::WeightCopy;
 use crate::config::Recompute;
 use crate::engine::dropout;
 use crate::engine::events::KernelTime;
-use crate::engine::nf4::Nf4;
+use crate::engine::kernels::nf4::Nf4;
 
 /// Elements each sub-buffer is aligned to (256 bytes in bf16): cuBLAS and vector loads like it.
 const ALIGN: usize = 128;

@@ -67,7 +67,7 @@ impl Nf4 {
         check_shape(out, inp).map_err(candle_core::Error::Msg)?;
         let dev = w.device().clone();
         let (codes, absq, gscale) = if dev.is_cuda() {
-            super::kernels::nf4_quantize(&w.to_dtype(DType::BF16)?.contiguous()?)?
+            super::nf4_quantize(&w.to_dtype(DType::BF16)?.contiguous()?, (BLOCK, GROUP))?
         } else {
             // From bf16, as on the GPU: the same codes wherever a base is quantized.
             let v = w
@@ -96,7 +96,10 @@ impl Nf4 {
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
         let dev = self.codes.device();
         let t = if dev.is_cuda() {
-            super::kernels::nf4_dequantize(self)?
+            super::nf4_dequantize(
+                (&self.codes, &self.absq, &self.gscale),
+                (self.out, self.inp),
+            )?
         } else {
             let v = dequantize_host(
                 &self.codes.to_vec1::<u8>()?,
