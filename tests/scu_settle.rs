@@ -1,10 +1,12 @@
 //! How fast the adaptive SCU law settles on real training (the small CPU model on the built-in
-//! corpus): from the start, and after each disturbance the dashboard can cause — a setpoint
-//! step, a live batch-size change, an LR schedule phase change.
+//! corpus, and LoRA adapters on a base trained from it): from the start at S* = 0.5, 1, 2 and
+//! 5%, and after each disturbance the dashboard can cause — a setpoint step (down and up), a
+//! live batch-size change, an LR schedule phase change. Each asserts issue #22's target: S
+//! within ±5% of S* within 50 control steps, and held there to the end (no limit cycle).
 //!
 //! Settle time: the number of control steps after which S, averaged over the last
 //! [`MEAN_OF`] control steps (S of one control step is measured on 5 × 256 training tokens
-//! and carries ±4% sampling noise on this model), stays within ±[`BAND`] of S* to the end of
+//! and carries ±2–4% sampling noise on this model), stays within ±[`BAND`] of S* to the end of
 //! the run. The measured figures are printed (`cargo test --release --test scu_settle --
 //! --nocapture`) and quoted in the README.
 
@@ -16,7 +18,12 @@ use std::path::Path;
 use std::time::Duration;
 
 /// Relative band around S* that counts as settled.
-const BAND: f64 = 0.10;
+const BAND: f64 = 0.05;
+/// Issue #22: settled within this many control steps of the start and of each disturbance.
+const BOUND: usize = 50;
+/// Disturbances come at this step: 72 control steps before the end of a 600-step run, so a
+/// settle at the bound still leaves 20 control steps to show that S holds.
+const AT: u64 = 240;
 /// S is averaged over this many control steps (25 optimizer steps) before the band test.
 const MEAN_OF: usize = 5;
 
@@ -126,84 +133,145 @@ fn check(what: &str, rows: &[ScuStats], from: usize, bound: usize) -> usize {
     k
 }
 
-/// From the start (λ = 1, S far from S*) at `target`: settled within `bound` control steps.
-fn from_the_start(target: f64, bound: usize) {
+/// From the start (λ = 1, S far from S*) at `target`: settled within [`BOUND`] control steps.
+fn from_the_start(what: &str, cfg: Config, target: f64) {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let t = format!("scu.target={target}");
-    let (rows, _) = drive(small(&["run.max_steps=600", &t]), dir.path(), None);
+    let (rows, _) = drive(cfg, dir.path(), None);
     assert_eq!(rows.len(), 120);
     let first = (rows[0].s_ratio / target - 1.0).abs();
-    assert!(first > 0.25, "S* {target}: S starts {first:.2} off");
-    check(&format!("start, S* {target}"), &rows, 0, bound);
+    assert!(first > 0.25, "{what}: S starts {first:.2} off");
+    check(what, &rows, 0, BOUND);
+}
+
+fn start_at(target: f64) {
+    let t = format!("scu.target={target}");
+    let cfg = small(&["run.max_steps=600", &t]);
+    from_the_start(&format!("start, S* {target}"), cfg, target);
 }
 
 // The issue's target: settled within 50 control steps of the start at every setpoint. Measured
-// (600 steps, seed 1337, scu.rate 0.5): 31, 18, 20, 20 control steps (with rate 0.3: 88, 68,
-// 23, 24). The small model learns its Markov structure around steps 300–500; the growth of the
-// weights that drives is the disturbance the low setpoints settle through.
+// (600 steps, seed 1337, scu.rate 0.7): 48, 48, 13, 14 control steps (seeds 1338 and 1339:
+// 46, 41, 19, 14 and 52, 52, 14, 14; the law before κ's drift was modelled, rate 0.5: 87, 69,
+// 54, 21). The small model learns its Markov structure around steps 200–500; the growth of
+// the weights and the fall of the penalty's authority κ that drives are what the low setpoints
+// settle through.
 #[test]
 fn settles_from_the_start_at_0_5_percent() {
-    from_the_start(0.005, 50);
+    start_at(0.005);
 }
 
 #[test]
 fn settles_from_the_start_at_1_percent() {
-    from_the_start(0.01, 50);
+    start_at(0.01);
 }
 
 #[test]
 fn settles_from_the_start_at_2_percent() {
-    from_the_start(0.02, 50);
+    start_at(0.02);
 }
 
 #[test]
 fn settles_from_the_start_at_5_percent() {
-    from_the_start(0.05, 50);
+    start_at(0.05);
 }
 
-/// A setpoint step 2% → 1% at step 400 (bumpless: λ holds, then the law plans toward it).
+/// A setpoint step at step [`AT`], 2% → 1% and 1% → 2% (bumpless: λ holds, then the law plans
+/// toward it). Measured: 11 and 11 control steps.
 #[test]
-fn settles_after_a_setpoint_step() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
-    let (rows, applied) = drive(
-        small(&["run.max_steps=600", "scu.target=0.02"]),
-        dir.path(),
-        Some((400, Command::SetScuSetpoint { target: 0.01 })),
-    );
-    let at = applied.unwrap_or_else(|| panic!("the setpoint was not applied"));
-    let from = row_after(&rows, at);
-    assert_eq!(rows[from].target, 0.01);
-    check("setpoint 2% → 1%", &rows, from, 20);
+fn settles_after_a_setpoint_step_down_and_up() {
+    for (from_t, to_t) in [(0.02, 0.01), (0.01, 0.02)] {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let t = format!("scu.target={from_t}");
+        let (rows, applied) = drive(
+            small(&["run.max_steps=600", &t]),
+            dir.path(),
+            Some((AT, Command::SetScuSetpoint { target: to_t })),
+        );
+        let at = applied.unwrap_or_else(|| panic!("the setpoint was not applied"));
+        let from = row_after(&rows, at);
+        assert_eq!(rows[from].target, to_t);
+        let first = (rows[from].s_ratio / to_t - 1.0).abs();
+        assert!(first > 0.25, "S starts {first:.2} off the new setpoint");
+        check(&format!("setpoint {from_t} → {to_t}"), &rows, from, BOUND);
+    }
 }
 
-/// A live batch-size change 8 → 16 at step 400: the optimizer's v̂ (and so the penalty's
-/// authority) and the gradient noise change; the law measures the new authority.
+/// A live batch-size change 8 → 16 at step [`AT`]: the optimizer's v̂ (and so the penalty's
+/// authority) and the gradient noise change; the law measures the new authority. Measured: 0
+/// (S never left the band).
 #[test]
 fn settles_after_a_batch_size_change() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let (rows, applied) = drive(
         small(&["run.max_steps=600", "scu.target=0.02"]),
         dir.path(),
-        Some((400, Command::SetBatchSize { micro_batch: 16 })),
+        Some((AT, Command::SetBatchSize { micro_batch: 16 })),
     );
     let at = applied.unwrap_or_else(|| panic!("the batch size was not applied"));
-    check("batch 8 → 16", &rows, row_after(&rows, at), 20);
+    check("batch 8 → 16", &rows, row_after(&rows, at), BOUND);
 }
 
-/// An LR schedule phase change: linear warmup to step 300, then cosine decay to min_lr (1e-3)
-/// at step 600 — λ's authority per step falls tenfold over the decay.
+/// An LR schedule phase change: linear warmup to step [`AT`], then cosine decay to min_lr
+/// (1e-3) at step 600 — λ's authority per step falls tenfold over the decay. Measured: 12.
 #[test]
 fn settles_after_an_lr_phase_change() {
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let w = format!("schedule.warmup_steps={AT}");
     let (rows, _) = drive(
         small(&[
             "run.max_steps=600",
             "scu.target=0.02",
             "schedule.kind=\"cosine\"",
-            "schedule.warmup_steps=300",
+            &w,
         ]),
         dir.path(),
         None,
     );
-    check("LR warmup → cosine decay", &rows, row_after(&rows, 300), 20);
+    check(
+        "LR warmup → cosine decay",
+        &rows,
+        row_after(&rows, AT),
+        BOUND,
+    );
+}
+
+/// LoRA on the tiny base: a base of the small model trained 400 steps without SCU, then rank-4
+/// adapters on q, v and up, SCU on the adapters alone, from the start at each setpoint. N
+/// (`scu.tokens_per_epoch`) sets which S the adapters can reach: with N = 2M they start near
+/// 3% and cannot grow to 5% within the run (λ sits at λ_min), so 5% runs with N = 500k.
+/// Measured: 18, 13, 9, 6 control steps at 0.5, 1, 2, 5%.
+#[test]
+fn lora_on_the_tiny_base_settles_at_every_setpoint() {
+    let base = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    drive(
+        small(&[
+            "run.max_steps=400",
+            "scu.enabled=false",
+            "scu.lambda_init=0",
+            "checkpoint.at_end=true",
+        ]),
+        base.path(),
+        None,
+    );
+    let b = format!("lora.base={:?}", base.path().display().to_string());
+    for (target, n) in [
+        (0.005, 2_000_000),
+        (0.01, 2_000_000),
+        (0.02, 2_000_000),
+        (0.05, 500_000),
+    ] {
+        let t = format!("scu.target={target}");
+        let n = format!("scu.tokens_per_epoch={n}");
+        let cfg = small(&[
+            "run.max_steps=600",
+            "lora.enabled=true",
+            "lora.r=4",
+            "lora.targets=[\"q\",\"v\",\"up\"]",
+            "scu.params=\"lora\"",
+            &b,
+            &t,
+            &n,
+        ]);
+        from_the_start(&format!("LoRA, S* {target}"), cfg, target);
+    }
 }

@@ -11,7 +11,7 @@ use crate::engine::events::{Event, FinishReason};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The plan file in a sweep dir.
@@ -243,6 +243,85 @@ fn last_step(dir: &Path) -> Option<u64> {
     m.steps.last().map(|s| s.step)
 }
 
+/// The device slots a sweep runs its arms on, one arm per slot at a time: one slot per GPU
+/// (the child's `CUDA_VISIBLE_DEVICES`) when `run.device` leaves the GPU open (`auto`, `cuda`)
+/// and several are visible; else one slot with the environment as it is (the CPU, one GPU, a
+/// GPU named by `cuda:N`, or runs of several GPUs each). `visible` is this process's
+/// `CUDA_VISIBLE_DEVICES`, `count` the CUDA devices it sees.
+pub fn device_slots(
+    device: &str,
+    gpus_per_run: usize,
+    visible: Option<&str>,
+    count: usize,
+) -> Vec<Option<String>> {
+    let open = matches!(device, "auto" | "cuda" | "gpu");
+    if !open || gpus_per_run > 1 || count < 2 {
+        return vec![None];
+    }
+    // The children see the devices this process sees: pin them by the same names.
+    let ids: Vec<String> = match visible.map(str::trim) {
+        Some(v) if !v.is_empty() => v
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .take(count)
+            .collect(),
+        _ => (0..count).map(|i| i.to_string()).collect(),
+    };
+    if ids.len() < 2 {
+        return vec![None];
+    }
+    ids.into_iter().map(Some).collect()
+}
+
+/// The runs to start now: the next pending runs, in plan order, onto the free slots (lowest
+/// first). `pending`: plan indices; `busy[s]`: slot s runs one. Returns (run, slot) pairs.
+pub fn assign(pending: &[usize], busy: &[bool]) -> Vec<(usize, usize)> {
+    busy.iter()
+        .enumerate()
+        .filter(|(_, b)| !**b)
+        .map(|(s, _)| s)
+        .zip(pending.iter().copied())
+        .map(|(s, r)| (r, s))
+        .collect()
+}
+
+/// A run in progress: its plan index, process, start time and log file.
+struct Running {
+    idx: usize,
+    child: Child,
+    t0: Instant,
+    log: PathBuf,
+}
+
+/// The sweep as a whole for the progress line: `done` runs finished (this time or before),
+/// `running` (name, slot label, step) of those in progress.
+fn progress_line(
+    total: usize,
+    done: usize,
+    running: &[(String, Option<String>, u64)],
+    max_steps: u64,
+    eta_s: Option<f64>,
+) -> String {
+    let m = max_steps.max(1) as f64;
+    let partial: f64 = running.iter().map(|r| (r.2 as f64 / m).min(1.0)).sum();
+    let frac = (done as f64 + partial) / total.max(1) as f64;
+    let eta = eta_s.map_or(String::new(), |s| format!(", ETA {s:.0}s"));
+    let each: Vec<String> = running
+        .iter()
+        .map(|(name, slot, step)| match slot {
+            Some(g) => format!("{name} step {step}/{max_steps} [GPU {g}]"),
+            None => format!("{name} step {step}/{max_steps}"),
+        })
+        .collect();
+    format!(
+        "sweep {:>3.0}%: {done}/{total} done, {} running{eta}: {}",
+        frac * 100.0,
+        running.len(),
+        each.join("; ")
+    )
+}
+
 pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
     let plan = match plan(&a) {
         Ok(p) => p,
@@ -252,7 +331,11 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
         }
         Err(PlanError::Config(e)) => return Ok(config_error(&e)),
     };
-    let base = config::load(a.config, a.set).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut base_set = a.set.to_vec();
+    if let Some(d) = a.device {
+        base_set.push(format!("run.device={d:?}"));
+    }
+    let base = config::load(a.config, &base_set).map_err(|e| anyhow::anyhow!("{e}"))?;
     let dir = match a.out {
         Some(d) => d.to_path_buf(),
         None => PathBuf::from(&base.config.run.runs_root).join(format!(
@@ -281,97 +364,119 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
     let exe = std::env::current_exe().context("finding the cockpit executable")?;
     let total = plan.runs.len();
     let max_steps = base.config.run.max_steps;
+    let slots = {
+        let device = base.config.run.device.as_str();
+        // Counting GPUs starts the CUDA driver: only where a GPU may be used.
+        let count = if matches!(device, "auto" | "cuda" | "gpu") {
+            crate::engine::device::cuda_device_count()
+        } else {
+            0
+        };
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        device_slots(
+            device,
+            base.config.distributed.gpus,
+            visible.as_deref(),
+            count,
+        )
+    };
+    let on = if slots.len() > 1 {
+        format!(", one per GPU on {} GPUs", slots.len())
+    } else {
+        String::new()
+    };
     eprintln!(
-        "sweep: {total} run(s) into {} (resume: the same command again)",
+        "sweep: {total} run(s) into {}{on} (resume: the same command again)",
         dir.display()
     );
+    // Finished runs are skipped; the rest wait in plan order.
+    let mut pending = Vec::new();
+    let mut done = 0usize;
+    for (i, r) in plan.runs.iter().enumerate() {
+        if run_state(&dir.join(&r.name)) == RunState::Done {
+            eprintln!("sweep {}/{total}: {} — done before, skipped", i + 1, r.name);
+            done += 1;
+        } else {
+            pending.push(i);
+        }
+    }
     let started = Instant::now();
+    let mut running: Vec<Option<Running>> = slots.iter().map(|_| None).collect();
     let mut failed = Vec::new();
     let mut ran = 0usize;
-    for (i, r) in plan.runs.iter().enumerate() {
-        let run_dir = dir.join(&r.name);
-        let state = run_state(&run_dir);
-        if state == RunState::Done {
-            eprintln!("sweep {}/{total}: {} — done before, skipped", i + 1, r.name);
-            continue;
-        }
-        if state == RunState::Fresh && run_dir.exists() {
-            // Started but with nothing to resume from: start over.
-            std::fs::remove_dir_all(&run_dir)
-                .with_context(|| format!("clearing {}", run_dir.display()))?;
-        }
-        let log = dir.join("logs").join(format!("{}.log", r.name));
-        let log_file =
-            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let mut cmd = Command::new(&exe);
-        cmd.arg("train");
-        if let Some(c) = &plan.config {
-            cmd.arg(c);
-        }
-        cmd.arg("--no-tui").arg("--run-dir").arg(&run_dir);
-        for o in &r.overrides {
-            cmd.arg("--set").arg(o);
-        }
-        if state == RunState::Resumable {
-            cmd.arg("--resume").arg("latest");
-        }
-        cmd.stdin(Stdio::null())
-            .stdout(log_file.try_clone()?)
-            .stderr(log_file);
-        let mut child = cmd.spawn().context("starting cockpit train")?;
-        let t0 = Instant::now();
-        let mut last_line = Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait()? {
-                break s;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-            if last_line.elapsed() >= Duration::from_secs(5) {
-                last_line = Instant::now();
-                let step = last_step(&run_dir).unwrap_or(0);
-                let frac = (i as f64 + step as f64 / max_steps.max(1) as f64) / total as f64;
-                let eta = if ran > 0 || step > 0 {
-                    let spent = started.elapsed().as_secs_f64();
-                    let done = ran as f64 + step as f64 / max_steps.max(1) as f64;
-                    let left = (total - i) as f64 - step as f64 / max_steps.max(1) as f64;
-                    format!(", ETA {:.0}s", spent / done.max(1e-9) * left)
-                } else {
-                    String::new()
-                };
-                eprintln!(
-                    "sweep {}/{total} {:>3.0}%: {} step {step}/{max_steps} ({:.0}s){eta}",
-                    i + 1,
-                    frac * 100.0,
-                    r.name,
-                    t0.elapsed().as_secs_f64()
-                );
-            }
-        };
-        ran += 1;
-        match status.code() {
-            Some(0) => eprintln!(
-                "sweep {}/{total}: {} finished in {:.0}s",
-                i + 1,
-                r.name,
-                t0.elapsed().as_secs_f64()
-            ),
-            Some(EXIT_INTERRUPTED) | None => {
-                eprintln!(
-                    "sweep: interrupted during {}; run the same command again to resume",
-                    r.name
-                );
-                return Ok(EXIT_INTERRUPTED);
-            }
-            Some(code) => {
-                eprintln!(
-                    "sweep {}/{total}: {} failed (exit {code}); see {}",
-                    i + 1,
-                    r.name,
-                    log.display()
-                );
-                failed.push(r.name.clone());
+    let mut interrupted: Option<String> = None;
+    let mut last_line = Instant::now();
+    loop {
+        if interrupted.is_none() {
+            let busy: Vec<bool> = running.iter().map(Option::is_some).collect();
+            let starts = assign(&pending, &busy);
+            pending.drain(..starts.len());
+            for (idx, s) in starts {
+                let child = start(&exe, &plan, idx, &dir, slots[s].as_deref())?;
+                if let Some(g) = &slots[s] {
+                    let name = &plan.runs[idx].name;
+                    eprintln!("sweep {}/{total}: {name} started on GPU {g}", idx + 1);
+                }
+                running[s] = Some(child);
             }
         }
+        if running.iter().all(Option::is_none) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        for slot in running.iter_mut() {
+            let Some(run) = slot else { continue };
+            let Some(status) = run.child.try_wait()? else {
+                continue;
+            };
+            let (i, name) = (run.idx, &plan.runs[run.idx].name);
+            let secs = run.t0.elapsed().as_secs_f64();
+            ran += 1;
+            match status.code() {
+                Some(0) => {
+                    done += 1;
+                    eprintln!("sweep {}/{total}: {name} finished in {secs:.0}s", i + 1);
+                }
+                Some(EXIT_INTERRUPTED) | None => {
+                    // Stop starting runs; those running finish (or stop) on their own.
+                    interrupted.get_or_insert_with(|| name.clone());
+                }
+                Some(code) => {
+                    eprintln!(
+                        "sweep {}/{total}: {name} failed (exit {code}); see {}",
+                        i + 1,
+                        run.log.display()
+                    );
+                    failed.push(name.clone());
+                }
+            }
+            *slot = None;
+        }
+        if last_line.elapsed() >= Duration::from_secs(5) {
+            last_line = Instant::now();
+            let now: Vec<(String, Option<String>, u64)> = running
+                .iter()
+                .zip(&slots)
+                .filter_map(|(r, g)| {
+                    let r = r.as_ref()?;
+                    let name = &plan.runs[r.idx].name;
+                    let step = last_step(&dir.join(name)).unwrap_or(0);
+                    Some((name.clone(), g.clone(), step))
+                })
+                .collect();
+            let m = max_steps.max(1) as f64;
+            let partial: f64 = now.iter().map(|r| (r.2 as f64 / m).min(1.0)).sum();
+            let work = ran as f64 + partial;
+            let left = (total - done) as f64 - partial;
+            let eta = (work > 0.0).then(|| started.elapsed().as_secs_f64() / work * left);
+            if !now.is_empty() {
+                eprintln!("{}", progress_line(total, done, &now, max_steps, eta));
+            }
+        }
+    }
+    if let Some(name) = interrupted {
+        eprintln!("sweep: interrupted during {name}; run the same command again to resume");
+        return Ok(EXIT_INTERRUPTED);
     }
     eprintln!(
         "sweep: {} of {total} run(s) done in {}; compare them with `cockpit compare {}`",
@@ -385,6 +490,53 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
         eprintln!("sweep: failed: {}", failed.join(", "));
         Ok(EXIT_FAILURE)
     }
+}
+
+/// Start one run of the sweep (resuming it where it has a checkpoint), its output into
+/// `logs/<name>.log`, pinned to `gpu` when given.
+fn start(
+    exe: &Path,
+    plan: &SweepPlan,
+    idx: usize,
+    dir: &Path,
+    gpu: Option<&str>,
+) -> anyhow::Result<Running> {
+    let r = &plan.runs[idx];
+    let run_dir = dir.join(&r.name);
+    let state = run_state(&run_dir);
+    if state == RunState::Fresh && run_dir.exists() {
+        // Started but with nothing to resume from: start over.
+        std::fs::remove_dir_all(&run_dir)
+            .with_context(|| format!("clearing {}", run_dir.display()))?;
+    }
+    let log = dir.join("logs").join(format!("{}.log", r.name));
+    let log_file =
+        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("train");
+    if let Some(c) = &plan.config {
+        cmd.arg(c);
+    }
+    cmd.arg("--no-tui").arg("--run-dir").arg(&run_dir);
+    for o in &r.overrides {
+        cmd.arg("--set").arg(o);
+    }
+    if state == RunState::Resumable {
+        cmd.arg("--resume").arg("latest");
+    }
+    if let Some(g) = gpu {
+        cmd.env("CUDA_VISIBLE_DEVICES", g);
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+    let child = cmd.spawn().context("starting cockpit train")?;
+    Ok(Running {
+        idx,
+        child,
+        t0: Instant::now(),
+        log,
+    })
 }
 
 #[cfg(test)]
@@ -474,5 +626,113 @@ mod tests {
         let p = plan(&args(&GRID, None)).unwrap();
         assert_eq!(p.runs.len(), 2, "--set-grid wins, seeds from [sweep]");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn one_slot_per_visible_gpu_when_the_device_is_open() {
+        let ids = |v: &[Option<String>]| v.iter().map(|s| s.clone()).collect::<Vec<_>>();
+        // Several GPUs, device left open: one slot each, named as this process sees them.
+        assert_eq!(
+            ids(&device_slots("auto", 1, None, 3)),
+            vec![Some("0".into()), Some("1".into()), Some("2".into())]
+        );
+        assert_eq!(
+            device_slots("cuda", 1, Some("2, 5"), 2),
+            vec![Some("2".to_string()), Some("5".to_string())]
+        );
+        assert_eq!(
+            device_slots("auto", 1, Some("GPU-a,GPU-b,GPU-c"), 2),
+            vec![Some("GPU-a".to_string()), Some("GPU-b".to_string())],
+            "no more slots than devices the driver counts"
+        );
+        // Sequential as before: the CPU, one GPU, a GPU named, several GPUs per run.
+        for (device, gpus, count) in [
+            ("cpu", 1, 4),
+            ("auto", 1, 0),
+            ("auto", 1, 1),
+            ("cuda", 1, 1),
+            ("cuda:1", 1, 4),
+            ("auto", 2, 4),
+        ] {
+            assert_eq!(
+                device_slots(device, gpus, None, count),
+                vec![None],
+                "{device} gpus {gpus} count {count}"
+            );
+        }
+        assert_eq!(device_slots("auto", 1, Some("3"), 4), vec![None]);
+    }
+
+    #[test]
+    fn pending_runs_fill_the_free_slots_in_plan_order() {
+        assert_eq!(
+            assign(&[3, 4, 5], &[false, true, false]),
+            vec![(3, 0), (4, 2)]
+        );
+        assert_eq!(assign(&[3], &[false, false]), vec![(3, 0)]);
+        assert!(assign(&[3, 4], &[true, true]).is_empty());
+        assert!(assign(&[], &[false]).is_empty());
+        // One slot: strictly one after another.
+        assert_eq!(assign(&[0, 1, 2], &[false]), vec![(0, 0)]);
+    }
+
+    /// Seven runs on three slots whose runs take different times: every run starts once, no
+    /// slot holds two at a time, and a slot takes the next pending run as soon as it is free.
+    #[test]
+    fn a_simulated_sweep_runs_everything_once_on_its_slots() {
+        let length = [3u32, 1, 4, 1, 5, 2, 2];
+        let mut pending: Vec<usize> = (0..length.len()).collect();
+        let mut slots: Vec<Option<(usize, u32)>> = vec![None; 3];
+        let (mut started, mut t) = (Vec::new(), 0u32);
+        while !pending.is_empty() || slots.iter().any(Option::is_some) {
+            let busy: Vec<bool> = slots.iter().map(Option::is_some).collect();
+            let starts = assign(&pending, &busy);
+            pending.drain(..starts.len());
+            for (r, s) in starts {
+                assert!(slots[s].is_none(), "slot {s} double-booked");
+                slots[s] = Some((r, t + length[r]));
+                started.push((r, s, t));
+            }
+            t += 1;
+            for s in slots.iter_mut() {
+                if s.is_some_and(|(_, end)| end <= t) {
+                    *s = None;
+                }
+            }
+        }
+        let order: Vec<usize> = started.iter().map(|x| x.0).collect();
+        assert_eq!(order, vec![0, 1, 2, 3, 4, 5, 6], "plan order");
+        assert_eq!(
+            started,
+            vec![
+                (0, 0, 0),
+                (1, 1, 0),
+                (2, 2, 0),
+                (3, 1, 1),
+                (4, 1, 2),
+                (5, 0, 3),
+                (6, 2, 4)
+            ]
+        );
+        assert_eq!(t, 7, "three slots: 7 time units, not the 18 of one");
+    }
+
+    #[test]
+    fn the_progress_line_covers_the_whole_sweep() {
+        let now = vec![
+            ("a-s1".to_string(), Some("0".to_string()), 60),
+            ("b-s1".to_string(), Some("1".to_string()), 150),
+        ];
+        let line = progress_line(4, 1, &now, 100, Some(12.0));
+        assert!(
+            line.starts_with("sweep  65%: 1/4 done, 2 running, ETA 12s: "),
+            "{line}"
+        );
+        assert!(
+            line.contains("a-s1 step 60/100 [GPU 0]; b-s1 step 150/100 [GPU 1]"),
+            "{line}"
+        );
+        let one = progress_line(2, 0, &[("a-s1".into(), None, 10)], 100, None);
+        assert_eq!(one, "sweep   5%: 0/2 done, 1 running: a-s1 step 10/100");
     }
 }

@@ -501,7 +501,7 @@ pub struct ScuConfig {
     /// leaky integral I).
     pub law: ScuLaw,
     /// adaptive: the fraction of the log error ln(S*/S) the next control step is planned to
-    /// close (0.5: see the README for the settle times it gives on the tiny model).
+    /// close (0.7: see the README for the settle times it gives on the tiny model).
     pub rate: f64,
     /// Proportional gain; unset = the law's default (log-pi 3.0, reference 0.8).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -533,7 +533,7 @@ impl Default for ScuConfig {
             enabled: true,
             target: 0.02,
             law: ScuLaw::Adaptive,
-            rate: 0.5,
+            rate: 0.7,
             kp: None,
             ki: None,
             deadband: None,
