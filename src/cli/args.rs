@@ -164,8 +164,9 @@ pub enum Cmd {
         /// The run directory.
         run_dir: PathBuf,
     },
-    /// Train every combination of a grid of config values, each seed, one run after another,
-    /// each in its own run dir under one sweep dir; the same command again resumes it.
+    /// Train every combination of a grid of config values, each seed, one run after another
+    /// (one per GPU at a time when several are visible), each in its own run dir under one
+    /// sweep dir; the same command again resumes it.
     Sweep {
         /// Config file (omit for the embedded default).
         config: Option<PathBuf>,
