@@ -354,6 +354,7 @@ impl Trainer {
                 r: cfg.lora.r,
                 alpha: cfg.lora.alpha,
                 targets: cfg.lora.targets.clone(),
+                dropout: cfg.lora.dropout,
             };
             model.add_lora(&spec, cfg.run.seed)?;
         }
@@ -1159,6 +1160,11 @@ fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tenso
 /// Refuse, before allocating anything, a model whose weights and optimizer state alone do not
 /// fit the memory the device has free (a config error naming the keys that size the model).
 fn check_fits(cfg: &Config, s: &Shape, device: &Device, store: DType) -> Result<(), EngineError> {
+    if cfg.optim.micro_batch == crate::config::MICRO_BATCH_AUTO {
+        return Err(EngineError::Config(
+            "optim.micro_batch = \"auto\" reached the engine unresolved (the front end tries the sizes that fit before the run starts)".into(),
+        ));
+    }
     let Some(free) = device::memory_free(device) else {
         return Ok(());
     };

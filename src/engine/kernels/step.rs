@@ -603,6 +603,9 @@ struct Lay {
     /// LoRA: per layer, each adapter's `x·Aᵀ` [N, r] (0: no adapter), and the `du` scratch.
     lora_u: Vec<[u64; 4]>,
     lora_du: u64,
+    /// LoRA dropout: the adapters' dropped input (forward) and their data gradient before its
+    /// mask (backward), `[N, widest adapted input]`; 0 without LoRA dropout.
+    lora_x: u64,
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     lse_att: Vec<u64>,
     fa_scratch: u64,
@@ -721,6 +724,17 @@ pub struct GptStep {
     /// Rows per LM-head chunk, when set ([`Self::set_head_chunk_rows`]).
     head_chunk_rows: Option<usize>,
     drop_scale: f32,
+    /// LoRA dropout on the adapters' input: keep threshold (0: none) and scale.
+    lora_thr: u32,
+    lora_scale: f32,
+    /// Granite's multipliers (1 elsewhere): the embedding's, the attention blocks' and
+    /// MLPs' outputs' before the residual add (both applied with the dropout masks of those
+    /// sites), the attention score scale (1/√head_dim elsewhere) and 1/logits_scaling on the
+    /// final norm's output (hence on the logits).
+    emb_mult: f32,
+    res_mult: f32,
+    att_scale: f32,
+    logit_mult: f32,
     /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
     drop_seed: u64,
 }
@@ -956,6 +970,12 @@ impl GptStep {
             recompute: w.recompute,
             head_chunk_rows: None,
             drop_scale: dropout::keep_scale(dropout::threshold(w.dropout)),
+            emb_mult: w.embedding_multiplier as f32,
+            res_mult: w.residual_multiplier as f32,
+            att_scale: w.attention_scale as f32,
+            logit_mult: (1.0 / w.logits_scaling) as f32,
+            lora_thr: dropout::threshold(w.lora_dropout),
+            lora_scale: dropout::keep_scale(dropout::threshold(w.lora_dropout)),
             drop_seed: 0,
         })
     }
@@ -1559,7 +1579,7 @@ impl GptStep {
         let dyh = take(heads_len / 3);
         let dprob = take(probs);
         let drop = self.drop_thr > 0;
-        let dmask = take(if drop { nc } else { 0 });
+        let dmask = take(if self.res_scaled() { nc } else { 0 });
         // LoRA: each group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward), and one du
         // scratch of the widest group.
         let lora_u: Vec<[Option<usize>; 4]> = self
@@ -1580,6 +1600,13 @@ impl GptStep {
             .max()
             .unwrap_or(0);
         let lora_du = take(n * wmax);
+        let xmax = self
+            .layers
+            .iter()
+            .flat_map(|li| li.lora.iter().flatten().map(|ad| ad.inp))
+            .max()
+            .unwrap_or(0);
+        let lora_x = take(if self.lora_thr > 0 { n * xmax } else { 0 });
         let bf_len = next;
         // f32: the loss accumulator [N], then (flash) the per-layer attention
         // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
@@ -1641,6 +1668,7 @@ impl GptStep {
             dmask: at(dmask),
             lora_u: lora_u.iter().map(|u| u.map(|o| o.map_or(0, at))).collect(),
             lora_du: at(lora_du),
+            lora_x: if self.lora_thr > 0 { at(lora_x) } else { 0 },
             mbits: (0..l)
                 .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
                 .collect(),
@@ -1937,8 +1965,10 @@ impl GptStep {
             a.lay.clone()
         };
         let thr = std::mem::replace(&mut self.drop_thr, 0);
+        let lora_thr = std::mem::replace(&mut self.lora_thr, 0);
         let run = self.forward(&lay, 0.0, false, false);
         self.drop_thr = thr;
+        self.lora_thr = lora_thr;
         run?;
         // The loss accumulator holds each token's loss: a mean per sequence.
         let v = self.token_losses()?;
@@ -2123,6 +2153,7 @@ impl GptStep {
         let n = a.b * self.t;
         let u = a.lora_u[l][g];
         let down = Lin::new(n, first.inp, width, width);
+        let x = self.lora_input(a, l, g, x, first.inp)?;
         self.mm("lora", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
@@ -2162,8 +2193,29 @@ impl GptStep {
             self.mm("lora", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
         }
         let down = Lin::new(n, a0.inp, width, width);
-        self.mm("lora", down.dw(x, du, self.g(a0.a)), true, 1.0, beta)?;
-        self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 1.0)
+        let xd = self.lora_input(a, l, g, x, a0.inp)?;
+        self.mm("lora", down.dw(xd, du, self.g(a0.a)), true, 1.0, beta)?;
+        if self.lora_thr == 0 {
+            return self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 1.0);
+        }
+        // dx += mask ⊙ (du·[A₁; A₂; …]), through the scratch that held the dropped input.
+        self.mm("lora", down.dx(du, self.w(a0.a), a.lora_x), false, 1.0, 0.0)?;
+        let site = dropout::site_lora(l, g);
+        let drop = (self.lora_thr, self.lora_scale);
+        self.drop_scaled(a, (a.lora_x, dx), (n, a0.inp), site, drop, true)
+    }
+
+    /// The adapters' input of group `g` of layer `l`: `x` itself, or with LoRA dropout
+    /// `x` through its mask into the `lora_x` scratch (`[N, inp]`).
+    fn lora_input(&self, a: &Lay, l: usize, g: usize, x: u64, inp: usize) -> Result<u64> {
+        if self.lora_thr == 0 {
+            return Ok(x);
+        }
+        let n = a.b * self.t;
+        let site = dropout::site_lora(l, g);
+        let drop = (self.lora_thr, self.lora_scale);
+        self.drop_scaled(a, (x, a.lora_x), (n, inp), site, drop, false)?;
+        Ok(a.lora_x)
     }
 
     /// One matmul through cuBLAS with `alpha` (the adapters' small matmuls).
@@ -2195,9 +2247,7 @@ impl GptStep {
                 Arg::I(i32_of(self.vocab, "vocab")?),
             ],
         )?;
-        if self.drop_thr > 0 {
-            self.drop_rows(a, a.res[0], a.res[0], n, dropout::site_embedding())?;
-        }
+        self.embed_scale(a, a.res[0], n)?;
         // LN1 of layer 0 (no residual add before it).
         let l0 = self.layers[0];
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
@@ -2222,6 +2272,7 @@ impl GptStep {
             );
             self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
         }
+        self.logit_scale(a, a.lnf, n)?;
         self.head_and_loss(a, g, first, grad)
     }
 
@@ -2427,11 +2478,12 @@ impl GptStep {
         let nc = n * c;
         let n_i = i32_of(n, "rows")?;
         // (The head's backward ran with the loss: `da` holds d(lnf).)
+        self.logit_scale(a, a.da, n)?;
         // d(final residual) = the final norm's backward
         let last = self.n_layer;
         // The norm backward sums the residual gradient's columns into the projection bias
         // below it as it goes — unless dropout sits between them.
-        let fuse = |g: u64| if self.drop_thr > 0 { 0 } else { g };
+        let fuse = |g: u64| if self.res_scaled() { 0 } else { g };
         let down_b = |l: usize| fuse(self.layers.get(l).map_or(0, |li| self.gb(li.down_b)));
         let mut down_b_done = self.norm_bwd(
             a.res[last],
@@ -2524,9 +2576,7 @@ impl GptStep {
                 below,
             )?;
         }
-        if self.drop_thr > 0 {
-            self.drop_rows(a, a.dres, a.dres, n, dropout::site_embedding())?;
-        }
+        self.embed_scale(a, a.dres, n)?;
         // embeddings: token rows by an atomic scatter, positions summed over the batch
         if let Some(gw) = self.gt(self.wte) {
             self.launch(
@@ -2555,7 +2605,7 @@ impl GptStep {
         let hd = c / h;
         let nc = b * t * c;
         let bh = b * h;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = self.att_scale;
         if self.flash {
             let fk = self.flash_kernels();
             let kern = if self.drop_thr > 0 {
@@ -2632,7 +2682,7 @@ impl GptStep {
         let hd = c / h;
         let nc = b * t * c;
         let bh = b * h;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = self.att_scale;
         if self.flash {
             let (bi, ti, hi) = (i32_of(b, "B")?, i32_of(t, "T")?, i32_of(h, "H")?);
             let kvi = i32_of(self.n_kv_head, "KV heads")?;
@@ -2791,9 +2841,67 @@ impl GptStep {
         }
     }
 
-    /// `y = dropout(x)` over `[n, C]` at `site` (y may be x).
-    fn drop_rows(&self, a: &Lay, x: u64, y: u64, n: usize, site: u32) -> Result<()> {
-        let total8 = n * self.c / 8;
+    /// The output gradient of a projection whose output went through dropout at `site` into
+    /// the residual stream: `dres` through the mask (into `dmask`), or `dres` itself without
+    /// dropout; and the scratch buffer that is ([`Buf`], for the side stream's reads).
+    fn drop_grad(&self, a: &Lay, site: u32) -> Result<(u64, Buf)> {
+        if !self.res_scaled() {
+            return Ok((a.dres, Buf::Dres));
+        }
+        self.reclaim(Buf::Dmask)?;
+        let (rows, scale) = (a.b * self.t, self.keep_scale() * self.res_mult);
+        let drop = (self.drop_thr, scale);
+        self.drop_scaled(a, (a.dres, a.dmask), (rows, self.c), site, drop, false)?;
+        Ok((a.dmask, Buf::Dmask))
+    }
+
+    /// A kept element's dropout scale: 1 while dropout is off (an evaluation's forward).
+    fn keep_scale(&self) -> f32 {
+        if self.drop_thr > 0 {
+            self.drop_scale
+        } else {
+            1.0
+        }
+    }
+
+    /// Whether a mask or a scale sits between a block's output projections and the residual
+    /// stream (dropout, Granite's residual multiplier).
+    fn res_scaled(&self) -> bool {
+        self.drop_thr > 0 || self.res_mult != 1.0
+    }
+
+    /// The embedding's dropout and Granite's multiplier, in place on `x` (`[n, C]`), in the
+    /// forward and on its gradient in the backward.
+    fn embed_scale(&self, a: &Lay, x: u64, n: usize) -> Result<()> {
+        if self.drop_thr == 0 && self.emb_mult == 1.0 {
+            return Ok(());
+        }
+        let (site, scale) = (dropout::site_embedding(), self.keep_scale() * self.emb_mult);
+        self.drop_scaled(a, (x, x), (n, self.c), site, (self.drop_thr, scale), false)
+    }
+
+    /// Granite's 1/logits_scaling, in place on the final norm's output `[n, C]` (forward) and
+    /// on its gradient (backward): the logits and the head's gradients scale with it.
+    fn logit_scale(&self, a: &Lay, x: u64, n: usize) -> Result<()> {
+        if self.logit_mult == 1.0 {
+            return Ok(());
+        }
+        self.drop_scaled(a, (x, x), (n, self.c), 0, (0, self.logit_mult), false)
+    }
+
+    /// `y = scale·mask(x)` over `[rows, cols]` at `site` (`thr` 0: no mask, only the scale),
+    /// or `y += scale·mask(x)` with `acc`.
+    #[allow(clippy::too_many_arguments)]
+    fn drop_scaled(
+        &self,
+        a: &Lay,
+        (x, y): (u64, u64),
+        (rows, cols): (usize, usize),
+        site: u32,
+        (thr, scale): (u32, f32),
+        acc: bool,
+    ) -> Result<()> {
+        let total8 = rows * cols / 8;
         self.launch(
             &self.k.dropout_rows,
             flat_cfg(total8),
@@ -2801,25 +2909,14 @@ impl GptStep {
                 Arg::P(x),
                 Arg::P(y),
                 Arg::P(total8 as u64),
-                Arg::I(i32_of(self.c / 8, "n_embd")?),
+                Arg::I(i32_of(cols / 8, "cols")?),
                 Arg::P(a.seed),
                 Arg::U(site),
-                Arg::U(self.drop_thr),
-                Arg::F(self.drop_scale),
+                Arg::U(thr),
+                Arg::F(scale),
+                Arg::I(acc as i32),
             ],
         )
-    }
-
-    /// The output gradient of a projection whose output went through dropout at `site` into
-    /// the residual stream: `dres` through the mask (into `dmask`), or `dres` itself without
-    /// dropout; and the scratch buffer that is ([`Buf`], for the side stream's reads).
-    fn drop_grad(&self, a: &Lay, site: u32) -> Result<(u64, Buf)> {
-        if self.drop_thr == 0 {
-            return Ok((a.dres, Buf::Dres));
-        }
-        self.reclaim(Buf::Dmask)?;
-        self.drop_rows(a, a.dres, a.dmask, a.b * self.t, site)?;
-        Ok((a.dmask, Buf::Dmask))
     }
 
     /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
@@ -2857,7 +2954,9 @@ impl GptStep {
         out: u64,
         n: usize,
     ) -> Result<()> {
-        let thr = site.map_or(0, |_| self.drop_thr);
+        let (thr, scale) = site.map_or((0, 1.0), |_| {
+            (self.drop_thr, self.keep_scale() * self.res_mult)
+        });
         let mut args = vec![
             Arg::P(x),
             Arg::P(y),
@@ -2875,7 +2974,7 @@ impl GptStep {
             Arg::P(a.seed),
             Arg::U(site.unwrap_or(0)),
             Arg::U(thr),
-            Arg::F(self.drop_scale),
+            Arg::F(scale),
         ];
         match &self.k.norm_v8 {
             Some(v8) => {
