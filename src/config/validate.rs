@@ -573,6 +573,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             "allowed: nccl (CUDA devices), tcp (CPU processes; for testing)",
         );
     }
+    ck.in_range(
+        "distributed.bucket_mb",
+        c.distributed.bucket_mb,
+        0.001,
+        1e6,
+        "in [0.001, 1e6] MB",
+    );
     ck.positive("distributed.timeout_secs", c.distributed.timeout_secs);
     ck.in_range(
         "distributed.timeout_secs",

@@ -43,10 +43,12 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
 use half::bf16;
 
+use super::buckets;
 use super::cuda::{
     err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, with_ptrs, MODULE, PTX,
 };
 use super::lt::{Epi, Lt, Mm, Operand};
+use super::reduce::Overlap;
 use super::side::{Buf, Side};
 use super::spec::{LinearWB, StepLora, StepMatrix, StepWeights, LORA_TARGETS};
 use super::WeightCopy;
@@ -666,6 +668,10 @@ pub struct GptStep {
     /// The second stream of the backward's weight gradients and bias sums (None: one
     /// stream; unused while profiling, which times launches on one stream).
     side: Option<Side>,
+    /// Data parallel: the gradient buckets summed over the ranks while the backward runs
+    /// ([`Self::set_grad_sum`]), and whether this micro-batch sums them (the step's last).
+    sums: Option<Overlap>,
+    sum_now: bool,
     k: Kernels,
     n_layer: usize,
     c: usize,
@@ -929,6 +935,8 @@ impl GptStep {
             epilogues: w.epilogues,
             graphs: w.graphs,
             side,
+            sums: None,
+            sum_now: false,
             k,
             n_layer: layers.len(),
             c,
@@ -1092,6 +1100,83 @@ impl GptStep {
         f()?;
         let end = self.stream.record_event(timing).w()?;
         prof.borrow_mut().push((name, start, end));
+        Ok(())
+    }
+
+    /// Data parallel: sum the gradients over the ranks with `sum` while the backward runs,
+    /// bucket by bucket from the top layer down (see `reduce.rs`), in the micro-batches
+    /// [`Self::set_grad_sum_now`] names. The step then runs its launches eagerly (no CUDA
+    /// graphs: the sums sit on another communicator's stream).
+    pub fn set_grad_sum(
+        &mut self,
+        sum: Box<dyn crate::distributed::GradSum>,
+        bucket_mb: f64,
+    ) -> Result<()> {
+        let min_len = ((bucket_mb * 1e6 / 4.0) as usize).max(1);
+        let runs: Vec<Vec<(usize, usize)>> =
+            self.layers.iter().map(|li| self.layer_runs(li)).collect();
+        let plan = buckets::plan(&runs, self.grad.elem_count(), min_len);
+        tracing::info!(
+            buckets = plan.len(),
+            bucket_mb,
+            "gradient sums overlap the backward"
+        );
+        self.sums = Some(Overlap::new(sum, &self.stream, plan)?);
+        self.graphs = false;
+        Ok(())
+    }
+
+    /// Whether the gradient sums run inside the step ([`Self::set_grad_sum`]).
+    pub fn overlaps_grad_sums(&self) -> bool {
+        self.sums.is_some()
+    }
+
+    /// Whether the next micro-batches sum the gradients over the ranks (the optimizer
+    /// step's last micro-batch does).
+    pub fn set_grad_sum_now(&mut self, on: bool) {
+        self.sum_now = on;
+    }
+
+    /// Layer `li`'s gradient runs in the flat buffer as (start, end) element offsets: its
+    /// trainable matrices and adapters, and its norms and biases in the zeroed tail.
+    fn layer_runs(&self, li: &LayerIdx) -> Vec<(usize, usize)> {
+        let mut ids = vec![li.qkv_w, li.o_w, li.up_w, li.down_w, li.ln1_w, li.ln2_w];
+        ids.extend(
+            [li.ln1_b, li.qkv_b, li.o_b, li.ln2_b, li.up_b, li.down_b]
+                .into_iter()
+                .flatten(),
+        );
+        ids.extend(li.lora.iter().flatten().flat_map(|ad| [ad.a, ad.b]));
+        let (mut head, mut tail) = (None::<(usize, usize)>, None::<(usize, usize)>);
+        for i in ids {
+            let e = &self.entries[i];
+            if e.frozen || e.ext || self.gt(i).is_none() {
+                continue;
+            }
+            let (s, end) = (e.off, e.off + e.n);
+            let run = if s < self.zero_from {
+                &mut head
+            } else {
+                &mut tail
+            };
+            *run = Some(run.map_or((s, end), |(a, b)| (a.min(s), b.max(end))));
+        }
+        [head, tail].into_iter().flatten().collect()
+    }
+
+    /// Enqueue the gradient sums of the buckets due after layer `after`'s backward (None:
+    /// after the whole backward, which then also waits for them); nothing unless this
+    /// micro-batch sums.
+    fn send_sums(&self, after: Option<usize>) -> Result<()> {
+        let Some(sums) = self.sums.as_ref().filter(|_| self.sum_now) else {
+            return Ok(());
+        };
+        for b in sums.buckets.iter().filter(|b| b.after == after) {
+            sums.send(b, self.grad_p, self.side())?;
+        }
+        if after.is_none() {
+            sums.join()?;
+        }
         Ok(())
     }
 
@@ -2575,6 +2660,7 @@ impl GptStep {
                 true,
                 below,
             )?;
+            self.send_sums(Some(l))?;
         }
         self.embed_scale(a, a.dres, n)?;
         // embeddings: token rows by an atomic scatter, positions summed over the batch
@@ -2595,6 +2681,7 @@ impl GptStep {
         if let Some(gp) = self.wpe.and_then(|i| self.gt(i)) {
             self.col_sum(a.dres, gp, b, t * c)?;
         }
+        self.send_sums(None)?;
         // The optimizer reads every gradient, and a capture must end joined.
         self.side().map_or(Ok(()), Side::join)
     }
