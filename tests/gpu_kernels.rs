@@ -748,6 +748,28 @@ fn whole_model_step_matches_the_f32_model() {
             set: granite,
         },
         Family {
+            name: "explicit head_dim: 4 heads × 64 over n_embd 192, GQA 4/2, dropout 0.1",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 192;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.head_dim = 64;
+                c.model.dropout = 0.1;
+            },
+        },
+        Family {
+            name: "explicit head_dim: 2 heads × 128 over n_embd 320 (narrower), multi-head",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 320;
+                c.model.n_head = 2;
+                c.model.head_dim = 128;
+            },
+        },
+        Family {
             name: "granite-like with dropout 0.1 (masks and multipliers at one site)",
             vocab: 97,
             set: |c| {
@@ -1073,7 +1095,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
     }
     // (name, shape, targets, base in NF4)
     type Case = (&'static str, fn(&mut Config), Vec<String>, bool);
-    let cases: [Case; 6] = [
+    let cases: [Case; 7] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
@@ -1116,6 +1138,16 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             gqa,
             all.clone(),
             true,
+        ),
+        (
+            "explicit head_dim 4×64 over n_embd 192, adapters on every projection (o reads 256)",
+            |c| {
+                gqa(c);
+                c.model.n_embd = 192;
+                c.model.head_dim = 64;
+            },
+            all.clone(),
+            false,
         ),
         (
             "llama GQA 4/2, LoRA dropout 0.25 on every projection's input, dropout 0.1",

@@ -127,12 +127,11 @@ impl Shape {
             .unwrap_or_else(|| 1.0 / (self.head_dim as f64).sqrt())
     }
     /// Whether the whole-model CUDA step computes this model's arithmetic: everything (q/k/v-
-    /// only biases, a longer position table, RoPE scaling, Granite's multipliers) but an
-    /// explicit head width (n_head·head_dim ≠ n_embd), and an embedding multiplier with learned
-    /// positions (the step's embedding adds the positions before it scales).
+    /// only biases, a longer position table, RoPE scaling, Granite's multipliers, an explicit
+    /// head_dim with flash attention) but an embedding multiplier with learned positions (the
+    /// step's embedding adds the positions before it scales).
     pub fn step_computes(&self) -> bool {
-        self.head_dim * self.n_head == self.n_embd
-            && (self.embedding_multiplier == 1.0 || self.pos == PosEncoding::Rope)
+        self.embedding_multiplier == 1.0 || self.pos == PosEncoding::Rope
     }
 }
 
@@ -1135,6 +1134,18 @@ impl Model {
                     "; kernels.attention = false"
                 }
             ))
+        } else if !flash && hd * s.n_head != s.n_embd {
+            Some(format!(
+                "{} heads of {hd} ≠ n_embd {} at head dim {hd} (flash attention has head dims \
+                 64 and 128{})",
+                s.n_head,
+                s.n_embd,
+                if s.kernels.attention {
+                    ""
+                } else {
+                    "; kernels.attention = false"
+                }
+            ))
         } else if !flash && s.dropout > 0.0 {
             Some(format!(
                 "dropout at head dim {hd} (flash attention has head dims 64 and 128{})",
@@ -1145,11 +1156,7 @@ impl Model {
                 }
             ))
         } else if !s.step_computes() {
-            Some(
-                "a head dim other than n_embd / n_head, or an embedding multiplier with \
-                 learned positions (per-op only)"
-                    .into(),
-            )
+            Some("an embedding multiplier with learned positions (per-op only)".into())
         } else if !self
             .params
             .iter()

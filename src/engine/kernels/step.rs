@@ -681,6 +681,8 @@ pub struct GptStep {
     hd: usize,
     /// Width of the packed q|k|v projection: (H + 2·KV)·hd.
     qkv_out: usize,
+    /// The attention's width, n_head·head_dim (n_embd unless head_dim is explicit).
+    att_c: usize,
     /// RMSNorm (else LayerNorm).
     rms: bool,
     /// SwiGLU MLP (gate|up packed), else GELU.
@@ -767,13 +769,23 @@ impl GptStep {
         let hidden = first.up.0.rows()?;
         let swiglu = first.gate.is_some();
         let (n_head, n_kv_head) = (w.n_head, w.n_kv_head);
-        if n_head == 0 || c % n_head != 0 || !(c / n_head).is_multiple_of(2) {
+        // The heads' width comes from the q projection: n_head·head_dim, which an explicit
+        // head_dim (Mistral-Nemo-like) sets apart from n_embd.
+        let att_c = first.q.0.rows()?;
+        if n_head == 0 || att_c % n_head != 0 || !(att_c / n_head).is_multiple_of(2) {
             return Err(err(format!(
-                "whole-model step: n_embd {c} must split into n_head {n_head} heads of even size"
+                "whole-model step: the q projection's {att_c} outputs must split into n_head \
+                 {n_head} heads of even size"
             )));
         }
-        let hd = c / n_head;
+        let hd = att_c / n_head;
         let flash = w.flash && super::spec::FLASH_HEAD_DIMS.contains(&hd);
+        if att_c != c && !flash {
+            return Err(err(format!(
+                "whole-model step: heads {n_head}×{hd} wider or narrower than n_embd {c} need \
+                 flash attention (head dim 64 or 128)"
+            )));
+        }
         if n_kv_head == 0 || n_head % n_kv_head != 0 || (n_kv_head != n_head && !flash) {
             return Err(err(format!(
                 "whole-model step: {n_kv_head} key/value heads for {n_head} heads of size {hd} \
@@ -802,7 +814,7 @@ impl GptStep {
         };
         let tied = w.head.is_none();
         let wte_first = tied.then(|| lay.push(&w.wte, true));
-        let (h_out, kv_out) = (n_head * (c / n_head), n_kv_head * (c / n_head));
+        let (h_out, kv_out) = (n_head * hd, n_kv_head * hd);
         let up_col = if swiglu { hidden } else { 0 };
         let mut mats: Vec<([usize; 4], [Option<LoraIdx>; 7])> = Vec::new();
         for l in &w.layers {
@@ -943,6 +955,7 @@ impl GptStep {
             n_head,
             n_kv_head,
             hd,
+            att_c,
             qkv_out: (n_head + 2 * n_kv_head) * hd,
             rms: w.rms,
             swiglu,
@@ -1641,7 +1654,8 @@ impl GptStep {
         let ln1_o = per_if(nc, &keep_ln1);
         let qkv_o = per_if(n * self.qkv_out, &attn_layers);
         let prob_o = per_if(probs, &attn_layers);
-        let atty_o = per_if(nc, &attn_layers);
+        let nac = n * self.att_c;
+        let atty_o = per_if(nac, &attn_layers);
         let mid_o = per_if(nc, &mlp_layers);
         let ln2_o = per_if(nc, &keep_ln2);
         // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
@@ -1653,7 +1667,8 @@ impl GptStep {
         let head_rows = self.head_rows(n);
         let logits = take(head_rows * self.vpad);
         let tmp = take(nc);
-        let da = take(nc);
+        // (d atty [N, n_head·head_dim], and the other [N, C] gradients)
+        let da = take(nc.max(nac));
         let dres = take(nc);
         let dh = take(n * up_out);
         let dact = take(if self.swiglu { n * f } else { 0 });
@@ -1700,7 +1715,7 @@ impl GptStep {
         let f_scratch = f_lse_att + l * align(bht);
         let f_stats = f_scratch
             + if self.flash {
-                align(nc) + align(bht)
+                align(nac) + align(bht)
             } else {
                 0
             };
@@ -2387,7 +2402,8 @@ impl GptStep {
     /// "full" recompute).
     fn mlp_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
-        self.lin_fwd(a.atty[l], self.wl(li.o_w)?, a.tmp, Lin::new(n, c, c, c))?;
+        let o = Lin::new(n, self.att_c, c, c);
+        self.lin_fwd(a.atty[l], self.wl(li.o_w)?, a.tmp, o)?;
         self.lora_fwd(a, l, li, G_O, a.atty[l], a.tmp, c)?;
         let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
         let y = (
@@ -2619,7 +2635,7 @@ impl GptStep {
                 self.attn_half_fwd(a, l, li)?;
             }
             // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
-            let o = Lin::new(n, c, c, c);
+            let o = Lin::new(n, self.att_c, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_attention_out(l))?;
             self.proj_grads(
                 (a.atty[l], dy, dy_buf),
@@ -2689,7 +2705,7 @@ impl GptStep {
     /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.
     fn attn_fwd(&self, a: &Lay, l: usize) -> Result<()> {
         let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
-        let hd = c / h;
+        let hd = self.hd;
         let nc = b * t * c;
         let bh = b * h;
         let scale = self.att_scale;
@@ -2766,8 +2782,9 @@ impl GptStep {
     /// The attention backward of layer `l`: `da` (d atty) → `dqkv`.
     fn attn_bwd(&self, a: &Lay, l: usize) -> Result<()> {
         let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
-        let hd = c / h;
-        let nc = b * t * c;
+        let hd = self.hd;
+        // (the dq accumulator at the scratch's start holds [B·T, n_head·head_dim])
+        let nc = b * t * self.att_c;
         let bh = b * h;
         let scale = self.att_scale;
         if self.flash {
