@@ -366,9 +366,12 @@ fn snapshot_training_scu_off() {
 #[test]
 fn snapshot_training_recent_window_raw_loss() {
     let mut app = training_app(canned_run(1200, true), &gpu_updates(60));
-    assert_eq!(app.on_key(key('s')), None);
+    // the smoothing key cycles 0.6 → 0.9 → 0.98 → raw
+    for _ in 0..3 {
+        assert_eq!(app.on_key(key('s')), None);
+    }
     assert_eq!(app.on_key(key('w')), None);
-    assert!(!app.ui().smoothing);
+    assert_eq!(app.ui().smoothing, 0);
     assert!(app.ui().recent);
     insta::assert_snapshot!("training_recent_raw_120x40", render(&app, 120, 40));
 }
@@ -624,9 +627,9 @@ fn every_default_key_maps_to_its_command() {
     app.on_event(Event::Resumed { step: 11 });
     assert_eq!(app.status(), RunStatus::Running);
 
-    assert!(app.ui().smoothing);
+    assert_eq!(app.ui().smoothing, 1, "smoothed at 0.6 to begin with");
     assert_eq!(app.on_key(key('s')), None);
-    assert!(!app.ui().smoothing);
+    assert_eq!(app.ui().smoothing, 2);
     assert_eq!(app.on_key(key('w')), None);
     assert!(app.ui().recent);
     assert_eq!(app.on_key(code(KeyCode::Tab)), None);
@@ -1082,7 +1085,9 @@ fn run_history_memory_is_flat_over_a_million_steps() {
     }
     let series = &app.run().series;
     assert!(series.train_loss.full().len() <= 257);
-    assert!(series.train_loss_ema.full().len() <= 257);
+    for smoothed in &series.train_loss_smooth {
+        assert!(smoothed.full().len() <= 257);
+    }
     assert_eq!(series.train_loss.last(), Some((1e6, shape(1e6))));
     assert_eq!(series.train_loss.first(), Some((1.0, shape(1.0))));
 }

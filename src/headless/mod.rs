@@ -6,7 +6,9 @@ use crate::advisor::MonitorUpdate;
 use crate::engine::events::{
     Command, EvalStats, Event, EventRx, FinishReason, RunInfo, ScuStats, StepStats,
 };
-use crate::util::{gb, human_count, human_duration};
+use crate::tui::fmt;
+use crate::tui::state::Eta;
+use crate::util::{human_count, human_duration};
 use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -23,15 +25,22 @@ pub struct Progress {
     pub eval: Option<EvalStats>,
     pub scu: Option<ScuStats>,
     pub telemetry: Option<MonitorUpdate>,
+    /// The run is paused: no progress lines until it resumes.
+    pub paused: bool,
+    /// The time left, by the dashboard's formula.
+    pub eta: Eta,
 }
 
 impl Progress {
     pub fn observe(&mut self, ev: &Event) {
+        self.eta.observe(ev);
         match ev {
             Event::RunStarted(r) => self.run = Some(r.clone()),
             Event::Step(s) => self.step = Some(s.clone()),
             Event::Eval(e) => self.eval = Some(e.clone()),
             Event::Scu(s) => self.scu = Some(s.clone()),
+            Event::Paused { .. } => self.paused = true,
+            Event::Resumed { .. } | Event::Finished { .. } => self.paused = false,
             _ => {}
         }
     }
@@ -52,13 +61,9 @@ impl Progress {
         }
         parts.push(format!("lr {:.1e}", s.lr));
         parts.push(format!("{} tok/s", human_count(s.tokens_per_sec)));
-        let start = self.run.as_ref().map(|r| r.start_step).unwrap_or(0);
-        let done = s.step.saturating_sub(start).max(1) as f64;
-        let rate = s.elapsed_s / done;
-        parts.push(format!(
-            "ETA {}",
-            human_duration(rate * max.saturating_sub(s.step) as f64)
-        ));
+        if let Some(eta) = self.eta.eta_s(s.step, max) {
+            parts.push(format!("ETA {}", fmt::duration(eta)));
+        }
         if s.ranks.len() > 1 {
             let ms: Vec<String> = s
                 .ranks
@@ -84,10 +89,9 @@ impl Progress {
         if let Some(t) = &self.telemetry {
             for g in &t.snapshot.gpus {
                 let mut gpu = format!(
-                    "GPU{} {}/{}GB ({:.0}%)",
+                    "GPU{} {} ({:.0}%)",
                     g.index,
-                    gb(g.mem_used_bytes),
-                    gb(g.mem_total_bytes),
+                    fmt::bytes_of(g.mem_used_bytes, g.mem_total_bytes),
                     g.mem_used_frac() * 100.0
                 );
                 if let Some(u) = g.util_gpu {
@@ -162,8 +166,8 @@ pub fn event_line(ev: &Event) -> Option<String> {
             bytes,
             ms,
         } => format!(
-            "ckpt  step {step} | {path} ({:.1} MB, {ms:.0} ms)",
-            *bytes as f64 / 1e6
+            "ckpt  step {step} | {path} ({}, {ms:.0} ms)",
+            fmt::bytes(*bytes)
         ),
         Event::CommandApplied { step, detail, .. } => format!("cmd   step {step} | {detail}"),
         Event::CommandRejected {
@@ -188,9 +192,12 @@ pub fn event_line(ev: &Event) -> Option<String> {
                 human_duration(*elapsed_s)
             )
         }
-        Event::Paused { .. } | Event::Resumed { .. } | Event::Step(_) | Event::Scu(_) => {
-            return None
+        Event::Paused { step } => {
+            format!("pause step {step} | paused: no progress lines until the run resumes")
         }
+        // the run loop adds how long the pause lasted
+        Event::Resumed { step } => format!("resume step {step} | resumed"),
+        Event::Step(_) | Event::Scu(_) => return None,
     })
 }
 
@@ -281,6 +288,7 @@ pub fn run(
     let mut interrupted = false;
     let mut printed_step = 0;
     let mut advice = AdviceLines::default();
+    let mut paused_at: Option<Instant> = None;
     loop {
         if signals.terminate.load(Ordering::SeqCst) && !interrupted {
             interrupted = true;
@@ -313,7 +321,27 @@ pub fn run(
             Ok(ev) => {
                 p.observe(&ev);
                 if let Some(l) = event_line(&ev) {
-                    let _ = writeln!(out, "{l}");
+                    match (&ev, paused_at) {
+                        (Event::Resumed { .. }, Some(at)) => {
+                            let _ = writeln!(
+                                out,
+                                "{l} after {}",
+                                fmt::clock(at.elapsed().as_secs_f64())
+                            );
+                        }
+                        _ => {
+                            let _ = writeln!(out, "{l}");
+                        }
+                    }
+                }
+                match &ev {
+                    Event::Paused { .. } => paused_at = paused_at.or(Some(Instant::now())),
+                    Event::Resumed { .. } => {
+                        paused_at = None;
+                        // the next progress line comes a full interval after the resume
+                        last_line = Instant::now();
+                    }
+                    _ => {}
                 }
                 if let Event::Finished { reason, .. } = ev {
                     if let Some(l) = p
@@ -336,7 +364,7 @@ pub fn run(
                 }
             }
         }
-        if last_line.elapsed() >= log_every {
+        if last_line.elapsed() >= log_every && !p.paused {
             if let Some(l) = p.line() {
                 printed_step = p.step.as_ref().map(|s| s.step).unwrap_or(0);
                 let _ = writeln!(out, "{l}");

@@ -42,12 +42,12 @@ impl SnapshotSink for ToAdvisor {
 pub struct PipelineFeed(Sender<Input>);
 
 impl PipelineFeed {
-    /// Pass one engine event on (`RunStarted`, `Step` and `Finished` are used; other events
-    /// are ignored). A stopped pipeline drops it.
+    /// Pass one engine event on (`RunStarted`, `Step`, `Scu` and `Finished` are used; other
+    /// events are ignored). A stopped pipeline drops it.
     pub fn feed(&self, event: &Event) {
         if matches!(
             event,
-            Event::RunStarted(_) | Event::Step(_) | Event::Finished { .. }
+            Event::RunStarted(_) | Event::Step(_) | Event::Scu(_) | Event::Finished { .. }
         ) {
             let _ = self.0.send(Input::Event(Box::new(event.clone())));
         }

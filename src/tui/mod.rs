@@ -17,7 +17,7 @@ pub mod term;
 pub mod theme;
 pub mod views;
 
-pub use app::{Action, App, Mode, QuitChoice, RunStatus, TuiExit, MIN_SETPOINT};
+pub use app::{Action, App, Mode, QuitChoice, RunStatus, TuiExit, Viewer, MIN_SETPOINT};
 pub use keymap::{KeyAction, KeyBinding, Keymap, KeymapError};
 pub use theme::{ColorSupport, Rgb, Theme, ThemeError};
 

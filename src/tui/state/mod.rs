@@ -2,6 +2,7 @@
 //! the views. Nothing here draws or reads a clock.
 
 pub mod commands;
+pub mod eta;
 pub mod history;
 pub mod log;
 pub mod run;
@@ -10,5 +11,6 @@ pub mod telemetry;
 pub use commands::{CommandKind, CommandState, CommandStatus};
 pub use history::{Ema, History, RecentSeries, Ring, ThinnedSeries};
 pub use log::{EventLog, LogEntry, LogLevel};
-pub use run::{ChartSeries, Finished, HistorySizes, RunState};
-pub use telemetry::{GpuState, ProcessRow, TelemetryState};
+pub use eta::Eta;
+pub use run::{ChartSeries, Finished, HistorySizes, MarkKind, RunState, SMOOTHING_LEVELS};
+pub use telemetry::{GpuPoint, GpuState, ProcessRow, TelemetryState};

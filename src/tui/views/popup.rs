@@ -117,11 +117,20 @@ impl Widget for HelpView<'_> {
                 format!("quit popup: Enter/s save{discard} · Esc cancel"),
                 t.muted(),
             )));
+            let marks = crate::tui::state::MarkKind::ALL
+                .iter()
+                .map(|m| format!("{} {}", m.glyph(), m.name()))
+                .collect::<Vec<_>>()
+                .join(" · ");
+            lines.push(Line::from(Span::styled(
+                format!("chart marks: {marks}"),
+                t.muted(),
+            )));
         } else {
             lines.push(entry("Ctrl+C".into(), "quit"));
         }
         let height = lines.len() as u16 + 2;
-        let popup = centered(area, 56, height);
+        let popup = centered(area, 66, height);
         Clear.render(popup, buf);
         Paragraph::new(lines)
             .block(panel(" keys · any key closes ", t, true))
