@@ -853,7 +853,7 @@ fn memory_climb(ctx: &Context<'_>) -> Vec<Candidate> {
         } else {
             Severity::Warn
         };
-        let mb = |b: f64| format!("{:.1} MB", b / 1e6);
+        let mb = |b: f64| format!("{:.1} MiB", b / f64::from(1u32 << 20));
         let until = match steps_left {
             Some(n) => format!(": ~{} steps until the machine is full", n),
             None => String::new(),
