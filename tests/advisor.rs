@@ -653,7 +653,8 @@ fn lambda_pinned_at_its_maximum_says_the_setpoint_is_out_of_reach() {
         .expect("λ at its clamp");
     assert_eq!(rec.severity, Severity::Warn);
     assert!(
-        rec.message.starts_with("λ at λ_max (10.0) for 160 steps: S* is out of reach"),
+        rec.message
+            .starts_with("λ at λ_max (10.0) for 160 steps: S* is out of reach"),
         "{}",
         rec.message
     );
@@ -663,7 +664,11 @@ fn lambda_pinned_at_its_maximum_says_the_setpoint_is_out_of_reach() {
     // λ at its minimum with Ŝ below S*: lower lambda_min or the setpoint.
     let recs = run_with(200, learning, |_| Some((1e-4, 0.004)));
     let rec = recs.iter().find(|r| r.id == ids::LAMBDA_CLAMPED).unwrap();
-    assert!(rec.message.starts_with("λ at λ_min (1.00e-4)"), "{}", rec.message);
+    assert!(
+        rec.message.starts_with("λ at λ_min (1.00e-4)"),
+        "{}",
+        rec.message
+    );
     assert_eq!(rec.key.as_deref(), Some("["));
 }
 
@@ -671,7 +676,10 @@ fn lambda_pinned_at_its_maximum_says_the_setpoint_is_out_of_reach() {
 fn a_controller_that_tracks_or_a_short_clamp_is_no_advice() {
     // λ held still with Ŝ on target (the dead band): fine.
     let recs = run_with(200, learning, |_| Some((0.5, 0.0101)));
-    assert!(!ids(&recs).contains(&ids::LAMBDA_CLAMPED.to_string()), "{recs:?}");
+    assert!(
+        !ids(&recs).contains(&ids::LAMBDA_CLAMPED.to_string()),
+        "{recs:?}"
+    );
     // at the clamp for 30 control steps only, then λ leaves it
     let recs = run_with(200, learning, |n| {
         Some(if (100..130).contains(&n) {
@@ -680,7 +688,10 @@ fn a_controller_that_tracks_or_a_short_clamp_is_no_advice() {
             (1.0 + n as f64 / 1000.0, 0.02)
         })
     });
-    assert!(!ids(&recs).contains(&ids::LAMBDA_CLAMPED.to_string()), "{recs:?}");
+    assert!(
+        !ids(&recs).contains(&ids::LAMBDA_CLAMPED.to_string()),
+        "{recs:?}"
+    );
 }
 
 #[test]
@@ -691,14 +702,18 @@ fn a_loss_that_does_not_come_down_is_stuck() {
         .find(|r| r.id == ids::LOSS_STUCK)
         .expect("stuck");
     assert!(
-        rec.message.starts_with("The loss has not come down in 299 steps"),
+        rec.message
+            .starts_with("The loss has not come down in 299 steps"),
         "{}",
         rec.message
     );
     assert!(rec.action.contains("learning rate"));
     // a run that learns is not stuck, however long it plateaus
     let recs = run_with(1000, learning, |_| None);
-    assert!(!ids(&recs).contains(&ids::LOSS_STUCK.to_string()), "{recs:?}");
+    assert!(
+        !ids(&recs).contains(&ids::LOSS_STUCK.to_string()),
+        "{recs:?}"
+    );
 }
 
 #[test]
@@ -720,14 +735,25 @@ fn a_climbing_or_non_finite_loss_is_diverging() {
         .find(|r| r.id == ids::LOSS_DIVERGING)
         .expect("diverging");
     assert_eq!(rec.severity, Severity::Critical);
-    assert!(rec.message.starts_with("The loss is diverging"), "{}", rec.message);
+    assert!(
+        rec.message.starts_with("The loss is diverging"),
+        "{}",
+        rec.message
+    );
     assert!(rec.action.contains("optim.lr"));
 
-    let recs = run_with(120, |n| if n > 100 { f64::NAN } else { learning(n) }, |_| None);
+    let recs = run_with(
+        120,
+        |n| if n > 100 { f64::NAN } else { learning(n) },
+        |_| None,
+    );
     let rec = recs.iter().find(|r| r.id == ids::LOSS_DIVERGING).unwrap();
     assert!(rec.message.contains("not finite"), "{}", rec.message);
 
     // noise around a plateau is not divergence
     let recs = run_with(600, |n| learning(n) + 0.05 * ((n % 5) as f64), |_| None);
-    assert!(!ids(&recs).contains(&ids::LOSS_DIVERGING.to_string()), "{recs:?}");
+    assert!(
+        !ids(&recs).contains(&ids::LOSS_DIVERGING.to_string()),
+        "{recs:?}"
+    );
 }

@@ -553,7 +553,7 @@ pub(crate) fn job_rules(ctx: &Context<'_>, out: &mut Vec<Candidate>) {
 fn lambda_clamped(ctx: &Context<'_>) -> Option<Candidate> {
     let control = ctx.window.control();
     let last = *control.back()?;
-    if !last.control || !(last.lambda > 0.0) || last.error == 0.0 {
+    if !last.control || last.lambda.is_nan() || last.lambda <= 0.0 || last.error == 0.0 {
         return None;
     }
     let same = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
@@ -659,7 +659,10 @@ fn loss_stuck(ctx: &Context<'_>) -> Option<Candidate> {
             ),
         )
         .evidence("loss_start", format!("{head:.3}"))
-        .evidence("loss_now", format!("{tail:.3} (mean of the last {tail_n} steps)"))
+        .evidence(
+            "loss_now",
+            format!("{tail:.3} (mean of the last {tail_n} steps)"),
+        )
         .evidence("drop", share(drop.max(0.0)))
         .action(
             "Check the learning rate (too low learns nothing, too high cannot settle) and its \
@@ -676,7 +679,12 @@ fn loss_diverging(ctx: &Context<'_>) -> Option<Candidate> {
     let opts = ctx.opts;
     let action = "Lower optim.lr (or lengthen the warm-up) and keep gradient clipping on; \
                   resume from a checkpoint from before the climb with --resume.";
-    let recent_bad = losses.iter().rev().take(5).filter(|(_, l)| !l.is_finite()).count();
+    let recent_bad = losses
+        .iter()
+        .rev()
+        .take(5)
+        .filter(|(_, l)| !l.is_finite())
+        .count();
     if losses.len() >= 5 && recent_bad == 5 {
         let (step, _) = *losses.back()?;
         return Some(

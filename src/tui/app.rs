@@ -451,7 +451,8 @@ impl App {
                 };
                 self.run.paused = false;
                 self.run.paused_since = None;
-                self.commands.confirm(CommandKind::PauseResume, step, "resumed");
+                self.commands
+                    .confirm(CommandKind::PauseResume, step, "resumed");
                 self.log.push(Some(step), LogLevel::Info, text);
             }
             Event::Warning { step, message } => {
@@ -742,6 +743,11 @@ impl App {
             | KeyAction::SetpointDown
             | KeyAction::Checkpoint
             | KeyAction::Pause => {
+                if let Some(source) = &self.source {
+                    let text = format!("{source}: nothing to steer (q leaves)");
+                    self.notice(LogLevel::Info, text);
+                    return None;
+                }
                 if !self.accepts_commands() {
                     let why = match self.status() {
                         RunStatus::Finished(_) => "the run has finished",

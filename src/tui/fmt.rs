@@ -163,9 +163,9 @@ pub fn ago(seconds: f64, _step: f64) -> String {
     match s {
         0 => "now".into(),
         1..60 => format!("-{s}s"),
-        60..3600 if s % 60 == 0 => format!("-{}m", s / 60),
+        60..3600 if s.is_multiple_of(60) => format!("-{}m", s / 60),
         60..3600 => format!("-{}m{:02}s", s / 60, s % 60),
-        _ if s % 3600 == 0 => format!("-{}h", s / 3600),
+        _ if s.is_multiple_of(3600) => format!("-{}h", s / 3600),
         _ => format!("-{}h{:02}m", s / 3600, (s % 3600) / 60),
     }
 }

@@ -9,8 +9,8 @@ pub mod run;
 pub mod telemetry;
 
 pub use commands::{CommandKind, CommandState, CommandStatus};
+pub use eta::Eta;
 pub use history::{Ema, History, RecentSeries, Ring, ThinnedSeries};
 pub use log::{EventLog, LogEntry, LogLevel};
-pub use eta::Eta;
 pub use run::{ChartSeries, Finished, HistorySizes, MarkKind, RunState, SMOOTHING_LEVELS};
 pub use telemetry::{GpuPoint, GpuState, ProcessRow, TelemetryState};

@@ -2,7 +2,9 @@
 
 use super::eta::Eta;
 use super::history::{Ema, History, Ring};
-use crate::engine::events::{Command, Event, EvalStats, FinishReason, RunInfo, ScuStats, StepStats};
+use crate::engine::events::{
+    Command, EvalStats, Event, FinishReason, RunInfo, ScuStats, StepStats,
+};
 use std::collections::VecDeque;
 
 /// The loss smoothing levels the smoothing key cycles through: the weight of the past in a

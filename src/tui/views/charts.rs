@@ -25,7 +25,12 @@ fn last_y(h: &History) -> Option<f64> {
 }
 
 /// "━ name value " in a series colour, for chart titles.
-fn legend(name: &str, value: Option<f64>, style: Style, format: fn(f64) -> String) -> Vec<Span<'static>> {
+fn legend(
+    name: &str,
+    value: Option<f64>,
+    style: Style,
+    format: fn(f64) -> String,
+) -> Vec<Span<'static>> {
     let value = value.map_or("--".to_string(), format);
     let text = if name.is_empty() {
         format!("━ {value} ")
@@ -122,7 +127,10 @@ impl Widget for LossChartView<'_> {
         } else {
             let mut part = legend("train", last_y(smoothed), train, fmt::value);
             part.push(Span::styled(
-                format!("(raw {}) ", last_y(&s.train_loss).map_or("--".into(), fmt::value)),
+                format!(
+                    "(raw {}) ",
+                    last_y(&s.train_loss).map_or("--".into(), fmt::value)
+                ),
                 t.muted(),
             ));
             title_parts.push(part);
@@ -166,15 +174,19 @@ impl Widget for LossChartView<'_> {
             style: val,
             glyph: '●',
         });
+        // the window first (`w` must show), then the smoothing (`s`)
+        if self.recent {
+            title_parts.push(vec![Span::styled(
+                format!("· {} ", window_label(run, true)),
+                t.muted(),
+            )]);
+        }
         let smoothing = if level == 0 {
             "raw".to_string()
         } else {
-            format!("smoothing {beta}")
+            format!("ema {beta}")
         };
-        title_parts.push(vec![Span::styled(
-            format!("· {smoothing} · {} ", window_label(run, self.recent)),
-            t.muted(),
-        )]);
+        title_parts.push(vec![Span::styled(format!("· {smoothing} "), t.muted())]);
         Plot {
             bordered: true,
             title: title_parts,
@@ -368,7 +380,10 @@ impl Widget for OptimChartsView<'_> {
             let style = Style::new().fg(color);
             Plot {
                 bordered: true,
-                title: vec![title(name, t), legend("", last_y(history), style, fmt::value)],
+                title: vec![
+                    title(name, t),
+                    legend("", last_y(history), style, fmt::value),
+                ],
                 traces: vec![Trace::Line {
                     points: visible(history, x_range, self.recent),
                     style,

@@ -123,10 +123,7 @@ impl FooterView<'_> {
         if let (Mode::Training, Viewer::Attached { allow_stop: true }) = (self.mode, self.viewer) {
             hints.push(("Q".to_string(), "stop"));
         }
-        let steerable = matches!(
-            self.status,
-            RunStatus::Running | RunStatus::Paused
-        );
+        let steerable = matches!(self.status, RunStatus::Running | RunStatus::Paused);
         if self.mode == Mode::Training && steerable {
             hints.push((
                 k(KeyAction::Pause),

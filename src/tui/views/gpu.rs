@@ -93,7 +93,12 @@ impl TimeChart<'_> {
             .iter()
             .zip(values)
             .filter(|(_, v)| v.is_finite())
-            .map(|(&at, v)| (at as f64 / 1000.0 - last as f64 / 1000.0, v.clamp(0.0, 100.0)))
+            .map(|(&at, v)| {
+                (
+                    at as f64 / 1000.0 - last as f64 / 1000.0,
+                    v.clamp(0.0, 100.0),
+                )
+            })
             .collect()
     }
 }
@@ -361,9 +366,7 @@ impl Widget for HostPanelView<'_> {
         }
         .render(rows[2], buf);
         let times: Vec<u64> = self.telemetry.host_times.iter().collect();
-        let series = |ring: &Ring<u64>| {
-            TimeChart::points(&times, ring.iter().map(|v| v as f64))
-        };
+        let series = |ring: &Ring<u64>| TimeChart::points(&times, ring.iter().map(|v| v as f64));
         TimeChart {
             series: vec![
                 TimeSeries {

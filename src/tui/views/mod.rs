@@ -233,7 +233,8 @@ pub fn elide_spans<'a>(spans: Vec<Span<'a>>, width: usize) -> Vec<Span<'a>> {
 
 /// One line of at most `width` columns from segments in order of importance: whole segments
 /// while they fit; the first that does not is elided with "…" when at least `min_part`
-/// columns are left for it (else dropped), and nothing after it is shown.
+/// columns are left for it, else stands as a lone "…" (a value is never shown cut), and
+/// nothing after it is shown.
 pub fn fit<'a>(segments: Vec<Vec<Span<'a>>>, width: usize, min_part: usize) -> Line<'a> {
     let mut spans: Vec<Span<'a>> = Vec::new();
     let mut used = 0usize;
@@ -247,6 +248,9 @@ pub fn fit<'a>(segments: Vec<Vec<Span<'a>>>, width: usize, min_part: usize) -> L
         let left = width - used;
         if left >= min_part.max(2) {
             spans.extend(elide_spans(segment, left));
+        } else if left >= 1 {
+            let style = segment.first().map(|s| s.style).unwrap_or_default();
+            spans.push(Span::styled("…", style));
         }
         break;
     }

@@ -72,7 +72,8 @@ pub enum XScale {
 
 /// A bordered plot. See the [module docs](self).
 pub struct Plot<'a> {
-    /// Title segments in order of importance, fitted to the panel width (see [`fit`]).
+    /// Title segments in order of importance, fitted to the panel width: each whole, or
+    /// a "…" for those that do not fit (see [`fit`]).
     pub title: Vec<Vec<Span<'a>>>,
     /// In a bordered panel with the title on its top border; else the title takes the first
     /// row.
@@ -404,7 +405,8 @@ impl Widget for Plot<'_> {
         let t = self.theme;
         let border = if self.bordered { 2 } else { 0 };
         let title_width = usize::from(area.width.saturating_sub(border));
-        let title = fit(std::mem::take(&mut self.title), title_width, 4);
+        // each title segment whole, or a lone "…" where the rest would go
+        let title = fit(std::mem::take(&mut self.title), title_width, usize::MAX);
         let plot = self;
         let inner = if plot.bordered {
             let block = panel(title, t, false);
@@ -513,9 +515,15 @@ impl Widget for Plot<'_> {
                 nice_step(x1 - x0, max_x_ticks).max(1.0).round(),
                 1.0,
             ),
-            XScale::Seconds => pick_ticks(x0, x1, max_x_ticks, time_step(x1 - x0, max_x_ticks), 1.0),
+            XScale::Seconds => {
+                pick_ticks(x0, x1, max_x_ticks, time_step(x1 - x0, max_x_ticks), 1.0)
+            }
         };
-        let x_ticks = if x_ticks.is_empty() { vec![x0, x1] } else { x_ticks };
+        let x_ticks = if x_ticks.is_empty() {
+            vec![x0, x1]
+        } else {
+            x_ticks
+        };
         // the title goes in the corner left of the axis when it fits, else at the right end
         let title_w = text_width(plot.x_title) as u16;
         let corner = title_w > 0 && title_w <= label_w;

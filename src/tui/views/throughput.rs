@@ -117,9 +117,12 @@ impl Widget for ThroughputView<'_> {
             .last_n(usize::from(spark_area.width))
             .collect();
         data.reverse();
+        // the tallest bar at four fifths of the row: a steady rate reads as steady, not full
+        let top = data.iter().copied().max().unwrap_or(0);
         Sparkline::default()
             .direction(RenderDirection::RightToLeft)
             .data(&data)
+            .max(top + top / 4)
             .style(Style::new().fg(t.colors().accent))
             .render(spark_area, buf);
         if inner.height < 2 {
@@ -134,7 +137,10 @@ impl Widget for ThroughputView<'_> {
         )];
         for p in &parts {
             legend.push(Span::styled("■", self.part_style(p.name)));
-            legend.push(Span::styled(format!("{} {:.0} ", p.name, p.ms), value_style));
+            legend.push(Span::styled(
+                format!("{} {:.0} ", p.name, p.ms),
+                value_style,
+            ));
         }
         let legend_row = Rect {
             y: inner.y + 1,
