@@ -376,8 +376,175 @@ pub fn run(
 
 #[cfg(test)]
 mod tests {
-    use super::AdviceLines;
-    use crate::advisor::{Recommendation, Severity};
+    use super::{AdviceLines, Output, SignalFlags};
+    use crate::advisor::{MonitorUpdate, Recommendation, Severity};
+    use crate::engine::events::{self, Event, FinishReason, RunInfo, StepStats};
+    use crate::telemetry::{GpuSample, Snapshot};
+    use std::time::Duration;
+
+    fn run_info() -> RunInfo {
+        RunInfo {
+            run_name: "t".into(),
+            run_dir: "runs/t".into(),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            dtype_reason: "cpu".into(),
+            params_total: 1,
+            params_trainable: 1,
+            start_step: 0,
+            max_steps: 100,
+            micro_batch: 1,
+            accum: 1,
+            seq_len: 8,
+            vocab_size: 16,
+            train_tokens: 1000,
+            entropy_floor_bpt: None,
+            flops_per_token: 1.0,
+            peak_flops: None,
+            scu_enabled: false,
+            scu_target: 0.01,
+            summary: String::new(),
+        }
+    }
+
+    fn step(step: u64) -> Event {
+        Event::Step(StepStats {
+            step,
+            loss: 2.0,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens_per_sec: 1000.0,
+            step_ms: 500.0,
+            data_wait_ms: 0.0,
+            compute_ms: 500.0,
+            optim_ms: 0.0,
+            micro_batch: 1,
+            accum: 1,
+            tokens: step * 8,
+            epoch: 0.0,
+            elapsed_s: step as f64 * 0.5,
+            memory_bytes: None,
+            host_rss_bytes: None,
+            dropped_before: 0,
+            comm_ms: 0.0,
+            ranks: vec![],
+            kernels: vec![],
+        })
+    }
+
+    /// The headless output for these events, with a progress line after every event.
+    fn output(evs: Vec<Event>, telemetry: Option<MonitorUpdate>) -> String {
+        let (tx, rx) = events::channel(1000);
+        for ev in evs {
+            tx.send(ev);
+        }
+        let (cmd_tx, _cmd_rx) = std::sync::mpsc::channel();
+        let (tel_tx, tel_rx) = std::sync::mpsc::channel();
+        if let Some(u) = telemetry {
+            let _ = tel_tx.send(u);
+        }
+        let mut out = Vec::new();
+        super::run(
+            rx,
+            cmd_tx,
+            Some(tel_rx),
+            &SignalFlags::default(),
+            Duration::ZERO,
+            Output {
+                out: &mut out,
+                hangup_log: None,
+                run: None,
+            },
+        );
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_pause_prints_paused_and_resumed_instead_of_progress() {
+        let text = output(
+            vec![
+                Event::RunStarted(run_info()),
+                step(1),
+                step(2),
+                Event::Paused { step: 2 },
+                Event::Warning {
+                    step: 2,
+                    message: "while paused".into(),
+                },
+                Event::Resumed { step: 2 },
+                step(3),
+                Event::Finished {
+                    step: 3,
+                    reason: FinishReason::Completed,
+                    message: String::new(),
+                    elapsed_s: 2.0,
+                },
+            ],
+            None,
+        );
+        let lines: Vec<&str> = text.lines().collect();
+        let paused = lines
+            .iter()
+            .position(|l| l.starts_with("pause step 2 | paused"));
+        let resumed = lines
+            .iter()
+            .position(|l| l.starts_with("resume step 2 | resumed after 0:0"));
+        let (Some(paused), Some(resumed)) = (paused, resumed) else {
+            panic!("{text}");
+        };
+        assert!(
+            lines[paused + 1..resumed]
+                .iter()
+                .all(|l| !l.starts_with("step ")),
+            "no progress line while paused:\n{text}"
+        );
+        assert!(lines[..paused].iter().any(|l| l.starts_with("step 2/100")));
+        // the ETA by the dashboard's formula: 97 steps at 0.5 s (the paused interval left out)
+        assert!(
+            text.contains("step 3/100 | loss 2.000 | lr 1.0e-3 | 1.0k tok/s | ETA 49s"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn gpu_memory_and_checkpoints_are_in_binary_units() {
+        let gib = 1u64 << 30;
+        let update = MonitorUpdate {
+            snapshot: Snapshot {
+                timestamp_ms: 1,
+                gpus: vec![GpuSample {
+                    index: 0,
+                    mem_used_bytes: 8 * gib + gib / 5,
+                    mem_total_bytes: 16 * gib,
+                    util_gpu: Some(85),
+                    ..GpuSample::default()
+                }],
+                ..Snapshot::default()
+            },
+            advice: Vec::new(),
+        };
+        let text = output(
+            vec![
+                Event::RunStarted(run_info()),
+                step(1),
+                Event::CheckpointSaved {
+                    step: 1,
+                    path: "runs/t/checkpoints/step-00000001".into(),
+                    bytes: 3 * gib / 2,
+                    ms: 12.0,
+                },
+                Event::Finished {
+                    step: 1,
+                    reason: FinishReason::Completed,
+                    message: String::new(),
+                    elapsed_s: 1.0,
+                },
+            ],
+            Some(update),
+        );
+        assert!(text.contains("GPU0 8.2/16.0 GiB (51%) util 85%"), "{text}");
+        assert!(text.contains("(1.5 GiB, 12 ms)"), "{text}");
+    }
 
     fn rec(id: &str, severity: Severity) -> Recommendation {
         Recommendation {
