@@ -17,6 +17,9 @@ use std::time::{Duration, Instant};
 
 pub use crate::process::SignalFlags;
 
+#[cfg(test)]
+pub(crate) mod fixtures;
+
 /// What the progress line knows.
 #[derive(Default)]
 pub struct Progress {
@@ -376,60 +379,15 @@ pub fn run(
 
 #[cfg(test)]
 mod tests {
+    use super::fixtures::{run_info, step_stats};
     use super::{AdviceLines, Output, SignalFlags};
     use crate::advisor::{MonitorUpdate, Recommendation, Severity};
-    use crate::engine::events::{self, Event, FinishReason, RunInfo, StepStats};
+    use crate::engine::events::{self, Event, FinishReason};
     use crate::telemetry::{GpuSample, Snapshot};
     use std::time::Duration;
 
-    fn run_info() -> RunInfo {
-        RunInfo {
-            run_name: "t".into(),
-            run_dir: "runs/t".into(),
-            device: "cpu".into(),
-            dtype: "f32".into(),
-            dtype_reason: "cpu".into(),
-            params_total: 1,
-            params_trainable: 1,
-            start_step: 0,
-            max_steps: 100,
-            micro_batch: 1,
-            accum: 1,
-            seq_len: 8,
-            vocab_size: 16,
-            train_tokens: 1000,
-            entropy_floor_bpt: None,
-            flops_per_token: 1.0,
-            peak_flops: None,
-            scu_enabled: false,
-            scu_target: 0.01,
-            summary: String::new(),
-        }
-    }
-
     fn step(step: u64) -> Event {
-        Event::Step(StepStats {
-            step,
-            loss: 2.0,
-            lr: 1e-3,
-            grad_norm: 1.0,
-            tokens_per_sec: 1000.0,
-            step_ms: 500.0,
-            data_wait_ms: 0.0,
-            compute_ms: 500.0,
-            optim_ms: 0.0,
-            micro_batch: 1,
-            accum: 1,
-            tokens: step * 8,
-            epoch: 0.0,
-            elapsed_s: step as f64 * 0.5,
-            memory_bytes: None,
-            host_rss_bytes: None,
-            dropped_before: 0,
-            comm_ms: 0.0,
-            ranks: vec![],
-            kernels: vec![],
-        })
+        Event::Step(step_stats(step, step as f64 * 0.5, 500.0))
     }
 
     /// The headless output for these events, with a progress line after every event.

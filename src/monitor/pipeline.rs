@@ -219,26 +219,10 @@ mod tests {
 
     fn run(dtype: &str) -> Event {
         Event::RunStarted(RunInfo {
-            run_name: "r".into(),
-            run_dir: "runs/r".into(),
             device: "cuda:0".into(),
             dtype: dtype.into(),
-            dtype_reason: "configured".into(),
-            params_total: 1,
-            params_trainable: 1,
-            start_step: 0,
             max_steps: 10,
-            micro_batch: 1,
-            accum: 1,
-            seq_len: 8,
-            vocab_size: 8,
-            train_tokens: 80,
-            entropy_floor_bpt: None,
-            flops_per_token: 1.0,
-            peak_flops: None,
-            scu_enabled: false,
-            scu_target: 0.01,
-            summary: String::new(),
+            ..crate::headless::fixtures::run_info()
         })
     }
 

@@ -76,30 +76,10 @@ impl Eta {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::headless::fixtures::step_stats;
 
     fn step(step: u64, elapsed_s: f64) -> Event {
-        Event::Step(StepStats {
-            step,
-            loss: 1.0,
-            lr: 1e-3,
-            grad_norm: 1.0,
-            tokens_per_sec: 1000.0,
-            step_ms: 100.0,
-            data_wait_ms: 0.0,
-            compute_ms: 100.0,
-            optim_ms: 0.0,
-            micro_batch: 1,
-            accum: 1,
-            tokens: 0,
-            epoch: 0.0,
-            elapsed_s,
-            memory_bytes: None,
-            host_rss_bytes: None,
-            dropped_before: 0,
-            comm_ms: 0.0,
-            ranks: vec![],
-            kernels: vec![],
-        })
+        Event::Step(step_stats(step, elapsed_s, 100.0))
     }
 
     #[test]

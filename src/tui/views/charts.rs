@@ -2,7 +2,7 @@
 //! the best val, event marks), S-ratio with Ŝ and the setpoint, λ on a log scale, learning
 //! rate and gradient norm. Drawn by [`Plot`].
 
-use super::plot::{Mark, Plot, Trace, XScale, YScale};
+use super::plot::{Mark, Plot, Trace, YScale};
 use crate::tui::fmt;
 use crate::tui::state::{History, MarkKind, RunState, SMOOTHING_LEVELS};
 use crate::tui::theme::{Level, Theme};
@@ -188,19 +188,14 @@ impl Widget for LossChartView<'_> {
         };
         title_parts.push(vec![Span::styled(format!("· {smoothing} "), t.muted())]);
         Plot {
-            bordered: true,
-            title: title_parts,
-            traces,
-            x_range,
-            x_scale: XScale::Steps,
-            x_label: fmt::step_tick,
-            x_title: "step",
-            y_scale: YScale::Linear,
-            y_label: fmt::tick,
-            y_range: None,
             marks: marks(run, t),
-            empty_text: "waiting for the first step…",
-            theme: t,
+            ..Plot::over_steps(
+                title_parts,
+                traces,
+                x_range,
+                "waiting for the first step…",
+                t,
+            )
         }
         .render(area, buf);
     }
@@ -223,22 +218,7 @@ pub struct ScuChartView<'a> {
 
 /// An empty chart with a title and a message.
 fn empty_chart(name: &str, text: &str, theme: &Theme, area: Rect, buf: &mut Buffer) {
-    Plot {
-        bordered: true,
-        title: vec![title(name, theme)],
-        traces: Vec::new(),
-        x_range: None,
-        x_scale: XScale::Steps,
-        x_label: fmt::step_tick,
-        x_title: "step",
-        y_scale: YScale::Linear,
-        y_label: fmt::tick,
-        y_range: None,
-        marks: Vec::new(),
-        empty_text: text,
-        theme,
-    }
-    .render(area, buf);
+    Plot::over_steps(vec![title(name, theme)], Vec::new(), None, text, theme).render(area, buf);
 }
 
 impl Widget for ScuChartView<'_> {
@@ -289,67 +269,49 @@ impl Widget for ScuChartView<'_> {
         }
         // raw S faint, then Ŝ, then the setpoint on top: where they cross, the cells hold
         // the dots of both
+        let traces = vec![
+            Trace::Line {
+                points: visible(&s.s_ratio, x_range, self.recent),
+                style: t.muted(),
+                dashed: false,
+            },
+            Trace::Line {
+                points: visible(&s.s_hat, x_range, self.recent),
+                style: s_style,
+                dashed: false,
+            },
+            Trace::Line {
+                points: visible(&s.setpoint, x_range, self.recent),
+                style: setpoint_style,
+                dashed: true,
+            },
+        ];
         Plot {
-            bordered: true,
-            title: title_parts,
-            traces: vec![
-                Trace::Line {
-                    points: visible(&s.s_ratio, x_range, self.recent),
-                    style: t.muted(),
-                    dashed: false,
-                },
-                Trace::Line {
-                    points: visible(&s.s_hat, x_range, self.recent),
-                    style: s_style,
-                    dashed: false,
-                },
-                Trace::Line {
-                    points: visible(&s.setpoint, x_range, self.recent),
-                    style: setpoint_style,
-                    dashed: true,
-                },
-            ],
-            x_range,
-            x_scale: XScale::Steps,
-            x_label: fmt::step_tick,
-            x_title: "step",
-            y_scale: YScale::Linear,
             y_label: fmt::tick_pct,
-            y_range: None,
-            marks: Vec::new(),
-            empty_text: "waiting for SCU…",
-            theme: t,
+            ..Plot::over_steps(title_parts, traces, x_range, "waiting for SCU…", t)
         }
         .render(s_area, buf);
 
         let lambda_style = Style::new().fg(c.lambda);
+        let lambda_title = vec![
+            title("λ", t),
+            legend(
+                "",
+                last_y(&s.lambda_log10).map(|e| 10f64.powf(e)),
+                lambda_style,
+                fmt::value,
+            ),
+            vec![Span::styled("(log) ", t.muted())],
+        ];
+        let traces = vec![Trace::Line {
+            points: visible(&s.lambda_log10, x_range, self.recent),
+            style: lambda_style,
+            dashed: false,
+        }];
         Plot {
-            bordered: true,
-            title: vec![
-                title("λ", t),
-                legend(
-                    "",
-                    last_y(&s.lambda_log10).map(|e| 10f64.powf(e)),
-                    lambda_style,
-                    fmt::value,
-                ),
-                vec![Span::styled("(log) ", t.muted())],
-            ],
-            traces: vec![Trace::Line {
-                points: visible(&s.lambda_log10, x_range, self.recent),
-                style: lambda_style,
-                dashed: false,
-            }],
-            x_range,
-            x_scale: XScale::Steps,
-            x_label: fmt::step_tick,
-            x_title: "step",
             y_scale: YScale::Log10,
             y_label: |e, _| fmt::power_of_ten_short(e),
-            y_range: None,
-            marks: Vec::new(),
-            empty_text: "waiting for λ…",
-            theme: t,
+            ..Plot::over_steps(lambda_title, traces, x_range, "waiting for λ…", t)
         }
         .render(lambda_area, buf);
     }
@@ -378,29 +340,16 @@ impl Widget for OptimChartsView<'_> {
             ("grad-norm", &s.grad_norm, c.grad_norm, gn_area),
         ] {
             let style = Style::new().fg(color);
-            Plot {
-                bordered: true,
-                title: vec![
-                    title(name, t),
-                    legend("", last_y(history), style, fmt::value),
-                ],
-                traces: vec![Trace::Line {
-                    points: visible(history, x_range, self.recent),
-                    style,
-                    dashed: false,
-                }],
-                x_range,
-                x_scale: XScale::Steps,
-                x_label: fmt::step_tick,
-                x_title: "step",
-                y_scale: YScale::Linear,
-                y_label: fmt::tick,
-                y_range: None,
-                marks: Vec::new(),
-                empty_text: "waiting…",
-                theme: t,
-            }
-            .render(rect, buf);
+            let traces = vec![Trace::Line {
+                points: visible(history, x_range, self.recent),
+                style,
+                dashed: false,
+            }];
+            let name_and_value = vec![
+                title(name, t),
+                legend("", last_y(history), style, fmt::value),
+            ];
+            Plot::over_steps(name_and_value, traces, x_range, "waiting…", t).render(rect, buf);
         }
     }
 }

@@ -102,6 +102,34 @@ pub struct Plot<'a> {
     pub theme: &'a Theme,
 }
 
+impl<'a> Plot<'a> {
+    /// A bordered plot over training steps with a linear y axis, no fixed range and no
+    /// marks: set the fields that differ.
+    pub fn over_steps(
+        title: Vec<Vec<Span<'a>>>,
+        traces: Vec<Trace<'a>>,
+        x_range: Option<(f64, f64)>,
+        empty_text: &'a str,
+        theme: &'a Theme,
+    ) -> Plot<'a> {
+        Plot {
+            title,
+            bordered: true,
+            traces,
+            x_range,
+            x_scale: XScale::Steps,
+            x_label: crate::tui::fmt::step_tick,
+            x_title: "step",
+            y_scale: YScale::Linear,
+            y_label: crate::tui::fmt::tick,
+            y_range: None,
+            marks: Vec::new(),
+            empty_text,
+            theme,
+        }
+    }
+}
+
 /// A nice spacing for about `max_ticks` ticks over `span`: 1, 2, 2.5 or 5 × 10ⁿ.
 pub fn nice_step(span: f64, max_ticks: usize) -> f64 {
     let intervals = max_ticks.max(2) as f64 - 1.0;
