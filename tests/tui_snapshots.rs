@@ -2,7 +2,7 @@
 //! (insta snapshots), key → command mapping, the quit flow, pending commands, bounded chart
 //! history, themes and colour fallback.
 
-use cockpit::advisor::{MonitorUpdate, Recommendation, Severity};
+use cockpit::advisor::{MonitorUpdate, ProcessStat, Recommendation, Severity};
 use cockpit::engine::events::{
     Command, EvalStats, Event, FinishReason, RunInfo, ScuStats, StepStats,
 };
@@ -267,6 +267,12 @@ fn gpu_updates(n: u64) -> Vec<MonitorUpdate> {
                     gpu_notice: None,
                 },
                 advice: advice(),
+                // the host's view of the training process (the Xorg one is not ours to read)
+                processes: vec![ProcessStat {
+                    pid: 48213,
+                    cpu_pct: Some(97.0 + i as f64 % 3.0),
+                    rss_bytes: Some(3 * GIB + GIB / 5),
+                }],
             }
         })
         .collect()
@@ -285,6 +291,7 @@ fn no_gpu_updates(n: u64) -> Vec<MonitorUpdate> {
                 gpu_notice: Some("NVML not available: libnvidia-ml.so.1 not found".into()),
             },
             advice: Vec::new(),
+            processes: Vec::new(),
         })
         .collect()
 }
@@ -533,6 +540,7 @@ fn snapshot_monitor_many_gpus_follows_focus() {
                 gpu_notice: None,
             },
             advice: Vec::new(),
+            processes: Vec::new(),
         })
         .collect();
     let mut app = monitor_app(&updates);
@@ -1717,4 +1725,23 @@ fn gpu_memory_is_in_gib_everywhere() {
     let app = monitor_app(&gpu_updates(3));
     let screen = render(&app, 120, 40);
     assert!(screen.contains("RAM 12.0 GiB / 24.0 GiB") && screen.contains("70.0 GiB"));
+}
+
+#[test]
+fn gpu_processes_show_their_host_cpu_and_resident_memory() {
+    let app = monitor_app(&gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    let row = rows(&screen)
+        .into_iter()
+        .find(|r| r.contains("48213") && r.contains("70.0 GiB"))
+        .expect("the training process");
+    assert!(row.contains("99%") && row.contains("3.2 GiB"), "{row}");
+    let xorg = rows(&screen)
+        .into_iter()
+        .find(|r| r.contains("Xorg"))
+        .unwrap();
+    assert!(
+        xorg.contains("n/a        -      -"),
+        "unknown, said so: {xorg}"
+    );
 }

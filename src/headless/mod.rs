@@ -480,6 +480,7 @@ mod tests {
                 ..Snapshot::default()
             },
             advice: Vec::new(),
+            processes: Vec::new(),
         };
         let text = output(
             vec![

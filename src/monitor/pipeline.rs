@@ -5,6 +5,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryIter};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::procstat::ProcSampler;
 use crate::advisor::{Advisor, AdvisorOptions, MonitorUpdate};
 use crate::engine::events::Event;
 use crate::telemetry::{
@@ -143,6 +144,8 @@ pub fn spawn_pipeline_with(
     opts: &MonitorOptions,
     advisor: AdvisorOptions,
 ) -> Result<Pipeline, TelemetryError> {
+    // a replay's processes ran on another machine: /proc here knows nothing of them
+    let procs = opts.replay.is_none().then(ProcSampler::default);
     let (kind, notice, body) = match &opts.replay {
         Some(path) => replay_parts(path, opts.replay_speed)?,
         None => live_parts(&SamplerOptions {
@@ -154,7 +157,7 @@ pub fn spawn_pipeline_with(
     let (update_tx, update_rx) = mpsc::channel();
     let worker = std::thread::Builder::new()
         .name("advisor".to_string())
-        .spawn(move || advise(Advisor::new(advisor), &input_rx, &update_tx))
+        .spawn(move || advise(Advisor::new(advisor), &input_rx, &update_tx, procs))
         .map_err(|source| TelemetryError::Spawn {
             name: "advisor",
             source,
@@ -175,15 +178,26 @@ pub fn spawn_pipeline_with(
     })
 }
 
-/// The advisor thread: judge each snapshot and pass the update on.
-fn advise(mut advisor: Advisor, input: &Receiver<Input>, updates: &Sender<MonitorUpdate>) {
+/// The advisor thread: judge each snapshot and pass the update on, with the host's view of
+/// the GPU processes when `procs` samples them.
+fn advise(
+    mut advisor: Advisor,
+    input: &Receiver<Input>,
+    updates: &Sender<MonitorUpdate>,
+    mut procs: Option<ProcSampler>,
+) {
     while let Ok(item) = input.recv() {
         match item {
             Input::Snapshot(snapshot) => {
                 advisor.observe_snapshot(&snapshot);
+                let processes = procs
+                    .as_mut()
+                    .map(|p| p.sample(&snapshot))
+                    .unwrap_or_default();
                 let update = MonitorUpdate {
                     snapshot,
                     advice: advisor.recommendations(),
+                    processes,
                 };
                 if updates.send(update).is_err() {
                     return;
@@ -248,6 +262,7 @@ mod tests {
             Advisor::new(AdvisorOptions::instant()),
             &input_rx,
             &update_tx,
+            None,
         );
         let fp32: Vec<bool> = update_rx
             .try_iter()

@@ -1,7 +1,7 @@
 //! GPU/host telemetry and advice, updated from [`MonitorUpdate`]s.
 
 use super::history::Ring;
-use crate::advisor::{MonitorUpdate, Recommendation};
+use crate::advisor::{MonitorUpdate, ProcessStat, Recommendation};
 use crate::telemetry::{GpuProcess, GpuSample, HostSample};
 
 /// Samples kept per sparkline.
@@ -76,6 +76,8 @@ pub struct ProcessRow {
     pub gpu: u32,
     /// The process.
     pub process: GpuProcess,
+    /// Its host CPU (% of a core) and resident memory, when the host could tell.
+    pub host: Option<ProcessStat>,
 }
 
 /// Telemetry as the panels show it.
@@ -97,6 +99,8 @@ pub struct TelemetryState {
     pub advice: Vec<Recommendation>,
     /// Updates received.
     pub updates: u64,
+    /// Host CPU and memory of the GPU processes (from the latest update).
+    pub process_stats: Vec<ProcessStat>,
 }
 
 impl Default for TelemetryState {
@@ -110,6 +114,7 @@ impl Default for TelemetryState {
             gpu_notice: None,
             advice: Vec::new(),
             updates: 0,
+            process_stats: Vec::new(),
         }
     }
 }
@@ -148,6 +153,7 @@ impl TelemetryState {
         // most severe first; stable, so the advisor's order is kept within a severity
         advice.sort_by_key(|a| std::cmp::Reverse(a.severity));
         self.advice = advice;
+        self.process_stats.clone_from(&update.processes);
         self.updates += 1;
     }
 
@@ -160,6 +166,7 @@ impl TelemetryState {
                 g.sample.processes.iter().map(|p| ProcessRow {
                     gpu: g.sample.index,
                     process: p.clone(),
+                    host: self.process_stats.iter().find(|s| s.pid == p.pid).cloned(),
                 })
             })
             .collect();
