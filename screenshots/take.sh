@@ -10,15 +10,19 @@
 # font-drawn full blocks leave a thin gap between rows).
 #
 # Needs (Debian/Ubuntu): apt-get install xvfb xdotool imagemagick fonts-dejavu-core and
-# sakura (or xterm). Uses $COCKPIT if set, else builds target/release/cockpit. Run from
-# anywhere; writes the PNGs to $OUT (default: this folder).
+# sakura (or xterm). Uses $COCKPIT if set, else builds target/release/cockpit (any build of
+# the current tree will do: COCKPIT=target/debug/cockpit). Run from anywhere; writes the PNGs
+# to $OUT (default: this folder).
 #
 # Shots:
 #   train.png             `cockpit train` (the embedded default, real training) once the run's
 #                         metrics.jsonl reaches step $TRAIN_STEP (past the first eval at step 100),
 #                         or after $TRAIN_MAX_SECS, whichever comes first
 #   monitor.png           `cockpit monitor --replay tests/traces/hot_and_full.jsonl` after
-#                         $MONITOR_SECS: a recorded GPU trace, so the GPU panels have data
+#                         $MONITOR_SECS: a replay of a synthetic trace ("Synthetic GPU 80GB", a
+#                         hot, nearly full GPU), so the GPU panels have data on a machine without
+#                         one; the dashboard's header says REPLAY. A real GPU job recorded with
+#                         `cockpit monitor --record trace.jsonl` replays the same way.
 #   monitor-cpu-only.png  `cockpit monitor` live on this machine after $CPU_MONITOR_SECS
 set -euo pipefail
 

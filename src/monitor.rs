@@ -96,6 +96,7 @@
 //! pipeline as live sessions, so a trace reproduces the advice it was recorded with.
 
 mod pipeline;
+mod procstat;
 mod render;
 mod session;
 
@@ -254,6 +255,7 @@ fn run_once(opts: &MonitorOptions, out: &mut dyn Write) -> anyhow::Result<Monito
     let update = MonitorUpdate {
         snapshot,
         advice: advisor.recommendations(),
+        ..MonitorUpdate::default()
     };
     if opts.json {
         writeln!(out, "{}", update_json(&update)?)?;

@@ -562,7 +562,7 @@ fn a_host_memory_climb_is_flagged_with_the_steps_left() {
         .expect("memory_climb");
     assert!(
         r.message
-            .starts_with("Host memory (RSS) grows 6.5 MB/step: ~8"),
+            .starts_with("Host memory (RSS) grows 6.2 MiB/step: ~8"),
         "{}",
         r.message
     );
@@ -589,6 +589,171 @@ fn flat_memory_with_eval_spikes_and_the_warm_up_climb_is_not_a_leak() {
     );
     assert!(
         !ids(&recs).contains(&"memory_climb".to_string()),
+        "{recs:?}"
+    );
+}
+
+// ---- training signals: λ at a clamp, a stuck or diverging loss --------------------------------
+
+/// An advisor following a run on the CPU: `steps` steps with losses from `loss(step)` and, when
+/// `scu` gives one, an SCU control step each; a snapshot every 4 steps. The advice at the end.
+fn run_with(
+    steps: u64,
+    loss: impl Fn(u64) -> f64,
+    scu: impl Fn(u64) -> Option<(f64, f64)>,
+) -> Vec<Recommendation> {
+    use cockpit::engine::events::{Event, ScuStats};
+    let mut advisor = Advisor::new(options());
+    advisor.observe_run(&run_info("f32", "cpu (2 threads)"));
+    for n in 1..=steps {
+        let mut st = step(n, 100.0, 1.0);
+        st.loss = loss(n);
+        advisor.observe_event(&Event::Step(st));
+        if let Some((lambda, s_hat)) = scu(n) {
+            advisor.observe_event(&Event::Scu(ScuStats {
+                step: n,
+                ce_loss: 2.0,
+                reg_loss: 0.01,
+                total_loss: 2.01,
+                data_bpt: 3.0,
+                param_bpt: 0.03,
+                s_ratio: s_hat,
+                s_hat,
+                lambda,
+                integral: 0.0,
+                error: s_hat - 0.01,
+                target: 0.01,
+                control: true,
+            }));
+        }
+        if n % 4 == 0 {
+            advisor.observe_snapshot(&snapshot(n / 4, vec![]));
+        }
+    }
+    advisor.recommendations()
+}
+
+fn learning(n: u64) -> f64 {
+    2.0 + 3.0 * (-(n as f64) / 100.0).exp()
+}
+
+#[test]
+fn lambda_pinned_at_its_maximum_says_the_setpoint_is_out_of_reach() {
+    // λ climbs for 40 control steps, reaching 10 (its clamp) at step 40, and sits there with Ŝ at 1.9% over S* 1%.
+    let recs = run_with(200, learning, |n| {
+        Some(if n <= 40 {
+            (10f64.powf(n as f64 / 40.0), 0.03)
+        } else {
+            (10.0, 0.019)
+        })
+    });
+    let rec = recs
+        .iter()
+        .find(|r| r.id == ids::LAMBDA_CLAMPED)
+        .expect("λ at its clamp");
+    assert_eq!(rec.severity, Severity::Warn);
+    assert!(
+        rec.message
+            .starts_with("λ at λ_max (10.0) for 160 steps: S* is out of reach"),
+        "{}",
+        rec.message
+    );
+    assert!(rec.action.contains("scu.lambda_max") && rec.action.contains("setpoint"));
+    assert_eq!(rec.key.as_deref(), Some("]"));
+
+    // λ at its minimum with Ŝ below S*: lower lambda_min or the setpoint.
+    let recs = run_with(200, learning, |_| Some((1e-4, 0.004)));
+    let rec = recs.iter().find(|r| r.id == ids::LAMBDA_CLAMPED).unwrap();
+    assert!(
+        rec.message.starts_with("λ at λ_min (1.00e-4)"),
+        "{}",
+        rec.message
+    );
+    assert_eq!(rec.key.as_deref(), Some("["));
+}
+
+#[test]
+fn a_controller_that_tracks_or_a_short_clamp_is_no_advice() {
+    // λ held still with Ŝ on target (the dead band): fine.
+    let recs = run_with(200, learning, |_| Some((0.5, 0.0101)));
+    assert!(
+        !ids(&recs).contains(&ids::LAMBDA_CLAMPED.to_string()),
+        "{recs:?}"
+    );
+    // at the clamp for 30 control steps only, then λ leaves it
+    let recs = run_with(200, learning, |n| {
+        Some(if (100..130).contains(&n) {
+            (10.0, 0.02)
+        } else {
+            (1.0 + n as f64 / 1000.0, 0.02)
+        })
+    });
+    assert!(
+        !ids(&recs).contains(&ids::LAMBDA_CLAMPED.to_string()),
+        "{recs:?}"
+    );
+}
+
+#[test]
+fn a_loss_that_does_not_come_down_is_stuck() {
+    let recs = run_with(300, |n| 10.8 + 0.01 * ((n % 7) as f64), |_| None);
+    let rec = recs
+        .iter()
+        .find(|r| r.id == ids::LOSS_STUCK)
+        .expect("stuck");
+    assert!(
+        rec.message
+            .starts_with("The loss has not come down in 299 steps"),
+        "{}",
+        rec.message
+    );
+    assert!(rec.action.contains("learning rate"));
+    // a run that learns is not stuck, however long it plateaus
+    let recs = run_with(1000, learning, |_| None);
+    assert!(
+        !ids(&recs).contains(&ids::LOSS_STUCK.to_string()),
+        "{recs:?}"
+    );
+}
+
+#[test]
+fn a_climbing_or_non_finite_loss_is_diverging() {
+    // down to about 2.1 by step 300, then up to 4
+    let recs = run_with(
+        400,
+        |n| {
+            if n <= 300 {
+                learning(n)
+            } else {
+                learning(300) + (n - 300) as f64 * 0.02
+            }
+        },
+        |_| None,
+    );
+    let rec = recs
+        .iter()
+        .find(|r| r.id == ids::LOSS_DIVERGING)
+        .expect("diverging");
+    assert_eq!(rec.severity, Severity::Critical);
+    assert!(
+        rec.message.starts_with("The loss is diverging"),
+        "{}",
+        rec.message
+    );
+    assert!(rec.action.contains("optim.lr"));
+
+    let recs = run_with(
+        120,
+        |n| if n > 100 { f64::NAN } else { learning(n) },
+        |_| None,
+    );
+    let rec = recs.iter().find(|r| r.id == ids::LOSS_DIVERGING).unwrap();
+    assert!(rec.message.contains("not finite"), "{}", rec.message);
+
+    // noise around a plateau is not divergence
+    let recs = run_with(600, |n| learning(n) + 0.05 * ((n % 5) as f64), |_| None);
+    assert!(
+        !ids(&recs).contains(&ids::LOSS_DIVERGING.to_string()),
         "{recs:?}"
     );
 }

@@ -101,6 +101,28 @@ fn bad_set_overrides_exit_2_naming_the_argument() {
     }
 }
 
+/// `optim.micro_batch = "auto"` searches a GPU's memory; on the CPU it is a usage error
+/// that names the key, before any run dir exists.
+#[test]
+fn auto_micro_batch_on_the_cpu_exits_2_writing_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let out = cockpit()
+        .args(["train", "--no-tui", "--device", "cpu"])
+        .args(["--set", "optim.micro_batch=\"auto\""])
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("optim.micro_batch") && err.contains("CPU"),
+        "{err}"
+    );
+    assert!(!run_dir.exists());
+}
+
 #[test]
 fn check_reports_the_machine_and_exits_0() {
     cockpit().arg("check").assert().success().stdout(

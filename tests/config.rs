@@ -209,3 +209,38 @@ fn nf4_base_needs_lora_and_cuda() {
     );
     assert!(ok.is_ok(), "{:?}", ok.err());
 }
+
+/// `optim.micro_batch` is a positive number or "auto" (held as MICRO_BATCH_AUTO until the
+/// front end has tried the sizes); 0, negative numbers and other strings name the key.
+#[test]
+fn micro_batch_is_a_number_or_auto() {
+    let auto = config::load(None, &["optim.micro_batch=\"auto\"".to_string()]).unwrap();
+    assert_eq!(auto.config.optim.micro_batch, config::MICRO_BATCH_AUTO);
+    // It is written back as "auto" (a run's config.json, a checkpoint's state).
+    let json = serde_json::to_value(&auto.config).unwrap();
+    assert_eq!(json.pointer("/optim/micro_batch").unwrap(), "auto");
+    let n = config::load(None, &["optim.micro_batch=12".to_string()]).unwrap();
+    assert_eq!(n.config.optim.micro_batch, 12);
+    for bad in ["0", "-3", "\"big\""] {
+        let err = config::load(None, &[format!("optim.micro_batch={bad}")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("optim.micro_batch") && err.contains("auto"),
+            "{bad}: {err}"
+        );
+    }
+}
+
+/// LoRA dropout is a probability like model.dropout (PEFT's lora_dropout).
+#[test]
+fn lora_dropout_is_a_probability() {
+    let base = ["lora.enabled=true", "lora.base=\"random\""].map(String::from);
+    let mut ok = base.to_vec();
+    ok.push("lora.dropout=0.1".into());
+    assert!(config::load(None, &ok).is_ok());
+    let mut bad = base.to_vec();
+    bad.push("lora.dropout=1.5".into());
+    let err = config::load(None, &bad).unwrap_err().to_string();
+    assert!(err.contains("lora.dropout"), "{err}");
+}

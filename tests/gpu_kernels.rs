@@ -602,6 +602,16 @@ fn whole_model_step_matches_the_f32_model() {
         c.model.bias = false;
         c.model.mlp_ratio = 2.75;
     }
+    fn granite(c: &mut Config) {
+        llama(c);
+        c.model.n_embd = 256;
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        c.model.embedding_multiplier = 12.0;
+        c.model.attention_multiplier = 0.0078125;
+        c.model.residual_multiplier = 0.22;
+        c.model.logits_scaling = 8.0;
+    }
     // Head dim 32 materialises the attention probabilities; head dims 64 and 128 take flash
     // attention. T = 80 is not a multiple of flash attention's 64-row tiles.
     // Width 640 takes the LayerNorm kernels' three-chunk rows with half-empty last chunks.
@@ -730,6 +740,41 @@ fn whole_model_step_matches_the_f32_model() {
                     high_freq_factor: 4.0,
                     original_max_position_embeddings: 32,
                 };
+            },
+        },
+        Family {
+            name: "granite-like: embedding/attention/residual multipliers, logits scaling, GQA 4/2",
+            vocab: 97,
+            set: granite,
+        },
+        Family {
+            name: "explicit head_dim: 4 heads × 64 over n_embd 192, GQA 4/2, dropout 0.1",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 192;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.head_dim = 64;
+                c.model.dropout = 0.1;
+            },
+        },
+        Family {
+            name: "explicit head_dim: 2 heads × 128 over n_embd 320 (narrower), multi-head",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 320;
+                c.model.n_head = 2;
+                c.model.head_dim = 128;
+            },
+        },
+        Family {
+            name: "granite-like with dropout 0.1 (masks and multipliers at one site)",
+            vocab: 97,
+            set: |c| {
+                granite(c);
+                c.model.dropout = 0.1;
             },
         },
         Family {
@@ -1039,20 +1084,21 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
     let all: Vec<String> = ["q", "k", "v", "o", "gate", "up", "down"]
         .map(String::from)
         .to_vec();
+    fn gqa(c: &mut Config) {
+        c.model.norm = RmsNorm;
+        c.model.activation = SwiGlu;
+        c.model.bias = false;
+        c.model.n_embd = 256;
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        c.model.mlp_ratio = 2.75;
+    }
     // (name, shape, targets, base in NF4)
     type Case = (&'static str, fn(&mut Config), Vec<String>, bool);
-    let cases: [Case; 5] = [
+    let cases: [Case; 7] = [
         (
             "llama GQA 4/2, adapters on every projection",
-            |c| {
-                c.model.norm = RmsNorm;
-                c.model.activation = SwiGlu;
-                c.model.bias = false;
-                c.model.n_embd = 256;
-                c.model.n_head = 4;
-                c.model.n_kv_head = 2;
-                c.model.mlp_ratio = 2.75;
-            },
+            gqa,
             all.clone(),
             false,
         ),
@@ -1089,17 +1135,29 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         ),
         (
             "llama GQA 4/2, NF4 base (QLoRA), adapters on every projection",
-            |c| {
-                c.model.norm = RmsNorm;
-                c.model.activation = SwiGlu;
-                c.model.bias = false;
-                c.model.n_embd = 256;
-                c.model.n_head = 4;
-                c.model.n_kv_head = 2;
-                c.model.mlp_ratio = 2.75;
-            },
+            gqa,
             all.clone(),
             true,
+        ),
+        (
+            "explicit head_dim 4×64 over n_embd 192, adapters on every projection (o reads 256)",
+            |c| {
+                gqa(c);
+                c.model.n_embd = 192;
+                c.model.head_dim = 64;
+            },
+            all.clone(),
+            false,
+        ),
+        (
+            "llama GQA 4/2, LoRA dropout 0.25 on every projection's input, dropout 0.1",
+            |c| {
+                gqa(c);
+                c.model.dropout = 0.1;
+                c.lora.dropout = 0.25;
+            },
+            all.clone(),
+            false,
         ),
     ];
     for (name, set, targets, nf4) in cases {
@@ -1114,6 +1172,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             r: 8,
             alpha: 16.0,
             targets,
+            dropout: c.lora.dropout,
         };
         // The bf16 model stores its frozen base in bf16, as a LoRA run on the GPU does.
         let build = |dt: DType| {
@@ -1351,6 +1410,7 @@ fn recompute_matches_keeping_the_activations() {
                 r: 8,
                 alpha: 16.0,
                 targets: ["q", "v", "down"].map(String::from).to_vec(),
+                dropout: 0.0,
             };
             m.add_lora(&spec, 9).unwrap();
             // (The same B in every run: a fresh adapter's zero B would hide A's gradient.)

@@ -2,7 +2,7 @@
 //! (insta snapshots), key → command mapping, the quit flow, pending commands, bounded chart
 //! history, themes and colour fallback.
 
-use cockpit::advisor::{MonitorUpdate, Recommendation, Severity};
+use cockpit::advisor::{MonitorUpdate, ProcessStat, Recommendation, Severity};
 use cockpit::engine::events::{
     Command, EvalStats, Event, FinishReason, RunInfo, ScuStats, StepStats,
 };
@@ -267,6 +267,12 @@ fn gpu_updates(n: u64) -> Vec<MonitorUpdate> {
                     gpu_notice: None,
                 },
                 advice: advice(),
+                // the host's view of the training process (the Xorg one is not ours to read)
+                processes: vec![ProcessStat {
+                    pid: 48213,
+                    cpu_pct: Some(97.0 + i as f64 % 3.0),
+                    rss_bytes: Some(3 * GIB + GIB / 5),
+                }],
             }
         })
         .collect()
@@ -285,6 +291,7 @@ fn no_gpu_updates(n: u64) -> Vec<MonitorUpdate> {
                 gpu_notice: Some("NVML not available: libnvidia-ml.so.1 not found".into()),
             },
             advice: Vec::new(),
+            processes: Vec::new(),
         })
         .collect()
 }
@@ -366,9 +373,12 @@ fn snapshot_training_scu_off() {
 #[test]
 fn snapshot_training_recent_window_raw_loss() {
     let mut app = training_app(canned_run(1200, true), &gpu_updates(60));
-    assert_eq!(app.on_key(key('s')), None);
+    // the smoothing key cycles 0.6 → 0.9 → 0.98 → raw
+    for _ in 0..3 {
+        assert_eq!(app.on_key(key('s')), None);
+    }
     assert_eq!(app.on_key(key('w')), None);
-    assert!(!app.ui().smoothing);
+    assert_eq!(app.ui().smoothing, 0);
     assert!(app.ui().recent);
     insta::assert_snapshot!("training_recent_raw_120x40", render(&app, 120, 40));
 }
@@ -530,6 +540,7 @@ fn snapshot_monitor_many_gpus_follows_focus() {
                 gpu_notice: None,
             },
             advice: Vec::new(),
+            processes: Vec::new(),
         })
         .collect();
     let mut app = monitor_app(&updates);
@@ -624,9 +635,9 @@ fn every_default_key_maps_to_its_command() {
     app.on_event(Event::Resumed { step: 11 });
     assert_eq!(app.status(), RunStatus::Running);
 
-    assert!(app.ui().smoothing);
+    assert_eq!(app.ui().smoothing, 1, "smoothed at 0.6 to begin with");
     assert_eq!(app.on_key(key('s')), None);
-    assert!(!app.ui().smoothing);
+    assert_eq!(app.ui().smoothing, 2);
     assert_eq!(app.on_key(key('w')), None);
     assert!(app.ui().recent);
     assert_eq!(app.on_key(code(KeyCode::Tab)), None);
@@ -1082,7 +1093,9 @@ fn run_history_memory_is_flat_over_a_million_steps() {
     }
     let series = &app.run().series;
     assert!(series.train_loss.full().len() <= 257);
-    assert!(series.train_loss_ema.full().len() <= 257);
+    for smoothed in &series.train_loss_smooth {
+        assert!(smoothed.full().len() <= 257);
+    }
     assert_eq!(series.train_loss.last(), Some((1e6, shape(1e6))));
     assert_eq!(series.train_loss.first(), Some((1.0, shape(1.0))));
 }
@@ -1315,4 +1328,420 @@ fn the_header_shows_every_rank_and_marks_a_straggler() {
     let x = line[..x].chars().count() as u16;
     let (slow, fast) = (buf[(x, row)].fg, buf[(x - 9, row)].fg);
     assert_ne!(slow, fast, "the straggler stands out");
+}
+
+// ------------------------------------------------------------------ charts that tell the truth
+
+/// The rows of a rendered screen (TestBackend quotes each row).
+fn rows(screen: &str) -> Vec<String> {
+    screen
+        .lines()
+        .map(|l| l.trim_matches('"').to_string())
+        .collect()
+}
+
+/// The title line of the panel whose title starts with `name` ("╭ loss …").
+fn panel_title(screen: &str, name: &str) -> String {
+    rows(screen)
+        .into_iter()
+        .find_map(|r| {
+            let at = r.find(&format!("╭ {name} "))?;
+            let rest = &r[at..];
+            let end = rest[3..]
+                .find('╮')
+                .map_or(rest.len(), |e| e + 3 + '╮'.len_utf8());
+            Some(rest[..end].to_string())
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn the_smoothing_key_cycles_and_the_title_keeps_the_raw_value() {
+    let mut app = training_app(canned_run(300, false), &gpu_updates(3));
+    let raw = format!("(raw {})", cockpit::tui::fmt::value(loss_at(300)));
+    let title = panel_title(&render(&app, 160, 40), "loss");
+    assert!(title.contains("ema 0.6") && title.contains(&raw), "{title}");
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        app.on_key(key('s'));
+        seen.push(panel_title(&render(&app, 160, 40), "loss"));
+    }
+    assert!(
+        seen[0].contains("ema 0.9") && seen[0].contains(&raw),
+        "{}",
+        seen[0]
+    );
+    assert!(seen[1].contains("ema 0.98"), "{}", seen[1]);
+    // raw: the train value is the raw loss, said once
+    assert!(
+        seen[2].contains("· raw ") && !seen[2].contains("(raw"),
+        "{}",
+        seen[2]
+    );
+    assert!(
+        seen[2].contains(&format!("train {}", cockpit::tui::fmt::value(loss_at(300)))),
+        "{}",
+        seen[2]
+    );
+    assert!(
+        seen[3].contains("ema 0.6"),
+        "back to the start: {}",
+        seen[3]
+    );
+}
+
+#[test]
+fn smoothing_is_a_debiased_ema_that_does_not_lag_from_the_start() {
+    let mut app = App::training(&opts());
+    app.on_event(Event::RunStarted(run_info(false)));
+    let mut ema = 0.0;
+    for step in 1..=97u64 {
+        let mut s = step_stats(step);
+        s.loss = 10.0 - step as f64 * 0.08;
+        app.on_event(Event::Step(s));
+        let beta = 0.6;
+        ema = beta * ema + (1.0 - beta) * (10.0 - step as f64 * 0.08);
+        let debiased = ema / (1.0 - beta.powi(step as i32));
+        let (_, shown) = app.run().train_loss_at(1).last().unwrap();
+        assert!((shown - debiased).abs() < 1e-9);
+    }
+    // at 0.6 the smoothed loss trails a steady fall by well under a tenth of the raw value
+    let (_, smoothed) = app.run().train_loss_at(1).last().unwrap();
+    let raw = 10.0 - 97.0 * 0.08;
+    assert!(smoothed - raw < 0.15, "raw {raw}, smoothed {smoothed}");
+}
+
+#[test]
+fn the_window_key_shows_the_last_fifth_of_a_600_step_run() {
+    let mut app = training_app(canned_run(600, true), &gpu_updates(3));
+    assert_eq!(app.run().x_range(false), Some((1.0, 600.0)));
+    let before = render(&app, 120, 40);
+    app.on_key(key('w'));
+    assert_eq!(app.run().x_range(true), Some((480.0, 600.0)));
+    let after = render(&app, 120, 40);
+    assert_ne!(before, after);
+    assert!(
+        panel_title(&after, "loss").contains("last 120 steps"),
+        "{after}"
+    );
+    assert!(
+        after.contains("charts: the last 120 steps"),
+        "a notice says so"
+    );
+    // the x axis now reads in the 480–600 range
+    assert!(
+        rows(&after)
+            .iter()
+            .any(|r| r.starts_with("│   480       500        520        540")),
+        "{after}"
+    );
+}
+
+#[test]
+fn events_are_marked_on_the_loss_charts_x_axis() {
+    let mut events = canned_run(400, false);
+    events.push(Event::CommandApplied {
+        step: 100,
+        command: Command::SetBatchSize { micro_batch: 32 },
+        detail: String::new(),
+    });
+    events.push(Event::Paused { step: 200 });
+    events.push(Event::Resumed { step: 200 });
+    events.push(Event::Warning {
+        step: 300,
+        message: "diverging at step 300: restored runs/x/checkpoints/step-00000250 (step 250), LR × 0.5 (restore 1/3)".into(),
+    });
+    let app = training_app(events, &gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    let axis = rows(&screen)
+        .into_iter()
+        .find(|r| r.starts_with("│  └") || r.starts_with("│ └") || r.starts_with("│   └"))
+        .expect("the loss chart's axis");
+    for glyph in ['b', 'p', 'r'] {
+        assert!(axis.contains(glyph), "{glyph} on {axis}");
+    }
+    let loss_axis = axis.split("││").next().unwrap_or(&axis);
+    let order: Vec<char> = loss_axis.chars().filter(|c| "bpr".contains(*c)).collect();
+    assert_eq!(order, vec!['b', 'p', 'r'], "in step order: {axis}");
+    // the help explains the marks
+    let mut app = app;
+    app.on_key(key('?'));
+    let help = render(&app, 120, 40);
+    assert!(help.contains("chart marks: b batch · s S* · p pause · r restore · c checkpoint"));
+}
+
+#[test]
+fn validation_points_are_markers_with_their_error_bars() {
+    let mut events = canned_run(1000, false);
+    events.push(Event::Eval(EvalStats {
+        step: 1000,
+        val_loss: 3.0,
+        val_bpt: 3.0 / std::f64::consts::LN_2,
+        val_ppl: 3f64.exp(),
+        val_loss_se: 0.8,
+        val_bpt_se: 0.8 / std::f64::consts::LN_2,
+        val_tokens: 1000,
+    }));
+    let app = training_app(events, &gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    // the loss panel's inside: from under its title to its bottom border, 68 columns
+    let loss: Vec<String> = rows(&screen)
+        .into_iter()
+        .skip(4)
+        .take_while(|r| !r.starts_with('╰'))
+        .map(|r| r.chars().skip(1).take(68).collect())
+        .collect();
+    let markers: usize = loss.iter().map(|r| r.matches('●').count()).sum();
+    assert_eq!(
+        markers, 6,
+        "one marker per eval (two at step 1000): {loss:#?}"
+    );
+    // the last eval's ±0.8 is a bar through its marker, in the last column
+    let column: String = loss
+        .iter()
+        .map(|r| r.chars().last().unwrap_or(' '))
+        .collect();
+    assert!(column.contains("│●") && column.contains("●│"), "{column:?}");
+}
+
+#[test]
+fn the_setpoint_stays_visible_where_s_crosses_it() {
+    let app = training_app(canned_run(1200, true), &gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    let s_rows: Vec<String> = rows(&screen)
+        .into_iter()
+        .filter(|r| r.starts_with("│1%┤") || r.starts_with("│1.0%┤"))
+        .collect();
+    let row = s_rows.first().expect("a 1% row on the S chart");
+    // S settles onto S* = 1% over the right half: the setpoint's dashes (the dots ⠤) stay
+    // in every other cell S runs through, up to the right edge
+    let cells: Vec<u32> = row.chars().skip(4 + 18).take(18).map(u32::from).collect();
+    let with_setpoint = cells
+        .iter()
+        .filter(|&&c| (0x2800..=0x28ff).contains(&c) && (c - 0x2800) & 0x24 == 0x24)
+        .count();
+    assert!(with_setpoint >= 8, "{row}");
+    let with_s = cells
+        .iter()
+        .filter(|&&c| (0x2800..=0x28ff).contains(&c) && (c - 0x2800) & !0x24 != 0)
+        .count();
+    assert!(with_s >= 12, "S runs there too: {row}");
+    assert!(
+        panel_title(&screen, "S").contains("Ŝ 1.02%"),
+        "Ŝ is drawn and named"
+    );
+}
+
+#[test]
+fn axis_labels_are_whole_or_elided_at_the_smallest_size() {
+    let mut events = canned_run(1200, true);
+    events.push(Event::CommandApplied {
+        step: 1200,
+        command: Command::SetScuSetpoint { target: 0.019 },
+        detail: "S* 1.90%".into(),
+    });
+    let mut updates = gpu_updates(3);
+    for u in &mut updates {
+        u.snapshot.gpus[0].throttle_reasons = vec!["hw_slowdown".into(), "sw_power_cap".into()];
+    }
+    let app = training_app(events, &updates);
+    let screen = render(&app, 72, 22);
+    insta::assert_snapshot!("training_72x22", screen);
+    for row in rows(&screen) {
+        // a cut label always ends in "…"
+        if let Some(at) = row.find("throttle: ") {
+            let rest = &row[at..];
+            assert!(
+                rest.contains("hw_slowdown, sw_power_cap") || rest.contains('…'),
+                "{row}"
+            );
+        }
+        if let Some(at) = row.find("S* ") {
+            let rest: String = row[at + 3..].chars().take(6).collect();
+            assert!(
+                rest.starts_with("1.90%") || rest.starts_with("1.00%") || rest.starts_with('…'),
+                "S* cut: {row}"
+            );
+        }
+    }
+    // y labels never share a row: one label per row on the λ chart
+    for row in rows(&screen) {
+        assert!(row.matches("e-").count() <= 2, "{row}");
+    }
+}
+
+#[test]
+fn a_paused_run_freezes_its_rate_and_eta_and_says_for_how_long() {
+    let mut app = training_app(canned_run(300, true), &gpu_updates(3));
+    let eta = app.run().eta_s();
+    app.tick(10.0);
+    app.on_event(Event::Paused { step: 300 });
+    app.tick(52.4);
+    let screen = render(&app, 120, 40);
+    assert!(screen.contains("paused 0:42"), "{screen}");
+    assert!(screen.contains("‖ PAUSED"));
+    assert!(screen.contains("throughput · paused"));
+    assert_eq!(app.run().eta_s(), eta, "the ETA stands still");
+    insta::assert_snapshot!("training_paused_clock_120x40", screen);
+    app.on_event(Event::Resumed { step: 300 });
+    assert!(!render(&app, 120, 40).contains("paused 0:"));
+    let last = app.log().entries().last().unwrap().text.clone();
+    assert_eq!(last, "resumed after 0:42");
+    // the time in the pause is not a step's: the ETA after the next step is as before
+    let mut s = step_stats(301);
+    s.elapsed_s = step_stats(300).elapsed_s + 42.4 + 0.182;
+    app.on_event(Event::Step(s));
+    let after = app.run().eta_s().unwrap();
+    assert!(
+        (after - eta.unwrap() + 0.182).abs() < 0.01,
+        "{after} vs {eta:?}"
+    );
+}
+
+#[test]
+fn an_attached_viewer_says_so_and_q_detaches() {
+    let opts = TuiOptions {
+        attached: true,
+        ..TuiOptions::default()
+    };
+    let mut app = App::training(&opts);
+    for ev in canned_run(300, true) {
+        app.on_event(ev);
+    }
+    let screen = render(&app, 120, 40);
+    let r = rows(&screen);
+    assert!(r[0].contains("⇄ attached · q detaches"), "{}", r[0]);
+    let footer = r.last().unwrap();
+    assert!(
+        footer.contains("q detach") && !footer.contains("q quit"),
+        "{footer}"
+    );
+    insta::assert_snapshot!("training_attached_120x40", screen);
+    // the one rule: a viewer steers like its owner; stopping needs --allow-stop
+    assert_eq!(
+        app.on_key(key('+')),
+        send(Command::SetBatchSize { micro_batch: 32 })
+    );
+    assert_eq!(app.on_key(key('Q')), None);
+    assert!(render(&app, 120, 40).contains("stopping the run needs `cockpit attach --allow-stop`"));
+    app.on_key(key('?'));
+    let help = render(&app, 120, 40);
+    assert!(help.contains("detach: the run goes on"), "{help}");
+    assert!(help.contains("stop the run: needs attach --allow-stop"));
+
+    let mut app = App::training(&TuiOptions {
+        allow_stop: true,
+        ..opts
+    });
+    app.on_event(Event::RunStarted(run_info(true)));
+    let screen = render(&app, 120, 40);
+    assert!(rows(&screen)[0].contains("may stop the run"));
+    assert!(rows(&screen).last().unwrap().contains("Q stop"));
+}
+
+#[test]
+fn a_replayed_run_is_read_only_and_says_so() {
+    let mut app = App::training(&TuiOptions {
+        attached: true,
+        source: Some("replay of a finished run · read-only".into()),
+        ..TuiOptions::default()
+    });
+    for ev in canned_run(100, true) {
+        app.on_event(ev);
+    }
+    let screen = render(&app, 120, 40);
+    assert!(rows(&screen)[0].contains("replay of a finished run · read-only"));
+    assert_eq!(app.on_key(key('c')), None);
+    assert_eq!(app.on_key(key('p')), None);
+    assert!(render(&app, 120, 40).contains("nothing to steer"));
+}
+
+#[test]
+fn footer_hints_are_only_for_keys_that_work_here() {
+    // no GPU: no focus key; SCU off: no setpoint keys
+    let app = training_app(canned_run(300, false), &no_gpu_updates(3));
+    let footer = rows(&render(&app, 160, 40)).last().unwrap().clone();
+    assert!(
+        !footer.contains("next GPU") && !footer.contains("S*"),
+        "{footer}"
+    );
+    assert!(
+        footer.contains("p pause") && footer.contains("c ckpt"),
+        "{footer}"
+    );
+    // before the run starts there is nothing to steer
+    let app = training_app(vec![], &no_gpu_updates(1));
+    let footer = rows(&render(&app, 120, 40)).last().unwrap().clone();
+    assert!(
+        !footer.contains("pause") && !footer.contains("batch"),
+        "{footer}"
+    );
+    // two GPUs: the focus key
+    let app = monitor_app(&gpu_updates(3));
+    assert!(rows(&render(&app, 120, 40))
+        .last()
+        .unwrap()
+        .contains("Tab next GPU"));
+    let app = monitor_app(&no_gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    assert!(!rows(&screen).last().unwrap().contains("next GPU"));
+    assert!(
+        !screen.contains("GPU processes"),
+        "no empty process table without GPUs"
+    );
+}
+
+#[test]
+fn a_long_notice_is_elided_and_never_pushes_the_keys_out() {
+    let mut app = training_app(canned_run(300, true), &gpu_updates(3));
+    app.on_key(key('+'));
+    app.on_event(Event::CommandRejected {
+        step: 301,
+        command: Command::SetBatchSize { micro_batch: 32 },
+        reason:
+            "would need 92 GiB of device memory, 80 GiB available on cuda:0; accumulate instead"
+                .into(),
+    });
+    for width in [72u16, 80, 120] {
+        let screen = render(&app, width, 40);
+        let footer = rows(&screen).last().unwrap().clone();
+        assert!(
+            footer.contains("? help") && footer.contains("q quit"),
+            "{footer}"
+        );
+        assert!(
+            footer.starts_with("✗ batch size -> 32 rejected"),
+            "{footer}"
+        );
+        assert!(footer.contains('…'), "{footer}");
+    }
+}
+
+#[test]
+fn gpu_memory_is_in_gib_everywhere() {
+    let app = training_app(canned_run(10, false), &gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    assert!(screen.contains("71.0/80.0 GiB"), "{screen}");
+    let app = monitor_app(&gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    assert!(screen.contains("RAM 12.0 GiB / 24.0 GiB") && screen.contains("70.0 GiB"));
+}
+
+#[test]
+fn gpu_processes_show_their_host_cpu_and_resident_memory() {
+    let app = monitor_app(&gpu_updates(3));
+    let screen = render(&app, 120, 40);
+    let row = rows(&screen)
+        .into_iter()
+        .find(|r| r.contains("48213") && r.contains("70.0 GiB"))
+        .expect("the training process");
+    assert!(row.contains("99%") && row.contains("3.2 GiB"), "{row}");
+    let xorg = rows(&screen)
+        .into_iter()
+        .find(|r| r.contains("Xorg"))
+        .unwrap();
+    assert!(
+        xorg.contains("n/a        -      -"),
+        "unknown, said so: {xorg}"
+    );
 }

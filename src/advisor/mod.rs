@@ -25,6 +25,12 @@
 //! * `memory_climb` (job-level) — host RSS or the run's device memory grows step after step
 //!   past the warm-up (a leak), with the steps left until memory is full; critical when that
 //!   comes before `max_steps`.
+//! * `lambda_clamped` (job-level) — SCU's λ pinned at a clamp (λ_max with Ŝ above S*, λ_min
+//!   below it) for many control steps: the setpoint is out of the controller's reach.
+//! * `loss_stuck` (job-level) — the training loss has not come down from where the run
+//!   started, many steps in.
+//! * `loss_diverging` (job-level, critical) — the smoothed loss has climbed well above the
+//!   best it reached, or the loss is no longer finite.
 mod recommendation;
 pub use recommendation::*;
 
@@ -75,6 +81,12 @@ pub mod ids {
     /// Host or device memory grows step after step: a leak that ends the run when memory
     /// runs out.
     pub const MEMORY_CLIMB: &str = "memory_climb";
+    /// SCU's λ pinned at a clamp: the setpoint is out of reach.
+    pub const LAMBDA_CLAMPED: &str = "lambda_clamped";
+    /// The loss has not come down since the start.
+    pub const LOSS_STUCK: &str = "loss_stuck";
+    /// The loss climbs away from the best it reached, or is not finite.
+    pub const LOSS_DIVERGING: &str = "loss_diverging";
 }
 
 /// Identifies one rule's standing: (rule id, GPU index or `None` for the whole job).
@@ -127,12 +139,13 @@ impl Advisor {
         self.window.push_step(step);
     }
 
-    /// Feed an engine event: `RunStarted` and `Step` are used, `Finished` detaches the run,
-    /// the rest is ignored.
+    /// Feed an engine event: `RunStarted`, `Step` and `Scu` are used, `Finished` detaches
+    /// the run, the rest is ignored.
     pub fn observe_event(&mut self, event: &Event) {
         match event {
             Event::RunStarted(run) => self.observe_run(run),
             Event::Step(step) => self.observe_step(step),
+            Event::Scu(scu) => self.window.push_control(scu),
             Event::Finished { .. } => self.end_run(),
             _ => {}
         }

@@ -125,6 +125,19 @@ pub struct AdvisorOptions {
     pub memory_climb_frac: f64,
     /// Steps (after the warm-up) the memory history must hold before it is judged.
     pub memory_climb_steps: usize,
+    /// SCU control steps in a row with λ pinned at a clamp (and Ŝ on the side that pushes
+    /// it there) that make the setpoint unreachable.
+    pub lambda_clamped_steps: usize,
+    /// Steps a run must have made before its loss is judged stuck.
+    pub loss_stuck_steps: u64,
+    /// How far the loss has come down from the run's start, as a fraction of it: under
+    /// `fire` it is stuck.
+    pub loss_stuck: Band,
+    /// How far the smoothed loss has climbed above the best it reached, as a fraction of
+    /// that best: past `fire` it diverges.
+    pub loss_diverging: Band,
+    /// ... and by at least this much (nats), so that a tiny loss's noise is no divergence.
+    pub loss_diverging_nats: f64,
 }
 
 impl Default for AdvisorOptions {
@@ -148,6 +161,11 @@ impl Default for AdvisorOptions {
             memory_climb_bytes: 32.0 * 1024.0 * 1024.0,
             memory_climb_frac: 0.05,
             memory_climb_steps: 50,
+            lambda_clamped_steps: 50,
+            loss_stuck_steps: 200,
+            loss_stuck: Band::new(0.02, 0.05),
+            loss_diverging: Band::new(0.25, 0.10),
+            loss_diverging_nats: 0.1,
             own_pid: std::process::id(),
         }
     }

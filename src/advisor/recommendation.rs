@@ -31,4 +31,18 @@ pub struct Recommendation {
 pub struct MonitorUpdate {
     pub snapshot: crate::telemetry::Snapshot,
     pub advice: Vec<Recommendation>,
+    /// Host CPU and memory of the processes on the GPUs, when the machine sampled is this
+    /// one (not in a replay).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<ProcessStat>,
+}
+
+/// A GPU process as the host sees it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProcessStat {
+    pub pid: u32,
+    /// CPU time over the last interval, % of one core (needs two samples).
+    pub cpu_pct: Option<f64>,
+    /// Resident memory, bytes.
+    pub rss_bytes: Option<u64>,
 }

@@ -505,6 +505,9 @@ pub(crate) fn well_utilized(ctx: &Context<'_>, index: u32, blocked: bool) -> Opt
 pub(crate) fn job_rules(ctx: &Context<'_>, out: &mut Vec<Candidate>) {
     out.extend(straggler(ctx));
     out.extend(memory_climb(ctx));
+    out.extend(lambda_clamped(ctx));
+    out.extend(loss_stuck(ctx));
+    out.extend(loss_diverging(ctx));
     let opts = ctx.opts;
     let Some(latest) = ctx.window.latest() else {
         return;
@@ -540,6 +543,202 @@ pub(crate) fn job_rules(ctx: &Context<'_>, out: &mut Vec<Candidate>) {
         )
         .at(opts.data_wait.above(dw)),
     );
+}
+
+/// SCU's λ pinned at a clamp for many control steps in a row, with Ŝ on the side that
+/// pushes it there: above S* at λ_max (more regularisation cannot bring S down further),
+/// below S* at λ_min. The setpoint is out of the controller's reach. The clamp is seen in the
+/// control steps themselves: a controller off its clamps moves λ whenever Ŝ is off S* by more
+/// than its dead band.
+fn lambda_clamped(ctx: &Context<'_>) -> Option<Candidate> {
+    let control = ctx.window.control();
+    let last = *control.back()?;
+    if !last.control || last.lambda.is_nan() || last.lambda <= 0.0 || last.error == 0.0 {
+        return None;
+    }
+    let same = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
+    let pinned: Vec<_> = control
+        .iter()
+        .rev()
+        .take_while(|c| {
+            c.control
+                && same(c.lambda, last.lambda)
+                && c.error.signum() == last.error.signum()
+                && c.error.abs() > 0.05 * c.target.abs()
+        })
+        .collect();
+    let first = pinned.last()?;
+    let steps = last.step.saturating_sub(first.step);
+    let high = last.error > 0.0;
+    let (clamp, cause, action, key) = if high {
+        (
+            "λ_max",
+            "S* is out of reach: even the strongest regularisation allowed leaves Ŝ above it",
+            "Raise scu.lambda_max in the config, or raise the setpoint S*",
+            "]",
+        )
+    } else {
+        (
+            "λ_min",
+            "S* is out of reach: even the weakest regularisation allowed leaves Ŝ below it",
+            "Lower scu.lambda_min in the config, or lower the setpoint S*",
+            "[",
+        )
+    };
+    let s_hat = last.error + last.target;
+    Some(
+        Advice::new(
+            ids::LAMBDA_CLAMPED,
+            Severity::Warn,
+            None,
+            format!(
+                "λ at {clamp} ({}) for {steps} steps: {cause}",
+                lambda_text(last.lambda)
+            ),
+        )
+        .evidence("lambda", lambda_text(last.lambda))
+        .evidence("control_steps_pinned", pinned.len().to_string())
+        .evidence("s_hat", format!("{:.2}%", s_hat * 100.0))
+        .evidence("setpoint", format!("{:.2}%", last.target * 100.0))
+        .action(action)
+        .key(Some(key))
+        .at(Level::when(pinned.len() >= ctx.opts.lambda_clamped_steps)),
+    )
+}
+
+/// λ in about three significant digits: `0.0300`, `3.00e-5`, `12.0`.
+fn lambda_text(v: f64) -> String {
+    if (1e-3..1e4).contains(&v.abs()) {
+        let decimals = (2 - v.abs().log10().floor() as i32).max(0) as usize;
+        format!("{v:.decimals$}")
+    } else {
+        format!("{v:.2e}")
+    }
+}
+
+/// The mean of some values (None for none).
+fn mean_of(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / n as f64)
+}
+
+/// A run from step 0 whose loss, `loss_stuck_steps` in, has not come down from where it
+/// started. (A resumed run starts where it left off: it is not judged.)
+fn loss_stuck(ctx: &Context<'_>) -> Option<Candidate> {
+    let run = ctx.run?;
+    if run.start_step > 0 {
+        return None;
+    }
+    let losses: Vec<(u64, f64)> = ctx
+        .window
+        .losses()
+        .iter()
+        .copied()
+        .filter(|(_, l)| l.is_finite())
+        .collect();
+    let (first_step, _) = *losses.first()?;
+    let (last_step, _) = *losses.last()?;
+    let steps = last_step.saturating_sub(first_step);
+    if steps < ctx.opts.loss_stuck_steps || first_step > 1 + run.start_step {
+        return None;
+    }
+    let head = mean_of(losses.iter().take(10).map(|p| p.1))?;
+    let tail_n = (losses.len() / 10).max(10);
+    let tail = mean_of(losses.iter().rev().take(tail_n).map(|p| p.1))?;
+    if head.abs() < 1e-12 {
+        return None;
+    }
+    let drop = (head - tail) / head.abs();
+    Some(
+        Advice::new(
+            ids::LOSS_STUCK,
+            Severity::Warn,
+            None,
+            format!(
+                "The loss has not come down in {steps} steps: {tail:.3} now, {head:.3} at the start"
+            ),
+        )
+        .evidence("loss_start", format!("{head:.3}"))
+        .evidence(
+            "loss_now",
+            format!("{tail:.3} (mean of the last {tail_n} steps)"),
+        )
+        .evidence("drop", share(drop.max(0.0)))
+        .action(
+            "Check the learning rate (too low learns nothing, too high cannot settle) and its \
+             warm-up, and that the data is what the model should learn.",
+        )
+        .at(ctx.opts.loss_stuck.below(drop)),
+    )
+}
+
+/// The smoothed loss climbing well above the best it reached in the window, or a loss that
+/// is no longer finite.
+fn loss_diverging(ctx: &Context<'_>) -> Option<Candidate> {
+    let losses = ctx.window.losses();
+    let opts = ctx.opts;
+    let action = "Lower optim.lr (or lengthen the warm-up) and keep gradient clipping on; \
+                  resume from a checkpoint from before the climb with --resume.";
+    let recent_bad = losses
+        .iter()
+        .rev()
+        .take(5)
+        .filter(|(_, l)| !l.is_finite())
+        .count();
+    if losses.len() >= 5 && recent_bad == 5 {
+        let (step, _) = *losses.back()?;
+        return Some(
+            Advice::new(
+                ids::LOSS_DIVERGING,
+                Severity::Critical,
+                None,
+                format!("The loss is not finite (NaN or ∞) at step {step} and the steps before"),
+            )
+            .evidence("non_finite_steps", "5 in a row".to_string())
+            .action(action)
+            .at(Level::Fire),
+        );
+    }
+    // a debiased EMA of the finite losses; the best after it has settled a little
+    let (mut value, mut weight) = (0.0, 0.0);
+    let mut best: Option<(u64, f64)> = None;
+    let mut now = None;
+    for (i, &(step, loss)) in losses.iter().filter(|(_, l)| l.is_finite()).enumerate() {
+        value = 0.9 * value + 0.1 * loss;
+        weight = 0.9 * weight + 0.1;
+        let smoothed = value / weight;
+        now = Some(smoothed);
+        if i >= 20 && best.is_none_or(|(_, b)| smoothed < b) {
+            best = Some((step, smoothed));
+        }
+    }
+    let (best_step, best) = best?;
+    let now = now?;
+    if losses.len() < 50 || best.abs() < 1e-12 {
+        return None;
+    }
+    let rise = (now - best) / best.abs();
+    let level = if now - best < opts.loss_diverging_nats {
+        Level::Clear
+    } else {
+        opts.loss_diverging.above(rise)
+    };
+    Some(
+        Advice::new(
+            ids::LOSS_DIVERGING,
+            Severity::Critical,
+            None,
+            format!(
+                "The loss is diverging: {now:.3} (smoothed), up {} from its best {best:.3} at step {best_step}",
+                share(rise)
+            ),
+        )
+        .evidence("loss_smoothed", format!("{now:.3}"))
+        .evidence("best", format!("{best:.3} at step {best_step}"))
+        .evidence("rise", share(rise.max(0.0)))
+        .action(action)
+        .at(level),
+    )
 }
 
 /// Data parallelism: every rank waits at the gradient all-reduce for the slowest, so one
@@ -662,7 +861,7 @@ fn memory_climb(ctx: &Context<'_>) -> Vec<Candidate> {
         } else {
             Severity::Warn
         };
-        let mb = |b: f64| format!("{:.1} MB", b / 1e6);
+        let mb = |b: f64| format!("{:.1} MiB", b / f64::from(1u32 << 20));
         let until = match steps_left {
             Some(n) => format!(": ~{} steps until the machine is full", n),
             None => String::new(),

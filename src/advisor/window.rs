@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use crate::engine::events::StepStats;
+use crate::engine::events::{ScuStats, StepStats};
 use crate::telemetry::{GpuProcess, GpuSample, Snapshot};
 
 /// Throttle reasons that mean "too hot" (hw_slowdown is mostly thermal; NVML lumps in
@@ -33,6 +33,22 @@ pub(crate) struct MemoryPoint {
     pub(crate) device: Option<u64>,
 }
 
+/// Steps of loss history kept for the stuck/diverging checks.
+const LOSS_STEPS: usize = 1024;
+/// SCU control steps kept for the clamp check.
+const SCU_STEPS: usize = 1024;
+
+/// One SCU control step, as the clamp check reads it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ControlPoint {
+    pub(crate) step: u64,
+    pub(crate) lambda: f64,
+    /// Ŝ − S*.
+    pub(crate) error: f64,
+    pub(crate) target: f64,
+    pub(crate) control: bool,
+}
+
 /// The last `length` of snapshots and step timings, on the snapshot clock.
 #[derive(Debug)]
 pub(crate) struct Window {
@@ -43,6 +59,10 @@ pub(crate) struct Window {
     memory: VecDeque<MemoryPoint>,
     /// Data parallelism: the ranks of the latest step (their GPUs' utilization, temperature).
     last_ranks: Vec<crate::engine::events::RankStat>,
+    /// The last [`LOSS_STEPS`] training losses, by step.
+    losses: VecDeque<(u64, f64)>,
+    /// The last [`SCU_STEPS`] SCU control steps.
+    control: VecDeque<ControlPoint>,
 }
 
 impl Window {
@@ -53,6 +73,8 @@ impl Window {
             steps: VecDeque::new(),
             memory: VecDeque::new(),
             last_ranks: Vec::new(),
+            losses: VecDeque::new(),
+            control: VecDeque::new(),
         }
     }
 
@@ -86,6 +108,13 @@ impl Window {
     /// Add a step timing, stamped with the current advisor clock.
     pub(crate) fn push_step(&mut self, step: &StepStats) {
         self.push_memory(step);
+        if self.losses.back().is_some_and(|&(s, _)| s >= step.step) {
+            self.losses.clear();
+        }
+        self.losses.push_back((step.step, step.loss));
+        while self.losses.len() > LOSS_STEPS {
+            self.losses.pop_front();
+        }
         if step.step_ms.is_finite() && step.data_wait_ms.is_finite() && step.step_ms > 0.0 {
             self.steps.push_back(StepTiming {
                 at_ms: self.now_ms(),
@@ -119,9 +148,38 @@ impl Window {
         &self.memory
     }
 
-    /// A new run: its memory is judged from its own first step.
+    /// A new run: its memory, losses and control are judged from its own first step.
     pub(crate) fn reset_memory(&mut self) {
         self.memory.clear();
+        self.losses.clear();
+        self.control.clear();
+    }
+
+    /// Add an SCU control step. One that does not follow the last starts afresh.
+    pub(crate) fn push_control(&mut self, s: &ScuStats) {
+        if self.control.back().is_some_and(|c| c.step >= s.step) {
+            self.control.clear();
+        }
+        self.control.push_back(ControlPoint {
+            step: s.step,
+            lambda: s.lambda,
+            error: s.s_hat - s.target,
+            target: s.target,
+            control: s.control,
+        });
+        while self.control.len() > SCU_STEPS {
+            self.control.pop_front();
+        }
+    }
+
+    /// The training losses held (oldest first; NaN for a non-finite loss).
+    pub(crate) fn losses(&self) -> &VecDeque<(u64, f64)> {
+        &self.losses
+    }
+
+    /// The SCU control steps held (oldest first).
+    pub(crate) fn control(&self) -> &VecDeque<ControlPoint> {
+        &self.control
     }
 
     /// The latest snapshot.

@@ -169,7 +169,7 @@ pub fn replay(run_dir: &Path) -> Result<Attached, AttachError> {
                 for snapshot in t.snapshots {
                     let _ = tel_tx.send(MonitorUpdate {
                         snapshot,
-                        advice: Vec::new(),
+                        ..MonitorUpdate::default()
                     });
                 }
             }

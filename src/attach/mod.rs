@@ -260,6 +260,11 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
                 log_path: None,
                 attached: !opts.owner,
                 allow_stop: opts.allow_stop,
+                // a finished run's history: nothing can be steered, and the header says so
+                source: live
+                    .is_none()
+                    .then(|| "replay of a finished run · read-only".to_string())
+                    .or(tui_opts.source),
                 ..tui_opts
             };
             let exit = tui::run_training(events, commands, telemetry, tui_opts);

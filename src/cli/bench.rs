@@ -4,7 +4,7 @@
 //! and peak memory. Evaluation, checkpoints and the monitor are off; everything else (data
 //! prefetch, SCU measurement when enabled) runs as in training.
 
-use super::{config_error, EXIT_FAILURE, EXIT_OK};
+use super::{config_error, fit, EXIT_FAILURE, EXIT_OK};
 use crate::config;
 use crate::engine::events::{Event, KernelTime, RunInfo, StepStats};
 use crate::engine::{Engine, EngineOptions};
@@ -303,11 +303,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         Ok(l) => l,
         Err(e) => return Ok(config_error(&e)),
     };
-    let cfg = loaded.config;
+    let mut cfg = loaded.config;
     let device =
         crate::util::parse_device(&cfg.run.device).unwrap_or(crate::util::DeviceSpec::Auto);
     if a.find_batch {
         return find_batch(&cfg, device);
+    }
+    if let Err(code) = fit::resolve_auto(&mut cfg, device, None, false) {
+        return Ok(code);
     }
     let run_dir: PathBuf =
         std::env::temp_dir().join(format!("cockpit-bench-{}", std::process::id()));
@@ -392,128 +395,24 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
     Ok(EXIT_OK)
 }
 
-/// One `--find-batch` trial: whether two steps at micro-batch `mb` ran without running out of
-/// memory (the engine would split the batch: its steps then report a smaller one), and the
-/// peak memory and speed of the second.
-struct Trial {
-    fits: bool,
-    memory: Option<u64>,
-    tokens_per_sec: f64,
-}
-
-fn try_batch(
-    cfg: &config::Config,
-    device: crate::util::DeviceSpec,
-    mb: usize,
-) -> anyhow::Result<Trial> {
-    let mut cfg = cfg.clone();
-    cfg.optim.micro_batch = mb;
-    cfg.optim.accum = 1;
-    cfg.run.max_steps = 2;
-    let run_dir: PathBuf =
-        std::env::temp_dir().join(format!("cockpit-find-batch-{}-{mb}", std::process::id()));
-    std::fs::create_dir_all(&run_dir)
-        .with_context(|| format!("creating the scratch run dir {}", run_dir.display()))?;
-    let engine = Engine::spawn(EngineOptions::new(cfg, run_dir.clone(), device))?;
-    let mut trial = Trial {
-        fits: true,
-        memory: None,
-        tokens_per_sec: 0.0,
-    };
-    let mut failure = None;
-    while let Some(ev) = engine.events.recv() {
-        match ev {
-            Event::Step(s) => {
-                trial.fits &= s.micro_batch == mb;
-                trial.memory = trial.memory.max(s.memory_bytes);
-                trial.tokens_per_sec = s.tokens_per_sec;
-            }
-            Event::Finished {
-                reason, message, ..
-            } => {
-                if reason != crate::engine::events::FinishReason::Completed {
-                    failure = Some(message);
-                }
-                break;
-            }
-            _ => {}
-        }
-    }
-    let joined = engine.thread.wait();
-    let _ = std::fs::remove_dir_all(&run_dir);
-    match (joined, failure) {
-        (Err(e), _) if e.to_string().to_ascii_lowercase().contains("out of memory") => {
-            trial.fits = false;
-        }
-        (Err(e), _) => return Err(e.into()),
-        (Ok(_), Some(m)) if m.to_ascii_lowercase().contains("out of memory") => {
-            trial.fits = false;
-        }
-        (Ok(_), Some(m)) => anyhow::bail!("micro-batch {mb}: the run did not complete: {m}"),
-        (Ok(_), None) => {}
-    }
-    Ok(trial)
-}
-
 /// `cockpit bench --find-batch`: double the micro-batch until it no longer fits, then bisect;
 /// print each trial, the largest that fits, and one 10% below it (allocator fragmentation and
 /// longer evaluation batches need some room).
 fn find_batch(cfg: &config::Config, device: crate::util::DeviceSpec) -> anyhow::Result<i32> {
-    const LIMIT: usize = crate::engine::trainer::MAX_MICRO_BATCH;
-    let cpu = matches!(device, crate::util::DeviceSpec::Cpu)
-        || crate::engine::device::cuda_device_count() == 0;
-    if cpu {
+    if !fit::has_cuda(device) {
         eprintln!("cockpit bench --find-batch: needs a CUDA device (host memory is not what limits the batch on the CPU)");
         return Ok(crate::process::EXIT_USAGE);
     }
-    let gib = |b: Option<u64>| {
-        b.map_or("?".to_string(), |b| {
-            format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
-        })
-    };
-    let run = |mb: usize| -> anyhow::Result<bool> {
-        let t = try_batch(cfg, device, mb)?;
-        if t.fits {
-            println!(
-                "micro-batch {mb:>5}: fits, {} in use, {:.0} tokens/s",
-                gib(t.memory),
-                t.tokens_per_sec
-            );
-        } else {
-            println!("micro-batch {mb:>5}: out of memory");
-        }
-        Ok(t.fits)
-    };
-    let (mut good, mut bad) = (0usize, None::<usize>);
-    let mut mb = 1;
-    while mb <= LIMIT {
-        if run(mb)? {
-            good = mb;
-            mb *= 2;
-        } else {
-            bad = Some(mb);
-            break;
-        }
-    }
-    if good == 0 {
+    let report = |mb: usize, t: &fit::Trial| println!("{}", fit::describe(mb, t));
+    let Some((good, at_limit)) = fit::largest(cfg, device, report)? else {
         eprintln!("cockpit bench: micro-batch 1 does not fit this device (shorter model.seq_len, model.recompute = \"full\", or LoRA)");
         return Ok(EXIT_FAILURE);
-    }
-    if let Some(mut hi) = bad {
-        while hi - good > 1 {
-            let mid = good + (hi - good) / 2;
-            if run(mid)? {
-                good = mid;
-            } else {
-                hi = mid;
-            }
-        }
-    }
-    let margin = ((good as f64 * 0.9).floor() as usize).max(1);
+    };
+    let margin = fit::with_margin(good);
     println!(
         "largest micro-batch that fits: {good}{}; with a 10% margin: optim.micro_batch = {margin}",
-        if bad.is_none() {
-            format!(" (the limit, {LIMIT})")
+        if at_limit {
+            format!(" (the limit, {})", fit::LIMIT)
         } else {
             String::new()
         }

@@ -5,6 +5,7 @@
 pub mod args;
 mod bench;
 mod check;
+mod fit;
 mod frontends;
 mod hf;
 mod launch;
@@ -319,6 +320,10 @@ fn train(a: TrainArgs) -> anyhow::Result<i32> {
             runs_root.join(format!("{}{tag}-{}", cfg.run.name, timestamp()))
         }
     };
+    let several = plan.launching || plan.topology.is_some();
+    if let Err(code) = fit::resolve_auto(&mut cfg, device, resume.as_deref(), several) {
+        return Ok(code);
+    }
     if plan.launching {
         std::fs::create_dir_all(&run_dir)
             .with_context(|| format!("creating the run dir {}", run_dir.display()))?;

@@ -349,7 +349,6 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         1e6,
         "0 (off) or positive",
     );
-    ck.at_least("optim.micro_batch", o.micro_batch as u64, 1);
     ck.in_range(
         "optim.micro_batch",
         o.micro_batch as f64,
@@ -463,13 +462,7 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     let l = &c.lora;
     ck.at_least("lora.r", l.r as u64, 1);
     ck.positive("lora.alpha", l.alpha);
-    if l.dropout != 0.0 {
-        ck.fail(
-            "lora.dropout",
-            l.dropout,
-            "must be 0: dropout on the adapter input is not supported yet (model.dropout applies)",
-        );
-    }
+    ck.in_range("lora.dropout", l.dropout, 0.0, 0.9, "in [0, 0.9]");
     if l.base_dtype == BaseDtype::Nf4 && !l.enabled {
         ck.fail(
             "lora.base_dtype",
@@ -580,6 +573,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             "allowed: nccl (CUDA devices), tcp (CPU processes; for testing)",
         );
     }
+    ck.in_range(
+        "distributed.bucket_mb",
+        c.distributed.bucket_mb,
+        0.001,
+        1e6,
+        "in [0.001, 1e6] MB",
+    );
     ck.positive("distributed.timeout_secs", c.distributed.timeout_secs);
     ck.in_range(
         "distributed.timeout_secs",

@@ -60,6 +60,23 @@ pub trait Collective: Send {
     fn abort(&mut self, cause: &str);
     /// Orderly end: the peers will not take this rank's closing connection for a crash.
     fn finish(&mut self);
+    /// A second communicator on a stream of its own, for summing gradient buckets while the
+    /// backward still runs (the whole-model step's overlap); None where the backend has none
+    /// (TCP). Every rank must call it at the same point (it is a collective).
+    #[cfg(feature = "cuda")]
+    fn grad_sum(&mut self) -> Result<Option<Box<dyn GradSum>>, CommError> {
+        Ok(None)
+    }
+}
+
+/// Sums of f32 gradient ranges across the ranks on a communication stream of their own.
+#[cfg(feature = "cuda")]
+pub trait GradSum: Send {
+    /// The stream the sums are enqueued on (the caller orders it after the work that writes
+    /// the gradients, and the optimizer after it).
+    fn stream(&self) -> &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>;
+    /// Sum `len` f32 at device address `ptr` over the ranks, in place, on [`Self::stream`].
+    fn sum_f32(&self, ptr: u64, len: usize) -> Result<(), CommError>;
 }
 
 /// What rank 0 hands every rank at the rendezvous.
@@ -469,12 +486,14 @@ impl Collective for TcpCollective {
 
 #[cfg(feature = "nccl")]
 mod nccl {
-    use super::{Collective, CommError, Joined};
+    use super::{Collective, CommError, GradSum, Joined};
     use candle_core::backend::BackendStorage;
+    use candle_core::cuda_backend::cudarc::driver::CudaStream;
     use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, Id, ReduceOp};
     use candle_core::cuda_backend::CudaStorage;
     use candle_core::{DType, Device, InplaceOp1, Layout, Tensor};
     use std::rc::Rc;
+    use std::sync::Arc;
 
     /// The communicator is used from the engine thread only (it is created before the
     /// thread starts and moved into it once).
@@ -671,6 +690,85 @@ mod nccl {
         fn finish(&mut self) {
             let _ = self.device.synchronize();
             self.peers.goodbye();
+        }
+
+        fn grad_sum(&mut self) -> Result<Option<Box<dyn GradSum>>, CommError> {
+            let Device::Cuda(cuda) = self.device.clone() else {
+                return Ok(None);
+            };
+            // Rank 0's new unique id reaches every rank over the first communicator.
+            let id = if self.rank == 0 {
+                super::new_nccl_id()?
+            } else {
+                Vec::new()
+            };
+            let raw = self.broadcast_bytes(id)?;
+            let mut internal = [0 as std::ffi::c_char; 128];
+            for (d, s) in internal.iter_mut().zip(&raw) {
+                *d = *s as std::ffi::c_char;
+            }
+            let setup = |cause: String| CommError::Op {
+                rank: self.rank,
+                op: "NCCL gradient communicator",
+                cause,
+            };
+            let stream = priority_stream(&cuda).map_err(|e| setup(format!("{e:?}")))?;
+            let comm = Comm::from_rank(stream.clone(), self.rank, self.world, Id::uninit(internal))
+                .map_err(|e| setup(format!("{e:?}")))?;
+            Ok(Some(Box::new(NcclGradSum {
+                comm,
+                stream,
+                rank: self.rank,
+            })))
+        }
+    }
+
+    /// A non-blocking stream of the device's highest priority: the sums' kernels take SMs as
+    /// the backward's blocks free them instead of queueing behind them (measured on 2 H100s:
+    /// at default priority each bucket summed during the backward cost ~2.7 ms). It lives as
+    /// long as the process (one per run).
+    fn priority_stream(
+        cuda: &candle_core::CudaDevice,
+    ) -> Result<Arc<CudaStream>, candle_core::cuda_backend::cudarc::driver::DriverError> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let ctx = cuda.cuda_stream().context().clone();
+        ctx.bind_to_thread()?;
+        let (mut least, mut greatest) = (0, 0);
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: plain driver calls on the bound context, with valid out-pointers.
+        unsafe {
+            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest).result()?;
+            let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+            sys::cuStreamCreateWithPriority(&mut raw, flags, greatest).result()?;
+            Ok(ctx.wrap_borrowed_stream(raw))
+        }
+    }
+
+    /// [`GradSum`] over NCCL: a communicator of its own on its own stream.
+    struct NcclGradSum {
+        comm: Comm,
+        stream: Arc<CudaStream>,
+        rank: usize,
+    }
+    // SAFETY: as SendComm: used from the engine thread only, one call at a time.
+    unsafe impl Send for NcclGradSum {}
+
+    impl GradSum for NcclGradSum {
+        fn stream(&self) -> &Arc<CudaStream> {
+            &self.stream
+        }
+
+        fn sum_f32(&self, ptr: u64, len: usize) -> Result<(), CommError> {
+            // SAFETY: the caller passes a range of a live f32 gradient buffer; the view is
+            // leaked again (not freed) once the sum is enqueued.
+            let mut view = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
+            let r = self.comm.all_reduce_in_place(&mut view, &ReduceOp::Sum);
+            view.leak();
+            r.map(|_| ()).map_err(|e| CommError::Op {
+                rank: self.rank,
+                op: "all-reduce (gradient bucket)",
+                cause: format!("{e:?}"),
+            })
         }
     }
 }

@@ -6,6 +6,8 @@
 mod collective;
 mod rendezvous;
 
+#[cfg(feature = "cuda")]
+pub use collective::GradSum;
 pub use collective::{join, Backend, Collective, CommError, Handshake, Joined};
 pub use rendezvous::{rendezvous, Peers, RendezvousError};
 

@@ -278,6 +278,17 @@ pub fn resolve(spec: &Path) -> Result<PathBuf, CheckpointError> {
 }
 
 /// Load and verify a checkpoint dir.
+/// A checkpoint's `state.json` alone (no tensors, no checksums).
+pub fn read_state(dir: &Path) -> Result<TrainState, CheckpointError> {
+    let sp = dir.join("state.json");
+    serde_json::from_str(&std::fs::read_to_string(&sp).map_err(io(&sp))?).map_err(|e| {
+        CheckpointError::Corrupt {
+            path: sp.display().to_string(),
+            message: e.to_string(),
+        }
+    })
+}
+
 pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
     let mp = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mp).map_err(io(&mp))?;
@@ -305,12 +316,7 @@ pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
             });
         }
     }
-    let sp = dir.join("state.json");
-    let state: TrainState = serde_json::from_str(&std::fs::read_to_string(&sp).map_err(io(&sp))?)
-        .map_err(|e| CheckpointError::Corrupt {
-        path: sp.display().to_string(),
-        message: e.to_string(),
-    })?;
+    let state = read_state(dir)?;
     let read = |name: &str| -> Result<HashMap<String, Tensor>, CheckpointError> {
         let p = dir.join(name);
         candle_core::safetensors::load(&p, device).map_err(|e| CheckpointError::Corrupt {

@@ -36,6 +36,12 @@ pub fn site_mlp_out(l: usize) -> u32 {
     3 * l as u32 + 3
 }
 
+/// The input of the LoRA adapters of layer `l` in group `group` (0 q/k/v, 1 o, 2 gate/up,
+/// 3 down: the adapters that share an input share its mask).
+pub fn site_lora(l: usize, group: usize) -> u32 {
+    0x4000_0000 | (4 * l + group) as u32
+}
+
 /// The seed of one micro-batch's masks: a function of the run's seed, the optimizer step and
 /// the micro-batch index only, so a resumed run draws the same masks.
 pub fn micro_seed(run_seed: u64, step: u64, micro: usize) -> u64 {

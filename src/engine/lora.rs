@@ -121,6 +121,7 @@ pub fn model_from_checkpoint_as(
             r: cfg.lora.r,
             alpha: cfg.lora.alpha,
             targets: cfg.lora.targets.clone(),
+            dropout: cfg.lora.dropout,
         };
         model.add_lora(&spec, cfg.run.seed).map_err(tensor_err)?;
     }

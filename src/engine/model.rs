@@ -126,15 +126,12 @@ impl Shape {
         self.attention_multiplier
             .unwrap_or_else(|| 1.0 / (self.head_dim as f64).sqrt())
     }
-    /// Whether the whole-model CUDA step computes this model's arithmetic: everything but an
-    /// explicit head width (n_head·head_dim ≠ n_embd) and Granite's multipliers (q/k/v-only
-    /// biases, a longer position table and RoPE scaling it does compute).
+    /// Whether the whole-model CUDA step computes this model's arithmetic: everything (q/k/v-
+    /// only biases, a longer position table, RoPE scaling, Granite's multipliers, an explicit
+    /// head_dim with flash attention) but an embedding multiplier with learned positions (the
+    /// step's embedding adds the positions before it scales).
     pub fn step_computes(&self) -> bool {
-        self.head_dim * self.n_head == self.n_embd
-            && self.embedding_multiplier == 1.0
-            && self.attention_multiplier.is_none()
-            && self.residual_multiplier == 1.0
-            && self.logits_scaling == 1.0
+        self.embedding_multiplier == 1.0 || self.pos == PosEncoding::Rope
     }
 }
 
@@ -182,6 +179,11 @@ struct Lora {
     a: Var,
     b: Var,
     scale: f64,
+    /// Dropout on the adapter's input (`lora.dropout`; PEFT's `lora_dropout`) and its mask
+    /// site: one mask per layer and group of adapters that share their input
+    /// ([`dropout::site_lora`]), as the whole-model step draws it.
+    p: f64,
+    site: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -244,6 +246,8 @@ pub struct Model {
     /// The seed of the dropout masks ([`dropout`]: a mask is a function of the seed, the site
     /// and the element, drawn on the model's device).
     dropout_seed: u64,
+    /// Whether the forward in progress trains (set by [`Self::hidden`]; LoRA dropout).
+    training: bool,
 }
 
 struct Init<'a> {
@@ -362,6 +366,7 @@ impl Init<'_> {
 // The step's input types live with the step (kernels); the model builds them.
 pub use crate::engine::kernels::spec::{
     LinearWB, StepLayer, StepLora, StepMatrix, StepWeights, WeightBias, LORA_TARGETS,
+    LORA_TARGET_GROUP,
 };
 
 /// LoRA settings for [`Model::add_lora`].
@@ -371,6 +376,8 @@ pub struct LoraSpec {
     pub alpha: f64,
     /// Short names: q k v o up down gate.
     pub targets: Vec<String>,
+    /// Dropout probability on the adapters' input while training.
+    pub dropout: f64,
 }
 
 impl Model {
@@ -519,6 +526,7 @@ impl Model {
             mask,
             rope,
             dropout_seed: seed ^ 0xD5A0_9B1E,
+            training: false,
             shape,
         })
     }
@@ -563,7 +571,14 @@ impl Model {
                     (out, spec.r),
                     ParamKind::LoraB,
                 )?;
-                lin.lora = Some(Lora { a, b: bb, scale });
+                let target = LORA_TARGETS.iter().position(|t| *t == short).unwrap_or(0);
+                lin.lora = Some(Lora {
+                    a,
+                    b: bb,
+                    scale,
+                    p: spec.dropout.max(0.0),
+                    site: dropout::site_lora(i, LORA_TARGET_GROUP[target]),
+                });
             }
         }
         for p in &mut self.params {
@@ -773,7 +788,8 @@ impl Model {
         if let Some(lora) = &l.lora {
             let a = self.cast(&lora.a)?;
             let b = self.cast(&lora.b)?;
-            let delta = x2.matmul(&a.t()?)?.matmul(&b.t()?)?;
+            let xd = self.dropout_p(x2, lora.p, self.training, lora.site, Layout::Rows)?;
+            let delta = xd.matmul(&a.t()?)?.matmul(&b.t()?)?;
             y = (y + (delta * lora.scale)?)?;
         }
         Ok(y)
@@ -848,7 +864,18 @@ impl Model {
     /// Dropout of `x` (viewed as `[rows, last dim]`) at `site` ([`dropout`]'s sites and
     /// layouts): the mask is drawn where `x` lives — by a kernel on a GPU.
     fn dropout(&self, x: &Tensor, train: bool, site: u32, layout: Layout) -> Result<Tensor> {
-        let p = self.shape.dropout;
+        self.dropout_p(x, self.shape.dropout, train, site, layout)
+    }
+
+    /// [`Self::dropout`] with drop probability `p`.
+    fn dropout_p(
+        &self,
+        x: &Tensor,
+        p: f64,
+        train: bool,
+        site: u32,
+        layout: Layout,
+    ) -> Result<Tensor> {
         if !train || p <= 0.0 {
             return Ok(x.clone());
         }
@@ -966,6 +993,7 @@ impl Model {
     /// The final hidden states `[B·T, n_embd]` and the output projection `[vocab, n_embd]`
     /// (both in the compute dtype).
     fn hidden(&mut self, ids: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
+        self.training = train;
         let (bsz, t) = ids.dims2()?;
         let wte = self.cast(&self.wte)?;
         let mut x = if self.fused(self.shape.kernels.linear, &wte) && ids.dtype() == DType::U32 {
@@ -1106,6 +1134,18 @@ impl Model {
                     "; kernels.attention = false"
                 }
             ))
+        } else if !flash && hd * s.n_head != s.n_embd {
+            Some(format!(
+                "{} heads of {hd} ≠ n_embd {} at head dim {hd} (flash attention has head dims \
+                 64 and 128{})",
+                s.n_head,
+                s.n_embd,
+                if s.kernels.attention {
+                    ""
+                } else {
+                    "; kernels.attention = false"
+                }
+            ))
         } else if !flash && s.dropout > 0.0 {
             Some(format!(
                 "dropout at head dim {hd} (flash attention has head dims 64 and 128{})",
@@ -1116,10 +1156,7 @@ impl Model {
                 }
             ))
         } else if !s.step_computes() {
-            Some(
-                "a head dim other than n_embd / n_head, or Granite multipliers (per-op only)"
-                    .into(),
-            )
+            Some("an embedding multiplier with learned positions (per-op only)".into())
         } else if !self
             .params
             .iter()
@@ -1185,6 +1222,20 @@ impl Model {
             graphs: s.kernels.graphs,
             overlap: s.kernels.overlap,
             dropout: s.dropout.max(0.0),
+            embedding_multiplier: s.embedding_multiplier,
+            residual_multiplier: s.residual_multiplier,
+            logits_scaling: s.logits_scaling,
+            attention_scale: s.attention_scale(),
+            lora_dropout: self
+                .blocks
+                .iter()
+                .flat_map(|b| {
+                    [&b.q, &b.k, &b.v, &b.o, &b.up, &b.down]
+                        .into_iter()
+                        .chain(&b.gate)
+                })
+                .filter_map(|l| l.lora.as_ref().map(|a| a.p))
+                .fold(0.0, f64::max),
             layers,
             frozen_base: lora,
             recompute: s.recompute,
@@ -1303,6 +1354,7 @@ mod tests {
             r: 4,
             alpha: 8.0,
             targets: vec!["q".into(), "v".into()],
+            dropout: 0.0,
         };
         q.add_lora(&spec, 1).unwrap();
         // The quantized matrices are no parameters (not in checkpoints), yet counted.
@@ -1336,6 +1388,56 @@ mod tests {
         assert!(names.contains(&"model.layers.0.self_attn.q_proj.weight"));
         assert!(names.contains(&"model.layers.0.mlp.down_proj.weight"));
         assert!(names.iter().all(|n| !n.contains("lora")));
+    }
+
+    #[test]
+    fn lora_dropout_masks_the_adapters_input_while_training_only() {
+        let mut c = Config::default();
+        c.model.n_embd = 64;
+        let dev = Device::Cpu;
+        let build = |p: f64| {
+            let mut m = Model::new(Shape::from_config(&c, 32), DType::F32, &dev, 3).unwrap();
+            let spec = LoraSpec {
+                r: 4,
+                alpha: 8.0,
+                targets: ["q", "k", "v", "o", "up", "down"]
+                    .map(String::from)
+                    .to_vec(),
+                dropout: p,
+            };
+            m.add_lora(&spec, 1).unwrap();
+            // B starts at zero (the adapters would change nothing): give it values.
+            for p in m.params.iter().filter(|p| p.kind == ParamKind::LoraB) {
+                let t = p.var.as_tensor();
+                p.var
+                    .set(&(t.ones_like().unwrap() * 0.05).unwrap())
+                    .unwrap();
+            }
+            m.reseed_dropout(77);
+            m
+        };
+        let (mut plain, mut dropped) = (build(0.0), build(0.3));
+        let ids: Vec<u32> = (0..2 * 64).map(|i| (i * 5 % 32) as u32).collect();
+        let tg: Vec<u32> = (0..2 * 64).map(|i| ((i * 5 + 3) % 32) as u32).collect();
+        let x = Tensor::from_vec(ids, (2, 64), &dev).unwrap();
+        let y = Tensor::from_vec(tg, (2, 64), &dev).unwrap();
+        let loss =
+            |m: &mut Model, train: bool| m.loss(&x, &y, train).unwrap().to_scalar::<f32>().unwrap();
+        // Evaluation ignores it; training draws a mask, the same one for the same seed.
+        assert_eq!(loss(&mut plain, false), loss(&mut dropped, false));
+        let (a, b) = (loss(&mut dropped, true), loss(&mut dropped, true));
+        assert_eq!(a, b);
+        assert_ne!(a, loss(&mut plain, true));
+        dropped.reseed_dropout(78);
+        assert_ne!(a, loss(&mut dropped, true));
+        // The sites: one per layer and group of adapters that share an input.
+        let sites: std::collections::BTreeSet<u32> = dropped
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.q, &b.k, &b.v, &b.o, &b.up, &b.down])
+            .filter_map(|l| l.lora.as_ref().map(|a| a.site))
+            .collect();
+        assert_eq!(sites.len(), 4 * c.model.n_layer);
     }
 
     #[test]

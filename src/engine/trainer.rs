@@ -354,6 +354,7 @@ impl Trainer {
                 r: cfg.lora.r,
                 alpha: cfg.lora.alpha,
                 targets: cfg.lora.targets.clone(),
+                dropout: cfg.lora.dropout,
             };
             model.add_lora(&spec, cfg.run.seed)?;
         }
@@ -836,6 +837,18 @@ impl Trainer {
                 Ok(w) => {
                     let mut step = super::kernels::GptStep::new(&w)?;
                     step.set_profiling(self.profile_kernels);
+                    #[cfg(feature = "cuda")]
+                    if let Some(d) = self.dist.as_mut() {
+                        // (A collective: every rank builds its step at the same point.)
+                        if d.world() > 1 && self.cfg.distributed.overlap {
+                            let sum = d
+                                .grad_sum()
+                                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                            if let Some(sum) = sum {
+                                step.set_grad_sum(sum, self.cfg.distributed.bucket_mb)?;
+                            }
+                        }
+                    }
                     self.whole = Some(step);
                 }
                 Err(why) if self.device.is_cuda() && self.cfg.kernels.step => {
@@ -941,11 +954,15 @@ impl Trainer {
         whole.begin(std::mem::take(&mut self.weights_copied))?;
         let tokens = (self.micro_batch * self.model.shape.seq_len * self.accum) as f32;
         let g = if inject_nan { f32::NAN } else { 1.0 / tokens };
+        // Data parallel with the sums inside the step: the last micro-batch's backward sums
+        // the gradients over the ranks as it goes.
+        let summed = whole.overlaps_grad_sums();
         for a in 0..self.accum {
             let (batch, w) = self.loader.next_batch();
             wait += w;
             // The same masks as the per-op path draws (a pure function of this seed).
             whole.set_dropout_seed(super::dropout::micro_seed(self.cfg.run.seed, self.step, a));
+            whole.set_grad_sum_now(summed && a + 1 == self.accum);
             whole.micro(&batch.inputs, &batch.targets, batch.batch, g)?;
         }
         let mut sumsq_val = 0.0;
@@ -958,9 +975,12 @@ impl Trainer {
             let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             sumsq_val = super::kernels::sumsq(&ts)?;
             if lambda != 0.0 {
-                // d/dw of λ·Σw²/(2σ²)/N = 2·λ·coef·w, added to the CE gradient in place.
+                // d/dw of λ·Σw²/(2σ²)/N = 2·λ·coef·w, added to the CE gradient in place
+                // (to the ranks' sum already, when the step summed: world times, as the
+                // optimizer divides the sum by the world).
                 let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
-                whole.add_scaled_weights(&vars, 2.0 * lambda * coef)?;
+                let copies = if summed { self.world as f64 } else { 1.0 };
+                whole.add_scaled_weights(&vars, 2.0 * lambda * coef * copies)?;
             }
         }
         let ce = whole.loss()?;
@@ -1159,6 +1179,11 @@ fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tenso
 /// Refuse, before allocating anything, a model whose weights and optimizer state alone do not
 /// fit the memory the device has free (a config error naming the keys that size the model).
 fn check_fits(cfg: &Config, s: &Shape, device: &Device, store: DType) -> Result<(), EngineError> {
+    if cfg.optim.micro_batch == crate::config::MICRO_BATCH_AUTO {
+        return Err(EngineError::Config(
+            "optim.micro_batch = \"auto\" reached the engine unresolved (the front end tries the sizes that fit before the run starts)".into(),
+        ));
+    }
     let Some(free) = device::memory_free(device) else {
         return Ok(());
     };
@@ -1439,7 +1464,10 @@ impl Trainer {
         // The whole-model step's gradients are views of one flat buffer: summed in place in
         // one call, and the 1/world left to the optimizer's gradient scale (no copies).
         let flat = self.whole.as_ref().and_then(|w| w.grad_buffer());
+        let summed = self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums());
         let (grads, grad_scale) = match flat {
+            // (The step summed them already, bucket by bucket during the backward.)
+            Some(_) if summed => (grads, 1.0 / world as f64),
             Some(flat) => {
                 d.all_reduce_sum_in_place(flat)?;
                 (grads, 1.0 / world as f64)

@@ -6,7 +6,9 @@ use crate::advisor::MonitorUpdate;
 use crate::engine::events::{
     Command, EvalStats, Event, EventRx, FinishReason, RunInfo, ScuStats, StepStats,
 };
-use crate::util::{gb, human_count, human_duration};
+use crate::tui::fmt;
+use crate::tui::state::Eta;
+use crate::util::{human_count, human_duration};
 use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::Ordering;
@@ -14,6 +16,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
 pub use crate::process::SignalFlags;
+
+#[cfg(test)]
+pub(crate) mod fixtures;
 
 /// What the progress line knows.
 #[derive(Default)]
@@ -23,15 +28,22 @@ pub struct Progress {
     pub eval: Option<EvalStats>,
     pub scu: Option<ScuStats>,
     pub telemetry: Option<MonitorUpdate>,
+    /// The run is paused: no progress lines until it resumes.
+    pub paused: bool,
+    /// The time left, by the dashboard's formula.
+    pub eta: Eta,
 }
 
 impl Progress {
     pub fn observe(&mut self, ev: &Event) {
+        self.eta.observe(ev);
         match ev {
             Event::RunStarted(r) => self.run = Some(r.clone()),
             Event::Step(s) => self.step = Some(s.clone()),
             Event::Eval(e) => self.eval = Some(e.clone()),
             Event::Scu(s) => self.scu = Some(s.clone()),
+            Event::Paused { .. } => self.paused = true,
+            Event::Resumed { .. } | Event::Finished { .. } => self.paused = false,
             _ => {}
         }
     }
@@ -52,13 +64,9 @@ impl Progress {
         }
         parts.push(format!("lr {:.1e}", s.lr));
         parts.push(format!("{} tok/s", human_count(s.tokens_per_sec)));
-        let start = self.run.as_ref().map(|r| r.start_step).unwrap_or(0);
-        let done = s.step.saturating_sub(start).max(1) as f64;
-        let rate = s.elapsed_s / done;
-        parts.push(format!(
-            "ETA {}",
-            human_duration(rate * max.saturating_sub(s.step) as f64)
-        ));
+        if let Some(eta) = self.eta.eta_s(s.step, max) {
+            parts.push(format!("ETA {}", fmt::duration(eta)));
+        }
         if s.ranks.len() > 1 {
             let ms: Vec<String> = s
                 .ranks
@@ -84,10 +92,9 @@ impl Progress {
         if let Some(t) = &self.telemetry {
             for g in &t.snapshot.gpus {
                 let mut gpu = format!(
-                    "GPU{} {}/{}GB ({:.0}%)",
+                    "GPU{} {} ({:.0}%)",
                     g.index,
-                    gb(g.mem_used_bytes),
-                    gb(g.mem_total_bytes),
+                    fmt::bytes_of(g.mem_used_bytes, g.mem_total_bytes),
                     g.mem_used_frac() * 100.0
                 );
                 if let Some(u) = g.util_gpu {
@@ -162,8 +169,8 @@ pub fn event_line(ev: &Event) -> Option<String> {
             bytes,
             ms,
         } => format!(
-            "ckpt  step {step} | {path} ({:.1} MB, {ms:.0} ms)",
-            *bytes as f64 / 1e6
+            "ckpt  step {step} | {path} ({}, {ms:.0} ms)",
+            fmt::bytes(*bytes)
         ),
         Event::CommandApplied { step, detail, .. } => format!("cmd   step {step} | {detail}"),
         Event::CommandRejected {
@@ -188,9 +195,12 @@ pub fn event_line(ev: &Event) -> Option<String> {
                 human_duration(*elapsed_s)
             )
         }
-        Event::Paused { .. } | Event::Resumed { .. } | Event::Step(_) | Event::Scu(_) => {
-            return None
+        Event::Paused { step } => {
+            format!("pause step {step} | paused: no progress lines until the run resumes")
         }
+        // the run loop adds how long the pause lasted
+        Event::Resumed { step } => format!("resume step {step} | resumed"),
+        Event::Step(_) | Event::Scu(_) => return None,
     })
 }
 
@@ -281,6 +291,7 @@ pub fn run(
     let mut interrupted = false;
     let mut printed_step = 0;
     let mut advice = AdviceLines::default();
+    let mut paused_at: Option<Instant> = None;
     loop {
         if signals.terminate.load(Ordering::SeqCst) && !interrupted {
             interrupted = true;
@@ -313,7 +324,27 @@ pub fn run(
             Ok(ev) => {
                 p.observe(&ev);
                 if let Some(l) = event_line(&ev) {
-                    let _ = writeln!(out, "{l}");
+                    match (&ev, paused_at) {
+                        (Event::Resumed { .. }, Some(at)) => {
+                            let _ = writeln!(
+                                out,
+                                "{l} after {}",
+                                fmt::clock(at.elapsed().as_secs_f64())
+                            );
+                        }
+                        _ => {
+                            let _ = writeln!(out, "{l}");
+                        }
+                    }
+                }
+                match &ev {
+                    Event::Paused { .. } => paused_at = paused_at.or(Some(Instant::now())),
+                    Event::Resumed { .. } => {
+                        paused_at = None;
+                        // the next progress line comes a full interval after the resume
+                        last_line = Instant::now();
+                    }
+                    _ => {}
                 }
                 if let Event::Finished { reason, .. } = ev {
                     if let Some(l) = p
@@ -336,7 +367,7 @@ pub fn run(
                 }
             }
         }
-        if last_line.elapsed() >= log_every {
+        if last_line.elapsed() >= log_every && !p.paused {
             if let Some(l) = p.line() {
                 printed_step = p.step.as_ref().map(|s| s.step).unwrap_or(0);
                 let _ = writeln!(out, "{l}");
@@ -348,8 +379,131 @@ pub fn run(
 
 #[cfg(test)]
 mod tests {
-    use super::AdviceLines;
-    use crate::advisor::{Recommendation, Severity};
+    use super::fixtures::{run_info, step_stats};
+    use super::{AdviceLines, Output, SignalFlags};
+    use crate::advisor::{MonitorUpdate, Recommendation, Severity};
+    use crate::engine::events::{self, Event, FinishReason};
+    use crate::telemetry::{GpuSample, Snapshot};
+    use std::time::Duration;
+
+    fn step(step: u64) -> Event {
+        Event::Step(step_stats(step, step as f64 * 0.5, 500.0))
+    }
+
+    /// The headless output for these events, with a progress line after every event.
+    fn output(evs: Vec<Event>, telemetry: Option<MonitorUpdate>) -> String {
+        let (tx, rx) = events::channel(1000);
+        for ev in evs {
+            tx.send(ev);
+        }
+        let (cmd_tx, _cmd_rx) = std::sync::mpsc::channel();
+        let (tel_tx, tel_rx) = std::sync::mpsc::channel();
+        if let Some(u) = telemetry {
+            let _ = tel_tx.send(u);
+        }
+        let mut out = Vec::new();
+        super::run(
+            rx,
+            cmd_tx,
+            Some(tel_rx),
+            &SignalFlags::default(),
+            Duration::ZERO,
+            Output {
+                out: &mut out,
+                hangup_log: None,
+                run: None,
+            },
+        );
+        String::from_utf8(out).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_pause_prints_paused_and_resumed_instead_of_progress() {
+        let text = output(
+            vec![
+                Event::RunStarted(run_info()),
+                step(1),
+                step(2),
+                Event::Paused { step: 2 },
+                Event::Warning {
+                    step: 2,
+                    message: "while paused".into(),
+                },
+                Event::Resumed { step: 2 },
+                step(3),
+                Event::Finished {
+                    step: 3,
+                    reason: FinishReason::Completed,
+                    message: String::new(),
+                    elapsed_s: 2.0,
+                },
+            ],
+            None,
+        );
+        let lines: Vec<&str> = text.lines().collect();
+        let paused = lines
+            .iter()
+            .position(|l| l.starts_with("pause step 2 | paused"));
+        let resumed = lines
+            .iter()
+            .position(|l| l.starts_with("resume step 2 | resumed after 0:0"));
+        let (Some(paused), Some(resumed)) = (paused, resumed) else {
+            panic!("{text}");
+        };
+        assert!(
+            lines[paused + 1..resumed]
+                .iter()
+                .all(|l| !l.starts_with("step ")),
+            "no progress line while paused:\n{text}"
+        );
+        assert!(lines[..paused].iter().any(|l| l.starts_with("step 2/100")));
+        // the ETA by the dashboard's formula: 97 steps at 0.5 s (the paused interval left out)
+        assert!(
+            text.contains("step 3/100 | loss 2.000 | lr 1.0e-3 | 1.0k tok/s | ETA 49s"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn gpu_memory_and_checkpoints_are_in_binary_units() {
+        let gib = 1u64 << 30;
+        let update = MonitorUpdate {
+            snapshot: Snapshot {
+                timestamp_ms: 1,
+                gpus: vec![GpuSample {
+                    index: 0,
+                    mem_used_bytes: 8 * gib + gib / 5,
+                    mem_total_bytes: 16 * gib,
+                    util_gpu: Some(85),
+                    ..GpuSample::default()
+                }],
+                ..Snapshot::default()
+            },
+            advice: Vec::new(),
+            processes: Vec::new(),
+        };
+        let text = output(
+            vec![
+                Event::RunStarted(run_info()),
+                step(1),
+                Event::CheckpointSaved {
+                    step: 1,
+                    path: "runs/t/checkpoints/step-00000001".into(),
+                    bytes: 3 * gib / 2,
+                    ms: 12.0,
+                },
+                Event::Finished {
+                    step: 1,
+                    reason: FinishReason::Completed,
+                    message: String::new(),
+                    elapsed_s: 1.0,
+                },
+            ],
+            Some(update),
+        );
+        assert!(text.contains("GPU0 8.2/16.0 GiB (51%) util 85%"), "{text}");
+        assert!(text.contains("(1.5 GiB, 12 ms)"), "{text}");
+    }
 
     fn rec(id: &str, severity: Severity) -> Recommendation {
         Recommendation {

@@ -5,6 +5,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryIter};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use super::procstat::ProcSampler;
 use crate::advisor::{Advisor, AdvisorOptions, MonitorUpdate};
 use crate::engine::events::Event;
 use crate::telemetry::{
@@ -42,12 +43,12 @@ impl SnapshotSink for ToAdvisor {
 pub struct PipelineFeed(Sender<Input>);
 
 impl PipelineFeed {
-    /// Pass one engine event on (`RunStarted`, `Step` and `Finished` are used; other events
-    /// are ignored). A stopped pipeline drops it.
+    /// Pass one engine event on (`RunStarted`, `Step`, `Scu` and `Finished` are used; other
+    /// events are ignored). A stopped pipeline drops it.
     pub fn feed(&self, event: &Event) {
         if matches!(
             event,
-            Event::RunStarted(_) | Event::Step(_) | Event::Finished { .. }
+            Event::RunStarted(_) | Event::Step(_) | Event::Scu(_) | Event::Finished { .. }
         ) {
             let _ = self.0.send(Input::Event(Box::new(event.clone())));
         }
@@ -143,6 +144,8 @@ pub fn spawn_pipeline_with(
     opts: &MonitorOptions,
     advisor: AdvisorOptions,
 ) -> Result<Pipeline, TelemetryError> {
+    // a replay's processes ran on another machine: /proc here knows nothing of them
+    let procs = opts.replay.is_none().then(ProcSampler::default);
     let (kind, notice, body) = match &opts.replay {
         Some(path) => replay_parts(path, opts.replay_speed)?,
         None => live_parts(&SamplerOptions {
@@ -154,7 +157,7 @@ pub fn spawn_pipeline_with(
     let (update_tx, update_rx) = mpsc::channel();
     let worker = std::thread::Builder::new()
         .name("advisor".to_string())
-        .spawn(move || advise(Advisor::new(advisor), &input_rx, &update_tx))
+        .spawn(move || advise(Advisor::new(advisor), &input_rx, &update_tx, procs))
         .map_err(|source| TelemetryError::Spawn {
             name: "advisor",
             source,
@@ -175,15 +178,26 @@ pub fn spawn_pipeline_with(
     })
 }
 
-/// The advisor thread: judge each snapshot and pass the update on.
-fn advise(mut advisor: Advisor, input: &Receiver<Input>, updates: &Sender<MonitorUpdate>) {
+/// The advisor thread: judge each snapshot and pass the update on, with the host's view of
+/// the GPU processes when `procs` samples them.
+fn advise(
+    mut advisor: Advisor,
+    input: &Receiver<Input>,
+    updates: &Sender<MonitorUpdate>,
+    mut procs: Option<ProcSampler>,
+) {
     while let Ok(item) = input.recv() {
         match item {
             Input::Snapshot(snapshot) => {
                 advisor.observe_snapshot(&snapshot);
+                let processes = procs
+                    .as_mut()
+                    .map(|p| p.sample(&snapshot))
+                    .unwrap_or_default();
                 let update = MonitorUpdate {
                     snapshot,
                     advice: advisor.recommendations(),
+                    processes,
                 };
                 if updates.send(update).is_err() {
                     return;
@@ -219,26 +233,10 @@ mod tests {
 
     fn run(dtype: &str) -> Event {
         Event::RunStarted(RunInfo {
-            run_name: "r".into(),
-            run_dir: "runs/r".into(),
             device: "cuda:0".into(),
             dtype: dtype.into(),
-            dtype_reason: "configured".into(),
-            params_total: 1,
-            params_trainable: 1,
-            start_step: 0,
             max_steps: 10,
-            micro_batch: 1,
-            accum: 1,
-            seq_len: 8,
-            vocab_size: 8,
-            train_tokens: 80,
-            entropy_floor_bpt: None,
-            flops_per_token: 1.0,
-            peak_flops: None,
-            scu_enabled: false,
-            scu_target: 0.01,
-            summary: String::new(),
+            ..crate::headless::fixtures::run_info()
         })
     }
 
@@ -264,6 +262,7 @@ mod tests {
             Advisor::new(AdvisorOptions::instant()),
             &input_rx,
             &update_tx,
+            None,
         );
         let fp32: Vec<bool> = update_rx
             .try_iter()

@@ -395,6 +395,7 @@ mod tests {
                 ..Snapshot::default()
             },
             advice: Vec::new(),
+            processes: Vec::new(),
         }
     }
 

@@ -117,8 +117,9 @@ pub struct Notice {
 /// View settings the user toggles.
 #[derive(Clone, Debug, PartialEq)]
 pub struct UiState {
-    /// Draw the training loss EMA-smoothed (the raw loss is drawn faintly beneath).
-    pub smoothing: bool,
+    /// Loss smoothing: an index into [`SMOOTHING_LEVELS`](super::state::SMOOTHING_LEVELS)
+    /// (0: raw). Smoothed, the raw loss is drawn faintly beneath.
+    pub smoothing: usize,
     /// Charts show the recent window instead of the whole run.
     pub recent: bool,
     /// GPU panel with the focus.
@@ -132,7 +133,7 @@ pub struct UiState {
 impl Default for UiState {
     fn default() -> Self {
         UiState {
-            smoothing: true,
+            smoothing: 1,
             recent: false,
             focus_gpu: 0,
             overlay: Overlay::None,
@@ -161,6 +162,19 @@ pub enum RunStatus {
     EngineGone,
 }
 
+/// Who is looking at the run, for the header and the keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Viewer {
+    /// The process that runs the training (`cockpit train`): `q` asks whether to stop.
+    Owner,
+    /// `cockpit attach`: steers the run like its owner (batch, S*, checkpoint, pause); `q`
+    /// detaches; stopping the run needs `--allow-stop` (then `Q`, confirmed).
+    Attached {
+        /// Attached with `--allow-stop`.
+        allow_stop: bool,
+    },
+}
+
 /// The dashboard state machine.
 pub struct App {
     mode: Mode,
@@ -181,6 +195,8 @@ pub struct App {
     allow_stop: bool,
     /// Not live: e.g. a replayed trace (see [`TuiOptions::source`]).
     source: Option<String>,
+    /// The dashboard's clock (seconds, from [`App::tick`]): how long a pause has lasted.
+    now: f64,
 }
 
 impl App {
@@ -218,6 +234,34 @@ impl App {
             attached: opts.attached,
             allow_stop: opts.allow_stop,
             source: opts.source.clone(),
+            now: 0.0,
+        }
+    }
+
+    /// Advances the dashboard's clock (seconds since it started). The run loop calls it
+    /// every frame; nothing else in the app reads a clock.
+    pub fn tick(&mut self, now_s: f64) {
+        if now_s.is_finite() && now_s >= self.now {
+            self.now = now_s;
+        }
+    }
+
+    /// How long the run has been paused, while it is.
+    pub fn paused_for(&self) -> Option<f64> {
+        self.run
+            .paused_since
+            .filter(|_| self.run.paused && self.run.finished.is_none())
+            .map(|since| (self.now - since).max(0.0))
+    }
+
+    /// Who is looking at the run.
+    pub fn viewer(&self) -> Viewer {
+        if self.attached {
+            Viewer::Attached {
+                allow_stop: self.allow_stop,
+            }
+        } else {
+            Viewer::Owner
         }
     }
 
@@ -289,6 +333,7 @@ impl App {
 
     /// Applies one engine event.
     pub fn on_event(&mut self, event: Event) {
+        self.run.note(&event);
         match event {
             Event::RunStarted(info) => {
                 self.run.on_started(&info);
@@ -391,16 +436,24 @@ impl App {
                 );
             }
             Event::Paused { step } => {
+                if !self.run.paused {
+                    self.run.paused_since = Some(self.now);
+                }
                 self.run.paused = true;
                 self.commands
                     .confirm(CommandKind::PauseResume, step, "paused");
                 self.log.push(Some(step), LogLevel::Info, "paused");
             }
             Event::Resumed { step } => {
+                let text = match self.paused_for() {
+                    Some(s) => format!("resumed after {}", fmt::clock(s)),
+                    None => "resumed".to_string(),
+                };
                 self.run.paused = false;
+                self.run.paused_since = None;
                 self.commands
                     .confirm(CommandKind::PauseResume, step, "resumed");
-                self.log.push(Some(step), LogLevel::Info, "resumed");
+                self.log.push(Some(step), LogLevel::Info, text);
             }
             Event::Warning { step, message } => {
                 self.log.push(Some(step), LogLevel::Warn, message);
@@ -659,11 +712,28 @@ impl App {
                 None
             }
             KeyAction::Smoothing => {
-                self.ui.smoothing = !self.ui.smoothing;
+                let levels = super::state::SMOOTHING_LEVELS;
+                self.ui.smoothing = (self.ui.smoothing + 1) % levels.len();
+                let level = levels[self.ui.smoothing];
+                let text = if level == 0.0 {
+                    "loss smoothing off: the raw loss".to_string()
+                } else {
+                    format!("loss smoothing {level}: debiased EMA, the raw loss faint beneath")
+                };
+                self.notice(LogLevel::Info, text);
                 None
             }
             KeyAction::Window => {
                 self.ui.recent = !self.ui.recent;
+                let text = if self.ui.recent {
+                    format!(
+                        "charts: the last {} steps",
+                        fmt::count(self.run.recent_window())
+                    )
+                } else {
+                    "charts: the whole run".to_string()
+                };
+                self.notice(LogLevel::Info, text);
                 None
             }
             KeyAction::Quit => self.on_quit_key(),
@@ -673,6 +743,11 @@ impl App {
             | KeyAction::SetpointDown
             | KeyAction::Checkpoint
             | KeyAction::Pause => {
+                if let Some(source) = &self.source {
+                    let text = format!("{source}: nothing to steer (q leaves)");
+                    self.notice(LogLevel::Info, text);
+                    return None;
+                }
                 if !self.accepts_commands() {
                     let why = match self.status() {
                         RunStatus::Finished(_) => "the run has finished",
@@ -692,7 +767,7 @@ impl App {
         if !self.allow_stop {
             self.notice(
                 LogLevel::Warn,
-                "read-only viewer: attach with --allow-stop to stop the run (q detaches)",
+                "stopping the run needs `cockpit attach --allow-stop`; q detaches, the run goes on",
             );
             return None;
         }

@@ -107,6 +107,96 @@ pub fn bytes(b: u64) -> String {
     }
 }
 
+/// A pause or other wall-clock span as a clock: `0:42`, `12:03`, `1:02:03`.
+pub fn clock(seconds: f64) -> String {
+    if !seconds.is_finite() || seconds < 0.0 {
+        return "--".into();
+    }
+    let s = seconds.floor() as u64;
+    if s >= 3600 {
+        format!("{}:{:02}:{:02}", s / 3600, (s % 3600) / 60, s % 60)
+    } else {
+        format!("{}:{:02}", s / 60, s % 60)
+    }
+}
+
+/// Decimals that tell ticks `step` apart: `0.5` → 1, `0.25` → 2, `20` → 0.
+fn tick_decimals(step: f64) -> usize {
+    if !(step.is_finite() && step > 0.0) || step >= 1.0 {
+        return 0;
+    }
+    // the fewest decimals that print the step itself exactly (0.25 needs 2, 0.2 needs 1)
+    (0..=12)
+        .find(|&d| {
+            let scale = 10f64.powi(d as i32);
+            ((step * scale).round() - step * scale).abs() < 1e-6 * step * scale
+        })
+        .unwrap_or(12)
+}
+
+/// An axis tick with the decimals its spacing `step` calls for (`0.010`, `2.5`, `400`);
+/// scientific for very small or large values (`2e-4`, `1.5e6`).
+pub fn tick(v: f64, step: f64) -> String {
+    let a = v.abs();
+    if !v.is_finite() {
+        return "--".into();
+    }
+    if a < 1e-12 {
+        return "0".into();
+    }
+    if !(1e-3..1e6).contains(&a) || !(1e-4..1e6).contains(&step) {
+        let s = format!("{v:.1e}");
+        // 2.0e-4 → 2e-4
+        return s.replace(".0e", "e");
+    }
+    format!("{v:.*}", tick_decimals(step))
+}
+
+/// [`tick`] with a percent sign.
+pub fn tick_pct(v: f64, step: f64) -> String {
+    format!("{}%", tick(v, step))
+}
+
+/// A time axis tick, in seconds before now: `now`, `-30s`, `-2m`, `-1m30s`, `-1h`.
+pub fn ago(seconds: f64, _step: f64) -> String {
+    let s = (-seconds).round().max(0.0) as u64;
+    match s {
+        0 => "now".into(),
+        1..60 => format!("-{s}s"),
+        60..3600 if s.is_multiple_of(60) => format!("-{}m", s / 60),
+        60..3600 => format!("-{}m{:02}s", s / 60, s % 60),
+        _ if s.is_multiple_of(3600) => format!("-{}h", s / 3600),
+        _ => format!("-{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+/// A step tick: `950`, `1500`, `12k`, `12.5k`.
+pub fn step_tick(x: f64, _step: f64) -> String {
+    if x.abs() < 1e4 {
+        format!("{x:.0}")
+    } else if x.abs() < 1e6 {
+        let k = x / 1e3;
+        if (k - k.round()).abs() < 1e-9 {
+            format!("{k:.0}k")
+        } else {
+            format!("{k:.1}k")
+        }
+    } else {
+        si(x)
+    }
+}
+
+/// Used of total in one binary unit, the total's: `8.2/16.0 GiB`, `812/1024 MiB`.
+pub fn bytes_of(used: u64, total: u64) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    const GIB: f64 = MIB * 1024.0;
+    if total as f64 >= GIB {
+        format!("{:.1}/{:.1} GiB", used as f64 / GIB, total as f64 / GIB)
+    } else {
+        format!("{:.0}/{:.0} MiB", used as f64 / MIB, total as f64 / MIB)
+    }
+}
+
 /// A fraction as a percentage with two decimals: `1.25%`.
 pub fn pct2(fraction: f64) -> String {
     format!("{:.2}%", fraction * 100.0)
@@ -141,5 +231,18 @@ mod tests {
         assert_eq!(power_of_ten_short(-3.0), "1e-3");
         assert_eq!(power_of_ten_short((7.4e-4f64).log10()), "7e-4");
         assert_eq!(power_of_ten_short((0.03f64).log10()), "0.03");
+        assert_eq!(clock(42.7), "0:42");
+        assert_eq!(bytes_of(8 << 30, 16 << 30), "8.0/16.0 GiB");
+        assert_eq!(clock(3723.0), "1:02:03");
+        assert_eq!(tick(0.01, 0.002), "0.010");
+        assert_eq!(tick(2.5, 0.5), "2.5");
+        assert_eq!(tick(0.25, 0.25), "0.25");
+        assert_eq!(tick(400.0, 200.0), "400");
+        assert_eq!(tick(2e-4, 1e-4), "2e-4");
+        assert_eq!(tick_pct(1.5, 0.5), "1.5%");
+        assert_eq!(ago(0.0, 30.0), "now");
+        assert_eq!(ago(-90.0, 30.0), "-1m30s");
+        assert_eq!(ago(-120.0, 60.0), "-2m");
+        assert_eq!(step_tick(12_000.0, 1000.0), "12k");
     }
 }

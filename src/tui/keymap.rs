@@ -24,7 +24,7 @@ pub enum KeyAction {
     Checkpoint,
     /// Pause or resume training.
     Pause,
-    /// Toggle EMA smoothing of the training loss.
+    /// Cycle the loss smoothing: raw, then a debiased EMA of 0.6, 0.9, 0.98.
     Smoothing,
     /// Toggle the charts between the full run and the recent window.
     Window,
@@ -78,8 +78,8 @@ impl KeyAction {
             KeyAction::SetpointDown => "lower the SCU setpoint S*",
             KeyAction::Checkpoint => "write a checkpoint now",
             KeyAction::Pause => "pause / resume training",
-            KeyAction::Smoothing => "toggle loss EMA smoothing",
-            KeyAction::Window => "charts: full run / recent window",
+            KeyAction::Smoothing => "loss smoothing: 0 / 0.6 / 0.9 / 0.98",
+            KeyAction::Window => "charts: whole run / its last fifth",
             KeyAction::Focus => "focus the next GPU",
             KeyAction::Help => "show / hide this help",
             KeyAction::Quit => "quit (asks whether to save)",

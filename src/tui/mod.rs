@@ -17,7 +17,7 @@ pub mod term;
 pub mod theme;
 pub mod views;
 
-pub use app::{Action, App, Mode, QuitChoice, RunStatus, TuiExit, MIN_SETPOINT};
+pub use app::{Action, App, Mode, QuitChoice, RunStatus, TuiExit, Viewer, MIN_SETPOINT};
 pub use keymap::{KeyAction, KeyBinding, Keymap, KeymapError};
 pub use theme::{ColorSupport, Rgb, Theme, ThemeError};
 
@@ -42,12 +42,14 @@ pub struct TuiOptions {
     pub setpoint_step: f64,
     /// Also append the event log to this file.
     pub log_path: Option<PathBuf>,
-    /// Steps shown by the charts' recent-window view.
+    /// Steps kept at full resolution for the charts' recent-window view, which shows the last
+    /// fifth of the run (at least 10 steps, at most this many).
     pub recent_window: usize,
     /// Points kept per chart series for the whole run (thinned by halving beyond this).
     pub history_capacity: usize,
-    /// A viewer attached to a run owned by another process (`cockpit attach`): `q`, Ctrl+C
-    /// and signals detach and never stop the run.
+    /// A viewer attached to a run owned by another process (`cockpit attach`): it steers the
+    /// run like its owner, the header says it is attached, and `q`, Ctrl+C and signals
+    /// detach and never stop the run.
     pub attached: bool,
     /// An attached viewer may stop the run: `Q` opens the confirm popup (`q` still detaches).
     pub allow_stop: bool,

@@ -167,8 +167,10 @@ fn frames(
     log_file: &mut Option<LogFile>,
 ) -> anyhow::Result<()> {
     let tick = tick(opts.fps);
-    let mut next_frame = Instant::now();
+    let started = Instant::now();
+    let mut next_frame = started;
     'run: loop {
+        app.tick(started.elapsed().as_secs_f64());
         drain(app, sources);
         if let Some(file) = log_file.as_mut() {
             if let Err(e) = file.write_new(app) {

@@ -798,8 +798,9 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
         bf16_t* rr = res + (size_t)row * d;
         for (int j = lane; j < d; j += 32) {
             float u = to_f(yr[j]) + (bias != nullptr ? to_f(bias[j]) : 0.f);
-            if (thr) {
-                const uint32_t keep = drop_bits8(*seed, site, row, j >> 3, thr);
+            if (thr || dscale != 1.f) {
+                // (a mask and its scale, or Granite's residual multiplier alone)
+                const uint32_t keep = thr ? drop_bits8(*seed, site, row, j >> 3, thr) : 0xFFu;
                 u = (keep >> (j & 7)) & 1 ? __bfloat162float(__float2bfloat16(u)) * dscale : 0.f;
             }
             rr[j] = __float2bfloat16(to_f(src[j]) + u);
@@ -892,7 +893,7 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                     for (int i = 0; i < 4; i++) {
                         const float2 a = bf2f(r[c], i), e = bf2f(yv, i), f = bf2f(bv, i);
                         float u0 = e.x + f.x, u1 = e.y + f.y;
-                        if (thr) {
+                        if (thr || dscale != 1.f) {
                             // (rounded to bf16 first, as the per-op model's projection output)
                             u0 = __bfloat162float(__float2bfloat16(u0));
                             u1 = __bfloat162float(__float2bfloat16(u1));
@@ -1361,11 +1362,14 @@ extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t,
     }
 }
 
-// y = dropout(x) over bf16 [n, d] (rows layout; d a multiple of 8; y may be x): the
-// embedding's dropout, and in the backward the masked copies of the residual gradient.
+// y = dropout(x), or y += dropout(x) with acc, over bf16 [n, d] (rows layout; d a multiple of
+// 8; y may be x): the embedding's dropout, in the backward the masked copies of the residual
+// gradient, LoRA dropout (acc: the adapters' data gradient through their input's mask), and
+// with thr = 0 a plain scale (Granite's multipliers).
 extern "C" __global__ void dropout_rows_v8_bf16(const bf16_t* x, bf16_t* y, size_t total8, int d8,
                                                 const unsigned long long* __restrict__ seed,
-                                                uint32_t site, uint32_t thr, float dscale) {
+                                                uint32_t site, uint32_t thr, float dscale,
+                                                int acc) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     uint4* yv = reinterpret_cast<uint4*>(y);
     const unsigned long long sd = *seed;
@@ -1373,13 +1377,14 @@ extern "C" __global__ void dropout_rows_v8_bf16(const bf16_t* x, bf16_t* y, size
          q += (size_t)gridDim.x * blockDim.x) {
         const size_t row = q / d8;
         const uint32_t keep = drop_bits8(sd, site, row, (uint32_t)(q % d8), thr);
-        Bf8 a, o;
+        Bf8 a, b, o;
         a.u = xv[q];
+        b.u = acc ? yv[q] : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const float2 f = __bfloat1622float2(a.h[i]);
-            o.h[i] = __floats2bfloat162_rn((keep >> (2 * i)) & 1 ? f.x * dscale : 0.f,
-                                           (keep >> (2 * i + 1)) & 1 ? f.y * dscale : 0.f);
+            const float2 f = __bfloat1622float2(a.h[i]), g = __bfloat1622float2(b.h[i]);
+            o.h[i] = __floats2bfloat162_rn(g.x + ((keep >> (2 * i)) & 1 ? f.x * dscale : 0.f),
+                                           g.y + ((keep >> (2 * i + 1)) & 1 ? f.y * dscale : 0.f));
         }
         yv[q] = o.u;
     }

@@ -19,6 +19,8 @@
 //! composition runs, which is also the reference the GPU tests compare against.
 
 use candle_core::{DType, Tensor};
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod buckets;
 pub mod nf4;
 pub mod spec;
 
@@ -28,6 +30,8 @@ mod cuda;
 pub use cuda::*;
 #[cfg(feature = "cuda")]
 mod lt;
+#[cfg(feature = "cuda")]
+mod reduce;
 #[cfg(feature = "cuda")]
 mod side;
 #[cfg(feature = "cuda")]
@@ -216,6 +220,10 @@ mod step_stub {
         }
         pub fn set_head_chunk_rows(&mut self, _rows: Option<usize>) {}
         pub fn set_dropout_seed(&mut self, _seed: u64) {}
+        pub fn overlaps_grad_sums(&self) -> bool {
+            false
+        }
+        pub fn set_grad_sum_now(&mut self, _on: bool) {}
         pub fn set_profiling(&mut self, _on: bool) {}
         pub fn take_profile(&self) -> Result<Vec<crate::engine::events::KernelTime>> {
             Ok(Vec::new())

@@ -132,6 +132,11 @@ impl Side {
     }
 
     /// The main stream waits for everything queued on the side stream.
+    /// Record `event` on the side stream: everything queued there so far.
+    pub(super) fn mark(&self, event: CUevent) -> Result<()> {
+        Self::record(event, self.raw)
+    }
+
     pub(super) fn join(&self) -> Result<()> {
         if self.forked.replace(false) {
             Self::record(self.done, self.raw)?;

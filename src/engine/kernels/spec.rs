@@ -46,6 +46,11 @@ pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
 pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 
+/// The group of each of [`LORA_TARGETS`]: adapters that read the same input (q, k, v: the
+/// normed block input; gate, up: the normed MLP input) form one group, whose A matrices the
+/// step stacks into one matmul and whose input one LoRA-dropout mask covers.
+pub const LORA_TARGET_GROUP: [usize; 7] = [0, 0, 0, 1, 2, 2, 3];
+
 /// One transformer block's weights for the whole-model step.
 #[derive(Clone, Debug)]
 pub struct StepLayer {
@@ -93,6 +98,16 @@ pub struct StepWeights {
     /// Dropout probability (embedding, attention probabilities, block outputs; needs flash
     /// attention), masks from the dropout module's Philox as the candle model draws them.
     pub dropout: f64,
+    /// Dropout on the LoRA adapters' input (`lora.dropout`), one mask per layer and
+    /// [`LORA_TARGET_GROUP`] at the dropout module's `site_lora`.
+    pub lora_dropout: f64,
+    /// Granite's multipliers (1, 1, 1 elsewhere): on the embedding, on each block's attention
+    /// and MLP output before the residual add, and the logits' divisor.
+    pub embedding_multiplier: f64,
+    pub residual_multiplier: f64,
+    pub logits_scaling: f64,
+    /// The attention scores' scale: 1/√head_dim, or Granite's attention multiplier.
+    pub attention_scale: f64,
     pub layers: Vec<StepLayer>,
     /// LoRA fine-tuning: every base weight is frozen (one bf16 copy, no gradient, no
     /// optimizer state); only the adapters train.

@@ -43,10 +43,12 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Device, Result, Tensor, TensorId, Var};
 use half::bf16;
 
+use super::buckets;
 use super::cuda::{
     err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, with_ptrs, MODULE, PTX,
 };
 use super::lt::{Epi, Lt, Mm, Operand};
+use super::reduce::Overlap;
 use super::side::{Buf, Side};
 use super::spec::{LinearWB, StepLora, StepMatrix, StepWeights, LORA_TARGETS};
 use super::WeightCopy;
@@ -603,6 +605,9 @@ struct Lay {
     /// LoRA: per layer, each adapter's `x·Aᵀ` [N, r] (0: no adapter), and the `du` scratch.
     lora_u: Vec<[u64; 4]>,
     lora_du: u64,
+    /// LoRA dropout: the adapters' dropped input (forward) and their data gradient before its
+    /// mask (backward), `[N, widest adapted input]`; 0 without LoRA dropout.
+    lora_x: u64,
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     lse_att: Vec<u64>,
     fa_scratch: u64,
@@ -663,6 +668,10 @@ pub struct GptStep {
     /// The second stream of the backward's weight gradients and bias sums (None: one
     /// stream; unused while profiling, which times launches on one stream).
     side: Option<Side>,
+    /// Data parallel: the gradient buckets summed over the ranks while the backward runs
+    /// ([`Self::set_grad_sum`]), and whether this micro-batch sums them (the step's last).
+    sums: Option<Overlap>,
+    sum_now: bool,
     k: Kernels,
     n_layer: usize,
     c: usize,
@@ -672,6 +681,8 @@ pub struct GptStep {
     hd: usize,
     /// Width of the packed q|k|v projection: (H + 2·KV)·hd.
     qkv_out: usize,
+    /// The attention's width, n_head·head_dim (n_embd unless head_dim is explicit).
+    att_c: usize,
     /// RMSNorm (else LayerNorm).
     rms: bool,
     /// SwiGLU MLP (gate|up packed), else GELU.
@@ -721,6 +732,17 @@ pub struct GptStep {
     /// Rows per LM-head chunk, when set ([`Self::set_head_chunk_rows`]).
     head_chunk_rows: Option<usize>,
     drop_scale: f32,
+    /// LoRA dropout on the adapters' input: keep threshold (0: none) and scale.
+    lora_thr: u32,
+    lora_scale: f32,
+    /// Granite's multipliers (1 elsewhere): the embedding's, the attention blocks' and
+    /// MLPs' outputs' before the residual add (both applied with the dropout masks of those
+    /// sites), the attention score scale (1/√head_dim elsewhere) and 1/logits_scaling on the
+    /// final norm's output (hence on the logits).
+    emb_mult: f32,
+    res_mult: f32,
+    att_scale: f32,
+    logit_mult: f32,
     /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
     drop_seed: u64,
 }
@@ -747,13 +769,23 @@ impl GptStep {
         let hidden = first.up.0.rows()?;
         let swiglu = first.gate.is_some();
         let (n_head, n_kv_head) = (w.n_head, w.n_kv_head);
-        if n_head == 0 || c % n_head != 0 || !(c / n_head).is_multiple_of(2) {
+        // The heads' width comes from the q projection: n_head·head_dim, which an explicit
+        // head_dim (Mistral-Nemo-like) sets apart from n_embd.
+        let att_c = first.q.0.rows()?;
+        if n_head == 0 || att_c % n_head != 0 || !(att_c / n_head).is_multiple_of(2) {
             return Err(err(format!(
-                "whole-model step: n_embd {c} must split into n_head {n_head} heads of even size"
+                "whole-model step: the q projection's {att_c} outputs must split into n_head \
+                 {n_head} heads of even size"
             )));
         }
-        let hd = c / n_head;
+        let hd = att_c / n_head;
         let flash = w.flash && super::spec::FLASH_HEAD_DIMS.contains(&hd);
+        if att_c != c && !flash {
+            return Err(err(format!(
+                "whole-model step: heads {n_head}×{hd} wider or narrower than n_embd {c} need \
+                 flash attention (head dim 64 or 128)"
+            )));
+        }
         if n_kv_head == 0 || n_head % n_kv_head != 0 || (n_kv_head != n_head && !flash) {
             return Err(err(format!(
                 "whole-model step: {n_kv_head} key/value heads for {n_head} heads of size {hd} \
@@ -782,7 +814,7 @@ impl GptStep {
         };
         let tied = w.head.is_none();
         let wte_first = tied.then(|| lay.push(&w.wte, true));
-        let (h_out, kv_out) = (n_head * (c / n_head), n_kv_head * (c / n_head));
+        let (h_out, kv_out) = (n_head * hd, n_kv_head * hd);
         let up_col = if swiglu { hidden } else { 0 };
         let mut mats: Vec<([usize; 4], [Option<LoraIdx>; 7])> = Vec::new();
         for l in &w.layers {
@@ -915,12 +947,15 @@ impl GptStep {
             epilogues: w.epilogues,
             graphs: w.graphs,
             side,
+            sums: None,
+            sum_now: false,
             k,
             n_layer: layers.len(),
             c,
             n_head,
             n_kv_head,
             hd,
+            att_c,
             qkv_out: (n_head + 2 * n_kv_head) * hd,
             rms: w.rms,
             swiglu,
@@ -956,6 +991,12 @@ impl GptStep {
             recompute: w.recompute,
             head_chunk_rows: None,
             drop_scale: dropout::keep_scale(dropout::threshold(w.dropout)),
+            emb_mult: w.embedding_multiplier as f32,
+            res_mult: w.residual_multiplier as f32,
+            att_scale: w.attention_scale as f32,
+            logit_mult: (1.0 / w.logits_scaling) as f32,
+            lora_thr: dropout::threshold(w.lora_dropout),
+            lora_scale: dropout::keep_scale(dropout::threshold(w.lora_dropout)),
             drop_seed: 0,
         })
     }
@@ -1072,6 +1113,83 @@ impl GptStep {
         f()?;
         let end = self.stream.record_event(timing).w()?;
         prof.borrow_mut().push((name, start, end));
+        Ok(())
+    }
+
+    /// Data parallel: sum the gradients over the ranks with `sum` while the backward runs,
+    /// bucket by bucket from the top layer down (see `reduce.rs`), in the micro-batches
+    /// [`Self::set_grad_sum_now`] names. The step then runs its launches eagerly (no CUDA
+    /// graphs: the sums sit on another communicator's stream).
+    pub fn set_grad_sum(
+        &mut self,
+        sum: Box<dyn crate::distributed::GradSum>,
+        bucket_mb: f64,
+    ) -> Result<()> {
+        let min_len = ((bucket_mb * 1e6 / 4.0) as usize).max(1);
+        let runs: Vec<Vec<(usize, usize)>> =
+            self.layers.iter().map(|li| self.layer_runs(li)).collect();
+        let plan = buckets::plan(&runs, self.grad.elem_count(), min_len);
+        tracing::info!(
+            buckets = plan.len(),
+            bucket_mb,
+            "gradient sums overlap the backward"
+        );
+        self.sums = Some(Overlap::new(sum, &self.stream, plan)?);
+        self.graphs = false;
+        Ok(())
+    }
+
+    /// Whether the gradient sums run inside the step ([`Self::set_grad_sum`]).
+    pub fn overlaps_grad_sums(&self) -> bool {
+        self.sums.is_some()
+    }
+
+    /// Whether the next micro-batches sum the gradients over the ranks (the optimizer
+    /// step's last micro-batch does).
+    pub fn set_grad_sum_now(&mut self, on: bool) {
+        self.sum_now = on;
+    }
+
+    /// Layer `li`'s gradient runs in the flat buffer as (start, end) element offsets: its
+    /// trainable matrices and adapters, and its norms and biases in the zeroed tail.
+    fn layer_runs(&self, li: &LayerIdx) -> Vec<(usize, usize)> {
+        let mut ids = vec![li.qkv_w, li.o_w, li.up_w, li.down_w, li.ln1_w, li.ln2_w];
+        ids.extend(
+            [li.ln1_b, li.qkv_b, li.o_b, li.ln2_b, li.up_b, li.down_b]
+                .into_iter()
+                .flatten(),
+        );
+        ids.extend(li.lora.iter().flatten().flat_map(|ad| [ad.a, ad.b]));
+        let (mut head, mut tail) = (None::<(usize, usize)>, None::<(usize, usize)>);
+        for i in ids {
+            let e = &self.entries[i];
+            if e.frozen || e.ext || self.gt(i).is_none() {
+                continue;
+            }
+            let (s, end) = (e.off, e.off + e.n);
+            let run = if s < self.zero_from {
+                &mut head
+            } else {
+                &mut tail
+            };
+            *run = Some(run.map_or((s, end), |(a, b)| (a.min(s), b.max(end))));
+        }
+        [head, tail].into_iter().flatten().collect()
+    }
+
+    /// Enqueue the gradient sums of the buckets due after layer `after`'s backward (None:
+    /// after the whole backward, which then also waits for them); nothing unless this
+    /// micro-batch sums.
+    fn send_sums(&self, after: Option<usize>) -> Result<()> {
+        let Some(sums) = self.sums.as_ref().filter(|_| self.sum_now) else {
+            return Ok(());
+        };
+        for b in sums.buckets.iter().filter(|b| b.after == after) {
+            sums.send(b, self.grad_p, self.side())?;
+        }
+        if after.is_none() {
+            sums.join()?;
+        }
         Ok(())
     }
 
@@ -1536,7 +1654,8 @@ impl GptStep {
         let ln1_o = per_if(nc, &keep_ln1);
         let qkv_o = per_if(n * self.qkv_out, &attn_layers);
         let prob_o = per_if(probs, &attn_layers);
-        let atty_o = per_if(nc, &attn_layers);
+        let nac = n * self.att_c;
+        let atty_o = per_if(nac, &attn_layers);
         let mid_o = per_if(nc, &mlp_layers);
         let ln2_o = per_if(nc, &keep_ln2);
         // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
@@ -1548,7 +1667,8 @@ impl GptStep {
         let head_rows = self.head_rows(n);
         let logits = take(head_rows * self.vpad);
         let tmp = take(nc);
-        let da = take(nc);
+        // (d atty [N, n_head·head_dim], and the other [N, C] gradients)
+        let da = take(nc.max(nac));
         let dres = take(nc);
         let dh = take(n * up_out);
         let dact = take(if self.swiglu { n * f } else { 0 });
@@ -1559,7 +1679,7 @@ impl GptStep {
         let dyh = take(heads_len / 3);
         let dprob = take(probs);
         let drop = self.drop_thr > 0;
-        let dmask = take(if drop { nc } else { 0 });
+        let dmask = take(if self.res_scaled() { nc } else { 0 });
         // LoRA: each group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward), and one du
         // scratch of the widest group.
         let lora_u: Vec<[Option<usize>; 4]> = self
@@ -1580,6 +1700,13 @@ impl GptStep {
             .max()
             .unwrap_or(0);
         let lora_du = take(n * wmax);
+        let xmax = self
+            .layers
+            .iter()
+            .flat_map(|li| li.lora.iter().flatten().map(|ad| ad.inp))
+            .max()
+            .unwrap_or(0);
+        let lora_x = take(if self.lora_thr > 0 { n * xmax } else { 0 });
         let bf_len = next;
         // f32: the loss accumulator [N], then (flash) the per-layer attention
         // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
@@ -1588,7 +1715,7 @@ impl GptStep {
         let f_scratch = f_lse_att + l * align(bht);
         let f_stats = f_scratch
             + if self.flash {
-                align(nc) + align(bht)
+                align(nac) + align(bht)
             } else {
                 0
             };
@@ -1641,6 +1768,7 @@ impl GptStep {
             dmask: at(dmask),
             lora_u: lora_u.iter().map(|u| u.map(|o| o.map_or(0, at))).collect(),
             lora_du: at(lora_du),
+            lora_x: if self.lora_thr > 0 { at(lora_x) } else { 0 },
             mbits: (0..l)
                 .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
                 .collect(),
@@ -1937,8 +2065,10 @@ impl GptStep {
             a.lay.clone()
         };
         let thr = std::mem::replace(&mut self.drop_thr, 0);
+        let lora_thr = std::mem::replace(&mut self.lora_thr, 0);
         let run = self.forward(&lay, 0.0, false, false);
         self.drop_thr = thr;
+        self.lora_thr = lora_thr;
         run?;
         // The loss accumulator holds each token's loss: a mean per sequence.
         let v = self.token_losses()?;
@@ -2123,6 +2253,7 @@ impl GptStep {
         let n = a.b * self.t;
         let u = a.lora_u[l][g];
         let down = Lin::new(n, first.inp, width, width);
+        let x = self.lora_input(a, l, g, x, first.inp)?;
         self.mm("lora", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
@@ -2162,8 +2293,29 @@ impl GptStep {
             self.mm("lora", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
         }
         let down = Lin::new(n, a0.inp, width, width);
-        self.mm("lora", down.dw(x, du, self.g(a0.a)), true, 1.0, beta)?;
-        self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 1.0)
+        let xd = self.lora_input(a, l, g, x, a0.inp)?;
+        self.mm("lora", down.dw(xd, du, self.g(a0.a)), true, 1.0, beta)?;
+        if self.lora_thr == 0 {
+            return self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 1.0);
+        }
+        // dx += mask ⊙ (du·[A₁; A₂; …]), through the scratch that held the dropped input.
+        self.mm("lora", down.dx(du, self.w(a0.a), a.lora_x), false, 1.0, 0.0)?;
+        let site = dropout::site_lora(l, g);
+        let drop = (self.lora_thr, self.lora_scale);
+        self.drop_scaled(a, (a.lora_x, dx), (n, a0.inp), site, drop, true)
+    }
+
+    /// The adapters' input of group `g` of layer `l`: `x` itself, or with LoRA dropout
+    /// `x` through its mask into the `lora_x` scratch (`[N, inp]`).
+    fn lora_input(&self, a: &Lay, l: usize, g: usize, x: u64, inp: usize) -> Result<u64> {
+        if self.lora_thr == 0 {
+            return Ok(x);
+        }
+        let n = a.b * self.t;
+        let site = dropout::site_lora(l, g);
+        let drop = (self.lora_thr, self.lora_scale);
+        self.drop_scaled(a, (x, a.lora_x), (n, inp), site, drop, false)?;
+        Ok(a.lora_x)
     }
 
     /// One matmul through cuBLAS with `alpha` (the adapters' small matmuls).
@@ -2195,9 +2347,7 @@ impl GptStep {
                 Arg::I(i32_of(self.vocab, "vocab")?),
             ],
         )?;
-        if self.drop_thr > 0 {
-            self.drop_rows(a, a.res[0], a.res[0], n, dropout::site_embedding())?;
-        }
+        self.embed_scale(a, a.res[0], n)?;
         // LN1 of layer 0 (no residual add before it).
         let l0 = self.layers[0];
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
@@ -2222,6 +2372,7 @@ impl GptStep {
             );
             self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
         }
+        self.logit_scale(a, a.lnf, n)?;
         self.head_and_loss(a, g, first, grad)
     }
 
@@ -2251,7 +2402,8 @@ impl GptStep {
     /// "full" recompute).
     fn mlp_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
-        self.lin_fwd(a.atty[l], self.wl(li.o_w)?, a.tmp, Lin::new(n, c, c, c))?;
+        let o = Lin::new(n, self.att_c, c, c);
+        self.lin_fwd(a.atty[l], self.wl(li.o_w)?, a.tmp, o)?;
         self.lora_fwd(a, l, li, G_O, a.atty[l], a.tmp, c)?;
         let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
         let y = (
@@ -2427,11 +2579,12 @@ impl GptStep {
         let nc = n * c;
         let n_i = i32_of(n, "rows")?;
         // (The head's backward ran with the loss: `da` holds d(lnf).)
+        self.logit_scale(a, a.da, n)?;
         // d(final residual) = the final norm's backward
         let last = self.n_layer;
         // The norm backward sums the residual gradient's columns into the projection bias
         // below it as it goes — unless dropout sits between them.
-        let fuse = |g: u64| if self.drop_thr > 0 { 0 } else { g };
+        let fuse = |g: u64| if self.res_scaled() { 0 } else { g };
         let down_b = |l: usize| fuse(self.layers.get(l).map_or(0, |li| self.gb(li.down_b)));
         let mut down_b_done = self.norm_bwd(
             a.res[last],
@@ -2482,7 +2635,7 @@ impl GptStep {
                 self.attn_half_fwd(a, l, li)?;
             }
             // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
-            let o = Lin::new(n, c, c, c);
+            let o = Lin::new(n, self.att_c, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_attention_out(l))?;
             self.proj_grads(
                 (a.atty[l], dy, dy_buf),
@@ -2523,10 +2676,9 @@ impl GptStep {
                 true,
                 below,
             )?;
+            self.send_sums(Some(l))?;
         }
-        if self.drop_thr > 0 {
-            self.drop_rows(a, a.dres, a.dres, n, dropout::site_embedding())?;
-        }
+        self.embed_scale(a, a.dres, n)?;
         // embeddings: token rows by an atomic scatter, positions summed over the batch
         if let Some(gw) = self.gt(self.wte) {
             self.launch(
@@ -2545,6 +2697,7 @@ impl GptStep {
         if let Some(gp) = self.wpe.and_then(|i| self.gt(i)) {
             self.col_sum(a.dres, gp, b, t * c)?;
         }
+        self.send_sums(None)?;
         // The optimizer reads every gradient, and a capture must end joined.
         self.side().map_or(Ok(()), Side::join)
     }
@@ -2552,10 +2705,10 @@ impl GptStep {
     /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.
     fn attn_fwd(&self, a: &Lay, l: usize) -> Result<()> {
         let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
-        let hd = c / h;
+        let hd = self.hd;
         let nc = b * t * c;
         let bh = b * h;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = self.att_scale;
         if self.flash {
             let fk = self.flash_kernels();
             let kern = if self.drop_thr > 0 {
@@ -2629,10 +2782,11 @@ impl GptStep {
     /// The attention backward of layer `l`: `da` (d atty) → `dqkv`.
     fn attn_bwd(&self, a: &Lay, l: usize) -> Result<()> {
         let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
-        let hd = c / h;
-        let nc = b * t * c;
+        let hd = self.hd;
+        // (the dq accumulator at the scratch's start holds [B·T, n_head·head_dim])
+        let nc = b * t * self.att_c;
         let bh = b * h;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = self.att_scale;
         if self.flash {
             let (bi, ti, hi) = (i32_of(b, "B")?, i32_of(t, "T")?, i32_of(h, "H")?);
             let kvi = i32_of(self.n_kv_head, "KV heads")?;
@@ -2791,9 +2945,67 @@ impl GptStep {
         }
     }
 
-    /// `y = dropout(x)` over `[n, C]` at `site` (y may be x).
-    fn drop_rows(&self, a: &Lay, x: u64, y: u64, n: usize, site: u32) -> Result<()> {
-        let total8 = n * self.c / 8;
+    /// The output gradient of a projection whose output went through dropout at `site` into
+    /// the residual stream: `dres` through the mask (into `dmask`), or `dres` itself without
+    /// dropout; and the scratch buffer that is ([`Buf`], for the side stream's reads).
+    fn drop_grad(&self, a: &Lay, site: u32) -> Result<(u64, Buf)> {
+        if !self.res_scaled() {
+            return Ok((a.dres, Buf::Dres));
+        }
+        self.reclaim(Buf::Dmask)?;
+        let (rows, scale) = (a.b * self.t, self.keep_scale() * self.res_mult);
+        let drop = (self.drop_thr, scale);
+        self.drop_scaled(a, (a.dres, a.dmask), (rows, self.c), site, drop, false)?;
+        Ok((a.dmask, Buf::Dmask))
+    }
+
+    /// A kept element's dropout scale: 1 while dropout is off (an evaluation's forward).
+    fn keep_scale(&self) -> f32 {
+        if self.drop_thr > 0 {
+            self.drop_scale
+        } else {
+            1.0
+        }
+    }
+
+    /// Whether a mask or a scale sits between a block's output projections and the residual
+    /// stream (dropout, Granite's residual multiplier).
+    fn res_scaled(&self) -> bool {
+        self.drop_thr > 0 || self.res_mult != 1.0
+    }
+
+    /// The embedding's dropout and Granite's multiplier, in place on `x` (`[n, C]`), in the
+    /// forward and on its gradient in the backward.
+    fn embed_scale(&self, a: &Lay, x: u64, n: usize) -> Result<()> {
+        if self.drop_thr == 0 && self.emb_mult == 1.0 {
+            return Ok(());
+        }
+        let (site, scale) = (dropout::site_embedding(), self.keep_scale() * self.emb_mult);
+        self.drop_scaled(a, (x, x), (n, self.c), site, (self.drop_thr, scale), false)
+    }
+
+    /// Granite's 1/logits_scaling, in place on the final norm's output `[n, C]` (forward) and
+    /// on its gradient (backward): the logits and the head's gradients scale with it.
+    fn logit_scale(&self, a: &Lay, x: u64, n: usize) -> Result<()> {
+        if self.logit_mult == 1.0 {
+            return Ok(());
+        }
+        self.drop_scaled(a, (x, x), (n, self.c), 0, (0, self.logit_mult), false)
+    }
+
+    /// `y = scale·mask(x)` over `[rows, cols]` at `site` (`thr` 0: no mask, only the scale),
+    /// or `y += scale·mask(x)` with `acc`.
+    #[allow(clippy::too_many_arguments)]
+    fn drop_scaled(
+        &self,
+        a: &Lay,
+        (x, y): (u64, u64),
+        (rows, cols): (usize, usize),
+        site: u32,
+        (thr, scale): (u32, f32),
+        acc: bool,
+    ) -> Result<()> {
+        let total8 = rows * cols / 8;
         self.launch(
             &self.k.dropout_rows,
             flat_cfg(total8),
@@ -2801,25 +3013,14 @@ impl GptStep {
                 Arg::P(x),
                 Arg::P(y),
                 Arg::P(total8 as u64),
-                Arg::I(i32_of(self.c / 8, "n_embd")?),
+                Arg::I(i32_of(cols / 8, "cols")?),
                 Arg::P(a.seed),
                 Arg::U(site),
-                Arg::U(self.drop_thr),
-                Arg::F(self.drop_scale),
+                Arg::U(thr),
+                Arg::F(scale),
+                Arg::I(acc as i32),
             ],
         )
-    }
-
-    /// The output gradient of a projection whose output went through dropout at `site` into
-    /// the residual stream: `dres` through the mask (into `dmask`), or `dres` itself without
-    /// dropout; and the scratch buffer that is ([`Buf`], for the side stream's reads).
-    fn drop_grad(&self, a: &Lay, site: u32) -> Result<(u64, Buf)> {
-        if self.drop_thr == 0 {
-            return Ok((a.dres, Buf::Dres));
-        }
-        self.reclaim(Buf::Dmask)?;
-        self.drop_rows(a, a.dres, a.dmask, a.b * self.t, site)?;
-        Ok((a.dmask, Buf::Dmask))
     }
 
     /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
@@ -2857,7 +3058,9 @@ impl GptStep {
         out: u64,
         n: usize,
     ) -> Result<()> {
-        let thr = site.map_or(0, |_| self.drop_thr);
+        let (thr, scale) = site.map_or((0, 1.0), |_| {
+            (self.drop_thr, self.keep_scale() * self.res_mult)
+        });
         let mut args = vec![
             Arg::P(x),
             Arg::P(y),
@@ -2875,7 +3078,7 @@ impl GptStep {
             Arg::P(a.seed),
             Arg::U(site.unwrap_or(0)),
             Arg::U(thr),
-            Arg::F(self.drop_scale),
+            Arg::F(scale),
         ];
         match &self.k.norm_v8 {
             Some(v8) => {

@@ -1,127 +1,16 @@
-//! Step charts: loss (train, EMA, val), S-ratio with its setpoint and λ on a log scale,
-//! learning rate and gradient norm.
+//! Step charts: loss (train raw and smoothed, val with its error bars, the entropy floor and
+//! the best val, event marks), S-ratio with Ŝ and the setpoint, λ on a log scale, learning
+//! rate and gradient norm. Drawn by [`Plot`].
 
-use super::panel;
+use super::plot::{Mark, Plot, Trace, YScale};
 use crate::tui::fmt;
-use crate::tui::state::{History, RunState};
+use crate::tui::state::{History, MarkKind, RunState, SMOOTHING_LEVELS};
 use crate::tui::theme::{Level, Theme};
 use ratatui::buffer::Buffer;
-use ratatui::layout::{Alignment, Constraint, Layout, Rect};
+use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Modifier, Style};
-use ratatui::symbols::Marker;
-use ratatui::text::{Line, Span};
-use ratatui::widgets::{Axis, Chart, Dataset, GraphType, Paragraph, Widget};
-
-/// One line on a chart.
-pub struct Series<'a> {
-    /// Points, oldest first.
-    pub points: &'a [(f64, f64)],
-    /// Line colour.
-    pub style: Style,
-    /// How points are drawn: braille lines by default; `Marker::Dot` draws the points alone
-    /// (a scatter), for sparse series such as val loss that must stay visible.
-    pub marker: Marker,
-}
-
-/// A bordered line chart over a step range, with y bounds fitted to what is visible.
-pub struct SeriesChart<'a> {
-    /// Panel title.
-    pub title: Line<'a>,
-    /// Lines, drawn in order (the last on top).
-    pub series: Vec<Series<'a>>,
-    /// Steps shown; `None` before any data.
-    pub x_range: Option<(f64, f64)>,
-    /// Formats y-axis labels.
-    pub y_label: fn(f64) -> String,
-    /// Shown while there is nothing to draw.
-    pub empty_text: &'a str,
-    /// Colours.
-    pub theme: &'a Theme,
-}
-
-/// Min and max of the y values of points within `[x0, x1]`.
-fn y_bounds(series: &[Series<'_>], x0: f64, x1: f64) -> Option<(f64, f64)> {
-    let mut lo = f64::INFINITY;
-    let mut hi = f64::NEG_INFINITY;
-    for s in series {
-        for &(x, y) in s.points {
-            if x >= x0 && x <= x1 {
-                lo = lo.min(y);
-                hi = hi.max(y);
-            }
-        }
-    }
-    (lo.is_finite() && hi.is_finite()).then_some((lo, hi))
-}
-
-impl Widget for SeriesChart<'_> {
-    fn render(self, area: Rect, buf: &mut Buffer) {
-        let t = self.theme;
-        let block = panel(self.title, t, false);
-        let bounds = self
-            .x_range
-            .map(|(x0, x1)| (x0, if x1 > x0 { x1 } else { x0 + 1.0 }))
-            .and_then(|(x0, x1)| y_bounds(&self.series, x0, x1).map(|y| ((x0, x1), y)));
-        let Some(((x0, x1), (lo, hi))) = bounds else {
-            let inner = block.inner(area);
-            block.render(area, buf);
-            let [_, mid, _] = Layout::vertical([
-                Constraint::Fill(1),
-                Constraint::Length(1),
-                Constraint::Fill(1),
-            ])
-            .areas(inner);
-            Paragraph::new(Span::styled(self.empty_text, t.muted()))
-                .alignment(Alignment::Center)
-                .render(mid, buf);
-            return;
-        };
-        let pad = if hi > lo {
-            (hi - lo) * 0.05
-        } else {
-            (hi.abs() * 0.05).max(1e-9)
-        };
-        let (y0, y1) = (lo - pad, hi + pad);
-        let datasets = self
-            .series
-            .iter()
-            .map(|s| {
-                Dataset::default()
-                    .marker(s.marker)
-                    .graph_type(if s.marker == Marker::Dot {
-                        GraphType::Scatter
-                    } else {
-                        GraphType::Line
-                    })
-                    .style(s.style)
-                    .data(s.points)
-            })
-            .collect();
-        let y_label = self.y_label;
-        // a flat series gets one label, in the middle
-        let y_labels = if hi > lo {
-            [y_label(lo), y_label((lo + hi) / 2.0), y_label(hi)]
-        } else {
-            [String::new(), y_label(lo), String::new()]
-        };
-        Chart::new(datasets)
-            .block(block)
-            .style(t.base())
-            .x_axis(
-                Axis::default()
-                    .bounds([x0, x1])
-                    .labels([fmt::step(x0), fmt::step(x1)])
-                    .style(t.muted()),
-            )
-            .y_axis(
-                Axis::default()
-                    .bounds([y0, y1])
-                    .labels(y_labels)
-                    .style(t.muted()),
-            )
-            .render(area, buf);
-    }
-}
+use ratatui::text::Span;
+use ratatui::widgets::Widget;
 
 /// The part of a history a chart shows.
 fn visible(h: &History, x_range: Option<(f64, f64)>, recent: bool) -> &[(f64, f64)] {
@@ -135,27 +24,64 @@ fn last_y(h: &History) -> Option<f64> {
     h.last().map(|p| p.1)
 }
 
-/// "━ name value" in a series colour, for chart titles.
+/// "━ name value " in a series colour, for chart titles.
 fn legend(
     name: &str,
     value: Option<f64>,
     style: Style,
     format: fn(f64) -> String,
-) -> Span<'static> {
+) -> Vec<Span<'static>> {
     let value = value.map_or("--".to_string(), format);
-    if name.is_empty() {
-        Span::styled(format!("━ {value} "), style)
+    let text = if name.is_empty() {
+        format!("━ {value} ")
     } else {
-        Span::styled(format!("━ {name} {value} "), style)
+        format!("━ {name} {value} ")
+    };
+    vec![Span::styled(text, style)]
+}
+
+fn title(text: &str, theme: &Theme) -> Vec<Span<'static>> {
+    vec![Span::styled(format!(" {text} "), theme.title())]
+}
+
+/// The glyph style of a chart mark.
+fn mark_style(kind: MarkKind, theme: &Theme) -> Style {
+    let style = match kind {
+        MarkKind::Restore => theme.level(Level::Critical),
+        MarkKind::Pause => theme.level(Level::Warn),
+        MarkKind::Checkpoint => theme.level(Level::Ok),
+        MarkKind::Batch | MarkKind::Setpoint => theme.accent(),
+    };
+    style.add_modifier(Modifier::BOLD)
+}
+
+/// The run's events as chart marks.
+fn marks(run: &RunState, theme: &Theme) -> Vec<Mark> {
+    run.marks
+        .iter()
+        .map(|&(step, kind)| Mark {
+            x: step as f64,
+            glyph: kind.glyph(),
+            style: mark_style(kind, theme),
+        })
+        .collect()
+}
+
+/// "last 120 steps" or "full run".
+fn window_label(run: &RunState, recent: bool) -> String {
+    if recent {
+        format!("last {} steps", fmt::count(run.recent_window()))
+    } else {
+        "full run".to_string()
     }
 }
 
-/// Train loss (raw and EMA) and validation loss.
+/// Train loss (raw and smoothed), validation loss with its error bars, and reference lines.
 pub struct LossChartView<'a> {
     /// The run to draw.
     pub run: &'a RunState,
-    /// Draw the EMA (raw loss muted beneath) instead of the raw loss.
-    pub smoothing: bool,
+    /// Smoothing level: an index into [`SMOOTHING_LEVELS`] (0: raw).
+    pub smoothing: usize,
     /// Show the recent window instead of the whole run.
     pub recent: bool,
     /// Colours.
@@ -166,86 +92,110 @@ impl Widget for LossChartView<'_> {
     fn render(self, area: Rect, buf: &mut Buffer) {
         let t = self.theme;
         let c = t.colors();
-        let s = &self.run.series;
-        let x_range = self.run.x_range(self.recent);
+        let run = self.run;
+        let s = &run.series;
+        let x_range = run.x_range(self.recent);
         let train = Style::new().fg(c.train_loss);
         let val = Style::new().fg(c.val_loss).add_modifier(Modifier::BOLD);
-        // With smoothing on the raw series is drawn muted; its legend matches.
-        let raw = if self.smoothing { t.muted() } else { train };
-        let mut title = vec![
-            Span::styled(" loss ", t.title()),
-            legend("train", last_y(&s.train_loss), raw, fmt::value),
-        ];
-        let mut series = Vec::new();
-        if self.smoothing {
-            title.push(legend("ema", last_y(&s.train_loss_ema), train, fmt::value));
-            series.push(Series {
-                points: visible(&s.train_loss, x_range, self.recent),
+        let level = self.smoothing.min(SMOOTHING_LEVELS.len() - 1);
+        let beta = SMOOTHING_LEVELS[level];
+        let smoothed = run.train_loss_at(level);
+
+        let mut title_parts = vec![title("loss", t)];
+        let mut traces = Vec::new();
+        // reference lines first: everything else is drawn over them
+        if let Some(floor) = run.info.as_ref().and_then(|i| i.entropy_floor_bpt) {
+            traces.push(Trace::Level {
+                y: floor * std::f64::consts::LN_2,
                 style: t.muted(),
-                marker: Marker::Braille,
-            });
-            series.push(Series {
-                points: visible(&s.train_loss_ema, x_range, self.recent),
-                style: train,
-                marker: Marker::Braille,
-            });
-        } else {
-            series.push(Series {
-                points: visible(&s.train_loss, x_range, self.recent),
-                style: train,
-                marker: Marker::Braille,
             });
         }
-        title.push(
-            match self
-                .run
-                .last_eval
-                .as_ref()
-                .filter(|e| e.val_loss_se.is_finite())
-            {
-                Some(e) => Span::styled(
+        let best_val = s
+            .val_loss
+            .full()
+            .iter()
+            .map(|p| p.1)
+            .fold(f64::INFINITY, f64::min);
+        if s.val_loss.full().len() >= 2 && best_val.is_finite() {
+            traces.push(Trace::Level {
+                y: best_val,
+                style: Style::new().fg(c.val_loss),
+            });
+        }
+        if level == 0 {
+            title_parts.push(legend("train", last_y(&s.train_loss), train, fmt::value));
+        } else {
+            let mut part = legend("train", last_y(smoothed), train, fmt::value);
+            part.push(Span::styled(
+                format!(
+                    "(raw {}) ",
+                    last_y(&s.train_loss).map_or("--".into(), fmt::value)
+                ),
+                t.muted(),
+            ));
+            title_parts.push(part);
+            traces.push(Trace::Line {
+                points: visible(&s.train_loss, x_range, self.recent),
+                style: t.muted(),
+                dashed: false,
+            });
+        }
+        traces.push(Trace::Line {
+            points: visible(smoothed, x_range, self.recent),
+            style: train,
+            dashed: false,
+        });
+        title_parts.push(
+            match run.last_eval.as_ref().filter(|e| e.val_loss_se.is_finite()) {
+                Some(e) => vec![Span::styled(
                     format!(
-                        "━ val {} ±{} ",
+                        "● val {} ±{} ",
                         fmt::value(e.val_loss),
                         fmt::value(e.val_loss_se)
                     ),
                     val,
-                ),
-                None => legend("val", last_y(&s.val_loss), val, fmt::value),
+                )],
+                None => vec![Span::styled(
+                    format!(
+                        "● val {} ",
+                        last_y(&s.val_loss).map_or("--".into(), fmt::value)
+                    ),
+                    val,
+                )],
             },
         );
-        // The standard-error band: muted dots above and below each eval.
-        for band in [&s.val_lo, &s.val_hi] {
-            series.push(Series {
-                points: visible(band, x_range, self.recent),
-                style: t.muted(),
-                marker: Marker::Dot,
-            });
-        }
-        series.push(Series {
+        traces.push(Trace::Bars {
+            lo: visible(&s.val_lo, x_range, self.recent),
+            hi: visible(&s.val_hi, x_range, self.recent),
+            style: Style::new().fg(c.val_loss),
+        });
+        traces.push(Trace::Points {
             points: visible(&s.val_loss, x_range, self.recent),
             style: val,
-            marker: Marker::Dot,
+            glyph: '●',
         });
-        let window = if self.recent {
-            format!("last {} steps", fmt::count(self.run.recent_window() as u64))
+        // the window first (`w` must show), then the smoothing (`s`)
+        if self.recent {
+            title_parts.push(vec![Span::styled(
+                format!("· {} ", window_label(run, true)),
+                t.muted(),
+            )]);
+        }
+        let smoothing = if level == 0 {
+            "raw".to_string()
         } else {
-            "full run".to_string()
+            format!("ema {beta}")
         };
-        title.push(Span::styled(
-            format!(
-                "· {} · {window} ",
-                if self.smoothing { "EMA" } else { "raw" }
-            ),
-            t.muted(),
-        ));
-        SeriesChart {
-            title: Line::from(title),
-            series,
-            x_range,
-            y_label: fmt::value,
-            empty_text: "waiting for the first step…",
-            theme: t,
+        title_parts.push(vec![Span::styled(format!("· {smoothing} "), t.muted())]);
+        Plot {
+            marks: marks(run, t),
+            ..Plot::over_steps(
+                title_parts,
+                traces,
+                x_range,
+                "waiting for the first step…",
+                t,
+            )
         }
         .render(area, buf);
     }
@@ -255,7 +205,8 @@ fn percent_label(v: f64) -> String {
     format!("{v:.2}%")
 }
 
-/// S-ratio with the setpoint line, and λ on a log scale beside it.
+/// S-ratio (raw, and the smoothed Ŝ the controller acts on) with the setpoint line, and λ
+/// on a log scale beside it.
 pub struct ScuChartView<'a> {
     /// The run to draw.
     pub run: &'a RunState,
@@ -265,93 +216,102 @@ pub struct ScuChartView<'a> {
     pub theme: &'a Theme,
 }
 
+/// An empty chart with a title and a message.
+fn empty_chart(name: &str, text: &str, theme: &Theme, area: Rect, buf: &mut Buffer) {
+    Plot::over_steps(vec![title(name, theme)], Vec::new(), None, text, theme).render(area, buf);
+}
+
 impl Widget for ScuChartView<'_> {
     fn render(self, area: Rect, buf: &mut Buffer) {
         let t = self.theme;
         let c = t.colors();
-        let s = &self.run.series;
-        let enabled = self.run.info.as_ref().is_some_and(|i| i.scu_enabled);
+        let run = self.run;
+        let s = &run.series;
+        let enabled = run.info.as_ref().is_some_and(|i| i.scu_enabled);
         if !enabled {
-            SeriesChart {
-                title: Line::from(Span::styled(" SCU ", t.title())),
-                series: Vec::new(),
-                x_range: None,
-                y_label: percent_label,
-                empty_text: if self.run.info.is_some() {
-                    "SCU is off in this run"
-                } else {
-                    "waiting for the run…"
-                },
-                theme: t,
-            }
-            .render(area, buf);
+            let text = if run.info.is_some() {
+                "SCU is off in this run"
+            } else {
+                "waiting for the run…"
+            };
+            empty_chart("SCU", text, t, area, buf);
             return;
         }
-        let x_range = self.run.x_range(self.recent);
+        let x_range = run.x_range(self.recent);
         let [s_area, lambda_area] =
             Layout::horizontal([Constraint::Fill(3), Constraint::Fill(2)]).areas(area);
 
         let s_style = Style::new().fg(c.s_ratio);
         let setpoint_style = Style::new().fg(c.setpoint);
-        let mut title = vec![
-            Span::styled(" S-ratio ", t.title()),
-            legend("", last_y(&s.s_ratio), s_style, percent_label),
+        let mut title_parts = vec![
+            title("S", t),
+            legend("Ŝ", last_y(&s.s_hat), s_style, percent_label),
             legend(
                 "S*",
-                self.run.setpoint.map(|v| v * 100.0),
+                run.setpoint.map(|v| v * 100.0),
                 setpoint_style,
                 percent_label,
             ),
+            vec![Span::styled(
+                format!(
+                    "(raw {}) ",
+                    last_y(&s.s_ratio).map_or("--".into(), percent_label)
+                ),
+                t.muted(),
+            )],
         ];
-        if let Some(scu) = &self.run.last_scu {
+        if let Some(scu) = &run.last_scu {
             if !scu.control {
-                title.push(Span::styled("· control off ", t.muted()));
-            } else if self.run.converged {
-                title.push(Span::styled("· converged ", t.level(Level::Ok)));
+                title_parts.push(vec![Span::styled("· control off ", t.muted())]);
+            } else if run.converged {
+                title_parts.push(vec![Span::styled("· converged ", t.level(Level::Ok))]);
             }
         }
-        SeriesChart {
-            title: Line::from(title),
-            series: vec![
-                Series {
-                    points: visible(&s.setpoint, x_range, self.recent),
-                    style: setpoint_style,
-                    marker: Marker::Braille,
-                },
-                Series {
-                    points: visible(&s.s_ratio, x_range, self.recent),
-                    style: s_style,
-                    marker: Marker::Braille,
-                },
-            ],
-            x_range,
-            y_label: percent_label,
-            empty_text: "waiting for SCU…",
-            theme: t,
+        // raw S faint, then Ŝ, then the setpoint on top: where they cross, the cells hold
+        // the dots of both
+        let traces = vec![
+            Trace::Line {
+                points: visible(&s.s_ratio, x_range, self.recent),
+                style: t.muted(),
+                dashed: false,
+            },
+            Trace::Line {
+                points: visible(&s.s_hat, x_range, self.recent),
+                style: s_style,
+                dashed: false,
+            },
+            Trace::Line {
+                points: visible(&s.setpoint, x_range, self.recent),
+                style: setpoint_style,
+                dashed: true,
+            },
+        ];
+        Plot {
+            y_label: fmt::tick_pct,
+            ..Plot::over_steps(title_parts, traces, x_range, "waiting for SCU…", t)
         }
         .render(s_area, buf);
 
         let lambda_style = Style::new().fg(c.lambda);
-        SeriesChart {
-            title: Line::from(vec![
-                Span::styled(" λ ", t.title()),
-                legend(
-                    "",
-                    last_y(&s.lambda_log10).map(|e| 10f64.powf(e)),
-                    lambda_style,
-                    fmt::value,
-                ),
-                Span::styled("(log) ", t.muted()),
-            ]),
-            series: vec![Series {
-                points: visible(&s.lambda_log10, x_range, self.recent),
-                style: lambda_style,
-                marker: Marker::Braille,
-            }],
-            x_range,
-            y_label: fmt::power_of_ten_short,
-            empty_text: "waiting for λ…",
-            theme: t,
+        let lambda_title = vec![
+            title("λ", t),
+            legend(
+                "",
+                last_y(&s.lambda_log10).map(|e| 10f64.powf(e)),
+                lambda_style,
+                fmt::value,
+            ),
+            vec![Span::styled("(log) ", t.muted())],
+        ];
+        let traces = vec![Trace::Line {
+            points: visible(&s.lambda_log10, x_range, self.recent),
+            style: lambda_style,
+            dashed: false,
+        }];
+        Plot {
+            y_scale: YScale::Log10,
+            y_label: |e, _| fmt::power_of_ten_short(e),
+            ..Plot::over_steps(lambda_title, traces, x_range, "waiting for λ…", t)
         }
         .render(lambda_area, buf);
     }
@@ -375,39 +335,21 @@ impl Widget for OptimChartsView<'_> {
         let x_range = self.run.x_range(self.recent);
         let [lr_area, gn_area] =
             Layout::horizontal([Constraint::Fill(1), Constraint::Fill(1)]).areas(area);
-        let lr_style = Style::new().fg(c.lr);
-        SeriesChart {
-            title: Line::from(vec![
-                Span::styled(" lr ", t.title()),
-                legend("", last_y(&s.lr), lr_style, fmt::value),
-            ]),
-            series: vec![Series {
-                points: visible(&s.lr, x_range, self.recent),
-                style: lr_style,
-                marker: Marker::Braille,
-            }],
-            x_range,
-            y_label: fmt::value,
-            empty_text: "waiting…",
-            theme: t,
+        for (name, history, color, rect) in [
+            ("lr", &s.lr, c.lr, lr_area),
+            ("grad-norm", &s.grad_norm, c.grad_norm, gn_area),
+        ] {
+            let style = Style::new().fg(color);
+            let traces = vec![Trace::Line {
+                points: visible(history, x_range, self.recent),
+                style,
+                dashed: false,
+            }];
+            let name_and_value = vec![
+                title(name, t),
+                legend("", last_y(history), style, fmt::value),
+            ];
+            Plot::over_steps(name_and_value, traces, x_range, "waiting…", t).render(rect, buf);
         }
-        .render(lr_area, buf);
-        let gn_style = Style::new().fg(c.grad_norm);
-        SeriesChart {
-            title: Line::from(vec![
-                Span::styled(" grad-norm ", t.title()),
-                legend("", last_y(&s.grad_norm), gn_style, fmt::value),
-            ]),
-            series: vec![Series {
-                points: visible(&s.grad_norm, x_range, self.recent),
-                style: gn_style,
-                marker: Marker::Braille,
-            }],
-            x_range,
-            y_label: fmt::value,
-            empty_text: "waiting…",
-            theme: t,
-        }
-        .render(gn_area, buf);
     }
 }

@@ -1,6 +1,6 @@
 //! The footer: the latest command outcome or notice on the left, keys on the right.
 
-use crate::tui::app::{Mode, Notice, RunStatus};
+use crate::tui::app::{Mode, Notice, RunStatus, Viewer};
 use crate::tui::fmt;
 use crate::tui::keymap::{KeyAction, Keymap};
 use crate::tui::state::{CommandState, CommandStatus, LogLevel};
@@ -25,6 +25,12 @@ pub struct FooterView<'a> {
     pub keymap: &'a Keymap,
     /// The run is paused (the pause key then reads "resume").
     pub paused: bool,
+    /// Who is looking: an attached viewer's `q` detaches.
+    pub viewer: Viewer,
+    /// GPU panels shown (the focus key only with two or more).
+    pub gpu_panels: usize,
+    /// Whether the run has SCU on (the setpoint keys only then).
+    pub scu: bool,
     /// Colours.
     pub theme: &'a Theme,
 }
@@ -106,14 +112,18 @@ impl FooterView<'_> {
         Some(line)
     }
 
-    /// Key hints, most important first.
+    /// Key hints, most important first: only keys that do something here and now.
     fn hints(&self) -> Vec<(String, &'static str)> {
         let k = |a| self.keymap.key(a).to_string();
-        let mut hints = vec![(k(KeyAction::Help), "help"), (k(KeyAction::Quit), "quit")];
-        let steerable = matches!(
-            self.status,
-            RunStatus::Waiting | RunStatus::Running | RunStatus::Paused
-        );
+        let quit = match (self.mode, self.viewer) {
+            (Mode::Training, Viewer::Attached { .. }) => "detach",
+            _ => "quit",
+        };
+        let mut hints = vec![(k(KeyAction::Help), "help"), (k(KeyAction::Quit), quit)];
+        if let (Mode::Training, Viewer::Attached { allow_stop: true }) = (self.mode, self.viewer) {
+            hints.push(("Q".to_string(), "stop"));
+        }
+        let steerable = matches!(self.status, RunStatus::Running | RunStatus::Paused);
         if self.mode == Mode::Training && steerable {
             hints.push((
                 k(KeyAction::Pause),
@@ -123,52 +133,62 @@ impl FooterView<'_> {
                 format!("{}/{}", k(KeyAction::BatchUp), k(KeyAction::BatchDown)),
                 "batch",
             ));
-            hints.push((
-                format!(
-                    "{}/{}",
-                    k(KeyAction::SetpointUp),
-                    k(KeyAction::SetpointDown)
-                ),
-                "S*",
-            ));
+            if self.scu {
+                hints.push((
+                    format!(
+                        "{}/{}",
+                        k(KeyAction::SetpointUp),
+                        k(KeyAction::SetpointDown)
+                    ),
+                    "S*",
+                ));
+            }
             hints.push((k(KeyAction::Checkpoint), "ckpt"));
         }
-        if self.mode == Mode::Training {
+        if self.mode == Mode::Training && self.status != RunStatus::Waiting {
             hints.push((k(KeyAction::Smoothing), "smooth"));
             hints.push((k(KeyAction::Window), "window"));
         }
-        hints.push((k(KeyAction::Focus), "next GPU"));
+        if self.gpu_panels > 1 {
+            hints.push((k(KeyAction::Focus), "next GPU"));
+        }
         hints
     }
+}
+
+/// Columns one hint takes: "key label" and two spaces.
+fn hint_width(key: &str, label: &str) -> u16 {
+    (super::text_width(key) + 1 + label.len() + 2) as u16
 }
 
 impl Widget for FooterView<'_> {
     fn render(self, area: Rect, buf: &mut Buffer) {
         let t = self.theme;
         let status = self.status_line();
-        let status_width = status.as_ref().map_or(0, |l| l.width() as u16);
-        // keys get what the status leaves, but always room for the help key
+        // Keys first: they get what they need up to half the line (the help and quit keys
+        // always); the status takes the rest, elided with "…" when long.
+        let hints = self.hints();
+        let cap = (area.width / 2).max(hint_width("?", "help") + hint_width("q", "quit"));
         let mut keys: Vec<Span<'static>> = Vec::new();
         let mut used = 0u16;
-        let budget = area
-            .width
-            .saturating_sub(status_width.saturating_add(2))
-            .max(10.min(area.width));
-        for (key, label) in self.hints() {
-            // "key label" plus three spaces of gap
-            let w = (key.chars().count() + 1 + label.len() + 3) as u16;
-            if used + w > budget {
+        for (i, (key, label)) in hints.into_iter().enumerate() {
+            let w = hint_width(&key, label);
+            if used + w > cap.min(area.width) && i >= 2 {
+                break;
+            }
+            if used + w > area.width {
                 break;
             }
             keys.push(Span::styled(key, t.accent().add_modifier(Modifier::BOLD)));
-            keys.push(Span::styled(format!(" {label}   "), t.muted()));
+            keys.push(Span::styled(format!(" {label}  "), t.muted()));
             used += w;
         }
         let [left, right] = Layout::horizontal([Constraint::Fill(1), Constraint::Length(used)])
             .spacing(1)
             .areas(area);
         if let Some(status) = status {
-            Paragraph::new(status).render(left, buf);
+            let spans = super::elide_spans(status.spans, usize::from(left.width));
+            Paragraph::new(Line::from(spans)).render(left, buf);
         }
         Paragraph::new(Line::from(keys)).render(right, buf);
     }

@@ -2,6 +2,8 @@
 //! and the host panel shown when there is no GPU telemetry.
 
 use super::panel;
+use super::plot::{Plot, Trace, XScale, YScale};
+use crate::tui::fmt;
 use crate::tui::state::{GpuState, Ring, TelemetryState};
 use crate::tui::theme::{Level, Theme};
 use ratatui::buffer::Buffer;
@@ -68,37 +70,82 @@ impl Widget for MeterRow<'_> {
     }
 }
 
-/// A tall sparkline of a percentage history with a 0–100 % scale on the left, newest at
-/// the right edge; fills spare panel rows.
-struct HistoryChart<'a> {
-    label: &'a str,
-    history: &'a Ring<u64>,
+/// One series of a [`TimeChart`]: a name for the legend, a colour, and (seconds before the
+/// latest sample, value) points.
+struct TimeSeries {
+    name: &'static str,
     style: Style,
+    points: Vec<(f64, f64)>,
+}
+
+/// Histories on a 0–100 scale against a time axis (seconds before the latest sample), with
+/// a legend row on top; fills spare panel rows.
+struct TimeChart<'a> {
+    series: Vec<TimeSeries>,
     theme: &'a Theme,
 }
 
-impl Widget for HistoryChart<'_> {
+impl TimeChart<'_> {
+    /// `(seconds before the last time, value)` for each time and value; NaNs left out.
+    fn points(times: &[u64], values: impl Iterator<Item = f64>) -> Vec<(f64, f64)> {
+        let last = times.last().copied().unwrap_or(0);
+        times
+            .iter()
+            .zip(values)
+            .filter(|(_, v)| v.is_finite())
+            .map(|(&at, v)| {
+                (
+                    at as f64 / 1000.0 - last as f64 / 1000.0,
+                    v.clamp(0.0, 100.0),
+                )
+            })
+            .collect()
+    }
+}
+
+impl Widget for TimeChart<'_> {
     fn render(self, area: Rect, buf: &mut Buffer) {
-        if area.height < 2 || area.width < 8 {
+        // a legend row, two graph rows, the axis and its labels
+        if area.height < 5 || area.width < 16 {
             return;
         }
-        let [scale, chart] =
-            Layout::horizontal([Constraint::Length(5), Constraint::Fill(1)]).areas(area);
-        let mut labels = vec![Line::from(Span::styled("100%", self.theme.muted()))];
-        labels.resize(usize::from(scale.height - 1), Line::from(""));
-        labels.push(Line::from(Span::styled(
-            self.label.to_string(),
-            self.theme.muted(),
-        )));
-        Paragraph::new(labels).render(scale, buf);
-        let mut data: Vec<u64> = self.history.last_n(usize::from(chart.width)).collect();
-        data.reverse();
-        Sparkline::default()
-            .direction(RenderDirection::RightToLeft)
-            .data(&data)
-            .max(100)
-            .style(self.style)
-            .render(chart, buf);
+        let series: Vec<TimeSeries> = self
+            .series
+            .into_iter()
+            .filter(|s| !s.points.is_empty())
+            .collect();
+        let first = series
+            .iter()
+            .filter_map(|s| s.points.first().map(|p| p.0))
+            .fold(0.0, f64::min);
+        let x_range = (!series.is_empty()).then_some((first.min(-1.0), 0.0));
+        let mut title = vec![vec![Span::styled("history ", self.theme.muted())]];
+        for s in &series {
+            title.push(vec![Span::styled(format!("━ {} ", s.name), s.style)]);
+        }
+        Plot {
+            title,
+            bordered: false,
+            traces: series
+                .iter()
+                .map(|s| Trace::Line {
+                    points: &s.points,
+                    style: s.style,
+                    dashed: false,
+                })
+                .collect(),
+            x_range,
+            x_scale: XScale::Seconds,
+            x_label: fmt::ago,
+            x_title: "time",
+            y_scale: YScale::Linear,
+            y_label: |v, _| format!("{v:.0}"),
+            y_range: Some((0.0, 100.0)),
+            marks: Vec::new(),
+            empty_text: "",
+            theme: self.theme,
+        }
+        .render(area, buf);
     }
 }
 
@@ -170,6 +217,7 @@ impl Widget for GpuPanelView<'_> {
             Some((pos, count)) => format!(" GPU{} ({}/{count}) · {} ", s.index, pos + 1, s.name),
             None => format!(" GPU{} · {} ", s.index, s.name),
         };
+        let title = super::elide(&title, usize::from(area.width.saturating_sub(2)));
         let block = panel(title, t, self.focused);
         let inner = block.inner(area);
         block.render(area, buf);
@@ -182,7 +230,7 @@ impl Widget for GpuPanelView<'_> {
         let [util_label, mem_label] = pad_labels([
             format!("util {util_text:>4}"),
             format!(
-                "mem  {:.1}/{:.1}G",
+                "mem  {:.1}/{:.1} GiB",
                 s.mem_used_bytes as f64 / GIB,
                 s.mem_total_bytes as f64 / GIB
             ),
@@ -210,11 +258,34 @@ impl Widget for GpuPanelView<'_> {
             theme: t,
         }
         .render(rows[1], buf);
-        Paragraph::new(self.info_line()).render(rows[2], buf);
-        HistoryChart {
-            label: "util",
-            history: &self.gpu.util,
-            style: t.accent(),
+        let info = super::elide_spans(self.info_line().spans, usize::from(rows[2].width));
+        Paragraph::new(Line::from(info)).render(rows[2], buf);
+        let history: Vec<_> = self.gpu.history.iter().collect();
+        let times: Vec<u64> = history.iter().map(|p| p.at_ms).collect();
+        let c = t.colors();
+        TimeChart {
+            series: vec![
+                TimeSeries {
+                    name: "util %",
+                    style: t.accent(),
+                    points: TimeChart::points(&times, history.iter().map(|p| p.util)),
+                },
+                TimeSeries {
+                    name: "mem %",
+                    style: Style::new().fg(c.lr),
+                    points: TimeChart::points(&times, history.iter().map(|p| p.mem)),
+                },
+                TimeSeries {
+                    name: "°C",
+                    style: t.level(Level::Warn),
+                    points: TimeChart::points(&times, history.iter().map(|p| p.temp)),
+                },
+                TimeSeries {
+                    name: "power %",
+                    style: Style::new().fg(c.s_ratio),
+                    points: TimeChart::points(&times, history.iter().map(|p| p.power)),
+                },
+            ],
             theme: t,
         }
         .render(rows[3], buf);
@@ -261,7 +332,7 @@ impl Widget for HostPanelView<'_> {
         let [cpu_label, ram_label] = pad_labels([
             format!("cpu {:>4.0}%", host.cpu_pct),
             format!(
-                "ram {:.1}/{:.1}G",
+                "ram {:.1}/{:.1} GiB",
                 host.ram_used_bytes as f64 / GIB,
                 host.ram_total_bytes as f64 / GIB
             ),
@@ -273,6 +344,7 @@ impl Widget for HostPanelView<'_> {
             Constraint::Fill(1),
         ])
         .split(inner);
+        let notice = super::elide_spans(vec![notice], usize::from(rows[0].width));
         Paragraph::new(Line::from(notice)).render(rows[0], buf);
         if self.telemetry.updates == 0 {
             return;
@@ -293,10 +365,21 @@ impl Widget for HostPanelView<'_> {
             theme: t,
         }
         .render(rows[2], buf);
-        HistoryChart {
-            label: "cpu",
-            history: &self.telemetry.host_cpu,
-            style: t.accent(),
+        let times: Vec<u64> = self.telemetry.host_times.iter().collect();
+        let series = |ring: &Ring<u64>| TimeChart::points(&times, ring.iter().map(|v| v as f64));
+        TimeChart {
+            series: vec![
+                TimeSeries {
+                    name: "cpu %",
+                    style: t.accent(),
+                    points: series(&self.telemetry.host_cpu),
+                },
+                TimeSeries {
+                    name: "ram %",
+                    style: Style::new().fg(t.colors().lr),
+                    points: series(&self.telemetry.host_ram),
+                },
+            ],
             theme: t,
         }
         .render(rows[3], buf);

@@ -2,7 +2,7 @@
 
 use super::flow;
 use crate::engine::events::{Command, FinishReason};
-use crate::tui::app::RunStatus;
+use crate::tui::app::{RunStatus, Viewer};
 use crate::tui::fmt;
 use crate::tui::state::{CommandKind, CommandState, RunState};
 use crate::tui::theme::{Level, Theme};
@@ -24,6 +24,12 @@ pub struct HeaderView<'a> {
     pub commands: &'a CommandState,
     /// Where the run stands (the badge).
     pub status: RunStatus,
+    /// How long the run has been paused, while it is.
+    pub paused_for: Option<f64>,
+    /// Who is looking: an attached viewer says so.
+    pub viewer: Viewer,
+    /// Where the events come from when not live (a replay).
+    pub source: Option<&'a str>,
     /// Colours.
     pub theme: &'a Theme,
 }
@@ -65,12 +71,38 @@ impl HeaderView<'_> {
     }
 
     fn title_line(&self, width: u16) -> Line<'static> {
+        let t = self.theme;
+        let mut viewer: Vec<Span<'static>> = Vec::new();
+        if let Some(source) = self.source {
+            viewer.push(Span::styled(format!(" {source} "), t.level(Level::Warn)));
+        } else if let Viewer::Attached { allow_stop } = self.viewer {
+            let text = if allow_stop {
+                " ⇄ attached · may stop the run "
+            } else {
+                " ⇄ attached · q detaches "
+            };
+            viewer.push(Span::styled(
+                text,
+                Style::new()
+                    .fg(t.colors().background)
+                    .bg(t.colors().accent)
+                    .add_modifier(Modifier::BOLD),
+            ));
+        }
+        let viewer_width: usize = viewer.iter().map(Span::width).sum();
+        let room = usize::from(width).saturating_sub(viewer_width + 1);
         let full = self.title_with(false);
-        if full.width() <= usize::from(width) {
+        let mut line = if full.width() <= room {
             full
         } else {
-            self.title_with(true)
+            let short = self.title_with(true);
+            Line::from(super::elide_spans(short.spans, room))
+        };
+        if !viewer.is_empty() {
+            line.spans.push(Span::raw(" "));
+            line.spans.extend(viewer);
         }
+        line
     }
 
     /// The title; `short` drops the device's parenthesised detail.
@@ -119,21 +151,30 @@ impl HeaderView<'_> {
                 fmt::count(info.max_steps)
             )),
         ]);
+        // While paused the rate and the ETA are the last ones measured, shown frozen (muted)
+        // after how long the pause has lasted.
+        let value = |text: String| match self.paused_for {
+            Some(_) => Span::styled(text, t.muted()),
+            None => Span::raw(text),
+        };
+        if let Some(paused) = self.paused_for {
+            segments.push(vec![Span::styled(
+                format!("paused {}", fmt::clock(paused)),
+                t.level(Level::Warn).add_modifier(Modifier::BOLD),
+            )]);
+        }
         if let Some(s) = &self.run.last_step {
             segments.push(vec![label("epoch"), Span::raw(format!("{:.2}", s.epoch))]);
             segments.push(vec![
-                Span::raw(fmt::si(s.tokens_per_sec)),
+                value(fmt::si(s.tokens_per_sec)),
                 Span::styled(" tok/s", t.muted()),
             ]);
         }
         if let Some(mfu) = self.run.mfu() {
-            segments.push(vec![
-                label("MFU"),
-                Span::raw(format!("{:.1}%", mfu * 100.0)),
-            ]);
+            segments.push(vec![label("MFU"), value(format!("{:.1}%", mfu * 100.0))]);
         }
         if let Some(eta) = self.run.eta_s() {
-            segments.push(vec![label("ETA"), Span::raw(fmt::duration(eta))]);
+            segments.push(vec![label("ETA"), value(fmt::duration(eta))]);
         }
         if let Some(elapsed) = self.run.elapsed_s() {
             segments.push(vec![label("elapsed"), Span::raw(fmt::duration(elapsed))]);

@@ -21,6 +21,7 @@ impl Widget for LogView<'_> {
         let t = self.theme;
         let block = panel(" events ", t, false);
         let rows = usize::from(block.inner(area).height);
+        let width = usize::from(block.inner(area).width);
         let entries: Vec<_> = self.log.entries().rev().take(rows).collect();
         let lines: Vec<Line<'static>> = if entries.is_empty() {
             vec![Line::from(Span::styled("nothing yet", t.muted()))]
@@ -36,11 +37,14 @@ impl Widget for LogView<'_> {
                         LogLevel::Error => ("✗", t.level(Level::Critical)),
                     };
                     let step = e.step.map_or(String::new(), |s| s.to_string());
-                    Line::from(vec![
-                        Span::styled(format!("{step:>6} "), t.muted()),
-                        Span::styled(format!("{icon} "), style),
-                        Span::styled(e.text.clone(), style),
-                    ])
+                    Line::from(super::elide_spans(
+                        vec![
+                            Span::styled(format!("{step:>6} "), t.muted()),
+                            Span::styled(format!("{icon} "), style),
+                            Span::styled(e.text.clone(), style),
+                        ],
+                        width,
+                    ))
                 })
                 .collect()
         };

@@ -8,8 +8,10 @@ pub mod gpu;
 pub mod header;
 pub mod log;
 pub mod monitor;
+pub mod plot;
 pub mod popup;
 pub mod processes;
+pub mod throughput;
 pub mod training;
 
 use super::app::{App, Mode, Overlay};
@@ -139,9 +141,15 @@ pub fn flow<'a>(
     let mut current: Vec<Span<'a>> = Vec::new();
     let mut used = 0usize;
     for segment in segments {
-        let w: usize = segment.iter().map(Span::width).sum();
+        let mut segment = segment;
+        let mut w: usize = segment.iter().map(Span::width).sum();
         if w == 0 {
             continue;
+        }
+        if w > width {
+            // wider than a whole line: elided, never cut mid-way without a mark
+            segment = elide_spans(segment, width);
+            w = width;
         }
         let needed = if current.is_empty() { w } else { w + sep_width };
         if used + needed > width && !current.is_empty() {
@@ -162,4 +170,89 @@ pub fn flow<'a>(
         lines.push(Line::from(current));
     }
     lines
+}
+
+/// Columns `s` takes on a terminal.
+pub fn text_width(s: &str) -> usize {
+    Span::raw(s).width()
+}
+
+/// `s` in at most `width` columns: whole, or cut with "…" at the end.
+pub fn elide(s: &str, width: usize) -> String {
+    if text_width(s) <= width {
+        return s.to_string();
+    }
+    cut(s, width)
+}
+
+/// The start of `s` that fits `width` columns with a "…" after it.
+fn cut(s: &str, width: usize) -> String {
+    if width == 0 {
+        return String::new();
+    }
+    let mut out = String::new();
+    let mut used = 0;
+    for c in s.chars() {
+        let w = text_width(c.encode_utf8(&mut [0; 4]));
+        if used + w + 1 > width {
+            break;
+        }
+        out.push(c);
+        used += w;
+    }
+    out.push('…');
+    out
+}
+
+/// Spans cut to at most `width` columns, ending in "…" when anything was cut.
+pub fn elide_spans<'a>(spans: Vec<Span<'a>>, width: usize) -> Vec<Span<'a>> {
+    let total: usize = spans.iter().map(Span::width).sum();
+    if total <= width {
+        return spans;
+    }
+    let mut out = Vec::new();
+    let mut left = width;
+    for span in spans {
+        let w = span.width();
+        if w < left {
+            left -= w;
+            out.push(span);
+            continue;
+        }
+        // this span holds the cut: it ends in "…"
+        if left > 0 {
+            out.push(Span::styled(cut(&span.content, left), span.style));
+        }
+        break;
+    }
+    if out.is_empty() && width > 0 {
+        out.push(Span::raw("…"));
+    }
+    out
+}
+
+/// One line of at most `width` columns from segments in order of importance: whole segments
+/// while they fit; the first that does not is elided with "…" when at least `min_part`
+/// columns are left for it, else stands as a lone "…" (a value is never shown cut), and
+/// nothing after it is shown.
+pub fn fit<'a>(segments: Vec<Vec<Span<'a>>>, width: usize, min_part: usize) -> Line<'a> {
+    let mut spans: Vec<Span<'a>> = Vec::new();
+    let mut used = 0usize;
+    for segment in segments {
+        let w: usize = segment.iter().map(Span::width).sum();
+        if used + w <= width {
+            used += w;
+            spans.extend(segment);
+            continue;
+        }
+        let left = width - used;
+        if left >= min_part.max(2) {
+            spans.extend(elide_spans(segment, left));
+        } else if left >= 1 {
+            let style = segment.first().map(|s| s.style).unwrap_or_default();
+            spans.push(Span::styled("…", style));
+        }
+        break;
+    }
+    Line::from(spans)
 }

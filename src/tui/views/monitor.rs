@@ -72,7 +72,12 @@ impl Widget for MonitorView<'_> {
 
         // GPUs and advice on top, sharing the spare rows; processes below
         let processes = tel.processes();
-        let table_height = (processes.len() as u16 + 3).min((body.height / 3).max(4));
+        // no process table on a machine without GPUs: there is nothing it could list
+        let table_height = if tel.gpus.is_empty() {
+            0
+        } else {
+            (processes.len() as u16 + 3).min((body.height / 3).max(4))
+        };
         let [top, table] =
             Layout::vertical([Constraint::Fill(1), Constraint::Length(table_height)]).areas(body);
         let [gpus, advice] =
@@ -90,11 +95,13 @@ impl Widget for MonitorView<'_> {
             theme: t,
         }
         .render(advice, buf);
-        ProcessTableView {
-            rows: &processes,
-            theme: t,
+        if table_height > 0 {
+            ProcessTableView {
+                rows: &processes,
+                theme: t,
+            }
+            .render(table, buf);
         }
-        .render(table, buf);
 
         FooterView {
             mode: app.mode(),
@@ -103,6 +110,9 @@ impl Widget for MonitorView<'_> {
             commands: app.commands(),
             keymap: app.keymap(),
             paused: false,
+            viewer: app.viewer(),
+            gpu_panels: tel.gpus.len(),
+            scu: false,
             theme: t,
         }
         .render(footer, buf);

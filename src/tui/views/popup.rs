@@ -1,7 +1,7 @@
 //! Overlays: the quit confirmation and the key help.
 
 use super::{centered, panel};
-use crate::tui::app::{App, Mode, QuitChoice};
+use crate::tui::app::{App, Mode, QuitChoice, Viewer};
 use crate::tui::keymap::KeyAction;
 use crate::tui::theme::Theme;
 use ratatui::buffer::Buffer;
@@ -93,18 +93,33 @@ impl Widget for HelpView<'_> {
             .into_iter()
             .filter(|a| training || !a.training_only())
             .map(|a| {
-                let text = if !training && a == KeyAction::Quit {
-                    "quit"
-                } else {
-                    a.description()
+                let text = match (a, self.app.viewer()) {
+                    (KeyAction::Quit, _) if !training => "quit",
+                    (KeyAction::Quit, Viewer::Attached { .. }) => "detach: the run goes on",
+                    _ => a.description(),
                 };
                 entry(self.app.keymap().key(a).to_string(), text)
             })
             .collect();
+        if let (true, Viewer::Attached { allow_stop }) = (training, self.app.viewer()) {
+            lines.push(entry(
+                "Q".into(),
+                if allow_stop {
+                    "stop the run (asks first)"
+                } else {
+                    "stop the run: needs attach --allow-stop"
+                },
+            ));
+        }
         if training {
+            let attached = matches!(self.app.viewer(), Viewer::Attached { .. });
             lines.push(entry(
                 "Ctrl+C".into(),
-                "stop with a checkpoint (twice: leave now)",
+                if attached {
+                    "detach: the run goes on"
+                } else {
+                    "stop with a checkpoint (twice: leave now)"
+                },
             ));
             lines.push(Line::from(""));
             let discard = self
@@ -117,11 +132,20 @@ impl Widget for HelpView<'_> {
                 format!("quit popup: Enter/s save{discard} · Esc cancel"),
                 t.muted(),
             )));
+            let marks = crate::tui::state::MarkKind::ALL
+                .iter()
+                .map(|m| format!("{} {}", m.glyph(), m.name()))
+                .collect::<Vec<_>>()
+                .join(" · ");
+            lines.push(Line::from(Span::styled(
+                format!("chart marks: {marks}"),
+                t.muted(),
+            )));
         } else {
             lines.push(entry("Ctrl+C".into(), "quit"));
         }
         let height = lines.len() as u16 + 2;
-        let popup = centered(area, 56, height);
+        let popup = centered(area, 66, height);
         Clear.render(popup, buf);
         Paragraph::new(lines)
             .block(panel(" keys · any key closes ", t, true))

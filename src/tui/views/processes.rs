@@ -10,6 +10,9 @@ use ratatui::style::{Modifier, Style};
 use ratatui::text::Span;
 use ratatui::widgets::{Cell, Paragraph, Row, Table, Widget};
 
+/// Columns of the fixed-width columns (GPU, PID, USER, TYPE, GPU MEM, CPU, RSS).
+const FIXED_WIDTH: usize = 3 + 8 + 10 + 8 + 10 + 6 + 10;
+
 /// Processes on the GPUs, largest GPU memory first.
 pub struct ProcessTableView<'a> {
     /// Rows, largest GPU memory first.
@@ -28,20 +31,39 @@ impl Widget for ProcessTableView<'_> {
                 .render(area, buf);
             return;
         }
-        let header = Row::new(["GPU", "PID", "NAME", "USER", "TYPE", "GPU MEM"]).style(
+        let header = Row::new([
+            "GPU", "PID", "NAME", "USER", "TYPE", "GPU MEM", "CPU", "RSS",
+        ])
+        .style(
             Style::new()
                 .fg(t.colors().accent)
                 .add_modifier(Modifier::BOLD),
         );
+        // the name column takes what the fixed ones leave (borders, five gaps); a long name
+        // or user is cut with "…", never silently
+        let name_width = usize::from(area.width).saturating_sub(2 + FIXED_WIDTH + 7);
         let rows = self.rows.iter().map(|r| {
             let p = &r.process;
+            let user = p.user.clone().unwrap_or_else(|| "?".into());
             Row::new([
                 Cell::from(r.gpu.to_string()),
                 Cell::from(p.pid.to_string()),
-                Cell::from(p.name.clone()),
-                Cell::from(p.user.clone().unwrap_or_else(|| "?".into())),
+                Cell::from(super::elide(&p.name, name_width)),
+                Cell::from(super::elide(&user, 10)),
                 Cell::from(p.kind.clone()),
                 Cell::from(p.gpu_memory_bytes.map_or("n/a".into(), fmt::bytes)),
+                Cell::from(
+                    r.host
+                        .as_ref()
+                        .and_then(|h| h.cpu_pct)
+                        .map_or("-".into(), |c| format!("{c:.0}%")),
+                ),
+                Cell::from(
+                    r.host
+                        .as_ref()
+                        .and_then(|h| h.rss_bytes)
+                        .map_or("-".into(), fmt::bytes),
+                ),
             ])
         });
         Table::new(
@@ -52,6 +74,8 @@ impl Widget for ProcessTableView<'_> {
                 Constraint::Fill(1),
                 Constraint::Length(10),
                 Constraint::Length(8),
+                Constraint::Length(10),
+                Constraint::Length(6),
                 Constraint::Length(10),
             ],
         )

@@ -7,6 +7,7 @@ use super::footer::FooterView;
 use super::gpu::{GpuColumnView, PANEL_HEIGHT};
 use super::header::HeaderView;
 use super::log::LogView;
+use super::throughput::{ThroughputView, THROUGHPUT_HEIGHT};
 use crate::tui::app::App;
 use ratatui::buffer::Buffer;
 use ratatui::layout::{Constraint, Layout, Rect};
@@ -34,6 +35,9 @@ impl Widget for TrainingView<'_> {
             run,
             commands: app.commands(),
             status: app.status(),
+            paused_for: app.paused_for(),
+            viewer: app.viewer(),
+            source: app.source(),
             theme,
         };
         let [header_area, body, footer_area] = Layout::vertical([
@@ -85,12 +89,19 @@ impl Widget for TrainingView<'_> {
         }
         .render(optim, buf);
 
-        // side: as many GPU panels as fit in ~40% of the height, then advice and events
+        // side: as many GPU panels as fit in ~40% of the height, throughput when there is
+        // room, then advice and events
         let telemetry = app.telemetry();
         let whole_panels = (side.height * 2 / 5 / PANEL_HEIGHT).max(1);
         let gpu_height = GpuColumnView::wanted_height(telemetry).min(whole_panels * PANEL_HEIGHT);
-        let [gpus, advice, events] = Layout::vertical([
+        let throughput_height = match side.height.saturating_sub(gpu_height) {
+            h if h >= 26 => THROUGHPUT_HEIGHT,
+            h if h >= 15 => THROUGHPUT_HEIGHT - 1,
+            _ => 0,
+        };
+        let [gpus, throughput, advice, events] = Layout::vertical([
             Constraint::Length(gpu_height),
+            Constraint::Length(throughput_height),
             Constraint::Fill(1),
             Constraint::Fill(1),
         ])
@@ -102,6 +113,14 @@ impl Widget for TrainingView<'_> {
             theme,
         }
         .render(gpus, buf);
+        if throughput_height > 0 {
+            ThroughputView {
+                run,
+                paused: app.paused_for().is_some(),
+                theme,
+            }
+            .render(throughput, buf);
+        }
         AdvisorView {
             advice: &telemetry.advice,
             has_telemetry: telemetry.updates > 0,
@@ -121,6 +140,9 @@ impl Widget for TrainingView<'_> {
             commands: app.commands(),
             keymap: app.keymap(),
             paused: run.paused,
+            viewer: app.viewer(),
+            gpu_panels: telemetry.gpus.len(),
+            scu: scu_on,
             theme,
         }
         .render(footer_area, buf);
