@@ -100,7 +100,10 @@ fn sweep_resumes_and_compare_prints_the_table() {
         err.find(&format!("{n} finished"))
             .unwrap_or_else(|| panic!("{n} finished: {err}"))
     };
-    assert!(at(names[0]) < at(names[1]) && at(names[1]) < at(names[2]), "{err}");
+    assert!(
+        at(names[0]) < at(names[1]) && at(names[1]) < at(names[2]),
+        "{err}"
+    );
 
     // One run lost: the same command runs it and skips the other two.
     std::fs::remove_dir_all(out.join(names[1])).unwrap_or_else(|e| panic!("{e}"));

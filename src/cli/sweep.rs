@@ -630,10 +630,8 @@ mod tests {
 
     #[test]
     fn one_slot_per_visible_gpu_when_the_device_is_open() {
-        let ids = |v: &[Option<String>]| v.iter().map(|s| s.clone()).collect::<Vec<_>>();
-        // Several GPUs, device left open: one slot each, named as this process sees them.
         assert_eq!(
-            ids(&device_slots("auto", 1, None, 3)),
+            device_slots("auto", 1, None, 3),
             vec![Some("0".into()), Some("1".into()), Some("2".into())]
         );
         assert_eq!(
