@@ -241,6 +241,7 @@ fn gpu_updates(n: u64) -> Vec<MonitorUpdate> {
                 user: Some("alice".into()),
                 gpu_memory_bytes: Some(70 * GIB),
                 kind: "compute".into(),
+                sm_pct: Some(93),
             }];
             let mut g1 = gpu(1, (55.0 + 20.0 * wave) as u32, 30, 64, 402.0);
             g1.processes = vec![
@@ -250,6 +251,7 @@ fn gpu_updates(n: u64) -> Vec<MonitorUpdate> {
                     user: Some("alice".into()),
                     gpu_memory_bytes: Some(29 * GIB),
                     kind: "compute".into(),
+                    sm_pct: Some(61),
                 },
                 GpuProcess {
                     pid: 1807,
@@ -257,6 +259,7 @@ fn gpu_updates(n: u64) -> Vec<MonitorUpdate> {
                     user: None,
                     gpu_memory_bytes: None,
                     kind: "graphics".into(),
+                    sm_pct: None,
                 },
             ];
             MonitorUpdate {

@@ -320,35 +320,25 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         profile_kernels: a.profile,
         ..EngineOptions::new(cfg, run_dir.clone(), device)
     })?;
-    let (mut info, mut steps, mut failure) = (None::<RunInfo>, Vec::new(), None);
+    let (mut info, mut steps) = (None::<RunInfo>, Vec::new());
     let mut trace = MemoryTrace::default();
-    while let Some(ev) = engine.events.recv() {
-        match ev {
-            Event::RunStarted(i) => info = Some(i),
-            Event::Step(s) if s.step > a.warmup => {
-                if a.soak {
-                    let gpu = info.as_ref().is_some_and(|i| i.device.starts_with("cuda"));
-                    trace.push(&s, gpu);
-                    // A soak judges the bench's own memory too: keep the first timed step
-                    // and the latest ones only, so the record does not grow with the steps.
-                    if steps.len() >= 512 {
-                        steps.drain(1..257);
-                    }
+    let failure = fit::drain(&engine, |ev| match ev {
+        Event::RunStarted(i) => info = Some(i),
+        Event::Step(s) if s.step > a.warmup => {
+            if a.soak {
+                let gpu = info.as_ref().is_some_and(|i| i.device.starts_with("cuda"));
+                trace.push(&s, gpu);
+                // A soak judges the bench's own memory too: keep the first timed step
+                // and the latest ones only, so the record does not grow with the steps.
+                if steps.len() >= 512 {
+                    steps.drain(1..257);
                 }
-                steps.push(s);
             }
-            Event::Warning { message, .. } => eprintln!("cockpit bench: {message}"),
-            Event::Finished {
-                reason, message, ..
-            } => {
-                if reason != crate::engine::events::FinishReason::Completed {
-                    failure = Some(message);
-                }
-                break;
-            }
-            _ => {}
+            steps.push(s);
         }
-    }
+        Event::Warning { message, .. } => eprintln!("cockpit bench: {message}"),
+        _ => {}
+    });
     let joined = engine.thread.wait();
     let _ = std::fs::remove_dir_all(&run_dir);
     joined?;

@@ -47,25 +47,13 @@ fn try_batch(cfg: &config::Config, device: DeviceSpec, mb: usize) -> anyhow::Res
         memory: None,
         tokens_per_sec: 0.0,
     };
-    let mut failure = None;
-    while let Some(ev) = engine.events.recv() {
-        match ev {
-            Event::Step(s) => {
-                trial.fits &= s.micro_batch == mb;
-                trial.memory = trial.memory.max(s.memory_bytes);
-                trial.tokens_per_sec = s.tokens_per_sec;
-            }
-            Event::Finished {
-                reason, message, ..
-            } => {
-                if reason != crate::engine::events::FinishReason::Completed {
-                    failure = Some(message);
-                }
-                break;
-            }
-            _ => {}
+    let failure = drain(&engine, |ev| {
+        if let Event::Step(s) = ev {
+            trial.fits &= s.micro_batch == mb;
+            trial.memory = trial.memory.max(s.memory_bytes);
+            trial.tokens_per_sec = s.tokens_per_sec;
         }
-    }
+    });
     let joined = engine.thread.wait();
     let _ = std::fs::remove_dir_all(&run_dir);
     match (joined, failure) {
@@ -80,6 +68,23 @@ fn try_batch(cfg: &config::Config, device: DeviceSpec, mb: usize) -> anyhow::Res
         (Ok(_), None) => {}
     }
     Ok(trial)
+}
+
+/// Hand `on` every event of a benchmark's engine until it finishes; the finish's message
+/// when the run did not complete.
+pub fn drain(engine: &Engine, mut on: impl FnMut(Event)) -> Option<String> {
+    while let Some(ev) = engine.events.recv() {
+        match ev {
+            Event::Finished {
+                reason, message, ..
+            } => {
+                return (reason != crate::engine::events::FinishReason::Completed)
+                    .then_some(message);
+            }
+            ev => on(ev),
+        }
+    }
+    None
 }
 
 /// Double the micro-batch until it no longer fits, then bisect; `report` hears every trial.

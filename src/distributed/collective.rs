@@ -724,9 +724,8 @@ mod nccl {
     }
 
     /// A non-blocking stream of the device's highest priority: the sums' kernels take SMs as
-    /// the backward's blocks free them instead of queueing behind them (measured on 2 H100s:
-    /// at default priority each bucket summed during the backward cost ~2.7 ms). It lives as
-    /// long as the process (one per run).
+    /// the backward's blocks free them instead of queueing behind them. It lives as long as
+    /// the process (one per run).
     fn priority_stream(
         cuda: &candle_core::CudaDevice,
     ) -> Result<Arc<CudaStream>, candle_core::cuda_backend::cudarc::driver::DriverError> {

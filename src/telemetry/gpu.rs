@@ -296,6 +296,22 @@ fn processes(device: &Device<'static>) -> Vec<GpuProcess> {
             }
         }
     }
+    // Per-process SM use: NVML's samples of the last few seconds, the newest per pid.
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+        .saturating_sub(5_000_000);
+    let mut newest: Vec<(u32, u64, u32)> = Vec::new();
+    for s in device.process_utilization_stats(since).unwrap_or_default() {
+        match newest.iter_mut().find(|(pid, _, _)| *pid == s.pid) {
+            Some(e) if e.1 < s.timestamp => *e = (s.pid, s.timestamp, s.sm_util),
+            Some(_) => {}
+            None => newest.push((s.pid, s.timestamp, s.sm_util)),
+        }
+    }
+    for p in &mut out {
+        p.sm_pct = newest.iter().find(|e| e.0 == p.pid).map(|e| e.2);
+    }
     out.sort_by_key(|p| p.pid);
     out
 }
@@ -310,6 +326,7 @@ fn gpu_process(kind: &str, info: &ProcessInfo) -> GpuProcess {
             UsedGpuMemory::Unavailable => None,
         },
         kind: kind.to_string(),
+        sm_pct: None,
     }
 }
 

@@ -12,6 +12,10 @@ pub struct GpuProcess {
     pub gpu_memory_bytes: Option<u64>,
     /// "compute" or "graphics"
     pub kind: String,
+    /// The share of the SMs this process used over NVML's last sampling interval, percent
+    /// (None when the driver keeps no per-process samples).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_pct: Option<u32>,
 }
 
 impl GpuProcess {

@@ -51,6 +51,7 @@ pub fn with_process(mut g: GpuSample, pid: u32, name: &str) -> GpuSample {
         user: Some("alice".to_string()),
         gpu_memory_bytes: Some(g.mem_used_bytes),
         kind: "compute".to_string(),
+        sm_pct: Some(90),
     });
     g
 }

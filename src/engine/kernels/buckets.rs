@@ -31,7 +31,11 @@ pub fn plan(layers: &[Vec<(usize, usize)>], total: usize, min_len: usize) -> Vec
             len = 0;
         }
     }
-    let mut taken: Vec<(usize, usize)> = out.iter().flat_map(|b| b.ranges.clone()).collect();
+    // (start, end) of every element the buckets so far sum
+    let mut taken: Vec<(usize, usize)> = out
+        .iter()
+        .flat_map(|b| b.ranges.iter().map(|&(off, len)| (off, off + len)))
+        .collect();
     taken.sort_unstable();
     let mut rest = Vec::new();
     let mut at = 0;

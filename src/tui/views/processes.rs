@@ -10,8 +10,8 @@ use ratatui::style::{Modifier, Style};
 use ratatui::text::Span;
 use ratatui::widgets::{Cell, Paragraph, Row, Table, Widget};
 
-/// Columns of the fixed-width columns (GPU, PID, USER, TYPE, GPU MEM, CPU, RSS).
-const FIXED_WIDTH: usize = 3 + 8 + 10 + 8 + 10 + 6 + 10;
+/// Columns of the fixed-width columns (GPU, PID, USER, TYPE, SM, GPU MEM, CPU, RSS).
+const FIXED_WIDTH: usize = 3 + 8 + 10 + 8 + 5 + 10 + 6 + 10;
 
 /// Processes on the GPUs, largest GPU memory first.
 pub struct ProcessTableView<'a> {
@@ -32,16 +32,16 @@ impl Widget for ProcessTableView<'_> {
             return;
         }
         let header = Row::new([
-            "GPU", "PID", "NAME", "USER", "TYPE", "GPU MEM", "CPU", "RSS",
+            "GPU", "PID", "NAME", "USER", "TYPE", "SM", "GPU MEM", "CPU", "RSS",
         ])
         .style(
             Style::new()
                 .fg(t.colors().accent)
                 .add_modifier(Modifier::BOLD),
         );
-        // the name column takes what the fixed ones leave (borders, five gaps); a long name
+        // the name column takes what the fixed ones leave (borders, gaps); a long name
         // or user is cut with "…", never silently
-        let name_width = usize::from(area.width).saturating_sub(2 + FIXED_WIDTH + 7);
+        let name_width = usize::from(area.width).saturating_sub(2 + FIXED_WIDTH + 8);
         let rows = self.rows.iter().map(|r| {
             let p = &r.process;
             let user = p.user.clone().unwrap_or_else(|| "?".into());
@@ -51,6 +51,7 @@ impl Widget for ProcessTableView<'_> {
                 Cell::from(super::elide(&p.name, name_width)),
                 Cell::from(super::elide(&user, 10)),
                 Cell::from(p.kind.clone()),
+                Cell::from(p.sm_pct.map_or("-".into(), |s| format!("{s}%"))),
                 Cell::from(p.gpu_memory_bytes.map_or("n/a".into(), fmt::bytes)),
                 Cell::from(
                     r.host
@@ -74,6 +75,7 @@ impl Widget for ProcessTableView<'_> {
                 Constraint::Fill(1),
                 Constraint::Length(10),
                 Constraint::Length(8),
+                Constraint::Length(5),
                 Constraint::Length(10),
                 Constraint::Length(6),
                 Constraint::Length(10),
