@@ -235,3 +235,62 @@ fn a_stuck_rank_times_the_job_out() {
     // Well before the launcher's own grace periods would have to kill anything.
     assert!(started.elapsed() < Duration::from_secs(60));
 }
+
+/// ZeRO-1 (`distributed.shard_optimizer`): 3 ranks, each keeping the Adam moments of a third
+/// of the weights (an uneven split: pieces of weights on both sides of a boundary), train like
+/// one process at the global batch; their checkpoint holds the full moments (gathered from
+/// the ranks), so one unsharded process resumes it and continues as the 3 ranks did.
+#[test]
+fn sharded_optimizer_trains_like_one_process_and_resumes_unsharded() {
+    let dir = tempfile::tempdir().unwrap();
+    let (dp, single, resumed) = (
+        dir.path().join("dp"),
+        dir.path().join("single"),
+        dir.path().join("resumed"),
+    );
+    let port = free_port().to_string();
+    cockpit()
+        .args(["train", "--gpus", "3", "--no-tui", "--max-steps", "14"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=4"])
+        .args(["--set", "distributed.shard_optimizer=true"])
+        .args(["--set", "checkpoint.every_steps=7"])
+        .args(["--set", "checkpoint.keep_last=4"])
+        .args(["--set", &format!("distributed.master_port={port}")])
+        .arg("--run-dir")
+        .arg(&dp)
+        .assert()
+        .success();
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", "14"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=12"])
+        .arg("--run-dir")
+        .arg(&single)
+        .assert()
+        .success();
+    let sharded = losses(&dp.join("metrics.jsonl"));
+    assert_track(
+        &sharded,
+        &losses(&single.join("metrics.jsonl")),
+        "3 sharded ranks × 4 vs 1 × 12",
+    );
+    let step7 = dp.join("checkpoints/step-00000007");
+    assert!(step7.is_dir(), "the sharded ranks checkpointed step 7");
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", "14"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=12"])
+        .arg("--resume")
+        .arg(&step7)
+        .arg("--run-dir")
+        .arg(&resumed)
+        .assert()
+        .success();
+    let tail: Vec<_> = sharded.into_iter().filter(|(s, _)| *s > 7).collect();
+    let again: Vec<_> = losses(&resumed.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|(s, _)| *s > 7)
+        .collect();
+    assert_track(&again, &tail, "1 × 12 resumed from 3 sharded × 4");
+}

@@ -783,6 +783,11 @@ pub struct DistributedConfig {
     /// With `overlap`: the least a gradient bucket holds, in MB of fp32 gradients (whole
     /// layers are joined until a bucket reaches it).
     pub bucket_mb: f64,
+    /// ZeRO stage 1: each rank keeps the Adam moments of 1/world of the trainable weights;
+    /// gradients are reduce-scattered, each rank updates its shard, and the updated fp32
+    /// weights are all-gathered (the same bytes on the wire as one all-reduce). Checkpoints
+    /// keep the full moments (rank 0 gathers them), so a resume may change the world size.
+    pub shard_optimizer: bool,
 }
 
 impl Default for DistributedConfig {
@@ -795,6 +800,7 @@ impl Default for DistributedConfig {
             timeout_secs: 300.0,
             overlap: false,
             bucket_mb: 16.0,
+            shard_optimizer: false,
         }
     }
 }

@@ -50,6 +50,27 @@ pub trait Collective: Send {
         t.slice_set(&sum, 0, 0)
             .map_err(tensor_err(rank, "all-reduce"))
     }
+    /// Reduce-scatter: `t` (1-D, contiguous, `world · s` elements) is summed over the ranks,
+    /// and this rank's part `[rank·s, (rank+1)·s)` of the sum is left in place; the rest of
+    /// `t` is undefined afterwards. The default sums the whole tensor (correct, twice the
+    /// traffic); NCCL sends each rank only its part.
+    fn reduce_scatter_sum_in_place(&mut self, t: &Tensor) -> Result<(), CommError> {
+        shard_len(t, self.world(), self.rank(), "reduce-scatter")?;
+        self.all_reduce_sum_in_place(t)
+    }
+    /// All-gather: every rank's part `[r·s, (r+1)·s)` of `t` (1-D, contiguous, `world · s`
+    /// elements) from rank r, on every rank. The default zeroes the other parts and sums
+    /// (exact: x + 0 = x); NCCL gathers in place.
+    fn all_gather_in_place(&mut self, t: &Tensor) -> Result<(), CommError> {
+        let rank = self.rank();
+        let s = shard_len(t, self.world(), rank, "all-gather")?;
+        let err = tensor_err(rank, "all-gather");
+        let own = t.narrow(0, rank * s, s).and_then(|p| p.copy()).map_err(&err)?;
+        let zeros = t.zeros_like().map_err(&err)?;
+        t.slice_set(&zeros, 0, 0).map_err(&err)?;
+        t.slice_set(&own, 0, rank * s).map_err(&err)?;
+        self.all_reduce_sum_in_place(t)
+    }
     /// Rank 0's value of `t`, on every rank.
     fn broadcast(&mut self, t: &Tensor) -> Result<Tensor, CommError>;
     /// Element-wise sum over the ranks of a few host values.
@@ -395,6 +416,21 @@ fn add_f64(acc: &mut [u8], other: &[u8]) {
     }
 }
 
+/// The part of a reduce-scatter / all-gather buffer each rank owns.
+fn shard_len(t: &Tensor, world: usize, rank: usize, op: &'static str) -> Result<usize, CommError> {
+    let n = t.elem_count();
+    if t.rank() != 1 || !t.is_contiguous() || world == 0 || !n.is_multiple_of(world) {
+        return Err(CommError::Op {
+            rank,
+            op,
+            cause: format!(
+                "needs a contiguous 1-D buffer whose length is a multiple of the world ({n} elements, {world} ranks)"
+            ),
+        });
+    }
+    Ok(n / world)
+}
+
 fn tensor_err(rank: usize, op: &'static str) -> impl Fn(candle_core::Error) -> CommError {
     move |e| CommError::Op {
         rank,
@@ -557,6 +593,12 @@ mod nccl {
     enum Op {
         Sum,
         Broadcast,
+        /// This rank's part of the sum, in place (`ncclReduceScatter` with the receive
+        /// buffer inside the send buffer at rank · count).
+        ReduceScatter { rank: usize, world: usize },
+        /// Every rank's part, in place (`ncclAllGather` with the send buffer inside the
+        /// receive buffer at rank · count).
+        AllGather { rank: usize, world: usize },
     }
 
     struct InPlace {
@@ -586,6 +628,7 @@ mod nccl {
             };
             macro_rules! run {
                 ($t:ty) => {{
+                    let stream = s.device().cuda_stream();
                     let slice = s.as_cuda_slice_mut::<$t>()?;
                     let mut view = slice.slice_mut(a..b);
                     match self.op {
@@ -599,6 +642,31 @@ mod nccl {
                             .broadcast_in_place(&mut view, 0)
                             .map(|_| ())
                             .map_err(nccl_err),
+                        Op::ReduceScatter { rank, world } | Op::AllGather { rank, world } => {
+                            let n = view.len() / world;
+                            let (p, _sync) =
+                                candle_core::cuda_backend::cudarc::driver::DevicePtrMut::device_ptr_mut(
+                                    &mut view, &stream,
+                                );
+                            let part = p + (rank * n * std::mem::size_of::<$t>()) as u64;
+                            // SAFETY: both views lie inside the live, contiguous `view`
+                            // (world · n elements, part at rank · n); NCCL allows these
+                            // in-place layouts; both are leaked (not freed) after the call.
+                            let (mut whole, mut mine) = unsafe {
+                                (
+                                    stream.upgrade_device_ptr::<$t>(p, world * n),
+                                    stream.upgrade_device_ptr::<$t>(part, n),
+                                )
+                            };
+                            let r = if matches!(self.op, Op::AllGather { .. }) {
+                                self.comm.all_gather(&mine, &mut whole)
+                            } else {
+                                self.comm.reduce_scatter(&whole, &mut mine, &ReduceOp::Sum)
+                            };
+                            whole.leak();
+                            mine.leak();
+                            r.map(|_| ()).map_err(nccl_err)
+                        }
                     }
                 }};
             }
@@ -650,6 +718,18 @@ mod nccl {
                 )));
             }
             self.in_place(t, Op::Sum, "all-reduce")
+        }
+
+        fn reduce_scatter_sum_in_place(&mut self, t: &Tensor) -> Result<(), CommError> {
+            let (rank, world) = (self.rank, self.world);
+            super::shard_len(t, world, rank, "reduce-scatter")?;
+            self.in_place(t, Op::ReduceScatter { rank, world }, "reduce-scatter")
+        }
+
+        fn all_gather_in_place(&mut self, t: &Tensor) -> Result<(), CommError> {
+            let (rank, world) = (self.rank, self.world);
+            super::shard_len(t, world, rank, "all-gather")?;
+            self.in_place(t, Op::AllGather { rank, world }, "all-gather")
         }
 
         fn broadcast(&mut self, t: &Tensor) -> Result<Tensor, CommError> {

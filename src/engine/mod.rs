@@ -19,6 +19,7 @@ pub mod optim;
 pub mod precision;
 pub mod scu;
 pub mod trainer;
+pub mod zero;
 
 pub use events::{Command, Event, EventRx, EventTx};
 pub use trainer::{Engine, EngineOptions, EngineThread, RunSummary};

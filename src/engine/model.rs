@@ -1241,6 +1241,7 @@ impl Model {
             recompute: s.recompute,
             ln_f: norm(&self.ln_f),
             head: self.lm_head.clone(),
+            shards: 1,
             eps: s.norm_eps,
         })
     }

@@ -143,6 +143,26 @@ impl AdamW {
 }
 
 impl AdamW {
+    /// Drop every slot's moments (ZeRO-1 keeps them in a [`super::zero::Shard`] instead):
+    /// each becomes an empty tensor on its device.
+    pub fn release_moments(&mut self) -> Result<()> {
+        for s in &mut self.slots {
+            let dev = s.var.as_tensor().device().clone();
+            s.m = Tensor::zeros(0, DType::F32, &dev)?;
+            s.v = Tensor::zeros(0, DType::F32, &dev)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the slots hold their moments (not released to a shard).
+    pub fn holds_moments(&self) -> bool {
+        self.slots
+            .iter()
+            .all(|s| s.m.elem_count() == s.var.elem_count())
+    }
+}
+
+impl AdamW {
     /// What an L2 penalty in the loss does to these slots' weights through Adam, for SCU's
     /// plant model: (Σw², Σ w²/(√v̂+ε)). A penalty gradient k·w moves Σw² by
     /// −2·lr·k·Σ w²/(√v̂+ε) per step (to first order, the momentum's lag aside), so the second

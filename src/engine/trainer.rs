@@ -227,6 +227,12 @@ struct Trainer {
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.
     weights_copied: bool,
+    /// ZeRO-1 (`distributed.shard_optimizer` with several ranks): this rank's share of the
+    /// optimizer state, built at the first optimizer step (the flat layout is known then).
+    shard: Option<super::zero::Shard>,
+    /// Rank 0's verdict, before this step, that a timed checkpoint is due (shared with the
+    /// ranks through the step's host all-reduce, so all of them take it at the same step).
+    time_due: bool,
 }
 
 #[derive(Default)]
@@ -391,6 +397,10 @@ impl Trainer {
             None => None,
         };
         let (rank, world) = dist.as_ref().map_or((0, 1), |d| (d.rank(), d.world()));
+        if world > 1 && cfg.distributed.shard_optimizer {
+            // ZeRO-1: the moments live in a shard (built at the first step), not here.
+            opt.release_moments()?;
+        }
         let windows = match cfg.data.sampling {
             crate::config::Sampling::Random => Windows::Random,
             crate::config::Sampling::Aligned => Windows::Aligned,
@@ -504,6 +514,8 @@ impl Trainer {
             whole_why: None,
             sample,
             weights_copied: false,
+            shard: None,
+            time_due: false,
         };
         if let Some(spec) = opts.resume {
             t.restore(&spec, true)?;
@@ -547,7 +559,9 @@ impl Trainer {
         for slot in &mut self.opt.slots {
             let get = |suffix: &str| l.optim.get(&format!("{}.{suffix}", slot.name)).cloned();
             match (get("m"), get("v")) {
-                (Some(m), Some(v)) if m.dims() == slot.m.dims() => {
+                (Some(m), Some(v))
+                    if m.dims() == slot.var.dims() && v.dims() == slot.var.dims() =>
+                {
                     slot.m = m;
                     slot.v = v;
                 }
@@ -558,6 +572,10 @@ impl Trainer {
                     )))
                 }
             }
+        }
+        // ZeRO-1: this rank keeps its range of the moments just loaded.
+        if let Some(shard) = self.shard.as_mut() {
+            shard.absorb(&mut self.opt)?;
         }
         let s = l.state;
         self.opt.t = s.optim_t;
@@ -640,19 +658,23 @@ impl Trainer {
         &mut self,
         elapsed: f64,
         val_loss: Option<f64>,
+        moments: Option<Vec<(String, Tensor)>>,
     ) -> Result<(PathBuf, u64, f64), EngineError> {
         let t0 = Instant::now();
-        let optim: Vec<(String, Tensor)> = self
-            .opt
-            .slots
-            .iter()
-            .flat_map(|s| {
-                [
-                    (format!("{}.m", s.name), s.m.clone()),
-                    (format!("{}.v", s.name), s.v.clone()),
-                ]
-            })
-            .collect();
+        let optim: Vec<(String, Tensor)> = match moments {
+            Some(m) => m,
+            None => self
+                .opt
+                .slots
+                .iter()
+                .flat_map(|s| {
+                    [
+                        (format!("{}.m", s.name), s.m.clone()),
+                        (format!("{}.v", s.name), s.v.clone()),
+                    ]
+                })
+                .collect(),
+        };
         let c = &self.cfg.checkpoint;
         let saved = checkpoint::save(
             &self.run_dir.join("checkpoints"),
@@ -834,7 +856,10 @@ impl Trainer {
                 Err("fp16 loss scaling (the step runs bf16)".into())
             };
             match plan {
-                Ok(w) => {
+                Ok(mut w) => {
+                    if self.sharding() {
+                        w.shards = self.world;
+                    }
                     let mut step = super::kernels::GptStep::new(&w)?;
                     step.set_profiling(self.profile_kernels);
                     #[cfg(feature = "cuda")]
@@ -1122,6 +1147,11 @@ struct Reduced {
     ranks: Vec<RankStat>,
     /// What the gradients still need multiplying by: 1/world where they hold the ranks' sum.
     grad_scale: f64,
+    /// ZeRO-1: the flat buffer whose rank's range holds the summed gradients, and Σg² over
+    /// all ranks' ranges (before `grad_scale`).
+    sharded: Option<(Tensor, f64)>,
+    /// A timed checkpoint is due after this step (rank 0's clock, every rank's decision).
+    time_due: bool,
 }
 
 /// The resolved model family for the run header: the arch, what it resolved to, and any
@@ -1398,6 +1428,8 @@ impl Trainer {
                 grads,
                 ranks: Vec::new(),
                 grad_scale: 1.0,
+                sharded: None,
+                time_due: self.time_due,
             });
         }
         self.set_waiting(true);
@@ -1428,19 +1460,31 @@ impl Trainer {
         };
         let util = gauge(self.progress.as_deref().map(|p| &p.gpu_util_pct));
         let temp = gauge(self.progress.as_deref().map(|p| &p.gpu_temp_c));
+        // ZeRO-1: the gradients are reduce-scattered first, so their Σg² rides on the host
+        // all-reduce below.
+        let sharded = if self.sharding() {
+            Some(self.shard_reduce(&grads)?)
+        } else {
+            None
+        };
         let Some(d) = self.dist.as_mut() else {
             return Ok(Reduced {
                 ce,
                 grads,
                 ranks: Vec::new(),
                 grad_scale: 1.0,
+                sharded: None,
+                time_due: self.time_due,
             });
         };
         // [Σ CE, then per rank: compute ms, data wait ms, memory bytes, GPU util %, GPU °C
-        // (-1: unknown)]; each rank fills only its own slots, so the sum gathers them.
+        // (-1: unknown), then Σg² of the ranks' shards and rank 0's timed-checkpoint
+        // verdict]; each rank fills only its own slots, so the sum gathers them.
         const PER: usize = 5;
-        let mut host = vec![0.0; 1 + world * PER];
+        let mut host = vec![0.0; 3 + world * PER];
         host[0] = ce;
+        host[1 + world * PER] = sharded.as_ref().map_or(0.0, |(_, sq)| *sq);
+        host[2 + world * PER] = f64::from(u8::from(self.rank == 0 && self.time_due));
         let mine = 1 + self.rank * PER;
         host[mine] = compute.as_secs_f64() * 1e3;
         host[mine + 1] = wait.as_secs_f64() * 1e3;
@@ -1463,6 +1507,18 @@ impl Trainer {
             .collect();
         // The whole-model step's gradients are views of one flat buffer: summed in place in
         // one call, and the 1/world left to the optimizer's gradient scale (no copies).
+        let time_due = host[2 + world * PER] > 0.5;
+        if let Some((flat, _)) = sharded {
+            self.device.synchronize()?;
+            return Ok(Reduced {
+                ce: host[0] / world as f64,
+                grads,
+                ranks,
+                grad_scale: 1.0 / world as f64,
+                sharded: Some((flat, host[1 + world * PER])),
+                time_due,
+            });
+        }
         let flat = self.whole.as_ref().and_then(|w| w.grad_buffer());
         let summed = self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums());
         let (grads, grad_scale) = match flat {
@@ -1481,7 +1537,95 @@ impl Trainer {
             grads,
             ranks,
             grad_scale,
+            sharded: None,
+            time_due,
         })
+    }
+
+    /// ZeRO-1's optimizer step: this rank's range updated, the ranges all-gathered, and
+    /// every rank's weights set from them (the step's bf16 copies are cast again).
+    fn sharded_update(&mut self, flat: &Tensor, lr: f64, grad_scale: f64) -> Result<(), EngineError> {
+        let (Some(shard), Some(d)) = (self.shard.as_mut(), self.dist.as_mut()) else {
+            return Err(EngineError::Config("optimizer sharding without ranks".into()));
+        };
+        shard.update(&mut self.opt, flat, lr, grad_scale)?;
+        d.all_gather_in_place(flat)?;
+        shard.scatter_weights(&self.opt, flat)?;
+        self.weights_copied = false;
+        Ok(())
+    }
+
+    /// ZeRO-1: every slot's full moments for a checkpoint (on rank 0; the others take part
+    /// and drop them). The gradient buffer is free between steps and serves as scratch.
+    fn gather_moments(&mut self) -> Result<Option<Vec<(String, Tensor)>>, EngineError> {
+        let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
+            return Ok(None);
+        };
+        let scratch = match self.whole.as_ref().and_then(|w| w.grad_buffer()) {
+            Some(b) => b.clone(),
+            None => Tensor::zeros(shard.total(), DType::F32, &self.device)?,
+        };
+        let m = shard.gather_moments(&self.opt, d.as_mut(), &scratch)?;
+        Ok((self.rank == 0).then_some(m))
+    }
+
+    /// ZeRO-1 is on: several ranks and `distributed.shard_optimizer`.
+    fn sharding(&self) -> bool {
+        self.world > 1 && self.cfg.distributed.shard_optimizer
+    }
+
+    /// ZeRO-1, after the backward: the flat gradient buffer (the whole-model step's, or the
+    /// gradients packed) reduce-scattered — unless the step summed it already, bucket by
+    /// bucket — and Σg² over this rank's range. The shard is built on the first call.
+    fn shard_reduce(&mut self, grads: &[Tensor]) -> Result<(Tensor, f64), EngineError> {
+        let buffer = self.whole.as_ref().and_then(|w| w.grad_buffer()).cloned();
+        if self.shard.is_none() {
+            let (places, total) = match &buffer {
+                Some(buf) => {
+                    let places = grads
+                        .iter()
+                        .map(|g| (g.layout().start_offset(), g.elem_count()))
+                        .collect::<Vec<_>>();
+                    // Every trainable weight must be a view of the buffer.
+                    let inside = self.opt.slots.iter().all(|s| {
+                        self.whole
+                            .as_ref()
+                            .is_some_and(|w| matches!(w.grad_of(&s.var), Ok(Some(_))))
+                    });
+                    if !inside {
+                        return Err(EngineError::Config(
+                            "distributed.shard_optimizer: a trainable weight is not in the step's gradient buffer".into(),
+                        ));
+                    }
+                    (places, buf.elem_count())
+                }
+                None => {
+                    let sizes: Vec<usize> = grads.iter().map(Tensor::elem_count).collect();
+                    super::zero::packed_places(&sizes, self.world)
+                }
+            };
+            let shard = super::zero::Shard::new(
+                &mut self.opt,
+                places,
+                total,
+                self.rank,
+                self.world,
+                &self.device,
+            )?;
+            self.shard = Some(shard);
+        }
+        let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
+            return Err(EngineError::Config("optimizer sharding without ranks".into()));
+        };
+        let flat = match buffer {
+            Some(b) => b,
+            None => shard.pack(grads)?,
+        };
+        if !self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums()) {
+            d.reduce_scatter_sum_in_place(&flat)?;
+        }
+        let sq = shard.grad_sumsq(&flat)?;
+        Ok((flat, sq))
     }
 
     fn elapsed(&self, start: Instant) -> f64 {
@@ -1489,6 +1633,8 @@ impl Trainer {
     }
 
     fn checkpoint_event(&mut self, start: Instant, out: &mut Recorder) -> Result<(), EngineError> {
+        // ZeRO-1: the moments are gathered from every rank first (a collective).
+        let moments = self.gather_moments()?;
         if self.rank != 0 {
             // Rank 0 writes the job's checkpoints; the ranks hold the same state.
             return Ok(());
@@ -1499,7 +1645,7 @@ impl Trainer {
             .as_ref()
             .filter(|v| v.step == self.step)
             .map(|v| v.val_loss);
-        let (dir, bytes, ms) = self.save_checkpoint(self.elapsed(start), val)?;
+        let (dir, bytes, ms) = self.save_checkpoint(self.elapsed(start), val, moments)?;
         out.emit(Event::CheckpointSaved {
             step: self.step,
             path: dir.display().to_string(),
@@ -1659,8 +1805,25 @@ impl Trainer {
         self.write_json("scu_history.json", &history)
     }
 
+    /// [`AdamW::penalty_stats`], with a sharded optimizer's second moments summed over the
+    /// ranks (a collective then: every rank runs the controller at the same steps).
+    fn penalty_stats(&mut self) -> Result<(f64, f64), EngineError> {
+        let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
+            return Ok(self.opt.penalty_stats(&self.reg_slots)?);
+        };
+        let mut now = 0.0;
+        for &i in &self.reg_slots {
+            now += super::kernels::sum_sq(self.opt.slots[i].var.as_tensor())?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+        }
+        let mut weighted = [shard.penalty_weighted(&self.opt, &self.reg_slots)?];
+        d.all_reduce_host(&mut weighted)?;
+        Ok((now, weighted[0]))
+    }
+
     fn control(&mut self, ce_mean: f64, sumsq: f64, out: &mut Recorder) -> Result<(), EngineError> {
-        let c = &self.cfg.scu;
+        let c = &self.cfg.scu.clone();
         let coef = 1.0 / (2.0 * c.prior_sigma.powi(2) * self.tokens_per_epoch);
         let data_bpt = ce_mean / LN2;
         let param_bpt = sumsq * coef / LN2;
@@ -1669,7 +1832,7 @@ impl Trainer {
         // The adaptive law's plant reading: the weights after this step's update, and the
         // penalty's authority over ln Σw² through Adam's second moments.
         let reading = if c.enabled && c.law == ScuLaw::Adaptive {
-            let (now, weighted) = self.opt.penalty_stats(&self.reg_slots)?;
+            let (now, weighted) = self.penalty_stats()?;
             (now > 0.0).then(|| PlantReading {
                 data_bpt,
                 param_bpt: now * coef / LN2,
@@ -1848,6 +2011,9 @@ impl Trainer {
 
             let t_step = Instant::now();
             let step_cursor = self.loader.cursor();
+            let every_min = self.cfg.checkpoint.every_minutes;
+            self.time_due =
+                every_min > 0.0 && last_ckpt.elapsed().as_secs_f64() >= every_min * 60.0;
             self.faults.hang_at(self.step + 1);
             self.faults.fail_at(self.step + 1)?;
             let (ce, sumsq, grads, wait, compute) = match self.forward_backward(self.scu.lambda) {
@@ -1905,6 +2071,8 @@ impl Trainer {
                 grads,
                 ranks,
                 grad_scale,
+                sharded,
+                time_due,
             } = self.reduce_step(ce, grads, wait, compute)?;
             let comm = if ranks.is_empty() {
                 0.0
@@ -1912,7 +2080,10 @@ impl Trainer {
                 t_comm.elapsed().as_secs_f64() * 1e3
             };
             let t_opt = Instant::now();
-            let norm = global_norm(&grads)? * grad_scale;
+            let norm = match &sharded {
+                Some((_, sq)) => sq.sqrt() * grad_scale,
+                None => global_norm(&grads)? * grad_scale,
+            };
             let finite = norm.is_finite() && ce.is_finite();
             let lr =
                 lr_at(&self.cfg.schedule, self.cfg.optim.lr, self.step, max_steps) * self.lr_scale;
@@ -1929,9 +2100,13 @@ impl Trainer {
                         1.0
                     };
                 applied = f;
-                self.weights_copied =
-                    self.opt
-                        .step_with_copies(&grads, lr, f, self.whole.as_ref())?;
+                if let Some((flat, _)) = &sharded {
+                    self.sharded_update(flat, lr, f)?;
+                } else {
+                    self.weights_copied =
+                        self.opt
+                            .step_with_copies(&grads, lr, f, self.whole.as_ref())?;
+                }
             } else {
                 nonfinite_in_a_row += 1;
                 self.skipped_steps += 1;
@@ -2027,8 +2202,9 @@ impl Trainer {
             }
             let c = &self.cfg.checkpoint;
             let due_steps = c.every_steps > 0 && self.step.is_multiple_of(c.every_steps);
-            let due_time = c.every_minutes > 0.0
-                && last_ckpt.elapsed().as_secs_f64() >= c.every_minutes * 60.0;
+            // (Rank 0's clock decides for every rank: a sharded optimizer's checkpoint is a
+            // collective.)
+            let due_time = time_due;
             if due_steps || due_time || (last && c.at_end) {
                 self.checkpoint_event(start, out)?;
                 last_ckpt = Instant::now();

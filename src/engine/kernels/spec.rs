@@ -117,5 +117,8 @@ pub struct StepWeights {
     pub ln_f: WeightBias,
     /// The untied LM head, or None when it is `wte`.
     pub head: Option<Var>,
+    /// Data-parallel ranks the flat gradient buffer is split over (ZeRO-1's reduce-scatter
+    /// needs its length to be a multiple of them); 1 otherwise.
+    pub shards: usize,
     pub eps: f64,
 }

@@ -872,7 +872,8 @@ impl GptStep {
             });
         }
         let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
-        let total = align(lay.off).max(ALIGN);
+        // (A multiple of the ranks' aligned ranges, for a sharded optimizer's reduce-scatter.)
+        let total = lay.off.max(1).div_ceil(ALIGN * w.shards.max(1)) * ALIGN * w.shards.max(1);
         let frozen_total = align(lay.frozen_off);
         let mut entries = lay.entries;
         // Frozen bf16 matrices are read where the model keeps them.

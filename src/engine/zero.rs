@@ -1,0 +1,370 @@
+//! ZeRO stage 1 (Rajbhandari et al., 2020): the optimizer state sharded over data-parallel
+//! ranks.
+//!
+//! The trainable weights' gradients lie in one flat fp32 buffer (the whole-model step's own,
+//! or a concatenation on the per-op path) of `world · len` elements. Rank r owns the range
+//! `[r·len, (r+1)·len)`: after a reduce-scatter it holds the summed gradient of that range
+//! only, keeps Adam's moments for it only (`2 · len` floats instead of `2 · world · len`),
+//! updates the fp32 weights that fall in it, writes them into its range of the buffer, and an
+//! all-gather hands every rank every range: each rank then sets its weights from the buffer.
+//! Reduce-scatter plus all-gather move the same bytes as the one all-reduce they replace.
+//!
+//! The weights themselves stay whole on every rank (the model computes with them, SCU reads
+//! Σw², evaluation and checkpoints read them). Checkpoints keep the format of a single
+//! process: [`Shard::gather_moments`] collects the moments (a collective: every rank calls it,
+//! rank 0 writes), so a run may resume at another world size, sharded or not.
+
+use super::optim::AdamW;
+use crate::distributed::{CommError, Collective};
+use candle_core::{DType, Device, Result, Tensor};
+
+/// The part of one trainable weight inside this rank's range of the flat buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Index into the optimizer's slots.
+    pub slot: usize,
+    /// First element of the piece within the (flattened) weight.
+    pub var_off: usize,
+    /// First element of the piece within this rank's range.
+    pub shard_off: usize,
+    pub len: usize,
+}
+
+/// Rank `rank`'s pieces, for weights at `places[i] = (offset, elements)` in a flat buffer of
+/// `total` elements split into `world` equal ranges. Gaps between weights (alignment) belong
+/// to no piece.
+pub fn plan(places: &[(usize, usize)], total: usize, rank: usize, world: usize) -> Vec<Piece> {
+    let len = total / world.max(1);
+    let (lo, hi) = (rank * len, (rank + 1) * len);
+    let mut pieces: Vec<Piece> = places
+        .iter()
+        .enumerate()
+        .filter_map(|(slot, &(off, n))| {
+            let (a, b) = (off.max(lo), (off + n).min(hi));
+            (a < b).then_some(Piece {
+                slot,
+                var_off: a - off,
+                shard_off: a - lo,
+                len: b - a,
+            })
+        })
+        .collect();
+    pieces.sort_by_key(|p| p.shard_off);
+    pieces
+}
+
+/// Each weight's place in a flat buffer that concatenates them in order, and the buffer's
+/// length rounded up to a multiple of `world` (the per-op path's layout).
+pub fn packed_places(sizes: &[usize], world: usize) -> (Vec<(usize, usize)>, usize) {
+    let mut off = 0;
+    let places = sizes
+        .iter()
+        .map(|&n| {
+            let p = (off, n);
+            off += n;
+            p
+        })
+        .collect();
+    (places, off.div_ceil(world.max(1)) * world.max(1))
+}
+
+/// This rank's share of the optimizer state.
+pub struct Shard {
+    rank: usize,
+    world: usize,
+    /// Elements in each rank's range.
+    len: usize,
+    /// Every slot's (offset, elements) in the flat buffer.
+    places: Vec<(usize, usize)>,
+    pieces: Vec<Piece>,
+    /// Adam's moments for this rank's range (gaps included, never read).
+    m: Tensor,
+    v: Tensor,
+}
+
+fn comm(e: CommError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+impl Shard {
+    /// The shard of `opt`'s state for a flat buffer of `total` elements holding the slots at
+    /// `places`. Moments already in `opt` (a resumed checkpoint) are taken over; `opt`'s
+    /// own moments are released either way.
+    pub fn new(
+        opt: &mut AdamW,
+        places: Vec<(usize, usize)>,
+        total: usize,
+        rank: usize,
+        world: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        if world == 0 || !total.is_multiple_of(world) || places.len() != opt.slots.len() {
+            candle_core::bail!(
+                "optimizer sharding: {total} elements over {world} ranks for {} weights ({} places)",
+                opt.slots.len(),
+                places.len()
+            );
+        }
+        let len = total / world;
+        let pieces = plan(&places, total, rank, world);
+        let mut s = Self {
+            rank,
+            world,
+            len,
+            places,
+            pieces,
+            m: Tensor::zeros(len, DType::F32, device)?,
+            v: Tensor::zeros(len, DType::F32, device)?,
+        };
+        s.absorb(opt)?;
+        Ok(s)
+    }
+
+    /// Take over the moments `opt` holds in full (after a checkpoint was loaded into it) and
+    /// release them there. Slots without full moments leave the shard's as they are.
+    pub fn absorb(&mut self, opt: &mut AdamW) -> Result<()> {
+        for p in &self.pieces {
+            let slot = &opt.slots[p.slot];
+            if slot.m.elem_count() != slot.var.elem_count() {
+                continue;
+            }
+            for (full, mine) in [(&slot.m, &self.m), (&slot.v, &self.v)] {
+                let part = full.flatten_all()?.narrow(0, p.var_off, p.len)?;
+                let part = part.to_dtype(DType::F32)?.to_device(mine.device())?;
+                mine.slice_set(&part, 0, p.shard_off)?;
+            }
+        }
+        opt.release_moments()
+    }
+
+    /// Elements in the flat buffer (every rank's range).
+    pub fn total(&self) -> usize {
+        self.len * self.world
+    }
+
+    /// Bytes of optimizer state this rank keeps (the two moments of its range).
+    pub fn state_bytes(&self) -> usize {
+        2 * 4 * self.len
+    }
+
+    /// The per-op path's flat buffer: the gradients in slot order, zero-padded to the
+    /// sharded length.
+    pub fn pack(&self, grads: &[Tensor]) -> Result<Tensor> {
+        let mut parts = Vec::with_capacity(grads.len() + 1);
+        let mut n = 0;
+        for g in grads {
+            n += g.elem_count();
+            parts.push(g.flatten_all()?.to_dtype(DType::F32)?);
+        }
+        if let Some(g) = grads.first() {
+            if n < self.total() {
+                parts.push(Tensor::zeros(self.total() - n, DType::F32, g.device())?);
+            }
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// This rank's pieces of `flat` (a view of each).
+    fn views(&self, flat: &Tensor) -> Result<Vec<Tensor>> {
+        let lo = self.rank * self.len;
+        self.pieces
+            .iter()
+            .map(|p| flat.narrow(0, lo + p.shard_off, p.len))
+            .collect()
+    }
+
+    /// Σg² over this rank's pieces of the (reduce-scattered) gradient buffer; the ranks'
+    /// values sum to the square of the global gradient norm.
+    pub fn grad_sumsq(&self, flat: &Tensor) -> Result<f64> {
+        let views = self.views(flat)?;
+        if views.iter().all(super::kernels::usable) && !views.is_empty() {
+            return super::kernels::sumsq(&views);
+        }
+        let mut s = 0.0;
+        for v in &views {
+            s += v.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        }
+        Ok(s)
+    }
+
+    /// One AdamW step over this rank's range: the summed gradient in `flat` (times
+    /// `grad_scale`) updates the weights' pieces and the moments, and the updated weights
+    /// are written into this rank's range of `flat` for the all-gather.
+    pub fn update(&mut self, opt: &mut AdamW, flat: &Tensor, lr: f64, grad_scale: f64) -> Result<()> {
+        opt.t += 1;
+        let bc1 = 1.0 - opt.beta1.powi(opt.t as i32);
+        let bc2 = 1.0 - opt.beta2.powi(opt.t as i32);
+        let lo = self.rank * self.len;
+        let mut ws = Vec::with_capacity(self.pieces.len());
+        let mut gs = Vec::with_capacity(self.pieces.len());
+        for p in &self.pieces {
+            let var = opt.slots[p.slot].var.as_tensor();
+            ws.push(var.flatten_all()?.narrow(0, p.var_off, p.len)?);
+            gs.push(flat.narrow(0, lo + p.shard_off, p.len)?);
+        }
+        let ms: Vec<Tensor> = self
+            .pieces
+            .iter()
+            .map(|p| self.m.narrow(0, p.shard_off, p.len))
+            .collect::<Result<_>>()?;
+        let vs: Vec<Tensor> = self
+            .pieces
+            .iter()
+            .map(|p| self.v.narrow(0, p.shard_off, p.len))
+            .collect::<Result<_>>()?;
+        let fused = opt.fused
+            && ws
+                .iter()
+                .all(|w| super::kernels::usable(w) && w.dtype() == DType::F32);
+        if fused && !ws.is_empty() {
+            // In place: the weights' pieces (views of the weights) and the moments.
+            let items: Vec<super::kernels::AdamItem> = self
+                .pieces
+                .iter()
+                .enumerate()
+                .map(|(i, p)| super::kernels::AdamItem {
+                    w: &ws[i],
+                    g: &gs[i],
+                    m: &ms[i],
+                    v: &vs[i],
+                    decay: opt.slots[p.slot].decay && opt.weight_decay > 0.0,
+                    copy: None,
+                })
+                .collect();
+            super::kernels::adamw_multi(
+                &items,
+                &super::kernels::AdamWArgs {
+                    lr,
+                    beta1: opt.beta1,
+                    beta2: opt.beta2,
+                    eps: opt.eps,
+                    decay: 1.0 - lr * opt.weight_decay,
+                    bc1,
+                    bc2,
+                    grad_scale,
+                },
+            )?;
+            for (p, w) in self.pieces.iter().zip(&ws) {
+                flat.slice_set(w, 0, lo + p.shard_off)?;
+            }
+            return Ok(());
+        }
+        // The composition AdamW's plain path computes, piece by piece.
+        for (i, p) in self.pieces.iter().enumerate() {
+            let g = (&gs[i] * grad_scale)?;
+            let m = ((&ms[i] * opt.beta1)? + (&g * (1.0 - opt.beta1))?)?;
+            let v = ((&vs[i] * opt.beta2)? + (g.sqr()? * (1.0 - opt.beta2))?)?;
+            let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + opt.eps)?)?;
+            let w = if opt.slots[p.slot].decay && opt.weight_decay > 0.0 {
+                (&ws[i] * (1.0 - lr * opt.weight_decay))?
+            } else {
+                ws[i].clone()
+            };
+            let w = (w - (update * lr)?)?;
+            self.m.slice_set(&m, 0, p.shard_off)?;
+            self.v.slice_set(&v, 0, p.shard_off)?;
+            flat.slice_set(&w.to_dtype(DType::F32)?, 0, lo + p.shard_off)?;
+        }
+        Ok(())
+    }
+
+    /// After the all-gather: every weight from its place in `flat`.
+    pub fn scatter_weights(&self, opt: &AdamW, flat: &Tensor) -> Result<()> {
+        for (slot, &(off, n)) in opt.slots.iter().zip(&self.places) {
+            let w = flat.narrow(0, off, n)?.reshape(slot.var.shape())?;
+            slot.var.set(&w.to_dtype(slot.var.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    /// Σ w²/(√v̂+ε) over this rank's pieces of the slots in `slots` (SCU's plant reading;
+    /// the ranks' values sum to [`AdamW::penalty_stats`]' second figure).
+    pub fn penalty_weighted(&self, opt: &AdamW, slots: &[usize]) -> Result<f64> {
+        let bc2 = 1.0 - opt.beta2.powi(opt.t.max(1) as i32);
+        let mut weighted = 0.0;
+        for p in self.pieces.iter().filter(|p| slots.contains(&p.slot)) {
+            let w = opt.slots[p.slot]
+                .var
+                .as_tensor()
+                .flatten_all()?
+                .narrow(0, p.var_off, p.len)?
+                .to_dtype(DType::F32)?;
+            let v = self.v.narrow(0, p.shard_off, p.len)?;
+            let denom = ((v / bc2)?.sqrt()? + opt.eps)?;
+            weighted += (w.sqr()? / denom)?
+                .sum_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+        }
+        Ok(weighted)
+    }
+
+    /// Every slot's full moments, on the host, named as a checkpoint names them
+    /// (`<name>.m`, `<name>.v`). A collective: every rank calls it; `scratch` is any f32
+    /// buffer of [`Self::total`] elements nothing else reads now.
+    pub fn gather_moments(
+        &self,
+        opt: &AdamW,
+        d: &mut dyn Collective,
+        scratch: &Tensor,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let lo = self.rank * self.len;
+        let mut out = Vec::with_capacity(2 * opt.slots.len());
+        let mut m = Vec::with_capacity(opt.slots.len());
+        for (which, mine) in [("m", &self.m), ("v", &self.v)] {
+            scratch.slice_set(mine, 0, lo)?;
+            d.all_gather_in_place(scratch).map_err(comm)?;
+            for (slot, &(off, n)) in opt.slots.iter().zip(&self.places) {
+                let t = scratch
+                    .narrow(0, off, n)?
+                    .reshape(slot.var.shape())?
+                    .to_device(&Device::Cpu)?;
+                let named = (format!("{}.{which}", slot.name), t);
+                if which == "m" {
+                    m.push(named);
+                } else {
+                    out.push(named);
+                }
+            }
+        }
+        // Interleaved as AdamW's own list is: m then v per slot.
+        Ok(m.into_iter()
+            .zip(out)
+            .flat_map(|(a, b)| [a, b])
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_every_weight_once_over_the_ranks() {
+        // Three weights with an alignment gap, over 3 ranks of 6 elements.
+        let places = [(0, 5), (6, 7), (13, 4)];
+        let total = 18;
+        let mut seen = [vec![0; 5], vec![0; 7], vec![0; 4]];
+        for r in 0..3 {
+            let mut last_end = 0;
+            for p in plan(&places, total, r, 3) {
+                assert!(p.shard_off >= last_end && p.shard_off + p.len <= 6, "{p:?}");
+                last_end = p.shard_off + p.len;
+                // The piece's place in the buffer is the weight's place plus its offset.
+                assert_eq!(r * 6 + p.shard_off, places[p.slot].0 + p.var_off);
+                for e in &mut seen[p.slot][p.var_off..p.var_off + p.len] {
+                    *e += 1;
+                }
+            }
+        }
+        assert!(seen.iter().flatten().all(|&c| c == 1), "{seen:?}");
+    }
+
+    #[test]
+    fn packed_places_pad_to_the_world() {
+        let (places, total) = packed_places(&[3, 4, 2], 4);
+        assert_eq!(places, vec![(0, 3), (3, 4), (7, 2)]);
+        assert_eq!(total, 12);
+        assert_eq!(packed_places(&[4, 4], 2).1, 8);
+    }
+}
