@@ -486,3 +486,72 @@ fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
         "{text}"
     );
 }
+
+/// `cockpit compare` on a terminal opens its view over a real sweep's run dirs (the
+/// fixtures): keys move the selection and switch the chart; `q` leaves with status 0, the
+/// terminal restored, the table printed and the files written as off a terminal.
+#[test]
+fn compare_opens_a_view_on_a_terminal_and_prints_the_table_after() {
+    if !tmux_available() {
+        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("cmp");
+    let exit_file = dir.path().join("exit-status");
+    let sweep = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/compare/sweep");
+    let cockpit = [
+        env!("CARGO_BIN_EXE_cockpit"),
+        "compare",
+        sweep.to_str().expect("utf-8 path"),
+        "--out",
+        out.to_str().expect("utf-8 temp path"),
+    ]
+    .map(sh_quote)
+    .join(" ");
+    let script = format!(
+        "{cockpit}; status=$?; echo \"$status\" > {exit}; echo {EXITED}; exec sleep 600",
+        exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
+    );
+    let tmux = Tmux::start(&script);
+
+    let marked = |s: &str, arm: &str| {
+        s.lines()
+            .any(|l| l.contains('▶') && l.contains(&format!("━ {arm}")))
+    };
+    tmux.wait_for("the compare view", |s| {
+        s.contains("cockpit ▸ compare · 4 arm(s) · 8 run(s)")
+            && s.contains("[1 val bits/token]")
+            && marked(s, "scu.enabled=false scu.lambda_init=0 ")
+    });
+    assert_eq!(
+        tmux.display("#{alternate_on}"),
+        "1",
+        "the view uses the alternate screen"
+    );
+
+    // down twice, then the S chart
+    tmux.type_keys("jj2");
+    tmux.wait_for("the third arm selected and the S chart", |s| {
+        marked(s, "scu.target=0.01") && s.contains("[2 S]") && s.contains("runs: target-0.01-s1337")
+    });
+
+    tmux.type_keys("q");
+    let status = tmux.wait_exit(&exit_file, "q");
+    assert_eq!(status, "0", "exit status after q");
+    let screen = tmux.wait_for("the table after the view", |s| s.contains(EXITED));
+    assert_eq!(
+        tmux.display("#{alternate_on}"),
+        "0",
+        "left the alternate screen"
+    );
+    assert!(
+        screen.contains("| run | seeds | final val bits/token"),
+        "{screen}"
+    );
+    assert!(screen.contains("| scu.target=0.02 | 2 |"), "{screen}");
+    assert!(!screen.contains("[2 S]"), "the view is gone:\n{screen}");
+    let md = std::fs::read_to_string(out.join("compare.md")).expect("compare.md");
+    assert!(md.starts_with("| run | seeds |"), "{md}");
+    assert!(out.join("compare.json").is_file() && out.join("compare_val_bpt.svg").is_file());
+}

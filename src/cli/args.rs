@@ -188,7 +188,9 @@ pub enum Cmd {
         device: Option<String>,
     },
     /// Runs side by side: final/best held-out bits/token (mean ± sd over seeds), λ and S at
-    /// the end, tokens/s; overlaid PNG/SVG charts of val bits/token, S and λ.
+    /// the end, tokens/s; overlaid PNG/SVG charts of val bits/token, S and λ. On a terminal
+    /// the same opens as a view (↑/↓ select an arm, tab or 1-3 switch the chart, q quits);
+    /// the table is printed when it closes.
     Compare {
         /// Run dirs, or a sweep dir (or any dir with run dirs in it).
         #[arg(required = true)]
@@ -197,6 +199,13 @@ pub enum Cmd {
         /// compare-<timestamp>).
         #[arg(long, value_name = "DIR")]
         out: Option<PathBuf>,
+        /// Print the table without opening the view (implied when stdout is not a terminal);
+        /// the files are written either way.
+        #[arg(long)]
+        no_tui: bool,
+        /// TUI theme: dark, light, high-contrast, or a theme file.
+        #[arg(long, value_name = "NAME|PATH")]
+        theme: Option<String>,
     },
 }
 

@@ -75,7 +75,12 @@ pub fn main() -> i32 {
             out: out.as_deref(),
             device: device.as_deref(),
         }),
-        Some(Cmd::Compare { paths, out }) => compare(&paths, out.as_deref()),
+        Some(Cmd::Compare {
+            paths,
+            out,
+            no_tui,
+            theme,
+        }) => compare(&paths, out.as_deref(), no_tui, theme.as_deref()),
         Some(Cmd::Export {
             source,
             out,
@@ -641,8 +646,14 @@ fn plot(run_dir: &Path) -> anyhow::Result<i32> {
     frontends::plot_run(run_dir)
 }
 
-/// `cockpit compare`: the table on stdout (and compare.md, compare.json), overlaid charts.
-fn compare(paths: &[PathBuf], out: Option<&Path>) -> anyhow::Result<i32> {
+/// `cockpit compare`: the table on stdout (and compare.md, compare.json), overlaid charts;
+/// on a terminal (without `--no-tui`), the same in a view first.
+fn compare(
+    paths: &[PathBuf],
+    out: Option<&Path>,
+    no_tui: bool,
+    theme: Option<&str>,
+) -> anyhow::Result<i32> {
     use crate::report::compare::{self as cmp, CompareError};
     let (groups, runs) = match cmp::compare(paths) {
         Ok(v) => v,
@@ -655,6 +666,20 @@ fn compare(paths: &[PathBuf], out: Option<&Path>) -> anyhow::Result<i32> {
         }
         Err(e) => return Err(e.into()),
     };
+    let tui = if !no_tui && std::io::stdout().is_terminal() {
+        match theme.map_or_else(|| Ok(crate::tui::Theme::default()), crate::tui::Theme::load) {
+            Ok(theme) => Some(crate::tui::TuiOptions {
+                theme,
+                ..crate::tui::TuiOptions::default()
+            }),
+            Err(e) => {
+                eprintln!("cockpit: compare: theme: {e}");
+                return Ok(EXIT_USAGE);
+            }
+        }
+    } else {
+        None
+    };
     let out_dir = match out {
         Some(d) => d.to_path_buf(),
         None if paths.len() == 1 && !paths[0].join(crate::report::METRICS_FILE).is_file() => {
@@ -663,7 +688,9 @@ fn compare(paths: &[PathBuf], out: Option<&Path>) -> anyhow::Result<i32> {
         None => PathBuf::from(format!("compare-{}", timestamp())),
     };
     let table = cmp::table_markdown(&groups);
-    print!("{table}");
+    if tui.is_none() {
+        print!("{table}");
+    }
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     std::fs::write(out_dir.join("compare.md"), &table)
         .with_context(|| format!("writing {}", out_dir.join("compare.md").display()))?;
@@ -674,6 +701,23 @@ fn compare(paths: &[PathBuf], out: Option<&Path>) -> anyhow::Result<i32> {
     .with_context(|| format!("writing {}", out_dir.join("compare.json").display()))?;
     let labels: Vec<String> = groups.iter().map(|g| g.label.clone()).collect();
     let summary = cmp::plot_compare(&labels, &runs, &out_dir)?;
+    if let Some(opts) = tui {
+        let source = paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" ");
+        let mut state = crate::tui::state::CompareState::new(&groups, &runs, source)
+            .with_out_dir(out_dir.display().to_string());
+        let exit = crate::tui::run_compare(&mut state, &opts)?;
+        // the table stays in the scrollback once the view is gone
+        print!("{table}");
+        eprintln!("{summary}");
+        return Ok(match exit {
+            crate::tui::TuiExit::Interrupted => EXIT_INTERRUPTED,
+            _ => EXIT_OK,
+        });
+    }
     eprintln!("{summary}");
     Ok(EXIT_OK)
 }

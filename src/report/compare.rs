@@ -274,32 +274,50 @@ fn fmt_stat(s: Option<Stat>, digits: usize, scale: f64) -> String {
     }
 }
 
+/// The table's column headers, in order (Markdown and the terminal view).
+pub const TABLE_HEADERS: [&str; 7] = [
+    "run",
+    "seeds",
+    "final val bits/token",
+    "best val bits/token",
+    "λ at end",
+    "S at end (%)",
+    "tokens/s",
+];
+
+/// A group's table cells, in the order of [`TABLE_HEADERS`] ("–" where no run has the
+/// figure).
+pub fn table_cells(g: &Group) -> [String; 7] {
+    let lam = match g.lambda_end {
+        Some(s) if s.mean != 0.0 && (s.mean.abs() < 0.01 || s.mean.abs() >= 1000.0) => {
+            if s.n > 1 {
+                format!("{:.2e} ± {:.1e}", s.mean, s.sd)
+            } else {
+                format!("{:.2e}", s.mean)
+            }
+        }
+        other => fmt_stat(other, 3, 1.0),
+    };
+    [
+        g.label.clone(),
+        g.runs.len().to_string(),
+        fmt_stat(g.final_bpt, 4, 1.0),
+        fmt_stat(g.best_bpt, 4, 1.0),
+        lam,
+        fmt_stat(g.s_end, 2, 100.0),
+        fmt_stat(g.tokens_per_sec, 0, 1.0),
+    ]
+}
+
 /// The table as Markdown.
 pub fn table_markdown(groups: &[Group]) -> String {
-    let mut out = String::from(
-        "| run | seeds | final val bits/token | best val bits/token | λ at end | S at end (%) | tokens/s |\n|---|---|---|---|---|---|---|\n",
+    let mut out = format!(
+        "| {} |\n|{}\n",
+        TABLE_HEADERS.join(" | "),
+        "---|".repeat(TABLE_HEADERS.len())
     );
     for g in groups {
-        let lam = match g.lambda_end {
-            Some(s) if s.mean != 0.0 && (s.mean.abs() < 0.01 || s.mean.abs() >= 1000.0) => {
-                if s.n > 1 {
-                    format!("{:.2e} ± {:.1e}", s.mean, s.sd)
-                } else {
-                    format!("{:.2e}", s.mean)
-                }
-            }
-            other => fmt_stat(other, 3, 1.0),
-        };
-        out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
-            g.label,
-            g.runs.len(),
-            fmt_stat(g.final_bpt, 4, 1.0),
-            fmt_stat(g.best_bpt, 4, 1.0),
-            lam,
-            fmt_stat(g.s_end, 2, 100.0),
-            fmt_stat(g.tokens_per_sec, 0, 1.0),
-        ));
+        out.push_str(&format!("| {} |\n", table_cells(g).join(" | ")));
     }
     out
 }
@@ -319,6 +337,41 @@ fn mean_curve(runs: &[ComparedRun], f: impl Fn(&RunMetrics) -> Vec<(f64, f64)>) 
     at.into_iter()
         .map(|(x, (s, n))| (x as f64, s / n as f64))
         .collect()
+}
+
+/// A group's curves over steps, each the mean over its runs at each step where any run has
+/// a value: what the overlaid charts (files and terminal view) draw.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Curves {
+    /// Held-out bits/token at each evaluation.
+    pub val_bpt: Vec<(f64, f64)>,
+    /// S in percent.
+    pub s_pct: Vec<(f64, f64)>,
+    /// The setpoint S* in percent, where the controller is on (none for fixed λ).
+    pub target_pct: Vec<(f64, f64)>,
+    /// λ.
+    pub lambda: Vec<(f64, f64)>,
+}
+
+impl Curves {
+    /// The curves of one group's runs.
+    pub fn of(runs: &[ComparedRun]) -> Curves {
+        let pct = |v: Vec<(f64, f64)>| v.into_iter().map(|(x, y)| (x, y * 100.0)).collect();
+        Curves {
+            val_bpt: mean_curve(runs, |m| {
+                m.evals.iter().map(|e| (e.step as f64, e.val_bpt)).collect()
+            }),
+            s_pct: mean_curve(runs, |m| pct(m.s_ratio())),
+            target_pct: mean_curve(runs, |m| {
+                m.scu
+                    .iter()
+                    .filter(|s| s.control)
+                    .map(|s| (s.step as f64, s.target * 100.0))
+                    .collect()
+            }),
+            lambda: mean_curve(runs, |m| m.lambda()),
+        }
+    }
 }
 
 /// Overlaid charts (PNG + SVG) into `out_dir`: held-out bits/token, S and λ, one line per
@@ -346,26 +399,22 @@ pub fn plot_compare(
     lam.y_scale = Scale::Log;
     for (i, (label, g)) in labels.iter().zip(groups).enumerate() {
         let name = format!("{label}{}", seeds(g));
-        let v = mean_curve(g, |m| {
-            m.evals.iter().map(|e| (e.step as f64, e.val_bpt)).collect()
-        });
-        if !v.is_empty() {
-            val.series
-                .push(Series::new(name.clone(), color(i), Style::Markers, v));
+        let c = Curves::of(g);
+        if !c.val_bpt.is_empty() {
+            val.series.push(Series::new(
+                name.clone(),
+                color(i),
+                Style::Markers,
+                c.val_bpt,
+            ));
         }
-        let sr = mean_curve(g, |m| {
-            m.s_ratio()
-                .into_iter()
-                .map(|(x, y)| (x, y * 100.0))
-                .collect()
-        });
-        if !sr.is_empty() {
+        if !c.s_pct.is_empty() {
             s.series
-                .push(Series::new(name.clone(), color(i), Style::Line, sr));
+                .push(Series::new(name.clone(), color(i), Style::Line, c.s_pct));
         }
-        let l = mean_curve(g, |m| m.lambda());
-        if l.iter().any(|(_, y)| *y > 0.0) {
-            lam.series.push(Series::new(name, color(i), Style::Line, l));
+        if c.lambda.iter().any(|(_, y)| *y > 0.0) {
+            lam.series
+                .push(Series::new(name, color(i), Style::Line, c.lambda));
         }
     }
     let plan = |spec: ChartSpec, why: &str| -> Planned {

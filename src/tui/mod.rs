@@ -4,7 +4,8 @@
 //! [`MonitorUpdate`]s; [`views`] are widgets that draw that state; [`App`] is the pure state
 //! machine tying them together (events, updates and keys in; [`Action`]s out), testable on
 //! ratatui's `TestBackend`; [`run_training`] and [`run_monitor`] are the thin loops that
-//! drive it on a real terminal.
+//! drive it on a real terminal. [`run_compare`] shows `cockpit compare`'s table and charts
+//! ([`state::CompareState`] drawn by [`views::compare`]).
 //!
 //! [`Event`]: crate::engine::events::Event
 
@@ -165,4 +166,13 @@ pub fn run_monitor(
         until,
     )?;
     Ok(())
+}
+
+/// Shows `cockpit compare`'s table and overlaid charts (see [`state::CompareState`]) until
+/// the user leaves (q, Esc, Ctrl+C: [`TuiExit::Closed`]), a signal arrives
+/// ([`TuiExit::Interrupted`]) or the terminal hangs up ([`TuiExit::HangUp`]; output is then
+/// sent to /dev/null). The terminal is always restored.
+pub fn run_compare(state: &mut state::CompareState, opts: &TuiOptions) -> anyhow::Result<TuiExit> {
+    let opts = opts.resolved();
+    run::run_compare(state, &opts.theme)
 }

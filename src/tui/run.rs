@@ -2,8 +2,9 @@
 //! rate and turns key presses into commands. The engine never waits on it.
 
 use super::app::{Action, App, TuiExit};
-use super::state::LogLevel;
+use super::state::{CompareState, LogLevel};
 use super::term::TerminalGuard;
+use super::theme::Theme;
 use super::TuiOptions;
 use crate::advisor::MonitorUpdate;
 use crate::engine::events::{Command, EventRx};
@@ -235,4 +236,51 @@ fn frames(
         }
     }
     Ok(())
+}
+
+/// Runs the comparison view until q/Esc/Ctrl+C, a signal or a hang-up.
+pub(crate) fn run_compare(state: &mut CompareState, theme: &Theme) -> anyhow::Result<TuiExit> {
+    let mut guard = TerminalGuard::enter().context("cannot set up the terminal")?;
+    let result = compare_frames(state, theme, &mut guard);
+    let exit = if guard.hung_up() {
+        // nothing can be shown on a terminal that is gone, and writing to it fails (which
+        // `println!` turns into a panic)
+        let _ = crate::process::redirect_output(std::path::Path::new("/dev/null"));
+        TuiExit::HangUp
+    } else if guard.signalled() {
+        TuiExit::Interrupted
+    } else {
+        TuiExit::Closed
+    };
+    drop(guard);
+    result.map(|()| exit)
+}
+
+/// Draw, then wait for a key (a resize redraws) until the view is left.
+fn compare_frames(
+    state: &mut CompareState,
+    theme: &Theme,
+    guard: &mut TerminalGuard,
+) -> anyhow::Result<()> {
+    loop {
+        guard.terminal().draw(|frame| state.render(frame, theme))?;
+        loop {
+            if guard.signalled() || guard.hung_up() {
+                return Ok(());
+            }
+            if !term_event::poll(Duration::from_millis(200))? {
+                continue;
+            }
+            match term_event::read()? {
+                TermEvent::Key(key) if key.kind != KeyEventKind::Release => {
+                    if state.on_key(key) {
+                        return Ok(());
+                    }
+                    break;
+                }
+                TermEvent::Resize(..) => break,
+                _ => {}
+            }
+        }
+    }
 }

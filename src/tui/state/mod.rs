@@ -2,6 +2,7 @@
 //! the views. Nothing here draws or reads a clock.
 
 pub mod commands;
+pub mod compare;
 pub mod eta;
 pub mod history;
 pub mod log;
@@ -9,6 +10,7 @@ pub mod run;
 pub mod telemetry;
 
 pub use commands::{CommandKind, CommandState, CommandStatus};
+pub use compare::{CompareArm, CompareChart, CompareState};
 pub use eta::Eta;
 pub use history::{Ema, History, RecentSeries, Ring, ThinnedSeries};
 pub use log::{EventLog, LogEntry, LogLevel};

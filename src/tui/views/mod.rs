@@ -3,6 +3,7 @@
 
 pub mod advisor;
 pub mod charts;
+pub mod compare;
 pub mod footer;
 pub mod gpu;
 pub mod header;
