@@ -314,11 +314,14 @@ impl Shard {
         for (which, mine) in [("m", &self.m), ("v", &self.v)] {
             scratch.slice_set(mine, 0, lo)?;
             d.all_gather_in_place(scratch).map_err(comm)?;
+            // One read-back of the buffer, then each slot's own host tensor (a view moved
+            // to the host would take the whole buffer's storage along).
+            let host = scratch.to_vec1::<f32>()?;
             for (slot, &(off, n)) in opt.slots.iter().zip(&self.places) {
-                let t = scratch
-                    .narrow(0, off, n)?
-                    .reshape(slot.var.shape())?
-                    .to_device(&Device::Cpu)?;
+                let part = host.get(off..off + n).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("optimizer sharding: {} outside the buffer", slot.name))
+                })?;
+                let t = Tensor::from_slice(part, slot.var.shape(), &Device::Cpu)?;
                 let named = (format!("{}.{which}", slot.name), t);
                 if which == "m" {
                     m.push(named);
