@@ -65,7 +65,10 @@ pub trait Collective: Send {
         let rank = self.rank();
         let s = shard_len(t, self.world(), rank, "all-gather")?;
         let err = tensor_err(rank, "all-gather");
-        let own = t.narrow(0, rank * s, s).and_then(|p| p.copy()).map_err(&err)?;
+        let own = t
+            .narrow(0, rank * s, s)
+            .and_then(|p| p.copy())
+            .map_err(&err)?;
         let zeros = t.zeros_like().map_err(&err)?;
         t.slice_set(&zeros, 0, 0).map_err(&err)?;
         t.slice_set(&own, 0, rank * s).map_err(&err)?;
@@ -595,10 +598,16 @@ mod nccl {
         Broadcast,
         /// This rank's part of the sum, in place (`ncclReduceScatter` with the receive
         /// buffer inside the send buffer at rank · count).
-        ReduceScatter { rank: usize, world: usize },
+        ReduceScatter {
+            rank: usize,
+            world: usize,
+        },
         /// Every rank's part, in place (`ncclAllGather` with the send buffer inside the
         /// receive buffer at rank · count).
-        AllGather { rank: usize, world: usize },
+        AllGather {
+            rank: usize,
+            world: usize,
+        },
     }
 
     struct InPlace {

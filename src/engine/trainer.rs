@@ -1544,9 +1544,16 @@ impl Trainer {
 
     /// ZeRO-1's optimizer step: this rank's range updated, the ranges all-gathered, and
     /// every rank's weights set from them (the step's bf16 copies are cast again).
-    fn sharded_update(&mut self, flat: &Tensor, lr: f64, grad_scale: f64) -> Result<(), EngineError> {
+    fn sharded_update(
+        &mut self,
+        flat: &Tensor,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<(), EngineError> {
         let (Some(shard), Some(d)) = (self.shard.as_mut(), self.dist.as_mut()) else {
-            return Err(EngineError::Config("optimizer sharding without ranks".into()));
+            return Err(EngineError::Config(
+                "optimizer sharding without ranks".into(),
+            ));
         };
         shard.update(&mut self.opt, flat, lr, grad_scale)?;
         d.all_gather_in_place(flat)?;
@@ -1615,7 +1622,9 @@ impl Trainer {
             self.shard = Some(shard);
         }
         let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
-            return Err(EngineError::Config("optimizer sharding without ranks".into()));
+            return Err(EngineError::Config(
+                "optimizer sharding without ranks".into(),
+            ));
         };
         let flat = match buffer {
             Some(b) => b,

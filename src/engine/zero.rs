@@ -15,7 +15,7 @@
 //! rank 0 writes), so a run may resume at another world size, sharded or not.
 
 use super::optim::AdamW;
-use crate::distributed::{CommError, Collective};
+use crate::distributed::{Collective, CommError};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// The part of one trainable weight inside this rank's range of the flat buffer.
@@ -41,7 +41,7 @@ pub fn plan(places: &[(usize, usize)], total: usize, rank: usize, world: usize) 
         .enumerate()
         .filter_map(|(slot, &(off, n))| {
             let (a, b) = (off.max(lo), (off + n).min(hi));
-            (a < b).then_some(Piece {
+            (a < b).then(|| Piece {
                 slot,
                 var_off: a - off,
                 shard_off: a - lo,
@@ -182,7 +182,11 @@ impl Shard {
         }
         let mut s = 0.0;
         for v in &views {
-            s += v.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            s += v
+                .sqr()?
+                .sum_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
         }
         Ok(s)
     }
@@ -190,7 +194,13 @@ impl Shard {
     /// One AdamW step over this rank's range: the summed gradient in `flat` (times
     /// `grad_scale`) updates the weights' pieces and the moments, and the updated weights
     /// are written into this rank's range of `flat` for the all-gather.
-    pub fn update(&mut self, opt: &mut AdamW, flat: &Tensor, lr: f64, grad_scale: f64) -> Result<()> {
+    pub fn update(
+        &mut self,
+        opt: &mut AdamW,
+        flat: &Tensor,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
         opt.t += 1;
         let bc1 = 1.0 - opt.beta1.powi(opt.t as i32);
         let bc2 = 1.0 - opt.beta2.powi(opt.t as i32);
@@ -319,7 +329,10 @@ impl Shard {
             let host = scratch.to_vec1::<f32>()?;
             for (slot, &(off, n)) in opt.slots.iter().zip(&self.places) {
                 let part = host.get(off..off + n).ok_or_else(|| {
-                    candle_core::Error::Msg(format!("optimizer sharding: {} outside the buffer", slot.name))
+                    candle_core::Error::Msg(format!(
+                        "optimizer sharding: {} outside the buffer",
+                        slot.name
+                    ))
                 })?;
                 let t = Tensor::from_slice(part, slot.var.shape(), &Device::Cpu)?;
                 let named = (format!("{}.{which}", slot.name), t);
@@ -331,10 +344,7 @@ impl Shard {
             }
         }
         // Interleaved as AdamW's own list is: m then v per slot.
-        Ok(m.into_iter()
-            .zip(out)
-            .flat_map(|(a, b)| [a, b])
-            .collect())
+        Ok(m.into_iter().zip(out).flat_map(|(a, b)| [a, b]).collect())
     }
 }
 
