@@ -80,6 +80,9 @@ pub struct Shard {
     /// Adam's moments for this rank's range (gaps included, never read).
     m: Tensor,
     v: Tensor,
+    /// The last update wrote this rank's pieces into the weights themselves (the fused
+    /// kernel), not only into the buffer.
+    in_place: bool,
 }
 
 fn comm(e: CommError) -> candle_core::Error {
@@ -115,6 +118,7 @@ impl Shard {
             pieces,
             m: Tensor::zeros(len, DType::F32, device)?,
             v: Tensor::zeros(len, DType::F32, device)?,
+            in_place: false,
         };
         s.absorb(opt)?;
         Ok(s)
@@ -257,8 +261,10 @@ impl Shard {
             for (p, w) in self.pieces.iter().zip(&ws) {
                 flat.slice_set(w, 0, lo + p.shard_off)?;
             }
+            self.in_place = true;
             return Ok(());
         }
+        self.in_place = false;
         // The composition AdamW's plain path computes, piece by piece.
         for (i, p) in self.pieces.iter().enumerate() {
             let g = (&gs[i] * grad_scale)?;
@@ -278,9 +284,14 @@ impl Shard {
         Ok(())
     }
 
-    /// After the all-gather: every weight from its place in `flat`.
+    /// After the all-gather: every weight from its place in `flat` (but those the update
+    /// wrote in place whole: they lie in this rank's range and hold their values already).
     pub fn scatter_weights(&self, opt: &AdamW, flat: &Tensor) -> Result<()> {
+        let (lo, hi) = (self.rank * self.len, (self.rank + 1) * self.len);
         for (slot, &(off, n)) in opt.slots.iter().zip(&self.places) {
+            if self.in_place && off >= lo && off + n <= hi {
+                continue;
+            }
             let w = flat.narrow(0, off, n)?.reshape(slot.var.shape())?;
             slot.var.set(&w.to_dtype(slot.var.dtype())?)?;
         }
