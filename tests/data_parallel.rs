@@ -52,6 +52,25 @@ fn losses(metrics: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// The steps after `step`.
+fn after(losses: Vec<(u64, f64)>, step: u64) -> Vec<(u64, f64)> {
+    losses.into_iter().filter(|(s, _)| *s > step).collect()
+}
+
+/// Resume `checkpoint` in one process at micro-batch `micro_batch` up to `max_steps`.
+fn resume_in_one_process(checkpoint: &Path, max_steps: u32, micro_batch: u32, run_dir: &Path) {
+    cockpit()
+        .args(["train", "--no-tui", "--max-steps", &max_steps.to_string()])
+        .args(SMALL)
+        .args(["--set", &format!("optim.micro_batch={micro_batch}")])
+        .arg("--resume")
+        .arg(checkpoint)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .assert()
+        .success();
+}
+
 fn assert_track(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
     assert!(
         !a.is_empty() && a.len() == b.len(),
@@ -188,25 +207,12 @@ fn torchrun_style_ranks_and_a_resume_at_another_world_size() {
     }
     let step8 = dp.join("checkpoints/step-00000008");
     assert!(step8.is_dir(), "rank 0 checkpointed step 8");
-    cockpit()
-        .args(["train", "--no-tui", "--max-steps", "16"])
-        .args(SMALL)
-        .args(["--set", "optim.micro_batch=16"])
-        .arg("--resume")
-        .arg(&step8)
-        .arg("--run-dir")
-        .arg(&resumed)
-        .assert()
-        .success();
-    let tail: Vec<_> = losses(&dp.join("metrics.jsonl"))
-        .into_iter()
-        .filter(|(s, _)| *s > 8)
-        .collect();
-    let again: Vec<_> = losses(&resumed.join("metrics.jsonl"))
-        .into_iter()
-        .filter(|(s, _)| *s > 8)
-        .collect();
-    assert_track(&again, &tail, "1 × 16 resumed from 2 × 8");
+    resume_in_one_process(&step8, 16, 16, &resumed);
+    assert_track(
+        &after(losses(&resumed.join("metrics.jsonl")), 8),
+        &after(losses(&dp.join("metrics.jsonl")), 8),
+        "1 × 16 resumed from 2 × 8",
+    );
 }
 
 /// A rank that hangs (alive, but never reaches the next collective) cannot hang the job:
@@ -277,20 +283,10 @@ fn sharded_optimizer_trains_like_one_process_and_resumes_unsharded() {
     );
     let step7 = dp.join("checkpoints/step-00000007");
     assert!(step7.is_dir(), "the sharded ranks checkpointed step 7");
-    cockpit()
-        .args(["train", "--no-tui", "--max-steps", "14"])
-        .args(SMALL)
-        .args(["--set", "optim.micro_batch=12"])
-        .arg("--resume")
-        .arg(&step7)
-        .arg("--run-dir")
-        .arg(&resumed)
-        .assert()
-        .success();
-    let tail: Vec<_> = sharded.into_iter().filter(|(s, _)| *s > 7).collect();
-    let again: Vec<_> = losses(&resumed.join("metrics.jsonl"))
-        .into_iter()
-        .filter(|(s, _)| *s > 7)
-        .collect();
-    assert_track(&again, &tail, "1 × 12 resumed from 3 sharded × 4");
+    resume_in_one_process(&step7, 14, 12, &resumed);
+    assert_track(
+        &after(losses(&resumed.join("metrics.jsonl")), 7),
+        &after(sharded, 7),
+        "1 × 12 resumed from 3 sharded × 4",
+    );
 }
