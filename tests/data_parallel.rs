@@ -290,3 +290,37 @@ fn sharded_optimizer_trains_like_one_process_and_resumes_unsharded() {
         "1 × 12 resumed from 3 sharded × 4",
     );
 }
+
+/// `cockpit bench --gpus 2` runs the job as `train --gpus 2` would and reports the whole job's
+/// tokens/s and the communication time its step does not hide.
+#[test]
+fn bench_runs_a_data_parallel_job_and_reports_its_communication() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let port = free_port().to_string();
+    let out = cockpit()
+        .args(["bench", "--gpus", "2", "--steps", "4", "--warmup", "2"])
+        .args(SMALL)
+        .args(["--set", "optim.micro_batch=8"])
+        .args(["--set", &format!("distributed.master_port={port}")])
+        .arg("--json")
+        .arg(&json)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("2 ranks, comm not hidden"))
+        .get_output()
+        .stdout
+        .clone();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(report["ranks"], 2, "{}", String::from_utf8_lossy(&out));
+    assert_eq!(report["steps"], 4);
+    assert!(report["comm_ms_median"].as_f64().unwrap() > 0.0);
+    // The job's tokens: both ranks' micro-batches.
+    let ms = report["ms_per_step_median"].as_f64().unwrap();
+    let tps = report["tokens_per_sec"].as_f64().unwrap();
+    assert!(
+        (tps * ms / 1e3 - (2 * 8 * 64) as f64).abs() < 1.0,
+        "{report}"
+    );
+}

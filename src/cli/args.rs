@@ -77,6 +77,11 @@ pub enum Cmd {
         /// bisecting); prints it and one with a 10% margin to set as optim.micro_batch.
         #[arg(long, conflicts_with_all = ["soak", "profile"])]
         find_batch: bool,
+        /// Data parallel on N GPUs of this machine (one worker each, as `train --gpus`):
+        /// tokens/s of the whole job, and the communication time the step does not hide.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..),
+              conflicts_with_all = ["soak", "profile", "find_batch"])]
+        gpus: Option<u16>,
     },
     /// Tokenize and pack a config's text data ahead of training.
     Prepare {
@@ -209,7 +214,7 @@ pub enum Cmd {
     },
 }
 
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Default)]
 pub struct TrainArgs {
     /// Config file (TOML). Omit for the embedded default (configs/tiny.toml).
     pub config: Option<PathBuf>,

@@ -28,6 +28,10 @@ pub struct BenchReport {
     pub compute_ms_median: f64,
     pub optim_ms_median: f64,
     pub data_wait_ms_median: f64,
+    /// Data parallel: the ranks, and the time the step spent in communication after the
+    /// backward (what the step does not hide).
+    pub ranks: usize,
+    pub comm_ms_median: f64,
     pub tokens_per_sec: f64,
     pub mfu: Option<f64>,
     pub peak_mem_gb: Option<f64>,
@@ -56,9 +60,12 @@ pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchRepor
     let half = &timed[timed.len() / 2..];
     let med = |f: fn(&StepStats) -> f64| median(half.iter().map(f).collect());
     let ms = med(|s| s.step_ms);
+    // (A data-parallel step carries every rank's figures: the job's batch is theirs summed.)
+    let ranks = timed.last().map_or(1, |s| s.ranks.len().max(1));
     let tokens_per_step = (info.seq_len
         * timed.last().map_or(info.micro_batch, |s| s.micro_batch)
-        * info.accum) as f64;
+        * info.accum
+        * ranks) as f64;
     let tokens_per_sec = tokens_per_step / (ms / 1e3);
     let peak = timed.iter().filter_map(|s| s.memory_bytes).max();
     BenchReport {
@@ -75,6 +82,8 @@ pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchRepor
         compute_ms_median: med(|s| s.compute_ms),
         optim_ms_median: med(|s| s.optim_ms),
         data_wait_ms_median: med(|s| s.data_wait_ms),
+        ranks,
+        comm_ms_median: med(|s| s.comm_ms),
         tokens_per_sec,
         mfu: info
             .peak_flops
@@ -126,6 +135,13 @@ impl std::fmt::Display for BenchReport {
             self.data_wait_ms_median,
             self.tokens_per_sec / 1e3
         )?;
+        if self.ranks > 1 {
+            write!(
+                f,
+                " | {} ranks, comm not hidden {:.2} ms/step",
+                self.ranks, self.comm_ms_median
+            )?;
+        }
         if let Some(m) = self.mfu {
             write!(f, " | MFU {:.1}%", m * 100.0)?;
         }
@@ -166,6 +182,8 @@ pub struct BenchArgs<'a> {
     pub soak: bool,
     /// Search the largest micro-batch that fits (`--find-batch`) instead of timing.
     pub find_batch: bool,
+    /// Worker processes (`--gpus`): above 1, a data-parallel job on this machine's GPUs.
+    pub gpus: usize,
 }
 
 /// A soak's verdict on one memory series.
@@ -309,6 +327,9 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
     if a.find_batch {
         return find_batch(&cfg, device);
     }
+    if a.gpus > 1 {
+        return data_parallel(&a, overrides);
+    }
     if let Err(code) = fit::resolve_auto(&mut cfg, device, None, false) {
         return Ok(code);
     }
@@ -383,6 +404,59 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         return Ok(EXIT_FAILURE);
     }
     Ok(EXIT_OK)
+}
+
+/// `cockpit bench --gpus N`: the job runs as `cockpit train --gpus N` would (the launcher, a
+/// worker per GPU, headless) in a scratch run dir; the report comes from rank 0's step events,
+/// which carry every rank's timings.
+fn data_parallel(a: &BenchArgs, overrides: Vec<String>) -> anyhow::Result<i32> {
+    let run_dir: PathBuf =
+        std::env::temp_dir().join(format!("cockpit-bench-dp-{}", std::process::id()));
+    let gpus = u16::try_from(a.gpus).context("--gpus")?;
+    let code = super::train(super::args::TrainArgs {
+        config: a.config.map(Path::to_path_buf),
+        no_tui: true,
+        run_dir: Some(run_dir.clone()),
+        set: overrides,
+        device: a.device.map(str::to_string),
+        gpus: Some(gpus),
+        ..Default::default()
+    });
+    let events = read_events(&run_dir.join("metrics.jsonl"));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    let code = code?;
+    if code != EXIT_OK {
+        eprintln!("cockpit bench: the data-parallel run failed (exit code {code})");
+        return Ok(code);
+    }
+    let (info, steps) = events?;
+    let timed: Vec<StepStats> = steps.into_iter().filter(|s| s.step > a.warmup).collect();
+    let Some(info) = info.filter(|_| !timed.is_empty()) else {
+        eprintln!("cockpit bench: the data-parallel run recorded no timed steps");
+        return Ok(EXIT_FAILURE);
+    };
+    let report = summarize(&info, a.warmup, &timed);
+    println!("{report}");
+    if let Some(p) = a.json {
+        let text = serde_json::to_string_pretty(&report)?;
+        std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(EXIT_OK)
+}
+
+/// A run's start and step events from its metrics.jsonl.
+fn read_events(path: &Path) -> anyhow::Result<(Option<RunInfo>, Vec<StepStats>)> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let (mut info, mut steps) = (None, Vec::new());
+    for line in text.lines() {
+        match serde_json::from_str::<Event>(line) {
+            Ok(Event::RunStarted(i)) => info = Some(i),
+            Ok(Event::Step(s)) => steps.push(s),
+            _ => {}
+        }
+    }
+    Ok((info, steps))
 }
 
 /// `cockpit bench --find-batch`: double the micro-batch until it no longer fits, then bisect;

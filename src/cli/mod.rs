@@ -47,6 +47,7 @@ pub fn main() -> i32 {
             profile,
             soak,
             find_batch,
+            gpus,
         }) => bench::run(bench::BenchArgs {
             config: config.as_deref(),
             set: &set,
@@ -57,6 +58,7 @@ pub fn main() -> i32 {
             profile,
             soak: soak.is_some(),
             find_batch,
+            gpus: gpus.map_or(1, usize::from),
         }),
         Some(Cmd::Prepare { config, set }) => prepare(&config, &set),
         Some(Cmd::Plot { run_dir }) => plot(&run_dir),
@@ -246,7 +248,7 @@ fn apply_test_run(c: &mut Config) {
     c.scu.control_every = 1;
 }
 
-fn train(a: TrainArgs) -> anyhow::Result<i32> {
+pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let mut overrides = a.set.clone();
     if let Some(n) = a.max_steps {
         // Shorten the warm-up with the run, in proportion, so `--max-steps` alone always works.
