@@ -266,7 +266,8 @@ fn sharded_optimizer_trains_like_one_process_and_resumes_unsharded() {
         .arg("--run-dir")
         .arg(&dp)
         .assert()
-        .success();
+        .success()
+        .stderr(predicate::str::contains("optimizer state sharded (ZeRO-1"));
     cockpit()
         .args(["train", "--no-tui", "--max-steps", "14"])
         .args(SMALL)
