@@ -1,6 +1,6 @@
 //! With the `cuda` feature: compile the fused kernels in src/engine/kernels/*.cu to PTX with
-//! nvcc (compute_80, so the driver JIT-compiles it for sm80 and newer). Without the feature
-//! this does nothing.
+//! nvcc, for compute_80 (the driver JIT-compiles it for sm80 and newer) and compute_75 (T4),
+//! and check each with ptxas for the GPUs it serves. Without the feature this does nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -15,22 +15,61 @@ fn main() {
         return;
     }
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let ptx = out.join("cockpit_kernels.ptx");
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
     let arch = std::env::var("COCKPIT_PTX_ARCH").unwrap_or_else(|_| "compute_80".to_string());
-    let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "--use_fast_math", "-std=c++17"])
-        .arg(format!("-arch={arch}"))
-        .arg("src/engine/kernels/kernels.cu")
-        .arg("-o")
-        .arg(&ptx)
-        .status();
-    match status {
-        Ok(s) if s.success() => {}
-        Ok(s) => panic!("{nvcc} failed ({s}) compiling src/engine/kernels/kernels.cu"),
-        Err(e) => panic!(
-            "the cuda feature needs nvcc to compile the fused kernels: running `{nvcc}`: {e} \
-             (put the CUDA toolkit's bin on PATH or set NVCC)"
+    // Two builds: compute_80 (bf16 tensor cores, cp.async; the driver JIT-compiles it for
+    // sm_80 and newer) and compute_75 for T4-class GPUs (the sm_80 instructions left out).
+    // The GPU's compute capability picks one at load (src/engine/kernels/cuda.rs).
+    for (file, arch, check) in [
+        (
+            "cockpit_kernels.ptx",
+            arch.as_str(),
+            &["sm_80", "sm_90"][..],
         ),
+        ("cockpit_kernels_sm75.ptx", "compute_75", &["sm_75"][..]),
+    ] {
+        let ptx = out.join(file);
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "--use_fast_math", "-std=c++17"])
+            .arg(format!("-arch={arch}"))
+            .arg("src/engine/kernels/kernels.cu")
+            .arg("-o")
+            .arg(&ptx)
+            .status();
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => {
+                panic!("{nvcc} failed ({s}) compiling src/engine/kernels/kernels.cu for {arch}")
+            }
+            Err(e) => panic!(
+                "the cuda feature needs nvcc to compile the fused kernels: running `{nvcc}`: {e} \
+                 (put the CUDA toolkit's bin on PATH or set NVCC)"
+            ),
+        }
+        // PTX is only text until a driver compiles it: assemble it for each GPU generation
+        // it is meant for, so an instruction a generation lacks fails the build, not a user's
+        // first launch. (Skipped where the toolkit has no ptxas.)
+        let ptxas = PathBuf::from(&nvcc).with_file_name("ptxas");
+        for sm in check {
+            let cubin = out.join(format!("{file}.{sm}.cubin"));
+            match Command::new(&ptxas)
+                .arg(format!("-arch={sm}"))
+                .arg(&ptx)
+                .arg("-o")
+                .arg(&cubin)
+                .status()
+            {
+                Ok(s) if s.success() => {
+                    let _ = std::fs::remove_file(&cubin);
+                }
+                Ok(s) => panic!("ptxas failed ({s}): the {arch} kernels do not assemble for {sm}"),
+                Err(e) => {
+                    println!(
+                        "cargo:warning=not checking the kernels for {sm}: running {}: {e}",
+                        ptxas.display()
+                    );
+                }
+            }
+        }
     }
 }

@@ -112,6 +112,9 @@ pub fn run() -> anyhow::Result<i32> {
                     device::describe(&dev),
                     precision::dtype_name(dtype)
                 );
+                if let Some(note) = crate::engine::kernels::build_note(&dev) {
+                    println!("            {note}");
+                }
             }
             Err(e) => {
                 println!("  CUDA      built in, but no usable device: {e}");

@@ -263,6 +263,10 @@ impl Trainer {
         if tf32 {
             dtype_reason.push_str("; TF32 for fp32 matmuls");
         }
+        if let Some(note) = super::kernels::build_note(&device) {
+            dtype_reason.push_str("; ");
+            dtype_reason.push_str(&note);
+        }
         // A base (model.init_from, lora.base) decides the model's shape and brings its
         // tokenizer and special tokens.
         let mut cfg = cfg;

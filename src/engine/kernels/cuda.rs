@@ -14,8 +14,54 @@ use half::{bf16, f16};
 
 use super::AdamWArgs;
 
-pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels.ptx"));
-pub(super) const MODULE: &str = "cockpit_kernels";
+/// The kernels as PTX for compute_80 (bf16 tensor cores, cp.async: the flash kernels and the
+/// whole-model step), JIT-compiled by the driver for sm_80 and newer.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels.ptx"));
+const MODULE: &str = "cockpit_kernels";
+/// The same kernels for compute_75 (T4-class GPUs), without the sm_80 instructions (the flash
+/// kernels trap there; nothing launches them without bf16 tensor cores).
+const PTX_SM75: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm75.ptx"));
+const MODULE_SM75: &str = "cockpit_kernels_sm75";
+
+/// Which build of the kernels this GPU loads: "sm80" (compute capability 8.0 and newer) or
+/// "sm75"; `COCKPIT_KERNELS=sm75` forces the older one (to test it on a newer GPU).
+pub fn kernel_build(dev: &CudaDevice) -> &'static str {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let forced =
+        *FORCED.get_or_init(|| std::env::var("COCKPIT_KERNELS").is_ok_and(|v| v == "sm75"));
+    let major = dev
+        .cuda_stream()
+        .context()
+        .attribute(
+            candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )
+        .unwrap_or(8);
+    if forced || major < 8 {
+        "sm75"
+    } else {
+        "sm80"
+    }
+}
+
+/// Kernel `name` from this GPU's build of the module (loaded once per device); a macro
+/// because candle does not export the type it returns.
+macro_rules! load_kernel {
+    ($dev:expr, $name:expr) => {
+        if kernel_build($dev) == "sm75" {
+            $dev.get_or_load_custom_func($name, MODULE_SM75, PTX_SM75)
+        } else {
+            $dev.get_or_load_custom_func($name, MODULE, PTX)
+        }
+    };
+}
+
+/// [`load_kernel!`] as a cudarc function (for the whole-model step's own launches).
+pub(super) fn load_function(
+    dev: &CudaDevice,
+    name: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaFunction> {
+    Ok(load_kernel!(dev, name)?.into_cuda_function())
+}
 /// Threads per block for the row kernels (one warp per row).
 const ROW_BLOCK: u32 = 256;
 const ROWS_PER_BLOCK: usize = (ROW_BLOCK / 32) as usize;
@@ -126,7 +172,7 @@ fn softmax_fwd_t<T: Elem>(s: &CudaStorage, l: &Layout, scale: f32) -> Result<(Cu
     let x = view::<T>(s, l)?;
     // SAFETY: every element is written by the kernel.
     let y = unsafe { dev.alloc::<T>(rows * tk)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("causal_softmax_fwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("causal_softmax_fwd"))?;
     let mut b = f.builder();
     let (rows_i, tq_i, tk_i) = (i32_of(rows, "rows")?, i32_of(tq, "Tq")?, i32_of(tk, "Tk")?);
     b.arg(&x);
@@ -154,7 +200,7 @@ fn softmax_bwd_t<T: Elem>(y: &Tensor, dy: &Tensor, scale: f32) -> Result<Tensor>
     let dv = view::<T>(cuda_of(&ds)?, dl)?;
     // SAFETY: every element is written by the kernel.
     let dx = unsafe { dev.alloc::<T>(rows * tk)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("causal_softmax_bwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("causal_softmax_bwd"))?;
     let mut b = f.builder();
     let (rows_i, tq_i, tk_i) = (i32_of(rows, "rows")?, i32_of(tq, "Tq")?, i32_of(tk, "Tk")?);
     b.arg(&yv);
@@ -223,7 +269,7 @@ fn norm_fwd_t<T: Elem>(
     };
     // SAFETY: every element is written by the kernel.
     let y = unsafe { dev.alloc::<T>(n * d)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("norm_fwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("norm_fwd"))?;
     let mut bld = f.builder();
     let null = 0u64;
     let (n_i, d_i, rms_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?, rms as i32);
@@ -267,7 +313,7 @@ fn norm_bwd_t<T: Elem>(
     let dx = unsafe { dev.alloc::<T>(n * d)? };
     let dw = dev.alloc_zeros::<f32>(d)?;
     let db = dev.alloc_zeros::<f32>(d)?;
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("norm_bwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("norm_bwd"))?;
     let mut b = f.builder();
     let (n_i, d_i, rms_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?, rms as i32);
     b.arg(&xv);
@@ -427,7 +473,7 @@ fn ce_fwd_t<T: Elem>(
     let tv = view::<u32>(t.0, t.1)?;
     // SAFETY: every row is written by the kernel.
     let loss = unsafe { dev.alloc::<f32>(n)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("ce_fwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("ce_fwd"))?;
     let mut b = f.builder();
     let (n_i, v_i) = (i32_of(n, "rows")?, i32_of(v, "vocab")?);
     b.arg(&xv);
@@ -461,7 +507,7 @@ fn ce_bwd_t<T: Elem>(x: &Tensor, t: &Tensor, loss: &Tensor, g: &Tensor) -> Resul
     let gv = view::<f32>(cuda_of(&gs)?, gl)?;
     // SAFETY: every element is written by the kernel.
     let dx = unsafe { dev.alloc::<T>(n * v)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("ce_bwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("ce_bwd"))?;
     let mut b = f.builder();
     let (n_i, v_i) = (i32_of(n, "rows")?, i32_of(v, "vocab")?);
     b.arg(&xv);
@@ -537,7 +583,7 @@ fn col_sum_t<T: Elem>(x: &Tensor) -> Result<Tensor> {
     let (xs, xl) = x.storage_and_layout();
     let xv = view::<T>(cuda_of(&xs)?, xl)?;
     let out = dev.alloc_zeros::<f32>(c)?;
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("col_sum"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("col_sum"))?;
     let mut b = f.builder();
     let (n_i, c_i) = (i32_of(n, "rows")?, i32_of(c, "cols")?);
     b.arg(&xv);
@@ -586,7 +632,7 @@ fn bias_map_t<T: Elem>(
     let bv = view::<T>(b.0, b.1)?;
     // SAFETY: every element is written by the kernel.
     let y = unsafe { dev.alloc::<T>(n * c)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>(kernel), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>(kernel))?;
     let mut bld = f.builder();
     let (total, c_i) = (n * c, i32_of(c, "cols")?);
     bld.arg(&xv);
@@ -658,7 +704,7 @@ fn bias_gelu_bwd_t<T: Elem>(x: &Tensor, b: &Tensor, dy: &Tensor) -> Result<Tenso
     let dv = view::<T>(cuda_of(&ds)?, dl)?;
     // SAFETY: every element is written by the kernel.
     let dx = unsafe { dev.alloc::<T>(total)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("bias_gelu_bwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("bias_gelu_bwd"))?;
     let mut bld = f.builder();
     let c_i = i32_of(c, "cols")?;
     bld.arg(&xv);
@@ -863,7 +909,7 @@ pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
             host.extend([*p, g.elem_count() as u64, *c0]);
         }
         with_table(&dev, Slot::Sumsq, &host, |table| {
-            let f = dev.get_or_load_custom_func("sumsq_chunks_f32", MODULE, PTX)?;
+            let f = load_kernel!(&dev, "sumsq_chunks_f32")?;
             let mut b = f.builder();
             let nt = i32_of(refs.len(), "tensors")?;
             b.arg(table);
@@ -931,7 +977,7 @@ pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
             table.extend([copy, it.w.elem_count() as u64, *c0, flags]);
         }
         with_table(&dev, Slot::Adamw, &table, |table| {
-            let f = dev.get_or_load_custom_func("adamw_chunks_f32", MODULE, PTX)?;
+            let f = load_kernel!(&dev, "adamw_chunks_f32")?;
             let mut b = f.builder();
             let nt = i32_of(items.len(), "tensors")?;
             let s = [
@@ -987,7 +1033,7 @@ pub fn adamw_update(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, a: &AdamWArg
     let gv = view::<f32>(cuda_of(&gs)?, gl)?;
     let mv = view::<f32>(cuda_of(&ms)?, ml)?;
     let vv = view::<f32>(cuda_of(&vs)?, vl)?;
-    let f = dev.get_or_load_custom_func("adamw_f32", MODULE, PTX)?;
+    let f = load_kernel!(&dev, "adamw_f32")?;
     let mut b = f.builder();
     let s = [
         a.lr as f32,
@@ -1029,7 +1075,7 @@ impl CustomOp1 for SumSq {
         let n = l.shape().elem_count();
         let acc = dev.alloc_zeros::<f32>(1)?;
         if n > 0 {
-            let f = dev.get_or_load_custom_func("sumsq_f32", MODULE, PTX)?;
+            let f = load_kernel!(&dev, "sumsq_f32")?;
             let mut b = f.builder();
             b.arg(&v);
             b.arg(&n);
@@ -1255,7 +1301,7 @@ fn split_heads_t<T: Elem>(
     let src = view::<T>(cuda_of(&qs)?, ql)?;
     // SAFETY: every element of q, k, v is written by the kernel.
     let (q, k, v) = unsafe { (dev.alloc::<T>(n)?, dev.alloc::<T>(n)?, dev.alloc::<T>(n)?) };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("qkv_split"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("qkv_split"))?;
     let mut bld = f.builder();
     let dims = [
         i32_of(b, "B")?,
@@ -1292,7 +1338,7 @@ fn merge_heads_t<T: Elem>(
     let ld = parts.len() * c;
     // SAFETY: every element is written by one of the launches below.
     let dst = unsafe { dev.alloc::<T>(b * t * ld)? };
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("heads_merge"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("heads_merge"))?;
     for (i, p) in parts.iter().enumerate() {
         let p = p.contiguous()?;
         if p.dims() != [b, h, t, hd] {
@@ -1332,7 +1378,7 @@ fn embedding_bwd_t<T: Elem>(ids: &Tensor, dy: &Tensor, vocab: usize) -> Result<T
     let iv = view::<u32>(cuda_of(&is)?, il)?;
     let dv = view::<T>(cuda_of(&ds)?, dl)?;
     let dw = dev.alloc_zeros::<f32>(vocab * d)?;
-    let f = dev.get_or_load_custom_func(&kernel_name::<T>("embedding_bwd"), MODULE, PTX)?;
+    let f = load_kernel!(&dev, &kernel_name::<T>("embedding_bwd"))?;
     let mut bld = f.builder();
     let args = [
         i32_of(n, "rows")?,
@@ -1442,7 +1488,7 @@ pub fn dropout_mask(
     let scale = dropout::keep_scale(thr);
     // SAFETY: every element is written by the kernel.
     let out = unsafe { dev.alloc::<f32>(n.max(1))? };
-    let f = dev.get_or_load_custom_func("dropout_mask_f32", MODULE, PTX)?;
+    let f = load_kernel!(&dev, "dropout_mask_f32")?;
     let mut b = f.builder();
     let (r_i, c_i) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
     let attn = i32::from(layout == dropout::Layout::Attention);
@@ -1503,14 +1549,14 @@ pub fn nf4_quantize(
         )
     };
     let (blocks_i, n8) = (blocks as i64, (n / 8) as i64);
-    let f = dev.get_or_load_custom_func("nf4_absmax_bf16", MODULE, PTX)?;
+    let f = load_kernel!(&dev, "nf4_absmax_bf16")?;
     let mut b = f.builder();
     b.arg(&src);
     b.arg(&amax);
     b.arg(&blocks_i);
     // SAFETY: argument list matches the kernel; one warp per 64-element block.
     unsafe { b.launch(per_item_cfg(blocks, 32)) }.w()?;
-    let f = dev.get_or_load_custom_func("nf4_group_f32", MODULE, PTX)?;
+    let f = load_kernel!(&dev, "nf4_group_f32")?;
     let mut b = f.builder();
     b.arg(&amax);
     b.arg(&absq);
@@ -1518,7 +1564,7 @@ pub fn nf4_quantize(
     b.arg(&blocks_i);
     // SAFETY: as above; one warp per group of 256 blocks.
     unsafe { b.launch(per_item_cfg(groups, 32)) }.w()?;
-    let f = dev.get_or_load_custom_func("nf4_codes_bf16", MODULE, PTX)?;
+    let f = load_kernel!(&dev, "nf4_codes_bf16")?;
     let mut b = f.builder();
     b.arg(&src);
     b.arg(&absq);
@@ -1555,7 +1601,7 @@ pub fn nf4_dequantize(
     // SAFETY: every element is written by the kernel.
     let out = unsafe { dev.alloc::<bf16>(n)? };
     let n8 = (n / 8) as i64;
-    let f = dev.get_or_load_custom_func("nf4_dequant_bf16", MODULE, PTX)?;
+    let f = load_kernel!(&dev, "nf4_dequant_bf16")?;
     let mut b = f.builder();
     b.arg(&codes);
     b.arg(&absq);

@@ -89,13 +89,38 @@ __device__ __forceinline__ uint32_t fa_swz(int row, int col) {
     return (uint32_t)(row * (2 * D) + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1));
 }
 
+// The module is also built for compute_75 (T4-class GPUs run the per-op kernels from it): there
+// the sm_80 instructions below (cp.async, bf16 mma) are left out and trap — the flash kernels
+// are only launched where bf16 tensor cores exist (the whole-model step needs them).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define FA_SM80_ONLY __trap()
+#else
+#define FA_SM80_ONLY
+#endif
+
 __device__ __forceinline__ void fa_cp_async16(uint32_t dst, const void* src, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    FA_SM80_ONLY;
+#else
     const int sz = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz)
                  : "memory");
+#endif
 }
-__device__ __forceinline__ void fa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void fa_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fa_cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    FA_SM80_ONLY;
+#else
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fa_cp_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    FA_SM80_ONLY;
+#else
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ void fa_ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                            uint32_t& r3) {
@@ -114,11 +139,15 @@ __device__ __forceinline__ void fa_ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32
 
 // c[4] += a[4] (16x16 bf16, row) * b (16x8 bf16, col)
 __device__ __forceinline__ void fa_mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    FA_SM80_ONLY;
+#else
     asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {

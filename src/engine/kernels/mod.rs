@@ -39,6 +39,24 @@ mod step;
 #[cfg(feature = "cuda")]
 pub use step::GptStep;
 
+/// Which build of the fused kernels a CUDA device loads, and what that means (for the run
+/// header and `cockpit check`); None off CUDA.
+pub fn build_note(device: &candle_core::Device) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return Some(match cuda::kernel_build(d) {
+            "sm75" => "kernels built for compute_75: the per-op fused kernels (flash attention \
+                       and the whole-model step need compute capability 8.0)"
+                .to_string(),
+            _ => {
+                "kernels built for compute_80: flash attention and the whole-model step".to_string()
+            }
+        });
+    }
+    let _ = device;
+    None
+}
+
 /// Whether the fused kernels can take this tensor: built with CUDA, on a CUDA device, in a
 /// floating dtype the kernels are instantiated for.
 pub fn usable(t: &Tensor) -> bool {

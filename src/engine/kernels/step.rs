@@ -45,7 +45,7 @@ use half::bf16;
 
 use super::buckets;
 use super::cuda::{
-    err, flat_cfg, i32_of, multi_grid, row_cfg, with_f32_ptrs, with_ptrs, MODULE, PTX,
+    err, flat_cfg, i32_of, load_function, multi_grid, row_cfg, with_f32_ptrs, with_ptrs,
 };
 use super::lt::{Epi, Lt, Mm, Operand};
 use super::reduce::Overlap;
@@ -267,9 +267,7 @@ struct NormV8 {
 impl Kernels {
     fn load(dev: &CudaDevice, stream: &CudaStream, c: usize) -> Result<Self> {
         let named = |name: &str, group: &'static str| -> Result<Kern> {
-            let f = dev
-                .get_or_load_custom_func(name, MODULE, PTX)?
-                .into_cuda_function();
+            let f = load_function(dev, name)?;
             Ok(Kern { f, name: group })
         };
         let f = |name: &'static str| -> Result<Kern> {
