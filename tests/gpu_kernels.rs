@@ -497,6 +497,37 @@ fn fused_attention_region_matches_the_composition() {
     }
 }
 
+/// The multi-tensor copy (ZeRO-1's gathered weights into the parameters and back): every pair
+/// copied exactly, views at an offset included, nothing outside them touched.
+#[test]
+fn multi_tensor_copy_copies_every_pair_exactly() {
+    let Some(dev) = gpu() else { return };
+    let flat = Tensor::randn(0f32, 1.0, 10_000, &dev).unwrap();
+    let a = Tensor::zeros((30, 7), DType::F32, &dev).unwrap();
+    let b = Tensor::zeros(5000, DType::F32, &dev).unwrap();
+    let (src_a, src_b) = (
+        flat.narrow(0, 13, 210).unwrap(),
+        flat.narrow(0, 4000, 5000).unwrap(),
+    );
+    let src_a2 = src_a.reshape((30, 7)).unwrap();
+    kernels::copy_multi(&[(&src_a2, &a), (&src_b, &b)]).unwrap();
+    let same = |x: &Tensor, y: &Tensor| {
+        x.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            == y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    assert!(same(&a, &src_a2) && same(&b, &src_b));
+    // Back into the buffer at an offset, beside values that must stay.
+    let before = flat.to_vec1::<f32>().unwrap();
+    let ones = Tensor::ones(100, DType::F32, &dev).unwrap();
+    let dst = flat.narrow(0, 500, 100).unwrap();
+    kernels::copy_multi(&[(&ones, &dst)]).unwrap();
+    let after = flat.to_vec1::<f32>().unwrap();
+    for (i, (x, y)) in before.iter().zip(&after).enumerate() {
+        let want = if (500..600).contains(&i) { 1.0 } else { *x };
+        assert_eq!(*y, want, "element {i}");
+    }
+}
+
 #[test]
 fn fused_sum_of_squares_matches_sqr_sum() {
     let Some(dev) = gpu() else { return };

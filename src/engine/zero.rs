@@ -258,9 +258,14 @@ impl Shard {
                     grad_scale,
                 },
             )?;
-            for (p, w) in self.pieces.iter().zip(&ws) {
-                flat.slice_set(w, 0, lo + p.shard_off)?;
-            }
+            // The updated pieces into this rank's range of the buffer: one launch.
+            let dsts: Vec<Tensor> = self
+                .pieces
+                .iter()
+                .map(|p| flat.narrow(0, lo + p.shard_off, p.len))
+                .collect::<Result<_>>()?;
+            let pairs: Vec<(&Tensor, &Tensor)> = ws.iter().zip(&dsts).collect();
+            super::kernels::copy_multi(&pairs)?;
             self.in_place = true;
             return Ok(());
         }
@@ -288,10 +293,32 @@ impl Shard {
     /// wrote in place whole: they lie in this rank's range and hold their values already).
     pub fn scatter_weights(&self, opt: &AdamW, flat: &Tensor) -> Result<()> {
         let (lo, hi) = (self.rank * self.len, (self.rank + 1) * self.len);
-        for (slot, &(off, n)) in opt.slots.iter().zip(&self.places) {
-            if self.in_place && off >= lo && off + n <= hi {
-                continue;
-            }
+        let todo: Vec<(&super::optim::Slot, usize, usize)> = opt
+            .slots
+            .iter()
+            .zip(&self.places)
+            .filter(|(_, &(off, n))| !(self.in_place && off >= lo && off + n <= hi))
+            .map(|(slot, &(off, n))| (slot, off, n))
+            .collect();
+        let fused = super::kernels::usable(flat)
+            && todo.iter().all(|(s, _, _)| {
+                let t = s.var.as_tensor();
+                super::kernels::usable(t) && t.dtype() == DType::F32 && t.is_contiguous()
+            });
+        if fused {
+            // One launch for every weight (a candle copy each would be a launch each).
+            let srcs: Vec<Tensor> = todo
+                .iter()
+                .map(|&(_, off, n)| flat.narrow(0, off, n))
+                .collect::<Result<_>>()?;
+            let pairs: Vec<(&Tensor, &Tensor)> = srcs
+                .iter()
+                .zip(&todo)
+                .map(|(src, (slot, _, _))| (src, slot.var.as_tensor()))
+                .collect();
+            return super::kernels::copy_multi(&pairs);
+        }
+        for (slot, off, n) in todo {
             let w = flat.narrow(0, off, n)?.reshape(slot.var.shape())?;
             slot.var.set(&w.to_dtype(slot.var.dtype())?)?;
         }

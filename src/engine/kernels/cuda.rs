@@ -843,6 +843,7 @@ struct Reused {
 enum Slot {
     Sumsq,
     Adamw,
+    Copy,
 }
 
 thread_local! {
@@ -925,6 +926,44 @@ pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
     let host = launched.and_then(|_| dev.clone_dtoh(&acc));
     REUSED.with(|r| r.borrow_mut().accs.insert(dev.id(), acc));
     Ok(host?.first().copied().unwrap_or(0.0) as f64)
+}
+
+/// `dst ← src` for pairs of f32 CUDA tensors of one device (each contiguous, a pair of one
+/// size): ONE multi-tensor launch over a reused table.
+pub fn copy_multi(pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
+    let pairs: Vec<&(&Tensor, &Tensor)> =
+        pairs.iter().filter(|(s, _)| s.elem_count() > 0).collect();
+    let Some(first) = pairs.first() else {
+        return Ok(());
+    };
+    let dev = device_of(first.0)?;
+    let mut all = Vec::with_capacity(2 * pairs.len());
+    let mut max_n = 0;
+    for (src, dst) in &pairs {
+        let ok = [src, dst]
+            .iter()
+            .all(|t| t.dtype() == DType::F32 && t.is_contiguous());
+        if !ok || src.elem_count() != dst.elem_count() {
+            return Err(err("multi-tensor copy: contiguous f32 pairs of one size"));
+        }
+        all.extend([*src, *dst]);
+        max_n = max_n.max(src.elem_count());
+    }
+    with_f32_ptrs(&all, |p| {
+        let mut host = Vec::with_capacity(3 * pairs.len());
+        for (i, (src, _)) in pairs.iter().enumerate() {
+            host.extend([p[2 * i], p[2 * i + 1], src.elem_count() as u64]);
+        }
+        with_table(&dev, Slot::Copy, &host, |table| {
+            let f = load_kernel!(&dev, "copy_multi_f32")?;
+            let mut b = f.builder();
+            b.arg(table);
+            // SAFETY: the table holds (source, destination, length) of live, locked f32
+            // buffers, matching the kernel's CopyItem layout; one grid row per pair.
+            unsafe { b.launch(multi_grid(max_n, pairs.len())?) }.w()?;
+            Ok(())
+        })
+    })
 }
 
 /// One parameter of a multi-tensor AdamW update.

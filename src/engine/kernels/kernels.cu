@@ -747,6 +747,20 @@ extern "C" __global__ void cast_multi_f32_bf16(const CastItem* __restrict__ ts) 
         t.dst[i] = __float2bfloat16(t.src[i]);
 }
 
+// dst ← src over a table of f32 ranges (ZeRO-1: updated weights into the gathered buffer, and
+// the gathered weights back into every parameter), one launch.
+struct CopyItem {
+    const float* src;
+    float* dst;
+    unsigned long long n;
+};
+extern "C" __global__ void copy_multi_f32(const CopyItem* __restrict__ ts) {
+    const CopyItem t = ts[blockIdx.y];
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
+         i += (size_t)gridDim.x * blockDim.x)
+        t.dst[i] = t.src[i];
+}
+
 // y += a·x over a table of f32 tensors (the SCU regulariser's gradient 2·λ·coef·w).
 struct AxpyItem {
     const float* x;

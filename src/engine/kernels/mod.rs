@@ -120,6 +120,9 @@ mod cpu_stubs {
     pub fn bias_gelu(_x: &Tensor, _b: &Tensor) -> Result<Tensor> {
         no_cuda()
     }
+    pub fn copy_multi(_pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
+        no_cuda()
+    }
     pub fn sumsq(_grads: &[Tensor]) -> Result<f64> {
         no_cuda()
     }
