@@ -411,6 +411,81 @@ mod tests {
         assert!(seen.iter().flatten().all(|&c| c == 1), "{seen:?}");
     }
 
+    /// Two ranks' shards, each updating its range and then taking the other's (the all-gather,
+    /// done by hand), leave every weight where one unsharded AdamW leaves it — bit for bit
+    /// (the same element-wise arithmetic, piece by piece), and the moments split between them.
+    #[test]
+    fn two_shards_update_like_one_optimizer() -> Result<()> {
+        let dev = Device::Cpu;
+        let shapes: [&[usize]; 3] = [&[5], &[3, 4], &[7]];
+        let init: Vec<Tensor> = shapes
+            .iter()
+            .map(|s| Tensor::randn(0f32, 1.0, *s, &dev))
+            .collect::<Result<_>>()?;
+        let opt_of = |decay: bool| -> Result<AdamW> {
+            let params = init
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    Ok((
+                        format!("w{i}"),
+                        candle_core::Var::from_tensor(t)?,
+                        decay || i != 1,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut o = AdamW::new(params, 0.9, 0.95, 1e-8, 0.1)?;
+            o.fused = false;
+            Ok(o)
+        };
+        let mut reference = opt_of(false)?;
+        let sizes: Vec<usize> = init.iter().map(Tensor::elem_count).collect();
+        let (places, total) = packed_places(&sizes, 2);
+        let mut ranks = Vec::new();
+        for r in 0..2 {
+            let mut o = opt_of(false)?;
+            let s = Shard::new(&mut o, places.clone(), total, r, 2, &dev)?;
+            ranks.push((o, s));
+        }
+        for step in 0..3 {
+            let grads: Vec<Tensor> = shapes
+                .iter()
+                .map(|s| Tensor::randn(0f32, 1.0 + step as f32, *s, &dev))
+                .collect::<Result<_>>()?;
+            reference.step_scaled(&grads, 1e-2, 0.5)?;
+            let mut flats = Vec::new();
+            for (o, s) in ranks.iter_mut() {
+                let flat = s.pack(&grads)?;
+                s.update(o, &flat, 1e-2, 0.5)?;
+                flats.push(flat);
+            }
+            let half = total / 2;
+            let gathered = Tensor::cat(
+                &[
+                    flats[0].narrow(0, 0, half)?,
+                    flats[1].narrow(0, half, half)?,
+                ],
+                0,
+            )?;
+            for (o, s) in &ranks {
+                s.scatter_weights(o, &gathered)?;
+            }
+        }
+        for (o, _) in &ranks {
+            for (a, b) in o.slots.iter().zip(&reference.slots) {
+                let diff = (a.var.as_tensor() - b.var.as_tensor())?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{}", a.name);
+            }
+            assert!(!o.holds_moments(), "the moments live in the shard");
+        }
+        // Each rank keeps the moments of its half only.
+        assert_eq!(ranks[0].1.state_bytes(), 2 * 4 * total / 2);
+        Ok(())
+    }
+
     #[test]
     fn packed_places_pad_to_the_world() {
         let (places, total) = packed_places(&[3, 4, 2], 4);
