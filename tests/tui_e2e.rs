@@ -148,6 +148,24 @@ fn tmux_available() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// True (and says so) where tmux is missing: the test then skips itself.
+fn skip_without_tmux() -> bool {
+    let missing = !tmux_available();
+    if missing {
+        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+    }
+    missing
+}
+
+/// A pane script: run `cockpit`, record its exit status in `exit_file`, print the EXITED
+/// marker, run `after` (e.g. a look at the terminal's modes) and stay for inspection.
+fn recording_exit(cockpit: &str, exit_file: &Path, after: &str) -> String {
+    format!(
+        "{cockpit}; status=$?; echo \"$status\" > {exit}; echo {EXITED}; {after}exec sleep 600",
+        exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
+    )
+}
+
 /// `'…'` for `sh`, with embedded single quotes escaped.
 fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
@@ -209,8 +227,7 @@ fn read_exit_file(path: &Path) -> Option<String> {
 
 #[test]
 fn dashboard_steers_a_real_run_and_restores_the_terminal() {
-    if !tmux_available() {
-        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+    if skip_without_tmux() {
         return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
@@ -237,11 +254,10 @@ fn dashboard_steers_a_real_run_and_restores_the_terminal() {
     ]
     .map(sh_quote)
     .join(" ");
-    let script = format!(
-        "{cockpit}; status=$?; echo \"$status\" > {exit}; \
-         echo {EXITED}; stty -a | tr ' ;' '\\n\\n' | grep -E -x -- '-?(icanon|echo)'; \
-         exec sleep 600",
-        exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
+    let script = recording_exit(
+        &cockpit,
+        &exit_file,
+        "stty -a | tr ' ;' '\\n\\n' | grep -E -x -- '-?(icanon|echo)'; ",
     );
 
     let tmux = Tmux::start(&script);
@@ -344,8 +360,7 @@ fn dashboard_steers_a_real_run_and_restores_the_terminal() {
 /// whole job with a checkpoint, as in a single-process run.
 #[test]
 fn the_launcher_dashboard_shows_every_rank_and_stops_the_job() {
-    if !tmux_available() {
-        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+    if skip_without_tmux() {
         return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
@@ -382,10 +397,7 @@ fn the_launcher_dashboard_shows_every_rank_and_stops_the_job() {
     ]
     .map(sh_quote)
     .join(" ");
-    let script = format!(
-        "{cockpit}; status=$?; echo \"$status\" > {exit}; echo {EXITED}; exec sleep 600",
-        exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
-    );
+    let script = recording_exit(&cockpit, &exit_file, "");
     let tmux = Tmux::start(&script);
     let screen = tmux.wait_for("rank 0's dashboard with both ranks' step times", |s| {
         header_step(s).is_some_and(|n| n >= 3) && s.contains("2 ranks r0 ") && s.contains(" r1 ")
@@ -412,8 +424,7 @@ fn the_launcher_dashboard_shows_every_rank_and_stops_the_job() {
 /// SIGTERM saves and ends it.
 #[test]
 fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
-    if !tmux_available() {
-        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+    if skip_without_tmux() {
         return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
@@ -492,8 +503,7 @@ fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
 /// terminal restored, the table printed and the files written as off a terminal.
 #[test]
 fn compare_opens_a_view_on_a_terminal_and_prints_the_table_after() {
-    if !tmux_available() {
-        eprintln!("SKIPPED tui_e2e: tmux is not on PATH; install tmux to run this test");
+    if skip_without_tmux() {
         return;
     }
     let dir = tempfile::tempdir().expect("temp dir");
@@ -509,10 +519,7 @@ fn compare_opens_a_view_on_a_terminal_and_prints_the_table_after() {
     ]
     .map(sh_quote)
     .join(" ");
-    let script = format!(
-        "{cockpit}; status=$?; echo \"$status\" > {exit}; echo {EXITED}; exec sleep 600",
-        exit = sh_quote(exit_file.to_str().expect("utf-8 temp path")),
-    );
+    let script = recording_exit(&cockpit, &exit_file, "");
     let tmux = Tmux::start(&script);
 
     let marked = |s: &str, arm: &str| {
