@@ -57,18 +57,16 @@ fn after(losses: Vec<(u64, f64)>, step: u64) -> Vec<(u64, f64)> {
     losses.into_iter().filter(|(s, _)| *s > step).collect()
 }
 
-/// Resume `checkpoint` in one process at micro-batch `micro_batch` up to `max_steps`.
-fn resume_in_one_process(checkpoint: &Path, max_steps: u32, micro_batch: u32, run_dir: &Path) {
-    cockpit()
-        .args(["train", "--no-tui", "--max-steps", &max_steps.to_string()])
+/// One process at micro-batch `micro_batch` up to `max_steps`, from `resume` where given.
+fn one_process(max_steps: u32, micro_batch: u32, resume: Option<&Path>, run_dir: &Path) {
+    let mut c = cockpit();
+    c.args(["train", "--no-tui", "--max-steps", &max_steps.to_string()])
         .args(SMALL)
-        .args(["--set", &format!("optim.micro_batch={micro_batch}")])
-        .arg("--resume")
-        .arg(checkpoint)
-        .arg("--run-dir")
-        .arg(run_dir)
-        .assert()
-        .success();
+        .args(["--set", &format!("optim.micro_batch={micro_batch}")]);
+    if let Some(r) = resume {
+        c.arg("--resume").arg(r);
+    }
+    c.arg("--run-dir").arg(run_dir).assert().success();
 }
 
 fn assert_track(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
@@ -101,14 +99,7 @@ fn two_ranks_at_b_train_like_one_process_at_2b() {
         .assert()
         .success()
         .stderr(predicate::str::contains("2 workers"));
-    cockpit()
-        .args(["train", "--no-tui", "--max-steps", "12"])
-        .args(SMALL)
-        .args(["--set", "optim.micro_batch=16"])
-        .arg("--run-dir")
-        .arg(&single)
-        .assert()
-        .success();
+    one_process(12, 16, None, &single);
     let (a, b) = (
         losses(&dp.join("metrics.jsonl")),
         losses(&single.join("metrics.jsonl")),
@@ -207,7 +198,7 @@ fn torchrun_style_ranks_and_a_resume_at_another_world_size() {
     }
     let step8 = dp.join("checkpoints/step-00000008");
     assert!(step8.is_dir(), "rank 0 checkpointed step 8");
-    resume_in_one_process(&step8, 16, 16, &resumed);
+    one_process(16, 16, Some(&step8), &resumed);
     assert_track(
         &after(losses(&resumed.join("metrics.jsonl")), 8),
         &after(losses(&dp.join("metrics.jsonl")), 8),
@@ -268,14 +259,7 @@ fn sharded_optimizer_trains_like_one_process_and_resumes_unsharded() {
         .assert()
         .success()
         .stderr(predicate::str::contains("optimizer state sharded (ZeRO-1"));
-    cockpit()
-        .args(["train", "--no-tui", "--max-steps", "14"])
-        .args(SMALL)
-        .args(["--set", "optim.micro_batch=12"])
-        .arg("--run-dir")
-        .arg(&single)
-        .assert()
-        .success();
+    one_process(14, 12, None, &single);
     let sharded = losses(&dp.join("metrics.jsonl"));
     assert_track(
         &sharded,
@@ -284,7 +268,7 @@ fn sharded_optimizer_trains_like_one_process_and_resumes_unsharded() {
     );
     let step7 = dp.join("checkpoints/step-00000007");
     assert!(step7.is_dir(), "the sharded ranks checkpointed step 7");
-    resume_in_one_process(&step7, 14, 12, &resumed);
+    one_process(14, 12, Some(&step7), &resumed);
     assert_track(
         &after(losses(&resumed.join("metrics.jsonl")), 7),
         &after(sharded, 7),
