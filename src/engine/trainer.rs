@@ -1829,15 +1829,16 @@ impl Trainer {
     /// [`AdamW::penalty_stats`], with a sharded optimizer's second moments summed over the
     /// ranks (a collective then: every rank runs the controller at the same steps).
     fn penalty_stats(&mut self) -> Result<(f64, f64), EngineError> {
-        let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
+        if self.shard.is_none() {
             return Ok(self.opt.penalty_stats(&self.reg_slots)?);
-        };
-        let mut now = 0.0;
-        for &i in &self.reg_slots {
-            now += super::kernels::sum_sq(self.opt.slots[i].var.as_tensor())?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
         }
+        let now = match self.reg_sumsq()? {
+            Some(t) => t.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            None => 0.0,
+        };
+        let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
+            return Ok((now, 0.0));
+        };
         let mut weighted = [shard.penalty_weighted(&self.opt, &self.reg_slots)?];
         d.all_reduce_host(&mut weighted)?;
         Ok((now, weighted[0]))

@@ -357,14 +357,14 @@ impl Shard {
         scratch: &Tensor,
     ) -> Result<Vec<(String, Tensor)>> {
         let lo = self.rank * self.len;
-        let mut out = Vec::with_capacity(2 * opt.slots.len());
-        let mut m = Vec::with_capacity(opt.slots.len());
+        let mut gathered = Vec::with_capacity(2);
         for (which, mine) in [("m", &self.m), ("v", &self.v)] {
             scratch.slice_set(mine, 0, lo)?;
             d.all_gather_in_place(scratch).map_err(comm)?;
             // One read-back of the buffer, then each slot's own host tensor (a view moved
             // to the host would take the whole buffer's storage along).
             let host = scratch.to_vec1::<f32>()?;
+            let mut named = Vec::with_capacity(opt.slots.len());
             for (slot, &(off, n)) in opt.slots.iter().zip(&self.places) {
                 let part = host.get(off..off + n).ok_or_else(|| {
                     candle_core::Error::Msg(format!(
@@ -373,16 +373,14 @@ impl Shard {
                     ))
                 })?;
                 let t = Tensor::from_slice(part, slot.var.shape(), &Device::Cpu)?;
-                let named = (format!("{}.{which}", slot.name), t);
-                if which == "m" {
-                    m.push(named);
-                } else {
-                    out.push(named);
-                }
+                named.push((format!("{}.{which}", slot.name), t));
             }
+            gathered.push(named);
         }
         // Interleaved as AdamW's own list is: m then v per slot.
-        Ok(m.into_iter().zip(out).flat_map(|(a, b)| [a, b]).collect())
+        let v = gathered.pop().unwrap_or_default();
+        let m = gathered.pop().unwrap_or_default();
+        Ok(m.into_iter().zip(v).flat_map(|(a, b)| [a, b]).collect())
     }
 }
 

@@ -29,6 +29,10 @@ pub fn kernel_build(dev: &CudaDevice) -> &'static str {
     static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let forced =
         *FORCED.get_or_init(|| std::env::var("COCKPIT_KERNELS").is_ok_and(|v| v == "sm75"));
+    let known = REUSED.with(|r| r.borrow().builds.get(&dev.id()).copied());
+    if let Some(b) = known {
+        return b;
+    }
     let major = dev
         .cuda_stream()
         .context()
@@ -36,11 +40,9 @@ pub fn kernel_build(dev: &CudaDevice) -> &'static str {
             candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
         )
         .unwrap_or(8);
-    if forced || major < 8 {
-        "sm75"
-    } else {
-        "sm80"
-    }
+    let build = if forced || major < 8 { "sm75" } else { "sm80" };
+    REUSED.with(|r| r.borrow_mut().builds.insert(dev.id(), build));
+    build
 }
 
 /// Kernel `name` from this GPU's build of the module (loaded once per device); a macro
@@ -837,6 +839,8 @@ fn chunk_grid(chunks: u64) -> LaunchConfig {
 struct Reused {
     tables: std::collections::HashMap<(candle_core::cuda_backend::DeviceId, Slot), CudaSlice<u64>>,
     accs: std::collections::HashMap<candle_core::cuda_backend::DeviceId, CudaSlice<f32>>,
+    /// Each device's kernel build ([`kernel_build`]), asked of the driver once.
+    builds: std::collections::HashMap<candle_core::cuda_backend::DeviceId, &'static str>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
