@@ -196,6 +196,39 @@ fn settles_after_a_setpoint_step_down_and_up() {
     }
 }
 
+/// The embedded default itself (`cockpit train` with no config: n_embd 64, warmup 50, 600
+/// steps, N = its own train split), as the issue measures it: from the start at S* = 0.5% (its
+/// hardest setpoint) and after a setpoint step to 2% at step [`AT`]. Measured: 23 and 34 control
+/// steps (the CLI at 1, 2, 5% from the start: 12, 15, 23).
+#[test]
+fn embedded_default_settles_from_the_start_and_after_a_setpoint_step() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let cfg = config::load(
+        None,
+        &[
+            "scu.target=0.005".to_string(),
+            "eval.every=0".to_string(),
+            "eval.at_end=false".to_string(),
+            "checkpoint.every_steps=0".to_string(),
+            "checkpoint.at_end=false".to_string(),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+    .config;
+    assert_eq!(cfg.run.max_steps, 600);
+    let (rows, applied) = drive(
+        cfg,
+        dir.path(),
+        Some((AT, Command::SetScuSetpoint { target: 0.02 })),
+    );
+    let at = applied.unwrap_or_else(|| panic!("the setpoint was not applied"));
+    let from = row_after(&rows, at);
+    assert!((rows[0].s_ratio / 0.005 - 1.0).abs() > 0.25);
+    check("embedded default, start at 0.5%", &rows[..from], 0, BOUND);
+    assert_eq!(rows[from].target, 0.02);
+    check("embedded default, 0.5% → 2%", &rows, from, BOUND);
+}
+
 /// A live batch-size change 8 → 16 at step [`AT`]: the optimizer's v̂ (and so the penalty's
 /// authority) and the gradient noise change; the law measures the new authority. Measured: 0
 /// or 12 (the step the engine applies the command at varies by a few).

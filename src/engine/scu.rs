@@ -106,9 +106,18 @@ const GROWTH_ALPHA: f64 = 0.85;
 const GAIN_TREND_ALPHA: f64 = 0.8;
 /// The adaptive law moves λ by at most this factor per control step.
 const MAX_STEP: f64 = 4.0;
-/// Holt smoothing of DataBPT: level and trend.
-const DATA_ALPHA: f64 = 0.2;
-const DATA_BETA: f64 = 0.1;
+/// Holt smoothing of DataBPT: level and trend. The target y* follows this level, so its lag is
+/// S's error: with (0.2, 0.1) the level ran 4–5% behind DataBPT while the embedded default
+/// learned fast and 5% below it once learning slowed (S off by as much for ~20 control steps);
+/// with (0.5, 0.2) the lag stays within 1.5% and the window's sampling noise is still halved.
+const DATA_ALPHA: f64 = 0.5;
+const DATA_BETA: f64 = 0.2;
+/// λ stays within this factor of the equilibrium a/(κ·f) (where one exists: a > 0). The plant
+/// is linear only near it: a λ far above it makes the penalty's gradient dominate Adam's v̂,
+/// which lowers κ (the authority the plan counted on) for hundreds of steps, and the plan's
+/// answer — λ further up, then far down once the moment catches up — is a limit cycle (λ
+/// 0.4–129, period ~7 control steps, S ±9% in the embedded default's LR tail at S* = 0.5%).
+const EQ_SPAN: f64 = 3.0;
 
 fn legacy_law() -> ScuLaw {
     ScuLaw::Reference
@@ -391,9 +400,11 @@ impl ScuController {
         // (from λ_min after a growth phase, say), the error term only by ×MAX_STEP beyond it.
         let eq = (a / (r.gain * f)).max(self.lambda_min);
         let (lo, hi) = (self.lambda.min(eq), self.lambda.max(eq));
-        self.lambda = lam
-            .clamp(lo / MAX_STEP, hi * MAX_STEP)
-            .clamp(self.lambda_min, self.lambda_max);
+        let mut lam = lam.clamp(lo / MAX_STEP, hi * MAX_STEP);
+        if a > 0.0 {
+            lam = lam.clamp(eq / EQ_SPAN, eq * EQ_SPAN);
+        }
+        self.lambda = lam.clamp(self.lambda_min, self.lambda_max);
     }
 
     /// Bumpless setpoint change: λ and the integral stay where they are; only future errors change.
