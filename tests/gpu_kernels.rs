@@ -613,14 +613,8 @@ struct Family {
     set: fn(&mut Config),
 }
 
-/// The whole-model step (one hand-scheduled CUDA program, bf16) against the f32 candle model:
-/// loss and every gradient, for every family switch the step takes — LayerNorm and RMSNorm,
-/// GELU and SwiGLU, biases or none, multi-head and grouped-query attention, tied and untied
-/// heads, learned positions and RoPE — a vocabulary that needs padding, and two accumulated
-/// micro-batches against the mean of their losses.
-#[test]
-fn whole_model_step_matches_the_f32_model() {
-    let Some(dev) = gpu() else { return };
+/// The model families of the whole-model step tests: every switch the step takes.
+fn step_families() -> Vec<Family> {
     use cockpit::config::{
         Activation::SwiGlu,
         Norm::RmsNorm,
@@ -648,7 +642,7 @@ fn whole_model_step_matches_the_f32_model() {
     // Width 640 takes the LayerNorm kernels' three-chunk rows with half-empty last chunks.
     // A vocabulary of 60001 takes the cross-entropy kernel that reads each row twice (rows
     // up to 53248 wide stay in registers).
-    let families = [
+    vec![
         Family {
             name: "gpt: tied, learned positions, 4 heads (materialised)",
             vocab: 97,
@@ -892,106 +886,172 @@ fn whole_model_step_matches_the_f32_model() {
                 c.model.n_kv_head = 1;
             },
         },
-    ];
-    for (case, fam) in families.iter().enumerate() {
-        let mut c = Config::default();
-        c.model.pos = Rope;
-        c.model.n_embd = 128;
-        c.model.n_head = 2;
-        c.model.n_layer = 2;
-        c.model.seq_len = 80;
-        c.model.bias = true;
-        c.model.dropout = 0.0;
-        c.model.tie_embeddings = true;
-        (fam.set)(&mut c);
-        let (name, vocab) = (fam.name, fam.vocab);
-        let (b, t) = (3usize, c.model.seq_len);
-        let batch = |k: u32| {
-            let ids: Vec<u32> = (0..(b * t) as u32)
-                .map(|i| (i * 31 + 7 * k) % vocab as u32)
-                .collect();
-            let tg: Vec<u32> = (0..(b * t) as u32)
-                .map(|i| (i * 17 + 3 + k) % vocab as u32)
-                .collect();
-            (ids, tg)
+    ]
+}
+
+/// One family's case: the f32 model and the step on a 16-bit model of the same weights.
+struct WholeCase {
+    name: &'static str,
+    m32: Model,
+    m16: Model,
+    step: kernels::GptStep,
+    batches: [(Vec<u32>, Vec<u32>); 2],
+    b: usize,
+    t: usize,
+    loss: f64,
+}
+
+/// Builds `fam` on the step in `dt` (bf16 or f16) and checks its loss and every gradient
+/// against the f32 candle model over two accumulated micro-batches. `loss_scale` multiplies
+/// the step's loss gradient (fp16's loss scaling) and is divided out of its gradients.
+fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> WholeCase {
+    use cockpit::config::PosEncoding::Rope;
+    let mut c = Config::default();
+    c.model.pos = Rope;
+    c.model.n_embd = 128;
+    c.model.n_head = 2;
+    c.model.n_layer = 2;
+    c.model.seq_len = 80;
+    c.model.bias = true;
+    c.model.dropout = 0.0;
+    c.model.tie_embeddings = true;
+    (fam.set)(&mut c);
+    let (name, vocab) = (fam.name, fam.vocab);
+    let (b, t) = (3usize, c.model.seq_len);
+    let batch = |k: u32| {
+        let ids: Vec<u32> = (0..(b * t) as u32)
+            .map(|i| (i * 31 + 7 * k) % vocab as u32)
+            .collect();
+        let tg: Vec<u32> = (0..(b * t) as u32)
+            .map(|i| (i * 17 + 3 + k) % vocab as u32)
+            .collect();
+        (ids, tg)
+    };
+    let batches = [batch(1), batch(2)];
+    // Reference: the f32 model, mean loss of the two micro-batches.
+    let mut m32 = Model::new(Shape::from_config(&c, vocab), DType::F32, dev, 5).unwrap();
+    let mut loss_ref = 0.0;
+    let mut total: Option<Tensor> = None;
+    // Dropout masks from each micro-batch's seed: the same in both executors.
+    let seeds = [dropout::micro_seed(11, 3, 0), dropout::micro_seed(11, 3, 1)];
+    for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
+        let x = Tensor::from_vec(ids.clone(), (b, t), dev).unwrap();
+        let y = Tensor::from_vec(tg.clone(), (b, t), dev).unwrap();
+        m32.reseed_dropout(seed);
+        let l = (m32.loss(&x, &y, true).unwrap() * 0.5).unwrap();
+        loss_ref += l.to_scalar::<f32>().unwrap() as f64;
+        total = Some(match total {
+            Some(a) => (a + l).unwrap(),
+            None => l,
+        });
+    }
+    let store = total.unwrap().backward().unwrap();
+    // The whole-model step on a 16-bit model with the same initial weights.
+    let m16 = Model::new(Shape::from_config(&c, vocab), dt, dev, 5).unwrap();
+    let w = m16
+        .step_plan()
+        .unwrap_or_else(|why| panic!("{name}: a {dt:?} model fits the step: {why}"));
+    let mut step = kernels::GptStep::new(&w).unwrap();
+    if vocab > 1000 {
+        // The LM head in chunks of 64 rows (the last one partial): 240 rows, 4 chunks.
+        step.set_head_chunk_rows(Some(64));
+    }
+    step.begin(false).unwrap();
+    for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
+        step.set_dropout_seed(seed);
+        step.micro(ids, tg, b, loss_scale / (2 * b * t) as f32)
+            .unwrap();
+    }
+    let loss = step.loss().unwrap();
+    let e = ((loss - loss_ref) / loss_ref).abs();
+    eprintln!("whole step {dt:?} ({name}): loss {loss:.5} vs f32 {loss_ref:.5}, rel {e:.2e}");
+    assert!(e < 1e-2, "{name}: loss {loss} vs {loss_ref}");
+    let mut worst = (0f32, String::new());
+    for (p32, p16) in m32.params.iter().zip(&m16.params) {
+        let g_ref = store.get(p32.var.as_tensor()).unwrap();
+        let g = step
+            .grad_of(&p16.var)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{name}: {} has no gradient", p16.name));
+        let g = (g / loss_scale as f64).unwrap();
+        let amax = |t: &Tensor| -> f32 {
+            let t = t.flatten_all().unwrap().abs().unwrap();
+            t.max(0).unwrap().to_scalar().unwrap()
         };
-        let batches = [batch(1), batch(2)];
-        // Reference: the f32 model, mean loss of the two micro-batches.
-        let mut m32 = Model::new(Shape::from_config(&c, vocab), DType::F32, &dev, 5).unwrap();
-        let mut loss_ref = 0.0;
-        let mut total: Option<Tensor> = None;
-        // Dropout masks from each micro-batch's seed: the same in both executors.
-        let seeds = [dropout::micro_seed(11, 3, 0), dropout::micro_seed(11, 3, 1)];
-        for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
-            let x = Tensor::from_vec(ids.clone(), (b, t), &dev).unwrap();
-            let y = Tensor::from_vec(tg.clone(), (b, t), &dev).unwrap();
-            m32.reseed_dropout(seed);
-            let l = (m32.loss(&x, &y, true).unwrap() * 0.5).unwrap();
-            loss_ref += l.to_scalar::<f32>().unwrap() as f64;
-            total = Some(match total {
-                Some(a) => (a + l).unwrap(),
-                None => l,
-            });
+        let scale = amax(g_ref);
+        if scale < 1e-6 {
+            // The key bias's gradient is zero in exact arithmetic (softmax ignores a
+            // per-row constant): only check that it stays at rounding level.
+            let got = amax(&g);
+            eprintln!(
+                "{}: reference ~0 ({scale:.1e}), step max {got:.1e}",
+                p32.name
+            );
+            assert!(got < 1e-4, "{}: {got}", p32.name);
+            continue;
         }
-        let store = total.unwrap().backward().unwrap();
-        // The whole-model step on a bf16 model with the same initial weights.
-        let m16 = Model::new(Shape::from_config(&c, vocab), DType::BF16, &dev, 5).unwrap();
-        let w = m16
-            .step_weights()
-            .unwrap_or_else(|| panic!("{name}: a bf16 model fits the step"));
-        let mut step = kernels::GptStep::new(&w).unwrap();
-        if vocab > 1000 {
-            // The LM head in chunks of 64 rows (the last one partial): 240 rows, 4 chunks.
-            step.set_head_chunk_rows(Some(64));
+        let e = rel_err(&g, g_ref);
+        if e > worst.0 || !e.is_finite() {
+            worst = (e, p32.name.clone());
         }
-        step.begin(false).unwrap();
-        for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
-            step.set_dropout_seed(seed);
-            step.micro(ids, tg, b, 1.0 / (2 * b * t) as f32).unwrap();
-        }
-        let loss = step.loss().unwrap();
-        let e = ((loss - loss_ref) / loss_ref).abs();
-        eprintln!("whole step ({name}): loss {loss:.5} vs f32 {loss_ref:.5}, rel {e:.2e}");
-        assert!(e < 1e-2, "{name}: loss {loss} vs {loss_ref}");
-        let mut worst = (0f32, String::new());
-        for (p32, p16) in m32.params.iter().zip(&m16.params) {
-            let g_ref = store.get(p32.var.as_tensor()).unwrap();
-            let g = step
-                .grad_of(&p16.var)
-                .unwrap()
-                .unwrap_or_else(|| panic!("{name}: {} has no gradient", p16.name));
-            let amax = |t: &Tensor| -> f32 {
-                let t = t.flatten_all().unwrap().abs().unwrap();
-                t.max(0).unwrap().to_scalar().unwrap()
-            };
-            let scale = amax(g_ref);
-            if scale < 1e-6 {
-                // The key bias's gradient is zero in exact arithmetic (softmax ignores a
-                // per-row constant): only check that it stays at rounding level.
-                let got = amax(&g);
-                eprintln!(
-                    "{}: reference ~0 ({scale:.1e}), step max {got:.1e}",
-                    p32.name
-                );
-                assert!(got < 1e-4, "{}: {got}", p32.name);
-                continue;
-            }
-            let e = rel_err(&g, g_ref);
-            if e > worst.0 || !e.is_finite() {
-                worst = (e, p32.name.clone());
-            }
-        }
-        eprintln!(
-            "whole step ({name}): worst grad rel err {:.3e} ({})",
-            worst.0, worst.1
-        );
-        assert!(
-            worst.0.is_finite() && worst.0 <= 6e-2,
-            "{name}: grad {} rel err {:.3e}",
-            worst.1,
-            worst.0
-        );
+    }
+    eprintln!(
+        "whole step {dt:?} ({name}): worst grad rel err {:.3e} ({})",
+        worst.0, worst.1
+    );
+    assert!(
+        worst.0.is_finite() && worst.0 <= 6e-2,
+        "{name}: grad {} rel err {:.3e}",
+        worst.1,
+        worst.0
+    );
+    WholeCase {
+        name,
+        m32,
+        m16,
+        step,
+        batches,
+        b,
+        t,
+        loss,
+    }
+}
+
+/// Evaluation on the step (its forward alone, dropout off) against the f32 model's eval loss
+/// of the same weights.
+fn eval_matches(dev: &Device, w: &mut WholeCase) {
+    let (b, t, name) = (w.b, w.t, w.name);
+    w.step.begin(false).unwrap();
+    let (ids, tg) = &w.batches[0];
+    let per_seq = w.step.eval_losses(ids, tg, b, false).unwrap();
+    assert_eq!(per_seq.len(), b);
+    let ev = per_seq.iter().sum::<f64>() / b as f64;
+    let x = Tensor::from_vec(ids.clone(), (b, t), dev).unwrap();
+    let y = Tensor::from_vec(tg.clone(), (b, t), dev).unwrap();
+    let ev_ref = w
+        .m32
+        .loss(&x, &y, false)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
+    let e = ((ev - ev_ref) / ev_ref).abs();
+    eprintln!("eval on the step ({name}): {ev:.5} vs f32 {ev_ref:.5}, rel {e:.2e}");
+    assert!(e < 1e-2, "{name}: eval loss {ev} vs {ev_ref}");
+}
+
+/// The whole-model step (one hand-scheduled CUDA program, bf16) against the f32 candle model:
+/// loss and every gradient, for every family switch the step takes — LayerNorm and RMSNorm,
+/// GELU and SwiGLU, biases or none, multi-head and grouped-query attention, tied and untied
+/// heads, learned positions and RoPE — a vocabulary that needs padding, and two accumulated
+/// micro-batches against the mean of their losses.
+#[test]
+fn whole_model_step_matches_the_f32_model() {
+    let Some(dev) = gpu() else { return };
+    for (case, fam) in step_families().iter().enumerate() {
+        let mut w = whole_vs_f32(&dev, fam, DType::BF16, 1.0);
         if case == 0 {
+            let (b, t, loss) = (w.b, w.t, w.loss);
+            let (m16, step, batches) = (&w.m16, &mut w.step, &w.batches);
             // The fused AdamW writes the updated weights into the step's bf16 copies: a step
             // that skips its cast must compute exactly what a step that casts computes.
             let slots = m16
@@ -1006,7 +1066,7 @@ fn whole_model_step_matches_the_f32_model() {
                 .map(|p| step.grad_of(&p.var).unwrap().unwrap().copy().unwrap())
                 .collect();
             let copied = opt
-                .step_with_copies(&grads, 1e-2, 1.0, Some(&step))
+                .step_with_copies(&grads, 1e-2, 1.0, Some(step))
                 .unwrap();
             assert!(copied, "every weight of the step gets its bf16 copy");
             let mut run = |cast_skipped: bool| {
@@ -1031,20 +1091,22 @@ fn whole_model_step_matches_the_f32_model() {
                 "the update changed the weights"
             );
         } else {
-            // Evaluation on the step (its forward alone, dropout off) against the f32
-            // model's eval loss of the same weights.
-            step.begin(false).unwrap();
-            let (ids, tg) = &batches[0];
-            let per_seq = step.eval_losses(ids, tg, b, false).unwrap();
-            assert_eq!(per_seq.len(), b);
-            let ev = per_seq.iter().sum::<f64>() / b as f64;
-            let x = Tensor::from_vec(ids.clone(), (b, t), &dev).unwrap();
-            let y = Tensor::from_vec(tg.clone(), (b, t), &dev).unwrap();
-            let ev_ref = m32.loss(&x, &y, false).unwrap().to_scalar::<f32>().unwrap() as f64;
-            let e = ((ev - ev_ref) / ev_ref).abs();
-            eprintln!("eval on the step ({name}): {ev:.5} vs f32 {ev_ref:.5}, rel {e:.2e}");
-            assert!(e < 1e-2, "{name}: eval loss {ev} vs {ev_ref}");
+            eval_matches(&dev, &mut w);
         }
+    }
+}
+
+/// The fp16 build of the step (`precision.dtype = "f16"`): every family against the f32
+/// model with a loss scale of 1024 carried through the backward and divided out of the
+/// gradients, and the eval forward. fp16 keeps 10 mantissa bits to bf16's 7: the bf16
+/// tolerances hold. The fused AdamW's copies are bf16, so an fp16 step casts its own.
+#[test]
+fn whole_model_step_in_fp16_matches_the_f32_model() {
+    let Some(dev) = gpu() else { return };
+    for fam in step_families() {
+        let mut w = whole_vs_f32(&dev, &fam, DType::F16, 1024.0);
+        eval_matches(&dev, &mut w);
+        assert!(w.step.weight_copy(&w.m16.params[0].var).is_none());
     }
 }
 

@@ -1098,9 +1098,10 @@ impl Model {
     }
 
     /// The weights for the whole-model CUDA step, or why this model takes the per-op path:
-    /// the step needs bf16 on CUDA, widths multiples of 8 (16-byte accesses), an even head
-    /// dim, everything trainable or (LoRA) exactly the adapters; grouped-query attention and
-    /// dropout need flash attention (head dim 64 or 128).
+    /// the step needs bf16 or f16 (not with LoRA) on a CUDA GPU of compute capability 8.0+,
+    /// widths multiples of 8 (16-byte accesses), an even head dim, everything trainable or
+    /// (LoRA) exactly the adapters; grouped-query attention and dropout need flash attention
+    /// (head dim 64 or 128).
     pub fn step_plan(&self) -> std::result::Result<StepWeights, String> {
         let s = &self.shape;
         let hd = s.head_dim();
@@ -1110,8 +1111,19 @@ impl Model {
             Some("kernels.step = false".to_string())
         } else if !self.device.is_cuda() {
             Some("not on a CUDA device".into())
-        } else if self.dtype != DType::BF16 {
-            Some(format!("precision {:?} (the step runs bf16)", self.dtype))
+        } else if self.dtype != DType::BF16 && self.dtype != DType::F16 {
+            Some(format!(
+                "precision {} (the step runs bf16 or f16)",
+                super::precision::dtype_name(self.dtype)
+            ))
+        } else if !kernels::step_capable(&self.device) {
+            Some(
+                "compute capability below 8.0 (the step's flash attention and matmuls use \
+                 m16n8k16 tensor-core instructions)"
+                    .into(),
+            )
+        } else if self.dtype == DType::F16 && lora {
+            Some("fp16 LoRA (the step keeps a frozen base in bf16 only)".into())
         } else if !s.n_embd.is_multiple_of(8) || !s.hidden.is_multiple_of(8) {
             Some(format!(
                 "n_embd {} and the MLP width {} must be multiples of 8",
@@ -1209,6 +1221,7 @@ impl Model {
             })
             .collect();
         Ok(StepWeights {
+            half: self.dtype == DType::F16,
             wte: self.wte.clone(),
             wpe: self.wpe.clone(),
             rope_inv_freq: (s.pos == PosEncoding::Rope).then(|| rope_inv_freq(s)),

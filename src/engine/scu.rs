@@ -112,12 +112,16 @@ const MAX_STEP: f64 = 4.0;
 /// with (0.5, 0.2) the lag stays within 1.5% and the window's sampling noise is still halved.
 const DATA_ALPHA: f64 = 0.5;
 const DATA_BETA: f64 = 0.2;
-/// λ stays within this factor of the equilibrium a/(κ·f) (where one exists: a > 0). The plant
-/// is linear only near it: a λ far above it makes the penalty's gradient dominate Adam's v̂,
-/// which lowers κ (the authority the plan counted on) for hundreds of steps, and the plan's
-/// answer — λ further up, then far down once the moment catches up — is a limit cycle (λ
-/// 0.4–129, period ~7 control steps, S ±9% in the embedded default's LR tail at S* = 0.5%).
+/// Near the target λ stays within this factor of the equilibrium a/(κ·f) (where one exists:
+/// a > 0). The plant is linear only near it: a λ far above it makes the penalty's gradient
+/// dominate Adam's v̂, which lowers κ (the authority the plan counted on) for hundreds of
+/// steps, and the plan's answer — λ further up, then far down once the moment catches up — is
+/// a limit cycle (λ 0.4–129, period ~7 control steps, S ±9% in the embedded default's LR tail
+/// at S* = 0.5%).
 const EQ_SPAN: f64 = 3.0;
+/// Beyond this gap |ln ParamBPT − ln ParamBPT*| the span grows in proportion to it, on the
+/// gap's side.
+const EQ_GAP: f64 = 0.1;
 
 fn legacy_law() -> ScuLaw {
     ScuLaw::Reference
@@ -402,7 +406,12 @@ impl ScuController {
         let (lo, hi) = (self.lambda.min(eq), self.lambda.max(eq));
         let mut lam = lam.clamp(lo / MAX_STEP, hi * MAX_STEP);
         if a > 0.0 {
-            lam = lam.clamp(eq / EQ_SPAN, eq * EQ_SPAN);
+            // Far from the target the plan needs λ far from the equilibrium (LoRA adapters
+            // that start at 3.5 S*: λ ×100 above it): the span widens with the gap, on the
+            // side the gap asks for (y above y*: λ may rise further; below: fall further).
+            let widen = |gap: f64| EQ_SPAN * (gap / EQ_GAP).max(1.0);
+            let (down, up) = (widen(y_star - y), widen(y - y_star));
+            lam = lam.clamp(eq / down, eq * up);
         }
         self.lambda = lam.clamp(self.lambda_min, self.lambda_max);
     }

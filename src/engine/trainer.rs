@@ -227,6 +227,9 @@ struct Trainer {
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.
     weights_copied: bool,
+    /// The loss scale the last forward/backward's gradients still carry (the whole-model
+    /// step leaves fp16's scale in them for the update to take out; the per-op path divides).
+    grads_scaled_by: f64,
     /// ZeRO-1 (`distributed.shard_optimizer` with several ranks): this rank's share of the
     /// optimizer state, built at the first optimizer step (the flat layout is known then).
     shard: Option<super::zero::Shard>,
@@ -518,6 +521,7 @@ impl Trainer {
             whole_why: None,
             sample,
             weights_copied: false,
+            grads_scaled_by: 1.0,
             shard: None,
             time_due: false,
         };
@@ -862,12 +866,7 @@ impl Trainer {
     fn check_whole(&mut self) -> candle_core::Result<()> {
         if !self.whole_checked {
             self.whole_checked = true;
-            let plan = if self.scaler.scale == 1.0 && !self.scaler.enabled {
-                self.model.step_plan()
-            } else {
-                Err("fp16 loss scaling (the step runs bf16)".into())
-            };
-            match plan {
+            match self.model.step_plan() {
                 Ok(mut w) => {
                     if self.sharding() {
                         w.shards = self.world;
@@ -905,6 +904,7 @@ impl Trainer {
     ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
         self.faults.oom_at(self.micro_batch)?;
         self.check_whole()?;
+        self.grads_scaled_by = 1.0;
         if self.whole.is_some() {
             return self.forward_backward_whole(lambda);
         }
@@ -990,7 +990,15 @@ impl Trainer {
         };
         whole.begin(std::mem::take(&mut self.weights_copied))?;
         let tokens = (self.micro_batch * self.model.shape.seq_len * self.accum) as f32;
-        let g = if inject_nan { f32::NAN } else { 1.0 / tokens };
+        // fp16: the backward carries the loss scale from the loss gradient on (so small
+        // gradients stay above fp16's underflow); the update divides it out.
+        let scale = self.scaler.scale;
+        self.grads_scaled_by = scale;
+        let g = if inject_nan {
+            f32::NAN
+        } else {
+            (scale / tokens as f64) as f32
+        };
         // Data parallel with the sums inside the step: the last micro-batch's backward sums
         // the gradients over the ranks as it goes.
         let summed = whole.overlaps_grad_sums();
@@ -1017,7 +1025,7 @@ impl Trainer {
                 // optimizer divides the sum by the world).
                 let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
                 let copies = if summed { self.world as f64 } else { 1.0 };
-                whole.add_scaled_weights(&vars, 2.0 * lambda * coef * copies)?;
+                whole.add_scaled_weights(&vars, 2.0 * lambda * coef * copies * scale)?;
             }
         }
         let ce = whole.loss()?;
@@ -2096,6 +2104,7 @@ impl Trainer {
                 sharded,
                 time_due,
             } = self.reduce_step(ce, grads, wait, compute)?;
+            let grad_scale = grad_scale / self.grads_scaled_by;
             let comm = if ranks.is_empty() {
                 0.0
             } else {
@@ -2114,14 +2123,16 @@ impl Trainer {
                 nonfinite_in_a_row = 0;
                 let clip = self.cfg.optim.grad_clip;
                 // Clipping (and data parallelism's 1/world where the gradients hold the ranks'
-                // sum) is a gradient scale the (fused) update applies itself.
-                let f = grad_scale
-                    * if clip > 0.0 && norm > clip {
-                        clip / (norm + 1e-6)
-                    } else {
-                        1.0
-                    };
-                applied = f;
+                // sum, and fp16's 1/loss scale where they still carry it) is a gradient scale
+                // the (fused) update applies itself. What the penalty's gradient meets is the
+                // clipping alone: the other factors only undo how the gradients are held.
+                let clipped = if clip > 0.0 && norm > clip {
+                    clip / (norm + 1e-6)
+                } else {
+                    1.0
+                };
+                let f = grad_scale * clipped;
+                applied = clipped;
                 if let Some((flat, _)) = &sharded {
                     self.sharded_update(flat, lr, f)?;
                 } else {

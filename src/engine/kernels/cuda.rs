@@ -22,6 +22,10 @@ const MODULE: &str = "cockpit_kernels";
 /// kernels trap there; nothing launches them without bf16 tensor cores).
 const PTX_SM75: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm75.ptx"));
 const MODULE_SM75: &str = "cockpit_kernels_sm75";
+/// The compute_80 kernels with the step's 16-bit type switched to fp16 (`precision.dtype =
+/// "f16"` on the whole-model step); their names keep the `_bf16` suffix.
+const PTX_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_f16.ptx"));
+const MODULE_F16: &str = "cockpit_kernels_f16";
 
 /// Which build of the kernels this GPU loads: "sm80" (compute capability 8.0 and newer) or
 /// "sm75"; `COCKPIT_KERNELS=sm75` forces the older one (to test it on a newer GPU).
@@ -57,11 +61,24 @@ macro_rules! load_kernel {
     };
 }
 
-/// [`load_kernel!`] as a cudarc function (for the whole-model step's own launches).
+/// [`load_kernel!`] as a cudarc function (for the whole-model step's own launches); `half`
+/// takes it from the fp16 build (compute capability 8.0 and newer only).
 pub(super) fn load_function(
     dev: &CudaDevice,
     name: &str,
+    half: bool,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaFunction> {
+    if half {
+        if kernel_build(dev) == "sm75" {
+            return Err(err(
+                "the fp16 whole-model step needs compute capability 8.0 (its flash attention \
+                 uses m16n8k16 tensor-core instructions)",
+            ));
+        }
+        return Ok(dev
+            .get_or_load_custom_func(name, MODULE_F16, PTX_F16)?
+            .into_cuda_function());
+    }
     Ok(load_kernel!(dev, name)?.into_cuda_function())
 }
 /// Threads per block for the row kernels (one warp per row).

@@ -68,6 +68,14 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+// The operand type of the mma: bf16, or fp16 in kernels.cu's COCKPIT_F16 build (where
+// __nv_bfloat16 names __half).
+#ifdef COCKPIT_F16
+#define FA_AB "f16"
+#else
+#define FA_AB "bf16"
+#endif
+
 #define FA_D 64        // head dim (compile-time; the kernels are written for exactly 64)
 #define FA_BM 64       // query rows per tile
 #define FA_BN 64       // key rows per tile
@@ -143,7 +151,7 @@ __device__ __forceinline__ void fa_mma(float* c, const uint32_t* a, uint32_t b0,
     FA_SM80_ONLY;
 #else
     asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32." FA_AB "." FA_AB ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

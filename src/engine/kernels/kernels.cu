@@ -8,16 +8,34 @@
 
 #define FULL_MASK 0xffffffffu
 
+#ifdef COCKPIT_F16
+// The fp16 build (cockpit_kernels_f16.ptx; build.rs defines COCKPIT_F16): this same source with
+// the 16-bit type of the whole-model step and the flash kernels switched from bf16 to fp16, for
+// `precision.dtype = "f16"` (fp16 activations and tensor-core operands, fp32 accumulation, the
+// gradients scaled by the dynamic loss scale). The kernels keep their `_bf16` names: the module
+// they are loaded from says which type they compute in (src/engine/kernels/cuda.rs).
+#define __nv_bfloat16 __half
+#define __nv_bfloat162 __half2
+#define __float2bfloat16 __float2half_rn
+#define __bfloat162float __half2float
+#define __floats2bfloat162_rn __floats2half2_rn
+#define __bfloat1622float2 __half22float2
+#endif
+
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+#ifndef COCKPIT_F16
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+#endif
 
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
     return __float2bfloat16(x);
 }
+#ifndef COCKPIT_F16
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+#endif
 
 typedef __nv_bfloat16 bf16_t;
 

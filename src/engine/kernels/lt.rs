@@ -116,6 +116,8 @@ pub(super) struct Lt {
     plans: RefCell<HashMap<Key, Option<Plan>>>,
     /// Time the heuristic's candidates when making a plan (else take its first).
     tune: bool,
+    /// fp16 operands instead of bf16.
+    half: bool,
 }
 
 /// How many of the heuristic's algorithms a plan times.
@@ -161,7 +163,8 @@ unsafe fn set<T>(
 }
 
 impl Lt {
-    pub(super) fn new(stream: Arc<CudaStream>, tune: bool) -> Result<Self> {
+    /// `half`: fp16 operands (and 16-bit results) instead of bf16.
+    pub(super) fn new(stream: Arc<CudaStream>, tune: bool, half: bool) -> Result<Self> {
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
         let ws_size = 32 << 20;
         // SAFETY: scratch for cuBLASLt; never read by us.
@@ -179,6 +182,7 @@ impl Lt {
             side_ws: None,
             plans: RefCell::new(HashMap::new()),
             tune,
+            half,
         })
     }
 
@@ -200,7 +204,11 @@ impl Lt {
     /// call `(mm, beta, epi)` when tuning is on.
     fn plan(&self, key: &Key, mm: &Mm, beta: f32, epi: &Epi) -> Result<Option<Plan>> {
         use sys::cublasLtMatmulDescAttributes_t as A;
-        let bf = sys::cudaDataType::CUDA_R_16BF;
+        let bf = if self.half {
+            sys::cudaDataType::CUDA_R_16F
+        } else {
+            sys::cudaDataType::CUDA_R_16BF
+        };
         let f32t = sys::cudaDataType::CUDA_R_32F;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, f32t)
             .map_err(|e| lt_err("descriptor", e))?;

@@ -57,6 +57,17 @@ pub fn build_note(device: &candle_core::Device) -> Option<String> {
     None
 }
 
+/// Whether the whole-model step can run on this device: a CUDA GPU that loads the compute_80
+/// kernels (flash attention's m16n8k16 tensor-core instructions).
+pub fn step_capable(device: &candle_core::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        return cuda::kernel_build(d) != "sm75";
+    }
+    let _ = device;
+    false
+}
+
 /// Whether the fused kernels can take this tensor: built with CUDA, on a CUDA device, in a
 /// floating dtype the kernels are instantiated for.
 pub fn usable(t: &Tensor) -> bool {

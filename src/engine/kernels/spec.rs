@@ -73,6 +73,9 @@ pub struct StepLayer {
 /// multi-head or grouped-query attention, learned positions or RoPE, tied or untied head.
 #[derive(Clone, Debug)]
 pub struct StepWeights {
+    /// fp16 activations and operands (the fp16 build of the kernels; the gradients carry the
+    /// loss scale) instead of bf16.
+    pub half: bool,
     pub wte: Var,
     /// Learned positions, or None with RoPE.
     pub wpe: Option<Var>,

@@ -265,9 +265,10 @@ struct NormV8 {
 }
 
 impl Kernels {
-    fn load(dev: &CudaDevice, stream: &CudaStream, c: usize) -> Result<Self> {
+    /// `half`: the fp16 build of the kernels (same names).
+    fn load(dev: &CudaDevice, stream: &CudaStream, c: usize, half: bool) -> Result<Self> {
         let named = |name: &str, group: &'static str| -> Result<Kern> {
-            let f = load_function(dev, name)?;
+            let f = load_function(dev, name, half)?;
             Ok(Kern { f, name: group })
         };
         let f = |name: &'static str| -> Result<Kern> {
@@ -652,6 +653,8 @@ unsafe impl Send for Graphs {}
 /// The whole-model step for one [`StepWeights`] layout. Build it once per model; it sizes
 /// its activation arena for the micro-batch it is given (and re-sizes when that changes).
 pub struct GptStep {
+    /// fp16 instead of bf16 (the fp16 build of the kernels, fp16 cuBLAS operands).
+    half: bool,
     dev: CudaDevice,
     stream: Arc<CudaStream>,
     blas: Arc<CudaBlas>,
@@ -758,7 +761,12 @@ impl GptStep {
         let stream = dev.cuda_stream();
         let blas = dev.cublas_handle();
         let (vocab, c) = w.wte.as_tensor().dims2()?;
-        let k = Kernels::load(&dev, &stream, c)?;
+        if w.half && w.frozen_base {
+            return Err(err(
+                "whole-model step: fp16 with a frozen base (LoRA keeps its base in bf16)",
+            ));
+        }
+        let k = Kernels::load(&dev, &stream, c, w.half)?;
         let t = w.seq_len;
         let first = w
             .layers
@@ -929,7 +937,7 @@ impl GptStep {
             }
             None => None,
         };
-        let mut lt = Lt::new(stream.clone(), w.autotune).ok();
+        let mut lt = Lt::new(stream.clone(), w.autotune, w.half).ok();
         // The second stream needs its own cuBLASLt workspace; without either, one stream.
         // Recompute rewrites shared activation buffers that the side stream's weight
         // gradients would still be reading: one stream then.
@@ -939,6 +947,7 @@ impl GptStep {
             _ => None,
         };
         Ok(Self {
+            half: w.half,
             dev,
             stream,
             blas,
@@ -1262,7 +1271,11 @@ impl GptStep {
                 bsys::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        let bf = bsys::cudaDataType::CUDA_R_16BF;
+        let bf = if self.half {
+            bsys::cudaDataType::CUDA_R_16F
+        } else {
+            bsys::cudaDataType::CUDA_R_16BF
+        };
         let ct = if c_f32 {
             bsys::cudaDataType::CUDA_R_32F
         } else {
@@ -1814,6 +1827,10 @@ impl GptStep {
     /// The bf16 compute copy of `var` (None if the step does not own it), for the fused
     /// AdamW to write the updated weight into.
     pub fn weight_copy(&self, var: &Var) -> Option<WeightCopy<'_>> {
+        if self.half {
+            // The fused AdamW writes bf16 copies; an fp16 step casts its own in `begin`.
+            return None;
+        }
         let &i = self.by_id.get(&var.as_tensor().id())?;
         Some(WeightCopy {
             addr: self.w(i),
