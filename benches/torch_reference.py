@@ -10,6 +10,7 @@ of configs/tiny.toml, and `model.arch = "llama"` its family's defaults, as in co
 Usage (GPU machine with PyTorch 2.5+ + CUDA, no internet needed):
 
     python3 benches/torch_reference.py --config configs/gpt2-small.toml --mode compile --json out.json
+    torchrun --nproc_per_node 2 benches/torch_reference.py --mode compile   # DDP over 2 GPUs
     python3 benches/torch_reference.py --config configs/llama-small.toml --mode eager --batch 8
     python3 benches/torch_reference.py --set model.dropout=0.2 --set model.bias=false --mode compile
     python3 benches/torch_reference.py --config configs/llama-small.toml --set lora.enabled=true \
@@ -300,6 +301,13 @@ def main():
     ap.add_argument("--json", default=None, help="write the results as a JSON object here")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    # Launched by torchrun with several processes: DistributedDataParallel over NCCL (buckets
+    # all-reduced during the backward), each rank its own micro-batch; tokens/s is the job's.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group("nccl")
     cfg = load_config(args.config, args.set)
     m = cfg["model"]
     args.batch = args.batch or cfg["optim"]["micro_batch"]
@@ -313,7 +321,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     b, t = args.batch, args.seq
 
     with dev:  # weights drawn on the GPU: an 8B base in seconds, not minutes on the host
@@ -324,6 +332,8 @@ def main():
         add_lora(model, cfg["lora"])
     model = model.to(dev)
     opt = make_optimizer(model, cfg["optim"])
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[dev.index])
     step_model = torch.compile(model) if args.mode == "compile" else model
     if args.dtype == "bf16":
         autocast = lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)
@@ -332,6 +342,7 @@ def main():
 
     # All tokens generated once on the GPU; each step takes a fresh contiguous slice.
     total = args.warmup + args.steps
+    torch.manual_seed(1 + rank)  # each rank its own data
     tokens = torch.randint(0, data_vocab, (total * b * t + 1,), device=dev)
 
     def batch(i):
@@ -366,7 +377,15 @@ def main():
             loss_last = loss.item()
 
     median = statistics.median(times[len(times) // 2 :])  # second half: past any late warm-up
-    tok_s = b * t / median
+    if world > 1:  # the job's step is its slowest rank's
+        m_t = torch.tensor([median], device=dev)
+        torch.distributed.all_reduce(m_t, op=torch.distributed.ReduceOp.MAX)
+        median = m_t.item()
+        if rank != 0:
+            torch.distributed.destroy_process_group()
+            return
+        model = model.module
+    tok_s = world * b * t / median
     # PaLM-style FLOPs per token: 6N for the weight matmuls (fwd + bwd) plus 12·L·d·T for the
     # attention scores and values. The causal half is NOT discounted (as in PaLM / nanoGPT), so
     # this matches the convention cockpit's bench reports, not the FLOPs actually executed.
@@ -379,14 +398,14 @@ def main():
     peak = peak_flops(name, args.dtype)
     if peak is None:
         print(f"unknown peak for {name!r}: MFU not reported")
-    mfu = flops_per_token * tok_s / peak if peak else None
+    mfu = flops_per_token * tok_s / (peak * world) if peak else None
     peak_mem = torch.cuda.max_memory_allocated(dev) / 1e9
     # What the device has in use (total − free: the CUDA context, the caching allocator's
     # reserve, library workspaces), the way `cockpit bench` reports its peak.
     free, total_mem = torch.cuda.mem_get_info(dev)
     device_mem = (total_mem - free) / 1e9
 
-    system = f"torch-{args.mode}" + ("-lora" if lora else "")
+    system = f"torch-{args.mode}" + ("-lora" if lora else "") + (f"-ddp{world}" if world > 1 else "")
     print(f"model: {os.path.basename(args.config)} {' '.join(args.set)} | {n_params / 1e6:.1f}M params")
     mfu_s = f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a"
     print(
@@ -404,6 +423,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1065,9 +1065,7 @@ fn whole_model_step_matches_the_f32_model() {
                 .iter()
                 .map(|p| step.grad_of(&p.var).unwrap().unwrap().copy().unwrap())
                 .collect();
-            let copied = opt
-                .step_with_copies(&grads, 1e-2, 1.0, Some(step))
-                .unwrap();
+            let copied = opt.step_with_copies(&grads, 1e-2, 1.0, Some(step)).unwrap();
             assert!(copied, "every weight of the step gets its bf16 copy");
             let mut run = |cast_skipped: bool| {
                 step.begin(cast_skipped).unwrap();
