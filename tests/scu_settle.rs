@@ -272,9 +272,10 @@ fn settles_after_an_lr_phase_change() {
 /// adapters on q, v and up, SCU on the adapters alone, from the start at each setpoint. N
 /// (`scu.tokens_per_epoch`) sets which S the adapters can reach: with N = 2M they start near
 /// 3% and cannot grow to 5% within the run (λ sits at λ_min), so 5% runs with N = 500k.
-/// Measured: 14, 12, 6, 12 control steps at 0.5, 1, 2, 5%.
+/// Measured: 14, 12, 6, 12 control steps at 0.5, 1, 2, 5%; a setpoint step 2% → 0.5% at step
+/// [`AT`]: 20.
 #[test]
-fn lora_on_the_tiny_base_settles_at_every_setpoint() {
+fn lora_on_the_tiny_base_settles_at_every_setpoint_and_after_a_setpoint_step() {
     let base = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     drive(
         small(&[
@@ -307,4 +308,24 @@ fn lora_on_the_tiny_base_settles_at_every_setpoint() {
         ]);
         from_the_start(&format!("LoRA, S* {target}"), cfg, target);
     }
+    // A setpoint step on the adapters at step AT, 2% → 0.5% (a fourfold step down).
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let cfg = small(&[
+        "run.max_steps=600",
+        "lora.enabled=true",
+        "lora.r=4",
+        "lora.targets=[\"q\",\"v\",\"up\"]",
+        "scu.params=\"lora\"",
+        &b,
+        "scu.target=0.02",
+    ]);
+    let (rows, applied) = drive(
+        cfg,
+        dir.path(),
+        Some((AT, Command::SetScuSetpoint { target: 0.005 })),
+    );
+    let at = applied.unwrap_or_else(|| panic!("the setpoint was not applied"));
+    let from = row_after(&rows, at);
+    assert_eq!(rows[from].target, 0.005);
+    check("LoRA, setpoint 2% → 0.5%", &rows, from, BOUND);
 }
