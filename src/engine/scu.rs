@@ -754,6 +754,33 @@ mod tests {
         }
     }
 
+    /// Adapters that start far above the target (the 1B-shaped LoRA starts at 3.5 S*): λ must
+    /// go far above the equilibrium to pull S down, and the span around the equilibrium widens
+    /// with the gap to let it; near the target λ is back within ×3 of the equilibrium.
+    #[test]
+    fn adaptive_from_far_above_goes_beyond_the_equilibrium_then_settles() {
+        for start in [3.5, 7.0] {
+            let target = 0.01;
+            let mut c = adaptive(target);
+            let mut toy = Toy::new();
+            toy.y = (start * target / (1.0 - start * target) * toy.data).ln();
+            let mut peak: f64 = 0.0;
+            let mut s = Vec::new();
+            for _ in 0..100 {
+                s.extend(toy.run(&mut c, 20.0, 1));
+                peak = peak.max(c.lambda);
+            }
+            let k = settle(&s, target, 0.05);
+            assert!(k <= 30, "from {start} S*: settled after {k} control steps");
+            // (The equilibrium is a/(κ·f) = 2.)
+            assert!(
+                peak > 6.0,
+                "from {start} S*: λ peaked at {peak} (≤ ×3 the equilibrium)"
+            );
+            assert!((c.lambda - 2.0).abs() < 0.1, "λ ends at {}", c.lambda);
+        }
+    }
+
     #[test]
     fn adaptive_rejects_a_step_in_the_growth() {
         // The model starts learning faster: the data gradient's growth doubles. The growth
