@@ -1164,9 +1164,10 @@ fn nf4_kernels_match_the_host_reference() {
     assert!(back[64..128].iter().all(|&x| x == 0.0));
 }
 
-/// The whole-model step with LoRA (a frozen bf16 base, trainable adapters) against the f32
-/// candle model with the same adapters: loss and every adapter's gradient. B starts at zero
-/// in a fresh adapter (which would hide A's gradient), so both models get the same random B.
+/// The whole-model step with LoRA (a frozen bf16 or fp16 base, trainable adapters) against the
+/// f32 candle model with the same adapters: loss and every adapter's gradient. B starts at
+/// zero in a fresh adapter (which would hide A's gradient), so both models get the same
+/// random B.
 #[test]
 fn whole_model_step_with_lora_matches_the_f32_model() {
     let Some(dev) = gpu() else { return };
@@ -1251,7 +1252,13 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             false,
         ),
     ];
-    for (name, set, targets, nf4) in cases {
+    // Each case in bf16 and in fp16 (the fp16 step with a loss scale of 256, divided out).
+    let runs = cases
+        .iter()
+        .flat_map(|case| [(case, DType::BF16), (case, DType::F16)]);
+    for ((name, set, targets, nf4), dt16) in runs {
+        let (name, nf4) = (*name, *nf4);
+        let targets = targets.clone();
         let mut c = Config::default();
         c.model.n_embd = 128;
         c.model.n_head = 2;
@@ -1265,16 +1272,26 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             targets,
             dropout: c.lora.dropout,
         };
-        // The bf16 model stores its frozen base in bf16, as a LoRA run on the GPU does.
+        // The 16-bit model stores its frozen base in its own dtype, as a LoRA run on the GPU
+        // does.
         let build = |dt: DType| {
             let store = cockpit::engine::model::BaseStore {
-                dtype: if dt == DType::BF16 { dt } else { DType::F32 },
+                dtype: if dt == DType::F32 { DType::F32 } else { dt },
                 random_on_device: false,
             };
             let shape = Shape::from_config(&c, vocab);
             let mut m = Model::new_with(shape, dt, &dev, 5, store).unwrap();
             if nf4 {
-                // Both models quantize the same bf16 values: the same 4-bit base.
+                // Both models quantize the same bf16 values: the same 4-bit base. (The f32
+                // model's weights go through the 16-bit model's storage type first: f32 → fp16
+                // → bf16 rounds twice and may land one bf16 step away from f32 → bf16.)
+                if dt == DType::F32 {
+                    for p in &m.params {
+                        let t = p.var.as_tensor();
+                        let r = t.to_dtype(dt16).unwrap().to_dtype(DType::F32).unwrap();
+                        p.var.set(&r).unwrap();
+                    }
+                }
                 m.quantize_base_nf4().unwrap();
             }
             m.add_lora(&spec, 5).unwrap();
@@ -1293,7 +1310,8 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             m
         };
         let mut m32 = build(DType::F32);
-        let m16 = build(DType::BF16);
+        let m16 = build(dt16);
+        let scale = if dt16 == DType::F16 { 256.0 } else { 1.0 };
         let ids: Vec<u32> = (0..(b * t) as u32)
             .map(|i| (i * 31 + 7) % vocab as u32)
             .collect();
@@ -1309,15 +1327,15 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         let store = l.backward().unwrap();
         let w = m16
             .step_weights()
-            .unwrap_or_else(|| panic!("{name}: a LoRA bf16 model fits the step"));
+            .unwrap_or_else(|| panic!("{name}: a LoRA {dt16:?} model fits the step"));
         assert!(w.frozen_base);
         let mut step = kernels::GptStep::new(&w).unwrap();
         step.begin(false).unwrap();
         step.set_dropout_seed(seed);
-        step.micro(&ids, &tg, b, 1.0 / (b * t) as f32).unwrap();
+        step.micro(&ids, &tg, b, scale / (b * t) as f32).unwrap();
         let loss = step.loss().unwrap();
         let e = ((loss - loss_ref) / loss_ref).abs();
-        eprintln!("LoRA step ({name}): loss {loss:.5} vs f32 {loss_ref:.5}, rel {e:.2e}");
+        eprintln!("LoRA step {dt16:?} ({name}): loss {loss:.5} vs f32 {loss_ref:.5}, rel {e:.2e}");
         assert!(e < 1e-2, "{name}: loss {loss} vs {loss_ref}");
         let mut worst = (0f32, String::new());
         let mut adapters = 0;
@@ -1329,13 +1347,14 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             }
             adapters += 1;
             let g = g.unwrap_or_else(|| panic!("{name}: {} has no gradient", p16.name));
+            let g = (g / scale as f64).unwrap();
             let e = rel_err(&g, store.get(p32.var.as_tensor()).unwrap());
             if e > worst.0 || !e.is_finite() {
                 worst = (e, p32.name.clone());
             }
         }
         eprintln!(
-            "LoRA step ({name}): {adapters} adapter tensors, worst grad rel err {:.3e} ({})",
+            "LoRA step {dt16:?} ({name}): {adapters} adapter tensors, worst grad rel err {:.3e} ({})",
             worst.0, worst.1
         );
         assert!(adapters > 0);

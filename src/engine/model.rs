@@ -1098,7 +1098,7 @@ impl Model {
     }
 
     /// The weights for the whole-model CUDA step, or why this model takes the per-op path:
-    /// the step needs bf16 or f16 (not with LoRA) on a CUDA GPU of compute capability 8.0+,
+    /// the step needs bf16 or f16 on a CUDA GPU of compute capability 8.0+,
     /// widths multiples of 8 (16-byte accesses), an even head dim, everything trainable or
     /// (LoRA) exactly the adapters; grouped-query attention and dropout need flash attention
     /// (head dim 64 or 128).
@@ -1122,8 +1122,6 @@ impl Model {
                  m16n8k16 tensor-core instructions)"
                     .into(),
             )
-        } else if self.dtype == DType::F16 && lora {
-            Some("fp16 LoRA (the step keeps a frozen base in bf16 only)".into())
         } else if !s.n_embd.is_multiple_of(8) || !s.hidden.is_multiple_of(8) {
             Some(format!(
                 "n_embd {} and the MLP width {} must be multiples of 8",

@@ -326,11 +326,14 @@ impl Trainer {
                 dataset.val.len(),
             )));
         }
-        // LoRA on a GPU in bf16 keeps the frozen base in bf16 only (the fast step computes
-        // with it as is); a random base is drawn on the device.
+        // LoRA on a GPU in bf16 (fp16) keeps the frozen base in bf16 (fp16) only (the fast
+        // step computes with it as is); a random base is drawn on the device.
         let store = BaseStore {
-            dtype: if cfg.lora.enabled && dtype == DType::BF16 && device.is_cuda() {
-                DType::BF16
+            dtype: if cfg.lora.enabled
+                && matches!(dtype, DType::BF16 | DType::F16)
+                && device.is_cuda()
+            {
+                dtype
             } else {
                 DType::F32
             },

@@ -420,13 +420,27 @@ struct Layout {
     frozen: bool,
 }
 
+/// bf16 or fp16: the dtypes a weight the step reads in place (or copies as is) may have.
+fn is_16bit(d: DType) -> bool {
+    matches!(d, DType::BF16 | DType::F16)
+}
+
+/// Device addresses of 16-bit tensors: fp16 (`half`) or bf16 storage.
+fn ptrs_16(ts: &[&Tensor], half: bool) -> Result<Vec<u64>> {
+    if half {
+        with_ptrs::<half::f16, _>(ts, |p| Ok(p.to_vec()))
+    } else {
+        with_ptrs::<bf16, _>(ts, |p| Ok(p.to_vec()))
+    }
+}
+
 impl Layout {
     /// Place `v` next (aligned unless `pad` is false, which keeps it adjacent to the entry
     /// before: packed projections); its entry index.
     fn push(&mut self, v: &Var, pad: bool) -> usize {
         let n = v.as_tensor().elem_count();
         let rows = v.as_tensor().dims().first().copied().unwrap_or(1);
-        let ext = self.frozen && v.dtype() == DType::BF16 && v.rank() == 2;
+        let ext = self.frozen && is_16bit(v.dtype()) && v.rank() == 2;
         let mut nowhere = 0;
         let off = if ext {
             // (Not in any buffer: read in place.)
@@ -761,11 +775,6 @@ impl GptStep {
         let stream = dev.cuda_stream();
         let blas = dev.cublas_handle();
         let (vocab, c) = w.wte.as_tensor().dims2()?;
-        if w.half && w.frozen_base {
-            return Err(err(
-                "whole-model step: fp16 with a frozen base (LoRA keeps its base in bf16)",
-            ));
-        }
         let k = Kernels::load(&dev, &stream, c, w.half)?;
         let t = w.seq_len;
         let first = w
@@ -888,7 +897,15 @@ impl GptStep {
             .iter()
             .filter_map(|&i| entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
-        let ptrs = with_ptrs::<bf16, _>(&ts, |p| Ok(p.to_vec()))?;
+        // (A frozen base is stored in the step's own 16-bit type: bf16, or fp16 for an fp16 step.)
+        let want = if w.half { DType::F16 } else { DType::BF16 };
+        if let Some(t) = ts.iter().find(|t| t.dtype() != want) {
+            return Err(err(format!(
+                "whole-model step: a frozen base stored in {:?} for a {want:?} step",
+                t.dtype()
+            )));
+        }
+        let ptrs = ptrs_16(&ts, w.half)?;
         for (&i, p) in ext.iter().zip(ptrs) {
             entries[i].ext_ptr = p;
         }
@@ -1853,15 +1870,27 @@ impl GptStep {
                 self.entries[i]
                     .var
                     .as_ref()
-                    .is_some_and(|v| v.dtype() != DType::BF16)
+                    .is_some_and(|v| !is_16bit(v.dtype()))
             });
         let ts: Vec<&Tensor> = bf16s
             .iter()
             .filter_map(|&i| self.entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
-        with_ptrs::<bf16, _>(&ts, |ptrs| {
+        if let Some(t) = ts
+            .iter()
+            .find(|t| t.dtype() != if self.half { DType::F16 } else { DType::BF16 })
+        {
+            return Err(err(format!(
+                "whole-model step: a {:?} weight for a {} step",
+                t.dtype(),
+                if self.half { "fp16" } else { "bf16" }
+            )));
+        }
+        let ptrs = ptrs_16(&ts, self.half)?;
+        {
             for (&src, &i) in ptrs.iter().zip(&bf16s) {
-                // SAFETY: both hold entries[i].n bf16 (the source is the live var, contiguous).
+                // SAFETY: both hold entries[i].n 16-bit values of the step's type (the source
+                // is the live var, contiguous).
                 unsafe {
                     drv::memcpy_dtod_async(
                         self.w(i),
@@ -1872,8 +1901,7 @@ impl GptStep {
                 }
                 .w()?;
             }
-            Ok(())
-        })?;
+        }
         if f32s.is_empty() {
             return Ok(());
         }
