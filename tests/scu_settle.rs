@@ -175,24 +175,35 @@ fn settles_from_the_start_at_5_percent() {
     start_at(0.05);
 }
 
+/// Runs `cfg` with the setpoint stepped to `to` at step [`AT`] and asserts the settle after the
+/// step; returns the control rows and the index of the first row after it.
+fn setpoint_step(what: &str, cfg: Config, to: f64) -> (Vec<ScuStats>, usize) {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let (rows, applied) = drive(
+        cfg,
+        dir.path(),
+        Some((AT, Command::SetScuSetpoint { target: to })),
+    );
+    let at = applied.unwrap_or_else(|| panic!("{what}: the setpoint was not applied"));
+    let from = row_after(&rows, at);
+    assert_eq!(rows[from].target, to);
+    let first = (rows[from].s_ratio / to - 1.0).abs();
+    assert!(
+        first > 0.25,
+        "{what}: S starts {first:.2} off the new setpoint"
+    );
+    check(what, &rows, from, BOUND);
+    (rows, from)
+}
+
 /// A setpoint step at step [`AT`], 2% → 1% and 1% → 2% (bumpless: λ holds, then the law plans
 /// toward it). Measured: 7 and 10 control steps.
 #[test]
 fn settles_after_a_setpoint_step_down_and_up() {
     for (from_t, to_t) in [(0.02, 0.01), (0.01, 0.02)] {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let t = format!("scu.target={from_t}");
-        let (rows, applied) = drive(
-            small(&["run.max_steps=600", &t]),
-            dir.path(),
-            Some((AT, Command::SetScuSetpoint { target: to_t })),
-        );
-        let at = applied.unwrap_or_else(|| panic!("the setpoint was not applied"));
-        let from = row_after(&rows, at);
-        assert_eq!(rows[from].target, to_t);
-        let first = (rows[from].s_ratio / to_t - 1.0).abs();
-        assert!(first > 0.25, "S starts {first:.2} off the new setpoint");
-        check(&format!("setpoint {from_t} → {to_t}"), &rows, from, BOUND);
+        let cfg = small(&["run.max_steps=600", &t]);
+        setpoint_step(&format!("setpoint {from_t} → {to_t}"), cfg, to_t);
     }
 }
 
@@ -202,7 +213,6 @@ fn settles_after_a_setpoint_step_down_and_up() {
 /// steps (the CLI at 1, 2, 5% from the start: 11, 14, 20).
 #[test]
 fn embedded_default_settles_from_the_start_and_after_a_setpoint_step() {
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let cfg = config::load(
         None,
         &[
@@ -216,17 +226,9 @@ fn embedded_default_settles_from_the_start_and_after_a_setpoint_step() {
     .unwrap_or_else(|e| panic!("{e}"))
     .config;
     assert_eq!(cfg.run.max_steps, 600);
-    let (rows, applied) = drive(
-        cfg,
-        dir.path(),
-        Some((AT, Command::SetScuSetpoint { target: 0.02 })),
-    );
-    let at = applied.unwrap_or_else(|| panic!("the setpoint was not applied"));
-    let from = row_after(&rows, at);
+    let (rows, from) = setpoint_step("embedded default, 0.5% → 2%", cfg, 0.02);
     assert!((rows[0].s_ratio / 0.005 - 1.0).abs() > 0.25);
     check("embedded default, start at 0.5%", &rows[..from], 0, BOUND);
-    assert_eq!(rows[from].target, 0.02);
-    check("embedded default, 0.5% → 2%", &rows, from, BOUND);
 }
 
 /// A live batch-size change 8 → 16 at step [`AT`]: the optimizer's v̂ (and so the penalty's
@@ -309,7 +311,6 @@ fn lora_on_the_tiny_base_settles_at_every_setpoint_and_after_a_setpoint_step() {
         from_the_start(&format!("LoRA, S* {target}"), cfg, target);
     }
     // A setpoint step on the adapters at step AT, 2% → 0.5% (a fourfold step down).
-    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let cfg = small(&[
         "run.max_steps=600",
         "lora.enabled=true",
@@ -319,13 +320,5 @@ fn lora_on_the_tiny_base_settles_at_every_setpoint_and_after_a_setpoint_step() {
         &b,
         "scu.target=0.02",
     ]);
-    let (rows, applied) = drive(
-        cfg,
-        dir.path(),
-        Some((AT, Command::SetScuSetpoint { target: 0.005 })),
-    );
-    let at = applied.unwrap_or_else(|| panic!("the setpoint was not applied"));
-    let from = row_after(&rows, at);
-    assert_eq!(rows[from].target, 0.005);
-    check("LoRA, setpoint 2% → 0.5%", &rows, from, BOUND);
+    setpoint_step("LoRA, setpoint 2% → 0.5%", cfg, 0.005);
 }
