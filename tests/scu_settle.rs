@@ -290,6 +290,18 @@ fn lora_on_the_tiny_base_settles_at_every_setpoint_and_after_a_setpoint_step() {
         None,
     );
     let b = format!("lora.base={:?}", base.path().display().to_string());
+    let lora = |target: &str, n: &str| {
+        small(&[
+            "run.max_steps=600",
+            "lora.enabled=true",
+            "lora.r=4",
+            "lora.targets=[\"q\",\"v\",\"up\"]",
+            "scu.params=\"lora\"",
+            &b,
+            target,
+            n,
+        ])
+    };
     for (target, n) in [
         (0.005, 2_000_000),
         (0.01, 2_000_000),
@@ -298,27 +310,9 @@ fn lora_on_the_tiny_base_settles_at_every_setpoint_and_after_a_setpoint_step() {
     ] {
         let t = format!("scu.target={target}");
         let n = format!("scu.tokens_per_epoch={n}");
-        let cfg = small(&[
-            "run.max_steps=600",
-            "lora.enabled=true",
-            "lora.r=4",
-            "lora.targets=[\"q\",\"v\",\"up\"]",
-            "scu.params=\"lora\"",
-            &b,
-            &t,
-            &n,
-        ]);
-        from_the_start(&format!("LoRA, S* {target}"), cfg, target);
+        from_the_start(&format!("LoRA, S* {target}"), lora(&t, &n), target);
     }
     // A setpoint step on the adapters at step AT, 2% → 0.5% (a fourfold step down).
-    let cfg = small(&[
-        "run.max_steps=600",
-        "lora.enabled=true",
-        "lora.r=4",
-        "lora.targets=[\"q\",\"v\",\"up\"]",
-        "scu.params=\"lora\"",
-        &b,
-        "scu.target=0.02",
-    ]);
+    let cfg = lora("scu.target=0.02", "scu.tokens_per_epoch=2000000");
     setpoint_step("LoRA, setpoint 2% → 0.5%", cfg, 0.005);
 }
