@@ -227,9 +227,6 @@ struct Trainer {
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.
     weights_copied: bool,
-    /// The loss scale the last forward/backward's gradients still carry (the whole-model
-    /// step leaves fp16's scale in them for the update to take out; the per-op path divides).
-    grads_scaled_by: f64,
     /// ZeRO-1 (`distributed.shard_optimizer` with several ranks): this rank's share of the
     /// optimizer state, built at the first optimizer step (the flat layout is known then).
     shard: Option<super::zero::Shard>,
@@ -524,7 +521,6 @@ impl Trainer {
             whole_why: None,
             sample,
             weights_copied: false,
-            grads_scaled_by: 1.0,
             shard: None,
             time_due: false,
         };
@@ -907,7 +903,6 @@ impl Trainer {
     ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
         self.faults.oom_at(self.micro_batch)?;
         self.check_whole()?;
-        self.grads_scaled_by = 1.0;
         if self.whole.is_some() {
             return self.forward_backward_whole(lambda);
         }
@@ -996,7 +991,6 @@ impl Trainer {
         // fp16: the backward carries the loss scale from the loss gradient on (so small
         // gradients stay above fp16's underflow); the update divides it out.
         let scale = self.scaler.scale;
-        self.grads_scaled_by = scale;
         let g = if inject_nan {
             f32::NAN
         } else {
@@ -2107,7 +2101,12 @@ impl Trainer {
                 sharded,
                 time_due,
             } = self.reduce_step(ce, grads, wait, compute)?;
-            let grad_scale = grad_scale / self.grads_scaled_by;
+            // The whole-model step's gradients still carry fp16's loss scale (the per-op path
+            // divides it out itself): the update takes it out with the other factors.
+            let grad_scale = match &self.whole {
+                Some(_) => grad_scale / self.scaler.scale,
+                None => grad_scale,
+            };
             let comm = if ranks.is_empty() {
                 0.0
             } else {

@@ -980,7 +980,7 @@ pub fn copy_multi(pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
             let mut b = f.builder();
             b.arg(table);
             // SAFETY: the table holds (source, destination, length) of live, locked f32
-            // buffers, matching the kernel's CopyItem layout; one grid row per pair.
+            // buffers, matching the kernel's MultiItem<float> layout; one grid row per pair.
             unsafe { b.launch(multi_grid(max_n, pairs.len())?) }.w()?;
             Ok(())
         })

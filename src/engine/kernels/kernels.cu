@@ -752,31 +752,27 @@ union Bf8 {
 };
 
 
-// fp32 master weights → the bf16 copy the step computes with; one launch over a table.
-struct CastItem {
+// dst ← src (converted to T) over a table of (f32 source, destination, length) items, one grid
+// row per item: one launch for many tensors.
+template <typename T> struct MultiItem {
     const float* src;
-    bf16_t* dst;
+    T* dst;
     unsigned long long n;
 };
-extern "C" __global__ void cast_multi_f32_bf16(const CastItem* __restrict__ ts) {
-    const CastItem t = ts[blockIdx.y];
+template <typename T> __device__ void convert_multi(const MultiItem<T>* __restrict__ ts) {
+    const MultiItem<T> t = ts[blockIdx.y];
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
          i += (size_t)gridDim.x * blockDim.x)
-        t.dst[i] = __float2bfloat16(t.src[i]);
+        t.dst[i] = from_f<T>(t.src[i]);
 }
-
-// dst ← src over a table of f32 ranges (ZeRO-1: updated weights into the gathered buffer, and
-// the gathered weights back into every parameter), one launch.
-struct CopyItem {
-    const float* src;
-    float* dst;
-    unsigned long long n;
-};
-extern "C" __global__ void copy_multi_f32(const CopyItem* __restrict__ ts) {
-    const CopyItem t = ts[blockIdx.y];
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < t.n;
-         i += (size_t)gridDim.x * blockDim.x)
-        t.dst[i] = t.src[i];
+// fp32 master weights → the bf16 (fp16 build: fp16) copy the step computes with.
+extern "C" __global__ void cast_multi_f32_bf16(const MultiItem<bf16_t>* __restrict__ ts) {
+    convert_multi(ts);
+}
+// ZeRO-1: updated weights into the gathered buffer, and the gathered weights back into every
+// parameter.
+extern "C" __global__ void copy_multi_f32(const MultiItem<float>* __restrict__ ts) {
+    convert_multi(ts);
 }
 
 // y += a·x over a table of f32 tensors (the SCU regulariser's gradient 2·λ·coef·w).

@@ -425,8 +425,15 @@ fn is_16bit(d: DType) -> bool {
     matches!(d, DType::BF16 | DType::F16)
 }
 
-/// Device addresses of 16-bit tensors: fp16 (`half`) or bf16 storage.
+/// Device addresses of 16-bit weights in the step's own type: fp16 (`half`) or bf16.
 fn ptrs_16(ts: &[&Tensor], half: bool) -> Result<Vec<u64>> {
+    let want = if half { DType::F16 } else { DType::BF16 };
+    if let Some(t) = ts.iter().find(|t| t.dtype() != want) {
+        return Err(err(format!(
+            "whole-model step: a {:?} weight for a {want:?} step",
+            t.dtype()
+        )));
+    }
     if half {
         with_ptrs::<half::f16, _>(ts, |p| Ok(p.to_vec()))
     } else {
@@ -898,13 +905,6 @@ impl GptStep {
             .filter_map(|&i| entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
         // (A frozen base is stored in the step's own 16-bit type: bf16, or fp16 for an fp16 step.)
-        let want = if w.half { DType::F16 } else { DType::BF16 };
-        if let Some(t) = ts.iter().find(|t| t.dtype() != want) {
-            return Err(err(format!(
-                "whole-model step: a frozen base stored in {:?} for a {want:?} step",
-                t.dtype()
-            )));
-        }
         let ptrs = ptrs_16(&ts, w.half)?;
         for (&i, p) in ext.iter().zip(ptrs) {
             entries[i].ext_ptr = p;
@@ -1864,7 +1864,7 @@ impl GptStep {
     /// A base stored in bf16 (LoRA on the GPU: the model's `BaseStore`) is
     /// copied as is.
     fn cast_weights(&mut self) -> Result<()> {
-        let (f32s, bf16s): (Vec<usize>, Vec<usize>) = (0..self.entries.len())
+        let (f32s, h16s): (Vec<usize>, Vec<usize>) = (0..self.entries.len())
             .filter(|&i| !self.entries[i].ext && self.entries[i].var.is_some())
             .partition(|&i| {
                 self.entries[i]
@@ -1872,35 +1872,23 @@ impl GptStep {
                     .as_ref()
                     .is_some_and(|v| !is_16bit(v.dtype()))
             });
-        let ts: Vec<&Tensor> = bf16s
+        let ts: Vec<&Tensor> = h16s
             .iter()
             .filter_map(|&i| self.entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
-        if let Some(t) = ts
-            .iter()
-            .find(|t| t.dtype() != if self.half { DType::F16 } else { DType::BF16 })
-        {
-            return Err(err(format!(
-                "whole-model step: a {:?} weight for a {} step",
-                t.dtype(),
-                if self.half { "fp16" } else { "bf16" }
-            )));
-        }
         let ptrs = ptrs_16(&ts, self.half)?;
-        {
-            for (&src, &i) in ptrs.iter().zip(&bf16s) {
-                // SAFETY: both hold entries[i].n 16-bit values of the step's type (the source
-                // is the live var, contiguous).
-                unsafe {
-                    drv::memcpy_dtod_async(
-                        self.w(i),
-                        src,
-                        2 * self.entries[i].n,
-                        self.stream.cu_stream(),
-                    )
-                }
-                .w()?;
+        for (&src, &i) in ptrs.iter().zip(&h16s) {
+            // SAFETY: both hold entries[i].n 16-bit values of the step's type (the source
+            // is the live var, contiguous).
+            unsafe {
+                drv::memcpy_dtod_async(
+                    self.w(i),
+                    src,
+                    2 * self.entries[i].n,
+                    self.stream.cu_stream(),
+                )
             }
+            .w()?;
         }
         if f32s.is_empty() {
             return Ok(());
@@ -1923,7 +1911,7 @@ impl GptStep {
             let mut b = self.stream.launch_builder(&self.k.cast.f);
             b.arg(&table);
             // SAFETY: the table holds (f32 source, bf16 destination, length) triples matching
-            // the kernel's CastItem; sources are the live master weights, destinations in wbf.
+            // the kernel's MultiItem; sources are the live master weights, destinations in wbf.
             unsafe { b.launch(multi_grid(max_n, count)?) }.w()?;
             Ok(())
         })?;
