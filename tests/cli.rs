@@ -54,6 +54,10 @@ fn invalid_configs_exit_2_naming_the_key() {
         ("missing_tokenizer.toml", "data.tokenizer"),
         ("kv_heads_divide.toml", "model.n_kv_head"),
         ("bad_backend.toml", "distributed.backend = \"gloo\""),
+        (
+            "bad_reduce_dtype.toml",
+            "distributed.reduce_dtype = \"fp8\"",
+        ),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();

@@ -528,6 +528,45 @@ fn multi_tensor_copy_copies_every_pair_exactly() {
     }
 }
 
+/// bf16 gradient sums (`distributed.reduce_dtype = "bf16"`): packing f32 into bf16 rounds as
+/// candle's cast does (to nearest even) and unpacking widens exactly, on aligned buffers (four
+/// values a thread) and on views at odd offsets and lengths (one a thread); nothing outside
+/// the view is touched.
+#[test]
+fn bf16_gradient_packing_rounds_like_a_cast_and_widens_exactly() {
+    let Some(dev) = gpu() else { return };
+    let flat = (Tensor::randn(0f32, 1.0, 100_003, &dev).unwrap() * 1e-3).unwrap();
+    let wire = Tensor::zeros(100_003, DType::BF16, &dev).unwrap();
+    for (off, len) in [(0, 100_000), (0, 100_003), (13, 50_001), (3, 7)] {
+        let (src, dst) = (
+            flat.narrow(0, off, len).unwrap(),
+            wire.narrow(0, off, len).unwrap(),
+        );
+        kernels::convert_into(&src, &dst).unwrap();
+        let want = src
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap();
+        assert_eq!(
+            dst.to_vec1::<half::bf16>().unwrap(),
+            want,
+            "pack at {off}+{len}"
+        );
+        let back = Tensor::zeros(100_003, DType::F32, &dev).unwrap();
+        kernels::convert_into(&dst, &back.narrow(0, off, len).unwrap()).unwrap();
+        let got = back.to_vec1::<f32>().unwrap();
+        for (i, x) in got.iter().enumerate() {
+            let w = if (off..off + len).contains(&i) {
+                want[i - off].to_f32()
+            } else {
+                0.0
+            };
+            assert_eq!(*x, w, "unpack at {off}+{len}: element {i}");
+        }
+    }
+}
+
 #[test]
 fn fused_sum_of_squares_matches_sqr_sum() {
     let Some(dev) = gpu() else { return };

@@ -788,6 +788,10 @@ pub struct DistributedConfig {
     /// weights are all-gathered (the same bytes on the wire as one all-reduce). Checkpoints
     /// keep the full moments (rank 0 gathers them), so a resume may change the world size.
     pub shard_optimizer: bool,
+    /// The type gradients are summed in across the ranks: "f32" (exact to fp32 rounding) or
+    /// "bf16" (half the bytes on the wire: each rank's gradient rounded to bf16, summed in
+    /// bf16 by NCCL, and widened back to the fp32 gradients the optimizer reads).
+    pub reduce_dtype: String,
 }
 
 impl Default for DistributedConfig {
@@ -801,6 +805,7 @@ impl Default for DistributedConfig {
             overlap: false,
             bucket_mb: 16.0,
             shard_optimizer: false,
+            reduce_dtype: "f32".into(),
         }
     }
 }

@@ -573,6 +573,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             "allowed: nccl (CUDA devices), tcp (CPU processes; for testing)",
         );
     }
+    if !matches!(c.distributed.reduce_dtype.as_str(), "f32" | "bf16") {
+        ck.fail(
+            "distributed.reduce_dtype",
+            quoted(&c.distributed.reduce_dtype),
+            "allowed: f32, bf16 (gradient sums across the ranks)",
+        );
+    }
     ck.in_range(
         "distributed.bucket_mb",
         c.distributed.bucket_mb,

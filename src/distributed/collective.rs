@@ -101,6 +101,8 @@ pub trait GradSum: Send {
     fn stream(&self) -> &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>;
     /// Sum `len` f32 at device address `ptr` over the ranks, in place, on [`Self::stream`].
     fn sum_f32(&self, ptr: u64, len: usize) -> Result<(), CommError>;
+    /// [`Self::sum_f32`] for `len` bf16 values.
+    fn sum_bf16(&self, ptr: u64, len: usize) -> Result<(), CommError>;
 }
 
 /// What rank 0 hands every rank at the rendezvous.
@@ -409,6 +411,14 @@ fn add_f32(acc: &mut [u8], other: &[u8]) {
     }
 }
 
+fn add_bf16(acc: &mut [u8], other: &[u8]) {
+    for (a, b) in acc.chunks_exact_mut(2).zip(other.chunks_exact(2)) {
+        let x = half::bf16::from_le_bytes([a[0], a[1]]).to_f32()
+            + half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+        a.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+    }
+}
+
 fn add_f64(acc: &mut [u8], other: &[u8]) {
     for (a, b) in acc.chunks_exact_mut(8).zip(other.chunks_exact(8)) {
         let mut x = [0u8; 8];
@@ -455,6 +465,20 @@ impl Collective for TcpCollective {
 
     fn all_reduce_sum(&mut self, t: Tensor) -> Result<Tensor, CommError> {
         let err = tensor_err(self.rank, "all-reduce");
+        if t.dtype() == candle_core::DType::BF16 {
+            // bf16 on the wire, each partial sum rounded to bf16 (as NCCL sums bf16).
+            let v = t
+                .flatten_all()
+                .and_then(|f| f.to_vec1::<half::bf16>())
+                .map_err(&err)?;
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let out = self.reduce(bytes, "all-reduce", add_bf16)?;
+            let v: Vec<half::bf16> = out
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            return Tensor::from_vec(v, t.shape(), t.device()).map_err(&err);
+        }
         let v = t
             .flatten_all()
             .and_then(|f| f.to_dtype(candle_core::DType::F32))
@@ -681,6 +705,7 @@ mod nccl {
             }
             match s.dtype() {
                 DType::F32 => run!(f32),
+                DType::BF16 => run!(half::bf16),
                 DType::F64 => run!(f64),
                 DType::U8 => run!(u8),
                 DType::U32 => run!(u32),
@@ -847,9 +872,23 @@ mod nccl {
         }
 
         fn sum_f32(&self, ptr: u64, len: usize) -> Result<(), CommError> {
-            // SAFETY: the caller passes a range of a live f32 gradient buffer; the view is
-            // leaked again (not freed) once the sum is enqueued.
-            let mut view = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
+            self.sum::<f32>(ptr, len)
+        }
+
+        fn sum_bf16(&self, ptr: u64, len: usize) -> Result<(), CommError> {
+            self.sum::<half::bf16>(ptr, len)
+        }
+    }
+
+    impl NcclGradSum {
+        fn sum<T: candle_core::cuda_backend::cudarc::nccl::safe::NcclType>(
+            &self,
+            ptr: u64,
+            len: usize,
+        ) -> Result<(), CommError> {
+            // SAFETY: the caller passes a range of a live gradient buffer of element type T;
+            // the view is leaked again (not freed) once the sum is enqueued.
+            let mut view = unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len) };
             let r = self.comm.all_reduce_in_place(&mut view, &ReduceOp::Sum);
             view.leak();
             r.map(|_| ()).map_err(|e| CommError::Op {

@@ -230,6 +230,9 @@ struct Trainer {
     /// ZeRO-1 (`distributed.shard_optimizer` with several ranks): this rank's share of the
     /// optimizer state, built at the first optimizer step (the flat layout is known then).
     shard: Option<super::zero::Shard>,
+    /// `distributed.reduce_dtype = "bf16"`: the bf16 buffer the ranks sum the flat gradient
+    /// buffer in (allocated at the first sum).
+    wire: Option<Tensor>,
     /// Rank 0's verdict, before this step, that a timed checkpoint is due (shared with the
     /// ranks through the step's host all-reduce, so all of them take it at the same step).
     time_due: bool,
@@ -522,6 +525,7 @@ impl Trainer {
             sample,
             weights_copied: false,
             shard: None,
+            wire: None,
             time_due: false,
         };
         if let Some(spec) = opts.resume {
@@ -709,7 +713,7 @@ impl Trainer {
         let peak_flops = device::peak_flops(&dev, self.dtype).map(|p| p * self.world as f64);
         let dev = match &self.dist {
             Some(d) => format!(
-                "{dev} · rank {} of {} ({}), global batch {} sequences{}",
+                "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
                 self.rank,
                 self.world,
                 d.backend(),
@@ -721,6 +725,11 @@ impl Trainer {
                     )
                 } else {
                     String::new()
+                },
+                if self.bf16_sums() {
+                    ", gradients summed in bf16"
+                } else {
+                    ""
                 }
             ),
             None => dev,
@@ -880,7 +889,8 @@ impl Trainer {
                                 .grad_sum()
                                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                             if let Some(sum) = sum {
-                                step.set_grad_sum(sum, self.cfg.distributed.bucket_mb)?;
+                                let dc = &self.cfg.distributed;
+                                step.set_grad_sum(sum, dc.bucket_mb, dc.reduce_dtype == "bf16")?;
                             }
                         }
                     }
@@ -1196,7 +1206,13 @@ fn family(m: &crate::config::ModelConfig, s: &super::model::Shape) -> String {
     out
 }
 
-fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tensor>, EngineError> {
+/// The mean of every rank's gradients, summed in buckets of up to [`BUCKET_ELEMS`] values
+/// (`bf16`: each bucket summed in bf16, as `distributed.reduce_dtype = "bf16"` asks).
+fn all_reduce_mean(
+    d: &mut dyn Collective,
+    grads: &[Tensor],
+    bf16: bool,
+) -> Result<Vec<Tensor>, EngineError> {
     let scale = 1.0 / d.world() as f64;
     let mut out = Vec::with_capacity(grads.len());
     let mut i = 0;
@@ -1210,7 +1226,12 @@ fn all_reduce_mean(d: &mut dyn Collective, grads: &[Tensor]) -> Result<Vec<Tenso
             .iter()
             .map(|g| g.flatten_all())
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let sum = d.all_reduce_sum(Tensor::cat(&flat, 0)?)?;
+        let sum = if bf16 {
+            let wire = Tensor::cat(&flat, 0)?.to_dtype(DType::BF16)?;
+            d.all_reduce_sum(wire)?.to_dtype(DType::F32)?
+        } else {
+            d.all_reduce_sum(Tensor::cat(&flat, 0)?)?
+        };
         let mean = (sum * scale)?;
         let mut off = 0;
         for g in &grads[i..j] {
@@ -1536,16 +1557,18 @@ impl Trainer {
                 time_due,
             });
         }
+        let bf16 = self.cfg.distributed.reduce_dtype == "bf16";
         let flat = self.whole.as_ref().and_then(|w| w.grad_buffer());
         let summed = self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums());
         let (grads, grad_scale) = match flat {
             // (The step summed them already, bucket by bucket during the backward.)
             Some(_) if summed => (grads, 1.0 / world as f64),
             Some(flat) => {
-                d.all_reduce_sum_in_place(flat)?;
+                let flat = flat.clone();
+                self.sum_flat(&flat, None)?;
                 (grads, 1.0 / world as f64)
             }
-            None => (all_reduce_mean(d.as_mut(), &grads)?, 1.0),
+            None => (all_reduce_mean(d.as_mut(), &grads, bf16)?, 1.0),
         };
         // Wait for the all-reduce here (not in the optimizer), so a stuck peer is seen as one.
         self.device.synchronize()?;
@@ -1638,7 +1661,7 @@ impl Trainer {
             )?;
             self.shard = Some(shard);
         }
-        let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
+        let (Some(shard), true) = (self.shard.as_ref(), self.dist.is_some()) else {
             return Err(EngineError::Config(
                 "optimizer sharding without ranks".into(),
             ));
@@ -1647,11 +1670,59 @@ impl Trainer {
             Some(b) => b,
             None => shard.pack(grads)?,
         };
+        let range = shard.range();
         if !self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums()) {
-            d.reduce_scatter_sum_in_place(&flat)?;
+            self.sum_flat(&flat, Some(range))?;
         }
-        let sq = shard.grad_sumsq(&flat)?;
+        let sq = match self.shard.as_ref() {
+            Some(s) => s.grad_sumsq(&flat)?,
+            None => 0.0,
+        };
         Ok((flat, sq))
+    }
+
+    /// Gradient sums across the ranks in bf16 (`distributed.reduce_dtype`).
+    fn bf16_sums(&self) -> bool {
+        self.cfg.distributed.reduce_dtype == "bf16"
+    }
+
+    /// Sum the flat f32 gradient buffer over the ranks, in place: all of it, or (ZeRO-1, a
+    /// reduce-scatter) only this rank's `part`. In bf16 the buffer is packed into
+    /// [`Self::wire`], summed there, and the needed part widened back into `flat`.
+    fn sum_flat(
+        &mut self,
+        flat: &Tensor,
+        part: Option<std::ops::Range<usize>>,
+    ) -> Result<(), EngineError> {
+        let bf16 = self.bf16_sums();
+        let Some(d) = self.dist.as_mut() else {
+            return Ok(());
+        };
+        let sum = |d: &mut Box<dyn Collective>, t: &Tensor| match part {
+            Some(_) => d.reduce_scatter_sum_in_place(t),
+            None => d.all_reduce_sum_in_place(t),
+        };
+        if !bf16 {
+            return Ok(sum(d, flat)?);
+        }
+        let n = flat.elem_count();
+        let wire = match self.wire.take() {
+            Some(w) if w.elem_count() == n => w,
+            _ => Tensor::zeros(n, DType::BF16, flat.device())?,
+        };
+        super::kernels::convert_into(flat, &wire)?;
+        let summed = sum(d, &wire);
+        let back = summed.map_err(EngineError::from).and_then(|()| {
+            let r = part.unwrap_or(0..n);
+            let len = r.end - r.start;
+            super::kernels::convert_into(
+                &wire.narrow(0, r.start, len)?,
+                &flat.narrow(0, r.start, len)?,
+            )
+            .map_err(EngineError::from)
+        });
+        self.wire = Some(wire);
+        back
     }
 
     fn elapsed(&self, start: Instant) -> f64 {

@@ -169,6 +169,11 @@ impl Shard {
     }
 
     /// This rank's pieces of `flat` (a view of each).
+    /// This rank's range of the flat buffer, in elements.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.rank * self.len..(self.rank + 1) * self.len
+    }
+
     fn views(&self, flat: &Tensor) -> Result<Vec<Tensor>> {
         let lo = self.rank * self.len;
         self.pieces

@@ -775,6 +775,51 @@ extern "C" __global__ void copy_multi_f32(const MultiItem<float>* __restrict__ t
     convert_multi(ts);
 }
 
+// Data-parallel gradient sums in bf16 (`distributed.reduce_dtype = "bf16"`): f32 gradients
+// into the bf16 buffer the ranks sum (rounded to nearest even), and the sums back into the f32
+// gradients (exact). Four elements a thread where both pointers allow 16/8-byte accesses.
+// Launched from the bf16 builds of the module only (the fp16 build maps bf16 to fp16).
+__device__ __forceinline__ bool wire_vec(const void* f, const void* h) {
+    return ((reinterpret_cast<uintptr_t>(f) & 15) | (reinterpret_cast<uintptr_t>(h) & 7)) == 0;
+}
+extern "C" __global__ void wire_pack_f32_bf16(const float* __restrict__ g,
+                                              __nv_bfloat16* __restrict__ w, size_t n) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    size_t done = 0;
+    if (wire_vec(g, w)) {
+        const size_t n4 = n / 4;
+        for (size_t j = i; j < n4; j += stride) {
+            const float4 v = reinterpret_cast<const float4*>(g)[j];
+            __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
+            __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
+            uint2 o;
+            o.x = *reinterpret_cast<uint32_t*>(&lo);
+            o.y = *reinterpret_cast<uint32_t*>(&hi);
+            reinterpret_cast<uint2*>(w)[j] = o;
+        }
+        done = n4 * 4;
+    }
+    for (size_t j = done + i; j < n; j += stride) w[j] = __float2bfloat16(g[j]);
+}
+extern "C" __global__ void wire_unpack_bf16_f32(const __nv_bfloat16* __restrict__ w,
+                                                float* __restrict__ g, size_t n) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    size_t done = 0;
+    if (wire_vec(g, w)) {
+        const size_t n4 = n / 4;
+        for (size_t j = i; j < n4; j += stride) {
+            const uint2 u = reinterpret_cast<const uint2*>(w)[j];
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+            reinterpret_cast<float4*>(g)[j] = make_float4(lo.x, lo.y, hi.x, hi.y);
+        }
+        done = n4 * 4;
+    }
+    for (size_t j = done + i; j < n; j += stride) g[j] = __bfloat162float(w[j]);
+}
+
 // y += a·x over a table of f32 tensors (the SCU regulariser's gradient 2·λ·coef·w).
 struct AxpyItem {
     const float* x;

@@ -76,6 +76,23 @@ pub fn usable(t: &Tensor) -> bool {
         && matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
 
+/// `dst ← src` in `dst`'s dtype, both contiguous 1-D tensors (or views) of one length: the
+/// packing of data-parallel gradient sums in bf16 (`distributed.reduce_dtype`). One kernel
+/// on CUDA for f32 ↔ bf16, candle's cast elsewhere.
+pub fn convert_into(src: &Tensor, dst: &Tensor) -> candle_core::Result<()> {
+    #[cfg(feature = "cuda")]
+    if usable(src)
+        && usable(dst)
+        && matches!(
+            (src.dtype(), dst.dtype()),
+            (DType::F32, DType::BF16) | (DType::BF16, DType::F32)
+        )
+    {
+        return cuda::wire_convert(src, dst);
+    }
+    dst.slice_set(&src.to_dtype(dst.dtype())?, 0, 0)
+}
+
 /// Scalars of one fused AdamW update ([`adamw_multi`], [`adamw_update`]).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWArgs {

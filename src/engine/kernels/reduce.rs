@@ -5,17 +5,19 @@
 //! the ranks on a communication stream as soon as the backward has queued their last
 //! gradient (after the main and side streams' work so far, by events: no host sync); the
 //! rest of the buffer (embeddings, head, final norm) follows the backward's end, and the
-//! main stream waits for the sums before the optimizer reads them.
+//! main stream waits for the sums before the optimizer reads them. With
+//! `distributed.reduce_dtype = "bf16"` each range is packed into a bf16 buffer on the
+//! communication stream, summed there, and widened back into the gradients.
 
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{
     result as drv,
     sys::{CUevent, CUevent_flags, CUevent_wait_flags, CUstream},
-    CudaStream,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr,
 };
 use candle_core::cuda_backend::WrapErr;
-use candle_core::Result;
+use candle_core::{CudaDevice, Result};
 
 use super::buckets::Bucket;
 use super::side::Side;
@@ -30,20 +32,41 @@ pub(super) struct Overlap {
     side_ready: CUevent,
     done: CUevent,
     pub(super) buckets: Vec<Bucket>,
+    /// bf16 sums: the buffer they run in (as long as the gradients), and the pack and
+    /// unpack kernels.
+    wire: Option<Wire>,
+}
+
+struct Wire {
+    buf: CudaSlice<half::bf16>,
+    pack: CudaFunction,
+    unpack: CudaFunction,
 }
 
 // SAFETY: the events and streams are used from the engine thread only (as the step's).
 unsafe impl Send for Overlap {}
 
 impl Overlap {
+    /// `bf16`: sums in bf16 over a buffer of `len` elements (the gradient buffer's).
     pub(super) fn new(
         sum: Box<dyn GradSum>,
+        dev: &CudaDevice,
         main: &Arc<CudaStream>,
         buckets: Vec<Bucket>,
+        bf16: Option<usize>,
     ) -> Result<Self> {
         main.context().bind_to_thread().w()?;
         let event = || drv::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).w();
+        let wire = match bf16 {
+            Some(len) => Some(Wire {
+                buf: sum.stream().alloc_zeros::<half::bf16>(len.max(1)).w()?,
+                pack: super::cuda::wire_kernel(dev, true)?,
+                unpack: super::cuda::wire_kernel(dev, false)?,
+            }),
+            None => None,
+        };
         Ok(Self {
+            wire,
             comm: sum.stream().cu_stream(),
             sum,
             main: main.clone(),
@@ -68,10 +91,22 @@ impl Overlap {
             side.mark(self.side_ready)?;
             Self::wait(self.comm, self.side_ready)?;
         }
+        let comm_err = |e: crate::distributed::CommError| candle_core::Error::Msg(e.to_string());
+        let Some(w) = &self.wire else {
+            for &(off, len) in &b.ranges {
+                self.sum
+                    .sum_f32(base + 4 * off as u64, len)
+                    .map_err(comm_err)?;
+            }
+            return Ok(());
+        };
+        let stream = self.sum.stream();
+        let (wbase, _sync) = w.buf.device_ptr(stream);
         for &(off, len) in &b.ranges {
-            self.sum
-                .sum_f32(base + 4 * off as u64, len)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let (g, h) = (base + 4 * off as u64, wbase + 2 * off as u64);
+            super::cuda::wire_launch(stream, &w.pack, g, h, len)?;
+            self.sum.sum_bf16(h, len).map_err(comm_err)?;
+            super::cuda::wire_launch(stream, &w.unpack, h, g, len)?;
         }
         Ok(())
     }

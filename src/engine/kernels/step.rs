@@ -1144,11 +1144,12 @@ impl GptStep {
     /// Data parallel: sum the gradients over the ranks with `sum` while the backward runs,
     /// bucket by bucket from the top layer down (see `reduce.rs`), in the micro-batches
     /// [`Self::set_grad_sum_now`] names. The step then runs its launches eagerly (no CUDA
-    /// graphs: the sums sit on another communicator's stream).
+    /// graphs: the sums sit on another communicator's stream); `bf16`: summed in bf16.
     pub fn set_grad_sum(
         &mut self,
         sum: Box<dyn crate::distributed::GradSum>,
         bucket_mb: f64,
+        bf16: bool,
     ) -> Result<()> {
         let min_len = ((bucket_mb * 1e6 / 4.0) as usize).max(1);
         let runs: Vec<Vec<(usize, usize)>> =
@@ -1159,7 +1160,8 @@ impl GptStep {
             bucket_mb,
             "gradient sums overlap the backward"
         );
-        self.sums = Some(Overlap::new(sum, &self.stream, plan)?);
+        let wire = bf16.then(|| self.grad.elem_count());
+        self.sums = Some(Overlap::new(sum, &self.dev, &self.stream, plan, wire)?);
         self.graphs = false;
         Ok(())
     }
