@@ -1,6 +1,6 @@
 //! With the `cuda` feature: compile the fused kernels in src/engine/kernels/*.cu to PTX with
 //! nvcc, for compute_80 (the driver JIT-compiles it for sm80 and newer) and compute_75 (T4),
-//! plus an fp16 build of the compute_80 one, and check each with ptxas for the GPUs it serves. Without the feature this does nothing.
+//! plus an fp16 build of each, and check each with ptxas for the GPUs it serves. Without the feature this does nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -20,8 +20,9 @@ fn main() {
     // Two builds: compute_80 (bf16 tensor cores, cp.async; the driver JIT-compiles it for
     // sm_80 and newer) and compute_75 for T4-class GPUs (the sm_80 instructions left out).
     // The GPU's compute capability picks one at load (src/engine/kernels/cuda.rs).
-    // A third, the fp16 build of the first (COCKPIT_F16: the step's 16-bit type is fp16), for
-    // `precision.dtype = "f16"` on the whole-model step.
+    // Two more, the fp16 builds of both (COCKPIT_F16: the step's 16-bit type is fp16), for
+    // `precision.dtype = "f16"` on the whole-model step (on compute_75 flash attention's
+    // products run as m16n8k8 and its copies without cp.async).
     for (file, arch, check, defines) in [
         (
             "cockpit_kernels.ptx",
@@ -39,6 +40,12 @@ fn main() {
             "cockpit_kernels_f16.ptx",
             arch.as_str(),
             &["sm_80", "sm_90"][..],
+            &["-DCOCKPIT_F16"][..],
+        ),
+        (
+            "cockpit_kernels_sm75_f16.ptx",
+            "compute_75",
+            &["sm_75"][..],
             &["-DCOCKPIT_F16"][..],
         ),
     ] {

@@ -1,8 +1,8 @@
 //! fp16 with dynamic loss scaling on the whole-model step, end to end on the GPU: the embedded
 //! default trained 300 steps in fp16 follows the bf16 run of the same seed, on the fast step
 //! (no per-op fallback), and an injected non-finite step is skipped exactly once with the loss
-//! scale halved. Needs `--features cuda` and a GPU of compute capability 8.0+; passes with a
-//! notice otherwise. (That the step computes the f32 model's loss and gradients in fp16 is
+//! scale halved. Needs `--features cuda` and a GPU (compute capability 7.5 and up); passes with
+//! a notice without one. (That the step computes the f32 model's loss and gradients in fp16 is
 //! tests/gpu_kernels.rs.)
 #![cfg(feature = "cuda")]
 
@@ -88,7 +88,12 @@ fn fp16_follows_bf16_on_the_fast_step_and_skips_one_overflow() {
     let Some(f16) = train("f16", Vec::new()) else {
         return;
     };
-    on_the_fast_step("bf16", &bf16);
+    // (On compute_75 kernels — a T4, or `COCKPIT_KERNELS=sm75` — the step runs fp16 only:
+    // the bf16 reference then trains on the per-op path.)
+    let dev = candle_core::Device::new_cuda(0).unwrap_or_else(|e| panic!("{e}"));
+    if cockpit::engine::kernels::step_support(&dev, candle_core::DType::BF16).is_ok() {
+        on_the_fast_step("bf16", &bf16);
+    }
     on_the_fast_step("f16", &f16);
     assert_eq!(bf16.steps.len(), STEPS as usize);
     assert_eq!(f16.steps.len(), STEPS as usize);

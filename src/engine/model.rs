@@ -1098,14 +1098,25 @@ impl Model {
     }
 
     /// The weights for the whole-model CUDA step, or why this model takes the per-op path:
-    /// the step needs bf16 or f16 on a CUDA GPU of compute capability 8.0+,
+    /// the step needs bf16 or f16 on a CUDA GPU of compute capability 8.0+ (7.5: f16 only),
     /// widths multiples of 8 (16-byte accesses), an even head dim, everything trainable or
     /// (LoRA) exactly the adapters; grouped-query attention and dropout need flash attention
     /// (head dim 64 or 128).
     pub fn step_plan(&self) -> std::result::Result<StepWeights, String> {
         let s = &self.shape;
         let hd = s.head_dim();
-        let flash = s.kernels.attention && kernels::spec::FLASH_HEAD_DIMS.contains(&hd);
+        let has_flash = kernels::spec::FLASH_HEAD_DIMS.contains(&hd);
+        let fits = kernels::flash_fits(&self.device, hd);
+        let flash = s.kernels.attention && has_flash && fits;
+        // Why flash attention does not serve this head dim (the step then materialises the
+        // attention, which covers less).
+        let no_flash = if !s.kernels.attention {
+            "; kernels.attention = false"
+        } else if has_flash && !fits {
+            "; its kernels for this head dim need more shared memory a block than this GPU has"
+        } else {
+            ""
+        };
         let lora = self.params.iter().any(|p| p.kind.is_lora());
         let why = if !s.kernels.step {
             Some("kernels.step = false".to_string())
@@ -1116,12 +1127,8 @@ impl Model {
                 "precision {} (the step runs bf16 or f16)",
                 super::precision::dtype_name(self.dtype)
             ))
-        } else if !kernels::step_capable(&self.device) {
-            Some(
-                "compute capability below 8.0 (the step's flash attention and matmuls use \
-                 m16n8k16 tensor-core instructions)"
-                    .into(),
-            )
+        } else if let Err(why) = kernels::step_support(&self.device, self.dtype) {
+            Some(why)
         } else if !s.n_embd.is_multiple_of(8) || !s.hidden.is_multiple_of(8) {
             Some(format!(
                 "n_embd {} and the MLP width {} must be multiples of 8",
@@ -1137,33 +1144,17 @@ impl Model {
         } else if !flash && s.n_kv_head != s.n_head {
             Some(format!(
                 "grouped-query attention at head dim {hd} (flash attention has head dims 64 \
-                 and 128{})",
-                if s.kernels.attention {
-                    ""
-                } else {
-                    "; kernels.attention = false"
-                }
+                 and 128{no_flash})"
             ))
         } else if !flash && hd * s.n_head != s.n_embd {
             Some(format!(
                 "{} heads of {hd} ≠ n_embd {} at head dim {hd} (flash attention has head dims \
-                 64 and 128{})",
-                s.n_head,
-                s.n_embd,
-                if s.kernels.attention {
-                    ""
-                } else {
-                    "; kernels.attention = false"
-                }
+                 64 and 128{no_flash})",
+                s.n_head, s.n_embd,
             ))
         } else if !flash && s.dropout > 0.0 {
             Some(format!(
-                "dropout at head dim {hd} (flash attention has head dims 64 and 128{})",
-                if s.kernels.attention {
-                    ""
-                } else {
-                    "; kernels.attention = false"
-                }
+                "dropout at head dim {hd} (flash attention has head dims 64 and 128{no_flash})"
             ))
         } else if !s.step_computes() {
             Some("an embedding multiplier with learned positions (per-op only)".into())

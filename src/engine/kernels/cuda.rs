@@ -26,6 +26,10 @@ const MODULE_SM75: &str = "cockpit_kernels_sm75";
 /// "f16"` on the whole-model step); their names keep the `_bf16` suffix.
 const PTX_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_f16.ptx"));
 const MODULE_F16: &str = "cockpit_kernels_f16";
+/// The compute_75 kernels in fp16: the whole-model step on T4-class GPUs (flash attention's
+/// products as m16n8k8 tensor-core instructions, its copies without cp.async).
+const PTX_SM75_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm75_f16.ptx"));
+const MODULE_SM75_F16: &str = "cockpit_kernels_sm75_f16";
 
 /// Which build of the kernels this GPU loads: "sm80" (compute capability 8.0 and newer) or
 /// "sm75"; `COCKPIT_KERNELS=sm75` forces the older one (to test it on a newer GPU).
@@ -62,24 +66,31 @@ macro_rules! load_kernel {
 }
 
 /// [`load_kernel!`] as a cudarc function (for the whole-model step's own launches); `half`
-/// takes it from the fp16 build (compute capability 8.0 and newer only).
+/// takes it from the fp16 build of this GPU's kernels.
 pub(super) fn load_function(
     dev: &CudaDevice,
     name: &str,
     half: bool,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaFunction> {
     if half {
-        if kernel_build(dev) == "sm75" {
-            return Err(err(
-                "the fp16 whole-model step needs compute capability 8.0 (its flash attention \
-                 uses m16n8k16 tensor-core instructions)",
-            ));
-        }
-        return Ok(dev
-            .get_or_load_custom_func(name, MODULE_F16, PTX_F16)?
-            .into_cuda_function());
+        let f = if kernel_build(dev) == "sm75" {
+            dev.get_or_load_custom_func(name, MODULE_SM75_F16, PTX_SM75_F16)?
+        } else {
+            dev.get_or_load_custom_func(name, MODULE_F16, PTX_F16)?
+        };
+        return Ok(f.into_cuda_function());
     }
     Ok(load_kernel!(dev, name)?.into_cuda_function())
+}
+
+/// The most shared memory one block may ask for on this GPU (bytes, opted in).
+pub(super) fn smem_per_block(dev: &CudaDevice) -> usize {
+    dev.cuda_stream()
+        .context()
+        .attribute(
+            candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )
+        .map_or(48 * 1024, |b| b.max(0) as usize)
 }
 /// Threads per block for the row kernels (one warp per row).
 const ROW_BLOCK: u32 = 256;

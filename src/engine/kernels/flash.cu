@@ -1,7 +1,8 @@
 // Causal flash attention (FlashAttention-2 style) for head dims 64 and 128, bf16 in/out, fp32
 // accumulate.
-// Tensor cores through mma.sync.m16n8k16 (bf16), ldmatrix and cp.async: sm_80 features only
-// (built as PTX for compute_80, JIT-ed on Hopper).
+// Tensor cores through mma.sync.m16n8k16 (bf16 or fp16), ldmatrix and cp.async (built as PTX
+// for compute_80, JIT-ed on Hopper); the fp16 build for compute_75 (T4) replaces the last two
+// (see fa_cp_async16 and fa_mma).
 //
 // ============================== LAUNCH CONTRACT ==============================================
 // Head dim D = 64 (the kernels without a suffix) or 128 (the `_d128` kernels, same arguments;
@@ -97,18 +98,25 @@ __device__ __forceinline__ uint32_t fa_swz(int row, int col) {
     return (uint32_t)(row * (2 * D) + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1));
 }
 
-// The module is also built for compute_75 (T4-class GPUs run the per-op kernels from it): there
-// the sm_80 instructions below (cp.async, bf16 mma) are left out and trap — the flash kernels
-// are only launched where bf16 tensor cores exist (the whole-model step needs them).
+// The module is also built for compute_75 (T4-class GPUs), which has no cp.async and no bf16
+// mma: there a copy is a plain 16-byte load and shared store (done when the call returns, so
+// commit and wait have nothing left to do: every wait is followed by the barrier that makes the
+// tile visible to the other warps, as cp.async needs too), and the fp16 build (COCKPIT_F16) runs
+// its m16n8k16 products as two m16n8k8 ones (fa_mma). The bf16 build's flash kernels trap there;
+// nothing launches them below compute capability 8.0.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define FA_SM80_ONLY __trap()
+#define FA_SM75 1
 #else
-#define FA_SM80_ONLY
+#define FA_SM75 0
 #endif
 
 __device__ __forceinline__ void fa_cp_async16(uint32_t dst, const void* src, bool pred) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    FA_SM80_ONLY;
+#if FA_SM75
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (pred) v = *reinterpret_cast<const uint4*>(src);
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
 #else
     const int sz = pred ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz)
@@ -116,16 +124,12 @@ __device__ __forceinline__ void fa_cp_async16(uint32_t dst, const void* src, boo
 #endif
 }
 __device__ __forceinline__ void fa_cp_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    FA_SM80_ONLY;
-#else
+#if !FA_SM75
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void fa_cp_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    FA_SM80_ONLY;
-#else
+#if !FA_SM75
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }
@@ -146,9 +150,21 @@ __device__ __forceinline__ void fa_ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32
 }
 
 // c[4] += a[4] (16x16 bf16, row) * b (16x8 bf16, col)
+// compute_75 (fp16 only): the same product as two m16n8k8 over the halves of k — A's registers
+// {a0, a1} hold k 0–7 of rows g and g+8 and {a2, a3} k 8–15, B's b0 and b1 the same halves, and
+// the accumulator's layout is the same for both shapes.
 __device__ __forceinline__ void fa_mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    FA_SM80_ONLY;
+#if FA_SM75 && defined(COCKPIT_F16)
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b0));
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[2]), "r"(a[3]), "r"(b1));
+#elif FA_SM75
+    __trap();
 #else
     asm(
         "mma.sync.aligned.m16n8k16.row.col.f32." FA_AB "." FA_AB ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "

@@ -45,8 +45,9 @@ pub fn build_note(device: &candle_core::Device) -> Option<String> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
         return Some(match cuda::kernel_build(d) {
-            "sm75" => "kernels built for compute_75: the per-op fused kernels (flash attention \
-                       and the whole-model step need compute capability 8.0)"
+            "sm75" => "kernels built for compute_75: the per-op fused kernels, and the \
+                       whole-model step in fp16 (flash attention on m16n8k8 tensor cores; bf16 \
+                       needs compute capability 8.0)"
                 .to_string(),
             _ => {
                 "kernels built for compute_80: flash attention and the whole-model step".to_string()
@@ -57,15 +58,34 @@ pub fn build_note(device: &candle_core::Device) -> Option<String> {
     None
 }
 
-/// Whether the whole-model step can run on this device: a CUDA GPU that loads the compute_80
-/// kernels (flash attention's m16n8k16 tensor-core instructions).
-pub fn step_capable(device: &candle_core::Device) -> bool {
+/// Whether the whole-model step can run on this device in `dtype`: a CUDA GPU that loads the
+/// compute_80 kernels (bf16 or fp16), or the compute_75 ones in fp16 (flash attention through
+/// m16n8k8 tensor-core instructions). Err says why not.
+pub fn step_support(device: &candle_core::Device, dtype: DType) -> Result<(), String> {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
-        return cuda::kernel_build(d) != "sm75";
+        return match (cuda::kernel_build(d), dtype) {
+            ("sm75", DType::F16) => Ok(()),
+            ("sm75", _) => Err("compute capability below 8.0 runs the step in fp16 only \
+                                (bf16 tensor-core instructions need 8.0): precision.dtype = \"f16\""
+                .into()),
+            _ => Ok(()),
+        };
     }
-    let _ = device;
-    false
+    let _ = (device, dtype);
+    Err("not on a CUDA device".into())
+}
+
+/// Whether flash attention's kernels for head dim `hd` fit this GPU's shared memory per block
+/// (head dim 128 asks 80 KB forward and 104 KB backward: more than a T4's 64 KB).
+pub fn flash_fits(device: &candle_core::Device, hd: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let (fwd, bwd) = spec::flash_smem(hd);
+        return fwd.max(bwd) as usize <= cuda::smem_per_block(d);
+    }
+    let _ = (device, hd);
+    true
 }
 
 /// Whether the fused kernels can take this tensor: built with CUDA, on a CUDA device, in a

@@ -43,6 +43,20 @@ pub struct StepLora {
 /// probabilities (multi-head attention without dropout only).
 pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
 
+/// The dynamic shared memory (bytes) flash.cu's forward and backward kernels for head dim `hd`
+/// launch with (its FA_FWD_D128_SMEM and FA_BWD_D128_SMEM; 0 where the memory is static, at
+/// most 48 KB).
+pub fn flash_smem(hd: usize) -> (u32, u32) {
+    if hd == 64 {
+        (0, 0)
+    } else {
+        (
+            5 * 64 * 128 * 2,
+            (2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2,
+        )
+    }
+}
+
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
 pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 

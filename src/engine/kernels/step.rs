@@ -219,19 +219,15 @@ impl Flash {
     fn load(named: &dyn Fn(&str, &'static str) -> Result<Kern>, hd: usize) -> Result<Self> {
         let sfx = if hd == 64 { "" } else { "_d128" };
         let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
+        let (fwd_smem, bwd_smem) = super::spec::flash_smem(hd);
         let f = Self {
             fwd: k("flash_fwd", "flash_fwd")?,
             fwd_drop: k("flash_fwd_drop", "flash_fwd")?,
             pre: k("flash_bwd_preprocess", "flash_bwd_preprocess")?,
             bwd: k("flash_bwd", "flash_bwd")?,
             dq: k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?,
-            // flash.cu's FA_FWD_D128_SMEM and FA_BWD_D128_SMEM
-            fwd_smem: if hd == 64 { 0 } else { 5 * 64 * 128 * 2 },
-            bwd_smem: if hd == 64 {
-                0
-            } else {
-                (2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2
-            },
+            fwd_smem,
+            bwd_smem,
         };
         // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly.
         let allow = |k: &Kern, bytes: u32| -> Result<()> {
