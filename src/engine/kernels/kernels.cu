@@ -779,45 +779,56 @@ extern "C" __global__ void copy_multi_f32(const MultiItem<float>* __restrict__ t
 // into the bf16 buffer the ranks sum (rounded to nearest even), and the sums back into the f32
 // gradients (exact). Four elements a thread where both pointers allow 16/8-byte accesses.
 // Launched from the bf16 builds of the module only (the fp16 build maps bf16 to fp16).
-__device__ __forceinline__ bool wire_vec(const void* f, const void* h) {
-    return ((reinterpret_cast<uintptr_t>(f) & 15) | (reinterpret_cast<uintptr_t>(h) & 7)) == 0;
+
+// Whether four values from p are one aligned vector access.
+__device__ __forceinline__ bool aligned4(const float* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+__device__ __forceinline__ bool aligned4(const __nv_bfloat16* p) {
+    return (reinterpret_cast<uintptr_t>(p) & 7) == 0;
+}
+__device__ __forceinline__ void wire4(const float* __restrict__ g, __nv_bfloat16* __restrict__ w,
+                                      size_t j) {
+    const float4 v = reinterpret_cast<const float4*>(g)[j];
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 o;
+    o.x = *reinterpret_cast<uint32_t*>(&lo);
+    o.y = *reinterpret_cast<uint32_t*>(&hi);
+    reinterpret_cast<uint2*>(w)[j] = o;
+}
+__device__ __forceinline__ void wire4(const __nv_bfloat16* __restrict__ w, float* __restrict__ g,
+                                      size_t j) {
+    const uint2 u = reinterpret_cast<const uint2*>(w)[j];
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    reinterpret_cast<float4*>(g)[j] = make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ void wire1(const float* g, __nv_bfloat16* w, size_t j) {
+    w[j] = __float2bfloat16(g[j]);
+}
+__device__ __forceinline__ void wire1(const __nv_bfloat16* w, float* g, size_t j) {
+    g[j] = __bfloat162float(w[j]);
+}
+// dst ← src over n values, four at a time where both pointers allow it.
+template <typename S, typename D>
+__device__ __forceinline__ void wire_convert(const S* __restrict__ src, D* __restrict__ dst,
+                                             size_t n) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const bool vec = aligned4(src) && aligned4(dst);
+    const size_t done = vec ? n / 4 * 4 : 0;
+    if (vec)
+        for (size_t j = i; j < n / 4; j += stride) wire4(src, dst, j);
+    for (size_t j = done + i; j < n; j += stride) wire1(src, dst, j);
 }
 extern "C" __global__ void wire_pack_f32_bf16(const float* __restrict__ g,
                                               __nv_bfloat16* __restrict__ w, size_t n) {
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    size_t done = 0;
-    if (wire_vec(g, w)) {
-        const size_t n4 = n / 4;
-        for (size_t j = i; j < n4; j += stride) {
-            const float4 v = reinterpret_cast<const float4*>(g)[j];
-            __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
-            __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
-            uint2 o;
-            o.x = *reinterpret_cast<uint32_t*>(&lo);
-            o.y = *reinterpret_cast<uint32_t*>(&hi);
-            reinterpret_cast<uint2*>(w)[j] = o;
-        }
-        done = n4 * 4;
-    }
-    for (size_t j = done + i; j < n; j += stride) w[j] = __float2bfloat16(g[j]);
+    wire_convert(g, w, n);
 }
 extern "C" __global__ void wire_unpack_bf16_f32(const __nv_bfloat16* __restrict__ w,
                                                 float* __restrict__ g, size_t n) {
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    size_t done = 0;
-    if (wire_vec(g, w)) {
-        const size_t n4 = n / 4;
-        for (size_t j = i; j < n4; j += stride) {
-            const uint2 u = reinterpret_cast<const uint2*>(w)[j];
-            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-            reinterpret_cast<float4*>(g)[j] = make_float4(lo.x, lo.y, hi.x, hi.y);
-        }
-        done = n4 * 4;
-    }
-    for (size_t j = done + i; j < n; j += stride) g[j] = __bfloat162float(w[j]);
+    wire_convert(w, g, n);
 }
 
 // y += a·x over a table of f32 tensors (the SCU regulariser's gradient 2·λ·coef·w).
@@ -1412,26 +1423,44 @@ extern "C" __global__ void bias_gelu_bwd_v8_bf16(const bf16_t* __restrict__ x,
 // RoPE in place on the q and k heads of packed projections [B·T, ld]: the first `nh` heads of
 // each row (q's H heads, then k's KV heads, adjacent), row bt at position bt mod t; the two
 // halves of each head rotated by pos·inv_freq[j] (the Llama/NeoX layout, as the model's
-// tables; inv_freq [hd/2] in double, with any rope scaling already applied); dir = −1 rotates
-// back (the backward). Angles in double precision: fast-math sines lose accuracy at arguments
-// of hundreds of radians.
+// tables, with any rope scaling already applied); dir = −1 rotates back (the backward). The
+// rotations come from cs [t][hd/2] = (cos, sin) of pos·inv_freq[j], computed in double on the
+// host (fast-math sines lose accuracy at arguments of hundreds of radians) and read from L2.
+// Four pairs a thread (8-byte accesses) where hd/2 is a multiple of 4, else one.
 extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t, int nh, int hd,
-                                         int ld, const double* __restrict__ inv_freq, float dir) {
+                                         int ld, const float2* __restrict__ cs, float dir) {
     const int half = hd >> 1;
-    const size_t total = (size_t)nbt * nh * half;
+    const int w = (half & 3) == 0 ? 4 : 1;
+    const int per = half / w;
+    const size_t total = (size_t)nbt * nh * per;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
-        const int j = (int)(i % half);
-        const size_t row = i / half;  // (bt, head)
+        const int j = (int)(i % per) * w;
+        const size_t row = i / per;  // (bt, head)
         const int hh = (int)(row % nh);
         const size_t bt = row / nh;
-        double sd, cd;
-        sincos((double)(bt % t) * inv_freq[j], &sd, &cd);
-        const float c = (float)cd, sn = dir * (float)sd;
-        bf16_t* xr = x + bt * ld + (size_t)hh * hd;
-        const float x1 = to_f(xr[j]), x2 = to_f(xr[j + half]);
-        xr[j] = __float2bfloat16(x1 * c - x2 * sn);
-        xr[j + half] = __float2bfloat16(x2 * c + x1 * sn);
+        const float2* r = cs + (size_t)(bt % t) * half + j;
+        bf16_t* xr = x + bt * ld + (size_t)hh * hd + j;
+        if (w == 4) {
+            uint2 a = *reinterpret_cast<const uint2*>(xr);
+            uint2 b = *reinterpret_cast<const uint2*>(xr + half);
+            bf16_t* pa = reinterpret_cast<bf16_t*>(&a);
+            bf16_t* pb = reinterpret_cast<bf16_t*>(&b);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float2 q = r[k];
+                const float x1 = to_f(pa[k]), x2 = to_f(pb[k]), sn = dir * q.y;
+                pa[k] = __float2bfloat16(x1 * q.x - x2 * sn);
+                pb[k] = __float2bfloat16(x2 * q.x + x1 * sn);
+            }
+            *reinterpret_cast<uint2*>(xr) = a;
+            *reinterpret_cast<uint2*>(xr + half) = b;
+        } else {
+            const float2 q = r[0];
+            const float x1 = to_f(xr[0]), x2 = to_f(xr[half]), sn = dir * q.y;
+            xr[0] = __float2bfloat16(x1 * q.x - x2 * sn);
+            xr[half] = __float2bfloat16(x2 * q.x + x1 * sn);
+        }
     }
 }
 

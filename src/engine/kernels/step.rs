@@ -715,8 +715,9 @@ pub struct GptStep {
     by_id: HashMap<TensorId, usize>,
     wte: usize,
     wpe: Option<usize>,
-    /// RoPE's inverse frequencies on the device (None: learned positions).
-    rope: Option<CudaSlice<f64>>,
+    /// RoPE's rotations on the device, [T][hd/2] (cos, sin) ([`rope_table`]; None: learned
+    /// positions).
+    rope: Option<CudaSlice<f32>>,
     /// Flash attention (head dim 64 or 128) instead of materialised probabilities.
     flash: bool,
     layers: Vec<LayerIdx>,
@@ -763,6 +764,20 @@ pub struct GptStep {
     logit_mult: f32,
     /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
     drop_seed: u64,
+}
+
+/// RoPE's rotations for positions 0..t: `[t][inv_freq.len()]` pairs (cos, sin) of
+/// position·inv_freq[j], as interleaved f32, the angles taken in double (their sines at
+/// hundreds of radians need it).
+fn rope_table(inv_freq: &[f64], t: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(2 * t * inv_freq.len());
+    for p in 0..t {
+        for &f in inv_freq {
+            let (sin, cos) = (p as f64 * f).sin_cos();
+            out.extend([cos as f32, sin as f32]);
+        }
+    }
+    out
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
@@ -941,7 +956,7 @@ impl GptStep {
             .filter_map(|(i, e)| e.var.as_ref().map(|v| (v.as_tensor().id(), i)))
             .collect();
         let rope = match &w.rope_inv_freq {
-            Some(f) if f.len() == hd / 2 => Some(stream.clone_htod(f).w()?),
+            Some(f) if f.len() == hd / 2 => Some(stream.clone_htod(&rope_table(f, t)).w()?),
             Some(f) => {
                 return Err(err(format!(
                     "whole-model step: {} RoPE frequencies for head dim {hd}",
@@ -3056,13 +3071,16 @@ impl GptStep {
     /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
     /// (`inverse`: rotate back, for their gradients).
     fn rope(&self, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
-        let Some(freq) = &self.rope else {
+        let Some(table) = &self.rope else {
             return Ok(());
         };
         let nh = self.n_head + self.n_kv_head;
+        // (kernels.cu: four pairs a thread where hd/2 is a multiple of 4)
+        let half = self.hd / 2;
+        let per = if half.is_multiple_of(4) { half / 4 } else { half };
         self.launch(
             &self.k.rope,
-            flat_cfg(rows * nh * self.hd / 2),
+            flat_cfg(rows * nh * per),
             &[
                 Arg::P(qkv),
                 Arg::I(i32_of(rows, "rows")?),
@@ -3070,7 +3088,7 @@ impl GptStep {
                 Arg::I(i32_of(nh, "heads")?),
                 Arg::I(i32_of(self.hd, "hd")?),
                 Arg::I(i32_of(self.qkv_out, "ld")?),
-                Arg::P(ptr(freq, &self.stream)),
+                Arg::P(ptr(table, &self.stream)),
                 Arg::F(if inverse { -1.0 } else { 1.0 }),
             ],
         )
