@@ -3077,7 +3077,11 @@ impl GptStep {
         let nh = self.n_head + self.n_kv_head;
         // (kernels.cu: four pairs a thread where hd/2 is a multiple of 4)
         let half = self.hd / 2;
-        let per = if half.is_multiple_of(4) { half / 4 } else { half };
+        let per = if half.is_multiple_of(4) {
+            half / 4
+        } else {
+            half
+        };
         self.launch(
             &self.k.rope,
             flat_cfg(rows * nh * per),
