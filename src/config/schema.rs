@@ -794,6 +794,13 @@ pub struct DistributedConfig {
     pub reduce_dtype: String,
 }
 
+impl DistributedConfig {
+    /// Whether the ranks sum their gradients in bf16 (`reduce_dtype = "bf16"`).
+    pub fn bf16_sums(&self) -> bool {
+        self.reduce_dtype == "bf16"
+    }
+}
+
 impl Default for DistributedConfig {
     fn default() -> Self {
         Self {

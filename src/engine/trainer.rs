@@ -726,7 +726,7 @@ impl Trainer {
                 } else {
                     String::new()
                 },
-                if self.bf16_sums() {
+                if self.cfg.distributed.bf16_sums() {
                     ", gradients summed in bf16"
                 } else {
                     ""
@@ -890,7 +890,7 @@ impl Trainer {
                                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                             if let Some(sum) = sum {
                                 let dc = &self.cfg.distributed;
-                                step.set_grad_sum(sum, dc.bucket_mb, dc.reduce_dtype == "bf16")?;
+                                step.set_grad_sum(sum, dc.bucket_mb, dc.bf16_sums())?;
                             }
                         }
                     }
@@ -1557,7 +1557,7 @@ impl Trainer {
                 time_due,
             });
         }
-        let bf16 = self.cfg.distributed.reduce_dtype == "bf16";
+        let bf16 = self.cfg.distributed.bf16_sums();
         let flat = self.whole.as_ref().and_then(|w| w.grad_buffer());
         let summed = self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums());
         let (grads, grad_scale) = match flat {
@@ -1661,7 +1661,7 @@ impl Trainer {
             )?;
             self.shard = Some(shard);
         }
-        let (Some(shard), true) = (self.shard.as_ref(), self.dist.is_some()) else {
+        let Some(shard) = self.shard.as_ref().filter(|_| self.dist.is_some()) else {
             return Err(EngineError::Config(
                 "optimizer sharding without ranks".into(),
             ));
@@ -1681,11 +1681,6 @@ impl Trainer {
         Ok((flat, sq))
     }
 
-    /// Gradient sums across the ranks in bf16 (`distributed.reduce_dtype`).
-    fn bf16_sums(&self) -> bool {
-        self.cfg.distributed.reduce_dtype == "bf16"
-    }
-
     /// Sum the flat f32 gradient buffer over the ranks, in place: all of it, or (ZeRO-1, a
     /// reduce-scatter) only this rank's `part`. In bf16 the buffer is packed into
     /// [`Self::wire`], summed there, and the needed part widened back into `flat`.
@@ -1694,7 +1689,7 @@ impl Trainer {
         flat: &Tensor,
         part: Option<std::ops::Range<usize>>,
     ) -> Result<(), EngineError> {
-        let bf16 = self.bf16_sums();
+        let bf16 = self.cfg.distributed.bf16_sums();
         let Some(d) = self.dist.as_mut() else {
             return Ok(());
         };
