@@ -83,8 +83,14 @@ pub(super) fn load_function(
     Ok(load_kernel!(dev, name)?.into_cuda_function())
 }
 
+/// Whether flash attention's kernels for head dim `hd` fit this GPU's shared memory per block.
+pub(super) fn flash_fits(dev: &CudaDevice, hd: usize) -> bool {
+    let (fwd, bwd) = super::spec::flash_smem(hd);
+    fwd.max(bwd) as usize <= smem_per_block(dev)
+}
+
 /// The most shared memory one block may ask for on this GPU (bytes, opted in).
-pub(super) fn smem_per_block(dev: &CudaDevice) -> usize {
+fn smem_per_block(dev: &CudaDevice) -> usize {
     dev.cuda_stream()
         .context()
         .attribute(

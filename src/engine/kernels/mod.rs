@@ -81,8 +81,7 @@ pub fn step_support(device: &candle_core::Device, dtype: DType) -> Result<(), St
 pub fn flash_fits(device: &candle_core::Device, hd: usize) -> bool {
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(d) = device {
-        let (fwd, bwd) = spec::flash_smem(hd);
-        return fwd.max(bwd) as usize <= cuda::smem_per_block(d);
+        return cuda::flash_fits(d, hd);
     }
     let _ = (device, hd);
     true

@@ -200,7 +200,9 @@ struct Kernels {
     nf4_dequant: Kern,
     /// Flash attention for head dim 64 and for head dim 128.
     flash64: Flash,
-    flash128: Flash,
+    /// None where the GPU's shared memory per block is too small for them (a T4's 64 KB:
+    /// [`super::flash_fits`] keeps such models off flash attention).
+    flash128: Option<Flash>,
 }
 
 /// flash.cu's kernels for one head dim, and the dynamic shared memory the forward and the
@@ -324,7 +326,9 @@ impl Kernels {
             dropout_rows: f("dropout_rows_v8_bf16")?,
             nf4_dequant: f("nf4_dequant_bf16")?,
             flash64: Flash::load(&named, 64)?,
-            flash128: Flash::load(&named, 128)?,
+            flash128: super::cuda::flash_fits(dev, 128)
+                .then(|| Flash::load(&named, 128))
+                .transpose()?,
         })
     }
 }
@@ -2755,7 +2759,7 @@ impl GptStep {
         let bh = b * h;
         let scale = self.att_scale;
         if self.flash {
-            let fk = self.flash_kernels();
+            let fk = self.flash_kernels()?;
             let kern = if self.drop_thr > 0 {
                 &fk.fwd_drop
             } else {
@@ -2837,7 +2841,7 @@ impl GptStep {
             let kvi = i32_of(self.n_kv_head, "KV heads")?;
             let delta = a.fa_scratch + 4 * nc as u64;
             let rows = b * t * h;
-            let fk = self.flash_kernels();
+            let fk = self.flash_kernels()?;
             self.launch(
                 &fk.pre,
                 LaunchConfig {
@@ -2982,12 +2986,13 @@ impl GptStep {
     }
 
     /// The flash kernels of this model's head dim (one of [`FLASH_HEAD_DIMS`]).
-    fn flash_kernels(&self) -> &Flash {
+    fn flash_kernels(&self) -> Result<&Flash> {
         if self.hd == 64 {
-            &self.k.flash64
-        } else {
-            &self.k.flash128
+            return Ok(&self.k.flash64);
         }
+        self.k.flash128.as_ref().ok_or_else(|| {
+            err("flash attention at head dim 128 needs more shared memory a block than this GPU has")
+        })
     }
 
     /// The output gradient of a projection whose output went through dropout at `site` into
