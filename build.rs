@@ -1,6 +1,8 @@
 //! With the `cuda` feature: compile the fused kernels in src/engine/kernels/*.cu to PTX with
-//! nvcc, for compute_80 (the driver JIT-compiles it for sm80 and newer) and compute_75 (T4),
-//! plus an fp16 build of each, and check each with ptxas for the GPUs it serves. Without the feature this does nothing.
+//! nvcc, for compute_80 (the driver JIT-compiles it for sm80 and newer), compute_90a (Hopper:
+//! flash attention's backward on warpgroup tensor-core instructions) and compute_75 (T4), plus an
+//! fp16 build of each, and check each with ptxas for the GPUs it serves. Without the feature
+//! this does nothing.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -9,6 +11,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/engine/kernels/kernels.cu");
     println!("cargo:rerun-if-changed=src/engine/kernels/flash.cu");
+    println!("cargo:rerun-if-changed=src/engine/kernels/flash_sm90.cu");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=COCKPIT_PTX_ARCH");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -22,7 +25,9 @@ fn main() {
     // The GPU's compute capability picks one at load (src/engine/kernels/cuda.rs).
     // Two more, the fp16 builds of both (COCKPIT_F16: the step's 16-bit type is fp16), for
     // `precision.dtype = "f16"` on the whole-model step (on compute_75 flash attention's
-    // products run as m16n8k8 and its copies without cp.async).
+    // products run as m16n8k8 and its copies without cp.async). And compute_90a for Hopper
+    // (its arch-specific PTX JIT-compiles for compute capability 9.0 only): the same kernels
+    // plus flash_sm90.cu's backward on wgmma.
     for (file, arch, check, defines) in [
         (
             "cockpit_kernels.ptx",
@@ -46,6 +51,18 @@ fn main() {
             "cockpit_kernels_sm75_f16.ptx",
             "compute_75",
             &["sm_75"][..],
+            &["-DCOCKPIT_F16"][..],
+        ),
+        (
+            "cockpit_kernels_sm90.ptx",
+            "compute_90a",
+            &["sm_90a"][..],
+            &[][..],
+        ),
+        (
+            "cockpit_kernels_sm90_f16.ptx",
+            "compute_90a",
+            &["sm_90a"][..],
             &["-DCOCKPIT_F16"][..],
         ),
     ] {

@@ -287,6 +287,26 @@ def peak_flops(name, dtype):
     return bf16 if dtype == "bf16" else bf16 / 2  # dense TF32 is half the bf16 rate
 
 
+def print_profile(train_step, first, steps, top=30):
+    """GPU time per step of each kernel over `steps` more steps, most first, and the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            train_step(first - 1 - i % 2)  # any slice of the drawn tokens
+        torch.cuda.synchronize()
+    kernels = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us, n = kernels.get(ev.name, (0.0, 0))
+            kernels[ev.name] = (us + ev.device_time_total, n + 1)
+    busy = sum(us for us, _ in kernels.values()) / steps / 1e3
+    print(f"profile: {busy:.2f} ms of GPU time a step over {steps} steps")
+    for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {us / steps / 1e3:8.3f} ms  {n / steps:6.1f}x  {name[:110]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=os.path.join(HERE, "..", "configs", "gpt2-small.toml"))
@@ -299,6 +319,9 @@ def main():
     ap.add_argument("--seq", type=int, default=None, help="default: model.seq_len")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--json", default=None, help="write the results as a JSON object here")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after timing, profile this many steps and print the GPU time per step "
+                    "of the kernels that take the most (what `cockpit bench --profile` reports)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     # Launched by torchrun with several processes: DistributedDataParallel over NCCL (buckets
@@ -413,6 +436,8 @@ def main():
         f"peak {peak_mem:.1f} GB allocated, {device_mem:.1f} GB in use on the device | "
         f"loss {loss_first:.2f} -> {loss_last:.2f}"
     )
+    if args.profile > 0:
+        print_profile(train_step, total, args.profile)
     if args.json:
         result = {
             "system": system, "device": name, "dtype": args.dtype, "batch": b, "seq": t,

@@ -30,25 +30,46 @@ const MODULE_F16: &str = "cockpit_kernels_f16";
 /// products as m16n8k8 tensor-core instructions, its copies without cp.async).
 const PTX_SM75_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm75_f16.ptx"));
 const MODULE_SM75_F16: &str = "cockpit_kernels_sm75_f16";
+/// The kernels for compute_90a (Hopper; arch-specific PTX, JIT-compiled for compute capability
+/// 9.0 only): the compute_80 kernels plus flash attention's backward on wgmma.
+const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm90.ptx"));
+const MODULE_SM90: &str = "cockpit_kernels_sm90";
+const PTX_SM90_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm90_f16.ptx"));
+const MODULE_SM90_F16: &str = "cockpit_kernels_sm90_f16";
 
-/// Which build of the kernels this GPU loads: "sm80" (compute capability 8.0 and newer) or
-/// "sm75"; `COCKPIT_KERNELS=sm75` forces the older one (to test it on a newer GPU).
+/// Which build of the kernels this GPU loads: "sm90" (compute capability 9.0), "sm80" (8.0 and
+/// newer otherwise) or "sm75"; `COCKPIT_KERNELS=sm80` or `=sm75` forces an older one (to
+/// compare, or to test it on a newer GPU).
 pub fn kernel_build(dev: &CudaDevice) -> &'static str {
-    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let forced =
-        *FORCED.get_or_init(|| std::env::var("COCKPIT_KERNELS").is_ok_and(|v| v == "sm75"));
+    static FORCED: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("COCKPIT_KERNELS").as_deref() {
+        Ok("sm75") => Some("sm75"),
+        Ok("sm80") => Some("sm80"),
+        _ => None,
+    });
     let known = REUSED.with(|r| r.borrow().builds.get(&dev.id()).copied());
     if let Some(b) = known {
         return b;
     }
-    let major = dev
-        .cuda_stream()
-        .context()
-        .attribute(
-            candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-        )
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute as A;
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let major = ctx
+        .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
         .unwrap_or(8);
-    let build = if forced || major < 8 { "sm75" } else { "sm80" };
+    let minor = ctx
+        .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        .unwrap_or(0);
+    let native = match (major, minor) {
+        (..=7, _) => "sm75",
+        (9, 0) => "sm90",
+        _ => "sm80",
+    };
+    let build = match (forced, native) {
+        (Some("sm75"), _) | (_, "sm75") => "sm75",
+        (Some(_), _) => "sm80",
+        (None, b) => b,
+    };
     REUSED.with(|r| r.borrow_mut().builds.insert(dev.id(), build));
     build
 }
@@ -57,10 +78,10 @@ pub fn kernel_build(dev: &CudaDevice) -> &'static str {
 /// because candle does not export the type it returns.
 macro_rules! load_kernel {
     ($dev:expr, $name:expr) => {
-        if kernel_build($dev) == "sm75" {
-            $dev.get_or_load_custom_func($name, MODULE_SM75, PTX_SM75)
-        } else {
-            $dev.get_or_load_custom_func($name, MODULE, PTX)
+        match kernel_build($dev) {
+            "sm75" => $dev.get_or_load_custom_func($name, MODULE_SM75, PTX_SM75),
+            "sm90" => $dev.get_or_load_custom_func($name, MODULE_SM90, PTX_SM90),
+            _ => $dev.get_or_load_custom_func($name, MODULE, PTX),
         }
     };
 }
@@ -73,10 +94,10 @@ pub(super) fn load_function(
     half: bool,
 ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaFunction> {
     if half {
-        let f = if kernel_build(dev) == "sm75" {
-            dev.get_or_load_custom_func(name, MODULE_SM75_F16, PTX_SM75_F16)?
-        } else {
-            dev.get_or_load_custom_func(name, MODULE_F16, PTX_F16)?
+        let f = match kernel_build(dev) {
+            "sm75" => dev.get_or_load_custom_func(name, MODULE_SM75_F16, PTX_SM75_F16)?,
+            "sm90" => dev.get_or_load_custom_func(name, MODULE_SM90_F16, PTX_SM90_F16)?,
+            _ => dev.get_or_load_custom_func(name, MODULE_F16, PTX_F16)?,
         };
         return Ok(f.into_cuda_function());
     }

@@ -1658,3 +1658,5 @@ extern "C" __global__ void nf4_dequant_bf16(const uint32_t* __restrict__ codes,
 
 // Causal flash attention (head dims 64 and 128) for the whole-model step.
 #include "flash.cu"
+// Its backward's main kernel with Hopper's warpgroup products (compute_90a builds only).
+#include "flash_sm90.cu"

@@ -49,6 +49,9 @@ pub fn build_note(device: &candle_core::Device) -> Option<String> {
                        whole-model step in fp16 (flash attention on m16n8k8 tensor cores; bf16 \
                        needs compute capability 8.0)"
                 .to_string(),
+            "sm90" => "kernels built for compute_90a: flash attention (its backward on Hopper's \
+                       warpgroup tensor cores) and the whole-model step"
+                .to_string(),
             _ => {
                 "kernels built for compute_80: flash attention and the whole-model step".to_string()
             }

@@ -57,6 +57,10 @@ pub fn flash_smem(hd: usize) -> (u32, u32) {
     }
 }
 
+/// Dynamic shared memory of the Hopper backward for head dim 64 (flash_sm90.cu's FA_WG_SMEM:
+/// seven 64 x 64 bf16 tiles, a 64 x 64 fp32 staging tile, and 1 KB to align them to 1024 bytes).
+pub const FLASH_BWD_WG_SMEM: u32 = 7 * 64 * 64 * 2 + 64 * 64 * 4 + 1024;
+
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
 pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 

@@ -218,15 +218,27 @@ struct Flash {
 }
 
 impl Flash {
-    fn load(named: &dyn Fn(&str, &'static str) -> Result<Kern>, hd: usize) -> Result<Self> {
+    /// `hopper`: the kernels are the compute_90a build, whose head-dim-64 backward runs on
+    /// warpgroup tensor-core instructions (flash_sm90.cu).
+    fn load(
+        named: &dyn Fn(&str, &'static str) -> Result<Kern>,
+        hd: usize,
+        hopper: bool,
+    ) -> Result<Self> {
         let sfx = if hd == 64 { "" } else { "_d128" };
         let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
-        let (fwd_smem, bwd_smem) = super::spec::flash_smem(hd);
+        let (fwd_smem, mut bwd_smem) = super::spec::flash_smem(hd);
+        let bwd = if hopper && hd == 64 {
+            bwd_smem = super::spec::FLASH_BWD_WG_SMEM;
+            named("flash_bwd_wg_bf16", "flash_bwd_wg")?
+        } else {
+            k("flash_bwd", "flash_bwd")?
+        };
         let f = Self {
             fwd: k("flash_fwd", "flash_fwd")?,
             fwd_drop: k("flash_fwd_drop", "flash_fwd")?,
             pre: k("flash_bwd_preprocess", "flash_bwd_preprocess")?,
-            bwd: k("flash_bwd", "flash_bwd")?,
+            bwd,
             dq: k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?,
             fwd_smem,
             bwd_smem,
@@ -269,6 +281,7 @@ impl Kernels {
             let f = load_function(dev, name, half)?;
             Ok(Kern { f, name: group })
         };
+        let hopper = super::cuda::kernel_build(dev) == "sm90";
         let f = |name: &'static str| -> Result<Kern> {
             named(
                 name,
@@ -325,9 +338,9 @@ impl Kernels {
             swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
             dropout_rows: f("dropout_rows_v8_bf16")?,
             nf4_dequant: f("nf4_dequant_bf16")?,
-            flash64: Flash::load(&named, 64)?,
+            flash64: Flash::load(&named, 64, hopper)?,
             flash128: super::cuda::flash_fits(dev, 128)
-                .then(|| Flash::load(&named, 128))
+                .then(|| Flash::load(&named, 128, hopper))
                 .transpose()?,
         })
     }
@@ -1410,12 +1423,22 @@ impl GptStep {
 
     /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
     fn lin_fwd(&self, x: u64, w: u64, y: u64, d: Lin) -> Result<()> {
-        self.lin_gemm("matmul fwd", d.fwd(x, w, y), false, 0.0, None)
+        self.lin_fwd_beta(x, w, y, d, 0.0)
+    }
+
+    /// [`Self::lin_fwd`] plus `beta`·y (1: on top of the adapters' share).
+    fn lin_fwd_beta(&self, x: u64, w: u64, y: u64, d: Lin, beta: f32) -> Result<()> {
+        self.lin_gemm("matmul fwd", d.fwd(x, w, y), false, beta, None)
     }
 
     /// `dx[rows, inp] = dy[rows, out]·w`.
     fn lin_dx(&self, dy: u64, w: u64, dx: u64, d: Lin) -> Result<()> {
-        self.lin_gemm("matmul dgrad", d.dx(dy, w, dx), false, 0.0, None)
+        self.lin_dx_beta(dy, w, dx, d, 0.0)
+    }
+
+    /// [`Self::lin_dx`] plus `beta`·dx (1: on top of the adapters' share).
+    fn lin_dx_beta(&self, dy: u64, w: u64, dx: u64, d: Lin, beta: f32) -> Result<()> {
+        self.lin_gemm("matmul dgrad", d.dx(dy, w, dx), false, beta, None)
     }
 
     /// `dw[out, inp] += dyᵀ·x` into fp32; the step's first micro-batch overwrites instead
@@ -1491,13 +1514,13 @@ impl GptStep {
         Ok(done)
     }
 
-    /// [`Self::lin_fwd`] with a bias (+ GELU) epilogue.
-    fn lin_fwd_epi(&self, x: u64, w: u64, y: u64, d: Lin, epi: Epi) -> Result<bool> {
+    /// [`Self::lin_fwd_beta`] with a bias (+ GELU) epilogue.
+    fn lin_fwd_epi(&self, x: u64, w: u64, y: u64, d: Lin, epi: Epi, beta: f32) -> Result<bool> {
         let name = match epi {
             Epi::GeluAuxBias { .. } => "matmul fwd+bias+gelu",
             _ => "matmul fwd+bias",
         };
-        self.lin_lt(name, d.fwd(x, w, y), false, 0.0, epi)
+        self.lin_lt(name, d.fwd(x, w, y), false, beta, epi)
     }
 
     /// The grid of the column-sum kernels over `[n, c]` (blocks of 32 × 8 threads, 256
@@ -2185,6 +2208,8 @@ impl GptStep {
 
     /// [`Self::lin_fwd_bias`] of a packed projection (`parts`: its first entry and how many):
     /// one matmul, or one per part into its columns of `y` when the parts lie apart.
+    /// `beta` 1: add to what `y` holds (the adapters' share, [`Self::lora_fwd`]).
+    #[allow(clippy::too_many_arguments)]
     fn lin_fwd_parts(
         &self,
         x: u64,
@@ -2192,15 +2217,16 @@ impl GptStep {
         b: Option<usize>,
         y: u64,
         d: Lin,
+        beta: f32,
     ) -> Result<()> {
         if self.packed(parts) {
-            return self.lin_fwd_bias(x, parts.0, b, y, d);
+            return self.lin_fwd_bias(x, parts.0, b, y, d, beta);
         }
         let mut col = 0;
         for i in parts.0..parts.0 + parts.1 {
             let out = self.entries[i].rows;
             let part = Lin::new(d.rows, d.inp, out, d.ldy);
-            self.lin_fwd(x, self.wl(i)?, y + 2 * col as u64, part)?;
+            self.lin_fwd_beta(x, self.wl(i)?, y + 2 * col as u64, part, beta)?;
             col += out;
         }
         if let Some(b) = b {
@@ -2210,30 +2236,46 @@ impl GptStep {
     }
 
     /// [`Self::lin_dx`] of a packed projection: the parts' data gradients summed (one
-    /// matmul when they are one matrix).
-    fn lin_dx_parts(&self, dy: u64, parts: (usize, usize), dx: u64, d: Lin) -> Result<()> {
+    /// matmul when they are one matrix); `beta` 1: added to what `dx` holds (the adapters'
+    /// share, [`Self::lora_bwd`]).
+    fn lin_dx_parts(
+        &self,
+        dy: u64,
+        parts: (usize, usize),
+        dx: u64,
+        d: Lin,
+        beta: f32,
+    ) -> Result<()> {
         if self.packed(parts) {
-            return self.lin_dx(dy, self.wl(parts.0)?, dx, d);
+            return self.lin_dx_beta(dy, self.wl(parts.0)?, dx, d, beta);
         }
         let mut col = 0;
         for (k, i) in (parts.0..parts.0 + parts.1).enumerate() {
             let out = self.entries[i].rows;
             let mm = Lin::new(d.rows, d.inp, out, d.ldy).dx(dy + 2 * col as u64, self.wl(i)?, dx);
-            let beta = if k == 0 { 0.0 } else { 1.0 };
+            let beta = if k == 0 { beta } else { 1.0 };
             self.lin_gemm("matmul dgrad", mm, false, beta, None)?;
             col += out;
         }
         Ok(())
     }
 
-    fn lin_fwd_bias(&self, x: u64, w: usize, b: Option<usize>, y: u64, d: Lin) -> Result<()> {
+    fn lin_fwd_bias(
+        &self,
+        x: u64,
+        w: usize,
+        b: Option<usize>,
+        y: u64,
+        d: Lin,
+        beta: f32,
+    ) -> Result<()> {
         let Some(b) = b else {
-            return self.lin_fwd(x, self.wl(w)?, y, d);
+            return self.lin_fwd_beta(x, self.wl(w)?, y, d, beta);
         };
         let bias = Epi::Bias { bias: self.w(b) };
         let wp = self.wl(w)?;
-        if !self.lin_fwd_epi(x, wp, y, d, bias)? {
-            self.lin_fwd(x, wp, y, d)?;
+        if !self.lin_fwd_epi(x, wp, y, d, bias, beta)? {
+            self.lin_fwd_beta(x, wp, y, d, beta)?;
             self.bias_act(y, self.w(b), y, d.rows, d.out, 0)?;
         }
         Ok(())
@@ -2246,8 +2288,8 @@ impl GptStep {
         if self.swiglu {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
             let gu = Lin::new(n, c, 2 * f, 2 * f);
-            self.lin_fwd_parts(a.ln2[l], (li.up_w, 2), li.up_b, a.fc[l], gu)?;
-            self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], 2 * f)?;
+            let beta = self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], 2 * f)?;
+            self.lin_fwd_parts(a.ln2[l], (li.up_w, 2), li.up_b, a.fc[l], gu, beta)?;
             return self.launch(
                 &self.k.swiglu_fwd,
                 flat_cfg(n * f / 8),
@@ -2267,7 +2309,7 @@ impl GptStep {
                     aux: a.fc[l],
                     ld: f,
                 };
-                if self.lin_fwd_epi(a.ln2[l], self.wl(li.up_w)?, a.gelu[l], up, gelu)? {
+                if self.lin_fwd_epi(a.ln2[l], self.wl(li.up_w)?, a.gelu[l], up, gelu, 0.0)? {
                     return Ok(());
                 }
             }
@@ -2275,15 +2317,17 @@ impl GptStep {
         }
         // fc = ln2·Wupᵀ + b (+ the adapter): the pre-activation the backward reads, bias
         // included (as the epilogue's aux), then gelu(fc).
-        self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], up)?;
-        self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], f)?;
+        let beta = self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], f)?;
+        self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], up, beta)?;
         self.bias_act(a.fc[l], 0, a.gelu[l], n, f, 1)
     }
 
     /// The forward of LoRA group `g` of layer `l` ([`LORA_GROUPS`]; nothing without an
-    /// adapter): `u = x·[A₁; A₂; …]ᵀ` in one matmul (kept for the backward), then each
-    /// adapter's `y[:, col..] += scale·u_k·B_kᵀ` into the projection's output of row stride
-    /// `ldy`.
+    /// adapter), before the base's matmul: `u = x·[A₁; A₂; …]ᵀ` in one matmul (kept for the
+    /// backward), then each adapter's `y[:, col..] = scale·u_k·B_kᵀ` into the projection's
+    /// output of row stride `ldy`, the columns no adapter covers zeroed. Returns the beta of
+    /// the base's matmul: 1 (add onto that: cuBLAS reads y in its epilogue, where a read of
+    /// its own after the base would cost a pass over the output) or 0 (no adapter).
     #[allow(clippy::too_many_arguments)]
     fn lora_fwd(
         &self,
@@ -2294,28 +2338,38 @@ impl GptStep {
         x: u64,
         y: u64,
         ldy: usize,
-    ) -> Result<()> {
+    ) -> Result<f32> {
         let width = lora_width(li, g);
         let Some(first) = LORA_GROUPS[g].iter().find_map(|&j| li.lora[j]) else {
-            return Ok(());
+            return Ok(0.0);
         };
         let n = a.b * self.t;
         let u = a.lora_u[l][g];
         let down = Lin::new(n, first.inp, width, width);
         let x = self.lora_input(a, l, g, x, first.inp)?;
         self.mm("lora", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
+        let mut covered = Vec::new();
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
             let (u, y) = (u + 2 * ad.ucol as u64, y + 2 * ad.col as u64);
-            self.mm("lora", up.fwd(u, self.w(ad.b), y), false, ad.scale, 1.0)?;
+            self.mm("lora", up.fwd(u, self.w(ad.b), y), false, ad.scale, 0.0)?;
+            covered.push((ad.col, ad.col + ad.out));
         }
-        Ok(())
+        for (start, end) in uncovered(covered, ldy) {
+            // SAFETY: columns start..end of y's n rows (row pitch ldy) lie inside y; the
+            // memset is queued on the step's stream, which owns y.
+            unsafe {
+                memset_cols(y + 2 * start as u64, ldy, end - start, n, &self.stream)?;
+            }
+        }
+        Ok(1.0)
     }
 
     /// The backward of LoRA group `g` of layer `l` (nothing without an adapter), from the
-    /// projection output's gradient `dy` (row stride `ldy`): per adapter dB (+)= scale·dyᵀ·u_k
-    /// and du_k = scale·dy·B_k, then for the group dA (+)= duᵀ·x and `dx += du·[A₁; A₂; …]`
-    /// into the input's gradient, one matmul each.
+    /// projection output's gradient `dy` (row stride `ldy`), before the base's data gradient:
+    /// per adapter dB (+)= scale·dyᵀ·u_k and du_k = scale·dy·B_k, then for the group dA (+)=
+    /// duᵀ·x and `dx = du·[A₁; A₂; …]` into the input's gradient, one matmul each. Returns
+    /// the beta of the base's data-gradient matmul (1: add onto that; 0: no adapter).
     #[allow(clippy::too_many_arguments)]
     fn lora_bwd(
         &self,
@@ -2326,10 +2380,10 @@ impl GptStep {
         ldy: usize,
         dx: u64,
         first: bool,
-    ) -> Result<()> {
+    ) -> Result<f32> {
         let width = lora_width(li, g);
         let Some(a0) = LORA_GROUPS[g].iter().find_map(|&j| li.lora[j]) else {
-            return Ok(());
+            return Ok(0.0);
         };
         let n = a.b * self.t;
         let (u, du) = (a.lora_u[l][g], a.lora_du);
@@ -2345,13 +2399,15 @@ impl GptStep {
         let xd = self.lora_input(a, l, g, x, a0.inp)?;
         self.mm("lora", down.dw(xd, du, self.g(a0.a)), true, 1.0, beta)?;
         if self.lora_thr == 0 {
-            return self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 1.0);
+            self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 0.0)?;
+            return Ok(1.0);
         }
-        // dx += mask ⊙ (du·[A₁; A₂; …]), through the scratch that held the dropped input.
+        // dx = mask ⊙ (du·[A₁; A₂; …]), through the scratch that held the dropped input.
         self.mm("lora", down.dx(du, self.w(a0.a), a.lora_x), false, 1.0, 0.0)?;
         let site = dropout::site_lora(l, g);
         let drop = (self.lora_thr, self.lora_scale);
-        self.drop_scaled(a, (a.lora_x, dx), (n, a0.inp), site, drop, true)
+        self.drop_scaled(a, (a.lora_x, dx), (n, a0.inp), site, drop, false)?;
+        Ok(1.0)
     }
 
     /// The adapters' input of group `g` of layer `l`: `x` itself, or with LoRA dropout
@@ -2406,8 +2462,9 @@ impl GptStep {
             self.mlp_half_fwd(a, l, li)?;
             // ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm (or the
             // final one).
-            self.lin_fwd(a.gelu[l], self.wl(li.down_w)?, a.tmp, Lin::new(n, f, c, c))?;
-            self.lora_fwd(a, l, li, G_DOWN, a.gelu[l], a.tmp, c)?;
+            let beta = self.lora_fwd(a, l, li, G_DOWN, a.gelu[l], a.tmp, c)?;
+            let down = Lin::new(n, f, c, c);
+            self.lin_fwd_beta(a.gelu[l], self.wl(li.down_w)?, a.tmp, down, beta)?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
                 None => (self.lnf.0, self.lnf.1, a.lnf),
@@ -2430,8 +2487,8 @@ impl GptStep {
     fn attention(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
         let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
-        self.lin_fwd_parts(a.ln1[l], (li.qkv_w, 3), li.qkv_b, a.qkv[l], qkv)?;
-        self.lora_fwd(a, l, li, G_QKV, a.ln1[l], a.qkv[l], self.qkv_out)?;
+        let beta = self.lora_fwd(a, l, li, G_QKV, a.ln1[l], a.qkv[l], self.qkv_out)?;
+        self.lin_fwd_parts(a.ln1[l], (li.qkv_w, 3), li.qkv_b, a.qkv[l], qkv, beta)?;
         self.rope(a.qkv[l], n, false)?;
         self.attn_fwd(a, l)
     }
@@ -2452,8 +2509,8 @@ impl GptStep {
     fn mlp_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
         let o = Lin::new(n, self.att_c, c, c);
-        self.lin_fwd(a.atty[l], self.wl(li.o_w)?, a.tmp, o)?;
-        self.lora_fwd(a, l, li, G_O, a.atty[l], a.tmp, c)?;
+        let beta = self.lora_fwd(a, l, li, G_O, a.atty[l], a.tmp, c)?;
+        self.lin_fwd_beta(a.atty[l], self.wl(li.o_w)?, a.tmp, o, beta)?;
         let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
         let y = (
             a.res[l],
@@ -2551,8 +2608,8 @@ impl GptStep {
         // activation's backward (so no fused GELU backward with one).
         let adapted = li.lora[DOWN].is_some();
         if self.swiglu {
-            self.lin_dx(dy, self.wl(li.down_w)?, dact, down)?;
-            self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, dact, first)?;
+            let beta = self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, dact, first)?;
+            self.lin_dx_beta(dy, self.wl(li.down_w)?, dact, down, beta)?;
             self.launch(
                 &self.k.swiglu_bwd,
                 flat_cfg(n * f / 8),
@@ -2576,8 +2633,8 @@ impl GptStep {
         let wd = self.wl(li.down_w)?;
         let mm = down.dx(dy, wd, a.dh);
         if adapted || !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
-            self.lin_dx(dy, wd, a.dh, down)?;
-            self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, a.dh, first)?;
+            let beta = self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, a.dh, first)?;
+            self.lin_dx_beta(dy, wd, a.dh, down, beta)?;
             // (fc holds the pre-activation with its bias: no bias here)
             self.launch(
                 &self.k.gelu_bwd,
@@ -2664,11 +2721,12 @@ impl GptStep {
             let up = Lin::new(n, c, up_out, up_out);
             let bias = (li.up_w, li.up_b, false);
             self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
-            self.lin_dx_parts(a.dh, (li.up_w, 1 + self.swiglu as usize), a.da, up)?;
             let (gate_col, up_col) = (0, if self.swiglu { f } else { 0 });
             debug_assert!(li.lora[GATE].is_none_or(|g| g.col == gate_col));
             debug_assert!(li.lora[UP].is_none_or(|u| u.col == up_col));
-            self.lora_bwd(a, (l, li, G_GU), a.ln2[l], a.dh, up_out, a.da, first)?;
+            let beta = self.lora_bwd(a, (l, li, G_GU), a.ln2[l], a.dh, up_out, a.da, first)?;
+            let parts = (li.up_w, 1 + self.swiglu as usize);
+            self.lin_dx_parts(a.dh, parts, a.da, up, beta)?;
             self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],
@@ -2692,8 +2750,8 @@ impl GptStep {
                 o,
                 first,
             )?;
-            self.lin_dx(dy, self.wl(li.o_w)?, a.da, o)?;
-            self.lora_bwd(a, (l, li, G_O), a.atty[l], dy, c, a.da, first)?;
+            let beta = self.lora_bwd(a, (l, li, G_O), a.atty[l], dy, c, a.da, first)?;
+            self.lin_dx_beta(dy, self.wl(li.o_w)?, a.da, o, beta)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
@@ -2701,8 +2759,7 @@ impl GptStep {
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
             let bias = (li.qkv_w, li.qkv_b, false);
             self.proj_grads((a.ln1[l], a.dqkv, Buf::Dqkv), bias, qkv, first)?;
-            self.lin_dx_parts(a.dqkv, (li.qkv_w, 3), a.da, qkv)?;
-            self.lora_bwd(
+            let beta = self.lora_bwd(
                 a,
                 (l, li, G_QKV),
                 a.ln1[l],
@@ -2711,6 +2768,7 @@ impl GptStep {
                 a.da,
                 first,
             )?;
+            self.lin_dx_parts(a.dqkv, (li.qkv_w, 3), a.da, qkv, beta)?;
             self.reclaim(Buf::Dres)?;
             // The residual stream's gradient below this layer: the down projection bias's
             // gradient of the layer below (none under layer 0).
@@ -3209,6 +3267,42 @@ impl GptStep {
 }
 
 /// The columns of LoRA group `g`'s `x·Aᵀ` in layer `li` (Σ r over its adapters; 0: none).
+/// The column ranges of `[0, width)` that none of `covered` (half-open ranges) holds.
+fn uncovered(mut covered: Vec<(usize, usize)>, width: usize) -> Vec<(usize, usize)> {
+    covered.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut at = 0;
+    for (start, end) in covered {
+        if start > at {
+            gaps.push((at, start));
+        }
+        at = at.max(end);
+    }
+    if at < width {
+        gaps.push((at, width));
+    }
+    gaps
+}
+
+/// Zeroes `cols` 16-bit columns of `rows` rows from `p` (row pitch `ld` elements), queued on
+/// `stream`.
+///
+/// # Safety
+/// The columns must lie inside an allocation that `stream` may write.
+unsafe fn memset_cols(
+    p: u64,
+    ld: usize,
+    cols: usize,
+    rows: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    // SAFETY: the caller's contract; the driver checks the pitch and extent.
+    unsafe { sys::cuMemsetD2D16Async(p, 2 * ld, 0, cols, rows, stream.cu_stream()) }
+        .result()
+        .w()
+}
+
 fn lora_width(li: &LayerIdx, g: usize) -> usize {
     LORA_GROUPS[g]
         .iter()

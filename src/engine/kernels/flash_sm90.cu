@@ -1,0 +1,337 @@
+// Flash attention's backward for head dim 64 on Hopper (sm_90a): the main kernel of flash.cu's
+// backward (launch 2 of 3) with its five products per tile as warpgroup tensor-core instructions
+// (wgmma, 64x64x16 each) instead of mma.sync. Included by kernels.cu; compiled only into the
+// compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded on compute capability 9.0).
+//
+// ============================== LAUNCH CONTRACT ==============================================
+//   flash_bwd_wg_bf16: the arguments, grid and block of flash_bwd_bf16 (FA_BWD_NW = 4: grid =
+//   (B*KVH, ceil(T/64), 1), block = (128, 1, 1)), dynamic smem = FA_WG_SMEM bytes (above 48 KB:
+//   the launcher raises the function's limit). Same preprocess before and dq_convert after.
+// =============================================================================================
+//
+// One block = one warpgroup = 64 keys of one (b, key/value head); it loops over the query tiles
+// of every query head of the group, as flash_bwd_bf16 does. Shared memory holds K, V, two
+// buffers of (Q, dO) filled by cp.async, and dS^T, each a 64 x 64 tile in flash.cu's swizzled
+// layout — 128-byte rows whose 16-byte chunks are XOR-ed with the row's low three bits, which is
+// exactly wgmma's 128-byte swizzle once a tile starts on a 1024-byte boundary. Per tile:
+//   S^T  = K Q^T     (A = K, B = Q, both K-major from shared memory)
+//   dP^T = V dO^T    (A = V, B = dO)
+//   P^T, dS^T elementwise in registers (the accumulator layout is mma.sync's, row block 16w of
+//   warp w, so this part is flash_bwd_bf16's code)
+//   dV  += P^T dO    (A = P^T from registers, B = dO read transposed: MN-major)
+//   dK  += dS^T Q    (A = dS^T from registers, B = Q transposed)
+//   dQ   = dS K      (A = dS^T from shared memory read transposed, B = K transposed), left in
+//                     flight to the next tile, whose first products are issued before it is
+//                     staged through shared memory and added into dq_acc with fp32 atomics
+//                     that cover whole 128-byte row segments (the flush overlaps them).
+// Shared-memory writes by the threads (cp.async, the dS^T stores) are made visible to the
+// tensor cores' asynchronous proxy with fence.proxy.async before the barrier that publishes them.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// K, V, 2 x (Q, dO), dS^T: seven 8 KB tiles, the 16 KB fp32 dQ staging tile, and room to
+// start them on a 1024-byte boundary
+#define FA_WG_SMEM (7 * 64 * 64 * 2 + 64 * 64 * 4 + 1024)
+
+// Shared-memory matrix descriptor of a tile in the 128-byte swizzle: start address, leading
+// byte offset unused (1: every product's k extent lies inside one 128-byte row for K-major
+// operands, and its n / m extent of 64 in one for MN-major ones), 1024 bytes between groups of
+// eight rows, swizzle mode 1 (128 bytes).
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fa_fence_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving reads or writes of an accumulator across the asynchronous
+// products that own it until the wait.
+__device__ __forceinline__ void wg_pin(float (&d)[8][4]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// d (64 x 64, fp32) = A (64 x 16) B (16 x 64) + (acc ? d : 0), both operands in shared memory;
+// TA / TB = 1: the operand is stored MN-major (transposed).
+template <int TA, int TB>
+__device__ __forceinline__ void wg_ss(float (&d)[8][4], uint64_t da, uint64_t db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." FA_AB "." FA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
+}
+// d += A (registers, mma.sync's A-fragment layout per warp) B (shared memory)
+template <int TB>
+__device__ __forceinline__ void wg_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." FA_AB "." FA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, %37;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB));
+}
+
+// Adds warp w's 16 query rows (q0 + 16w ..) of a tile's dQ into dq_acc (row stride HD): staged in
+// `stg` (this warp's 16 x 64 fp32, columns XOR-ed by the row: conflict-free float2 writes and
+// float reads), then one atomic instruction per 128-byte half row.
+__device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* stg, float* dst,
+                                               int rows, int HD, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int r = g + 8 * hf;
+            const int c = (nt * 8 + t4 * 2) ^ ((r & 7) << 3);
+            *reinterpret_cast<float2*>(stg + r * 64 + c) = make_float2(dq[nt][2 * hf], dq[nt][2 * hf + 1]);
+        }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+        if (r < rows) {
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                const int c = hf * 32 + lane;
+                atomicAdd(dst + (size_t)r * HD + hf * 32, stg[r * 64 + (c ^ ((r & 7) << 3))]);
+            }
+        }
+    }
+    __syncwarp();
+}
+
+#define FA_WG_ARGS const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout, \
+                  const float* __restrict__ lse, const float* __restrict__ delta, \
+                  float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, \
+                  int H, int KVH, float scale, uint32_t thr, float dscale, \
+                  const unsigned long long* __restrict__ mbits
+extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    constexpr uint32_t TILE = 64 * 64 * 2;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
+    const int k0 = kblk * 64;
+    const int i0 = kblk;          // first query tile that sees these keys
+    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
+    const int HD = H * FA_D, KD = KVH * FA_D, ld = HD + 2 * KD;
+    const int rep = H / KVH, h0 = kvh * rep;
+    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
+    const __nv_bfloat16* kg = qkv_b + HD + kvh * FA_D;
+    const __nv_bfloat16* vg = kg + KD;
+    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
+    const int nq = (T + FA_BM - 1) / FA_BM;
+    const int ntile = nq - i0;
+    const float L2E = 1.4426950408889634f;
+    const float sl2 = scale * L2E;
+
+    const uint32_t raw = fa_smem_u32(fa_wg_smem);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
+    const uint32_t sK = base, sV = base + TILE, sdSa = base + 2 * TILE, sQD = base + 3 * TILE;
+    char* sdSc = smc + 2 * TILE;
+    float* stg = reinterpret_cast<float*>(smc + 7 * TILE) + warp * 16 * 64;
+
+    fa_load_rows<64, 128>(sK, kg, ld, k0, T, tid);
+    fa_load_rows<64, 128>(sV, vg, ld, k0, T, tid);
+    fa_load_rows<64, 128>(sQD, qkv_b + h0 * FA_D, ld, i0 * FA_BM, T, tid);
+    fa_load_rows<64, 128>(sQD + TILE, dout_b + h0 * FA_D, HD, i0 * FA_BM, T, tid);
+    fa_cp_commit();
+
+    float dk[8][4], dv[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dk[i][e] = 0.f;
+            dv[i][e] = 0.f;
+        }
+    const int wk0 = k0 + warp * 16;
+    const int kr0 = wk0 + g, kr1 = kr0 + 8;
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
+    // the dQ in flight: its accumulators, and where its rows go (rows: how many are < T)
+    float dq[8][4];
+    float* dq_dst = nullptr;
+    int dq_rows = 0;
+
+    for (int it = 0; it < rep * ntile; ++it) {
+        const int hq = it / ntile, i = i0 + (it - hq * ntile);
+        const int h = h0 + hq;
+        const float* lseg = lse + ((size_t)b * H + h) * T;
+        const float* dlg = delta + ((size_t)b * H + h) * T;
+        const int bsel = it & 1;
+        const uint32_t sQa = sQD + bsel * 2 * TILE, sdOa = sQa + TILE;
+        // the last tile's products done: dV, dK read the buffer the prefetch below refills, and
+        // its dQ is flushed below while this tile's first products run (ptxas serializes every
+        // wgmma of the kernel when dQ is read across a pending group: wait for all here)
+        wg_wait<0>();
+        fa_cp_wait_all();
+        fa_fence_async();
+        __syncthreads();  // tile `it` landed; the buffer of tile it-1 is free
+        if (it + 1 < rep * ntile) {
+            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
+            const uint32_t nb = sQD + (bsel ^ 1) * 2 * TILE;
+            fa_load_rows<64, 128>(nb, qkv_b + (h0 + hn) * FA_D, ld, in * FA_BM, T, tid);
+            fa_load_rows<64, 128>(nb + TILE, dout_b + (h0 + hn) * FA_D, HD, in * FA_BM, T, tid);
+            fa_cp_commit();
+        }
+        const int q0 = i * FA_BM;
+
+        // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is taken while dP^T is in flight
+        float st[8][4], dpt[8][4];
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wg_ss<0, 0>(st, wg_desc(sK + kc * 32), wg_desc(sQa + kc * 32), kc);
+        wg_commit();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss<0, 0>(dpt, wg_desc(sV + kc * 32), wg_desc(sdOa + kc * 32), kc);
+        wg_commit();
+        // the last tile's dQ -> dq_acc, while they run
+        if (dq_dst != nullptr) {
+            wg_pin(dq);
+            fa_wg_flush_dq(dq, stg, dq_dst, dq_rows, HD, lane);
+        }
+
+        const int qa = q0 + 2 * lane;
+        const float lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
+        const float lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
+        const float dla = qa < T ? __ldg(dlg + qa) : 0.f;
+        const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
+        wg_wait<1>();
+        wg_pin(st);
+        // P^T = exp(scale*S^T - lse[q]), causal mask where this warp's keys reach the tile
+        const bool diag = wk0 + 15 > q0;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int q = q0 + nt * 8 + t4 * 2 + e;
+                const float lq = __shfl_sync(0xffffffffu, e ? lsb : lsa, nt * 4 + t4);
+                float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
+                float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
+                if (diag) {
+                    if (kr0 > q) p0 = 0.f;
+                    if (kr1 > q) p1 = 0.f;
+                }
+                st[nt][e] = p0;
+                st[nt][2 + e] = p1;
+            }
+        wg_wait<0>();
+        wg_pin(dpt);
+        // dS^T = P^T * (dP^T - delta[q]); with dropout dP is the dropped one's gradient
+        // through the mask, and dV takes the dropped P^T
+        const int nkt = nq;
+        const int jk = kr0 & 63;
+        const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, nt * 4 + t4);
+                if (thr) {
+                    const int q = q0 + nt * 8 + t4 * 2 + e;
+                    const unsigned long long m =
+                        q < T ? __ldg(mbits + ((size_t)(b * H + h) * T + q) * nkt + (kr0 >> 6))
+                              : 0ull;
+                    const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
+                    const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
+                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] * m0 - dl);
+                    dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] * m1 - dl);
+                    st[nt][e] *= m0;
+                    st[nt][2 + e] *= m1;
+                } else {
+                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dl);
+                    dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
+                }
+            }
+        uint32_t pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            pa[kc][0] = fa_pack(st[2 * kc][0], st[2 * kc][1]);
+            pa[kc][1] = fa_pack(st[2 * kc][2], st[2 * kc][3]);
+            pa[kc][2] = fa_pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
+            pa[kc][3] = fa_pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
+            sa[kc][0] = fa_pack(dpt[2 * kc][0], dpt[2 * kc][1]);
+            sa[kc][1] = fa_pack(dpt[2 * kc][2], dpt[2 * kc][3]);
+            sa[kc][2] = fa_pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
+            sa[kc][3] = fa_pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+        }
+        // dV += P^T dO, dK += dS^T Q (k = the tile's queries: 16 rows, 2048 bytes, a step)
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dv, pa[kc], wg_desc(sdOa + kc * 2048));
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dk, sa[kc], wg_desc(sQa + kc * 2048));
+        wg_commit();
+        // dS^T -> shared memory for dQ, while those run
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[kc][0];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[kc][1];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[kc][2];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + 8 + t4 * 2)) = sa[kc][3];
+        }
+        fa_fence_async();
+        __syncthreads();  // dS^T complete and visible to the tensor cores
+        // dQ = dS K (k = this block's keys), left in flight
+#pragma unroll
+        for (int a = 0; a < 8; ++a)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[a][e] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss<1, 1>(dq, wg_desc(sdSa + kc * 2048), wg_desc(sK + kc * 2048), kc);
+        wg_commit();
+        const int qw = q0 + warp * 16;
+        dq_dst = dq_acc + ((size_t)b * T + qw) * HD + h * FA_D + lane;
+        dq_rows = min(16, T - qw);
+    }
+    wg_wait<0>();
+    wg_pin(dq);
+    wg_pin(dv);
+    wg_pin(dk);
+    if (dq_dst != nullptr) fa_wg_flush_dq(dq, stg, dq_dst, dq_rows, HD, lane);
+
+    // epilogue: dK (scaled) -> the dS^T tile, dV -> the first Q/dO buffer, then 16-byte stores
+    __syncthreads();
+    char* sKc = sdSc;
+    char* sVc = smc + 3 * TILE;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr0, nt * 8 + t4 * 2)) =
+            fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr1, nt * 8 + t4 * 2)) =
+            fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int idx = lane + k * 32;
+        const int r = idx >> 3, c = idx & 7;
+        const int key = wk0 + r;
+        if (key < T) {
+            __nv_bfloat16* dstk = dqkv + ((size_t)b * T + key) * ld + HD + kvh * FA_D + c * 8;
+            *reinterpret_cast<uint4*>(dstk) =
+                *reinterpret_cast<const uint4*>(sKc + fa_swz(warp * 16 + r, c * 8));
+            *reinterpret_cast<uint4*>(dstk + KD) =
+                *reinterpret_cast<const uint4*>(sVc + fa_swz(warp * 16 + r, c * 8));
+        }
+    }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
