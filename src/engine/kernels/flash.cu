@@ -570,6 +570,114 @@ __device__ __forceinline__ void fa_load_rows(uint32_t s, const __nv_bfloat16* g,
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The elementwise middle and the epilogue of the head-dim-64 backward's main kernel, shared by
+// flash_bwd_bf16 (mma.sync) and flash_sm90.cu's flash_bwd_wg_bf16 (wgmma): both hold S^T and
+// dP^T of a warp's 16 keys x the tile's 64 queries in mma.sync's accumulator layout (rows g and
+// g + 8 of the warp's block, columns 8·nt + 2·t4 + e).
+
+// P^T = exp(scale*S^T - lse[q]) in place, the causal mask where the warp's keys (first wk0,
+// this thread's kr0 and kr0 + 8) reach the tile's queries (q0..). Lane l holds lse (log2
+// units) of queries q0 + 2l and q0 + 2l + 1 in lsa, lsb.
+__device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float lsb, float sl2,
+                                             int q0, int wk0, int kr0, int t4) {
+    const int kr1 = kr0 + 8;
+    const bool diag = wk0 + 15 > q0;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int q = q0 + nt * 8 + t4 * 2 + e;
+            const float lq = __shfl_sync(0xffffffffu, e ? lsb : lsa, nt * 4 + t4);
+            float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
+            float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
+            if (diag) {
+                if (kr0 > q) p0 = 0.f;
+                if (kr1 > q) p1 = 0.f;
+            }
+            st[nt][e] = p0;
+            st[nt][2 + e] = p1;
+        }
+}
+
+// dS^T = P^T * (dP^T - delta[q]) into dpt (lane l holds delta of queries q0 + 2l, + 1 in dla,
+// dlb). With dropout (thr > 0) dP is the dropped one's gradient through the forward's kept-flags
+// (mbits of query head bh = b·H + h, nkt 64-key tiles a row) and P^T becomes the dropped one,
+// which dV takes.
+__device__ __forceinline__ void fa_bwd_dscores(float (&st)[8][4], float (&dpt)[8][4], float dla,
+                                               float dlb, int q0, int kr0, int t4, int T,
+                                               uint32_t thr, float dscale,
+                                               const unsigned long long* __restrict__ mbits,
+                                               size_t bh, int nkt) {
+    const int jk = kr0 & 63;  // this thread's first key in its 64-key tile (kr0 + 8: +8)
+    const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, nt * 4 + t4);
+            if (thr) {
+                const int q = q0 + nt * 8 + t4 * 2 + e;
+                const unsigned long long m =
+                    q < T ? __ldg(mbits + (bh * T + q) * nkt + (kr0 >> 6)) : 0ull;
+                const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
+                const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
+                dpt[nt][e] = st[nt][e] * (dpt[nt][e] * m0 - dl);
+                dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] * m1 - dl);
+                st[nt][e] *= m0;
+                st[nt][2 + e] *= m1;
+            } else {
+                dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dl);
+                dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
+            }
+        }
+}
+
+// The 16-bit A fragments (mma.sync's layout) of k-step kc (queries 16kc..16kc+15) of an
+// accumulator tile: a 16-row block of P^T or dS^T as the A operand of dV += P^T dO, dK += dS^T Q.
+template <int N>
+__device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t (&a)[4]) {
+    a[0] = fa_pack(x[2 * kc][0], x[2 * kc][1]);
+    a[1] = fa_pack(x[2 * kc][2], x[2 * kc][3]);
+    a[2] = fa_pack(x[2 * kc + 1][0], x[2 * kc + 1][1]);
+    a[3] = fa_pack(x[2 * kc + 1][2], x[2 * kc + 1][3]);
+}
+
+// Epilogue: warp w's dK (scaled) and dV rows (keys wk0..wk0+15, local rows 16w + g, + 8)
+// through two swizzled 64-column smem tiles (sKc, sVc: generic pointers) into dqkv, 16 bytes a
+// store; rows >= T are not written. dst_k: the k slot of key 0 of this (b, kv head) in dqkv
+// (row stride ld), the v slot KD further.
+__device__ __forceinline__ void fa_bwd_store_kv(const float (&dk)[8][4], const float (&dv)[8][4],
+                                                float scale, char* sKc, char* sVc, int warp,
+                                                int lane, int wk0, int T,
+                                                __nv_bfloat16* __restrict__ dst_k, int ld, int KD) {
+    const int g = lane >> 2, t4 = lane & 3;
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr0, nt * 8 + t4 * 2)) =
+            fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr1, nt * 8 + t4 * 2)) =
+            fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int idx = lane + k * 32;
+        const int r = idx >> 3, c = idx & 7;
+        const int key = wk0 + r;
+        if (key < T) {
+            __nv_bfloat16* dst = dst_k + (size_t)key * ld + c * 8;
+            *reinterpret_cast<uint4*>(dst) =
+                *reinterpret_cast<const uint4*>(sKc + fa_swz(warp * 16 + r, c * 8));
+            *reinterpret_cast<uint4*>(dst + KD) =
+                *reinterpret_cast<const uint4*>(sVc + fa_swz(warp * 16 + r, c * 8));
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(FA_BWD_THREADS, (FA_BWD_NW == 8 ? 1 : 2))
 flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout,
                const float* __restrict__ lse, const float* __restrict__ delta,
@@ -644,7 +752,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
             dv[i][e] = 0.f;
         }
     const int wk0 = k0 + warp * 16;               // first key of this warp
-    const int kr0 = wk0 + g, kr1 = kr0 + 8;       // keys of this thread's accumulator rows
+    const int kr0 = wk0 + g;                      // key of this thread's first accumulator row
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8; // ... local rows
 
     // (query head, query tile) pairs in order: the tiles of head h0, then of h0 + 1, ...
@@ -689,23 +797,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                     fa_mma(st[2 * np + 1], ka[kc], b2, b3);
                 }
             }
-            // P^T = exp(scale*S^T - lse[q]), causal mask where this warp's keys reach the tile
-            const bool diag = wk0 + 15 > q0;
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int q = q0 + nt * 8 + t4 * 2 + e;
-                    const float lq = __shfl_sync(0xffffffffu, e ? lsb : lsa, nt * 4 + t4);
-                    float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
-                    float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
-                    if (diag) {
-                        if (kr0 > q) p0 = 0.f;
-                        if (kr1 > q) p1 = 0.f;
-                    }
-                    st[nt][e] = p0;
-                    st[nt][2 + e] = p1;
-                }
+            fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
             // dP^T = V dO^T
             float dpt[8][4];
 #pragma unroll
@@ -722,44 +814,15 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                     fa_mma(dpt[2 * np + 1], va[kc], b2, b3);
                 }
             }
-            // dS^T = P^T * (dP^T - delta[q]); with dropout dP is the dropped one's gradient
-            // through the mask, and dV takes the dropped P^T
-            const int jk = kr0 & 63;  // this thread's first key in its 64-key tile (kr1: +8)
-            const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, nt * 4 + t4);
-                    if (thr) {
-                        const int q = q0 + nt * 8 + t4 * 2 + e;
-                        const unsigned long long m =
-                            q < T ? __ldg(mbits + ((size_t)(b * H + h) * T + q) * nkt + (kr0 >> 6))
-                                  : 0ull;
-                        const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
-                        const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
-                        dpt[nt][e] = st[nt][e] * (dpt[nt][e] * m0 - dl);
-                        dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] * m1 - dl);
-                        st[nt][e] *= m0;
-                        st[nt][2 + e] *= m1;
-                    } else {
-                        dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dl);
-                        dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
-                    }
-                }
+            fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits,
+                           (size_t)b * H + h, nkt);
             // dV += P^T dO ; dK += dS^T Q   (k = query dim); dS^T -> smem for dQ
             char* sdSc = reinterpret_cast<char*>(sdS);
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc) {
                 uint32_t pa[4], sa[4];
-                pa[0] = fa_pack(st[2 * kc][0], st[2 * kc][1]);
-                pa[1] = fa_pack(st[2 * kc][2], st[2 * kc][3]);
-                pa[2] = fa_pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
-                pa[3] = fa_pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
-                sa[0] = fa_pack(dpt[2 * kc][0], dpt[2 * kc][1]);
-                sa[1] = fa_pack(dpt[2 * kc][2], dpt[2 * kc][3]);
-                sa[2] = fa_pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
-                sa[3] = fa_pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+                fa_frag(st, kc, pa);
+                fa_frag(dpt, kc, sa);
                 *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[0];
                 *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[1];
                 *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[2];
@@ -844,31 +907,8 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
 
     // epilogue: dK (scaled) -> sdS rows, dV -> buffer 0 as a BN-row tile, then 16-byte stores
     __syncthreads();
-    char* sKc = reinterpret_cast<char*>(sdS);
-    char* sVc = reinterpret_cast<char*>(sQD);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr0, nt * 8 + t4 * 2)) =
-            fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr1, nt * 8 + t4 * 2)) =
-            fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int idx = lane + k * 32;
-        const int r = idx >> 3, c = idx & 7;
-        const int key = wk0 + r;
-        if (key < T) {
-            __nv_bfloat16* dst = dqkv + ((size_t)b * T + key) * ld + HD + kvh * FA_D + c * 8;
-            *reinterpret_cast<uint4*>(dst) =
-                *reinterpret_cast<const uint4*>(sKc + fa_swz(warp * 16 + r, c * 8));
-            *reinterpret_cast<uint4*>(dst + KD) =
-                *reinterpret_cast<const uint4*>(sVc + fa_swz(warp * 16 + r, c * 8));
-        }
-    }
+    fa_bwd_store_kv(dk, dv, scale, reinterpret_cast<char*>(sdS), reinterpret_cast<char*>(sQD),
+                    warp, lane, wk0, T, dqkv + (size_t)b * T * ld + HD + kvh * FA_D, ld, KD);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1030,14 +1070,8 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
 #pragma unroll
             for (int kc = 0; kc < 2; ++kc) {
                 uint32_t pa[4], sa[4];
-                pa[0] = fa_pack(st[2 * kc][0], st[2 * kc][1]);
-                pa[1] = fa_pack(st[2 * kc][2], st[2 * kc][3]);
-                pa[2] = fa_pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
-                pa[3] = fa_pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
-                sa[0] = fa_pack(dpt[2 * kc][0], dpt[2 * kc][1]);
-                sa[1] = fa_pack(dpt[2 * kc][2], dpt[2 * kc][3]);
-                sa[2] = fa_pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
-                sa[3] = fa_pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+                fa_frag(st, kc, pa);
+                fa_frag(dpt, kc, sa);
                 const int qc = qh + kc * 16 + t4 * 2;
                 *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc)) = sa[0];
                 *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc)) = sa[1];

@@ -27,8 +27,8 @@
 // Shared-memory writes by the threads (cp.async, the dS^T stores) are made visible to the
 // tensor cores' asynchronous proxy with fence.proxy.async before the barrier that publishes them.
 //
-// Measured on H100 (PTX JIT), per launch: B=8, T=1024, H=12, KVH=4: 0.159 ms (flash_bwd_bf16 on
-// mma.sync: 0.182); B=4, T=2048, H=32, KVH=8: 0.85 ms (0.96). Timed with clock64 per phase, a
+// Measured on H100 (PTX JIT), per launch: B=8, T=1024, H=12, KVH=4: 0.153 ms (flash_bwd_bf16 on
+// mma.sync: 0.183); B=4, T=2048, H=32, KVH=8: 0.85 ms (0.96). Timed with clock64 per phase, a
 // 64 x 64 tile costs one block about 5000 cycles against 640 of tensor-core work at peak: the
 // kernel is bound by latency (the wait at each phase, the barrier before dQ, the next tile's
 // copies and dQ's atomics issuing from the same warps), not by the products; the next step is
@@ -166,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARG
             dv[i][e] = 0.f;
         }
     const int wk0 = k0 + warp * 16;
-    const int kr0 = wk0 + g, kr1 = kr0 + 8;
+    const int kr0 = wk0 + g;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
     // the dQ in flight: its accumulators, and where its rows go (rows: how many are < T)
     float dq[8][4];
@@ -220,62 +220,16 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARG
         const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
         wg_wait<1>();
         wg_pin(st);
-        // P^T = exp(scale*S^T - lse[q]), causal mask where this warp's keys reach the tile
-        const bool diag = wk0 + 15 > q0;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int q = q0 + nt * 8 + t4 * 2 + e;
-                const float lq = __shfl_sync(0xffffffffu, e ? lsb : lsa, nt * 4 + t4);
-                float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
-                float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
-                if (diag) {
-                    if (kr0 > q) p0 = 0.f;
-                    if (kr1 > q) p1 = 0.f;
-                }
-                st[nt][e] = p0;
-                st[nt][2 + e] = p1;
-            }
+        fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
         wg_wait<0>();
         wg_pin(dpt);
-        // dS^T = P^T * (dP^T - delta[q]); with dropout dP is the dropped one's gradient
-        // through the mask, and dV takes the dropped P^T
-        const int nkt = nq;
-        const int jk = kr0 & 63;
-        const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, nt * 4 + t4);
-                if (thr) {
-                    const int q = q0 + nt * 8 + t4 * 2 + e;
-                    const unsigned long long m =
-                        q < T ? __ldg(mbits + ((size_t)(b * H + h) * T + q) * nkt + (kr0 >> 6))
-                              : 0ull;
-                    const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
-                    const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
-                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] * m0 - dl);
-                    dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] * m1 - dl);
-                    st[nt][e] *= m0;
-                    st[nt][2 + e] *= m1;
-                } else {
-                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dl);
-                    dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
-                }
-            }
+        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)b * H + h,
+                       nq);
         uint32_t pa[4][4], sa[4][4];
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
-            pa[kc][0] = fa_pack(st[2 * kc][0], st[2 * kc][1]);
-            pa[kc][1] = fa_pack(st[2 * kc][2], st[2 * kc][3]);
-            pa[kc][2] = fa_pack(st[2 * kc + 1][0], st[2 * kc + 1][1]);
-            pa[kc][3] = fa_pack(st[2 * kc + 1][2], st[2 * kc + 1][3]);
-            sa[kc][0] = fa_pack(dpt[2 * kc][0], dpt[2 * kc][1]);
-            sa[kc][1] = fa_pack(dpt[2 * kc][2], dpt[2 * kc][3]);
-            sa[kc][2] = fa_pack(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]);
-            sa[kc][3] = fa_pack(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3]);
+            fa_frag(st, kc, pa[kc]);
+            fa_frag(dpt, kc, sa[kc]);
         }
         // dV += P^T dO, dK += dS^T Q (k = the tile's queries: 16 rows, 2048 bytes, a step)
         wg_fence();
@@ -316,31 +270,8 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARG
 
     // epilogue: dK (scaled) -> the dS^T tile, dV -> the first Q/dO buffer, then 16-byte stores
     __syncthreads();
-    char* sKc = sdSc;
-    char* sVc = smc + 3 * TILE;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr0, nt * 8 + t4 * 2)) =
-            fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr1, nt * 8 + t4 * 2)) =
-            fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const int idx = lane + k * 32;
-        const int r = idx >> 3, c = idx & 7;
-        const int key = wk0 + r;
-        if (key < T) {
-            __nv_bfloat16* dstk = dqkv + ((size_t)b * T + key) * ld + HD + kvh * FA_D + c * 8;
-            *reinterpret_cast<uint4*>(dstk) =
-                *reinterpret_cast<const uint4*>(sKc + fa_swz(warp * 16 + r, c * 8));
-            *reinterpret_cast<uint4*>(dstk + KD) =
-                *reinterpret_cast<const uint4*>(sVc + fa_swz(warp * 16 + r, c * 8));
-        }
-    }
+    fa_bwd_store_kv(dk, dv, scale, sdSc, smc + 3 * TILE, warp, lane, wk0, T,
+                    dqkv + (size_t)b * T * ld + HD + kvh * FA_D, ld, KD);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
