@@ -2348,20 +2348,26 @@ impl GptStep {
         let down = Lin::new(n, first.inp, width, width);
         let x = self.lora_input(a, l, g, x, first.inp)?;
         self.mm("lora", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
-        let mut covered = Vec::new();
+        // The group's adapters sit on its output in column order (q, k, v; gate, up): the
+        // gaps between them are the columns to zero.
+        let zero = |start: usize, end: usize| -> Result<()> {
+            if start == end {
+                return Ok(());
+            }
+            // SAFETY: columns start..end ≤ ldy of y's n rows (row pitch ldy) lie inside y;
+            // the memset is queued on the step's stream, which owns y.
+            unsafe { memset_cols(y + 2 * start as u64, ldy, end - start, n, &self.stream) }
+        };
+        let mut at = 0;
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
+            debug_assert!(ad.col >= at && ad.col + ad.out <= ldy);
+            zero(at, ad.col)?;
+            at = ad.col + ad.out;
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
             let (u, y) = (u + 2 * ad.ucol as u64, y + 2 * ad.col as u64);
             self.mm("lora", up.fwd(u, self.w(ad.b), y), false, ad.scale, 0.0)?;
-            covered.push((ad.col, ad.col + ad.out));
         }
-        for (start, end) in uncovered(covered, ldy) {
-            // SAFETY: columns start..end of y's n rows (row pitch ldy) lie inside y; the
-            // memset is queued on the step's stream, which owns y.
-            unsafe {
-                memset_cols(y + 2 * start as u64, ldy, end - start, n, &self.stream)?;
-            }
-        }
+        zero(at, ldy)?;
         Ok(1.0)
     }
 
@@ -3267,23 +3273,6 @@ impl GptStep {
 }
 
 /// The columns of LoRA group `g`'s `x·Aᵀ` in layer `li` (Σ r over its adapters; 0: none).
-/// The column ranges of `[0, width)` that none of `covered` (half-open ranges) holds.
-fn uncovered(mut covered: Vec<(usize, usize)>, width: usize) -> Vec<(usize, usize)> {
-    covered.sort_unstable();
-    let mut gaps = Vec::new();
-    let mut at = 0;
-    for (start, end) in covered {
-        if start > at {
-            gaps.push((at, start));
-        }
-        at = at.max(end);
-    }
-    if at < width {
-        gaps.push((at, width));
-    }
-    gaps
-}
-
 /// Zeroes `cols` 16-bit columns of `rows` rows from `p` (row pitch `ld` elements), queued on
 /// `stream`.
 ///
