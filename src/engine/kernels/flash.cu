@@ -223,12 +223,73 @@ __device__ __forceinline__ void fa_ldA_t(uint32_t s, int m0, int k0, int lane, u
                  a[1], a[2], a[3]);
 }
 
+// fa_frag's packing for the forward (defined with the backward's helpers below).
+template <int N>
+__device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t (&a)[4]);
+
+// The forward's products on mma.sync (every build): the warp's Q fragments are read from shared
+// memory once, at the first key tile, and kept in registers; K and V fragments through ldmatrix.
+struct FaFwdSync {
+    template <int D>
+    struct State {
+        uint32_t qf[D / 16][4];
+    };
+    // s = Q K^T: the warp's 16 query rows x the tile's 64 keys (mma.sync's accumulator layout)
+    template <int D>
+    static __device__ __forceinline__ void scores(State<D>& st, float (&s)[8][4], uint32_t sQa,
+                                                  uint32_t kb, int j, int warp, int lane) {
+        constexpr int KC = D / 16;
+        if (j == 0) {
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc) fa_ldA<D>(sQa, warp * 16, kc * 16, lane, st.qf[kc]);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                uint32_t b0, b1, b2, b3;
+                fa_ldB_nk<D>(kb, np * 16, kc * 16, lane, b0, b1, b2, b3);
+                fa_mma(s[2 * np], st.qf[kc], b0, b1);
+                fa_mma(s[2 * np + 1], st.qf[kc], b2, b3);
+            }
+        }
+    }
+    // oacc += P V (P: the probabilities in s, packed to 16 bits)
+    template <int D>
+    static __device__ __forceinline__ void values(float (&oacc)[D / 8][4], const float (&s)[8][4],
+                                                  uint32_t vb, int lane) {
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            uint32_t pa[4];
+            fa_frag(s, kc, pa);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t b0, b1, b2, b3;
+                fa_ldB_kn<D>(vb, kc * 16, dp * 16, lane, b0, b1, b2, b3);
+                fa_mma(oacc[2 * dp], pa, b0, b1);
+                fa_mma(oacc[2 * dp + 1], pa, b2, b3);
+            }
+        }
+    }
+    // (synchronous products: nothing in flight, nothing to publish)
+    template <int N>
+    static __device__ __forceinline__ void settle(float (&)[N][4]) {}
+    static __device__ __forceinline__ void publish() {}
+};
+
 // ---------------------------------------------------------------------------------------------
 // Forward. Block = 64 query rows of one (b, h); warp w owns rows 16w..16w+15. K/V tiles of 64
 // keys are double-buffered through shared memory with cp.async; tiles above the diagonal are
 // skipped. Heavy (late) query blocks are scheduled first. Head dim D (64 or 128); shared memory
-// `sm` holds Q [64][D], K [2][64][D] and V [2][64][D] (5·64·D bf16).
-template <int D, bool DROP>
+// `sm` holds Q [64][D], K [2][64][D] and V [2][64][D] (5·64·D bf16). MM runs the two products of a
+// tile, S = Q K^T and O += P V: FaFwdSync below (mma.sync, every build), or flash_sm90.cu's
+// FaFwdWg (Hopper's wgmma, head dim 64); the rest (mask, online softmax, dropout, epilogue) is
+// this function's for both.
+template <int D, bool DROP, class MM>
 __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
                float* __restrict__ lse, int B, int T, int H, int KVH, float scale,
                const unsigned long long* __restrict__ seed, uint32_t site, uint32_t thr,
@@ -261,7 +322,7 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const unsigned long long sd = DROP ? *seed : 0ull;
     const int nkt = (T + FA_BN - 1) / FA_BN;
 
-    uint32_t qf[KC][4];
+    typename MM::template State<D> mm;
     float oacc[2 * KC][4];
 #pragma unroll
     for (int i = 0; i < 2 * KC; ++i)
@@ -270,12 +331,10 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
     for (int j = 0; j < nkv; ++j) {
+        MM::settle(oacc);  // the last tile's products done: the prefetch below reuses its buffers
         fa_cp_wait_all();
+        MM::publish();
         __syncthreads();
-        if (j == 0) {
-#pragma unroll
-            for (int kc = 0; kc < KC; ++kc) fa_ldA<D>(sQa, warp * 16, kc * 16, lane, qf[kc]);
-        }
         if (j + 1 < nkv) {
             const uint32_t nb = ((j + 1) & 1) * TILE;
             fa_load_tile<D>(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
@@ -285,20 +344,7 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         const uint32_t kb = sKa + (j & 1) * TILE, vb = sVa + (j & 1) * TILE;
 
         float s[8][4];
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                uint32_t b0, b1, b2, b3;
-                fa_ldB_nk<D>(kb, np * 16, kc * 16, lane, b0, b1, b2, b3);
-                fa_mma(s[2 * np], qf[kc], b0, b1);
-                fa_mma(s[2 * np + 1], qf[kc], b2, b3);
-            }
-        }
+        MM::template scores<D>(mm, s, sQa, kb, j, warp, lane);
 
         const int kbase = j * FA_BN;
         if (j == qb || kbase + FA_BN > T) {
@@ -373,22 +419,9 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
             }
         }
 
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            uint32_t pa[4];
-            pa[0] = fa_pack(s[2 * kc][0], s[2 * kc][1]);
-            pa[1] = fa_pack(s[2 * kc][2], s[2 * kc][3]);
-            pa[2] = fa_pack(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-            pa[3] = fa_pack(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-#pragma unroll
-            for (int dp = 0; dp < KC; ++dp) {
-                uint32_t b0, b1, b2, b3;
-                fa_ldB_kn<D>(vb, kc * 16, dp * 16, lane, b0, b1, b2, b3);
-                fa_mma(oacc[2 * dp], pa, b0, b1);
-                fa_mma(oacc[2 * dp + 1], pa, b2, b3);
-            }
-        }
+        MM::template values<D>(oacc, s, vb, lane);
     }
+    MM::settle(oacc);
 
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -431,22 +464,22 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
 #define FA_FWD_PASS qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_bf16(FA_FWD_ARGS) {
     __shared__ __align__(128) __nv_bfloat16 sm[5 * 64 * 64];
-    flash_fwd<64, false>(FA_FWD_PASS, sm);
+    flash_fwd<64, false, FaFwdSync>(FA_FWD_PASS, sm);
 }
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_drop_bf16(FA_FWD_ARGS) {
     __shared__ __align__(128) __nv_bfloat16 sm[5 * 64 * 64];
-    flash_fwd<64, true>(FA_FWD_PASS, sm);
+    flash_fwd<64, true, FaFwdSync>(FA_FWD_PASS, sm);
 }
 // Head dim 128: 80 KB of dynamic shared memory (FA_FWD_D128_SMEM; the launcher raises the
 // function's dynamic shared memory limit), two blocks per SM.
 #define FA_FWD_D128_SMEM (5 * 64 * 128 * 2)
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_fwd_d128_bf16(FA_FWD_ARGS) {
     extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
-    flash_fwd<128, false>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
+    flash_fwd<128, false, FaFwdSync>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
 }
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_fwd_drop_d128_bf16(FA_FWD_ARGS) {
     extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
-    flash_fwd<128, true>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
+    flash_fwd<128, true, FaFwdSync>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -218,8 +218,8 @@ struct Flash {
 }
 
 impl Flash {
-    /// `hopper`: the kernels are the compute_90a build, whose head-dim-64 backward runs on
-    /// warpgroup tensor-core instructions (flash_sm90.cu).
+    /// `hopper`: the kernels are the compute_90a build, whose head-dim-64 forward and
+    /// backward run on warpgroup tensor-core instructions (flash_sm90.cu).
     fn load(
         named: &dyn Fn(&str, &'static str) -> Result<Kern>,
         hd: usize,
@@ -234,9 +234,20 @@ impl Flash {
         } else {
             k("flash_bwd", "flash_bwd")?
         };
+        let (fwd, fwd_drop) = if hopper && hd == 64 {
+            (
+                named("flash_fwd_wg_bf16", "flash_fwd_wg")?,
+                named("flash_fwd_drop_wg_bf16", "flash_fwd_wg")?,
+            )
+        } else {
+            (
+                k("flash_fwd", "flash_fwd")?,
+                k("flash_fwd_drop", "flash_fwd")?,
+            )
+        };
         let f = Self {
-            fwd: k("flash_fwd", "flash_fwd")?,
-            fwd_drop: k("flash_fwd_drop", "flash_fwd")?,
+            fwd,
+            fwd_drop,
             pre: k("flash_bwd_preprocess", "flash_bwd_preprocess")?,
             bwd,
             dq: k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?,
