@@ -179,9 +179,19 @@ __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Byte offset of element (row, col) in a 64-row tile of D columns: fa_swz's layout, or with
+// PANELS the tile as D / 64 panels of 64 columns (8 KB each, one after the other), each in
+// fa_swz<64>'s — the layout Hopper's wgmma reads with its 128-byte swizzle (the same for D = 64).
+template <int D, bool PANELS>
+__device__ __forceinline__ uint32_t fa_tile_off(int row, int col) {
+    if (PANELS) return (uint32_t)(col >> 6) * (64 * 64 * 2) + fa_swz<64>(row, col & 63);
+    return fa_swz<D>(row, col);
+}
+
 // Load a 64-row x D-col bf16 tile (rows row0..row0+63 of a matrix with leading dim ld, whose
-// column 0 is at g) into a swizzled smem tile; rows >= T are zero-filled. 128 threads.
-template <int D = 64>
+// column 0 is at g) into a swizzled smem tile (fa_tile_off's layout); rows >= T are zero-filled.
+// 128 threads.
+template <int D = 64, bool PANELS = false>
 __device__ __forceinline__ void fa_load_tile(uint32_t s, const __nv_bfloat16* g, int ld, int row0,
                                              int T, int tid) {
     constexpr int CH = D / 8;  // 16-byte chunks per row
@@ -192,7 +202,7 @@ __device__ __forceinline__ void fa_load_tile(uint32_t s, const __nv_bfloat16* g,
         const int gr = row0 + r;
         const bool ok = gr < T;
         const __nv_bfloat16* src = g + (size_t)(ok ? gr : 0) * ld + c * 8;
-        fa_cp_async16(s + fa_swz<D>(r, c * 8), src, ok);
+        fa_cp_async16(s + fa_tile_off<D, PANELS>(r, c * 8), src, ok);
     }
 }
 
@@ -230,6 +240,7 @@ __device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t
 // The forward's products on mma.sync (every build): the warp's Q fragments are read from shared
 // memory once, at the first key tile, and kept in registers; K and V fragments through ldmatrix.
 struct FaFwdSync {
+    static constexpr bool PANELS = false;  // fa_swz's tiles, for ldmatrix
     template <int D>
     struct State {
         uint32_t qf[D / 16][4];
@@ -311,9 +322,9 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
     const uint32_t TILE = FA_BN * D * 2;
 
-    fa_load_tile<D>(sQa, qg, ld, q0, T, tid);
-    fa_load_tile<D>(sKa, qg + koff, ld, 0, T, tid);
-    fa_load_tile<D>(sVa, qg + koff + KD, ld, 0, T, tid);
+    fa_load_tile<D, MM::PANELS>(sQa, qg, ld, q0, T, tid);
+    fa_load_tile<D, MM::PANELS>(sKa, qg + koff, ld, 0, T, tid);
+    fa_load_tile<D, MM::PANELS>(sVa, qg + koff + KD, ld, 0, T, tid);
     fa_cp_commit();
 
     const int nkv = qb + 1;
@@ -337,8 +348,8 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         __syncthreads();
         if (j + 1 < nkv) {
             const uint32_t nb = ((j + 1) & 1) * TILE;
-            fa_load_tile<D>(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
-            fa_load_tile<D>(sVa + nb, qg + koff + KD, ld, (j + 1) * FA_BN, T, tid);
+            fa_load_tile<D, MM::PANELS>(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
+            fa_load_tile<D, MM::PANELS>(sVa + nb, qg + koff + KD, ld, (j + 1) * FA_BN, T, tid);
             fa_cp_commit();
         }
         const uint32_t kb = sKa + (j & 1) * TILE, vb = sVa + (j & 1) * TILE;
@@ -437,9 +448,9 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
 #pragma unroll
     for (int nt = 0; nt < 2 * KC; ++nt) {
-        *reinterpret_cast<uint32_t*>(sQc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) =
+        *reinterpret_cast<uint32_t*>(sQc + fa_tile_off<D, MM::PANELS>(lr0, nt * 8 + t4 * 2)) =
             fa_pack(oacc[nt][0] * inv0, oacc[nt][1] * inv0);
-        *reinterpret_cast<uint32_t*>(sQc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) =
+        *reinterpret_cast<uint32_t*>(sQc + fa_tile_off<D, MM::PANELS>(lr1, nt * 8 + t4 * 2)) =
             fa_pack(oacc[nt][2] * inv1, oacc[nt][3] * inv1);
     }
     __syncwarp();
@@ -451,7 +462,7 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         const int grow = q0 + warp * 16 + r;
         if (grow < T)
             *reinterpret_cast<uint4*>(o + ((size_t)b * T + grow) * HD + h * D + c * 8) =
-                *reinterpret_cast<const uint4*>(sQc + fa_swz<D>(warp * 16 + r, c * 8));
+                *reinterpret_cast<const uint4*>(sQc + fa_tile_off<D, MM::PANELS>(warp * 16 + r, c * 8));
     }
 }
 

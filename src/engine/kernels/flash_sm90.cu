@@ -10,6 +10,8 @@
 //   the launcher raises the function's limit). Same preprocess before and dq_convert after.
 //   flash_fwd_wg_bf16, flash_fwd_drop_wg_bf16: the arguments, grid and block of flash_fwd_bf16 /
 //   flash_fwd_drop_bf16, dynamic smem = 0 (static 41 KB).
+//   flash_fwd_wg_d128_bf16, flash_fwd_drop_wg_d128_bf16: those of flash_fwd[_drop]_d128_bf16,
+//   dynamic smem = FA_FWD_D128_SMEM + 1024 (spec::flash_fwd_wg_smem).
 // =============================================================================================
 //
 // One block = one warpgroup = 64 keys of one (b, key/value head); it loops over the query tiles
@@ -286,23 +288,32 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARG
 // The block (one warpgroup, 64 query rows) reads K and V once from shared memory where the
 // mma.sync kernel's four warps each load them into registers through ldmatrix. The scores are
 // waited for at once (the softmax needs them); P V stays in flight until the next tile's top,
-// where it is waited for before the prefetch refills its buffers. 112 registers (128 with
-// dropout), four blocks an SM. Measured on H100 (B=8, T=1024, H=12, KVH=4, PTX JIT): 0.043 ms a
-// layer (the mma.sync kernel: 0.056).
+// where it is waited for before the prefetch refills its buffers. Head dim 128: the tiles are two
+// 64-column panels each (fa_tile_off with PANELS), S takes eight k-steps over both, and P V is
+// two products, one per panel of V into the matching half of O. Registers: 112 (128 with
+// dropout) at head dim 64, four blocks an SM; 168 (213) at 128, two. Measured on H100 (B=8,
+// T=1024, PTX JIT), a layer: 0.043 ms at H=12, KVH=4, head dim 64 (the mma.sync kernel: 0.056);
+// 0.045 at H=6, KVH=2, head dim 128 (0.056).
 struct FaFwdWg {
+    static constexpr bool PANELS = true;  // 64-column panels in the 128-byte swizzle
     template <int D>
     struct State {};
+    // S = Q K^T: D / 16 k-steps, four in each 64-column panel of Q and K
     template <int D>
     static __device__ __forceinline__ void scores(State<D>&, float (&s)[8][4], uint32_t sQa,
                                                   uint32_t kb, int, int, int) {
-        static_assert(D == 64, "the wgmma forward is written for head dim 64");
+        static_assert(D == 64 || D == 128, "the wgmma forward is written for head dims 64 and 128");
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_ss<0, 0>(s, wg_desc(sQa + kc * 32), wg_desc(kb + kc * 32), kc);
+        for (int kc = 0; kc < D / 16; ++kc) {
+            const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
+            wg_ss<0, 0>(s, wg_desc(sQa + off), wg_desc(kb + off), kc);
+        }
         wg_commit();
         wg_wait<0>();
         wg_pin(s);
     }
+    // O += P V: for each 64-column panel of V, the matching 64 columns of O
     template <int D>
     static __device__ __forceinline__ void values(float (&oacc)[D / 8][4], const float (&s)[8][4],
                                                   uint32_t vb, int) {
@@ -311,13 +322,21 @@ struct FaFwdWg {
         for (int kc = 0; kc < 4; ++kc) fa_frag(s, kc, pa[kc]);
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(oacc, pa[kc], wg_desc(vb + kc * 2048));
+        for (int p = 0; p < D / 64; ++p) {
+            float(&op)[8][4] = *reinterpret_cast<float(*)[8][4]>(&oacc[8 * p]);
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)
+                wg_rs<1>(op, pa[kc], wg_desc(vb + p * (64 * 64 * 2) + kc * 2048));
+        }
         wg_commit();
     }
     template <int N>
     static __device__ __forceinline__ void settle(float (&oacc)[N][4]) {
         wg_wait<0>();
-        wg_pin(oacc);
+#pragma unroll
+        for (int i = 0; i < N; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(oacc[i][e])::"memory");
     }
     // cp.async's writes, visible to the tensor cores' asynchronous proxy (before the barrier)
     static __device__ __forceinline__ void publish() { fa_fence_async(); }
@@ -335,5 +354,17 @@ struct FaFwdWg {
     }
 FA_WG_FWD(flash_fwd_wg_bf16, false)
 FA_WG_FWD(flash_fwd_drop_wg_bf16, true)
+// Head dim 128: flash_fwd_d128_bf16's contract, dynamic smem = FA_FWD_D128_SMEM + 1024 (the tiles
+// start on a 1024-byte boundary), two blocks an SM.
+#define FA_WG_FWD128(name, drop)                                                               \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) name(FA_FWD_ARGS) {             \
+        extern __shared__ __align__(1024) unsigned char fa_wg_smem[];                         \
+        const uint32_t raw = fa_smem_u32(fa_wg_smem);                                          \
+        __nv_bfloat16* sm =                                                                    \
+            reinterpret_cast<__nv_bfloat16*>(fa_wg_smem + (((raw + 1023u) & ~1023u) - raw));   \
+        flash_fwd<128, drop, FaFwdWg>(FA_FWD_PASS, sm);                                        \
+    }
+FA_WG_FWD128(flash_fwd_wg_d128_bf16, false)
+FA_WG_FWD128(flash_fwd_drop_wg_d128_bf16, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

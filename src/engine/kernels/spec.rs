@@ -57,6 +57,16 @@ pub fn flash_smem(hd: usize) -> (u32, u32) {
     }
 }
 
+/// Dynamic shared memory of the Hopper (wgmma) forward for head dim `hd`: the mma.sync
+/// forward's, and 1 KB to start the tiles on a 1024-byte boundary where it is dynamic (head dim
+/// 64's is static: 0).
+pub fn flash_fwd_wg_smem(hd: usize) -> u32 {
+    match flash_smem(hd).0 {
+        0 => 0,
+        bytes => bytes + 1024,
+    }
+}
+
 /// Dynamic shared memory of the Hopper backward for head dim 64 (flash_sm90.cu's FA_WG_SMEM:
 /// seven 64 x 64 bf16 tiles, a 64 x 64 fp32 staging tile, and 1 KB to align them to 1024 bytes).
 pub const FLASH_BWD_WG_SMEM: u32 = 7 * 64 * 64 * 2 + 64 * 64 * 4 + 1024;

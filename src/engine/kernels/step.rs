@@ -218,8 +218,8 @@ struct Flash {
 }
 
 impl Flash {
-    /// `hopper`: the kernels are the compute_90a build, whose head-dim-64 forward and
-    /// backward run on warpgroup tensor-core instructions (flash_sm90.cu).
+    /// `hopper`: the kernels are the compute_90a build, whose forward (and head-dim-64
+    /// backward) run on warpgroup tensor-core instructions (flash_sm90.cu).
     fn load(
         named: &dyn Fn(&str, &'static str) -> Result<Kern>,
         hd: usize,
@@ -227,17 +227,18 @@ impl Flash {
     ) -> Result<Self> {
         let sfx = if hd == 64 { "" } else { "_d128" };
         let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
-        let (fwd_smem, mut bwd_smem) = super::spec::flash_smem(hd);
+        let (mut fwd_smem, mut bwd_smem) = super::spec::flash_smem(hd);
         let bwd = if hopper && hd == 64 {
             bwd_smem = super::spec::FLASH_BWD_WG_SMEM;
             named("flash_bwd_wg_bf16", "flash_bwd_wg")?
         } else {
             k("flash_bwd", "flash_bwd")?
         };
-        let (fwd, fwd_drop) = if hopper && hd == 64 {
+        let (fwd, fwd_drop) = if hopper {
+            fwd_smem = super::spec::flash_fwd_wg_smem(hd);
             (
-                named("flash_fwd_wg_bf16", "flash_fwd_wg")?,
-                named("flash_fwd_drop_wg_bf16", "flash_fwd_wg")?,
+                named(&format!("flash_fwd_wg{sfx}_bf16"), "flash_fwd_wg")?,
+                named(&format!("flash_fwd_drop_wg{sfx}_bf16"), "flash_fwd_wg")?,
             )
         } else {
             (
