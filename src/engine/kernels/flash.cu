@@ -298,7 +298,7 @@ struct FaFwdSync {
 // skipped. Heavy (late) query blocks are scheduled first. Head dim D (64 or 128); shared memory
 // `sm` holds Q [64][D], K [2][64][D] and V [2][64][D] (5·64·D bf16). MM runs the two products of a
 // tile, S = Q K^T and O += P V: FaFwdSync below (mma.sync, every build), or flash_sm90.cu's
-// FaFwdWg (Hopper's wgmma, head dim 64); the rest (mask, online softmax, dropout, epilogue) is
+// FaFwdWg (Hopper's wgmma, head dims 64 and 128); the rest (mask, online softmax, dropout, epilogue) is
 // this function's for both.
 template <int D, bool DROP, class MM>
 __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,

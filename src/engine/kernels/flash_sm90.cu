@@ -1,8 +1,8 @@
-// Flash attention for head dim 64 on Hopper (sm_90a), its products as warpgroup tensor-core
-// instructions (wgmma, 64x64x16 each) instead of mma.sync: the main kernel of flash.cu's backward
-// (launch 2 of 3) and, at the end of this file, the forward. Included by kernels.cu; compiled
-// only into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded on compute
-// capability 9.0).
+// Flash attention on Hopper (sm_90a), its products as warpgroup tensor-core instructions (wgmma,
+// 64x64x16 each) instead of mma.sync: the main kernel of flash.cu's backward (launch 2 of 3) for
+// head dim 64 and, at the end of this file, the forward for head dims 64 and 128. Included by
+// kernels.cu; compiled only into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded
+// on compute capability 9.0).
 //
 // ============================== LAUNCH CONTRACT ==============================================
 //   flash_bwd_wg_bf16: the arguments, grid and block of flash_bwd_bf16 (FA_BWD_NW = 4: grid =
@@ -280,7 +280,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARG
 }
 
 // ---------------------------------------------------------------------------------------------
-// The forward for head dim 64 on wgmma: flash.cu's flash_fwd (mask, online softmax, dropout,
+// The forward on wgmma (head dims 64 and 128): flash.cu's flash_fwd (mask, online softmax, dropout,
 // epilogue) with its two products per key tile as warpgroup instructions —
 //   S  = Q K^T   (A = Q, B = K, both K-major from shared memory; 4 x m64n64k16)
 //   O += P V     (A = P from registers, packed as mma.sync's A fragments; B = V read
