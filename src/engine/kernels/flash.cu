@@ -233,9 +233,16 @@ __device__ __forceinline__ void fa_ldA_t(uint32_t s, int m0, int k0, int lane, u
                  a[1], a[2], a[3]);
 }
 
-// fa_frag's packing for the forward (defined with the backward's helpers below).
+// The 16-bit A fragments (mma.sync's layout) of k-step kc (queries 16kc..16kc+15) of an
+// accumulator tile: a 16-row block of P (the forward's P V) or of P^T or dS^T (the backward's
+// dV += P^T dO, dK += dS^T Q) as an A operand.
 template <int N>
-__device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t (&a)[4]);
+__device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t (&a)[4]) {
+    a[0] = fa_pack(x[2 * kc][0], x[2 * kc][1]);
+    a[1] = fa_pack(x[2 * kc][2], x[2 * kc][3]);
+    a[2] = fa_pack(x[2 * kc + 1][0], x[2 * kc + 1][1]);
+    a[3] = fa_pack(x[2 * kc + 1][2], x[2 * kc + 1][3]);
+}
 
 // The forward's products on mma.sync (every build): the warp's Q fragments are read from shared
 // memory once, at the first key tile, and kept in registers; K and V fragments through ldmatrix.
@@ -675,16 +682,6 @@ __device__ __forceinline__ void fa_bwd_dscores(float (&st)[8][4], float (&dpt)[8
                 dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
             }
         }
-}
-
-// The 16-bit A fragments (mma.sync's layout) of k-step kc (queries 16kc..16kc+15) of an
-// accumulator tile: a 16-row block of P^T or dS^T as the A operand of dV += P^T dO, dK += dS^T Q.
-template <int N>
-__device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t (&a)[4]) {
-    a[0] = fa_pack(x[2 * kc][0], x[2 * kc][1]);
-    a[1] = fa_pack(x[2 * kc][2], x[2 * kc][3]);
-    a[2] = fa_pack(x[2 * kc + 1][0], x[2 * kc + 1][1]);
-    a[3] = fa_pack(x[2 * kc + 1][2], x[2 * kc + 1][3]);
 }
 
 // Epilogue: warp w's dK (scaled) and dV rows (keys wk0..wk0+15, local rows 16w + g, + 8)

@@ -66,9 +66,10 @@ __device__ __forceinline__ void fa_fence_async() {
 }
 // Keeps the compiler from moving reads or writes of an accumulator across the asynchronous
 // products that own it until the wait.
-__device__ __forceinline__ void wg_pin(float (&d)[8][4]) {
+template <int N>
+__device__ __forceinline__ void wg_pin(float (&d)[N][4]) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
+    for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
@@ -333,10 +334,7 @@ struct FaFwdWg {
     template <int N>
     static __device__ __forceinline__ void settle(float (&oacc)[N][4]) {
         wg_wait<0>();
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(oacc[i][e])::"memory");
+        wg_pin(oacc);
     }
     // cp.async's writes, visible to the tensor cores' asynchronous proxy (before the barrier)
     static __device__ __forceinline__ void publish() { fa_fence_async(); }
