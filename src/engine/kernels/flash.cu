@@ -233,7 +233,7 @@ __device__ __forceinline__ void fa_ldA_t(uint32_t s, int m0, int k0, int lane, u
                  a[1], a[2], a[3]);
 }
 
-// The 16-bit A fragments (mma.sync's layout) of k-step kc (queries 16kc..16kc+15) of an
+// The 16-bit A fragments (mma.sync's layout) of k-step kc (columns 16kc..16kc+15) of an
 // accumulator tile: a 16-row block of P (the forward's P V) or of P^T or dS^T (the backward's
 // dV += P^T dO, dK += dS^T Q) as an A operand.
 template <int N>
