@@ -230,6 +230,11 @@ struct Trainer {
     /// ZeRO-1 (`distributed.shard_optimizer` with several ranks): this rank's share of the
     /// optimizer state, built at the first optimizer step (the flat layout is known then).
     shard: Option<super::zero::Shard>,
+    /// ZeRO-1 with the whole-model step: the last update wrote only this rank's range of the
+    /// fp32 master weights (and every rank's bf16 copies came by all-gather), so the masters
+    /// outside that range are stale until [`Trainer::full_masters`] gathers them — which every
+    /// reader of the fp32 weights (checkpoints, evaluation, samples, the end) calls first.
+    masters_partial: bool,
     /// `distributed.reduce_dtype = "bf16"`: the bf16 buffer the ranks sum the flat gradient
     /// buffer in (allocated at the first sum).
     wire: Option<Tensor>,
@@ -525,6 +530,7 @@ impl Trainer {
             sample,
             weights_copied: false,
             shard: None,
+            masters_partial: false,
             wire: None,
             time_due: false,
         };
@@ -541,6 +547,8 @@ impl Trainer {
     /// changes, honour a changed micro-batch); otherwise a fault-recovery restore.
     fn restore(&mut self, spec: &Path, resume: bool) -> Result<(), EngineError> {
         self.weights_copied = false;
+        // (Every weight comes from the checkpoint.)
+        self.masters_partial = false;
         let dir = checkpoint::resolve(spec)?;
         let l = checkpoint::load(&dir, &self.device)?;
         let mismatch = |message: String| {
@@ -798,7 +806,8 @@ impl Trainer {
     fn eval_windows(&mut self, b: &Batch) -> candle_core::Result<Vec<f64>> {
         self.check_whole()?;
         if let Some(whole) = self.whole.as_mut().filter(|_| b.batch == self.micro_batch) {
-            let losses = whole.eval_losses(&b.inputs, &b.targets, b.batch, self.weights_copied)?;
+            let current = self.weights_copied || self.masters_partial;
+            let losses = whole.eval_losses(&b.inputs, &b.targets, b.batch, current)?;
             // The bf16 copies are current now, until the next optimizer step.
             self.weights_copied = true;
             return Ok(losses);
@@ -993,10 +1002,12 @@ impl Trainer {
         let mut wait = Duration::ZERO;
         let t0 = Instant::now();
         let inject_nan = self.take_nan_fault();
+        let sharding = self.sharding();
         let Some(whole) = self.whole.as_mut() else {
             return Err(candle_core::Error::Msg("no whole-model step".into()));
         };
-        whole.begin(std::mem::take(&mut self.weights_copied))?;
+        // (With partial masters the bf16 copies are the only whole weights: never cast over.)
+        whole.begin(std::mem::take(&mut self.weights_copied) || self.masters_partial)?;
         let tokens = (self.micro_batch * self.model.shape.seq_len * self.accum) as f32;
         // fp16: the backward carries the loss scale from the loss gradient on (so small
         // gradients stay above fp16's underflow); the update divides it out.
@@ -1018,7 +1029,9 @@ impl Trainer {
             whole.micro(&batch.inputs, &batch.targets, batch.batch, g)?;
         }
         let mut sumsq_val = 0.0;
-        if !self.reg_slots.is_empty() {
+        // ZeRO-1: Σw² and the penalty's gradient come from each rank's own range after the
+        // sum ([`Self::shard_reduce`]; the masters outside it may be stale).
+        if !self.reg_slots.is_empty() && !sharding {
             let vars: Vec<&candle_core::Var> = self
                 .reg_slots
                 .iter()
@@ -1166,7 +1179,6 @@ const MAX_NONFINITE_IN_A_ROW: u32 = 20;
 /// buffer each: a few large collectives instead of one per tensor, with bounded extra memory).
 const BUCKET_ELEMS: usize = 1 << 25;
 
-/// The mean over the ranks of every gradient, bucket by bucket.
 /// A step's loss, gradients and rank timings after data parallelism's reduction.
 struct Reduced {
     ce: f64,
@@ -1177,6 +1189,9 @@ struct Reduced {
     /// ZeRO-1: the flat buffer whose rank's range holds the summed gradients, and Σg² over
     /// all ranks' ranges (before `grad_scale`).
     sharded: Option<(Tensor, f64)>,
+    /// ZeRO-1 on the whole-model step: Σw² of the regularized weights, summed over the ranks'
+    /// ranges (the step left it to the shards; None: the step's own figure stands).
+    reg_sumsq: Option<f64>,
     /// A timed checkpoint is due after this step (rank 0's clock, every rank's decision).
     time_due: bool,
 }
@@ -1467,6 +1482,7 @@ impl Trainer {
                 ranks: Vec::new(),
                 grad_scale: 1.0,
                 sharded: None,
+                reg_sumsq: None,
                 time_due: self.time_due,
             });
         }
@@ -1512,17 +1528,21 @@ impl Trainer {
                 ranks: Vec::new(),
                 grad_scale: 1.0,
                 sharded: None,
+                reg_sumsq: None,
                 time_due: self.time_due,
             });
         };
         // [Σ CE, then per rank: compute ms, data wait ms, memory bytes, GPU util %, GPU °C
-        // (-1: unknown), then Σg² of the ranks' shards and rank 0's timed-checkpoint
-        // verdict]; each rank fills only its own slots, so the sum gathers them.
+        // (-1: unknown), then Σg² of the ranks' shards, rank 0's timed-checkpoint verdict
+        // and Σw² of the shards' regularized weights]; each rank fills only its own slots,
+        // so the sum gathers them.
         const PER: usize = 5;
-        let mut host = vec![0.0; 3 + world * PER];
+        let mut host = vec![0.0; 4 + world * PER];
         host[0] = ce;
-        host[1 + world * PER] = sharded.as_ref().map_or(0.0, |(_, sq)| *sq);
+        host[1 + world * PER] = sharded.as_ref().map_or(0.0, |s| s.1);
         host[2 + world * PER] = f64::from(u8::from(self.rank == 0 && self.time_due));
+        let reg_sumsq = sharded.as_ref().and_then(|s| s.2);
+        host[3 + world * PER] = reg_sumsq.unwrap_or(0.0);
         let mine = 1 + self.rank * PER;
         host[mine] = compute.as_secs_f64() * 1e3;
         host[mine + 1] = wait.as_secs_f64() * 1e3;
@@ -1546,7 +1566,7 @@ impl Trainer {
         // The whole-model step's gradients are views of one flat buffer: summed in place in
         // one call, and the 1/world left to the optimizer's gradient scale (no copies).
         let time_due = host[2 + world * PER] > 0.5;
-        if let Some((flat, _)) = sharded {
+        if let Some((flat, _, _)) = sharded {
             self.device.synchronize()?;
             return Ok(Reduced {
                 ce: host[0] / world as f64,
@@ -1554,6 +1574,7 @@ impl Trainer {
                 ranks,
                 grad_scale: 1.0 / world as f64,
                 sharded: Some((flat, host[1 + world * PER])),
+                reg_sumsq: reg_sumsq.map(|_| host[3 + world * PER]),
                 time_due,
             });
         }
@@ -1578,12 +1599,17 @@ impl Trainer {
             ranks,
             grad_scale,
             sharded: None,
+            reg_sumsq: None,
             time_due,
         })
     }
 
-    /// ZeRO-1's optimizer step: this rank's range updated, the ranges all-gathered, and
-    /// every rank's weights set from them (the step's bf16 copies are cast again).
+    /// ZeRO-1's optimizer step: this rank's range updated, then all-gathered. On the
+    /// whole-model step the update writes its range's bf16 compute copies and those are
+    /// gathered (half the bytes of the fp32 weights, and no cast or scatter after): the
+    /// step computes with them, and the fp32 masters outside this rank's range wait for
+    /// [`Self::full_masters`]. Otherwise the fp32 weights are gathered and every rank's
+    /// weights set from them (the step's bf16 copies are cast again).
     fn sharded_update(
         &mut self,
         flat: &Tensor,
@@ -1595,10 +1621,52 @@ impl Trainer {
                 "optimizer sharding without ranks".into(),
             ));
         };
-        shard.update(&mut self.opt, flat, lr, grad_scale)?;
+        let step = self.whole.as_ref().filter(|w| {
+            w.weight_buffer().is_some()
+                && self
+                    .opt
+                    .slots
+                    .iter()
+                    .filter(|s| w.weight_copy(&s.var).is_some())
+                    .count()
+                    == w.weight_count()
+        });
+        if shard.update(&mut self.opt, flat, lr, grad_scale, step)? {
+            if let Some(copies) = step.and_then(|w| w.weight_buffer()) {
+                d.all_gather_in_place(copies)?;
+                self.weights_copied = true;
+                self.masters_partial = true;
+                return Ok(());
+            }
+        }
         d.all_gather_in_place(flat)?;
         shard.scatter_weights(&self.opt, flat)?;
         self.weights_copied = false;
+        self.masters_partial = false;
+        Ok(())
+    }
+
+    /// ZeRO-1: every rank's fp32 master weights made whole again after updates that left
+    /// them partial (each rank's range into the gradient buffer, free between steps, and
+    /// an all-gather). A collective: every rank calls it at the same points (before a
+    /// checkpoint, an evaluation, and at the end). Nothing to do otherwise.
+    fn full_masters(&mut self) -> Result<(), EngineError> {
+        if !self.masters_partial {
+            return Ok(());
+        }
+        let (Some(shard), Some(d), Some(flat)) = (
+            self.shard.as_ref(),
+            self.dist.as_mut(),
+            self.whole.as_ref().and_then(|w| w.grad_buffer()),
+        ) else {
+            return Err(EngineError::Config(
+                "optimizer sharding: partial weights without ranks".into(),
+            ));
+        };
+        shard.masters_into(&self.opt, flat)?;
+        d.all_gather_in_place(flat)?;
+        shard.scatter_weights(&self.opt, flat)?;
+        self.masters_partial = false;
         Ok(())
     }
 
@@ -1623,8 +1691,14 @@ impl Trainer {
 
     /// ZeRO-1, after the backward: the flat gradient buffer (the whole-model step's, or the
     /// gradients packed) reduce-scattered — unless the step summed it already, bucket by
-    /// bucket — and Σg² over this rank's range. The shard is built on the first call.
-    fn shard_reduce(&mut self, grads: &[Tensor]) -> Result<(Tensor, f64), EngineError> {
+    /// bucket — and Σg² over this rank's range. On the whole-model step also Σw² of this
+    /// rank's range of the regularized weights, and the penalty's gradient added to that
+    /// range (world times, as the update divides the sum by the world). The shard is built
+    /// on the first call.
+    fn shard_reduce(
+        &mut self,
+        grads: &[Tensor],
+    ) -> Result<(Tensor, f64, Option<f64>), EngineError> {
         let buffer = self.whole.as_ref().and_then(|w| w.grad_buffer()).cloned();
         if self.shard.is_none() {
             let (places, total) = match &buffer {
@@ -1674,11 +1748,38 @@ impl Trainer {
         if !self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums()) {
             self.sum_flat(&flat, Some(range))?;
         }
+        let reg = self.shard_penalty()?;
         let sq = match self.shard.as_ref() {
             Some(s) => s.grad_sumsq(&flat)?,
             None => 0.0,
         };
-        Ok((flat, sq))
+        Ok((flat, sq, reg))
+    }
+
+    /// The whole-model step's SCU term under ZeRO-1, from this rank's range (exact there,
+    /// whatever the rest holds): Σw² of its regularized pieces, and λ's gradient
+    /// 2·λ·coef·w added to its range of the summed gradients. None off the whole-model step
+    /// (the per-op path keeps the term in its loss).
+    fn shard_penalty(&mut self) -> Result<Option<f64>, EngineError> {
+        let (Some(shard), Some(whole)) = (self.shard.as_ref(), self.whole.as_mut()) else {
+            return Ok(None);
+        };
+        if self.reg_slots.is_empty() {
+            return Ok(Some(0.0));
+        }
+        let sumsq = shard.weight_sumsq(&self.opt, &self.reg_slots)?;
+        let lambda = self.scu.lambda;
+        if lambda != 0.0 {
+            let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
+            let a = 2.0 * lambda * coef * self.world as f64 * self.scaler.scale;
+            let pieces: Vec<(&candle_core::Var, usize, usize)> = shard
+                .pieces_of(&self.reg_slots)
+                .into_iter()
+                .map(|(slot, at, n)| (&self.opt.slots[slot].var, at, n))
+                .collect();
+            whole.add_scaled_pieces(&pieces, a)?;
+        }
+        Ok(Some(sumsq))
     }
 
     /// Sum the flat f32 gradient buffer over the ranks, in place: all of it, or (ZeRO-1, a
@@ -1725,7 +1826,8 @@ impl Trainer {
     }
 
     fn checkpoint_event(&mut self, start: Instant, out: &mut Recorder) -> Result<(), EngineError> {
-        // ZeRO-1: the moments are gathered from every rank first (a collective).
+        // ZeRO-1: the weights and the moments are gathered from every rank first (collectives).
+        self.full_masters()?;
         let moments = self.gather_moments()?;
         if self.rank != 0 {
             // Rank 0 writes the job's checkpoints; the ranks hold the same state.
@@ -1900,19 +2002,16 @@ impl Trainer {
     /// [`AdamW::penalty_stats`], with a sharded optimizer's second moments summed over the
     /// ranks (a collective then: every rank runs the controller at the same steps).
     fn penalty_stats(&mut self) -> Result<(f64, f64), EngineError> {
-        if self.shard.is_none() {
-            return Ok(self.opt.penalty_stats(&self.reg_slots)?);
-        }
-        let now = match self.reg_sumsq()? {
-            Some(t) => t.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-            None => 0.0,
-        };
         let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
-            return Ok((now, 0.0));
+            return Ok(self.opt.penalty_stats(&self.reg_slots)?);
         };
-        let mut weighted = [shard.penalty_weighted(&self.opt, &self.reg_slots)?];
-        d.all_reduce_host(&mut weighted)?;
-        Ok((now, weighted[0]))
+        // (Both from the ranks' own ranges: the weights outside them may be stale.)
+        let mut sums = [
+            shard.weight_sumsq(&self.opt, &self.reg_slots)?,
+            shard.penalty_weighted(&self.opt, &self.reg_slots)?,
+        ];
+        d.all_reduce_host(&mut sums)?;
+        Ok((sums[0], sums[1]))
     }
 
     fn control(&mut self, ce_mean: f64, sumsq: f64, out: &mut Recorder) -> Result<(), EngineError> {
@@ -2070,6 +2169,7 @@ impl Trainer {
                     if save {
                         self.checkpoint_event(start, out)?;
                     }
+                    self.full_masters()?;
                     return Ok(stop_reason(interrupted, self.step));
                 }
             }
@@ -2098,6 +2198,7 @@ impl Trainer {
                     if save {
                         self.checkpoint_event(start, out)?;
                     }
+                    self.full_masters()?;
                     return Ok(stop_reason(interrupted, self.step));
                 }
             }
@@ -2165,8 +2266,10 @@ impl Trainer {
                 ranks,
                 grad_scale,
                 sharded,
+                reg_sumsq,
                 time_due,
             } = self.reduce_step(ce, grads, wait, compute)?;
+            let sumsq = reg_sumsq.unwrap_or(sumsq);
             // The whole-model step's gradients still carry fp16's loss scale (the per-op path
             // divides it out itself): the update takes it out with the other factors.
             let grad_scale = match &self.whole {
@@ -2289,7 +2392,11 @@ impl Trainer {
             let last = self.step == max_steps;
             let eval_due =
                 (every > 0 && self.step.is_multiple_of(every)) || (last && self.cfg.eval.at_end);
-            // Rank 0 evaluates (the held-out loss does not depend on the rank).
+            // Rank 0 evaluates (the held-out loss does not depend on the rank), with whole
+            // weights (ZeRO-1's are gathered first: a collective, so on every rank).
+            if eval_due {
+                self.full_masters()?;
+            }
             if eval_due && self.rank == 0 {
                 let ev = self.evaluate()?;
                 if self.best_val.is_none_or(|b| ev.val_loss < b) {
@@ -2312,6 +2419,7 @@ impl Trainer {
             }
         }
         self.elapsed_before = self.elapsed(start);
+        self.full_masters()?;
         Ok((
             FinishReason::Completed,
             format!("reached max_steps ({max_steps})"),

@@ -5,14 +5,21 @@
 //! or a concatenation on the per-op path) of `world · len` elements. Rank r owns the range
 //! `[r·len, (r+1)·len)`: after a reduce-scatter it holds the summed gradient of that range
 //! only, keeps Adam's moments for it only (`2 · len` floats instead of `2 · world · len`),
-//! updates the fp32 weights that fall in it, writes them into its range of the buffer, and an
-//! all-gather hands every rank every range: each rank then sets its weights from the buffer.
-//! Reduce-scatter plus all-gather move the same bytes as the one all-reduce they replace.
+//! updates the fp32 weights that fall in it, and an all-gather hands every rank every range.
 //!
-//! The weights themselves stay whole on every rank (the model computes with them, SCU reads
-//! Σw², evaluation and checkpoints read them). Checkpoints keep the format of a single
-//! process: [`Shard::gather_moments`] collects the moments (a collective: every rank calls it,
-//! rank 0 writes), so a run may resume at another world size, sharded or not.
+//! What is gathered depends on who computes with the weights. The whole-model CUDA step
+//! computes with bf16 copies laid out as its gradient buffer is: the fused update writes the
+//! range's copies, the ranks all-gather that bf16 buffer (reduce-scatter plus all-gather move
+//! the bytes of one all-reduce), and the fp32 masters outside a rank's range go stale — the
+//! trainer gathers them ([`Shard::masters_into`] and an fp32 all-gather) only before what reads
+//! them: checkpoints, evaluation, the end of the run. SCU's Σw² and its gradient come from each
+//! rank's own, always exact, range ([`Shard::weight_sumsq`], [`Shard::pieces_of`]). Elsewhere
+//! (the per-op path) the updated fp32 weights go into the rank's range of the buffer, are
+//! all-gathered, and every rank sets its weights from them.
+//!
+//! Checkpoints keep the format of a single process: [`Shard::gather_moments`] collects the
+//! moments (a collective: every rank calls it, rank 0 writes), so a run may resume at another
+//! world size, sharded or not.
 
 use super::optim::AdamW;
 use crate::distributed::{Collective, CommError};
@@ -83,6 +90,29 @@ pub struct Shard {
     /// The last update wrote this rank's pieces into the weights themselves (the fused
     /// kernel), not only into the buffer.
     in_place: bool,
+}
+
+/// Σx² over f32 tensors: one fused launch on the GPU, the plain composition otherwise.
+fn sumsq(views: &[Tensor]) -> Result<f64> {
+    if views.is_empty() {
+        return Ok(0.0);
+    }
+    if views
+        .iter()
+        .all(|v| super::kernels::usable(v) && v.dtype() == DType::F32)
+    {
+        return super::kernels::sumsq(views);
+    }
+    let mut s = 0.0;
+    for v in views {
+        s += v
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+    }
+    Ok(s)
 }
 
 fn comm(e: CommError) -> candle_core::Error {
@@ -168,12 +198,12 @@ impl Shard {
         Tensor::cat(&parts, 0)
     }
 
-    /// This rank's pieces of `flat` (a view of each).
     /// This rank's range of the flat buffer, in elements.
     pub fn range(&self) -> std::ops::Range<usize> {
         self.rank * self.len..(self.rank + 1) * self.len
     }
 
+    /// This rank's pieces of `flat` (a view of each).
     fn views(&self, flat: &Tensor) -> Result<Vec<Tensor>> {
         let lo = self.rank * self.len;
         self.pieces
@@ -185,31 +215,24 @@ impl Shard {
     /// Σg² over this rank's pieces of the (reduce-scattered) gradient buffer; the ranks'
     /// values sum to the square of the global gradient norm.
     pub fn grad_sumsq(&self, flat: &Tensor) -> Result<f64> {
-        let views = self.views(flat)?;
-        if views.iter().all(super::kernels::usable) && !views.is_empty() {
-            return super::kernels::sumsq(&views);
-        }
-        let mut s = 0.0;
-        for v in &views {
-            s += v
-                .sqr()?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
-        }
-        Ok(s)
+        sumsq(&self.views(flat)?)
     }
 
     /// One AdamW step over this rank's range: the summed gradient in `flat` (times
-    /// `grad_scale`) updates the weights' pieces and the moments, and the updated weights
-    /// are written into this rank's range of `flat` for the all-gather.
+    /// `grad_scale`) updates the weights' pieces and the moments. Given the whole-model
+    /// step (`copies`), the fused update writes the updated pieces' bf16 compute copies into
+    /// the step's weight buffer and returns true: the caller all-gathers that buffer, and the
+    /// fp32 weights outside this rank's range are then stale until [`Self::masters_into`]
+    /// and an all-gather of `flat` bring them back. Otherwise (false) the updated weights are
+    /// written into this rank's range of `flat` for an all-gather of the fp32 weights.
     pub fn update(
         &mut self,
         opt: &mut AdamW,
         flat: &Tensor,
         lr: f64,
         grad_scale: f64,
-    ) -> Result<()> {
+        copies: Option<&super::kernels::GptStep>,
+    ) -> Result<bool> {
         opt.t += 1;
         let bc1 = 1.0 - opt.beta1.powi(opt.t as i32);
         let bc2 = 1.0 - opt.beta2.powi(opt.t as i32);
@@ -236,7 +259,12 @@ impl Shard {
                 .iter()
                 .all(|w| super::kernels::usable(w) && w.dtype() == DType::F32);
         if fused && !ws.is_empty() {
-            // In place: the weights' pieces (views of the weights) and the moments.
+            // In place: the weights' pieces (views of the weights) and the moments, and the
+            // pieces' bf16 copies where every one of them has its place in the step.
+            let copy_of = |p: &Piece| {
+                copies.and_then(|s| s.weight_copy_at(&opt.slots[p.slot].var, p.var_off))
+            };
+            let copied = copies.is_some() && self.pieces.iter().all(|p| copy_of(p).is_some());
             let items: Vec<super::kernels::AdamItem> = self
                 .pieces
                 .iter()
@@ -247,7 +275,7 @@ impl Shard {
                     m: &ms[i],
                     v: &vs[i],
                     decay: opt.slots[p.slot].decay && opt.weight_decay > 0.0,
-                    copy: None,
+                    copy: if copied { copy_of(p) } else { None },
                 })
                 .collect();
             super::kernels::adamw_multi(
@@ -263,16 +291,13 @@ impl Shard {
                     grad_scale,
                 },
             )?;
-            // The updated pieces into this rank's range of the buffer: one launch.
-            let dsts: Vec<Tensor> = self
-                .pieces
-                .iter()
-                .map(|p| flat.narrow(0, lo + p.shard_off, p.len))
-                .collect::<Result<_>>()?;
-            let pairs: Vec<(&Tensor, &Tensor)> = ws.iter().zip(&dsts).collect();
-            super::kernels::copy_multi(&pairs)?;
             self.in_place = true;
-            return Ok(());
+            if copied {
+                return Ok(true);
+            }
+            // The updated pieces into this rank's range of the buffer: one launch.
+            self.masters_into(opt, flat)?;
+            return Ok(false);
         }
         self.in_place = false;
         // The composition AdamW's plain path computes, piece by piece.
@@ -291,7 +316,58 @@ impl Shard {
             self.v.slice_set(&v, 0, p.shard_off)?;
             flat.slice_set(&w.to_dtype(DType::F32)?, 0, lo + p.shard_off)?;
         }
+        Ok(false)
+    }
+
+    /// This rank's pieces of the fp32 weights into its range of `flat` (one launch where the
+    /// fused kernels serve), for an all-gather that hands every rank every weight.
+    pub fn masters_into(&self, opt: &AdamW, flat: &Tensor) -> Result<()> {
+        let lo = self.rank * self.len;
+        let mut srcs = Vec::with_capacity(self.pieces.len());
+        let mut dsts = Vec::with_capacity(self.pieces.len());
+        for p in &self.pieces {
+            let var = opt.slots[p.slot].var.as_tensor();
+            srcs.push(var.flatten_all()?.narrow(0, p.var_off, p.len)?);
+            dsts.push(flat.narrow(0, lo + p.shard_off, p.len)?);
+        }
+        let fused = srcs
+            .iter()
+            .chain(&dsts)
+            .all(|t| super::kernels::usable(t) && t.dtype() == DType::F32);
+        if fused && !srcs.is_empty() {
+            let pairs: Vec<(&Tensor, &Tensor)> = srcs.iter().zip(&dsts).collect();
+            return super::kernels::copy_multi(&pairs);
+        }
+        for (p, src) in self.pieces.iter().zip(&srcs) {
+            flat.slice_set(&src.to_dtype(DType::F32)?, 0, lo + p.shard_off)?;
+        }
         Ok(())
+    }
+
+    /// `(slot, first element, elements)` of this rank's pieces of the slots in `slots`.
+    pub fn pieces_of(&self, slots: &[usize]) -> Vec<(usize, usize, usize)> {
+        self.pieces
+            .iter()
+            .filter(|p| slots.contains(&p.slot))
+            .map(|p| (p.slot, p.var_off, p.len))
+            .collect()
+    }
+
+    /// Σw² over this rank's pieces of the slots in `slots` (the ranks' values sum to the
+    /// whole weights' Σw²; each rank's own range is exact even while the rest is stale).
+    pub fn weight_sumsq(&self, opt: &AdamW, slots: &[usize]) -> Result<f64> {
+        let views: Vec<Tensor> = self
+            .pieces_of(slots)
+            .into_iter()
+            .map(|(slot, at, n)| {
+                opt.slots[slot]
+                    .var
+                    .as_tensor()
+                    .flatten_all()?
+                    .narrow(0, at, n)
+            })
+            .collect::<Result<_>>()?;
+        sumsq(&views)
     }
 
     /// After the all-gather: every weight from its place in `flat` (but those the update
@@ -459,7 +535,7 @@ mod tests {
             let mut flats = Vec::new();
             for (o, s) in ranks.iter_mut() {
                 let flat = s.pack(&grads)?;
-                s.update(o, &flat, 1e-2, 0.5)?;
+                s.update(o, &flat, 1e-2, 0.5, None)?;
                 flats.push(flat);
             }
             let half = total / 2;

@@ -265,6 +265,12 @@ mod step_stub {
         pub fn weight_copy(&self, _var: &Var) -> Option<super::WeightCopy<'_>> {
             None
         }
+        pub fn weight_copy_at(&self, _var: &Var, _at: usize) -> Option<super::WeightCopy<'_>> {
+            None
+        }
+        pub fn weight_buffer(&self) -> Option<&Tensor> {
+            None
+        }
         pub fn weight_count(&self) -> usize {
             0
         }
@@ -278,6 +284,9 @@ mod step_stub {
             no_cuda()
         }
         pub fn add_scaled_weights(&mut self, _vars: &[&Var], _a: f64) -> Result<()> {
+            no_cuda()
+        }
+        pub fn add_scaled_pieces(&mut self, _p: &[(&Var, usize, usize)], _a: f64) -> Result<()> {
             no_cuda()
         }
         pub fn eval_losses(

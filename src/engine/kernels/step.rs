@@ -752,7 +752,9 @@ pub struct GptStep {
     layers: Vec<LayerIdx>,
     lnf: (usize, Option<usize>),
     head: Option<usize>,
-    _wbf: CudaSlice<bf16>,
+    /// The trainable weights' bf16 compute copies, laid out as [`Self::grad`] is (a sharded
+    /// optimizer all-gathers it in place).
+    wbf: Tensor,
     wbf_p: u64,
     /// The frozen weights' bf16 copies (LoRA's base; none otherwise).
     _fbf: CudaSlice<bf16>,
@@ -812,6 +814,21 @@ fn rope_table(inv_freq: &[f64], t: usize) -> Vec<f32> {
 fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
     let (p, _sync) = s.device_ptr(stream);
     p
+}
+
+/// The device address of a CUDA tensor's first element (it stays valid while the tensor's
+/// storage lives: the step keeps the tensor).
+fn tensor_ptr<T: candle_core::cuda_backend::CudaDType>(
+    t: &Tensor,
+    stream: &Arc<CudaStream>,
+) -> Result<u64> {
+    let (st, l) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*st else {
+        return Err(err("a step buffer is not on the GPU"));
+    };
+    let v = cs.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+    let (p, _sync) = v.device_ptr(stream);
+    Ok(p)
 }
 
 impl GptStep {
@@ -963,22 +980,14 @@ impl GptStep {
         // SAFETY: written by the dequantization before each read.
         let nf4_buf = unsafe { dev.alloc::<bf16>(nf4_len.max(1))? };
         let nf4_p = ptr(&nf4_buf, &stream);
-        // SAFETY: fully written by the cast kernel before every use.
-        let wbf = unsafe { dev.alloc::<bf16>(total)? };
-        let wbf_p = ptr(&wbf, &stream);
+        // (Written by the cast kernel or the fused update before every read.)
+        let wbf = Tensor::zeros(total, DType::BF16, &Device::Cuda(dev.clone()))?;
+        let wbf_p = tensor_ptr::<bf16>(&wbf, &stream)?;
         // SAFETY: likewise (cast whenever the trainable copies are).
         let fbf = unsafe { dev.alloc::<bf16>(frozen_total.max(ALIGN))? };
         let fbf_p = ptr(&fbf, &stream);
         let grad = Tensor::zeros(total, DType::F32, &Device::Cuda(dev.clone()))?;
-        let grad_p = {
-            let (st, l) = grad.storage_and_layout();
-            let candle_core::Storage::Cuda(cs) = &*st else {
-                return Err(err("gradient buffer is not on the GPU"));
-            };
-            let v = cs.as_cuda_slice::<f32>()?.slice(l.start_offset()..);
-            let (p, _sync) = v.device_ptr(&stream);
-            p
-        };
+        let grad_p = tensor_ptr::<f32>(&grad, &stream)?;
         let by_id = entries
             .iter()
             .enumerate()
@@ -1038,7 +1047,7 @@ impl GptStep {
             layers,
             lnf,
             head,
-            _wbf: wbf,
+            wbf,
             wbf_p,
             _fbf: fbf,
             fbf_p,
@@ -1907,6 +1916,22 @@ impl GptStep {
         })
     }
 
+    /// [`Self::weight_copy`] from element `at` of `var` on (a sharded optimizer's piece).
+    pub fn weight_copy_at(&self, var: &Var, at: usize) -> Option<WeightCopy<'_>> {
+        let &i = self.by_id.get(&var.as_tensor().id())?;
+        (at < self.entries[i].n).then_some(())?;
+        let mut c = self.weight_copy(var)?;
+        c.addr += 2 * at as u64;
+        Some(c)
+    }
+
+    /// The flat bf16 buffer of every trainable weight's compute copy, at the gradient
+    /// buffer's offsets ([`Self::grad_buffer`]), for a sharded optimizer's all-gather; None
+    /// for an fp16 step (which casts its own copies).
+    pub fn weight_buffer(&self) -> Option<&Tensor> {
+        (!self.half).then_some(&self.wbf)
+    }
+
     /// How many weights the step computes with (each has a bf16 copy).
     pub fn weight_count(&self) -> usize {
         self.entries.iter().filter(|e| !e.frozen).count()
@@ -2166,10 +2191,22 @@ impl GptStep {
 
     /// `grad(var) += a·var` for each var (the SCU regulariser's gradient), one launch.
     pub fn add_scaled_weights(&mut self, vars: &[&Var], a: f64) -> Result<()> {
+        let pieces: Vec<(&Var, usize, usize)> = vars
+            .iter()
+            .map(|v| (*v, 0, v.as_tensor().elem_count()))
+            .collect();
+        self.add_scaled_pieces(&pieces, a)
+    }
+
+    /// [`Self::add_scaled_weights`] over pieces `(var, first element, elements)` of the
+    /// weights (a sharded optimizer's own range).
+    pub fn add_scaled_pieces(&mut self, pieces: &[(&Var, usize, usize)], a: f64) -> Result<()> {
         let mut items = Vec::new();
-        for v in vars {
+        for &(v, at, n) in pieces {
             match self.by_id.get(&v.as_tensor().id()) {
-                Some(&i) if !self.entries[i].frozen => items.push(i),
+                Some(&i) if !self.entries[i].frozen && at + n <= self.entries[i].n && n > 0 => {
+                    items.push((i, at, n))
+                }
                 _ => {}
             }
         }
@@ -2178,17 +2215,18 @@ impl GptStep {
         }
         let ts: Vec<&Tensor> = items
             .iter()
-            .filter_map(|&i| self.entries[i].var.as_ref().map(Var::as_tensor))
+            .filter_map(|&(i, _, _)| self.entries[i].var.as_ref().map(Var::as_tensor))
             .collect();
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
-            for (p, &i) in ptrs.iter().zip(&items) {
-                table.extend([*p, self.g(i), self.entries[i].n as u64]);
+            for (p, &(i, at, n)) in ptrs.iter().zip(&items) {
+                let skip = 4 * at as u64;
+                table.extend([*p + skip, self.g(i) + skip, n as u64]);
             }
             Ok(table)
         })?;
         let table = self.upload_table(&table, true)?;
-        let max_n = items.iter().map(|&i| self.entries[i].n).max().unwrap_or(1);
+        let max_n = items.iter().map(|&(_, _, n)| n).max().unwrap_or(1);
         let a = a as f32;
         self.timed(self.k.axpy.name, || {
             let mut b = self.stream.launch_builder(&self.k.axpy.f);
