@@ -684,37 +684,39 @@ __device__ __forceinline__ void fa_bwd_dscores(float (&st)[8][4], float (&dpt)[8
         }
 }
 
-// Epilogue: warp w's dK (scaled) and dV rows (keys wk0..wk0+15, local rows 16w + g, + 8)
-// through two swizzled 64-column smem tiles (sKc, sVc: generic pointers) into dqkv, 16 bytes a
-// store; rows >= T are not written. dst_k: the k slot of key 0 of this (b, kv head) in dqkv
-// (row stride ld), the v slot KD further.
-__device__ __forceinline__ void fa_bwd_store_kv(const float (&dk)[8][4], const float (&dv)[8][4],
+// Epilogue: warp w's dK (scaled) and dV rows (keys wk0..wk0+15, local rows 16w + g, + 8; N
+// n8-tiles: head dim D = 8N) through two swizzled D-column smem tiles (sKc, sVc: generic
+// pointers) into dqkv, 16 bytes a store; rows >= T are not written. dst_k: the k slot of key 0 of
+// this (b, kv head) in dqkv (row stride ld), the v slot KD further.
+template <int N>
+__device__ __forceinline__ void fa_bwd_store_kv(const float (&dk)[N][4], const float (&dv)[N][4],
                                                 float scale, char* sKc, char* sVc, int warp,
                                                 int lane, int wk0, int T,
                                                 __nv_bfloat16* __restrict__ dst_k, int ld, int KD) {
+    constexpr int D = 8 * N;
     const int g = lane >> 2, t4 = lane & 3;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr0, nt * 8 + t4 * 2)) =
+    for (int nt = 0; nt < N; ++nt) {
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) =
             fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz(lr1, nt * 8 + t4 * 2)) =
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) =
             fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
     }
     __syncwarp();
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 16 * (D / 8) / 32; ++k) {
         const int idx = lane + k * 32;
-        const int r = idx >> 3, c = idx & 7;
+        const int r = idx / (D / 8), c = idx % (D / 8);
         const int key = wk0 + r;
         if (key < T) {
             __nv_bfloat16* dst = dst_k + (size_t)key * ld + c * 8;
             *reinterpret_cast<uint4*>(dst) =
-                *reinterpret_cast<const uint4*>(sKc + fa_swz(warp * 16 + r, c * 8));
+                *reinterpret_cast<const uint4*>(sKc + fa_swz<D>(warp * 16 + r, c * 8));
             *reinterpret_cast<uint4*>(dst + KD) =
-                *reinterpret_cast<const uint4*>(sVc + fa_swz(warp * 16 + r, c * 8));
+                *reinterpret_cast<const uint4*>(sVc + fa_swz<D>(warp * 16 + r, c * 8));
         }
     }
 }
@@ -1189,31 +1191,8 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
 
     // epilogue: dK (scaled) -> sK rows, dV -> sV rows of this warp, then 16-byte stores
     __syncthreads();
-    char* sKc = reinterpret_cast<char*>(sK);
-    char* sVc = reinterpret_cast<char*>(sV);
-#pragma unroll
-    for (int nt = 0; nt < 2 * KC; ++nt) {
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) =
-            fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) =
-            fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 16 * (D / 8) / 32; ++k) {
-        const unsigned idx = lane + k * 32;
-        const int r = idx / (D / 8), c = idx % (D / 8);
-        const int key = wk0 + r;
-        if (key < T) {
-            __nv_bfloat16* dst = dqkv + ((size_t)b * T + key) * ld + HD + kvh * D + c * 8;
-            *reinterpret_cast<uint4*>(dst) =
-                *reinterpret_cast<const uint4*>(sKc + fa_swz<D>(warp * 16 + r, c * 8));
-            *reinterpret_cast<uint4*>(dst + KD) =
-                *reinterpret_cast<const uint4*>(sVc + fa_swz<D>(warp * 16 + r, c * 8));
-        }
-    }
+    fa_bwd_store_kv(dk, dv, scale, reinterpret_cast<char*>(sK), reinterpret_cast<char*>(sV), warp,
+                    lane, wk0, T, dqkv + (size_t)b * T * ld + HD + kvh * D, ld, KD);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // Flash attention on Hopper (sm_90a), its products as warpgroup tensor-core instructions (wgmma,
 // 64x64x16 each) instead of mma.sync: the main kernel of flash.cu's backward (launch 2 of 3) for
-// head dim 64 and, at the end of this file, the forward for head dims 64 and 128. Included by
+// head dims 64 and 128 and, at the end of this file, the forward for head dims 64 and 128. Included by
 // kernels.cu; compiled only into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded
 // on compute capability 9.0).
 //
@@ -8,6 +8,8 @@
 //   flash_bwd_wg_bf16: the arguments, grid and block of flash_bwd_bf16 (FA_BWD_NW = 4: grid =
 //   (B*KVH, ceil(T/64), 1), block = (128, 1, 1)), dynamic smem = FA_WG_SMEM bytes (above 48 KB:
 //   the launcher raises the function's limit). Same preprocess before and dq_convert after.
+//   flash_bwd_wg_d128_bf16: those of flash_bwd_d128_bf16, dynamic smem = FA_WG_D128_SMEM
+//   (spec::FLASH_BWD_WG_D128_SMEM).
 //   flash_fwd_wg_bf16, flash_fwd_drop_wg_bf16: the arguments, grid and block of flash_fwd_bf16 /
 //   flash_fwd_drop_bf16, dynamic smem = 0 (static 41 KB).
 //   flash_fwd_wg_d128_bf16, flash_fwd_drop_wg_d128_bf16: those of flash_fwd[_drop]_d128_bf16,
@@ -278,6 +280,185 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARG
     __syncthreads();
     fa_bwd_store_kv(dk, dv, scale, sdSc, smc + 3 * TILE, warp, lane, wk0, T,
                     dqkv + (size_t)b * T * ld + HD + kvh * FA_D, ld, KD);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The backward's main kernel at head dim 128: flash_bwd_wg_bf16's tile loop with the tiles as
+// 64-column panels (fa_tile_off<128, true>, the head-dim-128 forward's layout): S^T and dP^T take
+// eight k-steps over both panels, dV += P^T dO and dK += dS^T Q one product a panel into the
+// matching half of the accumulator. dK and dV are 64 x 128 fp32 each (128 registers a thread), so
+// dQ is not left in flight to the next tile: once dS^T is in shared memory, dQ = dS K runs in two
+// halves of 64 head-dim columns (one panel of K each), the second issued while the first is staged
+// through the tile's Q tile and added into dq_acc; the second is staged through the dO tile (both
+// free once dV and dK are done). Shared memory (dynamic, FA_WG_D128_SMEM = 105 KB: two blocks an
+// SM): K, V, two buffers of (Q, dO), each 64 x 128, and dS^T 64 x 64, from a 1024-byte boundary.
+#define FA_WG_D128_SMEM (6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024)
+extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_d128_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    constexpr int D = 128;
+    constexpr uint32_t PANEL = 64 * 64 * 2, TILE = 2 * PANEL;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
+    const int k0 = kblk * 64;
+    const int i0 = kblk;          // first query tile that sees these keys
+    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
+    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
+    const int rep = H / KVH, h0 = kvh * rep;
+    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
+    const __nv_bfloat16* kg = qkv_b + HD + kvh * D;
+    const __nv_bfloat16* vg = kg + KD;
+    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
+    const int nq = (T + FA_BM - 1) / FA_BM;
+    const int ntile = nq - i0;
+    const float L2E = 1.4426950408889634f;
+    const float sl2 = scale * L2E;
+
+    const uint32_t raw = fa_smem_u32(fa_wg_smem);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
+    const uint32_t sK = base, sV = base + TILE, sQD = base + 2 * TILE, sdSa = base + 6 * TILE;
+    char* sdSc = smc + 6 * TILE;
+
+    fa_load_tile<D, true>(sK, kg, ld, k0, T, tid);
+    fa_load_tile<D, true>(sV, vg, ld, k0, T, tid);
+    fa_load_tile<D, true>(sQD, qkv_b + h0 * D, ld, i0 * FA_BM, T, tid);
+    fa_load_tile<D, true>(sQD + TILE, dout_b + h0 * D, HD, i0 * FA_BM, T, tid);
+    fa_cp_commit();
+
+    float dk[16][4], dv[16][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            dk[i][e] = 0.f;
+            dv[i][e] = 0.f;
+        }
+    const int wk0 = k0 + warp * 16;
+    const int kr0 = wk0 + g;
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
+
+    for (int it = 0; it < rep * ntile; ++it) {
+        const int hq = it / ntile, i = i0 + (it - hq * ntile);
+        const int h = h0 + hq;
+        const float* lseg = lse + ((size_t)b * H + h) * T;
+        const float* dlg = delta + ((size_t)b * H + h) * T;
+        const int bsel = it & 1;
+        const uint32_t sQa = sQD + bsel * 2 * TILE, sdOa = sQa + TILE;
+        char* sQc = smc + 2 * TILE + bsel * 2 * TILE;  // generic view of sQa (dQ's staging)
+        fa_cp_wait_all();
+        fa_fence_async();
+        __syncthreads();  // tile `it` landed; the last tile's buffer and dS^T are free
+        const int q0 = i * FA_BM;
+
+        // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is taken while dP^T is in flight
+        float st[8][4], dpt[8][4];
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            const uint32_t off = (kc >> 2) * PANEL + (kc & 3) * 32;
+            wg_ss<0, 0>(st, wg_desc(sK + off), wg_desc(sQa + off), kc);
+        }
+        wg_commit();
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            const uint32_t off = (kc >> 2) * PANEL + (kc & 3) * 32;
+            wg_ss<0, 0>(dpt, wg_desc(sV + off), wg_desc(sdOa + off), kc);
+        }
+        wg_commit();
+        // the next tile's Q, dO into the other buffer, while they run
+        if (it + 1 < rep * ntile) {
+            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
+            const uint32_t nb = sQD + (bsel ^ 1) * 2 * TILE;
+            fa_load_tile<D, true>(nb, qkv_b + (h0 + hn) * D, ld, in * FA_BM, T, tid);
+            fa_load_tile<D, true>(nb + TILE, dout_b + (h0 + hn) * D, HD, in * FA_BM, T, tid);
+            fa_cp_commit();
+        }
+
+        const int qa = q0 + 2 * lane;
+        const float lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
+        const float lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
+        const float dla = qa < T ? __ldg(dlg + qa) : 0.f;
+        const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
+        wg_wait<1>();
+        wg_pin(st);
+        fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
+        wg_wait<0>();
+        wg_pin(dpt);
+        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)b * H + h,
+                       nq);
+        uint32_t pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            fa_frag(st, kc, pa[kc]);
+            fa_frag(dpt, kc, sa[kc]);
+        }
+        // dV += P^T dO, dK += dS^T Q, a product per 64-column panel (k = the tile's queries)
+        wg_fence();
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            float(&dvp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * p]);
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)
+                wg_rs<1>(dvp, pa[kc], wg_desc(sdOa + p * PANEL + kc * 2048));
+        }
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            float(&dkp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * p]);
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)
+                wg_rs<1>(dkp, sa[kc], wg_desc(sQa + p * PANEL + kc * 2048));
+        }
+        wg_commit();
+        // dS^T -> shared memory for dQ, while those run
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[kc][0];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[kc][1];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[kc][2];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + 8 + t4 * 2)) = sa[kc][3];
+        }
+        fa_fence_async();
+        __syncthreads();  // dS^T complete and visible to the tensor cores
+        // dQ = dS K (k = this block's keys), head-dim columns 0..63 then 64..127
+        float dq0[8][4], dq1[8][4];
+#pragma unroll
+        for (int a = 0; a < 8; ++a)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                dq0[a][e] = 0.f;
+                dq1[a][e] = 0.f;
+            }
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss<1, 1>(dq0, wg_desc(sdSa + kc * 2048), wg_desc(sK + kc * 2048), kc);
+        wg_commit();
+        wg_wait<0>();  // dV, dK and the first half done: Q and dO are free
+        wg_pin(dq0);
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss<1, 1>(dq1, wg_desc(sdSa + kc * 2048), wg_desc(sK + PANEL + kc * 2048), kc);
+        wg_commit();
+        const int qw = q0 + warp * 16;
+        const int dq_rows = min(16, T - qw);
+        float* dq_dst = dq_acc + ((size_t)b * T + qw) * HD + h * D;
+        fa_wg_flush_dq(dq0, reinterpret_cast<float*>(sQc) + warp * 16 * 64, dq_dst, dq_rows, HD,
+                       lane);
+        wg_wait<0>();
+        wg_pin(dq1);
+        fa_wg_flush_dq(dq1, reinterpret_cast<float*>(sQc + TILE) + warp * 16 * 64, dq_dst + 64,
+                       dq_rows, HD, lane);
+    }
+    wg_wait<0>();
+    wg_pin(dv);
+    wg_pin(dk);
+
+    // epilogue: dK (scaled) -> the K tile, dV -> the V tile, then 16-byte stores
+    __syncthreads();
+    fa_bwd_store_kv(dk, dv, scale, smc, smc + TILE, warp, lane, wk0, T,
+                    dqkv + (size_t)b * T * ld + HD + kvh * D, ld, KD);
 }
 
 // ---------------------------------------------------------------------------------------------

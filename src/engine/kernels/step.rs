@@ -218,8 +218,8 @@ struct Flash {
 }
 
 impl Flash {
-    /// `hopper`: the kernels are the compute_90a build, whose forward (and head-dim-64
-    /// backward) run on warpgroup tensor-core instructions (flash_sm90.cu).
+    /// `hopper`: the kernels are the compute_90a build, whose forward and backward run on
+    /// warpgroup tensor-core instructions (flash_sm90.cu).
     fn load(
         named: &dyn Fn(&str, &'static str) -> Result<Kern>,
         hd: usize,
@@ -228,9 +228,12 @@ impl Flash {
         let sfx = if hd == 64 { "" } else { "_d128" };
         let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
         let (mut fwd_smem, mut bwd_smem) = super::spec::flash_smem(hd);
-        let bwd = if hopper && hd == 64 {
-            bwd_smem = super::spec::FLASH_BWD_WG_SMEM;
-            named("flash_bwd_wg_bf16", "flash_bwd_wg")?
+        let bwd = if hopper {
+            bwd_smem = match hd {
+                64 => super::spec::FLASH_BWD_WG_SMEM,
+                _ => super::spec::FLASH_BWD_WG_D128_SMEM,
+            };
+            named(&format!("flash_bwd_wg{sfx}_bf16"), "flash_bwd_wg")?
         } else {
             k("flash_bwd", "flash_bwd")?
         };
