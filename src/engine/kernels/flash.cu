@@ -622,6 +622,74 @@ __device__ __forceinline__ void fa_load_rows(uint32_t s, const __nv_bfloat16* g,
 }
 
 // ---------------------------------------------------------------------------------------------
+// What the backward's main kernels share (launch 2 of 3: flash_bwd_bf16 and flash_bwd_d128_bf16
+// here, flash_bwd_wg_bf16 and flash_bwd_wg_d128_bf16 in flash_sm90.cu).
+
+// A block's work: keys k0..k0+BN-1 (key block blockIdx.y; block 0 has the most work and is issued
+// first) of one (b, key/value head) (blockIdx.x), against the query tiles i0.. that see them
+// (ntile a head) of each query head h0..h0+rep-1 sharing that key/value head; this batch row's
+// rows in qkv (row stride ld: Q at column h·D, K at kg, V at vg) and in dout (row stride HD).
+template <int D, int BN>
+struct FaBwdBlock {
+    int k0, i0, b, kvh, HD, KD, ld, rep, h0, nq, ntile;
+    const __nv_bfloat16* qkv_b;
+    const __nv_bfloat16* kg;
+    const __nv_bfloat16* vg;
+    const __nv_bfloat16* dout_b;
+    __device__ __forceinline__ FaBwdBlock(const __nv_bfloat16* qkv, const __nv_bfloat16* dout,
+                                          int T, int H, int KVH) {
+        k0 = blockIdx.y * BN;
+        i0 = k0 / FA_BM;
+        b = blockIdx.x / KVH;
+        kvh = blockIdx.x - b * KVH;
+        HD = H * D;
+        KD = KVH * D;
+        ld = HD + 2 * KD;
+        rep = H / KVH;
+        h0 = kvh * rep;
+        qkv_b = qkv + (size_t)b * T * ld;
+        kg = qkv_b + HD + kvh * D;
+        vg = kg + KD;
+        dout_b = dout + (size_t)b * T * HD;
+        nq = (T + FA_BM - 1) / FA_BM;
+        ntile = nq - i0;
+    }
+    // How many (query head, query tile) steps the block takes: the tiles of head h0, then of
+    // h0 + 1, ...
+    __device__ __forceinline__ int steps() const { return rep * ntile; }
+    // Step `it`'s query head and query tile.
+    __device__ __forceinline__ void at(int it, int& h, int& i) const {
+        const int hq = it / ntile;
+        h = h0 + hq;
+        i = i0 + (it - hq * ntile);
+    }
+};
+
+template <int N>
+__device__ __forceinline__ void fa_zero(float (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[i][e] = 0.f;
+}
+
+// Lane l's lse (log2 units; +inf past T) and delta of queries q0 + 2l and q0 + 2l + 1 of query
+// head row bh = b·H + h (fa_bwd_probs and fa_bwd_dscores shuffle them out).
+__device__ __forceinline__ void fa_bwd_row_stats(const float* __restrict__ lse,
+                                                 const float* __restrict__ delta, size_t bh,
+                                                 int q0, int T, int lane, float& lsa, float& lsb,
+                                                 float& dla, float& dlb) {
+    const float L2E = 1.4426950408889634f;
+    const float* lseg = lse + bh * T;
+    const float* dlg = delta + bh * T;
+    const int qa = q0 + 2 * lane;
+    lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
+    lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
+    dla = qa < T ? __ldg(dlg + qa) : 0.f;
+    dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The elementwise middle and the epilogue of the head-dim-64 backward's main kernel, shared by
 // flash_bwd_bf16 (mma.sync) and flash_sm90.cu's flash_bwd_wg_bf16 (wgmma): both hold S^T and
 // dP^T of a warp's 16 keys x the tile's 64 queries in mma.sync's accumulator layout (rows g and
@@ -735,30 +803,18 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
-    const int k0 = kblk * BN;
-    const int i0 = k0 / FA_BM;    // first query tile that sees these keys
-    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
-    const int HD = H * FA_D, KD = KVH * FA_D, ld = HD + 2 * KD;
-    const int rep = H / KVH, h0 = kvh * rep;  // the query heads that share this key/value head
-    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
-    const __nv_bfloat16* kg = qkv_b + HD + kvh * FA_D;
-    const __nv_bfloat16* vg = kg + KD;
-    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
-    const int nq = (T + FA_BM - 1) / FA_BM;
-    const int ntile = nq - k0 / FA_BM;  // query tiles per query head
-    const int nkt = (T + FA_BM - 1) / FA_BM;
-    const float L2E = 1.4426950408889634f;
-    const float sl2 = scale * L2E;
+    const FaBwdBlock<FA_D, BN> blk(qkv, dout, T, H, KVH);
+    const int k0 = blk.k0, i0 = blk.i0, HD = blk.HD, ld = blk.ld;
+    const float sl2 = scale * 1.4426950408889634f;
 
     const uint32_t sbase = fa_smem_u32(sQD), sdSa = fa_smem_u32(sdS);
     constexpr uint32_t BUF = 2 * FA_BM * FA_D * 2, DOFF = FA_BM * FA_D * 2;
 
     // prologue: K -> sdS, V -> buffer 1 (BN rows), Q and dO of the first tile -> buffer 0
-    fa_load_rows<BN, NT>(sdSa, kg, ld, k0, T, tid);
-    fa_load_rows<BN, NT>(sbase + BUF, vg, ld, k0, T, tid);
-    fa_load_rows<FA_BM, NT>(sbase, qkv_b + h0 * FA_D, ld, i0 * FA_BM, T, tid);
-    fa_load_rows<FA_BM, NT>(sbase + DOFF, dout_b + h0 * FA_D, HD, i0 * FA_BM, T, tid);
+    fa_load_rows<BN, NT>(sdSa, blk.kg, ld, k0, T, tid);
+    fa_load_rows<BN, NT>(sbase + BUF, blk.vg, ld, k0, T, tid);
+    fa_load_rows<FA_BM, NT>(sbase, blk.qkv_b + blk.h0 * FA_D, ld, i0 * FA_BM, T, tid);
+    fa_load_rows<FA_BM, NT>(sbase + DOFF, blk.dout_b + blk.h0 * FA_D, HD, i0 * FA_BM, T, tid);
     fa_cp_commit();
     fa_cp_wait_all();
     __syncthreads();
@@ -787,49 +843,36 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
     __syncthreads();  // K, V copies consumed
 
     float dk[8][4], dv[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            dk[i][e] = 0.f;
-            dv[i][e] = 0.f;
-        }
+    fa_zero(dk);
+    fa_zero(dv);
     const int wk0 = k0 + warp * 16;               // first key of this warp
     const int kr0 = wk0 + g;                      // key of this thread's first accumulator row
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8; // ... local rows
 
     // (query head, query tile) pairs in order: the tiles of head h0, then of h0 + 1, ...
-    for (int it = 0; it < rep * ntile; ++it) {
-        const int hq = it / ntile, i = i0 + (it - hq * ntile);
-        const int h = h0 + hq;
-        const float* lseg = lse + ((size_t)b * H + h) * T;
-        const float* dlg = delta + ((size_t)b * H + h) * T;
+    for (int it = 0; it < blk.steps(); ++it) {
+        int h, i;
+        blk.at(it, h, i);
         const int bsel = it & 1;
         const uint32_t sQa = sbase + bsel * BUF, sdOa = sQa + DOFF;
         fa_cp_wait_all();
         __syncthreads();  // tile i landed; everybody is done with tile i-1 (its buffer and sdS)
-        if (it + 1 < rep * ntile) {
-            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
+        if (it + 1 < blk.steps()) {
+            int hn, in;
+            blk.at(it + 1, hn, in);
             const uint32_t nb = sbase + (bsel ^ 1) * BUF;
-            fa_load_rows<FA_BM, NT>(nb, qkv_b + (h0 + hn) * FA_D, ld, in * FA_BM, T, tid);
-            fa_load_rows<FA_BM, NT>(nb + DOFF, dout_b + (h0 + hn) * FA_D, HD, in * FA_BM, T, tid);
+            fa_load_rows<FA_BM, NT>(nb, blk.qkv_b + hn * FA_D, ld, in * FA_BM, T, tid);
+            fa_load_rows<FA_BM, NT>(nb + DOFF, blk.dout_b + hn * FA_D, HD, in * FA_BM, T, tid);
             fa_cp_commit();
         }
         const int q0 = i * FA_BM;
 
         if (wk0 <= q0 + FA_BM - 1) {  // else every key of this warp is above every query: no work
-            // lane l holds lse (log2 units) / delta of queries q0 + 2l, q0 + 2l + 1; shuffled out below
-            const int qa = q0 + 2 * lane;
-            const float lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
-            const float lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
-            const float dla = qa < T ? __ldg(dlg + qa) : 0.f;
-            const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
+            float lsa, lsb, dla, dlb;
+            fa_bwd_row_stats(lse, delta, (size_t)blk.b * H + h, q0, T, lane, lsa, lsb, dla, dlb);
             // S^T (16 keys x 64 queries per warp)
             float st[8][4];
-#pragma unroll
-            for (int a = 0; a < 8; ++a)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) st[a][e] = 0.f;
+            fa_zero(st);
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc) {
 #pragma unroll
@@ -843,10 +886,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
             fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
             // dP^T = V dO^T
             float dpt[8][4];
-#pragma unroll
-            for (int a = 0; a < 8; ++a)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dpt[a][e] = 0.f;
+            fa_zero(dpt);
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc) {
 #pragma unroll
@@ -858,7 +898,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                 }
             }
             fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits,
-                           (size_t)b * H + h, nkt);
+                           (size_t)blk.b * H + h, blk.nq);
             // dV += P^T dO ; dK += dS^T Q   (k = query dim); dS^T -> smem for dQ
             char* sdSc = reinterpret_cast<char*>(sdS);
 #pragma unroll
@@ -930,7 +970,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
             constexpr int NI = (PAIR ? DQR / 2 : DQR) / RPI;  // atomic instructions per thread
             const int rr = (PAIR ? (warp & 1) * (DQR / 2) : 0) + lane / SW, cc = lane % SW;
             const int qr = q0 + dqm0 + rr;
-            float* dst = dq_acc + ((size_t)b * T + qr) * HD + h * FA_D + (dqc0 - scol) + cc;
+            float* dst = dq_acc + ((size_t)blk.b * T + qr) * HD + h * FA_D + (dqc0 - scol) + cc;
             float v[NI];
 #pragma unroll
             for (int k = 0; k < NI; ++k) {
@@ -951,7 +991,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
     // epilogue: dK (scaled) -> sdS rows, dV -> buffer 0 as a BN-row tile, then 16-byte stores
     __syncthreads();
     fa_bwd_store_kv(dk, dv, scale, reinterpret_cast<char*>(sdS), reinterpret_cast<char*>(sQD),
-                    warp, lane, wk0, T, dqkv + (size_t)b * T * ld + HD + kvh * FA_D, ld, KD);
+                    warp, lane, wk0, T, dqkv + (size_t)blk.b * T * ld + HD + blk.kvh * FA_D, ld, blk.KD);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -981,39 +1021,23 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
-    const int k0 = kblk * BN;
-    const int i0 = k0 / FA_BM;    // first query tile that sees these keys
-    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
-    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
-    const int rep = H / KVH, h0 = kvh * rep;  // the query heads that share this key/value head
-    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
-    const __nv_bfloat16* kg = qkv_b + HD + kvh * D;
-    const __nv_bfloat16* vg = kg + KD;
-    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
-    const int nq = (T + FA_BM - 1) / FA_BM;
-    const int ntile = nq - i0;  // query tiles per query head
-    const float L2E = 1.4426950408889634f;
-    const float sl2 = scale * L2E;
+    const FaBwdBlock<D, BN> blk(qkv, dout, T, H, KVH);
+    const int k0 = blk.k0, i0 = blk.i0, b = blk.b, HD = blk.HD, ld = blk.ld, nq = blk.nq;
+    const float sl2 = scale * 1.4426950408889634f;
 
     const uint32_t sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
     const uint32_t sbase = fa_smem_u32(sQD), sdSa = fa_smem_u32(sdS);
     constexpr uint32_t BUF = 2 * FA_BM * D * 2, DOFF = FA_BM * D * 2;
 
-    fa_load_rows<BN, NT, D>(sKa, kg, ld, k0, T, tid);
-    fa_load_rows<BN, NT, D>(sVa, vg, ld, k0, T, tid);
-    fa_load_rows<FA_BM, NT, D>(sbase, qkv_b + h0 * D, ld, i0 * FA_BM, T, tid);
-    fa_load_rows<FA_BM, NT, D>(sbase + DOFF, dout_b + h0 * D, HD, i0 * FA_BM, T, tid);
+    fa_load_rows<BN, NT, D>(sKa, blk.kg, ld, k0, T, tid);
+    fa_load_rows<BN, NT, D>(sVa, blk.vg, ld, k0, T, tid);
+    fa_load_rows<FA_BM, NT, D>(sbase, blk.qkv_b + blk.h0 * D, ld, i0 * FA_BM, T, tid);
+    fa_load_rows<FA_BM, NT, D>(sbase + DOFF, blk.dout_b + blk.h0 * D, HD, i0 * FA_BM, T, tid);
     fa_cp_commit();
 
     float dk[2 * KC][4], dv[2 * KC][4];
-#pragma unroll
-    for (int i = 0; i < 2 * KC; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            dk[i][e] = 0.f;
-            dv[i][e] = 0.f;
-        }
+    fa_zero(dk);
+    fa_zero(dv);
     const int wk0 = k0 + warp * 16;                // first key of this warp
     const int kr0 = wk0 + g, kr1 = kr0 + 8;        // keys of this thread's accumulator rows
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // ... local rows
@@ -1022,42 +1046,32 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
     // dQ work split: warp -> 32 query rows (dqm0..) x 64 head-dim columns (dqc0..), two passes
     const int dqm0 = (warp >> 1) * 32, dqc0 = (warp & 1) * 64;
 
-    for (int it = 0; it < rep * ntile; ++it) {
-        const int hq = it / ntile, i = i0 + (it - hq * ntile);
-        const int h = h0 + hq;
-        const float* lseg = lse + ((size_t)b * H + h) * T;
-        const float* dlg = delta + ((size_t)b * H + h) * T;
+    for (int it = 0; it < blk.steps(); ++it) {
+        int h, i;
+        blk.at(it, h, i);
         const int bsel = it & 1;
         const uint32_t sQa = sbase + bsel * BUF, sdOa = sQa + DOFF;
         fa_cp_wait_all();
         __syncthreads();  // tile landed; everybody is done with the previous tile (buffer, sdS)
-        if (it + 1 < rep * ntile) {
-            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
+        if (it + 1 < blk.steps()) {
+            int hn, in;
+            blk.at(it + 1, hn, in);
             const uint32_t nb = sbase + (bsel ^ 1) * BUF;
-            fa_load_rows<FA_BM, NT, D>(nb, qkv_b + (h0 + hn) * D, ld, in * FA_BM, T, tid);
-            fa_load_rows<FA_BM, NT, D>(nb + DOFF, dout_b + (h0 + hn) * D, HD, in * FA_BM, T, tid);
+            fa_load_rows<FA_BM, NT, D>(nb, blk.qkv_b + hn * D, ld, in * FA_BM, T, tid);
+            fa_load_rows<FA_BM, NT, D>(nb + DOFF, blk.dout_b + hn * D, HD, in * FA_BM, T, tid);
             fa_cp_commit();
         }
         const int q0 = i * FA_BM;
-        // lane l holds lse (log2 units) / delta of queries q0 + 2l, q0 + 2l + 1
-        const int qa = q0 + 2 * lane;
-        const float lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
-        const float lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
-        const float dla = qa < T ? __ldg(dlg + qa) : 0.f;
-        const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
+        float lsa, lsb, dla, dlb;
+        fa_bwd_row_stats(lse, delta, (size_t)b * H + h, q0, T, lane, lsa, lsb, dla, dlb);
         char* sdSc = reinterpret_cast<char*>(sdS);
 
 #pragma unroll 1
         for (int hh = 0; hh < 2; ++hh) {  // queries q0 + 32hh .. + 31
             const int qh = hh * 32;
             float st[4][4], dpt[4][4];
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    st[a][e] = 0.f;
-                    dpt[a][e] = 0.f;
-                }
+            fa_zero(st);
+            fa_zero(dpt);
             // S^T = K Q^T and dP^T = V dO^T (16 keys x 32 queries per warp)
 #pragma unroll
             for (int kc = 0; kc < KC; ++kc) {
@@ -1192,7 +1206,7 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
     // epilogue: dK (scaled) -> sK rows, dV -> sV rows of this warp, then 16-byte stores
     __syncthreads();
     fa_bwd_store_kv(dk, dv, scale, reinterpret_cast<char*>(sK), reinterpret_cast<char*>(sV), warp,
-                    lane, wk0, T, dqkv + (size_t)b * T * ld + HD + kvh * D, ld, KD);
+                    lane, wk0, T, dqkv + (size_t)b * T * ld + HD + blk.kvh * D, ld, blk.KD);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -132,120 +132,142 @@ __device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* s
                   float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, \
                   int H, int KVH, float scale, uint32_t thr, float dscale, \
                   const unsigned long long* __restrict__ mbits
-extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARGS) {
-    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    constexpr uint32_t TILE = 64 * 64 * 2;
+#define FA_WG_PASS qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits
+
+// S^T = K Q^T and dP^T = V dO^T of a tile, as two groups (S^T's first, so that wg_wait<1> takes
+// it while dP^T runs): D / 16 k-steps, four in each 64-column panel of the tiles.
+template <int D>
+__device__ __forceinline__ void fa_wg_bwd_scores(float (&st)[8][4], float (&dpt)[8][4], uint32_t sK,
+                                                 uint32_t sV, uint32_t sQa, uint32_t sdOa) {
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
+        wg_ss<0, 0>(st, wg_desc(sK + off), wg_desc(sQa + off), kc);
+    }
+    wg_commit();
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
+        wg_ss<0, 0>(dpt, wg_desc(sV + off), wg_desc(sdOa + off), kc);
+    }
+    wg_commit();
+}
+
+// dV += P^T dO and dK += dS^T Q (k = the tile's queries: 16 rows, 2048 bytes, a step), a product
+// per 64-column panel of dO and Q into the matching part of dV and dK; one group.
+template <int N>
+__device__ __forceinline__ void fa_wg_bwd_accumulate(float (&dv)[N][4], float (&dk)[N][4],
+                                                     const uint32_t (&pa)[4][4],
+                                                     const uint32_t (&sa)[4][4], uint32_t sQa,
+                                                     uint32_t sdOa) {
+    wg_fence();
+#pragma unroll
+    for (int p = 0; p < N / 8; ++p) {
+        float(&dvp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * p]);
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dvp, pa[kc], wg_desc(sdOa + p * (64 * 64 * 2) + kc * 2048));
+    }
+#pragma unroll
+    for (int p = 0; p < N / 8; ++p) {
+        float(&dkp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * p]);
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dkp, sa[kc], wg_desc(sQa + p * (64 * 64 * 2) + kc * 2048));
+    }
+    wg_commit();
+}
+
+// The backward's main kernel for head dim D (64 or 128): see the header. Head dim 64 leaves each
+// tile's dQ in flight to the next tile (flushed while that tile's first products run); at 128,
+// dK and dV (64 x 128 fp32 each: 128 registers a thread) leave no room for that, so once dS^T is
+// in shared memory dQ = dS K runs in two halves of 64 head-dim columns (one panel of K each), the
+// second issued while the first is staged through the tile's Q tile and added into dq_acc; the
+// second is staged through the dO tile (both free once dV and dK are done). Shared memory from a
+// 1024-byte boundary: K, V, two buffers of (Q, dO), dS^T (64 x 64), and at head dim 64 the
+// 16 KB fp32 staging tile of the dQ in flight.
+template <int D>
+__device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
+    constexpr uint32_t TILE = 64 * D * 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
-    const int k0 = kblk * 64;
-    const int i0 = kblk;          // first query tile that sees these keys
-    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
-    const int HD = H * FA_D, KD = KVH * FA_D, ld = HD + 2 * KD;
-    const int rep = H / KVH, h0 = kvh * rep;
-    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
-    const __nv_bfloat16* kg = qkv_b + HD + kvh * FA_D;
-    const __nv_bfloat16* vg = kg + KD;
-    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
-    const int nq = (T + FA_BM - 1) / FA_BM;
-    const int ntile = nq - i0;
-    const float L2E = 1.4426950408889634f;
-    const float sl2 = scale * L2E;
+    const FaBwdBlock<D, 64> blk(qkv, dout, T, H, KVH);
+    const float sl2 = scale * 1.4426950408889634f;
 
-    const uint32_t raw = fa_smem_u32(fa_wg_smem);
+    const uint32_t raw = fa_smem_u32(smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
-    char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
-    const uint32_t sK = base, sV = base + TILE, sdSa = base + 2 * TILE, sQD = base + 3 * TILE;
-    char* sdSc = smc + 2 * TILE;
-    float* stg = reinterpret_cast<float*>(smc + 7 * TILE) + warp * 16 * 64;
+    char* smc = reinterpret_cast<char*>(smem) + (base - raw);  // generic view of `base`
+    const uint32_t sK = base, sV = base + TILE, sQD = base + 2 * TILE, sdSa = base + 6 * TILE;
+    char* sdSc = smc + 6 * TILE;
 
-    fa_load_rows<64, 128>(sK, kg, ld, k0, T, tid);
-    fa_load_rows<64, 128>(sV, vg, ld, k0, T, tid);
-    fa_load_rows<64, 128>(sQD, qkv_b + h0 * FA_D, ld, i0 * FA_BM, T, tid);
-    fa_load_rows<64, 128>(sQD + TILE, dout_b + h0 * FA_D, HD, i0 * FA_BM, T, tid);
+    fa_load_tile<D, true>(sK, blk.kg, blk.ld, blk.k0, T, tid);
+    fa_load_tile<D, true>(sV, blk.vg, blk.ld, blk.k0, T, tid);
+    fa_load_tile<D, true>(sQD, blk.qkv_b + blk.h0 * D, blk.ld, blk.i0 * FA_BM, T, tid);
+    fa_load_tile<D, true>(sQD + TILE, blk.dout_b + blk.h0 * D, blk.HD, blk.i0 * FA_BM, T, tid);
     fa_cp_commit();
 
-    float dk[8][4], dv[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            dk[i][e] = 0.f;
-            dv[i][e] = 0.f;
-        }
-    const int wk0 = k0 + warp * 16;
+    float dk[D / 8][4], dv[D / 8][4];
+    fa_zero(dk);
+    fa_zero(dv);
+    const int wk0 = blk.k0 + warp * 16;
     const int kr0 = wk0 + g;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-    // the dQ in flight: its accumulators, and where its rows go (rows: how many are < T)
+    // dQ (its first 64 head-dim columns at head dim 128), and where its rows go (rows: how many
+    // are < T); at head dim 64 the tile's, in flight to the next
     float dq[8][4];
     float* dq_dst = nullptr;
     int dq_rows = 0;
 
-    for (int it = 0; it < rep * ntile; ++it) {
-        const int hq = it / ntile, i = i0 + (it - hq * ntile);
-        const int h = h0 + hq;
-        const float* lseg = lse + ((size_t)b * H + h) * T;
-        const float* dlg = delta + ((size_t)b * H + h) * T;
+    for (int it = 0; it < blk.steps(); ++it) {
+        int h, i;
+        blk.at(it, h, i);
         const int bsel = it & 1;
         const uint32_t sQa = sQD + bsel * 2 * TILE, sdOa = sQa + TILE;
-        // the last tile's products done: dV, dK read the buffer the prefetch below refills, and
-        // its dQ is flushed below while this tile's first products run (ptxas serializes every
-        // wgmma of the kernel when dQ is read across a pending group: wait for all here)
+        // the last tile's products done (head dim 64: dV, dK read the buffer the prefetch below
+        // refills, and its dQ is flushed below while this tile's first products run — ptxas
+        // serializes every wgmma of the kernel when dQ is read across a pending group: wait for
+        // all here)
         wg_wait<0>();
         fa_cp_wait_all();
         fa_fence_async();
-        __syncthreads();  // tile `it` landed; the buffer of tile it-1 is free
+        __syncthreads();  // tile `it` landed; the buffer of tile it-1 and dS^T are free
         const int q0 = i * FA_BM;
 
-        // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is taken while dP^T is in flight
         float st[8][4], dpt[8][4];
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_ss<0, 0>(st, wg_desc(sK + kc * 32), wg_desc(sQa + kc * 32), kc);
-        wg_commit();
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-            wg_ss<0, 0>(dpt, wg_desc(sV + kc * 32), wg_desc(sdOa + kc * 32), kc);
-        wg_commit();
+        fa_wg_bwd_scores<D>(st, dpt, sK, sV, sQa, sdOa);
         // the next tile's Q, dO into the other buffer, while they run
-        if (it + 1 < rep * ntile) {
-            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
+        if (it + 1 < blk.steps()) {
+            int hn, in;
+            blk.at(it + 1, hn, in);
             const uint32_t nb = sQD + (bsel ^ 1) * 2 * TILE;
-            fa_load_rows<64, 128>(nb, qkv_b + (h0 + hn) * FA_D, ld, in * FA_BM, T, tid);
-            fa_load_rows<64, 128>(nb + TILE, dout_b + (h0 + hn) * FA_D, HD, in * FA_BM, T, tid);
+            fa_load_tile<D, true>(nb, blk.qkv_b + hn * D, blk.ld, in * FA_BM, T, tid);
+            fa_load_tile<D, true>(nb + TILE, blk.dout_b + hn * D, blk.HD, in * FA_BM, T, tid);
             fa_cp_commit();
         }
-        // the last tile's dQ -> dq_acc, while they run
-        if (dq_dst != nullptr) {
-            wg_pin(dq);
-            fa_wg_flush_dq(dq, stg, dq_dst, dq_rows, HD, lane);
+        // head dim 64: the last tile's dQ -> dq_acc, while they run
+        if constexpr (D == 64) {
+            if (dq_dst != nullptr) {
+                wg_pin(dq);
+                fa_wg_flush_dq(dq, reinterpret_cast<float*>(smc + 6 * TILE + 64 * 64 * 2) + warp * 16 * 64,
+                               dq_dst, dq_rows, blk.HD, lane);
+            }
         }
 
-        const int qa = q0 + 2 * lane;
-        const float lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
-        const float lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
-        const float dla = qa < T ? __ldg(dlg + qa) : 0.f;
-        const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
+        float lsa, lsb, dla, dlb;
+        fa_bwd_row_stats(lse, delta, (size_t)blk.b * H + h, q0, T, lane, lsa, lsb, dla, dlb);
         wg_wait<1>();
         wg_pin(st);
         fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
         wg_wait<0>();
         wg_pin(dpt);
-        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)b * H + h,
-                       nq);
+        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)blk.b * H + h,
+                       blk.nq);
         uint32_t pa[4][4], sa[4][4];
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
             fa_frag(st, kc, pa[kc]);
             fa_frag(dpt, kc, sa[kc]);
         }
-        // dV += P^T dO, dK += dS^T Q (k = the tile's queries: 16 rows, 2048 bytes, a step)
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dv, pa[kc], wg_desc(sdOa + kc * 2048));
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dk, sa[kc], wg_desc(sQa + kc * 2048));
-        wg_commit();
+        fa_wg_bwd_accumulate(dv, dk, pa, sa, sQa, sdOa);
         // dS^T -> shared memory for dQ, while those run
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
@@ -256,209 +278,62 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARG
         }
         fa_fence_async();
         __syncthreads();  // dS^T complete and visible to the tensor cores
-        // dQ = dS K (k = this block's keys), left in flight
-#pragma unroll
-        for (int a = 0; a < 8; ++a)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dq[a][e] = 0.f;
+        // dQ = dS K (k = this block's keys): head-dim columns 0..63
+        const int qw = q0 + warp * 16;
+        dq_dst = dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * D;
+        dq_rows = min(16, T - qw);
+        fa_zero(dq);
         wg_fence();
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
             wg_ss<1, 1>(dq, wg_desc(sdSa + kc * 2048), wg_desc(sK + kc * 2048), kc);
         wg_commit();
-        const int qw = q0 + warp * 16;
-        dq_dst = dq_acc + ((size_t)b * T + qw) * HD + h * FA_D;
-        dq_rows = min(16, T - qw);
+        if constexpr (D == 128) {
+            // columns 64..127 issued while 0..63 go out through the Q tile; then through dO's
+            float dq1[8][4];
+            fa_zero(dq1);
+            wg_wait<0>();  // dV, dK and the first half done: Q and dO are free
+            wg_pin(dq);
+            wg_fence();
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)
+                wg_ss<1, 1>(dq1, wg_desc(sdSa + kc * 2048), wg_desc(sK + TILE / 2 + kc * 2048), kc);
+            wg_commit();
+            char* sQc = smc + 2 * TILE + bsel * 2 * TILE;  // generic view of sQa
+            fa_wg_flush_dq(dq, reinterpret_cast<float*>(sQc) + warp * 16 * 64, dq_dst, dq_rows,
+                           blk.HD, lane);
+            wg_wait<0>();
+            wg_pin(dq1);
+            fa_wg_flush_dq(dq1, reinterpret_cast<float*>(sQc + TILE) + warp * 16 * 64, dq_dst + 64,
+                           dq_rows, blk.HD, lane);
+        }
     }
     wg_wait<0>();
     wg_pin(dq);
     wg_pin(dv);
     wg_pin(dk);
-    if (dq_dst != nullptr) fa_wg_flush_dq(dq, stg, dq_dst, dq_rows, HD, lane);
-
-    // epilogue: dK (scaled) -> the dS^T tile, dV -> the first Q/dO buffer, then 16-byte stores
-    __syncthreads();
-    fa_bwd_store_kv(dk, dv, scale, sdSc, smc + 3 * TILE, warp, lane, wk0, T,
-                    dqkv + (size_t)b * T * ld + HD + kvh * FA_D, ld, KD);
-}
-
-// ---------------------------------------------------------------------------------------------
-// The backward's main kernel at head dim 128: flash_bwd_wg_bf16's tile loop with the tiles as
-// 64-column panels (fa_tile_off<128, true>, the head-dim-128 forward's layout): S^T and dP^T take
-// eight k-steps over both panels, dV += P^T dO and dK += dS^T Q one product a panel into the
-// matching half of the accumulator. dK and dV are 64 x 128 fp32 each (128 registers a thread), so
-// dQ is not left in flight to the next tile: once dS^T is in shared memory, dQ = dS K runs in two
-// halves of 64 head-dim columns (one panel of K each), the second issued while the first is staged
-// through the tile's Q tile and added into dq_acc; the second is staged through the dO tile (both
-// free once dV and dK are done). Shared memory (dynamic, FA_WG_D128_SMEM = 105 KB: two blocks an
-// SM): K, V, two buffers of (Q, dO), each 64 x 128, and dS^T 64 x 64, from a 1024-byte boundary.
-#define FA_WG_D128_SMEM (6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024)
-extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_d128_bf16(FA_WG_ARGS) {
-    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    constexpr int D = 128;
-    constexpr uint32_t PANEL = 64 * 64 * 2, TILE = 2 * PANEL;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t4 = lane & 3;
-    const int kblk = blockIdx.y;  // key block 0 has the most work and is issued first
-    const int k0 = kblk * 64;
-    const int i0 = kblk;          // first query tile that sees these keys
-    const int bkv = blockIdx.x, b = bkv / KVH, kvh = bkv - b * KVH;
-    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
-    const int rep = H / KVH, h0 = kvh * rep;
-    const __nv_bfloat16* qkv_b = qkv + (size_t)b * T * ld;
-    const __nv_bfloat16* kg = qkv_b + HD + kvh * D;
-    const __nv_bfloat16* vg = kg + KD;
-    const __nv_bfloat16* dout_b = dout + (size_t)b * T * HD;
-    const int nq = (T + FA_BM - 1) / FA_BM;
-    const int ntile = nq - i0;
-    const float L2E = 1.4426950408889634f;
-    const float sl2 = scale * L2E;
-
-    const uint32_t raw = fa_smem_u32(fa_wg_smem);
-    const uint32_t base = (raw + 1023u) & ~1023u;
-    char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
-    const uint32_t sK = base, sV = base + TILE, sQD = base + 2 * TILE, sdSa = base + 6 * TILE;
-    char* sdSc = smc + 6 * TILE;
-
-    fa_load_tile<D, true>(sK, kg, ld, k0, T, tid);
-    fa_load_tile<D, true>(sV, vg, ld, k0, T, tid);
-    fa_load_tile<D, true>(sQD, qkv_b + h0 * D, ld, i0 * FA_BM, T, tid);
-    fa_load_tile<D, true>(sQD + TILE, dout_b + h0 * D, HD, i0 * FA_BM, T, tid);
-    fa_cp_commit();
-
-    float dk[16][4], dv[16][4];
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            dk[i][e] = 0.f;
-            dv[i][e] = 0.f;
-        }
-    const int wk0 = k0 + warp * 16;
-    const int kr0 = wk0 + g;
-    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-
-    for (int it = 0; it < rep * ntile; ++it) {
-        const int hq = it / ntile, i = i0 + (it - hq * ntile);
-        const int h = h0 + hq;
-        const float* lseg = lse + ((size_t)b * H + h) * T;
-        const float* dlg = delta + ((size_t)b * H + h) * T;
-        const int bsel = it & 1;
-        const uint32_t sQa = sQD + bsel * 2 * TILE, sdOa = sQa + TILE;
-        char* sQc = smc + 2 * TILE + bsel * 2 * TILE;  // generic view of sQa (dQ's staging)
-        fa_cp_wait_all();
-        fa_fence_async();
-        __syncthreads();  // tile `it` landed; the last tile's buffer and dS^T are free
-        const int q0 = i * FA_BM;
-
-        // S^T = K Q^T and dP^T = V dO^T, two groups: P^T is taken while dP^T is in flight
-        float st[8][4], dpt[8][4];
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-            const uint32_t off = (kc >> 2) * PANEL + (kc & 3) * 32;
-            wg_ss<0, 0>(st, wg_desc(sK + off), wg_desc(sQa + off), kc);
-        }
-        wg_commit();
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-            const uint32_t off = (kc >> 2) * PANEL + (kc & 3) * 32;
-            wg_ss<0, 0>(dpt, wg_desc(sV + off), wg_desc(sdOa + off), kc);
-        }
-        wg_commit();
-        // the next tile's Q, dO into the other buffer, while they run
-        if (it + 1 < rep * ntile) {
-            const int hn = (it + 1) / ntile, in = i0 + (it + 1 - hn * ntile);
-            const uint32_t nb = sQD + (bsel ^ 1) * 2 * TILE;
-            fa_load_tile<D, true>(nb, qkv_b + (h0 + hn) * D, ld, in * FA_BM, T, tid);
-            fa_load_tile<D, true>(nb + TILE, dout_b + (h0 + hn) * D, HD, in * FA_BM, T, tid);
-            fa_cp_commit();
-        }
-
-        const int qa = q0 + 2 * lane;
-        const float lsa = qa < T ? __ldg(lseg + qa) * L2E : INFINITY;
-        const float lsb = qa + 1 < T ? __ldg(lseg + qa + 1) * L2E : INFINITY;
-        const float dla = qa < T ? __ldg(dlg + qa) : 0.f;
-        const float dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
-        wg_wait<1>();
-        wg_pin(st);
-        fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
-        wg_wait<0>();
-        wg_pin(dpt);
-        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)b * H + h,
-                       nq);
-        uint32_t pa[4][4], sa[4][4];
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            fa_frag(st, kc, pa[kc]);
-            fa_frag(dpt, kc, sa[kc]);
-        }
-        // dV += P^T dO, dK += dS^T Q, a product per 64-column panel (k = the tile's queries)
-        wg_fence();
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            float(&dvp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * p]);
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_rs<1>(dvp, pa[kc], wg_desc(sdOa + p * PANEL + kc * 2048));
-        }
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-            float(&dkp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * p]);
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_rs<1>(dkp, sa[kc], wg_desc(sQa + p * PANEL + kc * 2048));
-        }
-        wg_commit();
-        // dS^T -> shared memory for dQ, while those run
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[kc][0];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[kc][1];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[kc][2];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + 8 + t4 * 2)) = sa[kc][3];
-        }
-        fa_fence_async();
-        __syncthreads();  // dS^T complete and visible to the tensor cores
-        // dQ = dS K (k = this block's keys), head-dim columns 0..63 then 64..127
-        float dq0[8][4], dq1[8][4];
-#pragma unroll
-        for (int a = 0; a < 8; ++a)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                dq0[a][e] = 0.f;
-                dq1[a][e] = 0.f;
-            }
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-            wg_ss<1, 1>(dq0, wg_desc(sdSa + kc * 2048), wg_desc(sK + kc * 2048), kc);
-        wg_commit();
-        wg_wait<0>();  // dV, dK and the first half done: Q and dO are free
-        wg_pin(dq0);
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-            wg_ss<1, 1>(dq1, wg_desc(sdSa + kc * 2048), wg_desc(sK + PANEL + kc * 2048), kc);
-        wg_commit();
-        const int qw = q0 + warp * 16;
-        const int dq_rows = min(16, T - qw);
-        float* dq_dst = dq_acc + ((size_t)b * T + qw) * HD + h * D;
-        fa_wg_flush_dq(dq0, reinterpret_cast<float*>(sQc) + warp * 16 * 64, dq_dst, dq_rows, HD,
-                       lane);
-        wg_wait<0>();
-        wg_pin(dq1);
-        fa_wg_flush_dq(dq1, reinterpret_cast<float*>(sQc + TILE) + warp * 16 * 64, dq_dst + 64,
-                       dq_rows, HD, lane);
+    if constexpr (D == 64) {
+        if (dq_dst != nullptr)
+            fa_wg_flush_dq(dq, reinterpret_cast<float*>(smc + 6 * TILE + 64 * 64 * 2) + warp * 16 * 64,
+                           dq_dst, dq_rows, blk.HD, lane);
     }
-    wg_wait<0>();
-    wg_pin(dv);
-    wg_pin(dk);
 
     // epilogue: dK (scaled) -> the K tile, dV -> the V tile, then 16-byte stores
     __syncthreads();
     fa_bwd_store_kv(dk, dv, scale, smc, smc + TILE, warp, lane, wk0, T,
-                    dqkv + (size_t)b * T * ld + HD + kvh * D, ld, KD);
+                    dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * D, blk.ld, blk.KD);
+}
+
+// Dynamic shared memory: FA_WG_SMEM (head dim 64) and FA_WG_D128_SMEM (= spec's
+// FLASH_BWD_WG_D128_SMEM: two blocks an SM) bytes.
+#define FA_WG_D128_SMEM (6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024)
+extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    flash_bwd_wg<64>(FA_WG_PASS, fa_wg_smem);
+}
+extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_d128_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    flash_bwd_wg<128>(FA_WG_PASS, fa_wg_smem);
 }
 
 // ---------------------------------------------------------------------------------------------
