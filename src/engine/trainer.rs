@@ -1003,6 +1003,7 @@ impl Trainer {
         let t0 = Instant::now();
         let inject_nan = self.take_nan_fault();
         let sharding = self.sharding();
+        let control_due = self.control_due();
         let Some(whole) = self.whole.as_mut() else {
             return Err(candle_core::Error::Msg("no whole-model step".into()));
         };
@@ -1037,8 +1038,12 @@ impl Trainer {
                 .iter()
                 .map(|&i| &self.opt.slots[i].var)
                 .collect();
-            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-            sumsq_val = super::kernels::sumsq(&ts)?;
+            // (Σw² is read only by the controller, after this step when it is due: a pass over
+            // the weights and a host read the other steps skip.)
+            if control_due {
+                let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                sumsq_val = super::kernels::sumsq(&ts)?;
+            }
             if lambda != 0.0 {
                 // d/dw of λ·Σw²/(2σ²)/N = 2·λ·coef·w, added to the CE gradient in place
                 // (to the ranks' sum already, when the step summed: world times, as the
@@ -1757,17 +1762,22 @@ impl Trainer {
     }
 
     /// The whole-model step's SCU term under ZeRO-1, from this rank's range (exact there,
-    /// whatever the rest holds): Σw² of its regularized pieces, and λ's gradient
-    /// 2·λ·coef·w added to its range of the summed gradients. None off the whole-model step
-    /// (the per-op path keeps the term in its loss).
+    /// whatever the rest holds): Σw² of its regularized pieces when the controller reads it
+    /// after this step (None otherwise, and off the whole-model step, whose per-op path keeps
+    /// the term in its loss), and λ's gradient 2·λ·coef·w added to its range of the summed
+    /// gradients.
     fn shard_penalty(&mut self) -> Result<Option<f64>, EngineError> {
+        let control_due = self.control_due();
         let (Some(shard), Some(whole)) = (self.shard.as_ref(), self.whole.as_mut()) else {
             return Ok(None);
         };
         if self.reg_slots.is_empty() {
             return Ok(Some(0.0));
         }
-        let sumsq = shard.weight_sumsq(&self.opt, &self.reg_slots)?;
+        let sumsq = match control_due {
+            true => Some(shard.weight_sumsq(&self.opt, &self.reg_slots)?),
+            false => None,
+        };
         let lambda = self.scu.lambda;
         if lambda != 0.0 {
             let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
@@ -1779,7 +1789,12 @@ impl Trainer {
                 .collect();
             whole.add_scaled_pieces(&pieces, a)?;
         }
-        Ok(Some(sumsq))
+        Ok(sumsq)
+    }
+
+    /// SCU's controller runs after this step (it reads the step's Σw² then).
+    fn control_due(&self) -> bool {
+        (self.step + 1).is_multiple_of(self.cfg.scu.control_every)
     }
 
     /// Sum the flat f32 gradient buffer over the ranks, in place: all of it, or (ZeRO-1, a
