@@ -254,17 +254,24 @@ impl Shard {
             .iter()
             .map(|p| self.v.narrow(0, p.shard_off, p.len))
             .collect::<Result<_>>()?;
+        // (Both decided from every weight, not from this rank's pieces — a rank may have none
+        // — so that every rank takes the same path and gathers the same buffer.)
         let fused = opt.fused
-            && ws
+            && opt.slots.iter().all(|s| {
+                let t = s.var.as_tensor();
+                super::kernels::usable(t) && t.dtype() == DType::F32
+            });
+        let copied = copies.is_some_and(|s| {
+            opt.slots
                 .iter()
-                .all(|w| super::kernels::usable(w) && w.dtype() == DType::F32);
-        if fused && !ws.is_empty() {
+                .all(|slot| s.weight_copy(&slot.var).is_some())
+        });
+        if fused {
             // In place: the weights' pieces (views of the weights) and the moments, and the
-            // pieces' bf16 copies where every one of them has its place in the step.
+            // pieces' bf16 copies where every weight has its place in the step.
             let copy_of = |p: &Piece| {
                 copies.and_then(|s| s.weight_copy_at(&opt.slots[p.slot].var, p.var_off))
             };
-            let copied = copies.is_some() && self.pieces.iter().all(|p| copy_of(p).is_some());
             let items: Vec<super::kernels::AdamItem> = self
                 .pieces
                 .iter()
