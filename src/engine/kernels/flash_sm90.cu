@@ -134,23 +134,26 @@ __device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* s
                   const unsigned long long* __restrict__ mbits
 #define FA_WG_PASS qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits
 
+// d (64 x 64) = A B^T for two 64-row tiles of D columns (K-major, as 64-column panels):
+// D / 16 k-steps, four in each panel. The caller fences and commits.
+template <int D>
+__device__ __forceinline__ void fa_wg_ss_panels(float (&d)[8][4], uint32_t sa, uint32_t sb) {
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
+        wg_ss<0, 0>(d, wg_desc(sa + off), wg_desc(sb + off), kc);
+    }
+}
+
 // S^T = K Q^T and dP^T = V dO^T of a tile, as two groups (S^T's first, so that wg_wait<1> takes
-// it while dP^T runs): D / 16 k-steps, four in each 64-column panel of the tiles.
+// it while dP^T runs).
 template <int D>
 __device__ __forceinline__ void fa_wg_bwd_scores(float (&st)[8][4], float (&dpt)[8][4], uint32_t sK,
                                                  uint32_t sV, uint32_t sQa, uint32_t sdOa) {
     wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-        const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
-        wg_ss<0, 0>(st, wg_desc(sK + off), wg_desc(sQa + off), kc);
-    }
+    fa_wg_ss_panels<D>(st, sK, sQa);
     wg_commit();
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-        const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
-        wg_ss<0, 0>(dpt, wg_desc(sV + off), wg_desc(sdOa + off), kc);
-    }
+    fa_wg_ss_panels<D>(dpt, sV, sdOa);
     wg_commit();
 }
 
@@ -361,11 +364,7 @@ struct FaFwdWg {
                                                   uint32_t kb, int, int, int) {
         static_assert(D == 64 || D == 128, "the wgmma forward is written for head dims 64 and 128");
         wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-            const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
-            wg_ss<0, 0>(s, wg_desc(sQa + off), wg_desc(kb + off), kc);
-        }
+        fa_wg_ss_panels<D>(s, sQa, kb);
         wg_commit();
         wg_wait<0>();
         wg_pin(s);
