@@ -1626,16 +1626,8 @@ impl Trainer {
                 "optimizer sharding without ranks".into(),
             ));
         };
-        let step = self.whole.as_ref().filter(|w| {
-            w.weight_buffer().is_some()
-                && self
-                    .opt
-                    .slots
-                    .iter()
-                    .filter(|s| w.weight_copy(&s.var).is_some())
-                    .count()
-                    == w.weight_count()
-        });
+        // (The update decides, from every weight, whether the step's copies take it.)
+        let step = self.whole.as_ref().filter(|w| w.weight_buffer().is_some());
         if shard.update(&mut self.opt, flat, lr, grad_scale, step)? {
             if let Some(copies) = step.and_then(|w| w.weight_buffer()) {
                 d.all_gather_in_place(copies)?;

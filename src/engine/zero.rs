@@ -203,6 +203,17 @@ impl Shard {
         self.rank * self.len..(self.rank + 1) * self.len
     }
 
+    /// This rank's pieces of the weights in `opt` (a view of each, in piece order).
+    fn weight_views(&self, opt: &AdamW) -> Result<Vec<Tensor>> {
+        self.pieces
+            .iter()
+            .map(|p| {
+                let var = opt.slots[p.slot].var.as_tensor();
+                var.flatten_all()?.narrow(0, p.var_off, p.len)
+            })
+            .collect()
+    }
+
     /// This rank's pieces of `flat` (a view of each).
     fn views(&self, flat: &Tensor) -> Result<Vec<Tensor>> {
         let lo = self.rank * self.len;
@@ -237,13 +248,7 @@ impl Shard {
         let bc1 = 1.0 - opt.beta1.powi(opt.t as i32);
         let bc2 = 1.0 - opt.beta2.powi(opt.t as i32);
         let lo = self.rank * self.len;
-        let mut ws = Vec::with_capacity(self.pieces.len());
-        let mut gs = Vec::with_capacity(self.pieces.len());
-        for p in &self.pieces {
-            let var = opt.slots[p.slot].var.as_tensor();
-            ws.push(var.flatten_all()?.narrow(0, p.var_off, p.len)?);
-            gs.push(flat.narrow(0, lo + p.shard_off, p.len)?);
-        }
+        let (ws, gs) = (self.weight_views(opt)?, self.views(flat)?);
         let ms: Vec<Tensor> = self
             .pieces
             .iter()
@@ -330,13 +335,7 @@ impl Shard {
     /// fused kernels serve), for an all-gather that hands every rank every weight.
     pub fn masters_into(&self, opt: &AdamW, flat: &Tensor) -> Result<()> {
         let lo = self.rank * self.len;
-        let mut srcs = Vec::with_capacity(self.pieces.len());
-        let mut dsts = Vec::with_capacity(self.pieces.len());
-        for p in &self.pieces {
-            let var = opt.slots[p.slot].var.as_tensor();
-            srcs.push(var.flatten_all()?.narrow(0, p.var_off, p.len)?);
-            dsts.push(flat.narrow(0, lo + p.shard_off, p.len)?);
-        }
+        let (srcs, dsts) = (self.weight_views(opt)?, self.views(flat)?);
         let fused = srcs
             .iter()
             .chain(&dsts)
