@@ -909,6 +909,18 @@ fn step_families() -> Vec<Family> {
             },
         },
         Family {
+            name: "llama: head dim 64, 4 heads, dropout 0.1, T 150 (a 128-key block of one query tile)",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 4;
+                c.model.dropout = 0.1;
+                c.model.seq_len = 150;
+            },
+        },
+        Family {
             name: "mistral-like: head dim 128, GQA 4/1, dropout 0.2, T 200 (four query tiles)",
             vocab: 97,
             set: |c| {

@@ -34,6 +34,25 @@ const MODULE_SM75_F16: &str = "cockpit_kernels_sm75_f16";
 /// 9.0 only): the compute_80 kernels plus flash attention's backward on wgmma.
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm90.ptx"));
 const MODULE_SM90: &str = "cockpit_kernels_sm90";
+
+/// The Hopper bf16 kernels: the embedded build, or, for kernel work, the PTX file that
+/// `COCKPIT_PTX_SM90` names (a variant measured without rebuilding cockpit; read once, and
+/// an unreadable file is an error, never a silent fallback).
+fn ptx_sm90() -> Result<&'static str> {
+    static OVERRIDE: std::sync::OnceLock<std::result::Result<Option<String>, String>> =
+        std::sync::OnceLock::new();
+    let o = OVERRIDE.get_or_init(|| match std::env::var_os("COCKPIT_PTX_SM90") {
+        None => Ok(None),
+        Some(path) => std::fs::read_to_string(&path)
+            .map(Some)
+            .map_err(|e| format!("COCKPIT_PTX_SM90={}: {e}", path.to_string_lossy())),
+    });
+    match o {
+        Ok(Some(ptx)) => Ok(ptx.as_str()),
+        Ok(None) => Ok(PTX_SM90),
+        Err(e) => Err(err(e.clone())),
+    }
+}
 const PTX_SM90_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm90_f16.ptx"));
 const MODULE_SM90_F16: &str = "cockpit_kernels_sm90_f16";
 
@@ -80,7 +99,7 @@ macro_rules! load_kernel {
     ($dev:expr, $name:expr) => {
         match kernel_build($dev) {
             "sm75" => $dev.get_or_load_custom_func($name, MODULE_SM75, PTX_SM75),
-            "sm90" => $dev.get_or_load_custom_func($name, MODULE_SM90, PTX_SM90),
+            "sm90" => $dev.get_or_load_custom_func($name, MODULE_SM90, ptx_sm90()?),
             _ => $dev.get_or_load_custom_func($name, MODULE, PTX),
         }
     };

@@ -5,9 +5,11 @@
 // on compute capability 9.0).
 //
 // ============================== LAUNCH CONTRACT ==============================================
+//   flash_bwd_ws_bf16 (head dim 64, what the step launches): the arguments of flash_bwd_bf16,
+//   grid = (B*KVH, ceil(T/128), 1), block = (384, 1, 1), dynamic smem = FA_WS_SMEM bytes (above
+//   48 KB: the launcher raises the function's limit). Same preprocess before and dq_convert after.
 //   flash_bwd_wg_bf16: the arguments, grid and block of flash_bwd_bf16 (FA_BWD_NW = 4: grid =
-//   (B*KVH, ceil(T/64), 1), block = (128, 1, 1)), dynamic smem = FA_WG_SMEM bytes (above 48 KB:
-//   the launcher raises the function's limit). Same preprocess before and dq_convert after.
+//   (B*KVH, ceil(T/64), 1), block = (128, 1, 1)), dynamic smem = FA_WG_SMEM bytes.
 //   flash_bwd_wg_d128_bf16: those of flash_bwd_d128_bf16, dynamic smem = FA_WG_D128_SMEM
 //   (spec::FLASH_BWD_WG_D128_SMEM).
 //   flash_fwd_wg_bf16, flash_fwd_drop_wg_bf16: the arguments, grid and block of flash_fwd_bf16 /
@@ -38,8 +40,10 @@
 // mma.sync: 0.183); B=4, T=2048, H=32, KVH=8: 0.85 ms (0.96). Timed with clock64 per phase, a
 // 64 x 64 tile costs one block about 5000 cycles against 640 of tensor-core work at peak: the
 // kernel is bound by latency (the wait at each phase, the barrier before dQ, the next tile's
-// copies and dQ's atomics issuing from the same warps), not by the products; the next step is
-// FlashAttention-3's shape — a producer warp, two consumer warpgroups, 128-row tiles.
+// copies and dQ's atomics issuing from the same warps), not by the products. Hence, at head dim
+// 64, flash_bwd_ws_bf16 below: dQ and the copies moved to a third warpgroup, 128 keys a block —
+// on the same H100 shapes 0.127 ms (B8 T1024) and 0.63 ms (B4 T2048) against flash_bwd_wg's 0.155
+// and 0.85.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -325,6 +329,168 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
     __syncthreads();
     fa_bwd_store_kv(dk, dv, scale, smc, smc + TILE, warp, lane, wk0, T,
                     dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * D, blk.ld, blk.KD);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The head-dim-64 backward, warp-specialized (FlashAttention-3's shape): one block = 128 keys of
+// one (b, key/value head) and three warpgroups. WG0 and WG1 each own 64 of the keys and do what
+// flash_bwd_wg does for them except dQ (S^T, dP^T, P^T, dS^T, dV, dK); WG2 loads the (Q, dO)
+// tiles into a two-slot ring and computes each tile's dQ = dS K over all 128 keys (one product,
+// k = 128: half the atomics of two 64-key blocks), staged and added into dq_acc while the others
+// run on — so dQ's product, its wait and its atomics leave the critical path. Named barriers
+// (384 threads each) hand the slots over:
+//   FULL[s]    WG2 -> WG0, WG1: the (Q, dO) of ring slot s landed
+//   EMPTY[s]   WG0, WG1 -> WG2: their products on slot s are done (refill it)
+//   DSFULL[s]  WG0, WG1 -> WG2: both halves of dS^T slot s are written
+//   DSEMPTY[s] WG2 -> WG0, WG1: dS^T slot s has been read (arrived ahead for the first two)
+// Each arrive is matched by one sync. 168 registers a thread at launch (one block an SM); WG2
+// keeps 80 (setmaxnreg) and WG0, WG1 take the rest (200; no spills). Launch: grid (B*KVH,
+// ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (= spec::FLASH_BWD_WS_SMEM).
+#define FA_WS_SMEM (12 * 64 * 64 * 2 + 64 * 64 * 4 + 1024)
+#define FA_WS_FULL 1
+#define FA_WS_EMPTY 3
+#define FA_WS_DSFULL 5
+#define FA_WS_DSEMPTY 7
+__device__ __forceinline__ void fa_ws_sync(int id) {
+    asm volatile("bar.sync %0, 384;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void fa_ws_arrive(int id) {
+    asm volatile("bar.arrive %0, 384;\n" ::"r"(id) : "memory");
+}
+
+// Step `it`'s Q and dO tiles into ring slot sQa (dO one tile further), by WG2's threads (pt).
+__device__ __forceinline__ void fa_ws_load_qdo(const FaBwdBlock<64, 128>& blk, int it, uint32_t sQa,
+                                               int T, int pt) {
+    int h, i;
+    blk.at(it, h, i);
+    fa_load_tile<64, true>(sQa, blk.qkv_b + h * 64, blk.ld, i * FA_BM, T, pt);
+    fa_load_tile<64, true>(sQa + 64 * 64 * 2, blk.dout_b + h * 64, blk.HD, i * FA_BM, T, pt);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    constexpr uint32_t TILE = 64 * 64 * 2;
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const FaBwdBlock<64, 128> blk(qkv, dout, T, H, KVH);
+    const uint32_t raw = fa_smem_u32(fa_wg_smem);
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
+    // K0 K1 | V0 V1 | two ring slots of (Q, dO) | two dS^T slots of two halves | dQ staging
+    const uint32_t sK = base, sV = base + 2 * TILE, sQD = base + 4 * TILE, sdS = base + 8 * TILE;
+    const int steps = blk.steps();
+
+    if (wg == 2) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 80;\n" ::: "memory");
+        const int pt = tid - 256;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            fa_load_tile<64, true>(sK + c * TILE, blk.kg, blk.ld, blk.k0 + 64 * c, T, pt);
+            fa_load_tile<64, true>(sV + c * TILE, blk.vg, blk.ld, blk.k0 + 64 * c, T, pt);
+        }
+        fa_ws_load_qdo(blk, 0, sQD, T, pt);
+        fa_cp_commit();
+        if (steps > 1) {
+            fa_ws_load_qdo(blk, 1, sQD + 2 * TILE, T, pt);
+            fa_cp_commit();
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            fa_cp_wait_all();
+        }
+        fa_fence_async();
+        fa_ws_arrive(FA_WS_FULL);
+        fa_ws_arrive(FA_WS_DSEMPTY);
+        if (steps > 1) fa_ws_arrive(FA_WS_DSEMPTY + 1);
+        float* stg = reinterpret_cast<float*>(smc + 12 * TILE) + warp * 16 * 64;
+        for (int it = 0; it < steps; ++it) {
+            const int s = it & 1;
+            if (it + 1 < steps) {  // the next tile's (Q, dO), loaded a tile ago
+                fa_cp_wait_all();
+                fa_fence_async();
+                fa_ws_arrive(FA_WS_FULL + (s ^ 1));
+            }
+            int h, i;
+            blk.at(it, h, i);
+            float dq[8][4];
+            fa_ws_sync(FA_WS_DSFULL + s);
+            wg_fence();
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int kc = 0; kc < 4; ++kc)
+                    wg_ss<1, 1>(dq, wg_desc(sdS + (2 * s + half) * TILE + kc * 2048),
+                                wg_desc(sK + half * TILE + kc * 2048), half | kc);
+            wg_commit();
+            wg_wait<0>();
+            wg_pin(dq);
+            if (it + 2 < steps) {
+                fa_ws_arrive(FA_WS_DSEMPTY + s);
+                fa_ws_sync(FA_WS_EMPTY + s);  // slot s's tile done: refill it two tiles ahead
+                fa_ws_load_qdo(blk, it + 2, sQD + s * 2 * TILE, T, pt);
+                fa_cp_commit();
+            }
+            const int qw = i * FA_BM + warp * 16;
+            fa_wg_flush_dq(dq, stg, dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * 64,
+                           min(16, T - qw), blk.HD, lane);
+        }
+        __syncthreads();  // every dQ product done reading K: the consumers' epilogue reuses it
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
+    const float sl2 = scale * 1.4426950408889634f;
+    const uint32_t sKc = sK + wg * TILE, sVc = sV + wg * TILE;
+    float dk[8][4], dv[8][4];
+    fa_zero(dk);
+    fa_zero(dv);
+    const int wk0 = blk.k0 + 64 * wg + warp * 16;
+    const int kr0 = wk0 + g;
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
+    for (int it = 0; it < steps; ++it) {
+        const int s = it & 1;
+        int h, i;
+        blk.at(it, h, i);
+        const int q0 = i * FA_BM;
+        const uint32_t sQa = sQD + s * 2 * TILE, sdOa = sQa + TILE;
+        fa_ws_sync(FA_WS_FULL + s);
+        float st[8][4], dpt[8][4];
+        fa_wg_bwd_scores<64>(st, dpt, sKc, sVc, sQa, sdOa);
+        float lsa, lsb, dla, dlb;
+        fa_bwd_row_stats(lse, delta, (size_t)blk.b * H + h, q0, T, lane, lsa, lsb, dla, dlb);
+        wg_wait<1>();
+        wg_pin(st);
+        fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
+        wg_wait<0>();
+        wg_pin(dpt);
+        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)blk.b * H + h,
+                       blk.nq);
+        uint32_t pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            fa_frag(st, kc, pa[kc]);
+            fa_frag(dpt, kc, sa[kc]);
+        }
+        fa_wg_bwd_accumulate(dv, dk, pa, sa, sQa, sdOa);
+        // dS^T -> this warpgroup's half of slot s, once WG2 has read the slot's last tile
+        fa_ws_sync(FA_WS_DSEMPTY + s);
+        char* sdSc = smc + (8 + 2 * s + wg) * TILE;
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc) {
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[kc][0];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[kc][1];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[kc][2];
+            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + 8 + t4 * 2)) = sa[kc][3];
+        }
+        fa_fence_async();
+        fa_ws_arrive(FA_WS_DSFULL + s);
+        wg_wait<0>();  // dV, dK done reading slot s
+        wg_pin(dv);
+        wg_pin(dk);
+        if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
+    }
+    __syncthreads();
+    fa_bwd_store_kv(dk, dv, scale, smc + wg * TILE, smc + (2 + wg) * TILE, warp, lane, wk0, T,
+                    dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * 64, blk.ld, blk.KD);
 }
 
 // Dynamic shared memory: FA_WG_SMEM (head dim 64) and FA_WG_D128_SMEM (= spec's

@@ -844,6 +844,22 @@ extern "C" __global__ void axpy_multi_f32(const AxpyItem* __restrict__ ts, float
         t.y[i] += a * t.x[i];
 }
 
+// LoRA: each adapter's B [rows, cols] (16-bit, dense) into its block of its group's
+// block-diagonal matrix of row stride ld (the entries outside the blocks stay zero), so the
+// group's y = u·Bᵀ and du = dy·B are one matmul each.
+struct BlockItem {
+    const uint16_t* src;
+    uint16_t* dst;
+    unsigned long long rows, cols, ld;
+};
+extern "C" __global__ void lora_blocks_16(const BlockItem* __restrict__ ts) {
+    const BlockItem t = ts[blockIdx.y];
+    const size_t n = t.rows * t.cols;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        t.dst[i / t.cols * t.ld + i % t.cols] = t.src[i];
+}
+
 // out[r, :] = wte[ids[r], :] + wpe[r mod t, :]
 extern "C" __global__ void embed_fwd_bf16(const uint32_t* __restrict__ ids,
                                           const bf16_t* __restrict__ wte,

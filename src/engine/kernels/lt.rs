@@ -394,7 +394,7 @@ impl Lt {
         Ok(())
     }
 
-    /// `D = op(A)·op(B) + β·C` with the epilogue, D in place of C, queued on `side` (with the
+    /// `D = α·op(A)·op(B) + β·C` with the epilogue, D in place of C, queued on `side` (with the
     /// side workspace, [`Lt::enable_side`]) or, when None or without a side workspace, on the
     /// step's stream. A plan is made and tuned on the step's stream, after a device-wide
     /// synchronise. Ok(false): cuBLASLt has no algorithm for this (nothing ran; the caller
@@ -403,7 +403,7 @@ impl Lt {
         &self,
         mm: Mm,
         c_f32: bool,
-        beta: f32,
+        (alpha, beta): (f32, f32),
         epi: Epi,
         side: Option<&CudaStream>,
     ) -> Result<bool> {
@@ -446,7 +446,7 @@ impl Lt {
             (Some(s), Some((_, ws))) => (s, *ws),
             _ => (&*self.stream, self.ws_p),
         };
-        self.run_on(plan, &plan.algo, &mm, mm.c.p, beta, on)?;
+        self.run_on(plan, &plan.algo, &mm, mm.c.p, (alpha, beta), on)?;
         Ok(true)
     }
 
@@ -460,20 +460,19 @@ impl Lt {
         d: u64,
         beta: f32,
     ) -> Result<()> {
-        self.run_on(plan, algo, mm, d, beta, (&self.stream, self.ws_p))
+        self.run_on(plan, algo, mm, d, (1.0, beta), (&self.stream, self.ws_p))
     }
 
-    /// [`Lt::run`] on `stream` with the workspace at `ws` (of `ws_size` bytes).
+    /// [`Lt::run`] with `alpha` on `stream` with the workspace at `ws` (of `ws_size` bytes).
     fn run_on(
         &self,
         plan: &Plan,
         algo: &sys::cublasLtMatmulAlgo_t,
         mm: &Mm,
         d: u64,
-        beta: f32,
+        (alpha, beta): (f32, f32),
         (stream, ws): (&CudaStream, u64),
     ) -> Result<()> {
-        let alpha = 1.0f32;
         // SAFETY: the operands are device addresses inside the step's buffers (or a scratch
         // copy of D of the same layout), sized by the caller for these shapes; the plan's
         // layouts describe exactly them; the workspace is ours, and used by no other stream.

@@ -176,6 +176,7 @@ struct Kernels {
     sms: usize,
     cast: Kern,
     axpy: Kern,
+    lora_blocks: Kern,
     embed: Kern,
     residual_norm: Kern,
     norm_bwd: Kern,
@@ -215,6 +216,9 @@ struct Flash {
     dq: Kern,
     fwd_smem: u32,
     bwd_smem: u32,
+    /// The backward's block: threads, and keys it owns (the grid's second dimension covers T
+    /// in steps of it).
+    bwd_block: (u32, usize),
 }
 
 impl Flash {
@@ -228,11 +232,14 @@ impl Flash {
         let sfx = if hd == 64 { "" } else { "_d128" };
         let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
         let (mut fwd_smem, mut bwd_smem) = super::spec::flash_smem(hd);
-        let bwd = if hopper {
-            bwd_smem = match hd {
-                64 => super::spec::FLASH_BWD_WG_SMEM,
-                _ => super::spec::FLASH_BWD_WG_D128_SMEM,
-            };
+        let mut bwd_block = (128, 64);
+        let bwd = if hopper && hd == 64 {
+            // Three warpgroups over 128 keys (flash_sm90.cu's flash_bwd_ws_bf16).
+            bwd_smem = super::spec::FLASH_BWD_WS_SMEM;
+            bwd_block = (384, 128);
+            named("flash_bwd_ws_bf16", "flash_bwd_ws")?
+        } else if hopper {
+            bwd_smem = super::spec::FLASH_BWD_WG_D128_SMEM;
             named(&format!("flash_bwd_wg{sfx}_bf16"), "flash_bwd_wg")?
         } else {
             k("flash_bwd", "flash_bwd")?
@@ -257,6 +264,7 @@ impl Flash {
             dq: k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?,
             fwd_smem,
             bwd_smem,
+            bwd_block,
         };
         // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly.
         let allow = |k: &Kern, bytes: u32| -> Result<()> {
@@ -332,6 +340,7 @@ impl Kernels {
             sms,
             cast: f("cast_multi_f32_bf16")?,
             axpy: f("axpy_multi_f32")?,
+            lora_blocks: f("lora_blocks_16")?,
             embed: f("embed_fwd_bf16")?,
             residual_norm: f("residual_norm_bf16")?,
             norm_bwd: f("norm_bwd_bf16")?,
@@ -811,6 +820,14 @@ pub struct GptStep {
     /// LoRA dropout on the adapters' input: keep threshold (0: none) and scale.
     lora_thr: u32,
     lora_scale: f32,
+    /// LoRA: per layer and group, the group's block-diagonal B (`[out, Σ r]`, 16-bit; 0: the
+    /// group's adapters run one by one), built from the adapters' B before each forward
+    /// ([`Self::lora_blocks`]).
+    lora_bd: Vec<[u64; 4]>,
+    /// Its storage, and the device table of the blocks to copy (source, destination, rows,
+    /// columns, row stride) with their count and largest size.
+    _lora_bd_buf: Option<CudaSlice<bf16>>,
+    lora_bd_table: Option<(CudaSlice<u64>, usize, usize)>,
     /// Granite's multipliers (1 elsewhere): the embedding's, the attention blocks' and
     /// MLPs' outputs' before the residual add (both applied with the dropout masks of those
     /// sites), the attention score scale (1/√head_dim elsewhere) and 1/logits_scaling on the
@@ -1038,7 +1055,7 @@ impl GptStep {
             (true, Some(lt)) => lt.enable_side().and_then(|()| Side::new(&stream)).ok(),
             _ => None,
         };
-        Ok(Self {
+        let mut step = Self {
             half: w.half,
             dev,
             stream,
@@ -1097,8 +1114,98 @@ impl GptStep {
             logit_mult: (1.0 / w.logits_scaling) as f32,
             lora_thr: dropout::threshold(w.lora_dropout),
             lora_scale: dropout::keep_scale(dropout::threshold(w.lora_dropout)),
+            lora_bd: Vec::new(),
+            _lora_bd_buf: None,
+            lora_bd_table: None,
             drop_seed: 0,
-        })
+        };
+        step.plan_lora_blocks()?;
+        Ok(step)
+    }
+
+    /// The output width of LoRA group `g`'s projection (the row stride of its output).
+    fn group_out(&self, g: usize) -> usize {
+        match g {
+            G_QKV => self.qkv_out,
+            G_GU if self.swiglu => 2 * self.hidden,
+            G_GU => self.hidden,
+            _ => self.c,
+        }
+    }
+
+    /// Give every group of two or more adapters of one scale (q, k, v; gate, up) its
+    /// block-diagonal B: one zeroed `[out, Σ r]` matrix per group, with a table of where
+    /// each adapter's B goes in it ([`Self::lora_blocks`]).
+    fn plan_lora_blocks(&mut self) -> Result<()> {
+        let mut at = Vec::with_capacity(self.layers.len());
+        let mut blocks = Vec::new();
+        let mut len = 0;
+        for li in &self.layers {
+            let mut offs = [usize::MAX; 4];
+            for (g, off) in offs.iter_mut().enumerate() {
+                let ads: Vec<LoraIdx> = LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]).collect();
+                if ads.len() < 2 || ads.iter().any(|ad| ad.scale != ads[0].scale) {
+                    continue;
+                }
+                let width = lora_width(li, g);
+                *off = len;
+                for ad in &ads {
+                    blocks.push((ad.b, len + ad.col * width + ad.ucol, ad.out, ad.r, width));
+                }
+                len = align(len + self.group_out(g) * width);
+            }
+            at.push(offs);
+        }
+        if blocks.is_empty() {
+            self.lora_bd = vec![[0; 4]; self.layers.len()];
+            return Ok(());
+        }
+        let buf = self.dev.alloc_zeros::<bf16>(len)?;
+        let base = ptr(&buf, &self.stream);
+        let table: Vec<u64> = blocks
+            .iter()
+            .flat_map(|&(b, off, rows, cols, ld)| {
+                [
+                    self.w(b),
+                    base + 2 * off as u64,
+                    rows as u64,
+                    cols as u64,
+                    ld as u64,
+                ]
+            })
+            .collect();
+        let mut dev_table = self.dev.alloc_zeros::<u64>(table.len())?;
+        self.stream.memcpy_htod(&table, &mut dev_table).w()?;
+        let max_n = blocks.iter().map(|b| b.2 * b.3).max().unwrap_or(1);
+        self.lora_bd = at
+            .iter()
+            .map(|offs| {
+                offs.map(|o| {
+                    if o == usize::MAX {
+                        0
+                    } else {
+                        base + 2 * o as u64
+                    }
+                })
+            })
+            .collect();
+        self._lora_bd_buf = Some(buf);
+        self.lora_bd_table = Some((dev_table, blocks.len(), max_n));
+        Ok(())
+    }
+
+    /// Copy every adapter's B (its bf16 copy as the optimizer last wrote it) into its
+    /// group's block-diagonal matrix ([`Self::plan_lora_blocks`]); nothing without one.
+    fn lora_blocks(&self) -> Result<()> {
+        let Some((table, count, max_n)) = &self.lora_bd_table else {
+            return Ok(());
+        };
+        let table = ptr(table, &self.stream);
+        self.launch(
+            &self.k.lora_blocks,
+            multi_grid(*max_n, *count)?,
+            &[Arg::P(table)],
+        )
     }
 
     fn w(&self, i: usize) -> u64 {
@@ -1451,21 +1558,24 @@ impl GptStep {
         beta: f32,
         side: Option<&Arc<CudaStream>>,
     ) -> Result<()> {
-        if self.lt_matmul(name, mm, c_f32, beta, Epi::None, side)? {
+        self.lin_gemm_ab(name, mm, c_f32, (1.0, beta), side)
+    }
+
+    /// [`Self::lin_gemm`] with `C = alpha·op(A)·op(B) + beta·C`.
+    fn lin_gemm_ab(
+        &self,
+        name: &'static str,
+        mm: Mm,
+        c_f32: bool,
+        ab: (f32, f32),
+        side: Option<&Arc<CudaStream>>,
+    ) -> Result<()> {
+        if self.lt_matmul(name, mm, c_f32, ab, Epi::None, side)? {
             return Ok(());
         }
         let m = |o: Operand| mat(o.p, o.ld);
-        self.gemm(
-            name,
-            mm.t,
-            mm.mnk,
-            m(mm.a),
-            m(mm.b),
-            m(mm.c),
-            c_f32,
-            beta,
-            1,
-        )
+        let (a, b, c) = (m(mm.a), m(mm.b), m(mm.c));
+        self.gemm_ab(name, mm.t, mm.mnk, (a, b, c), c_f32, ab, 1)
     }
 
     /// `y[rows, out] = x[rows, inp]·wᵀ` (row-major; `ldy` ≥ out).
@@ -1537,7 +1647,7 @@ impl GptStep {
         if !self.epilogues {
             return Ok(false);
         }
-        self.lt_matmul(name, mm, c_f32, beta, epi, None)
+        self.lt_matmul(name, mm, c_f32, (1.0, beta), epi, None)
     }
 
     /// [`Lt::matmul`], timed under `name`. Ok(false): no cuBLASLt or no algorithm for it.
@@ -1546,7 +1656,7 @@ impl GptStep {
         name: &'static str,
         mm: Mm,
         c_f32: bool,
-        beta: f32,
+        ab: (f32, f32),
         epi: Epi,
         side: Option<&Arc<CudaStream>>,
     ) -> Result<bool> {
@@ -1555,7 +1665,7 @@ impl GptStep {
         };
         let mut done = false;
         self.timed(name, || {
-            done = lt.matmul(mm, c_f32, beta, epi, side.map(|s| &**s))?;
+            done = lt.matmul(mm, c_f32, ab, epi, side.map(|s| &**s))?;
             Ok(())
         })?;
         Ok(done)
@@ -2423,7 +2533,7 @@ impl GptStep {
         let u = a.lora_u[l][g];
         let down = Lin::new(n, first.inp, width, width);
         let x = self.lora_input(a, l, g, x, first.inp)?;
-        self.mm("lora", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
+        self.mm("lora.xa", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
         // The group's adapters sit on its output in column order (q, k, v; gate, up): the
         // gaps between them are the columns to zero.
         let zero = |start: usize, end: usize| -> Result<()> {
@@ -2434,6 +2544,13 @@ impl GptStep {
             // the memset is queued on the step's stream, which owns y.
             unsafe { memset_cols(y + 2 * start as u64, ldy, end - start, n, &self.stream) }
         };
+        let bd = self.lora_bd[l][g];
+        if bd != 0 {
+            // Every adapter at once, through the block-diagonal B: y = scale·u·Bᵀ.
+            let up = Lin::new(n, width, ldy, ldy);
+            self.mm("lora.ub", up.fwd(u, bd, y), false, first.scale, 0.0)?;
+            return Ok(1.0);
+        }
         let mut at = 0;
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
             debug_assert!(ad.col >= at && ad.col + ad.out <= ldy);
@@ -2441,7 +2558,7 @@ impl GptStep {
             at = ad.col + ad.out;
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
             let (u, y) = (u + 2 * ad.ucol as u64, y + 2 * ad.col as u64);
-            self.mm("lora", up.fwd(u, self.w(ad.b), y), false, ad.scale, 0.0)?;
+            self.mm("lora.ub", up.fwd(u, self.w(ad.b), y), false, ad.scale, 0.0)?;
         }
         zero(at, ldy)?;
         Ok(1.0)
@@ -2470,18 +2587,26 @@ impl GptStep {
         let n = a.b * self.t;
         let (u, du) = (a.lora_u[l][g], a.lora_du);
         let beta = if first { 0.0 } else { 1.0 };
+        let bd = self.lora_bd[l][g];
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
             let dy = dy + 2 * ad.col as u64;
             let (u, du) = (u + 2 * ad.ucol as u64, du + 2 * ad.ucol as u64);
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
-            self.mm("lora", up.dw(u, dy, self.g(ad.b)), true, ad.scale, beta)?;
-            self.mm("lora", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
+            self.mm("lora.db", up.dw(u, dy, self.g(ad.b)), true, ad.scale, beta)?;
+            if bd == 0 {
+                self.mm("lora.du", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
+            }
+        }
+        if bd != 0 {
+            // du = scale·dy·B for every adapter at once, through the block-diagonal B.
+            let up = Lin::new(n, width, ldy, ldy);
+            self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale, 0.0)?;
         }
         let down = Lin::new(n, a0.inp, width, width);
         let xd = self.lora_input(a, l, g, x, a0.inp)?;
-        self.mm("lora", down.dw(xd, du, self.g(a0.a)), true, 1.0, beta)?;
+        self.mm("lora.da", down.dw(xd, du, self.g(a0.a)), true, 1.0, beta)?;
         if self.lora_thr == 0 {
-            self.mm("lora", down.dx(du, self.w(a0.a), dx), false, 1.0, 0.0)?;
+            self.mm("lora.dx", down.dx(du, self.w(a0.a), dx), false, 1.0, 0.0)?;
             return Ok(1.0);
         }
         // dx = mask ⊙ (du·[A₁; A₂; …]), through the scratch that held the dropped input.
@@ -2505,11 +2630,9 @@ impl GptStep {
         Ok(a.lora_x)
     }
 
-    /// One matmul through cuBLAS with `alpha` (the adapters' small matmuls).
+    /// One of the adapters' small matmuls with `alpha` ([`Self::lin_gemm_ab`]).
     fn mm(&self, name: &'static str, mm: Mm, c_f32: bool, alpha: f32, beta: f32) -> Result<()> {
-        let m = |o: Operand| mat(o.p, o.ld);
-        let (a, b, c) = (m(mm.a), m(mm.b), m(mm.c));
-        self.gemm_ab(name, mm.t, mm.mnk, (a, b, c), c_f32, (alpha, beta), 1)
+        self.lin_gemm_ab(name, mm, c_f32, (alpha, beta), None)
     }
 
     /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
@@ -2519,6 +2642,7 @@ impl GptStep {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
+        self.lora_blocks()?;
         let (n_i, c_i) = (i32_of(n, "rows")?, i32_of(c, "n_embd")?);
         self.launch(
             &self.k.embed,
@@ -3001,7 +3125,15 @@ impl GptStep {
             )?;
             self.launch(
                 &fk.bwd,
-                self.flash_grid(b, self.n_kv_head, fk.bwd_smem),
+                LaunchConfig {
+                    grid_dim: (
+                        (b * self.n_kv_head) as u32,
+                        self.t.div_ceil(fk.bwd_block.1) as u32,
+                        1,
+                    ),
+                    block_dim: (fk.bwd_block.0, 1, 1),
+                    shared_mem_bytes: fk.bwd_smem,
+                },
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.da),
