@@ -682,9 +682,10 @@ struct Lay {
     dmask: u64,
     mbits: Vec<u64>,
     seed: u64,
-    /// LoRA: per layer, each adapter's `x·Aᵀ` [N, r] (0: no adapter), and the `du` scratch.
+    /// LoRA: per layer and group, the adapters' `x·Aᵀ` [N, Σ r] (0: no adapter), and its
+    /// gradient `du`.
     lora_u: Vec<[u64; 4]>,
-    lora_du: u64,
+    lora_du: Vec<[u64; 4]>,
     /// LoRA dropout: the adapters' dropped input (forward) and their data gradient before its
     /// mask (backward), `[N, widest adapted input]`; 0 without LoRA dropout.
     lora_x: u64,
@@ -1919,13 +1920,18 @@ impl GptStep {
                 })
             })
             .collect();
-        let wmax = self
+        // (du per layer too: the side stream's dA reads it while the backward goes on.)
+        let lora_du: Vec<[Option<usize>; 4]> = self
             .layers
             .iter()
-            .flat_map(|li| (0..LORA_GROUPS.len()).map(|g| lora_width(li, g)))
-            .max()
-            .unwrap_or(0);
-        let lora_du = take(n * wmax);
+            .map(|li| {
+                std::array::from_fn(|g| {
+                    Some(lora_width(li, g))
+                        .filter(|&w| w > 0)
+                        .map(|w| take(n * w))
+                })
+            })
+            .collect();
         let xmax = self
             .layers
             .iter()
@@ -1993,7 +1999,7 @@ impl GptStep {
             dprob: at(dprob),
             dmask: at(dmask),
             lora_u: lora_u.iter().map(|u| u.map(|o| o.map_or(0, at))).collect(),
-            lora_du: at(lora_du),
+            lora_du: lora_du.iter().map(|u| u.map(|o| o.map_or(0, at))).collect(),
             lora_x: if self.lora_thr > 0 { at(lora_x) } else { 0 },
             mbits: (0..l)
                 .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
@@ -2565,17 +2571,20 @@ impl GptStep {
     }
 
     /// The backward of LoRA group `g` of layer `l` (nothing without an adapter), from the
-    /// projection output's gradient `dy` (row stride `ldy`), before the base's data gradient:
-    /// per adapter dB (+)= scale·dyᵀ·u_k and du_k = scale·dy·B_k, then for the group dA (+)=
-    /// duᵀ·x and `dx = du·[A₁; A₂; …]` into the input's gradient, one matmul each. Returns
-    /// the beta of the base's data-gradient matmul (1: add onto that; 0: no adapter).
+    /// projection output's gradient `dy` (row stride `ldy`, in the scratch `buf`), before the
+    /// base's data gradient: du_k = scale·dy·B_k (one matmul through the group's block-diagonal
+    /// B where it has one), the weight gradients dB_k (+)= scale·dyᵀ·u_k and dA (+)= duᵀ·x —
+    /// on the side stream where there is one: they read only `dy` (released after) and what
+    /// stays put until the pass ends (this layer's u, du and x) — and `dx = du·[A₁; A₂; …]`
+    /// into the input's gradient. Returns the beta of the base's data-gradient matmul (1: add
+    /// onto that; 0: no adapter).
     #[allow(clippy::too_many_arguments)]
     fn lora_bwd(
         &self,
         a: &Lay,
         (l, li, g): (usize, &LayerIdx, usize),
         x: u64,
-        dy: u64,
+        (dy, buf): (u64, Buf),
         ldy: usize,
         dx: u64,
         first: bool,
@@ -2585,32 +2594,54 @@ impl GptStep {
             return Ok(0.0);
         };
         let n = a.b * self.t;
-        let (u, du) = (a.lora_u[l][g], a.lora_du);
+        let (u, du) = (a.lora_u[l][g], a.lora_du[l][g]);
         let beta = if first { 0.0 } else { 1.0 };
-        let bd = self.lora_bd[l][g];
-        for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
-            let dy = dy + 2 * ad.col as u64;
-            let (u, du) = (u + 2 * ad.ucol as u64, du + 2 * ad.ucol as u64);
+        let ads = || LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]);
+        // The adapter's columns of dy, u and du, and its shape.
+        let part = |ad: LoraIdx| {
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
-            self.mm("lora.db", up.dw(u, dy, self.g(ad.b)), true, ad.scale, beta)?;
-            if bd == 0 {
+            let at = |p: u64, col: usize| p + 2 * col as u64;
+            (up, at(dy, ad.col), at(u, ad.ucol), at(du, ad.ucol))
+        };
+        let bd = self.lora_bd[l][g];
+        if bd != 0 {
+            let up = Lin::new(n, width, ldy, ldy);
+            self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale, 0.0)?;
+        } else {
+            for ad in ads() {
+                let (up, dy, _, du) = part(ad);
                 self.mm("lora.du", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
             }
         }
-        if bd != 0 {
-            // du = scale·dy·B for every adapter at once, through the block-diagonal B.
-            let up = Lin::new(n, width, ldy, ldy);
-            self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale, 0.0)?;
+        // (LoRA dropout's dropped input is a scratch shared by every group: one stream then.)
+        let side = if self.lora_thr == 0 {
+            self.fork()?
+        } else {
+            None
+        };
+        for ad in ads() {
+            let (up, dy, u, _) = part(ad);
+            let mm = up.dw(u, dy, self.g(ad.b));
+            self.mm_on("lora.db", mm, (ad.scale, beta), side)?;
         }
         let down = Lin::new(n, a0.inp, width, width);
         let xd = self.lora_input(a, l, g, x, a0.inp)?;
-        self.mm("lora.da", down.dw(xd, du, self.g(a0.a)), true, 1.0, beta)?;
+        self.mm_on("lora.da", down.dw(xd, du, self.g(a0.a)), (1.0, beta), side)?;
+        if side.is_some() {
+            self.release(buf)?;
+        }
         if self.lora_thr == 0 {
             self.mm("lora.dx", down.dx(du, self.w(a0.a), dx), false, 1.0, 0.0)?;
             return Ok(1.0);
         }
         // dx = mask ⊙ (du·[A₁; A₂; …]), through the scratch that held the dropped input.
-        self.mm("lora", down.dx(du, self.w(a0.a), a.lora_x), false, 1.0, 0.0)?;
+        self.mm(
+            "lora.dx",
+            down.dx(du, self.w(a0.a), a.lora_x),
+            false,
+            1.0,
+            0.0,
+        )?;
         let site = dropout::site_lora(l, g);
         let drop = (self.lora_thr, self.lora_scale);
         self.drop_scaled(a, (a.lora_x, dx), (n, a0.inp), site, drop, false)?;
@@ -2630,9 +2661,28 @@ impl GptStep {
         Ok(a.lora_x)
     }
 
-    /// One of the adapters' small matmuls with `alpha` ([`Self::lin_gemm_ab`]).
+    /// An adapter's weight-gradient matmul (fp32 C): on `side` through cuBLASLt, or [`Self::mm`]
+    /// on the main stream.
+    fn mm_on(
+        &self,
+        name: &'static str,
+        mm: Mm,
+        (alpha, beta): (f32, f32),
+        side: Option<&Arc<CudaStream>>,
+    ) -> Result<()> {
+        match side {
+            Some(_) => self.lin_gemm_ab(name, mm, true, (alpha, beta), side),
+            None => self.mm(name, mm, true, alpha, beta),
+        }
+    }
+
+    /// One matmul through cuBLAS with `alpha` (the adapters' small matmuls: on the Llama-style
+    /// 114M with LoRA q, v, cuBLASLt's tuned pick was no faster, 1.00 against 1.05 ms a step in all
+    /// with the block-diagonal B, its x·Aᵀ and dB slower).
     fn mm(&self, name: &'static str, mm: Mm, c_f32: bool, alpha: f32, beta: f32) -> Result<()> {
-        self.lin_gemm_ab(name, mm, c_f32, (alpha, beta), None)
+        let m = |o: Operand| mat(o.p, o.ld);
+        let (a, b, c) = (m(mm.a), m(mm.b), m(mm.c));
+        self.gemm_ab(name, mm.t, mm.mnk, (a, b, c), c_f32, (alpha, beta), 1)
     }
 
     /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
@@ -2795,8 +2845,9 @@ impl GptStep {
         run
     }
 
-    /// The MLP activation's backward of layer `l`: from the residual gradient `dres` through
-    /// the down projection (`down`) to the pre-activation's gradient in `dh`; its width (the
+    /// The MLP activation's backward of layer `l`: from the residual gradient `dy` (in the
+    /// scratch `dy_buf`: `dres`, or its dropout-masked copy) through the down projection
+    /// (`down`) to the pre-activation's gradient in `dh`; its width (the
     /// up projection's output: F, or 2F for SwiGLU's packed gate|up).
     #[allow(clippy::too_many_arguments)]
     fn mlp_act_bwd(
@@ -2804,7 +2855,7 @@ impl GptStep {
         a: &Lay,
         l: usize,
         li: &LayerIdx,
-        dy: u64,
+        (dy, dy_buf): (u64, Buf),
         down: Lin,
         first: bool,
     ) -> Result<usize> {
@@ -2814,7 +2865,15 @@ impl GptStep {
         // activation's backward (so no fused GELU backward with one).
         let adapted = li.lora[DOWN].is_some();
         if self.swiglu {
-            let beta = self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, dact, first)?;
+            let beta = self.lora_bwd(
+                a,
+                (l, li, G_DOWN),
+                a.gelu[l],
+                (dy, dy_buf),
+                self.c,
+                dact,
+                first,
+            )?;
             self.lin_dx_beta(dy, self.wl(li.down_w)?, dact, down, beta)?;
             self.launch(
                 &self.k.swiglu_bwd,
@@ -2839,7 +2898,8 @@ impl GptStep {
         let wd = self.wl(li.down_w)?;
         let mm = down.dx(dy, wd, a.dh);
         if adapted || !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
-            let beta = self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dy, self.c, a.dh, first)?;
+            let dyb = (dy, dy_buf);
+            let beta = self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dyb, self.c, a.dh, first)?;
             self.lin_dx_beta(dy, wd, a.dh, down, beta)?;
             // (fc holds the pre-activation with its bias: no bias here)
             self.launch(
@@ -2923,14 +2983,15 @@ impl GptStep {
             let bias = (li.down_w, li.down_b, down_b_done);
             self.proj_grads((a.gelu[l], dy, dy_buf), bias, down, first)?;
             self.reclaim(Buf::Dh)?;
-            let up_out = self.mlp_act_bwd(a, l, li, dy, down, first)?;
+            let up_out = self.mlp_act_bwd(a, l, li, (dy, dy_buf), down, first)?;
             let up = Lin::new(n, c, up_out, up_out);
             let bias = (li.up_w, li.up_b, false);
             self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
             let (gate_col, up_col) = (0, if self.swiglu { f } else { 0 });
             debug_assert!(li.lora[GATE].is_none_or(|g| g.col == gate_col));
             debug_assert!(li.lora[UP].is_none_or(|u| u.col == up_col));
-            let beta = self.lora_bwd(a, (l, li, G_GU), a.ln2[l], a.dh, up_out, a.da, first)?;
+            let dh = (a.dh, Buf::Dh);
+            let beta = self.lora_bwd(a, (l, li, G_GU), a.ln2[l], dh, up_out, a.da, first)?;
             let parts = (li.up_w, 1 + self.swiglu as usize);
             self.lin_dx_parts(a.dh, parts, a.da, up, beta)?;
             self.reclaim(Buf::Dres)?;
@@ -2956,7 +3017,7 @@ impl GptStep {
                 o,
                 first,
             )?;
-            let beta = self.lora_bwd(a, (l, li, G_O), a.atty[l], dy, c, a.da, first)?;
+            let beta = self.lora_bwd(a, (l, li, G_O), a.atty[l], (dy, dy_buf), c, a.da, first)?;
             self.lin_dx_beta(dy, self.wl(li.o_w)?, a.da, o, beta)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
@@ -2969,7 +3030,7 @@ impl GptStep {
                 a,
                 (l, li, G_QKV),
                 a.ln1[l],
-                a.dqkv,
+                (a.dqkv, Buf::Dqkv),
                 self.qkv_out,
                 a.da,
                 first,
