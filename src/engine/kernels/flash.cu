@@ -623,7 +623,7 @@ __device__ __forceinline__ void fa_load_rows(uint32_t s, const __nv_bfloat16* g,
 
 // ---------------------------------------------------------------------------------------------
 // What the backward's main kernels share (launch 2 of 3: flash_bwd_bf16 and flash_bwd_d128_bf16
-// here, flash_bwd_wg_bf16 and flash_bwd_wg_d128_bf16 in flash_sm90.cu).
+// here, flash_bwd_ws_bf16 and flash_bwd_wg_d128_bf16 in flash_sm90.cu).
 
 // A block's work: keys k0..k0+BN-1 (key block blockIdx.y; block 0 has the most work and is issued
 // first) of one (b, key/value head) (blockIdx.x), against the query tiles i0.. that see them
@@ -691,7 +691,7 @@ __device__ __forceinline__ void fa_bwd_row_stats(const float* __restrict__ lse,
 
 // ---------------------------------------------------------------------------------------------
 // The elementwise middle and the epilogue of the head-dim-64 backward's main kernel, shared by
-// flash_bwd_bf16 (mma.sync) and flash_sm90.cu's flash_bwd_wg_bf16 (wgmma): both hold S^T and
+// flash_bwd_bf16 (mma.sync) and flash_sm90.cu's flash_bwd_ws_bf16 (wgmma): both hold S^T and
 // dP^T of a warp's 16 keys x the tile's 64 queries in mma.sync's accumulator layout (rows g and
 // g + 8 of the warp's block, columns 8·nt + 2·t4 + e).
 

@@ -1,6 +1,6 @@
 // Flash attention on Hopper (sm_90a), its products as warpgroup tensor-core instructions (wgmma,
 // 64x64x16 each) instead of mma.sync: the main kernel of flash.cu's backward (launch 2 of 3) for
-// head dims 64 and 128 and, at the end of this file, the forward for head dims 64 and 128. Included by
+// head dims 128 (flash_bwd_wg) and 64 (flash_bwd_ws, warp-specialized) and, at the end of this file, the forward for head dims 64 and 128. Included by
 // kernels.cu; compiled only into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded
 // on compute capability 9.0).
 //
@@ -8,8 +8,6 @@
 //   flash_bwd_ws_bf16 (head dim 64, what the step launches): the arguments of flash_bwd_bf16,
 //   grid = (B*KVH, ceil(T/128), 1), block = (384, 1, 1), dynamic smem = FA_WS_SMEM bytes (above
 //   48 KB: the launcher raises the function's limit). Same preprocess before and dq_convert after.
-//   flash_bwd_wg_bf16: the arguments, grid and block of flash_bwd_bf16 (FA_BWD_NW = 4: grid =
-//   (B*KVH, ceil(T/64), 1), block = (128, 1, 1)), dynamic smem = FA_WG_SMEM bytes.
 //   flash_bwd_wg_d128_bf16: those of flash_bwd_d128_bf16, dynamic smem = FA_WG_D128_SMEM
 //   (spec::FLASH_BWD_WG_D128_SMEM).
 //   flash_fwd_wg_bf16, flash_fwd_drop_wg_bf16: the arguments, grid and block of flash_fwd_bf16 /
@@ -18,8 +16,9 @@
 //   dynamic smem = FA_FWD_D128_SMEM + 1024 (spec::flash_fwd_wg_smem).
 // =============================================================================================
 //
-// One block = one warpgroup = 64 keys of one (b, key/value head); it loops over the query tiles
-// of every query head of the group, as flash_bwd_bf16 does. Shared memory holds K, V, two
+// flash_bwd_wg: one block = one warpgroup = 64 keys of one (b, key/value head); it loops over the
+// query tiles of every query head of the group, as flash_bwd_bf16 does (flash_bwd_ws: two such
+// warpgroups over 128 keys, and a third for the copies and dQ). Shared memory holds K, V, two
 // buffers of (Q, dO) filled by cp.async, and dS^T, each a 64 x 64 tile in flash.cu's swizzled
 // layout — 128-byte rows whose 16-byte chunks are XOR-ed with the row's low three bits, which is
 // exactly wgmma's 128-byte swizzle once a tile starts on a 1024-byte boundary. Per tile:
@@ -47,9 +46,6 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// K, V, 2 x (Q, dO), dS^T: seven 8 KB tiles, the 16 KB fp32 dQ staging tile, and room to
-// start them on a 1024-byte boundary
-#define FA_WG_SMEM (7 * 64 * 64 * 2 + 64 * 64 * 4 + 1024)
 
 // Shared-memory matrix descriptor of a tile in the 128-byte swizzle: start address, leading
 // byte offset unused (1: every product's k extent lies inside one 128-byte row for K-major
@@ -184,16 +180,16 @@ __device__ __forceinline__ void fa_wg_bwd_accumulate(float (&dv)[N][4], float (&
     wg_commit();
 }
 
-// The backward's main kernel for head dim D (64 or 128): see the header. Head dim 64 leaves each
-// tile's dQ in flight to the next tile (flushed while that tile's first products run); at 128,
-// dK and dV (64 x 128 fp32 each: 128 registers a thread) leave no room for that, so once dS^T is
-// in shared memory dQ = dS K runs in two halves of 64 head-dim columns (one panel of K each), the
+// The backward's main kernel for head dim 128: see the header. dK and dV (64 x 128 fp32 each: 128
+// registers a thread) leave no room to keep a tile's dQ in flight to the next, so once dS^T is in
+// shared memory dQ = dS K runs in two halves of 64 head-dim columns (one panel of K each), the
 // second issued while the first is staged through the tile's Q tile and added into dq_acc; the
 // second is staged through the dO tile (both free once dV and dK are done). Shared memory from a
-// 1024-byte boundary: K, V, two buffers of (Q, dO), dS^T (64 x 64), and at head dim 64 the
-// 16 KB fp32 staging tile of the dQ in flight.
+// 1024-byte boundary: K, V, two buffers of (Q, dO), dS^T (64 x 64). (Head dim 64 takes
+// flash_bwd_ws below, whose third warpgroup does dQ.)
 template <int D>
 __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
+    static_assert(D == 128, "head dim 64 takes flash_bwd_ws");
     constexpr uint32_t TILE = 64 * D * 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
@@ -218,8 +214,7 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
     const int wk0 = blk.k0 + warp * 16;
     const int kr0 = wk0 + g;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-    // dQ (its first 64 head-dim columns at head dim 128), and where its rows go (rows: how many
-    // are < T); at head dim 64 the tile's, in flight to the next
+    // dQ's first 64 head-dim columns, and where its rows go (rows: how many are < T)
     float dq[8][4];
     float* dq_dst = nullptr;
     int dq_rows = 0;
@@ -229,10 +224,7 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
         blk.at(it, h, i);
         const int bsel = it & 1;
         const uint32_t sQa = sQD + bsel * 2 * TILE, sdOa = sQa + TILE;
-        // the last tile's products done (head dim 64: dV, dK read the buffer the prefetch below
-        // refills, and its dQ is flushed below while this tile's first products run — ptxas
-        // serializes every wgmma of the kernel when dQ is read across a pending group: wait for
-        // all here)
+        // the last tile's products done (dV, dK read the buffer the prefetch below refills)
         wg_wait<0>();
         fa_cp_wait_all();
         fa_fence_async();
@@ -249,14 +241,6 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
             fa_load_tile<D, true>(nb, blk.qkv_b + hn * D, blk.ld, in * FA_BM, T, tid);
             fa_load_tile<D, true>(nb + TILE, blk.dout_b + hn * D, blk.HD, in * FA_BM, T, tid);
             fa_cp_commit();
-        }
-        // head dim 64: the last tile's dQ -> dq_acc, while they run
-        if constexpr (D == 64) {
-            if (dq_dst != nullptr) {
-                wg_pin(dq);
-                fa_wg_flush_dq(dq, reinterpret_cast<float*>(smc + 6 * TILE + 64 * 64 * 2) + warp * 16 * 64,
-                               dq_dst, dq_rows, blk.HD, lane);
-            }
         }
 
         float lsa, lsb, dla, dlb;
@@ -319,11 +303,6 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
     wg_pin(dq);
     wg_pin(dv);
     wg_pin(dk);
-    if constexpr (D == 64) {
-        if (dq_dst != nullptr)
-            fa_wg_flush_dq(dq, reinterpret_cast<float*>(smc + 6 * TILE + 64 * 64 * 2) + warp * 16 * 64,
-                           dq_dst, dq_rows, blk.HD, lane);
-    }
 
     // epilogue: dK (scaled) -> the K tile, dV -> the V tile, then 16-byte stores
     __syncthreads();
@@ -493,13 +472,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
                     dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * 64, blk.ld, blk.KD);
 }
 
-// Dynamic shared memory: FA_WG_SMEM (head dim 64) and FA_WG_D128_SMEM (= spec's
-// FLASH_BWD_WG_D128_SMEM: two blocks an SM) bytes.
+// Dynamic shared memory: FA_WG_D128_SMEM (= spec's FLASH_BWD_WG_D128_SMEM: two blocks an SM)
+// bytes.
 #define FA_WG_D128_SMEM (6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024)
-extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_bf16(FA_WG_ARGS) {
-    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    flash_bwd_wg<64>(FA_WG_PASS, fa_wg_smem);
-}
 extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_d128_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
     flash_bwd_wg<128>(FA_WG_PASS, fa_wg_smem);

@@ -67,10 +67,6 @@ pub fn flash_fwd_wg_smem(hd: usize) -> u32 {
     }
 }
 
-/// Dynamic shared memory of the Hopper backward for head dim 64 (flash_sm90.cu's FA_WG_SMEM:
-/// seven 64 x 64 bf16 tiles, a 64 x 64 fp32 staging tile, and 1 KB to align them to 1024 bytes).
-pub const FLASH_BWD_WG_SMEM: u32 = 7 * 64 * 64 * 2 + 64 * 64 * 4 + 1024;
-
 /// Dynamic shared memory of the warp-specialized Hopper backward for head dim 64 (flash_sm90.cu's
 /// FA_WS_SMEM: K and V of 128 keys, two ring slots of Q and dO, two slots of dS^T for 128 keys —
 /// twelve 64 x 64 bf16 tiles — the 64 x 64 fp32 dQ staging tile, and 1 KB to align them).
