@@ -180,6 +180,32 @@ __device__ __forceinline__ void fa_wg_bwd_accumulate(float (&dv)[N][4], float (&
     wg_commit();
 }
 
+// A tile's middle in the wgmma backward kernels, S^T and dP^T in flight (one group each): the
+// queries' lse and delta (query head row bh = b·H + h), P^T and dS^T in registers, then dV += P^T
+// dO and dK += dS^T Q issued (one group); dS^T's A fragments out in `sa`, for dQ.
+template <int N>
+__device__ __forceinline__ void fa_wg_bwd_middle(
+    float (&st)[8][4], float (&dpt)[8][4], float (&dv)[N][4], float (&dk)[N][4], uint32_t (&sa)[4][4],
+    const float* __restrict__ lse, const float* __restrict__ delta, size_t bh, int q0, int T,
+    int lane, float sl2, int wk0, int kr0, int t4, uint32_t thr, float dscale,
+    const unsigned long long* __restrict__ mbits, int nq, uint32_t sQa, uint32_t sdOa) {
+    float lsa, lsb, dla, dlb;
+    fa_bwd_row_stats(lse, delta, bh, q0, T, lane, lsa, lsb, dla, dlb);
+    wg_wait<1>();
+    wg_pin(st);
+    fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
+    wg_wait<0>();
+    wg_pin(dpt);
+    fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, bh, nq);
+    uint32_t pa[4][4];
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        fa_frag(st, kc, pa[kc]);
+        fa_frag(dpt, kc, sa[kc]);
+    }
+    fa_wg_bwd_accumulate(dv, dk, pa, sa, sQa, sdOa);
+}
+
 // The backward's main kernel for head dim 128: see the header. dK and dV (64 x 128 fp32 each: 128
 // registers a thread) leave no room to keep a tile's dQ in flight to the next, so once dS^T is in
 // shared memory dQ = dS K runs in two halves of 64 head-dim columns (one panel of K each), the
@@ -243,22 +269,9 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
             fa_cp_commit();
         }
 
-        float lsa, lsb, dla, dlb;
-        fa_bwd_row_stats(lse, delta, (size_t)blk.b * H + h, q0, T, lane, lsa, lsb, dla, dlb);
-        wg_wait<1>();
-        wg_pin(st);
-        fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
-        wg_wait<0>();
-        wg_pin(dpt);
-        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)blk.b * H + h,
-                       blk.nq);
-        uint32_t pa[4][4], sa[4][4];
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            fa_frag(st, kc, pa[kc]);
-            fa_frag(dpt, kc, sa[kc]);
-        }
-        fa_wg_bwd_accumulate(dv, dk, pa, sa, sQa, sdOa);
+        uint32_t sa[4][4];
+        fa_wg_bwd_middle(st, dpt, dv, dk, sa, lse, delta, (size_t)blk.b * H + h, q0, T, lane, sl2,
+                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa);
         // dS^T -> shared memory for dQ, while those run
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
@@ -434,22 +447,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
         fa_ws_sync(FA_WS_FULL + s);
         float st[8][4], dpt[8][4];
         fa_wg_bwd_scores<64>(st, dpt, sKc, sVc, sQa, sdOa);
-        float lsa, lsb, dla, dlb;
-        fa_bwd_row_stats(lse, delta, (size_t)blk.b * H + h, q0, T, lane, lsa, lsb, dla, dlb);
-        wg_wait<1>();
-        wg_pin(st);
-        fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
-        wg_wait<0>();
-        wg_pin(dpt);
-        fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, (size_t)blk.b * H + h,
-                       blk.nq);
-        uint32_t pa[4][4], sa[4][4];
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            fa_frag(st, kc, pa[kc]);
-            fa_frag(dpt, kc, sa[kc]);
-        }
-        fa_wg_bwd_accumulate(dv, dk, pa, sa, sQa, sdOa);
+        uint32_t sa[4][4];
+        fa_wg_bwd_middle(st, dpt, dv, dk, sa, lse, delta, (size_t)blk.b * H + h, q0, T, lane, sl2,
+                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa);
         // dS^T -> this warpgroup's half of slot s, once WG2 has read the slot's last tile
         fa_ws_sync(FA_WS_DSEMPTY + s);
         char* sdSc = smc + (8 + 2 * s + wg) * TILE;

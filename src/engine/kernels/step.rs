@@ -1907,31 +1907,21 @@ impl GptStep {
         let dprob = take(probs);
         let drop = self.drop_thr > 0;
         let dmask = take(if self.res_scaled() { nc } else { 0 });
-        // LoRA: each group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward), and one du
-        // scratch of the widest group.
-        let lora_u: Vec<[Option<usize>; 4]> = self
-            .layers
-            .iter()
-            .map(|li| {
-                std::array::from_fn(|g| {
-                    Some(lora_width(li, g))
-                        .filter(|&w| w > 0)
-                        .map(|w| take(n * w))
-                })
-            })
-            .collect();
-        // (du per layer too: the side stream's dA reads it while the backward goes on.)
-        let lora_du: Vec<[Option<usize>; 4]> = self
-            .layers
-            .iter()
-            .map(|li| {
-                std::array::from_fn(|g| {
-                    Some(lora_width(li, g))
-                        .filter(|&w| w > 0)
-                        .map(|w| take(n * w))
-                })
-            })
-            .collect();
+        // LoRA: each layer's and group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward) and its
+        // gradient du (per layer too: the side stream's dA reads it while the backward goes on).
+        let (mut lora_u, mut lora_du) = (Vec::new(), Vec::new());
+        for li in &self.layers {
+            let (mut u, mut du) = ([None; 4], [None; 4]);
+            for (g, (ug, dug)) in u.iter_mut().zip(du.iter_mut()).enumerate() {
+                let w = lora_width(li, g);
+                if w > 0 {
+                    *ug = Some(take(n * w));
+                    *dug = Some(take(n * w));
+                }
+            }
+            lora_u.push(u);
+            lora_du.push(du);
+        }
         let xmax = self
             .layers
             .iter()
