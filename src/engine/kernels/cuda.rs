@@ -34,6 +34,8 @@ const MODULE_SM75_F16: &str = "cockpit_kernels_sm75_f16";
 /// 9.0 only): the compute_80 kernels plus flash attention's backward on wgmma.
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm90.ptx"));
 const MODULE_SM90: &str = "cockpit_kernels_sm90";
+const PTX_SM90_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm90_f16.ptx"));
+const MODULE_SM90_F16: &str = "cockpit_kernels_sm90_f16";
 
 /// The Hopper bf16 kernels: the embedded build, or, for kernel work, the PTX file that
 /// `COCKPIT_PTX_SM90` names (a variant measured without rebuilding cockpit; read once, and
@@ -53,8 +55,6 @@ fn ptx_sm90() -> Result<&'static str> {
         Err(e) => Err(err(e.clone())),
     }
 }
-const PTX_SM90_F16: &str = include_str!(concat!(env!("OUT_DIR"), "/cockpit_kernels_sm90_f16.ptx"));
-const MODULE_SM90_F16: &str = "cockpit_kernels_sm90_f16";
 
 /// Which build of the kernels this GPU loads: "sm90" (compute capability 9.0), "sm80" (8.0 and
 /// newer otherwise) or "sm75"; `COCKPIT_KERNELS=sm80` or `=sm75` forces an older one (to

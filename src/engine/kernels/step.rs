@@ -2542,6 +2542,7 @@ impl GptStep {
         };
         let bd = self.lora_bd[l][g];
         if bd != 0 {
+            debug_assert_eq!(ldy, self.group_out(g));
             // Every adapter at once, through the block-diagonal B: y = scale·u·Bᵀ.
             let up = Lin::new(n, width, ldy, ldy);
             self.mm("lora.ub", up.fwd(u, bd, y), false, first.scale, 0.0)?;
@@ -2595,6 +2596,7 @@ impl GptStep {
         };
         let bd = self.lora_bd[l][g];
         if bd != 0 {
+            debug_assert_eq!(ldy, self.group_out(g));
             let up = Lin::new(n, width, ldy, ldy);
             self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale, 0.0)?;
         } else {
