@@ -1142,14 +1142,14 @@ impl GptStep {
         let mut blocks = Vec::new();
         let mut len = 0;
         for li in &self.layers {
-            let mut offs = [usize::MAX; 4];
+            let mut offs = [None; 4];
             for (g, off) in offs.iter_mut().enumerate() {
                 let ads: Vec<LoraIdx> = LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]).collect();
                 if ads.len() < 2 || ads.iter().any(|ad| ad.scale != ads[0].scale) {
                     continue;
                 }
                 let width = lora_width(li, g);
-                *off = len;
+                *off = Some(len);
                 for ad in &ads {
                     blocks.push((ad.b, len + ad.col * width + ad.ucol, ad.out, ad.r, width));
                 }
@@ -1157,8 +1157,14 @@ impl GptStep {
             }
             at.push(offs);
         }
+        let addr = |base: u64| -> Vec<[u64; 4]> {
+            let at_base = |o: Option<usize>| o.map_or(0, |o| base + 2 * o as u64);
+            at.iter()
+                .map(|offs: &[Option<usize>; 4]| offs.map(at_base))
+                .collect()
+        };
         if blocks.is_empty() {
-            self.lora_bd = vec![[0; 4]; self.layers.len()];
+            self.lora_bd = addr(0);
             return Ok(());
         }
         let buf = self.dev.alloc_zeros::<bf16>(len)?;
@@ -1178,18 +1184,7 @@ impl GptStep {
         let mut dev_table = self.dev.alloc_zeros::<u64>(table.len())?;
         self.stream.memcpy_htod(&table, &mut dev_table).w()?;
         let max_n = blocks.iter().map(|b| b.2 * b.3).max().unwrap_or(1);
-        self.lora_bd = at
-            .iter()
-            .map(|offs| {
-                offs.map(|o| {
-                    if o == usize::MAX {
-                        0
-                    } else {
-                        base + 2 * o as u64
-                    }
-                })
-            })
-            .collect();
+        self.lora_bd = addr(base);
         self._lora_bd_buf = Some(buf);
         self.lora_bd_table = Some((dev_table, blocks.len(), max_n));
         Ok(())
@@ -3084,7 +3079,7 @@ impl GptStep {
             };
             return self.launch(
                 kern,
-                self.flash_grid(b, h, fk.fwd_smem),
+                self.flash_grid(b, h, fk.fwd_smem, (128, 64)),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.atty[l]),
@@ -3178,15 +3173,7 @@ impl GptStep {
             )?;
             self.launch(
                 &fk.bwd,
-                LaunchConfig {
-                    grid_dim: (
-                        (b * self.n_kv_head) as u32,
-                        self.t.div_ceil(fk.bwd_block.1) as u32,
-                        1,
-                    ),
-                    block_dim: (fk.bwd_block.0, 1, 1),
-                    shared_mem_bytes: fk.bwd_smem,
-                },
+                self.flash_grid(b, self.n_kv_head, fk.bwd_smem, fk.bwd_block),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.da),
@@ -3300,12 +3287,18 @@ impl GptStep {
         Ok(())
     }
 
-    /// Flash attention's grid: (B·heads, query or key blocks of 64), 4 warps; the forward
-    /// runs a block per query head, the backward per key/value head.
-    fn flash_grid(&self, b: usize, heads: usize, smem: u32) -> LaunchConfig {
+    /// Flash attention's grid: (B·heads, blocks of `rows` queries or keys), `threads` a block;
+    /// the forward runs a block per query head, the backward per key/value head.
+    fn flash_grid(
+        &self,
+        b: usize,
+        heads: usize,
+        smem: u32,
+        (threads, rows): (u32, usize),
+    ) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: ((b * heads) as u32, self.t.div_ceil(64) as u32, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: ((b * heads) as u32, self.t.div_ceil(rows) as u32, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         }
     }
