@@ -70,6 +70,11 @@ fn one_process(max_steps: u32, micro_batch: u32, resume: Option<&Path>, run_dir:
 }
 
 fn assert_track(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
+    assert_track_within(a, b, what, 1e-4);
+}
+
+/// [`assert_track`] with a relative tolerance of `tol`.
+fn assert_track_within(a: &[(u64, f64)], b: &[(u64, f64)], what: &str, tol: f64) {
     assert!(
         !a.is_empty() && a.len() == b.len(),
         "{what}: {a:?} vs {b:?}"
@@ -78,7 +83,7 @@ fn assert_track(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
         assert_eq!(sa, sb, "{what}");
         // Same data, same global batch: only the order of float sums differs.
         assert!(
-            ((la - lb) / lb).abs() < 1e-4,
+            ((la - lb) / lb).abs() < tol,
             "{what}: step {sa}: {la} vs {lb}"
         );
     }
@@ -261,11 +266,14 @@ fn sharded_optimizer_trains_like_one_process_and_resumes_unsharded() {
         .stderr(predicate::str::contains("optimizer state sharded (ZeRO-1"));
     one_process(14, 12, None, &single);
     let sharded = losses(&dp.join("metrics.jsonl"));
-    assert_track(
-        &sharded,
-        &losses(&single.join("metrics.jsonl")),
-        "3 sharded ranks × 4 vs 1 × 12",
-    );
+    let single = losses(&single.join("metrics.jsonl"));
+    // The tracks agree to about 1e-7 for ten steps, then sums taken in another order (three
+    // ranks' pieces) compound: up to 1.5e-4 apart by step 14 on a machine whose CPU matmuls
+    // run AVX2 kernels. A sharded optimizer that got anything wrong is off from the first steps.
+    let what = "3 sharded ranks × 4 vs 1 × 12";
+    let first = 10.min(sharded.len()).min(single.len());
+    assert_track_within(&sharded[..first], &single[..first], what, 1e-5);
+    assert_track_within(&sharded, &single, what, 1e-3);
     let step7 = dp.join("checkpoints/step-00000007");
     assert!(step7.is_dir(), "the sharded ranks checkpointed step 7");
     one_process(14, 12, Some(&step7), &resumed);

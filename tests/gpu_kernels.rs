@@ -1257,7 +1257,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
     }
     // (name, shape, targets, base in NF4)
     type Case = (&'static str, fn(&mut Config), Vec<String>, bool);
-    let cases: [Case; 7] = [
+    let cases: [Case; 8] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
@@ -1307,6 +1307,15 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 gqa(c);
                 c.model.n_embd = 192;
                 c.model.head_dim = 64;
+            },
+            all.clone(),
+            false,
+        ),
+        (
+            "llama GQA 4/2, adapters on every projection, each beside its base (no [W | B])",
+            |c| {
+                gqa(c);
+                c.kernels.lora_concat = false;
             },
             all.clone(),
             false,

@@ -515,6 +515,14 @@ pub struct KernelsConfig {
     /// In the whole-model step: the backward's weight gradients and bias sums on a second
     /// CUDA stream, alongside the chain of data gradients (off: one stream).
     pub overlap: bool,
+    /// In the whole-model step with LoRA on a 16-bit base: q|k|v and gate|up each copied once
+    /// with their adapters' B beside them (`[W | B]`), so that a projection and its adapters
+    /// are one matmul forward (`[x | x·Aᵀ]·[W | B]ᵀ`) and one backward (`dy·[W | B]` gives
+    /// the input's and the adapters' gradients at once). Off: the base read in place and the
+    /// adapters' share through matmuls of their own (each a pass over the projection's
+    /// output). The copy costs the base's q, k, v, gate and up weights once more in memory,
+    /// and is made only where it takes at most a quarter of the device memory free then.
+    pub lora_concat: bool,
     /// AdamW in place and the global gradient norm with one read-back.
     pub adamw: bool,
     /// GPT-2 style models in bf16 (LayerNorm, learned positions, GELU, biases, full
@@ -535,6 +543,7 @@ impl Default for KernelsConfig {
             autotune: true,
             graphs: true,
             overlap: true,
+            lora_concat: true,
             adamw: true,
             step: true,
         }

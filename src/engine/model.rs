@@ -1223,6 +1223,7 @@ impl Model {
             autotune: s.kernels.autotune,
             graphs: s.kernels.graphs,
             overlap: s.kernels.overlap,
+            lora_concat: s.kernels.lora_concat,
             dropout: s.dropout.max(0.0),
             embedding_multiplier: s.embedding_multiplier,
             residual_multiplier: s.residual_multiplier,

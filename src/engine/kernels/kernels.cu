@@ -878,7 +878,7 @@ extern "C" __global__ void embed_fwd_bf16(const uint32_t* __restrict__ ids,
 
 // The residual add fused with the next norm: res = x + y + bias (y null: res is x itself,
 // nothing written; bias may be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm, no
-// mean). One warp per row; the statistics are taken from the stored bf16 residual, as the
+// mean; `out`'s rows `ldo` apart: a LoRA group's `[x | x·Aᵀ]`). One warp per row; the statistics are taken from the stored bf16 residual, as the
 // backward recomputes them.
 extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
                                               const bf16_t* __restrict__ y,
@@ -887,7 +887,8 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
                                               const bf16_t* __restrict__ b,
                                               bf16_t* __restrict__ out, int n, int d, float eps,
                                               int rms, const unsigned long long* seed,
-                                              uint32_t site, uint32_t thr, float dscale) {
+                                              uint32_t site, uint32_t thr, float dscale,
+                                              int ldo) {
     const int warps = blockDim.x >> 5;
     const int row = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -910,7 +911,7 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
     }
     float mu, rstd;
     row_stats(src, d, eps, rms, lane, &mu, &rstd);
-    bf16_t* o = out + (size_t)row * d;
+    bf16_t* o = out + (size_t)row * ldo;
     for (int j = lane; j < d; j += 32)
         o[j] = __float2bfloat16((to_f(src[j]) - mu) * rstd * to_f(w[j]) +
                                 (b != nullptr ? to_f(b[j]) : 0.f));
@@ -960,8 +961,8 @@ __device__ __forceinline__ float2 row_stats_v8(const Bf8 (&r)[CH], int lane, int
 }
 
 // The residual add fused with the next norm: res = x + y + bias (y null: res is x; bias may
-// be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm). The statistics come from the
-// rounded bf16 residual as stored, which is what the backward recomputes them from.
+// be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm; rows `ldo` apart, a multiple
+// of 8). The statistics come from the rounded bf16 residual as stored, which is what the backward recomputes them from.
 // With thr > 0, y + bias goes through dropout first (rows layout, site `site`, the seed read
 // from the device so that a captured graph draws a new mask per micro-batch).
 template <int CH>
@@ -970,7 +971,7 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                                  const bf16_t* __restrict__ w, const bf16_t* __restrict__ b,
                                  bf16_t* __restrict__ out, float2* __restrict__ stats, int n,
                                  int d, float eps, int rms, const unsigned long long* seed,
-                                 uint32_t site, uint32_t thr, float dscale) {
+                                 uint32_t site, uint32_t thr, float dscale, int ldo) {
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -1023,7 +1024,7 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                     o.h[i] = __floats2bfloat162_rn((a.x - mu) * rstd * g.x + f.x,
                                                    (a.y - mu) * rstd * g.y + f.y);
                 }
-                *reinterpret_cast<uint4*>(out + (size_t)row * d + col0) = o.u;
+                *reinterpret_cast<uint4*>(out + (size_t)row * ldo + col0) = o.u;
             }
         }
     }
@@ -1042,14 +1043,14 @@ __device__ __forceinline__ void add_bf8(float* acc, uint4 u) {
 }
 
 // LayerNorm backward in two passes. This one: dx (+)= rstd·(g − mean(g) − x̂·mean(g·x̂)) with
-// g = dy·w, a warp per row. `add`: dx accumulates into what it holds (the residual stream's
-// gradient). No column sums here (norm_bwd_wb_v8 does them), so few registers and many
+// g = dy·w, a warp per row (dy's rows `ldg` apart: a LoRA group's `[dx | du]`). `add`: dx
+// accumulates into what it holds (the residual stream's gradient). No column sums here (norm_bwd_wb_v8 does them), so few registers and many
 // rows in flight per multiprocessor.
 template <int CH>
 __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                const bf16_t* __restrict__ dy, bf16_t* dx,
                                const float2* __restrict__ stats, int n, int d, float eps,
-                               int add, int rms) {
+                               int add, int rms, int ldg) {
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -1063,7 +1064,7 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
             if (col0 < d) {
                 const size_t o = (size_t)row * d + col0;
                 xa[c].u = *reinterpret_cast<const uint4*>(x + o);
-                ga[c].u = *reinterpret_cast<const uint4*>(dy + o);
+                ga[c].u = *reinterpret_cast<const uint4*>(dy + (size_t)row * ldg + col0);
                 // (Wide rows load the residual gradient only when they add it: registers.)
                 if (add && CH <= 4) pa[c].u = *reinterpret_cast<const uint4*>(dx + o);
             }
@@ -1111,14 +1112,15 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
 // LayerNorm backward, second pass: the column sums dw += Σ dy·x̂ and db += Σ dy over the rows,
 // and, where `dsum` is given, dsum += Σ dx of the first pass's output (the residual stream's
 // gradient, which is the next linear layer's bias gradient). Rows' statistics from the
-// forward. Block (32, 8), 8 columns per thread, two rows' loads in flight per thread; grid
+// forward; dy's rows `ldg` apart. Block (32, 8), 8 columns per thread, two rows' loads in flight per thread; grid
 // (⌈d/256⌉, any): few row blocks, so each column takes few atomics.
 extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
                                                const bf16_t* __restrict__ dy,
                                                const bf16_t* __restrict__ dx,
                                                const float2* __restrict__ stats,
                                                float* __restrict__ dw, float* __restrict__ db,
-                                               float* __restrict__ dsum, int n, int d) {
+                                               float* __restrict__ dsum, int n, int d,
+                                               int ldg) {
     __shared__ float part[3][8][256 + 4];
     const int col0 = (blockIdx.x * 32 + threadIdx.x) * 8;
     const bool sum = dsum != nullptr;
@@ -1127,7 +1129,7 @@ extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
     for (int i = 0; i < 8; i++) aw[i] = ab[i] = as[i] = 0.f;
     if (col0 < d) {
         const int step = gridDim.y * 8;
-        const size_t ld = (size_t)d / 8;  // row stride in uint4
+        const size_t ld = (size_t)d / 8, lg = (size_t)ldg / 8;  // row strides in uint4
         const uint4* px = reinterpret_cast<const uint4*>(x + col0);
         const uint4* pg = reinterpret_cast<const uint4*>(dy + col0);
         const uint4* po = reinterpret_cast<const uint4*>(dx + col0);
@@ -1149,7 +1151,8 @@ extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
         int r = blockIdx.y * 8 + threadIdx.y;
         for (; r + step < n; r += 2 * step) {
             const size_t o0 = (size_t)r * ld, o1 = (size_t)(r + step) * ld;
-            const uint4 x0 = px[o0], g0 = pg[o0], x1 = px[o1], g1 = pg[o1];
+            const uint4 x0 = px[o0], g0 = pg[(size_t)r * lg], x1 = px[o1],
+                        g1 = pg[(size_t)(r + step) * lg];
             const uint4 s0 = sum ? po[o0] : zero, s1 = sum ? po[o1] : zero;
             const float2 st0 = stats[r], st1 = stats[r + step];
             add_row(x0, g0, s0, st0);
@@ -1157,7 +1160,7 @@ extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
         }
         if (r < n) {
             const size_t o0 = (size_t)r * ld;
-            add_row(px[o0], pg[o0], sum ? po[o0] : zero, stats[r]);
+            add_row(px[o0], pg[(size_t)r * lg], sum ? po[o0] : zero, stats[r]);
         }
     }
 #pragma unroll
@@ -1231,15 +1234,15 @@ extern "C" __global__ void col_sum_v8_bf16(const bf16_t* __restrict__ x, float* 
 #define COCKPIT_NORM_V8(CH, FWD_MINB, BWD_MINB)                                                \
     extern "C" __global__ void __launch_bounds__(256, BWD_MINB) norm_bwd_dx_v8_bf16_##CH(       \
         const bf16_t* x, const bf16_t* w, const bf16_t* dy, bf16_t* dx, const float2* stats,    \
-        int n, int d, float eps, int add, int rms) {                                            \
-        norm_bwd_dx_v8<CH>(x, w, dy, dx, stats, n, d, eps, add, rms);                           \
+        int n, int d, float eps, int add, int rms, int ldg) {                                   \
+        norm_bwd_dx_v8<CH>(x, w, dy, dx, stats, n, d, eps, add, rms, ldg);                      \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(256, FWD_MINB) residual_norm_v8_bf16_##CH(     \
         const bf16_t* x, const bf16_t* y, const bf16_t* bias, bf16_t* res, const bf16_t* w,     \
         const bf16_t* b, bf16_t* out, float2* stats, int n, int d, float eps, int rms,          \
-        const unsigned long long* seed, uint32_t site, uint32_t thr, float dscale) {            \
+        const unsigned long long* seed, uint32_t site, uint32_t thr, float dscale, int ldo) {   \
         residual_norm_v8<CH>(x, y, bias, res, w, b, out, stats, n, d, eps, rms, seed, site, thr, \
-                             dscale);                                                           \
+                             dscale, ldo);                                                      \
     }
 COCKPIT_NORM_V8(1, 4, 3)
 COCKPIT_NORM_V8(2, 4, 3)
@@ -1481,30 +1484,31 @@ extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t,
 }
 
 // y = dropout(x), or y += dropout(x) with acc, over bf16 [n, d] (rows layout; d a multiple of
-// 8; y may be x): the embedding's dropout, in the backward the masked copies of the residual
+// 8; y may be x; x's and y's rows ldx8·8 and ldy8·8 apart): the embedding's dropout, in the backward the masked copies of the residual
 // gradient, LoRA dropout (acc: the adapters' data gradient through their input's mask), and
 // with thr = 0 a plain scale (Granite's multipliers).
 extern "C" __global__ void dropout_rows_v8_bf16(const bf16_t* x, bf16_t* y, size_t total8, int d8,
                                                 const unsigned long long* __restrict__ seed,
                                                 uint32_t site, uint32_t thr, float dscale,
-                                                int acc) {
+                                                int acc, int ldx8, int ldy8) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     uint4* yv = reinterpret_cast<uint4*>(y);
     const unsigned long long sd = *seed;
     for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < total8;
          q += (size_t)gridDim.x * blockDim.x) {
-        const size_t row = q / d8;
-        const uint32_t keep = drop_bits8(sd, site, row, (uint32_t)(q % d8), thr);
+        const size_t row = q / d8, col8 = q % d8;
+        const size_t qy = row * ldy8 + col8;
+        const uint32_t keep = drop_bits8(sd, site, row, (uint32_t)col8, thr);
         Bf8 a, b, o;
-        a.u = xv[q];
-        b.u = acc ? yv[q] : make_uint4(0, 0, 0, 0);
+        a.u = xv[row * ldx8 + col8];
+        b.u = acc ? yv[qy] : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const float2 f = __bfloat1622float2(a.h[i]), g = __bfloat1622float2(b.h[i]);
             o.h[i] = __floats2bfloat162_rn(g.x + ((keep >> (2 * i)) & 1 ? f.x * dscale : 0.f),
                                            g.y + ((keep >> (2 * i + 1)) & 1 ? f.y * dscale : 0.f));
         }
-        yv[q] = o.u;
+        yv[qy] = o.u;
     }
 }
 

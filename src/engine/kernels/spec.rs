@@ -138,6 +138,9 @@ pub struct StepWeights {
     /// Dropout on the LoRA adapters' input (`lora.dropout`), one mask per layer and
     /// [`LORA_TARGET_GROUP`] at the dropout module's `site_lora`.
     pub lora_dropout: f64,
+    /// Each LoRA group on a 16-bit base's q|k|v and gate|up as one `[W | B]` matrix
+    /// (`kernels.lora_concat`).
+    pub lora_concat: bool,
     /// Granite's multipliers (1, 1, 1 elsewhere): on the embedding, on each block's attention
     /// and MLP output before the residual add, and the logits' divisor.
     pub embedding_multiplier: f64,

@@ -408,6 +408,18 @@ struct LoraIdx {
     ucol: usize,
 }
 
+/// A LoRA group run as one matmul with its base projection (`kernels.lora_concat`;
+/// [`GptStep::plan_lora_blocks`]): the 16-bit matrix `[W | B]` of `out` rows (the base's
+/// parts' rows, then the group's block-diagonal B beside them) and its row stride `ld` = the
+/// model width + the group's Σ r — also the row stride of the group's normed input, whose last
+/// columns hold `u = scale·x·[A₁; A₂; …]ᵀ`. Forward `y = [x | u]·[W | B]ᵀ`, backward
+/// `[dx | du] = dy·[W | B]`: no pass of the adapters' own over the projection's output.
+#[derive(Clone, Copy)]
+struct Cat {
+    w: u64,
+    ld: usize,
+}
+
 /// [`LoraIdx`] slots of a layer, in `model::LORA_TARGETS` order.
 const Q: usize = 0;
 const K: usize = 1;
@@ -648,6 +660,7 @@ struct Lay {
     b: usize,
     /// Per layer: residual input, LN1 out, qkv, attention probabilities [B·H, T, T],
     /// merged attention output, residual after attention, LN2 out, fc pre-activation, GELU out.
+    /// (The LN outputs under a concatenated LoRA group are its `[x | u]`: [`Cat`].)
     res: Vec<u64>,
     ln1: Vec<u64>,
     qkv: Vec<u64>,
@@ -829,6 +842,12 @@ pub struct GptStep {
     /// columns, row stride) with their count and largest size.
     _lora_bd_buf: Option<CudaSlice<bf16>>,
     lora_bd_table: Option<(CudaSlice<u64>, usize, usize)>,
+    /// Per layer and group, the group's `[W | B]` where it runs concatenated ([`Cat`]; only
+    /// q|k|v and gate|up), and the table copying the base's parts into them (the layout of
+    /// `lora_bd_table`; at [`Self::cast_weights`]).
+    lora_cat: Vec<[Option<Cat>; 4]>,
+    lora_concat: bool,
+    lora_cat_table: Option<(CudaSlice<u64>, usize, usize)>,
     /// Granite's multipliers (1 elsewhere): the embedding's, the attention blocks' and
     /// MLPs' outputs' before the residual add (both applied with the dropout masks of those
     /// sites), the attention score scale (1/√head_dim elsewhere) and 1/logits_scaling on the
@@ -1118,6 +1137,9 @@ impl GptStep {
             lora_bd: Vec::new(),
             _lora_bd_buf: None,
             lora_bd_table: None,
+            lora_cat: Vec::new(),
+            lora_concat: w.lora_concat,
+            lora_cat_table: None,
             drop_seed: 0,
         };
         step.plan_lora_blocks()?;
@@ -1134,66 +1156,172 @@ impl GptStep {
         }
     }
 
-    /// Give every group of two or more adapters of one scale (q, k, v; gate, up) its
-    /// block-diagonal B: one zeroed `[out, Σ r]` matrix per group, with a table of where
-    /// each adapter's B goes in it ([`Self::lora_blocks`]).
+    /// The base's matrices under LoRA group `g` — q|k|v or gate|up (or the GELU MLP's up) —
+    /// as their first entry and how many; None for o and down.
+    fn group_parts(&self, li: &LayerIdx, g: usize) -> Option<(usize, usize)> {
+        match g {
+            G_QKV => Some((li.qkv_w, 3)),
+            G_GU => Some((li.up_w, 1 + self.swiglu as usize)),
+            _ => None,
+        }
+    }
+
+    /// Whether group `g` of a layer (its adapters `ads`) runs as one `[W | B]` matmul with its
+    /// base ([`Cat`]): asked for (`kernels.lora_concat`), q|k|v or gate|up, adapters of one
+    /// scale whose Σ r is a multiple of 8 (16-byte rows), a frozen 16-bit base with nothing of
+    /// it training (a weight gradient would want `x` alone), and the rows-in-registers norms
+    /// (which write and read the strided rows).
+    fn concat_ok(&self, li: &LayerIdx, g: usize, ads: &[LoraIdx]) -> bool {
+        let Some((first, count)) = self.group_parts(li, g) else {
+            return false;
+        };
+        let bias = if g == G_QKV { li.qkv_b } else { li.up_b };
+        self.lora_concat
+            && self.k.norm_v8.is_some()
+            && !ads.is_empty()
+            && ads.iter().all(|ad| ad.scale == ads[0].scale)
+            && lora_width(li, g).is_multiple_of(8)
+            && (first..first + count).all(|i| {
+                let e = &self.entries[i];
+                e.frozen && e.nf4.is_none() && self.gt(i).is_none()
+            })
+            && self.gb(bias) == 0
+    }
+
+    /// Lay out the groups' B matrices: a group that runs concatenated ([`Self::concat_ok`])
+    /// gets its `[W | B]` ([`Cat`]; the base's parts copied in by [`Self::cast_weights`]);
+    /// every other group of two or more adapters of one scale (q, k, v; gate, up) its
+    /// block-diagonal B, one zeroed `[out, Σ r]` matrix. A table says where each adapter's B
+    /// goes ([`Self::lora_blocks`]).
     fn plan_lora_blocks(&mut self) -> Result<()> {
-        let mut at = Vec::with_capacity(self.layers.len());
-        let mut blocks = Vec::new();
+        let c = self.c;
+        let (mut at, mut cats) = (Vec::new(), Vec::new());
+        // (source entry, element offset, rows, columns, row stride)
+        let (mut blocks, mut parts) = (Vec::new(), Vec::new());
         let mut len = 0;
         for li in &self.layers {
-            let mut offs = [None; 4];
-            for (g, off) in offs.iter_mut().enumerate() {
+            let (mut offs, mut cat) = ([None; 4], [None; 4]);
+            for g in 0..LORA_GROUPS.len() {
                 let ads: Vec<LoraIdx> = LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]).collect();
-                if ads.len() < 2 || ads.iter().any(|ad| ad.scale != ads[0].scale) {
-                    continue;
-                }
                 let width = lora_width(li, g);
-                *off = Some(len);
+                // (Concatenated: the base's columns first.)
+                let (ld, c0) = match self.group_parts(li, g) {
+                    Some((first, count)) if self.concat_ok(li, g, &ads) => {
+                        let mut row = 0;
+                        for i in first..first + count {
+                            let rows = self.entries[i].rows;
+                            parts.push((i, len + row * (c + width), rows, c, c + width));
+                            row += rows;
+                        }
+                        debug_assert_eq!(row, self.group_out(g));
+                        cat[g] = Some((len, c + width));
+                        (c + width, c)
+                    }
+                    _ if ads.len() < 2 || ads.iter().any(|ad| ad.scale != ads[0].scale) => continue,
+                    _ => {
+                        offs[g] = Some(len);
+                        (width, 0)
+                    }
+                };
                 for ad in &ads {
-                    blocks.push((ad.b, len + ad.col * width + ad.ucol, ad.out, ad.r, width));
+                    blocks.push((ad.b, len + ad.col * ld + c0 + ad.ucol, ad.out, ad.r, ld));
                 }
-                len = align(len + self.group_out(g) * width);
+                len = align(len + self.group_out(g) * ld);
             }
             at.push(offs);
+            cats.push(cat);
         }
-        let addr = |base: u64| -> Vec<[u64; 4]> {
-            let at_base = |o: Option<usize>| o.map_or(0, |o| base + 2 * o as u64);
-            at.iter()
-                .map(|offs: &[Option<usize>; 4]| offs.map(at_base))
-                .collect()
-        };
         if blocks.is_empty() {
-            self.lora_bd = addr(0);
+            self.lora_bd = vec![[0; 4]; at.len()];
+            self.lora_cat = vec![[None; 4]; at.len()];
             return Ok(());
         }
-        let buf = self.dev.alloc_zeros::<bf16>(len)?;
+        // The base's copy is made where it takes at most a quarter of the device memory free
+        // now; otherwise (or where it does not fit after all) every group beside its base.
+        let free = self
+            .stream
+            .context()
+            .mem_get_info()
+            .map_or(usize::MAX, |m| m.0);
+        if !parts.is_empty() && 2 * len > free / 4 {
+            self.lora_concat = false;
+            return self.plan_lora_blocks();
+        }
+        let buf = match self.dev.alloc_zeros::<bf16>(len) {
+            Ok(buf) => buf,
+            Err(_) if !parts.is_empty() => {
+                self.lora_concat = false;
+                return self.plan_lora_blocks();
+            }
+            Err(e) => return Err(e),
+        };
         let base = ptr(&buf, &self.stream);
-        let table: Vec<u64> = blocks
+        let at_base = |o: usize| base + 2 * o as u64;
+        self.lora_bd = at
             .iter()
-            .flat_map(|&(b, off, rows, cols, ld)| {
-                [
-                    self.w(b),
-                    base + 2 * off as u64,
-                    rows as u64,
-                    cols as u64,
-                    ld as u64,
-                ]
+            .map(|offs| offs.map(|o| o.map_or(0, at_base)))
+            .collect();
+        self.lora_cat = cats
+            .iter()
+            .map(|cat| {
+                cat.map(|o| {
+                    o.map(|(off, ld)| Cat {
+                        w: at_base(off),
+                        ld,
+                    })
+                })
             })
             .collect();
-        let mut dev_table = self.dev.alloc_zeros::<u64>(table.len())?;
-        self.stream.memcpy_htod(&table, &mut dev_table).w()?;
-        let max_n = blocks.iter().map(|b| b.2 * b.3).max().unwrap_or(1);
-        self.lora_bd = addr(base);
+        let table = |items: &[(usize, usize, usize, usize, usize)]| -> Result<_> {
+            if items.is_empty() {
+                return Ok(None);
+            }
+            let words: Vec<u64> = items
+                .iter()
+                .flat_map(|&(src, off, rows, cols, ld)| {
+                    [
+                        self.w(src),
+                        at_base(off),
+                        rows as u64,
+                        cols as u64,
+                        ld as u64,
+                    ]
+                })
+                .collect();
+            let mut dev_table = self.dev.alloc_zeros::<u64>(words.len())?;
+            self.stream.memcpy_htod(&words, &mut dev_table).w()?;
+            let max_n = items.iter().map(|b| b.2 * b.3).max().unwrap_or(1);
+            Ok(Some((dev_table, items.len(), max_n)))
+        };
+        let bd_table = table(&blocks)?;
+        let cat_table = table(&parts)?;
         self._lora_bd_buf = Some(buf);
-        self.lora_bd_table = Some((dev_table, blocks.len(), max_n));
+        self.lora_bd_table = bd_table;
+        self.lora_cat_table = cat_table;
         Ok(())
+    }
+
+    /// Group `g` of layer `l` as one matmul with its base, if it runs so ([`Cat`]).
+    fn cat(&self, l: usize, g: usize) -> Option<Cat> {
+        self.lora_cat.get(l).and_then(|c| c[g])
+    }
+
+    /// The row stride of group `g`'s normed input in layer `l`: the model width, or the
+    /// `[x | u]` rows of a concatenated group.
+    fn ln_ld(&self, l: usize, g: usize) -> usize {
+        self.cat(l, g).map_or(self.c, |c| c.ld)
     }
 
     /// Copy every adapter's B (its bf16 copy as the optimizer last wrote it) into its
     /// group's block-diagonal matrix ([`Self::plan_lora_blocks`]); nothing without one.
     fn lora_blocks(&self) -> Result<()> {
-        let Some((table, count, max_n)) = &self.lora_bd_table else {
+        self.copy_blocks(&self.lora_bd_table)
+    }
+
+    /// One launch of the block copy over a table of (source, destination, rows, columns,
+    /// destination row stride) items ([`Self::plan_lora_blocks`]); nothing without one.
+    fn copy_blocks(&self, table: &Option<(CudaSlice<u64>, usize, usize)>) -> Result<()> {
+        let Some((table, count, max_n)) = table else {
             return Ok(());
         };
         let table = ptr(table, &self.stream);
@@ -1729,7 +1857,7 @@ impl GptStep {
         &self,
         x: u64,
         (w, b): (usize, Option<usize>),
-        dy: u64,
+        (dy, ldg): (u64, usize),
         dx: u64,
         stats: u64,
         n: usize,
@@ -1738,6 +1866,7 @@ impl GptStep {
     ) -> Result<bool> {
         let d = self.c;
         let (n_i, d_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?);
+        let ldg_i = i32_of(ldg, "row stride")?;
         let (dw, db) = (self.gt(w).unwrap_or(0), self.gb(b));
         let rms = Arg::I(self.rms as i32);
         if let Some(v8) = &self.k.norm_v8 {
@@ -1759,6 +1888,7 @@ impl GptStep {
                 Arg::F(self.eps),
                 Arg::I(add as i32),
                 rms,
+                Arg::I(ldg_i),
             ];
             self.launch(&v8.bwd, cfg, &args)?;
             let args = [
@@ -1771,11 +1901,18 @@ impl GptStep {
                 Arg::P(bias_grad),
                 Arg::I(n_i),
                 Arg::I(d_i),
+                Arg::I(ldg_i),
             ];
             if dw != 0 || db != 0 || bias_grad != 0 {
                 self.launch(&v8.bwd_wb, self.col_grid(n, d), &args)?;
             }
             return Ok(bias_grad != 0);
+        }
+        // (Strided rows only come with the rows-in-registers kernels: [`Self::concat_ok`].)
+        if ldg != d {
+            return Err(err(
+                "whole-model step: a strided norm gradient without the v8 kernels",
+            ));
         }
         let args = [
             Arg::P(x),
@@ -1872,14 +2009,17 @@ impl GptStep {
                 .collect::<Vec<_>>()
         };
         let all_layers = vec![true; l];
+        // (A concatenated LoRA group's normed input is `[x | u]`, rows `ld` apart: [`Cat`].)
+        let ld_max = |g: usize| (0..l).map(|i| self.ln_ld(i, g)).max().unwrap_or(c);
+        let (ld1, ld2) = (ld_max(G_QKV), ld_max(G_GU));
         let res_o = per_if(nc, &all_layers);
-        let ln1_o = per_if(nc, &keep_ln1);
+        let ln1_o = per_if(n * ld1, &keep_ln1);
         let qkv_o = per_if(n * self.qkv_out, &attn_layers);
         let prob_o = per_if(probs, &attn_layers);
         let nac = n * self.att_c;
         let atty_o = per_if(nac, &attn_layers);
         let mid_o = per_if(nc, &mlp_layers);
-        let ln2_o = per_if(nc, &keep_ln2);
+        let ln2_o = per_if(n * ld2, &keep_ln2);
         // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
         let up_out = if self.swiglu { 2 * f } else { f };
         let fc_o = per_if(n * up_out, &mlp_layers);
@@ -1889,8 +2029,9 @@ impl GptStep {
         let head_rows = self.head_rows(n);
         let logits = take(head_rows * self.vpad);
         let tmp = take(nc);
-        // (d atty [N, n_head·head_dim], and the other [N, C] gradients)
-        let da = take(nc.max(nac));
+        // (d atty [N, n_head·head_dim], the other [N, C] gradients, a concatenated LoRA
+        // group's [dx | du])
+        let da = take(nc.max(nac).max(n * ld1.max(ld2)));
         let dres = take(nc);
         let dh = take(n * up_out);
         let dact = take(if self.swiglu { n * f } else { 0 });
@@ -1903,13 +2044,14 @@ impl GptStep {
         let drop = self.drop_thr > 0;
         let dmask = take(if self.res_scaled() { nc } else { 0 });
         // LoRA: each layer's and group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward) and its
-        // gradient du (per layer too: the side stream's dA reads it while the backward goes on).
+        // gradient du (per layer too: the side stream's dA reads it while the backward goes on);
+        // a concatenated group keeps them in its input's and `da`'s last columns instead.
         let (mut lora_u, mut lora_du) = (Vec::new(), Vec::new());
-        for li in &self.layers {
+        for (i, li) in self.layers.iter().enumerate() {
             let (mut u, mut du) = ([None; 4], [None; 4]);
             for (g, (ug, dug)) in u.iter_mut().zip(du.iter_mut()).enumerate() {
                 let w = lora_width(li, g);
-                if w > 0 {
+                if w > 0 && self.cat(i, g).is_none() {
                     *ug = Some(take(n * w));
                     *dug = Some(take(n * w));
                 }
@@ -2094,6 +2236,9 @@ impl GptStep {
             }
             .w()?;
         }
+        // The concatenated LoRA groups' base columns ([`Cat`]), from the copies just made or
+        // the model's own storage.
+        self.copy_blocks(&self.lora_cat_table)?;
         if f32s.is_empty() {
             return Ok(());
         }
@@ -2397,7 +2542,7 @@ impl GptStep {
         beta: f32,
     ) -> Result<()> {
         if self.packed(parts) {
-            return self.lin_fwd_bias(x, parts.0, b, y, d, beta);
+            return self.lin_fwd_bias(x, self.wl(parts.0)?, b, y, d, beta);
         }
         let mut col = 0;
         for i in parts.0..parts.0 + parts.1 {
@@ -2437,20 +2582,20 @@ impl GptStep {
         Ok(())
     }
 
+    /// `y = x·wᵀ (+ b)` (`wp`: the matrix's address), `beta` as [`Self::lin_fwd_beta`]'s.
     fn lin_fwd_bias(
         &self,
         x: u64,
-        w: usize,
+        wp: u64,
         b: Option<usize>,
         y: u64,
         d: Lin,
         beta: f32,
     ) -> Result<()> {
         let Some(b) = b else {
-            return self.lin_fwd_beta(x, self.wl(w)?, y, d, beta);
+            return self.lin_fwd_beta(x, wp, y, d, beta);
         };
         let bias = Epi::Bias { bias: self.w(b) };
-        let wp = self.wl(w)?;
         if !self.lin_fwd_epi(x, wp, y, d, bias, beta)? {
             self.lin_fwd_beta(x, wp, y, d, beta)?;
             self.bias_act(y, self.w(b), y, d.rows, d.out, 0)?;
@@ -2465,8 +2610,7 @@ impl GptStep {
         if self.swiglu {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
             let gu = Lin::new(n, c, 2 * f, 2 * f);
-            let beta = self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], 2 * f)?;
-            self.lin_fwd_parts(a.ln2[l], (li.up_w, 2), li.up_b, a.fc[l], gu, beta)?;
+            self.group_fwd(a, (l, li, G_GU), a.ln2[l], li.up_b, a.fc[l], gu)?;
             return self.launch(
                 &self.k.swiglu_fwd,
                 flat_cfg(n * f / 8),
@@ -2494,8 +2638,7 @@ impl GptStep {
         }
         // fc = ln2·Wupᵀ + b (+ the adapter): the pre-activation the backward reads, bias
         // included (as the epilogue's aux), then gelu(fc).
-        let beta = self.lora_fwd(a, l, li, G_GU, a.ln2[l], a.fc[l], f)?;
-        self.lin_fwd_bias(a.ln2[l], li.up_w, li.up_b, a.fc[l], up, beta)?;
+        self.group_fwd(a, (l, li, G_GU), a.ln2[l], li.up_b, a.fc[l], up)?;
         self.bias_act(a.fc[l], 0, a.gelu[l], n, f, 1)
     }
 
@@ -2523,7 +2666,7 @@ impl GptStep {
         let n = a.b * self.t;
         let u = a.lora_u[l][g];
         let down = Lin::new(n, first.inp, width, width);
-        let x = self.lora_input(a, l, g, x, first.inp)?;
+        let (x, _) = self.lora_input(a, l, g, (x, first.inp), first.inp)?;
         self.mm("lora.xa", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
         // The group's adapters sit on its output in column order (q, k, v; gate, up): the
         // gaps between them are the columns to zero.
@@ -2612,7 +2755,7 @@ impl GptStep {
             self.mm_on("lora.db", mm, (ad.scale, beta), side)?;
         }
         let down = Lin::new(n, a0.inp, width, width);
-        let xd = self.lora_input(a, l, g, x, a0.inp)?;
+        let (xd, _) = self.lora_input(a, l, g, (x, a0.inp), a0.inp)?;
         self.mm_on("lora.da", down.dw(xd, du, self.g(a0.a)), (1.0, beta), side)?;
         if side.is_some() {
             self.release(buf)?;
@@ -2635,17 +2778,139 @@ impl GptStep {
         Ok(1.0)
     }
 
-    /// The adapters' input of group `g` of layer `l`: `x` itself, or with LoRA dropout
-    /// `x` through its mask into the `lora_x` scratch (`[N, inp]`).
-    fn lora_input(&self, a: &Lay, l: usize, g: usize, x: u64, inp: usize) -> Result<u64> {
+    /// The adapters' input of group `g` of layer `l`: `x` itself (rows `ldx` apart), or with
+    /// LoRA dropout `x` through its mask into the `lora_x` scratch (`[N, inp]`, dense); the
+    /// address and its row stride.
+    fn lora_input(
+        &self,
+        a: &Lay,
+        l: usize,
+        g: usize,
+        (x, ldx): (u64, usize),
+        inp: usize,
+    ) -> Result<(u64, usize)> {
         if self.lora_thr == 0 {
-            return Ok(x);
+            return Ok((x, ldx));
         }
         let n = a.b * self.t;
         let site = dropout::site_lora(l, g);
         let drop = (self.lora_thr, self.lora_scale);
-        self.drop_scaled(a, (x, a.lora_x), (n, inp), site, drop, false)?;
-        Ok(a.lora_x)
+        let io = ((x, ldx), (a.lora_x, inp));
+        self.drop_scaled_ld(a, io, (n, inp), site, drop, false)?;
+        Ok((a.lora_x, inp))
+    }
+
+    /// The projection of LoRA group `g` (q|k|v, or gate|up / the GELU MLP's up) of layer `l`
+    /// from its normed input `x` into `y` (`d`: its shape), the bias `b` included: one
+    /// `[x | u]·[W | B]ᵀ` after `u` where the group runs concatenated ([`Cat`]), else the
+    /// adapters' share ([`Self::lora_fwd`]) and the base's matmul onto it.
+    fn group_fwd(
+        &self,
+        a: &Lay,
+        (l, li, g): (usize, &LayerIdx, usize),
+        x: u64,
+        b: Option<usize>,
+        y: u64,
+        d: Lin,
+    ) -> Result<()> {
+        let parts = self
+            .group_parts(li, g)
+            .ok_or_else(|| err("whole-model step: no projection under a LoRA group"))?;
+        let Some(cat) = self.cat(l, g) else {
+            let beta = self.lora_fwd(a, l, li, g, x, y, d.ldy)?;
+            return self.lin_fwd_parts(x, parts, b, y, d, beta);
+        };
+        let a0 = self.group_first(li, g)?;
+        let n = a.b * self.t;
+        let width = cat.ld - self.c;
+        // u = scale·x·[A₁; A₂; …]ᵀ into x's last columns (kept there for the backward).
+        let (xa, ldx) = self.lora_input(a, l, g, (x, cat.ld), a0.inp)?;
+        let down = Lin::new(n, a0.inp, width, cat.ld).ldx(ldx);
+        let u = x + 2 * self.c as u64;
+        self.mm(
+            "lora.xa",
+            down.fwd(xa, self.w(a0.a), u),
+            false,
+            a0.scale,
+            0.0,
+        )?;
+        let wide = Lin::new(d.rows, cat.ld, d.out, d.ldy);
+        self.lin_fwd_bias(x, cat.w, b, y, wide, 0.0)
+    }
+
+    /// The backward of group `g`'s projection (as [`Self::group_fwd`]) from its output's
+    /// gradient `dy` (in the scratch `buf`; shape `d`): the input's gradient into `da`
+    /// and the adapters' weight gradients. Returns `da`'s row stride (the model width, or
+    /// a concatenated group's `[dx | du]`).
+    fn group_bwd(
+        &self,
+        a: &Lay,
+        (l, li, g): (usize, &LayerIdx, usize),
+        x: u64,
+        (dy, buf): (u64, Buf),
+        d: Lin,
+        first: bool,
+    ) -> Result<usize> {
+        let parts = self
+            .group_parts(li, g)
+            .ok_or_else(|| err("whole-model step: no projection under a LoRA group"))?;
+        let Some(cat) = self.cat(l, g) else {
+            let beta = self.lora_bwd(a, (l, li, g), x, (dy, buf), d.ldy, a.da, first)?;
+            self.lin_dx_parts(dy, parts, a.da, d, beta)?;
+            return Ok(self.c);
+        };
+        let a0 = self.group_first(li, g)?;
+        let (n, c) = (a.b * self.t, self.c);
+        let width = cat.ld - c;
+        let beta = if first { 0.0 } else { 1.0 };
+        let u = x + 2 * c as u64;
+        // dB_k (+)= dyᵀ·u_k (the scale is in u), on the side stream where there is one: it
+        // reads `dy` (released after) and this layer's kept input.
+        let side = if self.lora_thr == 0 {
+            self.fork()?
+        } else {
+            None
+        };
+        for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
+            let up = Lin::new(n, ad.r, ad.out, d.ldy).ldx(cat.ld);
+            let at = |p: u64, col: usize| p + 2 * col as u64;
+            let mm = up.dw(at(u, ad.ucol), at(dy, ad.col), self.g(ad.b));
+            self.mm_on("lora.db", mm, (1.0, beta), side)?;
+        }
+        if side.is_some() {
+            self.release(buf)?;
+        }
+        // [dx | du] = dy·[W | B]: the input's gradient and every adapter's du = dy·B_k at once.
+        let wide = Lin::new(n, cat.ld, d.out, d.ldy);
+        self.lin_dx_beta(dy, cat.w, a.da, wide, 0.0)?;
+        let du = a.da + 2 * c as u64;
+        // dA (+)= scale·duᵀ·x and dx += scale·du·[A₁; A₂; …], on the main stream (du lives in
+        // `da`, which the next projection's gradient overwrites).
+        let (xd, ldx) = self.lora_input(a, l, g, (x, cat.ld), a0.inp)?;
+        let down = Lin::new(n, a0.inp, width, cat.ld);
+        let da = down.ldx(ldx).dw(xd, du, self.g(a0.a));
+        self.mm_on("lora.da", da, (a0.scale, beta), None)?;
+        if self.lora_thr == 0 {
+            let dx = down.ldx(cat.ld).dx(du, self.w(a0.a), a.da);
+            self.mm("lora.dx", dx, false, a0.scale, 1.0)?;
+            return Ok(cat.ld);
+        }
+        // dx += mask ⊙ (scale·du·[A₁; A₂; …]), through the scratch that held the dropped input.
+        let dx = down.dx(du, self.w(a0.a), a.lora_x);
+        self.mm("lora.dx", dx, false, a0.scale, 0.0)?;
+        let site = dropout::site_lora(l, g);
+        let drop = (self.lora_thr, self.lora_scale);
+        let io = ((a.lora_x, a0.inp), (a.da, cat.ld));
+        self.drop_scaled_ld(a, io, (n, a0.inp), site, drop, true)?;
+        Ok(cat.ld)
+    }
+
+    /// The first adapter of group `g` (the group's A and scale).
+    fn group_first(&self, li: &LayerIdx, g: usize) -> Result<LoraIdx> {
+        LORA_GROUPS[g]
+            .iter()
+            .find_map(|&j| li.lora[j])
+            .ok_or_else(|| err("whole-model step: a LoRA group without adapters"))
     }
 
     /// An adapter's weight-gradient matmul (fp32 C): on `side` through cuBLASLt, or [`Self::mm`]
@@ -2699,7 +2964,8 @@ impl GptStep {
         // LN1 of layer 0 (no residual add before it).
         let l0 = self.layers[0];
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
-        self.residual_norm(a, (a.res[0], 0, 0, None), 0, ln, a.ln1[0], n)?;
+        let ln1 = (a.ln1[0], self.ln_ld(0, G_QKV));
+        self.residual_norm(a, (a.res[0], 0, 0, None), 0, ln, ln1, n)?;
         for (l, li) in self.layers.iter().enumerate() {
             self.attention(a, l, li)?;
             self.mlp_half_fwd(a, l, li)?;
@@ -2709,8 +2975,12 @@ impl GptStep {
             let down = Lin::new(n, f, c, c);
             self.lin_fwd_beta(a.gelu[l], self.wl(li.down_w)?, a.tmp, down, beta)?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
-                Some(next) => (next.ln1_w, next.ln1_b, a.ln1[l + 1]),
-                None => (self.lnf.0, self.lnf.1, a.lnf),
+                Some(next) => (
+                    next.ln1_w,
+                    next.ln1_b,
+                    (a.ln1[l + 1], self.ln_ld(l + 1, G_QKV)),
+                ),
+                None => (self.lnf.0, self.lnf.1, (a.lnf, c)),
             };
             let ln = (nw, nb, a.stats[2 * l + 2]);
             let y = (
@@ -2730,8 +3000,7 @@ impl GptStep {
     fn attention(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
         let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
-        let beta = self.lora_fwd(a, l, li, G_QKV, a.ln1[l], a.qkv[l], self.qkv_out)?;
-        self.lin_fwd_parts(a.ln1[l], (li.qkv_w, 3), li.qkv_b, a.qkv[l], qkv, beta)?;
+        self.group_fwd(a, (l, li, G_QKV), a.ln1[l], li.qkv_b, a.qkv[l], qkv)?;
         self.rope(a.qkv[l], n, false)?;
         self.attn_fwd(a, l)
     }
@@ -2742,7 +3011,8 @@ impl GptStep {
     /// functions of the micro-batch's seed: drawn again the same.
     fn attn_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
         let ln = (li.ln1_w, li.ln1_b, a.stats[2 * l]);
-        self.residual_norm(a, (a.res[l], 0, 0, None), 0, ln, a.ln1[l], a.b * self.t)?;
+        let ln1 = (a.ln1[l], self.ln_ld(l, G_QKV));
+        self.residual_norm(a, (a.res[l], 0, 0, None), 0, ln, ln1, a.b * self.t)?;
         self.attention(a, l, li)
     }
 
@@ -2761,7 +3031,7 @@ impl GptStep {
             self.wb(li.o_b),
             Some(dropout::site_attention_out(l)),
         );
-        self.residual_norm(a, y, a.mid[l], ln, a.ln2[l], n)?;
+        self.residual_norm(a, y, a.mid[l], ln, (a.ln2[l], self.ln_ld(l, G_GU)), n)?;
         self.mlp_act_fwd(a, l, li)
     }
 
@@ -2948,7 +3218,7 @@ impl GptStep {
         let mut down_b_done = self.norm_bwd(
             a.res[last],
             self.lnf,
-            a.da,
+            (a.da, c),
             a.dres,
             a.stats[2 * last],
             n,
@@ -2978,14 +3248,12 @@ impl GptStep {
             debug_assert!(li.lora[GATE].is_none_or(|g| g.col == gate_col));
             debug_assert!(li.lora[UP].is_none_or(|u| u.col == up_col));
             let dh = (a.dh, Buf::Dh);
-            let beta = self.lora_bwd(a, (l, li, G_GU), a.ln2[l], dh, up_out, a.da, first)?;
-            let parts = (li.up_w, 1 + self.swiglu as usize);
-            self.lin_dx_parts(a.dh, parts, a.da, up, beta)?;
+            let ldg = self.group_bwd(a, (l, li, G_GU), a.ln2[l], dh, up, first)?;
             self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],
                 (li.ln2_w, li.ln2_b),
-                a.da,
+                (a.da, ldg),
                 a.dres,
                 a.stats[2 * l + 1],
                 n,
@@ -3013,16 +3281,8 @@ impl GptStep {
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
             let bias = (li.qkv_w, li.qkv_b, false);
             self.proj_grads((a.ln1[l], a.dqkv, Buf::Dqkv), bias, qkv, first)?;
-            let beta = self.lora_bwd(
-                a,
-                (l, li, G_QKV),
-                a.ln1[l],
-                (a.dqkv, Buf::Dqkv),
-                self.qkv_out,
-                a.da,
-                first,
-            )?;
-            self.lin_dx_parts(a.dqkv, (li.qkv_w, 3), a.da, qkv, beta)?;
+            let dqkv = (a.dqkv, Buf::Dqkv);
+            let ldg = self.group_bwd(a, (l, li, G_QKV), a.ln1[l], dqkv, qkv, first)?;
             self.reclaim(Buf::Dres)?;
             // The residual stream's gradient below this layer: the down projection bias's
             // gradient of the layer below (none under layer 0).
@@ -3030,7 +3290,7 @@ impl GptStep {
             down_b_done = self.norm_bwd(
                 a.res[l],
                 (li.ln1_w, li.ln1_b),
-                a.da,
+                (a.da, ldg),
                 a.dres,
                 a.stats[2 * l],
                 n,
@@ -3370,6 +3630,20 @@ impl GptStep {
         (x, y): (u64, u64),
         (rows, cols): (usize, usize),
         site: u32,
+        drop: (u32, f32),
+        acc: bool,
+    ) -> Result<()> {
+        self.drop_scaled_ld(a, ((x, cols), (y, cols)), (rows, cols), site, drop, acc)
+    }
+
+    /// [`Self::drop_scaled`] between matrices whose rows lie `ldx` and `ldy` apart (multiples
+    /// of 8; the columns of a LoRA group's `[x | u]` or `[dx | du]`: [`Cat`]).
+    fn drop_scaled_ld(
+        &self,
+        a: &Lay,
+        ((x, ldx), (y, ldy)): ((u64, usize), (u64, usize)),
+        (rows, cols): (usize, usize),
+        site: u32,
         (thr, scale): (u32, f32),
         acc: bool,
     ) -> Result<()> {
@@ -3387,6 +3661,8 @@ impl GptStep {
                 Arg::U(thr),
                 Arg::F(scale),
                 Arg::I(acc as i32),
+                Arg::I(i32_of(ldx / 8, "row stride")?),
+                Arg::I(i32_of(ldy / 8, "row stride")?),
             ],
         )
     }
@@ -3430,7 +3706,7 @@ impl GptStep {
         (x, y, bias, site): (u64, u64, u64, Option<u32>),
         res: u64,
         (w, bn, stats): (usize, Option<usize>, u64),
-        out: u64,
+        (out, ldo): (u64, usize),
         n: usize,
     ) -> Result<()> {
         let (thr, scale) = site.map_or((0, 1.0), |_| {
@@ -3454,6 +3730,7 @@ impl GptStep {
             Arg::U(site.unwrap_or(0)),
             Arg::U(thr),
             Arg::F(scale),
+            Arg::I(i32_of(ldo, "row stride")?),
         ];
         match &self.k.norm_v8 {
             Some(v8) => {
