@@ -878,8 +878,8 @@ extern "C" __global__ void embed_fwd_bf16(const uint32_t* __restrict__ ids,
 
 // The residual add fused with the next norm: res = x + y + bias (y null: res is x itself,
 // nothing written; bias may be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm, no
-// mean; `out`'s rows `ldo` apart: a LoRA group's `[x | x·Aᵀ]`). One warp per row; the statistics are taken from the stored bf16 residual, as the
-// backward recomputes them.
+// mean; `out`'s rows `ldo` apart: a LoRA group's `[x | x·Aᵀ]`). One warp per row; the
+// statistics are taken from the stored bf16 residual, as the backward recomputes them.
 extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
                                               const bf16_t* __restrict__ y,
                                               const bf16_t* __restrict__ bias, bf16_t* res,
@@ -962,7 +962,8 @@ __device__ __forceinline__ float2 row_stats_v8(const Bf8 (&r)[CH], int lane, int
 
 // The residual add fused with the next norm: res = x + y + bias (y null: res is x; bias may
 // be null), out = Norm(res)·w + b (b may be null; rms: RMSNorm; rows `ldo` apart, a multiple
-// of 8). The statistics come from the rounded bf16 residual as stored, which is what the backward recomputes them from.
+// of 8). The statistics come from the rounded bf16 residual as stored, which is what the
+// backward recomputes them from.
 // With thr > 0, y + bias goes through dropout first (rows layout, site `site`, the seed read
 // from the device so that a captured graph draws a new mask per micro-batch).
 template <int CH>
@@ -1044,8 +1045,8 @@ __device__ __forceinline__ void add_bf8(float* acc, uint4 u) {
 
 // LayerNorm backward in two passes. This one: dx (+)= rstd·(g − mean(g) − x̂·mean(g·x̂)) with
 // g = dy·w, a warp per row (dy's rows `ldg` apart: a LoRA group's `[dx | du]`). `add`: dx
-// accumulates into what it holds (the residual stream's gradient). No column sums here (norm_bwd_wb_v8 does them), so few registers and many
-// rows in flight per multiprocessor.
+// accumulates into what it holds (the residual stream's gradient). No column sums here
+// (norm_bwd_wb_v8 does them), so few registers and many rows in flight per multiprocessor.
 template <int CH>
 __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                const bf16_t* __restrict__ dy, bf16_t* dx,
@@ -1112,8 +1113,8 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
 // LayerNorm backward, second pass: the column sums dw += Σ dy·x̂ and db += Σ dy over the rows,
 // and, where `dsum` is given, dsum += Σ dx of the first pass's output (the residual stream's
 // gradient, which is the next linear layer's bias gradient). Rows' statistics from the
-// forward; dy's rows `ldg` apart. Block (32, 8), 8 columns per thread, two rows' loads in flight per thread; grid
-// (⌈d/256⌉, any): few row blocks, so each column takes few atomics.
+// forward; dy's rows `ldg` apart. Block (32, 8), 8 columns per thread, two rows' loads in
+// flight per thread; grid (⌈d/256⌉, any): few row blocks, so each column takes few atomics.
 extern "C" __global__ void norm_bwd_wb_v8_bf16(const bf16_t* __restrict__ x,
                                                const bf16_t* __restrict__ dy,
                                                const bf16_t* __restrict__ dx,

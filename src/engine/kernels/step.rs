@@ -2660,7 +2660,7 @@ impl GptStep {
         ldy: usize,
     ) -> Result<f32> {
         let width = lora_width(li, g);
-        let Some(first) = LORA_GROUPS[g].iter().find_map(|&j| li.lora[j]) else {
+        let Some(first) = group_first(li, g) else {
             return Ok(0.0);
         };
         let n = a.b * self.t;
@@ -2719,7 +2719,7 @@ impl GptStep {
         first: bool,
     ) -> Result<f32> {
         let width = lora_width(li, g);
-        let Some(a0) = LORA_GROUPS[g].iter().find_map(|&j| li.lora[j]) else {
+        let Some(a0) = group_first(li, g) else {
             return Ok(0.0);
         };
         let n = a.b * self.t;
@@ -2813,14 +2813,13 @@ impl GptStep {
         y: u64,
         d: Lin,
     ) -> Result<()> {
-        let parts = self
-            .group_parts(li, g)
-            .ok_or_else(|| err("whole-model step: no projection under a LoRA group"))?;
-        let Some(cat) = self.cat(l, g) else {
+        let (Some(cat), Some(a0)) = (self.cat(l, g), group_first(li, g)) else {
+            let parts = self
+                .group_parts(li, g)
+                .ok_or_else(|| err("whole-model step: no projection under a LoRA group"))?;
             let beta = self.lora_fwd(a, l, li, g, x, y, d.ldy)?;
             return self.lin_fwd_parts(x, parts, b, y, d, beta);
         };
-        let a0 = self.group_first(li, g)?;
         let n = a.b * self.t;
         let width = cat.ld - self.c;
         // u = scale·x·[A₁; A₂; …]ᵀ into x's last columns (kept there for the backward).
@@ -2851,15 +2850,14 @@ impl GptStep {
         d: Lin,
         first: bool,
     ) -> Result<usize> {
-        let parts = self
-            .group_parts(li, g)
-            .ok_or_else(|| err("whole-model step: no projection under a LoRA group"))?;
-        let Some(cat) = self.cat(l, g) else {
+        let (Some(cat), Some(a0)) = (self.cat(l, g), group_first(li, g)) else {
+            let parts = self
+                .group_parts(li, g)
+                .ok_or_else(|| err("whole-model step: no projection under a LoRA group"))?;
             let beta = self.lora_bwd(a, (l, li, g), x, (dy, buf), d.ldy, a.da, first)?;
             self.lin_dx_parts(dy, parts, a.da, d, beta)?;
             return Ok(self.c);
         };
-        let a0 = self.group_first(li, g)?;
         let (n, c) = (a.b * self.t, self.c);
         let width = cat.ld - c;
         let beta = if first { 0.0 } else { 1.0 };
@@ -2903,14 +2901,6 @@ impl GptStep {
         let io = ((a.lora_x, a0.inp), (a.da, cat.ld));
         self.drop_scaled_ld(a, io, (n, a0.inp), site, drop, true)?;
         Ok(cat.ld)
-    }
-
-    /// The first adapter of group `g` (the group's A and scale).
-    fn group_first(&self, li: &LayerIdx, g: usize) -> Result<LoraIdx> {
-        LORA_GROUPS[g]
-            .iter()
-            .find_map(|&j| li.lora[j])
-            .ok_or_else(|| err("whole-model step: a LoRA group without adapters"))
     }
 
     /// An adapter's weight-gradient matmul (fp32 C): on `side` through cuBLASLt, or [`Self::mm`]
@@ -3821,6 +3811,11 @@ unsafe fn memset_cols(
     unsafe { sys::cuMemsetD2D16Async(p, 2 * ld, 0, cols, rows, stream.cu_stream()) }
         .result()
         .w()
+}
+
+/// The first adapter of LoRA group `g` of a layer (the group's stacked A and its scale).
+fn group_first(li: &LayerIdx, g: usize) -> Option<LoraIdx> {
+    LORA_GROUPS[g].iter().find_map(|&j| li.lora[j])
 }
 
 fn lora_width(li: &LayerIdx, g: usize) -> usize {
