@@ -1,0 +1,299 @@
+//! The activation arena: every activation's device address for one micro-batch size.
+
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::Result;
+use half::bf16;
+
+use super::graphs::Graphs;
+use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
+use super::{align, ptr, GptStep};
+use crate::config::Recompute;
+
+/// Device addresses of one micro-batch size's activations (bf16 unless noted).
+#[derive(Clone)]
+pub(super) struct Lay {
+    pub(super) b: usize,
+    /// Per layer: residual input, LN1 out, qkv, attention probabilities [B·H, T, T],
+    /// merged attention output, residual after attention, LN2 out, fc pre-activation, GELU out.
+    /// (The LN outputs under a concatenated LoRA group are its `[x | u]`: [`Cat`].)
+    pub(super) res: Vec<u64>,
+    pub(super) ln1: Vec<u64>,
+    pub(super) qkv: Vec<u64>,
+    pub(super) prob: Vec<u64>,
+    pub(super) atty: Vec<u64>,
+    pub(super) mid: Vec<u64>,
+    pub(super) ln2: Vec<u64>,
+    /// The MLP's pre-activation ([N, F], or SwiGLU's packed gate|up [N, 2F]) and activation
+    /// output [N, F].
+    pub(super) fc: Vec<u64>,
+    pub(super) gelu: Vec<u64>,
+    pub(super) lnf: u64,
+    /// One chunk of the logits: [head_rows, vpad] ([`GptStep::head_and_loss`]).
+    pub(super) logits: u64,
+    pub(super) head_rows: usize,
+    // scratch, reused by every layer
+    pub(super) tmp: u64,
+    pub(super) da: u64,
+    pub(super) dres: u64,
+    /// The MLP pre-activation's gradient (the side stream reads it; SwiGLU: [N, 2F]).
+    pub(super) dh: u64,
+    /// SwiGLU: the activation output's gradient [N, F] (before the SwiGLU backward).
+    pub(super) dact: u64,
+    pub(super) dqkv: u64,
+    pub(super) heads: u64,
+    pub(super) yh: u64,
+    pub(super) dheads: u64,
+    pub(super) dyh: u64,
+    pub(super) dprob: u64,
+    /// With dropout: the residual gradient through a mask [N, C] (bf16), flash attention's
+    /// kept-flags per layer (u64 [B·H·T, ⌈T/64⌉]) and the micro-batch's seed (one u64).
+    pub(super) dmask: u64,
+    pub(super) mbits: Vec<u64>,
+    pub(super) seed: u64,
+    /// LoRA: per layer and group, the adapters' `x·Aᵀ` [N, Σ r] (0: no adapter), and its
+    /// gradient `du`.
+    pub(super) lora_u: Vec<[u64; 4]>,
+    pub(super) lora_du: Vec<[u64; 4]>,
+    /// LoRA dropout: the adapters' dropped input (forward) and their data gradient before its
+    /// mask (backward), `[N, widest adapted input]`; 0 without LoRA dropout.
+    pub(super) lora_x: u64,
+    // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
+    pub(super) lse_att: Vec<u64>,
+    pub(super) fa_scratch: u64,
+    /// f32 (mean, rstd) per row of every LayerNorm, kept from the forward for the backward:
+    /// LN1 of layer l at 2l, LN2 at 2l + 1, the final LN at 2L.
+    pub(super) stats: Vec<u64>,
+    pub(super) loss: u64,
+    // u32
+    pub(super) ids: u64,
+    pub(super) targets: u64,
+}
+
+pub(super) struct Arena {
+    pub(super) _bf: CudaSlice<bf16>,
+    /// The dropout seed (one u64), then the kept-flags of every layer.
+    pub(super) words: CudaSlice<u64>,
+    pub(super) f32s: CudaSlice<f32>,
+    pub(super) ids: CudaSlice<u32>,
+    pub(super) targets: CudaSlice<u32>,
+    pub(super) lay: Lay,
+    /// The micro-batch programs captured over this arena's buffers (dropped with it).
+    pub(super) graphs: Graphs,
+}
+
+impl GptStep {
+    /// Size (or re-size) the activation arena for micro-batch `b`.
+    /// Rows per chunk of the LM head ([`Self::head_and_loss`]) for `n` rows: the logits chunk
+    /// stays under 256 MiB (a trained head re-reads and re-writes its fp32 gradient once per
+    /// chunk; smaller chunks also make smaller matmuls).
+    pub(super) fn head_rows(&self, n: usize) -> usize {
+        if let Some(rows) = self.head_chunk_rows {
+            return rows.clamp(1, n);
+        }
+        let limit = 256 << 20;
+        let per_row = 2 * self.vpad;
+        let chunks = (n * per_row).div_ceil(limit).max(1);
+        // Whole chunks of 64 rows (tensor-core tiles), at least one row.
+        n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
+    }
+
+    pub(super) fn ensure(&mut self, b: usize) -> Result<()> {
+        if self.arena.as_ref().is_some_and(|a| a.lay.b == b) {
+            return Ok(());
+        }
+        self.arena = None;
+        let (l, c, t, f) = (self.n_layer, self.c, self.t, self.hidden);
+        let n = b * t;
+        let nc = n * c;
+        // Materialised attention keeps [B·H, T, T] probabilities per layer; flash attention
+        // keeps none (a [B, H, T] log-sum-exp in f32 instead).
+        let probs = if self.flash {
+            0
+        } else {
+            b * self.n_head * t * t
+        };
+        let heads_len = if self.flash { 0 } else { 3 * nc };
+        let mut next = 0usize;
+        let mut take = |len: usize| {
+            let o = next;
+            next += align(len);
+            o
+        };
+        // A projection's input is kept for the backward only where a gradient needs it (its
+        // weight trains, or an adapter sits on it); elsewhere (a frozen LoRA base) every
+        // layer writes it into one shared buffer.
+        let keep = |w: fn(&LayerIdx) -> usize, ad: &[usize]| -> Vec<bool> {
+            self.layers
+                .iter()
+                .map(|li| self.gt(w(li)).is_some() || ad.iter().any(|&j| li.lora[j].is_some()))
+                .collect()
+        };
+        // Recompute: the attention half's activations (and with "full" the MLP half's) are
+        // rewritten in the backward, one layer at a time, into shared buffers.
+        let attn_kept = self.recompute == Recompute::None;
+        let mlp_kept = self.recompute != Recompute::Full;
+        let and = |v: Vec<bool>, k: bool| v.into_iter().map(|x| x && k).collect::<Vec<_>>();
+        let keep_ln1 = and(keep(|li| li.qkv_w, &[Q, K, V]), attn_kept);
+        let keep_ln2 = and(keep(|li| li.up_w, &[GATE, UP]), mlp_kept);
+        let keep_act = and(keep(|li| li.down_w, &[DOWN]), mlp_kept);
+        let attn_layers = vec![attn_kept; l];
+        let mlp_layers = vec![mlp_kept; l];
+        let mut per_if = |len: usize, keep: &[bool]| {
+            let mut shared = None;
+            keep.iter()
+                .map(|&k| {
+                    if k {
+                        take(len)
+                    } else {
+                        *shared.get_or_insert_with(|| take(len))
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
+        let all_layers = vec![true; l];
+        // (A concatenated LoRA group's normed input is `[x | u]`, rows `ld` apart: [`Cat`].)
+        let ld_max = |g: usize| (0..l).map(|i| self.ln_ld(i, g)).max().unwrap_or(c);
+        let (ld1, ld2) = (ld_max(G_QKV), ld_max(G_GU));
+        let res_o = per_if(nc, &all_layers);
+        let ln1_o = per_if(n * ld1, &keep_ln1);
+        let qkv_o = per_if(n * self.qkv_out, &attn_layers);
+        let prob_o = per_if(probs, &attn_layers);
+        let nac = n * self.att_c;
+        let atty_o = per_if(nac, &attn_layers);
+        let mid_o = per_if(nc, &mlp_layers);
+        let ln2_o = per_if(n * ld2, &keep_ln2);
+        // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
+        let up_out = if self.swiglu { 2 * f } else { f };
+        let fc_o = per_if(n * up_out, &mlp_layers);
+        let gelu_o = per_if(n * f, &keep_act);
+        let res_last = take(nc);
+        let lnf = take(nc);
+        let head_rows = self.head_rows(n);
+        let logits = take(head_rows * self.vpad);
+        let tmp = take(nc);
+        // (d atty [N, n_head·head_dim], the other [N, C] gradients, a concatenated LoRA
+        // group's [dx | du])
+        let da = take(nc.max(nac).max(n * ld1.max(ld2)));
+        let dres = take(nc);
+        let dh = take(n * up_out);
+        let dact = take(if self.swiglu { n * f } else { 0 });
+        let dqkv = take(n * self.qkv_out);
+        let heads = take(heads_len);
+        let yh = take(heads_len / 3);
+        let dheads = take(heads_len);
+        let dyh = take(heads_len / 3);
+        let dprob = take(probs);
+        let drop = self.drop_thr > 0;
+        let dmask = take(if self.res_scaled() { nc } else { 0 });
+        // LoRA: each layer's and group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward) and its
+        // gradient du (per layer too: the side stream's dA reads it while the backward goes on);
+        // a concatenated group keeps them in its input's and `da`'s last columns instead.
+        let (mut lora_u, mut lora_du) = (Vec::new(), Vec::new());
+        for (i, li) in self.layers.iter().enumerate() {
+            let (mut u, mut du) = ([None; 4], [None; 4]);
+            for (g, (ug, dug)) in u.iter_mut().zip(du.iter_mut()).enumerate() {
+                let w = lora_width(li, g);
+                if w > 0 && self.cat(i, g).is_none() {
+                    *ug = Some(take(n * w));
+                    *dug = Some(take(n * w));
+                }
+            }
+            lora_u.push(u);
+            lora_du.push(du);
+        }
+        let xmax = self
+            .layers
+            .iter()
+            .flat_map(|li| li.lora.iter().flatten().map(|ad| ad.inp))
+            .max()
+            .unwrap_or(0);
+        let lora_x = take(if self.lora_thr > 0 { n * xmax } else { 0 });
+        let bf_len = next;
+        // f32: the loss accumulator [N], then (flash) the per-layer attention
+        // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
+        let bht = if self.flash { b * self.n_head * t } else { 0 };
+        let f_lse_att = align(n);
+        let f_scratch = f_lse_att + l * align(bht);
+        let f_stats = f_scratch
+            + if self.flash {
+                align(nac) + align(bht)
+            } else {
+                0
+            };
+        let f_len = f_stats + (2 * l + 1) * align(2 * n);
+        // SAFETY: every activation is written before it is read within a micro-batch.
+        let bf = unsafe { self.dev.alloc::<bf16>(bf_len)? };
+        let f32s = self.dev.alloc_zeros::<f32>(f_len)?;
+        // u64 words: the seed, then each layer's kept-flags (aligned to 16 words).
+        let nkt = t.div_ceil(64);
+        let bits_len = if drop {
+            (b * self.n_head * t * nkt).div_ceil(16) * 16
+        } else {
+            0
+        };
+        let words = self.dev.alloc_zeros::<u64>(16 + l * bits_len)?;
+        let wbase = ptr(&words, &self.stream);
+        let ids = self.dev.alloc_zeros::<u32>(n)?;
+        let targets = self.dev.alloc_zeros::<u32>(n)?;
+        let base = ptr(&bf, &self.stream);
+        let fbase = ptr(&f32s, &self.stream);
+        let at = |o: usize| base + 2 * o as u64;
+        let all = |v: &[usize]| v.iter().map(|&o| at(o)).collect::<Vec<_>>();
+        let mut res = all(&res_o);
+        res.push(at(res_last));
+        let lay = Lay {
+            b,
+            res,
+            ln1: all(&ln1_o),
+            qkv: all(&qkv_o),
+            prob: all(&prob_o),
+            atty: all(&atty_o),
+            mid: all(&mid_o),
+            ln2: all(&ln2_o),
+            fc: all(&fc_o),
+            gelu: all(&gelu_o),
+            lnf: at(lnf),
+            logits: at(logits),
+            head_rows,
+            tmp: at(tmp),
+            da: at(da),
+            dres: at(dres),
+            dh: at(dh),
+            dact: at(dact),
+            dqkv: at(dqkv),
+            heads: at(heads),
+            yh: at(yh),
+            dheads: at(dheads),
+            dyh: at(dyh),
+            dprob: at(dprob),
+            dmask: at(dmask),
+            lora_u: lora_u.iter().map(|u| u.map(|o| o.map_or(0, at))).collect(),
+            lora_du: lora_du.iter().map(|u| u.map(|o| o.map_or(0, at))).collect(),
+            lora_x: if self.lora_thr > 0 { at(lora_x) } else { 0 },
+            mbits: (0..l)
+                .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
+                .collect(),
+            seed: wbase,
+            lse_att: (0..l)
+                .map(|i| fbase + 4 * (f_lse_att + i * align(bht)) as u64)
+                .collect(),
+            fa_scratch: fbase + 4 * f_scratch as u64,
+            stats: (0..2 * l + 1)
+                .map(|i| fbase + 4 * (f_stats + i * align(2 * n)) as u64)
+                .collect(),
+            loss: fbase,
+            ids: ptr(&ids, &self.stream),
+            targets: ptr(&targets, &self.stream),
+        };
+        self.arena = Some(Arena {
+            _bf: bf,
+            words,
+            f32s,
+            ids,
+            targets,
+            lay,
+            graphs: Graphs::default(),
+        });
+        Ok(())
+    }
+}

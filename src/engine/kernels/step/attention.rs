@@ -1,0 +1,351 @@
+//! Attention: RoPE, flash attention or materialised softmax, and head layout changes.
+
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::Result;
+
+use super::arena::Lay;
+use super::gemm::{bmat, Lin};
+use super::kernels::Kern;
+use super::params::{LayerIdx, G_QKV};
+use super::{ptr, Arg, GptStep};
+use crate::engine::dropout;
+use crate::engine::kernels::cuda::{flat_cfg, i32_of, row_cfg};
+
+/// RoPE's rotations for positions 0..t: `[t][inv_freq.len()]` pairs (cos, sin) of
+/// position·inv_freq[j], as interleaved f32, the angles taken in double (their sines at
+/// hundreds of radians need it).
+pub(super) fn rope_table(inv_freq: &[f64], t: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(2 * t * inv_freq.len());
+    for p in 0..t {
+        for &f in inv_freq {
+            let (sin, cos) = (p as f64 * f).sin_cos();
+            out.extend([cos as f32, sin as f32]);
+        }
+    }
+    out
+}
+
+impl GptStep {
+    /// A block's attention from its normed input `ln1[l]`: qkv = ln1·Wqkvᵀ (+ b) (+ the
+    /// adapters), RoPE, attention into `atty[l]`.
+    pub(super) fn attention(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+        let (n, c) = (a.b * self.t, self.c);
+        let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
+        self.group_fwd(a, (l, li, G_QKV), a.ln1[l], li.qkv_b, a.qkv[l], qkv)?;
+        self.rope(a.qkv[l], n, false)?;
+        self.attn_fwd(a, l)
+    }
+
+    /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.
+    pub(super) fn attn_fwd(&self, a: &Lay, l: usize) -> Result<()> {
+        let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
+        let hd = self.hd;
+        let nc = b * t * c;
+        let bh = b * h;
+        let scale = self.att_scale;
+        if self.flash {
+            let fk = self.flash_kernels()?;
+            let kern = if self.drop_thr > 0 {
+                &fk.fwd_drop
+            } else {
+                &fk.fwd
+            };
+            return self.launch(
+                kern,
+                self.flash_grid(b, h, fk.fwd_smem, (128, 64)),
+                &[
+                    Arg::P(a.qkv[l]),
+                    Arg::P(a.atty[l]),
+                    Arg::P(a.lse_att[l]),
+                    Arg::I(i32_of(b, "B")?),
+                    Arg::I(i32_of(t, "T")?),
+                    Arg::I(i32_of(h, "H")?),
+                    Arg::I(i32_of(self.n_kv_head, "KV heads")?),
+                    Arg::F(scale),
+                    Arg::P(a.seed),
+                    Arg::U(dropout::site_attention(l)),
+                    Arg::U(self.drop_thr),
+                    Arg::F(self.drop_scale),
+                    Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
+                ],
+            );
+        }
+        // attention: split heads, S = Q·Kᵀ, P = causal softmax(scale·S), Y = P·V, merge
+        let (q, k, v) = (a.heads, a.heads + 2 * nc as u64, a.heads + 4 * nc as u64);
+        self.launch(
+            &self.k.qkv_split,
+            flat_cfg(3 * nc),
+            &[
+                Arg::P(a.qkv[l]),
+                Arg::P(q),
+                Arg::P(k),
+                Arg::P(v),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(hd, "hd")?),
+            ],
+        )?;
+        self.gemm(
+            "attention matmul",
+            (true, false),
+            (t, t, hd),
+            bmat(k, hd, t * hd),
+            bmat(q, hd, t * hd),
+            bmat(a.prob[l], t, t * t),
+            false,
+            0.0,
+            bh,
+        )?;
+        self.softmax(&self.k.softmax_fwd, &[a.prob[l], a.prob[l]], bh * t, scale)?;
+        self.gemm(
+            "attention matmul",
+            (false, false),
+            (hd, t, t),
+            bmat(v, hd, t * hd),
+            bmat(a.prob[l], t, t * t),
+            bmat(a.yh, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        self.heads(&self.k.heads_merge, a.yh, a.atty[l], b, c, 0)?;
+        Ok(())
+    }
+
+    /// The attention backward of layer `l`: `da` (d atty) → `dqkv`.
+    pub(super) fn attn_bwd(&self, a: &Lay, l: usize) -> Result<()> {
+        let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
+        let hd = self.hd;
+        // (the dq accumulator at the scratch's start holds [B·T, n_head·head_dim])
+        let nc = b * t * self.att_c;
+        let bh = b * h;
+        let scale = self.att_scale;
+        if self.flash {
+            let (bi, ti, hi) = (i32_of(b, "B")?, i32_of(t, "T")?, i32_of(h, "H")?);
+            let kvi = i32_of(self.n_kv_head, "KV heads")?;
+            let delta = a.fa_scratch + 4 * nc as u64;
+            let rows = b * t * h;
+            let fk = self.flash_kernels()?;
+            self.launch(
+                &fk.pre,
+                LaunchConfig {
+                    grid_dim: (rows.div_ceil(32) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::P(a.atty[l]),
+                    Arg::P(a.da),
+                    Arg::P(delta),
+                    Arg::P(a.fa_scratch),
+                    Arg::I(bi),
+                    Arg::I(ti),
+                    Arg::I(hi),
+                ],
+            )?;
+            self.launch(
+                &fk.bwd,
+                self.flash_grid(b, self.n_kv_head, fk.bwd_smem, fk.bwd_block),
+                &[
+                    Arg::P(a.qkv[l]),
+                    Arg::P(a.da),
+                    Arg::P(a.lse_att[l]),
+                    Arg::P(delta),
+                    Arg::P(a.fa_scratch),
+                    Arg::P(a.dqkv),
+                    Arg::I(bi),
+                    Arg::I(ti),
+                    Arg::I(hi),
+                    Arg::I(kvi),
+                    Arg::F(scale),
+                    Arg::U(self.drop_thr),
+                    Arg::F(self.drop_scale),
+                    Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
+                ],
+            )?;
+            return self.launch(
+                &fk.dq,
+                LaunchConfig {
+                    grid_dim: ((rows * hd / 4).div_ceil(256) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[
+                    Arg::P(a.fa_scratch),
+                    Arg::P(a.dqkv),
+                    Arg::I(bi),
+                    Arg::I(ti),
+                    Arg::I(hi),
+                    Arg::I(kvi),
+                    Arg::F(scale),
+                ],
+            );
+        }
+        // attention core, from the saved probabilities
+        let (q, k, vv) = (a.heads, a.heads + 2 * nc as u64, a.heads + 4 * nc as u64);
+        let (dq, dk, dv) = (a.dheads, a.dheads + 2 * nc as u64, a.dheads + 4 * nc as u64);
+        self.launch(
+            &self.k.qkv_split,
+            flat_cfg(3 * nc),
+            &[
+                Arg::P(a.qkv[l]),
+                Arg::P(q),
+                Arg::P(k),
+                Arg::P(vv),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(hd, "hd")?),
+            ],
+        )?;
+        self.heads(&self.k.heads_split, a.da, a.dyh, b, c, 0)?;
+        // dP = dY·Vᵀ
+        self.gemm(
+            "attention matmul",
+            (true, false),
+            (t, t, hd),
+            bmat(vv, hd, t * hd),
+            bmat(a.dyh, hd, t * hd),
+            bmat(a.dprob, t, t * t),
+            false,
+            0.0,
+            bh,
+        )?;
+        // dV = Pᵀ·dY
+        self.gemm(
+            "attention matmul",
+            (false, true),
+            (hd, t, t),
+            bmat(a.dyh, hd, t * hd),
+            bmat(a.prob[l], t, t * t),
+            bmat(dv, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        // dS = softmax backward (scale folded in), in place
+        self.softmax(
+            &self.k.softmax_bwd,
+            &[a.prob[l], a.dprob, a.dprob],
+            bh * t,
+            scale,
+        )?;
+        // dQ = dS·K, dK = dSᵀ·Q
+        self.gemm(
+            "attention matmul",
+            (false, false),
+            (hd, t, t),
+            bmat(k, hd, t * hd),
+            bmat(a.dprob, t, t * t),
+            bmat(dq, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        self.gemm(
+            "attention matmul",
+            (false, true),
+            (hd, t, t),
+            bmat(q, hd, t * hd),
+            bmat(a.dprob, t, t * t),
+            bmat(dk, hd, t * hd),
+            false,
+            0.0,
+            bh,
+        )?;
+        for (i, p) in [dq, dk, dv].into_iter().enumerate() {
+            self.heads(&self.k.heads_merge, p, a.dqkv, b, 3 * c, i)?;
+        }
+        Ok(())
+    }
+
+    /// Flash attention's grid: (B·heads, blocks of `rows` queries or keys), `threads` a block;
+    /// the forward runs a block per query head, the backward per key/value head.
+    pub(super) fn flash_grid(
+        &self,
+        b: usize,
+        heads: usize,
+        smem: u32,
+        (threads, rows): (u32, usize),
+    ) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: ((b * heads) as u32, self.t.div_ceil(rows) as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        }
+    }
+
+    /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
+    /// (`inverse`: rotate back, for their gradients).
+    pub(super) fn rope(&self, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
+        let Some(table) = &self.rope else {
+            return Ok(());
+        };
+        let nh = self.n_head + self.n_kv_head;
+        // (kernels.cu: four pairs a thread where hd/2 is a multiple of 4)
+        let half = self.hd / 2;
+        let per = if half.is_multiple_of(4) {
+            half / 4
+        } else {
+            half
+        };
+        self.launch(
+            &self.k.rope,
+            flat_cfg(rows * nh * per),
+            &[
+                Arg::P(qkv),
+                Arg::I(i32_of(rows, "rows")?),
+                Arg::I(i32_of(self.t, "T")?),
+                Arg::I(i32_of(nh, "heads")?),
+                Arg::I(i32_of(self.hd, "hd")?),
+                Arg::I(i32_of(self.qkv_out, "ld")?),
+                Arg::P(ptr(table, &self.stream)),
+                Arg::F(if inverse { -1.0 } else { 1.0 }),
+            ],
+        )
+    }
+
+    /// Causal softmax forward (`ptrs` = x, y) or backward (`ptrs` = y, dy, dx) over
+    /// `rows` rows of T.
+    pub(super) fn softmax(&self, f: &Kern, ptrs: &[u64], rows: usize, scale: f32) -> Result<()> {
+        let t = i32_of(self.t, "T")?;
+        let mut args: Vec<Arg> = ptrs.iter().map(|&p| Arg::P(p)).collect();
+        args.extend([
+            Arg::I(i32_of(rows, "rows")?),
+            Arg::I(t),
+            Arg::I(t),
+            Arg::F(scale),
+        ]);
+        self.launch(f, row_cfg(rows), &args)
+    }
+
+    /// Heads `[B, H, T, hd]` ↔ columns `part·C ..` of a `[B, T, ld]` buffer (merge: src
+    /// heads → dst buffer; split: src buffer → dst heads).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn heads(
+        &self,
+        f: &Kern,
+        src: u64,
+        dst: u64,
+        b: usize,
+        ld: usize,
+        part: usize,
+    ) -> Result<()> {
+        let (h, c) = (self.n_head, self.c);
+        self.launch(
+            f,
+            flat_cfg(b * self.t * c),
+            &[
+                Arg::P(src),
+                Arg::P(dst),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(self.t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(c / h, "hd")?),
+                Arg::I(i32_of(ld, "ld")?),
+                Arg::I(i32_of(part * c, "offset")?),
+            ],
+        )
+    }
+}

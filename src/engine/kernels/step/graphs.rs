@@ -1,0 +1,78 @@
+//! CUDA graphs: each micro-batch's forward and backward captured once and replayed.
+
+use std::collections::HashMap;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    sys::{CUgraphInstantiate_flags, CUstreamCaptureMode},
+    CudaGraph,
+};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::Result;
+
+use super::GptStep;
+use crate::engine::kernels::cuda::err;
+
+/// What selects a captured micro-batch program: whether it is the step's first micro-batch
+/// (its weight-gradient matmuls overwrite instead of adding) and the loss-gradient scale's
+/// bits (the arena fixes everything else).
+pub(super) type GraphKey = (bool, u32);
+
+/// CUDA graphs of whole micro-batches (forward and backward, a few hundred launches each),
+/// replayed with one launch. A key is captured the second time it runs: the first run is
+/// eager, and makes (and tunes) the matmul plans, which needs synchronising.
+#[derive(Default)]
+pub(super) struct Graphs {
+    pub(super) seen: std::collections::HashSet<GraphKey>,
+    pub(super) ready: HashMap<GraphKey, CudaGraph>,
+}
+
+// SAFETY: a `CudaGraph` holds driver handles that are not thread-safe to use concurrently;
+// the graphs live inside the step, which is not Sync and moves to the engine thread whole,
+// where it alone launches them.
+unsafe impl Send for Graphs {}
+
+impl GptStep {
+    /// The forward and backward of the arena's micro-batch: a replay of its captured graph,
+    /// a capture (the key's second run), or eager launches.
+    pub(super) fn run_micro(&mut self, first: bool, g: f32) -> Result<()> {
+        let key = (first, g.to_bits());
+        let replay = self.graphs && self.prof.is_none();
+        let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+        if replay {
+            if let Some(graph) = a.graphs.ready.get(&key) {
+                return graph.launch().w();
+            }
+        }
+        // (The layout is cloned only off the replay path: `fwd_bwd` borrows the step.)
+        let lay = a.lay.clone();
+        if !replay || a.graphs.seen.insert(key) {
+            return self.fwd_bwd(&lay, g, first);
+        }
+        let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        self.stream.begin_capture(mode).w()?;
+        let run = self.fwd_bwd(&lay, g, first);
+        // End the capture whatever happened, so the stream is usable again.
+        let flags = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+        let graph = self.stream.end_capture(flags);
+        run?;
+        match graph.w()? {
+            Some(graph) => {
+                graph.launch().w()?;
+                if let Some(a) = self.arena.as_mut() {
+                    a.graphs.ready.insert(key, graph);
+                }
+                Ok(())
+            }
+            // Nothing was captured: run it eagerly, and keep doing so.
+            None => {
+                self.graphs = false;
+                self.fwd_bwd(&lay, g, first)
+            }
+        }
+    }
+
+    /// How many micro-batch graphs the current arena holds (for tests and diagnostics).
+    pub fn graphs_captured(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.graphs.ready.len())
+    }
+}

@@ -1,0 +1,316 @@
+//! Loading the step's kernels, launching them, and timing launches when profiling.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute},
+    CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, Result};
+
+use super::{Arg, GptStep};
+use crate::engine::events::KernelTime;
+use crate::engine::kernels::cuda::{err, load_function};
+
+/// A timed launch: its group name and the events before and after it.
+pub(super) type Mark = (&'static str, CudaEvent, CudaEvent);
+
+/// A loaded kernel and the name its GPU time is reported under.
+pub(super) struct Kern {
+    pub(super) f: CudaFunction,
+    pub(super) name: &'static str,
+}
+
+pub(super) struct Kernels {
+    /// The device's multiprocessor count (grid sizes).
+    pub(super) sms: usize,
+    pub(super) cast: Kern,
+    pub(super) axpy: Kern,
+    pub(super) lora_blocks: Kern,
+    pub(super) embed: Kern,
+    pub(super) residual_norm: Kern,
+    pub(super) norm_bwd: Kern,
+    pub(super) norm_bwd_add: Kern,
+    /// Row-in-registers LayerNorm kernels for the model's width (n_embd ≤ 1024).
+    pub(super) norm_v8: Option<NormV8>,
+    pub(super) ce: Kern,
+    pub(super) ce_reg: Kern,
+    pub(super) bias_act: Kern,
+    pub(super) gelu_bwd: Kern,
+    pub(super) col_sum: Kern,
+    pub(super) qkv_split: Kern,
+    pub(super) heads_merge: Kern,
+    pub(super) heads_split: Kern,
+    pub(super) softmax_fwd: Kern,
+    pub(super) softmax_bwd: Kern,
+    pub(super) embedding_bwd: Kern,
+    pub(super) rope: Kern,
+    pub(super) swiglu_fwd: Kern,
+    pub(super) swiglu_bwd: Kern,
+    pub(super) dropout_rows: Kern,
+    pub(super) nf4_dequant: Kern,
+    /// Flash attention for head dim 64 and for head dim 128.
+    pub(super) flash64: Flash,
+    /// None where the GPU's shared memory per block is too small for them (a T4's 64 KB:
+    /// [`crate::engine::kernels::flash_fits`] keeps such models off flash attention).
+    pub(super) flash128: Option<Flash>,
+}
+
+/// flash.cu's kernels for one head dim, and the dynamic shared memory the forward and the
+/// backward's main kernel launch with (0 where the kernel's memory is static).
+pub(super) struct Flash {
+    pub(super) fwd: Kern,
+    pub(super) fwd_drop: Kern,
+    pub(super) pre: Kern,
+    pub(super) bwd: Kern,
+    pub(super) dq: Kern,
+    pub(super) fwd_smem: u32,
+    pub(super) bwd_smem: u32,
+    /// The backward's block: threads, and keys it owns (the grid's second dimension covers T
+    /// in steps of it).
+    pub(super) bwd_block: (u32, usize),
+}
+
+impl Flash {
+    /// `hopper`: the kernels are the compute_90a build, whose forward and backward run on
+    /// warpgroup tensor-core instructions (flash_sm90.cu).
+    pub(super) fn load(
+        named: &dyn Fn(&str, &'static str) -> Result<Kern>,
+        hd: usize,
+        hopper: bool,
+    ) -> Result<Self> {
+        let sfx = if hd == 64 { "" } else { "_d128" };
+        let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
+        let (mut fwd_smem, mut bwd_smem) = crate::engine::kernels::spec::flash_smem(hd);
+        let mut bwd_block = (128, 64);
+        let bwd = if hopper && hd == 64 {
+            // Three warpgroups over 128 keys (flash_sm90.cu's flash_bwd_ws_bf16).
+            bwd_smem = crate::engine::kernels::spec::FLASH_BWD_WS_SMEM;
+            bwd_block = (384, 128);
+            named("flash_bwd_ws_bf16", "flash_bwd_ws")?
+        } else if hopper {
+            bwd_smem = crate::engine::kernels::spec::FLASH_BWD_WG_D128_SMEM;
+            named(&format!("flash_bwd_wg{sfx}_bf16"), "flash_bwd_wg")?
+        } else {
+            k("flash_bwd", "flash_bwd")?
+        };
+        let (fwd, fwd_drop) = if hopper {
+            fwd_smem = crate::engine::kernels::spec::flash_fwd_wg_smem(hd);
+            (
+                named(&format!("flash_fwd_wg{sfx}_bf16"), "flash_fwd_wg")?,
+                named(&format!("flash_fwd_drop_wg{sfx}_bf16"), "flash_fwd_wg")?,
+            )
+        } else {
+            (
+                k("flash_fwd", "flash_fwd")?,
+                k("flash_fwd_drop", "flash_fwd")?,
+            )
+        };
+        let f = Self {
+            fwd,
+            fwd_drop,
+            pre: k("flash_bwd_preprocess", "flash_bwd_preprocess")?,
+            bwd,
+            dq: k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?,
+            fwd_smem,
+            bwd_smem,
+            bwd_block,
+        };
+        // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly.
+        let allow = |k: &Kern, bytes: u32| -> Result<()> {
+            if bytes > 48 * 1024 {
+                k.f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .w()?;
+            }
+            Ok(())
+        };
+        allow(&f.fwd, f.fwd_smem)?;
+        allow(&f.fwd_drop, f.fwd_smem)?;
+        allow(&f.bwd, f.bwd_smem)?;
+        Ok(f)
+    }
+}
+
+/// The LayerNorm kernels specialised for rows of ⌈n_embd/256⌉ chunks, and the grids that
+/// fill every SM once (kernels.cu's launch bounds: blocks of 256 threads per SM).
+pub(super) struct NormV8 {
+    pub(super) fwd: Kern,
+    /// The backward's dx pass (per width) and its column-sum pass.
+    pub(super) bwd: Kern,
+    pub(super) bwd_wb: Kern,
+    /// One wave of the forward (blocks).
+    pub(super) grid: u32,
+    /// One wave of the backward's dx pass.
+    pub(super) bwd_grid: u32,
+}
+
+impl Kernels {
+    /// `half`: the fp16 build of the kernels (same names).
+    pub(super) fn load(
+        dev: &CudaDevice,
+        stream: &CudaStream,
+        c: usize,
+        half: bool,
+    ) -> Result<Self> {
+        let named = |name: &str, group: &'static str| -> Result<Kern> {
+            let f = load_function(dev, name, half)?;
+            Ok(Kern { f, name: group })
+        };
+        let hopper = crate::engine::kernels::cuda::kernel_build(dev) == "sm90";
+        let f = |name: &'static str| -> Result<Kern> {
+            named(
+                name,
+                name.trim_end_matches("_bf16").trim_end_matches("_f32"),
+            )
+        };
+        let sms = stream
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()?
+            .max(1) as usize;
+        // Row widths (256-column chunks) with a kernel of their own in kernels.cu.
+        const NORM_CH: [usize; 10] = [1, 2, 3, 4, 6, 8, 10, 12, 14, 16];
+        let ch = NORM_CH.into_iter().find(|&ch| ch * 256 >= c);
+        let norm_v8 = if let (true, Some(ch)) = (c.is_multiple_of(8), ch) {
+            // (forward, backward dx pass) blocks per SM, as kernels.cu's launch bounds give.
+            let (fwd_per_sm, bwd_per_sm) = match ch {
+                1..=3 => (4, 3),
+                4..=8 => (2, 2),
+                _ => (2, 1),
+            };
+            Some(NormV8 {
+                fwd: named(&format!("residual_norm_v8_bf16_{ch}"), "residual_norm")?,
+                bwd: named(&format!("norm_bwd_dx_v8_bf16_{ch}"), "norm_bwd")?,
+                bwd_wb: named("norm_bwd_wb_v8_bf16", "norm_bwd_wb")?,
+                grid: sms as u32 * fwd_per_sm,
+                bwd_grid: sms as u32 * bwd_per_sm,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            sms,
+            cast: f("cast_multi_f32_bf16")?,
+            axpy: f("axpy_multi_f32")?,
+            lora_blocks: f("lora_blocks_16")?,
+            embed: f("embed_fwd_bf16")?,
+            residual_norm: f("residual_norm_bf16")?,
+            norm_bwd: f("norm_bwd_bf16")?,
+            norm_bwd_add: f("norm_bwd_add_bf16")?,
+            norm_v8,
+            ce: f("ce_fused_bf16")?,
+            ce_reg: named("ce_fused_reg_bf16", "ce_fused")?,
+            bias_act: f("bias_act_v8_bf16")?,
+            gelu_bwd: f("bias_gelu_bwd_v8_bf16")?,
+            col_sum: f("col_sum_v8_bf16")?,
+            qkv_split: f("qkv_split_bf16")?,
+            heads_merge: f("heads_merge_bf16")?,
+            heads_split: f("heads_split_bf16")?,
+            softmax_fwd: f("causal_softmax_fwd_bf16")?,
+            softmax_bwd: f("causal_softmax_bwd_bf16")?,
+            embedding_bwd: f("embedding_bwd_bf16")?,
+            rope: f("rope_qkv_bf16")?,
+            swiglu_fwd: f("swiglu_fwd_v8_bf16")?,
+            swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
+            dropout_rows: f("dropout_rows_v8_bf16")?,
+            nf4_dequant: f("nf4_dequant_bf16")?,
+            flash64: Flash::load(&named, 64, hopper)?,
+            flash128: crate::engine::kernels::cuda::flash_fits(dev, 128)
+                .then(|| Flash::load(&named, 128, hopper))
+                .transpose()?,
+        })
+    }
+}
+
+impl GptStep {
+    pub(super) fn launch(&self, k: &Kern, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.launch_on(&self.stream, k, cfg, args)
+    }
+
+    /// [`Self::launch`] on `stream` (the step's, or the side stream).
+    pub(super) fn launch_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        k: &Kern,
+        cfg: LaunchConfig,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.timed(k.name, || {
+            let mut b = stream.launch_builder(&k.f);
+            for a in args {
+                match a {
+                    Arg::P(p) => b.arg(p),
+                    Arg::I(i) => b.arg(i),
+                    Arg::U(u) => b.arg(u),
+                    Arg::F(x) => b.arg(x),
+                    Arg::L(x) => b.arg(x),
+                };
+            }
+            // SAFETY: every call site passes the argument list of its kernel in kernels.cu,
+            // with addresses inside this step's live buffers.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(())
+        })
+    }
+
+    /// Run `f` (launches on the stream) between two timing events when profiling.
+    pub(super) fn timed(&self, name: &'static str, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        let Some(prof) = &self.prof else {
+            return f();
+        };
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(timing).w()?;
+        f()?;
+        let end = self.stream.record_event(timing).w()?;
+        prof.borrow_mut().push((name, start, end));
+        Ok(())
+    }
+
+    /// Time every launch with CUDA events from now on (for `cockpit bench --profile`; the
+    /// events cost a little, so a normal run leaves this off).
+    pub fn set_profiling(&mut self, on: bool) {
+        self.prof = on.then(|| RefCell::new(Vec::new()));
+    }
+
+    /// The GPU time per kernel group since the last call (waits for the GPU); empty when
+    /// profiling is off.
+    pub fn take_profile(&self) -> Result<Vec<KernelTime>> {
+        let Some(prof) = &self.prof else {
+            return Ok(Vec::new());
+        };
+        let marks = std::mem::take(&mut *prof.borrow_mut());
+        self.stream.synchronize().w()?;
+        let mut out: Vec<KernelTime> = Vec::new();
+        for (name, start, end) in &marks {
+            let ms = start.elapsed_ms(end).w()? as f64;
+            match out.iter_mut().find(|k| k.name == *name) {
+                Some(k) => {
+                    k.ms += ms;
+                    k.launches += 1;
+                }
+                None => out.push(KernelTime {
+                    name: name.to_string(),
+                    ms,
+                    launches: 1,
+                }),
+            }
+        }
+        out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        Ok(out)
+    }
+
+    /// The flash kernels of this model's head dim (one of [`FLASH_HEAD_DIMS`]).
+    pub(super) fn flash_kernels(&self) -> Result<&Flash> {
+        if self.hd == 64 {
+            return Ok(&self.k.flash64);
+        }
+        self.k.flash128.as_ref().ok_or_else(|| {
+            err("flash attention at head dim 128 needs more shared memory a block than this GPU has")
+        })
+    }
+}

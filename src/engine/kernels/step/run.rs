@@ -1,0 +1,162 @@
+//! Running the step: an optimizer step's start, its micro-batches, the loss read-back and
+//! evaluation.
+
+use candle_core::cuda_backend::cudarc::driver::result as drv;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::Result;
+
+use super::arena::Lay;
+use super::GptStep;
+use crate::engine::kernels::cuda::err;
+
+impl GptStep {
+    /// Start an optimizer step: cast the fp32 masters into the bf16 buffer (unless the last
+    /// fused AdamW already wrote them there and nothing changed the weights since), zero the
+    /// gradients and the loss accumulator.
+    pub fn begin(&mut self, weights_copied: bool) -> Result<()> {
+        if !weights_copied {
+            self.cast_weights()?;
+        }
+        let start = self.grad_p + 4 * self.zero_from as u64;
+        let bytes = (self.grad.elem_count() - self.zero_from) * 4;
+        // SAFETY: from `zero_from` on, the live fp32 gradient buffer holds `bytes` bytes.
+        unsafe { drv::memset_d8_async(start, 0, bytes, self.stream.cu_stream()) }.w()?;
+        if let Some(a) = &self.arena {
+            let n = a.lay.b * self.t;
+            // SAFETY: the loss accumulator holds n f32.
+            unsafe { drv::memset_d8_async(a.lay.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
+        }
+        self.micro = 0;
+        Ok(())
+    }
+
+    /// Forward and backward of one micro-batch `[b, T]` of token ids and targets; gradients
+    /// add into the fp32 buffer scaled by `g` per token (1/(tokens·accum) for a mean loss).
+    pub fn micro(&mut self, inputs: &[u32], targets: &[u32], b: usize, g: f32) -> Result<()> {
+        let had = self.arena.as_ref().map(|a| a.lay.b);
+        self.ensure(b)?;
+        if had != Some(b) {
+            // A fresh arena: its loss accumulator must start from zero for this step.
+            if self.micro > 0 {
+                return Err(err(
+                    "whole-model step: micro-batch size changed inside an optimizer step",
+                ));
+            }
+            self.zero_loss()?;
+        }
+        let n = b * self.t;
+        if inputs.len() != n || targets.len() != n {
+            return Err(err(format!(
+                "whole-model step: a micro-batch of {b}×{} needs {n} ids and targets",
+                self.t
+            )));
+        }
+        {
+            let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+            self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
+            self.stream.memcpy_htod(targets, &mut a.targets).w()?;
+            if self.drop_thr > 0 {
+                // (Read by the kernels from the device: a replayed graph draws new masks.)
+                let mut seed = a.words.slice_mut(0..1);
+                self.stream.memcpy_htod(&[self.drop_seed], &mut seed).w()?;
+            }
+        }
+        self.run_micro(self.micro == 0, g)?;
+        self.micro += 1;
+        Ok(())
+    }
+
+    /// The dropout seed of the next micro-batches ([`dropout::micro_seed`]: the candle model
+    /// draws the same masks from it).
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.drop_seed = seed;
+    }
+
+    /// Rows per chunk of the LM head (None: sized by memory, [`Self::head_rows`]); takes
+    /// effect with the next arena (tests use it to split small batches).
+    pub fn set_head_chunk_rows(&mut self, rows: Option<usize>) {
+        self.head_chunk_rows = rows;
+        self.arena = None;
+    }
+
+    pub(super) fn fwd_bwd(&self, lay: &Lay, g: f32, first: bool) -> Result<()> {
+        self.forward(lay, g, first, true)?;
+        self.backward(lay, first)
+    }
+
+    pub(super) fn zero_loss(&self) -> Result<()> {
+        if let Some(a) = &self.arena {
+            let n = a.lay.b * self.t;
+            // SAFETY: the loss accumulator holds n f32.
+            unsafe { drv::memset_d8_async(a.lay.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
+        }
+        Ok(())
+    }
+
+    /// The step's mean loss over every token of every micro-batch since [`Self::begin`]
+    /// (one read-back; waits for the GPU).
+    pub fn loss(&self) -> Result<f64> {
+        let v = self.token_losses()?;
+        let sum: f64 = v.iter().map(|&x| x as f64).sum();
+        Ok(sum / (v.len() * self.micro.max(1)) as f64)
+    }
+
+    /// The loss accumulator, one sum per token row of the arena (one read-back).
+    pub(super) fn token_losses(&self) -> Result<Vec<f32>> {
+        let a = self
+            .arena
+            .as_ref()
+            .ok_or_else(|| err("no micro-batch ran"))?;
+        let n = a.lay.b * self.t;
+        let rows = a
+            .f32s
+            .try_slice(0..n)
+            .ok_or_else(|| err("loss accumulator out of range"))?;
+        self.stream.clone_dtoh(&rows).w()
+    }
+
+    /// Each sequence's mean loss in one batch `[b, T]`, by the forward alone (evaluation:
+    /// no dropout, no gradient; the LM head's backward is skipped), between optimizer steps:
+    /// it reuses the loss accumulator, so read the step's [`Self::loss`] first. The bf16
+    /// copies are cast first unless `weights_current` (the last fused AdamW wrote them).
+    pub fn eval_losses(
+        &mut self,
+        inputs: &[u32],
+        targets: &[u32],
+        b: usize,
+        weights_current: bool,
+    ) -> Result<Vec<f64>> {
+        let n = b * self.t;
+        if inputs.len() != n || targets.len() != n {
+            return Err(err(format!(
+                "whole-model step: a batch of {b}×{} needs {n} ids and targets",
+                self.t
+            )));
+        }
+        if !weights_current {
+            self.cast_weights()?;
+        }
+        self.ensure(b)?;
+        self.zero_loss()?;
+        let lay = {
+            let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+            self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
+            self.stream.memcpy_htod(targets, &mut a.targets).w()?;
+            a.lay.clone()
+        };
+        let thr = std::mem::replace(&mut self.drop_thr, 0);
+        let lora_thr = std::mem::replace(&mut self.lora_thr, 0);
+        let run = self.forward(&lay, 0.0, false, false);
+        self.drop_thr = thr;
+        self.lora_thr = lora_thr;
+        run?;
+        // The loss accumulator holds each token's loss: a mean per sequence.
+        let v = self.token_losses()?;
+        self.zero_loss()?;
+        // (A step's accumulation ends here: the next starts with `begin`.)
+        self.micro = 0;
+        Ok(v.chunks(self.t)
+            .map(|row| row.iter().map(|&x| x as f64).sum::<f64>() / self.t as f64)
+            .collect())
+    }
+}

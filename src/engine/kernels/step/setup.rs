@@ -1,0 +1,269 @@
+//! Building the step for one model: its shape, flat buffers and kernels ([`GptStep::new`]).
+
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use half::bf16;
+
+use super::attention::rope_table;
+use super::kernels::Kernels;
+use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
+use super::{align, ptr, tensor_ptr, GptStep, ALIGN};
+use crate::config::Recompute;
+use crate::engine::dropout;
+use crate::engine::kernels::cuda::{err, with_f32_ptrs, with_ptrs};
+use crate::engine::kernels::lt::Lt;
+use crate::engine::kernels::side::Side;
+use crate::engine::kernels::spec::StepWeights;
+
+impl GptStep {
+    pub fn new(w: &StepWeights) -> Result<Self> {
+        let Device::Cuda(dev) = w.wte.as_tensor().device().clone() else {
+            return Err(err("the whole-model step needs a CUDA device"));
+        };
+        let stream = dev.cuda_stream();
+        let blas = dev.cublas_handle();
+        let (vocab, c) = w.wte.as_tensor().dims2()?;
+        let k = Kernels::load(&dev, &stream, c, w.half)?;
+        let t = w.seq_len;
+        let first = w
+            .layers
+            .first()
+            .ok_or_else(|| err("the whole-model step needs at least one layer"))?;
+        let hidden = first.up.0.rows()?;
+        let swiglu = first.gate.is_some();
+        let (n_head, n_kv_head) = (w.n_head, w.n_kv_head);
+        // The heads' width comes from the q projection: n_head·head_dim, which an explicit
+        // head_dim (Mistral-Nemo-like) sets apart from n_embd.
+        let att_c = first.q.0.rows()?;
+        if n_head == 0 || att_c % n_head != 0 || !(att_c / n_head).is_multiple_of(2) {
+            return Err(err(format!(
+                "whole-model step: the q projection's {att_c} outputs must split into n_head \
+                 {n_head} heads of even size"
+            )));
+        }
+        let hd = att_c / n_head;
+        let flash = w.flash && crate::engine::kernels::spec::FLASH_HEAD_DIMS.contains(&hd);
+        if att_c != c && !flash {
+            return Err(err(format!(
+                "whole-model step: heads {n_head}×{hd} wider or narrower than n_embd {c} need \
+                 flash attention (head dim 64 or 128)"
+            )));
+        }
+        if n_kv_head == 0 || n_head % n_kv_head != 0 || (n_kv_head != n_head && !flash) {
+            return Err(err(format!(
+                "whole-model step: {n_kv_head} key/value heads for {n_head} heads of size {hd} \
+                 (grouped-query attention needs flash attention: head dim 64 or 128)"
+            )));
+        }
+        if w.dropout > 0.0 && !flash {
+            return Err(err(format!(
+                "whole-model step: dropout needs flash attention (head dim 64 or 128, not {hd})"
+            )));
+        }
+        if !c.is_multiple_of(8) || !hidden.is_multiple_of(8) {
+            return Err(err(format!(
+                "whole-model step: n_embd {c} and the MLP width {hidden} must be multiples of 8"
+            )));
+        }
+        // First the matrices whose gradient a weight-gradient matmul writes first in every
+        // step (it overwrites: no zeroing), then everything whose gradient is summed from
+        // zero (biases, norms, positions, an untied embedding): only that tail is cleared.
+        // q|k|v (and a SwiGLU MLP's gate|up) are packed: one matrix, one matmul.
+        // A frozen base (LoRA) goes to the frozen buffer instead; its adapters are the
+        // trainable matrices.
+        let mut lay = Layout {
+            frozen: w.frozen_base,
+            ..Layout::default()
+        };
+        let tied = w.head.is_none();
+        let wte_first = tied.then(|| lay.push(&w.wte, true));
+        let (h_out, kv_out) = (n_head * hd, n_kv_head * hd);
+        let up_col = if swiglu { hidden } else { 0 };
+        let mut mats: Vec<([usize; 4], [Option<LoraIdx>; 7])> = Vec::new();
+        for l in &w.layers {
+            let qkv = lay.pack_mats(&[&l.q.0, &l.k.0, &l.v.0]);
+            let o = lay.push_mat(&l.o.0, true);
+            let up = match &l.gate {
+                Some(g) => lay.pack_mats(&[&g.0, &l.up.0]),
+                None => lay.push_mat(&l.up.0, true),
+            };
+            let down = lay.push_mat(&l.down.0, true);
+            let cols = [0, h_out, h_out + kv_out, 0, 0, up_col, 0];
+            let mut lora = [None; 7];
+            for group in LORA_GROUPS {
+                lay.adapters(&l.lora, group, &cols, &mut lora)?;
+            }
+            mats.push(([qkv, o, up, down], lora));
+        }
+        let head = w.head.as_ref().map(|v| lay.push(v, true));
+        // (Every trainable entry after the matrices starts aligned: the tail from here on.)
+        let zero_from = align(lay.off);
+        let wte = match wte_first {
+            Some(i) => i,
+            None => lay.push(&w.wte, true),
+        };
+        let wpe = w.wpe.as_ref().map(|v| lay.push(v, true));
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for (l, ([qkv_w, o_w, up_w, down_w], lora)) in w.layers.iter().zip(mats) {
+            if l.gate.is_some() != swiglu {
+                return Err(err("whole-model step: every layer needs the same MLP"));
+            }
+            let ln1_w = lay.push(&l.ln1.0, true);
+            let ln1_b = lay.push_opt(&l.ln1.1);
+            let qkv_b = lay.pack_biases(&[&l.q, &l.k, &l.v], "q, k and v")?;
+            let o_b = lay.push_opt(&l.o.1);
+            let ln2_w = lay.push(&l.ln2.0, true);
+            let ln2_b = lay.push_opt(&l.ln2.1);
+            let up_b = match &l.gate {
+                Some(g) => lay.pack_biases(&[g, &l.up], "gate and up")?,
+                None => lay.push_opt(&l.up.1),
+            };
+            layers.push(LayerIdx {
+                ln1_w,
+                ln1_b,
+                qkv_w,
+                qkv_b,
+                o_w,
+                o_b,
+                ln2_w,
+                ln2_b,
+                up_w,
+                up_b,
+                down_w,
+                down_b: lay.push_opt(&l.down.1),
+                lora,
+            });
+        }
+        let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
+        // (A multiple of the ranks' aligned ranges, for a sharded optimizer's reduce-scatter.)
+        let total = lay.off.max(1).div_ceil(ALIGN * w.shards.max(1)) * ALIGN * w.shards.max(1);
+        let frozen_total = align(lay.frozen_off);
+        let mut entries = lay.entries;
+        // Frozen bf16 matrices are read where the model keeps them.
+        let ext: Vec<usize> = (0..entries.len()).filter(|&i| entries[i].ext).collect();
+        let ts: Vec<&Tensor> = ext
+            .iter()
+            .filter_map(|&i| entries[i].var.as_ref().map(Var::as_tensor))
+            .collect();
+        // (A frozen base is stored in the step's own 16-bit type: bf16, or fp16 for an fp16 step.)
+        let ptrs = ptrs_16(&ts, w.half)?;
+        for (&i, p) in ext.iter().zip(ptrs) {
+            entries[i].ext_ptr = p;
+        }
+        // 4-bit base matrices: their parts' addresses, and one bf16 scratch of the largest,
+        // which each matmul through one of them dequantizes into first (on the main stream,
+        // which alone reads base weights).
+        let mut nf4_len = 0;
+        for e in entries.iter_mut() {
+            let Some(q) = &e.nf4 else { continue };
+            let codes = with_ptrs::<u8, _>(&[&q.codes, &q.absq], |p| Ok([p[0], p[1]]))?;
+            let gscale = with_f32_ptrs(&[&q.gscale], |p| Ok(p[0]))?;
+            e.nf4_ptrs = [codes[0], codes[1], gscale];
+            nf4_len = nf4_len.max(e.n);
+        }
+        // SAFETY: written by the dequantization before each read.
+        let nf4_buf = unsafe { dev.alloc::<bf16>(nf4_len.max(1))? };
+        let nf4_p = ptr(&nf4_buf, &stream);
+        // (Written by the cast kernel or the fused update before every read.)
+        let wbf = Tensor::zeros(total, DType::BF16, &Device::Cuda(dev.clone()))?;
+        let wbf_p = tensor_ptr::<bf16>(&wbf, &stream)?;
+        // SAFETY: likewise (cast whenever the trainable copies are).
+        let fbf = unsafe { dev.alloc::<bf16>(frozen_total.max(ALIGN))? };
+        let fbf_p = ptr(&fbf, &stream);
+        let grad = Tensor::zeros(total, DType::F32, &Device::Cuda(dev.clone()))?;
+        let grad_p = tensor_ptr::<f32>(&grad, &stream)?;
+        let by_id = entries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| e.var.as_ref().map(|v| (v.as_tensor().id(), i)))
+            .collect();
+        let rope = match &w.rope_inv_freq {
+            Some(f) if f.len() == hd / 2 => Some(stream.clone_htod(&rope_table(f, t)).w()?),
+            Some(f) => {
+                return Err(err(format!(
+                    "whole-model step: {} RoPE frequencies for head dim {hd}",
+                    f.len()
+                )))
+            }
+            None => None,
+        };
+        let mut lt = Lt::new(stream.clone(), w.autotune, w.half).ok();
+        // The second stream needs its own cuBLASLt workspace; without either, one stream.
+        // Recompute rewrites shared activation buffers that the side stream's weight
+        // gradients would still be reading: one stream then.
+        let overlap = w.overlap && w.recompute == Recompute::None;
+        let side = match (overlap, lt.as_mut()) {
+            (true, Some(lt)) => lt.enable_side().and_then(|()| Side::new(&stream)).ok(),
+            _ => None,
+        };
+        let mut step = Self {
+            half: w.half,
+            dev,
+            stream,
+            blas,
+            lt,
+            epilogues: w.epilogues,
+            graphs: w.graphs,
+            side,
+            sums: None,
+            sum_now: false,
+            k,
+            n_layer: layers.len(),
+            c,
+            n_head,
+            n_kv_head,
+            hd,
+            att_c,
+            qkv_out: (n_head + 2 * n_kv_head) * hd,
+            rms: w.rms,
+            swiglu,
+            rope,
+            flash,
+            vocab,
+            vpad: vocab.div_ceil(64) * 64,
+            t,
+            hidden,
+            eps: w.eps as f32,
+            entries,
+            by_id,
+            wte,
+            wpe,
+            layers,
+            lnf,
+            head,
+            wbf,
+            wbf_p,
+            _fbf: fbf,
+            fbf_p,
+            _nf4_buf: nf4_buf,
+            nf4_p,
+            grad,
+            grad_p,
+            zero_from,
+            arena: None,
+            prof: None,
+            cast_table: None,
+            axpy_table: None,
+            micro: 0,
+            drop_thr: dropout::threshold(w.dropout),
+            recompute: w.recompute,
+            head_chunk_rows: None,
+            drop_scale: dropout::keep_scale(dropout::threshold(w.dropout)),
+            emb_mult: w.embedding_multiplier as f32,
+            res_mult: w.residual_multiplier as f32,
+            att_scale: w.attention_scale as f32,
+            logit_mult: (1.0 / w.logits_scaling) as f32,
+            lora_thr: dropout::threshold(w.lora_dropout),
+            lora_scale: dropout::keep_scale(dropout::threshold(w.lora_dropout)),
+            lora_bd: Vec::new(),
+            _lora_bd_buf: None,
+            lora_bd_table: None,
+            lora_cat: Vec::new(),
+            lora_concat: w.lora_concat,
+            lora_cat_table: None,
+            drop_seed: 0,
+        };
+        step.plan_lora_blocks()?;
+        Ok(step)
+    }
+}
