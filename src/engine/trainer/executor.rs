@@ -1,0 +1,64 @@
+//! Which executor runs a step: the whole-model CUDA step where the model fits it (built once,
+//! at the first step), else the per-op candle path.
+
+use super::Trainer;
+use candle_core::Tensor;
+use std::time::Duration;
+
+impl Trainer {
+    /// One optimizer step's forward/backward over `accum` micro-batches.
+    /// Returns (mean CE, Σw² value, grads, data wait, compute time).
+    pub(super) fn forward_backward(
+        &mut self,
+        lambda: f64,
+    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        self.faults.oom_at(self.micro_batch)?;
+        self.check_whole()?;
+        if self.whole.is_some() {
+            return self.forward_backward_whole(lambda);
+        }
+        self.forward_backward_per_op(lambda)
+    }
+
+    /// Build the whole-model CUDA step once, where the model fits it.
+    pub(super) fn check_whole(&mut self) -> candle_core::Result<()> {
+        if !self.whole_checked {
+            self.whole_checked = true;
+            match self.model.step_plan() {
+                Ok(mut w) => {
+                    if self.sharding() {
+                        w.shards = self.world;
+                    }
+                    let mut step = crate::engine::kernels::GptStep::new(&w)?;
+                    step.set_profiling(self.profile_kernels);
+                    #[cfg(feature = "cuda")]
+                    if let Some(d) = self.dist.as_mut() {
+                        // (A collective: every rank builds its step at the same point.)
+                        if d.world() > 1 && self.cfg.distributed.overlap {
+                            let sum = d
+                                .grad_sum()
+                                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                            if let Some(sum) = sum {
+                                let dc = &self.cfg.distributed;
+                                step.set_grad_sum(sum, dc.bucket_mb, dc.bf16_sums())?;
+                            }
+                        }
+                    }
+                    self.whole = Some(step);
+                }
+                Err(why) if self.device.is_cuda() && self.cfg.kernels.step => {
+                    self.whole_why = Some(why);
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Trainer {
+    /// Whether a NaN is injected into this step (fault injection for tests), once.
+    pub(super) fn take_nan_fault(&mut self) -> bool {
+        self.faults.take_nan(self.step + 1)
+    }
+}

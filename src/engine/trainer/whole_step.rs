@@ -1,0 +1,89 @@
+//! The whole-model CUDA step as executor: the micro-batches run as one hand-scheduled program
+//! each, with the SCU penalty's gradient added in place.
+
+use super::Trainer;
+use crate::engine::device;
+use candle_core::Tensor;
+use std::time::{Duration, Instant};
+
+impl Trainer {
+    /// [`Self::forward_backward`] on the whole-model CUDA step: the micro-batches run as
+    /// one hand-scheduled program each, gradients accumulate in its flat fp32 buffer, and
+    /// the loss comes back in one read at the end.
+    pub(super) fn forward_backward_whole(
+        &mut self,
+        lambda: f64,
+    ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
+        let mut wait = Duration::ZERO;
+        let t0 = Instant::now();
+        let inject_nan = self.take_nan_fault();
+        let sharding = self.sharding();
+        let control_due = self.control_due();
+        let Some(whole) = self.whole.as_mut() else {
+            return Err(candle_core::Error::Msg("no whole-model step".into()));
+        };
+        // (With partial masters the bf16 copies are the only whole weights: never cast over.)
+        whole.begin(std::mem::take(&mut self.weights_copied) || self.masters_partial)?;
+        let tokens = (self.micro_batch * self.model.shape.seq_len * self.accum) as f32;
+        // fp16: the backward carries the loss scale from the loss gradient on (so small
+        // gradients stay above fp16's underflow); the update divides it out.
+        let scale = self.scaler.scale;
+        let g = if inject_nan {
+            f32::NAN
+        } else {
+            (scale / tokens as f64) as f32
+        };
+        // Data parallel with the sums inside the step: the last micro-batch's backward sums
+        // the gradients over the ranks as it goes.
+        let summed = whole.overlaps_grad_sums();
+        for a in 0..self.accum {
+            let (batch, w) = self.loader.next_batch();
+            wait += w;
+            // The same masks as the per-op path draws (a pure function of this seed).
+            whole.set_dropout_seed(crate::engine::dropout::micro_seed(
+                self.cfg.run.seed,
+                self.step,
+                a,
+            ));
+            whole.set_grad_sum_now(summed && a + 1 == self.accum);
+            whole.micro(&batch.inputs, &batch.targets, batch.batch, g)?;
+        }
+        let mut sumsq_val = 0.0;
+        // ZeRO-1: Σw² and the penalty's gradient come from each rank's own range after the
+        // sum ([`Self::shard_reduce`]; the masters outside it may be stale).
+        if !self.reg_slots.is_empty() && !sharding {
+            let vars: Vec<&candle_core::Var> = self
+                .reg_slots
+                .iter()
+                .map(|&i| &self.opt.slots[i].var)
+                .collect();
+            // (Σw² is read only by the controller, after this step when it is due: a pass over
+            // the weights and a host read the other steps skip.)
+            if control_due {
+                let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                sumsq_val = crate::engine::kernels::sumsq(&ts)?;
+            }
+            if lambda != 0.0 {
+                // d/dw of λ·Σw²/(2σ²)/N = 2·λ·coef·w, added to the CE gradient in place
+                // (to the ranks' sum already, when the step summed: world times, as the
+                // optimizer divides the sum by the world).
+                let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
+                let copies = if summed { self.world as f64 } else { 1.0 };
+                whole.add_scaled_weights(&vars, 2.0 * lambda * coef * copies * scale)?;
+            }
+        }
+        let ce = whole.loss()?;
+        self.step_memory = device::memory_in_use(&self.device);
+        let grads = self
+            .opt
+            .slots
+            .iter()
+            .map(|s| match whole.grad_of(&s.var)? {
+                Some(g) => Ok(g),
+                None => s.var.as_tensor().zeros_like(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let compute = t0.elapsed().saturating_sub(wait);
+        Ok((ce, sumsq_val, grads, wait, compute))
+    }
+}
