@@ -1,11 +1,13 @@
 //! Attaching viewers to a run through its control socket: a real engine on the CPU, a real
 //! server relaying it, real viewers on the Unix socket.
 
+mod common;
+
 use cockpit::attach::protocol::ServerMessage;
 use cockpit::attach::{
     self, AttachError, AttachOptions, RelayGuard, Server, ServerOptions, StatsHandle,
 };
-use cockpit::config::{self, Config};
+use cockpit::config::Config;
 use cockpit::engine::events::{Command, Event, EventRx, FinishReason};
 use cockpit::engine::{Engine, EngineOptions, EngineThread, RunSummary};
 use cockpit::util::DeviceSpec;
@@ -21,23 +23,15 @@ use std::time::Duration;
 /// Guards against a hang; never a timing assertion.
 const PATIENCE: Duration = Duration::from_secs(120);
 
+/// [`common::SMALL`] without a final checkpoint or GPU monitoring.
 fn small(overrides: &[&str]) -> Config {
-    let mut o: Vec<String> = [
-        "model.n_embd=32",
-        "model.seq_len=32",
-        "optim.micro_batch=8",
-        "data.builtin_tokens=200000",
-        "schedule.warmup_steps=0",
-        "eval.every=0",
-        "checkpoint.every_steps=0",
-        "checkpoint.at_end=false",
-        "monitor.enabled=false",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.extend(overrides.iter().map(|s| s.to_string()));
-    config::load(None, &o).unwrap().config
+    common::small(
+        &[
+            &["checkpoint.at_end=false", "monitor.enabled=false"],
+            overrides,
+        ]
+        .concat(),
+    )
 }
 
 fn spawn(overrides: &[&str], dir: &Path) -> Engine {

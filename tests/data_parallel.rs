@@ -2,18 +2,13 @@
 //! sharding, gradient all-reduce, rank-0 writes and failure handling the NCCL backend uses
 //! on GPUs): N ranks × micro-batch B must train like one process at N·B.
 
+mod common;
+
 use assert_cmd::Command;
+use common::free_port;
 use predicates::prelude::*;
 use std::path::Path;
 use std::time::Duration;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A small, fast run: the tiny model on a short built-in corpus, no dropout (masks would
 /// differ between one process and N ranks), eval only at the end.

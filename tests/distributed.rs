@@ -1,17 +1,12 @@
 //! Data-parallel plumbing that needs no GPU: the TCP rendezvous, its errors, the watchdog
 //! that notices a rank going away, and the TCP collective's in-place sum.
 
+mod common;
+
 use cockpit::distributed::{rendezvous, RendezvousError, Topology};
+use common::free_port;
 use std::sync::mpsc;
 use std::time::Duration;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn topo(rank: usize, world: usize, port: u16) -> Topology {
     Topology {

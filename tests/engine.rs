@@ -1,35 +1,19 @@
 //! The training engine through its public interface: Engine::spawn, Commands in, Events out.
 
+mod common;
+
 use cockpit::config::{self, Config};
 use cockpit::engine::events::{Command, Event, FinishReason, StepStats};
 use cockpit::engine::faults::Faults;
 use cockpit::engine::{Engine, EngineOptions};
 use cockpit::util::DeviceSpec;
+use common::spawn;
 use std::path::Path;
 use std::time::Duration;
 
-/// A small, fast config on the built-in corpus.
+/// [`common::SMALL`] without a final checkpoint.
 fn small(overrides: &[&str]) -> Config {
-    let mut o: Vec<String> = vec![
-        "model.n_embd=32".into(),
-        "model.seq_len=32".into(),
-        "optim.micro_batch=8".into(),
-        "data.builtin_tokens=200000".into(),
-        "schedule.warmup_steps=0".into(),
-        "eval.every=0".into(),
-        "checkpoint.every_steps=0".into(),
-        "checkpoint.at_end=false".into(),
-    ];
-    o.extend(overrides.iter().map(|s| s.to_string()));
-    config::load(None, &o).unwrap().config
-}
-
-fn spawn(cfg: Config, dir: &Path) -> Engine {
-    Engine::spawn(EngineOptions {
-        max_queued_steps: 100_000,
-        ..EngineOptions::new(cfg, dir.to_path_buf(), DeviceSpec::Cpu)
-    })
-    .unwrap()
+    common::small(&[&["checkpoint.at_end=false"], overrides].concat())
 }
 
 fn run_to_end(cfg: Config, dir: &Path) -> Vec<Event> {
@@ -198,9 +182,18 @@ fn commands_take_effect_at_the_next_boundary() {
             break step;
         }
     };
-    // While paused no step runs.
-    let drained: Vec<Event> =
-        std::iter::from_fn(|| e.events.recv_timeout(Duration::from_millis(300)).ok()).collect();
+    // While paused no step runs: the loop waits for commands only. A second pause is
+    // answered (rejected) from that wait, with no step before the answer.
+    e.commands.send(Command::Pause).unwrap();
+    let mut drained = Vec::new();
+    loop {
+        let ev = e.events.recv_timeout(Duration::from_secs(60)).unwrap();
+        let rejected = matches!(ev, Event::CommandRejected { .. });
+        drained.push(ev);
+        if rejected {
+            break;
+        }
+    }
     assert!(
         drained.iter().all(|ev| !matches!(ev, Event::Step(_))),
         "{drained:?}"

@@ -1,32 +1,16 @@
 //! SCU acting on training, and LoRA fine-tuning (cockpit and Hugging Face Llama bases).
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
-use cockpit::config::{self, Config};
+use cockpit::config::Config;
 use cockpit::engine::events::{Event, ScuStats};
 use cockpit::engine::model::{Model, Shape};
 use cockpit::engine::{checkpoint, lora, Engine, EngineOptions};
 use cockpit::util::DeviceSpec;
+use common::small;
 use std::collections::HashMap;
 use std::path::Path;
-
-fn small(overrides: &[&str]) -> Config {
-    let mut o: Vec<String> = [
-        "model.n_embd=32",
-        "model.seq_len=32",
-        "optim.micro_batch=8",
-        "data.builtin_tokens=200000",
-        "schedule.warmup_steps=0",
-        "eval.every=0",
-        "checkpoint.every_steps=0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.extend(overrides.iter().map(|s| s.to_string()));
-    config::load(None, &o)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .config
-}
 
 fn run(cfg: Config, dir: &Path) -> Vec<Event> {
     let e = Engine::spawn(EngineOptions::new(cfg, dir.to_path_buf(), DeviceSpec::Cpu))

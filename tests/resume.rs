@@ -1,6 +1,8 @@
 //! Checkpoints, exact resume and fault tolerance.
 
-use cockpit::config::{self, Config};
+mod common;
+
+use cockpit::config::Config;
 use cockpit::engine::events::{Command, Event, FinishReason};
 use cockpit::engine::faults::Faults;
 use cockpit::engine::{checkpoint, Engine, EngineError, EngineOptions};
@@ -9,23 +11,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Command as Proc, Stdio};
 use std::time::{Duration, Instant};
 
-const SMALL: &[&str] = &[
-    "model.n_embd=32",
-    "model.seq_len=32",
-    "optim.micro_batch=8",
-    "data.builtin_tokens=200000",
+/// What these runs add to [`common::SMALL`]: a short warm-up, no final checkpoint, and dropout
+/// (so a resume must restore the dropout stream too).
+const OWN: &[&str] = &[
     "schedule.warmup_steps=2",
-    "eval.every=0",
-    "checkpoint.every_steps=0",
     "checkpoint.at_end=false",
     "model.dropout=0.1",
 ];
 
+/// The whole list as `--set` values, for the runs started through the binary.
+fn small_sets() -> impl Iterator<Item = &'static str> {
+    common::SMALL.iter().chain(OWN).copied()
+}
+
 fn small(extra: &[&str]) -> Config {
-    let o: Vec<String> = SMALL.iter().chain(extra).map(|s| s.to_string()).collect();
-    config::load(None, &o)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .config
+    common::small(&[OWN, extra].concat())
 }
 
 fn opts(cfg: Config, dir: &Path, resume: Option<PathBuf>, faults: Vec<u64>) -> EngineOptions {
@@ -284,7 +284,7 @@ fn corrupt_checkpoints_are_detected() {
     let out = Proc::new(env!("CARGO_BIN_EXE_cockpit"))
         .args(["train", "--no-tui", "--resume"])
         .arg(dir.path())
-        .args(SMALL.iter().flat_map(|s| ["--set", s]))
+        .args(small_sets().flat_map(|s| ["--set", s]))
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
@@ -292,10 +292,15 @@ fn corrupt_checkpoints_are_detected() {
 }
 
 fn spawn_cli(dir: &Path, extra: &[&str]) -> std::process::Child {
+    let mut sets: Vec<&str> = Vec::new();
+    for s in small_sets() {
+        sets.push(s);
+    }
+    sets.extend_from_slice(extra);
     Proc::new(env!("CARGO_BIN_EXE_cockpit"))
         .args(["train", "--no-tui", "--run-dir"])
         .arg(dir)
-        .args(SMALL.iter().chain(extra).flat_map(|s| ["--set", s]))
+        .args(sets.iter().flat_map(|s| ["--set", s]))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -329,9 +334,8 @@ fn kill_9_during_checkpoint_writes_never_breaks_latest() {
             .args(&resume)
             .args(resume.iter().map(|_| dir.path().display().to_string()))
             .args(
-                SMALL
-                    .iter()
-                    .chain(&[
+                small_sets()
+                    .chain([
                         "run.max_steps=100000",
                         "checkpoint.every_steps=1",
                         "checkpoint.keep_last=2",
@@ -390,7 +394,18 @@ fn sigusr1_checkpoints_and_sigterm_saves_and_exits_130() {
         "the run continues after SIGUSR1"
     );
     let first = checkpoint::resolve(dir.path()).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Let the run go on past that checkpoint, so the one SIGTERM saves is a newer step.
+    let steps = || {
+        std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+            .map(|m| m.matches("\"step\"").count())
+            .unwrap_or(0)
+    };
+    let at_usr1 = steps();
+    common::wait_until(
+        "two more steps after SIGUSR1",
+        Duration::from_secs(60),
+        || steps() >= at_usr1 + 2,
+    );
     signal(&child, libc::SIGTERM);
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130));
@@ -556,9 +571,8 @@ fn resume_latest_with_a_run_dir_means_that_run() {
         .args(["train", "--no-tui", "--max-steps", "3", "--run-dir"])
         .arg(&run_dir)
         .args(
-            SMALL
-                .iter()
-                .chain(&["checkpoint.at_end=true"])
+            small_sets()
+                .chain(["checkpoint.at_end=true"])
                 .flat_map(|s| ["--set", s]),
         )
         .output()
@@ -581,9 +595,8 @@ fn resume_latest_with_a_run_dir_means_that_run() {
         ])
         .arg(&run_dir)
         .args(
-            SMALL
-                .iter()
-                .chain(&["checkpoint.at_end=true"])
+            small_sets()
+                .chain(["checkpoint.at_end=true"])
                 .flat_map(|s| ["--set", s]),
         )
         .output()

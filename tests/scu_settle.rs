@@ -10,12 +10,27 @@
 //! the run. The measured figures are printed (`cargo test --release --test scu_settle --
 //! --nocapture`) and quoted in the README.
 
+mod common;
+
 use cockpit::config::{self, Config};
 use cockpit::engine::events::{Command, Event, ScuStats};
 use cockpit::engine::{Engine, EngineOptions};
 use cockpit::util::DeviceSpec;
 use std::path::Path;
 use std::time::Duration;
+
+/// [`common::SMALL`] under the adaptive law, with no evaluation or checkpoint at the end;
+/// N = 2M tokens puts the λ that holds S* in 0.5–5% inside [λ_min, λ_max]. Control every 5
+/// steps (the default).
+fn small(overrides: &[&str]) -> Config {
+    let own = [
+        "eval.at_end=false",
+        "checkpoint.at_end=false",
+        "scu.law=\"adaptive\"",
+        "scu.tokens_per_epoch=2000000",
+    ];
+    common::small(&[&own[..], overrides].concat())
+}
 
 /// Relative band around S* that counts as settled.
 const BAND: f64 = 0.05;
@@ -26,31 +41,6 @@ const BOUND: usize = 50;
 const AT: u64 = 240;
 /// S is averaged over this many control steps (25 optimizer steps) before the band test.
 const MEAN_OF: usize = 5;
-
-/// The small model of the other engine tests; N = 2M tokens puts the λ that holds S* in
-/// 0.5–5% inside [λ_min, λ_max]. Control every 5 steps (the default).
-fn small(overrides: &[&str]) -> Config {
-    let mut o: Vec<String> = [
-        "model.n_embd=32",
-        "model.seq_len=32",
-        "optim.micro_batch=8",
-        "data.builtin_tokens=200000",
-        "schedule.warmup_steps=0",
-        "eval.every=0",
-        "eval.at_end=false",
-        "checkpoint.every_steps=0",
-        "checkpoint.at_end=false",
-        "scu.law=\"adaptive\"",
-        "scu.tokens_per_epoch=2000000",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    o.extend(overrides.iter().map(|s| s.to_string()));
-    config::load(None, &o)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .config
-}
 
 /// Run to the end; send `cmd` once a step at or past `at` has been seen. Returns the control
 /// rows and the step at which the engine applied the command.

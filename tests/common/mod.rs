@@ -1,0 +1,76 @@
+//! What the integration tests share: the small CPU model every engine test trains, the engine
+//! spawned on it, the `cockpit` binary, a port for a rendezvous, and waiting for a condition
+//! (tests poll for what they need; they never sleep a fixed time and hope).
+//!
+//! Each test crate uses part of this module; the rest would be dead code there.
+#![allow(dead_code)]
+
+use cockpit::config::{self, Config};
+use cockpit::engine::{Engine, EngineOptions};
+use cockpit::util::DeviceSpec;
+use std::path::Path;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+/// The small model of the engine tests: two layers of 32 wide on a 200k-token built-in corpus,
+/// micro-batches of 8 × 32 tokens, no warm-up, no evaluation or checkpoints on the way (each
+/// test turns on what it checks).
+pub const SMALL: &[&str] = &[
+    "model.n_embd=32",
+    "model.seq_len=32",
+    "optim.micro_batch=8",
+    "data.builtin_tokens=200000",
+    "schedule.warmup_steps=0",
+    "eval.every=0",
+    "checkpoint.every_steps=0",
+];
+
+/// [`SMALL`] with `extra` overrides after it (later keys win).
+pub fn small(extra: &[&str]) -> Config {
+    let o: Vec<String> = SMALL.iter().chain(extra).map(|s| s.to_string()).collect();
+    config::load(None, &o)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config
+}
+
+/// The engine on the CPU in `dir`, with a queue deep enough that no test drops a step event.
+pub fn spawn(cfg: Config, dir: &Path) -> Engine {
+    Engine::spawn(EngineOptions {
+        max_queued_steps: 100_000,
+        ..EngineOptions::new(cfg, dir.to_path_buf(), DeviceSpec::Cpu)
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The `cockpit` binary the end-to-end tests run.
+pub fn cockpit() -> assert_cmd::Command {
+    assert_cmd::Command::cargo_bin("cockpit").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A TCP port for a rendezvous that no other test takes: below Linux's ephemeral range
+/// (32768-60999), so no outgoing connection is ever given it; a block of 16 per process by its
+/// PID, handed out in turn within the process; and free when handed out (checked by binding it).
+pub fn free_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let block = 20_000 + (std::process::id() % 750) as u16 * 16;
+    loop {
+        let i = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = block + i % 16;
+        assert!(i < 16 * 64, "no free port in {block}..{}", block + 16);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds; fails the test naming `what` after `limit`.
+pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(
+            t0.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
