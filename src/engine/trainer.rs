@@ -216,7 +216,7 @@ struct Trainer {
     step_memory: Option<u64>,
     /// The whole-model CUDA step, for GPT-2 style bf16 models (`kernels.step`); built at
     /// the first step, None where the model does not fit it (the per-op path runs then).
-    whole: Option<super::kernels::GptStep>,
+    whole: Option<super::kernels::ModelStep>,
     whole_checked: bool,
     /// Why a CUDA run takes the per-op path (said once, as a warning, after the first step).
     whole_why: Option<String>,
@@ -888,7 +888,7 @@ impl Trainer {
                     if self.sharding() {
                         w.shards = self.world;
                     }
-                    let mut step = super::kernels::GptStep::new(&w)?;
+                    let mut step = super::kernels::ModelStep::new(&w)?;
                     step.set_profiling(self.profile_kernels);
                     #[cfg(feature = "cuda")]
                     if let Some(d) = self.dist.as_mut() {
