@@ -12,6 +12,15 @@ fn main() {
     println!("cargo:rerun-if-changed=src/engine/kernels/kernels.cu");
     println!("cargo:rerun-if-changed=src/engine/kernels/flash.cu");
     println!("cargo:rerun-if-changed=src/engine/kernels/flash_sm90.cu");
+    // The whole-model step's kernel families, which kernels.cu includes.
+    if let Ok(dir) = std::fs::read_dir("src/engine/kernels/step") {
+        for entry in dir.flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|x| x == "cuh") {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
+    }
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=COCKPIT_PTX_ARCH");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
