@@ -16,7 +16,7 @@
 // the 16-bit type of the whole-model step and the flash kernels switched from bf16 to fp16, for
 // `precision.dtype = "f16"` (fp16 activations and tensor-core operands, fp32 accumulation, the
 // gradients scaled by the dynamic loss scale). The kernels keep their `_bf16` names: the module
-// they are loaded from says which type they compute in (src/engine/kernels/cuda.rs).
+// they are loaded from says which type they compute in (src/engine/kernels/cuda/mod.rs).
 #define __nv_bfloat16 __half
 #define __nv_bfloat162 __half2
 #define __float2bfloat16 __float2half_rn

@@ -20,7 +20,7 @@ fn per_item_cfg(items: usize, threads_per_item: usize) -> LaunchConfig {
     }
 }
 
-/// NF4 quantization of a contiguous bf16 matrix (kernels.cu's `nf4_*`; the host reference is
+/// NF4 quantization of a contiguous bf16 matrix (nf4.cuh's `nf4_*`; the host reference is
 /// `nf4::quantize_host`): (codes U8 [n/2], absq U8 [n/64], gscale F32 [⌈n/64/256⌉]).
 /// `(block, group)`: nf4.rs's BLOCK and GROUP (the kernels are written for 64 and 256).
 pub fn nf4_quantize(
@@ -86,7 +86,7 @@ pub fn nf4_quantize(
     ))
 }
 
-/// A matrix in NF4 back to bf16 `[out, inp]` (kernels.cu's `nf4_dequant_bf16`).
+/// A matrix in NF4 back to bf16 `[out, inp]` (nf4.cuh's `nf4_dequant_bf16`).
 /// `parts`: the codes, block maxima and group scales of nf4.rs's `Nf4`.
 pub fn nf4_dequantize(
     (codes, absq, gscale): (&Tensor, &Tensor, &Tensor),

@@ -60,7 +60,7 @@ pub(in crate::engine::kernels) fn multi_grid(max_n: usize, count: usize) -> Resu
     })
 }
 
-/// Elements per chunk of the multi-tensor kernels (`MT_CHUNK` in kernels.cu).
+/// Elements per chunk of the multi-tensor kernels (`MT_CHUNK` in optimizer.cuh).
 const MT_CHUNK: usize = 8192;
 
 /// Chunk offsets of tensors of these lengths for the chunked multi-tensor kernels: each
