@@ -12,6 +12,20 @@ fn main() {
     println!("cargo:rerun-if-changed=src/engine/kernels/kernels.cu");
     println!("cargo:rerun-if-changed=src/engine/kernels/flash.cu");
     println!("cargo:rerun-if-changed=src/engine/kernels/flash_sm90.cu");
+    // The kernel families that kernels.cu includes: the per-op kernels beside their launchers
+    // in cuda/, the whole-model step's beside its code in step/.
+    for family_dir in ["src/engine/kernels/cuda", "src/engine/kernels/step"] {
+        for entry in std::fs::read_dir(family_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = entry.path();
+            if path.extension().is_some_and(|x| x == "cuh") {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
+    }
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=COCKPIT_PTX_ARCH");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

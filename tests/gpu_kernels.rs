@@ -960,7 +960,7 @@ struct WholeCase {
     name: &'static str,
     m32: Model,
     m16: Model,
-    step: kernels::GptStep,
+    step: kernels::ModelStep,
     batches: [(Vec<u32>, Vec<u32>); 2],
     b: usize,
     t: usize,
@@ -1017,7 +1017,7 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
     let w = m16
         .step_plan()
         .unwrap_or_else(|why| panic!("{name}: a {dt:?} model fits the step: {why}"));
-    let mut step = kernels::GptStep::new(&w).unwrap();
+    let mut step = kernels::ModelStep::new(&w).unwrap();
     if vocab > 1000 {
         // The LM head in chunks of 64 rows (the last one partial): 240 rows, 4 chunks.
         step.set_head_chunk_rows(Some(64));
@@ -1408,7 +1408,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             .step_weights()
             .unwrap_or_else(|| panic!("{name}: a LoRA {dt16:?} model fits the step"));
         assert!(w.frozen_base);
-        let mut step = kernels::GptStep::new(&w).unwrap();
+        let mut step = kernels::ModelStep::new(&w).unwrap();
         step.begin(false).unwrap();
         step.set_dropout_seed(seed);
         step.micro(&ids, &tg, b, scale / (b * t) as f32).unwrap();
@@ -1501,7 +1501,7 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
         c.kernels.autotune = false;
         let m = Model::new(Shape::from_config(&c, vocab), step_dtype(dev), dev, 9).unwrap();
         let w = m.step_weights().unwrap();
-        let mut step = kernels::GptStep::new(&w).unwrap();
+        let mut step = kernels::ModelStep::new(&w).unwrap();
         let mut out = Vec::new();
         // Three steps of two micro-batches at B = 3 (first and later micro-batches are two
         // programs: eager at step 1, captured at step 2, replayed at step 3), one at B = 2 (a
@@ -1617,7 +1617,7 @@ fn recompute_matches_keeping_the_activations() {
             }
         }
         let w = m.step_weights().expect("fits the step");
-        let mut step = kernels::GptStep::new(&w).unwrap();
+        let mut step = kernels::ModelStep::new(&w).unwrap();
         step.begin(false).unwrap();
         for k in 0..2u32 {
             let ids: Vec<u32> = (0..(b * t) as u32)

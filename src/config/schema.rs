@@ -525,10 +525,11 @@ pub struct KernelsConfig {
     pub lora_concat: bool,
     /// AdamW in place and the global gradient norm with one read-back.
     pub adamw: bool,
-    /// GPT-2 style models in bf16 (LayerNorm, learned positions, GELU, biases, full
-    /// multi-head attention, no LoRA or dropout): the whole forward and backward as one
-    /// hand-scheduled CUDA program over preallocated buffers (direct cuBLAS, no autograd
-    /// graph, fp32 gradients accumulated in place). Other models take the per-op kernels.
+    /// The whole forward and backward as one hand-scheduled CUDA program over preallocated
+    /// buffers (direct cuBLAS, no autograd graph, fp32 gradients accumulated in place), for
+    /// GPT-2 and Llama style models in bf16 or fp16 (LayerNorm or RMSNorm, learned positions
+    /// or RoPE, GELU or SwiGLU, grouped-query attention, LoRA including a 4-bit base, dropout).
+    /// A model it cannot run takes the per-op kernels (the run says why).
     pub step: bool,
 }
 

@@ -80,7 +80,7 @@ impl AdamW {
         grads: &[Tensor],
         lr: f64,
         grad_scale: f64,
-        copies: Option<&kernels::GptStep>,
+        copies: Option<&kernels::ModelStep>,
     ) -> Result<bool> {
         self.t += 1;
         let bc1 = 1.0 - self.beta1.powi(self.t as i32);

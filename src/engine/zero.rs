@@ -242,7 +242,7 @@ impl Shard {
         flat: &Tensor,
         lr: f64,
         grad_scale: f64,
-        copies: Option<&super::kernels::GptStep>,
+        copies: Option<&super::kernels::ModelStep>,
     ) -> Result<bool> {
         opt.t += 1;
         let bc1 = 1.0 - opt.beta1.powi(opt.t as i32);

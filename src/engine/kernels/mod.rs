@@ -37,7 +37,7 @@ mod side;
 #[cfg(feature = "cuda")]
 mod step;
 #[cfg(feature = "cuda")]
-pub use step::GptStep;
+pub use step::ModelStep;
 
 /// Which build of the fused kernels a CUDA device loads, and what that means (for the run
 /// header and `cockpit check`); None off CUDA.
@@ -131,14 +131,14 @@ pub struct AdamWArgs {
     pub grad_scale: f64,
 }
 
-/// The bf16 compute copy of one weight inside a [`GptStep`] (its device address, valid while
+/// The bf16 compute copy of one weight inside a [`ModelStep`] (its device address, valid while
 /// the step is borrowed): the fused AdamW writes the updated weight there too, which saves
 /// the step its cast pass.
 #[derive(Clone, Copy)]
 pub struct WeightCopy<'a> {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) addr: u64,
-    pub(crate) _step: std::marker::PhantomData<&'a GptStep>,
+    pub(crate) _step: std::marker::PhantomData<&'a ModelStep>,
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -247,9 +247,9 @@ mod step_stub {
         ))
     }
 
-    pub struct GptStep;
+    pub struct ModelStep;
 
-    impl GptStep {
+    impl ModelStep {
         pub fn new(_w: &StepWeights) -> Result<Self> {
             no_cuda()
         }
@@ -311,4 +311,4 @@ mod step_stub {
     }
 }
 #[cfg(not(feature = "cuda"))]
-pub use step_stub::GptStep;
+pub use step_stub::ModelStep;

@@ -5,7 +5,7 @@
 //! quantization): 8 bits each, against one fp32 scale per group of 256 blocks, rounded up so
 //! that no weight leaves [-1, 1] after the division. 4.127 bits per weight in all.
 //!
-//! The CUDA kernels (kernels.cu: `nf4_*`) quantize at load and dequantize into bf16 where a
+//! The CUDA kernels (cuda/nf4.cuh: `nf4_*`) quantize at load and dequantize into bf16 where a
 //! matmul needs the weight; the host functions here are the reference of the same arithmetic
 //! (and the CPU path's implementation).
 

@@ -6,15 +6,16 @@ use half::bf16;
 
 use super::graphs::Graphs;
 use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
-use super::{align, ptr, GptStep};
+use super::{align, ptr, ModelStep};
 use crate::config::Recompute;
 
 /// Device addresses of one micro-batch size's activations (bf16 unless noted).
 #[derive(Clone)]
-pub(super) struct Lay {
+pub(super) struct Activations {
     pub(super) b: usize,
     /// Per layer: residual input, LN1 out, qkv, attention probabilities [B·H, T, T],
-    /// merged attention output, residual after attention, LN2 out, fc pre-activation, GELU out.
+    /// merged attention output, residual after attention, LN2 out, the MLP's pre-activation and
+    /// its activation (GELU or SwiGLU) output.
     /// (The LN outputs under a concatenated LoRA group are its `[x | u]`: [`Cat`].)
     pub(super) res: Vec<u64>,
     pub(super) ln1: Vec<u64>,
@@ -23,12 +24,12 @@ pub(super) struct Lay {
     pub(super) atty: Vec<u64>,
     pub(super) mid: Vec<u64>,
     pub(super) ln2: Vec<u64>,
-    /// The MLP's pre-activation ([N, F], or SwiGLU's packed gate|up [N, 2F]) and activation
-    /// output [N, F].
+    /// The MLP's pre-activation ([N, F], or SwiGLU's packed gate|up [N, 2F]).
     pub(super) fc: Vec<u64>,
-    pub(super) gelu: Vec<u64>,
+    /// The MLP's activation output [N, F]: GELU(fc), or SwiGLU's silu(gate)·up.
+    pub(super) act: Vec<u64>,
     pub(super) lnf: u64,
-    /// One chunk of the logits: [head_rows, vpad] ([`GptStep::head_and_loss`]).
+    /// One chunk of the logits: [head_rows, vpad] ([`ModelStep::head_and_loss`]).
     pub(super) logits: u64,
     pub(super) head_rows: usize,
     // scratch, reused by every layer
@@ -76,13 +77,12 @@ pub(super) struct Arena {
     pub(super) f32s: CudaSlice<f32>,
     pub(super) ids: CudaSlice<u32>,
     pub(super) targets: CudaSlice<u32>,
-    pub(super) lay: Lay,
+    pub(super) acts: Activations,
     /// The micro-batch programs captured over this arena's buffers (dropped with it).
     pub(super) graphs: Graphs,
 }
 
-impl GptStep {
-    /// Size (or re-size) the activation arena for micro-batch `b`.
+impl ModelStep {
     /// Rows per chunk of the LM head ([`Self::head_and_loss`]) for `n` rows: the logits chunk
     /// stays under 256 MiB (a trained head re-reads and re-writes its fp32 gradient once per
     /// chunk; smaller chunks also make smaller matmuls).
@@ -97,8 +97,9 @@ impl GptStep {
         n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
     }
 
+    /// Size (or re-size) the activation arena for micro-batch `b`.
     pub(super) fn ensure(&mut self, b: usize) -> Result<()> {
-        if self.arena.as_ref().is_some_and(|a| a.lay.b == b) {
+        if self.arena.as_ref().is_some_and(|a| a.acts.b == b) {
             return Ok(());
         }
         self.arena = None;
@@ -125,7 +126,10 @@ impl GptStep {
         let keep = |w: fn(&LayerIdx) -> usize, ad: &[usize]| -> Vec<bool> {
             self.layers
                 .iter()
-                .map(|li| self.gt(w(li)).is_some() || ad.iter().any(|&j| li.lora[j].is_some()))
+                .map(|li| {
+                    self.trained_grad_ptr(w(li)).is_some()
+                        || ad.iter().any(|&j| li.lora[j].is_some())
+                })
                 .collect()
         };
         // Recompute: the attention half's activations (and with "full" the MLP half's) are
@@ -165,7 +169,7 @@ impl GptStep {
         // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
         let up_out = if self.swiglu { 2 * f } else { f };
         let fc_o = per_if(n * up_out, &mlp_layers);
-        let gelu_o = per_if(n * f, &keep_act);
+        let act_o = per_if(n * f, &keep_act);
         let res_last = take(nc);
         let lnf = take(nc);
         let head_rows = self.head_rows(n);
@@ -241,7 +245,7 @@ impl GptStep {
         let all = |v: &[usize]| v.iter().map(|&o| at(o)).collect::<Vec<_>>();
         let mut res = all(&res_o);
         res.push(at(res_last));
-        let lay = Lay {
+        let acts = Activations {
             b,
             res,
             ln1: all(&ln1_o),
@@ -251,7 +255,7 @@ impl GptStep {
             mid: all(&mid_o),
             ln2: all(&ln2_o),
             fc: all(&fc_o),
-            gelu: all(&gelu_o),
+            act: all(&act_o),
             lnf: at(lnf),
             logits: at(logits),
             head_rows,
@@ -291,7 +295,7 @@ impl GptStep {
             f32s,
             ids,
             targets,
-            lay,
+            acts,
             graphs: Graphs::default(),
         });
         Ok(())

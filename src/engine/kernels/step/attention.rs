@@ -3,11 +3,11 @@
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::Result;
 
-use super::arena::Lay;
+use super::arena::Activations;
 use super::gemm::{bmat, Lin};
 use super::kernels::Kern;
 use super::params::{LayerIdx, G_QKV};
-use super::{ptr, Arg, GptStep};
+use super::{ptr, Arg, ModelStep};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{flat_cfg, i32_of, row_cfg};
 
@@ -25,10 +25,10 @@ pub(super) fn rope_table(inv_freq: &[f64], t: usize) -> Vec<f32> {
     out
 }
 
-impl GptStep {
+impl ModelStep {
     /// A block's attention from its normed input `ln1[l]`: qkv = ln1·Wqkvᵀ (+ b) (+ the
     /// adapters), RoPE, attention into `atty[l]`.
-    pub(super) fn attention(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+    pub(super) fn attention(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
         let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
         self.group_fwd(a, (l, li, G_QKV), a.ln1[l], li.qkv_b, a.qkv[l], qkv)?;
@@ -37,7 +37,7 @@ impl GptStep {
     }
 
     /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.
-    pub(super) fn attn_fwd(&self, a: &Lay, l: usize) -> Result<()> {
+    pub(super) fn attn_fwd(&self, a: &Activations, l: usize) -> Result<()> {
         let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
         let hd = self.hd;
         let nc = b * t * c;
@@ -114,7 +114,7 @@ impl GptStep {
     }
 
     /// The attention backward of layer `l`: `da` (d atty) → `dqkv`.
-    pub(super) fn attn_bwd(&self, a: &Lay, l: usize) -> Result<()> {
+    pub(super) fn attn_bwd(&self, a: &Activations, l: usize) -> Result<()> {
         let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
         let hd = self.hd;
         // (the dq accumulator at the scratch's start holds [B·T, n_head·head_dim])

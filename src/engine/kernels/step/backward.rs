@@ -2,24 +2,24 @@
 
 use candle_core::Result;
 
-use super::arena::Lay;
+use super::arena::Activations;
 use super::gemm::Lin;
 use super::params::{LayerIdx, DOWN, GATE, G_DOWN, G_GU, G_O, G_QKV, UP};
-use super::{Arg, GptStep};
+use super::{check, Arg, ModelStep};
 use crate::config::Recompute;
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{flat_cfg, i32_of};
 use crate::engine::kernels::lt::Epi;
 use crate::engine::kernels::side::{Buf, Side};
 
-impl GptStep {
+impl ModelStep {
     /// The backward from the logits' gradient (written by the forward's CE kernel).
     /// The bias gradients of the attention-out and MLP-down projections are column sums of
     /// the residual stream's gradient, which the LayerNorm backward that writes it adds up
     /// as it goes (where its v8 kernels run; else a column-sum kernel). `first`: the step's
     /// first micro-batch, whose weight-gradient matmuls overwrite the (unzeroed) matrices'
     /// gradients; later ones add.
-    pub(super) fn backward(&self, a: &Lay, first: bool) -> Result<()> {
+    pub(super) fn backward(&self, a: &Activations, first: bool) -> Result<()> {
         let run = self.backward_streams(a, first);
         if run.is_err() {
             // A pass that failed midway still leaves nothing running on the side stream
@@ -38,7 +38,7 @@ impl GptStep {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mlp_act_bwd(
         &self,
-        a: &Lay,
+        a: &Activations,
         l: usize,
         li: &LayerIdx,
         (dy, dy_buf): (u64, Buf),
@@ -54,13 +54,13 @@ impl GptStep {
             let beta = self.lora_bwd(
                 a,
                 (l, li, G_DOWN),
-                a.gelu[l],
+                a.act[l],
                 (dy, dy_buf),
                 self.c,
                 dact,
                 first,
             )?;
-            self.lin_dx_beta(dy, self.wl(li.down_w)?, dact, down, beta)?;
+            self.lin_dx_beta(dy, self.matmul_weight(li.down_w)?, dact, down, beta)?;
             self.launch(
                 &self.k.swiglu_bwd,
                 flat_cfg(n * f / 8),
@@ -81,11 +81,11 @@ impl GptStep {
             aux: a.fc[l],
             ld: f,
         };
-        let wd = self.wl(li.down_w)?;
+        let wd = self.matmul_weight(li.down_w)?;
         let mm = down.dx(dy, wd, a.dh);
         if adapted || !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
             let dyb = (dy, dy_buf);
-            let beta = self.lora_bwd(a, (l, li, G_DOWN), a.gelu[l], dyb, self.c, a.dh, first)?;
+            let beta = self.lora_bwd(a, (l, li, G_DOWN), a.act[l], dyb, self.c, a.dh, first)?;
             self.lin_dx_beta(dy, wd, a.dh, down, beta)?;
             // (fc holds the pre-activation with its bias: no bias here)
             self.launch(
@@ -115,8 +115,12 @@ impl GptStep {
         d: Lin,
         first: bool,
     ) -> Result<()> {
-        let gw = self.gt(w);
-        let gbias = if bias_done { 0 } else { self.gb(b) };
+        let gw = self.trained_grad_ptr(w);
+        let gbias = if bias_done {
+            0
+        } else {
+            self.grad_ptr_or_null(b)
+        };
         if gw.is_none() && gbias == 0 {
             return Ok(());
         }
@@ -131,7 +135,7 @@ impl GptStep {
     }
 
     /// [`Self::backward`]'s launches.
-    pub(super) fn backward_streams(&self, a: &Lay, first: bool) -> Result<()> {
+    pub(super) fn backward_streams(&self, a: &Activations, first: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -143,7 +147,13 @@ impl GptStep {
         // The norm backward sums the residual gradient's columns into the projection bias
         // below it as it goes — unless dropout sits between them.
         let fuse = |g: u64| if self.res_scaled() { 0 } else { g };
-        let down_b = |l: usize| fuse(self.layers.get(l).map_or(0, |li| self.gb(li.down_b)));
+        let down_b = |l: usize| {
+            fuse(
+                self.layers
+                    .get(l)
+                    .map_or(0, |li| self.grad_ptr_or_null(li.down_b)),
+            )
+        };
         let mut down_b_done = self.norm_bwd(
             a.res[last],
             self.lnf,
@@ -167,15 +177,22 @@ impl GptStep {
             let down = Lin::new(n, f, c, c);
             let (dy, dy_buf) = self.drop_grad(a, dropout::site_mlp_out(l))?;
             let bias = (li.down_w, li.down_b, down_b_done);
-            self.proj_grads((a.gelu[l], dy, dy_buf), bias, down, first)?;
+            self.proj_grads((a.act[l], dy, dy_buf), bias, down, first)?;
             self.reclaim(Buf::Dh)?;
             let up_out = self.mlp_act_bwd(a, l, li, (dy, dy_buf), down, first)?;
             let up = Lin::new(n, c, up_out, up_out);
             let bias = (li.up_w, li.up_b, false);
             self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
             let (gate_col, up_col) = (0, if self.swiglu { f } else { 0 });
-            debug_assert!(li.lora[GATE].is_none_or(|g| g.col == gate_col));
-            debug_assert!(li.lora[UP].is_none_or(|u| u.col == up_col));
+            check(
+                li.lora[GATE].is_none_or(|g| g.col == gate_col)
+                    && li.lora[UP].is_none_or(|u| u.col == up_col),
+                || {
+                    format!(
+                        "layer {l}'s gate/up adapters do not start at columns {gate_col}/{up_col}"
+                    )
+                },
+            )?;
             let dh = (a.dh, Buf::Dh);
             let ldg = self.group_bwd(a, (l, li, G_GU), a.ln2[l], dh, up, first)?;
             self.reclaim(Buf::Dres)?;
@@ -187,7 +204,7 @@ impl GptStep {
                 a.stats[2 * l + 1],
                 n,
                 true,
-                fuse(self.gb(li.o_b)),
+                fuse(self.grad_ptr_or_null(li.o_b)),
             )?;
             if self.recompute == Recompute::Attention {
                 self.attn_half_fwd(a, l, li)?;
@@ -202,7 +219,7 @@ impl GptStep {
                 first,
             )?;
             let beta = self.lora_bwd(a, (l, li, G_O), a.atty[l], (dy, dy_buf), c, a.da, first)?;
-            self.lin_dx_beta(dy, self.wl(li.o_w)?, a.da, o, beta)?;
+            self.lin_dx_beta(dy, self.matmul_weight(li.o_w)?, a.da, o, beta)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
             self.rope(a.dqkv, n, true)?;
@@ -230,7 +247,7 @@ impl GptStep {
         }
         self.embed_scale(a, a.dres, n)?;
         // embeddings: token rows by an atomic scatter, positions summed over the batch
-        if let Some(gw) = self.gt(self.wte) {
+        if let Some(gw) = self.trained_grad_ptr(self.wte) {
             self.launch(
                 &self.k.embedding_bwd,
                 flat_cfg(nc),
@@ -244,7 +261,7 @@ impl GptStep {
                 ],
             )?;
         }
-        if let Some(gp) = self.wpe.and_then(|i| self.gt(i)) {
+        if let Some(gp) = self.wpe.and_then(|i| self.trained_grad_ptr(i)) {
             self.col_sum(a.dres, gp, b, t * c)?;
         }
         self.send_sums(None)?;

@@ -6,13 +6,13 @@ use std::sync::Arc;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, LaunchConfig};
 use candle_core::Result;
 
-use super::arena::Lay;
-use super::{Arg, GptStep};
+use super::arena::Activations;
+use super::{Arg, ModelStep};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, flat_cfg, i32_of, row_cfg};
 use crate::engine::kernels::side::Buf;
 
-impl GptStep {
+impl ModelStep {
     /// The grid of the column-sum kernels over `[n, c]` (blocks of 32 × 8 threads, 256
     /// columns each): about two blocks per multiprocessor in all, enough loads in flight (a
     /// few rows per thread) and few atomics per column.
@@ -76,7 +76,10 @@ impl GptStep {
         let d = self.c;
         let (n_i, d_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?);
         let ldg_i = i32_of(ldg, "row stride")?;
-        let (dw, db) = (self.gt(w).unwrap_or(0), self.gb(b));
+        let (dw, db) = (
+            self.trained_grad_ptr(w).unwrap_or(0),
+            self.grad_ptr_or_null(b),
+        );
         let rms = Arg::I(self.rms as i32);
         if let Some(v8) = &self.k.norm_v8 {
             // Two passes: dx with 16-byte accesses and rows in registers, then the column
@@ -88,7 +91,7 @@ impl GptStep {
             };
             let args = [
                 Arg::P(x),
-                Arg::P(self.w(w)),
+                Arg::P(self.weight_ptr(w)?),
                 Arg::P(dy),
                 Arg::P(dx),
                 Arg::P(stats),
@@ -125,7 +128,7 @@ impl GptStep {
         }
         let args = [
             Arg::P(x),
-            Arg::P(self.w(w)),
+            Arg::P(self.weight_ptr(w)?),
             Arg::P(dy),
             Arg::P(dx),
             Arg::P(dw),
@@ -152,7 +155,7 @@ impl GptStep {
     /// The output gradient of a projection whose output went through dropout at `site` into
     /// the residual stream: `dres` through the mask (into `dmask`), or `dres` itself without
     /// dropout; and the scratch buffer that is ([`Buf`], for the side stream's reads).
-    pub(super) fn drop_grad(&self, a: &Lay, site: u32) -> Result<(u64, Buf)> {
+    pub(super) fn drop_grad(&self, a: &Activations, site: u32) -> Result<(u64, Buf)> {
         if !self.res_scaled() {
             return Ok((a.dres, Buf::Dres));
         }
@@ -180,7 +183,7 @@ impl GptStep {
 
     /// The embedding's dropout and Granite's multiplier, in place on `x` (`[n, C]`), in the
     /// forward and on its gradient in the backward.
-    pub(super) fn embed_scale(&self, a: &Lay, x: u64, n: usize) -> Result<()> {
+    pub(super) fn embed_scale(&self, a: &Activations, x: u64, n: usize) -> Result<()> {
         if self.drop_thr == 0 && self.emb_mult == 1.0 {
             return Ok(());
         }
@@ -190,7 +193,7 @@ impl GptStep {
 
     /// Granite's 1/logits_scaling, in place on the final norm's output `[n, C]` (forward) and
     /// on its gradient (backward): the logits and the head's gradients scale with it.
-    pub(super) fn logit_scale(&self, a: &Lay, x: u64, n: usize) -> Result<()> {
+    pub(super) fn logit_scale(&self, a: &Activations, x: u64, n: usize) -> Result<()> {
         if self.logit_mult == 1.0 {
             return Ok(());
         }
@@ -202,7 +205,7 @@ impl GptStep {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn drop_scaled(
         &self,
-        a: &Lay,
+        a: &Activations,
         (x, y): (u64, u64),
         (rows, cols): (usize, usize),
         site: u32,
@@ -216,7 +219,7 @@ impl GptStep {
     /// of 8; the columns of a LoRA group's `[x | u]` or `[dx | du]`: [`Cat`]).
     pub(super) fn drop_scaled_ld(
         &self,
-        a: &Lay,
+        a: &Activations,
         ((x, ldx), (y, ldy)): ((u64, usize), (u64, usize)),
         (rows, cols): (usize, usize),
         site: u32,
@@ -248,7 +251,7 @@ impl GptStep {
     /// receives the rows' statistics for the backward.
     pub(super) fn residual_norm(
         &self,
-        a: &Lay,
+        a: &Activations,
         (x, y, bias, site): (u64, u64, u64, Option<u32>),
         res: u64,
         (w, bn, stats): (usize, Option<usize>, u64),
@@ -263,8 +266,8 @@ impl GptStep {
             Arg::P(y),
             Arg::P(bias),
             Arg::P(res),
-            Arg::P(self.w(w)),
-            Arg::P(self.wb(bn)),
+            Arg::P(self.weight_ptr(w)?),
+            Arg::P(self.weight_ptr_or_null(bn)?),
             Arg::P(out),
         ];
         let tail = [

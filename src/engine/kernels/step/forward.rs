@@ -3,18 +3,18 @@
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::Result;
 
-use super::arena::Lay;
+use super::arena::Activations;
 use super::gemm::Lin;
 use super::params::{LayerIdx, G_DOWN, G_GU, G_O, G_QKV, UP};
-use super::{Arg, GptStep};
+use super::{Arg, ModelStep};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{flat_cfg, i32_of};
 use crate::engine::kernels::lt::Epi;
 
-impl GptStep {
+impl ModelStep {
     /// The MLP's up projection and activation of layer `l`: `fc[l]` (the pre-activation,
     /// which the backward needs) and `gelu[l]` (the activation's output).
-    pub(super) fn mlp_act_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+    pub(super) fn mlp_act_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c, f) = (a.b * self.t, self.c, self.hidden);
         if self.swiglu {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
@@ -25,7 +25,7 @@ impl GptStep {
                 flat_cfg(n * f / 8),
                 &[
                     Arg::P(a.fc[l]),
-                    Arg::P(a.gelu[l]),
+                    Arg::P(a.act[l]),
                     Arg::P((n * f / 8) as u64),
                     Arg::I(i32_of(f / 8, "hidden")?),
                 ],
@@ -35,11 +35,18 @@ impl GptStep {
         match li.up_b {
             Some(up_b) if li.lora[UP].is_none() => {
                 let gelu = Epi::GeluAuxBias {
-                    bias: self.w(up_b),
+                    bias: self.weight_ptr(up_b)?,
                     aux: a.fc[l],
                     ld: f,
                 };
-                if self.lin_fwd_epi(a.ln2[l], self.wl(li.up_w)?, a.gelu[l], up, gelu, 0.0)? {
+                if self.lin_fwd_epi(
+                    a.ln2[l],
+                    self.matmul_weight(li.up_w)?,
+                    a.act[l],
+                    up,
+                    gelu,
+                    0.0,
+                )? {
                     return Ok(());
                 }
             }
@@ -48,13 +55,13 @@ impl GptStep {
         // fc = ln2·Wupᵀ + b (+ the adapter): the pre-activation the backward reads, bias
         // included (as the epilogue's aux), then gelu(fc).
         self.group_fwd(a, (l, li, G_GU), a.ln2[l], li.up_b, a.fc[l], up)?;
-        self.bias_act(a.fc[l], 0, a.gelu[l], n, f, 1)
+        self.bias_act(a.fc[l], 0, a.act[l], n, f, 1)
     }
 
     /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
     /// The forward to the loss; with `grad`, the loss's gradient and the LM head's backward
     /// too (they run with the loss, chunk by chunk: [`Self::head_and_loss`]).
-    pub(super) fn forward(&self, a: &Lay, g: f32, first: bool, grad: bool) -> Result<()> {
+    pub(super) fn forward(&self, a: &Activations, g: f32, first: bool, grad: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -65,8 +72,8 @@ impl GptStep {
             flat_cfg(nc),
             &[
                 Arg::P(a.ids),
-                Arg::P(self.w(self.wte)),
-                Arg::P(self.wpe.map_or(0, |i| self.w(i))),
+                Arg::P(self.weight_ptr(self.wte)?),
+                Arg::P(self.weight_ptr_or_null(self.wpe)?),
                 Arg::P(a.res[0]),
                 Arg::I(n_i),
                 Arg::I(i32_of(t, "T")?),
@@ -85,9 +92,9 @@ impl GptStep {
             self.mlp_half_fwd(a, l, li)?;
             // ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm (or the
             // final one).
-            let beta = self.lora_fwd(a, l, li, G_DOWN, a.gelu[l], a.tmp, c)?;
+            let beta = self.lora_fwd(a, l, li, G_DOWN, a.act[l], a.tmp, c)?;
             let down = Lin::new(n, f, c, c);
-            self.lin_fwd_beta(a.gelu[l], self.wl(li.down_w)?, a.tmp, down, beta)?;
+            self.lin_fwd_beta(a.act[l], self.matmul_weight(li.down_w)?, a.tmp, down, beta)?;
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (
                     next.ln1_w,
@@ -100,7 +107,7 @@ impl GptStep {
             let y = (
                 a.mid[l],
                 a.tmp,
-                self.wb(li.down_b),
+                self.weight_ptr_or_null(li.down_b)?,
                 Some(dropout::site_mlp_out(l)),
             );
             self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
@@ -113,7 +120,7 @@ impl GptStep {
     /// `res[l]` — the norm (the same arithmetic as the forward's fused add + norm: that one
     /// normalises the rounded sum it stores) and [`Self::attention`]. Dropout masks are
     /// functions of the micro-batch's seed: drawn again the same.
-    pub(super) fn attn_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+    pub(super) fn attn_half_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let ln = (li.ln1_w, li.ln1_b, a.stats[2 * l]);
         let ln1 = (a.ln1[l], self.ln_ld(l, G_QKV));
         self.residual_norm(a, (a.res[l], 0, 0, None), 0, ln, ln1, a.b * self.t)?;
@@ -123,16 +130,16 @@ impl GptStep {
     /// A block's middle: mid = res + dropout(atty·Woᵀ (+ bo)), ln2 = Norm2(mid), then the
     /// MLP's activation act(ln2·Wupᵀ (+ b)) into `fc[l]`/`gelu[l]` (the forward, and the
     /// "full" recompute).
-    pub(super) fn mlp_half_fwd(&self, a: &Lay, l: usize, li: &LayerIdx) -> Result<()> {
+    pub(super) fn mlp_half_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
         let o = Lin::new(n, self.att_c, c, c);
         let beta = self.lora_fwd(a, l, li, G_O, a.atty[l], a.tmp, c)?;
-        self.lin_fwd_beta(a.atty[l], self.wl(li.o_w)?, a.tmp, o, beta)?;
+        self.lin_fwd_beta(a.atty[l], self.matmul_weight(li.o_w)?, a.tmp, o, beta)?;
         let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
         let y = (
             a.res[l],
             a.tmp,
-            self.wb(li.o_b),
+            self.weight_ptr_or_null(li.o_b)?,
             Some(dropout::site_attention_out(l)),
         );
         self.residual_norm(a, y, a.mid[l], ln, (a.ln2[l], self.ln_ld(l, G_GU)), n)?;
@@ -143,7 +150,13 @@ impl GptStep {
     /// per chunk, logits = lnf·headᵀ (rows of stride vpad), then per-row CE, whose gradient
     /// (scaled by g) overwrites the logits in the same pass, then at once the head's backward
     /// for those rows (`da` = dlogits·head, the head's gradient += dlogitsᵀ·lnf).
-    pub(super) fn head_and_loss(&self, a: &Lay, g: f32, first: bool, grad: bool) -> Result<()> {
+    pub(super) fn head_and_loss(
+        &self,
+        a: &Activations,
+        g: f32,
+        first: bool,
+        grad: bool,
+    ) -> Result<()> {
         let (n, c, v) = (a.b * self.t, self.c, self.vocab);
         let head = self.head.unwrap_or(self.wte);
         // A row in registers where it fits (kernels.cu: 512 threads × CE_REG 16-byte chunks).
@@ -157,7 +170,7 @@ impl GptStep {
             let rows = a.head_rows.min(n - start);
             let d = Lin::new(rows, c, v, self.vpad);
             let x = a.lnf + 2 * (start * c) as u64;
-            self.lin_fwd(x, self.w(head), a.logits, d)?;
+            self.lin_fwd(x, self.weight_ptr(head)?, a.logits, d)?;
             self.launch(
                 ce,
                 LaunchConfig {
@@ -179,8 +192,13 @@ impl GptStep {
                 start += rows;
                 continue;
             }
-            self.lin_dx(a.logits, self.w(head), a.da + 2 * (start * c) as u64, d)?;
-            if let Some(gh) = self.gt(head) {
+            self.lin_dx(
+                a.logits,
+                self.weight_ptr(head)?,
+                a.da + 2 * (start * c) as u64,
+                d,
+            )?;
+            if let Some(gh) = self.trained_grad_ptr(head) {
                 self.lin_dw(x, a.logits, gh, d, first && start == 0)?;
             }
             start += rows;

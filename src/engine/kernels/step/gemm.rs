@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys as bsys};
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::Result;
 
-use super::GptStep;
+use super::ModelStep;
 use crate::engine::kernels::cuda::{err, i32_of};
 use crate::engine::kernels::lt::{Epi, Mm, Operand};
 use crate::engine::kernels::side::{Buf, Side};
@@ -100,7 +100,7 @@ pub(super) fn bmat(p: u64, ld: usize, stride: usize) -> Mat {
     }
 }
 
-impl GptStep {
+impl ModelStep {
     /// `C = op(A)·op(B) (+ beta·C)` column-major, bf16 operands, fp32 accumulation; C in
     /// fp32 (weight gradients) or bf16; `batch > 1` strides every operand.
     #[allow(clippy::too_many_arguments)]
@@ -375,17 +375,17 @@ impl GptStep {
         beta: f32,
     ) -> Result<()> {
         if self.packed(parts) {
-            return self.lin_fwd_bias(x, self.wl(parts.0)?, b, y, d, beta);
+            return self.lin_fwd_bias(x, self.matmul_weight(parts.0)?, b, y, d, beta);
         }
         let mut col = 0;
         for i in parts.0..parts.0 + parts.1 {
             let out = self.entries[i].rows;
             let part = Lin::new(d.rows, d.inp, out, d.ldy);
-            self.lin_fwd_beta(x, self.wl(i)?, y + 2 * col as u64, part, beta)?;
+            self.lin_fwd_beta(x, self.matmul_weight(i)?, y + 2 * col as u64, part, beta)?;
             col += out;
         }
         if let Some(b) = b {
-            self.bias_act(y, self.w(b), y, d.rows, d.out, 0)?;
+            self.bias_act(y, self.weight_ptr(b)?, y, d.rows, d.out, 0)?;
         }
         Ok(())
     }
@@ -402,12 +402,16 @@ impl GptStep {
         beta: f32,
     ) -> Result<()> {
         if self.packed(parts) {
-            return self.lin_dx_beta(dy, self.wl(parts.0)?, dx, d, beta);
+            return self.lin_dx_beta(dy, self.matmul_weight(parts.0)?, dx, d, beta);
         }
         let mut col = 0;
         for (k, i) in (parts.0..parts.0 + parts.1).enumerate() {
             let out = self.entries[i].rows;
-            let mm = Lin::new(d.rows, d.inp, out, d.ldy).dx(dy + 2 * col as u64, self.wl(i)?, dx);
+            let mm = Lin::new(d.rows, d.inp, out, d.ldy).dx(
+                dy + 2 * col as u64,
+                self.matmul_weight(i)?,
+                dx,
+            );
             let beta = if k == 0 { beta } else { 1.0 };
             self.lin_gemm("matmul dgrad", mm, false, beta, None)?;
             col += out;
@@ -415,7 +419,8 @@ impl GptStep {
         Ok(())
     }
 
-    /// `y = x·wᵀ (+ b)` (`wp`: the matrix's address), `beta` as [`Self::lin_fwd_beta`]'s.
+    /// `y = x·wᵀ (+ b)` (`wp`: the matrix's address), `beta` as [`Self::lin_fwd_beta`]'s: the
+    /// bias as a cuBLASLt epilogue where it runs, else a bias kernel.
     pub(super) fn lin_fwd_bias(
         &self,
         x: u64,
@@ -428,10 +433,12 @@ impl GptStep {
         let Some(b) = b else {
             return self.lin_fwd_beta(x, wp, y, d, beta);
         };
-        let bias = Epi::Bias { bias: self.w(b) };
+        let bias = Epi::Bias {
+            bias: self.weight_ptr(b)?,
+        };
         if !self.lin_fwd_epi(x, wp, y, d, bias, beta)? {
             self.lin_fwd_beta(x, wp, y, d, beta)?;
-            self.bias_act(y, self.w(b), y, d.rows, d.out, 0)?;
+            self.bias_act(y, self.weight_ptr(b)?, y, d.rows, d.out, 0)?;
         }
         Ok(())
     }

@@ -3,11 +3,11 @@
 use candle_core::Result;
 
 use super::params::LayerIdx;
-use super::GptStep;
+use super::ModelStep;
 use crate::engine::kernels::buckets;
 use crate::engine::kernels::reduce::Overlap;
 
-impl GptStep {
+impl ModelStep {
     /// Data parallel: sum the gradients over the ranks with `sum` while the backward runs,
     /// bucket by bucket from the top layer down (see `reduce.rs`), in the micro-batches
     /// [`Self::set_grad_sum_now`] names. The step then runs its launches eagerly (no CUDA
@@ -57,7 +57,7 @@ impl GptStep {
         let (mut head, mut tail) = (None::<(usize, usize)>, None::<(usize, usize)>);
         for i in ids {
             let e = &self.entries[i];
-            if e.frozen || e.ext || self.gt(i).is_none() {
+            if e.frozen || e.ext || self.trained_grad_ptr(i).is_none() {
                 continue;
             }
             let (s, end) = (e.off, e.off + e.n);

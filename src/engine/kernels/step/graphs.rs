@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::Result;
 
-use super::GptStep;
+use super::ModelStep;
 use crate::engine::kernels::cuda::err;
 
 /// What selects a captured micro-batch program: whether it is the step's first micro-batch
@@ -31,7 +31,7 @@ pub(super) struct Graphs {
 // where it alone launches them.
 unsafe impl Send for Graphs {}
 
-impl GptStep {
+impl ModelStep {
     /// The forward and backward of the arena's micro-batch: a replay of its captured graph,
     /// a capture (the key's second run), or eager launches.
     pub(super) fn run_micro(&mut self, first: bool, g: f32) -> Result<()> {
@@ -44,13 +44,13 @@ impl GptStep {
             }
         }
         // (The layout is cloned only off the replay path: `fwd_bwd` borrows the step.)
-        let lay = a.lay.clone();
+        let acts = a.acts.clone();
         if !replay || a.graphs.seen.insert(key) {
-            return self.fwd_bwd(&lay, g, first);
+            return self.fwd_bwd(&acts, g, first);
         }
         let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         self.stream.begin_capture(mode).w()?;
-        let run = self.fwd_bwd(&lay, g, first);
+        let run = self.fwd_bwd(&acts, g, first);
         // End the capture whatever happened, so the stream is usable again.
         let flags = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = self.stream.end_capture(flags);
@@ -66,7 +66,7 @@ impl GptStep {
             // Nothing was captured: run it eagerly, and keep doing so.
             None => {
                 self.graphs = false;
-                self.fwd_bwd(&lay, g, first)
+                self.fwd_bwd(&acts, g, first)
             }
         }
     }

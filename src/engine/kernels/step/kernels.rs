@@ -10,7 +10,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Result};
 
-use super::{Arg, GptStep};
+use super::{Arg, ModelStep};
 use crate::engine::events::KernelTime;
 use crate::engine::kernels::cuda::{err, load_function};
 
@@ -227,7 +227,7 @@ impl Kernels {
     }
 }
 
-impl GptStep {
+impl ModelStep {
     pub(super) fn launch(&self, k: &Kern, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         self.launch_on(&self.stream, k, cfg, args)
     }

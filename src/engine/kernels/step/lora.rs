@@ -6,16 +6,16 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::Result;
 use half::bf16;
 
-use super::arena::Lay;
+use super::arena::Activations;
 use super::gemm::Lin;
 use super::params::{group_first, lora_width, LayerIdx, LoraIdx, G_GU, G_QKV, LORA_GROUPS};
-use super::{align, ptr, Arg, GptStep};
+use super::{align, check, ptr, Arg, ModelStep};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, multi_grid};
 use crate::engine::kernels::side::Buf;
 
 /// A LoRA group run as one matmul with its base projection (`kernels.lora_concat`;
-/// [`GptStep::plan_lora_blocks`]): the 16-bit matrix `[W | B]` of `out` rows (the base's
+/// [`ModelStep::plan_lora_blocks`]): the 16-bit matrix `[W | B]` of `out` rows (the base's
 /// parts' rows, then the group's block-diagonal B beside them) and its row stride `ld` = the
 /// model width + the group's Σ r — also the row stride of the group's normed input, whose last
 /// columns hold `u = scale·x·[A₁; A₂; …]ᵀ`. Forward `y = [x | u]·[W | B]ᵀ`, backward
@@ -26,7 +26,14 @@ pub(super) struct Cat {
     pub(super) ld: usize,
 }
 
-/// The columns of LoRA group `g`'s `x·Aᵀ` in layer `li` (Σ r over its adapters; 0: none).
+/// An error unless a block-diagonal B's output row stride `ldy` is its projection's width
+/// `out` (the matmul writes `out` columns a row).
+fn check_stride(ldy: usize, out: usize) -> Result<()> {
+    check(ldy == out, || {
+        format!("a LoRA group's output row stride {ldy} is not its projection's width {out}")
+    })
+}
+
 /// Zeroes `cols` 16-bit columns of `rows` rows from `p` (row pitch `ld` elements), queued on
 /// `stream`.
 ///
@@ -46,7 +53,7 @@ pub(super) unsafe fn memset_cols(
         .w()
 }
 
-impl GptStep {
+impl ModelStep {
     /// The output width of LoRA group `g`'s projection (the row stride of its output).
     pub(super) fn group_out(&self, g: usize) -> usize {
         match g {
@@ -84,12 +91,12 @@ impl GptStep {
             && lora_width(li, g).is_multiple_of(8)
             && (first..first + count).all(|i| {
                 let e = &self.entries[i];
-                e.frozen && e.nf4.is_none() && self.gt(i).is_none()
+                e.frozen && e.nf4.is_none() && self.trained_grad_ptr(i).is_none()
             })
-            && self.gb(bias) == 0
+            && self.grad_ptr_or_null(bias) == 0
     }
 
-    /// Lay out the groups' B matrices: a group that runs concatenated ([`Self::concat_ok`])
+    /// Activations out the groups' B matrices: a group that runs concatenated ([`Self::concat_ok`])
     /// gets its `[W | B]` ([`Cat`]; the base's parts copied in by [`Self::cast_weights`]);
     /// every other group of two or more adapters of one scale (q, k, v; gate, up) its
     /// block-diagonal B, one zeroed `[out, Σ r]` matrix. A table says where each adapter's B
@@ -114,7 +121,10 @@ impl GptStep {
                             parts.push((i, len + row * (c + width), rows, c, c + width));
                             row += rows;
                         }
-                        debug_assert_eq!(row, self.group_out(g));
+                        let out = self.group_out(g);
+                        check(row == out, || {
+                            format!("LoRA group {g}'s base parts have {row} rows, its output {out}")
+                        })?;
                         cat[g] = Some((len, c + width));
                         (c + width, c)
                     }
@@ -177,18 +187,11 @@ impl GptStep {
             if items.is_empty() {
                 return Ok(None);
             }
-            let words: Vec<u64> = items
-                .iter()
-                .flat_map(|&(src, off, rows, cols, ld)| {
-                    [
-                        self.w(src),
-                        at_base(off),
-                        rows as u64,
-                        cols as u64,
-                        ld as u64,
-                    ]
-                })
-                .collect();
+            let mut words = Vec::with_capacity(5 * items.len());
+            for &(src, off, rows, cols, ld) in items {
+                let src = self.weight_ptr(src)?;
+                words.extend([src, at_base(off), rows as u64, cols as u64, ld as u64]);
+            }
             let mut dev_table = self.dev.alloc_zeros::<u64>(words.len())?;
             self.stream.memcpy_htod(&words, &mut dev_table).w()?;
             let max_n = items.iter().map(|b| b.2 * b.3).max().unwrap_or(1);
@@ -242,7 +245,7 @@ impl GptStep {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lora_fwd(
         &self,
-        a: &Lay,
+        a: &Activations,
         l: usize,
         li: &LayerIdx,
         g: usize,
@@ -258,7 +261,13 @@ impl GptStep {
         let u = a.lora_u[l][g];
         let down = Lin::new(n, first.inp, width, width);
         let (x, _) = self.lora_input(a, l, g, (x, first.inp), first.inp)?;
-        self.mm("lora.xa", down.fwd(x, self.w(first.a), u), false, 1.0, 0.0)?;
+        self.mm(
+            "lora.xa",
+            down.fwd(x, self.weight_ptr(first.a)?, u),
+            false,
+            1.0,
+            0.0,
+        )?;
         // The group's adapters sit on its output in column order (q, k, v; gate, up): the
         // gaps between them are the columns to zero.
         let zero = |start: usize, end: usize| -> Result<()> {
@@ -271,7 +280,7 @@ impl GptStep {
         };
         let bd = self.lora_bd[l][g];
         if bd != 0 {
-            debug_assert_eq!(ldy, self.group_out(g));
+            check_stride(ldy, self.group_out(g))?;
             // Every adapter at once, through the block-diagonal B: y = scale·u·Bᵀ.
             let up = Lin::new(n, width, ldy, ldy);
             self.mm("lora.ub", up.fwd(u, bd, y), false, first.scale, 0.0)?;
@@ -279,12 +288,25 @@ impl GptStep {
         }
         let mut at = 0;
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
-            debug_assert!(ad.col >= at && ad.col + ad.out <= ldy);
+            check(ad.col >= at && ad.col + ad.out <= ldy, || {
+                format!(
+                    "a LoRA adapter's columns {}..{} overlap the one before (to {at}) or pass the \
+                     output's row stride {ldy}",
+                    ad.col,
+                    ad.col + ad.out
+                )
+            })?;
             zero(at, ad.col)?;
             at = ad.col + ad.out;
             let up = Lin::new(n, ad.r, ad.out, ldy).ldx(width);
             let (u, y) = (u + 2 * ad.ucol as u64, y + 2 * ad.col as u64);
-            self.mm("lora.ub", up.fwd(u, self.w(ad.b), y), false, ad.scale, 0.0)?;
+            self.mm(
+                "lora.ub",
+                up.fwd(u, self.weight_ptr(ad.b)?, y),
+                false,
+                ad.scale,
+                0.0,
+            )?;
         }
         zero(at, ldy)?;
         Ok(1.0)
@@ -301,7 +323,7 @@ impl GptStep {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lora_bwd(
         &self,
-        a: &Lay,
+        a: &Activations,
         (l, li, g): (usize, &LayerIdx, usize),
         x: u64,
         (dy, buf): (u64, Buf),
@@ -325,13 +347,19 @@ impl GptStep {
         };
         let bd = self.lora_bd[l][g];
         if bd != 0 {
-            debug_assert_eq!(ldy, self.group_out(g));
+            check_stride(ldy, self.group_out(g))?;
             let up = Lin::new(n, width, ldy, ldy);
             self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale, 0.0)?;
         } else {
             for ad in ads() {
                 let (up, dy, _, du) = part(ad);
-                self.mm("lora.du", up.dx(dy, self.w(ad.b), du), false, ad.scale, 0.0)?;
+                self.mm(
+                    "lora.du",
+                    up.dx(dy, self.weight_ptr(ad.b)?, du),
+                    false,
+                    ad.scale,
+                    0.0,
+                )?;
             }
         }
         // (LoRA dropout's dropped input is a scratch shared by every group: one stream then.)
@@ -342,23 +370,34 @@ impl GptStep {
         };
         for ad in ads() {
             let (up, dy, u, _) = part(ad);
-            let mm = up.dw(u, dy, self.g(ad.b));
+            let mm = up.dw(u, dy, self.grad_ptr(ad.b));
             self.mm_on("lora.db", mm, (ad.scale, beta), side)?;
         }
         let down = Lin::new(n, a0.inp, width, width);
         let (xd, _) = self.lora_input(a, l, g, (x, a0.inp), a0.inp)?;
-        self.mm_on("lora.da", down.dw(xd, du, self.g(a0.a)), (1.0, beta), side)?;
+        self.mm_on(
+            "lora.da",
+            down.dw(xd, du, self.grad_ptr(a0.a)),
+            (1.0, beta),
+            side,
+        )?;
         if side.is_some() {
             self.release(buf)?;
         }
         if self.lora_thr == 0 {
-            self.mm("lora.dx", down.dx(du, self.w(a0.a), dx), false, 1.0, 0.0)?;
+            self.mm(
+                "lora.dx",
+                down.dx(du, self.weight_ptr(a0.a)?, dx),
+                false,
+                1.0,
+                0.0,
+            )?;
             return Ok(1.0);
         }
         // dx = mask ⊙ (du·[A₁; A₂; …]), through the scratch that held the dropped input.
         self.mm(
             "lora.dx",
-            down.dx(du, self.w(a0.a), a.lora_x),
+            down.dx(du, self.weight_ptr(a0.a)?, a.lora_x),
             false,
             1.0,
             0.0,
@@ -374,7 +413,7 @@ impl GptStep {
     /// address and its row stride.
     pub(super) fn lora_input(
         &self,
-        a: &Lay,
+        a: &Activations,
         l: usize,
         g: usize,
         (x, ldx): (u64, usize),
@@ -397,7 +436,7 @@ impl GptStep {
     /// adapters' share ([`Self::lora_fwd`]) and the base's matmul onto it.
     pub(super) fn group_fwd(
         &self,
-        a: &Lay,
+        a: &Activations,
         (l, li, g): (usize, &LayerIdx, usize),
         x: u64,
         b: Option<usize>,
@@ -419,7 +458,7 @@ impl GptStep {
         let u = x + 2 * self.c as u64;
         self.mm(
             "lora.xa",
-            down.fwd(xa, self.w(a0.a), u),
+            down.fwd(xa, self.weight_ptr(a0.a)?, u),
             false,
             a0.scale,
             0.0,
@@ -434,7 +473,7 @@ impl GptStep {
     /// a concatenated group's `[dx | du]`).
     pub(super) fn group_bwd(
         &self,
-        a: &Lay,
+        a: &Activations,
         (l, li, g): (usize, &LayerIdx, usize),
         x: u64,
         (dy, buf): (u64, Buf),
@@ -463,7 +502,7 @@ impl GptStep {
         for ad in LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]) {
             let up = Lin::new(n, ad.r, ad.out, d.ldy).ldx(cat.ld);
             let at = |p: u64, col: usize| p + 2 * col as u64;
-            let mm = up.dw(at(u, ad.ucol), at(dy, ad.col), self.g(ad.b));
+            let mm = up.dw(at(u, ad.ucol), at(dy, ad.col), self.grad_ptr(ad.b));
             self.mm_on("lora.db", mm, (1.0, beta), side)?;
         }
         if side.is_some() {
@@ -477,15 +516,15 @@ impl GptStep {
         // `da`, which the next projection's gradient overwrites).
         let (xd, ldx) = self.lora_input(a, l, g, (x, cat.ld), a0.inp)?;
         let down = Lin::new(n, a0.inp, width, cat.ld);
-        let da = down.ldx(ldx).dw(xd, du, self.g(a0.a));
+        let da = down.ldx(ldx).dw(xd, du, self.grad_ptr(a0.a));
         self.mm_on("lora.da", da, (a0.scale, beta), None)?;
         if self.lora_thr == 0 {
-            let dx = down.ldx(cat.ld).dx(du, self.w(a0.a), a.da);
+            let dx = down.ldx(cat.ld).dx(du, self.weight_ptr(a0.a)?, a.da);
             self.mm("lora.dx", dx, false, a0.scale, 1.0)?;
             return Ok(cat.ld);
         }
         // dx += mask ⊙ (scale·du·[A₁; A₂; …]), through the scratch that held the dropped input.
-        let dx = down.dx(du, self.w(a0.a), a.lora_x);
+        let dx = down.dx(du, self.weight_ptr(a0.a)?, a.lora_x);
         self.mm("lora.dx", dx, false, a0.scale, 0.0)?;
         let site = dropout::site_lora(l, g);
         let drop = (self.lora_thr, self.lora_scale);

@@ -65,6 +65,16 @@ fn align(n: usize) -> usize {
     n.div_ceil(ALIGN) * ALIGN
 }
 
+/// An error (naming what is wrong, from `what`) unless `ok`: the checks that guard raw device
+/// memory — strides, column ranges — hold in release builds too.
+fn check(ok: bool, what: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(err(format!("whole-model step: {}", what())))
+    }
+}
+
 /// A kernel argument (the launch builder borrows its arguments, so they live in a slice).
 enum Arg {
     P(u64),
@@ -76,7 +86,7 @@ enum Arg {
 
 /// The whole-model step for one [`StepWeights`] layout. Build it once per model; it sizes
 /// its activation arena for the micro-batch it is given (and re-sizes when that changes).
-pub struct GptStep {
+pub struct ModelStep {
     /// fp16 instead of bf16 (the fp16 build of the kernels, fp16 cuBLAS operands).
     half: bool,
     dev: CudaDevice,

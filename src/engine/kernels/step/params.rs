@@ -8,7 +8,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor, Var};
 use half::bf16;
 
-use super::{align, ptr, Arg, GptStep};
+use super::{align, ptr, Arg, ModelStep};
 use crate::engine::kernels::cuda::{err, multi_grid, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::nf4::Nf4;
 use crate::engine::kernels::spec::{LinearWB, StepLora, StepMatrix, LORA_TARGETS};
@@ -19,7 +19,7 @@ pub(super) struct Entry {
     /// The parameter (None: a 4-bit base matrix, `nf4`).
     pub(super) var: Option<Var>,
     /// A frozen base matrix in NF4: dequantized into the step's scratch where a matmul reads
-    /// it ([`GptStep::wl`]); in no buffer of the step. `nf4_ptrs`: its codes, block maxima
+    /// it ([`ModelStep::matmul_weight`]); in no buffer of the step. `nf4_ptrs`: its codes, block maxima
     /// and group scales on the device.
     pub(super) nf4: Option<Arc<Nf4>>,
     pub(super) nf4_ptrs: [u64; 3],
@@ -32,7 +32,7 @@ pub(super) struct Entry {
     pub(super) frozen: bool,
     /// A frozen bf16 matrix the step reads where it is (the model's own storage, at
     /// `ext_ptr`): no copy at all. Packed projections made of such matrices run as one
-    /// matmul per part ([`GptStep::lin_fwd_parts`]).
+    /// matmul per part ([`ModelStep::lin_fwd_parts`]).
     pub(super) ext: bool,
     pub(super) ext_ptr: u64,
 }
@@ -301,6 +301,7 @@ pub(super) fn group_first(li: &LayerIdx, g: usize) -> Option<LoraIdx> {
     LORA_GROUPS[g].iter().find_map(|&j| li.lora[j])
 }
 
+/// The columns of LoRA group `g`'s `x·Aᵀ` in layer `li` (Σ r over its adapters; 0: none).
 pub(super) fn lora_width(li: &LayerIdx, g: usize) -> usize {
     LORA_GROUPS[g]
         .iter()
@@ -309,26 +310,31 @@ pub(super) fn lora_width(li: &LayerIdx, g: usize) -> usize {
         .sum()
 }
 
-impl GptStep {
-    pub(super) fn w(&self, i: usize) -> u64 {
+impl ModelStep {
+    /// The 16-bit device address of entry `i` (its compute copy, or the model's own storage
+    /// for a frozen matrix read in place). A 4-bit base matrix has none: it is dequantized into
+    /// the scratch where a matmul reads it ([`Self::matmul_weight`]); asking for its address is
+    /// an error.
+    pub(super) fn weight_ptr(&self, i: usize) -> Result<u64> {
         let e = &self.entries[i];
         if e.ext {
-            return e.ext_ptr;
+            return Ok(e.ext_ptr);
         }
-        // (A 4-bit matrix has no bf16 address of its own: [`Self::wl`]; null faults loudly.)
-        debug_assert!(e.nf4.is_none(), "a 4-bit matrix read without wl()");
         if e.nf4.is_some() {
-            return 0;
+            return Err(err(format!(
+                "whole-model step: entry {i} is a 4-bit matrix, read only through a dequantizing \
+                 matmul (it has no 16-bit address)"
+            )));
         }
-        (if e.frozen { self.fbf_p } else { self.wbf_p }) + 2 * e.off as u64
+        Ok((if e.frozen { self.fbf_p } else { self.wbf_p }) + 2 * e.off as u64)
     }
 
     /// A linear layer's matrix for a matmul launched next on the main stream: its bf16
     /// address, after dequantizing it into the scratch when it is a 4-bit base matrix.
-    pub(super) fn wl(&self, i: usize) -> Result<u64> {
+    pub(super) fn matmul_weight(&self, i: usize) -> Result<u64> {
         let e = &self.entries[i];
         if e.nf4.is_none() {
-            return Ok(self.w(i));
+            return self.weight_ptr(i);
         }
         let [codes, absq, gscale] = e.nf4_ptrs;
         let n8 = e.n / 8;
@@ -350,14 +356,15 @@ impl GptStep {
         Ok(self.nf4_p)
     }
 
-    /// The fp32 gradient of a trainable entry (callers skip frozen ones: [`Self::gt`]).
-    pub(super) fn g(&self, i: usize) -> u64 {
+    /// The fp32 gradient address of a trainable entry (callers skip frozen ones:
+    /// [`Self::trained_grad_ptr`]).
+    pub(super) fn grad_ptr(&self, i: usize) -> u64 {
         self.grad_p + 4 * self.entries[i].off as u64
     }
 
     /// The gradient address of entry `i` if it trains (None: frozen).
-    pub(super) fn gt(&self, i: usize) -> Option<u64> {
-        (!self.entries[i].frozen).then(|| self.g(i))
+    pub(super) fn trained_grad_ptr(&self, i: usize) -> Option<u64> {
+        (!self.entries[i].frozen).then(|| self.grad_ptr(i))
     }
 
     /// The flat fp32 gradient buffer every [`Self::grad_of`] is a view of (data parallelism
@@ -407,7 +414,7 @@ impl GptStep {
         }
         let &i = self.by_id.get(&var.as_tensor().id())?;
         Some(WeightCopy {
-            addr: self.w(i),
+            addr: self.weight_ptr(i).ok()?,
             _step: std::marker::PhantomData,
         })
     }
@@ -455,7 +462,7 @@ impl GptStep {
             // is the live var, contiguous).
             unsafe {
                 drv::memcpy_dtod_async(
-                    self.w(i),
+                    self.weight_ptr(i)?,
                     src,
                     2 * self.entries[i].n,
                     self.stream.cu_stream(),
@@ -476,7 +483,7 @@ impl GptStep {
         let table = with_f32_ptrs(&ts, |ptrs| {
             let mut table = Vec::with_capacity(3 * ptrs.len());
             for (p, &i) in ptrs.iter().zip(&f32s) {
-                table.extend([*p, self.w(i), self.entries[i].n as u64]);
+                table.extend([*p, self.weight_ptr(i)?, self.entries[i].n as u64]);
             }
             Ok(table)
         })?;
@@ -526,7 +533,7 @@ impl GptStep {
             let mut table = Vec::with_capacity(3 * ptrs.len());
             for (p, &(i, at, n)) in ptrs.iter().zip(&items) {
                 let skip = 4 * at as u64;
-                table.extend([*p + skip, self.g(i) + skip, n as u64]);
+                table.extend([*p + skip, self.grad_ptr(i) + skip, n as u64]);
             }
             Ok(table)
         })?;
@@ -545,16 +552,15 @@ impl GptStep {
     }
 
     /// The bf16 address of an optional entry (0: none; the kernels take null as absent).
-    pub(super) fn wb(&self, i: Option<usize>) -> u64 {
-        i.map_or(0, |i| self.w(i))
+    pub(super) fn weight_ptr_or_null(&self, i: Option<usize>) -> Result<u64> {
+        i.map_or(Ok(0), |i| self.weight_ptr(i))
     }
 
     /// The fp32 gradient address of an optional entry (0: none, or frozen).
-    pub(super) fn gb(&self, i: Option<usize>) -> u64 {
-        i.and_then(|i| self.gt(i)).unwrap_or(0)
+    pub(super) fn grad_ptr_or_null(&self, i: Option<usize>) -> u64 {
+        i.and_then(|i| self.trained_grad_ptr(i)).unwrap_or(0)
     }
 
-    /// `y = x·wᵀ (+ b)`: the bias as a cuBLASLt epilogue where it runs, else a bias kernel.
     /// Whether the `count` entries from `first` (a packed projection's parts) are one
     /// matrix in memory — not so for a frozen base read in place ([`Entry::ext`]).
     pub(super) fn packed(&self, (first, count): (usize, usize)) -> bool {

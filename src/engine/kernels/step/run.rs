@@ -5,11 +5,11 @@ use candle_core::cuda_backend::cudarc::driver::result as drv;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::Result;
 
-use super::arena::Lay;
-use super::GptStep;
+use super::arena::Activations;
+use super::ModelStep;
 use crate::engine::kernels::cuda::err;
 
-impl GptStep {
+impl ModelStep {
     /// Start an optimizer step: cast the fp32 masters into the bf16 buffer (unless the last
     /// fused AdamW already wrote them there and nothing changed the weights since), zero the
     /// gradients and the loss accumulator.
@@ -22,9 +22,9 @@ impl GptStep {
         // SAFETY: from `zero_from` on, the live fp32 gradient buffer holds `bytes` bytes.
         unsafe { drv::memset_d8_async(start, 0, bytes, self.stream.cu_stream()) }.w()?;
         if let Some(a) = &self.arena {
-            let n = a.lay.b * self.t;
+            let n = a.acts.b * self.t;
             // SAFETY: the loss accumulator holds n f32.
-            unsafe { drv::memset_d8_async(a.lay.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
+            unsafe { drv::memset_d8_async(a.acts.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
         }
         self.micro = 0;
         Ok(())
@@ -33,7 +33,7 @@ impl GptStep {
     /// Forward and backward of one micro-batch `[b, T]` of token ids and targets; gradients
     /// add into the fp32 buffer scaled by `g` per token (1/(tokens·accum) for a mean loss).
     pub fn micro(&mut self, inputs: &[u32], targets: &[u32], b: usize, g: f32) -> Result<()> {
-        let had = self.arena.as_ref().map(|a| a.lay.b);
+        let had = self.arena.as_ref().map(|a| a.acts.b);
         self.ensure(b)?;
         if had != Some(b) {
             // A fresh arena: its loss accumulator must start from zero for this step.
@@ -79,16 +79,16 @@ impl GptStep {
         self.arena = None;
     }
 
-    pub(super) fn fwd_bwd(&self, lay: &Lay, g: f32, first: bool) -> Result<()> {
-        self.forward(lay, g, first, true)?;
-        self.backward(lay, first)
+    pub(super) fn fwd_bwd(&self, acts: &Activations, g: f32, first: bool) -> Result<()> {
+        self.forward(acts, g, first, true)?;
+        self.backward(acts, first)
     }
 
     pub(super) fn zero_loss(&self) -> Result<()> {
         if let Some(a) = &self.arena {
-            let n = a.lay.b * self.t;
+            let n = a.acts.b * self.t;
             // SAFETY: the loss accumulator holds n f32.
-            unsafe { drv::memset_d8_async(a.lay.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
+            unsafe { drv::memset_d8_async(a.acts.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
         }
         Ok(())
     }
@@ -107,7 +107,7 @@ impl GptStep {
             .arena
             .as_ref()
             .ok_or_else(|| err("no micro-batch ran"))?;
-        let n = a.lay.b * self.t;
+        let n = a.acts.b * self.t;
         let rows = a
             .f32s
             .try_slice(0..n)
@@ -138,15 +138,15 @@ impl GptStep {
         }
         self.ensure(b)?;
         self.zero_loss()?;
-        let lay = {
+        let acts = {
             let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
             self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
             self.stream.memcpy_htod(targets, &mut a.targets).w()?;
-            a.lay.clone()
+            a.acts.clone()
         };
         let thr = std::mem::replace(&mut self.drop_thr, 0);
         let lora_thr = std::mem::replace(&mut self.lora_thr, 0);
-        let run = self.forward(&lay, 0.0, false, false);
+        let run = self.forward(&acts, 0.0, false, false);
         self.drop_thr = thr;
         self.lora_thr = lora_thr;
         run?;

@@ -1,4 +1,4 @@
-//! Building the step for one model: its shape, flat buffers and kernels ([`GptStep::new`]).
+//! Building the step for one model: its shape, flat buffers and kernels ([`ModelStep::new`]).
 
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Device, Result, Tensor, Var};
@@ -7,7 +7,7 @@ use half::bf16;
 use super::attention::rope_table;
 use super::kernels::Kernels;
 use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
-use super::{align, ptr, tensor_ptr, GptStep, ALIGN};
+use super::{align, ptr, tensor_ptr, ModelStep, ALIGN};
 use crate::config::Recompute;
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, with_f32_ptrs, with_ptrs};
@@ -15,7 +15,7 @@ use crate::engine::kernels::lt::Lt;
 use crate::engine::kernels::side::Side;
 use crate::engine::kernels::spec::StepWeights;
 
-impl GptStep {
+impl ModelStep {
     pub fn new(w: &StepWeights) -> Result<Self> {
         let Device::Cuda(dev) = w.wte.as_tensor().device().clone() else {
             return Err(err("the whole-model step needs a CUDA device"));
