@@ -192,6 +192,44 @@ fn resume_checks_config_changes() {
     assert!(err.is_usage());
 }
 
+/// `model.recompute` changes what the fast step keeps for the backward, not the model: a run
+/// resumes with another setting (reported as a config change) and goes on from its step.
+#[test]
+fn resume_with_another_recompute_setting_is_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    run(
+        opts(
+            small(&["run.max_steps=2", "checkpoint.at_end=true"]),
+            dir.path(),
+            None,
+            vec![],
+        ),
+        None,
+    )
+    .1
+    .unwrap();
+    let (ev, r) = run(
+        opts(
+            small(&["run.max_steps=4", "model.recompute=full"]),
+            dir.path(),
+            Some(dir.path().into()),
+            vec![],
+        ),
+        None,
+    );
+    let summary = r.unwrap_or_else(|e| panic!("resume with model.recompute = full: {e}"));
+    assert_eq!(summary.step, 4);
+    assert_eq!(
+        losses(&ev).first().map(|l| l.0),
+        Some(3),
+        "resumed at step 2"
+    );
+    let noted = ev.iter().any(
+        |e| matches!(e, Event::Warning { message, .. } if message.contains("model.recompute")),
+    );
+    assert!(noted, "the changed key is reported");
+}
+
 /// NaN steps are skipped and counted; N in a row restore the last checkpoint with a lower LR.
 #[test]
 fn nan_steps_are_skipped_then_the_last_checkpoint_is_restored() {

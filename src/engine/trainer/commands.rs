@@ -5,10 +5,10 @@ use super::recorder::Recorder;
 use super::{Trainer, MAX_MICRO_BATCH};
 use crate::engine::events::{Command, Event, FinishReason};
 use crate::engine::EngineError;
-use std::sync::mpsc::Receiver;
-use std::time::Instant;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
 
-pub(super) enum Flow {
+enum Flow {
     Continue,
     /// `interrupted`: the signal that asked for it (the run ends `Interrupted`).
     Stop {
@@ -18,7 +18,7 @@ pub(super) enum Flow {
 }
 
 /// How a run that was told to stop ends: `Interrupted` by a signal, else `Stopped`.
-pub(super) fn stop_reason(interrupted: Option<String>, step: u64) -> (FinishReason, String) {
+fn stop_reason(interrupted: Option<String>, step: u64) -> (FinishReason, String) {
     match interrupted {
         Some(signal) => (
             FinishReason::Interrupted,
@@ -32,10 +32,71 @@ pub(super) fn stop_reason(interrupted: Option<String>, step: u64) -> (FinishReas
 }
 
 impl Trainer {
+    /// At a step boundary: the commands sent since the last one, applied (while paused,
+    /// waited for). In a data-parallel run rank 0's commands are broadcast and every rank
+    /// applies the same ones. `Some` (how the run ends) when they stop the run.
+    pub(super) fn step_boundary_commands(
+        &mut self,
+        commands: &Receiver<Command>,
+        paused: &mut bool,
+        prev_batch: &mut Option<usize>,
+        start: Instant,
+        out: &mut Recorder,
+    ) -> Result<Option<(FinishReason, String)>, EngineError> {
+        if self.dist.is_some() {
+            if let Some((save, interrupted)) =
+                self.shared_commands(commands, prev_batch, start, out)?
+            {
+                return self.stop(save, interrupted, start, out).map(Some);
+            }
+        }
+        while self.dist.is_none() {
+            let cmd = if *paused {
+                match commands.recv_timeout(Duration::from_millis(100)) {
+                    Ok(c) => c,
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        return Ok(Some((
+                            FinishReason::Stopped,
+                            "the controller went away while paused".into(),
+                        )))
+                    }
+                }
+            } else {
+                match commands.try_recv() {
+                    Ok(c) => c,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                }
+            };
+            if let Flow::Stop { save, interrupted } =
+                self.apply(cmd, paused, prev_batch, start, out)?
+            {
+                return self.stop(save, interrupted, start, out).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// A stop: the time so far kept, a checkpoint where asked for, the weights made whole.
+    fn stop(
+        &mut self,
+        save: bool,
+        interrupted: Option<String>,
+        start: Instant,
+        out: &mut Recorder,
+    ) -> Result<(FinishReason, String), EngineError> {
+        self.elapsed_before = self.elapsed(start);
+        if save {
+            self.checkpoint_event(start, out)?;
+        }
+        self.full_masters()?;
+        Ok(stop_reason(interrupted, self.step))
+    }
+
     /// Data parallelism, at a step boundary: rank 0 hands out the commands its front end
     /// sent, and every rank applies the same ones in the same order (the other ranks' own
     /// front ends do not steer the job). `Some(save)` when they include a stop.
-    pub(super) fn shared_commands(
+    fn shared_commands(
         &mut self,
         commands: &Receiver<Command>,
         prev_batch: &mut Option<usize>,
@@ -74,7 +135,7 @@ impl Trainer {
         Ok(None)
     }
 
-    pub(super) fn apply(
+    fn apply(
         &mut self,
         cmd: Command,
         paused: &mut bool,

@@ -197,14 +197,17 @@ impl Trainer {
             });
         }
         let bf16 = self.cfg.distributed.bf16_sums();
-        let flat = self.whole.as_ref().and_then(|w| w.grad_buffer());
-        let summed = self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums());
+        let flat = self.whole_step.as_ref().and_then(|w| w.grad_buffer());
+        let summed = self
+            .whole_step
+            .as_ref()
+            .is_some_and(|w| w.overlaps_grad_sums());
         let (grads, grad_scale) = match flat {
             // (The step summed them already, bucket by bucket during the backward.)
             Some(_) if summed => (grads, 1.0 / world as f64),
             Some(flat) => {
                 let flat = flat.clone();
-                self.sum_flat(&flat, None)?;
+                self.sum_grad_buffer(&flat, None)?;
                 (grads, 1.0 / world as f64)
             }
             None => (all_reduce_mean(d.as_mut(), &grads, bf16)?, 1.0),
@@ -225,7 +228,7 @@ impl Trainer {
     /// Sum the flat f32 gradient buffer over the ranks, in place: all of it, or (ZeRO-1, a
     /// reduce-scatter) only this rank's `part`. In bf16 the buffer is packed into
     /// [`Self::wire`], summed there, and the needed part widened back into `flat`.
-    pub(super) fn sum_flat(
+    pub(super) fn sum_grad_buffer(
         &mut self,
         flat: &Tensor,
         part: Option<std::ops::Range<usize>>,

@@ -9,8 +9,12 @@ impl Trainer {
     /// has one and the batch is a full micro-batch (its forward alone), else the candle
     /// model's.
     pub(super) fn eval_windows(&mut self, b: &Batch) -> candle_core::Result<Vec<f64>> {
-        self.check_whole()?;
-        if let Some(whole) = self.whole.as_mut().filter(|_| b.batch == self.micro_batch) {
+        self.try_whole_step()?;
+        if let Some(whole) = self
+            .whole_step
+            .as_mut()
+            .filter(|_| b.batch == self.micro_batch)
+        {
             let current = self.weights_copied || self.masters_partial;
             let losses = whole.eval_losses(&b.inputs, &b.targets, b.batch, current)?;
             // The bf16 copies are current now, until the next optimizer step.

@@ -13,17 +13,17 @@ impl Trainer {
         lambda: f64,
     ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
         self.faults.oom_at(self.micro_batch)?;
-        self.check_whole()?;
-        if self.whole.is_some() {
-            return self.forward_backward_whole(lambda);
+        self.try_whole_step()?;
+        if self.whole_step.is_some() {
+            return self.forward_backward_whole_step(lambda);
         }
         self.forward_backward_per_op(lambda)
     }
 
     /// Build the whole-model CUDA step once, where the model fits it.
-    pub(super) fn check_whole(&mut self) -> candle_core::Result<()> {
-        if !self.whole_checked {
-            self.whole_checked = true;
+    pub(super) fn try_whole_step(&mut self) -> candle_core::Result<()> {
+        if !self.whole_step_tried {
+            self.whole_step_tried = true;
             match self.model.step_plan() {
                 Ok(mut w) => {
                     if self.sharding() {
@@ -44,10 +44,10 @@ impl Trainer {
                             }
                         }
                     }
-                    self.whole = Some(step);
+                    self.whole_step = Some(step);
                 }
                 Err(why) if self.device.is_cuda() && self.cfg.kernels.step => {
-                    self.whole_why = Some(why);
+                    self.per_op_reason = Some(why);
                 }
                 Err(_) => {}
             }

@@ -17,7 +17,7 @@
 //! - `commands`: commands applied at step boundaries;
 //! - `scu_control`: the SCU controller's reading and its files;
 //! - `recorder`: metrics.jsonl and the run dir's JSON files;
-//! - `recovery`: non-finite steps and out of memory;
+//! - `non_finite` and `out_of_memory`: a step that went wrong, and what the run does then;
 //! - `run_loop`: the loop, which calls the above.
 
 mod checkpoints;
@@ -26,9 +26,10 @@ mod data_parallel;
 mod eval;
 mod executor;
 mod handle;
+mod non_finite;
+mod out_of_memory;
 mod per_op;
 mod recorder;
-mod recovery;
 mod resume;
 mod run_info;
 mod run_loop;
@@ -105,10 +106,10 @@ struct Trainer {
     step_memory: Option<u64>,
     /// The whole-model CUDA step, for GPT-2 style bf16 models (`kernels.step`); built at
     /// the first step, None where the model does not fit it (the per-op path runs then).
-    whole: Option<super::kernels::GptStep>,
-    whole_checked: bool,
+    whole_step: Option<super::kernels::GptStep>,
+    whole_step_tried: bool,
     /// Why a CUDA run takes the per-op path (said once, as a warning, after the first step).
-    whole_why: Option<String>,
+    per_op_reason: Option<String>,
     /// `eval.sample_tokens`: the prompt's ids and the tokenizer that shows the text (None:
     /// the built-in corpus, shown as ids).
     sample: Option<(Vec<u32>, Option<data::Tok>)>,

@@ -19,7 +19,7 @@ impl Trainer {
         let mut ce_sum = 0.0;
         let mut sumsq_val = 0.0;
         let scale = self.scaler.scale;
-        let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
+        let coef = self.penalty_coef();
         let inject_nan = self.take_nan_fault();
         for a in 0..self.accum {
             // Dropout masks depend only on (seed, step, micro-batch): a resumed run draws the same.

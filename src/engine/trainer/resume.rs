@@ -142,10 +142,11 @@ impl Trainer {
     }
 }
 
-/// Whether a changed config key changes tensor shapes or the data stream.
+/// Whether a changed config key changes tensor shapes or the data stream. (`model.recompute`
+/// changes what the step keeps for the backward, not the model: a run may resume with another.)
 fn is_shape_key(key: &str) -> bool {
     let k = key.split(' ').next().unwrap_or(key);
-    k.starts_with("model.")
+    (k.starts_with("model.") && k != "model.recompute")
         || k.starts_with("lora.enabled")
         || k.starts_with("lora.r")
         || k.starts_with("lora.targets")

@@ -2,18 +2,16 @@
 //! reduction, the optimizer step (skipping non-finite steps, recovering from out of memory),
 //! SCU control, evaluation and checkpoints.
 
-use super::commands::{stop_reason, Flow};
 use super::data_parallel::Reduced;
 use super::handle::RunSummary;
 use super::recorder::Recorder;
-use super::recovery::{is_oom, MAX_NONFINITE_IN_A_ROW};
 use super::{io_err, Trainer};
 use crate::engine::events::{Command, Event, EventTx, FinishReason, StepStats};
 use crate::engine::optim::{global_norm, lr_at};
 use crate::engine::{device, EngineError};
 use std::io::BufWriter;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
-use std::time::{Duration, Instant};
+use std::sync::mpsc::Receiver;
+use std::time::Instant;
 
 impl Trainer {
     pub(super) fn run(
@@ -107,48 +105,11 @@ impl Trainer {
         let max_steps = self.cfg.run.max_steps;
         let seq_len = self.model.shape.seq_len;
         while self.step < max_steps {
-            // Commands: only here, at the optimizer-step boundary. In a data-parallel run
-            // rank 0's commands are broadcast and every rank applies the same ones.
-            if self.dist.is_some() {
-                if let Some((save, interrupted)) =
-                    self.shared_commands(commands, &mut prev_batch, start, out)?
-                {
-                    self.elapsed_before = self.elapsed(start);
-                    if save {
-                        self.checkpoint_event(start, out)?;
-                    }
-                    self.full_masters()?;
-                    return Ok(stop_reason(interrupted, self.step));
-                }
-            }
-            while self.dist.is_none() {
-                let cmd = if paused {
-                    match commands.recv_timeout(Duration::from_millis(100)) {
-                        Ok(c) => c,
-                        Err(RecvTimeoutError::Timeout) => continue,
-                        Err(RecvTimeoutError::Disconnected) => {
-                            return Ok((
-                                FinishReason::Stopped,
-                                "the controller went away while paused".into(),
-                            ))
-                        }
-                    }
-                } else {
-                    match commands.try_recv() {
-                        Ok(c) => c,
-                        Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-                    }
-                };
-                if let Flow::Stop { save, interrupted } =
-                    self.apply(cmd, &mut paused, &mut prev_batch, start, out)?
-                {
-                    self.elapsed_before = self.elapsed(start);
-                    if save {
-                        self.checkpoint_event(start, out)?;
-                    }
-                    self.full_masters()?;
-                    return Ok(stop_reason(interrupted, self.step));
-                }
+            // Commands: only here, at the optimizer-step boundary.
+            if let Some(end) =
+                self.step_boundary_commands(commands, &mut paused, &mut prev_batch, start, out)?
+            {
+                return Ok(end);
             }
 
             let t_step = Instant::now();
@@ -160,7 +121,7 @@ impl Trainer {
             self.faults.fail_at(self.step + 1)?;
             let (ce, sumsq, grads, wait, compute) = match self.forward_backward(self.scu.lambda) {
                 Ok(v) => {
-                    if let Some(why) = self.whole_why.take() {
+                    if let Some(why) = self.per_op_reason.take() {
                         out.emit(Event::Warning {
                             step: self.step,
                             message: format!(
@@ -171,39 +132,11 @@ impl Trainer {
                     }
                     v
                 }
-                Err(e) if is_oom(&e) && prev_batch.is_some() && self.dist.is_none() => {
-                    let (failed, old) = (self.micro_batch, prev_batch.take().unwrap_or(1));
-                    self.micro_batch = old;
-                    self.loader.seek(step_cursor);
-                    self.loader.set_batch_size(old);
-                    out.emit(Event::Warning {
-                        step: self.step,
-                        message: format!("out of memory at micro-batch {failed}: back to {old}, step {} redone (nothing lost)", self.step + 1),
-                    });
+                // Out of memory: a smaller micro-batch, and the step redone.
+                Err(e) => {
+                    self.redo_after_oom(e, &mut prev_batch, step_cursor, out)?;
                     continue;
                 }
-                // Out of memory anywhere else: split the micro-batch and accumulate more, so
-                // the optimizer step stays the same sequences; the step is redone.
-                Err(e) if is_oom(&e) && self.dist.is_none() && self.micro_batch > 1 => {
-                    let mb = self.micro_batch;
-                    let k = (2..=mb).find(|k| mb.is_multiple_of(*k)).unwrap_or(mb);
-                    self.micro_batch = mb / k;
-                    self.accum *= k;
-                    self.loader.seek(step_cursor);
-                    self.loader.set_batch_size(self.micro_batch);
-                    out.emit(Event::Warning {
-                        step: self.step,
-                        message: format!(
-                            "out of memory at micro-batch {mb}: micro-batch {} × accumulation {} from now on (the same {} sequences a step), step {} redone",
-                            self.micro_batch,
-                            self.accum,
-                            self.micro_batch * self.accum,
-                            self.step + 1
-                        ),
-                    });
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
             };
             prev_batch = None;
             // Data parallelism: mean gradients and loss over the ranks, and every rank's timings.
@@ -220,7 +153,7 @@ impl Trainer {
             let sumsq = reg_sumsq.unwrap_or(sumsq);
             // The whole-model step's gradients still carry fp16's loss scale (the per-op path
             // divides it out itself): the update takes it out with the other factors.
-            let grad_scale = match &self.whole {
+            let grad_scale = match &self.whole_step {
                 Some(_) => grad_scale / self.scaler.scale,
                 None => grad_scale,
             };
@@ -257,40 +190,10 @@ impl Trainer {
                 } else {
                     self.weights_copied =
                         self.opt
-                            .step_with_copies(&grads, lr, f, self.whole.as_ref())?;
+                            .step_with_copies(&grads, lr, f, self.whole_step.as_ref())?;
                 }
-            } else {
-                nonfinite_in_a_row += 1;
-                self.skipped_steps += 1;
-                out.emit(Event::Warning {
-                    step: self.step + 1,
-                    message: format!(
-                        "non-finite loss or gradients: step {} skipped ({} in a row, {} in all{})",
-                        self.step + 1,
-                        nonfinite_in_a_row,
-                        self.skipped_steps,
-                        if self.scaler.enabled {
-                            format!(", loss scale now {}", self.scaler.scale)
-                        } else {
-                            String::new()
-                        }
-                    ),
-                });
-                // fp16 overflow is the scaler's business; a run that keeps producing NaN in
-                // full precision is diverging: go back to the last checkpoint with a lower LR.
-                if !self.scaler.enabled
-                    && nonfinite_in_a_row >= self.cfg.checkpoint.max_nonfinite_in_a_row
-                {
-                    nonfinite_in_a_row = 0;
-                    self.recover(out)?;
-                    continue;
-                }
-                if nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW {
-                    return Err(EngineError::NonFinite {
-                        step: self.step + 1,
-                        count: nonfinite_in_a_row,
-                    });
-                }
+            } else if self.skip_non_finite_step(&mut nonfinite_in_a_row, out)? {
+                continue;
             }
             self.device.synchronize()?;
             let optim = t_opt.elapsed();
@@ -302,7 +205,7 @@ impl Trainer {
             let step_tokens = (self.micro_batch * self.accum * seq_len * self.world) as u64;
             self.tokens += step_tokens;
             let step_s = t_step.elapsed().as_secs_f64();
-            let kernels = match &self.whole {
+            let kernels = match &self.whole_step {
                 Some(w) => w.take_profile()?,
                 None => Vec::new(),
             };

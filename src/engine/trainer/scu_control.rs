@@ -10,6 +10,13 @@ use crate::engine::EngineError;
 use std::io::Write;
 
 impl Trainer {
+    /// The SCU penalty's coefficient 1/(2σ²N) (σ: `scu.prior_sigma`, N: the tokens of an
+    /// epoch): λ·Σw²·coef is the penalty in the same per-token units (nats) as the CE loss,
+    /// and Σw²·coef/ln 2 the parameters' bits per token.
+    pub(super) fn penalty_coef(&self) -> f64 {
+        1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch)
+    }
+
     /// SCU's controller runs after this step (it reads the step's Σw² then).
     pub(super) fn control_due(&self) -> bool {
         (self.step + 1).is_multiple_of(self.cfg.scu.control_every)
@@ -49,7 +56,7 @@ impl Trainer {
         out: &mut Recorder,
     ) -> Result<(), EngineError> {
         let c = &self.cfg.scu.clone();
-        let coef = 1.0 / (2.0 * c.prior_sigma.powi(2) * self.tokens_per_epoch);
+        let coef = self.penalty_coef();
         let data_bpt = ce_mean / LN2;
         let param_bpt = sumsq * coef / LN2;
         let s = ScuController::s_ratio(data_bpt, param_bpt);

@@ -24,7 +24,10 @@ impl Trainer {
             ));
         };
         // (The update decides, from every weight, whether the step's copies take it.)
-        let step = self.whole.as_ref().filter(|w| w.weight_buffer().is_some());
+        let step = self
+            .whole_step
+            .as_ref()
+            .filter(|w| w.weight_buffer().is_some());
         if shard.update(&mut self.opt, flat, lr, grad_scale, step)? {
             if let Some(copies) = step.and_then(|w| w.weight_buffer()) {
                 d.all_gather_in_place(copies)?;
@@ -51,7 +54,7 @@ impl Trainer {
         let (Some(shard), Some(d), Some(flat)) = (
             self.shard.as_ref(),
             self.dist.as_mut(),
-            self.whole.as_ref().and_then(|w| w.grad_buffer()),
+            self.whole_step.as_ref().and_then(|w| w.grad_buffer()),
         ) else {
             return Err(EngineError::Config(
                 "optimizer sharding: partial weights without ranks".into(),
@@ -70,7 +73,7 @@ impl Trainer {
         let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
             return Ok(None);
         };
-        let scratch = match self.whole.as_ref().and_then(|w| w.grad_buffer()) {
+        let scratch = match self.whole_step.as_ref().and_then(|w| w.grad_buffer()) {
             Some(b) => b.clone(),
             None => Tensor::zeros(shard.total(), DType::F32, &self.device)?,
         };
@@ -93,7 +96,11 @@ impl Trainer {
         &mut self,
         grads: &[Tensor],
     ) -> Result<(Tensor, f64, Option<f64>), EngineError> {
-        let buffer = self.whole.as_ref().and_then(|w| w.grad_buffer()).cloned();
+        let buffer = self
+            .whole_step
+            .as_ref()
+            .and_then(|w| w.grad_buffer())
+            .cloned();
         if self.shard.is_none() {
             let (places, total) = match &buffer {
                 Some(buf) => {
@@ -103,7 +110,7 @@ impl Trainer {
                         .collect::<Vec<_>>();
                     // Every trainable weight must be a view of the buffer.
                     let inside = self.opt.slots.iter().all(|s| {
-                        self.whole
+                        self.whole_step
                             .as_ref()
                             .is_some_and(|w| matches!(w.grad_of(&s.var), Ok(Some(_))))
                     });
@@ -139,8 +146,12 @@ impl Trainer {
             None => shard.pack(grads)?,
         };
         let range = shard.range();
-        if !self.whole.as_ref().is_some_and(|w| w.overlaps_grad_sums()) {
-            self.sum_flat(&flat, Some(range))?;
+        if !self
+            .whole_step
+            .as_ref()
+            .is_some_and(|w| w.overlaps_grad_sums())
+        {
+            self.sum_grad_buffer(&flat, Some(range))?;
         }
         let reg = self.shard_penalty()?;
         let sq = match self.shard.as_ref() {
@@ -157,7 +168,8 @@ impl Trainer {
     /// gradients.
     pub(super) fn shard_penalty(&mut self) -> Result<Option<f64>, EngineError> {
         let control_due = self.control_due();
-        let (Some(shard), Some(whole)) = (self.shard.as_ref(), self.whole.as_mut()) else {
+        let coef = self.penalty_coef();
+        let (Some(shard), Some(whole)) = (self.shard.as_ref(), self.whole_step.as_mut()) else {
             return Ok(None);
         };
         if self.reg_slots.is_empty() {
@@ -169,7 +181,6 @@ impl Trainer {
         };
         let lambda = self.scu.lambda;
         if lambda != 0.0 {
-            let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
             let a = 2.0 * lambda * coef * self.world as f64 * self.scaler.scale;
             let pieces: Vec<(&candle_core::Var, usize, usize)> = shard
                 .pieces_of(&self.reg_slots)

@@ -10,7 +10,7 @@ impl Trainer {
     /// [`Self::forward_backward`] on the whole-model CUDA step: the micro-batches run as
     /// one hand-scheduled program each, gradients accumulate in its flat fp32 buffer, and
     /// the loss comes back in one read at the end.
-    pub(super) fn forward_backward_whole(
+    pub(super) fn forward_backward_whole_step(
         &mut self,
         lambda: f64,
     ) -> candle_core::Result<(f64, f64, Vec<Tensor>, Duration, Duration)> {
@@ -19,7 +19,8 @@ impl Trainer {
         let inject_nan = self.take_nan_fault();
         let sharding = self.sharding();
         let control_due = self.control_due();
-        let Some(whole) = self.whole.as_mut() else {
+        let coef = self.penalty_coef();
+        let Some(whole) = self.whole_step.as_mut() else {
             return Err(candle_core::Error::Msg("no whole-model step".into()));
         };
         // (With partial masters the bf16 copies are the only whole weights: never cast over.)
@@ -67,7 +68,6 @@ impl Trainer {
                 // d/dw of λ·Σw²/(2σ²)/N = 2·λ·coef·w, added to the CE gradient in place
                 // (to the ranks' sum already, when the step summed: world times, as the
                 // optimizer divides the sum by the world).
-                let coef = 1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch);
                 let copies = if summed { self.world as f64 } else { 1.0 };
                 whole.add_scaled_weights(&vars, 2.0 * lambda * coef * copies * scale)?;
             }
