@@ -29,7 +29,7 @@ impl Trainer {
                     if self.sharding() {
                         w.shards = self.world;
                     }
-                    let mut step = crate::engine::kernels::GptStep::new(&w)?;
+                    let mut step = crate::engine::kernels::ModelStep::new(&w)?;
                     step.set_profiling(self.profile_kernels);
                     #[cfg(feature = "cuda")]
                     if let Some(d) = self.dist.as_mut() {

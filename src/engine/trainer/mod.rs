@@ -106,7 +106,7 @@ struct Trainer {
     step_memory: Option<u64>,
     /// The whole-model CUDA step, for GPT-2 style bf16 models (`kernels.step`); built at
     /// the first step, None where the model does not fit it (the per-op path runs then).
-    whole_step: Option<super::kernels::GptStep>,
+    whole_step: Option<super::kernels::ModelStep>,
     whole_step_tried: bool,
     /// Why a CUDA run takes the per-op path (said once, as a warning, after the first step).
     per_op_reason: Option<String>,
