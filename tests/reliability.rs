@@ -139,11 +139,72 @@ fn commands_into_a_closed_pipe_or_a_full_device_do_not_panic() {
 }
 
 /// Poll `f` until it holds, for at most a generous deadline.
-#[allow(dead_code)]
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(120);
     while !f() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+fn kill(child: &mut std::process::Child) {
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    let _ = child.wait();
+}
+
+/// Class 2: a run dir has one writer. While run A trains in D, a second fresh run and a
+/// `--resume latest` into D are refused with exit 2 naming A's PID and host; after A dies
+/// (kill -9: the OS drops its lock) a fresh run into D is refused until `--fresh`, which
+/// archives A's records instead of mixing them.
+#[test]
+fn a_run_dir_has_one_writer_and_old_records_are_archived_not_mixed() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let mut a = cockpit()
+        .args(short_run(&run, 100_000, 2))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("run A's first checkpoint", || {
+        run.join("checkpoints/latest").is_file()
+    });
+    let holder = format!("PID {}", a.id());
+    for extra in [&[][..], &["--resume", "latest"][..], &["--fresh"][..]] {
+        let o = cockpit()
+            .args(short_run(&run, 4, 2))
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(
+            err.contains(&holder) && err.contains("on host"),
+            "{extra:?}: {err}"
+        );
+    }
+    kill(&mut a);
+    let before = metrics(&run);
+    let o = cockpit().args(short_run(&run, 2, 2)).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--fresh") && err.contains("--resume"), "{err}");
+    assert_eq!(metrics(&run), before, "a refused run writes nothing");
+    let o = cockpit()
+        .args(short_run(&run, 2, 2))
+        .arg("--fresh")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let archived: Vec<PathBuf> = fs::read_dir(run.join("archive"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(archived.len(), 1);
+    assert!(fs::read_to_string(archived[0].join("metrics.jsonl"))
+        .unwrap()
+        .starts_with(&before));
+    let m = metrics(&run);
+    assert_eq!(m.matches("\"run_started\"").count(), 1, "{m}");
 }

@@ -46,6 +46,9 @@ fn worker_args(a: &TrainArgs, run_dir: &Path) -> Vec<String> {
     if let Some(r) = &a.resume {
         v.push(format!("--resume={r}"));
     }
+    if a.fresh {
+        v.push("--fresh".into());
+    }
     if a.test_run {
         v.push("--test-run".into());
     }

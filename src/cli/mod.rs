@@ -10,6 +10,7 @@ mod frontends;
 mod hf;
 mod launch;
 mod rank;
+mod run_lock;
 mod sweep;
 
 use crate::config::{self, Config, ConfigError};
@@ -331,6 +332,22 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     if let Err(code) = fit::resolve_auto(&mut cfg, device, resume.as_deref(), several) {
         return Ok(code);
     }
+    // (a rank checks its own dir below, under the lock: rank 0 may be writing here already)
+    if plan.topology.is_none() {
+        if let Err(e) = run_lock::probe(&run_dir) {
+            crate::errln!("cockpit: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    }
+    if plan.topology.is_none() && resume.is_none() && !a.fresh && run_lock::holds_records(&run_dir)
+    {
+        crate::errln!(
+            "cockpit: {} holds another run's records: resume it with --resume, or start over with --fresh (which archives them under {}/)",
+            run_dir.display(),
+            run_dir.join(run_lock::ARCHIVE_DIR).display()
+        );
+        return Ok(EXIT_USAGE);
+    }
     if plan.launching {
         std::fs::create_dir_all(&run_dir)
             .with_context(|| format!("creating the run dir {}", run_dir.display()))?;
@@ -356,6 +373,29 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let fresh_dir = !own_dir.exists();
     std::fs::create_dir_all(&own_dir)
         .with_context(|| format!("creating the run dir {}", own_dir.display()))?;
+    // One writer per run dir, for the run's life (the OS releases it however we end).
+    let _run_lock = match run_lock::lock(&own_dir) {
+        Ok(l) => l,
+        Err(e) => {
+            crate::errln!("cockpit: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    };
+    if resume.is_none() && run_lock::holds_records(&own_dir) {
+        if !a.fresh {
+            crate::errln!(
+                "cockpit: {} holds another run's records: resume it with --resume, or start over with --fresh",
+                own_dir.display()
+            );
+            return Ok(EXIT_USAGE);
+        }
+        let to = run_lock::archive_records(&own_dir)
+            .with_context(|| format!("archiving the records in {}", own_dir.display()))?;
+        crate::errln!(
+            "cockpit: --fresh: the earlier run's records moved to {}",
+            to.display()
+        );
+    }
     init_logging(&own_dir);
     tracing::info!(run_dir = %run_dir.display(), rank, "starting");
     let engine = match Engine::spawn(EngineOptions {
