@@ -396,6 +396,8 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
             to.display()
         );
     }
+    // what a killed run left half-written (we hold the lock: no one else is saving)
+    checkpoint::remove_leftovers(&own_dir.join("checkpoints"));
     init_logging(&own_dir);
     tracing::info!(run_dir = %run_dir.display(), rank, "starting");
     let engine = match Engine::spawn(EngineOptions {

@@ -124,10 +124,110 @@ pub fn save(
     remove_leftovers(root);
     let name = step_dir_name(state.step);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    let attempt = || {
+        let r = write_step_dir(&tmp, state, model, optim, val_loss);
+        if r.is_err() {
+            // a half-written copy would hold the last free bytes
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        r
+    };
+    let total = match attempt() {
+        // Out of space: make room by rotating the oldest checkpoint, then once more.
+        Err(e) if out_of_space(&e) && rotate_oldest(root) => attempt()?,
+        r => r?,
+    };
+    let dest = root.join(&name);
+    if dest.exists() {
+        // Same step saved twice (e.g. "checkpoint now" then the end of the run): replace it.
+        let old = root.join(format!(".old-{name}-{}", std::process::id()));
+        std::fs::rename(&dest, &old).map_err(io(&dest))?;
+        std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    sync_dir(root).map_err(io(root))?;
+    atomic_write(&root.join(LATEST), name.as_bytes()).map_err(io(root))?;
+    if keep_best {
+        if let Some(v) = val_loss {
+            let best = read_best(root);
+            if best.as_ref().is_none_or(|(_, b)| v < *b) {
+                let _ = atomic_write(&root.join("best"), format!("{name} {v}").as_bytes());
+            }
+        }
+    }
+    prune(root, keep_last);
+    Ok((dest, total))
+}
+
+/// Whether a save failed for want of space (a full disk, a quota).
+fn out_of_space(e: &CheckpointError) -> bool {
+    match e {
+        CheckpointError::Io { source, .. } => {
+            matches!(
+                source.raw_os_error(),
+                Some(libc::ENOSPC) | Some(libc::EDQUOT)
+            )
+        }
+        // the safetensors writer's errors arrive as text
+        CheckpointError::Tensor(m) => {
+            m.contains("os error 28") || m.contains("os error 122") || m.contains("No space left")
+        }
+        _ => false,
+    }
+}
+
+/// Remove the oldest step dir that is neither `latest` nor `best` (manifest first); false
+/// when there is none to remove.
+fn rotate_oldest(root: &Path) -> bool {
+    let best = read_best(root).map(|(n, _)| n);
+    let latest = std::fs::read_to_string(root.join(LATEST)).ok();
+    let oldest = list(root).into_iter().find(|dir| {
+        let name = dir_name(dir);
+        Some(&name) != best.as_ref() && Some(name.as_str()) != latest.as_deref().map(str::trim)
+    });
+    match oldest {
+        Some(dir) => {
+            tracing::warn!(
+                "checkpoint: out of space; removing the oldest checkpoint {} to make room",
+                dir.display()
+            );
+            remove_step_dir(&dir);
+            true
+        }
+        None => false,
+    }
+}
+
+fn dir_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Delete a step dir manifest first: a dir cut short (kill -9 mid-delete) then holds no
+/// manifest, so nothing takes it for a checkpoint.
+fn remove_step_dir(dir: &Path) {
+    let manifest = dir.join("manifest.json");
+    if std::fs::remove_file(&manifest).is_ok() {
+        let _ = sync_dir(dir);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Write the checkpoint's files into `tmp` (created fresh); returns their total size.
+fn write_step_dir(
+    tmp: &Path,
+    state: &TrainState,
+    model: &[(String, Tensor)],
+    optim: &[(String, Tensor)],
+    val_loss: Option<f64>,
+) -> Result<u64, CheckpointError> {
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).map_err(io(tmp))?;
+    }
+    std::fs::create_dir_all(tmp).map_err(io(tmp))?;
     write_safetensors(&tmp.join("model.safetensors"), model)?;
     write_safetensors(&tmp.join("optim.safetensors"), optim)?;
     let state_json =
@@ -164,29 +264,8 @@ pub fn save(
     File::create(&mp)
         .and_then(|mut f| f.write_all(&text).and_then(|_| f.sync_all()))
         .map_err(io(&mp))?;
-    sync_dir(&tmp).map_err(io(&tmp))?;
-    let dest = root.join(&name);
-    if dest.exists() {
-        // Same step saved twice (e.g. "checkpoint now" then the end of the run): replace it.
-        let old = root.join(format!(".old-{name}-{}", std::process::id()));
-        std::fs::rename(&dest, &old).map_err(io(&dest))?;
-        std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
-        let _ = std::fs::remove_dir_all(&old);
-    } else {
-        std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
-    }
-    sync_dir(root).map_err(io(root))?;
-    atomic_write(&root.join(LATEST), name.as_bytes()).map_err(io(root))?;
-    if keep_best {
-        if let Some(v) = val_loss {
-            let best = read_best(root);
-            if best.as_ref().is_none_or(|(_, b)| v < *b) {
-                let _ = atomic_write(&root.join("best"), format!("{name} {v}").as_bytes());
-            }
-        }
-    }
-    prune(root, keep_last);
-    Ok((dest, total))
+    sync_dir(tmp).map_err(io(tmp))?;
+    Ok(total)
 }
 
 /// The checkpoint with the best validation loss under `root` (a checkpoints dir), and that
@@ -197,15 +276,22 @@ pub fn best(root: &Path) -> Option<(PathBuf, f64)> {
     dir.join("manifest.json").is_file().then_some((dir, v))
 }
 
-/// Half-written checkpoints of a process that was killed while saving (`.tmp-…`, `.old-…`):
-/// never pointed at by `latest`, so they are discarded.
-fn remove_leftovers(root: &Path) {
+/// What a process killed while saving leaves behind: half-written checkpoints (`.tmp-…`,
+/// `.old-…`), never pointed at by `latest`, pointer files never renamed into place
+/// (`.latest.tmp-PID`, `.best.tmp-PID`), and step dirs whose deletion was cut short. Removed at the start of a run (under its run-dir
+/// lock) and before each save.
+pub fn remove_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if name.starts_with(".tmp-step-") || name.starts_with(".old-step-") {
+            let _ = std::fs::remove_dir_all(e.path());
+        } else if name.starts_with(".latest.tmp-") || name.starts_with(".best.tmp-") {
+            let _ = std::fs::remove_file(e.path());
+        } else if name.starts_with("step-") && !e.path().join("manifest.json").exists() {
+            // a rotation cut short after its manifest went (step dirs appear whole, by rename)
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
@@ -240,15 +326,12 @@ fn prune(root: &Path, keep_last: usize) {
     let all = list(root);
     let n = all.len();
     for (i, dir) in all.into_iter().enumerate() {
-        let name = dir
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        let name = dir_name(&dir);
         let keep = i + keep_last.max(1) >= n
             || Some(&name) == best.as_ref()
-            || Some(name.as_str()) == latest.as_deref();
+            || Some(name.as_str()) == latest.as_deref().map(str::trim);
         if !keep {
-            let _ = std::fs::remove_dir_all(&dir);
+            remove_step_dir(&dir);
         }
     }
 }
