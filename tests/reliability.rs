@@ -147,10 +147,21 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn kill(child: &mut std::process::Child) {
-    // SAFETY: a signal to our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
-    let _ = child.wait();
+/// A child process killed (SIGKILL) when dropped, so a failing test leaves no run behind.
+struct Killed(std::process::Child);
+
+impl Killed {
+    fn kill(&mut self) {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }
 
 /// Class 2: a run dir has one writer. While run A trains in D, a second fresh run and a
@@ -161,16 +172,18 @@ fn kill(child: &mut std::process::Child) {
 fn a_run_dir_has_one_writer_and_old_records_are_archived_not_mixed() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    let mut a = cockpit()
-        .args(short_run(&run, 100_000, 2))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut a = Killed(
+        cockpit()
+            .args(short_run(&run, 100_000, 2))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     wait_for("run A's first checkpoint", || {
         run.join("checkpoints/latest").is_file()
     });
-    let holder = format!("PID {}", a.id());
+    let holder = format!("PID {}", a.0.id());
     for extra in [&[][..], &["--resume", "latest"][..], &["--fresh"][..]] {
         let o = cockpit()
             .args(short_run(&run, 4, 2))
@@ -184,7 +197,7 @@ fn a_run_dir_has_one_writer_and_old_records_are_archived_not_mixed() {
             "{extra:?}: {err}"
         );
     }
-    kill(&mut a);
+    a.kill();
     let before = metrics(&run);
     let o = cockpit().args(short_run(&run, 2, 2)).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
@@ -207,4 +220,44 @@ fn a_run_dir_has_one_writer_and_old_records_are_archived_not_mixed() {
         .starts_with(&before));
     let m = metrics(&run);
     assert_eq!(m.matches("\"run_started\"").count(), 1, "{m}");
+}
+
+/// Class 3: records are whole or absent. A torn last record (a crash or a full disk
+/// mid-write) is cut, and reported, before a resumed run appends; every line then decodes
+/// and `plot` reads the file.
+#[test]
+fn a_resume_cuts_a_torn_last_record_before_appending() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let o = cockpit().args(short_run(&run, 2, 2)).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let mut f = OpenOptions::new()
+        .append(true)
+        .open(run.join("metrics.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut f, br#"{"event":"step","step":3,"lo"#).unwrap();
+    drop(f);
+    let o = cockpit()
+        .args(short_run(&run, 4, 2))
+        .args(["--resume", "latest"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let m = metrics(&run);
+    assert!(m.ends_with('\n'));
+    for (i, line) in m.lines().enumerate() {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "line {}: {line}",
+            i + 1
+        );
+    }
+    assert!(m.contains("cut a torn last record"), "{m}");
+    let o = cockpit()
+        .arg("plot")
+        .arg(&run)
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
 }
