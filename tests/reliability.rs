@@ -261,3 +261,70 @@ fn a_resume_cuts_a_torn_last_record_before_appending() {
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
 }
+
+/// Class 5 and 7: a learning rate or λ outside any sane range, and sizes that could only
+/// exhaust memory, are config errors naming the key; a checkpoint holding NaN weights (written
+/// before saves were checked) is refused, never restored.
+#[test]
+fn insane_values_are_config_errors_and_a_nan_checkpoint_is_never_restored() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    for (set, key) in [
+        ("optim.lr=1e300", "optim.lr"),
+        ("scu.lambda_max=1e300", "scu.lambda_max"),
+        ("data.builtin_tokens=1000000000000", "data.builtin_tokens"),
+        ("lora.r=1000000000000", "lora.r"),
+    ] {
+        let o = cockpit()
+            .args(short_run(&run, 2, 2))
+            .args(["--set", set])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{set}: {err}");
+        assert!(err.contains(key), "{set}: {err}");
+    }
+    assert!(!run.join("metrics.jsonl").exists(), "nothing was written");
+    let o = cockpit().args(short_run(&run, 2, 2)).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    // poison the checkpoint as a diverged run of an older build would have saved it
+    let step = run.join("checkpoints/step-00000002");
+    let model = step.join("model.safetensors");
+    let dev = candle_core::Device::Cpu;
+    let mut tensors = candle_core::safetensors::load(&model, &dev).unwrap();
+    let (name, t) = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .next()
+        .unwrap();
+    let nan = (t.ones_like().unwrap() * f64::NAN).unwrap();
+    tensors.insert(name, nan);
+    candle_core::safetensors::save(&tensors, &model).unwrap();
+    let bytes = fs::read(&model).unwrap();
+    let mpath = step.join("manifest.json");
+    let mut manifest: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&mpath).unwrap()).unwrap();
+    for f in manifest["files"].as_array_mut().unwrap() {
+        if f["name"] == "model.safetensors" {
+            f["bytes"] = bytes.len().into();
+            f["sha256"] = sha256_hex(&bytes).into();
+        }
+    }
+    fs::write(&mpath, serde_json::to_vec(&manifest).unwrap()).unwrap();
+    let o = cockpit()
+        .args(short_run(&run, 4, 2))
+        .args(["--resume", "latest"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("non-finite"), "{err}");
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}

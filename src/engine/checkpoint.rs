@@ -26,6 +26,43 @@ pub enum CheckpointError {
     Mismatch { path: String, message: String },
     #[error("{0}")]
     Tensor(String),
+    /// Weights or optimizer state holding NaN or ±inf: never written, never loaded.
+    #[error("{what} tensor {tensor} holds non-finite values (NaN or inf): the run diverged; not saved (lower optim.lr)")]
+    NonFinite { what: &'static str, tensor: String },
+}
+
+/// The first tensor (by name) holding a NaN or ±inf. A float tensor's sum is non-finite
+/// exactly when one of its values is (summed in f32: no overflow at any sane weight scale).
+pub fn first_non_finite<'a>(
+    tensors: impl IntoIterator<Item = (&'a String, &'a Tensor)>,
+) -> Result<Option<String>, CheckpointError> {
+    use candle_core::DType;
+    let terr = |e: candle_core::Error| CheckpointError::Tensor(e.to_string());
+    for (name, t) in tensors {
+        let sum = match t.dtype() {
+            DType::F32 => t.sum_all().map_err(terr)?,
+            DType::F16 | DType::BF16 | DType::F64 => t
+                .to_dtype(DType::F32)
+                .and_then(|t| t.sum_all())
+                .map_err(terr)?,
+            _ => continue,
+        };
+        if !sum.to_scalar::<f32>().map_err(terr)?.is_finite() {
+            return Ok(Some(name.clone()));
+        }
+    }
+    Ok(None)
+}
+
+/// Refuse non-finite model weights or optimizer state.
+fn ensure_finite<'a>(
+    what: &'static str,
+    tensors: impl IntoIterator<Item = (&'a String, &'a Tensor)>,
+) -> Result<(), CheckpointError> {
+    match first_non_finite(tensors)? {
+        Some(tensor) => Err(CheckpointError::NonFinite { what, tensor }),
+        None => Ok(()),
+    }
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -118,6 +155,11 @@ pub fn save(
     keep_last: usize,
     keep_best: bool,
 ) -> Result<(PathBuf, u64), CheckpointError> {
+    // A diverged run's state is never a checkpoint (so never `latest`, never `best`, never
+    // what recovery restores).
+    ensure_finite("model", model.iter().map(|(n, t)| (n, t)))?;
+    ensure_finite("optimizer", optim.iter().map(|(n, t)| (n, t)))?;
+    let val_loss_best = val_loss.filter(|v| v.is_finite());
     // A second Ctrl+C while this runs waits for it: the checkpoint is committed whole.
     let _commit = crate::process::CommitGuard::begin();
     std::fs::create_dir_all(root).map_err(io(root))?;
@@ -150,7 +192,7 @@ pub fn save(
     sync_dir(root).map_err(io(root))?;
     atomic_write(&root.join(LATEST), name.as_bytes()).map_err(io(root))?;
     if keep_best {
-        if let Some(v) = val_loss {
+        if let Some(v) = val_loss_best {
             let best = read_best(root);
             if best.as_ref().is_none_or(|(_, b)| v < *b) {
                 let _ = atomic_write(&root.join("best"), format!("{name} {v}").as_bytes());
@@ -300,7 +342,9 @@ pub fn remove_leftovers(root: &Path) {
 fn read_best(root: &Path) -> Option<(String, f64)> {
     let text = std::fs::read_to_string(root.join("best")).ok()?;
     let (name, v) = text.trim().split_once(' ')?;
-    Some((name.to_string(), v.parse().ok()?))
+    let v: f64 = v.parse().ok()?;
+    // a NaN "best" (written before non-finite checks) is no best
+    v.is_finite().then(|| (name.to_string(), v))
 }
 
 /// Step dirs under root, oldest first.
@@ -407,10 +451,85 @@ pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
             message: e.to_string(),
         })
     };
+    let model = read("model.safetensors")?;
+    let optim = read("optim.safetensors")?;
+    // written before saves were checked: refused rather than restored
+    let non_finite = |what: &str, e: CheckpointError| CheckpointError::Corrupt {
+        path: dir.display().to_string(),
+        message: format!("{what}: {e}"),
+    };
+    ensure_finite("model", &model).map_err(|e| non_finite("model.safetensors", e))?;
+    ensure_finite("optimizer", &optim).map_err(|e| non_finite("optim.safetensors", e))?;
     Ok(Loaded {
         dir: dir.to_path_buf(),
         state,
-        model: read("model.safetensors")?,
-        optim: read("optim.safetensors")?,
+        model,
+        optim,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(v: &[f32]) -> Vec<(String, Tensor)> {
+        let t = Tensor::new(v, &Device::Cpu).unwrap();
+        vec![
+            (
+                "ok".to_string(),
+                Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap(),
+            ),
+            (
+                "w".to_string(),
+                t.to_dtype(candle_core::DType::BF16).unwrap(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn non_finite_tensors_are_found_by_name() {
+        let finite = named(&[1.0, -3.0e30]);
+        assert_eq!(
+            first_non_finite(finite.iter().map(|(n, t)| (n, t))).unwrap(),
+            None
+        );
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let v = named(&[1.0, bad]);
+            assert_eq!(
+                first_non_finite(v.iter().map(|(n, t)| (n, t))).unwrap(),
+                Some("w".to_string())
+            );
+            let e = ensure_finite("model", v.iter().map(|(n, t)| (n, t))).unwrap_err();
+            assert!(e.to_string().contains("non-finite"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_nan_best_is_no_best() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("best"), "step-00000001 NaN").unwrap();
+        assert_eq!(read_best(dir.path()), None);
+    }
+
+    #[test]
+    fn rotation_leftovers_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        for d in [".tmp-step-00000002-9", "step-00000001"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        // a rotation cut short: the payload half gone, the manifest already gone
+        std::fs::write(root.join("step-00000001/model.safetensors"), b"x").unwrap();
+        std::fs::create_dir_all(root.join("step-00000003")).unwrap();
+        std::fs::write(root.join("step-00000003/manifest.json"), b"{}").unwrap();
+        std::fs::write(root.join(".latest.tmp-77"), b"step-00000003").unwrap();
+        remove_leftovers(root);
+        let left: Vec<String> = std::fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, vec!["step-00000003".to_string()]);
+        remove_step_dir(&root.join("step-00000003"));
+        assert!(!root.join("step-00000003").exists());
+    }
 }
