@@ -96,6 +96,28 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     sync_dir(dir)
 }
 
+/// Read a small text file that must be a regular file of at most `max` bytes: a FIFO, a
+/// device or a directory is refused at once instead of blocking (or reading forever).
+pub fn read_regular_file(path: &Path, max: u64) -> std::io::Result<String> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, a device or a directory?)",
+        ));
+    }
+    if meta.len() > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{} bytes: larger than the {max} bytes allowed here",
+                meta.len()
+            ),
+        ));
+    }
+    std::fs::read_to_string(path)
+}
+
 /// fsync a directory (after a rename in it, so that the rename survives a crash).
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()

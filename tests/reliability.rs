@@ -328,3 +328,42 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+/// Class 7: a config path or a checkpoint's `latest` that is a FIFO is refused at once
+/// (exit 2 naming it), not a process blocked forever.
+#[test]
+fn a_fifo_for_a_config_or_latest_is_refused_not_a_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("config.toml");
+    let c = std::ffi::CString::new(fifo.display().to_string()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let o = cockpit()
+        .args(["train", "--no-tui"])
+        .arg(&fifo)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("config.toml") && err.contains("regular file"),
+        "{err}"
+    );
+    let run = dir.path().join("run");
+    fs::create_dir_all(run.join("checkpoints")).unwrap();
+    let latest =
+        std::ffi::CString::new(run.join("checkpoints/latest").display().to_string()).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::mkfifo(latest.as_ptr(), 0o600) }, 0);
+    let o = cockpit()
+        .args(short_run(&run, 2, 2))
+        .args(["--resume", "latest"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("latest") && err.contains("regular file"),
+        "{err}"
+    );
+}

@@ -131,6 +131,12 @@ pub fn step_dir_name(step: u64) -> String {
 }
 
 fn sha256_file(path: &Path) -> Result<(u64, String), CheckpointError> {
+    if !path.is_file() {
+        return Err(CheckpointError::Corrupt {
+            path: path.display().to_string(),
+            message: "missing, or not a regular file".into(),
+        });
+    }
     let bytes = std::fs::read(path).map_err(io(path))?;
     Ok((bytes.len() as u64, hex(&Sha256::digest(&bytes))))
 }
@@ -224,7 +230,7 @@ fn out_of_space(e: &CheckpointError) -> bool {
 /// when there is none to remove.
 fn rotate_oldest(root: &Path) -> bool {
     let best = read_best(root).map(|(n, _)| n);
-    let latest = std::fs::read_to_string(root.join(LATEST)).ok();
+    let latest = crate::util::read_regular_file(&root.join(LATEST), 4096).ok();
     let oldest = list(root).into_iter().find(|dir| {
         let name = dir_name(dir);
         Some(&name) != best.as_ref() && Some(name.as_str()) != latest.as_deref().map(str::trim)
@@ -340,7 +346,7 @@ pub fn remove_leftovers(root: &Path) {
 }
 
 fn read_best(root: &Path) -> Option<(String, f64)> {
-    let text = std::fs::read_to_string(root.join("best")).ok()?;
+    let text = crate::util::read_regular_file(&root.join("best"), 4096).ok()?;
     let (name, v) = text.trim().split_once(' ')?;
     let v: f64 = v.parse().ok()?;
     // a NaN "best" (written before non-finite checks) is no best
@@ -366,7 +372,7 @@ pub fn list(root: &Path) -> Vec<PathBuf> {
 
 fn prune(root: &Path, keep_last: usize) {
     let best = read_best(root).map(|(n, _)| n);
-    let latest = std::fs::read_to_string(root.join(LATEST)).ok();
+    let latest = crate::util::read_regular_file(&root.join(LATEST), 4096).ok();
     let all = list(root);
     let n = all.len();
     for (i, dir) in all.into_iter().enumerate() {
@@ -387,7 +393,13 @@ pub fn resolve(spec: &Path) -> Result<PathBuf, CheckpointError> {
     }
     for root in [spec.to_path_buf(), spec.join("checkpoints")] {
         let latest = root.join(LATEST);
-        if let Ok(name) = std::fs::read_to_string(&latest) {
+        if latest.exists() && !latest.is_file() {
+            return Err(CheckpointError::Corrupt {
+                path: latest.display().to_string(),
+                message: "not a regular file (a FIFO, a device or a directory?)".into(),
+            });
+        }
+        if let Ok(name) = crate::util::read_regular_file(&latest, 4096) {
             let dir = root.join(name.trim());
             if dir.join("manifest.json").is_file() {
                 return Ok(dir);
@@ -408,17 +420,16 @@ pub fn resolve(spec: &Path) -> Result<PathBuf, CheckpointError> {
 /// A checkpoint's `state.json` alone (no tensors, no checksums).
 pub fn read_state(dir: &Path) -> Result<TrainState, CheckpointError> {
     let sp = dir.join("state.json");
-    serde_json::from_str(&std::fs::read_to_string(&sp).map_err(io(&sp))?).map_err(|e| {
-        CheckpointError::Corrupt {
-            path: sp.display().to_string(),
-            message: e.to_string(),
-        }
+    let text = crate::util::read_regular_file(&sp, 1 << 30).map_err(io(&sp))?;
+    serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
+        path: sp.display().to_string(),
+        message: e.to_string(),
     })
 }
 
 pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
     let mp = dir.join("manifest.json");
-    let text = std::fs::read_to_string(&mp).map_err(io(&mp))?;
+    let text = crate::util::read_regular_file(&mp, 1 << 20).map_err(io(&mp))?;
     let manifest: CkptManifest =
         serde_json::from_str(&text).map_err(|e| CheckpointError::Corrupt {
             path: mp.display().to_string(),
