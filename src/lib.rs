@@ -15,6 +15,7 @@ pub mod headless;
 pub mod monitor;
 pub mod process;
 pub mod report;
+pub mod stdio;
 pub mod telemetry;
 pub mod tui;
 pub mod util;

@@ -85,13 +85,37 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
+    let written = File::create(&tmp)
+        .and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        // no leftover holding the last free bytes
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
-    std::fs::rename(&tmp, path)?;
     sync_dir(dir)
+}
+
+/// Read a small text file that must be a regular file of at most `max` bytes: a FIFO, a
+/// device or a directory is refused at once instead of blocking (or reading forever).
+pub fn read_regular_file(path: &Path, max: u64) -> std::io::Result<String> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, a device or a directory?)",
+        ));
+    }
+    if meta.len() > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{} bytes: larger than the {max} bytes allowed here",
+                meta.len()
+            ),
+        ));
+    }
+    std::fs::read_to_string(path)
 }
 
 /// fsync a directory (after a rename in it, so that the rename survives a crash).

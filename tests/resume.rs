@@ -366,11 +366,14 @@ fn kill_9_during_checkpoint_writes_never_breaks_latest() {
         } else {
             vec![]
         };
+        // killed before its first checkpoint: its records are archived, the run starts over
+        let fresh = resume.is_empty().then_some("--fresh");
         let mut child = Proc::new(env!("CARGO_BIN_EXE_cockpit"))
             .args(["train", "--no-tui", "--run-dir"])
             .arg(dir.path())
             .args(&resume)
             .args(resume.iter().map(|_| dir.path().display().to_string()))
+            .args(fresh)
             .args(
                 small_sets()
                     .chain([

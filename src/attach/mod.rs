@@ -205,15 +205,15 @@ impl Default for AttachOptions {
 /// run went away without finishing.
 pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
     if !run_dir.is_dir() {
-        eprintln!("cockpit attach: {}: not a directory", run_dir.display());
+        crate::errln!("cockpit attach: {}: not a directory", run_dir.display());
         return Ok(EXIT_USAGE);
     }
     let attached = match open(run_dir, opts.allow_stop) {
         Ok(a) => a,
         Err(e) if e.is_no_live_run() => {
-            eprintln!("cockpit attach: {e}");
+            crate::errln!("cockpit attach: {e}");
             if !run_dir.join(crate::report::METRICS_FILE).is_file() {
-                eprintln!(
+                crate::errln!(
                     "  (there is no {} either: is {} a run directory?)",
                     crate::report::METRICS_FILE,
                     run_dir.display()
@@ -222,7 +222,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
             return Ok(EXIT_USAGE);
         }
         Err(e) => {
-            eprintln!("cockpit attach: {e}");
+            crate::errln!("cockpit attach: {e}");
             return Ok(EXIT_FAILURE);
         }
     };
@@ -231,7 +231,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
     }
     let live = attached.hello.clone();
     match &live {
-        Some(h) => eprintln!(
+        Some(h) => crate::errln!(
             "attached to {} (pid {}): {} events of history{}",
             h.run_dir,
             h.pid,
@@ -242,7 +242,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
                 "; leaving never stops the run"
             }
         ),
-        None => eprintln!(
+        None => crate::errln!(
             "{}: the run has finished; replaying it read-only",
             run_dir.display()
         ),
@@ -288,7 +288,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
                 &SignalFlags::default(),
                 opts.log_every,
                 headless::Output {
-                    out: &mut io::stderr(),
+                    out: &mut crate::stdio::BestEffort::stderr(),
                     hangup_log: None,
                     run: None,
                 },
@@ -300,7 +300,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
     Ok(match (finished, live) {
         (Some(Some(_)), _) => EXIT_OK,
         (Some(None), Some(h)) => {
-            eprintln!(
+            crate::errln!(
                 "detached from {}; the run goes on (pid {})",
                 run_dir.display(),
                 h.pid
@@ -309,7 +309,7 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
         }
         (Some(None), None) => EXIT_OK,
         (None, _) => {
-            eprintln!(
+            crate::errln!(
                 "cockpit attach: {}: the control socket closed before the run finished; the run may have been killed",
                 run_dir.display()
             );

@@ -233,6 +233,10 @@ pub struct TrainArgs {
     /// Resume: `latest` (newest run of this config's name) or a run/checkpoint path.
     #[arg(long, value_name = "latest|PATH", num_args = 0..=1, default_missing_value = "latest")]
     pub resume: Option<String>,
+    /// Start over in a --run-dir that holds an earlier run's records: they move to
+    /// RUN_DIR/archive/<timestamp>/ (nothing is deleted).
+    #[arg(long, conflicts_with = "resume")]
+    pub fresh: bool,
     /// A few steps through every stage (data, forward/backward, eval, checkpoint, SCU); exit 0 when the pipeline works.
     #[arg(long)]
     pub test_run: bool,

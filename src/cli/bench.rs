@@ -357,32 +357,32 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
             }
             steps.push(s);
         }
-        Event::Warning { message, .. } => eprintln!("cockpit bench: {message}"),
+        Event::Warning { message, .. } => crate::errln!("cockpit bench: {message}"),
         _ => {}
     });
     let joined = engine.thread.wait();
     let _ = std::fs::remove_dir_all(&run_dir);
     joined?;
     if let Some(m) = failure {
-        eprintln!("cockpit bench: the run did not complete: {m}");
+        crate::errln!("cockpit bench: the run did not complete: {m}");
         return Ok(EXIT_FAILURE);
     }
     let (Some(info), false) = (info, steps.is_empty()) else {
-        eprintln!(
+        crate::errln!(
             "cockpit bench: no timed steps (warm-up {} of {total})",
             a.warmup
         );
         return Ok(EXIT_FAILURE);
     };
     let report = summarize(&info, a.warmup, &steps);
-    println!("{report}");
+    crate::outln!("{report}");
     let soaked = if a.soak {
         soak(a.warmup, &trace)
     } else {
         Vec::new()
     };
     for s in &soaked {
-        println!("{s}");
+        crate::outln!("{s}");
     }
     if let Some(p) = a.json {
         let mut value = serde_json::to_value(&report)?;
@@ -393,14 +393,14 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
     }
     if a.soak && soaked.is_empty() {
-        eprintln!(
+        crate::errln!(
             "cockpit bench: --soak: too few steps after the warm-up to judge memory (at least {} needed)",
             crate::advisor::trend::WARMUP_STEPS + 2
         );
         return Ok(EXIT_FAILURE);
     }
     if soaked.iter().any(|s| s.leak) {
-        eprintln!("cockpit bench: memory grows step after step: a leak (see the soak lines)");
+        crate::errln!("cockpit bench: memory grows step after step: a leak (see the soak lines)");
         return Ok(EXIT_FAILURE);
     }
     Ok(EXIT_OK)
@@ -426,17 +426,17 @@ fn data_parallel(a: &BenchArgs, overrides: Vec<String>) -> anyhow::Result<i32> {
     let _ = std::fs::remove_dir_all(&run_dir);
     let code = code?;
     if code != EXIT_OK {
-        eprintln!("cockpit bench: the data-parallel run failed (exit code {code})");
+        crate::errln!("cockpit bench: the data-parallel run failed (exit code {code})");
         return Ok(code);
     }
     let (info, steps) = events?;
     let timed: Vec<StepStats> = steps.into_iter().filter(|s| s.step > a.warmup).collect();
     let Some(info) = info.filter(|_| !timed.is_empty()) else {
-        eprintln!("cockpit bench: the data-parallel run recorded no timed steps");
+        crate::errln!("cockpit bench: the data-parallel run recorded no timed steps");
         return Ok(EXIT_FAILURE);
     };
     let report = summarize(&info, a.warmup, &timed);
-    println!("{report}");
+    crate::outln!("{report}");
     if let Some(p) = a.json {
         let text = serde_json::to_string_pretty(&report)?;
         std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
@@ -464,16 +464,16 @@ fn read_events(path: &Path) -> anyhow::Result<(Option<RunInfo>, Vec<StepStats>)>
 /// longer evaluation batches need some room).
 fn find_batch(cfg: &config::Config, device: crate::util::DeviceSpec) -> anyhow::Result<i32> {
     if !fit::has_cuda(device) {
-        eprintln!("cockpit bench --find-batch: needs a CUDA device (host memory is not what limits the batch on the CPU)");
+        crate::errln!("cockpit bench --find-batch: needs a CUDA device (host memory is not what limits the batch on the CPU)");
         return Ok(crate::process::EXIT_USAGE);
     }
-    let report = |mb: usize, t: &fit::Trial| println!("{}", fit::describe(mb, t));
+    let report = |mb: usize, t: &fit::Trial| crate::outln!("{}", fit::describe(mb, t));
     let Some((good, at_limit)) = fit::largest(cfg, device, report)? else {
-        eprintln!("cockpit bench: micro-batch 1 does not fit this device (shorter model.seq_len, model.recompute = \"full\", or LoRA)");
+        crate::errln!("cockpit bench: micro-batch 1 does not fit this device (shorter model.seq_len, model.recompute = \"full\", or LoRA)");
         return Ok(EXIT_FAILURE);
     };
     let margin = fit::with_margin(good);
-    println!(
+    crate::outln!(
         "largest micro-batch that fits: {good}{}; with a 10% margin: optim.micro_batch = {margin}",
         if at_limit {
             format!(" (the limit, {})", fit::LIMIT)

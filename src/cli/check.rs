@@ -41,14 +41,14 @@ pub fn run() -> anyhow::Result<i32> {
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    println!(
+    crate::outln!(
         "cockpit {} — requirements report",
         env!("CARGO_PKG_VERSION")
     );
-    println!("  OS        {}", os_name());
-    println!("  CPU       {cores} cores available");
+    crate::outln!("  OS        {}", os_name());
+    crate::outln!("  CPU       {cores} cores available");
     let h = &snap.host;
-    println!(
+    crate::outln!(
         "  RAM       {} GB total, {} GB in use",
         gb(h.ram_total_bytes),
         gb(h.ram_used_bytes)
@@ -61,7 +61,7 @@ pub fn run() -> anyhow::Result<i32> {
     .filter(|(_, on)| *on)
     .map(|(n, _)| *n)
     .collect();
-    println!(
+    crate::outln!(
         "  features  cpu engine, tui, nvml telemetry{}",
         features
             .iter()
@@ -73,11 +73,11 @@ pub fn run() -> anyhow::Result<i32> {
     // NVML: what the driver reports (works without the cuda feature).
     match &snap.gpu_notice {
         Some(n) if snap.gpus.is_empty() => {
-            println!("  NVML      unavailable: {n}");
+            crate::outln!("  NVML      unavailable: {n}");
             missing.push("GPU telemetry: install the NVIDIA driver (it ships libnvidia-ml.so.1) on a machine with an NVIDIA GPU".to_string());
         }
         _ => {
-            println!(
+            crate::outln!(
                 "  NVML      ok, {} GPU(s){}",
                 snap.gpus.len(),
                 driver_versions()
@@ -90,7 +90,7 @@ pub fn run() -> anyhow::Result<i32> {
                 let dtype = precision::choose(crate::config::DType::Auto, g.compute_capability)
                     .map(|(d, _)| precision::dtype_name(d))
                     .unwrap_or("f32");
-                println!(
+                crate::outln!(
                     "    GPU{} {} | {cc} | {} GB | would train in {dtype}",
                     g.index,
                     g.name,
@@ -107,35 +107,35 @@ pub fn run() -> anyhow::Result<i32> {
                 let cc = device::compute_capability(&dev);
                 let (dtype, why) = precision::choose(crate::config::DType::Auto, cc)
                     .unwrap_or((candle_core::DType::F32, "fp32".into()));
-                println!(
+                crate::outln!(
                     "  CUDA      {} | dtype {} — {why}",
                     device::describe(&dev),
                     precision::dtype_name(dtype)
                 );
                 if let Some(note) = crate::engine::kernels::build_note(&dev) {
-                    println!("            {note}");
+                    crate::outln!("            {note}");
                 }
             }
             Err(e) => {
-                println!("  CUDA      built in, but no usable device: {e}");
+                crate::outln!("  CUDA      built in, but no usable device: {e}");
                 missing.push("a CUDA device: check `nvidia-smi` and the driver".into());
             }
         }
     } else {
-        println!("  CUDA      not built in: training runs on the CPU in fp32");
+        crate::outln!("  CUDA      not built in: training runs on the CPU in fp32");
         missing.push("GPU training: rebuild with `cargo build --release --features cuda` (needs the CUDA toolkit, nvcc on PATH)".into());
     }
     let (dtype, why) = precision::choose(crate::config::DType::Auto, None)
         .unwrap_or((candle_core::DType::F32, String::new()));
     if !cfg!(feature = "cuda") {
-        println!("  dtype     {} — {why}", precision::dtype_name(dtype));
+        crate::outln!("  dtype     {} — {why}", precision::dtype_name(dtype));
     }
     if missing.is_empty() {
-        println!("\nall set.");
+        crate::outln!("\nall set.");
     } else {
-        println!("\nmissing:");
+        crate::outln!("\nmissing:");
         for m in missing {
-            println!("  - {m}");
+            crate::outln!("  - {m}");
         }
     }
     Ok(0)

@@ -157,7 +157,7 @@ pub fn resolve_auto(
         return Ok(());
     }
     if several_processes {
-        eprintln!("cockpit: optim.micro_batch = \"auto\": one process per GPU must train the same micro-batch; set a number (`cockpit bench CONFIG --find-batch` finds it on one GPU)");
+        crate::errln!("cockpit: optim.micro_batch = \"auto\": one process per GPU must train the same micro-batch; set a number (`cockpit bench CONFIG --find-batch` finds it on one GPU)");
         return Err(EXIT_USAGE);
     }
     if let Some(r) = resume {
@@ -171,38 +171,40 @@ pub fn resolve_auto(
             });
         return match kept {
             Ok(mb) => {
-                eprintln!("cockpit: optim.micro_batch = \"auto\": {mb}, as the checkpoint trained");
+                crate::errln!(
+                    "cockpit: optim.micro_batch = \"auto\": {mb}, as the checkpoint trained"
+                );
                 cfg.optim.micro_batch = mb;
                 Ok(())
             }
             Err(e) => {
-                eprintln!("cockpit: --resume: {e}");
+                crate::errln!("cockpit: --resume: {e}");
                 Err(EXIT_USAGE)
             }
         };
     }
     if !has_cuda(device) {
-        eprintln!("cockpit: optim.micro_batch = \"auto\": finds the largest micro-batch that fits a GPU's memory; on the CPU set a number");
+        crate::errln!("cockpit: optim.micro_batch = \"auto\": finds the largest micro-batch that fits a GPU's memory; on the CPU set a number");
         return Err(EXIT_USAGE);
     }
-    eprintln!(
+    crate::errln!(
         "cockpit: optim.micro_batch = \"auto\": trying micro-batches on this GPU (two steps each)"
     );
-    match largest(cfg, device, |mb, t| eprintln!("  {}", describe(mb, t))) {
+    match largest(cfg, device, |mb, t| crate::errln!("  {}", describe(mb, t))) {
         Ok(Some((good, _))) => {
             let mb = with_margin(good);
-            eprintln!(
+            crate::errln!(
                 "cockpit: optim.micro_batch = {mb} (the largest that fits, {good}, less 10%)"
             );
             cfg.optim.micro_batch = mb;
             Ok(())
         }
         Ok(None) => {
-            eprintln!("cockpit: optim.micro_batch = \"auto\": one sequence does not fit this device (shorter model.seq_len, model.recompute = \"full\", or LoRA)");
+            crate::errln!("cockpit: optim.micro_batch = \"auto\": one sequence does not fit this device (shorter model.seq_len, model.recompute = \"full\", or LoRA)");
             Err(EXIT_FAILURE)
         }
         Err(e) => {
-            eprintln!("cockpit: optim.micro_batch = \"auto\": {e:#}");
+            crate::errln!("cockpit: optim.micro_batch = \"auto\": {e:#}");
             Err(EXIT_FAILURE)
         }
     }

@@ -125,7 +125,7 @@ pub fn run_frontend(
         Ok(server) => {
             tracing::info!("attach with: cockpit attach {}", run_dir.display());
             if !use_tui {
-                eprintln!(
+                crate::errln!(
                     "attach a dashboard with: cockpit attach {}",
                     run_dir.display()
                 );
@@ -155,7 +155,7 @@ pub fn run_frontend(
                 };
                 // The terminal is gone: follow the run headless from here on.
                 crate::process::register(flags)?;
-                let mut err = std::io::stderr();
+                let mut err = crate::stdio::BestEffort::stderr();
                 headless::hang_up(&hangup_log(run_dir), &mut err);
                 let outcome = headless::run(
                     events,
@@ -195,7 +195,7 @@ pub fn run_frontend(
             flags,
             log_every,
             headless::Output {
-                out: &mut std::io::stderr(),
+                out: &mut crate::stdio::BestEffort::stderr(),
                 hangup_log: Some(&hangup_log(run_dir)),
                 run: None,
             },
@@ -226,7 +226,7 @@ pub fn after_run(run_dir: &Path) -> String {
 /// `cockpit plot RUN_DIR`.
 pub fn plot_run(run_dir: &Path) -> anyhow::Result<i32> {
     let summary = crate::report::plot_run_detailed(run_dir)?;
-    println!("{summary}");
+    crate::outln!("{summary}");
     Ok(EXIT_OK)
 }
 
@@ -344,11 +344,11 @@ pub fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
         if use_tui {
             // The headless session writes its own summary; the dashboard's is written here.
             let path = session.write_summary(&out_dir)?;
-            eprintln!("wrote {}", path.display());
+            crate::errln!("wrote {}", path.display());
         }
         match crate::report::plot_monitor_detailed(session.snapshots(), &out_dir) {
-            Ok(s) => eprintln!("{s}"),
-            Err(e) => eprintln!("plots: {e}"),
+            Ok(s) => crate::errln!("{s}"),
+            Err(e) => crate::errln!("plots: {e}"),
         }
     }
     Ok(EXIT_OK)
@@ -383,7 +383,7 @@ pub fn follow(
         match tui_options(&cfg, theme.unwrap_or(&cfg.run.theme), None) {
             Ok(o) => Some(o),
             Err(e) => {
-                eprintln!("cockpit attach: {e}");
+                crate::errln!("cockpit attach: {e}");
                 return Ok(EXIT_USAGE);
             }
         }
@@ -400,6 +400,6 @@ pub fn follow(
 }
 
 fn usage(msg: &str) -> anyhow::Result<i32> {
-    eprintln!("cockpit monitor: {msg}");
+    crate::errln!("cockpit monitor: {msg}");
     Ok(EXIT_USAGE)
 }

@@ -4,7 +4,6 @@ use super::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 use crate::engine::export::{self, ExportOptions, GenerateOptions};
 use crate::engine::generate::Sampling;
 use crate::engine::EngineError;
-use std::io::Write;
 use std::path::Path;
 
 fn exit_code(e: &EngineError) -> i32 {
@@ -27,13 +26,13 @@ pub fn export(
         Some(d) => match crate::engine::hf::parse_dtype(d) {
             Some(d) => Some(d),
             None => {
-                eprintln!("cockpit: export: --dtype {d:?}: allowed: f32, bf16, f16");
+                crate::errln!("cockpit: export: --dtype {d:?}: allowed: f32, bf16, f16");
                 return Ok(EXIT_USAGE);
             }
         },
     };
     let Some(max_shard_bytes) = parse_size(max_shard_size) else {
-        eprintln!(
+        crate::errln!(
             "cockpit: export: --max-shard-size {max_shard_size:?}: expected a size such as 200KB, 500MB or 5GB"
         );
         return Ok(EXIT_USAGE);
@@ -46,9 +45,9 @@ pub fn export(
     match export::export(source, out, &o) {
         Ok(x) => {
             for n in &x.notes {
-                eprintln!("note: {n}");
+                crate::errln!("note: {n}");
             }
-            eprintln!(
+            crate::errln!(
                 "exported {} as model_type {} to {}: {}",
                 source.display(),
                 x.model_type,
@@ -58,7 +57,7 @@ pub fn export(
             Ok(EXIT_OK)
         }
         Err(e) => {
-            eprintln!("cockpit: export: {e}");
+            crate::errln!("cockpit: export: {e}");
             Ok(exit_code(&e))
         }
     }
@@ -97,16 +96,16 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
         None => crate::util::DeviceSpec::Cpu,
         Some(Some(d)) => d,
         Some(None) => {
-            eprintln!("cockpit: generate: --device: allowed: auto, cpu, cuda, cuda:N");
+            crate::errln!("cockpit: generate: --device: allowed: auto, cpu, cuda, cuda:N");
             return Ok(EXIT_USAGE);
         }
     };
     if !(a.sampling.temperature >= 0.0 && a.sampling.top_p > 0.0 && a.sampling.top_p <= 1.0) {
-        eprintln!("cockpit: generate: --temperature must be ≥ 0 and --top-p in (0, 1]");
+        crate::errln!("cockpit: generate: --temperature must be ≥ 0 and --top-p in (0, 1]");
         return Ok(EXIT_USAGE);
     }
     if a.prompt.is_none() && a.prompt_ids.is_empty() {
-        eprintln!("cockpit: generate: give --prompt TEXT (or --prompt-ids 1,2,3)");
+        crate::errln!("cockpit: generate: give --prompt TEXT (or --prompt-ids 1,2,3)");
         return Ok(EXIT_USAGE);
     }
     let o = GenerateOptions {
@@ -118,22 +117,21 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
         ignore_eos: a.ignore_eos,
     };
     let stream = !a.ids;
-    let mut stdout = std::io::stdout();
     let result = export::run_generate(a.source, &o, |piece| {
-        if stream {
-            let _ = stdout.write_all(piece.as_bytes());
-            let _ = stdout.flush();
+        // best effort: a reader that went away (`| head`) costs the rest of the stream only
+        if stream && !crate::stdio::Stream::Stdout.gone() {
+            crate::stdio::out_bytes(piece.as_bytes());
         }
     });
     match result {
         Ok(g) => {
             if a.ids {
                 let ids: Vec<String> = g.ids.iter().map(|t| t.to_string()).collect();
-                println!("{}", ids.join(" "));
+                crate::outln!("{}", ids.join(" "));
             } else {
-                println!();
+                crate::outln!();
             }
-            eprintln!(
+            crate::errln!(
                 "[{} prompt tokens, {} new, {:.1} tokens/s]",
                 g.prompt_ids.len(),
                 g.ids.len(),
@@ -142,7 +140,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
             Ok(EXIT_OK)
         }
         Err(e) => {
-            eprintln!("cockpit: generate: {e}");
+            crate::errln!("cockpit: generate: {e}");
             Ok(exit_code(&e))
         }
     }

@@ -46,6 +46,9 @@ fn worker_args(a: &TrainArgs, run_dir: &Path) -> Vec<String> {
     if let Some(r) = &a.resume {
         v.push(format!("--resume={r}"));
     }
+    if a.fresh {
+        v.push("--fresh".into());
+    }
     if a.test_run {
         v.push("--test-run".into());
     }
@@ -67,7 +70,7 @@ fn pick_port(addr: &str, want: u16) -> u16 {
         .map(|a| a.port());
     match free {
         Ok(p) => {
-            eprintln!("cockpit: port {want} is in use; the ranks meet on port {p} instead");
+            crate::errln!("cockpit: port {want} is in use; the ranks meet on port {p} instead");
             p
         }
         Err(_) => want,
@@ -184,7 +187,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
-            eprintln!(
+            crate::errln!(
                 "cockpit: --gpus {world}: cannot find this program to start the workers: {e}"
             );
             return Ok(EXIT_FAILURE);
@@ -192,7 +195,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
     };
     let ranks_dir = run_dir.join("ranks");
     if let Err(e) = std::fs::create_dir_all(&ranks_dir) {
-        eprintln!("cockpit: creating {}: {e}", ranks_dir.display());
+        crate::errln!("cockpit: creating {}: {e}", ranks_dir.display());
         return Ok(EXIT_FAILURE);
     }
     let d = &cfg.distributed;
@@ -227,7 +230,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
                 status: None,
             }),
             Err(e) => {
-                eprintln!("cockpit: could not start rank {rank}: {e}");
+                crate::errln!("cockpit: could not start rank {rank}: {e}");
                 for w in &mut workers {
                     let _ = w.child.kill();
                     let _ = w.child.wait();
@@ -236,7 +239,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
             }
         }
     }
-    eprintln!(
+    crate::errln!(
         "cockpit: {world} workers ({} backend, rendezvous at {}:{}); their logs: {}/rank-N.log",
         d.backend,
         topology.master_addr,
@@ -282,7 +285,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
         .unwrap_or_default();
     if let Some((rank, how, code)) = failed {
         let log = worker_log(&run_dir, rank);
-        eprintln!(
+        crate::errln!(
             "cockpit: rank {rank} failed ({how}); the other ranks were stopped. Its last words ({}):\n    {}",
             log.display(),
             tail(&log, 6)
@@ -295,7 +298,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
         });
     }
     if !shown {
-        eprintln!(
+        crate::errln!(
             "cockpit: rank 0 never came up; see {}",
             worker_log(&run_dir, 0).display()
         );
@@ -311,7 +314,7 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
     if bad.is_empty() {
         Ok(EXIT_OK)
     } else {
-        eprintln!("cockpit: ranks {} did not finish cleanly", bad.join(", "));
+        crate::errln!("cockpit: ranks {} did not finish cleanly", bad.join(", "));
         Ok(if shown { EXIT_FAILURE } else { EXIT_USAGE })
     }
 }

@@ -10,6 +10,7 @@ mod frontends;
 mod hf;
 mod launch;
 mod rank;
+mod run_lock;
 mod sweep;
 
 use crate::config::{self, Config, ConfigError};
@@ -126,14 +127,14 @@ pub fn main() -> i32 {
         }) => frontends::attach(&run_dir, no_tui, allow_stop, theme.as_deref()),
         None if cli.monitor_only => monitor(cli.monitor),
         None => {
-            eprintln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot, export, generate. See cockpit --help.");
+            crate::errln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot, export, generate. See cockpit --help.");
             Ok(EXIT_USAGE)
         }
     };
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("cockpit: error: {e:#}");
+            crate::errln!("cockpit: error: {e:#}");
             EXIT_FAILURE
         }
     }
@@ -141,7 +142,7 @@ pub fn main() -> i32 {
 
 /// Print a config error and return the usage exit code.
 fn config_error(e: &ConfigError) -> i32 {
-    eprintln!("cockpit: config error:\n{e}");
+    crate::errln!("cockpit: config error:\n{e}");
     EXIT_USAGE
 }
 
@@ -203,8 +204,8 @@ fn print_summary(
     plots: &str,
     config: Option<&Path>,
 ) {
-    let row = |k: &str, v: String| eprintln!("  {k:<12} {v}");
-    eprintln!("cockpit: run ended: {ended}");
+    let row = |k: &str, v: String| crate::errln!("  {k:<12} {v}");
+    crate::errln!("cockpit: run ended: {ended}");
     row("run dir", run_dir.display().to_string());
     if let Some(s) = summary {
         row("steps", format!("{} of {max_steps}", s.step));
@@ -280,7 +281,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     };
     let device = plan.device;
     if let Err(e) = frontends::validate_tui(&cfg) {
-        eprintln!("cockpit: config error:\n{}: {e}", loaded.origin);
+        crate::errln!("cockpit: config error:\n{}: {e}", loaded.origin);
         return Ok(EXIT_USAGE);
     }
     if a.test_run {
@@ -293,7 +294,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         (Some("latest"), Some(dir)) => match checkpoint::resolve(dir) {
             Ok(_) => Some(dir.clone()),
             Err(e) => {
-                eprintln!(
+                crate::errln!(
                     "cockpit: --resume latest --run-dir {}: no checkpoint to resume from ({e})",
                     dir.display()
                 );
@@ -303,7 +304,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         (Some("latest"), None) => match latest_run(&runs_root, &cfg.run.name) {
             Some(dir) => Some(dir),
             None => {
-                eprintln!(
+                crate::errln!(
                     "cockpit: --resume latest: no run of {:?} with a checkpoint under {} (name a run with --run-dir DIR, or a checkpoint with --resume PATH)",
                     cfg.run.name,
                     runs_root.display()
@@ -318,7 +319,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         (None, Some(r)) => match checkpoint::resolve(r) {
             Ok(step_dir) => run_dir_of_checkpoint(&step_dir).unwrap_or_else(|| r.clone()),
             Err(e) => {
-                eprintln!("cockpit: --resume: {e}");
+                crate::errln!("cockpit: --resume: {e}");
                 return Ok(EXIT_USAGE);
             }
         },
@@ -330,6 +331,22 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let several = plan.launching || plan.topology.is_some();
     if let Err(code) = fit::resolve_auto(&mut cfg, device, resume.as_deref(), several) {
         return Ok(code);
+    }
+    // (a rank checks its own dir below, under the lock: rank 0 may be writing here already)
+    if plan.topology.is_none() {
+        if let Err(e) = run_lock::probe(&run_dir) {
+            crate::errln!("cockpit: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    }
+    if plan.topology.is_none() && resume.is_none() && !a.fresh && run_lock::holds_records(&run_dir)
+    {
+        crate::errln!(
+            "cockpit: {} holds another run's records: resume it with --resume, or start over with --fresh (which archives them under {}/)",
+            run_dir.display(),
+            run_dir.join(run_lock::ARCHIVE_DIR).display()
+        );
+        return Ok(EXIT_USAGE);
     }
     if plan.launching {
         std::fs::create_dir_all(&run_dir)
@@ -356,6 +373,31 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let fresh_dir = !own_dir.exists();
     std::fs::create_dir_all(&own_dir)
         .with_context(|| format!("creating the run dir {}", own_dir.display()))?;
+    // One writer per run dir, for the run's life (the OS releases it however we end).
+    let _run_lock = match run_lock::lock(&own_dir) {
+        Ok(l) => l,
+        Err(e) => {
+            crate::errln!("cockpit: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    };
+    if resume.is_none() && run_lock::holds_records(&own_dir) {
+        if !a.fresh {
+            crate::errln!(
+                "cockpit: {} holds another run's records: resume it with --resume, or start over with --fresh",
+                own_dir.display()
+            );
+            return Ok(EXIT_USAGE);
+        }
+        let to = run_lock::archive_records(&own_dir)
+            .with_context(|| format!("archiving the records in {}", own_dir.display()))?;
+        crate::errln!(
+            "cockpit: --fresh: the earlier run's records moved to {}",
+            to.display()
+        );
+    }
+    // what a killed run left half-written (we hold the lock: no one else is saving)
+    checkpoint::remove_leftovers(&own_dir.join("checkpoints"));
     init_logging(&own_dir);
     tracing::info!(run_dir = %run_dir.display(), rank, "starting");
     let engine = match Engine::spawn(EngineOptions {
@@ -371,7 +413,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     }) {
         Ok(e) => e,
         Err(e) => {
-            eprintln!("cockpit: {e}");
+            crate::errln!("cockpit: {e}");
             if fresh_dir && e.is_usage() {
                 remove_unused_run_dir(&own_dir);
             }
@@ -401,7 +443,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let (interrupted, attach) = match frontend {
         Ok(f) => (f.outcome.interrupted, f.attach),
         Err(e) => {
-            eprintln!("cockpit: the front end failed: {e:#}");
+            crate::errln!("cockpit: the front end failed: {e:#}");
             (false, None)
         }
     };
@@ -433,7 +475,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Ok(s) => s,
         Err(e) => {
             if plots.is_none() {
-                eprintln!("cockpit: training failed: {e}");
+                crate::errln!("cockpit: training failed: {e}");
             }
             return Ok(if e.is_usage() {
                 EXIT_USAGE
@@ -449,18 +491,18 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
             .and_then(|d| checkpoint::load(&d, &candle_core::Device::Cpu).map(|_| d));
         return Ok(match ckpt {
             Ok(d) if summary.reason == FinishReason::Completed => {
-                eprintln!(
+                crate::errln!(
                     "test run ok: data, forward/backward, eval, SCU and checkpoint ({} reloaded and verified) all worked",
                     d.display()
                 );
                 EXIT_OK
             }
             Ok(_) => {
-                eprintln!("test run stopped early: {:?}", summary.reason);
+                crate::errln!("test run stopped early: {:?}", summary.reason);
                 EXIT_FAILURE
             }
             Err(e) => {
-                eprintln!("test run failed at the checkpoint stage: {e}");
+                crate::errln!("test run failed at the checkpoint stage: {e}");
                 EXIT_FAILURE
             }
         });
@@ -493,7 +535,7 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
         Err(e) => return Ok(config_error(&e)),
     };
     if loaded.config.data.source != "files" {
-        eprintln!("{}: data.source = {:?}: nothing to prepare (the built-in corpus is generated at start)", loaded.origin, loaded.config.data.source);
+        crate::errln!("{}: data.source = {:?}: nothing to prepare (the built-in corpus is generated at start)", loaded.origin, loaded.config.data.source);
         return Ok(EXIT_OK);
     }
     // The same tokenizer and BOS/EOS as training: a base model brings them.
@@ -502,7 +544,7 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
         Some((_, path)) => match crate::engine::base::meta(Path::new(path)) {
             Ok(m) => Some(m),
             Err(e) => {
-                eprintln!("cockpit: prepare: {e}");
+                crate::errln!("cockpit: prepare: {e}");
                 return Ok(EXIT_USAGE);
             }
         },
@@ -511,7 +553,7 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
     let special = match crate::engine::base::resolve_data(&mut cfg, meta.as_ref()) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("cockpit: prepare: {e}");
+            crate::errln!("cockpit: prepare: {e}");
             return Ok(EXIT_USAGE);
         }
     };
@@ -521,9 +563,9 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
     match result {
         Ok(p) => {
             for w in &p.manifest.warnings {
-                eprintln!("warning: {w}");
+                crate::errln!("warning: {w}");
             }
-            eprintln!(
+            crate::errln!(
                 "{} {}",
                 if p.cached {
                     "already prepared:"
@@ -535,7 +577,7 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
             Ok(EXIT_OK)
         }
         Err(e) => {
-            eprintln!("cockpit: prepare: {e}");
+            crate::errln!("cockpit: prepare: {e}");
             Ok(EXIT_USAGE)
         }
     }
@@ -584,7 +626,7 @@ impl ProgressBar {
             }
             const W: usize = 24;
             let full = ((frac * W as f64) as usize).min(W);
-            eprint!(
+            crate::err!(
                 "\rprepare [{}{}] {text}\x1b[K",
                 "█".repeat(full),
                 "·".repeat(W - full)
@@ -593,7 +635,7 @@ impl ProgressBar {
         } else {
             let pct = (frac * 100.0) as u64;
             if pct >= self.next_pct {
-                eprintln!("prepare: {text}");
+                crate::errln!("prepare: {text}");
                 self.next_pct = (pct / 10 + 1) * 10;
             }
         }
@@ -601,7 +643,7 @@ impl ProgressBar {
 
     fn finish(&mut self) {
         if self.tty && self.drawn.is_some() {
-            eprintln!();
+            crate::errln!();
         }
     }
 }
@@ -611,12 +653,12 @@ fn merge(spec: &Path, out: Option<&Path>) -> anyhow::Result<i32> {
         match crate::engine::lora::model_from_checkpoint(spec, &candle_core::Device::Cpu) {
             Ok(m) => m,
             Err(e) => {
-                eprintln!("cockpit: merge: {e}");
+                crate::errln!("cockpit: merge: {e}");
                 return Ok(EXIT_USAGE);
             }
         };
     if !cfg.lora.enabled {
-        eprintln!("cockpit: merge: {} is not a LoRA run (lora.enabled = false): its weights are already whole", spec.display());
+        crate::errln!("cockpit: merge: {} is not a LoRA run (lora.enabled = false): its weights are already whole", spec.display());
         return Ok(EXIT_USAGE);
     }
     let out = match out {
@@ -629,7 +671,7 @@ fn merge(spec: &Path, out: Option<&Path>) -> anyhow::Result<i32> {
         }
     };
     let path = crate::engine::lora::write_merged(&out, &model)?;
-    eprintln!(
+    crate::errln!(
         "merged {} adapter tensors into {}",
         model.adapter_tensors().len(),
         path.display()
@@ -639,7 +681,7 @@ fn merge(spec: &Path, out: Option<&Path>) -> anyhow::Result<i32> {
 
 fn plot(run_dir: &Path) -> anyhow::Result<i32> {
     if !run_dir.join("metrics.jsonl").is_file() {
-        eprintln!(
+        crate::errln!(
             "cockpit: plot: {} has no metrics.jsonl (not a run dir?)",
             run_dir.display()
         );
@@ -660,7 +702,7 @@ fn compare(
     let (groups, runs) = match cmp::compare(paths) {
         Ok(v) => v,
         Err(CompareError::NoRuns(p)) => {
-            eprintln!(
+            crate::errln!(
                 "cockpit: compare: {}: no runs here (no metrics.jsonl in it or in the directories under it)",
                 p.display()
             );
@@ -675,7 +717,7 @@ fn compare(
                 ..crate::tui::TuiOptions::default()
             }),
             Err(e) => {
-                eprintln!("cockpit: compare: theme: {e}");
+                crate::errln!("cockpit: compare: theme: {e}");
                 return Ok(EXIT_USAGE);
             }
         }
@@ -691,7 +733,7 @@ fn compare(
     };
     let table = cmp::table_markdown(&groups);
     if tui.is_none() {
-        print!("{table}");
+        crate::out!("{table}");
     }
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     std::fs::write(out_dir.join("compare.md"), &table)
@@ -713,14 +755,14 @@ fn compare(
             .with_out_dir(out_dir.display().to_string());
         let exit = crate::tui::run_compare(&mut state, &opts)?;
         // the table stays in the scrollback once the view is gone
-        print!("{table}");
-        eprintln!("{summary}");
+        crate::out!("{table}");
+        crate::errln!("{summary}");
         return Ok(match exit {
             crate::tui::TuiExit::Interrupted => EXIT_INTERRUPTED,
             _ => EXIT_OK,
         });
     }
-    eprintln!("{summary}");
+    crate::errln!("{summary}");
     Ok(EXIT_OK)
 }
 

@@ -32,14 +32,14 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
         cfg.distributed.master_port,
     ) {
         Err(e) => {
-            eprintln!("cockpit: distributed environment: {e}");
+            crate::errln!("cockpit: distributed environment: {e}");
             return Err(EXIT_USAGE);
         }
         Ok(t) => t.filter(|t| t.is_distributed()),
     };
     let gpus = a.gpus.map_or(cfg.distributed.gpus, usize::from);
     let Some(backend) = Backend::parse(&cfg.distributed.backend) else {
-        eprintln!(
+        crate::errln!(
             "cockpit: config error:\n{origin}: distributed.backend = {:?}: allowed: nccl, tcp",
             cfg.distributed.backend
         );
@@ -48,12 +48,12 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
     let mut device = crate::util::parse_device(&cfg.run.device).unwrap_or(DeviceSpec::Auto);
     if let Some(t) = &topology {
         if backend == Backend::Nccl && !cfg!(feature = "nccl") {
-            eprintln!("cockpit: rank {}: distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes", t.rank);
+            crate::errln!("cockpit: rank {}: distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes", t.rank);
             return Err(EXIT_USAGE);
         }
         device = match (backend, device) {
             (Backend::Nccl, DeviceSpec::Cpu) => {
-                eprintln!("cockpit: config error:\n{origin}: distributed.backend = \"nccl\" needs CUDA devices, but run.device = \"cpu\" (backend \"tcp\" runs CPU processes)");
+                crate::errln!("cockpit: config error:\n{origin}: distributed.backend = \"nccl\" needs CUDA devices, but run.device = \"cpu\" (backend \"tcp\" runs CPU processes)");
                 return Err(EXIT_USAGE);
             }
             // Each rank takes the GPU of its LOCAL_RANK (choose GPUs with CUDA_VISIBLE_DEVICES).
@@ -72,7 +72,7 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
             format!("{origin}: distributed.gpus =")
         };
         if let Err(e) = check_world(gpus, backend, crate::engine::device::cuda_device_count) {
-            eprintln!("cockpit: config error:\n{key} {gpus}: {e}");
+            crate::errln!("cockpit: config error:\n{key} {gpus}: {e}");
             return Err(EXIT_USAGE);
         }
     }
@@ -137,16 +137,20 @@ pub(super) fn join(
     cfg: &Config,
 ) -> Result<(PathBuf, Joined), i32> {
     let timeout = crate::distributed::timeout(cfg.distributed.timeout_secs);
-    eprintln!(
+    crate::errln!(
         "cockpit: rank {} of {}: meeting the other ranks at {}:{} ({} backend)",
-        t.rank, t.world, t.master_addr, t.master_port, cfg.distributed.backend
+        t.rank,
+        t.world,
+        t.master_addr,
+        t.master_port,
+        cfg.distributed.backend
     );
     match crate::distributed::join(t, backend, &run_dir.to_string_lossy(), timeout) {
         Ok(j) => {
             if backend == Backend::Nccl {
                 j.peers.watch(move |msg: String| {
                     tracing::error!("{msg}");
-                    eprintln!("cockpit: {msg}; ending this rank");
+                    crate::errln!("cockpit: {msg}; ending this rank");
                     // The engine thread may sit inside a collective that will never
                     // complete: leave at once, without the exit handlers (the CUDA
                     // runtime's would tear the context down under that thread).
@@ -157,7 +161,7 @@ pub(super) fn join(
             Ok((PathBuf::from(&j.handshake.run_dir), j))
         }
         Err(e) => {
-            eprintln!("cockpit: {e}");
+            crate::errln!("cockpit: {e}");
             Err(if matches!(e, CommError::Setup(_)) {
                 EXIT_USAGE
             } else {
@@ -247,7 +251,7 @@ fn stuck_watchdog(rank: usize, progress: Arc<Progress>, timeout_secs: f64) {
                         (format!("rank {rank}: stuck: no optimizer step finished in {secs:.0} s (distributed.timeout_secs) after step {last}, and not waiting for the other ranks; ending this rank"), EXIT_FAILURE)
                     };
                     tracing::error!("{msg}");
-                    eprintln!("cockpit: {msg}");
+                    crate::errln!("cockpit: {msg}");
                     // SAFETY: see the NCCL watchdog: leave without exit handlers.
                     unsafe { libc::_exit(code) }
                 }

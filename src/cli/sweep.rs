@@ -326,7 +326,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
     let plan = match plan(&a) {
         Ok(p) => p,
         Err(PlanError::Usage(m)) => {
-            eprintln!("cockpit: sweep: {m}");
+            crate::errln!("cockpit: sweep: {m}");
             return Ok(EXIT_USAGE);
         }
         Err(PlanError::Config(e)) => return Ok(config_error(&e)),
@@ -349,7 +349,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
         match serde_json::from_str::<SweepPlan>(&text) {
             Ok(old) if old.runs == plan.runs => {}
             _ => {
-                eprintln!(
+                crate::errln!(
                     "cockpit: sweep: {} holds another sweep (its {SWEEP_FILE} differs from this grid); choose another --out",
                     dir.display()
                 );
@@ -385,7 +385,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
     } else {
         String::new()
     };
-    eprintln!(
+    crate::errln!(
         "sweep: {total} run(s) into {}{on} (resume: the same command again)",
         dir.display()
     );
@@ -394,7 +394,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
     let mut done = 0usize;
     for (i, r) in plan.runs.iter().enumerate() {
         if run_state(&dir.join(&r.name)) == RunState::Done {
-            eprintln!("sweep {}/{total}: {} — done before, skipped", i + 1, r.name);
+            crate::errln!("sweep {}/{total}: {} — done before, skipped", i + 1, r.name);
             done += 1;
         } else {
             pending.push(i);
@@ -415,7 +415,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
                 let child = start(&exe, &plan, idx, &dir, slots[s].as_deref())?;
                 if let Some(g) = &slots[s] {
                     let name = &plan.runs[idx].name;
-                    eprintln!("sweep {}/{total}: {name} started on GPU {g}", idx + 1);
+                    crate::errln!("sweep {}/{total}: {name} started on GPU {g}", idx + 1);
                 }
                 running[s] = Some(child);
             }
@@ -435,14 +435,14 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
             match status.code() {
                 Some(0) => {
                     done += 1;
-                    eprintln!("sweep {}/{total}: {name} finished in {secs:.0}s", i + 1);
+                    crate::errln!("sweep {}/{total}: {name} finished in {secs:.0}s", i + 1);
                 }
                 Some(EXIT_INTERRUPTED) | None => {
                     // Stop starting runs; those running finish (or stop) on their own.
                     interrupted.get_or_insert_with(|| name.clone());
                 }
                 Some(code) => {
-                    eprintln!(
+                    crate::errln!(
                         "sweep {}/{total}: {name} failed (exit {code}); see {}",
                         i + 1,
                         run.log.display()
@@ -470,15 +470,15 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
             let left = (total - done) as f64 - partial;
             let eta = (work > 0.0).then(|| started.elapsed().as_secs_f64() / work * left);
             if !now.is_empty() {
-                eprintln!("{}", progress_line(total, done, &now, max_steps, eta));
+                crate::errln!("{}", progress_line(total, done, &now, max_steps, eta));
             }
         }
     }
     if let Some(name) = interrupted {
-        eprintln!("sweep: interrupted during {name}; run the same command again to resume");
+        crate::errln!("sweep: interrupted during {name}; run the same command again to resume");
         return Ok(EXIT_INTERRUPTED);
     }
-    eprintln!(
+    crate::errln!(
         "sweep: {} of {total} run(s) done in {}; compare them with `cockpit compare {}`",
         total - failed.len(),
         dir.display(),
@@ -487,7 +487,7 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
     if failed.is_empty() {
         Ok(EXIT_OK)
     } else {
-        eprintln!("sweep: failed: {}", failed.join(", "));
+        crate::errln!("sweep: failed: {}", failed.join(", "));
         Ok(EXIT_FAILURE)
     }
 }

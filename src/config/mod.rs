@@ -87,9 +87,11 @@ pub struct LoadedConfig {
 pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<LoadedConfig, ConfigError> {
     let (text, origin, base_dir) = match path {
         Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                path: p.display().to_string(),
-                source,
+            let text = crate::util::read_regular_file(p, 16 << 20).map_err(|source| {
+                ConfigError::Read {
+                    path: p.display().to_string(),
+                    source,
+                }
             })?;
             let origin = p
                 .file_name()

@@ -42,6 +42,18 @@ impl Check<'_> {
 /// The longest duration a config key may name (about 11 days).
 const MAX_SECS: f64 = 1e6;
 
+/// The largest learning rate accepted (sane runs use 1e-5 to 1e-1).
+const MAX_LR: f64 = 10.0;
+
+/// The largest λ accepted (scu.lambda_max's default is 1000).
+const MAX_LAMBDA: f64 = 1e6;
+
+/// The largest built-in corpus (tokens); larger sizes only exhaust memory.
+const MAX_BUILTIN_TOKENS: u64 = 1_000_000_000;
+
+/// The largest LoRA rank (and at most the narrowest width it adapts, checked at build).
+const MAX_LORA_R: u64 = 65_536;
+
 /// The largest micro-batch (the live `+` key is held to it too).
 pub const MAX_MICRO_BATCH: usize = 4096;
 
@@ -266,6 +278,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                     ),
                 );
             }
+            if d.builtin_tokens as u64 > MAX_BUILTIN_TOKENS {
+                ck.fail(
+                    "data.builtin_tokens",
+                    d.builtin_tokens,
+                    format!("must be at most {MAX_BUILTIN_TOKENS}"),
+                );
+            }
             let min_tokens = 20 * (m.seq_len + 1);
             if d.builtin_tokens < min_tokens {
                 ck.fail(
@@ -332,6 +351,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     // [optim]
     let o = &c.optim;
     ck.positive("optim.lr", o.lr);
+    if o.lr > MAX_LR {
+        ck.fail(
+            "optim.lr",
+            o.lr,
+            format!("must be at most {MAX_LR}: a larger step makes every weight NaN at once"),
+        );
+    }
     ck.in_range(
         "optim.weight_decay",
         o.weight_decay,
@@ -416,6 +442,20 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         "in [0, 100]",
     );
     ck.positive("scu.lambda_min", u.lambda_min);
+    if u.lambda_max > MAX_LAMBDA {
+        ck.fail(
+            "scu.lambda_max",
+            u.lambda_max,
+            format!("must be at most {MAX_LAMBDA}"),
+        );
+    }
+    if u.lambda_init > MAX_LAMBDA {
+        ck.fail(
+            "scu.lambda_init",
+            u.lambda_init,
+            format!("must be at most {MAX_LAMBDA}"),
+        );
+    }
     if u.lambda_max.is_nan() || u.lambda_max < u.lambda_min {
         ck.fail(
             "scu.lambda_max",
@@ -461,6 +501,9 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     // [lora]
     let l = &c.lora;
     ck.at_least("lora.r", l.r as u64, 1);
+    if l.r as u64 > MAX_LORA_R {
+        ck.fail("lora.r", l.r, format!("must be at most {MAX_LORA_R}"));
+    }
     ck.positive("lora.alpha", l.alpha);
     ck.in_range("lora.dropout", l.dropout, 0.0, 0.9, "in [0, 0.9]");
     if l.base_dtype == BaseDtype::Nf4 && !l.enabled {

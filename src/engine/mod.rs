@@ -17,6 +17,7 @@ pub mod lora;
 pub mod model;
 pub mod optim;
 pub mod precision;
+pub mod records;
 pub mod scu;
 pub mod trainer;
 pub mod zero;

@@ -116,8 +116,9 @@ pub struct Telemetry {
 /// Read a `metrics.jsonl` (one [`Event`] per line).
 ///
 /// Blank lines are ignored. A last line that does not parse (a run killed mid-write) is
-/// skipped with a warning in [`RunMetrics::warnings`]; any other bad line is an error naming
-/// the file and line.
+/// skipped with a warning in [`RunMetrics::warnings`], and so is a torn record that a later
+/// write was glued onto (files written before resumes cut torn tails); any other bad line is
+/// an error naming the file and line.
 pub fn load_metrics(path: &Path) -> Result<RunMetrics, ReportError> {
     let (events, warnings) = read_jsonl(path, parse_event)?;
     let mut metrics = RunMetrics::from_events(events);
@@ -146,6 +147,7 @@ fn read_jsonl<T>(
     let mut buf = Vec::new();
     let mut line_no = 0usize;
     let mut pending: Option<(usize, serde_json::Error)> = None;
+    let mut warnings = Vec::new();
     loop {
         buf.clear();
         let n = reader.read_until(b'\n', &mut buf).map_err(io_error(path))?;
@@ -166,19 +168,33 @@ fn read_jsonl<T>(
         }
         match parse(line) {
             Ok(record) => records.push(record),
-            Err(e) => pending = Some((line_no, e)),
+            Err(e) => match glued(line, &parse) {
+                // a torn record (a crash mid-write) with the next run's first record after it
+                Some(record) => {
+                    records.push(record);
+                    warnings.push(format!(
+                        "{}: line {line_no}: skipped a torn record joined to the next one",
+                        path.display()
+                    ));
+                }
+                None => pending = Some((line_no, e)),
+            },
         }
     }
-    let warnings = pending
-        .map(|(line, e)| {
-            format!(
-                "{}: skipped an incomplete last line {line} ({e})",
-                path.display()
-            )
-        })
-        .into_iter()
-        .collect();
+    warnings.extend(pending.map(|(line, e)| {
+        format!(
+            "{}: skipped an incomplete last line {line} ({e})",
+            path.display()
+        )
+    }));
     Ok((records, warnings))
+}
+
+/// The whole record at the end of a line that starts with a torn one (`{"event":"st{"event":…}`).
+fn glued<T>(line: &[u8], parse: impl Fn(&[u8]) -> Result<T, serde_json::Error>) -> Option<T> {
+    (1..line.len())
+        .filter(|&i| line[i..].starts_with(b"{\""))
+        .find_map(|i| parse(&line[i..]).ok())
 }
 
 /// Decode one event line (non-finite numbers, written as `null`, read back as NaN: see
@@ -190,6 +206,18 @@ fn parse_event(line: &[u8]) -> Result<Event, serde_json::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_torn_record_glued_to_the_next_is_skipped_and_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("metrics.jsonl");
+        let eval = r#"{"event":"eval","step":5,"val_loss":1.0,"val_bpt":1.0,"val_ppl":2.0}"#;
+        std::fs::write(&p, format!("{eval}\n{{\"event\":\"eval\",\"st{eval}\n")).unwrap();
+        let m = load_metrics(&p).unwrap();
+        assert_eq!(m.evals.len(), 2);
+        assert_eq!(m.warnings.len(), 1, "{:?}", m.warnings);
+        assert!(m.warnings[0].contains("line 2"), "{:?}", m.warnings);
+    }
 
     #[test]
     fn nan_written_as_null_reads_back_as_nan() {

@@ -4,36 +4,32 @@
 use super::{io_err, Trainer};
 use crate::engine::events::{Event, EventTx};
 use crate::engine::EngineError;
-use std::io::{BufWriter, Write};
 
 /// Writes every event to metrics.jsonl and forwards it to the channel (which never blocks).
 pub(super) struct Recorder {
-    pub(super) file: BufWriter<std::fs::File>,
+    pub(super) file: crate::engine::records::RecordFile,
     pub(super) tx: EventTx,
+    /// A write failed (said once; later records are still tried, each whole or absent).
     pub(super) failed: bool,
 }
 
 impl Recorder {
     pub(super) fn emit(&mut self, ev: Event) {
-        if !self.failed {
-            let ok = serde_json::to_writer(&mut self.file, &ev).is_ok()
-                && self.file.write_all(b"\n").is_ok();
-            // Flushed per event: `cockpit attach` backfills from this file while the run goes on.
-            let ok = ok && self.file.flush().is_ok();
-            if !ok {
+        // One write per record, cut back when it fails: whole or absent (engine::records).
+        // Written at once: `cockpit attach` backfills from this file while the run goes on.
+        if let Err(e) = self.file.append_json(&ev) {
+            if !self.failed {
                 self.failed = true;
-                let msg = "could not write metrics.jsonl; events still reach the front end";
+                let message = format!("could not write metrics.jsonl ({e}): records that fail are left out whole; events still reach the front end");
                 let _ = self.tx.send(Event::Warning {
                     step: ev.step(),
-                    message: msg.into(),
+                    message,
                 });
             }
         }
         let _ = self.tx.send(ev);
     }
-    pub(super) fn flush(&mut self) {
-        let _ = self.file.flush();
-    }
+    pub(super) fn flush(&mut self) {}
 }
 
 impl Trainer {

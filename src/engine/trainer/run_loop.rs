@@ -9,7 +9,6 @@ use super::{io_err, Trainer};
 use crate::engine::events::{Command, Event, EventTx, FinishReason, StepStats};
 use crate::engine::optim::{global_norm, lr_at};
 use crate::engine::{device, EngineError};
-use std::io::BufWriter;
 use std::sync::mpsc::Receiver;
 use std::time::Instant;
 
@@ -20,16 +19,19 @@ impl Trainer {
         tx: EventTx,
     ) -> Result<RunSummary, EngineError> {
         let metrics_path = self.out_dir.join("metrics.jsonl");
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&metrics_path)
+        let (file, repair) = crate::engine::records::RecordFile::open(&metrics_path)
             .map_err(io_err(&metrics_path))?;
         let mut out = Recorder {
-            file: BufWriter::new(file),
+            file,
             tx,
             failed: false,
         };
+        if let Some(message) = repair.message(&metrics_path) {
+            out.emit(Event::Warning {
+                step: self.step,
+                message,
+            });
+        }
         let result = self.train(&commands, &mut out);
         if let Some(p) = &self.progress {
             p.step.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
