@@ -177,6 +177,8 @@ struct Trainer {
     out_dir: PathBuf,
     /// The process group, in a data-parallel run.
     dist: Option<Box<dyn Collective>>,
+    /// Which launcher started the job and what was taken from it (for the run header).
+    launcher: Option<String>,
     rank: usize,
     world: usize,
     /// Faults to inject (tests only).
@@ -407,6 +409,7 @@ impl Trainer {
         let o = &cfg.optim;
         let mut opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
         opt.fused = cfg.kernels.adamw;
+        let launcher = opts.dist.as_ref().and_then(|j| j.launcher.clone());
         let dist = match opts.dist {
             Some(j) => Some(j.connect(&device)?),
             None => None,
@@ -490,6 +493,7 @@ impl Trainer {
         let mut t = Trainer {
             out_dir,
             dist,
+            launcher,
             rank,
             world,
             faults: opts.faults,
@@ -720,26 +724,31 @@ impl Trainer {
         // Data parallelism: tokens/s are the job's, so MFU is against every rank's peak.
         let peak_flops = device::peak_flops(&dev, self.dtype).map(|p| p * self.world as f64);
         let dev = match &self.dist {
-            Some(d) => format!(
-                "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
-                self.rank,
-                self.world,
-                d.backend(),
-                self.world * self.micro_batch * self.accum,
-                if self.sharding() {
-                    format!(
-                        ", optimizer state sharded (ZeRO-1: {:.0} MB of Adam moments a rank)",
-                        8.0 * trainable as f64 / self.world as f64 / 1e6
-                    )
-                } else {
-                    String::new()
-                },
-                if self.cfg.distributed.bf16_sums() {
-                    ", gradients summed in bf16"
-                } else {
-                    ""
-                }
-            ),
+            Some(d) => {
+                format!(
+                    "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
+                    self.rank,
+                    self.world,
+                    d.backend(),
+                    self.world * self.micro_batch * self.accum,
+                    if self.sharding() {
+                        format!(
+                            ", optimizer state sharded (ZeRO-1: {:.0} MB of Adam moments a rank)",
+                            8.0 * trainable as f64 / self.world as f64 / 1e6
+                        )
+                    } else {
+                        String::new()
+                    },
+                    if self.cfg.distributed.bf16_sums() {
+                        ", gradients summed in bf16"
+                    } else {
+                        ""
+                    },
+                ) + &self
+                    .launcher
+                    .as_ref()
+                    .map_or(String::new(), |l| format!("; {l}"))
+            }
             None => dev,
         };
         RunInfo {
