@@ -17,6 +17,9 @@
 //! | WAIT (6) | `u64` count, keys | `u8` 0 once all are present |
 //! | CANCEL_WAIT (12) | — | `u8` 1 (a pending WAIT's 0 may come first) |
 //!
+//! torch's own clients put `/` before every key (a store's keys are `/KEY`); this one does
+//! the same, so both see the same keys.
+//!
 //! COMPARE_SET with an empty `expected` sets a key that does not exist yet and leaves an
 //! existing one alone; either way it answers the value stored, which makes it a
 //! "first writer wins".
@@ -71,6 +74,13 @@ pub struct Store {
 fn put_bytes(buf: &mut Vec<u8>, b: &[u8]) {
     buf.extend_from_slice(&(b.len() as u64).to_le_bytes());
     buf.extend_from_slice(b);
+}
+
+/// A key as torch's clients write it: `/` first.
+fn put_key(buf: &mut Vec<u8>, key: &str) {
+    buf.extend_from_slice(&(key.len() as u64 + 1).to_le_bytes());
+    buf.push(b'/');
+    buf.extend_from_slice(key.as_bytes());
 }
 
 impl Store {
@@ -163,7 +173,7 @@ impl Store {
 
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), StoreError> {
         let mut req = vec![SET];
-        put_bytes(&mut req, key.as_bytes());
+        put_key(&mut req, key);
         put_bytes(&mut req, value);
         self.send(&req, &format!("set {key}"))
     }
@@ -173,7 +183,7 @@ impl Store {
     pub fn get(&mut self, key: &str) -> Result<Vec<u8>, StoreError> {
         let op = format!("get {key}");
         let mut req = vec![GET];
-        put_bytes(&mut req, key.as_bytes());
+        put_key(&mut req, key);
         self.send(&req, &op)?;
         let _ = self.stream.set_read_timeout(Some(self.reply_timeout()));
         self.read_value(&op)
@@ -183,7 +193,7 @@ impl Store {
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64, StoreError> {
         let op = format!("add {key}");
         let mut req = vec![ADD];
-        put_bytes(&mut req, key.as_bytes());
+        put_key(&mut req, key);
         req.extend_from_slice(&delta.to_le_bytes());
         self.send(&req, &op)?;
         let _ = self.stream.set_read_timeout(Some(self.reply_timeout()));
@@ -198,7 +208,7 @@ impl Store {
         let mut req = vec![CHECK];
         req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         for k in keys {
-            put_bytes(&mut req, k.as_bytes());
+            put_key(&mut req, k);
         }
         self.send(&req, &op)?;
         let _ = self.stream.set_read_timeout(Some(self.reply_timeout()));
@@ -211,7 +221,7 @@ impl Store {
         let mut req = vec![WAIT];
         req.extend_from_slice(&(keys.len() as u64).to_le_bytes());
         for k in keys {
-            put_bytes(&mut req, k.as_bytes());
+            put_key(&mut req, k);
         }
         self.send(&req, &op)?;
         let _ = self
@@ -264,7 +274,7 @@ impl Store {
     ) -> Result<Vec<u8>, StoreError> {
         let op = format!("compare-set {key}");
         let mut req = vec![COMPARE_SET];
-        put_bytes(&mut req, key.as_bytes());
+        put_key(&mut req, key);
         put_bytes(&mut req, expected);
         put_bytes(&mut req, desired);
         self.send(&req, &op)?;
