@@ -23,6 +23,39 @@ pub fn address_key(prefix: &str) -> String {
     format!("{prefix}/rank0")
 }
 
+/// The address rank 0 publishes: the interface this host reaches the store by (the others
+/// reach the store's host the same way). Where that is a loopback address but the job spans
+/// several hosts (LOCAL_WORLD_SIZE below the world: the store runs on this host, reached by
+/// a name that resolves to loopback here), this host's name instead.
+fn advertised(store: &Store, world: usize, port: u16) -> String {
+    let ip = store
+        .local_ip()
+        .filter(|ip| !ip.is_unspecified())
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    let several_hosts = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .is_some_and(|local| local < world);
+    if ip.is_loopback() && several_hosts {
+        if let Some(host) = hostname() {
+            return format!("{host}:{port}");
+        }
+    }
+    SocketAddr::new(ip, port).to_string()
+}
+
+fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let h = String::from_utf8_lossy(&buf[..end]).into_owned();
+    (!h.is_empty()).then_some(h)
+}
+
 /// Meet the other ranks through `store`: as [`super::rendezvous`], with rank 0 on a free
 /// port it publishes under `prefix`.
 pub fn rendezvous_via_store(
@@ -51,12 +84,7 @@ pub fn rendezvous_via_store(
                 cause: e.to_string(),
             })?
             .port();
-        // The interface this host reaches the store by is the one the others reach it by.
-        let ip = store
-            .local_ip()
-            .filter(|ip| !ip.is_unspecified())
-            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-        let addr = SocketAddr::new(ip, port).to_string();
+        let addr = advertised(store, t.world, port);
         let published = serde_json::to_vec(&Published {
             addr: addr.clone(),
             version: env!("CARGO_PKG_VERSION").into(),
@@ -89,15 +117,22 @@ pub fn rendezvous_via_store(
                 p.version
             )));
         }
-        let sa: SocketAddr = p.addr.parse().map_err(|_| {
-            RendezvousError::Refused(format!(
-                "rank {}: rank 0 published {:?}, not an address",
-                t.rank, p.addr
-            ))
-        })?;
+        let (host, port) = p
+            .addr
+            .rsplit_once(':')
+            .and_then(|(h, port)| Some((h, port.parse::<u16>().ok()?)))
+            .ok_or_else(|| {
+                RendezvousError::Refused(format!(
+                    "rank {}: rank 0 published {:?}, not HOST:PORT",
+                    t.rank, p.addr
+                ))
+            })?;
         let at = Topology {
-            master_addr: sa.ip().to_string(),
-            master_port: sa.port(),
+            master_addr: host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
+            master_port: port,
             ..t.clone()
         };
         join(&at, &p.addr, deadline, timeout)
