@@ -39,6 +39,12 @@ fn exe() -> PathBuf {
     assert_cmd::cargo::cargo_bin("cockpit")
 }
 
+/// Say a test skips, on the real stderr (libtest captures `eprintln!`, not this).
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {why}");
+}
+
 /// A python3 that imports torch, or None after saying why the test skips.
 fn python_with_torch(test: &str) -> Option<String> {
     let py = std::env::var("COCKPIT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -49,7 +55,9 @@ fn python_with_torch(test: &str) -> Option<String> {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED {test}: {py} cannot import torch (set COCKPIT_TEST_PYTHON to a python with torch)");
+        skipped(&format!(
+            "{test}: {py} cannot import torch (set COCKPIT_TEST_PYTHON to a python with torch)"
+        ));
     }
     ok.then_some(py)
 }
@@ -64,7 +72,9 @@ fn torchrun(test: &str) -> Option<String> {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED {test}: no {t} (install torch, or set COCKPIT_TEST_TORCHRUN)");
+        skipped(&format!(
+            "{test}: no {t} (install torch, or set COCKPIT_TEST_TORCHRUN)"
+        ));
     }
     ok.then_some(t)
 }
