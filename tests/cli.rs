@@ -210,6 +210,7 @@ fn distributed_environment_is_checked() {
         .stderr(predicate::str::contains("RANK = 5"));
     cockpit()
         .args(["train", "--no-tui", "--max-steps", "1"])
+        .args(["--set", "distributed.backend=\"nccl\""])
         .env("WORLD_SIZE", "2")
         .env("RANK", "1")
         .assert()

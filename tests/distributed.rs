@@ -119,6 +119,8 @@ fn tcp_all_reduce_sums_in_place_on_every_rank() {
                     topo(r, world, port),
                     Backend::Tcp,
                     "/tmp/unused",
+                    None,
+                    cockpit::distributed::Meet::Listen,
                     Duration::from_secs(20),
                 )
                 .unwrap();

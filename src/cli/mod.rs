@@ -11,6 +11,7 @@ mod hf;
 mod launch;
 mod rank;
 mod run_lock;
+mod restart;
 mod sweep;
 
 use crate::config::{self, Config, ConfigError};
@@ -325,7 +326,9 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         },
         (None, None) => {
             let tag = if a.test_run { "-test" } else { "" };
-            runs_root.join(format!("{}{tag}-{}", cfg.run.name, timestamp()))
+            let stamped = runs_root.join(format!("{}{tag}-{}", cfg.run.name, timestamp()));
+            restart::default_run_dir(&runs_root, &format!("{}{tag}", cfg.run.name))
+                .unwrap_or(stamped)
         }
     };
     let several = plan.launching || plan.topology.is_some();
@@ -354,12 +357,25 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         return launch::run(&a, &cfg, plan.gpus, run_dir);
     }
     // A rank meets the others first; every rank takes rank 0's run dir.
+    let meeting = rank::Meeting {
+        launch: plan.launch.as_ref(),
+        backend: plan.backend,
+        run_dir: &run_dir,
+        explicit_resume: a.resume.is_some(),
+    };
     let (run_dir, joined) = match plan.topology {
-        Some(t) => match rank::join(t, plan.backend, &run_dir, &cfg) {
+        Some(t) => match rank::join(t, meeting, &cfg) {
             Ok((dir, j)) => (dir, Some(j)),
             Err(code) => return Ok(code),
         },
         None => (run_dir, None),
+    };
+    // A launcher's restart resumes from the run's latest checkpoint: rank 0 chose it for
+    // every rank; a single process looks for itself.
+    let resume = match &joined {
+        Some(j) => j.handshake.resume.as_ref().map(PathBuf::from).or(resume),
+        None if a.resume.is_none() => restart::single_process_resume(&run_dir).or(resume),
+        None => resume,
     };
     let rank = joined.as_ref().map_or(0, |j| j.topology.rank);
     let distributed = joined.is_some();

@@ -4,7 +4,8 @@
 use super::args::TrainArgs;
 use super::{EXIT_FAILURE, EXIT_PEER_FAILED, EXIT_USAGE};
 use crate::config::Config;
-use crate::distributed::{Backend, CommError, Joined, Topology};
+use crate::distributed::launcher::Launch;
+use crate::distributed::{Backend, CommError, Joined, Meet, Topology};
 use crate::engine::events::Progress;
 use crate::util::DeviceSpec;
 use std::path::{Path, PathBuf};
@@ -14,6 +15,8 @@ use std::sync::Arc;
 pub(super) struct Plan {
     /// This process is one rank (the environment says so); None: a single process or a launcher.
     pub topology: Option<Topology>,
+    /// The launcher that started this process (torchrun, srun, mpirun, ...), when one did.
+    pub launch: Option<Launch>,
     /// `--gpus N` / distributed.gpus > 1 without a rank environment: start the workers.
     pub launching: bool,
     pub gpus: usize,
@@ -26,7 +29,7 @@ pub(super) struct Plan {
 /// Ranks other than 0 get the monitor switched off (rank 0 samples the GPUs and advises).
 pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan, i32> {
     let env_var = |k: &str| std::env::var(k).ok();
-    let topology = match Topology::from_env(
+    let launch = match crate::distributed::launcher::detect(
         env_var,
         &cfg.distributed.master_addr,
         cfg.distributed.master_port,
@@ -35,17 +38,27 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
             crate::errln!("cockpit: distributed environment: {e}");
             return Err(EXIT_USAGE);
         }
-        Ok(t) => t.filter(|t| t.is_distributed()),
+        Ok(l) => l,
     };
+    let topology = launch
+        .as_ref()
+        .map(|l| l.topology.clone())
+        .filter(|t| t.is_distributed());
     let gpus = a.gpus.map_or(cfg.distributed.gpus, usize::from);
-    let Some(backend) = Backend::parse(&cfg.distributed.backend) else {
+    let mut device = crate::util::parse_device(&cfg.run.device).unwrap_or(DeviceSpec::Auto);
+    let launching = topology.is_none() && gpus > 1;
+    let Some(backend) = resolve_backend(
+        &cfg.distributed.backend,
+        device,
+        launching,
+        crate::engine::device::cuda_device_count,
+    ) else {
         crate::errln!(
-            "cockpit: config error:\n{origin}: distributed.backend = {:?}: allowed: nccl, tcp",
+            "cockpit: config error:\n{origin}: distributed.backend = {:?}: allowed: auto, nccl, tcp",
             cfg.distributed.backend
         );
         return Err(EXIT_USAGE);
     };
-    let mut device = crate::util::parse_device(&cfg.run.device).unwrap_or(DeviceSpec::Auto);
     if let Some(t) = &topology {
         if backend == Backend::Nccl && !cfg!(feature = "nccl") {
             crate::errln!("cockpit: rank {}: distributed.backend = \"nccl\": this build has no NCCL (build with --features nccl); \"tcp\" runs CPU processes", t.rank);
@@ -64,7 +77,6 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
             cfg.monitor.enabled = false;
         }
     }
-    let launching = topology.is_none() && gpus > 1;
     if launching {
         let key = if a.gpus.is_some() {
             "--gpus".to_string()
@@ -79,10 +91,31 @@ pub(super) fn plan(a: &TrainArgs, cfg: &mut Config, origin: &str) -> Result<Plan
     Ok(Plan {
         launching,
         topology,
+        launch,
         gpus,
         backend,
         device,
     })
+}
+
+/// `distributed.backend`: "nccl" and "tcp" as written; "auto" is NCCL on CUDA devices and
+/// tcp on the CPU. A device left to "auto" counts as CUDA where a GPU is visible, and
+/// always for `--gpus N` (which asks for GPUs).
+pub(super) fn resolve_backend(
+    name: &str,
+    device: DeviceSpec,
+    launching: bool,
+    visible_gpus: impl Fn() -> usize,
+) -> Option<Backend> {
+    match name {
+        "auto" => Some(match device {
+            DeviceSpec::Cpu => Backend::Tcp,
+            DeviceSpec::Cuda(_) => Backend::Nccl,
+            DeviceSpec::Auto if launching || visible_gpus() > 0 => Backend::Nccl,
+            DeviceSpec::Auto => Backend::Tcp,
+        }),
+        other => Backend::parse(other),
+    }
 }
 
 /// Worker processes the `tcp` backend may start per CPU core of this machine, and at least:
@@ -127,26 +160,84 @@ pub(super) fn check_world(
     Ok(())
 }
 
-/// Meet the other ranks; every rank takes rank 0's run dir. On NCCL the control sockets
+/// What a rank brings to the meeting besides its topology.
+pub(super) struct Meeting<'a> {
+    pub launch: Option<&'a Launch>,
+    pub backend: Backend,
+    /// The run dir this rank would use (rank 0's wins).
+    pub run_dir: &'a Path,
+    /// The user named a checkpoint (`--resume`): a restart does not pick one.
+    pub explicit_resume: bool,
+}
+
+/// Meet the other ranks; every rank takes rank 0's run dir, and the checkpoint rank 0 chose
+/// when the launcher restarted the job. Under torchrun the ranks meet through its store,
+/// where rank 0 also keeps the run dir of the first attempt: torchrun's agent outlives its
+/// workers, so a restarted rank 0 finds the run it is to resume. On NCCL the control sockets
 /// are watched: NCCL cannot notice a dead peer, so this rank ends rather than wait in a
 /// collective forever. `Err(exit code)` after printing why.
-pub(super) fn join(
-    t: Topology,
-    backend: Backend,
-    run_dir: &Path,
-    cfg: &Config,
-) -> Result<(PathBuf, Joined), i32> {
+pub(super) fn join(t: Topology, m: Meeting, cfg: &Config) -> Result<(PathBuf, Joined), i32> {
     let timeout = crate::distributed::timeout(cfg.distributed.timeout_secs);
-    crate::errln!(
-        "cockpit: rank {} of {}: meeting the other ranks at {}:{} ({} backend)",
-        t.rank,
-        t.world,
-        t.master_addr,
-        t.master_port,
-        cfg.distributed.backend
-    );
-    match crate::distributed::join(t, backend, &run_dir.to_string_lossy(), timeout) {
-        Ok(j) => {
+    let backend = m.backend;
+    let backend_name = match backend {
+        Backend::Nccl => "nccl",
+        Backend::Tcp => "tcp",
+    };
+    let mut run_dir = m.run_dir.to_path_buf();
+    let mut meet = Meet::Listen;
+    if let Some(l) = m.launch.filter(|l| l.agent_store) {
+        crate::errln!(
+            "cockpit: rank {} of {}: meeting the other ranks through torchrun's store at {}:{} ({backend_name} backend)",
+            t.rank, t.world, t.master_addr, t.master_port
+        );
+        match agent_store(&t, l, &mut run_dir, timeout) {
+            Ok(m) => meet = m,
+            Err(e) => {
+                crate::errln!("cockpit: rank {}: {e}", t.rank);
+                return Err(EXIT_FAILURE);
+            }
+        }
+    } else {
+        crate::errln!(
+            "cockpit: rank {} of {}: meeting the other ranks at {}:{} ({backend_name} backend)",
+            t.rank, t.world, t.master_addr, t.master_port
+        );
+    }
+    let resume = match m.launch.and_then(|l| l.restart.as_ref()) {
+        Some(r) if t.rank == 0 && !m.explicit_resume => {
+            match crate::engine::checkpoint::resolve(&run_dir) {
+                Ok(step) => {
+                    crate::errln!(
+                        "cockpit: {}={}: the launcher restarted this job; every rank resumes from {}",
+                        r.var,
+                        r.count,
+                        step.display()
+                    );
+                    Some(step.to_string_lossy().into_owned())
+                }
+                Err(_) => {
+                    crate::errln!(
+                        "cockpit: {}={}: the launcher restarted this job, but {} has no checkpoint yet: starting from scratch",
+                        r.var,
+                        r.count,
+                        run_dir.display()
+                    );
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    match crate::distributed::join(
+        t,
+        backend,
+        &run_dir.to_string_lossy(),
+        resume,
+        meet,
+        timeout,
+    ) {
+        Ok(mut j) => {
+            j.launcher = m.launch.map(Launch::describe);
             if backend == Backend::Nccl {
                 j.peers.watch(move |msg: String| {
                     tracing::error!("{msg}");
@@ -169,6 +260,36 @@ pub(super) fn join(
             })
         }
     }
+}
+
+/// The keys of this run in torchrun's store: `cockpit/RUN_ID`.
+fn store_base(l: &Launch) -> String {
+    format!("cockpit/{}", l.run_id.as_deref().unwrap_or("none"))
+}
+
+/// Connect to torchrun's store; rank 0 agrees the run dir there (the first attempt's wins).
+/// The meeting's keys are those of this attempt (TORCHELASTIC_RESTART_COUNT).
+fn agent_store(
+    t: &Topology,
+    l: &Launch,
+    run_dir: &mut PathBuf,
+    timeout: std::time::Duration,
+) -> Result<Meet, crate::distributed::store::StoreError> {
+    let mut store =
+        crate::distributed::store::Store::connect(&t.master_addr, t.master_port, timeout)?;
+    let base = store_base(l);
+    if t.rank == 0 {
+        let mine = run_dir.to_string_lossy().into_owned();
+        let agreed = store.compare_set(&format!("{base}/run_dir"), b"", mine.as_bytes())?;
+        if !agreed.is_empty() {
+            *run_dir = PathBuf::from(String::from_utf8_lossy(&agreed).into_owned());
+        }
+    }
+    let attempt = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|_| "0".into());
+    Ok(Meet::Store {
+        store,
+        prefix: format!("{base}/attempt-{}", attempt.trim()),
+    })
 }
 
 /// The per-rank threads: this rank's GPU sampled for the step's figures, and the

@@ -819,7 +819,7 @@ impl Default for DistributedConfig {
     fn default() -> Self {
         Self {
             gpus: 1,
-            backend: "nccl".into(),
+            backend: "auto".into(),
             master_addr: "127.0.0.1".into(),
             master_port: 29500,
             timeout_secs: 300.0,

@@ -609,11 +609,11 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
 
     // [distributed]
     ck.at_least("distributed.gpus", c.distributed.gpus as u64, 1);
-    if !matches!(c.distributed.backend.as_str(), "nccl" | "tcp") {
+    if !matches!(c.distributed.backend.as_str(), "auto" | "nccl" | "tcp") {
         ck.fail(
             "distributed.backend",
             quoted(&c.distributed.backend),
-            "allowed: nccl (CUDA devices), tcp (CPU processes; for testing)",
+            "allowed: auto (nccl on CUDA devices, tcp on the CPU), nccl (CUDA devices), tcp (CPU processes)",
         );
     }
     if !matches!(c.distributed.reduce_dtype.as_str(), "f32" | "bf16") {

@@ -112,6 +112,21 @@ pub struct Handshake {
     pub run_dir: String,
     /// NCCL's unique id, when the backend is NCCL.
     pub nccl_id: Option<Vec<u8>>,
+    /// The checkpoint every rank resumes from when rank 0 chose one (a launcher's restart).
+    #[serde(default)]
+    pub resume: Option<String>,
+}
+
+/// Where the ranks meet.
+pub enum Meet {
+    /// Rank 0 listens at MASTER_ADDR:MASTER_PORT.
+    Listen,
+    /// Through torchrun's store (at MASTER_ADDR:MASTER_PORT): rank 0 publishes a port of its
+    /// own under `prefix`.
+    Store {
+        store: super::store::Store,
+        prefix: String,
+    },
 }
 
 /// A rank after the rendezvous, before its communicator exists (that needs the device).
@@ -121,6 +136,8 @@ pub struct Joined {
     pub handshake: Handshake,
     pub peers: Peers,
     pub timeout: Duration,
+    /// Which launcher started the job and what was taken from it, for the run header.
+    pub launcher: Option<String>,
 }
 
 impl std::fmt::Debug for Joined {
@@ -150,11 +167,14 @@ impl Backend {
 }
 
 /// Meet the other ranks: rank 0 makes the NCCL id (for NCCL) and hands it out with its run
-/// dir. Blocks until all ranks joined or `timeout` passed.
+/// dir (and the checkpoint to resume from, if it chose one). Blocks until all ranks joined
+/// or `timeout` passed.
 pub fn join(
     topology: Topology,
     backend: Backend,
     run_dir: &str,
+    resume: Option<String>,
+    meet: Meet,
     timeout: Duration,
 ) -> Result<Joined, CommError> {
     let payload = if topology.rank == 0 {
@@ -165,12 +185,18 @@ pub fn join(
         let h = Handshake {
             run_dir: run_dir.to_string(),
             nccl_id,
+            resume,
         };
         Some(serde_json::to_vec(&h).map_err(|e| CommError::Setup(e.to_string()))?)
     } else {
         None
     };
-    let (bytes, peers) = super::rendezvous(&topology, payload, timeout)?;
+    let (bytes, peers) = match meet {
+        Meet::Listen => super::rendezvous(&topology, payload, timeout)?,
+        Meet::Store { mut store, prefix } => super::via_store::rendezvous_via_store(
+            &topology, &mut store, &prefix, payload, timeout,
+        )?,
+    };
     let handshake: Handshake = serde_json::from_slice(&bytes)
         .map_err(|e| CommError::Setup(format!("rendezvous: rank 0 sent a bad handshake: {e}")))?;
     Ok(Joined {
@@ -179,6 +205,7 @@ pub fn join(
         handshake,
         peers,
         timeout,
+        launcher: None,
     })
 }
 

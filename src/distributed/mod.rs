@@ -4,12 +4,17 @@
 //! control plane: a rank that vanishes without saying goodbye is noticed by its peers.
 
 mod collective;
+pub mod launcher;
+pub mod nodelist;
 mod rendezvous;
+pub mod store;
+mod via_store;
 
 #[cfg(feature = "cuda")]
 pub use collective::GradSum;
-pub use collective::{join, Backend, Collective, CommError, Handshake, Joined};
+pub use collective::{join, Backend, Collective, CommError, Handshake, Joined, Meet};
 pub use rendezvous::{rendezvous, Peers, RendezvousError};
+pub use via_store::{address_key, rendezvous_via_store};
 
 use std::time::Duration;
 

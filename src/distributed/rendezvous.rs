@@ -33,6 +33,11 @@ pub enum RendezvousError {
     Refused(String),
     #[error("rendezvous I/O with {who}: {cause}")]
     Io { who: String, cause: String },
+    #[error("rank {rank}: {source}")]
+    Store {
+        rank: usize,
+        source: super::store::StoreError,
+    },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -66,10 +71,10 @@ enum Control {
 pub struct Peers {
     pub rank: usize,
     pub world: usize,
-    conns: Vec<(usize, String, TcpStream)>,
+    pub(super) conns: Vec<(usize, String, TcpStream)>,
     /// Set once this rank finishes or fails on its own: from then on a peer closing its
     /// connection is expected, not news.
-    leaving: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub(super) leaving: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn host() -> String {
@@ -139,6 +144,22 @@ fn serve(
     };
     // Listen on every interface at the port: MASTER_ADDR names this host for the others.
     let listener = TcpListener::bind(("0.0.0.0", t.master_port)).map_err(bind_err)?;
+    serve_on(t, listener, addr, payload, deadline, timeout)
+}
+
+/// Rank 0's side on a bound listener: take every worker's hello, then send the payload.
+pub(super) fn serve_on(
+    t: &Topology,
+    listener: TcpListener,
+    addr: &str,
+    payload: &[u8],
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<(usize, String, TcpStream)>, RendezvousError> {
+    let bind_err = |e: std::io::Error| RendezvousError::Bind {
+        addr: addr.to_string(),
+        cause: e.to_string(),
+    };
     listener.set_nonblocking(true).map_err(bind_err)?;
     let mut joined: Vec<(usize, String, TcpStream)> = Vec::new();
     while joined.len() + 1 < t.world {
@@ -219,7 +240,7 @@ fn serve(
     Ok(joined)
 }
 
-fn join(
+pub(super) fn join(
     t: &Topology,
     addr: &str,
     deadline: Instant,

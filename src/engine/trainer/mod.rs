@@ -67,6 +67,8 @@ struct Trainer {
     out_dir: PathBuf,
     /// The process group, in a data-parallel run.
     dist: Option<Box<dyn Collective>>,
+    /// Which launcher started the job and what was taken from it (for the run header).
+    launcher: Option<String>,
     rank: usize,
     world: usize,
     /// Faults to inject (tests only).

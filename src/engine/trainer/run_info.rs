@@ -33,7 +33,10 @@ impl Trainer {
                 } else {
                     ""
                 }
-            ),
+            ) + &self
+                .launcher
+                .as_ref()
+                .map_or(String::new(), |l| format!("; {l}")),
             None => dev,
         };
         RunInfo {

@@ -164,6 +164,7 @@ impl Trainer {
         let o = &cfg.optim;
         let mut opt = AdamW::new(slots, o.beta1, o.beta2, o.eps, o.weight_decay)?;
         opt.fused = cfg.kernels.adamw;
+        let launcher = opts.dist.as_ref().and_then(|j| j.launcher.clone());
         let dist = match opts.dist {
             Some(j) => Some(j.connect(&device)?),
             None => None,
@@ -247,6 +248,7 @@ impl Trainer {
         let mut t = Trainer {
             out_dir,
             dist,
+            launcher,
             rank,
             world,
             faults: opts.faults,
