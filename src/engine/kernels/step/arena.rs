@@ -16,7 +16,7 @@ pub(super) struct Activations {
     /// Per layer: residual input, LN1 out, qkv, attention probabilities [B·H, T, T],
     /// merged attention output, residual after attention, LN2 out, the MLP's pre-activation and
     /// its activation (GELU or SwiGLU) output.
-    /// (The LN outputs under a concatenated LoRA group are its `[x | u]`: [`Cat`].)
+    /// (The LN outputs under a concatenated LoRA group are its `[x | u]`: [`Cat`](super::lora::Cat).)
     pub(super) res: Vec<u64>,
     pub(super) ln1: Vec<u64>,
     pub(super) qkv: Vec<u64>,
@@ -155,7 +155,7 @@ impl ModelStep {
                 .collect::<Vec<_>>()
         };
         let all_layers = vec![true; l];
-        // (A concatenated LoRA group's normed input is `[x | u]`, rows `ld` apart: [`Cat`].)
+        // (A concatenated LoRA group's normed input is `[x | u]`, rows `ld` apart: [`Cat`](super::lora::Cat).)
         let ld_max = |g: usize| (0..l).map(|i| self.ln_ld(i, g)).max().unwrap_or(c);
         let (ld1, ld2) = (ld_max(G_QKV), ld_max(G_GU));
         let res_o = per_if(nc, &all_layers);

@@ -216,7 +216,7 @@ impl ModelStep {
     }
 
     /// [`Self::drop_scaled`] between matrices whose rows lie `ldx` and `ldy` apart (multiples
-    /// of 8; the columns of a LoRA group's `[x | u]` or `[dx | du]`: [`Cat`]).
+    /// of 8; the columns of a LoRA group's `[x | u]` or `[dx | du]`: [`Cat`](super::lora::Cat)).
     pub(super) fn drop_scaled_ld(
         &self,
         a: &Activations,

@@ -323,7 +323,7 @@ impl ModelStep {
         self.lt_matmul(name, mm, c_f32, (1.0, beta), epi, None)
     }
 
-    /// [`Lt::matmul`], timed under `name`. Ok(false): no cuBLASLt or no algorithm for it.
+    /// [`Lt::matmul`](crate::engine::kernels::lt::Lt::matmul), timed under `name`. Ok(false): no cuBLASLt or no algorithm for it.
     pub(super) fn lt_matmul(
         &self,
         name: &'static str,

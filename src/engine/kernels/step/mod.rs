@@ -1,5 +1,5 @@
 //! The whole training step of a decoder-only model as one hand-scheduled CUDA program, built
-//! from the model's shape ([`StepWeights`]): LayerNorm or RMSNorm, GELU or SwiGLU MLP, biases
+//! from the model's shape ([`StepWeights`](super::spec::StepWeights)): LayerNorm or RMSNorm, GELU or SwiGLU MLP, biases
 //! or none, multi-head or grouped-query attention, learned positions or RoPE, tied or untied
 //! head — one program for every family, not one per architecture.
 //!
@@ -84,7 +84,7 @@ enum Arg {
     L(i64),
 }
 
-/// The whole-model step for one [`StepWeights`] layout. Build it once per model; it sizes
+/// The whole-model step for one [`StepWeights`](super::spec::StepWeights) layout. Build it once per model; it sizes
 /// its activation arena for the micro-batch it is given (and re-sizes when that changes).
 pub struct ModelStep {
     /// fp16 instead of bf16 (the fp16 build of the kernels, fp16 cuBLAS operands).
@@ -132,7 +132,7 @@ pub struct ModelStep {
     by_id: HashMap<TensorId, usize>,
     wte: usize,
     wpe: Option<usize>,
-    /// RoPE's rotations on the device, [T][hd/2] (cos, sin) ([`rope_table`]; None: learned
+    /// RoPE's rotations on the device, [T][hd/2] (cos, sin) ([`rope_table`](attention::rope_table); None: learned
     /// positions).
     rope: Option<CudaSlice<f32>>,
     /// Flash attention (head dim 64 or 128) instead of materialised probabilities.
@@ -163,7 +163,7 @@ pub struct ModelStep {
     axpy_table: Option<CudaSlice<u64>>,
     /// Micro-batches since `begin` (the loss read-back divides by their tokens).
     micro: usize,
-    /// Dropout: the keep threshold (0: none) and a kept element's scale ([`dropout`]).
+    /// Dropout: the keep threshold (0: none) and a kept element's scale ([`crate::engine::dropout`]).
     drop_thr: u32,
     /// What the backward recomputes instead of keeping ([`Recompute`]).
     recompute: Recompute,

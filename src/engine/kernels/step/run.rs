@@ -66,7 +66,7 @@ impl ModelStep {
         Ok(())
     }
 
-    /// The dropout seed of the next micro-batches ([`dropout::micro_seed`]: the candle model
+    /// The dropout seed of the next micro-batches ([`crate::engine::dropout::micro_seed`]: the candle model
     /// draws the same masks from it).
     pub fn set_dropout_seed(&mut self, seed: u64) {
         self.drop_seed = seed;
