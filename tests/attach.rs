@@ -662,3 +662,43 @@ fn a_dir_without_a_live_run_says_so() {
         2
     );
 }
+
+/// The server enforces what the client does: a raw `stop` or `interrupt` from a connection
+/// that did not claim `allow_stop` is refused; one that did is obeyed. A viewer that paused
+/// the run and disconnects releases its pause.
+#[test]
+fn stop_needs_the_right_server_side_and_a_leaving_pauser_releases_its_pause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let run = start_run(dir, &["run.max_steps=100000"], ServerOptions::default());
+    let watcher = attach::connect(dir, false).unwrap();
+    let dial = || {
+        let raw = UnixStream::connect(&run.socket).unwrap();
+        raw.set_read_timeout(Some(PATIENCE)).unwrap();
+        let mut input = BufReader::new(raw.try_clone().unwrap());
+        let _hello = read_message(&mut input);
+        (raw, input)
+    };
+    let (mut raw, mut input) = dial();
+    for c in ["stop\",\"save\":false", "interrupt\",\"signal\":\"x\""] {
+        let line = format!("{{\"type\":\"command\",\"command\":{{\"command\":\"{c}}}}}\n");
+        raw.write_all(line.as_bytes()).unwrap();
+        assert!(next_error(&mut input).contains("allow-stop"));
+    }
+    // a pausing viewer that leaves: the run goes on (the start's own pause released first)
+    run.commands.send(Command::Resume).unwrap();
+    raw.write_all(b"{\"type\":\"command\",\"command\":{\"command\":\"pause\"}}\n")
+        .unwrap();
+    until(&watcher.events, |e| matches!(e, Event::Paused { .. }));
+    drop(input);
+    drop(raw);
+    until(&watcher.events, |e| matches!(e, Event::Resumed { .. }));
+    until(&watcher.events, |e| matches!(e, Event::Step(_)));
+    // with the right claimed, stop is obeyed
+    let (mut raw, _input) = dial();
+    raw.write_all(b"{\"type\":\"allow_stop\"}\n").unwrap();
+    raw.write_all(b"{\"type\":\"command\",\"command\":{\"command\":\"stop\",\"save\":false}}\n")
+        .unwrap();
+    let (_, summary) = finish(run, dir);
+    assert_eq!(summary.reason, FinishReason::Stopped);
+}

@@ -555,6 +555,15 @@ fn follow(
 /// Write the dashboard's commands to the socket; a Stop only when allowed.
 fn send_commands(stream: UnixStream, commands: &Receiver<Command>, allow_stop: bool, sink: &Sink) {
     let mut out = stream;
+    if allow_stop {
+        // the server enforces the right per connection: claimed once, first
+        if let Err(e) = out
+            .write_all(super::protocol::ALLOW_STOP_LINE.as_bytes())
+            .and_then(|()| out.flush())
+        {
+            tracing::warn!("attach: could not claim allow_stop: {e}");
+        }
+    }
     for command in commands.iter() {
         if matches!(command, Command::Stop { .. } | Command::Interrupt { .. }) && !allow_stop {
             tracing::info!(

@@ -9,7 +9,9 @@
 //! * `{"type":"error","message":"…"}` when the viewer sent something the server refused.
 //!
 //! Viewer → server: `{"type":"command","command":{"command":"set_batch_size","micro_batch":16}}`
-//! (the engine's [`Command`], serialized as the engine defines it). Nothing else is accepted.
+//! (the engine's [`Command`], serialized as the engine defines it), and `{"type":"allow_stop"}`
+//! first from a viewer started with the right to stop the run (`stop` and `interrupt` are
+//! refused, by the server, on a connection that did not send it). Nothing else is accepted.
 
 use crate::advisor::MonitorUpdate;
 use crate::engine::events::{Command, Event};
@@ -145,6 +147,19 @@ pub fn read_line<R: BufRead>(reader: &mut R, max: usize) -> io::Result<Option<Li
     } else {
         Line::Complete(buf)
     }))
+}
+
+/// The line a viewer started with the right to stop the run sends first:
+/// `{"type":"allow_stop"}`. Without it the server refuses `stop` and `interrupt`.
+pub const ALLOW_STOP_LINE: &str = "{\"type\":\"allow_stop\"}\n";
+
+/// Whether `line` is [`ALLOW_STOP_LINE`] (exactly that object).
+pub fn is_allow_stop(line: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(line).is_ok_and(|v| {
+        v.as_object().is_some_and(|o| {
+            o.len() == 1 && o.get("type").and_then(|t| t.as_str()) == Some("allow_stop")
+        })
+    })
 }
 
 /// Decode and validate one line from a viewer into a [`Command`], or say why not.

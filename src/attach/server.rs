@@ -8,7 +8,7 @@
 //! pile up past [`ServerOptions::event_queue`] it is disconnected.
 
 use super::peer::{my_uid, peer_cred, PeerCred};
-use super::protocol::{encode, parse_client_line, read_line, Hello, Line, Outbound};
+use super::protocol::{encode, is_allow_stop, parse_client_line, read_line, Hello, Line, Outbound};
 use super::protocol::{MAX_LINE_BYTES, PROTOCOL_VERSION};
 use super::{AttachError, PRIVATE_DIR, SOCKET_FILE};
 use crate::advisor::MonitorUpdate;
@@ -905,6 +905,10 @@ fn write_loop(viewer: &Viewer, stream: UnixStream) {
 
 fn read_loop(viewer: &Viewer, stream: UnixStream, shared: &Shared) {
     let mut input = BufReader::new(stream);
+    // the right to stop the run: claimed by a viewer started with it (`--allow-stop`)
+    let mut allow_stop = false;
+    // this viewer's pause still stands: released when it leaves
+    let mut paused = false;
     loop {
         let line = match read_line(&mut input, shared.opts.max_line_bytes) {
             Ok(Some(line)) => line,
@@ -930,6 +934,10 @@ fn read_loop(viewer: &Viewer, stream: UnixStream, shared: &Shared) {
         if bytes.trim_ascii().is_empty() {
             continue;
         }
+        if is_allow_stop(&bytes) {
+            allow_stop = true;
+            continue;
+        }
         let command = match parse_client_line(&bytes) {
             Ok(c) => c,
             Err(reason) => {
@@ -938,6 +946,18 @@ fn read_loop(viewer: &Viewer, stream: UnixStream, shared: &Shared) {
             }
         };
         let label = command.label();
+        if matches!(command, Command::Stop { .. } | Command::Interrupt { .. }) && !allow_stop {
+            shared.reject(
+                viewer,
+                &format!("{label} refused: this viewer was not attached with --allow-stop"),
+            );
+            continue;
+        }
+        match command {
+            Command::Pause => paused = true,
+            Command::Resume => paused = false,
+            _ => {}
+        }
         let sent = match lock(&shared.commands).as_ref() {
             Some(tx) => tx.try_send(command),
             None => Err(TrySendError::Disconnected(command)),
@@ -958,5 +978,16 @@ fn read_loop(viewer: &Viewer, stream: UnixStream, shared: &Shared) {
         }
     }
     tracing::info!(viewer = viewer.id, "attach: a viewer disconnected");
+    if paused {
+        // a viewer that paused the run and left does not leave it paused
+        if let Some(tx) = lock(&shared.commands).as_ref() {
+            if tx.try_send(Command::Resume).is_ok() {
+                tracing::info!(
+                    viewer = viewer.id,
+                    "attach: the viewer that paused the run left; resumed"
+                );
+            }
+        }
+    }
     viewer.close();
 }

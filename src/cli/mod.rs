@@ -204,6 +204,7 @@ fn print_summary(
     max_steps: u64,
     plots: &str,
     config: Option<&Path>,
+    flags: &[String],
 ) {
     let row = |k: &str, v: String| crate::errln!("  {k:<12} {v}");
     crate::errln!("cockpit: run ended: {ended}");
@@ -231,12 +232,45 @@ fn print_summary(
         row(
             "resume with",
             format!(
-                "cockpit train {}--resume {}",
-                config.map_or(String::new(), |c| format!("{} ", c.display())),
-                run_dir.display()
+                "cockpit train {}{}--resume {}",
+                config.map_or(String::new(), |c| format!(
+                    "{} ",
+                    shell_word(&c.display().to_string())
+                )),
+                flags
+                    .iter()
+                    .map(|f| format!("{} ", shell_word(f)))
+                    .collect::<String>(),
+                shell_word(&run_dir.display().to_string())
             ),
         );
     }
+}
+
+/// `s` as one shell word: as is when it is plain, else single-quoted.
+fn shell_word(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._=/:-+,@".contains(c));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+/// The flags a resume must repeat to run the same config: `--set` and `--max-steps`.
+fn resume_flags(a: &TrainArgs) -> Vec<String> {
+    let mut v = Vec::new();
+    for s in &a.set {
+        v.push("--set".to_string());
+        v.push(s.clone());
+    }
+    if let Some(n) = a.max_steps {
+        v.push("--max-steps".to_string());
+        v.push(n.to_string());
+    }
+    v
 }
 
 /// Settings `--test-run` forces: a few steps that pass through every stage.
@@ -485,6 +519,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
             cfg.run.max_steps,
             plots,
             a.config.as_deref(),
+            &resume_flags(&a),
         );
     }
     let summary = match summary {
@@ -784,4 +819,24 @@ fn compare(
 
 fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
     frontends::monitor(m)
+}
+
+#[cfg(test)]
+mod resume_hint_tests {
+    use super::*;
+
+    #[test]
+    fn the_resume_hint_repeats_the_set_flags_as_shell_words() {
+        let a = TrainArgs {
+            set: vec!["optim.lr=0.001".into(), "run.name=\"a b\"".into()],
+            max_steps: Some(50),
+            ..Default::default()
+        };
+        let words: Vec<String> = resume_flags(&a).iter().map(|f| shell_word(f)).collect();
+        assert_eq!(
+            words.join(" "),
+            r#"--set optim.lr=0.001 --set 'run.name="a b"' --max-steps 50"#
+        );
+        assert_eq!(shell_word("it's"), r"'it'\''s'");
+    }
 }
