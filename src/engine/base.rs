@@ -76,22 +76,27 @@ pub fn checkpoint_config(step_dir: &Path) -> Result<Config, CheckpointError> {
 
 /// Read what a base is (config files only, no weights).
 pub fn meta(spec: &Path) -> Result<BaseMeta, CheckpointError> {
-    let (dir, run_dir) = match super::locate::locate(spec)? {
+    meta_at(&super::locate::locate(spec)?)
+}
+
+/// [`meta`] of a located source.
+fn meta_at(at: &Location) -> Result<BaseMeta, CheckpointError> {
+    let (dir, run_dir) = match at {
         Location::HuggingFace(dir) => {
-            let (model, info) = hf::read_config(&dir)?;
+            let (model, info) = hf::read_config(dir)?;
             return Ok(BaseMeta {
                 description: format!("Hugging Face {} model {}", info.model_type, dir.display()),
                 model,
                 hf: Some(info),
-                tokenizer: hf_tokenizer(&dir),
-                hf_dir: Some(dir),
+                tokenizer: hf_tokenizer(dir),
+                hf_dir: Some(dir.clone()),
             });
         }
         Location::Checkpoint { step_dir, run_dir } => (step_dir, run_dir),
     };
-    let cfg = checkpoint_config(&dir)?;
+    let cfg = checkpoint_config(dir)?;
     let kept = match run_dir {
-        Some(run) => kept_hf(&run)?,
+        Some(run) => kept_hf(run)?,
         None => None,
     };
     let tokenizer = match (cfg.data.source.as_str(), &kept) {
@@ -114,13 +119,15 @@ pub fn meta(spec: &Path) -> Result<BaseMeta, CheckpointError> {
 
 /// Load a base: its description and its weights (LoRA adapters of a cockpit base left out).
 pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
-    if is_hf_dir(spec) {
-        let m = meta(spec)?;
-        let (_, _, tensors) = hf::load(spec)?;
-        return Ok(Base { meta: m, tensors });
-    }
-    let m = meta(spec)?;
-    let dir = checkpoint::resolve(spec)?;
+    let at = super::locate::locate(spec)?;
+    let m = meta_at(&at)?;
+    let dir = match at {
+        Location::HuggingFace(dir) => {
+            let (_, _, tensors) = hf::load(&dir)?;
+            return Ok(Base { meta: m, tensors });
+        }
+        Location::Checkpoint { step_dir, .. } => step_dir,
+    };
     let loaded = checkpoint::load(&dir, &candle_core::Device::Cpu)?;
     let tensors = loaded
         .model
