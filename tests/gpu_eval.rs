@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use cockpit::config::Config;
-use cockpit::engine::model::{Model, Shape};
+use cockpit::engine::model::{Model, ModelSpec};
 
 #[test]
 fn token_losses_average_to_the_loss() {
@@ -27,7 +27,7 @@ fn token_losses_average_to_the_loss() {
             c.model.dropout = 0.0;
             c.kernels.linear = fused;
             c.kernels.cross_entropy = fused;
-            let mut m = Model::new(Shape::from_config(&c, vocab), dt, &dev, 5).unwrap();
+            let mut m = Model::new(ModelSpec::from_config(&c, vocab), dt, &dev, 5).unwrap();
             let ids: Vec<u32> = (0..3 * 48).map(|i| (i * 31 + 7) % vocab as u32).collect();
             let tg: Vec<u32> = (0..3 * 48).map(|i| (i * 17 + 3) % vocab as u32).collect();
             let x = Tensor::from_vec(ids, (3, 48), &dev).unwrap();

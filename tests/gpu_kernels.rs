@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use cockpit::config::Config;
-use cockpit::engine::model::{Model, Shape};
+use cockpit::engine::model::{Model, ModelSpec};
 use cockpit::engine::optim::{global_norm, AdamW};
 use cockpit::engine::{dropout, kernels};
 
@@ -384,7 +384,7 @@ fn model_with_fused_kernels_matches_the_plain_model() {
             c.kernels.linear = on;
             c.kernels.cross_entropy = on;
             c.kernels.bias_gelu = on;
-            let mut m = Model::new(Shape::from_config(&c, vocab), dt, &dev, 5).unwrap();
+            let mut m = Model::new(ModelSpec::from_config(&c, vocab), dt, &dev, 5).unwrap();
             let ids: Vec<u32> = (0..3 * 48).map(|i| (i * 31 + 7) % vocab as u32).collect();
             let tg: Vec<u32> = (0..3 * 48).map(|i| (i * 17 + 3) % vocab as u32).collect();
             let x = Tensor::from_vec(ids, (3, 48), &dev).unwrap();
@@ -995,7 +995,7 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
     };
     let batches = [batch(1), batch(2)];
     // Reference: the f32 model, mean loss of the two micro-batches.
-    let mut m32 = Model::new(Shape::from_config(&c, vocab), DType::F32, dev, 5).unwrap();
+    let mut m32 = Model::new(ModelSpec::from_config(&c, vocab), DType::F32, dev, 5).unwrap();
     let mut loss_ref = 0.0;
     let mut total: Option<Tensor> = None;
     // Dropout masks from each micro-batch's seed: the same in both executors.
@@ -1013,7 +1013,7 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
     }
     let store = total.unwrap().backward().unwrap();
     // The whole-model step on a 16-bit model with the same initial weights.
-    let m16 = Model::new(Shape::from_config(&c, vocab), dt, dev, 5).unwrap();
+    let m16 = Model::new(ModelSpec::from_config(&c, vocab), dt, dev, 5).unwrap();
     let w = m16
         .step_plan()
         .unwrap_or_else(|why| panic!("{name}: a {dt:?} model fits the step: {why}"));
@@ -1358,7 +1358,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 dtype: if dt == DType::F32 { DType::F32 } else { dt },
                 random_on_device: false,
             };
-            let shape = Shape::from_config(&c, vocab);
+            let shape = ModelSpec::from_config(&c, vocab);
             let mut m = Model::new_with(shape, dt, &dev, 5, store).unwrap();
             if nf4 {
                 // Both models quantize the same bf16 values: the same 4-bit base. (The f32
@@ -1499,7 +1499,7 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
         // Each step times its own matmul candidates: under other tests' load two steps may
         // pick different (equally right) algorithms, whose sums differ in the last bit.
         c.kernels.autotune = false;
-        let m = Model::new(Shape::from_config(&c, vocab), step_dtype(dev), dev, 9).unwrap();
+        let m = Model::new(ModelSpec::from_config(&c, vocab), step_dtype(dev), dev, 9).unwrap();
         let w = m.step_weights().unwrap();
         let mut step = kernels::ModelStep::new(&w).unwrap();
         let mut out = Vec::new();
@@ -1523,12 +1523,13 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
         }
         (out, step.graphs_captured())
     };
-    let m_names: Vec<String> = Model::new(Shape::from_config(&c, vocab), step_dtype(dev), dev, 9)
-        .unwrap()
-        .params
-        .iter()
-        .map(|p| p.name.clone())
-        .collect();
+    let m_names: Vec<String> =
+        Model::new(ModelSpec::from_config(&c, vocab), step_dtype(dev), dev, 9)
+            .unwrap()
+            .params
+            .iter()
+            .map(|p| p.name.clone())
+            .collect();
     let (eager, none) = run(false, false);
     let (graphed, captured) = run(true, true);
     // The weight gradients on a second stream, captured (above) and eager.
@@ -1592,7 +1593,7 @@ fn recompute_matches_keeping_the_activations() {
             dtype: if lora { step_dtype(&dev) } else { DType::F32 },
             random_on_device: false,
         };
-        let shape = Shape::from_config(&c, vocab);
+        let shape = ModelSpec::from_config(&c, vocab);
         let mut m = Model::new_with(shape, step_dtype(&dev), &dev, 9, store).unwrap();
         if lora {
             let spec = LoraSpec {

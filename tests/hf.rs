@@ -302,3 +302,43 @@ fn broken_weight_files_are_refused_by_name() {
         "{err}"
     );
 }
+
+/// One spec whichever way the model is described: a cockpit `[model]` and the Hugging Face
+/// config.json cockpit writes for it give the same `ModelSpec`.
+#[test]
+fn a_config_and_its_hugging_face_config_give_one_spec() {
+    use cockpit::config::PosEncoding;
+    use cockpit::engine::hf;
+    use cockpit::engine::spec::ModelSpec;
+    let gpt2 = ModelConfig {
+        pos: PosEncoding::Learned,
+        ..ModelConfig::default()
+    };
+    let llama = ModelConfig::llama_family();
+    let gqa = ModelConfig {
+        n_kv_head: 2,
+        ..ModelConfig::llama_family()
+    };
+    let head_dim = ModelConfig {
+        head_dim: 32,
+        ..gqa.clone()
+    };
+    let qwen2 = ModelConfig {
+        qkv_bias: true,
+        ..ModelConfig::llama_family()
+    };
+    for (model_type, m) in [
+        ("gpt2", gpt2),
+        ("llama", llama),
+        ("llama", gqa),
+        ("mistral", head_dim),
+        ("qwen2", qwen2),
+    ] {
+        let json = hf::config_json(&m, model_type, 96, None, DType::F32);
+        let from_hf = hf::spec(&json).unwrap_or_else(|e| panic!("{model_type}: {e}"));
+        let mut from_config = ModelSpec::from_model(&m, 96);
+        // (The notes say which keys a Hugging Face model_type set: not the model.)
+        from_config.arch_notes = from_hf.arch_notes.clone();
+        assert_eq!(from_hf, from_config, "{model_type}: {json}");
+    }
+}

@@ -8,6 +8,7 @@ use cockpit::config::{self, Config, ModelConfig};
 use cockpit::engine::events::Event;
 use cockpit::engine::export::{self, ExportOptions};
 use cockpit::engine::model::Model;
+use cockpit::engine::source;
 use cockpit::engine::{Engine, EngineOptions};
 use cockpit::util::DeviceSpec;
 use std::path::{Path, PathBuf};
@@ -56,7 +57,7 @@ fn loss(model: &mut Model, ids: &[u32]) -> f64 {
 fn loss_of(src: &Path, fixture_name: &str) -> f64 {
     let (ids, ..) = expected(fixture_name);
     let ids = &ids[..33];
-    let mut s = export::open(src, DType::F32, &Device::Cpu, ids.len() - 1).unwrap();
+    let mut s = source::open(src, DType::F32, &Device::Cpu, ids.len() - 1).unwrap();
     loss(&mut s.model, ids)
 }
 
@@ -204,7 +205,7 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
 fn every_fixture_survives_export_and_reimport() {
     for name in ["llama2", "llama3", "mistral", "qwen2", "gpt2", "granite"] {
         let (ids, ..) = expected(name);
-        let mut m = export::open(&fixture(name), DType::F32, &Device::Cpu, 32).unwrap();
+        let mut m = source::open(&fixture(name), DType::F32, &Device::Cpu, 32).unwrap();
         let want = loss(&mut m.model, &ids[..33]);
         let out = tempfile::tempdir().unwrap();
         let dest = out.path().join(name);
@@ -278,7 +279,7 @@ fn lora_on_every_family() {
         let with_adapter = loss(&mut m, &ids[..32]);
         let merged_loss = loss_of(&merged, name);
         let (ids_all, ..) = expected(name);
-        let mut s = export::open(&merged, DType::F32, &Device::Cpu, 31).unwrap();
+        let mut s = source::open(&merged, DType::F32, &Device::Cpu, 31).unwrap();
         let merged_32 = loss(&mut s.model, &ids_all[..32]);
         assert!(
             (with_adapter - merged_32).abs() < 1e-4,

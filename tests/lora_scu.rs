@@ -5,7 +5,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use cockpit::config::Config;
 use cockpit::engine::events::{Event, ScuStats};
-use cockpit::engine::model::{Model, Shape};
+use cockpit::engine::model::{Model, ModelSpec};
 use cockpit::engine::{checkpoint, lora, Engine, EngineOptions};
 use cockpit::util::DeviceSpec;
 use common::small;
@@ -272,7 +272,7 @@ fn lora_on_a_cockpit_base() {
     lora::write_merged(out.path(), &with_adapter).unwrap();
     let merged = tensors(&out.path().join("model.safetensors"));
     assert!(merged.keys().all(|k| !k.contains("lora")));
-    let mut plain = Model::new(with_adapter.shape.clone(), DType::F32, &Device::Cpu, 0).unwrap();
+    let mut plain = Model::new(with_adapter.spec.clone(), DType::F32, &Device::Cpu, 0).unwrap();
     plain.load_named(&merged, false).unwrap();
     let ids = Tensor::from_vec(
         (0..64u32).map(|i| i % 16).collect::<Vec<_>>(),
@@ -302,7 +302,13 @@ fn lora_on_a_hugging_face_llama_dir() {
         "model.n_kv_head=2",
         "model.mlp_ratio=2.0",
     ]);
-    let model = Model::new(Shape::from_config(&cfg, 16), DType::F32, &Device::Cpu, 3).unwrap();
+    let model = Model::new(
+        ModelSpec::from_config(&cfg, 16),
+        DType::F32,
+        &Device::Cpu,
+        3,
+    )
+    .unwrap();
     let names: HashMap<String, Tensor> = model.named_tensors().into_iter().collect();
     assert!(
         names.contains_key("model.layers.0.self_attn.q_proj.weight")

@@ -36,6 +36,38 @@ fn driver_versions() -> String {
     format!("{driver}{cuda}")
 }
 
+/// Whether the whole-model CUDA step runs GPT-2 124M- and Llama-shaped models on this GPU in
+/// `dtype`, and why not ([`crate::engine::spec::ModelSpec::fast_step_support`]).
+fn step_lines(dev: &candle_core::Device, dtype: candle_core::DType) {
+    use crate::config::{Config, ModelConfig};
+    use crate::engine::model::{step_facts, ModelSpec};
+    let gpt2 = ModelConfig {
+        n_layer: 12,
+        n_head: 12,
+        n_embd: 768,
+        ..ModelConfig::default()
+    };
+    let llama = ModelConfig {
+        n_layer: 16,
+        n_head: 32,
+        n_kv_head: 8,
+        n_embd: 2048,
+        ..ModelConfig::llama_family()
+    };
+    for (name, m) in [("GPT-2 124M", gpt2), ("Llama 1B", llama)] {
+        let c = Config {
+            model: m,
+            ..Config::default()
+        };
+        let spec = ModelSpec::from_config(&c, 50304);
+        let verdict = match spec.fast_step_support(&step_facts(dev, dtype, &spec, false)) {
+            Ok(()) => "whole-model CUDA step".to_string(),
+            Err(why) => format!("per-op path: {why}"),
+        };
+        println!("  step      {name}-shaped: {verdict}");
+    }
+}
+
 pub fn run() -> anyhow::Result<i32> {
     let snap = crate::telemetry::sample_once();
     let cores = std::thread::available_parallelism()
@@ -115,6 +147,7 @@ pub fn run() -> anyhow::Result<i32> {
                 if let Some(note) = crate::engine::kernels::build_note(&dev) {
                     crate::outln!("            {note}");
                 }
+                step_lines(&dev, dtype);
             }
             Err(e) => {
                 crate::outln!("  CUDA      built in, but no usable device: {e}");

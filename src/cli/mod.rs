@@ -10,8 +10,8 @@ mod frontends;
 mod hf;
 mod launch;
 mod rank;
-mod run_lock;
 mod restart;
+mod run_lock;
 mod sweep;
 
 use crate::config::{self, Config, ConfigError};
@@ -172,12 +172,7 @@ fn latest_run(runs_root: &Path, name: &str) -> Option<PathBuf> {
 }
 
 /// Where a checkpoint dir's run lives: `<run>/checkpoints/step-N` → `<run>`.
-fn run_dir_of_checkpoint(step_dir: &Path) -> Option<PathBuf> {
-    let parent = step_dir.parent()?;
-    (parent.file_name()? == "checkpoints")
-        .then(|| parent.parent().map(Path::to_path_buf))
-        .flatten()
-}
+use crate::engine::locate::run_dir_of as run_dir_of_checkpoint;
 
 fn init_logging(run_dir: &Path) {
     let Ok(file) = std::fs::OpenOptions::new()
@@ -700,15 +695,15 @@ impl ProgressBar {
 }
 
 fn merge(spec: &Path, out: Option<&Path>) -> anyhow::Result<i32> {
-    let (model, cfg) =
-        match crate::engine::lora::model_from_checkpoint(spec, &candle_core::Device::Cpu) {
-            Ok(m) => m,
-            Err(e) => {
-                crate::errln!("cockpit: merge: {e}");
-                return Ok(EXIT_USAGE);
-            }
-        };
-    if !cfg.lora.enabled {
+    let dev = candle_core::Device::Cpu;
+    let (model, lora) = match crate::engine::source::open(spec, candle_core::DType::F32, &dev, 1) {
+        Ok(s) => (s.model, s.run.is_some_and(|c| c.lora.enabled)),
+        Err(e) => {
+            crate::errln!("cockpit: merge: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    };
+    if !lora {
         crate::errln!("cockpit: merge: {} is not a LoRA run (lora.enabled = false): its weights are already whole", spec.display());
         return Ok(EXIT_USAGE);
     }

@@ -38,21 +38,12 @@ pub struct Base {
     pub tensors: HashMap<String, Tensor>,
 }
 
-/// Whether `dir` is a Hugging Face model directory (config.json, no cockpit manifest).
-pub fn is_hf_dir(dir: &Path) -> bool {
-    dir.join("config.json").is_file() && !dir.join("manifest.json").is_file()
-}
+pub use super::locate::is_hf_dir;
+use super::locate::Location;
 
 fn hf_tokenizer(dir: &Path) -> Option<String> {
     let t = dir.join("tokenizer.json");
     t.is_file().then(|| t.display().to_string())
-}
-
-fn run_dir_of(step_dir: &Path) -> Option<PathBuf> {
-    let parent = step_dir.parent()?;
-    (parent.file_name()? == "checkpoints")
-        .then(|| parent.parent().map(Path::to_path_buf))
-        .flatten()
 }
 
 /// The Hugging Face side a run dir kept (`RUN/hf_base/`), if any.
@@ -85,31 +76,27 @@ pub fn checkpoint_config(step_dir: &Path) -> Result<Config, CheckpointError> {
 
 /// Read what a base is (config files only, no weights).
 pub fn meta(spec: &Path) -> Result<BaseMeta, CheckpointError> {
-    if is_hf_dir(spec) {
-        let (model, info) = hf::read_config(spec)?;
-        return Ok(BaseMeta {
-            description: format!("Hugging Face {} model {}", info.model_type, spec.display()),
-            model,
-            hf: Some(info),
-            hf_dir: Some(spec.to_path_buf()),
-            tokenizer: hf_tokenizer(spec),
-        });
-    }
-    let looks_hf = std::fs::read_dir(spec).is_ok_and(|rd| {
-        rd.filter_map(|e| e.ok())
-            .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-    }) && !spec.join("manifest.json").is_file()
-        && !spec.join("checkpoints").is_dir();
-    if looks_hf {
-        return Err(CheckpointError::Corrupt {
-            path: spec.join("config.json").display().to_string(),
-            message: "missing: a Hugging Face model directory needs its config.json".into(),
-        });
-    }
-    let dir = checkpoint::resolve(spec)?;
-    let cfg = checkpoint_config(&dir)?;
-    let kept = match run_dir_of(&dir) {
-        Some(run) => kept_hf(&run)?,
+    meta_at(&super::locate::locate(spec)?)
+}
+
+/// [`meta`] of a located source.
+fn meta_at(at: &Location) -> Result<BaseMeta, CheckpointError> {
+    let (dir, run_dir) = match at {
+        Location::HuggingFace(dir) => {
+            let (model, info) = hf::read_config(dir)?;
+            return Ok(BaseMeta {
+                description: format!("Hugging Face {} model {}", info.model_type, dir.display()),
+                model,
+                hf: Some(info),
+                tokenizer: hf_tokenizer(dir),
+                hf_dir: Some(dir.clone()),
+            });
+        }
+        Location::Checkpoint { step_dir, run_dir } => (step_dir, run_dir),
+    };
+    let cfg = checkpoint_config(dir)?;
+    let kept = match run_dir {
+        Some(run) => kept_hf(run)?,
         None => None,
     };
     let tokenizer = match (cfg.data.source.as_str(), &kept) {
@@ -132,13 +119,15 @@ pub fn meta(spec: &Path) -> Result<BaseMeta, CheckpointError> {
 
 /// Load a base: its description and its weights (LoRA adapters of a cockpit base left out).
 pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
-    if is_hf_dir(spec) {
-        let m = meta(spec)?;
-        let (_, _, tensors) = hf::load(spec)?;
-        return Ok(Base { meta: m, tensors });
-    }
-    let m = meta(spec)?;
-    let dir = checkpoint::resolve(spec)?;
+    let at = super::locate::locate(spec)?;
+    let m = meta_at(&at)?;
+    let dir = match at {
+        Location::HuggingFace(dir) => {
+            let (_, _, tensors) = hf::load(&dir)?;
+            return Ok(Base { meta: m, tensors });
+        }
+        Location::Checkpoint { step_dir, .. } => step_dir,
+    };
     let loaded = checkpoint::load(&dir, &candle_core::Device::Cpu)?;
     let tensors = loaded
         .model
@@ -188,10 +177,8 @@ pub fn resolve_model(base: &BaseMeta, run: &ModelConfig, key: &str) -> Result<Mo
             ("head_dim", Some(r), _) => r as usize == b.head_size(),
             ("n_kv_head", Some(r), _) => r as usize == b.kv_heads(),
             ("mlp_ratio", ..) => {
-                let hidden = |m: &ModelConfig| (m.n_embd as f64 * m.mlp_ratio).round() as usize;
-                let mut r = b.clone();
-                r.mlp_ratio = rv.as_f64().unwrap_or(0.0);
-                hidden(&r) == hidden(b)
+                let width = crate::engine::spec::mlp_width;
+                width(b.n_embd, rv.as_f64().unwrap_or(0.0)) == width(b.n_embd, b.mlp_ratio)
             }
             _ => *rv == bv,
         };
@@ -356,8 +343,8 @@ pub fn build(
         model: m.clone(),
         ..Config::default()
     };
-    let shape = super::model::Shape::from_config(&cfg, m.vocab_size);
-    let model = super::model::Model::new(shape, dtype, device, 0)?;
+    let spec = super::model::ModelSpec::from_config(&cfg, m.vocab_size);
+    let model = super::model::Model::new(spec, dtype, device, 0)?;
     load_into(&model, base, key)?;
     Ok(model)
 }

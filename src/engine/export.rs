@@ -1,102 +1,18 @@
 //! `cockpit export` and `cockpit generate`: a trained model (a run, a checkpoint, or a Hugging
-//! Face directory) written as a Hugging Face directory, or continuing a prompt.
+//! Face directory, opened by [`super::source`]) written as a Hugging Face directory, or
+//! continuing a prompt.
 
-use super::base;
-use super::checkpoint;
 use super::data::Tok;
 use super::generate::{self, Sampling};
-use super::hf::{self, HfInfo};
-use super::model::Model;
+use super::hf;
+use super::source::{open, Source};
 use super::EngineError;
-use crate::config::{Config, ModelConfig};
 use crate::util::DeviceSpec;
 use candle_core::{DType, Device, Tensor};
-use std::path::{Path, PathBuf};
-
-/// A model ready to use, with what is known around it.
-pub struct Source {
-    pub model: Model,
-    /// Its model description (the base's context length where a Hugging Face base is known).
-    pub config: ModelConfig,
-    /// The run's config (None for a Hugging Face directory).
-    pub run: Option<Config>,
-    pub hf: Option<HfInfo>,
-    /// Where the Hugging Face side's config and tokenizer files are.
-    pub hf_dir: Option<PathBuf>,
-    /// "byte", a tokenizer.json path, or None (token ids only: the built-in corpus).
-    pub tokenizer: Option<String>,
-    /// The longest context: max_position_embeddings / the learned table.
-    pub max_positions: usize,
-}
+use std::path::Path;
 
 fn usage(message: String) -> EngineError {
     EngineError::Config(message)
-}
-
-/// Open a run dir, checkpoint or Hugging Face directory as a model on `device` in `dtype`.
-/// `seq_len` sizes the model's training tables (generation decodes past it with RoPE).
-pub fn open(
-    spec: &Path,
-    dtype: DType,
-    device: &Device,
-    seq_len: usize,
-) -> Result<Source, EngineError> {
-    if base::is_hf_dir(spec) {
-        let b = base::load(spec)?;
-        let max_positions = b.meta.model.seq_len.max(b.meta.model.n_positions);
-        let run = ModelConfig {
-            seq_len: seq_len.clamp(1, max_positions),
-            ..ModelConfig::default()
-        };
-        let m = base::resolve_model(&b.meta, &run, "source").map_err(usage)?;
-        let model = base::build(&b, &m, dtype, device, "source")?;
-        let mut config = m;
-        config.seq_len = max_positions;
-        return Ok(Source {
-            model,
-            config,
-            run: None,
-            hf: b.meta.hf,
-            hf_dir: b.meta.hf_dir,
-            tokenizer: b.meta.tokenizer,
-            max_positions,
-        });
-    }
-    let step_dir = checkpoint::resolve(spec)?;
-    let (model, cfg) = super::lora::model_from_checkpoint_as(&step_dir, dtype, device)?;
-    let run_dir = step_dir
-        .parent()
-        .filter(|p| p.file_name().is_some_and(|n| n == "checkpoints"))
-        .and_then(Path::parent)
-        .map(Path::to_path_buf);
-    let kept = match &run_dir {
-        Some(r) => base::kept_hf(r)?,
-        None => None,
-    };
-    let mut config = cfg.model.clone();
-    if let Some((_, d)) = &kept {
-        // The base's context length, not the run's training length.
-        let (m, _) = hf::read_config(d)?;
-        config.seq_len = config.seq_len.max(m.seq_len);
-    }
-    let tokenizer = match (&kept, cfg.data.source.as_str()) {
-        (Some((_, d)), _) if d.join("tokenizer.json").is_file() => {
-            Some(d.join("tokenizer.json").display().to_string())
-        }
-        (_, "files") if cfg.data.tokenizer == "auto" => Some("byte".into()),
-        (_, "files") => Some(cfg.data.tokenizer.clone()),
-        _ => None,
-    };
-    let max_positions = config.seq_len.max(config.n_positions);
-    Ok(Source {
-        model,
-        config,
-        hf: kept.as_ref().map(|(i, _)| i.clone()),
-        hf_dir: kept.map(|(_, d)| d),
-        run: Some(cfg),
-        tokenizer,
-        max_positions,
-    })
 }
 
 /// How to export.
@@ -230,7 +146,7 @@ fn write_export(
         .collect::<candle_core::Result<_>>()
         .map_err(tensor_err)?;
     hf::write_weights(dir, &named, o.max_shard_bytes)?;
-    let vocab = s.model.shape.vocab_size;
+    let vocab = s.model.spec.vocab_size;
     let mut config = s.config.clone();
     config.seq_len = s.max_positions;
     write_json(
@@ -342,7 +258,7 @@ pub fn run_generate(
             }
         }
     }
-    let vocab = s.model.shape.vocab_size;
+    let vocab = s.model.spec.vocab_size;
     if let Some(bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
         return Err(usage(format!(
             "prompt token {bad} is outside the model's vocabulary ({vocab})"

@@ -506,6 +506,13 @@ fn torch_name(d: DType) -> &'static str {
     }
 }
 
+/// The [`ModelSpec`](super::spec::ModelSpec) of a Hugging Face `config.json` (with its
+/// `vocab_size`): the same translation that loads the model.
+pub fn spec(config_json: &Value) -> Result<super::spec::ModelSpec, String> {
+    let (m, _) = parse_config(config_json)?;
+    Ok(super::spec::ModelSpec::from_model(&m, m.vocab_size))
+}
+
 /// Read and parse `dir/config.json` (and the token ids of generation_config.json where
 /// config.json has none).
 pub fn read_config(dir: &Path) -> Result<(ModelConfig, HfInfo), CheckpointError> {
@@ -818,7 +825,7 @@ pub fn config_json(
     base: Option<&HfInfo>,
     dtype: DType,
 ) -> Value {
-    let hidden = ((m.n_embd as f64 * m.mlp_ratio).round() as usize).max(1);
+    let hidden = super::spec::mlp_width(m.n_embd, m.mlp_ratio);
     let head_dim = m.head_size();
     let kv = m.kv_heads();
     let mut c = serde_json::json!({

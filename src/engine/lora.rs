@@ -98,9 +98,9 @@ pub fn model_from_checkpoint_as(
         .and_then(|t| t.dims2().ok())
         .map(|(v, _)| v)
         .ok_or_else(|| corrupt(&dir, "no model.embed_tokens.weight"))?;
-    let shape = super::model::Shape::from_config(&cfg, vocab);
+    let spec = super::model::ModelSpec::from_config(&cfg, vocab);
     let tensor_err = |e: candle_core::Error| CheckpointError::Tensor(e.to_string());
-    let mut model = Model::new(shape, dtype, device, cfg.run.seed).map_err(tensor_err)?;
+    let mut model = Model::new(spec.clone(), dtype, device, cfg.run.seed).map_err(tensor_err)?;
     if cfg.lora.enabled && cfg.lora.base_dtype == crate::config::BaseDtype::Nf4 {
         // The checkpoint holds no 4-bit matrices: the base is quantized again, as the run did.
         let mismatch = |message: String| CheckpointError::Mismatch {
@@ -116,14 +116,8 @@ pub fn model_from_checkpoint_as(
         super::base::load_into(&model, &base, "lora.base").map_err(|e| mismatch(e.to_string()))?;
         model.quantize_base_nf4().map_err(tensor_err)?;
     }
-    if cfg.lora.enabled {
-        let spec = super::model::LoraSpec {
-            r: cfg.lora.r,
-            alpha: cfg.lora.alpha,
-            targets: cfg.lora.targets.clone(),
-            dropout: cfg.lora.dropout,
-        };
-        model.add_lora(&spec, cfg.run.seed).map_err(tensor_err)?;
+    if let Some(lora) = &spec.lora {
+        model.add_lora(lora, cfg.run.seed).map_err(tensor_err)?;
     }
     model
         .load_named(&loaded.model, false)

@@ -13,12 +13,15 @@ pub mod faults;
 pub mod generate;
 pub mod hf;
 pub mod kernels;
+pub mod locate;
 pub mod lora;
 pub mod model;
 pub mod optim;
 pub mod precision;
 pub mod records;
 pub mod scu;
+pub mod source;
+pub mod spec;
 pub mod trainer;
 pub mod zero;
 

@@ -69,6 +69,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "flash_smem.h"
+
 // The operand type of the mma: bf16, or fp16 in kernels.cu's COCKPIT_F16 build (where
 // __nv_bfloat16 names __half).
 #ifdef COCKPIT_F16
@@ -490,7 +492,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_drop_bf16(
 }
 // Head dim 128: 80 KB of dynamic shared memory (FA_FWD_D128_SMEM; the launcher raises the
 // function's dynamic shared memory limit), two blocks per SM.
-#define FA_FWD_D128_SMEM (5 * 64 * 128 * 2)
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_fwd_d128_bf16(FA_FWD_ARGS) {
     extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
     flash_fwd<128, false, FaFwdSync>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
@@ -1005,7 +1006,6 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
 // atomics (one 128-byte row segment per instruction).
 // Shared memory (dynamic, FA_BWD_D128_SMEM = 104 KB): sK [64][128], sV [64][128],
 // Q/dO [2 buffers][2][64][128], dS^T [64 keys][64 queries]. Two blocks per SM.
-#define FA_BWD_D128_SMEM ((2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2)
 extern "C" __global__ void __launch_bounds__(128, 2)
 flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout,
                     const float* __restrict__ lse, const float* __restrict__ delta,

@@ -337,8 +337,7 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
 //   DSEMPTY[s] WG2 -> WG0, WG1: dS^T slot s has been read (arrived ahead for the first two)
 // Each arrive is matched by one sync. 168 registers a thread at launch (one block an SM); WG2
 // keeps 80 (setmaxnreg) and WG0, WG1 take the rest (200; no spills). Launch: grid (B*KVH,
-// ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (= spec::FLASH_BWD_WS_SMEM).
-#define FA_WS_SMEM (12 * 64 * 64 * 2 + 64 * 64 * 4 + 1024)
+// ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
 #define FA_WS_FULL 1
 #define FA_WS_EMPTY 3
 #define FA_WS_DSFULL 5
@@ -472,9 +471,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
                     dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * 64, blk.ld, blk.KD);
 }
 
-// Dynamic shared memory: FA_WG_D128_SMEM (= spec's FLASH_BWD_WG_D128_SMEM: two blocks an SM)
+// Dynamic shared memory: FA_WG_D128_SMEM (flash_smem.h: two blocks an SM)
 // bytes.
-#define FA_WG_D128_SMEM (6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024)
 extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_d128_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
     flash_bwd_wg<128>(FA_WG_PASS, fa_wg_smem);

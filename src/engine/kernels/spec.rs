@@ -1,9 +1,9 @@
-//! What the whole-model CUDA step is built from ([`StepWeights`]): the model's weights and the
-//! shape switches, handed over by `Model::step_weights` — the model depends on this module,
+//! What the whole-model CUDA step is built from ([`StepWeights`]): the model's weights and its
+//! [`ModelSpec`], handed over by `Model::step_weights` — the model depends on this module,
 //! not the other way round.
 
-use crate::config::Recompute;
 use crate::engine::kernels::nf4::Nf4;
+pub use crate::engine::spec::ModelSpec;
 use candle_core::Var;
 use std::sync::Arc;
 
@@ -21,9 +21,14 @@ pub enum StepMatrix {
 impl StepMatrix {
     /// Output features.
     pub fn rows(&self) -> candle_core::Result<usize> {
+        Ok(self.dims()?.0)
+    }
+
+    /// `(out, in)` features.
+    pub fn dims(&self) -> candle_core::Result<(usize, usize)> {
         match self {
-            StepMatrix::Var(v) => v.as_tensor().dim(0),
-            StepMatrix::Nf4(q) => Ok(q.out),
+            StepMatrix::Var(v) => v.as_tensor().dims2(),
+            StepMatrix::Nf4(q) => Ok((q.out, q.inp)),
         }
     }
 }
@@ -39,21 +44,19 @@ pub struct StepLora {
     pub scale: f64,
 }
 
-/// The head dims flash.cu has kernels for; other head dims materialise the attention
-/// probabilities (multi-head attention without dropout only).
-pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
+pub use crate::engine::spec::FLASH_HEAD_DIMS;
+
+// The flash kernels' dynamic shared memory: flash_smem.h's defines (FA_FWD_D128_SMEM,
+// FA_BWD_D128_SMEM, FA_WS_SMEM, FA_WG_D128_SMEM), made Rust constants by build.rs.
+include!(concat!(env!("OUT_DIR"), "/flash_smem.rs"));
 
 /// The dynamic shared memory (bytes) flash.cu's forward and backward kernels for head dim `hd`
-/// launch with (its FA_FWD_D128_SMEM and FA_BWD_D128_SMEM; 0 where the memory is static, at
-/// most 48 KB).
+/// launch with (0 where the memory is static, at most 48 KB).
 pub fn flash_smem(hd: usize) -> (u32, u32) {
     if hd == 64 {
         (0, 0)
     } else {
-        (
-            5 * 64 * 128 * 2,
-            (2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2,
-        )
+        (FA_FWD_D128_SMEM, FA_BWD_D128_SMEM)
     }
 }
 
@@ -70,12 +73,12 @@ pub fn flash_fwd_wg_smem(hd: usize) -> u32 {
 /// Dynamic shared memory of the warp-specialized Hopper backward for head dim 64 (flash_sm90.cu's
 /// FA_WS_SMEM: K and V of 128 keys, two ring slots of Q and dO, two slots of dS^T for 128 keys —
 /// twelve 64 x 64 bf16 tiles — the 64 x 64 fp32 dQ staging tile, and 1 KB to align them).
-pub const FLASH_BWD_WS_SMEM: u32 = 12 * 64 * 64 * 2 + 64 * 64 * 4 + 1024;
+pub const FLASH_BWD_WS_SMEM: u32 = FA_WS_SMEM;
 
 /// Dynamic shared memory of the Hopper backward for head dim 128 (flash_sm90.cu's
 /// FA_WG_D128_SMEM: K, V and two buffers of Q and dO as 64 x 128 bf16 tiles, dS^T 64 x 64, and
 /// 1 KB to align them to 1024 bytes; two blocks an SM).
-pub const FLASH_BWD_WG_D128_SMEM: u32 = 6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024;
+pub const FLASH_BWD_WG_D128_SMEM: u32 = FA_WG_D128_SMEM;
 
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
 pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
@@ -102,63 +105,153 @@ pub struct StepLayer {
     pub lora: [Option<StepLora>; 7],
 }
 
-/// A model's weights and shape for the whole-model CUDA step (`Model::step_weights`): any
-/// family the model's `Shape` describes — LayerNorm or RMSNorm, GELU or SwiGLU, biases or none,
-/// multi-head or grouped-query attention, learned positions or RoPE, tied or untied head.
+/// A model's weights and spec for the whole-model CUDA step (`Model::step_weights`): any
+/// family a [`ModelSpec`] describes — LayerNorm or RMSNorm, GELU or SwiGLU, biases or none,
+/// multi-head or grouped-query attention, learned positions or RoPE, tied or untied head. The
+/// step takes every dimension and switch from `spec` and checks the weights against it.
 #[derive(Clone, Debug)]
 pub struct StepWeights {
+    /// The model (dimensions, norms, positions, Granite's multipliers, dropout, the kernel
+    /// switches, activation recompute).
+    pub spec: ModelSpec,
     /// fp16 activations and operands (the fp16 build of the kernels; the gradients carry the
     /// loss scale) instead of bf16.
     pub half: bool,
     pub wte: Var,
     /// Learned positions, or None with RoPE.
     pub wpe: Option<Var>,
-    /// RoPE's inverse frequencies per rotated pair (head_dim / 2), None with learned positions.
-    pub rope_inv_freq: Option<Vec<f64>>,
-    pub n_head: usize,
-    pub n_kv_head: usize,
-    pub seq_len: usize,
-    /// RMSNorm (else LayerNorm).
-    pub rms: bool,
-    /// Causal flash attention (head dim 64 or 128); otherwise the probabilities are materialised
-    /// (multi-head attention only).
+    /// Causal flash attention ([`ModelSpec::flash_attention`] on this GPU); otherwise the
+    /// probabilities are materialised (multi-head attention only).
     pub flash: bool,
-    /// Bias, GELU and bias gradients fused into the matmuls (cuBLASLt epilogues); otherwise
-    /// separate kernels.
-    pub epilogues: bool,
-    /// Time cuBLASLt's candidate algorithms per matmul shape once and keep the fastest.
-    pub autotune: bool,
-    /// Replay each micro-batch as a captured CUDA graph.
-    pub graphs: bool,
-    /// Weight gradients and bias sums on a second stream in the backward.
-    pub overlap: bool,
-    /// Dropout probability (embedding, attention probabilities, block outputs; needs flash
-    /// attention), masks from the dropout module's Philox as the candle model draws them.
-    pub dropout: f64,
     /// Dropout on the LoRA adapters' input (`lora.dropout`), one mask per layer and
     /// [`LORA_TARGET_GROUP`] at the dropout module's `site_lora`.
     pub lora_dropout: f64,
-    /// Each LoRA group on a 16-bit base's q|k|v and gate|up as one `[W | B]` matrix
-    /// (`kernels.lora_concat`).
-    pub lora_concat: bool,
-    /// Granite's multipliers (1, 1, 1 elsewhere): on the embedding, on each block's attention
-    /// and MLP output before the residual add, and the logits' divisor.
-    pub embedding_multiplier: f64,
-    pub residual_multiplier: f64,
-    pub logits_scaling: f64,
-    /// The attention scores' scale: 1/√head_dim, or Granite's attention multiplier.
-    pub attention_scale: f64,
     pub layers: Vec<StepLayer>,
     /// LoRA fine-tuning: every base weight is frozen (one bf16 copy, no gradient, no
     /// optimizer state); only the adapters train.
     pub frozen_base: bool,
-    /// Which activations the backward recomputes instead of keeping.
-    pub recompute: Recompute,
     pub ln_f: WeightBias,
     /// The untied LM head, or None when it is `wte`.
     pub head: Option<Var>,
     /// Data-parallel ranks the flat gradient buffer is split over (ZeRO-1's reduce-scatter
     /// needs its length to be a multiple of them); 1 otherwise.
     pub shards: usize,
-    pub eps: f64,
+}
+
+impl StepWeights {
+    /// Whether every weight has the shape `spec` gives it (the step sizes its buffers and
+    /// kernels from the spec alone): Err names the first that does not.
+    pub fn check_shapes(&self) -> Result<(), String> {
+        let s = &self.spec;
+        let c = s.n_embd;
+        let bad = |what: &str, has: String, want: String| {
+            Err(format!("{what} is {has}, the model spec says {want}"))
+        };
+        let dims = |m: &StepMatrix| m.dims().map_err(|e| e.to_string());
+        let var2 = |v: &Var| v.as_tensor().dims2().map_err(|e| e.to_string());
+        let var1 = |v: &Var| v.as_tensor().dims1().map_err(|e| e.to_string());
+        if var2(&self.wte)? != (s.vocab_size, c) {
+            return bad(
+                "the embedding",
+                format!("{:?}", var2(&self.wte)?),
+                format!("{:?}", (s.vocab_size, c)),
+            );
+        }
+        let learned = s.pos == crate::config::PosEncoding::Learned;
+        match &self.wpe {
+            Some(p) if learned && var2(p)? == (s.n_positions, c) => {}
+            None if !learned => {}
+            other => {
+                let has = match other {
+                    Some(p) => format!("{:?}", var2(p)?),
+                    None => "absent".into(),
+                };
+                return bad(
+                    "the position table",
+                    has,
+                    format!("{:?}", learned.then_some((s.n_positions, c))),
+                );
+            }
+        }
+        if self.head.is_some() == s.tie_embeddings {
+            return bad(
+                "the LM head",
+                format!("untied: {}", self.head.is_some()),
+                format!("tied: {}", s.tie_embeddings),
+            );
+        }
+        if let Some(h) = &self.head {
+            if var2(h)? != (s.vocab_size, c) {
+                return bad(
+                    "the LM head",
+                    format!("{:?}", var2(h)?),
+                    format!("{:?}", (s.vocab_size, c)),
+                );
+            }
+        }
+        if self.layers.len() != s.n_layer {
+            return bad(
+                "the layer count",
+                self.layers.len().to_string(),
+                s.n_layer.to_string(),
+            );
+        }
+        let linears = s.block_linears();
+        for (i, l) in self.layers.iter().enumerate() {
+            for (n, w) in [&l.ln1, &l.ln2].into_iter().enumerate() {
+                if var1(&w.0)? != c {
+                    return bad(
+                        &format!("layer {i}'s norm {}", n + 1),
+                        var1(&w.0)?.to_string(),
+                        c.to_string(),
+                    );
+                }
+            }
+            if l.gate.is_some() != s.gated_mlp() {
+                return bad(
+                    &format!("layer {i}'s MLP"),
+                    format!("gated: {}", l.gate.is_some()),
+                    format!("gated: {}", s.gated_mlp()),
+                );
+            }
+            let mats = [
+                Some(&l.q),
+                Some(&l.k),
+                Some(&l.v),
+                Some(&l.o),
+                l.gate.as_ref(),
+                Some(&l.up),
+                Some(&l.down),
+            ];
+            let present = LORA_TARGETS
+                .iter()
+                .zip(mats)
+                .filter_map(|(name, m)| m.map(|m| (*name, m)));
+            for ((name, m), (want_name, out, inp, bias)) in present.zip(&linears) {
+                debug_assert_eq!(name, *want_name);
+                if dims(&m.0)? != (*out, *inp) {
+                    return bad(
+                        &format!("layer {i}'s {name} projection"),
+                        format!("{:?}", dims(&m.0)?),
+                        format!("{:?}", (out, inp)),
+                    );
+                }
+                if m.1.is_some() != *bias {
+                    return bad(
+                        &format!("layer {i}'s {name} bias"),
+                        format!("present: {}", m.1.is_some()),
+                        format!("present: {bias}"),
+                    );
+                }
+            }
+        }
+        if var1(&self.ln_f.0)? != c {
+            return bad(
+                "the final norm",
+                var1(&self.ln_f.0)?.to_string(),
+                c.to_string(),
+            );
+        }
+        Ok(())
+    }
 }

@@ -28,20 +28,20 @@ impl Model {
         KvCache {
             layers: vec![None; self.blocks.len()],
             pos: 0,
-            inv_freq: rope_inv_freq(&self.shape),
+            inv_freq: rope_inv_freq(&self.spec),
         }
     }
 
     /// The longest sequence the model can decode: its position table (learned positions);
     /// with RoPE, any length.
     pub fn max_positions(&self) -> Option<usize> {
-        self.wpe.as_ref().map(|_| self.shape.n_positions)
+        self.wpe.as_ref().map(|_| self.spec.n_positions)
     }
 
     /// Logits `[ids.len(), vocab]` (f32) of `ids` placed after the cached positions; their
     /// keys and values join the cache.
     pub fn decode(&self, ids: &[u32], cache: &mut KvCache) -> Result<Tensor> {
-        let s = &self.shape;
+        let s = &self.spec;
         let (n, start) = (ids.len(), cache.pos);
         if let Some(max) = self.max_positions() {
             if start + n > max {

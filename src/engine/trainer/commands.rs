@@ -172,7 +172,7 @@ impl Trainer {
                 let detail = format!(
                     "micro-batch {old} → {micro_batch}, accum {}, effective batch {eff} sequences ({} tokens/step)",
                     self.accum,
-                    eff * self.model.shape.seq_len
+                    eff * self.model.spec.seq_len
                 );
                 out.emit(Event::CommandApplied {
                     step,

@@ -56,7 +56,7 @@ impl Trainer {
             .cfg
             .eval
             .sample_tokens
-            .min(self.model.shape.seq_len - prompt.len());
+            .min(self.model.spec.seq_len - prompt.len());
         let ids = crate::engine::generate::generate(
             &self.model,
             prompt,

@@ -47,7 +47,7 @@ impl Trainer {
                     self.whole_step = Some(step);
                 }
                 Err(why) if self.device.is_cuda() && self.cfg.kernels.step => {
-                    self.per_op_reason = Some(why);
+                    self.per_op_reason = Some(why.to_string());
                 }
                 Err(_) => {}
             }

@@ -3,6 +3,7 @@
 
 use super::Trainer;
 use crate::config::Config;
+use crate::engine::model::ModelSpec;
 use crate::engine::scu::ScuController;
 use crate::engine::{checkpoint, EngineError};
 use sha2::{Digest, Sha256};
@@ -48,16 +49,29 @@ impl Trainer {
         };
         let now = serde_json::to_value(&self.cfg).unwrap_or_default();
         let changes = config_diff(&l.state.config, &now);
-        let refused: Vec<&String> = changes.iter().filter(|c| is_shape_key(c)).collect();
-        if !refused.is_empty() || l.state.shape_hash != self.shape_hash {
-            let list = refused
-                .iter()
-                .map(|s| s.as_str())
-                .collect::<Vec<_>>()
-                .join(", ");
+        // The data stream's keys, and the model's resume key (activation recompute, kernels,
+        // dropout may change) against the checkpoint config's.
+        let mut refused: Vec<String> = changes.iter().filter(|c| is_data_key(c)).cloned().collect();
+        match serde_json::from_value::<Config>(l.state.config.clone()) {
+            Ok(old) => {
+                let vocab = match old.model.vocab_size {
+                    0 => self.model.spec.vocab_size,
+                    v => v,
+                };
+                let before = ModelSpec::from_config(&old, vocab).resume_key();
+                refused.extend(self.model.spec.resume_key().differences(&before));
+            }
+            // (A config this version cannot read: the stored hash decides.)
+            Err(_) if l.state.shape_hash != self.shape_hash => {
+                refused.push("model or data".into());
+            }
+            Err(_) => {}
+        }
+        if !refused.is_empty() {
+            let list = refused.join(", ");
             return Err(mismatch(format!(
                 "cannot resume: shape-changing config keys differ from the checkpoint's ({}); resume with the original [model], [data] source and [lora] settings",
-                if list.is_empty() { "model or data".to_string() } else { list }
+                list
             )));
         }
         if resume && !changes.is_empty() {
@@ -142,15 +156,11 @@ impl Trainer {
     }
 }
 
-/// Whether a changed config key changes tensor shapes or the data stream. (`model.recompute`
-/// changes what the step keeps for the backward, not the model: a run may resume with another.)
-fn is_shape_key(key: &str) -> bool {
+/// Whether a changed config key changes the data stream (the model's keys are the spec's
+/// [`ModelSpec::resume_key`]).
+fn is_data_key(key: &str) -> bool {
     let k = key.split(' ').next().unwrap_or(key);
-    (k.starts_with("model.") && k != "model.recompute")
-        || k.starts_with("lora.enabled")
-        || k.starts_with("lora.r")
-        || k.starts_with("lora.targets")
-        || ["data.source", "data.train", "data.tokenizer", "data.val"].contains(&k)
+    ["data.source", "data.train", "data.tokenizer", "data.val"].contains(&k)
         || k.starts_with("data.builtin_")
 }
 

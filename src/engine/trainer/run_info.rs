@@ -8,35 +8,37 @@ use crate::engine::{device, precision};
 impl Trainer {
     pub(super) fn run_info(&self) -> RunInfo {
         let (total, trainable) = self.model.param_count();
-        let s = &self.model.shape;
+        let s = &self.model.spec;
         let dev = device::describe(&self.device);
         let c = &self.cfg;
         // Data parallelism: tokens/s are the job's, so MFU is against every rank's peak.
         let peak_flops = device::peak_flops(&dev, self.dtype).map(|p| p * self.world as f64);
         let dev = match &self.dist {
-            Some(d) => format!(
-                "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
-                self.rank,
-                self.world,
-                d.backend(),
-                self.world * self.micro_batch * self.accum,
-                if self.sharding() {
-                    format!(
-                        ", optimizer state sharded (ZeRO-1: {:.0} MB of Adam moments a rank)",
-                        8.0 * trainable as f64 / self.world as f64 / 1e6
-                    )
-                } else {
-                    String::new()
-                },
-                if self.cfg.distributed.bf16_sums() {
-                    ", gradients summed in bf16"
-                } else {
-                    ""
-                }
-            ) + &self
-                .launcher
-                .as_ref()
-                .map_or(String::new(), |l| format!("; {l}")),
+            Some(d) => {
+                format!(
+                    "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
+                    self.rank,
+                    self.world,
+                    d.backend(),
+                    self.world * self.micro_batch * self.accum,
+                    if self.sharding() {
+                        format!(
+                            ", optimizer state sharded (ZeRO-1: {:.0} MB of Adam moments a rank)",
+                            8.0 * trainable as f64 / self.world as f64 / 1e6
+                        )
+                    } else {
+                        String::new()
+                    },
+                    if self.cfg.distributed.bf16_sums() {
+                        ", gradients summed in bf16"
+                    } else {
+                        ""
+                    }
+                ) + &self
+                    .launcher
+                    .as_ref()
+                    .map_or(String::new(), |l| format!("; {l}"))
+            }
             None => dev,
         };
         RunInfo {
@@ -61,7 +63,7 @@ impl Trainer {
             scu_target: self.scu.target,
             summary: format!(
                 "{} {}L {}H d{} T{} vocab {} | {} | {} windows, {} | AdamW lr {:.1e} {:?} | {}",
-                family(&c.model, s),
+                s.family(),
                 s.n_layer,
                 s.n_head,
                 s.n_embd,
@@ -83,29 +85,4 @@ impl Trainer {
             ),
         }
     }
-}
-
-/// The resolved model family for the run header: the arch, what it resolved to, and any
-/// explicit key that overrode the family's default.
-fn family(m: &crate::config::ModelConfig, s: &crate::engine::model::Shape) -> String {
-    let kv = if s.n_kv_head == s.n_head {
-        String::new()
-    } else {
-        format!(" GQA {}/{}", s.n_head, s.n_kv_head)
-    };
-    let mut out = format!(
-        "{:?} ({:?} {:?} {:?}{}{}{})",
-        m.arch,
-        s.norm,
-        s.pos,
-        s.activation,
-        if s.bias { " bias" } else { " no-bias" },
-        if s.tie_embeddings { " tied" } else { " untied" },
-        kv,
-    )
-    .to_lowercase();
-    if !m.arch_notes.is_empty() {
-        out.push_str(&format!(" [{}]", m.arch_notes.join(", ")));
-    }
-    out
 }

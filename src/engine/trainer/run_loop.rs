@@ -105,7 +105,7 @@ impl Trainer {
             });
         }
         let max_steps = self.cfg.run.max_steps;
-        let seq_len = self.model.shape.seq_len;
+        let seq_len = self.model.spec.seq_len;
         while self.step < max_steps {
             // Commands: only here, at the optimizer-step boundary.
             if let Some(end) =

@@ -14,7 +14,7 @@ impl Trainer {
     /// epoch): λ·Σw²·coef is the penalty in the same per-token units (nats) as the CE loss,
     /// and Σw²·coef/ln 2 the parameters' bits per token.
     pub(super) fn penalty_coef(&self) -> f64 {
-        1.0 / (2.0 * self.cfg.scu.prior_sigma.powi(2) * self.tokens_per_epoch)
+        self.model.spec.scu_coefficient(self.tokens_per_epoch)
     }
 
     /// SCU's controller runs after this step (it reads the step's Σw² then).

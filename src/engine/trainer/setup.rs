@@ -6,7 +6,7 @@ use super::resume::shape_hash;
 use super::{io_err, Summary, Trainer};
 use crate::config::{Config, ScuParams};
 use crate::engine::data::loader::{Cursor, EvalPlan, Loader, Order, Windows};
-use crate::engine::model::{BaseStore, LoraSpec, Model, ParamKind, Shape};
+use crate::engine::model::{BaseStore, Model, ModelSpec, ParamKind};
 use crate::engine::optim::AdamW;
 use crate::engine::precision::{self, LossScaler};
 use crate::engine::scu::ScuController;
@@ -103,14 +103,9 @@ impl Trainer {
                 && cfg.lora.base == crate::config::RANDOM_BASE
                 && device.is_cuda(),
         };
-        check_fits(&cfg, &Shape::from_config(&cfg, vocab), &device, store.dtype)?;
-        let mut model = Model::new_with(
-            Shape::from_config(&cfg, vocab),
-            dtype,
-            &device,
-            cfg.run.seed,
-            store,
-        )?;
+        let spec = ModelSpec::from_config(&cfg, vocab);
+        check_fits(&cfg, &spec, &device, store.dtype)?;
+        let mut model = Model::new_with(spec.clone(), dtype, &device, cfg.run.seed, store)?;
         if let Some((key, b)) = &base {
             crate::engine::base::load_into(&model, b, key)?;
         }
@@ -127,14 +122,15 @@ impl Trainer {
                 before as f64 / 1e9
             ));
         }
-        if cfg.lora.enabled {
-            let spec = LoraSpec {
-                r: cfg.lora.r,
-                alpha: cfg.lora.alpha,
-                targets: cfg.lora.targets.clone(),
-                dropout: cfg.lora.dropout,
-            };
-            model.add_lora(&spec, cfg.run.seed)?;
+        if let Some(lora) = &spec.lora {
+            model.add_lora(lora, cfg.run.seed)?;
+        }
+        // The run header says which executor runs the model on a GPU, and why not the step.
+        if device.is_cuda() && cfg.kernels.step {
+            match spec.fast_step_support(&model.step_facts()) {
+                Ok(()) => dtype_reason.push_str("; whole-model CUDA step"),
+                Err(why) => dtype_reason.push_str(&format!("; per-op path: {why}")),
+            }
         }
         let lora = cfg.lora.enabled;
         let regularized = |kind: ParamKind| match (cfg.scu.params, lora) {
@@ -305,7 +301,12 @@ impl Trainer {
 
 /// Refuse, before allocating anything, a model whose weights and optimizer state alone do not
 /// fit the memory the device has free (a config error naming the keys that size the model).
-fn check_fits(cfg: &Config, s: &Shape, device: &Device, store: DType) -> Result<(), EngineError> {
+fn check_fits(
+    cfg: &Config,
+    s: &ModelSpec,
+    device: &Device,
+    store: DType,
+) -> Result<(), EngineError> {
     if cfg.optim.micro_batch == crate::config::MICRO_BATCH_AUTO {
         return Err(EngineError::Config(
             "optim.micro_batch = \"auto\" reached the engine unresolved (the front end tries the sizes that fit before the run starts)".into(),
@@ -314,21 +315,7 @@ fn check_fits(cfg: &Config, s: &Shape, device: &Device, store: DType) -> Result<
     let Some(free) = device::memory_free(device) else {
         return Ok(());
     };
-    let (c, hd) = (s.n_embd as f64, s.head_dim as f64);
-    let mlp = if s.activation == crate::config::Activation::SwiGlu {
-        3.0
-    } else {
-        2.0
-    };
-    let attn = c * hd * (2 * s.n_head + 2 * s.n_kv_head) as f64;
-    let layer = attn + mlp * c * s.hidden as f64;
-    let embed = s.vocab_size as f64 * c * if s.tie_embeddings { 1.0 } else { 2.0 };
-    let pos = if s.pos == crate::config::PosEncoding::Learned {
-        s.n_positions as f64 * c
-    } else {
-        0.0
-    };
-    let params = s.n_layer as f64 * layer + embed + pos;
+    let params = s.param_count().base as f64;
     // Full training: fp32 master, gradient and two moments; LoRA: the frozen base as stored.
     let per_param = if cfg.lora.enabled {
         store.size_in_bytes() as f64

@@ -8,7 +8,7 @@ use super::attention::rope_table;
 use super::kernels::Kernels;
 use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
 use super::{align, ptr, tensor_ptr, ModelStep, ALIGN};
-use crate::config::Recompute;
+use crate::config::{Norm, PosEncoding, Recompute};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::lt::Lt;
@@ -22,49 +22,18 @@ impl ModelStep {
         };
         let stream = dev.cuda_stream();
         let blas = dev.cublas_handle();
-        let (vocab, c) = w.wte.as_tensor().dims2()?;
+        // Every dimension from the spec, which also says whether the step runs the model
+        // (the weights are checked against it).
+        let s = &w.spec;
+        let (vocab, c) = (s.vocab_size, s.n_embd);
+        let flash = w.flash && crate::engine::kernels::spec::FLASH_HEAD_DIMS.contains(&s.head_dim);
+        s.step_shape_support(flash)
+            .map_err(|why| err(format!("whole-model step: {why}")))?;
+        let (hidden, swiglu, t) = (s.hidden, s.gated_mlp(), s.seq_len);
+        let (n_head, n_kv_head, hd, att_c) = (s.n_head, s.n_kv_head, s.head_dim, s.q_width());
+        w.check_shapes()
+            .map_err(|why| err(format!("whole-model step: {why}")))?;
         let k = Kernels::load(&dev, &stream, c, w.half)?;
-        let t = w.seq_len;
-        let first = w
-            .layers
-            .first()
-            .ok_or_else(|| err("the whole-model step needs at least one layer"))?;
-        let hidden = first.up.0.rows()?;
-        let swiglu = first.gate.is_some();
-        let (n_head, n_kv_head) = (w.n_head, w.n_kv_head);
-        // The heads' width comes from the q projection: n_head·head_dim, which an explicit
-        // head_dim (Mistral-Nemo-like) sets apart from n_embd.
-        let att_c = first.q.0.rows()?;
-        if n_head == 0 || att_c % n_head != 0 || !(att_c / n_head).is_multiple_of(2) {
-            return Err(err(format!(
-                "whole-model step: the q projection's {att_c} outputs must split into n_head \
-                 {n_head} heads of even size"
-            )));
-        }
-        let hd = att_c / n_head;
-        let flash = w.flash && crate::engine::kernels::spec::FLASH_HEAD_DIMS.contains(&hd);
-        if att_c != c && !flash {
-            return Err(err(format!(
-                "whole-model step: heads {n_head}×{hd} wider or narrower than n_embd {c} need \
-                 flash attention (head dim 64 or 128)"
-            )));
-        }
-        if n_kv_head == 0 || n_head % n_kv_head != 0 || (n_kv_head != n_head && !flash) {
-            return Err(err(format!(
-                "whole-model step: {n_kv_head} key/value heads for {n_head} heads of size {hd} \
-                 (grouped-query attention needs flash attention: head dim 64 or 128)"
-            )));
-        }
-        if w.dropout > 0.0 && !flash {
-            return Err(err(format!(
-                "whole-model step: dropout needs flash attention (head dim 64 or 128, not {hd})"
-            )));
-        }
-        if !c.is_multiple_of(8) || !hidden.is_multiple_of(8) {
-            return Err(err(format!(
-                "whole-model step: n_embd {c} and the MLP width {hidden} must be multiples of 8"
-            )));
-        }
         // First the matrices whose gradient a weight-gradient matmul writes first in every
         // step (it overwrites: no zeroing), then everything whose gradient is summed from
         // zero (biases, norms, positions, an untied embedding): only that tail is cleared.
@@ -177,21 +146,15 @@ impl ModelStep {
             .enumerate()
             .filter_map(|(i, e)| e.var.as_ref().map(|v| (v.as_tensor().id(), i)))
             .collect();
-        let rope = match &w.rope_inv_freq {
-            Some(f) if f.len() == hd / 2 => Some(stream.clone_htod(&rope_table(f, t)).w()?),
-            Some(f) => {
-                return Err(err(format!(
-                    "whole-model step: {} RoPE frequencies for head dim {hd}",
-                    f.len()
-                )))
-            }
-            None => None,
+        let rope = match s.pos {
+            PosEncoding::Rope => Some(stream.clone_htod(&rope_table(&s.rope_inv_freq(), t)).w()?),
+            PosEncoding::Learned => None,
         };
-        let mut lt = Lt::new(stream.clone(), w.autotune, w.half).ok();
+        let mut lt = Lt::new(stream.clone(), s.kernels.autotune, w.half).ok();
         // The second stream needs its own cuBLASLt workspace; without either, one stream.
         // Recompute rewrites shared activation buffers that the side stream's weight
         // gradients would still be reading: one stream then.
-        let overlap = w.overlap && w.recompute == Recompute::None;
+        let overlap = s.kernels.overlap && s.recompute == Recompute::None;
         let side = match (overlap, lt.as_mut()) {
             (true, Some(lt)) => lt.enable_side().and_then(|()| Side::new(&stream)).ok(),
             _ => None,
@@ -202,8 +165,8 @@ impl ModelStep {
             stream,
             blas,
             lt,
-            epilogues: w.epilogues,
-            graphs: w.graphs,
+            epilogues: s.kernels.bias_gelu,
+            graphs: s.kernels.graphs,
             side,
             sums: None,
             sum_now: false,
@@ -215,7 +178,7 @@ impl ModelStep {
             hd,
             att_c,
             qkv_out: (n_head + 2 * n_kv_head) * hd,
-            rms: w.rms,
+            rms: s.norm == Norm::RmsNorm,
             swiglu,
             rope,
             flash,
@@ -223,7 +186,7 @@ impl ModelStep {
             vpad: vocab.div_ceil(64) * 64,
             t,
             hidden,
-            eps: w.eps as f32,
+            eps: s.norm_eps as f32,
             entries,
             by_id,
             wte,
@@ -245,21 +208,21 @@ impl ModelStep {
             cast_table: None,
             axpy_table: None,
             micro: 0,
-            drop_thr: dropout::threshold(w.dropout),
-            recompute: w.recompute,
+            drop_thr: dropout::threshold(s.dropout.max(0.0)),
+            recompute: s.recompute,
             head_chunk_rows: None,
-            drop_scale: dropout::keep_scale(dropout::threshold(w.dropout)),
-            emb_mult: w.embedding_multiplier as f32,
-            res_mult: w.residual_multiplier as f32,
-            att_scale: w.attention_scale as f32,
-            logit_mult: (1.0 / w.logits_scaling) as f32,
+            drop_scale: dropout::keep_scale(dropout::threshold(s.dropout.max(0.0))),
+            emb_mult: s.embedding_multiplier as f32,
+            res_mult: s.residual_multiplier as f32,
+            att_scale: s.attention_scale() as f32,
+            logit_mult: (1.0 / s.logits_scaling) as f32,
             lora_thr: dropout::threshold(w.lora_dropout),
             lora_scale: dropout::keep_scale(dropout::threshold(w.lora_dropout)),
             lora_bd: Vec::new(),
             _lora_bd_buf: None,
             lora_bd_table: None,
             lora_cat: Vec::new(),
-            lora_concat: w.lora_concat,
+            lora_concat: s.kernels.lora_concat,
             lora_cat_table: None,
             drop_seed: 0,
         };

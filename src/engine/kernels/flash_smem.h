@@ -1,0 +1,20 @@
+// The dynamic shared memory (bytes) flash attention's kernels launch with: the one definition.
+// flash.cu and flash_sm90.cu use these macros; build.rs turns each `#define` below into a Rust
+// constant of the same name (kernels/spec.rs includes them), so the launcher asks for what the
+// kernel lays out. Each value is one expression of integers, `*`, `+` and parentheses.
+#ifndef COCKPIT_FLASH_SMEM_H
+#define COCKPIT_FLASH_SMEM_H
+
+// Forward, head dim 128 (flash.cu): Q, K, V and two buffers as 64 x 128 bf16 tiles (80 KB).
+#define FA_FWD_D128_SMEM (5 * 64 * 128 * 2)
+// Backward, head dim 128 (flash.cu): sK and sV [64][128], Q/dO [2 buffers][2][64][128], dS^T
+// [64][64] (104 KB).
+#define FA_BWD_D128_SMEM ((2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2)
+// Warp-specialized Hopper backward, head dim 64 (flash_sm90.cu): twelve 64 x 64 bf16 tiles, the
+// 64 x 64 fp32 dQ staging tile, and 1 KB to align them.
+#define FA_WS_SMEM (12 * 64 * 64 * 2 + 64 * 64 * 4 + 1024)
+// Hopper backward, head dim 128 (flash_sm90.cu): K, V and two buffers of Q and dO as 64 x 128
+// bf16 tiles, dS^T 64 x 64, and 1 KB to align them.
+#define FA_WG_D128_SMEM (6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024)
+
+#endif  // COCKPIT_FLASH_SMEM_H

@@ -1,0 +1,116 @@
+//! The whole forward: embedding, blocks, final norm, logits and losses.
+
+use super::*;
+
+impl Model {
+    /// Logits `[B·T, vocab]` in the compute dtype for token ids `[B, T]` (u32).
+    pub fn forward(&mut self, ids: &Tensor, train: bool) -> Result<Tensor> {
+        let (x, head) = self.hidden(ids, train)?;
+        if self.fused(self.spec.kernels.linear, &x) {
+            return kernels::linear(&x, &head, None);
+        }
+        x.matmul(&head.t()?)
+    }
+
+    /// The final hidden states `[B·T, n_embd]` and the output projection `[vocab, n_embd]`
+    /// (both in the compute dtype).
+    pub(super) fn hidden(&mut self, ids: &Tensor, train: bool) -> Result<(Tensor, Tensor)> {
+        self.training = train;
+        let (bsz, t) = ids.dims2()?;
+        let wte = self.cast(&self.wte)?;
+        let mut x = if self.fused(self.spec.kernels.linear, &wte) && ids.dtype() == DType::U32 {
+            kernels::embedding(ids, &wte)?
+        } else {
+            wte.embedding(&ids.flatten_all()?)?
+                .reshape((bsz, t, self.spec.n_embd))?
+        };
+        if self.spec.embedding_multiplier != 1.0 {
+            x = (x * self.spec.embedding_multiplier)?;
+        }
+        if let Some(wpe) = &self.wpe {
+            let pos = self.cast(wpe)?.narrow(0, 0, t)?;
+            x = x.broadcast_add(&pos)?;
+        }
+        x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
+        for (l, b) in self.blocks.iter().enumerate() {
+            let h = self.norm(&b.ln1, &x)?;
+            let a = self.residual(self.attention(l, b, &h, train)?)?;
+            x = (x + self.dropout(&a, train, dropout::site_attention_out(l), Layout::Rows)?)?;
+            let h = self.norm(&b.ln2, &x)?;
+            let m = self.residual(self.mlp(b, &h)?)?;
+            x = (x + self.dropout(&m, train, dropout::site_mlp_out(l), Layout::Rows)?)?;
+        }
+        let x = self.final_norm(&x)?.reshape((bsz * t, self.spec.n_embd))?;
+        let head = match &self.lm_head {
+            Some(w) => self.cast(w)?,
+            None => wte,
+        };
+        Ok((x, head))
+    }
+
+    /// Granite's residual multiplier on a block's attention or MLP output.
+    pub(super) fn residual(&self, y: Tensor) -> Result<Tensor> {
+        match self.spec.residual_multiplier {
+            1.0 => Ok(y),
+            m => y * m,
+        }
+    }
+
+    /// The final norm, with Granite's logits scaling folded in (`(x/s)·Wᵀ = (x·Wᵀ)/s`).
+    pub(super) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        let x = self.norm(&self.ln_f, x)?;
+        match self.spec.logits_scaling {
+            1.0 => Ok(x),
+            s => x * (1.0 / s),
+        }
+    }
+
+    /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
+    pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
+        if targets.dtype() == DType::U32
+            && self.spec.kernels.linear
+            && self.spec.kernels.cross_entropy
+            && kernels::usable(self.wte.as_tensor())
+            && self.dtype != DType::F64
+        {
+            // Head matmul and CE as one node: the logits never enter the graph.
+            let (x, head) = self.hidden(ids, train)?;
+            return kernels::lm_head_cross_entropy(&x, &head, targets)?.mean_all();
+        }
+        let logits = self.forward(ids, train)?;
+        if self.fused(self.spec.kernels.cross_entropy, &logits) && targets.dtype() == DType::U32 {
+            return kernels::cross_entropy_rows(&logits, targets)?.mean_all();
+        }
+        let logits = logits.to_dtype(DType::F32)?;
+        candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
+    }
+
+    /// Cross-entropy in nats (f32 `[B·T]`) of each next-token prediction, without dropout
+    /// (the eval's per-window losses).
+    pub fn token_losses(&mut self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        if targets.dtype() == DType::U32
+            && self.spec.kernels.linear
+            && self.spec.kernels.cross_entropy
+            && kernels::usable(self.wte.as_tensor())
+            && self.dtype != DType::F64
+        {
+            let (x, head) = self.hidden(ids, false)?;
+            return kernels::lm_head_cross_entropy(&x, &head, targets)?
+                .detach()
+                .to_dtype(DType::F32);
+        }
+        let logits = self.forward(ids, false)?;
+        if self.fused(self.spec.kernels.cross_entropy, &logits) && targets.dtype() == DType::U32 {
+            return kernels::cross_entropy_rows(&logits, targets)?
+                .detach()
+                .to_dtype(DType::F32);
+        }
+        let logp = candle_nn::ops::log_softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+        let t = targets.flatten_all()?.unsqueeze(1)?;
+        logp.gather(&t, 1)?
+            .squeeze(1)?
+            .neg()?
+            .detach()
+            .to_dtype(DType::F32)
+    }
+}

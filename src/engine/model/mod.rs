@@ -1,0 +1,355 @@
+//! A decoder-only transformer on candle `Var`s: GPT-2 style (LayerNorm, learned positions,
+//! GELU) or Llama style (RMSNorm, RoPE, SwiGLU, grouped-query attention), each part
+//! switchable, with optional LoRA adapters on chosen linear layers.
+//!
+//! Parameters are fp32 master weights; `forward` casts them to the compute dtype (bf16/fp16
+//! on GPUs) so activations run in reduced precision while gradients land on the fp32 vars.
+//! Tensor names follow the Hugging Face Llama layout (`model.layers.N.self_attn.q_proj.weight`),
+//! so HF checkpoints load by name and adapters get PEFT-compatible names.
+
+use crate::config::{Activation, Norm, PosEncoding};
+use crate::engine::dropout::{self, Layout};
+use crate::engine::kernels;
+use crate::engine::kernels::nf4::Nf4;
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+mod attention;
+mod decode;
+mod forward;
+mod init;
+mod linear;
+mod lora;
+mod mlp;
+mod norm;
+mod rope;
+mod step_plan;
+pub use step_plan::step_facts;
+#[cfg(test)]
+mod tests;
+
+pub use crate::engine::spec::{LoraSpec, ModelSpec, Reason, StepFacts};
+pub use decode::KvCache;
+pub use init::BaseStore;
+use init::Init;
+use linear::{Linear, Lora, Weight};
+use norm::NormLayer;
+pub use rope::rope_inv_freq;
+use rope::{rope_tables, rotate_half};
+
+/// What role a parameter plays: decides weight decay, SCU regularization and freezing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// Linear weight matrices.
+    Matrix,
+    Embedding,
+    Norm,
+    Bias,
+    LoraA,
+    LoraB,
+}
+
+impl ParamKind {
+    pub fn is_lora(self) -> bool {
+        matches!(self, ParamKind::LoraA | ParamKind::LoraB)
+    }
+}
+
+/// A named parameter.
+#[derive(Clone, Debug)]
+pub struct Param {
+    pub name: String,
+    pub var: Var,
+    pub kind: ParamKind,
+    pub trainable: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    ln1: NormLayer,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    ln2: NormLayer,
+    up: Linear,
+    gate: Option<Linear>,
+    down: Linear,
+}
+
+/// The transformer.
+pub struct Model {
+    pub spec: ModelSpec,
+    pub params: Vec<Param>,
+    wte: Var,
+    wpe: Option<Var>,
+    blocks: Vec<Block>,
+    ln_f: NormLayer,
+    lm_head: Option<Var>,
+    dtype: DType,
+    device: Device,
+    mask: Tensor,
+    rope: Option<(Tensor, Tensor)>,
+    /// The seed of the dropout masks ([`dropout`]: a mask is a function of the seed, the site
+    /// and the element, drawn on the model's device).
+    dropout_seed: u64,
+    /// Whether the forward in progress trains (set by [`Self::hidden`]; LoRA dropout).
+    training: bool,
+}
+
+// The step's input types live with the step (kernels); the model builds them.
+pub use crate::engine::kernels::spec::{
+    LinearWB, StepLayer, StepLora, StepMatrix, StepWeights, WeightBias, LORA_TARGETS,
+    LORA_TARGET_GROUP,
+};
+
+impl Model {
+    /// A freshly initialised model (GPT-2 init: N(0, init_std), residual projections scaled by
+    /// 1/sqrt(2·n_layer), zero biases, unit norms), deterministic from `seed` on any device.
+    pub fn new(spec: ModelSpec, dtype: DType, device: &Device, seed: u64) -> Result<Self> {
+        Self::new_with(spec, dtype, device, seed, BaseStore::default())
+    }
+
+    /// [`Self::new`] with the weights stored and initialised as `store` says.
+    pub fn new_with(
+        spec: ModelSpec,
+        dtype: DType,
+        device: &Device,
+        seed: u64,
+        store: BaseStore,
+    ) -> Result<Self> {
+        let s = &spec;
+        let mut init = Init {
+            rng: StdRng::seed_from_u64(seed),
+            device,
+            params: Vec::new(),
+            store,
+        };
+        let std = s.init_std;
+        let resid_std = std / (2.0 * s.n_layer as f64).sqrt();
+        let wte = init.normal(
+            "model.embed_tokens.weight".into(),
+            (s.vocab_size, s.n_embd),
+            std,
+            ParamKind::Embedding,
+        )?;
+        let wpe = match s.pos {
+            PosEncoding::Learned => Some(init.normal(
+                "model.embed_positions.weight".into(),
+                (s.n_positions, s.n_embd),
+                std / 2.0,
+                ParamKind::Embedding,
+            )?),
+            PosEncoding::Rope => None,
+        };
+        let hd = s.head_dim();
+        let mut blocks = Vec::with_capacity(s.n_layer);
+        for i in 0..s.n_layer {
+            let p = format!("model.layers.{i}");
+            let ln1 = init.norm(&format!("{p}.input_layernorm"), s.n_embd, s.norm, s.bias)?;
+            let q = init.linear(
+                &format!("{p}.self_attn.q_proj"),
+                s.n_head * hd,
+                s.n_embd,
+                std,
+                s.bias || s.qkv_bias,
+            )?;
+            let k = init.linear(
+                &format!("{p}.self_attn.k_proj"),
+                s.n_kv_head * hd,
+                s.n_embd,
+                std,
+                s.bias || s.qkv_bias,
+            )?;
+            let v = init.linear(
+                &format!("{p}.self_attn.v_proj"),
+                s.n_kv_head * hd,
+                s.n_embd,
+                std,
+                s.bias || s.qkv_bias,
+            )?;
+            let o = init.linear(
+                &format!("{p}.self_attn.o_proj"),
+                s.n_embd,
+                s.n_head * hd,
+                resid_std,
+                s.bias,
+            )?;
+            let ln2 = init.norm(
+                &format!("{p}.post_attention_layernorm"),
+                s.n_embd,
+                s.norm,
+                s.bias,
+            )?;
+            let gate = match s.activation {
+                Activation::SwiGlu => Some(init.linear(
+                    &format!("{p}.mlp.gate_proj"),
+                    s.hidden,
+                    s.n_embd,
+                    std,
+                    s.bias,
+                )?),
+                Activation::Gelu => None,
+            };
+            let up = init.linear(&format!("{p}.mlp.up_proj"), s.hidden, s.n_embd, std, s.bias)?;
+            let down = init.linear(
+                &format!("{p}.mlp.down_proj"),
+                s.n_embd,
+                s.hidden,
+                resid_std,
+                s.bias,
+            )?;
+            blocks.push(Block {
+                ln1,
+                q,
+                k,
+                v,
+                o,
+                ln2,
+                up,
+                gate,
+                down,
+            });
+        }
+        let ln_f = init.norm("model.norm", s.n_embd, s.norm, s.bias)?;
+        let lm_head = if s.tie_embeddings {
+            None
+        } else {
+            Some(init.normal(
+                "lm_head.weight".into(),
+                (s.vocab_size, s.n_embd),
+                std,
+                ParamKind::Matrix,
+            )?)
+        };
+        let t = s.seq_len;
+        let mask: Vec<f32> = (0..t * t)
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)?;
+        let rope = match s.pos {
+            PosEncoding::Rope => Some(rope_tables(&rope_inv_freq(s), 0, t, dtype, device)?),
+            PosEncoding::Learned => None,
+        };
+        Ok(Self {
+            params: init.params,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            lm_head,
+            dtype,
+            device: device.clone(),
+            mask,
+            rope,
+            dropout_seed: seed ^ 0xD5A0_9B1E,
+            training: false,
+            spec,
+        })
+    }
+
+    /// Re-seed dropout (the trainer does it per micro-batch, with
+    /// [`dropout::micro_seed`], so resumed runs — and the whole-model step — draw the same
+    /// masks).
+    pub fn reseed_dropout(&mut self, seed: u64) {
+        self.dropout_seed = seed;
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn param_count(&self) -> (u64, u64) {
+        let count = |f: &dyn Fn(&Param) -> bool| {
+            self.params
+                .iter()
+                .filter(|p| f(p))
+                .map(|p| p.var.as_tensor().elem_count() as u64)
+                .sum::<u64>()
+        };
+        (count(&|_| true) + self.nf4_elems(), count(&|p| p.trainable))
+    }
+
+    /// Weights stored in NF4 (not parameters: [`Self::quantize_base_nf4`]).
+    fn nf4_elems(&self) -> u64 {
+        self.linears()
+            .iter()
+            .filter_map(|(_, l)| match &l.w {
+                Weight::Nf4(q) => Some((q.out * q.inp) as u64),
+                Weight::Dense(_) => None,
+            })
+            .sum()
+    }
+
+    /// Training FLOPs per token (forward + backward): 6·N over the matmul weights plus
+    /// 12·L·D·T for attention scores and values.
+    pub fn flops_per_token(&self) -> f64 {
+        let s = &self.spec;
+        let matmul: u64 = self
+            .params
+            .iter()
+            .filter(|p| {
+                matches!(
+                    p.kind,
+                    ParamKind::Matrix | ParamKind::LoraA | ParamKind::LoraB
+                )
+            })
+            .map(|p| p.var.as_tensor().elem_count() as u64)
+            .sum::<u64>()
+            + self.nf4_elems();
+        let head = if s.tie_embeddings {
+            (s.vocab_size * s.n_embd) as f64
+        } else {
+            0.0
+        };
+        6.0 * (matmul as f64 + head) + 12.0 * (s.n_layer * s.n_embd * s.seq_len) as f64
+    }
+    /// All weights by name (for checkpoints).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .map(|p| (p.name.clone(), p.var.as_tensor().clone()))
+            .collect()
+    }
+
+    /// Overwrite weights from named tensors; every parameter must be present with its shape.
+    pub fn load_named(
+        &self,
+        tensors: &std::collections::HashMap<String, Tensor>,
+        skip_missing_lora: bool,
+    ) -> std::result::Result<(), String> {
+        for p in &self.params {
+            match tensors.get(&p.name) {
+                Some(t) => {
+                    if t.dims() != p.var.as_tensor().dims() {
+                        return Err(format!(
+                            "{}: shape {:?} in the file, the model has {:?}",
+                            p.name,
+                            t.dims(),
+                            p.var.as_tensor().dims()
+                        ));
+                    }
+                    let t = t
+                        .to_dtype(p.var.dtype())
+                        .and_then(|t| t.to_device(&self.device))
+                        .map_err(|e| e.to_string())?;
+                    p.var.set(&t).map_err(|e| e.to_string())?;
+                }
+                None if skip_missing_lora && p.kind.is_lora() => {}
+                None => return Err(format!("{}: missing", p.name)),
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,114 @@
+//! The whole-model CUDA step's inputs built from the candle model.
+
+use super::*;
+
+/// What `device` says for [`ModelSpec::fast_step_support`] about a model of `spec` in `dtype`
+/// (`mixed_trainable`: frozen and trainable weights other than LoRA's).
+pub fn step_facts(
+    device: &Device,
+    dtype: DType,
+    spec: &ModelSpec,
+    mixed_trainable: bool,
+) -> StepFacts {
+    StepFacts {
+        cuda: device.is_cuda(),
+        dtype: super::super::precision::dtype_name(dtype),
+        kernels: kernels::step_support(device, dtype).err(),
+        flash_fits: kernels::flash_fits(device, spec.head_dim),
+        mixed_trainable,
+    }
+}
+
+impl Model {
+    /// The weights for the whole-model CUDA step, when this model is one it runs.
+    pub fn step_weights(&self) -> Option<StepWeights> {
+        self.step_plan().ok()
+    }
+
+    /// What this model's device and weights say for [`ModelSpec::fast_step_support`].
+    pub fn step_facts(&self) -> StepFacts {
+        let lora = self.params.iter().any(|p| p.kind.is_lora());
+        let mixed = !self
+            .params
+            .iter()
+            .all(|p| p.trainable == (!lora || p.kind.is_lora()));
+        step_facts(&self.device, self.dtype, &self.spec, mixed)
+    }
+
+    /// The weights for the whole-model CUDA step, or why this model takes the per-op path
+    /// ([`ModelSpec::fast_step_support`] decides).
+    pub fn step_plan(&self) -> std::result::Result<StepWeights, Reason> {
+        let s = &self.spec;
+        let facts = self.step_facts();
+        s.fast_step_support(&facts)?;
+        Ok(self.step_weights_unchecked(s.flash_attention(facts.flash_fits)))
+    }
+
+    /// The step's weights, whether or not the step runs this model (the CPU tests hold them
+    /// to the spec).
+    pub(super) fn step_weights_unchecked(&self, flash: bool) -> StepWeights {
+        let s = &self.spec;
+        let lora = self.params.iter().any(|p| p.kind.is_lora());
+        let norm = |n: &NormLayer| (n.w.clone(), n.b.clone());
+        let lin = |l: &Linear| {
+            let m = match &l.w {
+                Weight::Dense(v) => StepMatrix::Var(v.clone()),
+                Weight::Nf4(q) => StepMatrix::Nf4(q.clone()),
+            };
+            (m, l.b.clone())
+        };
+        let adapter = |l: Option<&Linear>| {
+            l.and_then(|l| l.lora.as_ref()).map(|a| StepLora {
+                a: a.a.clone(),
+                b: a.b.clone(),
+                scale: a.scale,
+            })
+        };
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| StepLayer {
+                ln1: norm(&b.ln1),
+                q: lin(&b.q),
+                k: lin(&b.k),
+                v: lin(&b.v),
+                o: lin(&b.o),
+                ln2: norm(&b.ln2),
+                gate: b.gate.as_ref().map(lin),
+                up: lin(&b.up),
+                down: lin(&b.down),
+                lora: [
+                    adapter(Some(&b.q)),
+                    adapter(Some(&b.k)),
+                    adapter(Some(&b.v)),
+                    adapter(Some(&b.o)),
+                    adapter(b.gate.as_ref()),
+                    adapter(Some(&b.up)),
+                    adapter(Some(&b.down)),
+                ],
+            })
+            .collect();
+        StepWeights {
+            spec: s.clone(),
+            half: self.dtype == DType::F16,
+            wte: self.wte.clone(),
+            wpe: self.wpe.clone(),
+            flash,
+            lora_dropout: self
+                .blocks
+                .iter()
+                .flat_map(|b| {
+                    [&b.q, &b.k, &b.v, &b.o, &b.up, &b.down]
+                        .into_iter()
+                        .chain(&b.gate)
+                })
+                .filter_map(|l| l.lora.as_ref().map(|a| a.p))
+                .fold(0.0, f64::max),
+            layers,
+            frozen_base: lora,
+            ln_f: norm(&self.ln_f),
+            head: self.lm_head.clone(),
+            shards: 1,
+        }
+    }
+}

@@ -1,0 +1,233 @@
+use super::*;
+use crate::config::Config;
+use crate::engine::optim::AdamW;
+
+#[test]
+fn whole_model_step_only_takes_gpt_style_bf16_cuda_models() {
+    let c = Config::default();
+    let dev = Device::Cpu;
+    // The CPU never runs it, whatever the model.
+    let m = Model::new(ModelSpec::from_config(&c, 32), DType::F32, &dev, 1).unwrap();
+    assert!(m.step_weights().is_none());
+    let m = Model::new(ModelSpec::from_config(&c, 32), DType::BF16, &dev, 1).unwrap();
+    assert!(m.step_weights().is_none());
+}
+
+#[test]
+fn a_base_in_nf4_computes_nearly_what_the_dense_base_does() {
+    // (The reference arithmetic on the host; the CUDA kernels are held to it by
+    // tests/gpu_kernels.rs.)
+    let mut c = Config::default();
+    c.model.n_embd = 64;
+    let dev = Device::Cpu;
+    let shape = ModelSpec::from_config(&c, 32);
+    let mut dense = Model::new(shape.clone(), DType::F32, &dev, 3).unwrap();
+    let mut q = Model::new(shape, DType::F32, &dev, 3).unwrap();
+    let (before, after) = q.quantize_base_nf4().unwrap();
+    assert!(
+        after * 7 < before && after * 8 > before,
+        "{after} of {before} bytes"
+    );
+    let spec = LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        targets: vec!["q".into(), "v".into()],
+        dropout: 0.0,
+    };
+    q.add_lora(&spec, 1).unwrap();
+    // The quantized matrices are no parameters (not in checkpoints), yet counted.
+    assert!(q.params.iter().all(|p| !p.name.ends_with("q_proj.weight")));
+    assert_eq!(q.param_count().0, dense.param_count().0 + q.param_count().1);
+    assert!(q.step_weights().is_none());
+    let ids: Vec<u32> = (0..2 * 64).map(|i| (i * 5 % 32) as u32).collect();
+    let tg: Vec<u32> = (0..2 * 64).map(|i| ((i * 5 + 3) % 32) as u32).collect();
+    let x = Tensor::from_vec(ids, (2, 64), &dev).unwrap();
+    let y = Tensor::from_vec(tg, (2, 64), &dev).unwrap();
+    let l_dense = dense
+        .loss(&x, &y, false)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let l_q = q.loss(&x, &y, false).unwrap().to_scalar::<f32>().unwrap();
+    assert!((l_q - l_dense).abs() < 0.02 * l_dense, "{l_q} vs {l_dense}");
+    assert_ne!(l_q, l_dense);
+    // The adapters train through the 4-bit base.
+    let l = q.loss(&x, &y, true).unwrap();
+    let grads = l.backward().unwrap();
+    let a = q
+        .params
+        .iter()
+        .find(|p| p.kind == ParamKind::LoraA)
+        .unwrap();
+    assert!(grads.get(a.var.as_tensor()).is_some());
+    // Merged exports carry every base matrix, dequantized.
+    let merged = q.merged_tensors().unwrap();
+    let names: Vec<&str> = merged.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&"model.layers.0.self_attn.q_proj.weight"));
+    assert!(names.contains(&"model.layers.0.mlp.down_proj.weight"));
+    assert!(names.iter().all(|n| !n.contains("lora")));
+}
+
+#[test]
+fn lora_dropout_masks_the_adapters_input_while_training_only() {
+    let mut c = Config::default();
+    c.model.n_embd = 64;
+    let dev = Device::Cpu;
+    let build = |p: f64| {
+        let mut m = Model::new(ModelSpec::from_config(&c, 32), DType::F32, &dev, 3).unwrap();
+        let spec = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            targets: ["q", "k", "v", "o", "up", "down"]
+                .map(String::from)
+                .to_vec(),
+            dropout: p,
+        };
+        m.add_lora(&spec, 1).unwrap();
+        // B starts at zero (the adapters would change nothing): give it values.
+        for p in m.params.iter().filter(|p| p.kind == ParamKind::LoraB) {
+            let t = p.var.as_tensor();
+            p.var
+                .set(&(t.ones_like().unwrap() * 0.05).unwrap())
+                .unwrap();
+        }
+        m.reseed_dropout(77);
+        m
+    };
+    let (mut plain, mut dropped) = (build(0.0), build(0.3));
+    let ids: Vec<u32> = (0..2 * 64).map(|i| (i * 5 % 32) as u32).collect();
+    let tg: Vec<u32> = (0..2 * 64).map(|i| ((i * 5 + 3) % 32) as u32).collect();
+    let x = Tensor::from_vec(ids, (2, 64), &dev).unwrap();
+    let y = Tensor::from_vec(tg, (2, 64), &dev).unwrap();
+    let loss =
+        |m: &mut Model, train: bool| m.loss(&x, &y, train).unwrap().to_scalar::<f32>().unwrap();
+    // Evaluation ignores it; training draws a mask, the same one for the same seed.
+    assert_eq!(loss(&mut plain, false), loss(&mut dropped, false));
+    let (a, b) = (loss(&mut dropped, true), loss(&mut dropped, true));
+    assert_eq!(a, b);
+    assert_ne!(a, loss(&mut plain, true));
+    dropped.reseed_dropout(78);
+    assert_ne!(a, loss(&mut dropped, true));
+    // The sites: one per layer and group of adapters that share an input.
+    let sites: std::collections::BTreeSet<u32> = dropped
+        .blocks
+        .iter()
+        .flat_map(|b| [&b.q, &b.k, &b.v, &b.o, &b.up, &b.down])
+        .filter_map(|l| l.lora.as_ref().map(|a| a.site))
+        .collect();
+    assert_eq!(sites.len(), 4 * c.model.n_layer);
+}
+
+#[test]
+fn memorizes_a_fixed_batch() {
+    let mut c = Config::default();
+    c.model.n_embd = 64;
+    let dev = Device::Cpu;
+    let mut m = Model::new(ModelSpec::from_config(&c, 32), DType::F32, &dev, 1).unwrap();
+    let slots = m
+        .params
+        .iter()
+        .map(|p| (p.name.clone(), p.var.clone(), false))
+        .collect();
+    let mut opt = AdamW::new(slots, 0.9, 0.95, 1e-8, 0.0).unwrap();
+    let ids: Vec<u32> = (0..4 * 64).map(|i| (i * 7 % 32) as u32).collect();
+    let tg: Vec<u32> = (0..4 * 64).map(|i| ((i * 7 + 7) % 32) as u32).collect();
+    let x = Tensor::from_vec(ids, (4, 64), &dev).unwrap();
+    let y = Tensor::from_vec(tg, (4, 64), &dev).unwrap();
+    let mut first = 0.0;
+    let mut last = 0.0;
+    for i in 0..60 {
+        let loss = m.loss(&x, &y, true).unwrap();
+        let v = loss.to_scalar::<f32>().unwrap();
+        if i == 0 {
+            first = v;
+        }
+        last = v;
+        let store = loss.backward().unwrap();
+        let grads: Vec<Tensor> = opt
+            .slots
+            .iter()
+            .map(|s| store.get(s.var.as_tensor()).unwrap().clone())
+            .collect();
+        opt.step(&grads, 3e-3).unwrap();
+    }
+    eprintln!("first {first} last {last}");
+    assert!(last < 0.1 * first, "first {first} last {last}");
+}
+
+/// The families both executors are built for: GPT-2 style, Llama style, grouped-query
+/// attention, an explicit head dim (Mistral-Nemo-like), q/k/v biases (Qwen2), learned
+/// positions with an untied head.
+fn families() -> Vec<(&'static str, Config)> {
+    let gpt2 = Config::default();
+    let llama = Config {
+        model: crate::config::ModelConfig::llama_family(),
+        ..Config::default()
+    };
+    let mut gqa = llama.clone();
+    gqa.model.n_kv_head = 2;
+    let mut head_dim = gqa.clone();
+    head_dim.model.head_dim = 32;
+    let mut qwen = llama.clone();
+    qwen.model.qkv_bias = true;
+    let mut learned = Config::default();
+    learned.model.pos = PosEncoding::Learned;
+    learned.model.tie_embeddings = false;
+    learned.model.n_positions = 96;
+    vec![
+        ("gpt2", gpt2),
+        ("llama", llama),
+        ("gqa", gqa),
+        ("head_dim", head_dim),
+        ("qwen2", qwen),
+        ("learned", learned),
+    ]
+}
+
+#[test]
+fn both_executors_are_built_from_one_spec() {
+    for (name, c) in families() {
+        let spec = ModelSpec::from_config(&c, 48);
+        let mut m = Model::new(spec.clone(), DType::F32, &Device::Cpu, 1).unwrap();
+        // The step's weights hold the spec and have its shapes.
+        let w = m.step_weights_unchecked(false);
+        assert_eq!(w.spec, spec, "{name}");
+        w.check_shapes().unwrap_or_else(|e| panic!("{name}: {e}"));
+        // The spec counts what the candle model allocates.
+        assert_eq!(spec.param_count().total(), m.param_count().0, "{name}");
+        // A spec the weights do not match is refused.
+        let mut wrong = w.clone();
+        wrong.spec.hidden += 8;
+        assert!(wrong.check_shapes().is_err(), "{name}");
+        let mut wrong = w.clone();
+        wrong.spec.n_kv_head = 1;
+        assert!(wrong.check_shapes().is_err(), "{name}");
+        // With LoRA: the adapters too.
+        let lora = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            targets: ["q", "k", "v", "o", "gate", "up", "down"]
+                .map(String::from)
+                .to_vec(),
+            dropout: 0.0,
+        };
+        m.add_lora(&lora, 2).unwrap();
+        let with = ModelSpec {
+            lora: Some(lora),
+            ..spec.clone()
+        };
+        let count = with.param_count();
+        assert_eq!((count.total(), count.adapters), m.param_count(), "{name}");
+        m.step_weights_unchecked(false)
+            .check_shapes()
+            .unwrap_or_else(|e| panic!("{name} with LoRA: {e}"));
+    }
+}
+
+#[test]
+fn the_cpu_model_says_why_the_step_does_not_run_it() {
+    let mut c = Config::default();
+    c.kernels.step = true;
+    let m = Model::new(ModelSpec::from_config(&c, 32), DType::BF16, &Device::Cpu, 1).unwrap();
+    assert_eq!(m.step_plan().unwrap_err(), Reason::NotCuda);
+}

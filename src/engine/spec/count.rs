@@ -1,0 +1,80 @@
+//! How many weights a [`ModelSpec`] has, before any of them exists (the memory check, the
+//! run header): equal to what the candle model allocates (`Model::param_count`; a test holds
+//! them together).
+
+use super::ModelSpec;
+use crate::config::{Norm, PosEncoding};
+
+/// A model's weights: the base's and the LoRA adapters'.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParamCount {
+    pub base: u64,
+    pub adapters: u64,
+}
+
+impl ParamCount {
+    pub fn total(&self) -> u64 {
+        self.base + self.adapters
+    }
+}
+
+impl ModelSpec {
+    /// The weights of each linear layer of one block: `(short name, out, in, bias)` in the
+    /// order [`crate::engine::kernels::spec::LORA_TARGETS`] names them (gate only in a gated
+    /// MLP).
+    pub fn block_linears(&self) -> Vec<(&'static str, usize, usize, bool)> {
+        let (c, qw, kvw, h) = (self.n_embd, self.q_width(), self.kv_width(), self.hidden);
+        let qkv_bias = self.bias || self.qkv_bias;
+        let mut v = vec![
+            ("q", qw, c, qkv_bias),
+            ("k", kvw, c, qkv_bias),
+            ("v", kvw, c, qkv_bias),
+            ("o", c, qw, self.bias),
+        ];
+        if self.gated_mlp() {
+            v.push(("gate", h, c, self.bias));
+        }
+        v.push(("up", h, c, self.bias));
+        v.push(("down", c, h, self.bias));
+        v
+    }
+
+    /// Weights of one norm layer: a scale, and a shift where LayerNorm has biases.
+    fn norm_params(&self) -> u64 {
+        let c = self.n_embd as u64;
+        if self.norm == Norm::LayerNorm && self.bias {
+            2 * c
+        } else {
+            c
+        }
+    }
+
+    /// Every weight the model has: embeddings, positions, blocks, final norm, an untied
+    /// head, and the LoRA adapters on their targets.
+    pub fn param_count(&self) -> ParamCount {
+        let c = self.n_embd as u64;
+        let vocab = self.vocab_size as u64;
+        let mut base = vocab * c;
+        if !self.tie_embeddings {
+            base += vocab * c;
+        }
+        if self.pos == PosEncoding::Learned {
+            base += self.n_positions as u64 * c;
+        }
+        let mut layer = 2 * self.norm_params();
+        let mut adapters = 0u64;
+        for (name, out, inp, bias) in self.block_linears() {
+            layer += (out * inp) as u64 + if bias { out as u64 } else { 0 };
+            if let Some(l) = &self.lora {
+                if l.targets.iter().any(|t| t == name) {
+                    adapters += (l.r * (out + inp)) as u64;
+                }
+            }
+        }
+        base += self.n_layer as u64 * layer + self.norm_params();
+        ParamCount {
+            base,
+            adapters: self.n_layer as u64 * adapters,
+        }
+    }
+}

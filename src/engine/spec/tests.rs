@@ -1,0 +1,259 @@
+use super::*;
+use crate::config::ModelConfig;
+
+/// A CUDA GPU that runs the step in bf16, with flash attention's kernels fitting.
+fn gpu() -> StepFacts {
+    StepFacts {
+        cuda: true,
+        dtype: "bf16",
+        kernels: None,
+        flash_fits: true,
+        mixed_trainable: false,
+    }
+}
+
+fn spec(f: impl FnOnce(&mut Config)) -> ModelSpec {
+    let mut c = Config::default();
+    c.kernels.step = true;
+    f(&mut c);
+    ModelSpec::from_config(&c, 64)
+}
+
+fn llama(c: &mut Config) {
+    c.model = ModelConfig {
+        n_embd: 256,
+        n_head: 4,
+        ..ModelConfig::llama_family()
+    };
+}
+
+#[test]
+fn the_step_runs_gpt_and_llama_models_on_a_gpu() {
+    assert_eq!(spec(|_| {}).fast_step_support(&gpu()), Ok(()));
+    let l = spec(llama);
+    assert_eq!(l.head_dim, 64);
+    assert_eq!(l.fast_step_support(&gpu()), Ok(()));
+    // Grouped-query attention and an explicit head dim, through flash attention.
+    let gqa = spec(|c| {
+        llama(c);
+        c.model.n_kv_head = 2;
+        c.model.head_dim = 128;
+    });
+    assert_eq!(gqa.fast_step_support(&gpu()), Ok(()));
+    assert!(gqa.flash_attention(true));
+    let f16 = StepFacts {
+        dtype: "f16",
+        ..gpu()
+    };
+    assert_eq!(l.fast_step_support(&f16), Ok(()));
+}
+
+#[test]
+fn every_refusal_names_its_reason() {
+    let base = spec(llama);
+    let why = |s: &ModelSpec, f: &StepFacts| s.fast_step_support(f).unwrap_err();
+    let off = spec(|c| {
+        llama(c);
+        c.kernels.step = false;
+    });
+    assert_eq!(why(&off, &gpu()), Reason::Off);
+    assert_eq!(why(&off, &gpu()).to_string(), "kernels.step = false");
+    let cpu = StepFacts {
+        cuda: false,
+        ..gpu()
+    };
+    assert_eq!(why(&base, &cpu), Reason::NotCuda);
+    let f32 = StepFacts {
+        dtype: "f32",
+        ..gpu()
+    };
+    assert_eq!(why(&base, &f32), Reason::Precision("f32"));
+    assert!(why(&base, &f32).to_string().contains("precision f32"));
+    let t4 = StepFacts {
+        kernels: Some("compute capability below 8.0".into()),
+        ..gpu()
+    };
+    assert_eq!(why(&base, &t4).to_string(), "compute capability below 8.0");
+    let mixed = StepFacts {
+        mixed_trainable: true,
+        ..gpu()
+    };
+    assert_eq!(why(&base, &mixed), Reason::MixedTrainable);
+
+    let narrow = spec(|c| {
+        llama(c);
+        c.model.n_embd = 260;
+        c.model.n_head = 2;
+    });
+    assert!(matches!(
+        why(&narrow, &gpu()),
+        Reason::Widths { n_embd: 260, .. }
+    ));
+    let mlp = spec(|c| {
+        llama(c);
+        c.model.mlp_ratio = 2.01;
+    });
+    assert!(matches!(
+        why(&mlp, &gpu()),
+        Reason::Widths { hidden: 515, .. }
+    ));
+    assert!(why(&mlp, &gpu()).to_string().contains("multiples of 8"));
+    let odd = spec(|c| {
+        llama(c);
+        c.model.head_dim = 33;
+    });
+    assert_eq!(why(&odd, &gpu()), Reason::OddHeadDim(33));
+    let kv = spec(|c| {
+        llama(c);
+        c.model.n_kv_head = 3;
+    });
+    assert_eq!(
+        why(&kv, &gpu()),
+        Reason::KvHeads {
+            n_kv_head: 3,
+            n_head: 4
+        }
+    );
+    // Grouped-query attention, heads narrower than n_embd and dropout need flash attention:
+    // the reason says why it is off.
+    let gqa32 = spec(|c| {
+        llama(c);
+        c.model.n_head = 8;
+        c.model.n_kv_head = 2;
+    });
+    assert_eq!(gqa32.head_dim, 32);
+    let e = why(&gqa32, &gpu());
+    assert_eq!(
+        e,
+        Reason::GroupedQueryNeedsFlash {
+            head_dim: 32,
+            why: NoFlash::HeadDim
+        }
+    );
+    assert_eq!(
+        e.to_string(),
+        "grouped-query attention at head dim 32 (flash attention has head dims 64 and 128)"
+    );
+    let gqa_off = spec(|c| {
+        llama(c);
+        c.model.n_kv_head = 2;
+        c.kernels.attention = false;
+    });
+    assert!(why(&gqa_off, &gpu())
+        .to_string()
+        .ends_with("; kernels.attention = false)"));
+    let small_smem = StepFacts {
+        flash_fits: false,
+        ..gpu()
+    };
+    let gqa128 = spec(|c| {
+        llama(c);
+        c.model.n_head = 2;
+        c.model.n_kv_head = 1;
+    });
+    assert_eq!(
+        why(&gqa128, &small_smem),
+        Reason::GroupedQueryNeedsFlash {
+            head_dim: 128,
+            why: NoFlash::SharedMemory
+        }
+    );
+    let wide = spec(|c| {
+        llama(c);
+        c.model.head_dim = 40;
+    });
+    assert!(matches!(
+        why(&wide, &gpu()),
+        Reason::HeadWidthNeedsFlash {
+            n_head: 4,
+            head_dim: 40,
+            n_embd: 256,
+            why: NoFlash::HeadDim
+        }
+    ));
+    let drop = spec(|c| {
+        llama(c);
+        c.model.n_head = 8;
+        c.model.dropout = 0.1;
+    });
+    assert_eq!(
+        why(&drop, &gpu()),
+        Reason::DropoutNeedsFlash {
+            head_dim: 32,
+            why: NoFlash::HeadDim
+        }
+    );
+    let granite = spec(|c| {
+        c.model.pos = PosEncoding::Learned;
+        c.model.embedding_multiplier = 12.0;
+    });
+    assert_eq!(why(&granite, &gpu()), Reason::EmbeddingMultiplier);
+    let empty = spec(|c| c.model.n_layer = 0);
+    assert_eq!(why(&empty, &gpu()), Reason::NoLayers);
+}
+
+#[test]
+fn the_resume_key_leaves_out_what_a_resume_may_change() {
+    let base = spec(llama);
+    for changed in [
+        spec(|c| {
+            llama(c);
+            c.model.recompute = Recompute::Full;
+        }),
+        spec(|c| {
+            llama(c);
+            c.model.dropout = 0.1;
+        }),
+        spec(|c| {
+            llama(c);
+            c.kernels.graphs = false;
+        }),
+        spec(|c| {
+            llama(c);
+            c.model.init_std = 0.01;
+        }),
+    ] {
+        assert_eq!(
+            changed.resume_key().differences(&base.resume_key()),
+            Vec::<String>::new()
+        );
+    }
+    let deeper = spec(|c| {
+        llama(c);
+        c.model.n_layer = 3;
+    });
+    assert_eq!(
+        deeper.resume_key().differences(&base.resume_key()),
+        vec!["model.n_layer 2 → 3".to_string()]
+    );
+    let lora = spec(|c| {
+        llama(c);
+        c.lora.enabled = true;
+    });
+    assert_eq!(lora.resume_key().differences(&base.resume_key()).len(), 1);
+}
+
+#[test]
+fn mlp_width_and_scu_coefficient() {
+    assert_eq!(mlp_width(64, 4.0), 256);
+    assert_eq!(mlp_width(64, 2.67), 171);
+    assert_eq!(mlp_width(4, 0.01), 1);
+    let s = spec(|c| c.scu.prior_sigma = 0.5);
+    assert_eq!(s.scu_coefficient(1000.0), 1.0 / (2.0 * 0.25 * 1000.0));
+}
+
+#[test]
+fn parameter_count_by_hand() {
+    // GPT-2 style, tied, biases, LayerNorm, RoPE (the default pos), vocab 64, 2 layers of 64.
+    let s = spec(|_| {});
+    let c = 64u64;
+    let layer = 4 * (c * c + c) + 2 * (4 * c * c) + 4 * c + c + 2 * 2 * c;
+    assert_eq!(s.param_count().base, 64 * c + 2 * layer + 2 * c);
+    assert_eq!(s.param_count().adapters, 0);
+    let lora = spec(|c| {
+        c.lora.enabled = true;
+        c.lora.r = 4;
+        c.lora.targets = vec!["q".into(), "v".into()];
+    });
+    assert_eq!(lora.param_count().adapters, 2 * 2 * 4 * (64 + 64));
+}
