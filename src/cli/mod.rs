@@ -570,7 +570,12 @@ fn remove_unused_run_dir(dir: &Path) {
         .filter_map(|e| e.ok())
         .map(|e| e.file_name())
         .collect();
-    if names.iter().all(|n| n == "cockpit.log") {
+    // What a run that was refused at set-up leaves: its log and the run dir's lock file
+    // (the lock itself is released when the refused run's lock is dropped or the process ends).
+    if names
+        .iter()
+        .all(|n| n == "cockpit.log" || n == run_lock::LOCK_FILE)
+    {
         let _ = std::fs::remove_dir_all(dir);
     }
 }
