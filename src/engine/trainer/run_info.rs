@@ -34,10 +34,7 @@ impl Trainer {
                     } else {
                         ""
                     }
-                ) + &self
-                    .launcher
-                    .as_ref()
-                    .map_or(String::new(), |l| format!("; {l}"))
+                )
             }
             None => dev,
         };
@@ -82,7 +79,10 @@ impl Trainer {
                 } else {
                     "full fine-tune".into()
                 }
-            ),
+            ) + &self
+                .launcher
+                .as_ref()
+                .map_or(String::new(), |l| format!(" | {l}")),
         }
     }
 }
