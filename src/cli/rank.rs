@@ -200,7 +200,10 @@ pub(super) fn join(t: Topology, m: Meeting, cfg: &Config) -> Result<(PathBuf, Jo
     } else {
         crate::errln!(
             "cockpit: rank {} of {}: meeting the other ranks at {}:{} ({backend_name} backend)",
-            t.rank, t.world, t.master_addr, t.master_port
+            t.rank,
+            t.world,
+            t.master_addr,
+            t.master_port
         );
     }
     let resume = match m.launch.and_then(|l| l.restart.as_ref()) {

@@ -14,29 +14,31 @@ impl Trainer {
         // Data parallelism: tokens/s are the job's, so MFU is against every rank's peak.
         let peak_flops = device::peak_flops(&dev, self.dtype).map(|p| p * self.world as f64);
         let dev = match &self.dist {
-            Some(d) => format!(
-                "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
-                self.rank,
-                self.world,
-                d.backend(),
-                self.world * self.micro_batch * self.accum,
-                if self.sharding() {
-                    format!(
-                        ", optimizer state sharded (ZeRO-1: {:.0} MB of Adam moments a rank)",
-                        8.0 * trainable as f64 / self.world as f64 / 1e6
-                    )
-                } else {
-                    String::new()
-                },
-                if self.cfg.distributed.bf16_sums() {
-                    ", gradients summed in bf16"
-                } else {
-                    ""
-                }
-            ) + &self
-                .launcher
-                .as_ref()
-                .map_or(String::new(), |l| format!("; {l}")),
+            Some(d) => {
+                format!(
+                    "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
+                    self.rank,
+                    self.world,
+                    d.backend(),
+                    self.world * self.micro_batch * self.accum,
+                    if self.sharding() {
+                        format!(
+                            ", optimizer state sharded (ZeRO-1: {:.0} MB of Adam moments a rank)",
+                            8.0 * trainable as f64 / self.world as f64 / 1e6
+                        )
+                    } else {
+                        String::new()
+                    },
+                    if self.cfg.distributed.bf16_sums() {
+                        ", gradients summed in bf16"
+                    } else {
+                        ""
+                    }
+                ) + &self
+                    .launcher
+                    .as_ref()
+                    .map_or(String::new(), |l| format!("; {l}"))
+            }
             None => dev,
         };
         RunInfo {
