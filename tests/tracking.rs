@@ -64,7 +64,11 @@ fn a_run_writes_tensorboard_and_mlflow_logs_that_their_readers_read() {
     let bytes = std::fs::read(&files[0]).unwrap();
     let records = cockpit::tracking::tfrecord::read_records(&bytes);
     let framed: usize = records.iter().map(|r| r.len() + 16).sum();
-    assert_eq!(framed, bytes.len(), "a record failed its length or CRC check");
+    assert_eq!(
+        framed,
+        bytes.len(),
+        "a record failed its length or CRC check"
+    );
     assert!(records.len() > 12 + 3 + 2, "{} records", records.len());
 
     if let Some(tb) = python_reader("read_tb.py", &run.join("tb")) {
@@ -133,7 +137,11 @@ fn a_run_writes_tensorboard_and_mlflow_logs_that_their_readers_read() {
         assert!(r["metrics"]["val.loss"].as_array().unwrap().len() >= 3);
         let artifacts = r["artifacts"].to_string();
         assert!(artifacts.contains("config.toml") && artifacts.contains("metrics.jsonl"));
-        assert!(r["tags"]["cockpit.checkpoint.latest"].is_string(), "{}", r["tags"]);
+        assert!(
+            r["tags"]["cockpit.checkpoint.latest"].is_string(),
+            "{}",
+            r["tags"]
+        );
     }
 }
 
@@ -147,7 +155,11 @@ fn tensorboard_off_writes_no_tb_dir() {
         .args(["--set", "monitor.tensorboard=false"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!run.join("tb").exists());
 }
 

@@ -61,11 +61,8 @@ mod tests {
 
     #[test]
     fn masking_rotates_and_offsets() {
-        let crc = crc32c::crc32c(b"123456789");
-        assert_eq!(
-            masked_crc(b"123456789"),
-            ((crc >> 15) | (crc << 17)).wrapping_add(0xa282_ead8)
-        );
+        // crc 0xe3069283 rotated right by 15 bits, plus 0xa282ead8 (mod 2^32)
+        assert_eq!(masked_crc(b"123456789"), 0xc78a_b0e5);
     }
 
     #[test]

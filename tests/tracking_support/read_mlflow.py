@@ -3,7 +3,11 @@
 Exit 3 when the mlflow package is not installed.
 """
 import json
+import os
 import sys
+
+# MLflow 3 keeps the file store readable behind this switch
+os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 try:
     from mlflow.tracking import MlflowClient

@@ -24,14 +24,16 @@ for tag in tags["tensors"]:
     plugin = meta.plugin_data.plugin_name
     if plugin == "text":
         out["text"][tag] = [e.tensor_proto.string_val[0].decode() for e in events]
-    elif plugin == "hparams":
-        data = plugin_data_pb2.HParamsPluginData.FromString(meta.plugin_data.content)
-        which = data.WhichOneof("data")
-        if which == "session_start_info":
-            hp = {}
-            for k, v in data.session_start_info.hparams.items():
-                hp[k] = json.loads(json.dumps(getattr(v, v.WhichOneof("kind"))))
-            out["hparams"]["start"] = hp
-        elif which == "session_end_info":
-            out["hparams"]["end_status"] = data.session_end_info.status
+# the HParams dashboard reads the plugin's metadata (no tensor): as TensorBoard does
+for tag, content in acc.PluginTagToContent("hparams").items():
+    data = plugin_data_pb2.HParamsPluginData.FromString(content)
+    which = data.WhichOneof("data")
+    if which == "session_start_info":
+        hp = {}
+        for k, v in data.session_start_info.hparams.items():
+            hp[k] = getattr(v, v.WhichOneof("kind"))
+        out["hparams"]["start"] = hp
+        out["hparams"]["group"] = data.session_start_info.group_name
+    elif which == "session_end_info":
+        out["hparams"]["end_status"] = data.session_end_info.status
 print(json.dumps(out))
