@@ -181,3 +181,38 @@ fn an_unwritable_log_dir_warns_and_training_goes_on() {
     assert!(err.contains("mlflow") && err.contains("not-a-dir"), "{err}");
     assert!(err.contains("step 3/3"), "{err}");
 }
+
+/// A resumed run adds a second event file; TensorBoard's reader merges them into one series.
+#[test]
+fn a_resumed_run_appends_an_event_file_that_tensorboard_merges() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let train = |steps: &str, resume: bool| {
+        let mut c = common::cockpit();
+        c.args(["train", "--no-tui", "--max-steps", steps]);
+        if resume {
+            c.args(["--resume", "latest"]);
+        }
+        let out = c
+            .arg("--run-dir")
+            .arg(&run)
+            .args(["--set", "checkpoint.at_end=true"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    train("4", false);
+    train("7", true);
+    let files = std::fs::read_dir(run.join("tb")).unwrap().count();
+    assert_eq!(files, 2);
+    if let Some(tb) = python_reader("read_tb.py", &run.join("tb")) {
+        assert_eq!(
+            steps(&tb["scalars"]["train/loss"]),
+            (1..=7).collect::<Vec<u64>>()
+        );
+    }
+}
