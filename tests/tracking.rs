@@ -216,3 +216,59 @@ fn a_resumed_run_appends_an_event_file_that_tensorboard_merges() {
         );
     }
 }
+
+/// `tensorboard --logdir SWEEP_DIR` finds each run of a sweep, each with its own
+/// hyperparameters for the HParams table.
+#[test]
+fn a_sweeps_runs_are_runs_of_their_own_under_the_sweep_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("sweep");
+    let mut c = common::cockpit();
+    c.arg("sweep")
+        .arg("--out")
+        .arg(&out_dir)
+        .args(["--seeds", "1"]);
+    for s in [
+        "model.n_embd=32",
+        "model.seq_len=32",
+        "optim.micro_batch=8",
+        "data.builtin_tokens=100000",
+        "run.max_steps=3",
+        "schedule.warmup_steps=0",
+        "eval.every=0",
+        "eval.batches=2",
+        "checkpoint.every_steps=0",
+    ] {
+        c.args(["--set", s]);
+    }
+    let out = c
+        .args(["--set-grid", "optim.lr=0.001,0.002"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if let Some(runs) = python_reader("read_tb_runs.py", &out_dir) {
+        let runs = runs.as_object().unwrap();
+        assert_eq!(runs.len(), 2, "{runs:?}");
+        let mut lrs: Vec<f64> = runs
+            .values()
+            .map(|r| {
+                assert_eq!(steps_of(&r["steps"]), vec![1, 2, 3], "{r}");
+                r["hparams"]["optim.lr"].as_f64().unwrap()
+            })
+            .collect();
+        lrs.sort_by(f64::total_cmp);
+        assert_eq!(lrs, vec![0.001, 0.002]);
+    }
+}
+
+fn steps_of(list: &Value) -> Vec<u64> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_u64().unwrap())
+        .collect()
+}

@@ -150,11 +150,9 @@ impl Sinks {
                 HParam::Number(r.params_trainable as f64),
             ),
         ]);
-        // the run dir's parent groups a sweep's runs in the HParams table
-        let group = std::path::Path::new(&r.run_dir)
-            .parent()
-            .map(|p| p.display().to_string())
-            .unwrap_or_default();
+        // one session group per run (a resumed run's files are one row in the HParams table;
+        // a sweep's runs are rows of their own)
+        let group = r.run_dir.clone();
         guard(&mut self.tb, "tensorboard", |tb| {
             tb.summary(
                 wall,
