@@ -99,3 +99,40 @@ pub fn of_update(u: &MonitorUpdate) -> Vec<(String, f64)> {
     }
     v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::{GpuSample, HostSample, Snapshot};
+
+    #[test]
+    fn telemetry_gives_per_gpu_and_host_scalars() {
+        let u = MonitorUpdate {
+            snapshot: Snapshot {
+                timestamp_ms: 1,
+                gpus: vec![GpuSample {
+                    index: 1,
+                    util_gpu: Some(87),
+                    mem_used_bytes: 2 * 1024 * 1024 * 1024,
+                    power_w: Some(310.5),
+                    ..GpuSample::default()
+                }],
+                host: HostSample {
+                    cpu_pct: 23.0,
+                    ram_used_bytes: 1024 * 1024 * 1024,
+                    ram_total_bytes: 4 * 1024 * 1024 * 1024,
+                    ..HostSample::default()
+                },
+                gpu_notice: None,
+            },
+            ..MonitorUpdate::default()
+        };
+        let got: std::collections::HashMap<String, f64> = of_update(&u).into_iter().collect();
+        assert_eq!(got["gpu1/util_pct"], 87.0);
+        assert_eq!(got["gpu1/memory_used_gib"], 2.0);
+        assert_eq!(got["gpu1/power_w"], 310.5);
+        assert_eq!(got["host/cpu_pct"], 23.0);
+        assert_eq!(got["host/ram_used_gib"], 1.0);
+        assert!(!got.contains_key("gpu1/temperature_c"));
+    }
+}
