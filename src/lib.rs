@@ -17,5 +17,6 @@ pub mod process;
 pub mod report;
 pub mod stdio;
 pub mod telemetry;
+pub mod tracking;
 pub mod tui;
 pub mod util;

@@ -97,6 +97,8 @@ pub struct Frontend {
     pub outcome: HeadlessOutcome,
     /// The attach server, to be shut down once the engine thread has been joined.
     pub attach: Option<crate::attach::RelayGuard>,
+    /// The TensorBoard/MLflow writer, to be waited for once the engine thread has been joined.
+    pub tracking: Option<crate::tracking::TrackingGuard>,
 }
 
 /// Where the run's output goes once its terminal is gone.
@@ -106,9 +108,11 @@ pub fn hangup_log(run_dir: &Path) -> std::path::PathBuf {
 
 /// The front end of a training run: the dashboard, or progress lines. When the dashboard's
 /// terminal hangs up the run goes on headless (output in `RUN_DIR/cockpit.out`; its control
-/// socket stays up, so `cockpit attach` brings a dashboard back).
+/// socket stays up, so `cockpit attach` brings a dashboard back). `track`: write TensorBoard
+/// and MLflow logs (rank 0).
 pub fn run_frontend(
     use_tui: bool,
+    track: bool,
     events: EventRx,
     commands: Sender<Command>,
     cfg: &Config,
@@ -116,6 +120,21 @@ pub fn run_frontend(
     flags: &SignalFlags,
 ) -> anyhow::Result<Frontend> {
     let telemetry = training_telemetry(cfg, run_dir);
+    // TensorBoard/MLflow: a copy of both streams, before every front end (TUI or headless)
+    let tracking_opts = track
+        .then(|| crate::tracking::TrackingOptions::from_config(cfg, run_dir))
+        .flatten();
+    let (events, telemetry, tracking) = match (tracking_opts, telemetry) {
+        (Some(opts), Some((rx, feed))) => {
+            let (events, rx, guard) = crate::tracking::tee(events, Some(rx), opts);
+            (events, rx.map(|rx| (rx, feed)), guard)
+        }
+        (Some(opts), None) => {
+            let (events, _, guard) = crate::tracking::tee(events, None, opts);
+            (events, None, guard)
+        }
+        (None, telemetry) => (events, telemetry, None),
+    };
     let (events, updates) = match telemetry {
         Some((rx, feed)) => (tee(events, feed), Some(rx)),
         None => (events, None),
@@ -151,6 +170,7 @@ pub fn run_frontend(
                     return Ok(Frontend {
                         outcome: HeadlessOutcome::default(),
                         attach: attach_guard,
+                        tracking,
                     });
                 };
                 // The terminal is gone: follow the run headless from here on.
@@ -172,6 +192,7 @@ pub fn run_frontend(
                 return Ok(Frontend {
                     outcome,
                     attach: attach_guard,
+                    tracking,
                 });
             }
             TuiExit::StopRequested { .. }
@@ -185,6 +206,7 @@ pub fn run_frontend(
                 interrupted,
             },
             attach: attach_guard,
+            tracking,
         })
     } else {
         let log_every = Duration::from_secs_f64(cfg.run.log_every_secs);
@@ -203,6 +225,7 @@ pub fn run_frontend(
         Ok(Frontend {
             outcome,
             attach: attach_guard,
+            tracking,
         })
     }
 }

@@ -483,16 +483,21 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         events,
         thread,
     } = engine;
-    let frontend = frontends::run_frontend(use_tui, events, commands, &cfg, &own_dir, &flags);
+    let frontend =
+        frontends::run_frontend(use_tui, rank == 0, events, commands, &cfg, &own_dir, &flags);
     let summary = thread.wait();
-    let (interrupted, attach) = match frontend {
-        Ok(f) => (f.outcome.interrupted, f.attach),
+    let (interrupted, attach, tracking) = match frontend {
+        Ok(f) => (f.outcome.interrupted, f.attach, f.tracking),
         Err(e) => {
             crate::errln!("cockpit: the front end failed: {e:#}");
-            (false, None)
+            (false, None, None)
         }
     };
     if let Some(guard) = attach {
+        guard.wait();
+    }
+    // the engine has ended: the TensorBoard/MLflow writer finishes its files
+    if let Some(guard) = tracking {
         guard.wait();
     }
     // Plots and the summary after every end: finished, stopped, interrupted or failed.

@@ -765,6 +765,12 @@ pub struct MonitorConfig {
     pub advisor_window_secs: f64,
     /// GPU telemetry during training.
     pub enabled: bool,
+    /// TensorBoard event files in `RUN_DIR/tb/`.
+    pub tensorboard: bool,
+    /// An MLflow file store to log runs into (`mlflow ui --backend-store-uri DIR`); off when
+    /// unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlflow: Option<String>,
 }
 
 impl Default for MonitorConfig {
@@ -773,6 +779,8 @@ impl Default for MonitorConfig {
             interval_secs: 1.0,
             advisor_window_secs: 30.0,
             enabled: true,
+            tensorboard: true,
+            mlflow: None,
         }
     }
 }
