@@ -1,5 +1,8 @@
 //! One line chart, described once and drawn the same way to PNG and SVG.
 //!
+//! One file on purpose (just over 1,000 lines): the layout, the axes, the thinning and the two
+//! back ends share the chart's one description; split, each part would reach into the others.
+//!
 //! Layout, top to bottom: a bold title, a legend that wraps over as many rows as it needs
 //! (it never covers data), then the plot with its axes. Points that are NaN or infinite (or
 //! not positive on a log axis) are left out and counted; long series are thinned to a few

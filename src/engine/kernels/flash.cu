@@ -4,6 +4,9 @@
 // for compute_80, JIT-ed on Hopper); the fp16 build for compute_75 (T4) replaces the last two
 // (see fa_cp_async16 and fa_mma).
 //
+// One file on purpose (about 1,250 lines): one kernel family — the forward and backward at both
+// head dims share the tile loaders, the mma wrappers and the launch contract below.
+//
 // ============================== LAUNCH CONTRACT ==============================================
 // Head dim D = 64 (the kernels without a suffix) or 128 (the `_d128` kernels, same arguments;
 // their dynamic shared memory is given below). scale (1/sqrt(D)) is passed in. T may be any value >= 1.
