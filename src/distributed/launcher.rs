@@ -428,6 +428,19 @@ mod tests {
         move |k| m.get(k).cloned()
     }
 
+    /// The launcher found and where this rank sits: (rank, world, local rank) and the master.
+    fn assert_place(
+        l: &Launch,
+        launcher: Launcher,
+        place: (usize, usize, usize),
+        master: (&str, u16),
+    ) {
+        assert_eq!(l.launcher, launcher);
+        let t = &l.topology;
+        assert_eq!((t.rank, t.world, t.local_rank), place);
+        assert_eq!((t.master_addr.as_str(), t.master_port), master);
+    }
+
     fn launch(pairs: &[(&str, &str)]) -> Launch {
         detect(env(pairs), "127.0.0.1", 29500).unwrap().unwrap()
     }
@@ -459,15 +472,7 @@ mod tests {
             ("SLURM_NTASKS", "2"),
             ("SLURM_STEP_ID", "0"),
         ]);
-        assert_eq!(l.launcher, Launcher::Torchrun);
-        assert_eq!(
-            (l.topology.rank, l.topology.world, l.topology.local_rank),
-            (1, 2, 1)
-        );
-        assert_eq!(
-            (l.topology.master_addr.as_str(), l.topology.master_port),
-            ("localhost", 43383)
-        );
+        assert_place(&l, Launcher::Torchrun, (1, 2, 1), ("localhost", 43383));
         assert!(l.agent_store);
         assert_eq!(l.run_id.as_deref(), Some("abc"));
         assert_eq!(l.restart, None);
@@ -538,13 +543,12 @@ mod tests {
             ("SLURM_JOB_NODELIST", "gpu[07-10]"),
             ("SLURM_JOB_ID", "123456"),
         ]);
-        assert_eq!(l.launcher, Launcher::Slurm);
-        assert_eq!(
-            (l.topology.rank, l.topology.world, l.topology.local_rank),
-            (3, 8, 1)
+        assert_place(
+            &l,
+            Launcher::Slurm,
+            (3, 8, 1),
+            ("gpu07", slurm_port(123456)),
         );
-        assert_eq!(l.topology.master_addr, "gpu07");
-        assert_eq!(l.topology.master_port, slurm_port(123456));
         let d = l.describe();
         assert!(
             d.contains("SLURM_PROCID=3") && d.contains("first host of SLURM_JOB_NODELIST"),
@@ -601,15 +605,7 @@ mod tests {
             ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
             ("MASTER_ADDR", "node0"),
         ]);
-        assert_eq!(l.launcher, Launcher::OpenMpi);
-        assert_eq!(
-            (l.topology.rank, l.topology.world, l.topology.local_rank),
-            (1, 4, 1)
-        );
-        assert_eq!(
-            (l.topology.master_addr.as_str(), l.topology.master_port),
-            ("node0", 29500)
-        );
+        assert_place(&l, Launcher::OpenMpi, (1, 4, 1), ("node0", 29500));
         let l = launch(&[
             ("PMI_RANK", "2"),
             ("PMI_SIZE", "3"),
