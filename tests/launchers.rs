@@ -45,38 +45,40 @@ fn skipped(why: &str) {
     let _ = writeln!(std::io::stderr(), "SKIPPED {why}");
 }
 
-/// A python3 that imports torch, or None after saying why the test skips.
-fn python_with_torch(test: &str) -> Option<String> {
-    let py = std::env::var("COCKPIT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import torch.distributed"])
+/// `program` when `program args` runs and succeeds, or None after saying why the test skips.
+fn runs_or_skip(test: &str, program: String, args: &[&str], missing: &str) -> Option<String> {
+    let ok = Command::new(&program)
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        skipped(&format!(
-            "{test}: {py} cannot import torch (set COCKPIT_TEST_PYTHON to a python with torch)"
-        ));
+        skipped(&format!("{test}: {program} {missing}"));
     }
-    ok.then_some(py)
+    ok.then_some(program)
+}
+
+/// A python3 that imports torch, or None after saying why the test skips.
+fn python_with_torch(test: &str) -> Option<String> {
+    let py = std::env::var("COCKPIT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    runs_or_skip(
+        test,
+        py,
+        &["-c", "import torch.distributed"],
+        "cannot import torch (set COCKPIT_TEST_PYTHON to a python with torch)",
+    )
 }
 
 /// torchrun, or None after saying why the test skips.
 fn torchrun(test: &str) -> Option<String> {
     let t = std::env::var("COCKPIT_TEST_TORCHRUN").unwrap_or_else(|_| "torchrun".into());
-    let ok = Command::new(&t)
-        .arg("--help")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ok {
-        skipped(&format!(
-            "{test}: no {t} (install torch, or set COCKPIT_TEST_TORCHRUN)"
-        ));
-    }
-    ok.then_some(t)
+    runs_or_skip(
+        test,
+        t,
+        &["--help"],
+        "is missing (install torch, or set COCKPIT_TEST_TORCHRUN)",
+    )
 }
 
 /// torch's own TCPStore server in a python process; its port. `script` runs after the
