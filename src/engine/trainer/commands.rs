@@ -43,14 +43,14 @@ impl Trainer {
         start: Instant,
         out: &mut Recorder,
     ) -> Result<Option<(FinishReason, String)>, EngineError> {
-        if self.dist.is_some() {
+        if self.multi_process() {
             if let Some((save, interrupted)) =
                 self.shared_commands(commands, prev_batch, start, out)?
             {
                 return self.stop(save, interrupted, start, out).map(Some);
             }
         }
-        while self.dist.is_none() {
+        while !self.multi_process() {
             let cmd = if *paused {
                 match commands.recv_timeout(Duration::from_millis(100)) {
                     Ok(c) => c,
@@ -107,7 +107,7 @@ impl Trainer {
         let mine = if self.rank == 0 { mine } else { Vec::new() };
         let bytes = serde_json::to_vec(&mine).map_err(|e| EngineError::Config(e.to_string()))?;
         self.set_waiting(true);
-        let Some(d) = self.dist.as_mut() else {
+        let Some(d) = self.parallel.group() else {
             return Ok(None);
         };
         let got = d.broadcast_bytes(bytes);

@@ -15,7 +15,7 @@ impl Trainer {
             .as_mut()
             .filter(|_| b.batch == self.micro_batch)
         {
-            let current = self.weights_copied || self.masters_partial;
+            let current = self.weights_copied || self.parallel.masters_partial();
             let losses = whole.eval_losses(&b.inputs, &b.targets, b.batch, current)?;
             // The bf16 copies are current now, until the next optimizer step.
             self.weights_copied = true;

@@ -32,7 +32,7 @@ impl Trainer {
                     let mut step = crate::engine::kernels::ModelStep::new(&w)?;
                     step.set_profiling(self.profile_kernels);
                     #[cfg(feature = "cuda")]
-                    if let Some(d) = self.dist.as_mut() {
+                    if let Some(d) = self.parallel.group() {
                         // (A collective: every rank builds its step at the same point.)
                         if d.world() > 1 && self.cfg.distributed.overlap {
                             let sum = d

@@ -12,8 +12,8 @@
 //! - `eval`: held-out evaluation and the sample text;
 //! - `executor`: which executor runs a step; `per_op` (candle autograd) and `whole_step` (the
 //!   whole-model CUDA step) are the two;
-//! - `data_parallel`: weights from rank 0, the gradients' and loss's mean over the ranks;
-//!   `sharded_optimizer`: ZeRO-1;
+//! - `parallel`: data parallelism as one strategy (single process, DDP, ZeRO-1);
+//!   `data_parallel`: what the trainer lends it at each point of a step;
 //! - `commands`: commands applied at step boundaries;
 //! - `scu_control`: the SCU controller's reading and its files;
 //! - `recorder`: metrics.jsonl and the run dir's JSON files;
@@ -28,6 +28,7 @@ mod executor;
 mod handle;
 mod non_finite;
 mod out_of_memory;
+mod parallel;
 mod per_op;
 mod recorder;
 mod resume;
@@ -35,7 +36,6 @@ mod run_info;
 mod run_loop;
 mod scu_control;
 mod setup;
-mod sharded_optimizer;
 mod whole_step;
 
 pub use handle::{Engine, EngineOptions, EngineThread, RunSummary};
@@ -51,8 +51,7 @@ use super::precision::LossScaler;
 use super::scu::ScuController;
 use super::EngineError;
 use crate::config::Config;
-use crate::distributed::Collective;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use std::path::{Path, PathBuf};
 
 const LN2: f64 = std::f64::consts::LN_2;
@@ -65,8 +64,8 @@ struct Trainer {
     run_dir: PathBuf,
     /// Where this rank's own files go (metrics.jsonl, SCU files): the run dir on rank 0.
     out_dir: PathBuf,
-    /// The process group, in a data-parallel run.
-    dist: Option<Box<dyn Collective>>,
+    /// How the ranks share a step: one process, DDP or ZeRO-1 (with the process group).
+    parallel: Box<dyn parallel::DataParallel>,
     /// Which launcher started the job and what was taken from it (for the run header).
     launcher: Option<String>,
     rank: usize,
@@ -119,17 +118,6 @@ struct Trainer {
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.
     weights_copied: bool,
-    /// ZeRO-1 (`distributed.shard_optimizer` with several ranks): this rank's share of the
-    /// optimizer state, built at the first optimizer step (the flat layout is known then).
-    shard: Option<super::zero::Shard>,
-    /// ZeRO-1 with the whole-model step: the last update wrote only this rank's range of the
-    /// fp32 master weights (and every rank's bf16 copies came by all-gather), so the masters
-    /// outside that range are stale until [`Trainer::full_masters`] gathers them — which every
-    /// reader of the fp32 weights (checkpoints, evaluation, samples, the end) calls first.
-    masters_partial: bool,
-    /// `distributed.reduce_dtype = "bf16"`: the bf16 buffer the ranks sum the flat gradient
-    /// buffer in (allocated at the first sum).
-    wire: Option<Tensor>,
     /// Rank 0's verdict, before this step, that a timed checkpoint is due (shared with the
     /// ranks through the step's host all-reduce, so all of them take it at the same step).
     time_due: bool,

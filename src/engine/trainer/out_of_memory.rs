@@ -23,7 +23,7 @@ impl Trainer {
         step_cursor: Cursor,
         out: &mut Recorder,
     ) -> Result<(), candle_core::Error> {
-        if !is_oom(&e) || self.dist.is_some() {
+        if !is_oom(&e) || self.multi_process() {
             return Err(e);
         }
         if prev_batch.is_some() {

@@ -37,8 +37,6 @@ impl Trainer {
     /// changes, honour a changed micro-batch); otherwise a fault-recovery restore.
     pub(super) fn restore(&mut self, spec: &Path, resume: bool) -> Result<(), EngineError> {
         self.weights_copied = false;
-        // (Every weight comes from the checkpoint.)
-        self.masters_partial = false;
         let dir = checkpoint::resolve(spec)?;
         let l = checkpoint::load(&dir, &self.device)?;
         let mismatch = |message: String| {
@@ -95,10 +93,9 @@ impl Trainer {
                 }
             }
         }
-        // ZeRO-1: this rank keeps its range of the moments just loaded.
-        if let Some(shard) = self.shard.as_mut() {
-            shard.absorb(&mut self.opt)?;
-        }
+        // ZeRO-1: this rank keeps its range of the moments just loaded (and every weight
+        // is whole again).
+        self.parallel.absorb(&mut self.opt)?;
         let s = l.state;
         self.opt.t = s.optim_t;
         self.step = s.step;

@@ -13,13 +13,13 @@ impl Trainer {
         let c = &self.cfg;
         // Data parallelism: tokens/s are the job's, so MFU is against every rank's peak.
         let peak_flops = device::peak_flops(&dev, self.dtype).map(|p| p * self.world as f64);
-        let dev = match &self.dist {
-            Some(d) => {
+        let dev = match self.parallel.backend() {
+            Some(backend) => {
                 format!(
                     "{dev} · rank {} of {} ({}), global batch {} sequences{}{}",
                     self.rank,
                     self.world,
-                    d.backend(),
+                    backend,
                     self.world * self.micro_batch * self.accum,
                     if self.sharding() {
                         format!(

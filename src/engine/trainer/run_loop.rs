@@ -2,12 +2,11 @@
 //! reduction, the optimizer step (skipping non-finite steps, recovering from out of memory),
 //! SCU control, evaluation and checkpoints.
 
-use super::data_parallel::Reduced;
 use super::handle::RunSummary;
 use super::recorder::Recorder;
 use super::{io_err, Trainer};
 use crate::engine::events::{Command, Event, EventTx, FinishReason, StepStats};
-use crate::engine::optim::{global_norm, lr_at};
+use crate::engine::optim::lr_at;
 use crate::engine::{device, EngineError};
 use std::sync::mpsc::Receiver;
 use std::time::Instant;
@@ -36,7 +35,7 @@ impl Trainer {
         if let Some(p) = &self.progress {
             p.step.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
         }
-        if let Some(d) = &mut self.dist {
+        if let Some(d) = self.parallel.group() {
             match &result {
                 Ok(_) => d.finish(),
                 // Another rank's failure: it has told everyone already.
@@ -143,21 +142,15 @@ impl Trainer {
             prev_batch = None;
             // Data parallelism: mean gradients and loss over the ranks, and every rank's timings.
             let t_comm = Instant::now();
-            let Reduced {
-                ce,
-                grads,
-                ranks,
-                grad_scale,
-                sharded,
-                reg_sumsq,
-                time_due,
-            } = self.reduce_step(ce, grads, wait, compute)?;
-            let sumsq = reg_sumsq.unwrap_or(sumsq);
+            let mut reduced = self.reduce_step(ce, grads, wait, compute)?;
+            let (ce, time_due) = (reduced.ce, reduced.time_due);
+            let sumsq = reduced.reg_sumsq.unwrap_or(sumsq);
+            let ranks = std::mem::take(&mut reduced.ranks);
             // The whole-model step's gradients still carry fp16's loss scale (the per-op path
             // divides it out itself): the update takes it out with the other factors.
             let grad_scale = match &self.whole_step {
-                Some(_) => grad_scale / self.scaler.scale,
-                None => grad_scale,
+                Some(_) => reduced.grad_scale / self.scaler.scale,
+                None => reduced.grad_scale,
             };
             let comm = if ranks.is_empty() {
                 0.0
@@ -165,10 +158,7 @@ impl Trainer {
                 t_comm.elapsed().as_secs_f64() * 1e3
             };
             let t_opt = Instant::now();
-            let norm = match &sharded {
-                Some((_, sq)) => sq.sqrt() * grad_scale,
-                None => global_norm(&grads)? * grad_scale,
-            };
+            let norm = reduced.grad_norm(grad_scale)?;
             let finite = norm.is_finite() && ce.is_finite();
             let lr =
                 lr_at(&self.cfg.schedule, self.cfg.optim.lr, self.step, max_steps) * self.lr_scale;
@@ -187,13 +177,7 @@ impl Trainer {
                 };
                 let f = grad_scale * clipped;
                 applied = clipped;
-                if let Some((flat, _)) = &sharded {
-                    self.sharded_update(flat, lr, f)?;
-                } else {
-                    self.weights_copied =
-                        self.opt
-                            .step_with_copies(&grads, lr, f, self.whole_step.as_ref())?;
-                }
+                self.apply_update(&reduced, lr, f)?;
             } else if self.skip_non_finite_step(&mut nonfinite_in_a_row, out)? {
                 continue;
             }

@@ -37,16 +37,7 @@ impl Trainer {
     /// optimizer's second moments summed over the ranks (a collective then: every rank runs the
     /// controller at the same steps).
     pub(super) fn penalty_stats(&mut self) -> Result<(f64, f64), EngineError> {
-        let (Some(shard), Some(d)) = (self.shard.as_ref(), self.dist.as_mut()) else {
-            return Ok(self.opt.penalty_stats(&self.reg_slots)?);
-        };
-        // (Both from the ranks' own ranges: the weights outside them may be stale.)
-        let mut sums = [
-            shard.weight_sumsq(&self.opt, &self.reg_slots)?,
-            shard.penalty_weighted(&self.opt, &self.reg_slots)?,
-        ];
-        d.all_reduce_host(&mut sums)?;
-        Ok((sums[0], sums[1]))
+        self.parallel.penalty_stats(&self.opt, &self.reg_slots)
     }
 
     pub(super) fn control(

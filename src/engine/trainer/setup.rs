@@ -243,7 +243,11 @@ impl Trainer {
         };
         let mut t = Trainer {
             out_dir,
-            dist,
+            parallel: super::parallel::strategy(
+                dist,
+                cfg.distributed.shard_optimizer,
+                cfg.distributed.bf16_sums(),
+            ),
             launcher,
             rank,
             world,
@@ -284,9 +288,6 @@ impl Trainer {
             per_op_reason: None,
             sample,
             weights_copied: false,
-            shard: None,
-            masters_partial: false,
-            wire: None,
             time_due: false,
         };
         if let Some(spec) = opts.resume {

@@ -24,7 +24,7 @@ impl Trainer {
             return Err(candle_core::Error::Msg("no whole-model step".into()));
         };
         // (With partial masters the bf16 copies are the only whole weights: never cast over.)
-        whole.begin(std::mem::take(&mut self.weights_copied) || self.masters_partial)?;
+        whole.begin(std::mem::take(&mut self.weights_copied) || self.parallel.masters_partial())?;
         let tokens = (self.micro_batch * self.model.spec.seq_len * self.accum) as f32;
         // fp16: the backward carries the loss scale from the loss gradient on (so small
         // gradients stay above fp16's underflow); the update divides it out.
