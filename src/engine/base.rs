@@ -80,7 +80,7 @@ pub fn meta(spec: &Path) -> Result<BaseMeta, CheckpointError> {
 }
 
 /// [`meta`] of a located source.
-fn meta_at(at: &Location) -> Result<BaseMeta, CheckpointError> {
+pub(crate) fn meta_at(at: &Location) -> Result<BaseMeta, CheckpointError> {
     let (dir, run_dir) = match at {
         Location::HuggingFace(dir) => {
             let (model, info) = hf::read_config(dir)?;
@@ -101,6 +101,8 @@ fn meta_at(at: &Location) -> Result<BaseMeta, CheckpointError> {
     };
     let tokenizer = match (cfg.data.source.as_str(), &kept) {
         (_, Some((_, d))) if d.join("tokenizer.json").is_file() => hf_tokenizer(d),
+        // (Files read with the "auto" tokenizer and no Hugging Face side: bytes.)
+        ("files", _) if cfg.data.tokenizer == "auto" => Some("byte".into()),
         ("files", _) => Some(cfg.data.tokenizer.clone()),
         _ => None,
     };

@@ -34,43 +34,35 @@ fn usage(message: String) -> EngineError {
 
 /// Open a run dir, checkpoint or Hugging Face directory as a model on `device` in `dtype`.
 /// `seq_len` sizes the model's training tables (generation decodes past it with RoPE).
+/// What the source is (its Hugging Face side, its tokenizer) is read once, by
+/// [`base::meta_at`], as a training run's base is.
 pub fn open(
     spec: &Path,
     dtype: DType,
     device: &Device,
     seq_len: usize,
 ) -> Result<Source, EngineError> {
-    let (step_dir, run_dir) = match locate(spec)? {
-        Location::Checkpoint { step_dir, run_dir } => (step_dir, run_dir),
+    let at = locate(spec)?;
+    let meta = base::meta_at(&at)?;
+    let step_dir = match at {
+        Location::Checkpoint { step_dir, .. } => step_dir,
         Location::HuggingFace(dir) => return open_hf(&dir, dtype, device, seq_len),
     };
     let (model, cfg) = super::lora::model_from_checkpoint_as(&step_dir, dtype, device)?;
-    let kept = match &run_dir {
-        Some(r) => base::kept_hf(r)?,
-        None => None,
-    };
     let mut config = cfg.model.clone();
-    if let Some((_, d)) = &kept {
+    if let Some(d) = &meta.hf_dir {
         // The base's context length, not the run's training length.
         let (m, _) = hf::read_config(d)?;
         config.seq_len = config.seq_len.max(m.seq_len);
     }
-    let tokenizer = match (&kept, cfg.data.source.as_str()) {
-        (Some((_, d)), _) if d.join("tokenizer.json").is_file() => {
-            Some(d.join("tokenizer.json").display().to_string())
-        }
-        (_, "files") if cfg.data.tokenizer == "auto" => Some("byte".into()),
-        (_, "files") => Some(cfg.data.tokenizer.clone()),
-        _ => None,
-    };
     let max_positions = config.seq_len.max(config.n_positions);
     Ok(Source {
         model,
         config,
-        hf: kept.as_ref().map(|(i, _)| i.clone()),
-        hf_dir: kept.map(|(_, d)| d),
+        hf: meta.hf,
+        hf_dir: meta.hf_dir,
         run: Some(cfg),
-        tokenizer,
+        tokenizer: meta.tokenizer,
         max_positions,
     })
 }
