@@ -21,12 +21,7 @@ fn col_sum_t<T: Elem>(x: &Tensor) -> Result<Tensor> {
     let xv = view::<T>(cuda_of(&xs)?, xl)?;
     let out = dev.alloc_zeros::<f32>(c)?;
     let f = load_kernel!(&dev, &kernel_name::<T>("col_sum"))?;
-    let mut b = f.builder();
     let (n_i, c_i) = (i32_of(n, "rows")?, i32_of(c, "cols")?);
-    b.arg(&xv);
-    b.arg(&out);
-    b.arg(&n_i);
-    b.arg(&c_i);
     let col_blocks = c.div_ceil(32);
     let row_blocks = (n.div_ceil(64))
         .clamp(1, (1024 / col_blocks).max(4))
@@ -37,7 +32,7 @@ fn col_sum_t<T: Elem>(x: &Tensor) -> Result<Tensor> {
         shared_mem_bytes: 0,
     };
     // SAFETY: argument list matches the kernel; out is a zeroed accumulator of length c.
-    unsafe { b.launch(cfg) }.w()?;
+    unsafe { launch!(f, cfg, [&xv, &out, &n_i, &c_i]) }.w()?;
     drop(xs);
     Ok(wrap(out, &dev, c))
 }
@@ -70,15 +65,9 @@ fn bias_map_t<T: Elem>(
     // SAFETY: every element is written by the kernel.
     let y = unsafe { dev.alloc::<T>(n * c)? };
     let f = load_kernel!(&dev, &kernel_name::<T>(kernel))?;
-    let mut bld = f.builder();
     let (total, c_i) = (n * c, i32_of(c, "cols")?);
-    bld.arg(&xv);
-    bld.arg(&bv);
-    bld.arg(&y);
-    bld.arg(&total);
-    bld.arg(&c_i);
     // SAFETY: argument list matches the kernel (x, b, y, total, cols).
-    unsafe { bld.launch(flat_cfg(total)) }.w()?;
+    unsafe { launch!(f, flat_cfg(total), [&xv, &bv, &y, &total, &c_i]) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(y, dev.clone()),
         x.1.shape().clone(),
@@ -89,15 +78,7 @@ impl CustomOp2 for BiasAdd {
     fn name(&self) -> &'static str {
         "cockpit-bias-add"
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
+    cpu_only_fwd!(2);
     fn cuda_fwd(
         &self,
         x: &CudaStorage,
@@ -142,16 +123,9 @@ fn bias_gelu_bwd_t<T: Elem>(x: &Tensor, b: &Tensor, dy: &Tensor) -> Result<Tenso
     // SAFETY: every element is written by the kernel.
     let dx = unsafe { dev.alloc::<T>(total)? };
     let f = load_kernel!(&dev, &kernel_name::<T>("bias_gelu_bwd"))?;
-    let mut bld = f.builder();
     let c_i = i32_of(c, "cols")?;
-    bld.arg(&xv);
-    bld.arg(&bv);
-    bld.arg(&dv);
-    bld.arg(&dx);
-    bld.arg(&total);
-    bld.arg(&c_i);
     // SAFETY: argument list matches the kernel.
-    unsafe { bld.launch(flat_cfg(total)) }.w()?;
+    unsafe { launch!(f, flat_cfg(total), [&xv, &bv, &dv, &dx, &total, &c_i]) }.w()?;
     drop((xs, bs, ds));
     Ok(wrap(dx, &dev, x.dims()))
 }
@@ -160,15 +134,7 @@ impl CustomOp2 for BiasGelu {
     fn name(&self) -> &'static str {
         "cockpit-bias-gelu"
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
+    cpu_only_fwd!(2);
     fn cuda_fwd(
         &self,
         x: &CudaStorage,

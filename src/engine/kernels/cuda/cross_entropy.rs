@@ -29,20 +29,14 @@ fn ce_fwd_t<T: Elem>(
     // SAFETY: every row is written by the kernel.
     let loss = unsafe { dev.alloc::<f32>(n)? };
     let f = load_kernel!(&dev, &kernel_name::<T>("ce_fwd"))?;
-    let mut b = f.builder();
     let (n_i, v_i) = (i32_of(n, "rows")?, i32_of(v, "vocab")?);
-    b.arg(&xv);
-    b.arg(&tv);
-    b.arg(&loss);
-    b.arg(&n_i);
-    b.arg(&v_i);
     let cfg = LaunchConfig {
         grid_dim: (n as u32, 1, 1),
         block_dim: (512, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: argument list matches the kernel.
-    unsafe { b.launch(cfg) }.w()?;
+    unsafe { launch!(f, cfg, [&xv, &tv, &loss, &n_i, &v_i]) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(loss, dev.clone()),
         Shape::from(n),
@@ -68,22 +62,14 @@ pub(super) fn ce_bwd_t<T: Elem>(
     // SAFETY: every element is written by the kernel.
     let dx = unsafe { dev.alloc::<T>(n * v)? };
     let f = load_kernel!(&dev, &kernel_name::<T>("ce_bwd"))?;
-    let mut b = f.builder();
     let (n_i, v_i) = (i32_of(n, "rows")?, i32_of(v, "vocab")?);
-    b.arg(&xv);
-    b.arg(&tv);
-    b.arg(&lv);
-    b.arg(&gv);
-    b.arg(&dx);
-    b.arg(&n_i);
-    b.arg(&v_i);
     let cfg = LaunchConfig {
         grid_dim: (n as u32, 1, 1),
         block_dim: (512, 1, 1),
         shared_mem_bytes: 0,
     };
     // SAFETY: argument list matches the kernel.
-    unsafe { b.launch(cfg) }.w()?;
+    unsafe { launch!(f, cfg, [&xv, &tv, &lv, &gv, &dx, &n_i, &v_i]) }.w()?;
     drop((xs, ts, ls, gs));
     Ok(wrap(dx, &dev, (n, v)))
 }
@@ -92,15 +78,7 @@ impl CustomOp2 for CrossEntropy {
     fn name(&self) -> &'static str {
         "cockpit-cross-entropy"
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name())
-    }
+    cpu_only_fwd!(2);
     fn cuda_fwd(
         &self,
         x: &CudaStorage,

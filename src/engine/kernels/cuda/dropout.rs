@@ -31,18 +31,16 @@ pub fn dropout_mask(
     // SAFETY: every element is written by the kernel.
     let out = unsafe { dev.alloc::<f32>(n.max(1))? };
     let f = load_kernel!(&dev, "dropout_mask_f32")?;
-    let mut b = f.builder();
     let (r_i, c_i) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
     let attn = i32::from(layout == dropout::Layout::Attention);
-    b.arg(&out);
-    b.arg(&r_i);
-    b.arg(&c_i);
-    b.arg(&seed);
-    b.arg(&site);
-    b.arg(&thr);
-    b.arg(&scale);
-    b.arg(&attn);
     // SAFETY: the arguments match dropout_mask_f32; `out` holds rows·cols f32.
-    unsafe { b.launch(flat_cfg(n)) }.w()?;
+    unsafe {
+        launch!(
+            f,
+            flat_cfg(n),
+            [&out, &r_i, &c_i, &seed, &site, &thr, &scale, &attn]
+        )
+    }
+    .w()?;
     Ok(wrap(out, dev, (rows, cols)))
 }

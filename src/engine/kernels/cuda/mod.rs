@@ -159,6 +159,54 @@ macro_rules! by_dtype {
 
 // The kernel families, each with its custom ops and launches (declared after the macros
 // above, which they use).
+/// Launch kernel `f` on `cfg` with `args` pushed in order (then each element of `rest`, where
+/// given): `unsafe { launch!(f, cfg, [&a, &b], &scalars) }.w()?`. The caller's `unsafe`
+/// (with its SAFETY note) vouches that the arguments match the kernel's parameter list.
+macro_rules! launch {
+    ($f:expr, $cfg:expr, [$($arg:expr),* $(,)?] $(, $rest:expr)?) => {{
+        let mut b = $f.builder();
+        $(b.arg($arg);)*
+        $(for x in $rest {
+            b.arg(x);
+        })?
+        b.launch($cfg)
+    }};
+}
+
+/// A custom op's `cpu_fwd` for a fused kernel that has no CPU side (the model uses the plain
+/// path there): an error naming the op. The argument is the op's arity (1, 2 or 3 inputs).
+macro_rules! cpu_only_fwd {
+    (1) => {
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+            cpu_only(candle_core::CustomOp1::name(self))
+        }
+    };
+    (2) => {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            cpu_only(candle_core::CustomOp2::name(self))
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> Result<(CpuStorage, Shape)> {
+            cpu_only(candle_core::CustomOp3::name(self))
+        }
+    };
+}
+
 mod bias;
 mod cross_entropy;
 mod dropout;

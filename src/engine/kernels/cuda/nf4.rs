@@ -55,30 +55,29 @@ pub fn nf4_quantize(
     };
     let (blocks_i, n8) = (blocks as i64, (n / 8) as i64);
     let f = load_kernel!(&dev, "nf4_absmax_bf16")?;
-    let mut b = f.builder();
-    b.arg(&src);
-    b.arg(&amax);
-    b.arg(&blocks_i);
     // SAFETY: argument list matches the kernel; one warp per 64-element block.
-    unsafe { b.launch(per_item_cfg(blocks, 32)) }.w()?;
+    unsafe { launch!(f, per_item_cfg(blocks, 32), [&src, &amax, &blocks_i]) }.w()?;
     let f = load_kernel!(&dev, "nf4_group_f32")?;
-    let mut b = f.builder();
-    b.arg(&amax);
-    b.arg(&absq);
-    b.arg(&gscale);
-    b.arg(&blocks_i);
     // SAFETY: as above; one warp per group of 256 blocks.
-    unsafe { b.launch(per_item_cfg(groups, 32)) }.w()?;
+    unsafe {
+        launch!(
+            f,
+            per_item_cfg(groups, 32),
+            [&amax, &absq, &gscale, &blocks_i]
+        )
+    }
+    .w()?;
     let f = load_kernel!(&dev, "nf4_codes_bf16")?;
-    let mut b = f.builder();
-    b.arg(&src);
-    b.arg(&absq);
-    b.arg(&gscale);
-    b.arg(&codes);
-    b.arg(&n8);
     // SAFETY: as above; one thread per 8 elements, writing 4 code bytes as one 32-bit word
     // (the allocation is aligned; little-endian: byte i of the word is byte 4·t + i).
-    unsafe { b.launch(per_item_cfg(n / 8, 1)) }.w()?;
+    unsafe {
+        launch!(
+            f,
+            per_item_cfg(n / 8, 1),
+            [&src, &absq, &gscale, &codes, &n8]
+        )
+    }
+    .w()?;
     Ok((
         wrap(codes, &dev, n / 2),
         wrap(absq, &dev, blocks),
@@ -107,15 +106,16 @@ pub fn nf4_dequantize(
     let out = unsafe { dev.alloc::<bf16>(n)? };
     let n8 = (n / 8) as i64;
     let f = load_kernel!(&dev, "nf4_dequant_bf16")?;
-    let mut b = f.builder();
-    b.arg(&codes);
-    b.arg(&absq);
-    b.arg(&gscale);
-    b.arg(&out);
-    b.arg(&n8);
     // SAFETY: argument list matches the kernel; the codes are read as 32-bit words, so they
     // must start 4-byte aligned (a whole tensor of their own, as `nf4_quantize` makes them, is);
     // one thread per 8 elements.
-    unsafe { b.launch(per_item_cfg(n / 8, 1)) }.w()?;
+    unsafe {
+        launch!(
+            f,
+            per_item_cfg(n / 8, 1),
+            [&codes, &absq, &gscale, &out, &n8]
+        )
+    }
+    .w()?;
     Ok(wrap(out, &dev, (rows, cols)))
 }

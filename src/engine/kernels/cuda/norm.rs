@@ -85,18 +85,7 @@ fn norm_bwd_t<T: Elem>(
     let dw = dev.alloc_zeros::<f32>(d)?;
     let db = dev.alloc_zeros::<f32>(d)?;
     let f = load_kernel!(&dev, &kernel_name::<T>("norm_bwd"))?;
-    let mut b = f.builder();
     let (n_i, d_i, rms_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?, rms as i32);
-    b.arg(&xv);
-    b.arg(&wv);
-    b.arg(&dv);
-    b.arg(&dx);
-    b.arg(&dw);
-    b.arg(&db);
-    b.arg(&n_i);
-    b.arg(&d_i);
-    b.arg(&eps);
-    b.arg(&rms_i);
     let shared = (2 * d * std::mem::size_of::<f32>()) as u32;
     if shared > 48 * 1024 {
         return Err(err(
@@ -109,7 +98,14 @@ fn norm_bwd_t<T: Elem>(
         shared_mem_bytes: shared,
     };
     // SAFETY: argument list matches the kernel; dw/db are zeroed accumulators of length d.
-    unsafe { b.launch(cfg) }.w()?;
+    unsafe {
+        launch!(
+            f,
+            cfg,
+            [&xv, &wv, &dv, &dx, &dw, &db, &n_i, &d_i, &eps, &rms_i]
+        )
+    }
+    .w()?;
     drop((xs, ws, ds));
     Ok((
         wrap(dx, &dev, x.dims()),
@@ -122,17 +118,7 @@ impl CustomOp3 for Norm {
     fn name(&self) -> &'static str {
         "cockpit-layer-norm"
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(CustomOp3::name(self))
-    }
+    cpu_only_fwd!(3);
     fn cuda_fwd(
         &self,
         x: &CudaStorage,
@@ -169,15 +155,7 @@ impl CustomOp2 for Norm {
     fn name(&self) -> &'static str {
         "cockpit-rms-norm"
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(CustomOp2::name(self))
-    }
+    cpu_only_fwd!(2);
     fn cuda_fwd(
         &self,
         x: &CudaStorage,

@@ -168,15 +168,10 @@ pub fn sumsq(grads: &[Tensor]) -> Result<f64> {
         }
         with_table(&dev, Slot::Sumsq, &host, |table| {
             let f = load_kernel!(&dev, "sumsq_chunks_f32")?;
-            let mut b = f.builder();
             let nt = i32_of(refs.len(), "tensors")?;
-            b.arg(table);
-            b.arg(&nt);
-            b.arg(&chunks);
-            b.arg(&acc);
             // SAFETY: the table holds (pointer, length, first chunk) of live, locked f32
             // buffers, matching the kernel's SqTensor layout, in chunk order; acc is one f32.
-            unsafe { b.launch(chunk_grid(chunks)) }.w()?;
+            unsafe { launch!(f, chunk_grid(chunks), [table, &nt, &chunks, &acc]) }.w()?;
             Ok(())
         })
     });
@@ -213,11 +208,9 @@ pub fn copy_multi(pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
         }
         with_table(&dev, Slot::Copy, &host, |table| {
             let f = load_kernel!(&dev, "copy_multi_f32")?;
-            let mut b = f.builder();
-            b.arg(table);
             // SAFETY: the table holds (source, destination, length) of live, locked f32
             // buffers, matching the kernel's MultiItem<float> layout; one grid row per pair.
-            unsafe { b.launch(multi_grid(max_n, pairs.len())?) }.w()?;
+            unsafe { launch!(f, multi_grid(max_n, pairs.len())?, [table]) }.w()?;
             Ok(())
         })
     })
@@ -274,7 +267,6 @@ pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
         }
         with_table(&dev, Slot::Adamw, &table, |table| {
             let f = load_kernel!(&dev, "adamw_chunks_f32")?;
-            let mut b = f.builder();
             let nt = i32_of(items.len(), "tensors")?;
             let s = [
                 a.lr as f32,
@@ -286,17 +278,11 @@ pub fn adamw_multi(items: &[AdamItem], a: &AdamWArgs) -> Result<()> {
                 a.grad_scale as f32,
                 a.decay as f32,
             ];
-            b.arg(table);
-            b.arg(&nt);
-            b.arg(&chunks);
-            for x in &s {
-                b.arg(x);
-            }
             // SAFETY: the table matches the kernel's AdamTensor layout (4 f32 pointers, the
             // bf16 copy or null, length, first chunk, flags) in chunk order, and points at
             // live, locked f32 buffers; a bf16 copy lies inside its step's weight buffer,
             // borrowed for 'a.
-            unsafe { b.launch(chunk_grid(chunks)) }.w()?;
+            unsafe { launch!(f, chunk_grid(chunks), [table, &nt, &chunks], &s) }.w()?;
             Ok(())
         })
     })
@@ -330,7 +316,6 @@ pub fn adamw_update(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, a: &AdamWArg
     let mv = view::<f32>(cuda_of(&ms)?, ml)?;
     let vv = view::<f32>(cuda_of(&vs)?, vl)?;
     let f = load_kernel!(&dev, "adamw_f32")?;
-    let mut b = f.builder();
     let s = [
         a.lr as f32,
         a.beta1 as f32,
@@ -341,17 +326,9 @@ pub fn adamw_update(w: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, a: &AdamWArg
         a.bc2 as f32,
         a.grad_scale as f32,
     ];
-    b.arg(&wv);
-    b.arg(&gv);
-    b.arg(&mv);
-    b.arg(&vv);
-    b.arg(&n);
-    for x in &s {
-        b.arg(x);
-    }
     // SAFETY: argument list matches the kernel; the four buffers hold n f32 each and the
     // kernel updates w, m, v element-wise in place (the caller guarantees distinct storages).
-    unsafe { b.launch(flat_cfg(n)) }.w()?;
+    unsafe { launch!(f, flat_cfg(n), [&wv, &gv, &mv, &vv, &n], &s) }.w()?;
     Ok(())
 }
 
@@ -372,17 +349,13 @@ impl CustomOp1 for SumSq {
         let acc = dev.alloc_zeros::<f32>(1)?;
         if n > 0 {
             let f = load_kernel!(&dev, "sumsq_f32")?;
-            let mut b = f.builder();
-            b.arg(&v);
-            b.arg(&n);
-            b.arg(&acc);
             let cfg = LaunchConfig {
                 grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument list matches the kernel; acc is one f32.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { launch!(f, cfg, [&v, &n, &acc]) }.w()?;
         }
         Ok((
             CudaStorage::wrap_cuda_slice(acc, dev.clone()),

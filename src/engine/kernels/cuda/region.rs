@@ -81,15 +81,7 @@ impl CustomOp2 for Region {
     fn name(&self) -> &'static str {
         self.name
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name)
-    }
+    cpu_only_fwd!(2);
     fn cuda_fwd(
         &self,
         _: &CudaStorage,
@@ -115,17 +107,7 @@ impl CustomOp3 for Region {
     fn name(&self) -> &'static str {
         self.name
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        cpu_only(self.name)
-    }
+    cpu_only_fwd!(3);
     fn cuda_fwd(
         &self,
         _: &CudaStorage,
@@ -209,22 +191,14 @@ fn split_heads_t<T: Elem>(
     // SAFETY: every element of q, k, v is written by the kernel.
     let (q, k, v) = unsafe { (dev.alloc::<T>(n)?, dev.alloc::<T>(n)?, dev.alloc::<T>(n)?) };
     let f = load_kernel!(&dev, &kernel_name::<T>("qkv_split"))?;
-    let mut bld = f.builder();
     let dims = [
         i32_of(b, "B")?,
         i32_of(t, "T")?,
         i32_of(h, "H")?,
         i32_of(hd, "hd")?,
     ];
-    bld.arg(&src);
-    bld.arg(&q);
-    bld.arg(&k);
-    bld.arg(&v);
-    for d in &dims {
-        bld.arg(d);
-    }
     // SAFETY: argument list matches the kernel; qkv holds 3·n elements.
-    unsafe { bld.launch(flat_cfg(3 * n)) }.w()?;
+    unsafe { launch!(f, flat_cfg(3 * n), [&src, &q, &k, &v], &dims) }.w()?;
     drop(qs);
     let shape = (b, h, t, hd);
     Ok((
@@ -253,7 +227,6 @@ fn merge_heads_t<T: Elem>(
         }
         let (ps, pl) = p.storage_and_layout();
         let src = view::<T>(cuda_of(&ps)?, pl)?;
-        let mut bld = f.builder();
         let args = [
             i32_of(b, "B")?,
             i32_of(t, "T")?,
@@ -262,13 +235,8 @@ fn merge_heads_t<T: Elem>(
             i32_of(ld, "ld")?,
             i32_of(i * c, "offset")?,
         ];
-        bld.arg(&src);
-        bld.arg(&dst);
-        for a in &args {
-            bld.arg(a);
-        }
         // SAFETY: argument list matches the kernel; dst holds B·T·ld elements.
-        unsafe { bld.launch(flat_cfg(b * t * c)) }.w()?;
+        unsafe { launch!(f, flat_cfg(b * t * c), [&src, &dst], &args) }.w()?;
     }
     Ok(wrap(dst, &dev, (b, t, ld)))
 }
@@ -286,20 +254,13 @@ fn embedding_bwd_t<T: Elem>(ids: &Tensor, dy: &Tensor, vocab: usize) -> Result<T
     let dv = view::<T>(cuda_of(&ds)?, dl)?;
     let dw = dev.alloc_zeros::<f32>(vocab * d)?;
     let f = load_kernel!(&dev, &kernel_name::<T>("embedding_bwd"))?;
-    let mut bld = f.builder();
     let args = [
         i32_of(n, "rows")?,
         i32_of(d, "dim")?,
         i32_of(vocab, "vocab")?,
     ];
-    bld.arg(&iv);
-    bld.arg(&dv);
-    bld.arg(&dw);
-    for a in &args {
-        bld.arg(a);
-    }
     // SAFETY: argument list matches the kernel; dw is a zeroed [vocab, d] f32 accumulator.
-    unsafe { bld.launch(flat_cfg(n * d)) }.w()?;
+    unsafe { launch!(f, flat_cfg(n * d), [&iv, &dv, &dw], &args) }.w()?;
     drop((is, ds));
     Ok(wrap(dw, &dev, (vocab, d)))
 }

@@ -29,16 +29,9 @@ fn softmax_fwd_t<T: Elem>(s: &CudaStorage, l: &Layout, scale: f32) -> Result<(Cu
     // SAFETY: every element is written by the kernel.
     let y = unsafe { dev.alloc::<T>(rows * tk)? };
     let f = load_kernel!(&dev, &kernel_name::<T>("causal_softmax_fwd"))?;
-    let mut b = f.builder();
     let (rows_i, tq_i, tk_i) = (i32_of(rows, "rows")?, i32_of(tq, "Tq")?, i32_of(tk, "Tk")?);
-    b.arg(&x);
-    b.arg(&y);
-    b.arg(&rows_i);
-    b.arg(&tq_i);
-    b.arg(&tk_i);
-    b.arg(&scale);
     // SAFETY: argument list matches the kernel signature; buffers hold rows·tk elements.
-    unsafe { b.launch(row_cfg(rows)) }.w()?;
+    unsafe { launch!(f, row_cfg(rows), [&x, &y, &rows_i, &tq_i, &tk_i, &scale]) }.w()?;
     Ok((
         CudaStorage::wrap_cuda_slice(y, dev.clone()),
         l.shape().clone(),
@@ -57,17 +50,16 @@ pub(super) fn softmax_bwd_t<T: Elem>(y: &Tensor, dy: &Tensor, scale: f32) -> Res
     // SAFETY: every element is written by the kernel.
     let dx = unsafe { dev.alloc::<T>(rows * tk)? };
     let f = load_kernel!(&dev, &kernel_name::<T>("causal_softmax_bwd"))?;
-    let mut b = f.builder();
     let (rows_i, tq_i, tk_i) = (i32_of(rows, "rows")?, i32_of(tq, "Tq")?, i32_of(tk, "Tk")?);
-    b.arg(&yv);
-    b.arg(&dv);
-    b.arg(&dx);
-    b.arg(&rows_i);
-    b.arg(&tq_i);
-    b.arg(&tk_i);
-    b.arg(&scale);
     // SAFETY: as in the forward.
-    unsafe { b.launch(row_cfg(rows)) }.w()?;
+    unsafe {
+        launch!(
+            f,
+            row_cfg(rows),
+            [&yv, &dv, &dx, &rows_i, &tq_i, &tk_i, &scale]
+        )
+    }
+    .w()?;
     drop((ys, ds));
     Ok(wrap(dx, &dev, dims))
 }
