@@ -1356,7 +1356,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         let build = |dt: DType| {
             let store = cockpit::engine::model::BaseStore {
                 dtype: if dt == DType::F32 { DType::F32 } else { dt },
-                random_on_device: false,
+                init: cockpit::engine::model::BaseInit::HostSeeded,
             };
             let shape = ModelSpec::from_config(&c, vocab);
             let mut m = Model::new_with(shape, dt, &dev, 5, store).unwrap();
@@ -1591,7 +1591,7 @@ fn recompute_matches_keeping_the_activations() {
         c.kernels.autotune = false;
         let store = cockpit::engine::model::BaseStore {
             dtype: if lora { step_dtype(&dev) } else { DType::F32 },
-            random_on_device: false,
+            init: cockpit::engine::model::BaseInit::HostSeeded,
         };
         let shape = ModelSpec::from_config(&c, vocab);
         let mut m = Model::new_with(shape, step_dtype(&dev), &dev, 9, store).unwrap();

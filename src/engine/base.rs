@@ -333,7 +333,9 @@ pub fn load_into(model: &super::model::Model, base: &Base, key: &str) -> Result<
     model.load_named(&base.tensors, true).map_err(mismatch)
 }
 
-/// A model of `m` (seq_len as given) holding the base's weights, frozen or not as trained.
+/// A model of `m` (seq_len as given) holding the base's weights, frozen or not as trained,
+/// stored in `dtype` (the model is used, not trained: no fp32 masters) and never drawn at
+/// random first.
 pub fn build(
     base: &Base,
     m: &ModelConfig,
@@ -346,7 +348,11 @@ pub fn build(
         ..Config::default()
     };
     let spec = super::model::ModelSpec::from_config(&cfg, m.vocab_size);
-    let model = super::model::Model::new(spec, dtype, device, 0)?;
+    let store = super::model::BaseStore {
+        dtype,
+        init: super::model::BaseInit::Loaded,
+    };
+    let model = super::model::Model::new_with(spec, dtype, device, 0, store)?;
     load_into(&model, base, key)?;
     Ok(model)
 }

@@ -100,7 +100,13 @@ pub fn model_from_checkpoint_as(
         .ok_or_else(|| corrupt(&dir, "no model.embed_tokens.weight"))?;
     let spec = super::model::ModelSpec::from_config(&cfg, vocab);
     let tensor_err = |e: candle_core::Error| CheckpointError::Tensor(e.to_string());
-    let mut model = Model::new(spec.clone(), dtype, device, cfg.run.seed).map_err(tensor_err)?;
+    // (Every weight comes from the checkpoint: none is drawn at random first.)
+    let store = super::model::BaseStore {
+        init: super::model::BaseInit::Loaded,
+        ..Default::default()
+    };
+    let mut model =
+        Model::new_with(spec.clone(), dtype, device, cfg.run.seed, store).map_err(tensor_err)?;
     if cfg.lora.enabled && cfg.lora.base_dtype == crate::config::BaseDtype::Nf4 {
         // The checkpoint holds no 4-bit matrices: the base is quantized again, as the run did.
         let mismatch = |message: String| CheckpointError::Mismatch {

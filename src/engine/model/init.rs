@@ -15,17 +15,29 @@ pub struct BaseStore {
     /// The weights' storage dtype: F32 masters for training, or BF16 for a base that stays
     /// frozen (LoRA on a GPU: half the memory, no fp32 copy).
     pub dtype: DType,
-    /// Draw the random init on the model's device (fast; for a base whose values do not
-    /// matter, e.g. a benchmark's `lora.base = "random"`) instead of the host's seeded
-    /// generator (deterministic on every device).
-    pub random_on_device: bool,
+    /// Where the matrices' initial values come from.
+    pub init: BaseInit,
+}
+
+/// How [`Model::new_with`] fills the matrices it creates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BaseInit {
+    /// The host's seeded generator: the same values on every device (training from scratch).
+    #[default]
+    HostSeeded,
+    /// The device's generator (fast; for a base whose values do not matter, e.g. a
+    /// benchmark's `lora.base = "random"`).
+    DeviceRandom,
+    /// Zeros: every weight is about to be loaded from a file (a base, a checkpoint), so no
+    /// random draw is spent on it (minutes of host time for a billion weights).
+    Loaded,
 }
 
 impl Default for BaseStore {
     fn default() -> Self {
         Self {
             dtype: DType::F32,
-            random_on_device: false,
+            init: BaseInit::HostSeeded,
         }
     }
 }
@@ -38,7 +50,9 @@ impl Init<'_> {
         std: f64,
         kind: ParamKind,
     ) -> Result<Var> {
-        let t = if self.store.random_on_device {
+        let t = if self.store.init == BaseInit::Loaded {
+            Tensor::zeros(shape, self.store.dtype, self.device)?
+        } else if self.store.init == BaseInit::DeviceRandom {
             Tensor::randn(0f32, std as f32, shape, self.device)?
         } else {
             let n = shape.0 * shape.1;

@@ -31,8 +31,8 @@ mod tests;
 
 pub use crate::engine::spec::{LoraSpec, ModelSpec, Reason, StepFacts};
 pub use decode::KvCache;
-pub use init::BaseStore;
 use init::Init;
+pub use init::{BaseInit, BaseStore};
 use linear::{Linear, Lora, Weight};
 use norm::NormLayer;
 pub use rope::rope_inv_freq;

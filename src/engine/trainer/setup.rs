@@ -6,7 +6,7 @@ use super::resume::shape_hash;
 use super::{io_err, Summary, Trainer};
 use crate::config::{Config, ScuParams};
 use crate::engine::data::loader::{Cursor, EvalPlan, Loader, Order, Windows};
-use crate::engine::model::{BaseStore, Model, ModelSpec, ParamKind};
+use crate::engine::model::{BaseInit, BaseStore, Model, ModelSpec, ParamKind};
 use crate::engine::optim::AdamW;
 use crate::engine::precision::{self, LossScaler};
 use crate::engine::scu::ScuController;
@@ -99,9 +99,16 @@ impl Trainer {
             } else {
                 DType::F32
             },
-            random_on_device: cfg.lora.enabled
+            init: if base.is_some() {
+                BaseInit::Loaded
+            } else if cfg.lora.enabled
                 && cfg.lora.base == crate::config::RANDOM_BASE
-                && device.is_cuda(),
+                && device.is_cuda()
+            {
+                BaseInit::DeviceRandom
+            } else {
+                BaseInit::HostSeeded
+            },
         };
         let spec = ModelSpec::from_config(&cfg, vocab);
         check_fits(&cfg, &spec, &device, store.dtype)?;
