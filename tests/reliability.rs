@@ -367,3 +367,122 @@ fn a_fifo_for_a_config_or_latest_is_refused_not_a_hang() {
         "{err}"
     );
 }
+
+/// A files corpus of about 40 KB and a config that trains a tiny model on it.
+fn files_corpus(dir: &Path) -> (PathBuf, PathBuf) {
+    let text = dir.join("text");
+    fs::create_dir_all(&text).unwrap();
+    let body = "the quick brown fox jumps over the lazy dog. ".repeat(900);
+    fs::write(text.join("a.txt"), body).unwrap();
+    let cfg = dir.join("files.toml");
+    fs::write(
+        &cfg,
+        "[data]\nsource = \"files\"\ntrain = \"text\"\nval_fraction = 0.1\n\
+         [model]\nn_embd = 16\nn_layer = 1\nn_head = 2\nseq_len = 32\n[optim]\nmicro_batch = 4\n\
+         [schedule]\nwarmup_steps = 0\n[eval]\nevery = 2\nbatches = 1\n[monitor]\nenabled = false\n",
+    )
+    .unwrap();
+    let shard = fs::read_dir(text.join(".cockpit-cache"))
+        .ok()
+        .and_then(|mut d| d.find(|e| e.as_ref().is_ok_and(|e| e.path().is_dir())))
+        .map(|e| e.unwrap().path().join("train.bin"));
+    (cfg, shard.unwrap_or_default())
+}
+
+/// The cache's train.bin, once `cockpit prepare` has written it.
+fn prepared_shard(dir: &Path, cfg: &Path) -> PathBuf {
+    let o = cockpit().arg("prepare").arg(cfg).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let (_, shard) = files_corpus(dir);
+    assert!(shard.is_file(), "{}", shard.display());
+    shard
+}
+
+/// Class 6: token caches are verified at open. A cache truncated to half, or overwritten
+/// with random bytes of the same size, is rebuilt from the sources (and the rebuild said),
+/// not trained on; the run then sees every token.
+#[test]
+fn a_truncated_or_overwritten_cache_is_rebuilt_not_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, _) = files_corpus(dir.path());
+    let shard = prepared_shard(dir.path(), &cfg);
+    let good = fs::read(&shard).unwrap();
+    let mut random = vec![0u8; good.len()];
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for b in &mut random {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    for (case, bytes, why) in [
+        (
+            "truncated",
+            &good[..good.len() / 2],
+            "bytes; its manifest says",
+        ),
+        ("random bytes", &random[..], "content changed"),
+    ] {
+        fs::write(&shard, bytes).unwrap();
+        let run = dir.path().join(format!("run-{}", case.replace(' ', "-")));
+        let o = cockpit()
+            .args(["train", "--no-tui", "--device", "cpu", "--max-steps", "2"])
+            .arg("--run-dir")
+            .arg(&run)
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let all = text(&o);
+        assert!(o.status.success(), "{case}: {all}");
+        assert!(
+            all.contains("token cache rebuilt") && all.contains(why),
+            "{case}: {all}"
+        );
+        assert_eq!(fs::read(&shard).unwrap(), good, "{case}: rebuilt as it was");
+    }
+}
+
+/// Class 6: a cache that shrinks under a running job ends it with exit 2 and an error naming
+/// the cache file: not SIGBUS (windows are read by position, never through a memory map).
+#[test]
+fn a_cache_that_shrinks_during_a_run_is_a_named_error_not_sigbus() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, _) = files_corpus(dir.path());
+    let shard = prepared_shard(dir.path(), &cfg);
+    let run = dir.path().join("run");
+    let mut child = Killed(
+        cockpit()
+            .args([
+                "train",
+                "--no-tui",
+                "--device",
+                "cpu",
+                "--max-steps",
+                "1000000",
+            ])
+            .arg("--run-dir")
+            .arg(&run)
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the run's first steps", || {
+        metrics(&run).contains("\"event\":\"step\"")
+    });
+    File::options()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+    let status = child.0.wait().unwrap();
+    assert_eq!(status.code(), Some(2), "{status:?}: {err}");
+    assert!(
+        err.contains("train.bin") && err.contains("changed while in use"),
+        "{err}"
+    );
+}

@@ -17,7 +17,6 @@ use crate::engine::events::{self, Command, Event, EventRx, EventTx};
 use crate::report::{load_telemetry, METRICS_FILE, TELEMETRY_FILE};
 use serde_json::Value;
 use std::collections::VecDeque;
-use std::fs::File;
 use std::io::{self, BufReader, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
@@ -322,7 +321,7 @@ fn read_history(path: &Path) -> Result<History, AttachError> {
         tail: VecDeque::new(),
         warnings: Vec::new(),
     };
-    let file = match File::open(path) {
+    let file = match crate::util::open_regular(path) {
         Ok(f) => f,
         // a run that has not written its first event yet
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(h),

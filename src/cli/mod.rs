@@ -618,7 +618,7 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
     bar.finish();
     match result {
         Ok(p) => {
-            for w in &p.manifest.warnings {
+            for w in p.notes.iter().chain(&p.manifest.warnings) {
                 crate::errln!("warning: {w}");
             }
             crate::errln!(

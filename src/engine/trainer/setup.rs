@@ -226,7 +226,7 @@ impl Trainer {
                 _ => {
                     let n = (cfg.model.seq_len / 2).clamp(1, 16);
                     let mut v = Vec::with_capacity(n);
-                    dataset.val.extend_into(0, n.min(dataset.val.len()), &mut v);
+                    dataset.val.extend_into(0, n, &mut v)?;
                     v
                 }
             };
@@ -282,6 +282,7 @@ impl Trainer {
             whole_step: None,
             whole_step_tried: false,
             per_op_reason: None,
+            data_fault: None,
             sample,
             weights_copied: false,
             shard: None,
