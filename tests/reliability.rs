@@ -486,3 +486,72 @@ fn a_cache_that_shrinks_during_a_run_is_a_named_error_not_sigbus() {
         "{err}"
     );
 }
+
+/// A LoRA rank above the adapted layers' widths is a config error naming lora.r and the
+/// bound, not a giant allocation.
+#[test]
+fn a_lora_rank_wider_than_the_model_is_a_config_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cockpit()
+        .args(short_run(&dir.path().join("run"), 2, 2))
+        .args([
+            "--set",
+            "lora.enabled=true",
+            "--set",
+            "lora.base=\"random\"",
+        ])
+        .args(["--set", "lora.r=100"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("lora.r = 100") && err.contains("at most 64"),
+        "{err}"
+    );
+}
+
+/// An attach that the file system denies (the run is another user's) says so, naming the
+/// run dir's owner, instead of calling the socket missing. (Needs root, to be another user.)
+#[test]
+fn a_denied_attach_is_not_reported_as_a_missing_socket() {
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to attach as another user");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let run = dir.path().join("run");
+    let _training = Killed(
+        cockpit()
+            .args(short_run(&run, 1_000_000, 1000))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the control socket", || {
+        run.join("control.sock").exists() || run.join(".control/control.sock").exists()
+    });
+    let o = cockpit()
+        .args(["attach", "--no-tui"])
+        .arg(&run)
+        .uid(65534)
+        .gid(65534)
+        .output();
+    let Ok(o) = o else {
+        eprintln!("skipped: cannot run the binary as uid 65534");
+        return;
+    };
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.to_lowercase().contains("permission denied")
+            && err.contains("uid 0")
+            && !err.contains("missing"),
+        "{err}"
+    );
+}

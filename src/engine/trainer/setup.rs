@@ -104,6 +104,7 @@ impl Trainer {
                 && device.is_cuda(),
         };
         let spec = ModelSpec::from_config(&cfg, vocab);
+        check_lora_rank(&spec)?;
         check_fits(&cfg, &spec, &device, store.dtype)?;
         let mut model = Model::new_with(spec.clone(), dtype, &device, cfg.run.seed, store)?;
         if let Some((key, b)) = &base {
@@ -349,4 +350,39 @@ fn check_fits(
         if device.is_cuda() { "GPU" } else { "machine" },
         gb(free as f64)
     )))
+}
+
+/// `lora.r` is at most the smallest width of an adapted layer (a larger rank adds nothing but
+/// memory: B·A cannot have a rank above min(in, out)).
+fn check_lora_rank(spec: &ModelSpec) -> Result<(), EngineError> {
+    let Some(lora) = &spec.lora else {
+        return Ok(());
+    };
+    let (d, q, kv, h) = (
+        spec.n_embd,
+        spec.n_head * spec.head_dim,
+        spec.n_kv_head * spec.head_dim,
+        spec.hidden,
+    );
+    let widths = |t: &str| match t {
+        "q" | "o" => Some(d.min(q)),
+        "k" | "v" => Some(d.min(kv)),
+        "up" | "gate" | "down" => Some(d.min(h)),
+        _ => None,
+    };
+    let Some((target, max)) = lora
+        .targets
+        .iter()
+        .filter_map(|t| widths(t).map(|w| (t, w)))
+        .min_by_key(|(_, w)| *w)
+    else {
+        return Ok(());
+    };
+    if lora.r > max {
+        return Err(EngineError::Config(format!(
+            "lora.r = {}: larger than the adapted layers allow (at most {max}, the smallest width of lora.targets' \"{target}\" in this model: n_embd {d}, attention {q}, key/value {kv}, MLP {h})",
+            lora.r
+        )));
+    }
+    Ok(())
 }
