@@ -487,6 +487,99 @@ fn a_cache_that_shrinks_during_a_run_is_a_named_error_not_sigbus() {
     );
 }
 
+/// Whether process `pid` has ended (gone, or a zombie nobody reaped yet).
+fn ended(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "pid (comm) S ...": the state follows the last ')'
+        Ok(s) => s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+/// The children of `pid` (every thread's).
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| fs::read_to_string(t.ok()?.path().join("children")).ok())
+        .flat_map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// `--gpus N`: the launcher's header names the backend it resolved ("tcp" on the CPU, not
+/// "auto"); a launcher killed with SIGKILL leaves no worker behind (each gets the kernel's
+/// parent-death signal and stops).
+#[test]
+fn workers_of_a_killed_launcher_do_not_outlive_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let mut launcher = Killed(
+        cockpit()
+            .args(["train", "--gpus", "2", "--no-tui", "--device", "cpu"])
+            .args([
+                "--max-steps",
+                "1000000",
+                "--set",
+                "data.builtin_tokens=100000",
+            ])
+            .args(["--set", "model.n_layer=1"])
+            .args(["--set", &format!("distributed.master_port={port}")])
+            .arg("--run-dir")
+            .arg(&run)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stderr = launcher.0.stderr.take().unwrap();
+    let header = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stderr, &mut all);
+        String::from_utf8_lossy(&all).into_owned()
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !metrics(&run).contains("\"event\":\"step\"") {
+        let logs = || {
+            (0..2)
+                .map(|r| {
+                    fs::read_to_string(run.join(format!("ranks/rank-{r}.log"))).unwrap_or_default()
+                })
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        };
+        assert!(
+            Instant::now() < deadline,
+            "no step in 120s; the ranks' logs:\n{}",
+            logs()
+        );
+        assert!(
+            launcher.0.try_wait().unwrap().is_none(),
+            "the launcher ended: {}",
+            logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let workers = children(launcher.0.id());
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    launcher.kill();
+    for pid in &workers {
+        wait_for(&format!("worker {pid} to end"), || ended(*pid));
+    }
+    let header = header.join().unwrap();
+    assert!(header.contains("2 workers (tcp backend"), "{header}");
+}
+
 /// A LoRA rank above the adapted layers' widths is a config error naming lora.r and the
 /// bound, not a giant allocation.
 #[test]

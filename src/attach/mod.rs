@@ -10,6 +10,7 @@
 //! [`run_attach`] is the whole `cockpit attach` command. The wire format is in [`protocol`].
 
 mod client;
+mod pause_owners;
 mod peer;
 pub mod protocol;
 mod server;

@@ -383,7 +383,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     if plan.launching {
         std::fs::create_dir_all(&run_dir)
             .with_context(|| format!("creating the run dir {}", run_dir.display()))?;
-        return launch::run(&a, &cfg, plan.gpus, run_dir);
+        return launch::run(&a, &cfg, (plan.gpus, plan.backend), run_dir);
     }
     // A rank meets the others first; every rank takes rank 0's run dir.
     let meeting = rank::Meeting {
@@ -392,6 +392,8 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         run_dir: &run_dir,
         explicit_resume: a.resume.is_some(),
     };
+    // A worker of `--gpus N` leaves when its launcher is gone (killed with SIGKILL).
+    launch::watch_launcher();
     let (run_dir, joined) = match plan.topology {
         Some(t) => match rank::join(t, meeting, &cfg) {
             Ok((dir, j)) => (dir, Some(j)),
