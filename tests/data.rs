@@ -1,4 +1,4 @@
-//! User data: text files → tokenizer → packed shards with a manifest, cached and memory-mapped.
+//! User data: text files → tokenizer → packed shards with a manifest, cached, and checked at open.
 
 use assert_cmd::Command;
 use cockpit::config;
@@ -52,7 +52,7 @@ fn text_files_are_packed_cached_and_trainable() {
     assert!(!again.cached);
     assert_ne!(again.dir, first.dir);
 
-    // The memory-mapped dataset splits off val and trains.
+    // The cached dataset splits off val and trains.
     let ds = data::load(&cfg).unwrap();
     assert_eq!(ds.vocab_size, 256);
     assert!(ds.val.len() * 8 < ds.train.len());
