@@ -648,3 +648,20 @@ fn a_denied_attach_is_not_reported_as_a_missing_socket() {
         "{err}"
     );
 }
+
+/// With `--max-steps`, a config that is wrong for another reason reports only that reason:
+/// not also a warm-up longer than the run, which `--max-steps` scales away on its own.
+#[test]
+fn a_config_error_with_max_steps_names_only_the_real_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cockpit()
+        .args(["train", "--no-tui", "--max-steps", "2", "--run-dir"])
+        .arg(dir.path().join("run"))
+        .args(["--set", "run.device=tpu"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--set run.device=tpu: run.device"), "{err}");
+    assert!(!err.contains("warmup_steps"), "{err}");
+}

@@ -281,22 +281,34 @@ fn apply_test_run(c: &mut Config) {
 
 pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let mut overrides = a.set.clone();
-    if let Some(n) = a.max_steps {
-        // Shorten the warm-up with the run, in proportion, so `--max-steps` alone always works.
-        if let Ok(base) = config::load(a.config.as_deref(), &a.set) {
-            let c = &base.config;
-            if c.schedule.warmup_steps > n {
-                let scaled = c.schedule.warmup_steps * n / c.run.max_steps.max(1);
-                overrides.push(format!("schedule.warmup_steps={}", scaled.min(n)));
-            }
-        }
-        overrides.push(format!("run.max_steps={n}"));
-    }
     if let Some(t) = &a.theme {
         overrides.push(format!("run.theme={t:?}"));
     }
     if let Some(d) = &a.device {
         overrides.push(format!("run.device={d:?}"));
+    }
+    if let Some(n) = a.max_steps {
+        // Shorten the warm-up with the run, in proportion, so `--max-steps` alone always works.
+        match config::load(a.config.as_deref(), &overrides) {
+            Ok(base) => {
+                let c = &base.config;
+                if c.schedule.warmup_steps > n {
+                    let scaled = c.schedule.warmup_steps * n / c.run.max_steps.max(1);
+                    overrides.push(format!("schedule.warmup_steps={}", scaled.min(n)));
+                }
+            }
+            // A config that is wrong whatever the warm-up: its own errors, without a
+            // warm-up complaint that the scaling above would have settled.
+            Err(_) => {
+                let mut probe = overrides.clone();
+                probe.push("schedule.warmup_steps=0".into());
+                probe.push(format!("run.max_steps={n}"));
+                if let Err(e) = config::load(a.config.as_deref(), &probe) {
+                    return Ok(config_error(&e));
+                }
+            }
+        }
+        overrides.push(format!("run.max_steps={n}"));
     }
     let loaded = match config::load(a.config.as_deref(), &overrides) {
         Ok(l) => l,
