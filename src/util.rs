@@ -118,6 +118,18 @@ pub fn read_regular_file(path: &Path, max: u64) -> std::io::Result<String> {
     std::fs::read_to_string(path)
 }
 
+/// Open `path` for reading if it is a regular file: a FIFO, a device or a directory is an
+/// error (opening a FIFO would block until a writer comes; reading a device may never end).
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file (a FIFO, a device or a directory?)",
+        ));
+    }
+    File::open(path)
+}
+
 /// fsync a directory (after a rename in it, so that the rename survives a crash).
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()

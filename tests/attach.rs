@@ -702,3 +702,86 @@ fn stop_needs_the_right_server_side_and_a_leaving_pauser_releases_its_pause() {
     let (_, summary) = finish(run, dir);
     assert_eq!(summary.reason, FinishReason::Stopped);
 }
+
+/// A leaving viewer releases the pause only when nobody else wants it: with two pausing
+/// viewers the run stays paused until the second leaves; when the local dashboard paused it,
+/// a pausing viewer that leaves does not resume it.
+#[test]
+fn a_leaving_pauser_keeps_a_pause_someone_else_asked_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let run = start_run(dir, &["run.max_steps=100000"], ServerOptions::default());
+    let watcher = attach::connect(dir, false).unwrap();
+    // the start's own (local) pause released: nobody pauses now
+    run.commands.send(Command::Resume).unwrap();
+    until(&watcher.events, |e| matches!(e, Event::Resumed { .. }));
+    let dial = || {
+        let raw = UnixStream::connect(&run.socket).unwrap();
+        raw.set_read_timeout(Some(PATIENCE)).unwrap();
+        let mut input = BufReader::new(raw.try_clone().unwrap());
+        let _hello = read_message(&mut input);
+        (raw, input)
+    };
+    const PAUSE: &[u8] = b"{\"type\":\"command\",\"command\":{\"command\":\"pause\"}}\n";
+    let viewers = |n: usize| {
+        wait_for("the viewer count", || run.stats.get().viewers == n);
+    };
+    // Whether a resume was sent before the marker: the engine answers in order, so a
+    // `Resumed` would come before the marker's `CommandApplied`.
+    let mark = |micro_batch: usize| {
+        run.commands
+            .send(Command::SetBatchSize { micro_batch })
+            .unwrap();
+        let seen = until(
+            &watcher.events,
+            |e| matches!(e, Event::CommandApplied { command: Command::SetBatchSize { micro_batch: m }, .. } if *m == micro_batch),
+        );
+        seen.iter().any(|e| matches!(e, Event::Resumed { .. }))
+    };
+    // two pausing viewers
+    let (mut a, a_in) = dial();
+    let (mut b, b_in) = dial();
+    viewers(3);
+    a.write_all(PAUSE).unwrap();
+    until(&watcher.events, |e| matches!(e, Event::Paused { .. }));
+    b.write_all(PAUSE).unwrap();
+    until(&watcher.events, |e| {
+        matches!(
+            e,
+            Event::CommandRejected {
+                command: Command::Pause,
+                ..
+            }
+        )
+    });
+    drop((a, a_in));
+    viewers(2);
+    assert!(
+        !mark(3),
+        "the first pauser to leave keeps the second's pause"
+    );
+    drop((b, b_in));
+    viewers(1);
+    until(&watcher.events, |e| matches!(e, Event::Resumed { .. }));
+    // the local dashboard's pause outlives a pausing viewer
+    run.commands.send(Command::Pause).unwrap();
+    until(&watcher.events, |e| matches!(e, Event::Paused { .. }));
+    let (mut c, c_in) = dial();
+    viewers(2);
+    c.write_all(PAUSE).unwrap();
+    until(&watcher.events, |e| {
+        matches!(
+            e,
+            Event::CommandRejected {
+                command: Command::Pause,
+                ..
+            }
+        )
+    });
+    drop((c, c_in));
+    viewers(1);
+    assert!(!mark(2), "the dashboard's pause stands");
+    run.commands.send(Command::Stop { save: false }).unwrap();
+    let (_, summary) = finish(run, dir);
+    assert_eq!(summary.reason, FinishReason::Stopped);
+}

@@ -367,3 +367,301 @@ fn a_fifo_for_a_config_or_latest_is_refused_not_a_hang() {
         "{err}"
     );
 }
+
+/// A files corpus of about 40 KB and a config that trains a tiny model on it.
+fn files_corpus(dir: &Path) -> (PathBuf, PathBuf) {
+    let text = dir.join("text");
+    fs::create_dir_all(&text).unwrap();
+    let body = "the quick brown fox jumps over the lazy dog. ".repeat(900);
+    fs::write(text.join("a.txt"), body).unwrap();
+    let cfg = dir.join("files.toml");
+    fs::write(
+        &cfg,
+        "[data]\nsource = \"files\"\ntrain = \"text\"\nval_fraction = 0.1\n\
+         [model]\nn_embd = 16\nn_layer = 1\nn_head = 2\nseq_len = 32\n[optim]\nmicro_batch = 4\n\
+         [schedule]\nwarmup_steps = 0\n[eval]\nevery = 2\nbatches = 1\n[monitor]\nenabled = false\n",
+    )
+    .unwrap();
+    let shard = fs::read_dir(text.join(".cockpit-cache"))
+        .ok()
+        .and_then(|mut d| d.find(|e| e.as_ref().is_ok_and(|e| e.path().is_dir())))
+        .map(|e| e.unwrap().path().join("train.bin"));
+    (cfg, shard.unwrap_or_default())
+}
+
+/// The cache's train.bin, once `cockpit prepare` has written it.
+fn prepared_shard(dir: &Path, cfg: &Path) -> PathBuf {
+    let o = cockpit().arg("prepare").arg(cfg).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let (_, shard) = files_corpus(dir);
+    assert!(shard.is_file(), "{}", shard.display());
+    shard
+}
+
+/// Class 6: token caches are verified at open. A cache truncated to half, or overwritten
+/// with random bytes of the same size, is rebuilt from the sources (and the rebuild said),
+/// not trained on; the run then sees every token.
+#[test]
+fn a_truncated_or_overwritten_cache_is_rebuilt_not_trusted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, _) = files_corpus(dir.path());
+    let shard = prepared_shard(dir.path(), &cfg);
+    let good = fs::read(&shard).unwrap();
+    let mut random = vec![0u8; good.len()];
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for b in &mut random {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    for (case, bytes, why) in [
+        (
+            "truncated",
+            &good[..good.len() / 2],
+            "bytes; its manifest says",
+        ),
+        ("random bytes", &random[..], "content changed"),
+    ] {
+        fs::write(&shard, bytes).unwrap();
+        let run = dir.path().join(format!("run-{}", case.replace(' ', "-")));
+        let o = cockpit()
+            .args(["train", "--no-tui", "--device", "cpu", "--max-steps", "2"])
+            .arg("--run-dir")
+            .arg(&run)
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let all = text(&o);
+        assert!(o.status.success(), "{case}: {all}");
+        assert!(
+            all.contains("token cache rebuilt") && all.contains(why),
+            "{case}: {all}"
+        );
+        assert_eq!(fs::read(&shard).unwrap(), good, "{case}: rebuilt as it was");
+    }
+}
+
+/// Class 6: a cache that shrinks under a running job ends it with exit 2 and an error naming
+/// the cache file: not SIGBUS (windows are read by position, never through a memory map).
+#[test]
+fn a_cache_that_shrinks_during_a_run_is_a_named_error_not_sigbus() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, _) = files_corpus(dir.path());
+    let shard = prepared_shard(dir.path(), &cfg);
+    let run = dir.path().join("run");
+    let mut child = Killed(
+        cockpit()
+            .args([
+                "train",
+                "--no-tui",
+                "--device",
+                "cpu",
+                "--max-steps",
+                "1000000",
+            ])
+            .arg("--run-dir")
+            .arg(&run)
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the run's first steps", || {
+        metrics(&run).contains("\"event\":\"step\"")
+    });
+    File::options()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+    let status = child.0.wait().unwrap();
+    assert_eq!(status.code(), Some(2), "{status:?}: {err}");
+    assert!(
+        err.contains("train.bin") && err.contains("changed while in use"),
+        "{err}"
+    );
+}
+
+/// Whether process `pid` has ended (gone, or a zombie nobody reaped yet).
+fn ended(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // "pid (comm) S ...": the state follows the last ')'
+        Ok(s) => s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+/// The children of `pid` (every thread's).
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| fs::read_to_string(t.ok()?.path().join("children")).ok())
+        .flat_map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// `--gpus N`: the launcher's header names the backend it resolved ("tcp" on the CPU, not
+/// "auto"); a launcher killed with SIGKILL leaves no worker behind (each gets the kernel's
+/// parent-death signal and stops).
+#[test]
+fn workers_of_a_killed_launcher_do_not_outlive_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let mut launcher = Killed(
+        cockpit()
+            .args(["train", "--gpus", "2", "--no-tui", "--device", "cpu"])
+            .args([
+                "--max-steps",
+                "1000000",
+                "--set",
+                "data.builtin_tokens=100000",
+            ])
+            .args(["--set", "model.n_layer=1"])
+            .args(["--set", &format!("distributed.master_port={port}")])
+            .arg("--run-dir")
+            .arg(&run)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut stderr = launcher.0.stderr.take().unwrap();
+    let header = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stderr, &mut all);
+        String::from_utf8_lossy(&all).into_owned()
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !metrics(&run).contains("\"event\":\"step\"") {
+        let logs = || {
+            (0..2)
+                .map(|r| {
+                    fs::read_to_string(run.join(format!("ranks/rank-{r}.log"))).unwrap_or_default()
+                })
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        };
+        assert!(
+            Instant::now() < deadline,
+            "no step in 120s; the ranks' logs:\n{}",
+            logs()
+        );
+        assert!(
+            launcher.0.try_wait().unwrap().is_none(),
+            "the launcher ended: {}",
+            logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let workers = children(launcher.0.id());
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    launcher.kill();
+    for pid in &workers {
+        wait_for(&format!("worker {pid} to end"), || ended(*pid));
+    }
+    let header = header.join().unwrap();
+    assert!(header.contains("2 workers (tcp backend"), "{header}");
+}
+
+/// A LoRA rank above the adapted layers' widths is a config error naming lora.r and the
+/// bound, not a giant allocation.
+#[test]
+fn a_lora_rank_wider_than_the_model_is_a_config_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cockpit()
+        .args(short_run(&dir.path().join("run"), 2, 2))
+        .args([
+            "--set",
+            "lora.enabled=true",
+            "--set",
+            "lora.base=\"random\"",
+        ])
+        .args(["--set", "lora.r=100"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("lora.r = 100") && err.contains("at most 64"),
+        "{err}"
+    );
+}
+
+/// An attach that the file system denies (the run is another user's) says so, naming the
+/// run dir's owner, instead of calling the socket missing. (Needs root, to be another user.)
+#[test]
+fn a_denied_attach_is_not_reported_as_a_missing_socket() {
+    // SAFETY: no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to attach as another user");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let run = dir.path().join("run");
+    let _training = Killed(
+        cockpit()
+            .args(short_run(&run, 1_000_000, 1000))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for("the control socket", || {
+        run.join("control.sock").exists() || run.join(".control/control.sock").exists()
+    });
+    let o = cockpit()
+        .args(["attach", "--no-tui"])
+        .arg(&run)
+        .uid(65534)
+        .gid(65534)
+        .output();
+    let Ok(o) = o else {
+        eprintln!("skipped: cannot run the binary as uid 65534");
+        return;
+    };
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.to_lowercase().contains("permission denied")
+            && err.contains("uid 0")
+            && !err.contains("missing"),
+        "{err}"
+    );
+}
+
+/// With `--max-steps`, a config that is wrong for another reason reports only that reason:
+/// not also a warm-up longer than the run, which `--max-steps` scales away on its own.
+#[test]
+fn a_config_error_with_max_steps_names_only_the_real_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = cockpit()
+        .args(["train", "--no-tui", "--max-steps", "2", "--run-dir"])
+        .arg(dir.path().join("run"))
+        .args(["--set", "run.device=tpu"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--set run.device=tpu: run.device"), "{err}");
+    assert!(!err.contains("warmup_steps"), "{err}");
+}

@@ -17,7 +17,6 @@ use crate::engine::events::{self, Command, Event, EventRx, EventTx};
 use crate::report::{load_telemetry, METRICS_FILE, TELEMETRY_FILE};
 use serde_json::Value;
 use std::collections::VecDeque;
-use std::fs::File;
 use std::io::{self, BufReader, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
@@ -199,12 +198,24 @@ type Dialed = (PathBuf, UnixStream, BufReader<UnixStream>, Hello);
 fn dial(run_dir: &Path) -> Result<Dialed, AttachError> {
     let mut hard_error = None;
     for socket in socket_candidates(run_dir) {
-        if std::fs::symlink_metadata(&socket).is_err() {
-            continue;
+        // (Permission denied is not "missing": the run may be alive and another user's.)
+        let denied = |source: io::Error| denied(run_dir, &socket, source);
+        match std::fs::symlink_metadata(&socket) {
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                hard_error.get_or_insert(denied(e));
+                continue;
+            }
+            Err(_) => continue,
+            Ok(_) => {}
         }
-        let Ok(stream) = UnixStream::connect(&socket) else {
+        let stream = match UnixStream::connect(&socket) {
+            Ok(s) => s,
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                hard_error = Some(denied(e));
+                continue;
+            }
             // stale socket of a killed run
-            continue;
+            Err(_) => continue,
         };
         match greet(&socket, stream) {
             Ok((stream, reader, hello)) => return Ok((socket, stream, reader, hello)),
@@ -218,6 +229,29 @@ fn dial(run_dir: &Path) -> Result<Dialed, AttachError> {
         }
     }
     Err(hard_error.unwrap_or_else(|| AttachError::NoLiveRun(super::display_socket(run_dir))))
+}
+
+/// [`AttachError::Denied`] for `socket` of `run_dir`, naming the run dir's owner.
+fn denied(run_dir: &Path, socket: &Path, source: io::Error) -> AttachError {
+    use std::os::unix::fs::MetadataExt;
+    let me = my_uid();
+    let owner = match std::fs::metadata(run_dir) {
+        Ok(m) if m.uid() != me => format!(
+            "{} belongs to uid {} (we are uid {me})",
+            run_dir.display(),
+            m.uid()
+        ),
+        Ok(_) => format!(
+            "{} is ours but the socket is not open to us",
+            run_dir.display()
+        ),
+        Err(_) => format!("{} cannot be read by us (uid {me})", run_dir.display()),
+    };
+    AttachError::Denied {
+        path: socket.to_path_buf(),
+        owner,
+        source,
+    }
 }
 
 /// Check who serves `socket` and read its hello.
@@ -322,7 +356,7 @@ fn read_history(path: &Path) -> Result<History, AttachError> {
         tail: VecDeque::new(),
         warnings: Vec::new(),
     };
-    let file = match File::open(path) {
+    let file = match crate::util::open_regular(path) {
         Ok(f) => f,
         // a run that has not written its first event yet
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(h),

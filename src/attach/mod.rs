@@ -10,6 +10,7 @@
 //! [`run_attach`] is the whole `cockpit attach` command. The wire format is in [`protocol`].
 
 mod client;
+mod pause_owners;
 mod peer;
 pub mod protocol;
 mod server;
@@ -97,6 +98,17 @@ pub enum AttachError {
     /// Not a directory.
     #[error("{}: not a directory", .0.display())]
     NotADirectory(PathBuf),
+    /// The socket (or the directory it is in) may not be opened by us: the run belongs to
+    /// another user, or its directory is private.
+    #[error("{}: {source}; {owner}: attach as the user who started the run", path.display())]
+    Denied {
+        /// The socket or directory we may not open.
+        path: PathBuf,
+        /// Who owns the run dir, as far as we can tell.
+        owner: String,
+        /// The error.
+        source: io::Error,
+    },
     /// The run dir (or its private dir) belongs to another user.
     #[error("{}: owned by uid {owner}, not by us (uid {ours})", path.display())]
     NotOwner {
@@ -204,9 +216,19 @@ impl Default for AttachOptions {
 /// no finished history ("no live run here: …"); 1 when the connection failed otherwise or the
 /// run went away without finishing.
 pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
-    if !run_dir.is_dir() {
-        crate::errln!("cockpit attach: {}: not a directory", run_dir.display());
-        return Ok(EXIT_USAGE);
+    match std::fs::metadata(run_dir) {
+        Ok(m) if m.is_dir() => {}
+        Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+            crate::errln!(
+                "cockpit attach: {}: permission denied ({e}); attach as the user who started the run",
+                run_dir.display()
+            );
+            return Ok(EXIT_USAGE);
+        }
+        _ => {
+            crate::errln!("cockpit attach: {}: not a directory", run_dir.display());
+            return Ok(EXIT_USAGE);
+        }
     }
     let attached = match open(run_dir, opts.allow_stop) {
         Ok(a) => a,
@@ -219,6 +241,10 @@ pub fn run_attach(run_dir: &Path, opts: AttachOptions) -> anyhow::Result<i32> {
                     run_dir.display()
                 );
             }
+            return Ok(EXIT_USAGE);
+        }
+        Err(e @ AttachError::Denied { .. }) => {
+            crate::errln!("cockpit attach: {e}");
             return Ok(EXIT_USAGE);
         }
         Err(e) => {

@@ -272,6 +272,8 @@ struct Shared {
     commands: Mutex<Option<SyncSender<Command>>>,
     next_id: AtomicU64,
     shutdown: AtomicBool,
+    /// Who asked for the run's pause (a leaving viewer releases only its own).
+    pause: Mutex<super::pause_owners::PauseOwners>,
 }
 
 impl Shared {
@@ -396,6 +398,7 @@ impl Server {
             commands: Mutex::new(Some(commands_tx)),
             next_id: AtomicU64::new(1),
             shutdown: AtomicBool::new(false),
+            pause: Mutex::default(),
         });
         let accept_shared = shared.clone();
         let accept = thread::Builder::new()
@@ -429,6 +432,7 @@ impl Server {
     /// events pile up is disconnected. Publishing `Finished` marks the run as no longer live
     /// for viewers that connect later.
     pub fn publish(&self, event: &Event) {
+        lock(&self.shared.pause).saw(event);
         if let Event::Finished { .. } = event {
             lock(&self.shared.registry).live = false;
         }
@@ -907,8 +911,6 @@ fn read_loop(viewer: &Viewer, stream: UnixStream, shared: &Shared) {
     let mut input = BufReader::new(stream);
     // the right to stop the run: claimed by a viewer started with it (`--allow-stop`)
     let mut allow_stop = false;
-    // this viewer's pause still stands: released when it leaves
-    let mut paused = false;
     loop {
         let line = match read_line(&mut input, shared.opts.max_line_bytes) {
             Ok(Some(line)) => line,
@@ -953,15 +955,15 @@ fn read_loop(viewer: &Viewer, stream: UnixStream, shared: &Shared) {
             );
             continue;
         }
-        match command {
-            Command::Pause => paused = true,
-            Command::Resume => paused = false,
-            _ => {}
-        }
+        let pause =
+            matches!(command, Command::Pause).then(|| lock(&shared.pause).viewer_paused(viewer.id));
         let sent = match lock(&shared.commands).as_ref() {
             Some(tx) => tx.try_send(command),
             None => Err(TrySendError::Disconnected(command)),
         };
+        if let (Some(new), Err(_)) = (pause, &sent) {
+            lock(&shared.pause).unsent(viewer.id, new);
+        }
         match sent {
             Ok(()) => {
                 bump(&shared.counters.commands);
@@ -978,8 +980,10 @@ fn read_loop(viewer: &Viewer, stream: UnixStream, shared: &Shared) {
         }
     }
     tracing::info!(viewer = viewer.id, "attach: a viewer disconnected");
-    if paused {
-        // a viewer that paused the run and left does not leave it paused
+    // a viewer that paused the run and left does not leave it paused (unless another viewer,
+    // or the local dashboard, asked for the pause too)
+    let release = lock(&shared.pause).viewer_left(viewer.id);
+    if release {
         if let Some(tx) = lock(&shared.commands).as_ref() {
             if tx.try_send(Command::Resume).is_ok() {
                 tracing::info!(

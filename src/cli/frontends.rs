@@ -248,7 +248,16 @@ pub fn after_run(run_dir: &Path) -> String {
 
 /// `cockpit plot RUN_DIR`.
 pub fn plot_run(run_dir: &Path) -> anyhow::Result<i32> {
-    let summary = crate::report::plot_run_detailed(run_dir)?;
+    use crate::report::ReportError;
+    let summary = match crate::report::plot_run_detailed(run_dir) {
+        Ok(s) => s,
+        // records that are not records (or not a file): bad input, named, exit 2
+        Err(e @ (ReportError::Parse { .. } | ReportError::MissingMetrics { .. })) => {
+            crate::errln!("cockpit: plot: {e}");
+            return Ok(EXIT_USAGE);
+        }
+        Err(e) => return Err(e.into()),
+    };
     crate::outln!("{summary}");
     Ok(EXIT_OK)
 }

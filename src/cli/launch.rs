@@ -6,7 +6,7 @@
 use super::args::TrainArgs;
 use super::{EXIT_FAILURE, EXIT_OK, EXIT_PEER_FAILED, EXIT_USAGE};
 use crate::config::Config;
-use crate::distributed::Topology;
+use crate::distributed::{Backend, Topology};
 use std::io::{IsTerminal, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -182,8 +182,48 @@ fn describe_status(st: std::process::ExitStatus) -> String {
     }
 }
 
-/// Launch `world` workers on this machine and follow the job.
-pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyhow::Result<i32> {
+/// The environment variable that hands a worker its launcher's PID.
+const LAUNCHER_PID: &str = "COCKPIT_LAUNCHER_PID";
+
+/// In a worker of `--gpus N`: a thread that notices the launcher's death (this process
+/// re-parented) even where the kernel's parent-death signal did not come (it is tied to
+/// the thread that forked), stops the run as SIGTERM does, and leaves for good if the stop
+/// has not ended the process after [`GRACE`] (its peers may be gone too).
+pub fn watch_launcher() {
+    let Some(launcher) = std::env::var(LAUNCHER_PID)
+        .ok()
+        .and_then(|p| p.parse::<i32>().ok())
+    else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("cockpit-launcher-watch".into())
+        .spawn(move || {
+            // SAFETY: getppid, getpid, kill and _exit have no preconditions.
+            while unsafe { libc::getppid() } == launcher {
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            tracing::warn!("the --gpus launcher (PID {launcher}) is gone: stopping");
+            unsafe { libc::kill(libc::getpid(), libc::SIGTERM) };
+            std::thread::sleep(GRACE);
+            tracing::warn!(
+                "still running {}s after the launcher went: leaving",
+                GRACE.as_secs()
+            );
+            unsafe { libc::_exit(EXIT_FAILURE) };
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot watch the launcher: {e}");
+    }
+}
+
+/// Launch `world` workers on this machine (on `backend`, resolved) and follow the job.
+pub fn run(
+    a: &TrainArgs,
+    cfg: &Config,
+    (world, backend): (usize, Backend),
+    run_dir: PathBuf,
+) -> anyhow::Result<i32> {
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
@@ -216,7 +256,23 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
             // Their own process group: a Ctrl+C at the terminal reaches the launcher only,
             // which passes one SIGTERM on (two signals would make a worker quit at once).
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+            // A launcher killed with SIGKILL leaves no worker behind: the kernel sends each
+            // SIGTERM when it dies (and one started after it died leaves at once).
+            let parent = std::process::id() as i32;
+            // SAFETY: prctl, getppid and _exit are async-signal-safe; nothing is allocated.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::getppid() != parent {
+                        libc::_exit(EXIT_FAILURE);
+                    }
+                    Ok(())
+                });
+            }
             cmd.args(&args)
+                .env(LAUNCHER_PID, parent.to_string())
                 .envs(topology.worker_env(rank))
                 .stdin(Stdio::null())
                 .stdout(out)
@@ -241,7 +297,10 @@ pub fn run(a: &TrainArgs, cfg: &Config, world: usize, run_dir: PathBuf) -> anyho
     }
     crate::errln!(
         "cockpit: {world} workers ({} backend, rendezvous at {}:{}); their logs: {}/rank-N.log",
-        d.backend,
+        match backend {
+            Backend::Nccl => "nccl",
+            Backend::Tcp => "tcp",
+        },
         topology.master_addr,
         topology.master_port,
         ranks_dir.display()

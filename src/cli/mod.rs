@@ -281,22 +281,34 @@ fn apply_test_run(c: &mut Config) {
 
 pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let mut overrides = a.set.clone();
-    if let Some(n) = a.max_steps {
-        // Shorten the warm-up with the run, in proportion, so `--max-steps` alone always works.
-        if let Ok(base) = config::load(a.config.as_deref(), &a.set) {
-            let c = &base.config;
-            if c.schedule.warmup_steps > n {
-                let scaled = c.schedule.warmup_steps * n / c.run.max_steps.max(1);
-                overrides.push(format!("schedule.warmup_steps={}", scaled.min(n)));
-            }
-        }
-        overrides.push(format!("run.max_steps={n}"));
-    }
     if let Some(t) = &a.theme {
         overrides.push(format!("run.theme={t:?}"));
     }
     if let Some(d) = &a.device {
         overrides.push(format!("run.device={d:?}"));
+    }
+    if let Some(n) = a.max_steps {
+        // Shorten the warm-up with the run, in proportion, so `--max-steps` alone always works.
+        match config::load(a.config.as_deref(), &overrides) {
+            Ok(base) => {
+                let c = &base.config;
+                if c.schedule.warmup_steps > n {
+                    let scaled = c.schedule.warmup_steps * n / c.run.max_steps.max(1);
+                    overrides.push(format!("schedule.warmup_steps={}", scaled.min(n)));
+                }
+            }
+            // A config that is wrong whatever the warm-up: its own errors, without a
+            // warm-up complaint that the scaling above would have settled.
+            Err(_) => {
+                let mut probe = overrides.clone();
+                probe.push("schedule.warmup_steps=0".into());
+                probe.push(format!("run.max_steps={n}"));
+                if let Err(e) = config::load(a.config.as_deref(), &probe) {
+                    return Ok(config_error(&e));
+                }
+            }
+        }
+        overrides.push(format!("run.max_steps={n}"));
     }
     let loaded = match config::load(a.config.as_deref(), &overrides) {
         Ok(l) => l,
@@ -383,7 +395,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     if plan.launching {
         std::fs::create_dir_all(&run_dir)
             .with_context(|| format!("creating the run dir {}", run_dir.display()))?;
-        return launch::run(&a, &cfg, plan.gpus, run_dir);
+        return launch::run(&a, &cfg, (plan.gpus, plan.backend), run_dir);
     }
     // A rank meets the others first; every rank takes rank 0's run dir.
     let meeting = rank::Meeting {
@@ -392,6 +404,8 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         run_dir: &run_dir,
         explicit_resume: a.resume.is_some(),
     };
+    // A worker of `--gpus N` leaves when its launcher is gone (killed with SIGKILL).
+    launch::watch_launcher();
     let (run_dir, joined) = match plan.topology {
         Some(t) => match rank::join(t, meeting, &cfg) {
             Ok((dir, j)) => (dir, Some(j)),
@@ -618,7 +632,7 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
     bar.finish();
     match result {
         Ok(p) => {
-            for w in &p.manifest.warnings {
+            for w in p.notes.iter().chain(&p.manifest.warnings) {
                 crate::errln!("warning: {w}");
             }
             crate::errln!(

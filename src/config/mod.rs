@@ -128,7 +128,8 @@ pub fn from_str(
         let key = e.path().to_string();
         let origin = overridden
             .iter()
-            .find(|(k, _)| key == *k || key.starts_with(&format!("{k}.")))
+            .rev()
+            .find(|(k, _)| same_key(&key, k))
             .map(|(_, arg)| format!("--set {arg}"))
             .unwrap_or_else(|| origin.to_string());
         let value = lookup(&table, &key).map(render_value);
@@ -142,7 +143,17 @@ pub fn from_str(
     let mut config = config;
     apply_arch_defaults(&mut config, &table);
     resolve_paths(&mut config, base_dir);
-    let issues = validate::validate(&config, origin);
+    let mut issues = validate::validate(&config, origin);
+    // A value set by `--set` is blamed on the flag that set it, not on the file.
+    for issue in &mut issues {
+        if let Some((_, arg)) = overridden
+            .iter()
+            .rev()
+            .find(|(k, _)| !issue.key.is_empty() && same_key(&issue.key, k))
+        {
+            issue.origin = format!("--set {arg}");
+        }
+    }
     if !issues.is_empty() {
         return Err(ConfigError::Invalid(issues));
     }
@@ -151,6 +162,13 @@ pub fn from_str(
         origin: origin.to_string(),
         base_dir: base_dir.to_path_buf(),
     })
+}
+
+/// Whether a problem with key path `key` is one with the value `--set` gave `set`: the same
+/// key, one inside it (`model` set as a table), or one it created (`nosuch` of `nosuch.key`).
+fn same_key(key: &str, set: &str) -> bool {
+    let inside = |a: &str, b: &str| a.strip_prefix(b).is_some_and(|r| r.starts_with('.'));
+    key == set || inside(key, set) || inside(set, key)
 }
 
 fn syntax_error(origin: &str, text: &str, e: &toml::de::Error) -> ConfigError {

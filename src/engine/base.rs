@@ -130,7 +130,7 @@ pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
         }
         Location::Checkpoint { step_dir, .. } => step_dir,
     };
-    let loaded = checkpoint::load(&dir, &candle_core::Device::Cpu)?;
+    let loaded = checkpoint::load_weights(&dir, &candle_core::Device::Cpu)?;
     let tensors = loaded
         .model
         .into_iter()

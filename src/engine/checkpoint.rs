@@ -66,9 +66,18 @@ fn ensure_finite<'a>(
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io {
-        path: path.display().to_string(),
-        source,
+    move |source| match source.kind() {
+        // not text, not a regular file, too large: a damaged checkpoint, not a failing disk
+        std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput => {
+            CheckpointError::Corrupt {
+                path: path.display().to_string(),
+                message: source.to_string(),
+            }
+        }
+        _ => CheckpointError::Io {
+            path: path.display().to_string(),
+            source,
+        },
     }
 }
 
@@ -428,6 +437,17 @@ pub fn read_state(dir: &Path) -> Result<TrainState, CheckpointError> {
 }
 
 pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
+    load_parts(dir, device, true)
+}
+
+/// [`load`] without the optimizer state (export, generate, a base): `optim.safetensors` may
+/// be absent (deleted to save space) and is neither read nor checked; `optim` comes back
+/// empty.
+pub fn load_weights(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
+    load_parts(dir, device, false)
+}
+
+fn load_parts(dir: &Path, device: &Device, with_optim: bool) -> Result<Loaded, CheckpointError> {
     let mp = dir.join("manifest.json");
     let text = crate::util::read_regular_file(&mp, 1 << 20).map_err(io(&mp))?;
     let manifest: CkptManifest =
@@ -436,6 +456,9 @@ pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
             message: format!("unreadable manifest: {e}"),
         })?;
     for f in &manifest.files {
+        if !with_optim && f.name == "optim.safetensors" {
+            continue;
+        }
         let p = dir.join(&f.name);
         let (bytes, sha) = sha256_file(&p)?;
         if bytes != f.bytes {
@@ -463,7 +486,11 @@ pub fn load(dir: &Path, device: &Device) -> Result<Loaded, CheckpointError> {
         })
     };
     let model = read("model.safetensors")?;
-    let optim = read("optim.safetensors")?;
+    let optim = if with_optim {
+        read("optim.safetensors")?
+    } else {
+        HashMap::new()
+    };
     // written before saves were checked: refused rather than restored
     let non_finite = |what: &str, e: CheckpointError| CheckpointError::Corrupt {
         path: dir.display().to_string(),

@@ -22,7 +22,7 @@ fn load_with_config(
     device: &Device,
 ) -> Result<(std::path::PathBuf, checkpoint::Loaded, Config), CheckpointError> {
     let dir = checkpoint::resolve(spec)?;
-    let loaded = checkpoint::load(&dir, device)?;
+    let loaded = checkpoint::load_weights(&dir, device)?;
     let cfg = super::base::checkpoint_config(&dir)?;
     Ok((dir, loaded, cfg))
 }

@@ -78,6 +78,7 @@ impl EngineError {
                         | data::DataError::Tokenizer { .. }
                         | data::DataError::Input { .. }
                         | data::DataError::TooSmall(_)
+                        | data::DataError::Cache { .. }
                 )
         ) || matches!(
             self,

@@ -1,6 +1,5 @@
 //! Reading `metrics.jsonl` and `telemetry.jsonl` into series.
 
-use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 
@@ -141,7 +140,7 @@ fn read_jsonl<T>(
     path: &Path,
     parse: impl Fn(&[u8]) -> Result<T, serde_json::Error>,
 ) -> Result<(Vec<T>, Vec<String>), ReportError> {
-    let file = File::open(path).map_err(io_error(path))?;
+    let file = crate::util::open_regular(path).map_err(io_error(path))?;
     let mut reader = BufReader::new(file);
     let mut records = Vec::new();
     let mut buf = Vec::new();

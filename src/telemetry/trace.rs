@@ -51,7 +51,7 @@ pub fn read_trace(path: &Path) -> Result<Vec<Snapshot>, TelemetryError> {
         path: path.to_path_buf(),
         source,
     };
-    let reader = BufReader::new(File::open(path).map_err(read_err)?);
+    let reader = BufReader::new(crate::util::open_regular(path).map_err(read_err)?);
     let mut snapshots = Vec::new();
     for (i, line) in reader.lines().enumerate() {
         let line = line.map_err(read_err)?;

@@ -8,7 +8,7 @@
 //! parallel ranks, which take disjoint rows of the same global stream, see different windows).
 //! Either way an epoch is `sequences_per_epoch` windows: about one pass over the tokens.
 
-use super::Tokens;
+use super::{DataError, Tokens};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -116,7 +116,7 @@ impl Order {
     }
 
     /// The batch of `batch` sequences starting at `cursor`.
-    pub fn batch_at(&mut self, mut cursor: Cursor, batch: usize) -> Batch {
+    pub fn batch_at(&mut self, mut cursor: Cursor, batch: usize) -> Result<Batch, DataError> {
         let t = self.seq_len;
         let mut inputs = Vec::with_capacity(batch * t);
         let mut targets = Vec::with_capacity(batch * t);
@@ -142,29 +142,35 @@ impl Order {
                 ) as usize,
             };
             row.clear();
-            self.tokens.extend_into(start, t + 1, &mut row);
+            self.tokens.extend_into(start, t + 1, &mut row)?;
+            full_window(&row, t)?;
             inputs.extend_from_slice(&row[..t]);
             targets.extend_from_slice(&row[1..]);
             cursor.index += 1;
         }
-        Batch {
+        Ok(Batch {
             inputs,
             targets,
             batch,
             seq_len: t,
             cursor,
-        }
+        })
     }
 }
 
 impl Order {
     /// Rank `shard.0`'s rows of the global batch of `shard.1 × batch` sequences at `cursor`.
-    pub fn shard_at(&mut self, cursor: Cursor, batch: usize, shard: (usize, usize)) -> Batch {
+    pub fn shard_at(
+        &mut self,
+        cursor: Cursor,
+        batch: usize,
+        shard: (usize, usize),
+    ) -> Result<Batch, DataError> {
         let (rank, world) = shard;
         if world <= 1 {
             return self.batch_at(cursor, batch);
         }
-        let mut b = self.batch_at(cursor, batch * world);
+        let mut b = self.batch_at(cursor, batch * world)?;
         let t = b.seq_len;
         let rows = crate::distributed::shard_rows(rank, batch);
         for v in [&mut b.inputs, &mut b.targets] {
@@ -172,8 +178,20 @@ impl Order {
             v.drain(..rows.start * t);
         }
         b.batch = batch;
-        b
+        Ok(b)
     }
+}
+
+/// A window of `t + 1` tokens, or (a split shorter than a window) an error saying so.
+fn full_window(row: &[u32], t: usize) -> Result<(), DataError> {
+    if row.len() == t + 1 {
+        return Ok(());
+    }
+    Err(DataError::TooSmall(format!(
+        "a window of model.seq_len + 1 = {} tokens does not fit the split ({} read)",
+        t + 1,
+        row.len()
+    )))
 }
 
 /// The prefetching loader.
@@ -189,7 +207,7 @@ pub struct Loader {
 }
 
 struct Worker {
-    rx: Receiver<Batch>,
+    rx: Receiver<Result<Batch, DataError>>,
     stop: Arc<AtomicBool>,
     handle: JoinHandle<()>,
 }
@@ -251,8 +269,11 @@ impl Loader {
             .spawn(move || {
                 while !stop2.load(Ordering::Relaxed) {
                     let b = order.shard_at(cursor, batch, shard);
-                    cursor = b.cursor;
-                    if tx.send(b).is_err() {
+                    let failed = b.is_err();
+                    if let Ok(b) = &b {
+                        cursor = b.cursor;
+                    }
+                    if tx.send(b).is_err() || failed {
                         break;
                     }
                 }
@@ -271,21 +292,26 @@ impl Loader {
         }
     }
 
-    /// The next batch and how long the caller waited for it.
-    pub fn next_batch(&mut self) -> (Batch, Duration) {
+    /// The next batch and how long the caller waited for it; a token shard that cannot be
+    /// read (changed on disk since it was opened) is an error naming it.
+    pub fn next_batch(&mut self) -> Result<(Batch, Duration), DataError> {
         if self.worker.is_none() {
             self.start_worker();
         }
         let t0 = Instant::now();
         let b = match self.worker.as_ref().map(|w| w.rx.recv()) {
-            Some(Ok(b)) => b,
+            Some(Ok(Ok(b))) => b,
+            Some(Ok(Err(e))) => {
+                self.stop_worker();
+                return Err(e);
+            }
             _ => {
                 self.worker = None;
-                self.order.shard_at(self.cursor, self.batch, self.shard)
+                self.order.shard_at(self.cursor, self.batch, self.shard)?
             }
         };
         self.cursor = b.cursor;
-        (b, t0.elapsed())
+        Ok((b, t0.elapsed()))
     }
 }
 
@@ -344,7 +370,7 @@ impl EvalPlan {
     }
 
     /// The windows in batches of (at most) `batch`.
-    pub fn batches(&self, batch: usize) -> impl Iterator<Item = Batch> + '_ {
+    pub fn batches(&self, batch: usize) -> impl Iterator<Item = Result<Batch, DataError>> + '_ {
         let t = self.seq_len;
         self.starts.chunks(batch.max(1)).map(move |starts| {
             let mut inputs = Vec::with_capacity(starts.len() * t);
@@ -352,17 +378,18 @@ impl EvalPlan {
             let mut row = Vec::with_capacity(t + 1);
             for &s in starts {
                 row.clear();
-                self.tokens.extend_into(s, t + 1, &mut row);
+                self.tokens.extend_into(s, t + 1, &mut row)?;
+                full_window(&row, t)?;
                 inputs.extend_from_slice(&row[..t]);
                 targets.extend_from_slice(&row[1..]);
             }
-            Batch {
+            Ok(Batch {
                 inputs,
                 targets,
                 batch: starts.len(),
                 seq_len: t,
                 cursor: Cursor::default(),
-            }
+            })
         })
     }
 
@@ -410,8 +437,8 @@ mod tests {
         let mut a = Loader::new(Order::new(toks(10_000), 16, 3), 4, 2, Cursor::default());
         let mut b = Loader::new(Order::new(toks(10_000), 16, 3), 4, 2, Cursor::default());
         for _ in 0..20 {
-            let (x, _) = a.next_batch();
-            let (y, _) = b.next_batch();
+            let (x, _) = a.next_batch().unwrap();
+            let (y, _) = b.next_batch().unwrap();
             assert_eq!(x, y);
             for r in 0..4 {
                 assert_eq!(x.inputs[r * 16 + 1], x.targets[r * 16]);
@@ -426,20 +453,20 @@ mod tests {
         let mut one = Loader::new(order.clone(), 4, 3, Cursor::default());
         let mut seqs_one = Vec::new();
         for _ in 0..5 {
-            seqs_one.extend(one.next_batch().0.inputs);
+            seqs_one.extend(one.next_batch().unwrap().0.inputs);
         }
         let mut two = Loader::new(order.clone(), 4, 3, Cursor::default());
         let mut seqs_two = Vec::new();
         for _ in 0..3 {
-            seqs_two.extend(two.next_batch().0.inputs);
+            seqs_two.extend(two.next_batch().unwrap().0.inputs);
         }
         let saved = two.cursor();
         two.set_batch_size(8);
-        seqs_two.extend(two.next_batch().0.inputs);
+        seqs_two.extend(two.next_batch().unwrap().0.inputs);
         assert_eq!(seqs_one, seqs_two);
         // Restoring a cursor in a fresh loader continues identically.
         let mut three = Loader::new(order, 4, 1, saved);
-        let (b, _) = three.next_batch();
+        let (b, _) = three.next_batch().unwrap();
         assert_eq!(&b.inputs[..], &seqs_one[3 * 4 * 8..4 * 4 * 8]);
     }
 
@@ -448,8 +475,12 @@ mod tests {
         let order = Order::new(toks(16 * 10 + 1), 16, 5);
         assert_eq!(order.sequences_per_epoch(), 10);
         let mut l = Loader::new(order, 5, 2, Cursor::default());
-        let e0: Vec<u32> = (0..2).flat_map(|_| l.next_batch().0.inputs).collect();
-        let e1: Vec<u32> = (0..2).flat_map(|_| l.next_batch().0.inputs).collect();
+        let e0: Vec<u32> = (0..2)
+            .flat_map(|_| l.next_batch().unwrap().0.inputs)
+            .collect();
+        let e1: Vec<u32> = (0..2)
+            .flat_map(|_| l.next_batch().unwrap().0.inputs)
+            .collect();
         assert_eq!(
             l.cursor(),
             Cursor {
@@ -473,8 +504,11 @@ mod tests {
             .map(|r| Loader::new(order.clone(), 2, 2, Cursor::default()).with_shard(r, 3))
             .collect();
         for _ in 0..5 {
-            let (w, _) = whole.next_batch();
-            let parts: Vec<Batch> = ranks.iter_mut().map(|l| l.next_batch().0).collect();
+            let (w, _) = whole.next_batch().unwrap();
+            let parts: Vec<Batch> = ranks
+                .iter_mut()
+                .map(|l| l.next_batch().unwrap().0)
+                .collect();
             let joined: Vec<u32> = parts.iter().flat_map(|b| b.inputs.clone()).collect();
             assert_eq!(
                 joined, w.inputs,
@@ -503,9 +537,17 @@ mod tests {
         let mut classes = [0usize; 16];
         let mut all = Vec::new();
         for _ in 0..100 {
-            let (x, _) = a.next_batch();
-            assert_eq!(x, b.next_batch().0, "the same seed gives the same stream");
-            assert_ne!(starts(&x), starts(&other.next_batch().0), "seeds differ");
+            let (x, _) = a.next_batch().unwrap();
+            assert_eq!(
+                x,
+                b.next_batch().unwrap().0,
+                "the same seed gives the same stream"
+            );
+            assert_ne!(
+                starts(&x),
+                starts(&other.next_batch().unwrap().0),
+                "seeds differ"
+            );
             for r in 0..8 {
                 // Contiguous tokens: the targets are the inputs shifted by one.
                 assert_eq!(x.inputs[r * t + 1], x.targets[r * t]);
@@ -537,12 +579,16 @@ mod tests {
     fn random_windows_resume_rebatch_and_shard_like_aligned_ones() {
         let order = Order::with_windows(toks(5_000), 8, 11, Windows::Random);
         let mut one = Loader::new(order.clone(), 4, 3, Cursor::default());
-        let all: Vec<u32> = (0..6).flat_map(|_| one.next_batch().0.inputs).collect();
+        let all: Vec<u32> = (0..6)
+            .flat_map(|_| one.next_batch().unwrap().0.inputs)
+            .collect();
         let mut two = Loader::new(order.clone(), 4, 3, Cursor::default());
-        let mut seen: Vec<u32> = (0..2).flat_map(|_| two.next_batch().0.inputs).collect();
+        let mut seen: Vec<u32> = (0..2)
+            .flat_map(|_| two.next_batch().unwrap().0.inputs)
+            .collect();
         // Resume from a saved cursor at another batch size: the same stream.
         let mut three = Loader::new(order.clone(), 8, 1, two.cursor());
-        seen.extend((0..2).flat_map(|_| three.next_batch().0.inputs));
+        seen.extend((0..2).flat_map(|_| three.next_batch().unwrap().0.inputs));
         assert_eq!(seen, all);
         // Two ranks at B = 2 take disjoint rows of the stream one process at B = 4 reads.
         let mut ranks: Vec<Loader> = (0..2)
@@ -551,7 +597,7 @@ mod tests {
         let mut joined = Vec::new();
         for _ in 0..6 {
             for l in &mut ranks {
-                joined.extend(l.next_batch().0.inputs);
+                joined.extend(l.next_batch().unwrap().0.inputs);
             }
         }
         assert_eq!(joined, all);
@@ -564,15 +610,15 @@ mod tests {
         let b = EvalPlan::new(&val, 16, 4, 3);
         assert!(!a.whole);
         assert_eq!((a.windows(), a.tokens_scored()), (12, 12 * 16));
-        let sa: Vec<Batch> = a.batches(4).collect();
+        let sa: Vec<Batch> = a.batches(4).map(Result::unwrap).collect();
         assert_eq!(
             sa,
-            b.batches(4).collect::<Vec<_>>(),
+            b.batches(4).map(Result::unwrap).collect::<Vec<_>>(),
             "the same windows each time"
         );
         assert_eq!(sa.len(), 3);
         // Another batch size: the same windows.
-        let flat: Vec<u32> = a.batches(5).flat_map(|b| b.inputs).collect();
+        let flat: Vec<u32> = a.batches(5).flat_map(|b| b.unwrap().inputs).collect();
         assert_eq!(
             flat,
             sa.iter().flat_map(|b| b.inputs.clone()).collect::<Vec<_>>()
@@ -583,7 +629,7 @@ mod tests {
             let w = EvalPlan::new(&val, 16, 4, n);
             assert!(w.whole);
             assert_eq!(w.windows(), 250);
-            let s: Vec<u32> = w.batches(7).flat_map(|b| starts(&b)).collect();
+            let s: Vec<u32> = w.batches(7).flat_map(|b| starts(&b.unwrap())).collect();
             assert_eq!(s, (0..250).map(|i| i * 16).collect::<Vec<u32>>());
             assert!(w.describe().contains("4000 of 4001 val tokens"));
         }
@@ -609,6 +655,7 @@ mod tests {
             let plan = EvalPlan::new(&Tokens::from_vec(v), t, batch, n_batches);
             let per_window: Vec<f64> = plan
                 .batches(batch)
+                .map(Result::unwrap)
                 .flat_map(|b| {
                     b.targets
                         .chunks(t)

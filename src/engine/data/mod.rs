@@ -1,15 +1,16 @@
 //! Data: the built-in corpus, or text files tokenized (byte-level or a `tokenizer.json`) into
 //! packed token shards (u16 when the vocabulary fits, else u32) cached beside the data with a
-//! manifest, memory-mapped at training time. `loader` turns splits into batches.
+//! manifest, checked at open and read by position at training time (`shard`). `loader` turns
+//! splits into batches.
 
 pub mod builtin;
 pub mod loader;
 mod prepare;
+mod shard;
 
 pub use prepare::{prepare, prepare_with, prepare_with_progress, PrepareProgress};
 
 use crate::config::Config;
-use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,6 +34,10 @@ pub enum DataError {
     /// `data.doc_separator`).
     #[error("{path}: {message}")]
     Input { path: String, message: String },
+    /// A token cache that is not what its manifest describes (truncated, overwritten,
+    /// changed while in use), named by its file.
+    #[error("token cache {path}: {message}")]
+    Cache { path: String, message: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
@@ -42,11 +47,11 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
     }
 }
 
-/// Where tokens live: in memory (the built-in corpus) or in a memory-mapped shard.
+/// Where tokens live: in memory (the built-in corpus) or in a shard on disk.
 #[derive(Clone)]
 enum Store {
     Owned(Arc<Vec<u32>>),
-    Mapped { map: Arc<Mmap>, width: usize },
+    File(Arc<shard::Shard>),
 }
 
 /// A contiguous run of tokens.
@@ -86,21 +91,18 @@ impl Tokens {
             len: len.min(self.len - start),
         }
     }
-    /// Append tokens `[start, start+n)` to `out`.
-    pub fn extend_into(&self, start: usize, n: usize, out: &mut Vec<u32>) {
+    /// Append tokens `[start, start+n)` to `out` (clipped to the tokens there are). A shard
+    /// on disk that changed since it was opened is an error naming it.
+    pub fn extend_into(&self, start: usize, n: usize, out: &mut Vec<u32>) -> Result<(), DataError> {
+        let start = start.min(self.len);
+        let n = n.min(self.len - start);
         let a = self.start + start;
         match &self.store {
-            Store::Owned(v) => out.extend_from_slice(&v[a..a + n]),
-            Store::Mapped { map, width: 2 } => out.extend(
-                map[a * 2..(a + n) * 2]
-                    .chunks_exact(2)
-                    .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32),
-            ),
-            Store::Mapped { map, .. } => out.extend(
-                map[a * 4..(a + n) * 4]
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            ),
+            Store::Owned(v) => {
+                out.extend_from_slice(&v[a..a + n]);
+                Ok(())
+            }
+            Store::File(s) => s.read(a, n, out),
         }
     }
 }
@@ -150,20 +152,12 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
         });
     }
     let prepared = prepare_with(cfg, special)?;
-    // The cache's manifest is a file anyone can edit: its numbers are checked before use.
     let m = &prepared.manifest;
-    if !matches!(m.width, 2 | 4) || m.vocab_size == 0 || m.vocab_size > 1 << 24 {
-        return Err(DataError::Shard {
-            path: prepared.dir.join("manifest.json").display().to_string(),
-            message: format!(
-                "width {} and vocab_size {}: not a cache cockpit wrote (width 2 or 4, vocab_size 1 to 16777216); delete the directory to rebuild it",
-                m.width, m.vocab_size
-            ),
-        });
-    }
-    let train = map_shard(&prepared.dir.join("train.bin"), prepared.manifest.width)?;
+    let train = open_shard(&prepared.dir.join("train.bin"), m, m.train_tokens)?;
+    let mut warnings = prepared.notes.clone();
+    warnings.extend(m.warnings.iter().cloned());
     let val = if prepared.manifest.val_tokens > 0 {
-        map_shard(&prepared.dir.join("val.bin"), prepared.manifest.width)?
+        open_shard(&prepared.dir.join("val.bin"), m, m.val_tokens)?
     } else {
         let n = train.len();
         let n_val = ((n as f64 * d.val_fraction) as usize).max(cfg.model.seq_len + 1);
@@ -177,7 +171,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
             vocab_size: prepared.manifest.vocab_size,
             entropy_floor_bpt: None,
             description: prepared.describe(),
-            warnings: prepared.manifest.warnings.clone(),
+            warnings,
         });
     };
     Ok(Dataset {
@@ -186,7 +180,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
         vocab_size: prepared.manifest.vocab_size,
         entropy_floor_bpt: None,
         description: prepared.describe(),
-        warnings: prepared.manifest.warnings.clone(),
+        warnings,
     })
 }
 
@@ -218,22 +212,11 @@ pub fn too_small(cfg: &Config, train: usize, val: usize) -> String {
     }
 }
 
-fn map_shard(path: &Path, width: usize) -> Result<Tokens, DataError> {
-    let file = std::fs::File::open(path).map_err(io_err(path))?;
-    // SAFETY: the shard is written once (temp + rename) and never modified in place afterwards.
-    let map = unsafe { Mmap::map(&file) }.map_err(io_err(path))?;
-    if map.len() % width != 0 {
-        return Err(DataError::Shard {
-            path: path.display().to_string(),
-            message: format!("size {} is not a multiple of {width}", map.len()),
-        });
-    }
-    let len = map.len() / width;
+fn open_shard(path: &Path, m: &Manifest, tokens: u64) -> Result<Tokens, DataError> {
+    let shard = shard::Shard::open(path, m.width, tokens, m.vocab_size)?;
+    let len = shard.len;
     Ok(Tokens {
-        store: Store::Mapped {
-            map: Arc::new(map),
-            width,
-        },
+        store: Store::File(Arc::new(shard)),
         start: 0,
         len,
     })
@@ -253,6 +236,11 @@ pub struct Manifest {
     pub width: usize,
     pub train_tokens: u64,
     pub val_tokens: u64,
+    /// Fingerprints of `train.bin` and `val.bin` (CRC32C, see `shard`), checked at open.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_crc32c: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_crc32c: Option<u32>,
     /// Put before each document when packing (a base model's BOS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bos: Option<u32>,
@@ -284,6 +272,8 @@ pub struct Prepared {
     pub manifest: Manifest,
     /// True when the shards were already cached.
     pub cached: bool,
+    /// What the prepare found worth a warning (a cache that failed its check and was rebuilt).
+    pub notes: Vec<String>,
 }
 
 impl Prepared {
@@ -332,7 +322,8 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
             if path.file_name().is_some_and(|n| n != CACHE_DIR) {
                 walk(&path, out)?;
             }
-        } else {
+        } else if path.is_file() {
+            // (a FIFO or a device would block or never end: not data)
             out.push(path);
         }
     }
@@ -359,6 +350,12 @@ impl Tok {
     pub fn open(spec: &str) -> Result<Tok, DataError> {
         if spec == "byte" {
             return Ok(Tok::Byte);
+        }
+        if let Err(e) = crate::util::open_regular(Path::new(spec)) {
+            return Err(DataError::Tokenizer {
+                path: spec.to_string(),
+                message: e.to_string(),
+            });
         }
         tokenizers::Tokenizer::from_file(spec)
             .map(|t| Tok::Hf(Box::new(t)))

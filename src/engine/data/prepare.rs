@@ -8,7 +8,7 @@
 //! changed since the last prepare.
 
 use super::{
-    io_err, list_files, DataError, Manifest, Prepared, SourceFile, Special, Tok, CACHE_DIR,
+    io_err, list_files, shard, DataError, Manifest, Prepared, SourceFile, Special, Tok, CACHE_DIR,
 };
 use crate::config::Config;
 use crate::util::{atomic_write, hex};
@@ -116,20 +116,28 @@ pub fn prepare_with_progress(
     let key = hex(&h.finalize())[..16].to_string();
     let dir = cache_root.join(&key);
     let manifest_path = dir.join("manifest.json");
+    let vocab_size = tok.vocab_size();
+    let width = if vocab_size <= 1 << 16 { 2 } else { 4 };
+    let mut notes = Vec::new();
     if let Ok(text) = std::fs::read_to_string(&manifest_path) {
         if let Ok(m) = serde_json::from_str::<Manifest>(&text) {
             if m.key == key && m.sources == sources && m.val_sources == val_sources {
-                return Ok(Prepared {
-                    dir,
-                    manifest: m,
-                    cached: true,
-                });
+                // The sources are here: a cache that fails its check is rebuilt.
+                match cache_problem(&dir, &m, (vocab_size, width)) {
+                    None => {
+                        return Ok(Prepared {
+                            dir,
+                            manifest: m,
+                            cached: true,
+                            notes,
+                        })
+                    }
+                    Some(why) => notes.push(format!("token cache rebuilt: {why}")),
+                }
             }
         }
     }
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-    let vocab_size = tok.vocab_size();
-    let width = if vocab_size <= 1 << 16 { 2 } else { 4 };
     let total = sources.iter().chain(&val_sources).map(|s| s.bytes).sum();
     let mut packer = Packer {
         tok: &tok,
@@ -159,8 +167,14 @@ pub fn prepare_with_progress(
     } else {
         packer.pack(&val_files, &dir.join("val.bin"), ("data.val", &d.val))?
     };
+    let fingerprint = |tokens: u64, name: &str| -> Result<Option<u32>, DataError> {
+        if tokens == 0 {
+            return Ok(None);
+        }
+        Ok(Some(shard::fingerprint_path(&dir.join(name))?.1))
+    };
     let manifest = Manifest {
-        version: 2,
+        version: 3,
         key,
         sources,
         val_sources,
@@ -170,6 +184,8 @@ pub fn prepare_with_progress(
         width,
         train_tokens,
         val_tokens,
+        train_crc32c: fingerprint(train_tokens, "train.bin")?,
+        val_crc32c: fingerprint(val_tokens, "val.bin")?,
         bos: special.bos,
         eos: special.eos,
         documents: packer.documents,
@@ -185,6 +201,34 @@ pub fn prepare_with_progress(
         dir,
         manifest,
         cached: false,
+        notes,
+    })
+}
+
+/// Why the cache in `dir` cannot be used as its manifest `m` describes it (a vocabulary or
+/// width other than the tokenizer's `want`, a shard of another size or content), or None
+/// when it can.
+fn cache_problem(dir: &Path, m: &Manifest, want: (usize, usize)) -> Option<String> {
+    if (m.vocab_size, m.width) != want {
+        return Some(format!(
+            "{}: vocab_size {} and width {} where the tokenizer gives {} and {}",
+            dir.join("manifest.json").display(),
+            m.vocab_size,
+            m.width,
+            want.0,
+            want.1
+        ));
+    }
+    shard::mismatch(
+        &dir.join("train.bin"),
+        m.train_tokens,
+        m.width,
+        m.train_crc32c,
+    )
+    .or_else(|| {
+        (m.val_tokens > 0)
+            .then(|| shard::mismatch(&dir.join("val.bin"), m.val_tokens, m.width, m.val_crc32c))
+            .flatten()
     })
 }
 
@@ -336,7 +380,7 @@ impl Packer<'_> {
     /// skipped with a warning.
     fn text_file(&mut self, f: &Path) -> Result<(), DataError> {
         let path: std::sync::Arc<str> = f.display().to_string().into();
-        let mut file = File::open(f).map_err(io_err(f))?;
+        let mut file = crate::util::open_regular(f).map_err(io_err(f))?;
         let mut buf: Vec<u8> = Vec::with_capacity(2 * PIECE);
         // Leading whitespace-only pieces wait until the document shows some text.
         let mut waiting: Vec<Job> = Vec::new();
@@ -398,7 +442,7 @@ impl Packer<'_> {
     /// that is not an object with a string `text` is an error naming the file and line.
     fn jsonl(&mut self, f: &Path) -> Result<(), DataError> {
         let path: std::sync::Arc<str> = f.display().to_string().into();
-        let file = File::open(f).map_err(io_err(f))?;
+        let file = crate::util::open_regular(f).map_err(io_err(f))?;
         let mut reader = BufReader::with_capacity(1 << 20, file);
         let mut line = Vec::new();
         let (mut docs, mut blank_docs) = (0u64, 0u64);
@@ -566,7 +610,7 @@ impl HashCache {
                 return Ok((e.sha256.clone(), e.bytes));
             }
         }
-        let mut file = File::open(path).map_err(io_err(path))?;
+        let mut file = crate::util::open_regular(path).map_err(io_err(path))?;
         let mut h = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
         let mut bytes = 0u64;

@@ -32,6 +32,7 @@ impl Trainer {
         let mut per_window = Vec::with_capacity(self.val.windows());
         let plan = self.val.clone();
         for b in plan.batches(self.micro_batch) {
+            let b = Self::keep_fault(&mut self.data_fault, b)?;
             per_window.extend(self.eval_windows(&b)?);
         }
         let (val_loss, se) = mean_se(&per_window);

@@ -2,10 +2,41 @@
 //! at the first step), else the per-op candle path.
 
 use super::Trainer;
+use crate::engine::data::loader::Batch;
+use crate::engine::data::DataError;
+use crate::engine::EngineError;
 use candle_core::Tensor;
 use std::time::Duration;
 
 impl Trainer {
+    /// The loader's next batch; a token cache that cannot be read is kept in `data_fault`
+    /// (see [`Self::step_error`]).
+    pub(super) fn next_batch(&mut self) -> candle_core::Result<(Batch, Duration)> {
+        let r = self.loader.next_batch();
+        Self::keep_fault(&mut self.data_fault, r)
+    }
+
+    /// `r`, its data error (if any) kept in `fault` and handed on as a tensor error.
+    pub(super) fn keep_fault<T>(
+        fault: &mut Option<DataError>,
+        r: Result<T, DataError>,
+    ) -> candle_core::Result<T> {
+        r.map_err(|e| {
+            let msg = e.to_string();
+            *fault = Some(e);
+            candle_core::Error::Msg(msg)
+        })
+    }
+
+    /// The error a failed step or eval ends the run with: the data's own, when a token cache
+    /// failed, else `e`.
+    pub(super) fn step_error(&mut self, e: impl Into<EngineError>) -> EngineError {
+        match self.data_fault.take() {
+            Some(d) => d.into(),
+            None => e.into(),
+        }
+    }
+
     /// One optimizer step's forward/backward over `accum` micro-batches.
     /// Returns (mean CE, Σw² value, grads, data wait, compute time).
     pub(super) fn forward_backward(

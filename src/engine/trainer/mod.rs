@@ -111,6 +111,9 @@ struct Trainer {
     whole_step_tried: bool,
     /// Why a CUDA run takes the per-op path (said once, as a warning, after the first step).
     per_op_reason: Option<String>,
+    /// A token cache that failed mid-step (its error goes out as itself, exit code 2, not as
+    /// the tensor error the step's signature carries).
+    data_fault: Option<data::DataError>,
     /// `eval.sample_tokens`: the prompt's ids and the tokenizer that shows the text (None:
     /// the built-in corpus, shown as ids).
     sample: Option<(Vec<u32>, Option<data::Tok>)>,

@@ -25,7 +25,7 @@ impl Trainer {
             // Dropout masks depend only on (seed, step, micro-batch): a resumed run draws the same.
             let seed = crate::engine::dropout::micro_seed(self.cfg.run.seed, self.step, a);
             self.model.reseed_dropout(seed);
-            let (batch, w) = self.loader.next_batch();
+            let (batch, w) = self.next_batch()?;
             wait += w;
             let (x, y) = self.batch_tensors(&batch)?;
             let ce = self.model.loss(&x, &y, true)?;

@@ -135,6 +135,9 @@ impl Trainer {
                 }
                 // Out of memory: a smaller micro-batch, and the step redone.
                 Err(e) => {
+                    if self.data_fault.is_some() {
+                        return Err(self.step_error(e));
+                    }
                     self.redo_after_oom(e, &mut prev_batch, step_cursor, out)?;
                     continue;
                 }
@@ -235,7 +238,7 @@ impl Trainer {
                 self.full_masters()?;
             }
             if eval_due && self.rank == 0 {
-                let ev = self.evaluate()?;
+                let ev = self.evaluate().map_err(|e| self.step_error(e))?;
                 if self.best_val.is_none_or(|b| ev.val_loss < b) {
                     self.best_val = Some(ev.val_loss);
                 }

@@ -111,6 +111,7 @@ impl Trainer {
             },
         };
         let spec = ModelSpec::from_config(&cfg, vocab);
+        check_lora_rank(&spec)?;
         check_fits(&cfg, &spec, &device, store.dtype)?;
         let mut model = Model::new_with(spec.clone(), dtype, &device, cfg.run.seed, store)?;
         if let Some((key, b)) = &base {
@@ -233,7 +234,7 @@ impl Trainer {
                 _ => {
                     let n = (cfg.model.seq_len / 2).clamp(1, 16);
                     let mut v = Vec::with_capacity(n);
-                    dataset.val.extend_into(0, n.min(dataset.val.len()), &mut v);
+                    dataset.val.extend_into(0, n, &mut v)?;
                     v
                 }
             };
@@ -293,6 +294,7 @@ impl Trainer {
             whole_step: None,
             whole_step_tried: false,
             per_op_reason: None,
+            data_fault: None,
             sample,
             weights_copied: false,
             time_due: false,
@@ -356,4 +358,39 @@ fn check_fits(
         if device.is_cuda() { "GPU" } else { "machine" },
         gb(free as f64)
     )))
+}
+
+/// `lora.r` is at most the smallest width of an adapted layer (a larger rank adds nothing but
+/// memory: B·A cannot have a rank above min(in, out)).
+fn check_lora_rank(spec: &ModelSpec) -> Result<(), EngineError> {
+    let Some(lora) = &spec.lora else {
+        return Ok(());
+    };
+    let (d, q, kv, h) = (
+        spec.n_embd,
+        spec.n_head * spec.head_dim,
+        spec.n_kv_head * spec.head_dim,
+        spec.hidden,
+    );
+    let widths = |t: &str| match t {
+        "q" | "o" => Some(d.min(q)),
+        "k" | "v" => Some(d.min(kv)),
+        "up" | "gate" | "down" => Some(d.min(h)),
+        _ => None,
+    };
+    let Some((target, max)) = lora
+        .targets
+        .iter()
+        .filter_map(|t| widths(t).map(|w| (t, w)))
+        .min_by_key(|(_, w)| *w)
+    else {
+        return Ok(());
+    };
+    if lora.r > max {
+        return Err(EngineError::Config(format!(
+            "lora.r = {}: larger than the adapted layers allow (at most {max}, the smallest width of lora.targets' \"{target}\" in this model: n_embd {d}, attention {q}, key/value {kv}, MLP {h})",
+            lora.r
+        )));
+    }
+    Ok(())
 }

@@ -38,7 +38,7 @@ impl Trainer {
         // the gradients over the ranks as it goes.
         let summed = whole.overlaps_grad_sums();
         for a in 0..self.accum {
-            let (batch, w) = self.loader.next_batch();
+            let (batch, w) = Self::keep_fault(&mut self.data_fault, self.loader.next_batch())?;
             wait += w;
             // The same masks as the per-op path draws (a pure function of this seed).
             whole.set_dropout_seed(crate::engine::dropout::micro_seed(
