@@ -342,3 +342,51 @@ fn a_config_and_its_hugging_face_config_give_one_spec() {
         assert_eq!(from_hf, from_config, "{model_type}: {json}");
     }
 }
+
+/// Keys that do not change the computation (metadata, token ids, loading hints) are accepted
+/// and ignored: the model computes what it computed without them. Any other unknown key still
+/// refuses the model, naming the file, the key and its value.
+#[test]
+fn bookkeeping_keys_are_accepted_and_other_unknown_keys_refused() {
+    let want = expected(&fixture("llama3")).loss;
+    let real = variant("llama3", |c| {
+        let o = c.as_object_mut().unwrap();
+        for (k, v) in [
+            (
+                "_name_or_path",
+                serde_json::json!("meta-llama/Llama-3.2-1B"),
+            ),
+            ("_attn_implementation_autoset", true.into()),
+            ("unk_token_id", 0.into()),
+            ("mask_token_id", serde_json::Value::Null),
+            ("transformers_version", "4.45.0".into()),
+            ("torch_dtype", "bfloat16".into()),
+            ("use_cache", false.into()),
+            ("initializer_range", 0.5.into()),
+            (
+                "auto_map",
+                serde_json::json!({"AutoConfig": "configuration.Config"}),
+            ),
+            ("attention_dropout", 0.1.into()),
+        ] {
+            o.insert(k.into(), v);
+        }
+    });
+    assert!((loss_of(real.path()) - want).abs() < 1e-4);
+    for (key, value) in [
+        ("some_new_switch", serde_json::json!(3)),
+        (
+            "layer_types",
+            serde_json::json!(["full_attention", "full_attention"]),
+        ),
+        ("attn_logit_softcapping", serde_json::json!(50.0)),
+    ] {
+        let dir = variant("llama3", |c| c[key] = value.clone());
+        let err = load_err(dir.path());
+        assert!(
+            err.contains("config.json")
+                && err.contains(&format!("{key} = {value}: a key cockpit does not know")),
+            "{key}: {err}"
+        );
+    }
+}
