@@ -4,7 +4,7 @@
 use super::config_keys::Keys;
 use super::rope::rope;
 use super::HfInfo;
-use crate::config::{Activation, Arch, ModelConfig, Norm, PosEncoding, RopeScaling};
+use crate::config::{Activation, Arch, BlockLayout, ModelConfig, Norm, PosEncoding, RopeScaling};
 use serde_json::{Map, Value};
 
 /// A Llama-like config.json into the model cockpit computes (and Mistral's window).
@@ -24,7 +24,9 @@ pub(super) fn parse(
     let (default_eps, default_tie, default_max) = match model_type {
         "llama" => (1e-6, false, 2048),
         "mistral" => (1e-6, false, 4096 * 32),
-        "qwen2" => (1e-6, false, 32768),
+        "qwen2" | "qwen3" => (1e-6, false, 32768),
+        "olmo2" => (1e-5, false, 2048),
+        "phi3" => (1e-5, false, 4096),
         _ => (1e-6, false, 2048),
     };
     let n_embd = k.usize("hidden_size", None)?;
@@ -36,11 +38,28 @@ pub(super) fn parse(
             "num_key_value_heads = {n_kv}: must divide num_attention_heads ({n_head})"
         ));
     }
-    let head_dim = k.usize("head_dim", Some(n_embd / n_head))?;
-    let (theta, scaling) = rope(k, 10000.0)?;
+    let default_head_dim = match model_type {
+        "qwen3" => super::qwen3::DEFAULT_HEAD_DIM,
+        _ => n_embd / n_head,
+    };
+    let head_dim = k.usize("head_dim", Some(default_head_dim))?;
+    let (theta, scaling, partial) = rope(k, 10000.0)?;
+    let rotary_dim = if partial == 1.0 {
+        0
+    } else if model_type == "phi3" {
+        super::phi3::rotary_dim(head_dim, partial)?
+    } else {
+        return Err(format!(
+            "partial_rotary_factor = {partial}: not supported for {model_type} (supported: 1; RoPE on whole heads)"
+        ));
+    };
     let max_pos = k.usize("max_position_embeddings", Some(default_max))?;
     let (mut bias, mut qkv_bias) = (false, false);
+    let mut layout = BlockLayout::default();
     match model_type {
+        "qwen3" => layout = super::qwen3::layout(k)?,
+        "phi3" => *sliding_window = super::phi3::window(k)?,
+        "olmo2" => layout = super::olmo2::layout(k)?,
         "llama" | "granite" => {
             let attn = k.bool("attention_bias", false)?;
             let mlp = k.bool("mlp_bias", false)?;
@@ -85,6 +104,10 @@ pub(super) fn parse(
         head_dim,
         qkv_bias,
         rope_scaling: scaling,
+        layout: BlockLayout {
+            rotary_dim,
+            ..layout
+        },
         ..ModelConfig::default()
     };
     if model_type == "granite" {
@@ -110,6 +133,9 @@ pub(super) fn config_json(
         "mistral" => "MistralForCausalLM",
         "qwen2" => "Qwen2ForCausalLM",
         "granite" => "GraniteForCausalLM",
+        "qwen3" => super::qwen3::ARCHITECTURE,
+        "olmo2" => super::olmo2::ARCHITECTURE,
+        "phi3" => super::phi3::ARCHITECTURE,
         _ => "LlamaForCausalLM",
     };
     o.insert("architectures".into(), serde_json::json!([arch]));
@@ -151,6 +177,9 @@ pub(super) fn config_json(
         "qwen2" => {
             o.insert("use_sliding_window".into(), Value::Bool(false));
         }
+        "qwen3" => super::qwen3::config_json(o),
+        "olmo2" => super::olmo2::config_json(o),
+        "phi3" => super::phi3::config_json(m, base, o),
         "mistral" => {
             let w = base.and_then(|b| b.sliding_window);
             o.insert("sliding_window".into(), serde_json::json!(w));

@@ -3,14 +3,15 @@
 //! (one file or shards through `model.safetensors.index.json`; f32, bf16 or f16), and the same
 //! layout written back for `cockpit export`.
 //!
-//! Over 1,000 lines for now: the per-family config readers and weight-name maps still live
-//! here side by side; the model-family issue (Qwen3, Gemma 3, Phi-3, OLMo 2) splits them into
-//! one file per family under `hf/`, which is where a new family goes.
+//! One file per family (`llama.rs` also reads `mistral`, `qwen2` and `granite`; `gpt2.rs`,
+//! `qwen3.rs`, `olmo2.rs`), the keys every config may carry in `config_keys.rs`, RoPE in
+//! `rope.rs`, safetensors in `weights.rs`: a new family goes in its own file.
 //!
 //! Supported: `llama` (2 and 3.x; rope_scaling linear and llama3; head_dim; tied or not),
 //! `mistral` (sliding windows only where they change nothing), `qwen2` (q/k/v biases),
-//! `gpt2` (Conv1D weights stored transposed, learned positions, tied head) and `granite`
-//! (dense: embedding/attention/residual multipliers and logits scaling).
+//! `qwen3` (per-head QK-norm), `olmo2` (post-norm, whole-projection QK-norm), `gpt2` (Conv1D
+//! weights stored transposed, learned positions, tied head) and `granite` (dense:
+//! embedding/attention/residual multipliers and logits scaling).
 
 use super::checkpoint::CheckpointError;
 use crate::config::{Activation, ModelConfig, Norm, PosEncoding};
@@ -20,7 +21,9 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 /// The model types cockpit imports and exports.
-pub const MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "gpt2", "granite"];
+pub const MODEL_TYPES: &[&str] = &[
+    "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gpt2", "granite",
+];
 
 /// What a Hugging Face directory says beyond the model's arithmetic.
 #[derive(Clone, Debug, PartialEq)]
@@ -45,6 +48,9 @@ fn corrupt(path: &Path, message: impl Into<String>) -> CheckpointError {
 mod config_keys;
 mod gpt2;
 mod llama;
+mod olmo2;
+mod phi3;
+mod qwen3;
 mod rope;
 mod weights;
 
@@ -183,10 +189,10 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, HfInfo), CheckpointError>
 pub fn load(dir: &Path) -> Result<(ModelConfig, HfInfo, HashMap<String, Tensor>), CheckpointError> {
     let (model, info) = read_config(dir)?;
     let tensors = read_tensors(dir)?;
-    let mut tensors = if info.model_type == "gpt2" {
-        gpt2::from_gpt2(tensors, &model, dir)?
-    } else {
-        tensors
+    let mut tensors = match info.model_type.as_str() {
+        "gpt2" => gpt2::from_gpt2(tensors, &model, dir)?,
+        "phi3" => phi3::split_fused(tensors, &model, dir)?,
+        _ => tensors,
     };
     drop_rotary_buffers(&mut tensors);
     drop_tied_head(&mut tensors, model.tie_embeddings, dir)?;
@@ -202,9 +208,11 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
         || m.attention_multiplier != 0.0
         || m.residual_multiplier != 1.0
         || m.logits_scaling != 1.0;
+    let plain = m.layout.is_plain();
     let fits = |t: &str| match t {
         "gpt2" => {
-            m.norm == Norm::LayerNorm
+            plain
+                && m.norm == Norm::LayerNorm
                 && m.pos == PosEncoding::Learned
                 && m.activation == Activation::Gelu
                 && m.bias
@@ -216,27 +224,33 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
                 && m.logits_scaling == 1.0
         }
         "llama" | "mistral" => {
-            llama_like && !m.qkv_bias && !multipliers && (t == "llama" || !m.bias)
+            plain && llama_like && !m.qkv_bias && !multipliers && (t == "llama" || !m.bias)
         }
-        "qwen2" => llama_like && m.qkv_bias && !m.bias && !multipliers,
-        "granite" => llama_like && !m.qkv_bias,
+        "qwen2" => plain && llama_like && m.qkv_bias && !m.bias && !multipliers,
+        "granite" => plain && llama_like && !m.qkv_bias,
+        "qwen3" => llama_like && !m.qkv_bias && !m.bias && !multipliers && qwen3::fits(m),
+        "olmo2" => llama_like && !m.qkv_bias && !m.bias && !multipliers && olmo2::fits(m),
+        "phi3" => llama_like && !m.qkv_bias && !m.bias && !multipliers && phi3::fits(m),
         _ => false,
     };
     if let Some(p) = prefer.filter(|p| fits(p)) {
         return Ok(p.to_string());
     }
-    if let Some(t) = ["gpt2", "llama", "qwen2", "granite"]
-        .into_iter()
-        .find(|t| fits(t))
+    if let Some(t) = [
+        "gpt2", "llama", "qwen2", "granite", "qwen3", "olmo2", "phi3",
+    ]
+    .into_iter()
+    .find(|t| fits(t))
     {
         return Ok(t.to_string());
     }
     Err(format!(
-        "no Hugging Face model_type computes this model ({:?} norm, {:?} positions, {:?} MLP{}): gpt2 needs layernorm + learned positions + gelu with biases; llama, mistral, qwen2 and granite need rmsnorm + rope + swiglu",
+        "no Hugging Face model_type computes this model ({:?} norm, {:?} positions, {:?} MLP{}, {:?}): gpt2 needs layernorm + learned positions + gelu with biases; llama, mistral, qwen2 and granite need rmsnorm + rope + swiglu; qwen3 adds per-head QK-norm, olmo2 whole-projection QK-norm and post-norm, phi3 partial rotary, without biases",
         m.norm,
         m.pos,
         m.activation,
-        if m.qkv_bias { ", q/k/v biases" } else { "" }
+        if m.qkv_bias { ", q/k/v biases" } else { "" },
+        m.layout
     ))
 }
 
@@ -282,10 +296,11 @@ pub fn to_hf_names(
     model_type: &str,
     n_layer: usize,
 ) -> candle_core::Result<Vec<(String, Tensor)>> {
-    if model_type != "gpt2" {
-        return Ok(tensors);
+    match model_type {
+        "gpt2" => gpt2::to_hf_names(tensors, n_layer),
+        "phi3" => phi3::to_hf_names(tensors, n_layer),
+        _ => Ok(tensors),
     }
-    gpt2::to_hf_names(tensors, n_layer)
 }
 
 /// Tokenizer files transformers reads beside the model.

@@ -7,12 +7,15 @@ use std::collections::HashSet;
 
 /// RoPE θ and scaling from `rope_theta` + `rope_scaling` (transformers 4) or
 /// `rope_parameters` (transformers 5).
-pub(super) fn rope(k: &mut Keys, default_theta: f64) -> Result<(f64, RopeScaling), String> {
+/// Also `partial_rotary_factor` (top level, or in `rope_parameters` as transformers 5 writes
+/// it; 1 where absent).
+pub(super) fn rope(k: &mut Keys, default_theta: f64) -> Result<(f64, RopeScaling, f64), String> {
     let legacy_theta = k.f64("rope_theta", default_theta)?;
+    let legacy_partial = k.f64("partial_rotary_factor", 1.0)?;
     let (obj, name) = match (k.get("rope_parameters"), k.get("rope_scaling")) {
         (Some(p), _) => (p, "rope_parameters"),
         (None, Some(s)) => (s, "rope_scaling"),
-        (None, None) => return Ok((legacy_theta, RopeScaling::None)),
+        (None, None) => return Ok((legacy_theta, RopeScaling::None, legacy_partial)),
     };
     let map = obj
         .as_object()
@@ -29,6 +32,7 @@ pub(super) fn rope(k: &mut Keys, default_theta: f64) -> Result<(f64, RopeScaling
         }
     };
     let theta = num("rope_theta")?.unwrap_or(legacy_theta);
+    let partial = num("partial_rotary_factor")?.unwrap_or(legacy_partial);
     let need = |v: Option<f64>, key: &str| v.ok_or_else(|| format!("{name}.{key}: missing"));
     let kind = map
         .get("rope_type")
@@ -64,5 +68,5 @@ pub(super) fn rope(k: &mut Keys, default_theta: f64) -> Result<(f64, RopeScaling
             ));
         }
     }
-    Ok((theta, scaling))
+    Ok((theta, scaling, partial))
 }
