@@ -58,6 +58,9 @@ pub(super) fn config_json(m: &ModelConfig, base: Option<&HfInfo>, o: &mut Map<St
         "partial_rotary_factor".into(),
         serde_json::json!(rotary as f64 / hd as f64),
     );
+    // Phi3Config's default pad_token_id (32000) lies outside small vocabularies: say none
+    // (the base's own, when it has one, is written after this).
+    o.insert("pad_token_id".into(), Value::Null);
     let w = base.and_then(|b| b.sliding_window);
     o.insert("sliding_window".into(), serde_json::json!(w));
 }
