@@ -185,6 +185,7 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, HfInfo), CheckpointError>
     Ok((model, info))
 }
 
+/// Load a Hugging Face directory: the model it describes (seq_len = its longest context) and
 /// its weights under cockpit's names, on the CPU in their stored dtype.
 pub fn load(dir: &Path) -> Result<(ModelConfig, HfInfo, HashMap<String, Tensor>), CheckpointError> {
     let (model, info) = read_config(dir)?;

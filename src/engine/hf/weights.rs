@@ -138,8 +138,6 @@ pub(super) fn drop_rotary_buffers(tensors: &mut HashMap<String, Tensor>) {
     tensors.retain(|k, _| !k.ends_with(".rotary_emb.inv_freq"));
 }
 
-/// Load a Hugging Face directory: the model it describes (seq_len = its longest context) and
-
 /// Write tensors as `model.safetensors`, or as shards of at most `max_shard_bytes` with
 /// `model.safetensors.index.json` when they do not fit in one.
 pub fn write_weights(
