@@ -188,3 +188,29 @@ pub(super) fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<u32>, String
         Some(other) => Err(format!("{key} = {other}: expected a token id or a list")),
     }
 }
+
+/// Qwen2 and Qwen3: sliding windows off, so that every layer attends to the whole sequence.
+pub(super) fn full_attention_only(k: &mut Keys) -> Result<(), String> {
+    let sw = k.bool("use_sliding_window", false)?;
+    k.require(
+        "use_sliding_window",
+        sw,
+        false,
+        "cockpit has no sliding-window attention for this model type",
+    )?;
+    // Without use_sliding_window transformers sets no window, whatever these say.
+    k.get("sliding_window");
+    k.get("max_window_layers");
+    if let Some(types) = k.get("layer_types") {
+        let all_full = types
+            .as_array()
+            .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
+        if !all_full {
+            return Err(format!(
+                "layer_types = {types}: only \"full_attention\" layers are supported for {}",
+                k.model_type
+            ));
+        }
+    }
+    Ok(())
+}

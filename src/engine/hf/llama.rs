@@ -1,7 +1,7 @@
 //! The Llama family: `llama`, `mistral`, `qwen2` and `granite` (RMSNorm, RoPE, SwiGLU,
 //! grouped-query attention), and the families built on it.
 
-use super::config_keys::Keys;
+use super::config_keys::{full_attention_only, Keys};
 use super::rope::rope;
 use super::HfInfo;
 use crate::config::{Activation, Arch, BlockLayout, ModelConfig, Norm, PosEncoding, RopeScaling};
@@ -206,30 +206,4 @@ pub(super) fn config_json(
         );
         o.insert("logits_scaling".into(), serde_json::json!(m.logits_scaling));
     }
-}
-
-/// Qwen2 and Qwen3: sliding windows off, so that every layer attends to the whole sequence.
-pub(super) fn full_attention_only(k: &mut Keys) -> Result<(), String> {
-    let sw = k.bool("use_sliding_window", false)?;
-    k.require(
-        "use_sliding_window",
-        sw,
-        false,
-        "cockpit has no sliding-window attention for this model type",
-    )?;
-    // Without use_sliding_window transformers sets no window, whatever these say.
-    k.get("sliding_window");
-    k.get("max_window_layers");
-    if let Some(types) = k.get("layer_types") {
-        let all_full = types
-            .as_array()
-            .is_some_and(|a| a.iter().all(|t| t.as_str() == Some("full_attention")));
-        if !all_full {
-            return Err(format!(
-                "layer_types = {types}: only \"full_attention\" layers are supported for {}",
-                k.model_type
-            ));
-        }
-    }
-    Ok(())
 }

@@ -1,8 +1,7 @@
 //! Qwen3 (dense): the Llama block with RMSNorm on each head's q and k before RoPE
 //! (`self_attn.q_norm`, `self_attn.k_norm`, `[head_dim]`), an explicit head_dim, no biases.
 
-use super::config_keys::Keys;
-use super::llama::full_attention_only;
+use super::config_keys::{full_attention_only, Keys};
 use crate::config::{BlockLayout, ModelConfig, QkNorm};
 use serde_json::{Map, Value};
 
