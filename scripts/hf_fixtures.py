@@ -10,6 +10,7 @@ Needs torch, transformers and tokenizers (CI does not run this; the outputs are 
     python3 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers safetensors peft
     /tmp/hfvenv/bin/python scripts/hf_fixtures.py [OUT_DIR]
 
+`--only NAME[,NAME…] [OUT_DIR]` remakes those fixtures alone.
 `--check-export DIR [FIXTURE]` loads a directory written by `cockpit export` with
 AutoModelForCausalLM and prints its loss and greedy tokens on the fixture's sequence, beside the
 fixture's own; `--check-adapter ADAPTER_DIR BASE_DIR MERGED_DIR` loads an `export --adapter`
@@ -95,6 +96,22 @@ def configs(vocab, bos, eos):
             num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
             embedding_multiplier=4.0, attention_multiplier=0.125, residual_multiplier=0.5,
             logits_scaling=2.0, tie_word_embeddings=False, **common)),
+        # Qwen3: per-head RMSNorm on q and k before RoPE, head_dim·heads ≠ hidden, GQA, tied.
+        "qwen3": ("bf16", None, transformers.Qwen3Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0,
+            tie_word_embeddings=True, use_sliding_window=False, **common)),
+        # OLMo 2: norms after attention and MLP outputs, RMSNorm over the whole q and k
+        # projections, GQA, untied.
+        "olmo2": ("f32", None, transformers.Olmo2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=500000.0,
+            tie_word_embeddings=False, pad_token_id=None, **common)),
+        # Phi-3: fused qkv_proj and gate_up_proj, partial rotary (half of each head), GQA.
+        "phi3": ("f32", None, transformers.Phi3Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, partial_rotary_factor=0.5,
+            rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None, **common)),
     }
 
 
@@ -115,7 +132,7 @@ def expected(model, ids):
     return [float(v) for v in tok_lp], out[0, PROMPT:].tolist()
 
 
-def make(out_root):
+def make(out_root, only=None):
     torch.manual_seed(0)
     os.makedirs(out_root, exist_ok=True)
     tok_path = make_tokenizer(out_root)
@@ -128,6 +145,8 @@ def make(out_root):
                                                 eos_token="</s>")
     seq = data[:SEQ]
     for name, (dtype, shard, cfg) in configs(vocab, bos, eos).items():
+        if only and name not in only:
+            continue
         torch.manual_seed(1)
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
@@ -203,5 +222,8 @@ if __name__ == "__main__":
         check_adapter(sys.argv[2], sys.argv[3], sys.argv[4])
     elif len(sys.argv) >= 3 and sys.argv[1] == "--check-export":
         check_export(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "tests/fixtures/hf/llama2")
+    elif len(sys.argv) >= 2 and sys.argv[1] == "--only":
+        # --only NAME[,NAME…] [OUT_DIR]: remake these fixtures alone.
+        make(sys.argv[3] if len(sys.argv) > 3 else "tests/fixtures/hf", sys.argv[2].split(","))
     else:
         make(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf")

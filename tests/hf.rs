@@ -8,7 +8,9 @@ use cockpit::engine::base;
 use cockpit::engine::model::Model;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: &[&str] = &["llama2", "llama3", "mistral", "qwen2", "gpt2", "granite"];
+const FIXTURES: &[&str] = &[
+    "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -124,7 +126,7 @@ fn greedy_decoding_with_the_kv_cache_matches_transformers() {
 /// The cache gives the logits a full forward gives, position by position.
 #[test]
 fn cached_decoding_equals_the_full_forward() {
-    for name in ["llama3", "gpt2", "granite"] {
+    for name in ["llama3", "gpt2", "granite", "qwen3", "olmo2", "phi3"] {
         let dir = fixture(name);
         let e = expected(&dir);
         let n = 20;
@@ -227,7 +229,7 @@ fn rope_scaling_reads_both_config_layouts_and_matters() {
 fn what_cockpit_does_not_compute_is_refused_by_name() {
     type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
     let cases: Vec<(&str, Change, &str)> = vec![
-        ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, gpt2, granite)"),
+        ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite)"),
         ("llama2", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})), "rope_type = \"yarn\""),
         ("llama2", Box::new(|c| c["hidden_act"] = "gelu".into()), "hidden_act = gelu"),
         ("llama2", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true with mlp_bias = false"),
@@ -238,6 +240,14 @@ fn what_cockpit_does_not_compute_is_refused_by_name() {
         ("gpt2", Box::new(|c| c["activation_function"] = "relu".into()), "activation_function = \"relu\""),
         ("gpt2", Box::new(|c| c["scale_attn_by_inverse_layer_idx"] = true.into()), "scale_attn_by_inverse_layer_idx = true"),
         ("granite", Box::new(|c| c["hidden_size"] = 32.into()), "shape [298, 64] in the file, the model has [298, 32]"),
+        ("qwen3", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true: not supported for qwen3"),
+        ("qwen3", Box::new(|c| c["use_sliding_window"] = true.into()), "use_sliding_window = true: not supported for qwen3"),
+        ("qwen3", Box::new(|c| c["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"])), "layer_types = [\"full_attention\",\"sliding_attention\"]: only \"full_attention\" layers are supported for qwen3"),
+        ("phi3", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.0, 1.0, 1.0], "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 32})), "rope_parameters.rope_type = \"longrope\": not supported"),
+        ("phi3", Box::new(|c| c["rope_parameters"]["partial_rotary_factor"] = 0.1.into()), "partial_rotary_factor = 0.1: RoPE needs an even number of dims"),
+        ("llama3", Box::new(|c| c["partial_rotary_factor"] = 0.5.into()), "partial_rotary_factor = 0.5: not supported for llama"),
+        ("olmo2", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true: not supported for olmo2"),
+        ("olmo2", Box::new(|c| c["hidden_act"] = "gelu".into()), "hidden_act = gelu: not supported for olmo2"),
     ];
     for (name, change, want) in cases {
         let dir = variant(name, change);
@@ -307,7 +317,7 @@ fn broken_weight_files_are_refused_by_name() {
 /// config.json cockpit writes for it give the same `ModelSpec`.
 #[test]
 fn a_config_and_its_hugging_face_config_give_one_spec() {
-    use cockpit::config::PosEncoding;
+    use cockpit::config::{BlockLayout, PosEncoding, QkNorm};
     use cockpit::engine::hf;
     use cockpit::engine::spec::ModelSpec;
     let gpt2 = ModelConfig {
@@ -327,18 +337,156 @@ fn a_config_and_its_hugging_face_config_give_one_spec() {
         qkv_bias: true,
         ..ModelConfig::llama_family()
     };
+    let qwen3 = ModelConfig {
+        head_dim: 32,
+        n_kv_head: 2,
+        layout: BlockLayout {
+            qk_norm: QkNorm::Head,
+            post_norm: false,
+            rotary_dim: 0,
+        },
+        ..ModelConfig::llama_family()
+    };
+    let olmo2 = ModelConfig {
+        layout: BlockLayout {
+            qk_norm: QkNorm::Whole,
+            post_norm: true,
+            rotary_dim: 0,
+        },
+        ..ModelConfig::llama_family()
+    };
+    let phi3 = ModelConfig {
+        n_kv_head: 2,
+        layout: BlockLayout {
+            rotary_dim: 8,
+            ..BlockLayout::default()
+        },
+        ..ModelConfig::llama_family()
+    };
     for (model_type, m) in [
+        ("phi3", phi3),
+        ("qwen3", qwen3),
+        ("olmo2", olmo2),
         ("gpt2", gpt2),
         ("llama", llama),
         ("llama", gqa),
         ("mistral", head_dim),
         ("qwen2", qwen2),
     ] {
+        assert_eq!(
+            hf::model_type_for(&m, Some(model_type)).as_deref(),
+            Ok(model_type)
+        );
         let json = hf::config_json(&m, model_type, 96, None, DType::F32);
         let from_hf = hf::spec(&json).unwrap_or_else(|e| panic!("{model_type}: {e}"));
         let mut from_config = ModelSpec::from_model(&m, 96);
         // (The notes say which keys a Hugging Face model_type set: not the model.)
         from_config.arch_notes = from_hf.arch_notes.clone();
         assert_eq!(from_hf, from_config, "{model_type}: {json}");
+    }
+}
+
+/// Keys that do not change the computation (metadata, token ids, loading hints) are accepted
+/// and ignored: the model computes what it computed without them. Any other unknown key still
+/// refuses the model, naming the file, the key and its value.
+#[test]
+fn bookkeeping_keys_are_accepted_and_other_unknown_keys_refused() {
+    let want = expected(&fixture("llama3")).loss;
+    let real = variant("llama3", |c| {
+        let o = c.as_object_mut().unwrap();
+        for (k, v) in [
+            (
+                "_name_or_path",
+                serde_json::json!("meta-llama/Llama-3.2-1B"),
+            ),
+            ("_attn_implementation_autoset", true.into()),
+            ("unk_token_id", 0.into()),
+            ("mask_token_id", serde_json::Value::Null),
+            ("transformers_version", "4.45.0".into()),
+            ("torch_dtype", "bfloat16".into()),
+            ("use_cache", false.into()),
+            ("initializer_range", 0.5.into()),
+            (
+                "auto_map",
+                serde_json::json!({"AutoConfig": "configuration.Config"}),
+            ),
+            ("attention_dropout", 0.1.into()),
+        ] {
+            o.insert(k.into(), v);
+        }
+    });
+    assert!((loss_of(real.path()) - want).abs() < 1e-4);
+    for (key, value) in [
+        ("some_new_switch", serde_json::json!(3)),
+        (
+            "layer_types",
+            serde_json::json!(["full_attention", "full_attention"]),
+        ),
+        ("attn_logit_softcapping", serde_json::json!(50.0)),
+    ] {
+        let dir = variant("llama3", |c| c[key] = value.clone());
+        let err = load_err(dir.path());
+        assert!(
+            err.contains("config.json")
+                && err.contains(&format!("{key} = {value}: a key cockpit does not know")),
+            "{key}: {err}"
+        );
+    }
+}
+
+/// LoRA on every projection of the QK-norm families: adapters on q, k, v, o, gate, up and
+/// down of every layer, everything else (the q/k norms included) frozen and left as loaded;
+/// each adapter's B gets a gradient.
+#[test]
+fn lora_covers_every_projection_of_qwen3_and_olmo2() {
+    use cockpit::engine::model::LoraSpec;
+    let targets = ["q", "k", "v", "o", "gate", "up", "down"];
+    for name in ["qwen3", "olmo2"] {
+        let e = expected(&fixture(name));
+        let mut model = load(&fixture(name), e.ids.len() - 1);
+        let before: std::collections::HashMap<String, Vec<f32>> = model
+            .named_tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1().unwrap()))
+            .collect();
+        let spec = LoraSpec {
+            r: 4,
+            alpha: 8.0,
+            targets: targets.iter().map(|t| t.to_string()).collect(),
+            dropout: 0.0,
+        };
+        model.add_lora(&spec, 3).unwrap();
+        let adapters: Vec<_> = model.params.iter().filter(|p| p.kind.is_lora()).collect();
+        assert_eq!(adapters.len(), 2 * targets.len() * 2, "{name}");
+        assert!(model.params.iter().all(|p| p.trainable == p.kind.is_lora()));
+        let norms = model
+            .params
+            .iter()
+            .filter(|p| p.name.contains("q_norm") || p.name.contains("k_norm"))
+            .count();
+        assert_eq!(norms, 4, "{name}: q and k norms of two layers");
+        let n = e.ids.len() - 1;
+        let x = Tensor::from_vec(e.ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
+        let y = Tensor::from_vec(e.ids[1..].to_vec(), (1, n), &Device::Cpu).unwrap();
+        let loss = model.loss(&x, &y, true).unwrap();
+        let l = loss.to_scalar::<f32>().unwrap() as f64;
+        assert!((l - e.loss).abs() < 1e-4, "{name}: {l} vs {}", e.loss);
+        let grads = loss.backward().unwrap();
+        for p in model.params.iter().filter(|p| p.name.contains("lora_B")) {
+            let g = grads.get(p.var.as_tensor()).expect("a gradient");
+            let size = g
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(size > 0.0, "{name}: {} has no gradient", p.name);
+        }
+        for p in model.params.iter().filter(|p| !p.kind.is_lora()) {
+            assert!(grads.get(p.var.as_tensor()).is_none() || !p.trainable);
+            let now: Vec<f32> = p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(now, before[&p.name], "{name}: {} changed", p.name);
+        }
     }
 }

@@ -203,7 +203,9 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
 /// and fused q|k|v written back).
 #[test]
 fn every_fixture_survives_export_and_reimport() {
-    for name in ["llama2", "llama3", "mistral", "qwen2", "gpt2", "granite"] {
+    for name in [
+        "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+    ] {
         let (ids, ..) = expected(name);
         let mut m = source::open(&fixture(name), DType::F32, &Device::Cpu, 32).unwrap();
         let want = loss(&mut m.model, &ids[..33]);
@@ -237,7 +239,9 @@ fn every_fixture_survives_export_and_reimport() {
 #[test]
 fn lora_on_every_family() {
     let data = corpus();
-    for name in ["llama2", "llama3", "mistral", "qwen2", "gpt2", "granite"] {
+    for name in [
+        "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+    ] {
         let run_dir = tempfile::tempdir().unwrap();
         let b = format!("lora.base={:?}", fixture(name).display().to_string());
         let losses = run(
@@ -296,8 +300,10 @@ fn lora_on_every_family() {
                 max_shard_bytes: u64::MAX,
             },
         );
-        if name == "gpt2" {
-            assert!(r.unwrap_err().to_string().contains("c_attn"));
+        if name == "gpt2" || name == "phi3" {
+            // Their q, k, v (and Phi-3's gate, up) are fused layers in transformers.
+            let fused = if name == "gpt2" { "c_attn" } else { "qkv_proj" };
+            assert!(r.unwrap_err().to_string().contains(fused));
             assert!(!adapter.exists(), "nothing written on error");
         } else {
             r.unwrap();
@@ -331,7 +337,7 @@ fn train_refuses_bad_bases_and_contradictions_before_writing_anything() {
     let cases = [
         (
             format!("model.init_from={:?}", broken.path().display().to_string()),
-            "model_type = \"bloom\": not supported (supported: llama, mistral, qwen2, gpt2, granite)".to_string(),
+            "model_type = \"bloom\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite)".to_string(),
         ),
         (
             format!("model.init_from={:?}", fixture("llama2").display().to_string()),

@@ -143,6 +143,10 @@ pub struct ModelConfig {
     /// (Not a shape: a run may resume with another setting.)
     #[serde(skip_serializing_if = "Recompute::is_none")]
     pub recompute: Recompute,
+    /// What the family changes in the block: QK-norm, post-norm (`[model.layout]`; the
+    /// Hugging Face import of Qwen3 and OLMo 2 sets it).
+    #[serde(skip_serializing_if = "super::BlockLayout::is_plain")]
+    pub layout: super::BlockLayout,
     /// Full fine-tuning: start from these weights (a Hugging Face model directory or a
     /// cockpit run/checkpoint); the model's shape comes from them.
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -254,6 +258,7 @@ impl Default for ModelConfig {
             init_from: String::new(),
             arch_notes: Vec::new(),
             recompute: Recompute::None,
+            layout: Default::default(),
         }
     }
 }

@@ -118,6 +118,13 @@ fn write_export(
                 "--adapter: not a LoRA run (lora.enabled = false); export the whole model without it".into(),
             ));
         };
+        let fused = ["q", "k", "v", "gate", "up"];
+        if model_type == "phi3" && l.targets.iter().any(|t| fused.contains(&t.as_str())) {
+            return Err(usage(format!(
+                "--adapter: a phi3 model's q, k and v are one fused qkv_proj layer and gate and up one gate_up_proj in transformers, so cockpit's adapters on {:?} have no PEFT names; export merged weights (without --adapter), or train adapters on o and down only",
+                l.targets
+            )));
+        }
         if model_type == "gpt2" {
             return Err(usage(
                 "--adapter: a gpt2 model's q, k and v are one fused c_attn layer in transformers, so cockpit's per-projection adapters have no PEFT names; export merged weights (without --adapter)".into(),

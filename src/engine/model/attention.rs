@@ -10,6 +10,7 @@ impl Model {
         let region = self.fused(s.kernels.attention && s.kernels.linear, x)
             && self.rope.is_none()
             && kvh == h
+            && b.q_norm.is_none()
             && (!train || s.dropout <= 0.0)
             && [&b.q, &b.k, &b.v].iter().all(|l| l.lora.is_none());
         if region {
@@ -34,21 +35,7 @@ impl Model {
             let y = kernels::causal_attention_qkv(&qkv, h, s.attention_scale())?;
             return self.linear(&b.o, &y);
         }
-        let q = self
-            .linear(&b.q, x)?
-            .reshape((bsz, t, h, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let k = self
-            .linear(&b.k, x)?
-            .reshape((bsz, t, kvh, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
-        let v = self
-            .linear(&b.v, x)?
-            .reshape((bsz, t, kvh, hd))?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let (q, k, v) = self.qkv_heads(b, x)?;
         let q = self.apply_rope(&q)?;
         let k = self.apply_rope(&k)?;
         let (k, v) = if kvh < h {
@@ -74,5 +61,31 @@ impl Model {
         let att = self.dropout(&att, train, dropout::site_attention(l), Layout::Attention)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((bsz, t, h * hd))?;
         self.linear(&b.o, &y)
+    }
+
+    /// q, k and v `[B, heads, T, head_dim]` of `x` `[B, T, n_embd]`, with the block's QK-norm
+    /// where it has one (before RoPE): over the whole projection (OLMo 2) or each head (Qwen3).
+    pub(super) fn qkv_heads(&self, b: &Block, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let s = &self.spec;
+        let (bsz, t, _) = x.dims3()?;
+        let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
+        let mut q = self.linear(&b.q, x)?;
+        let mut k = self.linear(&b.k, x)?;
+        let v = self.linear(&b.v, x)?;
+        let per_head = s.layout.qk_norm == QkNorm::Head;
+        if let (Some(qn), Some(kn)) = (&b.q_norm, &b.k_norm) {
+            if per_head {
+                // One row per (position, head): the norm runs over each head's dims.
+                q = self.norm(qn, &q.reshape((bsz, t * h, hd))?)?;
+                k = self.norm(kn, &k.reshape((bsz, t * kvh, hd))?)?;
+            } else {
+                q = self.norm(qn, &q)?;
+                k = self.norm(kn, &k)?;
+            }
+        }
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+            y.reshape((bsz, t, n, hd))?.transpose(1, 2)?.contiguous()
+        };
+        Ok((heads(q, h)?, heads(k, kvh)?, heads(v, kvh)?))
     }
 }

@@ -78,13 +78,8 @@ impl Model {
         let mask = Tensor::from_vec(mask, (n, start + n), dev)?.to_dtype(self.dtype)?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim);
         for (b, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            let a_in = self.norm(&b.ln1, &x)?;
-            let heads = |y: Tensor, nh: usize| -> Result<Tensor> {
-                y.reshape((1, n, nh, hd))?.transpose(1, 2)?.contiguous()
-            };
-            let mut q = heads(self.linear(&b.q, &a_in)?, h)?;
-            let mut k = heads(self.linear(&b.k, &a_in)?, kvh)?;
-            let v = heads(self.linear(&b.v, &a_in)?, kvh)?;
+            let a_in = self.block_input(&b.ln1, &x)?;
+            let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
             if let Some((cos, sin)) = &rope {
                 q = super::rotate_half(&q, cos, sin)?;
                 k = super::rotate_half(&k, cos, sin)?;
@@ -109,8 +104,9 @@ impl Model {
             let att = (q.matmul(&k.t()?)? * s.attention_scale())?.broadcast_add(&mask)?;
             let att = candle_nn::ops::softmax(&att, D::Minus1)?;
             let y = att.matmul(&v)?.transpose(1, 2)?.reshape((1, n, h * hd))?;
-            x = (x + self.residual(self.linear(&b.o, &y)?)?)?;
-            let m = self.mlp(b, &self.norm(&b.ln2, &x)?)?;
+            let a = self.block_output(&b.ln1, self.linear(&b.o, &y)?)?;
+            x = (x + self.residual(a)?)?;
+            let m = self.block_output(&b.ln2, self.mlp(b, &self.block_input(&b.ln2, &x)?)?)?;
             x = (x + self.residual(m)?)?;
         }
         cache.pos += n;

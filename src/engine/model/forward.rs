@@ -33,11 +33,12 @@ impl Model {
         }
         x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
         for (l, b) in self.blocks.iter().enumerate() {
-            let h = self.norm(&b.ln1, &x)?;
-            let a = self.residual(self.attention(l, b, &h, train)?)?;
+            let h = self.block_input(&b.ln1, &x)?;
+            let a = self.block_output(&b.ln1, self.attention(l, b, &h, train)?)?;
+            let a = self.residual(a)?;
             x = (x + self.dropout(&a, train, dropout::site_attention_out(l), Layout::Rows)?)?;
-            let h = self.norm(&b.ln2, &x)?;
-            let m = self.residual(self.mlp(b, &h)?)?;
+            let h = self.block_input(&b.ln2, &x)?;
+            let m = self.residual(self.block_output(&b.ln2, self.mlp(b, &h)?)?)?;
             x = (x + self.dropout(&m, train, dropout::site_mlp_out(l), Layout::Rows)?)?;
         }
         let x = self.final_norm(&x)?.reshape((bsz * t, self.spec.n_embd))?;
@@ -46,6 +47,26 @@ impl Model {
             None => wte,
         };
         Ok((x, head))
+    }
+
+    /// What a block's attention or MLP reads: the residual stream normed by `n` (pre-norm),
+    /// or as it is (post-norm: OLMo 2).
+    pub(super) fn block_input(&self, n: &NormLayer, x: &Tensor) -> Result<Tensor> {
+        if self.spec.layout.post_norm {
+            Ok(x.clone())
+        } else {
+            self.norm(n, x)
+        }
+    }
+
+    /// What a block's attention or MLP adds to the residual stream: its output, normed by `n`
+    /// in a post-norm block (OLMo 2).
+    pub(super) fn block_output(&self, n: &NormLayer, y: Tensor) -> Result<Tensor> {
+        if self.spec.layout.post_norm {
+            self.norm(n, &y)
+        } else {
+            Ok(y)
+        }
     }
 
     /// Granite's residual multiplier on a block's attention or MLP output.

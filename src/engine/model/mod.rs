@@ -7,7 +7,7 @@
 //! Tensor names follow the Hugging Face Llama layout (`model.layers.N.self_attn.q_proj.weight`),
 //! so HF checkpoints load by name and adapters get PEFT-compatible names.
 
-use crate::config::{Activation, Norm, PosEncoding};
+use crate::config::{Activation, Norm, PosEncoding, QkNorm};
 use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
 use crate::engine::kernels::nf4::Nf4;
@@ -67,11 +67,16 @@ pub struct Param {
 
 #[derive(Clone, Debug)]
 struct Block {
+    /// Pre-norm: the attention's input norm; post-norm (OLMo 2): its output's.
     ln1: NormLayer,
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
+    /// QK-norm scales (Qwen3, OLMo 2).
+    q_norm: Option<NormLayer>,
+    k_norm: Option<NormLayer>,
+    /// Pre-norm: the MLP's input norm; post-norm (OLMo 2): its output's.
     ln2: NormLayer,
     up: Linear,
     gate: Option<Linear>,
@@ -147,7 +152,15 @@ impl Model {
         let mut blocks = Vec::with_capacity(s.n_layer);
         for i in 0..s.n_layer {
             let p = format!("model.layers.{i}");
-            let ln1 = init.norm(&format!("{p}.input_layernorm"), s.n_embd, s.norm, s.bias)?;
+            // Hugging Face's names: OLMo 2's post-norms are post_attention_layernorm and
+            // post_feedforward_layernorm; the Llama block's pre-norms input_layernorm and
+            // post_attention_layernorm.
+            let (ln1_name, ln2_name) = if s.layout.post_norm {
+                ("post_attention_layernorm", "post_feedforward_layernorm")
+            } else {
+                ("input_layernorm", "post_attention_layernorm")
+            };
+            let ln1 = init.norm(&format!("{p}.{ln1_name}"), s.n_embd, s.norm, s.bias)?;
             let q = init.linear(
                 &format!("{p}.self_attn.q_proj"),
                 s.n_head * hd,
@@ -176,12 +189,14 @@ impl Model {
                 resid_std,
                 s.bias,
             )?;
-            let ln2 = init.norm(
-                &format!("{p}.post_attention_layernorm"),
-                s.n_embd,
-                s.norm,
-                s.bias,
-            )?;
+            let (q_norm, k_norm) = match s.qk_norm_widths() {
+                Some((qw, kw)) => (
+                    Some(init.norm(&format!("{p}.self_attn.q_norm"), qw, Norm::RmsNorm, false)?),
+                    Some(init.norm(&format!("{p}.self_attn.k_norm"), kw, Norm::RmsNorm, false)?),
+                ),
+                None => (None, None),
+            };
+            let ln2 = init.norm(&format!("{p}.{ln2_name}"), s.n_embd, s.norm, s.bias)?;
             let gate = match s.activation {
                 Activation::SwiGlu => Some(init.linear(
                     &format!("{p}.mlp.gate_proj"),
@@ -206,6 +221,8 @@ impl Model {
                 k,
                 v,
                 o,
+                q_norm,
+                k_norm,
                 ln2,
                 up,
                 gate,

@@ -10,8 +10,14 @@ pub fn rope_inv_freq(spec: &ModelSpec) -> Vec<f64> {
 
 /// RoPE on `[B, H, T, hd]` with cos/sin `[T, hd]`: rotate the two halves of each head (the
 /// Llama/NeoX layout).
+/// Tables narrower than the head (Phi-3's partial rotary) rotate its first dims and pass the
+/// rest.
 pub(super) fn rotate_half(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let hd = x.dim(D::Minus1)?;
+    let (hd, rd) = (x.dim(D::Minus1)?, cos.dim(D::Minus1)?);
+    if rd < hd {
+        let rotated = rotate_half(&x.narrow(D::Minus1, 0, rd)?, cos, sin)?;
+        return Tensor::cat(&[&rotated, &x.narrow(D::Minus1, rd, hd - rd)?], D::Minus1);
+    }
     let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
     let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
     let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;

@@ -231,3 +231,66 @@ fn the_cpu_model_says_why_the_step_does_not_run_it() {
     let m = Model::new(ModelSpec::from_config(&c, 32), DType::BF16, &Device::Cpu, 1).unwrap();
     assert_eq!(m.step_plan().unwrap_err(), Reason::NotCuda);
 }
+
+/// QK-norm, post-norm and partial rotary: the spec counts what the candle model allocates,
+/// under Hugging Face's names, and the model runs.
+#[test]
+fn family_layouts_allocate_what_the_spec_counts() {
+    use crate::config::{BlockLayout, QkNorm};
+    for (name, layout, norms) in [
+        (
+            "qwen3",
+            BlockLayout {
+                qk_norm: QkNorm::Head,
+                ..BlockLayout::default()
+            },
+            [
+                "input_layernorm",
+                "post_attention_layernorm",
+                "self_attn.q_norm",
+            ],
+        ),
+        (
+            "olmo2",
+            BlockLayout {
+                qk_norm: QkNorm::Whole,
+                post_norm: true,
+                rotary_dim: 0,
+            },
+            [
+                "post_attention_layernorm",
+                "post_feedforward_layernorm",
+                "self_attn.k_norm",
+            ],
+        ),
+        (
+            "phi3",
+            BlockLayout {
+                rotary_dim: 8,
+                ..BlockLayout::default()
+            },
+            ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"],
+        ),
+    ] {
+        let mut c = Config {
+            model: crate::config::ModelConfig::llama_family(),
+            ..Config::default()
+        };
+        c.model.n_kv_head = 2;
+        c.model.layout = layout;
+        let spec = ModelSpec::from_config(&c, 48);
+        let mut m = Model::new(spec.clone(), DType::F32, &Device::Cpu, 1).unwrap();
+        assert_eq!(spec.param_count().total(), m.param_count().0, "{name}");
+        for n in norms {
+            let full = format!("model.layers.1.{n}.weight");
+            assert!(m.params.iter().any(|p| p.name == full), "{name}: {full}");
+        }
+        let ids = Tensor::from_vec(vec![1u32, 2, 3, 4], (1, 4), &Device::Cpu).unwrap();
+        let loss = m
+            .loss(&ids, &ids, false)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(loss.is_finite(), "{name}");
+    }
+}

@@ -62,6 +62,9 @@ impl ModelSpec {
             base += self.n_positions as u64 * c;
         }
         let mut layer = 2 * self.norm_params();
+        if let Some((q, k)) = self.qk_norm_widths() {
+            layer += (q + k) as u64;
+        }
         let mut adapters = 0u64;
         for (name, out, inp, bias) in self.block_linears() {
             layer += (out * inp) as u64 + if bias { out as u64 } else { 0 };

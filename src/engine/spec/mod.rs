@@ -7,7 +7,8 @@
 //! Nothing here touches a device: what a GPU can do comes in as [`StepFacts`].
 
 use crate::config::{
-    Activation, Arch, Config, KernelsConfig, ModelConfig, Norm, PosEncoding, Recompute, RopeScaling,
+    Activation, Arch, BlockLayout, Config, KernelsConfig, ModelConfig, Norm, PosEncoding, QkNorm,
+    Recompute, RopeScaling,
 };
 
 pub use count::ParamCount;
@@ -75,6 +76,8 @@ pub struct ModelSpec {
     pub residual_multiplier: f64,
     /// Granite: logits ÷ this.
     pub logits_scaling: f64,
+    /// QK-norm and post-norm blocks (Qwen3, OLMo 2).
+    pub layout: BlockLayout,
     /// What the fast step recomputes in the backward (the per-op path keeps autograd's).
     /// Not part of [`Self::resume_key`]: it changes what the step keeps, not the model.
     pub recompute: Recompute,
@@ -139,6 +142,7 @@ impl ModelSpec {
             attention_multiplier: (m.attention_multiplier != 0.0).then_some(m.attention_multiplier),
             residual_multiplier: m.residual_multiplier,
             logits_scaling: m.logits_scaling,
+            layout: m.layout,
             recompute: m.recompute,
             lora: None,
             prior_sigma: defaults.scu.prior_sigma,
@@ -163,6 +167,16 @@ impl ModelSpec {
     /// The width of the attention's q (and output projection's input): n_head · head_dim.
     pub fn q_width(&self) -> usize {
         self.n_head * self.head_dim
+    }
+
+    /// The widths of the q and k norms' scales, when the block has QK-norm: one head's
+    /// (Qwen3), or the whole q and k projections' (OLMo 2).
+    pub fn qk_norm_widths(&self) -> Option<(usize, usize)> {
+        match self.layout.qk_norm {
+            QkNorm::None => None,
+            QkNorm::Head => Some((self.head_dim, self.head_dim)),
+            QkNorm::Whole => Some((self.q_width(), self.kv_width())),
+        }
     }
 
     /// The width of k and of v: n_kv_head · head_dim.
@@ -199,6 +213,17 @@ impl ModelSpec {
             kv,
         )
         .to_lowercase();
+        match self.layout.qk_norm {
+            QkNorm::None => {}
+            QkNorm::Head => out.push_str(" qk-norm/head"),
+            QkNorm::Whole => out.push_str(" qk-norm"),
+        }
+        if self.layout.post_norm {
+            out.push_str(" post-norm");
+        }
+        if self.layout.rotary_dim != 0 {
+            out.push_str(&format!(" rope {}/{}", self.rotary_dim(), self.head_dim));
+        }
         if !self.arch_notes.is_empty() {
             out.push_str(&format!(" [{}]", self.arch_notes.join(", ")));
         }

@@ -49,6 +49,7 @@ impl ModelSpec {
                 self.residual_multiplier.to_string(),
             ),
             ("model.logits_scaling", self.logits_scaling.to_string()),
+            ("model.layout", format!("{:?}", self.layout)),
             ("lora", lora),
         ])
     }

@@ -5,11 +5,19 @@ use super::ModelSpec;
 use crate::config::RopeScaling;
 
 impl ModelSpec {
+    /// The dims of each head RoPE rotates: all of them, or Phi-3's partial rotary's first ones.
+    pub fn rotary_dim(&self) -> usize {
+        match self.layout.rotary_dim {
+            0 => self.head_dim,
+            r => r,
+        }
+    }
+
     /// RoPE inverse frequencies (radians per position), one per pair of a head's dimensions:
     /// `θ^(-2i/head_dim)`, then Hugging Face's `rope_scaling` (linear, llama3). The one place the
     /// frequencies are computed: the candle model, generation and the CUDA step use it.
     pub fn rope_inv_freq(&self) -> Vec<f64> {
-        let hd = self.head_dim;
+        let hd = self.rotary_dim();
         let base: Vec<f64> = (0..hd / 2)
             .map(|i| 1.0 / self.rope_theta.powf((2 * i) as f64 / hd as f64))
             .collect();

@@ -4,7 +4,7 @@
 //! `cockpit check` print its [`Reason`]).
 
 use super::ModelSpec;
-use crate::config::PosEncoding;
+use crate::config::{PosEncoding, QkNorm};
 
 /// The head dims flash attention has kernels for; other head dims materialise the attention
 /// probabilities (multi-head attention without dropout only).
@@ -85,6 +85,12 @@ pub enum Reason {
     EmbeddingMultiplier,
     #[error("a mix of frozen and trainable weights other than LoRA's")]
     MixedTrainable,
+    #[error("RMSNorm on q and k ({0}: Qwen3/OLMo 2 QK-norm; the step has no kernel for it yet)")]
+    QkNorm(&'static str),
+    #[error("RoPE on {rotary_dim} of {head_dim} dims of each head (Phi-3 partial rotary; the step rotates whole heads)")]
+    PartialRotary { rotary_dim: usize, head_dim: usize },
+    #[error("norms after the attention and MLP outputs (OLMo 2 post-norm; the step's blocks are pre-norm)")]
+    PostNorm,
 }
 
 impl ModelSpec {
@@ -134,7 +140,8 @@ impl ModelSpec {
     /// the model ([`Self::flash_attention`]): widths multiples of 8 (16-byte accesses), an
     /// even head dim, key/value heads that divide the heads; grouped-query attention, heads
     /// whose widths do not add up to n_embd and dropout need flash attention; an embedding
-    /// multiplier needs RoPE (the step's embedding adds learned positions before it scales).
+    /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
+    /// QK-norm, post-norm blocks and partial rotary have no kernels in the step yet.
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
         // (Why not, where flash attention is off: the first of its conditions that fails,
@@ -176,6 +183,20 @@ impl ModelSpec {
         }
         if self.embedding_multiplier != 1.0 && self.pos != PosEncoding::Rope {
             return Err(Reason::EmbeddingMultiplier);
+        }
+        match self.layout.qk_norm {
+            QkNorm::None => {}
+            QkNorm::Head => return Err(Reason::QkNorm("per head")),
+            QkNorm::Whole => return Err(Reason::QkNorm("over the whole projection")),
+        }
+        if self.layout.post_norm {
+            return Err(Reason::PostNorm);
+        }
+        if self.rotary_dim() != hd {
+            return Err(Reason::PartialRotary {
+                rotary_dim: self.rotary_dim(),
+                head_dim: hd,
+            });
         }
         Ok(())
     }

@@ -257,3 +257,61 @@ fn parameter_count_by_hand() {
     });
     assert_eq!(lora.param_count().adapters, 2 * 2 * 4 * (64 + 64));
 }
+
+/// Qwen3's per-head QK-norm and OLMo 2's whole-projection QK-norm and post-norm blocks have
+/// no kernels in the fused step: it refuses them (the per-op path trains them) and says why.
+#[test]
+fn the_step_refuses_qk_norm_and_post_norm_by_name() {
+    use crate::config::{BlockLayout, QkNorm};
+    let with = |layout: BlockLayout| {
+        spec(|c| {
+            llama(c);
+            c.model.layout = layout;
+        })
+    };
+    let qwen3 = with(BlockLayout {
+        qk_norm: QkNorm::Head,
+        post_norm: false,
+        rotary_dim: 0,
+    });
+    let why = qwen3.fast_step_support(&gpu()).unwrap_err();
+    assert_eq!(why, Reason::QkNorm("per head"));
+    assert!(why.to_string().contains("QK-norm"), "{why}");
+    let olmo2 = with(BlockLayout {
+        qk_norm: QkNorm::Whole,
+        post_norm: true,
+        rotary_dim: 0,
+    });
+    assert_eq!(
+        olmo2.fast_step_support(&gpu()),
+        Err(Reason::QkNorm("over the whole projection"))
+    );
+    let post = with(BlockLayout {
+        qk_norm: QkNorm::None,
+        post_norm: true,
+        rotary_dim: 0,
+    });
+    let why = post.step_shape_support(true).unwrap_err();
+    assert_eq!(why, Reason::PostNorm);
+    assert!(why.to_string().contains("post-norm"), "{why}");
+    let phi3 = with(BlockLayout {
+        rotary_dim: 32,
+        ..BlockLayout::default()
+    });
+    assert_eq!(
+        phi3.fast_step_support(&gpu()),
+        Err(Reason::PartialRotary {
+            rotary_dim: 32,
+            head_dim: 64
+        })
+    );
+    assert_eq!(phi3.rope_inv_freq().len(), 16);
+    // The q and k norms' weights are counted.
+    let plain = spec(llama).param_count().base;
+    assert_eq!(
+        qwen3.param_count().base - plain,
+        2 * 2 * 64,
+        "two layers of [head_dim] q and k norms"
+    );
+    assert_eq!(olmo2.param_count().base - plain, 2 * 2 * 256);
+}
