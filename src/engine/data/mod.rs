@@ -3,8 +3,13 @@
 //! manifest, memory-mapped at training time. `loader` turns splits into batches.
 
 pub mod builtin;
+pub mod chat;
+pub mod formats;
 pub mod loader;
+pub mod packing;
 mod prepare;
+pub mod sft;
+pub mod template;
 
 pub use prepare::{prepare, prepare_with, prepare_with_progress, PrepareProgress};
 
@@ -33,6 +38,9 @@ pub enum DataError {
     /// `data.doc_separator`).
     #[error("{path}: {message}")]
     Input { path: String, message: String },
+    /// A chat template that cannot be read or parsed (`data.chat_template`).
+    #[error("{0}")]
+    Template(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
@@ -116,6 +124,9 @@ pub struct Dataset {
     pub description: String,
     /// Problems with the input worth a warning at start (skipped empty files, …).
     pub warnings: Vec<String>,
+    /// An instruction/chat dataset: packed rows with loss masks and sample boundaries (the
+    /// token streams above then hold the rows' inputs).
+    pub rows: Option<sft::SftRows>,
 }
 
 /// Build the dataset a config asks for (tokenizing and caching files when needed).
@@ -147,7 +158,11 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
                 d.builtin_order, d.builtin_vocab, n, floor
             ),
             warnings: Vec::new(),
+            rows: None,
         });
+    }
+    if let Some(format) = sft::format_of(cfg)? {
+        return sft::load(cfg, special, format);
     }
     let prepared = prepare_with(cfg, special)?;
     // The cache's manifest is a file anyone can edit: its numbers are checked before use.
@@ -178,6 +193,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
             entropy_floor_bpt: None,
             description: prepared.describe(),
             warnings: prepared.manifest.warnings.clone(),
+            rows: None,
         });
     };
     Ok(Dataset {
@@ -187,6 +203,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
         entropy_floor_bpt: None,
         description: prepared.describe(),
         warnings: prepared.manifest.warnings.clone(),
+        rows: None,
     })
 }
 

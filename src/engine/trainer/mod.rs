@@ -130,6 +130,9 @@ struct Trainer {
     /// `distributed.reduce_dtype = "bf16"`: the bf16 buffer the ranks sum the flat gradient
     /// buffer in (allocated at the first sum).
     wire: Option<Tensor>,
+    /// Instruction/chat data: (targets that train, targets) in the micro-batches since the
+    /// last step record (`trained_share` in metrics.jsonl).
+    trained_slots: (u64, u64),
     /// Rank 0's verdict, before this step, that a timed checkpoint is due (shared with the
     /// ranks through the step's host all-reduce, so all of them take it at the same step).
     time_due: bool,
