@@ -72,6 +72,8 @@ fn chat_records_train_on_the_answers_in_packed_rows() {
         .args(["train", "--no-tui", "--max-steps", "4", "--run-dir"])
         .arg(&run)
         .arg(&cfg)
+        .args(["--set", "eval.sample_tokens=4", "--set"])
+        .arg("eval.sample_prompt=What is 2 plus 3?")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -94,6 +96,16 @@ fn chat_records_train_on_the_answers_in_packed_rows() {
     }
     let evals = events(&run, "eval");
     assert!(!evals.is_empty());
+    // The sample prompt is a user turn through the template, with the generation prompt.
+    let samples = events(&run, "sample");
+    assert!(
+        samples[0]["prompt"]
+            .as_str()
+            .unwrap()
+            .ends_with("<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"),
+        "{}",
+        samples[0]
+    );
     assert!(evals[0]["val_loss"].as_f64().unwrap().is_finite());
 }
 
@@ -226,6 +238,13 @@ fn bad_records_are_named_and_nothing_is_written() {
             && err.contains("Conversation roles must alternate"),
         "{err}"
     );
+    let err = case("template-file", &good, "chat_template = \"nope.jinja\"");
+    assert!(
+        err.contains("data.chat_template = \"") && err.contains("nope.jinja\": "),
+        "{err}"
+    );
+    let err = case("template-syntax", &good, "chat_template = \"{% if %}\"");
+    assert!(err.contains("the chat template does not parse"), "{err}");
     let long = format!(
         "{{\"prompt\": \"q\", \"completion\": \"{}\"}}\n",
         "x".repeat(600)

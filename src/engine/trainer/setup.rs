@@ -244,7 +244,29 @@ impl Trainer {
             } else {
                 None
             };
+            // Instruction/chat data: the prompt is a user turn through the chat template.
+            let template = match &dataset.rows {
+                Some(_) => {
+                    data::template::ChatTemplate::find(&cfg.data.chat_template, &cfg.data.tokenizer)
+                        .map_err(data::DataError::Template)?
+                }
+                None => None,
+            };
             let prompt = match (&tok, cfg.eval.sample_prompt.as_str()) {
+                (Some(t), p) if !p.is_empty() && template.is_some() => {
+                    let turn = [serde_json::json!({"role": "user", "content": p})];
+                    let text = template
+                        .as_ref()
+                        .map(|tm| tm.render(&turn, true))
+                        .transpose()
+                        .map_err(|e| {
+                            EngineError::Config(format!(
+                                "eval.sample_prompt: the chat template fails to render: {e}"
+                            ))
+                        })?
+                        .unwrap_or_default();
+                    t.encode_offsets(&text, "eval.sample_prompt")?.0
+                }
                 (Some(t), p) if !p.is_empty() => t.encode_prompt(p)?,
                 _ => {
                     let n = (cfg.model.seq_len / 2).clamp(1, 16);
