@@ -30,7 +30,8 @@ pub fn format_of(cfg: &Config) -> Result<Option<(Format, bool)>, DataError> {
     }
     let files = list_files(&d.train)?;
     let records = files.iter().any(|f| is_records(f));
-    let jsonl_only = files.iter().all(|f| {
+    // The token-stream pipeline reads text files and JSONL `text` records.
+    let jsonl_only = files.iter().filter(|f| is_records(f)).all(|f| {
         f.extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("jsonl") || e.eq_ignore_ascii_case("ndjson"))
     });
