@@ -61,6 +61,7 @@ fn step(step: u64, loss: f64) -> Event {
         comm_ms: 0.0,
         ranks: vec![],
         kernels: vec![],
+        trained_share: None,
     })
 }
 

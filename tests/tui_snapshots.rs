@@ -80,6 +80,7 @@ fn step_stats(step: u64) -> StepStats {
         comm_ms: 0.0,
         ranks: vec![],
         kernels: vec![],
+        trained_share: None,
     }
 }
 

@@ -163,6 +163,10 @@ pub enum Cmd {
         /// Do not stop at the end-of-sequence token.
         #[arg(long)]
         ignore_eos: bool,
+        /// Send the prompt as a user turn through the model's chat template (with the
+        /// assistant's generation prompt), as transformers' apply_chat_template does.
+        #[arg(long)]
+        chat: bool,
     },
     /// Write PNG and SVG plots of a run (loss, S-ratio, λ, LR, tokens/s, GPU).
     Plot {

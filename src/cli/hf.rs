@@ -89,6 +89,7 @@ pub struct GenerateArgs<'a> {
     pub device: Option<&'a str>,
     pub ids: bool,
     pub ignore_eos: bool,
+    pub chat: bool,
 }
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
@@ -115,6 +116,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
         sampling: a.sampling,
         device,
         ignore_eos: a.ignore_eos,
+        chat: a.chat,
     };
     let stream = !a.ids;
     let result = export::run_generate(a.source, &o, |piece| {

@@ -104,6 +104,7 @@ pub fn main() -> i32 {
             device,
             ids,
             ignore_eos,
+            chat,
         }) => hf::generate(hf::GenerateArgs {
             source: &source,
             prompt,
@@ -118,6 +119,7 @@ pub fn main() -> i32 {
             device: device.as_deref(),
             ids,
             ignore_eos,
+            chat,
         }),
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
         Some(Cmd::Attach {
@@ -627,6 +629,21 @@ fn prepare(config_path: &Path, set: &[String]) -> anyhow::Result<i32> {
             return Ok(EXIT_USAGE);
         }
     };
+    // Instruction/chat records are tokenized in memory at each start: prepare checks them.
+    match crate::engine::data::sft::format_of(&cfg).and_then(|f| {
+        f.map(|f| crate::engine::data::sft::load(&cfg, special, f))
+            .transpose()
+    }) {
+        Ok(Some(d)) => {
+            crate::errln!("checked: {}", d.description);
+            return Ok(EXIT_OK);
+        }
+        Ok(None) => {}
+        Err(e) => {
+            crate::errln!("cockpit: prepare: {e}");
+            return Ok(EXIT_USAGE);
+        }
+    }
     let mut bar = ProgressBar::new();
     let result = crate::engine::data::prepare_with_progress(&cfg, special, &mut |p| bar.show(p));
     bar.finish();

@@ -378,6 +378,10 @@ fn resolve_paths(c: &mut Config, base: &Path) {
     if !["byte", "auto", "base"].contains(&c.data.tokenizer.as_str()) {
         fix(&mut c.data.tokenizer);
     }
+    // A chat template's path (not the template text itself).
+    if !c.data.chat_template.contains("{{") && !c.data.chat_template.contains("{%") {
+        fix(&mut c.data.chat_template);
+    }
     if c.lora.base != RANDOM_BASE {
         fix(&mut c.lora.base);
     }

@@ -296,6 +296,21 @@ pub struct DataConfig {
     /// EOS when it has one, else nothing), "eos" (an error without one), "none", or any other
     /// string: that text, tokenized.
     pub doc_separator: String,
+    /// The records' shape: "auto" (from the first record of the first file: `messages`,
+    /// `prompt` + `completion`, alpaca's `instruction` + `output`, or `text`), "text",
+    /// "messages", "prompt_completion" or "alpaca". Plain text files are always text.
+    pub format: String,
+    /// A chat template: a `.jinja` file, a tokenizer_config.json, or the template itself;
+    /// empty: the tokenizer's own (chat_template.jinja or tokenizer_config.json beside it).
+    pub chat_template: String,
+    /// Instruction/chat data: count every token in the loss, not only the answers.
+    pub train_on_prompt: bool,
+    /// Instruction/chat data: pack samples into rows (attention stays within each sample);
+    /// false: one sample a row, padded.
+    pub packing: bool,
+    /// Instruction/chat data: a sample longer than model.seq_len + 1 tokens is "split" into
+    /// rows, "drop"ped, or an "error".
+    pub long_samples: String,
     /// Built-in corpus: alphabet size.
     pub builtin_vocab: usize,
     /// Built-in corpus: Markov order (tokens of context that determine the next one).
@@ -319,6 +334,11 @@ impl Default for DataConfig {
             prefetch_depth: 4,
             sampling: Sampling::Auto,
             doc_separator: "auto".into(),
+            format: "auto".into(),
+            chat_template: String::new(),
+            train_on_prompt: false,
+            packing: true,
+            long_samples: "split".into(),
             builtin_vocab: 16,
             builtin_order: 2,
             builtin_branching: 4,

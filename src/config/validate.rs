@@ -347,6 +347,20 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             "allowed: \"auto\", \"eos\", \"none\" or a non-empty text",
         );
     }
+    if !["auto", "text", "messages", "prompt_completion", "alpaca"].contains(&d.format.as_str()) {
+        ck.fail(
+            "data.format",
+            quoted(&d.format),
+            "allowed: auto, text, messages, prompt_completion, alpaca",
+        );
+    }
+    if !["split", "drop", "error"].contains(&d.long_samples.as_str()) {
+        ck.fail(
+            "data.long_samples",
+            quoted(&d.long_samples),
+            "allowed: split, drop, error",
+        );
+    }
 
     // [optim]
     let o = &c.optim;

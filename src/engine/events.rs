@@ -142,6 +142,10 @@ pub struct StepStats {
     /// on, as `cockpit bench --profile`); empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub kernels: Vec<KernelTime>,
+    /// Instruction/chat data: the share of the step's target slots that trained (the
+    /// answers; padding and prompts do not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trained_share: Option<f64>,
 }
 
 /// GPU time of one group of kernels in a step (CUDA events around each launch).

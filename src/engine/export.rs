@@ -207,6 +207,8 @@ pub struct GenerateOptions {
     pub device: DeviceSpec,
     /// Keep going past an end-of-sequence token.
     pub ignore_eos: bool,
+    /// Render the prompt as a user turn through the chat template beside the tokenizer.
+    pub chat: bool,
 }
 
 /// What generation produced.
@@ -241,11 +243,29 @@ pub fn run_generate(
         Some(t) => Some(Tok::open(t)?),
         None => None,
     };
+    // --chat: the template's end-of-turn token stops generation too.
+    let mut chat_stop = None;
     let prompt_ids = match (&o.prompt, &tok) {
         (Some(_), _) if !o.prompt_ids.is_empty() => {
             return Err(usage("give --prompt or --prompt-ids, not both".into()))
         }
         (None, _) => o.prompt_ids.clone(),
+        (Some(p), Some(t)) if o.chat => {
+            let path = s.tokenizer.as_deref().unwrap_or_default();
+            let tmpl = super::data::template::ChatTemplate::find("", path)
+                .map_err(usage)?
+                .ok_or_else(|| {
+                    usage(format!(
+                        "--chat: {}: no chat template (chat_template.jinja or \"chat_template\" in tokenizer_config.json)",
+                        src.display()
+                    ))
+                })?;
+            let text = tmpl
+                .render(&[serde_json::json!({"role": "user", "content": p})], true)
+                .map_err(|e| usage(format!("--chat: the chat template fails to render: {e}")))?;
+            chat_stop = tmpl.eos_id(t);
+            t.encode_offsets(&text, "--chat")?.0
+        }
         (Some(p), Some(t)) => t.encode_prompt(p)?,
         (Some(_), None) => {
             return Err(usage(format!(
@@ -287,10 +307,13 @@ pub fn run_generate(
             )));
         }
     }
-    let stop: Vec<u32> = match (&s.hf, o.ignore_eos) {
+    let mut stop: Vec<u32> = match (&s.hf, o.ignore_eos) {
         (Some(h), false) => h.eos.clone(),
         _ => Vec::new(),
     };
+    if !o.ignore_eos {
+        stop.extend(chat_stop.filter(|e| !stop.contains(e)));
+    }
     let start = std::time::Instant::now();
     let mut ids: Vec<u32> = Vec::new();
     let mut shown = String::new();

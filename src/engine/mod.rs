@@ -77,6 +77,7 @@ impl EngineError {
                     data::DataError::NoFiles(_)
                         | data::DataError::Tokenizer { .. }
                         | data::DataError::Input { .. }
+                        | data::DataError::Template(_)
                         | data::DataError::TooSmall(_)
                         | data::DataError::Cache { .. }
                 )

@@ -51,5 +51,6 @@ pub(crate) fn step_stats(step: u64, elapsed_s: f64, step_ms: f64) -> StepStats {
         comm_ms: 0.0,
         ranks: vec![],
         kernels: vec![],
+        trained_share: None,
     }
 }

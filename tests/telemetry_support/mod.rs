@@ -130,6 +130,7 @@ pub fn step(n: u64, step_ms: f64, data_wait_ms: f64) -> StepStats {
         comm_ms: 0.0,
         ranks: vec![],
         kernels: vec![],
+        trained_share: None,
     }
 }
 

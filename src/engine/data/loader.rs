@@ -8,6 +8,7 @@
 //! parallel ranks, which take disjoint rows of the same global stream, see different windows).
 //! Either way an epoch is `sequences_per_epoch` windows: about one pass over the tokens.
 
+use super::packing::Rows;
 use super::{DataError, Tokens};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -36,6 +37,10 @@ pub struct Batch {
     pub seq_len: usize,
     /// The cursor after this batch.
     pub cursor: Cursor,
+    /// Packed instruction/chat rows: each slot's sample in its row (attention stays within
+    /// a sample, positions restart at each); targets that do not train are
+    /// [`super::packing::IGNORE`]. None: a token stream, every target trains.
+    pub segments: Option<Vec<u32>>,
 }
 
 /// Where training windows start.
@@ -71,6 +76,8 @@ pub struct Order {
     windows: Windows,
     epoch: u64,
     perm: Vec<u32>,
+    /// Packed rows (instruction/chat data) in place of windows of the token stream.
+    rows: Option<std::sync::Arc<Rows>>,
 }
 
 impl Order {
@@ -87,6 +94,22 @@ impl Order {
             windows,
             epoch: u64::MAX,
             perm: Vec::new(),
+            rows: None,
+        };
+        o.set_epoch(0);
+        o
+    }
+
+    /// Packed rows, in a permutation per epoch fixed by the seed.
+    pub fn with_rows(rows: std::sync::Arc<Rows>, seed: u64) -> Self {
+        let mut o = Self {
+            tokens: Tokens::from_vec(Vec::new()),
+            seq_len: rows.seq_len,
+            seed,
+            windows: Windows::Aligned,
+            epoch: u64::MAX,
+            perm: Vec::new(),
+            rows: Some(rows),
         };
         o.set_epoch(0);
         o
@@ -98,7 +121,10 @@ impl Order {
 
     /// Non-overlapping windows of seq_len + 1 tokens (inputs plus the shifted targets).
     pub fn sequences_per_epoch(&self) -> usize {
-        self.tokens.len().saturating_sub(1) / self.seq_len
+        match &self.rows {
+            Some(r) => r.len(),
+            None => self.tokens.len().saturating_sub(1) / self.seq_len,
+        }
     }
 
     fn set_epoch(&mut self, epoch: u64) {
@@ -122,12 +148,22 @@ impl Order {
         let mut targets = Vec::with_capacity(batch * t);
         let mut row = Vec::with_capacity(t + 1);
         let n = self.sequences_per_epoch().max(1) as u64;
+        let mut segments = self.rows.as_ref().map(|_| Vec::with_capacity(batch * t));
         for _ in 0..batch {
             if cursor.index >= n {
                 cursor = Cursor {
                     epoch: cursor.epoch + 1,
                     index: 0,
                 };
+            }
+            if let (Some(rows), Some(seg)) = (self.rows.clone(), segments.as_mut()) {
+                self.set_epoch(cursor.epoch);
+                let r = self.perm.get(cursor.index as usize).copied().unwrap_or(0) as usize;
+                inputs.extend_from_slice(&rows.inputs[r * t..(r + 1) * t]);
+                targets.extend_from_slice(&rows.targets[r * t..(r + 1) * t]);
+                seg.extend_from_slice(&rows.segments[r * t..(r + 1) * t]);
+                cursor.index += 1;
+                continue;
             }
             let start = match self.windows {
                 Windows::Aligned => {
@@ -154,6 +190,7 @@ impl Order {
             batch,
             seq_len: t,
             cursor,
+            segments,
         })
     }
 }
@@ -173,7 +210,10 @@ impl Order {
         let mut b = self.batch_at(cursor, batch * world)?;
         let t = b.seq_len;
         let rows = crate::distributed::shard_rows(rank, batch);
-        for v in [&mut b.inputs, &mut b.targets] {
+        for v in [&mut b.inputs, &mut b.targets]
+            .into_iter()
+            .chain(b.segments.as_mut())
+        {
             v.truncate(rows.end * t);
             v.drain(..rows.start * t);
         }
@@ -335,6 +375,8 @@ pub struct EvalPlan {
     starts: Vec<usize>,
     /// Every token of the split (but a tail shorter than a window) is scored once.
     pub whole: bool,
+    /// Packed rows (instruction/chat data): `starts` are row indices.
+    rows: Option<std::sync::Arc<Rows>>,
 }
 
 impl EvalPlan {
@@ -356,6 +398,21 @@ impl EvalPlan {
             seq_len,
             starts,
             whole,
+            rows: None,
+        }
+    }
+
+    /// Packed val rows: the first `n_batches × batch` rows, or all of them.
+    pub fn with_rows(rows: std::sync::Arc<Rows>, batch: usize, n_batches: usize) -> Self {
+        let all = rows.len();
+        let want = n_batches.saturating_mul(batch.max(1));
+        let whole = n_batches == 0 || want >= all;
+        Self {
+            tokens: Tokens::from_vec(rows.inputs.clone()),
+            seq_len: rows.seq_len,
+            starts: (0..if whole { all } else { want }).collect(),
+            whole,
+            rows: Some(rows),
         }
     }
 
@@ -366,7 +423,20 @@ impl EvalPlan {
 
     /// Tokens scored per eval.
     pub fn tokens_scored(&self) -> u64 {
-        (self.starts.len() * self.seq_len) as u64
+        match &self.rows {
+            // The targets that train.
+            Some(r) => self
+                .starts
+                .iter()
+                .map(|&s| {
+                    r.targets[s * self.seq_len..(s + 1) * self.seq_len]
+                        .iter()
+                        .filter(|&&y| y != super::packing::IGNORE)
+                        .count() as u64
+                })
+                .sum(),
+            None => (self.starts.len() * self.seq_len) as u64,
+        }
     }
 
     /// The windows in batches of (at most) `batch`.
@@ -376,7 +446,17 @@ impl EvalPlan {
             let mut inputs = Vec::with_capacity(starts.len() * t);
             let mut targets = Vec::with_capacity(starts.len() * t);
             let mut row = Vec::with_capacity(t + 1);
+            let mut segments = self
+                .rows
+                .as_ref()
+                .map(|_| Vec::with_capacity(starts.len() * t));
             for &s in starts {
+                if let (Some(rows), Some(seg)) = (&self.rows, segments.as_mut()) {
+                    inputs.extend_from_slice(&rows.inputs[s * t..(s + 1) * t]);
+                    targets.extend_from_slice(&rows.targets[s * t..(s + 1) * t]);
+                    seg.extend_from_slice(&rows.segments[s * t..(s + 1) * t]);
+                    continue;
+                }
                 row.clear();
                 self.tokens.extend_into(s, t + 1, &mut row)?;
                 full_window(&row, t)?;
@@ -389,6 +469,7 @@ impl EvalPlan {
                 batch: starts.len(),
                 seq_len: t,
                 cursor: Cursor::default(),
+                segments,
             })
         })
     }
@@ -400,6 +481,19 @@ impl EvalPlan {
         } else {
             "fixed random windows"
         };
+        if self.rows.is_some() {
+            return format!(
+                "eval {} rows × {}: {} answer tokens ({})",
+                self.windows(),
+                self.seq_len,
+                self.tokens_scored(),
+                if self.whole {
+                    "every val row"
+                } else {
+                    "the first val rows"
+                }
+            );
+        }
         format!(
             "eval {} windows × {} = {} of {} val tokens ({how})",
             self.windows(),

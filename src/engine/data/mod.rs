@@ -4,9 +4,14 @@
 //! splits into batches.
 
 pub mod builtin;
+pub mod chat;
+pub mod formats;
 pub mod loader;
+pub mod packing;
 mod prepare;
+pub mod sft;
 mod shard;
+pub mod template;
 
 pub use prepare::{prepare, prepare_with, prepare_with_progress, PrepareProgress};
 
@@ -38,6 +43,9 @@ pub enum DataError {
     /// changed while in use), named by its file.
     #[error("token cache {path}: {message}")]
     Cache { path: String, message: String },
+    /// A chat template that cannot be read or parsed (`data.chat_template`).
+    #[error("{0}")]
+    Template(String),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DataError + '_ {
@@ -118,6 +126,9 @@ pub struct Dataset {
     pub description: String,
     /// Problems with the input worth a warning at start (skipped empty files, …).
     pub warnings: Vec<String>,
+    /// An instruction/chat dataset: packed rows with loss masks and sample boundaries (the
+    /// token streams above then hold the rows' inputs).
+    pub rows: Option<sft::SftRows>,
 }
 
 /// Build the dataset a config asks for (tokenizing and caching files when needed).
@@ -149,7 +160,11 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
                 d.builtin_order, d.builtin_vocab, n, floor
             ),
             warnings: Vec::new(),
+            rows: None,
         });
+    }
+    if let Some(format) = sft::format_of(cfg)? {
+        return sft::load(cfg, special, format);
     }
     let prepared = prepare_with(cfg, special)?;
     let m = &prepared.manifest;
@@ -172,6 +187,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
             entropy_floor_bpt: None,
             description: prepared.describe(),
             warnings,
+            rows: None,
         });
     };
     Ok(Dataset {
@@ -181,6 +197,7 @@ pub fn load_with(cfg: &Config, special: Special) -> Result<Dataset, DataError> {
         entropy_floor_bpt: None,
         description: prepared.describe(),
         warnings,
+        rows: None,
     })
 }
 

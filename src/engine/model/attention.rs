@@ -7,7 +7,9 @@ impl Model {
         let s = &self.spec;
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
-        let region = self.fused(s.kernels.attention && s.kernels.linear, x)
+        let packed = self.packed_for((bsz, t));
+        let region = packed.is_none()
+            && self.fused(s.kernels.attention && s.kernels.linear, x)
             && self.rope.is_none()
             && kvh == h
             && b.q_norm.is_none()
@@ -36,8 +38,10 @@ impl Model {
             return self.linear(&b.o, &y);
         }
         let (q, k, v) = self.qkv_heads(b, x)?;
-        let q = self.apply_rope(&q)?;
-        let k = self.apply_rope(&k)?;
+        let (q, k) = match packed.and_then(|p| p.rope.as_ref()) {
+            Some((cos, sin)) => (rotate_half(&q, cos, sin)?, rotate_half(&k, cos, sin)?),
+            None => (self.apply_rope(&q)?, self.apply_rope(&k)?),
+        };
         let (k, v) = if kvh < h {
             let rep = h / kvh;
             let expand = |z: Tensor| -> Result<Tensor> {
@@ -51,7 +55,11 @@ impl Model {
         };
         let scale = s.attention_scale();
         let att = q.matmul(&k.t()?)?;
-        let att = if self.fused(s.kernels.attention, &att) {
+        let att = if let Some(p) = packed {
+            // Packed samples: causal within each sample, nothing across.
+            let att = (att * scale)?.broadcast_add(&p.mask)?;
+            candle_nn::ops::softmax(&att, D::Minus1)?
+        } else if self.fused(s.kernels.attention, &att) {
             kernels::causal_softmax(&att, scale)?
         } else {
             let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;

@@ -28,8 +28,17 @@ impl Model {
             x = (x * self.spec.embedding_multiplier)?;
         }
         if let Some(wpe) = &self.wpe {
-            let pos = self.cast(wpe)?.narrow(0, 0, t)?;
-            x = x.broadcast_add(&pos)?;
+            x = match self.packed_for((bsz, t)) {
+                // Positions restart at each packed sample.
+                Some(p) => {
+                    (x + self.cast(wpe)?.index_select(&p.positions, 0)?.reshape((
+                        bsz,
+                        t,
+                        self.spec.n_embd,
+                    ))?)?
+                }
+                None => x.broadcast_add(&self.cast(wpe)?.narrow(0, 0, t)?)?,
+            };
         }
         x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
         for (l, b) in self.blocks.iter().enumerate() {

@@ -24,8 +24,12 @@ mod lora;
 mod mlp;
 mod norm;
 mod rope;
+mod segments;
 mod step_plan;
+pub use segments::{positions, Masked};
 pub use step_plan::step_facts;
+#[cfg(test)]
+mod segments_tests;
 #[cfg(test)]
 mod tests;
 
@@ -101,6 +105,11 @@ pub struct Model {
     dropout_seed: u64,
     /// Whether the forward in progress trains (set by [`Self::hidden`]; LoRA dropout).
     training: bool,
+    /// Sample boundaries of packed rows for the next forwards ([`Self::set_segments`]).
+    packed: Option<segments::Packed>,
+    /// The data's rows carry loss masks / packed samples (the whole-model step takes
+    /// neither: [`ModelSpec::fast_step_support`]).
+    data_layout: (bool, bool),
 }
 
 // The step's input types live with the step (kernels); the model builds them.
@@ -268,6 +277,8 @@ impl Model {
             rope,
             dropout_seed: seed ^ 0xD5A0_9B1E,
             training: false,
+            packed: None,
+            data_layout: (false, false),
             spec,
         })
     }
@@ -277,6 +288,12 @@ impl Model {
     /// masks).
     pub fn reseed_dropout(&mut self, seed: u64) {
         self.dropout_seed = seed;
+    }
+
+    /// Say that the data's targets carry a loss mask and whether rows pack several samples
+    /// (the whole-model CUDA step then declines the model: [`Reason::LossMask`]).
+    pub fn set_data_layout(&mut self, masked: bool, packed: bool) {
+        self.data_layout = (masked, packed);
     }
 
     pub fn dtype(&self) -> DType {

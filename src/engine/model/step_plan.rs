@@ -16,6 +16,8 @@ pub fn step_facts(
         kernels: kernels::step_support(device, dtype).err(),
         flash_fits: kernels::flash_fits(device, spec.head_dim),
         mixed_trainable,
+        loss_mask: false,
+        packed_samples: false,
     }
 }
 
@@ -32,7 +34,11 @@ impl Model {
             .params
             .iter()
             .all(|p| p.trainable == (!lora || p.kind.is_lora()));
-        step_facts(&self.device, self.dtype, &self.spec, mixed)
+        StepFacts {
+            loss_mask: self.data_layout.0,
+            packed_samples: self.data_layout.1,
+            ..step_facts(&self.device, self.dtype, &self.spec, mixed)
+        }
     }
 
     /// The weights for the whole-model CUDA step, or why this model takes the per-op path

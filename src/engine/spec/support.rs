@@ -24,6 +24,10 @@ pub struct StepFacts {
     /// Some weights are frozen and some train, other than LoRA's split (frozen base,
     /// trainable adapters).
     pub mixed_trainable: bool,
+    /// The data's targets carry a loss mask (instruction/chat data: only the answers train).
+    pub loss_mask: bool,
+    /// The data's rows pack several samples that must not attend to one another.
+    pub packed_samples: bool,
 }
 
 /// Why flash attention does not serve a model (the step then materialises the attention,
@@ -91,6 +95,10 @@ pub enum Reason {
     PartialRotary { rotary_dim: usize, head_dim: usize },
     #[error("norms after the attention and MLP outputs (OLMo 2 post-norm; the step's blocks are pre-norm)")]
     PostNorm,
+    #[error("packed samples (data.packing): the step's flash attention has no per-sample boundaries yet")]
+    PackedSamples,
+    #[error("loss on the answers only (instruction/chat data): the step's cross-entropy takes no ignored targets yet")]
+    LossMask,
 }
 
 impl ModelSpec {
@@ -132,6 +140,12 @@ impl ModelSpec {
         self.step_shape_support(self.flash_attention(facts.flash_fits))?;
         if facts.mixed_trainable {
             return Err(Reason::MixedTrainable);
+        }
+        if facts.packed_samples {
+            return Err(Reason::PackedSamples);
+        }
+        if facts.loss_mask {
+            return Err(Reason::LossMask);
         }
         Ok(())
     }

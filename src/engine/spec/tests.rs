@@ -9,6 +9,8 @@ fn gpu() -> StepFacts {
         kernels: None,
         flash_fits: true,
         mixed_trainable: false,
+        loss_mask: false,
+        packed_samples: false,
     }
 }
 
@@ -79,6 +81,18 @@ fn every_refusal_names_its_reason() {
         ..gpu()
     };
     assert_eq!(why(&base, &mixed), Reason::MixedTrainable);
+    // Instruction/chat data: the step has no per-sample attention or ignored targets yet.
+    let packed = StepFacts {
+        packed_samples: true,
+        loss_mask: true,
+        ..gpu()
+    };
+    assert_eq!(why(&base, &packed), Reason::PackedSamples);
+    let masked = StepFacts {
+        loss_mask: true,
+        ..gpu()
+    };
+    assert_eq!(why(&base, &masked), Reason::LossMask);
 
     let narrow = spec(|c| {
         llama(c);

@@ -21,10 +21,40 @@ impl Trainer {
             self.weights_copied = true;
             return Ok(losses);
         }
+        if b.segments.is_some() {
+            return self.masked_eval_windows(b);
+        }
         let (x, y) = self.batch_tensors(b)?;
         let losses = self.model.token_losses(&x, &y)?;
         let rows = losses.reshape((b.batch, b.seq_len))?.mean(1)?;
         Ok(rows.to_vec1::<f32>()?.into_iter().map(f64::from).collect())
+    }
+
+    /// Instruction/chat rows: each row's mean loss over its targets that train (rows with none
+    /// are left out), attention within each packed sample.
+    fn masked_eval_windows(&mut self, b: &Batch) -> candle_core::Result<Vec<f64>> {
+        use crate::engine::data::packing::IGNORE;
+        let shape = (b.batch, b.seq_len);
+        let x = candle_core::Tensor::from_slice(&b.inputs, shape, &self.device)?;
+        let m = crate::engine::model::Masked::new(&b.targets, IGNORE, shape, &self.device)?;
+        self.model.set_segments(b.segments.as_deref(), b.batch)?;
+        let losses = self.model.token_losses(&x, &m.targets);
+        self.model.set_segments(None, b.batch)?;
+        let losses = losses?.to_vec1::<f32>()?;
+        Ok(losses
+            .chunks(b.seq_len)
+            .zip(b.targets.chunks(b.seq_len))
+            .filter_map(|(l, y)| {
+                let n = y.iter().filter(|&&v| v != IGNORE).count();
+                let sum: f64 = l
+                    .iter()
+                    .zip(y)
+                    .filter(|(_, &v)| v != IGNORE)
+                    .map(|(&l, _)| f64::from(l))
+                    .sum();
+                (n > 0).then(|| sum / n as f64)
+            })
+            .collect())
     }
 
     /// The mean loss of the eval's windows and its standard error (over windows).

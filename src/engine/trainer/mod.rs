@@ -121,6 +121,9 @@ struct Trainer {
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.
     weights_copied: bool,
+    /// Instruction/chat data: (targets that train, targets) in the micro-batches since the
+    /// last step record (`trained_share` in metrics.jsonl).
+    trained_slots: (u64, u64),
     /// Rank 0's verdict, before this step, that a timed checkpoint is due (shared with the
     /// ranks through the step's host all-reduce, so all of them take it at the same step).
     time_due: bool,

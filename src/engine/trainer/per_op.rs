@@ -27,8 +27,7 @@ impl Trainer {
             self.model.reseed_dropout(seed);
             let (batch, w) = self.next_batch()?;
             wait += w;
-            let (x, y) = self.batch_tensors(&batch)?;
-            let ce = self.model.loss(&x, &y, true)?;
+            let ce = self.batch_loss(&batch)?;
             ce_sum += ce.to_scalar::<f32>()? as f64;
             let ce = if inject_nan { (ce * f64::NAN)? } else { ce };
             let mut loss = (ce / self.accum as f64)?;
@@ -86,6 +85,25 @@ impl Trainer {
             });
         }
         Ok(acc)
+    }
+
+    /// A micro-batch's mean CE: over every target of a token stream, or (instruction/chat
+    /// rows) over the targets that train, with attention kept within each packed sample.
+    pub(super) fn batch_loss(&mut self, b: &Batch) -> candle_core::Result<Tensor> {
+        use crate::engine::data::packing::IGNORE;
+        if b.segments.is_none() {
+            let (x, y) = self.batch_tensors(b)?;
+            return self.model.loss(&x, &y, true);
+        }
+        let shape = (b.batch, b.seq_len);
+        let x = Tensor::from_slice(&b.inputs, shape, &self.device)?;
+        let m = crate::engine::model::Masked::new(&b.targets, IGNORE, shape, &self.device)?;
+        self.trained_slots.0 += m.count as u64;
+        self.trained_slots.1 += b.targets.len() as u64;
+        self.model.set_segments(b.segments.as_deref(), b.batch)?;
+        let ce = self.model.masked_loss(&x, &m, true);
+        self.model.set_segments(None, b.batch)?;
+        ce
     }
 
     pub(super) fn batch_tensors(&self, b: &Batch) -> candle_core::Result<(Tensor, Tensor)> {

@@ -220,6 +220,10 @@ impl Trainer {
                 comm_ms: comm,
                 ranks,
                 kernels,
+                trained_share: match std::mem::take(&mut self.trained_slots) {
+                    (_, 0) => None,
+                    (n, all) => Some(n as f64 / all as f64),
+                },
             }));
 
             self.scu.observe_step(ce, lr, applied);

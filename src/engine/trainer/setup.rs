@@ -81,7 +81,9 @@ impl Trainer {
             }));
         }
         let min_tokens = cfg.model.seq_len + 1;
-        if dataset.train.len() < 2 * min_tokens || dataset.val.len() < min_tokens {
+        if dataset.rows.is_none()
+            && (dataset.train.len() < 2 * min_tokens || dataset.val.len() < min_tokens)
+        {
             return Err(EngineError::Config(data::too_small(
                 &cfg,
                 dataset.train.len(),
@@ -132,6 +134,9 @@ impl Trainer {
         }
         if let Some(lora) = &spec.lora {
             model.add_lora(lora, cfg.run.seed)?;
+        }
+        if dataset.rows.is_some() {
+            model.set_data_layout(true, cfg.data.packing);
         }
         // The run header says which executor runs the model on a GPU, and why not the step.
         if device.is_cuda() && cfg.kernels.step {
@@ -184,12 +189,15 @@ impl Trainer {
             crate::config::Sampling::Auto if cfg.data.source == "files" => Windows::Random,
             crate::config::Sampling::Auto => Windows::Aligned,
         };
-        let order = Order::with_windows(
-            dataset.train.clone(),
-            cfg.model.seq_len,
-            cfg.run.seed,
-            windows,
-        );
+        let order = match &dataset.rows {
+            Some(r) => Order::with_rows(r.train.clone(), cfg.run.seed),
+            None => Order::with_windows(
+                dataset.train.clone(),
+                cfg.model.seq_len,
+                cfg.run.seed,
+                windows,
+            ),
+        };
         let loader = Loader::new(
             order,
             o.micro_batch,
@@ -197,12 +205,15 @@ impl Trainer {
             Cursor::default(),
         )
         .with_shard(rank, world);
-        let val = EvalPlan::new(
-            &dataset.val,
-            cfg.model.seq_len,
-            o.micro_batch,
-            cfg.eval.batches,
-        );
+        let val = match &dataset.rows {
+            Some(r) => EvalPlan::with_rows(r.val.clone(), o.micro_batch, cfg.eval.batches),
+            None => EvalPlan::new(
+                &dataset.val,
+                cfg.model.seq_len,
+                o.micro_batch,
+                cfg.eval.batches,
+            ),
+        };
         let tokens_per_epoch = if cfg.scu.tokens_per_epoch > 0 {
             cfg.scu.tokens_per_epoch as f64
         } else {
@@ -222,6 +233,18 @@ impl Trainer {
         std::fs::create_dir_all(&out_dir).map_err(io_err(&out_dir))?;
         if let (Some((_, b)), 0) = (&base, rank) {
             crate::engine::base::keep_hf_files(&b.meta, &opts.run_dir)?;
+            // A chat template given in data.chat_template goes with the model (export).
+            if !cfg.data.chat_template.is_empty() && b.meta.hf_dir.is_some() {
+                if let Ok(Some(t)) =
+                    data::template::ChatTemplate::find(&cfg.data.chat_template, &cfg.data.tokenizer)
+                {
+                    let path = opts
+                        .run_dir
+                        .join(crate::engine::base::HF_BASE_DIR)
+                        .join("chat_template.jinja");
+                    std::fs::write(&path, &t.text).map_err(io_err(&path))?;
+                }
+            }
         }
         let sample = if cfg.eval.sample_tokens > 0 {
             let tok = if cfg.data.source == "files" {
@@ -229,7 +252,29 @@ impl Trainer {
             } else {
                 None
             };
+            // Instruction/chat data: the prompt is a user turn through the chat template.
+            let template = match &dataset.rows {
+                Some(_) => {
+                    data::template::ChatTemplate::find(&cfg.data.chat_template, &cfg.data.tokenizer)
+                        .map_err(data::DataError::Template)?
+                }
+                None => None,
+            };
             let prompt = match (&tok, cfg.eval.sample_prompt.as_str()) {
+                (Some(t), p) if !p.is_empty() && template.is_some() => {
+                    let turn = [serde_json::json!({"role": "user", "content": p})];
+                    let text = template
+                        .as_ref()
+                        .map(|tm| tm.render(&turn, true))
+                        .transpose()
+                        .map_err(|e| {
+                            EngineError::Config(format!(
+                                "eval.sample_prompt: the chat template fails to render: {e}"
+                            ))
+                        })?
+                        .unwrap_or_default();
+                    t.encode_offsets(&text, "eval.sample_prompt")?.0
+                }
                 (Some(t), p) if !p.is_empty() => t.encode_prompt(p)?,
                 _ => {
                     let n = (cfg.model.seq_len / 2).clamp(1, 16);
@@ -298,6 +343,7 @@ impl Trainer {
             sample,
             weights_copied: false,
             time_due: false,
+            trained_slots: (0, 0),
         };
         if let Some(spec) = opts.resume {
             t.restore(&spec, true)?;
