@@ -11,6 +11,7 @@ pub mod events;
 pub mod export;
 pub mod faults;
 pub mod generate;
+pub mod gguf;
 pub mod hf;
 pub mod kernels;
 pub mod locate;
