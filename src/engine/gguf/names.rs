@@ -154,7 +154,7 @@ const TOP_NAMES: &[(&str, &str)] = &[
 /// cockpit's name of a llama.cpp tensor name (GGUF in), or None.
 pub fn cockpit_name(gguf: &str) -> Option<String> {
     let (stem, w) = gguf.rsplit_once('.')?;
-    if let Some((_, c)) = TOP_NAMES.iter().find(|(_, g)| *g == stem) {
+    if let Some((c, _)) = TOP_NAMES.iter().find(|(_, g)| *g == stem) {
         return Some(format!("{c}.{w}"));
     }
     let rest = stem.strip_prefix("blk.")?;
