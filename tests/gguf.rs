@@ -258,3 +258,80 @@ fn what_gguf_export_cannot_write_is_refused_by_name() {
         assert!(!out.exists());
     }
 }
+
+#[test]
+fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
+    for name in ["llama2", "qwen2", "gpt2", "granite"] {
+        let dir = fixture(name);
+        let e = json(&dir.join("expected.json"));
+        let ids: Vec<u32> = serde_json::from_value(e["ids"].clone()).unwrap();
+        let ours = cockpit_loss(&dir, &ids);
+        let tmp = tempfile::tempdir().unwrap();
+        for (quant, tol) in [("f32", 1e-5), ("q8_0", 2e-2), ("q4_0", 0.2)] {
+            let out = tmp.path().join(format!("{name}-{quant}.gguf"));
+            export(&dir, &out, quant);
+            let loss = cockpit_loss(&out, &ids);
+            eprintln!("{name} {quant}: cockpit on the GGUF {loss:.6}, on the fixture {ours:.6}");
+            assert!(
+                (loss - ours).abs() <= tol,
+                "{name} {quant}: {loss} vs {ours}"
+            );
+        }
+        // and as any source: generate reads its tokenizer
+        let o = common::cockpit()
+            .arg("generate")
+            .arg(tmp.path().join(format!("{name}-f32.gguf")))
+            .args([
+                "--prompt",
+                e["prompt_text"].as_str().unwrap(),
+                "--temperature",
+                "0",
+            ])
+            .args(["--max-tokens", "4", "--ids"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let got: Vec<u32> = String::from_utf8_lossy(&o.stdout)
+            .split_whitespace()
+            .map(|t| t.parse().unwrap())
+            .collect();
+        let greedy: Vec<u32> = serde_json::from_value(e["greedy"].clone()).unwrap();
+        assert_eq!(got, greedy[..4], "{name}");
+    }
+}
+
+#[test]
+fn a_broken_or_foreign_gguf_is_refused_by_name() {
+    use cockpit::engine::gguf::writer::{self, Value};
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("good.gguf");
+    export(&fixture("qwen2"), &good, "q8_0");
+    let bytes = std::fs::read(&good).unwrap();
+    let cut = tmp.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();
+    let text = tmp.path().join("text.gguf");
+    std::fs::write(&text, "not a model").unwrap();
+    let phi = tmp.path().join("phi.gguf");
+    let kv = vec![(
+        "general.architecture".to_string(),
+        Value::Str("phi3".into()),
+    )];
+    writer::write(&phi, &kv, &[]).unwrap();
+    for (path, want) in [
+        (&cut, "truncated"),
+        (&text, "not a GGUF file"),
+        (&phi, "general.architecture = \"phi3\": not supported"),
+    ] {
+        let o = common::cockpit()
+            .arg("generate")
+            .arg(path)
+            .args(["--prompt-ids", "1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{err}");
+        assert!(err.contains(&path.display().to_string()), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+}

@@ -54,7 +54,7 @@ pub fn export(
         );
         return Ok(EXIT_USAGE);
     }
-    match gguf::export(source, out, quant) {
+    match crate::engine::export_gguf::export(source, out, quant) {
         Ok(x) => {
             for n in &x.notes {
                 crate::errln!("note: {n}");

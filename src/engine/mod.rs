@@ -9,6 +9,7 @@ pub mod device;
 pub mod dropout;
 pub mod events;
 pub mod export;
+pub mod export_gguf;
 pub mod faults;
 pub mod generate;
 pub mod gguf;
