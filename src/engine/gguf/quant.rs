@@ -186,7 +186,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn q8_0_round_trips_within_half_a_step() {
+    fn q8_0_round_trips_within_a_step_of_its_block() {
         let x: Vec<f32> = (0..64).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
         let bytes = encode(&x, GgmlType::Q8_0);
         assert_eq!(bytes.len(), GgmlType::Q8_0.bytes_of(64).unwrap());
