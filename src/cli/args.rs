@@ -130,6 +130,13 @@ pub enum Cmd {
         /// Split the weights into shards of at most this size, with an index (e.g. 500MB, 5GB).
         #[arg(long, value_name = "SIZE", default_value = "5GB")]
         max_shard_size: String,
+        /// hf (a Hugging Face directory) or gguf (one llama.cpp file); default: gguf when OUT
+        /// ends in .gguf, else hf.
+        #[arg(long, value_name = "hf|gguf")]
+        format: Option<String>,
+        /// GGUF tensor encoding: f32, f16, bf16, q8_0, q4_0 or q4_1 (default f16).
+        #[arg(long, value_name = "TYPE")]
+        quant: Option<String>,
     },
     /// Continue a prompt with a trained model (KV cache), streaming the text to stdout.
     Generate {

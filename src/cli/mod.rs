@@ -7,6 +7,7 @@ mod bench;
 mod check;
 mod fit;
 mod frontends;
+mod gguf;
 mod hf;
 mod launch;
 mod rank;
@@ -91,7 +92,13 @@ pub fn main() -> i32 {
             adapter,
             dtype,
             max_shard_size,
-        }) => hf::export(&source, &out, adapter, dtype.as_deref(), &max_shard_size),
+            format,
+            quant,
+        }) => match gguf::wants(&out, format.as_deref(), quant.as_deref()) {
+            Ok(Some(q)) => gguf::export(&source, &out, adapter, dtype.as_deref(), q),
+            Ok(None) => hf::export(&source, &out, adapter, dtype.as_deref(), &max_shard_size),
+            Err(code) => Ok(code),
+        },
         Some(Cmd::Generate {
             source,
             prompt,

@@ -1,4 +1,5 @@
-//! What a model path names — the one place it is decided: a Hugging Face model directory, or
+//! What a model path names — the one place it is decided: a Hugging Face model directory (or a
+//! GGUF file, as the directory it describes), or
 //! a cockpit checkpoint (a run dir, its checkpoints dir, `latest`, or a step dir) and the run
 //! dir it belongs to. [`crate::engine::source`] opens what it finds; the base of a training
 //! run (`engine::base`) reads it the same way.
@@ -34,6 +35,11 @@ pub fn run_dir_of(step_dir: &Path) -> Option<PathBuf> {
 /// Find what `path` names. A directory of safetensors without config.json is an error that
 /// says so (rather than "no checkpoint here").
 pub fn locate(path: &Path) -> Result<Location, CheckpointError> {
+    use super::gguf::load;
+    // A GGUF file: the Hugging Face directory it describes, made once in a cache.
+    if path.is_file() && (load::is_gguf(path) || path.extension().is_some_and(|x| x == "gguf")) {
+        return Ok(Location::HuggingFace(load::materialize(path)?));
+    }
     if is_hf_dir(path) {
         return Ok(Location::HuggingFace(path.to_path_buf()));
     }

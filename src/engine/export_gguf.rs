@@ -1,0 +1,176 @@
+//! `cockpit export SOURCE OUT.gguf`: a run, checkpoint or Hugging Face directory (LoRA runs
+//! merged) written as one GGUF file by [`super::gguf`]'s writer.
+
+use super::export::Exported;
+use super::gguf::quant::{self, GgmlType};
+use super::gguf::writer::{self, TensorData, Value};
+use super::gguf::{names, tokenizer, QUANTS};
+use super::source::{open, Source};
+use super::{hf, EngineError};
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+
+fn usage(message: String) -> EngineError {
+    EngineError::Config(message)
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
+    move |source| EngineError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// How a tensor is stored: vectors (norms, biases) and tensors whose rows are no whole number
+/// of blocks stay as llama.cpp keeps them (f32; f16 in place of a block type).
+fn storage(shape: &[usize], want: GgmlType) -> GgmlType {
+    if shape.len() < 2 {
+        return GgmlType::F32;
+    }
+    let (block, _) = want.block();
+    if shape[shape.len() - 1].is_multiple_of(block) {
+        want
+    } else {
+        GgmlType::F16
+    }
+}
+
+fn tensor_data(name: String, t: &Tensor, want: GgmlType) -> Result<TensorData, EngineError> {
+    let shape = t.dims().to_vec();
+    let ty = storage(&shape, want);
+    let x: Vec<f32> = t
+        .to_dtype(DType::F32)?
+        .contiguous()?
+        .flatten_all()?
+        .to_vec1()?;
+    Ok(TensorData {
+        name,
+        shape,
+        ty,
+        bytes: quant::encode(&x, ty),
+    })
+}
+
+/// Write `src` (a run, checkpoint or Hugging Face directory; LoRA runs merged) as one GGUF
+/// file at `out` in `quant`.
+pub fn export(src: &Path, out: &Path, quant: GgmlType) -> Result<Exported, EngineError> {
+    if out.is_dir() {
+        return Err(usage(format!(
+            "{}: is a directory; GGUF export writes one file (e.g. model.gguf)",
+            out.display()
+        )));
+    }
+    let s = open(src, DType::F32, &Device::Cpu, 1)?;
+    let at = |m: String| usage(format!("{}: {m}", src.display()));
+    let model_type =
+        hf::model_type_for(&s.config, s.hf.as_ref().map(|h| h.model_type.as_str())).map_err(at)?;
+    let arch = names::arch_of(&model_type).ok_or_else(|| {
+        at(format!(
+            "model_type {model_type}: llama.cpp has no architecture for it"
+        ))
+    })?;
+    let (kv, tensors, notes) = build(&s, src, &model_type, arch, quant)?;
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io(parent))?;
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model.gguf".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if let Err(e) = writer::write(&tmp, &kv, &tensors) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(&tmp)(e));
+    }
+    std::fs::rename(&tmp, out).map_err(io(out))?;
+    Ok(Exported {
+        model_type: format!("{model_type} (GGUF architecture {arch})"),
+        files: vec![name],
+        notes,
+    })
+}
+
+type Built = (Vec<(String, Value)>, Vec<TensorData>, Vec<String>);
+
+fn build(
+    s: &Source,
+    src: &Path,
+    model_type: &str,
+    arch: &str,
+    quant: GgmlType,
+) -> Result<Built, EngineError> {
+    let at = |m: String| usage(format!("{}: {m}", src.display()));
+    let m = &s.config;
+    let vocab = s.model.spec.vocab_size;
+    let mut notes = Vec::new();
+    let tok_kv = match s.tokenizer.as_deref() {
+        Some(t) if t != "byte" && Path::new(t).is_file() => {
+            tokenizer::keys(Path::new(t), s.hf_dir.as_deref(), s.hf.as_ref(), vocab).map_err(at)?
+        }
+        Some(t) => {
+            return Err(at(format!(
+                "the tokenizer is {t:?}, which has no tokenizer.json; GGUF files carry a vocabulary (llama.cpp has no byte-level tokenizer model), so a byte-tokenized run cannot be exported as GGUF"
+            )))
+        }
+        None => {
+            return Err(at(
+                "the run trained on the built-in corpus (token ids only, no tokenizer); GGUF files carry a vocabulary".into(),
+            ))
+        }
+    };
+    let file_type = QUANTS.iter().find(|q| q.1 == quant).map_or(0, |q| q.2);
+    let stem = src
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "cockpit".into());
+    let mut kv: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::Str(arch.into())),
+        ("general.type".into(), Value::Str("model".into())),
+        ("general.name".into(), Value::Str(stem)),
+        ("general.file_type".into(), Value::U32(file_type)),
+        ("general.quantization_version".into(), Value::U32(2)),
+        (
+            "general.alignment".into(),
+            Value::U32(writer::ALIGNMENT as u32),
+        ),
+    ];
+    kv.extend(names::hyperparameters(arch, m, vocab, s.max_positions));
+    kv.extend(tok_kv);
+    if let Some(w) = s.hf.as_ref().and_then(|h| h.sliding_window) {
+        notes.push(format!(
+            "the base's sliding_window = {w} is not in the GGUF (llama.cpp's llama architecture attends to the whole context)"
+        ));
+    }
+    let merged = s.model.merged_tensors()?;
+    let named = names::to_gguf(merged, arch, m).map_err(at)?;
+    let mut tensors = Vec::with_capacity(named.len() + 1);
+    if let Some(f) = names::rope_freqs(&s.model.spec) {
+        let n = f.len();
+        tensors.push(TensorData {
+            name: "rope_freqs.weight".into(),
+            shape: vec![n],
+            ty: GgmlType::F32,
+            bytes: quant::encode(&f, GgmlType::F32),
+        });
+    }
+    let mut fallback = Vec::new();
+    for (n, t) in named {
+        let d = tensor_data(n, &t, quant)?;
+        if d.ty != quant && d.shape.len() > 1 {
+            fallback.push(d.name.clone());
+        }
+        tensors.push(d);
+    }
+    if !fallback.is_empty() {
+        notes.push(format!(
+            "{} tensor(s) stored as F16: their rows are not whole {} blocks ({})",
+            fallback.len(),
+            quant.name(),
+            fallback.join(", ")
+        ));
+    }
+    let _ = model_type;
+    Ok((kv, tensors, notes))
+}

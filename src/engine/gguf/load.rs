@@ -1,0 +1,346 @@
+//! GGUF in: a .gguf file as a model source. The file is turned once into the Hugging Face
+//! directory it describes (config.json from its `<arch>.*` metadata, checked by the same
+//! reader as any config.json; its tensors dequantized under Hugging Face's names, q/k rows
+//! permuted back; tokenizer.json from a byte-level BPE vocabulary), kept in a cache directory
+//! keyed by the file, so every command that opens a Hugging Face directory opens it.
+
+use super::names;
+use super::reader::{Gguf, Meta};
+use crate::engine::checkpoint::CheckpointError;
+use crate::engine::hf;
+use candle_core::{DType, Device, Tensor};
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+
+fn corrupt(path: &Path, message: impl Into<String>) -> CheckpointError {
+    CheckpointError::Corrupt {
+        path: path.display().to_string(),
+        message: message.into(),
+    }
+}
+
+/// Whether `path` is a GGUF file (its magic).
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    path.is_file()
+        && std::fs::File::open(path)
+            .and_then(|mut f| f.read_exact(&mut magic))
+            .is_ok()
+        && &magic == b"GGUF"
+}
+
+/// The Hugging Face model_type of a GGUF architecture.
+fn model_type(arch: &str) -> Option<&'static str> {
+    match arch {
+        "llama" => Some("llama"),
+        "qwen2" => Some("qwen2"),
+        "gpt2" => Some("gpt2"),
+        "granite" => Some("granite"),
+        _ => None,
+    }
+}
+
+/// The cache directory of `path` (its canonical path, size and modification time).
+fn cache_dir(path: &Path) -> Result<PathBuf, CheckpointError> {
+    use sha2::{Digest, Sha256};
+    let md = std::fs::metadata(path).map_err(|e| corrupt(path, e.to_string()))?;
+    let canon = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let mtime = md
+        .modified()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_nanos());
+    let key = format!(
+        "{}\n{}\n{mtime}\n{}",
+        canon.display(),
+        md.len(),
+        env!("CARGO_PKG_VERSION")
+    );
+    let hash: String = Sha256::digest(key.as_bytes())
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    Ok(std::env::temp_dir()
+        .join("cockpit-gguf")
+        .join(format!("{stem}-{hash}")))
+}
+
+/// The Hugging Face directory of the GGUF file at `path`, written on first use.
+pub fn materialize(path: &Path) -> Result<PathBuf, CheckpointError> {
+    let dir = cache_dir(path)?;
+    if dir.join(".complete").is_file() {
+        return Ok(dir);
+    }
+    let bytes = std::fs::read(path).map_err(|e| corrupt(path, e.to_string()))?;
+    let g = Gguf::parse(bytes).map_err(|m| corrupt(path, m))?;
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| corrupt(parent, e.to_string()))?;
+    let tmp = parent.join(format!(
+        ".{}.tmp-{}",
+        dir.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| corrupt(&tmp, e.to_string()))?;
+    if let Err(m) = write_hf(&g, &tmp) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(corrupt(path, m));
+    }
+    std::fs::write(tmp.join(".complete"), b"").map_err(|e| corrupt(&tmp, e.to_string()))?;
+    if std::fs::rename(&tmp, &dir).is_err() {
+        // another process made it first
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    Ok(dir)
+}
+
+fn need<'a>(g: &'a Gguf, key: &str) -> Result<&'a Meta, String> {
+    g.get(key).ok_or_else(|| format!("{key}: missing"))
+}
+
+fn num(g: &Gguf, key: &str) -> Result<usize, String> {
+    need(g, key)?
+        .as_usize()
+        .ok_or_else(|| format!("{key}: expected a non-negative integer"))
+}
+
+fn write_json(p: &Path, v: &Value) -> Result<(), String> {
+    std::fs::write(p, serde_json::to_vec_pretty(v).unwrap_or_default())
+        .map_err(|e| format!("{}: {e}", p.display()))
+}
+
+fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
+    let arch = need(g, "general.architecture")?
+        .as_str()
+        .ok_or("general.architecture: expected a string")?
+        .to_string();
+    let Some(mt) = model_type(&arch) else {
+        return Err(format!(
+            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, gpt2, granite)"
+        ));
+    };
+    let k = |s: &str| format!("{arch}.{s}");
+    let has = |n: &str| g.tensors.iter().any(|t| t.name == n);
+    if has("rope_freqs.weight") {
+        return Err(
+            "rope_freqs.weight: Llama 3 RoPE scaling factors are not supported in GGUF input"
+                .into(),
+        );
+    }
+    let embd = g
+        .tensors
+        .iter()
+        .find(|t| t.name == "token_embd.weight")
+        .ok_or("token_embd.weight: missing")?;
+    let vocab = embd.shape[0];
+    let n_embd = num(g, &k("embedding_length"))?;
+    let n_layer = num(g, &k("block_count"))?;
+    let n_head = num(g, &k("attention.head_count"))?;
+    let ff = num(g, &k("feed_forward_length"))?;
+    let ctx = num(g, &k("context_length"))?;
+    let f = |key: &str, d: f64| g.get(&k(key)).and_then(Meta::as_f64).unwrap_or(d);
+    let tied = !has("output.weight");
+    let mut c: Map<String, Value> = Map::new();
+    c.insert("model_type".into(), json!(mt));
+    c.insert("vocab_size".into(), json!(vocab));
+    c.insert("tie_word_embeddings".into(), json!(tied));
+    if mt == "gpt2" {
+        for (key, v) in [
+            ("n_embd", json!(n_embd)),
+            ("n_layer", json!(n_layer)),
+            ("n_head", json!(n_head)),
+            ("n_positions", json!(ctx)),
+            ("n_inner", json!(ff)),
+            (
+                "layer_norm_epsilon",
+                json!(f("attention.layer_norm_epsilon", 1e-5)),
+            ),
+        ] {
+            c.insert(key.into(), v);
+        }
+    } else {
+        let kv = g
+            .get(&k("attention.head_count_kv"))
+            .and_then(Meta::as_usize)
+            .unwrap_or(n_head);
+        let hd = g
+            .get(&k("attention.key_length"))
+            .or_else(|| g.get(&k("rope.dimension_count")))
+            .and_then(Meta::as_usize)
+            .unwrap_or(n_embd / n_head.max(1));
+        for (key, v) in [
+            ("hidden_size", json!(n_embd)),
+            ("intermediate_size", json!(ff)),
+            ("num_hidden_layers", json!(n_layer)),
+            ("num_attention_heads", json!(n_head)),
+            ("num_key_value_heads", json!(kv)),
+            ("head_dim", json!(hd)),
+            ("max_position_embeddings", json!(ctx)),
+            (
+                "rms_norm_eps",
+                json!(f("attention.layer_norm_rms_epsilon", 1e-6)),
+            ),
+            ("rope_theta", json!(f("rope.freq_base", 10000.0))),
+        ] {
+            c.insert(key.into(), v);
+        }
+        match g.get(&k("rope.scaling.type")).and_then(Meta::as_str) {
+            None | Some("none") => {}
+            Some("linear") => {
+                c.insert(
+                    "rope_scaling".into(),
+                    json!({"rope_type": "linear", "factor": f("rope.scaling.factor", 1.0)}),
+                );
+            }
+            Some(other) => {
+                return Err(format!(
+                    "{}.rope.scaling.type = {other:?}: not supported (supported: linear)",
+                    arch
+                ))
+            }
+        }
+        if mt == "llama" || mt == "granite" {
+            let b = has("blk.0.attn_q.bias");
+            c.insert("attention_bias".into(), json!(b));
+            c.insert("mlp_bias".into(), json!(b));
+        }
+        if mt == "granite" {
+            for (key, gk) in [
+                ("attention_multiplier", "attention.scale"),
+                ("embedding_multiplier", "embedding_scale"),
+                ("residual_multiplier", "residual_scale"),
+                ("logits_scaling", "logit_scale"),
+            ] {
+                c.insert(key.into(), json!(f(gk, 1.0)));
+            }
+        }
+    }
+    let tok = |key: &str| {
+        g.get(&format!("tokenizer.ggml.{key}"))
+            .and_then(Meta::as_usize)
+    };
+    c.insert("bos_token_id".into(), json!(tok("bos_token_id")));
+    c.insert("eos_token_id".into(), json!(tok("eos_token_id")));
+    let config = Value::Object(c);
+    let (m, info) =
+        hf::parse_config(&config).map_err(|e| format!("its metadata as config.json: {e}"))?;
+    write_json(&dir.join("config.json"), &config)?;
+    write_json(
+        &dir.join("generation_config.json"),
+        &hf::generation_config(Some(&info)),
+    )?;
+    // the tensors, dequantized, under cockpit's names, then Hugging Face's
+    let mut named: Vec<(String, Tensor)> = Vec::new();
+    for t in &g.tensors {
+        let x = g.decode(t)?;
+        let te = |e: candle_core::Error| format!("{}: {e}", t.name);
+        let v = Tensor::from_vec(x, t.shape.clone(), &Device::Cpu).map_err(te)?;
+        if let Some(rest) = t
+            .name
+            .strip_suffix(".attn_qkv.weight")
+            .or(t.name.strip_suffix(".attn_qkv.bias"))
+        {
+            let i = rest.strip_prefix("blk.").unwrap_or(rest);
+            let w = t.name.rsplit('.').next().unwrap_or("weight");
+            for (j, p) in ["q_proj", "k_proj", "v_proj"].iter().enumerate() {
+                let part = v
+                    .narrow(0, j * n_embd, n_embd)
+                    .and_then(|p| p.contiguous())
+                    .map_err(te)?;
+                named.push((format!("model.layers.{i}.self_attn.{p}.{w}"), part));
+            }
+            continue;
+        }
+        let Some(c) = names::cockpit_name(&t.name) else {
+            return Err(format!(
+                "{}: a tensor cockpit does not know for {arch}",
+                t.name
+            ));
+        };
+        let v = if names::permutes_qk(&arch) && t.name.contains(".attn_q.") {
+            names::unpermute_rows(&v, m.n_head).map_err(te)?
+        } else if names::permutes_qk(&arch) && t.name.contains(".attn_k.") {
+            names::unpermute_rows(&v, m.kv_heads()).map_err(te)?
+        } else {
+            v
+        };
+        named.push((c, v));
+    }
+    let named = hf::to_hf_names(named, mt, m.n_layer).map_err(|e| e.to_string())?;
+    let named: Vec<(String, Tensor)> = named
+        .into_iter()
+        .map(|(n, t)| t.to_dtype(DType::F32).map(|t| (n, t)))
+        .collect::<candle_core::Result<_>>()
+        .map_err(|e| e.to_string())?;
+    hf::write_weights(dir, &named, u64::MAX).map_err(|e| e.to_string())?;
+    write_tokenizer(g, dir)
+}
+
+/// tokenizer.json (and tokenizer_config.json with the chat template) of a "gpt2" vocabulary;
+/// other tokenizer models are left out (token ids only).
+fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<(), String> {
+    if g.get("tokenizer.ggml.model").and_then(Meta::as_str) != Some("gpt2") {
+        return Ok(());
+    }
+    let strs = |key: &str| -> Vec<String> {
+        match g.get(key) {
+            Some(Meta::Array(a)) => a
+                .iter()
+                .filter_map(|m| m.as_str().map(str::to_string))
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
+    let tokens = strs("tokenizer.ggml.tokens");
+    let merges = strs("tokenizer.ggml.merges");
+    let types: Vec<usize> = match g.get("tokenizer.ggml.token_type") {
+        Some(Meta::Array(a)) => a.iter().map(|m| m.as_usize().unwrap_or(1)).collect(),
+        _ => Vec::new(),
+    };
+    let mut vocab = Map::new();
+    let mut added = Vec::new();
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.insert(t.clone(), json!(i));
+        let ty = types.get(i).copied().unwrap_or(1);
+        if ty == 3 || ty == 4 {
+            added.push(
+                json!({"id": i, "content": t, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": ty == 4, "special": ty == 3}),
+            );
+        }
+    }
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let t = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": byte_level,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": false, "vocab": vocab, "merges": merges},
+    });
+    write_json(&dir.join("tokenizer.json"), &t)?;
+    let name = |key: &str| {
+        g.get(&format!("tokenizer.ggml.{key}"))
+            .and_then(Meta::as_usize)
+            .and_then(|i| tokens.get(i).cloned())
+    };
+    let mut c = json!({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name("bos_token_id"),
+        "eos_token": name("eos_token_id")});
+    if let Some(t) = g.get("tokenizer.chat_template").and_then(Meta::as_str) {
+        c["chat_template"] = json!(t);
+    }
+    write_json(&dir.join("tokenizer_config.json"), &c)
+}

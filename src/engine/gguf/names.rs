@@ -1,0 +1,268 @@
+//! cockpit's models as llama.cpp names them: the GGUF architecture of a Hugging Face
+//! model_type, its `<arch>.*` hyperparameters, and its tensors under llama.cpp's names and
+//! layout (q/k rows permuted for the architectures llama.cpp rotates pairwise; GPT-2's q|k|v
+//! fused).
+
+use super::writer::Value;
+use crate::config::{ModelConfig, RopeScaling};
+use crate::engine::spec::{self, ModelSpec};
+use candle_core::{Result, Tensor};
+use std::collections::HashMap;
+
+/// The GGUF architecture llama.cpp's converter writes for a Hugging Face model_type.
+pub fn arch_of(model_type: &str) -> Option<&'static str> {
+    match model_type {
+        "llama" | "mistral" => Some("llama"),
+        "qwen2" => Some("qwen2"),
+        "gpt2" => Some("gpt2"),
+        "granite" => Some("granite"),
+        _ => None,
+    }
+}
+
+/// Whether llama.cpp rotates adjacent pairs for `arch` (so the converter permutes q/k rows
+/// from Hugging Face's rotate-half layout); qwen2 rotates halves (NeoX) like transformers.
+pub fn permutes_qk(arch: &str) -> bool {
+    matches!(arch, "llama" | "granite")
+}
+
+fn key(arch: &str, k: &str) -> String {
+    format!("{arch}.{k}")
+}
+
+/// The `<arch>.*` hyperparameters of `m` (with `vocab` tokens and `context` positions).
+pub fn hyperparameters(
+    arch: &str,
+    m: &ModelConfig,
+    vocab: usize,
+    context: usize,
+) -> Vec<(String, Value)> {
+    let u = |n: usize| Value::U32(n as u32);
+    let f = |x: f64| Value::F32(x as f32);
+    let mut kv = vec![
+        (key(arch, "vocab_size"), u(vocab)),
+        (key(arch, "context_length"), u(context)),
+        (key(arch, "embedding_length"), u(m.n_embd)),
+        (key(arch, "block_count"), u(m.n_layer)),
+        (
+            key(arch, "feed_forward_length"),
+            u(spec::mlp_width(m.n_embd, m.mlp_ratio)),
+        ),
+        (key(arch, "attention.head_count"), u(m.n_head)),
+    ];
+    if arch == "gpt2" {
+        kv.push((key(arch, "attention.layer_norm_epsilon"), f(m.norm_eps)));
+        return kv;
+    }
+    let hd = m.head_size();
+    kv.extend([
+        (key(arch, "attention.head_count_kv"), u(m.kv_heads())),
+        (key(arch, "rope.freq_base"), f(m.rope_theta)),
+        (key(arch, "attention.layer_norm_rms_epsilon"), f(m.norm_eps)),
+        (key(arch, "rope.dimension_count"), u(hd)),
+    ]);
+    if hd * m.n_head != m.n_embd {
+        kv.push((key(arch, "attention.key_length"), u(hd)));
+        kv.push((key(arch, "attention.value_length"), u(hd)));
+    }
+    if let RopeScaling::Linear { factor } = m.rope_scaling {
+        kv.push((key(arch, "rope.scaling.type"), Value::Str("linear".into())));
+        kv.push((key(arch, "rope.scaling.factor"), f(factor)));
+    }
+    if arch == "granite" {
+        let att = if m.attention_multiplier == 0.0 {
+            1.0 / (hd as f64).sqrt()
+        } else {
+            m.attention_multiplier
+        };
+        kv.extend([
+            (key(arch, "attention.scale"), f(att)),
+            (key(arch, "embedding_scale"), f(m.embedding_multiplier)),
+            (key(arch, "residual_scale"), f(m.residual_multiplier)),
+            (key(arch, "logit_scale"), f(m.logits_scaling)),
+        ]);
+    }
+    kv
+}
+
+/// Llama 3's RoPE scaling as llama.cpp takes it: a `rope_freqs` tensor of per-frequency
+/// divisors (None for other scalings).
+pub fn rope_freqs(spec: &ModelSpec) -> Option<Vec<f32>> {
+    if !matches!(spec.rope_scaling, RopeScaling::Llama3 { .. }) {
+        return None;
+    }
+    let scaled = spec.rope_inv_freq();
+    let plain = ModelSpec {
+        rope_scaling: RopeScaling::None,
+        ..spec.clone()
+    }
+    .rope_inv_freq();
+    Some(
+        plain
+            .iter()
+            .zip(&scaled)
+            .map(|(p, s)| (p / s) as f32)
+            .collect(),
+    )
+}
+
+/// Hugging Face's rotate-half row order of a q/k projection (`heads` heads) to llama.cpp's
+/// adjacent pairs: rows `[h, 2, d/2]` become `[h, d/2, 2]`.
+pub fn permute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let shape = t.dims().to_vec();
+    let hd = shape[0] / heads;
+    let mut split = vec![heads, 2, hd / 2];
+    split.extend_from_slice(&shape[1..]);
+    t.reshape(split)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(shape)
+}
+
+/// The inverse of [`permute_rows`] (GGUF in).
+pub fn unpermute_rows(t: &Tensor, heads: usize) -> Result<Tensor> {
+    let shape = t.dims().to_vec();
+    let hd = shape[0] / heads;
+    let mut split = vec![heads, hd / 2, 2];
+    split.extend_from_slice(&shape[1..]);
+    t.reshape(split)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(shape)
+}
+
+/// A layer tensor's llama.cpp name: cockpit's `model.layers.N.<part>.<w>` → `blk.N.<name>.<w>`.
+const LAYER_NAMES: &[(&str, &str)] = &[
+    ("input_layernorm", "attn_norm"),
+    ("post_attention_layernorm", "ffn_norm"),
+    ("self_attn.q_proj", "attn_q"),
+    ("self_attn.k_proj", "attn_k"),
+    ("self_attn.v_proj", "attn_v"),
+    ("self_attn.o_proj", "attn_output"),
+    ("mlp.gate_proj", "ffn_gate"),
+    ("mlp.up_proj", "ffn_up"),
+    ("mlp.down_proj", "ffn_down"),
+];
+
+const TOP_NAMES: &[(&str, &str)] = &[
+    ("model.embed_tokens", "token_embd"),
+    ("model.embed_positions", "position_embd"),
+    ("model.norm", "output_norm"),
+    ("lm_head", "output"),
+];
+
+/// cockpit's name of a llama.cpp tensor name (GGUF in), or None.
+pub fn cockpit_name(gguf: &str) -> Option<String> {
+    let (stem, w) = gguf.rsplit_once('.')?;
+    if let Some((c, _)) = TOP_NAMES.iter().find(|(_, g)| *g == stem) {
+        return Some(format!("{c}.{w}"));
+    }
+    let rest = stem.strip_prefix("blk.")?;
+    let (i, part) = rest.split_once('.')?;
+    let i: usize = i.parse().ok()?;
+    let (c, _) = LAYER_NAMES.iter().find(|(_, g)| *g == part)?;
+    Some(format!("model.layers.{i}.{c}.{w}"))
+}
+
+fn gguf_name(name: &str) -> Option<String> {
+    let (stem, w) = name.rsplit_once('.')?;
+    if let Some((_, g)) = TOP_NAMES.iter().find(|(c, _)| *c == stem) {
+        return Some(format!("{g}.{w}"));
+    }
+    let rest = stem.strip_prefix("model.layers.")?;
+    let (i, part) = rest.split_once('.')?;
+    let (_, g) = LAYER_NAMES.iter().find(|(c, _)| *c == part)?;
+    Some(format!("blk.{i}.{g}.{w}"))
+}
+
+/// cockpit's tensors (Llama names, `[out, in]`) under llama.cpp's names and layout for `arch`,
+/// in llama.cpp's order (embeddings, then layer by layer, then the final norm and head).
+pub fn to_gguf(
+    tensors: Vec<(String, Tensor)>,
+    arch: &str,
+    m: &ModelConfig,
+) -> std::result::Result<Vec<(String, Tensor)>, String> {
+    fn te(n: &str) -> impl FnOnce(candle_core::Error) -> String + '_ {
+        move |e| format!("{n}: {e}")
+    }
+    let mut by_name: HashMap<String, Tensor> = HashMap::new();
+    for (n, t) in tensors {
+        let Some(g) = gguf_name(&n) else {
+            return Err(format!("{n}: a tensor llama.cpp has no name for"));
+        };
+        let t = if permutes_qk(arch) && n.contains(".self_attn.q_proj.") {
+            permute_rows(&t, m.n_head).map_err(te(&n))?
+        } else if permutes_qk(arch) && n.contains(".self_attn.k_proj.") {
+            permute_rows(&t, m.kv_heads()).map_err(te(&n))?
+        } else {
+            t
+        };
+        by_name.insert(g, t);
+    }
+    if arch == "gpt2" {
+        for i in 0..m.n_layer {
+            for w in ["weight", "bias"] {
+                let parts: Option<Vec<Tensor>> = ["attn_q", "attn_k", "attn_v"]
+                    .iter()
+                    .map(|p| by_name.remove(&format!("blk.{i}.{p}.{w}")))
+                    .collect();
+                let Some(parts) = parts else {
+                    return Err(format!("layer {i}: q, k or v {w} missing"));
+                };
+                let qkv = Tensor::cat(&parts, 0).map_err(te("attn_qkv"))?;
+                by_name.insert(format!("blk.{i}.attn_qkv.{w}"), qkv);
+            }
+        }
+    }
+    let rank = |n: &str| -> (usize, usize, String) {
+        if n.starts_with("token_embd") || n.starts_with("position_embd") {
+            (0, 0, n.to_string())
+        } else if let Some(rest) = n.strip_prefix("blk.") {
+            let (i, part) = rest.split_once('.').unwrap_or((rest, ""));
+            (1, i.parse().unwrap_or(0), part.to_string())
+        } else {
+            (2, 0, n.to_string())
+        }
+    };
+    let mut out: Vec<(String, Tensor)> = by_name.into_iter().collect();
+    out.sort_by_key(|(n, _)| rank(n));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn the_permutation_pairs_the_halves_and_undoes() {
+        // one head of 4 rows (dims 0,1 | 2,3): llama.cpp wants 0,2,1,3
+        let t = Tensor::arange(0f32, 8.0, &Device::Cpu)
+            .unwrap()
+            .reshape((4, 2))
+            .unwrap();
+        let p = permute_rows(&t, 1).unwrap();
+        let rows: Vec<Vec<f32>> = p.to_vec2().unwrap();
+        assert_eq!(rows[1], vec![4.0, 5.0]);
+        assert_eq!(rows[2], vec![2.0, 3.0]);
+        let back: Vec<Vec<f32>> = unpermute_rows(&p, 1).unwrap().to_vec2().unwrap();
+        assert_eq!(back, t.to_vec2::<f32>().unwrap());
+    }
+
+    #[test]
+    fn names_map_both_ways() {
+        for n in [
+            "model.embed_tokens.weight",
+            "model.layers.3.self_attn.k_proj.bias",
+            "model.layers.0.mlp.down_proj.weight",
+            "lm_head.weight",
+        ] {
+            let g = gguf_name(n).unwrap();
+            assert_eq!(cockpit_name(&g).as_deref(), Some(n), "{g}");
+        }
+        assert_eq!(
+            gguf_name("model.layers.1.post_attention_layernorm.weight").as_deref(),
+            Some("blk.1.ffn_norm.weight")
+        );
+    }
+}
