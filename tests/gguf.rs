@@ -11,7 +11,6 @@ use cockpit::engine::base;
 use cockpit::engine::gguf::names;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -22,23 +21,7 @@ fn fixture(name: &str) -> PathBuf {
 /// Run a helper script; None (after saying why) when Python or its packages are absent.
 fn python(script: &str, args: &[&str]) -> Option<Value> {
     let py = std::env::var("COCKPIT_PYTHON").unwrap_or_else(|_| "python3".into());
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/gguf_support")
-        .join(script);
-    let out = match Command::new(&py).arg(&path).args(args).output() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("SKIPPED {script}: {py} not runnable: {e}");
-            return None;
-        }
-    };
-    let err = String::from_utf8_lossy(&out.stderr);
-    if out.status.code() == Some(3) {
-        eprintln!("SKIPPED {script}: {}", err.trim());
-        return None;
-    }
-    assert!(out.status.success(), "{script} failed: {err}");
-    Some(serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}: {e}: {err}")))
+    common::python_json(&py, "gguf_support", script, args)
 }
 
 fn export(src: &Path, out: &Path, quant: &str) {

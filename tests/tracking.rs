@@ -6,27 +6,10 @@ mod common;
 
 use serde_json::Value;
 use std::path::Path;
-use std::process::Command;
 
 /// Run a reader script; None (after saying why) when python3 or its package is absent.
 fn python_reader(script: &str, arg: &Path) -> Option<Value> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/tracking_support")
-        .join(script);
-    let out = match Command::new("python3").arg(&path).arg(arg).output() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("SKIPPED {script}: python3 not runnable: {e}");
-            return None;
-        }
-    };
-    let err = String::from_utf8_lossy(&out.stderr);
-    if out.status.code() == Some(3) {
-        eprintln!("SKIPPED {script}: {}", err.trim());
-        return None;
-    }
-    assert!(out.status.success(), "{script} failed: {err}");
-    Some(serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}: {e}: {err}")))
+    common::python_json("python3", "tracking_support", script, &[arg])
 }
 
 fn steps(series: &Value) -> Vec<u64> {

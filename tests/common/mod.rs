@@ -74,3 +74,36 @@ pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Run the reader script `tests/<dir>/<script>` with `python` and parse the JSON it prints.
+/// None, with a visible SKIPPED line, where the interpreter cannot run or the script exits 3
+/// (a Python package it needs is absent); any other failure fails the test.
+pub fn python_json<S: AsRef<std::ffi::OsStr>>(
+    python: &str,
+    dir: &str,
+    script: &str,
+    args: &[S],
+) -> Option<serde_json::Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join(dir)
+        .join(script);
+    let out = match std::process::Command::new(python)
+        .arg(&path)
+        .args(args)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("SKIPPED {script}: {python} not runnable: {e}");
+            return None;
+        }
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(3) {
+        eprintln!("SKIPPED {script}: {}", err.trim());
+        return None;
+    }
+    assert!(out.status.success(), "{script} failed: {err}");
+    Some(serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}: {e}: {err}")))
+}
