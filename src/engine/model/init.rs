@@ -50,25 +50,30 @@ impl Init<'_> {
         std: f64,
         kind: ParamKind,
     ) -> Result<Var> {
-        let t = if self.store.init == BaseInit::Loaded {
-            Tensor::zeros(shape, self.store.dtype, self.device)?
-        } else if self.store.init == BaseInit::DeviceRandom {
-            Tensor::randn(0f32, std as f32, shape, self.device)?
-        } else {
-            let n = shape.0 * shape.1;
-            let mut v = Vec::with_capacity(n);
-            while v.len() < n {
-                // Box–Muller: two independent standard normals per pair of uniforms.
-                let u1: f64 = 1.0 - self.rng.random::<f64>();
-                let u2: f64 = self.rng.random();
-                let r = (-2.0 * u1.ln()).sqrt();
-                v.push((r * (std::f64::consts::TAU * u2).cos() * std) as f32);
-                v.push((r * (std::f64::consts::TAU * u2).sin() * std) as f32);
+        let t = match self.store.init {
+            BaseInit::Loaded => Tensor::zeros(shape, self.store.dtype, self.device)?,
+            BaseInit::DeviceRandom => Tensor::randn(0f32, std as f32, shape, self.device)?,
+            BaseInit::HostSeeded => {
+                let n = shape.0 * shape.1;
+                let mut v = Vec::with_capacity(n);
+                while v.len() < n {
+                    // Box–Muller: two independent standard normals per pair of uniforms.
+                    let u1: f64 = 1.0 - self.rng.random::<f64>();
+                    let u2: f64 = self.rng.random();
+                    let r = (-2.0 * u1.ln()).sqrt();
+                    v.push((r * (std::f64::consts::TAU * u2).cos() * std) as f32);
+                    v.push((r * (std::f64::consts::TAU * u2).sin() * std) as f32);
+                }
+                v.truncate(n);
+                Tensor::from_vec(v, shape, self.device)?
             }
-            v.truncate(n);
-            Tensor::from_vec(v, shape, self.device)?
         };
-        let var = Var::from_tensor(&t.to_dtype(self.store.dtype)?)?;
+        self.keep(name, &t.to_dtype(self.store.dtype)?, kind)
+    }
+
+    /// `t` as a trainable parameter named `name`.
+    fn keep(&mut self, name: String, t: &Tensor, kind: ParamKind) -> Result<Var> {
+        let var = Var::from_tensor(t)?;
         self.params.push(Param {
             name,
             var: var.clone(),
@@ -84,15 +89,8 @@ impl Init<'_> {
         value: f32,
         kind: ParamKind,
     ) -> Result<Var> {
-        let var =
-            Var::from_tensor(&Tensor::full(value, len, self.device)?.to_dtype(self.store.dtype)?)?;
-        self.params.push(Param {
-            name,
-            var: var.clone(),
-            kind,
-            trainable: true,
-        });
-        Ok(var)
+        let t = Tensor::full(value, len, self.device)?.to_dtype(self.store.dtype)?;
+        self.keep(name, &t, kind)
     }
     pub(super) fn zeros2(
         &mut self,
@@ -100,14 +98,8 @@ impl Init<'_> {
         shape: (usize, usize),
         kind: ParamKind,
     ) -> Result<Var> {
-        let var = Var::from_tensor(&Tensor::zeros(shape, DType::F32, self.device)?)?;
-        self.params.push(Param {
-            name,
-            var: var.clone(),
-            kind,
-            trainable: true,
-        });
-        Ok(var)
+        let t = Tensor::zeros(shape, DType::F32, self.device)?;
+        self.keep(name, &t, kind)
     }
     pub(super) fn linear(
         &mut self,
