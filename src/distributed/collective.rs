@@ -357,7 +357,16 @@ impl TcpCollective {
         let r = s.read_exact(&mut head).and_then(|_| {
             let mut len = [0u8; 8];
             len.copy_from_slice(&head[1..]);
-            let mut buf = vec![0u8; u64::from_le_bytes(len) as usize];
+            // A length no allocation can hold is a stream out of step, not a reason to abort.
+            let n = u64::from_le_bytes(len) as usize;
+            let mut buf = Vec::new();
+            buf.try_reserve_exact(n).map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("a frame of {n} bytes: the stream is out of step"),
+                )
+            })?;
+            buf.resize(n, 0);
             s.read_exact(&mut buf).map(|_| buf)
         });
         let buf = r.map_err(|e| self.io(op, peer, e))?;

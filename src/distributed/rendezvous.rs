@@ -5,7 +5,7 @@
 
 use super::Topology;
 use serde::{Deserialize, Serialize};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -94,15 +94,27 @@ fn send_line<T: Serialize>(s: &mut TcpStream, v: &T) -> std::io::Result<()> {
 fn read_line<T: for<'de> Deserialize<'de>>(s: &TcpStream, deadline: Instant) -> std::io::Result<T> {
     let left = deadline.saturating_duration_since(Instant::now());
     s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line)?;
+    // Byte by byte, not through a BufReader: the peer's next frames (the first broadcast)
+    // may already sit behind the line, and a buffer dropped here would take them with it.
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    let mut s = s;
+    loop {
+        match s.read(&mut byte) {
+            Ok(0) => break,
+            Ok(_) if byte[0] == b'\n' => break,
+            Ok(_) => line.push(byte[0]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     if line.is_empty() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::UnexpectedEof,
             "connection closed",
         ));
     }
-    serde_json::from_str(&line).map_err(std::io::Error::other)
+    serde_json::from_slice(&line).map_err(std::io::Error::other)
 }
 
 /// Meet the other ranks. Rank 0 passes the payload every rank receives (`Some`); the others
@@ -407,5 +419,60 @@ impl Peers {
     /// The ranks this process is connected to.
     pub fn connected(&self) -> Vec<usize> {
         self.conns.iter().map(|(r, _, _)| *r).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rank 0 may send the payload and its first frame before a worker reads either: the
+    /// worker's reading of the payload line must leave the frame in the socket.
+    #[test]
+    fn the_bytes_after_the_payload_line_stay_in_the_stream() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let t = Topology {
+            rank: 0,
+            world: 2,
+            local_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        };
+        let (sent, wait) = std::sync::mpsc::channel();
+        let rank0 = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let mut conns = serve_on(
+                &t,
+                listener,
+                "rank 0",
+                b"payload",
+                deadline,
+                Duration::from_secs(30),
+            )
+            .unwrap();
+            conns[0].2.write_all(b"FRAME").unwrap();
+            sent.send(()).unwrap();
+            conns
+        });
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let hello = Hello {
+            rank: 1,
+            world: 2,
+            host: "test".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        };
+        send_line(&mut s, &hello).unwrap();
+        // Both the payload line and the frame are in this socket before it is read.
+        wait.recv().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        match read_line::<Reply>(&s, deadline).unwrap() {
+            Reply::Payload(p) => assert_eq!(p, b"payload"),
+            Reply::Error(m) => panic!("refused: {m}"),
+        }
+        let mut frame = [0u8; 5];
+        s.read_exact(&mut frame).unwrap();
+        assert_eq!(&frame, b"FRAME");
+        drop(rank0.join().unwrap());
     }
 }
