@@ -827,6 +827,29 @@ fn step_families() -> Vec<Family> {
             set: granite,
         },
         Family {
+            name: "qwen3: QK-norm per head, GQA 4/2, head dim 64",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.layout.qk_norm = cockpit::config::QkNorm::Head;
+            },
+        },
+        Family {
+            name: "qwen3: QK-norm per head, head dim 128 over n_embd 128, GQA 2/1, dropout 0.1",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_head = 2;
+                c.model.n_kv_head = 1;
+                c.model.head_dim = 128;
+                c.model.dropout = 0.1;
+                c.model.layout.qk_norm = cockpit::config::QkNorm::Head;
+            },
+        },
+        Family {
             name: "explicit head_dim: 4 heads × 64 over n_embd 192, GQA 4/2, dropout 0.1",
             vocab: 97,
             set: |c| {
@@ -1089,7 +1112,13 @@ fn eval_matches(dev: &Device, w: &mut WholeCase) {
     let (b, t, name) = (w.b, w.t, w.name);
     w.step.begin(false).unwrap();
     let (ids, tg) = &w.batches[0];
-    let per_seq = w.step.eval_losses(ids, tg, b, false).unwrap();
+    let rows = kernels::Rows {
+        inputs: ids,
+        targets: tg,
+        segments: None,
+        b,
+    };
+    let per_seq = w.step.eval_losses(&rows, false).unwrap();
     assert_eq!(per_seq.len(), b);
     let ev = per_seq.iter().sum::<f64>() / b as f64;
     let x = Tensor::from_vec(ids.clone(), (b, t), dev).unwrap();

@@ -316,7 +316,8 @@ template <int D, bool DROP, class MM>
 __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
                float* __restrict__ lse, int B, int T, int H, int KVH, float scale,
                const unsigned long long* __restrict__ seed, uint32_t site, uint32_t thr,
-               float dscale, uint16_t* __restrict__ mbits, __nv_bfloat16* sm) {
+               float dscale, uint16_t* __restrict__ mbits, const int* __restrict__ starts,
+               __nv_bfloat16* sm) {
     constexpr int KC = D / 16;  // k16 chunks of the head dim
     __nv_bfloat16* sQ = sm;
     const __nv_bfloat16* sK = sm + FA_BM * D;
@@ -344,6 +345,10 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
     const unsigned long long sd = DROP ? *seed : 0ull;
     const int nkt = (T + FA_BN - 1) / FA_BN;
+    // Packed rows (starts: each slot's sample start in its row, or null): a query attends to
+    // the keys of its own sample only, from its start on.
+    const int st0 = starts != nullptr && row0 < T ? __ldg(starts + (size_t)b * T + row0) : 0;
+    const int st1 = starts != nullptr && row1 < T ? __ldg(starts + (size_t)b * T + row1) : 0;
 
     typename MM::template State<D> mm;
     float oacc[2 * KC][4];
@@ -370,14 +375,14 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         MM::template scores<D>(mm, s, sQa, kb, j, warp, lane);
 
         const int kbase = j * FA_BN;
-        if (j == qb || kbase + FA_BN > T) {
+        if (j == qb || kbase + FA_BN > T || kbase < st1) {
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int col = kbase + nt * 8 + t4 * 2 + e;
-                    if (col > row0 || col >= T) s[nt][e] = -INFINITY;
-                    if (col > row1 || col >= T) s[nt][2 + e] = -INFINITY;
+                    if (col > row0 || col >= T || col < st0) s[nt][e] = -INFINITY;
+                    if (col > row1 || col >= T || col < st1) s[nt][2 + e] = -INFINITY;
                 }
         }
 
@@ -483,8 +488,9 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
 #define FA_FWD_ARGS                                                                              \
     const __nv_bfloat16 *__restrict__ qkv, __nv_bfloat16 *__restrict__ o, float *__restrict__ lse, \
         int B, int T, int H, int KVH, float scale, const unsigned long long *__restrict__ seed,  \
-        uint32_t site, uint32_t thr, float dscale, uint16_t *__restrict__ mbits
-#define FA_FWD_PASS qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits
+        uint32_t site, uint32_t thr, float dscale, uint16_t *__restrict__ mbits,            \
+        const int *__restrict__ starts
+#define FA_FWD_PASS qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits, starts
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_bf16(FA_FWD_ARGS) {
     __shared__ __align__(128) __nv_bfloat16 sm[5 * 64 * 64];
     flash_fwd<64, false, FaFwdSync>(FA_FWD_PASS, sm);
@@ -702,8 +708,11 @@ __device__ __forceinline__ void fa_bwd_row_stats(const float* __restrict__ lse,
 // P^T = exp(scale*S^T - lse[q]) in place, the causal mask where the warp's keys (first wk0,
 // this thread's kr0 and kr0 + 8) reach the tile's queries (q0..). Lane l holds lse (log2
 // units) of queries q0 + 2l and q0 + 2l + 1 in lsa, lsb.
+// Packed rows (st_b: this batch row's sample starts, or null): keys before a query's start are
+// another sample's.
 __device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float lsb, float sl2,
-                                             int q0, int wk0, int kr0, int t4) {
+                                             int q0, int wk0, int kr0, int t4,
+                                             const int* __restrict__ st_b, int T) {
     const int kr1 = kr0 + 8;
     const bool diag = wk0 + 15 > q0;
 #pragma unroll
@@ -717,6 +726,11 @@ __device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float
             if (diag) {
                 if (kr0 > q) p0 = 0.f;
                 if (kr1 > q) p1 = 0.f;
+            }
+            if (st_b != nullptr) {
+                const int sq = q < T ? __ldg(st_b + q) : 0;
+                if (kr0 < sq) p0 = 0.f;
+                if (kr1 < sq) p1 = 0.f;
             }
             st[nt][e] = p0;
             st[nt][2 + e] = p1;
@@ -798,7 +812,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                const float* __restrict__ lse, const float* __restrict__ delta,
                float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, int H,
                int KVH, float scale, uint32_t thr, float dscale,
-               const unsigned long long* __restrict__ mbits) {
+               const unsigned long long* __restrict__ mbits, const int* __restrict__ starts) {
     constexpr int BN = FA_BWD_BN, NT = FA_BWD_THREADS;
     constexpr int DQN = FA_BWD_DQN, DQNT = FA_BWD_DQNT, NKC = BN / 16, DQMT = FA_BWD_DQMT;
     constexpr int DQR = DQMT * 16;  // dQ rows per warp
@@ -887,7 +901,8 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                     fa_mma(st[2 * np + 1], ka[kc], b2, b3);
                 }
             }
-            fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
+            fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4,
+                         starts ? starts + (size_t)blk.b * T : nullptr, T);
             // dP^T = V dO^T
             float dpt[8][4];
             fa_zero(dpt);
@@ -1014,7 +1029,7 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
                     const float* __restrict__ lse, const float* __restrict__ delta,
                     float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T,
                     int H, int KVH, float scale, uint32_t thr, float dscale,
-                    const unsigned long long* __restrict__ mbits) {
+                    const unsigned long long* __restrict__ mbits, const int* __restrict__ starts) {
     constexpr int D = 128, KC = D / 16, BN = 64, NT = 128;
     extern __shared__ __align__(128) uint4 fa_dyn_bwd[];
     __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(fa_dyn_bwd);
@@ -1108,6 +1123,11 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
                     if (diag) {
                         if (kr0 > q) p0 = 0.f;
                         if (kr1 > q) p1 = 0.f;
+                    }
+                    if (starts != nullptr) {
+                        const int sq = q < T ? __ldg(starts + (size_t)b * T + q) : 0;
+                        if (kr0 < sq) p0 = 0.f;
+                        if (kr1 < sq) p1 = 0.f;
                     }
                     if (thr) {
                         const unsigned long long m =

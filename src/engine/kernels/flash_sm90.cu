@@ -131,8 +131,8 @@ __device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* s
                   const float* __restrict__ lse, const float* __restrict__ delta, \
                   float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, \
                   int H, int KVH, float scale, uint32_t thr, float dscale, \
-                  const unsigned long long* __restrict__ mbits
-#define FA_WG_PASS qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits
+                  const unsigned long long* __restrict__ mbits, const int* __restrict__ starts
+#define FA_WG_PASS qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits, starts
 
 // d (64 x 64) = A B^T for two 64-row tiles of D columns (K-major, as 64-column panels):
 // D / 16 k-steps, four in each panel. The caller fences and commits.
@@ -188,12 +188,13 @@ __device__ __forceinline__ void fa_wg_bwd_middle(
     float (&st)[8][4], float (&dpt)[8][4], float (&dv)[N][4], float (&dk)[N][4], uint32_t (&sa)[4][4],
     const float* __restrict__ lse, const float* __restrict__ delta, size_t bh, int q0, int T,
     int lane, float sl2, int wk0, int kr0, int t4, uint32_t thr, float dscale,
-    const unsigned long long* __restrict__ mbits, int nq, uint32_t sQa, uint32_t sdOa) {
+    const unsigned long long* __restrict__ mbits, int nq, uint32_t sQa, uint32_t sdOa,
+    const int* __restrict__ st_b) {
     float lsa, lsb, dla, dlb;
     fa_bwd_row_stats(lse, delta, bh, q0, T, lane, lsa, lsb, dla, dlb);
     wg_wait<1>();
     wg_pin(st);
-    fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4);
+    fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4, st_b, T);
     wg_wait<0>();
     wg_pin(dpt);
     fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, bh, nq);
@@ -271,7 +272,8 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
 
         uint32_t sa[4][4];
         fa_wg_bwd_middle(st, dpt, dv, dk, sa, lse, delta, (size_t)blk.b * H + h, q0, T, lane, sl2,
-                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa);
+                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa,
+                         starts ? starts + (size_t)blk.b * T : nullptr);
         // dS^T -> shared memory for dQ, while those run
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
@@ -448,7 +450,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
         fa_wg_bwd_scores<64>(st, dpt, sKc, sVc, sQa, sdOa);
         uint32_t sa[4][4];
         fa_wg_bwd_middle(st, dpt, dv, dk, sa, lse, delta, (size_t)blk.b * H + h, q0, T, lane, sl2,
-                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa);
+                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa,
+                         starts ? starts + (size_t)blk.b * T : nullptr);
         // dS^T -> this warpgroup's half of slot s, once WG2 has read the slot's last tile
         fa_ws_sync(FA_WS_DSEMPTY + s);
         char* sdSc = smc + (8 + 2 * s + wg) * TILE;

@@ -138,6 +138,7 @@ union Bf8 {
 #include "step/cross_entropy.cuh"
 #include "step/gelu.cuh"
 #include "step/rope.cuh"
+#include "step/qk_norm.cuh"
 #include "step/dropout.cuh"
 #include "step/swiglu.cuh"
 

@@ -38,6 +38,8 @@ mod side;
 mod step;
 #[cfg(feature = "cuda")]
 pub use step::ModelStep;
+pub mod rows;
+pub use rows::Rows;
 
 /// Which build of the fused kernels a CUDA device loads, and what that means (for the run
 /// header and `cockpit check`); None off CUDA.
@@ -280,6 +282,9 @@ mod step_stub {
         pub fn micro(&mut self, _i: &[u32], _t: &[u32], _b: usize, _g: f32) -> Result<()> {
             no_cuda()
         }
+        pub fn micro_rows(&mut self, _r: &super::Rows, _g: f32) -> Result<()> {
+            no_cuda()
+        }
         pub fn loss(&self) -> Result<f64> {
             no_cuda()
         }
@@ -289,13 +294,7 @@ mod step_stub {
         pub fn add_scaled_pieces(&mut self, _p: &[(&Var, usize, usize)], _a: f64) -> Result<()> {
             no_cuda()
         }
-        pub fn eval_losses(
-            &mut self,
-            _i: &[u32],
-            _t: &[u32],
-            _b: usize,
-            _w: bool,
-        ) -> Result<Vec<f64>> {
+        pub fn eval_losses(&mut self, _r: &super::Rows, _w: bool) -> Result<Vec<f64>> {
             no_cuda()
         }
         pub fn set_head_chunk_rows(&mut self, _rows: Option<usize>) {}

@@ -103,6 +103,8 @@ pub struct StepLayer {
     pub down: LinearWB,
     /// LoRA adapters on q k v o gate up down ([`LORA_TARGETS`]' order).
     pub lora: [Option<StepLora>; 7],
+    /// QK-norm per head (Qwen3): the RMSNorm weights `[head_dim]` of q's heads and of k's.
+    pub qk_norm: Option<(Var, Var)>,
 }
 
 /// A model's weights and spec for the whole-model CUDA step (`Model::step_weights`): any

@@ -291,7 +291,8 @@ impl Model {
     }
 
     /// Say that the data's targets carry a loss mask and whether rows pack several samples
-    /// (the whole-model CUDA step then declines the model: [`Reason::LossMask`]).
+    /// (the whole-model CUDA step takes packed rows only with flash attention and RoPE:
+    /// [`Reason::PackedSamples`]).
     pub fn set_data_layout(&mut self, masked: bool, packed: bool) {
         self.data_layout = (masked, packed);
     }

@@ -92,6 +92,10 @@ impl Model {
                     adapter(Some(&b.up)),
                     adapter(Some(&b.down)),
                 ],
+                qk_norm: match (&b.q_norm, &b.k_norm) {
+                    (Some(q), Some(k)) => Some((q.w.clone(), k.w.clone())),
+                    _ => None,
+                },
             })
             .collect();
         StepWeights {

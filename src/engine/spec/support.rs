@@ -89,16 +89,14 @@ pub enum Reason {
     EmbeddingMultiplier,
     #[error("a mix of frozen and trainable weights other than LoRA's")]
     MixedTrainable,
-    #[error("RMSNorm on q and k ({0}: Qwen3/OLMo 2 QK-norm; the step has no kernel for it yet)")]
+    #[error("RMSNorm on q and k ({0}: the step has QK-norm per head of up to 256 dims, as Qwen3's)")]
     QkNorm(&'static str),
     #[error("RoPE on {rotary_dim} of {head_dim} dims of each head (Phi-3 partial rotary; the step rotates whole heads)")]
     PartialRotary { rotary_dim: usize, head_dim: usize },
     #[error("norms after the attention and MLP outputs (OLMo 2 post-norm; the step's blocks are pre-norm)")]
     PostNorm,
-    #[error("packed samples (data.packing): the step's flash attention has no per-sample boundaries yet")]
-    PackedSamples,
-    #[error("loss on the answers only (instruction/chat data): the step's cross-entropy takes no ignored targets yet")]
-    LossMask,
+    #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
+    PackedSamples(&'static str),
 }
 
 impl ModelSpec {
@@ -141,11 +139,14 @@ impl ModelSpec {
         if facts.mixed_trainable {
             return Err(Reason::MixedTrainable);
         }
+        // (A loss mask needs nothing more: the step's cross-entropy skips ignored targets.)
         if facts.packed_samples {
-            return Err(Reason::PackedSamples);
-        }
-        if facts.loss_mask {
-            return Err(Reason::LossMask);
+            if !self.flash_attention(facts.flash_fits) {
+                return Err(Reason::PackedSamples("materialised attention"));
+            }
+            if self.pos != PosEncoding::Rope {
+                return Err(Reason::PackedSamples("learned positions"));
+            }
         }
         Ok(())
     }
@@ -155,7 +156,8 @@ impl ModelSpec {
     /// even head dim, key/value heads that divide the heads; grouped-query attention, heads
     /// whose widths do not add up to n_embd and dropout need flash attention; an embedding
     /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
-    /// QK-norm, post-norm blocks and partial rotary have no kernels in the step yet.
+    /// QK-norm over the whole projection, post-norm blocks and partial rotary have no kernels
+    /// in the step yet (QK-norm per head has).
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
         // (Why not, where flash attention is off: the first of its conditions that fails,
@@ -200,7 +202,8 @@ impl ModelSpec {
         }
         match self.layout.qk_norm {
             QkNorm::None => {}
-            QkNorm::Head => return Err(Reason::QkNorm("per head")),
+            QkNorm::Head if self.head_dim <= 256 => {}
+            QkNorm::Head => return Err(Reason::QkNorm("per head over more than 256 dims")),
             QkNorm::Whole => return Err(Reason::QkNorm("over the whole projection")),
         }
         if self.layout.post_norm {

@@ -81,18 +81,35 @@ fn every_refusal_names_its_reason() {
         ..gpu()
     };
     assert_eq!(why(&base, &mixed), Reason::MixedTrainable);
-    // Instruction/chat data: the step has no per-sample attention or ignored targets yet.
+    // Instruction/chat data: ignored targets always; packed samples with flash attention and
+    // RoPE only.
     let packed = StepFacts {
         packed_samples: true,
         loss_mask: true,
         ..gpu()
     };
-    assert_eq!(why(&base, &packed), Reason::PackedSamples);
     let masked = StepFacts {
         loss_mask: true,
         ..gpu()
     };
-    assert_eq!(why(&base, &masked), Reason::LossMask);
+    assert!(base.fast_step_support(&masked).is_ok());
+    assert!(base.fast_step_support(&packed).is_ok());
+    let learned = spec(|c| {
+        llama(c);
+        c.model.pos = crate::config::PosEncoding::Learned;
+    });
+    assert_eq!(
+        why(&learned, &packed),
+        Reason::PackedSamples("learned positions")
+    );
+    let no_flash = StepFacts {
+        flash_fits: false,
+        ..packed
+    };
+    assert_eq!(
+        why(&base, &no_flash),
+        Reason::PackedSamples("materialised attention")
+    );
 
     let narrow = spec(|c| {
         llama(c);
@@ -272,10 +289,11 @@ fn parameter_count_by_hand() {
     assert_eq!(lora.param_count().adapters, 2 * 2 * 4 * (64 + 64));
 }
 
-/// Qwen3's per-head QK-norm and OLMo 2's whole-projection QK-norm and post-norm blocks have
-/// no kernels in the fused step: it refuses them (the per-op path trains them) and says why.
+/// The fused step runs Qwen3's per-head QK-norm (head dims up to 256); OLMo 2's
+/// whole-projection QK-norm and post-norm blocks have no kernels in it: it refuses them (the
+/// per-op path trains them) and says why.
 #[test]
-fn the_step_refuses_qk_norm_and_post_norm_by_name() {
+fn the_step_runs_qk_norm_per_head_and_refuses_post_norm_by_name() {
     use crate::config::{BlockLayout, QkNorm};
     let with = |layout: BlockLayout| {
         spec(|c| {
@@ -288,18 +306,15 @@ fn the_step_refuses_qk_norm_and_post_norm_by_name() {
         post_norm: false,
         rotary_dim: 0,
     });
-    let why = qwen3.fast_step_support(&gpu()).unwrap_err();
-    assert_eq!(why, Reason::QkNorm("per head"));
-    assert!(why.to_string().contains("QK-norm"), "{why}");
+    assert_eq!(qwen3.fast_step_support(&gpu()), Ok(()));
     let olmo2 = with(BlockLayout {
         qk_norm: QkNorm::Whole,
         post_norm: true,
         rotary_dim: 0,
     });
-    assert_eq!(
-        olmo2.fast_step_support(&gpu()),
-        Err(Reason::QkNorm("over the whole projection"))
-    );
+    let why = olmo2.fast_step_support(&gpu()).unwrap_err();
+    assert_eq!(why, Reason::QkNorm("over the whole projection"));
+    assert!(why.to_string().contains("QK-norm"), "{why}");
     let post = with(BlockLayout {
         qk_norm: QkNorm::None,
         post_norm: true,

@@ -16,7 +16,13 @@ impl Trainer {
             .filter(|_| b.batch == self.micro_batch)
         {
             let current = self.weights_copied || self.parallel.masters_partial();
-            let losses = whole.eval_losses(&b.inputs, &b.targets, b.batch, current)?;
+            let rows = crate::engine::kernels::Rows {
+                inputs: &b.inputs,
+                targets: &b.targets,
+                segments: b.segments.as_deref().filter(|_| self.cfg.data.packing),
+                b: b.batch,
+            };
+            let losses = whole.eval_losses(&rows, current)?;
             // The bf16 copies are current now, until the next optimizer step.
             self.weights_copied = true;
             return Ok(losses);

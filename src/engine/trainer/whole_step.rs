@@ -2,7 +2,9 @@
 //! each, with the SCU penalty's gradient added in place.
 
 use super::Trainer;
+use crate::engine::data::packing::IGNORE;
 use crate::engine::device;
+use crate::engine::kernels::Rows;
 use candle_core::Tensor;
 use std::time::{Duration, Instant};
 
@@ -25,15 +27,10 @@ impl Trainer {
         };
         // (With partial masters the bf16 copies are the only whole weights: never cast over.)
         whole.begin(std::mem::take(&mut self.weights_copied) || self.parallel.masters_partial())?;
-        let tokens = (self.micro_batch * self.model.spec.seq_len * self.accum) as f32;
         // fp16: the backward carries the loss scale from the loss gradient on (so small
         // gradients stay above fp16's underflow); the update divides it out.
         let scale = self.scaler.scale;
-        let g = if inject_nan {
-            f32::NAN
-        } else {
-            (scale / tokens as f64) as f32
-        };
+        let accum = self.accum as f64;
         // Data parallel with the sums inside the step: the last micro-batch's backward sums
         // the gradients over the ranks as it goes.
         let summed = whole.overlaps_grad_sums();
@@ -47,7 +44,27 @@ impl Trainer {
                 a,
             ));
             whole.set_grad_sum_now(summed && a + 1 == self.accum);
-            whole.micro(&batch.inputs, &batch.targets, batch.batch, g)?;
+            // Each micro-batch's mean over its targets that train (all of a token stream's),
+            // the step's loss the mean of those: as the per-op path.
+            let trained = batch.targets.iter().filter(|&&y| y != IGNORE).count();
+            if batch.segments.is_some() {
+                self.trained_slots.0 += trained as u64;
+                self.trained_slots.1 += batch.targets.len() as u64;
+            }
+            let g = if inject_nan {
+                f32::NAN
+            } else {
+                (scale / (accum * trained.max(1) as f64)) as f32
+            };
+            let rows = Rows {
+                inputs: &batch.inputs,
+                targets: &batch.targets,
+                // (Unpacked rows hold one sample, then padding that trains nothing: plain
+                // causal attention gives the sample what it sees alone.)
+                segments: batch.segments.as_deref().filter(|_| self.cfg.data.packing),
+                b: batch.batch,
+            };
+            whole.micro_rows(&rows, g)?;
         }
         let mut sumsq_val = 0.0;
         // ZeRO-1: Σw² and the penalty's gradient come from each rank's own range after the

@@ -51,6 +51,12 @@ pub(super) struct Activations {
     pub(super) dmask: u64,
     pub(super) mbits: Vec<u64>,
     pub(super) seed: u64,
+    /// The loss gradient's scale g and the loss accumulator's weight lw of the micro-batch
+    /// (two f32, read by the cross-entropy kernel: a replayed graph takes each micro-batch's).
+    pub(super) gw: u64,
+    /// Packed rows: each slot's sample start within its row (i32 [B·T]; read only where the
+    /// micro-batch is packed, [`ModelStep::starts_ptr`]).
+    pub(super) starts: u64,
     /// LoRA: per layer and group, the adapters' `x·Aᵀ` [N, Σ r] (0: no adapter), and its
     /// gradient `du`.
     pub(super) lora_u: Vec<[u64; 4]>,
@@ -61,6 +67,10 @@ pub(super) struct Activations {
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     pub(super) lse_att: Vec<u64>,
     pub(super) fa_scratch: u64,
+    /// QK-norm per head: each layer's q and k heads before the norm (bf16 [N, H + KV, hd]) and
+    /// their 1/rms (f32 [N·(H + KV)]); empty without QK-norm.
+    pub(super) qk_raw: Vec<u64>,
+    pub(super) qk_rstd: Vec<u64>,
     /// f32 (mean, rstd) per row of every LayerNorm, kept from the forward for the backward:
     /// LN1 of layer l at 2l, LN2 at 2l + 1, the final LN at 2L.
     pub(super) stats: Vec<u64>,
@@ -72,11 +82,12 @@ pub(super) struct Activations {
 
 pub(super) struct Arena {
     pub(super) _bf: CudaSlice<bf16>,
-    /// The dropout seed (one u64), then the kept-flags of every layer.
+    /// The dropout seed (one u64), the loss scales (g, lw), then the kept-flags of every layer.
     pub(super) words: CudaSlice<u64>,
     pub(super) f32s: CudaSlice<f32>,
     pub(super) ids: CudaSlice<u32>,
     pub(super) targets: CudaSlice<u32>,
+    pub(super) starts: CudaSlice<i32>,
     pub(super) acts: Activations,
     /// The micro-batch programs captured over this arena's buffers (dropped with it).
     pub(super) graphs: Graphs,
@@ -161,6 +172,12 @@ impl ModelStep {
         let res_o = per_if(nc, &all_layers);
         let ln1_o = per_if(n * ld1, &keep_ln1);
         let qkv_o = per_if(n * self.qkv_out, &attn_layers);
+        let qk_groups = if self.layers.iter().any(|li| li.qk_norm.is_some()) {
+            self.n_head + self.n_kv_head
+        } else {
+            0
+        };
+        let qk_raw_o = per_if(n * qk_groups * self.hd, &attn_layers);
         let prob_o = per_if(probs, &attn_layers);
         let nac = n * self.att_c;
         let atty_o = per_if(nac, &attn_layers);
@@ -224,11 +241,12 @@ impl ModelStep {
             } else {
                 0
             };
-        let f_len = f_stats + (2 * l + 1) * align(2 * n);
+        let f_qk = f_stats + (2 * l + 1) * align(2 * n);
+        let f_len = f_qk + l * align(n * qk_groups);
         // SAFETY: every activation is written before it is read within a micro-batch.
         let bf = unsafe { self.dev.alloc::<bf16>(bf_len)? };
         let f32s = self.dev.alloc_zeros::<f32>(f_len)?;
-        // u64 words: the seed, then each layer's kept-flags (aligned to 16 words).
+        // u64 words: the seed, (g, lw) as two f32, then each layer's kept-flags (from word 16).
         let nkt = t.div_ceil(64);
         let bits_len = if drop {
             (b * self.n_head * t * nkt).div_ceil(16) * 16
@@ -239,6 +257,7 @@ impl ModelStep {
         let wbase = ptr(&words, &self.stream);
         let ids = self.dev.alloc_zeros::<u32>(n)?;
         let targets = self.dev.alloc_zeros::<u32>(n)?;
+        let starts = self.dev.alloc_zeros::<i32>(n)?;
         let base = ptr(&bf, &self.stream);
         let fbase = ptr(&f32s, &self.stream);
         let at = |o: usize| base + 2 * o as u64;
@@ -278,10 +297,24 @@ impl ModelStep {
                 .map(|i| wbase + 8 * (16 + i * bits_len) as u64)
                 .collect(),
             seed: wbase,
+            gw: wbase + 8,
+            starts: ptr(&starts, &self.stream),
             lse_att: (0..l)
                 .map(|i| fbase + 4 * (f_lse_att + i * align(bht)) as u64)
                 .collect(),
             fa_scratch: fbase + 4 * f_scratch as u64,
+            qk_raw: if qk_groups > 0 {
+                all(&qk_raw_o)
+            } else {
+                Vec::new()
+            },
+            qk_rstd: if qk_groups > 0 {
+                (0..l)
+                    .map(|i| fbase + 4 * (f_qk + i * align(n * qk_groups)) as u64)
+                    .collect()
+            } else {
+                Vec::new()
+            },
             stats: (0..2 * l + 1)
                 .map(|i| fbase + 4 * (f_stats + i * align(2 * n)) as u64)
                 .collect(),
@@ -295,6 +328,7 @@ impl ModelStep {
             f32s,
             ids,
             targets,
+            starts,
             acts,
             graphs: Graphs::default(),
         });

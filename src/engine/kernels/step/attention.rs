@@ -32,7 +32,8 @@ impl ModelStep {
         let (n, c) = (a.b * self.t, self.c);
         let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
         self.group_fwd(a, (l, li, G_QKV), a.ln1[l], li.qkv_b, a.qkv[l], qkv)?;
-        self.rope(a.qkv[l], n, false)?;
+        self.qk_norm(a, l, li, false)?;
+        self.rope(a, a.qkv[l], n, false)?;
         self.attn_fwd(a, l)
     }
 
@@ -67,6 +68,7 @@ impl ModelStep {
                     Arg::U(self.drop_thr),
                     Arg::F(self.drop_scale),
                     Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
+                    Arg::P(self.starts_ptr(a)),
                 ],
             );
         }
@@ -162,6 +164,7 @@ impl ModelStep {
                     Arg::U(self.drop_thr),
                     Arg::F(self.drop_scale),
                     Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
+                    Arg::P(self.starts_ptr(a)),
                 ],
             )?;
             return self.launch(
@@ -277,8 +280,9 @@ impl ModelStep {
     }
 
     /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
-    /// (`inverse`: rotate back, for their gradients).
-    pub(super) fn rope(&self, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
+    /// (`inverse`: rotate back, for their gradients); packed rows' positions restart at each
+    /// sample.
+    pub(super) fn rope(&self, a: &Activations, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
         let Some(table) = &self.rope else {
             return Ok(());
         };
@@ -302,8 +306,64 @@ impl ModelStep {
                 Arg::I(i32_of(self.qkv_out, "ld")?),
                 Arg::P(ptr(table, &self.stream)),
                 Arg::F(if inverse { -1.0 } else { 1.0 }),
+                Arg::P(self.starts_ptr(a)),
             ],
         )
+    }
+
+    /// QK-norm per head of layer `l` in place on `qkv[l]` (forward, before RoPE), or on
+    /// `dqkv` (`backward`, after RoPE's inverse; the weights' gradients added), where the
+    /// layer has it.
+    pub(super) fn qk_norm(
+        &self,
+        a: &Activations,
+        l: usize,
+        li: &LayerIdx,
+        backward: bool,
+    ) -> Result<()> {
+        let Some((qn, kn)) = li.qk_norm else {
+            return Ok(());
+        };
+        let n = a.b * self.t;
+        let groups = n * (self.n_head + self.n_kv_head);
+        // A warp a (row, head), 8 warps a block; the backward's blocks each reduce their
+        // weight gradients once, so no more of them than the GPU holds at a time.
+        let blocks = groups
+            .div_ceil(8)
+            .min(if backward { 4 * self.k.sms } else { usize::MAX });
+        let cfg = LaunchConfig {
+            grid_dim: (blocks.max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let dims = [
+            Arg::I(i32_of(n, "rows")?),
+            Arg::I(i32_of(self.n_head, "H")?),
+            Arg::I(i32_of(self.n_kv_head, "KV heads")?),
+            Arg::I(i32_of(self.hd, "hd")?),
+            Arg::I(i32_of(self.qkv_out, "ld")?),
+        ];
+        let (w, raw, rstd) = (
+            [Arg::P(self.weight_ptr(qn)?), Arg::P(self.weight_ptr(kn)?)],
+            Arg::P(a.qk_raw[l]),
+            Arg::P(a.qk_rstd[l]),
+        );
+        if backward {
+            let mut args = vec![Arg::P(a.dqkv), raw, rstd];
+            args.extend(w);
+            args.extend([
+                Arg::P(self.grad_ptr_or_null(Some(qn))),
+                Arg::P(self.grad_ptr_or_null(Some(kn))),
+            ]);
+            args.extend(dims);
+            self.launch(&self.k.qk_norm_bwd, cfg, &args)
+        } else {
+            let mut args = vec![Arg::P(a.qkv[l]), raw, rstd];
+            args.extend(w);
+            args.extend(dims);
+            args.push(Arg::F(self.eps));
+            self.launch(&self.k.qk_norm_fwd, cfg, &args)
+        }
     }
 
     /// Causal softmax forward (`ptrs` = x, y) or backward (`ptrs` = y, dy, dx) over

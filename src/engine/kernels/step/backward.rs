@@ -222,7 +222,8 @@ impl ModelStep {
             self.lin_dx_beta(dy, self.matmul_weight(li.o_w)?, a.da, o, beta)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
-            self.rope(a.dqkv, n, true)?;
+            self.rope(a, a.dqkv, n, true)?;
+            self.qk_norm(a, l, li, true)?;
             // qkv projection
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
             let bias = (li.qkv_w, li.qkv_b, false);

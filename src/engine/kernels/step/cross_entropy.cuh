@@ -5,9 +5,14 @@
 
 // Cross-entropy over padded logits [n, ld] (the first v columns are the vocabulary; ld a
 // multiple of 8 and rows 16-byte aligned), forward and backward in one pass per row:
-// acc[r] += logsumexp(x[r, :v]) − x[r, t[r]] (a per-row running sum over the micro-batches of
-// one step, read back once), then in place x[r, j] = g·(softmax(x[r])_j − [j = t[r]]).
+// acc[r] += lw·(logsumexp(x[r, :v]) − x[r, t[r]]) (a per-row running sum over the micro-batches
+// of one step, read back once; lw weighs a micro-batch's rows: 1/its targets that train), then in
+// place x[r, j] = g·(softmax(x[r])_j − [j = t[r]]); (g, lw) are read from the device (gw), so
+// a captured micro-batch replays with each micro-batch's own. A target of CE_IGNORE (u32::MAX: a prompt
+// or padding slot of instruction data) costs nothing and passes no gradient; any other target
+// past the vocabulary makes the loss NaN.
 // One block per row, 16-byte loads and stores.
+#define CE_IGNORE 0xffffffffu
 
 // The running (max, Σexp) of a thread's logits, over 8 more.
 __device__ __forceinline__ void lse_acc8(uint4 u, float& m, float& s) {
@@ -64,8 +69,9 @@ __device__ __forceinline__ float ce_target(const bf16_t* xr, uint32_t tg, int v)
 
 // The row's loss into acc (zt: the target's logit), and the tail columns' gradient.
 __device__ __forceinline__ void ce_finish(bf16_t* xr, float* acc, int row, float l, float zt,
-                                          float g, uint32_t tg, int v) {
-    if (threadIdx.x == 0) acc[row] += tg < (uint32_t)v ? l - zt : __int_as_float(0x7fc00000);
+                                          float g, uint32_t tg, int v, float lw) {
+    if (threadIdx.x == 0 && tg != CE_IGNORE)
+        acc[row] += tg < (uint32_t)v ? lw * (l - zt) : __int_as_float(0x7fc00000);
     for (int j = ((v >> 3) << 3) + threadIdx.x; j < v; j += blockDim.x) {
         const float p = __expf(to_f(xr[j]) - l);
         xr[j] = __float2bfloat16(g * (p - (j == (int)tg ? 1.f : 0.f)));
@@ -74,7 +80,8 @@ __device__ __forceinline__ void ce_finish(bf16_t* xr, float* acc, int row, float
 
 // Any vocabulary: the row is read twice (the second time mostly from L2).
 extern "C" __global__ void ce_fused_bf16(bf16_t* __restrict__ x, const uint32_t* __restrict__ t,
-                                         float* __restrict__ acc, float g, int n, int v, int ld) {
+                                         float* __restrict__ acc, const float* __restrict__ gw,
+                                         int n, int v, int ld) {
     const int row = blockIdx.x;
     if (row >= n) return;
     bf16_t* xr = x + (size_t)row * ld;
@@ -84,10 +91,11 @@ extern "C" __global__ void ce_fused_bf16(bf16_t* __restrict__ x, const uint32_t*
     for (int q = threadIdx.x; q < v8; q += blockDim.x) lse_acc8(xv[q], m, s);
     lse_tail(xr, v, m, s);
     const uint32_t tg = t[row];
+    const float g = tg == CE_IGNORE ? 0.f : __ldg(gw), lw = __ldg(gw + 1);
     const float zt = ce_target(xr, tg, v);
     const float l = block_lse(m, s);
     for (int q = threadIdx.x; q < v8; q += blockDim.x) xv[q] = ce_grad8(xv[q], q * 8, l, g, tg);
-    ce_finish(xr, acc, row, l, zt, g, tg, v);
+    ce_finish(xr, acc, row, l, zt, g, tg, v, lw);
 }
 
 // Vocabularies up to 512·CE_REG·8 = 53248 columns (GPT-2's 50257, Llama's 32000): the row
@@ -96,7 +104,8 @@ extern "C" __global__ void ce_fused_bf16(bf16_t* __restrict__ x, const uint32_t*
 #define CE_REG 13
 extern "C" __global__ void __launch_bounds__(512, 1)
     ce_fused_reg_bf16(bf16_t* __restrict__ x, const uint32_t* __restrict__ t,
-                      float* __restrict__ acc, float g, int n, int v, int ld) {
+                      float* __restrict__ acc, const float* __restrict__ gw,
+                      int n, int v, int ld) {
     const int row = blockIdx.x;
     if (row >= n) return;
     bf16_t* xr = x + (size_t)row * ld;
@@ -114,6 +123,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         if (threadIdx.x + k * 512 < v8) lse_acc8(r[k], m, s);
     lse_tail(xr, v, m, s);
     const uint32_t tg = t[row];
+    const float g = tg == CE_IGNORE ? 0.f : __ldg(gw), lw = __ldg(gw + 1);
     const float zt = ce_target(xr, tg, v);
     const float l = block_lse(m, s);
 #pragma unroll
@@ -121,5 +131,5 @@ extern "C" __global__ void __launch_bounds__(512, 1)
         const int q = threadIdx.x + k * 512;
         if (q < v8) xv[q] = ce_grad8(r[k], q * 8, l, g, tg);
     }
-    ce_finish(xr, acc, row, l, zt, g, tg, v);
+    ce_finish(xr, acc, row, l, zt, g, tg, v, lw);
 }

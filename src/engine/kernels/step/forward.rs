@@ -58,10 +58,10 @@ impl ModelStep {
         self.bias_act(a.fc[l], 0, a.act[l], n, f, 1)
     }
 
-    /// The forward, through the loss and its gradient w.r.t. the logits (scaled by `g`).
-    /// The forward to the loss; with `grad`, the loss's gradient and the LM head's backward
-    /// too (they run with the loss, chunk by chunk: [`Self::head_and_loss`]).
-    pub(super) fn forward(&self, a: &Activations, g: f32, first: bool, grad: bool) -> Result<()> {
+    /// The forward to the loss; with `grad`, the loss's gradient w.r.t. the logits (scaled by
+    /// the arena's `g`, [`Activations::gw`]) and the LM head's backward too (they run with the
+    /// loss, chunk by chunk: [`Self::head_and_loss`]).
+    pub(super) fn forward(&self, a: &Activations, first: bool, grad: bool) -> Result<()> {
         let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
         let n = b * t;
         let nc = n * c;
@@ -113,7 +113,7 @@ impl ModelStep {
             self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
         }
         self.logit_scale(a, a.lnf, n)?;
-        self.head_and_loss(a, g, first, grad)
+        self.head_and_loss(a, first, grad)
     }
 
     /// Recompute (`model.recompute`): block `l`'s attention half again from its kept input
@@ -148,15 +148,9 @@ impl ModelStep {
 
     /// The LM head and its loss, in chunks of rows so that the logits never exist whole:
     /// per chunk, logits = lnf·headᵀ (rows of stride vpad), then per-row CE, whose gradient
-    /// (scaled by g) overwrites the logits in the same pass, then at once the head's backward
+    /// (scaled by the arena's g) overwrites the logits in the same pass, then at once the head's backward
     /// for those rows (`da` = dlogits·head, the head's gradient += dlogitsᵀ·lnf).
-    pub(super) fn head_and_loss(
-        &self,
-        a: &Activations,
-        g: f32,
-        first: bool,
-        grad: bool,
-    ) -> Result<()> {
+    pub(super) fn head_and_loss(&self, a: &Activations, first: bool, grad: bool) -> Result<()> {
         let (n, c, v) = (a.b * self.t, self.c, self.vocab);
         let head = self.head.unwrap_or(self.wte);
         // A row in registers where it fits (kernels.cu: 512 threads × CE_REG 16-byte chunks).
@@ -182,7 +176,7 @@ impl ModelStep {
                     Arg::P(a.logits),
                     Arg::P(a.targets + 4 * start as u64),
                     Arg::P(a.loss + 4 * start as u64),
-                    Arg::F(g),
+                    Arg::P(a.gw),
                     Arg::I(i32_of(rows, "rows")?),
                     Arg::I(i32_of(v, "vocab")?),
                     Arg::I(i32_of(self.vpad, "vocab")?),

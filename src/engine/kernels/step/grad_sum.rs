@@ -53,6 +53,7 @@ impl ModelStep {
                 .into_iter()
                 .flatten(),
         );
+        ids.extend(li.qk_norm.iter().flat_map(|&(q, k)| [q, k]));
         ids.extend(li.lora.iter().flatten().flat_map(|ad| [ad.a, ad.b]));
         let (mut head, mut tail) = (None::<(usize, usize)>, None::<(usize, usize)>);
         for i in ids {

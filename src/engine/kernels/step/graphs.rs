@@ -13,9 +13,10 @@ use super::ModelStep;
 use crate::engine::kernels::cuda::err;
 
 /// What selects a captured micro-batch program: whether it is the step's first micro-batch
-/// (its weight-gradient matmuls overwrite instead of adding) and the loss-gradient scale's
-/// bits (the arena fixes everything else).
-pub(super) type GraphKey = (bool, u32);
+/// (its weight-gradient matmuls overwrite instead of adding) and whether its rows are packed
+/// (attention and RoPE read the sample starts); the arena fixes everything else (the loss
+/// scales are read from it).
+pub(super) type GraphKey = (bool, bool);
 
 /// CUDA graphs of whole micro-batches (forward and backward, a few hundred launches each),
 /// replayed with one launch. A key is captured the second time it runs: the first run is
@@ -34,8 +35,8 @@ unsafe impl Send for Graphs {}
 impl ModelStep {
     /// The forward and backward of the arena's micro-batch: a replay of its captured graph,
     /// a capture (the key's second run), or eager launches.
-    pub(super) fn run_micro(&mut self, first: bool, g: f32) -> Result<()> {
-        let key = (first, g.to_bits());
+    pub(super) fn run_micro(&mut self, first: bool) -> Result<()> {
+        let key = (first, self.packed);
         let replay = self.graphs && self.prof.is_none();
         let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
         if replay {
@@ -46,11 +47,11 @@ impl ModelStep {
         // (The layout is cloned only off the replay path: `fwd_bwd` borrows the step.)
         let acts = a.acts.clone();
         if !replay || a.graphs.seen.insert(key) {
-            return self.fwd_bwd(&acts, g, first);
+            return self.fwd_bwd(&acts, first);
         }
         let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         self.stream.begin_capture(mode).w()?;
-        let run = self.fwd_bwd(&acts, g, first);
+        let run = self.fwd_bwd(&acts, first);
         // End the capture whatever happened, so the stream is usable again.
         let flags = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = self.stream.end_capture(flags);
@@ -66,7 +67,7 @@ impl ModelStep {
             // Nothing was captured: run it eagerly, and keep doing so.
             None => {
                 self.graphs = false;
-                self.fwd_bwd(&acts, g, first)
+                self.fwd_bwd(&acts, first)
             }
         }
     }

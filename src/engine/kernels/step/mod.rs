@@ -197,6 +197,9 @@ pub struct ModelStep {
     logit_mult: f32,
     /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
     drop_seed: u64,
+    /// The running micro-batch packs several samples a row: attention and RoPE read the
+    /// arena's sample starts ([`Self::starts_ptr`]).
+    packed: bool,
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {

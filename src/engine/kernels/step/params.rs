@@ -99,6 +99,8 @@ pub(super) struct LayerIdx {
     pub(super) down_w: usize,
     pub(super) down_b: Option<usize>,
     pub(super) lora: [Option<LoraIdx>; 7],
+    /// QK-norm per head: q's and k's RMSNorm weights.
+    pub(super) qk_norm: Option<(usize, usize)>,
 }
 
 /// The flat buffers' layout as it is built: each entry's offset in the trainable buffers

@@ -10,8 +10,11 @@
 // rotations come from cs [t][hd/2] = (cos, sin) of pos·inv_freq[j], computed in double on the
 // host (fast-math sines lose accuracy at arguments of hundreds of radians) and read from L2.
 // Four pairs a thread (8-byte accesses) where hd/2 is a multiple of 4, else one.
+// Packed rows (starts: each slot's sample start in its row, or null): positions restart at
+// each sample.
 extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t, int nh, int hd,
-                                         int ld, const float2* __restrict__ cs, float dir) {
+                                         int ld, const float2* __restrict__ cs, float dir,
+                                         const int* __restrict__ starts) {
     const int half = hd >> 1;
     const int w = (half & 3) == 0 ? 4 : 1;
     const int per = half / w;
@@ -22,7 +25,8 @@ extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t,
         const size_t row = i / per;  // (bt, head)
         const int hh = (int)(row % nh);
         const size_t bt = row / nh;
-        const float2* r = cs + (size_t)(bt % t) * half + j;
+        const int pos = (int)(bt % t) - (starts != nullptr ? __ldg(starts + bt) : 0);
+        const float2* r = cs + (size_t)pos * half + j;
         bf16_t* xr = x + bt * ld + (size_t)hh * hd + j;
         if (w == 4) {
             uint2 a = *reinterpret_cast<const uint2*>(xr);

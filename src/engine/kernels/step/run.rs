@@ -8,6 +8,7 @@ use candle_core::Result;
 use super::arena::Activations;
 use super::ModelStep;
 use crate::engine::kernels::cuda::err;
+use crate::engine::kernels::rows::{sample_starts, Rows, IGNORE};
 
 impl ModelStep {
     /// Start an optimizer step: cast the fp32 masters into the bf16 buffer (unless the last
@@ -33,6 +34,24 @@ impl ModelStep {
     /// Forward and backward of one micro-batch `[b, T]` of token ids and targets; gradients
     /// add into the fp32 buffer scaled by `g` per token (1/(tokens·accum) for a mean loss).
     pub fn micro(&mut self, inputs: &[u32], targets: &[u32], b: usize, g: f32) -> Result<()> {
+        self.micro_rows(
+            &Rows {
+                inputs,
+                targets,
+                segments: None,
+                b,
+            },
+            g,
+        )
+    }
+
+    /// [`Self::micro`] for rows whose targets may be [`IGNORE`] (no loss, no gradient: the
+    /// prompts and padding of instruction data) and which may pack several samples
+    /// (`segments`: a sample id per slot; attention stays within a sample, positions restart
+    /// at each). `g` scales each trained target's gradient; the step's [`Self::loss`] is the
+    /// mean over the micro-batches of each one's mean over its trained targets.
+    pub fn micro_rows(&mut self, r: &Rows, g: f32) -> Result<()> {
+        let b = r.b;
         let had = self.arena.as_ref().map(|a| a.acts.b);
         self.ensure(b)?;
         if had != Some(b) {
@@ -44,26 +63,63 @@ impl ModelStep {
             }
             self.zero_loss()?;
         }
-        let n = b * self.t;
-        if inputs.len() != n || targets.len() != n {
-            return Err(err(format!(
-                "whole-model step: a micro-batch of {b}×{} needs {n} ids and targets",
-                self.t
-            )));
-        }
-        {
+        let trained = self.upload(r)?;
+        self.set_scales(g, 1.0 / trained.max(1) as f32)?;
+        if self.drop_thr > 0 {
+            // (Read by the kernels from the device: a replayed graph draws new masks.)
             let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
-            self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
-            self.stream.memcpy_htod(targets, &mut a.targets).w()?;
-            if self.drop_thr > 0 {
-                // (Read by the kernels from the device: a replayed graph draws new masks.)
-                let mut seed = a.words.slice_mut(0..1);
-                self.stream.memcpy_htod(&[self.drop_seed], &mut seed).w()?;
-            }
+            let mut seed = a.words.slice_mut(0..1);
+            self.stream.memcpy_htod(&[self.drop_seed], &mut seed).w()?;
         }
-        self.run_micro(self.micro == 0, g)?;
+        self.run_micro(self.micro == 0)?;
         self.micro += 1;
         Ok(())
+    }
+
+    /// Rows' ids, targets and (packed) sample starts into the arena; how many targets train.
+    fn upload(&mut self, r: &Rows) -> Result<usize> {
+        let n = r.b * self.t;
+        if r.inputs.len() != n || r.targets.len() != n || r.segments.is_some_and(|s| s.len() != n) {
+            return Err(err(format!(
+                "whole-model step: a batch of {}×{} needs {n} ids, targets and segment ids",
+                r.b, self.t
+            )));
+        }
+        if r.segments.is_some() && (!self.flash || self.rope.is_none() && self.wpe.is_some()) {
+            return Err(err(
+                "whole-model step: packed rows need flash attention and no learned positions",
+            ));
+        }
+        let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+        self.stream.memcpy_htod(r.inputs, &mut a.ids).w()?;
+        self.stream.memcpy_htod(r.targets, &mut a.targets).w()?;
+        self.packed = match r.segments {
+            Some(seg) => {
+                let starts = sample_starts(seg, self.t);
+                self.stream.memcpy_htod(&starts, &mut a.starts).w()?;
+                true
+            }
+            None => false,
+        };
+        Ok(r.targets.iter().filter(|&&y| y != IGNORE).count())
+    }
+
+    /// The loss gradient's scale `g` and the loss accumulator's weight `lw` of the next
+    /// micro-batch, into the arena (the cross-entropy kernel reads them there).
+    fn set_scales(&mut self, g: f32, lw: f32) -> Result<()> {
+        let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
+        let word = u64::from(g.to_bits()) | (u64::from(lw.to_bits()) << 32);
+        let mut at = a.words.slice_mut(1..2);
+        self.stream.memcpy_htod(&[word], &mut at).w()
+    }
+
+    /// The packed sample starts' device address for the running micro-batch (0: not packed).
+    pub(super) fn starts_ptr(&self, a: &Activations) -> u64 {
+        if self.packed {
+            a.starts
+        } else {
+            0
+        }
     }
 
     /// The dropout seed of the next micro-batches ([`crate::engine::dropout::micro_seed`]: the candle model
@@ -79,8 +135,8 @@ impl ModelStep {
         self.arena = None;
     }
 
-    pub(super) fn fwd_bwd(&self, acts: &Activations, g: f32, first: bool) -> Result<()> {
-        self.forward(acts, g, first, true)?;
+    pub(super) fn fwd_bwd(&self, acts: &Activations, first: bool) -> Result<()> {
+        self.forward(acts, first, true)?;
         self.backward(acts, first)
     }
 
@@ -93,12 +149,13 @@ impl ModelStep {
         Ok(())
     }
 
-    /// The step's mean loss over every token of every micro-batch since [`Self::begin`]
-    /// (one read-back; waits for the GPU).
+    /// The step's mean loss since [`Self::begin`]: the mean over its micro-batches of each
+    /// one's mean over the targets that train (every target, for a token stream; one
+    /// read-back; waits for the GPU).
     pub fn loss(&self) -> Result<f64> {
         let v = self.token_losses()?;
         let sum: f64 = v.iter().map(|&x| x as f64).sum();
-        Ok(sum / (v.len() * self.micro.max(1)) as f64)
+        Ok(sum / self.micro.max(1) as f64)
     }
 
     /// The loss accumulator, one sum per token row of the arena (one read-back).
@@ -115,38 +172,28 @@ impl ModelStep {
         self.stream.clone_dtoh(&rows).w()
     }
 
-    /// Each sequence's mean loss in one batch `[b, T]`, by the forward alone (evaluation:
-    /// no dropout, no gradient; the LM head's backward is skipped), between optimizer steps:
-    /// it reuses the loss accumulator, so read the step's [`Self::loss`] first. The bf16
-    /// copies are cast first unless `weights_current` (the last fused AdamW wrote them).
-    pub fn eval_losses(
-        &mut self,
-        inputs: &[u32],
-        targets: &[u32],
-        b: usize,
-        weights_current: bool,
-    ) -> Result<Vec<f64>> {
-        let n = b * self.t;
-        if inputs.len() != n || targets.len() != n {
-            return Err(err(format!(
-                "whole-model step: a batch of {b}×{} needs {n} ids and targets",
-                self.t
-            )));
-        }
+    /// Each sequence's mean loss in one batch `[b, T]` (over its targets that train; rows
+    /// where none trains are left out), by the forward alone (evaluation: no dropout, no
+    /// gradient; the LM head's backward is skipped), between optimizer steps: it reuses the
+    /// loss accumulator, so read the step's [`Self::loss`] first. The bf16 copies are cast
+    /// first unless `weights_current` (the last fused AdamW wrote them).
+    pub fn eval_losses(&mut self, r: &Rows, weights_current: bool) -> Result<Vec<f64>> {
         if !weights_current {
             self.cast_weights()?;
         }
-        self.ensure(b)?;
+        self.ensure(r.b)?;
         self.zero_loss()?;
-        let acts = {
-            let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
-            self.stream.memcpy_htod(inputs, &mut a.ids).w()?;
-            self.stream.memcpy_htod(targets, &mut a.targets).w()?;
-            a.acts.clone()
-        };
+        self.upload(r)?;
+        self.set_scales(0.0, 1.0)?;
+        let acts = self
+            .arena
+            .as_ref()
+            .ok_or_else(|| err("no arena"))?
+            .acts
+            .clone();
         let thr = std::mem::replace(&mut self.drop_thr, 0);
         let lora_thr = std::mem::replace(&mut self.lora_thr, 0);
-        let run = self.forward(&acts, 0.0, false, false);
+        let run = self.forward(&acts, false, false);
         self.drop_thr = thr;
         self.lora_thr = lora_thr;
         run?;
@@ -156,7 +203,11 @@ impl ModelStep {
         // (A step's accumulation ends here: the next starts with `begin`.)
         self.micro = 0;
         Ok(v.chunks(self.t)
-            .map(|row| row.iter().map(|&x| x as f64).sum::<f64>() / self.t as f64)
+            .zip(r.targets.chunks(self.t))
+            .filter_map(|(row, y)| {
+                let n = y.iter().filter(|&&v| v != IGNORE).count();
+                (n > 0).then(|| row.iter().map(|&x| x as f64).sum::<f64>() / n as f64)
+            })
             .collect())
     }
 }

@@ -83,6 +83,10 @@ impl ModelStep {
             let o_b = lay.push_opt(&l.o.1);
             let ln2_w = lay.push(&l.ln2.0, true);
             let ln2_b = lay.push_opt(&l.ln2.1);
+            let qk_norm = l
+                .qk_norm
+                .as_ref()
+                .map(|(q, k)| (lay.push(q, true), lay.push(k, true)));
             let up_b = match &l.gate {
                 Some(g) => lay.pack_biases(&[g, &l.up], "gate and up")?,
                 None => lay.push_opt(&l.up.1),
@@ -101,6 +105,7 @@ impl ModelStep {
                 down_w,
                 down_b: lay.push_opt(&l.down.1),
                 lora,
+                qk_norm,
             });
         }
         let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
@@ -225,6 +230,7 @@ impl ModelStep {
             lora_concat: s.kernels.lora_concat,
             lora_cat_table: None,
             drop_seed: 0,
+            packed: false,
         };
         step.plan_lora_blocks()?;
         Ok(step)

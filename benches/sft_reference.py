@@ -1,0 +1,193 @@
+"""Instruction-tuning reference: transformers + PEFT LoRA on a chat JSONL, padded batches.
+
+The baseline of cockpit's SFT speed target: the same chat records cockpit trains on
+(`data.format = "messages"`, ChatML rendering as tests/fixtures/chat/qwen.jinja writes it, a
+byte-level tokenizer: one token per UTF-8 byte, as cockpit's `data.tokenizer = "byte"`), the loss
+on the assistant turns only (labels -100 elsewhere), batches padded to their longest sample, as a
+plain `Trainer`-style loop does. The model is a Llama of the shape given (random bf16 weights),
+LoRA r16 on every linear layer (PEFT). Reports real (non-padding) tokens/s and trained tokens/s.
+
+Usage (GPU machine with torch, transformers, peft; no internet needed):
+
+    python3 benches/sft_reference.py --make-data chat.jsonl --records 4000
+    python3 benches/sft_reference.py --data chat.jsonl --batch 8 --steps 20 --json out.json
+    python3 benches/sft_reference.py --family qwen3 --layers 28 --width 2048 --heads 16 \
+        --kv-heads 8 --mlp 6144 --vocab 151936 --lm 2048 --batch 4   # plain LM, Qwen3-1.7B shape
+
+`--make-data` writes synthetic conversations (a system turn in some, user and assistant turns of
+varied lengths) that both systems then read.
+"""
+
+import argparse
+import json
+import random
+import time
+
+
+def make_data(path, records, seed=0):
+    rng = random.Random(seed)
+    words = ("the of and to in is was for on that with as by at from his an were are which this "
+             "be or has had not but what all when we there can more if no out so said up one about "
+             "into than them only other new some could time these two may first then do any like").split()
+
+    def text(lo, hi):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+
+    with open(path, "w") as f:
+        for i in range(records):
+            m = []
+            if i % 3 == 0:
+                m.append({"role": "system", "content": text(5, 30)})
+            for _ in range(rng.choice([1, 1, 2])):
+                m.append({"role": "user", "content": text(10, 120)})
+                m.append({"role": "assistant", "content": text(20, 250)})
+            f.write(json.dumps({"messages": m}) + "\n")
+
+
+def render(messages):
+    """ChatML as qwen.jinja renders it, split into (bytes, trains) pieces."""
+    out = []
+    for m in messages:
+        head = f"<|im_start|>{m['role']}\n"
+        if m["role"] == "assistant":
+            out.append((head.encode(), False))
+            out.append((m["content"].encode() + b"<|im_end|>", True))
+            out.append((b"\n", False))
+        else:
+            out.append((head.encode() + m["content"].encode() + b"<|im_end|>\n", False))
+    return out
+
+
+def samples(path, max_len):
+    res = []
+    with open(path) as f:
+        for line in f:
+            ids, labels = [], []
+            for b, trains in render(json.loads(line)["messages"]):
+                ids.extend(b)
+                labels.extend(b if trains else [-100] * len(b))
+            # Next-token targets: the label of position i is the token at i + 1.
+            ids, labels = ids[: max_len + 1], labels[: max_len + 1]
+            res.append((ids[:-1], labels[1:]))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--make-data", default=None)
+    ap.add_argument("--records", type=int, default=4000)
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--mlp", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--family", choices=["llama", "qwen3"], default="llama",
+                    help="qwen3: QK-norm per head, --head-dim (default 128), rope θ 1e6")
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--lm", type=int, default=0, metavar="T",
+                    help="plain LM batches of random ids [batch, T] instead of the chat data")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.make_data:
+        make_data(a.make_data, a.records)
+        print(f"wrote {a.records} conversations to {a.make_data}")
+        return
+
+    import torch
+    import transformers
+    import peft
+
+    torch.manual_seed(0)
+    common = dict(
+        hidden_size=a.width, intermediate_size=a.mlp, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+        max_position_embeddings=max(a.max_len, a.lm, 2048), tie_word_embeddings=True)
+    if a.family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=a.head_dim or 128, rope_theta=1e6,
+                                       rms_norm_eps=1e-6)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(**common, head_dim=a.head_dim or a.width // a.heads,
+                                       rope_theta=500000.0, rms_norm_eps=1e-5)
+        cls = transformers.LlamaForCausalLM
+    cfg._attn_implementation = a.attn
+    model = cls(cfg).to(torch.bfloat16).cuda()
+    lcfg = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                           "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(model, lcfg)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+    data = samples(a.data, a.max_len) if not a.lm else None
+    if data:
+        random.Random(1).shuffle(data)
+
+    def batch(k):
+        if a.lm:
+            ids = torch.randint(0, a.vocab, (a.batch, a.lm + 1), device="cuda")
+            n = a.batch * a.lm
+            return ids[:, :-1], ids[:, 1:], None, n, n
+        rows = [data[(k * a.batch + i) % len(data)] for i in range(a.batch)]
+        n = max(len(x) for x, _ in rows)
+        ids = torch.zeros(a.batch, n, dtype=torch.long)
+        lab = torch.full((a.batch, n), -100, dtype=torch.long)
+        att = torch.zeros(a.batch, n, dtype=torch.long)
+        real = trained = 0
+        for i, (x, y) in enumerate(rows):
+            ids[i, : len(x)] = torch.tensor(x)
+            lab[i, : len(y)] = torch.tensor(y)
+            att[i, : len(x)] = 1
+            real += len(x)
+            trained += sum(1 for v in y if v != -100)
+        return ids.cuda(), lab.cuda(), att.cuda(), real, trained
+
+    model.train()
+    times, reals, trains = [], [], []
+    for k in range(a.warmup + a.steps):
+        ids, lab, att, real, trained = batch(k)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if a.lm:
+                # (labels already shifted: the loss over logits and the next ids)
+                logits = model(input_ids=ids).logits
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.size(-1)), lab.reshape(-1))
+            else:
+                loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if k >= a.warmup:
+            times.append(time.perf_counter() - t0)
+            reals.append(real)
+            trains.append(trained)
+    total = sum(times)
+    res = {
+        "system": f"transformers {transformers.__version__} + peft {peft.__version__} "
+                  f"({a.family}, {a.attn}, {'LM T' + str(a.lm) if a.lm else 'chat, padded'})",
+        "real_tok_s": sum(reals) / total,
+        "trained_tok_s": sum(trains) / total,
+        "step_ms": 1000 * total / len(times),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "batch": a.batch,
+    }
+    print(json.dumps(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
