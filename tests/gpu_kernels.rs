@@ -838,6 +838,17 @@ fn step_families() -> Vec<Family> {
             },
         },
         Family {
+            name: "phi3-like: partial rotary (48 of 64 dims), GQA 4/2",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.layout.rotary_dim = 48;
+            },
+        },
+        Family {
             name: "qwen3: QK-norm per head, head dim 128 over n_embd 128, GQA 2/1, dropout 0.1",
             vocab: 97,
             set: |c| {

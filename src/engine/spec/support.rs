@@ -89,9 +89,11 @@ pub enum Reason {
     EmbeddingMultiplier,
     #[error("a mix of frozen and trainable weights other than LoRA's")]
     MixedTrainable,
-    #[error("RMSNorm on q and k ({0}: the step has QK-norm per head of up to 256 dims, as Qwen3's)")]
+    #[error(
+        "RMSNorm on q and k ({0}: the step has QK-norm per head of up to 256 dims, as Qwen3's)"
+    )]
     QkNorm(&'static str),
-    #[error("RoPE on {rotary_dim} of {head_dim} dims of each head (Phi-3 partial rotary; the step rotates whole heads)")]
+    #[error("RoPE on an odd {rotary_dim} of {head_dim} dims of each head (the step turns pairs of dims)")]
     PartialRotary { rotary_dim: usize, head_dim: usize },
     #[error("norms after the attention and MLP outputs (OLMo 2 post-norm; the step's blocks are pre-norm)")]
     PostNorm,
@@ -209,7 +211,7 @@ impl ModelSpec {
         if self.layout.post_norm {
             return Err(Reason::PostNorm);
         }
-        if self.rotary_dim() != hd {
+        if !self.rotary_dim().is_multiple_of(2) {
             return Err(Reason::PartialRotary {
                 rotary_dim: self.rotary_dim(),
                 head_dim: hd,

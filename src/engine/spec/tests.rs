@@ -289,9 +289,9 @@ fn parameter_count_by_hand() {
     assert_eq!(lora.param_count().adapters, 2 * 2 * 4 * (64 + 64));
 }
 
-/// The fused step runs Qwen3's per-head QK-norm (head dims up to 256); OLMo 2's
-/// whole-projection QK-norm and post-norm blocks have no kernels in it: it refuses them (the
-/// per-op path trains them) and says why.
+/// The fused step runs Qwen3's per-head QK-norm (head dims up to 256) and Phi-3's partial
+/// rotary; OLMo 2's whole-projection QK-norm and post-norm blocks have no kernels in it: it
+/// refuses them (the per-op path trains them) and says why.
 #[test]
 fn the_step_runs_qk_norm_per_head_and_refuses_post_norm_by_name() {
     use crate::config::{BlockLayout, QkNorm};
@@ -327,10 +327,16 @@ fn the_step_runs_qk_norm_per_head_and_refuses_post_norm_by_name() {
         rotary_dim: 32,
         ..BlockLayout::default()
     });
+    // Phi-3's partial rotary: the step turns the first rotary_dim dims (an even count).
+    assert_eq!(phi3.fast_step_support(&gpu()), Ok(()));
+    let odd = with(BlockLayout {
+        rotary_dim: 33,
+        ..BlockLayout::default()
+    });
     assert_eq!(
-        phi3.fast_step_support(&gpu()),
+        odd.fast_step_support(&gpu()),
         Err(Reason::PartialRotary {
-            rotary_dim: 32,
+            rotary_dim: 33,
             head_dim: 64
         })
     );

@@ -287,8 +287,8 @@ impl ModelStep {
             return Ok(());
         };
         let nh = self.n_head + self.n_kv_head;
-        // (kernels.cu: four pairs a thread where hd/2 is a multiple of 4)
-        let half = self.hd / 2;
+        // (kernels.cu: four pairs a thread where rd/2 is a multiple of 4; rd: the rotary dims)
+        let half = self.rotary_dim / 2;
         let per = if half.is_multiple_of(4) {
             half / 4
         } else {
@@ -307,6 +307,7 @@ impl ModelStep {
                 Arg::P(ptr(table, &self.stream)),
                 Arg::F(if inverse { -1.0 } else { 1.0 }),
                 Arg::P(self.starts_ptr(a)),
+                Arg::I(i32_of(self.rotary_dim, "rotary dims")?),
             ],
         )
     }

@@ -197,6 +197,8 @@ pub struct ModelStep {
     logit_mult: f32,
     /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
     drop_seed: u64,
+    /// RoPE's dims of each head (the head dim; fewer with Phi-3's partial rotary).
+    rotary_dim: usize,
     /// The running micro-batch packs several samples a row: attention and RoPE read the
     /// arena's sample starts ([`Self::starts_ptr`]).
     packed: bool,

@@ -11,11 +11,12 @@
 // host (fast-math sines lose accuracy at arguments of hundreds of radians) and read from L2.
 // Four pairs a thread (8-byte accesses) where hd/2 is a multiple of 4, else one.
 // Packed rows (starts: each slot's sample start in its row, or null): positions restart at
-// each sample.
+// each sample. Partial rotary (Phi-3): only the first rd dims of each head turn (their two
+// halves, rd/2 apart); the rest pass.
 extern "C" __global__ void rope_qkv_bf16(bf16_t* __restrict__ x, int nbt, int t, int nh, int hd,
                                          int ld, const float2* __restrict__ cs, float dir,
-                                         const int* __restrict__ starts) {
-    const int half = hd >> 1;
+                                         const int* __restrict__ starts, int rd) {
+    const int half = rd >> 1;
     const int w = (half & 3) == 0 ? 4 : 1;
     const int per = half / w;
     const size_t total = (size_t)nbt * nh * per;

@@ -231,6 +231,7 @@ impl ModelStep {
             lora_cat_table: None,
             drop_seed: 0,
             packed: false,
+            rotary_dim: s.rotary_dim(),
         };
         step.plan_lora_blocks()?;
         Ok(step)
