@@ -1,16 +1,12 @@
 //! `cockpit export SOURCE OUT.gguf --format gguf [--quant TYPE]`: the GGUF side of export.
 
 use super::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
-use crate::engine::gguf::{self, quant::GgmlType};
+use crate::engine::gguf::{self, Quant};
 use std::path::Path;
 
 /// Whether the export is a GGUF one (Some(encoding)), a Hugging Face one (None), or a usage
 /// error already reported (Err(exit code)).
-pub fn wants(
-    out: &Path,
-    format: Option<&str>,
-    quant: Option<&str>,
-) -> Result<Option<GgmlType>, i32> {
+pub fn wants(out: &Path, format: Option<&str>, quant: Option<&str>) -> Result<Option<Quant>, i32> {
     let by_name = out
         .extension()
         .is_some_and(|x| x.eq_ignore_ascii_case("gguf"));
@@ -46,7 +42,7 @@ pub fn export(
     out: &Path,
     adapter: bool,
     dtype: Option<&str>,
-    quant: GgmlType,
+    quant: Quant,
 ) -> anyhow::Result<i32> {
     if adapter || dtype.is_some() {
         crate::errln!(

@@ -4,7 +4,7 @@
 use super::export::Exported;
 use super::gguf::quant::{self, GgmlType};
 use super::gguf::writer::{self, TensorData, Value};
-use super::gguf::{names, tokenizer, QUANTS};
+use super::gguf::{names, tokenizer, Quant};
 use super::source::{open, Source};
 use super::{hf, EngineError};
 use candle_core::{DType, Device, Tensor};
@@ -21,15 +21,20 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
     }
 }
 
-/// How a tensor is stored: vectors (norms, biases) and tensors whose rows are no whole number
-/// of blocks stay as llama.cpp keeps them (f32; f16 in place of a block type).
+/// How a tensor is stored: vectors (norms, biases) stay f32, as llama.cpp keeps them; rows
+/// that are no whole number of the type's blocks take Q8_0 in place of a k-quant where they
+/// are whole 32-element blocks, else f16.
 fn storage(shape: &[usize], want: GgmlType) -> GgmlType {
     if shape.len() < 2 {
         return GgmlType::F32;
     }
-    let (block, _) = want.block();
-    if shape[shape.len() - 1].is_multiple_of(block) {
+    let row = shape[shape.len() - 1];
+    if row.is_multiple_of(want.block().0) {
         want
+    } else if want.block().0 == super::gguf::kquant::QK
+        && row.is_multiple_of(GgmlType::Q8_0.block().0)
+    {
+        GgmlType::Q8_0
     } else {
         GgmlType::F16
     }
@@ -53,7 +58,7 @@ fn tensor_data(name: String, t: &Tensor, want: GgmlType) -> Result<TensorData, E
 
 /// Write `src` (a run, checkpoint or Hugging Face directory; LoRA runs merged) as one GGUF
 /// file at `out` in `quant`.
-pub fn export(src: &Path, out: &Path, quant: GgmlType) -> Result<Exported, EngineError> {
+pub fn export(src: &Path, out: &Path, quant: Quant) -> Result<Exported, EngineError> {
     if out.is_dir() {
         return Err(usage(format!(
             "{}: is a directory; GGUF export writes one file (e.g. model.gguf)",
@@ -99,7 +104,7 @@ fn build(
     src: &Path,
     model_type: &str,
     arch: &str,
-    quant: GgmlType,
+    quant: Quant,
 ) -> Result<Built, EngineError> {
     let at = |m: String| usage(format!("{}: {m}", src.display()));
     let m = &s.config;
@@ -120,7 +125,7 @@ fn build(
             ))
         }
     };
-    let file_type = QUANTS.iter().find(|q| q.1 == quant).map_or(0, |q| q.2);
+    let file_type = quant.file_type();
     let stem = src
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -156,16 +161,18 @@ fn build(
         });
     }
     let mut fallback = Vec::new();
+    let tied = !named.iter().any(|(n, _)| n == "output.weight");
     for (n, t) in named {
-        let d = tensor_data(n, &t, quant)?;
-        if d.ty != quant && d.shape.len() > 1 {
-            fallback.push(d.name.clone());
+        let want = quant.type_for(&n, s.model.spec.n_layer, tied);
+        let d = tensor_data(n, &t, want)?;
+        if d.ty != want && d.shape.len() > 1 {
+            fallback.push(format!("{} ({})", d.name, d.ty.name()));
         }
         tensors.push(d);
     }
     if !fallback.is_empty() {
         notes.push(format!(
-            "{} tensor(s) stored as F16: their rows are not whole {} blocks ({})",
+            "{} tensor(s) stored in another type: their rows are not whole {} blocks ({})",
             fallback.len(),
             quant.name(),
             fallback.join(", ")

@@ -1,10 +1,13 @@
-//! ggml's tensor encodings that cockpit writes and reads: F32, F16, BF16 and the 32-element
+//! ggml's tensor encodings that cockpit writes and reads: F32, F16, BF16, the 32-element
 //! blocks Q8_0 (an f16 scale and 32 signed bytes), Q4_0 (an f16 scale, 32 nibbles) and Q4_1
-//! (scale and minimum, 32 nibbles).
+//! (scale and minimum, 32 nibbles), and the k-quants Q4_K, Q5_K and Q6_K ([`super::kquant`]).
+
+use super::kquant;
 
 use half::{bf16, f16};
 
-/// ggml's type codes (the ones cockpit knows by name).
+/// ggml's type codes (the ones cockpit knows by name, spelled as ggml spells them).
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum GgmlType {
@@ -13,6 +16,9 @@ pub enum GgmlType {
     Q4_0 = 2,
     Q4_1 = 3,
     Q8_0 = 8,
+    Q4_K = 12,
+    Q5_K = 13,
+    Q6_K = 14,
     BF16 = 30,
 }
 
@@ -24,6 +30,9 @@ impl GgmlType {
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
             8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4_K,
+            13 => GgmlType::Q5_K,
+            14 => GgmlType::Q6_K,
             30 => GgmlType::BF16,
             _ => return None,
         })
@@ -36,6 +45,9 @@ impl GgmlType {
             GgmlType::Q4_0 => (32, 18),
             GgmlType::Q4_1 => (32, 20),
             GgmlType::Q8_0 => (32, 34),
+            GgmlType::Q4_K => (kquant::QK, 144),
+            GgmlType::Q5_K => (kquant::QK, 176),
+            GgmlType::Q6_K => (kquant::QK, 210),
         }
     }
     /// Bytes of `n` elements (None when `n` is not a whole number of blocks).
@@ -50,6 +62,9 @@ impl GgmlType {
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
             GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4_K => "Q4_K",
+            GgmlType::Q5_K => "Q5_K",
+            GgmlType::Q6_K => "Q6_K",
             GgmlType::BF16 => "BF16",
         }
     }
@@ -63,9 +78,6 @@ pub fn code_name(c: u32) -> String {
         (9, "Q8_1"),
         (10, "Q2_K"),
         (11, "Q3_K"),
-        (12, "Q4_K"),
-        (13, "Q5_K"),
-        (14, "Q6_K"),
         (15, "Q8_K"),
         (16, "IQ2_XXS"),
         (17, "IQ2_XS"),
@@ -133,6 +145,9 @@ pub fn encode(x: &[f32], ty: GgmlType) -> Vec<u8> {
                 out.extend((0..16).map(|i| q(b[i]) | q(b[i + 16]) << 4));
             }
         }
+        GgmlType::Q4_K => kquant::encode_q4_k(x, &mut out),
+        GgmlType::Q5_K => kquant::encode_q5_k(x, &mut out),
+        GgmlType::Q6_K => kquant::encode_q6_k(x, &mut out),
     }
     out
 }
@@ -178,6 +193,9 @@ pub fn decode(bytes: &[u8], ty: GgmlType) -> Vec<f32> {
                 lo.chain(hi).collect::<Vec<_>>()
             })
             .collect(),
+        GgmlType::Q4_K => kquant::decode_q45_k(bytes, false),
+        GgmlType::Q5_K => kquant::decode_q45_k(bytes, true),
+        GgmlType::Q6_K => kquant::decode_q6_k(bytes),
     }
 }
 

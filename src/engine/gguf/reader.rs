@@ -203,7 +203,7 @@ impl Gguf {
     pub fn decode(&self, t: &TensorInfo) -> Result<Vec<f32>, String> {
         let Some(ty) = GgmlType::from_code(t.code) else {
             return Err(format!(
-                "{}: tensor type {} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)",
+                "{}: tensor type {} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)",
                 t.name,
                 quant::code_name(t.code)
             ));
