@@ -61,10 +61,15 @@ pub(super) fn parse(
     } = &scaling
     {
         let pairs = (if rotary_dim == 0 { head_dim } else { rotary_dim }) / 2;
+        let name = if map.contains_key("rope_parameters") {
+            "rope_parameters"
+        } else {
+            "rope_scaling"
+        };
         for (key, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
             if f.len() != pairs {
                 return Err(format!(
-                    "rope_scaling.{key}: {} factors, the model rotates {pairs} pairs of dims a head",
+                    "{name}.{key}: {} factors, the model rotates {pairs} pairs of dims a head",
                     f.len()
                 ));
             }
