@@ -621,3 +621,28 @@ fn longrope_switches_factors_with_the_sequence_length_as_transformers_does() {
         .fold(0.0f32, f32::max);
     assert!(worst < 1e-4, "the last row differs by {worst}");
 }
+
+/// Gemma's sliding window, the local layers' θ and Gemma 2's soft-caps each change the
+/// fixture's loss (the sequence is longer than the window): none is a no-op that exactness
+/// would not notice.
+#[test]
+fn gemma_windows_local_theta_and_soft_caps_matter() {
+    type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Change)> = vec![
+        ("gemma3_text", Box::new(|c| c["sliding_window"] = 4096.into())),
+        (
+            "gemma3_text",
+            Box::new(|c| c["rope_parameters"]["sliding_attention"]["rope_theta"] = 1e6.into()),
+        ),
+        ("gemma3_text", Box::new(|c| c["query_pre_attn_scalar"] = 32.into())),
+        ("gemma2", Box::new(|c| c["attn_logit_softcapping"] = serde_json::Value::Null)),
+        ("gemma2", Box::new(|c| c["final_logit_softcapping"] = serde_json::Value::Null)),
+    ];
+    for (name, change) in cases {
+        let want = expected(&fixture(name)).loss;
+        assert!((loss_of(&fixture(name)) - want).abs() < 1e-4, "{name}");
+        let dir = variant(name, change);
+        let got = loss_of(dir.path());
+        assert!((got - want).abs() > 1e-3, "{name}: {got} vs {want}");
+    }
+}

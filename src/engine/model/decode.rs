@@ -52,7 +52,6 @@ impl Model {
             let logits = self.decode(&all, cache)?;
             return logits.narrow(0, start, ids.len());
         }
-        cache.ids.extend_from_slice(ids);
         let s = &self.spec;
         let (n, start) = (ids.len(), cache.pos);
         if let Some(max) = self.max_positions() {
@@ -125,6 +124,7 @@ impl Model {
             x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?;
         }
         cache.pos += n;
+        cache.ids.extend_from_slice(ids);
         let x = self.final_norm(&x)?.reshape((n, s.n_embd))?;
         let head = match &self.lm_head {
             Some(w) => self.cast(w)?,
