@@ -610,7 +610,14 @@ fn longrope_switches_factors_with_the_sequence_length_as_transformers_does() {
     model.decode(&e.ids[..10], &mut cache).unwrap();
     let mut rows = Vec::new();
     for &t in &e.ids[10..n] {
-        rows.push(model.decode(&[t], &mut cache).unwrap().to_vec2::<f32>().unwrap().remove(0));
+        rows.push(
+            model
+                .decode(&[t], &mut cache)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+                .remove(0),
+        );
     }
     assert_eq!(cache.len(), n);
     let last = rows.last().unwrap();
@@ -629,14 +636,26 @@ fn longrope_switches_factors_with_the_sequence_length_as_transformers_does() {
 fn gemma_windows_local_theta_and_soft_caps_matter() {
     type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
     let cases: Vec<(&str, Change)> = vec![
-        ("gemma3_text", Box::new(|c| c["sliding_window"] = 4096.into())),
+        (
+            "gemma3_text",
+            Box::new(|c| c["sliding_window"] = 4096.into()),
+        ),
         (
             "gemma3_text",
             Box::new(|c| c["rope_parameters"]["sliding_attention"]["rope_theta"] = 1e6.into()),
         ),
-        ("gemma3_text", Box::new(|c| c["query_pre_attn_scalar"] = 32.into())),
-        ("gemma2", Box::new(|c| c["attn_logit_softcapping"] = serde_json::Value::Null)),
-        ("gemma2", Box::new(|c| c["final_logit_softcapping"] = serde_json::Value::Null)),
+        (
+            "gemma3_text",
+            Box::new(|c| c["query_pre_attn_scalar"] = 32.into()),
+        ),
+        (
+            "gemma2",
+            Box::new(|c| c["attn_logit_softcapping"] = serde_json::Value::Null),
+        ),
+        (
+            "gemma2",
+            Box::new(|c| c["final_logit_softcapping"] = serde_json::Value::Null),
+        ),
     ];
     for (name, change) in cases {
         let want = expected(&fixture(name)).loss;

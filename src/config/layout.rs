@@ -131,7 +131,9 @@ impl BlockLayout {
             ("local_rope_theta", self.local_rope_theta),
         ] {
             if !(v >= 0.0 && v.is_finite()) {
-                return Some(format!("model.layout.{key} = {v}: must be 0 (off) or positive"));
+                return Some(format!(
+                    "model.layout.{key} = {v}: must be 0 (off) or positive"
+                ));
             }
         }
         None

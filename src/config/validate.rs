@@ -1,8 +1,6 @@
 //! Semantic validation: everything serde's types cannot say.
 
-use super::{
-    BaseDtype, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams, RANDOM_BASE,
-};
+use super::{BaseDtype, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams, RANDOM_BASE};
 use std::path::Path;
 
 /// The LoRA target names the engine knows.
@@ -193,7 +191,10 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                     ck.fail(
                         &format!("model.rope_scaling.{key}"),
                         format!("{f:?}"),
-                        format!("needs {} positive numbers (one per rotated pair)", rotary / 2),
+                        format!(
+                            "needs {} positive numbers (one per rotated pair)",
+                            rotary / 2
+                        ),
                     );
                 }
             }
@@ -204,6 +205,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                 1,
             );
         }
+    }
+    if m.layout.norm_plus_one && m.norm != crate::config::Norm::RmsNorm {
+        ck.fail(
+            "model.layout.norm_plus_one",
+            true,
+            "scales an RMSNorm by 1 + w: needs model.norm = \"rmsnorm\"",
+        );
     }
     if let Some(problem) = m.layout.problem(m.n_layer) {
         ck.fail("model.layout", format!("{:?}", m.layout), problem);

@@ -61,7 +61,10 @@ pub(super) fn parse_wrapper(k: &mut Keys) -> Result<ModelConfig, String> {
         if ignored.is_empty() {
             String::new()
         } else {
-            format!(" ({} ignored: vision tower and projector not loaded)", ignored.join(", "))
+            format!(
+                " ({} ignored: vision tower and projector not loaded)",
+                ignored.join(", ")
+            )
         }
     ));
     Ok(m)
@@ -288,7 +291,8 @@ fn gemma3_rope(k: &mut Keys) -> Result<(f64, RopeScaling, f64), String> {
     }
     let default = Value::Object(Map::new());
     let full = map.get("full_attention").unwrap_or(&default);
-    let (theta, scaling, partial) = rope_dict(k, full, "rope_parameters.full_attention", theta, 1.0)?;
+    let (theta, scaling, partial) =
+        rope_dict(k, full, "rope_parameters.full_attention", theta, 1.0)?;
     whole_heads(partial)?;
     let sliding = map.get("sliding_attention").unwrap_or(&default);
     let (local, local_scaling, partial) =
@@ -359,7 +363,13 @@ pub(super) fn config_json(
             None => "full_attention",
         })
         .collect();
-    let cap = |c: f64| if c > 0.0 { serde_json::json!(c) } else { Value::Null };
+    let cap = |c: f64| {
+        if c > 0.0 {
+            serde_json::json!(c)
+        } else {
+            Value::Null
+        }
+    };
     let full = super::llama::rope_scaling_json(&m.rope_scaling);
     let rope = |theta: f64, scaling: &Value| {
         let mut d = match scaling {

@@ -60,7 +60,11 @@ pub(super) fn parse(
         ..
     } = &scaling
     {
-        let pairs = (if rotary_dim == 0 { head_dim } else { rotary_dim }) / 2;
+        let pairs = (if rotary_dim == 0 {
+            head_dim
+        } else {
+            rotary_dim
+        }) / 2;
         let name = if map.contains_key("rope_parameters") {
             "rope_parameters"
         } else {

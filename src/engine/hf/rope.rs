@@ -87,8 +87,12 @@ pub(super) fn rope_dict(
     };
     for key in map.keys() {
         let longrope_key = matches!(scaling, RopeScaling::LongRope { .. })
-            && ["short_factor", "long_factor", "original_max_position_embeddings"]
-                .contains(&key.as_str());
+            && [
+                "short_factor",
+                "long_factor",
+                "original_max_position_embeddings",
+            ]
+            .contains(&key.as_str());
         if !used.contains(key.as_str()) && key != "rope_type" && key != "type" && !longrope_key {
             return Err(format!(
                 "{name}.{key} = {}: not supported with rope_type {kind:?}",

@@ -76,14 +76,23 @@ impl Model {
         let mut ropes = Vec::new();
         if self.rope.is_some() {
             for key in s.rope_keys() {
-                ropes.push((key, rope_tables(&s.rope_freqs(key), start, n, self.dtype, dev)?));
+                ropes.push((
+                    key,
+                    rope_tables(&s.rope_freqs(key), start, n, self.dtype, dev)?,
+                ));
             }
         }
         // Row j (position start + j) sees keys 0..=start + j (within the window on sliding
         // layers).
         let mask = causal_mask(n, start, None, self.dtype, dev)?;
         let window_mask = match s.layout.has_sliding() {
-            true => Some(causal_mask(n, start, Some(s.layout.window), self.dtype, dev)?),
+            true => Some(causal_mask(
+                n,
+                start,
+                Some(s.layout.window),
+                self.dtype,
+                dev,
+            )?),
             false => None,
         };
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim);

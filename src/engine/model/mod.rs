@@ -33,15 +33,15 @@ mod segments_tests;
 #[cfg(test)]
 mod tests;
 
-pub use crate::engine::spec::{LoraSpec, ModelSpec, Reason, StepFacts};
 use crate::engine::spec::RopeKey;
+pub use crate::engine::spec::{LoraSpec, ModelSpec, Reason, StepFacts};
+use attention::causal_mask;
 pub use decode::KvCache;
 use init::Init;
 pub use init::{BaseInit, BaseStore};
 use linear::{Linear, Lora, Weight};
 use norm::NormLayer;
 pub use rope::rope_inv_freq;
-use attention::causal_mask;
 use rope::{rope_tables, rotate_half};
 
 /// What role a parameter plays: decides weight decay, SCU regularization and freezing.
@@ -226,8 +226,18 @@ impl Model {
             let ln2 = init.norm(&format!("{p}.{ln2_name}"), s.n_embd, norm, s.bias)?;
             let (post_attn, post_mlp) = if s.layout.sandwich_norm {
                 (
-                    Some(init.norm(&format!("{p}.post_attention_layernorm"), s.n_embd, norm, s.bias)?),
-                    Some(init.norm(&format!("{p}.post_feedforward_layernorm"), s.n_embd, norm, s.bias)?),
+                    Some(init.norm(
+                        &format!("{p}.post_attention_layernorm"),
+                        s.n_embd,
+                        norm,
+                        s.bias,
+                    )?),
+                    Some(init.norm(
+                        &format!("{p}.post_feedforward_layernorm"),
+                        s.n_embd,
+                        norm,
+                        s.bias,
+                    )?),
                 )
             } else {
                 (None, None)

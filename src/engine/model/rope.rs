@@ -59,7 +59,10 @@ impl Model {
         if key == RopeKey::default() {
             return self.rope.as_ref();
         }
-        self.rope_more.iter().find(|(k, _)| *k == key).map(|(_, t)| t)
+        self.rope_more
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, t)| t)
     }
 
     /// RoPE on layer `l`'s q or k `[B, H, T, hd]`: rotate the two halves of each head (the

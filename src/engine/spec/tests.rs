@@ -348,12 +348,27 @@ fn the_step_refuses_gemma_parts_and_longrope_by_name() {
         l.local_rope_theta = 10.0;
     };
     for (s, want) in [
-        (gemma(&|l| l.sandwich_norm = true, Activation::SwiGlu), Reason::SandwichNorm),
-        (gemma(&|l| l.norm_plus_one = true, Activation::SwiGlu), Reason::NormPlusOne),
+        (
+            gemma(&|l| l.sandwich_norm = true, Activation::SwiGlu),
+            Reason::SandwichNorm,
+        ),
+        (
+            gemma(&|l| l.norm_plus_one = true, Activation::SwiGlu),
+            Reason::NormPlusOne,
+        ),
         (gemma(&|_| {}, Activation::GeGlu), Reason::GeGlu),
-        (gemma(&sliding, Activation::SwiGlu), Reason::SlidingWindow { layers: 1 }),
-        (gemma(&|l| l.attn_softcap = 50.0, Activation::SwiGlu), Reason::SoftCap("attention")),
-        (gemma(&|l| l.final_softcap = 30.0, Activation::SwiGlu), Reason::SoftCap("final logit")),
+        (
+            gemma(&sliding, Activation::SwiGlu),
+            Reason::SlidingWindow { layers: 1 },
+        ),
+        (
+            gemma(&|l| l.attn_softcap = 50.0, Activation::SwiGlu),
+            Reason::SoftCap("attention"),
+        ),
+        (
+            gemma(&|l| l.final_softcap = 30.0, Activation::SwiGlu),
+            Reason::SoftCap("final logit"),
+        ),
     ] {
         assert_eq!(s.fast_step_support(&gpu()), Err(want));
     }
