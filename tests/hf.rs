@@ -665,3 +665,81 @@ fn gemma_windows_local_theta_and_soft_caps_matter() {
         assert!((got - want).abs() > 1e-3, "{name}: {got} vs {want}");
     }
 }
+
+/// Real Gemma configs as published (gemma-3-1b-it, gemma-3-4b-it's multimodal wrapper with a
+/// sparse text_config, gemma-2-2b with both hidden_act and hidden_activation) are accepted,
+/// their absent keys taking transformers' defaults.
+#[test]
+fn real_gemma_configs_are_accepted_with_transformers_defaults() {
+    use cockpit::engine::hf;
+    let g3_1b = serde_json::json!({
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid",
+        "eos_token_id": [1, 106], "final_logit_softcapping": null, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+        "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": null, "rope_theta": 1000000,
+        "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0", "use_cache": true, "vocab_size": 262144
+    });
+    let s = hf::spec(&g3_1b).unwrap();
+    assert_eq!(
+        (s.n_layer, s.head_dim, s.n_kv_head, s.hidden),
+        (26, 256, 1, 6912)
+    );
+    assert_eq!(s.attention_scale(), 1.0 / 16.0);
+    assert_eq!(s.embedding_multiplier, 1152f64.sqrt());
+    let full: Vec<usize> = (0..26).filter(|&l| s.layer_window(l).is_none()).collect();
+    assert_eq!(full, [5, 11, 17, 23]);
+    assert_eq!(s.layer_window(0), Some(512));
+    assert!(s.layer_rope(0, 10).local && !s.layer_rope(5, 10).local);
+    assert_eq!((s.attn_softcap(), s.final_softcap()), (None, None));
+    let g3_4b = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+        "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+        "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024
+        },
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}
+    });
+    let s = hf::spec(&g3_4b).unwrap();
+    assert_eq!(
+        (s.n_layer, s.n_head, s.n_kv_head, s.head_dim),
+        (34, 8, 4, 256)
+    );
+    assert_eq!(s.vocab_size, 262_208);
+    assert_eq!(
+        s.rope_scaling,
+        cockpit::config::RopeScaling::Linear { factor: 8.0 }
+    );
+    assert!(
+        s.arch_notes.iter().any(|n| n.contains("vision_config")),
+        "{:?}",
+        s.arch_notes
+    );
+    let g2_2b = serde_json::json!({
+        "architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+        "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+        "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8,
+        "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+        "sliding_window": 4096, "torch_dtype": "float32", "transformers_version": "4.42.4",
+        "use_cache": true, "vocab_size": 256000
+    });
+    let s = hf::spec(&g2_2b).unwrap();
+    assert_eq!(
+        (s.attn_softcap(), s.final_softcap()),
+        (Some(50.0), Some(30.0))
+    );
+    assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4096), None));
+    assert!(!s.layer_rope(0, 10).local);
+}
