@@ -60,9 +60,12 @@ fn invalid_configs_exit_2_naming_the_key() {
         ),
         (
             "layout_layer_types.toml",
-            "model.layout.layer_types: 3 entries for 2 layers",
+            "model.layout.layer_types = 3 entries: one per layer (model.n_layer = 2)",
         ),
-        ("layout_bad_layer_type.toml", "chunked"),
+        (
+            "layout_bad_layer_type.toml",
+            "model.layout.layer_types[1]: unknown value; allowed: full or sliding",
+        ),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();

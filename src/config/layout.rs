@@ -108,32 +108,37 @@ impl BlockLayout {
         self.layer_types.contains(&LayerKind::Sliding)
     }
 
-    /// Why this layout cannot describe an `n_layer`-layer model (None: it can).
-    pub fn problem(&self, n_layer: usize) -> Option<String> {
+    /// Why this layout cannot describe an `n_layer`-layer model, as (key, value, why) (None:
+    /// it can).
+    pub fn problem(&self, n_layer: usize) -> Option<(&'static str, String, String)> {
         if !self.layer_types.is_empty() && self.layer_types.len() != n_layer {
-            return Some(format!(
-                "model.layout.layer_types: {} entries for {n_layer} layers",
-                self.layer_types.len()
+            return Some((
+                "model.layout.layer_types",
+                format!("{} entries", self.layer_types.len()),
+                format!("one per layer (model.n_layer = {n_layer})"),
             ));
         }
         if self.has_sliding() && self.window == 0 {
-            return Some("model.layout.window = 0: sliding layers need a window".into());
+            return Some((
+                "model.layout.window",
+                "0".into(),
+                "sliding layers need a window".into(),
+            ));
         }
         if self.sandwich_norm && self.post_norm {
-            return Some(
-                "model.layout: sandwich_norm and post_norm together (a block has one arrangement)"
-                    .into(),
-            );
+            return Some((
+                "model.layout.sandwich_norm",
+                "true".into(),
+                "not with post_norm = true (a block has one arrangement)".into(),
+            ));
         }
         for (key, v) in [
-            ("attn_softcap", self.attn_softcap),
-            ("final_softcap", self.final_softcap),
-            ("local_rope_theta", self.local_rope_theta),
+            ("model.layout.attn_softcap", self.attn_softcap),
+            ("model.layout.final_softcap", self.final_softcap),
+            ("model.layout.local_rope_theta", self.local_rope_theta),
         ] {
             if !(v >= 0.0 && v.is_finite()) {
-                return Some(format!(
-                    "model.layout.{key} = {v}: must be 0 (off) or positive"
-                ));
+                return Some((key, v.to_string(), "must be 0 (off) or positive".into()));
             }
         }
         None

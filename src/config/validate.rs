@@ -213,8 +213,8 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             "scales an RMSNorm by 1 + w: needs model.norm = \"rmsnorm\"",
         );
     }
-    if let Some(problem) = m.layout.problem(m.n_layer) {
-        ck.fail("model.layout", format!("{:?}", m.layout), problem);
+    if let Some((key, value, why)) = m.layout.problem(m.n_layer) {
+        ck.fail(key, value, why);
     }
     ck.positive("model.embedding_multiplier", m.embedding_multiplier);
     ck.positive("model.residual_multiplier", m.residual_multiplier);
