@@ -112,24 +112,88 @@ def configs(vocab, bos, eos):
             hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-5, partial_rotary_factor=0.5,
             rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=None, **common)),
+        # Gemma 3 (text): GeGLU, (1 + w) RMSNorms, four norms a block, embeddings × √hidden,
+        # per-head QK-norm, query_pre_attn_scalar, head_dim·heads ≠ hidden, sliding layers
+        # (window 8 < the sequence) with their own RoPE θ among full ones with linear scaling.
+        "gemma3_text": ("bf16", None, transformers.Gemma3TextConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                         "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": 10000.0}},
+            tie_word_embeddings=True, pad_token_id=None, **common)),
+        # Gemma 2: as Gemma 3 without QK-norm or local θ, with attention and final soft-caps
+        # (small, so that they matter), alternating sliding layers.
+        "gemma2": ("bf16", None, transformers.Gemma2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, query_pre_attn_scalar=32,
+            sliding_window=8, attn_logit_softcapping=10.0, final_logit_softcapping=5.0,
+            tie_word_embeddings=True, pad_token_id=None, **common)),
+        # Phi-3 with LongRoPE: original context 16, so the fixed sequence (48) takes the long
+        # factors and the greedy continuation crosses from short to long.
+        "phi3_longrope": ("f32", None, transformers.Phi3Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-5, original_max_position_embeddings=16,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0],
+                             "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0]},
+            tie_word_embeddings=False, pad_token_id=None, **common)),
     }
+
+
+# The longrope fixture's log-probabilities of its first tokens, a forward within the original
+# context (short factors).
+SHORT = 16
+
+
+def gemma3_wrapped(text_dir, out):
+    """The gemma3_text fixture's language model inside a Gemma3ForConditionalGeneration with a
+    tiny vision tower, saved as transformers saves it (model_type gemma3, text_config)."""
+    text = transformers.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    cfg = transformers.Gemma3Config(
+        text_config=text.config.to_dict(),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16,
+                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, boi_token_index=2, eoi_token_index=3, image_token_index=4,
+        eos_token_id=text.config.eos_token_id, bos_token_id=text.config.bos_token_id)
+    torch.manual_seed(3)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    missing = model.model.language_model.load_state_dict(text.model.state_dict())
+    assert not missing.missing_keys and not missing.unexpected_keys, missing
+    shutil.rmtree(out, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(text_dir, f), out)
+    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    return ref
 
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 
-def expected(model, ids):
-    """Per-token log-probs of ids[1:] given the prefix, and the greedy continuation."""
+def expected_logprobs(model, ids):
+    """Per-token log-probs of ids[1:] given the prefix (one forward over ids[:-1])."""
     model.eval()
     with torch.no_grad():
         x = torch.tensor([ids])
-        logits = model(x).logits.float()
-        lp = torch.log_softmax(logits[0, :-1], dim=-1)
-        tok_lp = lp.gather(1, x[0, 1:, None])[:, 0]
+        logits = model(x[:, :-1]).logits.float()
+        lp = torch.log_softmax(logits[0], dim=-1)
+        return [float(v) for v in lp.gather(1, x[0, 1:, None])[:, 0]], x
+
+
+def expected(model, ids):
+    """Per-token log-probs of ids[1:] given the prefix, and the greedy continuation."""
+    tok_lp, x = expected_logprobs(model, ids)
+    with torch.no_grad():
         prompt = torch.tensor([ids[:PROMPT]])
         out = model.generate(prompt, max_new_tokens=NEW, do_sample=False,
                              attention_mask=torch.ones_like(prompt))
-    return [float(v) for v in tok_lp], out[0, PROMPT:].tolist()
+    return tok_lp, out[0, PROMPT:].tolist()
 
 
 def make(out_root, only=None):
@@ -181,8 +245,20 @@ def make(out_root, only=None):
             "transformers": transformers.__version__,
             "torch": torch.__version__,
         }
+        if name == "phi3_longrope":
+            short, _ = expected_logprobs(ref, seq[:SHORT])
+            exp["short_logprobs"] = short
         with open(os.path.join(d, "expected.json"), "w") as f:
             json.dump(exp, f, indent=1)
+        if name == "gemma3_text" and (not only or "gemma3" in only or name in only):
+            wd = os.path.join(out_root, "gemma3")
+            wref = gemma3_wrapped(d, wd)
+            wlps, wgreedy = expected(wref, seq)
+            wexp = dict(exp, model_type="gemma3", logprobs=wlps,
+                        loss=-sum(wlps) / len(wlps), greedy=wgreedy)
+            with open(os.path.join(wd, "expected.json"), "w") as f:
+                json.dump(wexp, f, indent=1)
+            print(f"gemma3   bf16 loss {wexp['loss']:.4f} greedy {wgreedy}")
         print(f"{name:8s} {dtype:4s} loss {exp['loss']:.4f} (train {float(loss.detach()):.3f}) "
               f"greedy {greedy}")
     os.remove(tok_path)

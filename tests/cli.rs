@@ -58,6 +58,14 @@ fn invalid_configs_exit_2_naming_the_key() {
             "bad_reduce_dtype.toml",
             "distributed.reduce_dtype = \"fp8\"",
         ),
+        (
+            "layout_layer_types.toml",
+            "model.layout.layer_types = 3 entries: one per layer (model.n_layer = 2)",
+        ),
+        (
+            "layout_bad_layer_type.toml",
+            "model.layout.layer_types[1]: unknown value; allowed: full or sliding",
+        ),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();

@@ -9,7 +9,19 @@ use cockpit::engine::model::Model;
 use std::path::{Path, PathBuf};
 
 const FIXTURES: &[&str] = &[
-    "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+    "llama2",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "granite",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gemma3_text",
+    "gemma3",
+    "gemma2",
+    "phi3_longrope",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -126,7 +138,17 @@ fn greedy_decoding_with_the_kv_cache_matches_transformers() {
 /// The cache gives the logits a full forward gives, position by position.
 #[test]
 fn cached_decoding_equals_the_full_forward() {
-    for name in ["llama3", "gpt2", "granite", "qwen3", "olmo2", "phi3"] {
+    // (20 positions: past Gemma's window of 8.)
+    for name in [
+        "llama3",
+        "gpt2",
+        "granite",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "gemma3_text",
+        "gemma2",
+    ] {
         let dir = fixture(name);
         let e = expected(&dir);
         let n = 20;
@@ -229,7 +251,7 @@ fn rope_scaling_reads_both_config_layouts_and_matters() {
 fn what_cockpit_does_not_compute_is_refused_by_name() {
     type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
     let cases: Vec<(&str, Change, &str)> = vec![
-        ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite)"),
+        ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite, gemma3_text, gemma3, gemma2)"),
         ("llama2", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})), "rope_type = \"yarn\""),
         ("llama2", Box::new(|c| c["hidden_act"] = "gelu".into()), "hidden_act = gelu"),
         ("llama2", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true with mlp_bias = false"),
@@ -243,7 +265,24 @@ fn what_cockpit_does_not_compute_is_refused_by_name() {
         ("qwen3", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true: not supported for qwen3"),
         ("qwen3", Box::new(|c| c["use_sliding_window"] = true.into()), "use_sliding_window = true: not supported for qwen3"),
         ("qwen3", Box::new(|c| c["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"])), "layer_types = [\"full_attention\",\"sliding_attention\"]: only \"full_attention\" layers are supported for qwen3"),
-        ("phi3", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.0, 1.0, 1.0], "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 32})), "rope_parameters.rope_type = \"longrope\": not supported"),
+        ("llama2", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]})), "rope_parameters.rope_type = \"longrope\": not supported for llama"),
+        ("phi3_longrope", Box::new(|c| c["rope_parameters"]["long_factor"] = serde_json::json!([1.0, 2.0])), "rope_parameters.long_factor: 2 factors, the model rotates 8 pairs"),
+        ("phi3_longrope", Box::new(|c| c["rope_parameters"]["short_factor"] = serde_json::json!("x")), "rope_parameters.short_factor = \"x\": expected a list of positive numbers"),
+        ("phi3_longrope", Box::new(|c| c["original_max_position_embeddings"] = 32.into()), "rope_parameters.original_max_position_embeddings = 16: transformers' phi3 reads the top-level original_max_position_embeddings (32)"),
+        ("phi3", Box::new(|c| c["rope_parameters"]["rope_type"] = "dynamic".into()), "rope_parameters.rope_type = \"dynamic\": not supported (supported: default, linear, llama3, longrope)"),
+        ("gemma3_text", Box::new(|c| c["layer_types"][1] = "chunked_attention".into()), "\"chunked_attention\" is not a layer type cockpit computes"),
+        ("gemma3_text", Box::new(|c| c["layer_types"] = serde_json::json!(["full_attention"])), "1 entries for 4 layers"),
+        ("gemma3_text", Box::new(|c| c["use_bidirectional_attention"] = true.into()), "use_bidirectional_attention = true: not supported for gemma3_text"),
+        ("gemma3_text", Box::new(|c| c["attn_logit_softcapping"] = 50.0.into()), "attn_logit_softcapping = 50: not supported for gemma3_text (transformers' Gemma 3 does not apply it"),
+        ("gemma3_text", Box::new(|c| c["hidden_activation"] = "gelu".into()), "hidden_activation = gelu: not supported for gemma3_text"),
+        ("gemma3_text", Box::new(|c| c["rope_parameters"]["sliding_attention"] = serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})), "rope_parameters.sliding_attention = {"),
+        ("gemma3_text", Box::new(|c| c["rope_parameters"]["chunked_attention"] = serde_json::json!({})), "rope_parameters.chunked_attention = {}"),
+        ("gemma3_text", Box::new(|c| c["sliding_window"] = serde_json::Value::Null), "sliding_window = null with \"sliding_attention\" layers"),
+        ("gemma3_text", Box::new(|c| c["some_new_switch"] = 3.into()), "some_new_switch = 3: a key cockpit does not know for gemma3_text"),
+        ("gemma2", Box::new(|c| c["attn_logit_softcapping"] = "big".into()), "attn_logit_softcapping = \"big\": expected a positive number or null"),
+        ("gemma2", Box::new(|c| c["query_pre_attn_scalar"] = (-1.0).into()), "query_pre_attn_scalar = -1: must be a positive number"),
+        ("gemma3", Box::new(|c| c["text_config"]["hidden_activation"] = "relu".into()), "text_config.hidden_activation = relu: not supported for gemma3_text"),
+        ("gemma3", Box::new(|c| c["text_config"]["frobnicate"] = true.into()), "text_config.frobnicate = true: a key cockpit does not know"),
         ("phi3", Box::new(|c| c["rope_parameters"]["partial_rotary_factor"] = 0.1.into()), "partial_rotary_factor = 0.1: RoPE needs an even number of dims"),
         ("llama3", Box::new(|c| c["partial_rotary_factor"] = 0.5.into()), "partial_rotary_factor = 0.5: not supported for llama"),
         ("olmo2", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true: not supported for olmo2"),
@@ -317,7 +356,7 @@ fn broken_weight_files_are_refused_by_name() {
 /// config.json cockpit writes for it give the same `ModelSpec`.
 #[test]
 fn a_config_and_its_hugging_face_config_give_one_spec() {
-    use cockpit::config::{BlockLayout, PosEncoding, QkNorm};
+    use cockpit::config::{BlockLayout, LayerKind, PosEncoding, QkNorm};
     use cockpit::engine::hf;
     use cockpit::engine::spec::ModelSpec;
     let gpt2 = ModelConfig {
@@ -343,7 +382,7 @@ fn a_config_and_its_hugging_face_config_give_one_spec() {
         layout: BlockLayout {
             qk_norm: QkNorm::Head,
             post_norm: false,
-            rotary_dim: 0,
+            ..BlockLayout::PLAIN
         },
         ..ModelConfig::llama_family()
     };
@@ -351,7 +390,43 @@ fn a_config_and_its_hugging_face_config_give_one_spec() {
         layout: BlockLayout {
             qk_norm: QkNorm::Whole,
             post_norm: true,
-            rotary_dim: 0,
+            ..BlockLayout::PLAIN
+        },
+        ..ModelConfig::llama_family()
+    };
+    let gemma = |layout: BlockLayout| ModelConfig {
+        head_dim: 32,
+        n_kv_head: 2,
+        activation: cockpit::config::Activation::GeGlu,
+        embedding_multiplier: 8.0,
+        attention_multiplier: 24f64.powf(-0.5),
+        tie_embeddings: true,
+        layout: BlockLayout {
+            sandwich_norm: true,
+            norm_plus_one: true,
+            layer_types: vec![LayerKind::Sliding, LayerKind::Full],
+            window: 8,
+            ..layout
+        },
+        ..ModelConfig::llama_family()
+    };
+    let gemma3 = gemma(BlockLayout {
+        qk_norm: QkNorm::Head,
+        local_rope_theta: 10_000.0,
+        final_softcap: 30.0,
+        ..BlockLayout::PLAIN
+    });
+    let gemma2 = gemma(BlockLayout {
+        attn_softcap: 50.0,
+        final_softcap: 30.0,
+        ..BlockLayout::PLAIN
+    });
+    let longrope = ModelConfig {
+        rope_scaling: cockpit::config::RopeScaling::LongRope {
+            short_factor: vec![1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0],
+            long_factor: vec![2.0; 8],
+            original_max_position_embeddings: 16,
+            attention_factor: 1.25,
         },
         ..ModelConfig::llama_family()
     };
@@ -364,6 +439,9 @@ fn a_config_and_its_hugging_face_config_give_one_spec() {
         ..ModelConfig::llama_family()
     };
     for (model_type, m) in [
+        ("gemma3_text", gemma3),
+        ("gemma2", gemma2),
+        ("phi3", longrope),
         ("phi3", phi3),
         ("qwen3", qwen3),
         ("olmo2", olmo2),
@@ -434,14 +512,14 @@ fn bookkeeping_keys_are_accepted_and_other_unknown_keys_refused() {
     }
 }
 
-/// LoRA on every projection of the QK-norm families: adapters on q, k, v, o, gate, up and
+/// LoRA on every projection of the QK-norm families (Gemma 3's too): adapters on q, k, v, o, gate, up and
 /// down of every layer, everything else (the q/k norms included) frozen and left as loaded;
 /// each adapter's B gets a gradient.
 #[test]
-fn lora_covers_every_projection_of_qwen3_and_olmo2() {
+fn lora_covers_every_projection_of_qwen3_olmo2_and_gemma() {
     use cockpit::engine::model::LoraSpec;
     let targets = ["q", "k", "v", "o", "gate", "up", "down"];
-    for name in ["qwen3", "olmo2"] {
+    for name in ["qwen3", "olmo2", "gemma3_text"] {
         let e = expected(&fixture(name));
         let mut model = load(&fixture(name), e.ids.len() - 1);
         let before: std::collections::HashMap<String, Vec<f32>> = model
@@ -457,14 +535,15 @@ fn lora_covers_every_projection_of_qwen3_and_olmo2() {
         };
         model.add_lora(&spec, 3).unwrap();
         let adapters: Vec<_> = model.params.iter().filter(|p| p.kind.is_lora()).collect();
-        assert_eq!(adapters.len(), 2 * targets.len() * 2, "{name}");
+        let layers = model.spec.n_layer;
+        assert_eq!(adapters.len(), layers * targets.len() * 2, "{name}");
         assert!(model.params.iter().all(|p| p.trainable == p.kind.is_lora()));
         let norms = model
             .params
             .iter()
             .filter(|p| p.name.contains("q_norm") || p.name.contains("k_norm"))
             .count();
-        assert_eq!(norms, 4, "{name}: q and k norms of two layers");
+        assert_eq!(norms, 2 * layers, "{name}: q and k norms of every layer");
         let n = e.ids.len() - 1;
         let x = Tensor::from_vec(e.ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
         let y = Tensor::from_vec(e.ids[1..].to_vec(), (1, n), &Device::Cpu).unwrap();
@@ -489,4 +568,178 @@ fn lora_covers_every_projection_of_qwen3_and_olmo2() {
             assert_eq!(now, before[&p.name], "{name}: {} changed", p.name);
         }
     }
+}
+
+/// LongRoPE switches with the length of the forward, as transformers 5 does: within the
+/// original context (16) the short factors give transformers' log-probabilities of a short
+/// forward, past it the long ones those of the whole sequence (the fixture's loss); the two
+/// differ. Cached decoding that crosses the original context recomputes the sequence with the
+/// long factors: its last rows are the full forward's.
+#[test]
+fn longrope_switches_factors_with_the_sequence_length_as_transformers_does() {
+    let dir = fixture("phi3_longrope");
+    let e = expected(&dir);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let short: Vec<f64> = v["short_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let mut model = load(&dir, e.ids.len() - 1);
+    let lp = logprobs(&mut model, &e.ids[..short.len() + 1]);
+    let worst = lp
+        .iter()
+        .zip(&short)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-4, "short factors: a token is {worst} off");
+    let long = &e.logprobs[..short.len()];
+    let apart = short
+        .iter()
+        .zip(long)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(apart > 1e-3, "short and long factors must differ: {apart}");
+    // Decode 10, then one at a time past 16: the rows after the switch are the full forward's.
+    let n = 24;
+    let x = Tensor::from_vec(e.ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
+    let full: Vec<Vec<f32>> = model.forward(&x, false).unwrap().to_vec2().unwrap();
+    let mut cache = model.kv_cache();
+    model.decode(&e.ids[..10], &mut cache).unwrap();
+    let mut rows = Vec::new();
+    for &t in &e.ids[10..n] {
+        rows.push(
+            model
+                .decode(&[t], &mut cache)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+                .remove(0),
+        );
+    }
+    assert_eq!(cache.len(), n);
+    let last = rows.last().unwrap();
+    let worst = full[n - 1]
+        .iter()
+        .zip(last)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "the last row differs by {worst}");
+}
+
+/// Gemma's sliding window, the local layers' θ and Gemma 2's soft-caps each change the
+/// fixture's loss (the sequence is longer than the window): none is a no-op that exactness
+/// would not notice.
+#[test]
+fn gemma_windows_local_theta_and_soft_caps_matter() {
+    type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Change)> = vec![
+        (
+            "gemma3_text",
+            Box::new(|c| c["sliding_window"] = 4096.into()),
+        ),
+        (
+            "gemma3_text",
+            Box::new(|c| c["rope_parameters"]["sliding_attention"]["rope_theta"] = 1e6.into()),
+        ),
+        (
+            "gemma3_text",
+            Box::new(|c| c["query_pre_attn_scalar"] = 32.into()),
+        ),
+        (
+            "gemma2",
+            Box::new(|c| c["attn_logit_softcapping"] = serde_json::Value::Null),
+        ),
+        (
+            "gemma2",
+            Box::new(|c| c["final_logit_softcapping"] = serde_json::Value::Null),
+        ),
+    ];
+    for (name, change) in cases {
+        let want = expected(&fixture(name)).loss;
+        assert!((loss_of(&fixture(name)) - want).abs() < 1e-4, "{name}");
+        let dir = variant(name, change);
+        let got = loss_of(dir.path());
+        assert!((got - want).abs() > 1e-3, "{name}: {got} vs {want}");
+    }
+}
+
+/// Real Gemma configs as published (gemma-3-1b-it, gemma-3-4b-it's multimodal wrapper with a
+/// sparse text_config, gemma-2-2b with both hidden_act and hidden_activation) are accepted,
+/// their absent keys taking transformers' defaults.
+#[test]
+fn real_gemma_configs_are_accepted_with_transformers_defaults() {
+    use cockpit::engine::hf;
+    let g3_1b = serde_json::json!({
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid",
+        "eos_token_id": [1, 106], "final_logit_softcapping": null, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+        "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": null, "rope_theta": 1000000,
+        "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0", "use_cache": true, "vocab_size": 262144
+    });
+    let s = hf::spec(&g3_1b).unwrap();
+    assert_eq!(
+        (s.n_layer, s.head_dim, s.n_kv_head, s.hidden),
+        (26, 256, 1, 6912)
+    );
+    assert_eq!(s.attention_scale(), 1.0 / 16.0);
+    assert_eq!(s.embedding_multiplier, 1152f64.sqrt());
+    let full: Vec<usize> = (0..26).filter(|&l| s.layer_window(l).is_none()).collect();
+    assert_eq!(full, [5, 11, 17, 23]);
+    assert_eq!(s.layer_window(0), Some(512));
+    assert!(s.layer_rope(0, 10).local && !s.layer_rope(5, 10).local);
+    assert_eq!((s.attn_softcap(), s.final_softcap()), (None, None));
+    let g3_4b = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+        "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+        "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024
+        },
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}
+    });
+    let s = hf::spec(&g3_4b).unwrap();
+    assert_eq!(
+        (s.n_layer, s.n_head, s.n_kv_head, s.head_dim),
+        (34, 8, 4, 256)
+    );
+    assert_eq!(s.vocab_size, 262_208);
+    assert_eq!(
+        s.rope_scaling,
+        cockpit::config::RopeScaling::Linear { factor: 8.0 }
+    );
+    assert!(
+        s.arch_notes.iter().any(|n| n.contains("vision_config")),
+        "{:?}",
+        s.arch_notes
+    );
+    let g2_2b = serde_json::json!({
+        "architectures": ["Gemma2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+        "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+        "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8,
+        "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+        "sliding_window": 4096, "torch_dtype": "float32", "transformers_version": "4.42.4",
+        "use_cache": true, "vocab_size": 256000
+    });
+    let s = hf::spec(&g2_2b).unwrap();
+    assert_eq!(
+        (s.attn_softcap(), s.final_softcap()),
+        (Some(50.0), Some(30.0))
+    );
+    assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4096), None));
+    assert!(!s.layer_rope(0, 10).local);
 }

@@ -204,7 +204,19 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
 #[test]
 fn every_fixture_survives_export_and_reimport() {
     for name in [
-        "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+        "llama2",
+        "llama3",
+        "mistral",
+        "qwen2",
+        "gpt2",
+        "granite",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "gemma3_text",
+        "gemma3",
+        "gemma2",
+        "phi3_longrope",
     ] {
         let (ids, ..) = expected(name);
         let mut m = source::open(&fixture(name), DType::F32, &Device::Cpu, 32).unwrap();
@@ -228,6 +240,9 @@ fn every_fixture_survives_export_and_reimport() {
                 .unwrap();
         let want_type = match name {
             "llama2" | "llama3" => "llama",
+            // A gemma3 wrapper's language model exports as Gemma3ForCausalLM.
+            "gemma3" => "gemma3_text",
+            "phi3_longrope" => "phi3",
             other => other,
         };
         assert_eq!(c["model_type"], want_type);
@@ -240,7 +255,18 @@ fn every_fixture_survives_export_and_reimport() {
 fn lora_on_every_family() {
     let data = corpus();
     for name in [
-        "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+        "llama2",
+        "llama3",
+        "mistral",
+        "qwen2",
+        "gpt2",
+        "granite",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "gemma3_text",
+        "gemma2",
+        "phi3_longrope",
     ] {
         let run_dir = tempfile::tempdir().unwrap();
         let b = format!("lora.base={:?}", fixture(name).display().to_string());
@@ -300,7 +326,7 @@ fn lora_on_every_family() {
                 max_shard_bytes: u64::MAX,
             },
         );
-        if name == "gpt2" || name == "phi3" {
+        if name == "gpt2" || name.starts_with("phi3") {
             // Their q, k, v (and Phi-3's gate, up) are fused layers in transformers.
             let fused = if name == "gpt2" { "c_attn" } else { "qkv_proj" };
             assert!(r.unwrap_err().to_string().contains(fused));
@@ -337,7 +363,7 @@ fn train_refuses_bad_bases_and_contradictions_before_writing_anything() {
     let cases = [
         (
             format!("model.init_from={:?}", broken.path().display().to_string()),
-            "model_type = \"bloom\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite)".to_string(),
+            "model_type = \"bloom\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite, gemma3_text, gemma3, gemma2)".to_string(),
         ),
         (
             format!("model.init_from={:?}", fixture("llama2").display().to_string()),

@@ -6,7 +6,7 @@ mod layout;
 mod schema;
 mod validate;
 
-pub use layout::{BlockLayout, QkNorm};
+pub use layout::{BlockLayout, LayerKind, QkNorm};
 pub use schema::*;
 pub use validate::MAX_MICRO_BATCH;
 

@@ -77,6 +77,15 @@ pub enum PosEncoding {
 pub enum Activation {
     Gelu,
     SwiGlu,
+    /// The gated MLP with a GELU (tanh) gate (Gemma's `gelu_pytorch_tanh`).
+    GeGlu,
+}
+
+impl Activation {
+    /// A gated MLP (gate, up and down projections): SwiGLU or GeGLU.
+    pub fn gated(self) -> bool {
+        matches!(self, Activation::SwiGlu | Activation::GeGlu)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -195,7 +204,7 @@ impl RopeScaling {
 }
 
 /// RoPE frequency scaling (Hugging Face's `rope_scaling` types that cockpit computes).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "lowercase", deny_unknown_fields)]
 pub enum RopeScaling {
     #[default]
@@ -208,6 +217,15 @@ pub enum RopeScaling {
         low_freq_factor: f64,
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
+    },
+    /// Phi-3's LongRoPE: each frequency divided by its `short_factor`, or by its `long_factor`
+    /// when the sequence is longer than `original_max_position_embeddings`; cos and sin × the
+    /// `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
     },
 }
 

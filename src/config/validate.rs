@@ -1,8 +1,6 @@
 //! Semantic validation: everything serde's types cannot say.
 
-use super::{
-    Activation, BaseDtype, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams, RANDOM_BASE,
-};
+use super::{BaseDtype, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams, RANDOM_BASE};
 use std::path::Path;
 
 /// The LoRA target names the engine knows.
@@ -154,18 +152,18 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             ),
         );
     }
-    match m.rope_scaling {
+    match &m.rope_scaling {
         RopeScaling::None => {}
-        RopeScaling::Linear { factor } => ck.positive("model.rope_scaling.factor", factor),
+        RopeScaling::Linear { factor } => ck.positive("model.rope_scaling.factor", *factor),
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
             high_freq_factor,
             original_max_position_embeddings,
         } => {
-            ck.positive("model.rope_scaling.factor", factor);
-            ck.positive("model.rope_scaling.low_freq_factor", low_freq_factor);
-            if high_freq_factor.partial_cmp(&low_freq_factor) != Some(std::cmp::Ordering::Greater) {
+            ck.positive("model.rope_scaling.factor", *factor);
+            ck.positive("model.rope_scaling.low_freq_factor", *low_freq_factor);
+            if high_freq_factor.partial_cmp(low_freq_factor) != Some(std::cmp::Ordering::Greater) {
                 ck.fail(
                     "model.rope_scaling.high_freq_factor",
                     high_freq_factor,
@@ -174,10 +172,49 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             }
             ck.at_least(
                 "model.rope_scaling.original_max_position_embeddings",
-                original_max_position_embeddings as u64,
+                *original_max_position_embeddings as u64,
                 1,
             );
         }
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => {
+            let rotary = match m.layout.rotary_dim {
+                0 => m.head_size(),
+                r => r,
+            };
+            for (key, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+                if f.len() != rotary / 2 || !f.iter().all(|x| *x > 0.0 && x.is_finite()) {
+                    ck.fail(
+                        &format!("model.rope_scaling.{key}"),
+                        format!("{f:?}"),
+                        format!(
+                            "needs {} positive numbers (one per rotated pair)",
+                            rotary / 2
+                        ),
+                    );
+                }
+            }
+            ck.positive("model.rope_scaling.attention_factor", *attention_factor);
+            ck.at_least(
+                "model.rope_scaling.original_max_position_embeddings",
+                *original_max_position_embeddings as u64,
+                1,
+            );
+        }
+    }
+    if m.layout.norm_plus_one && m.norm != crate::config::Norm::RmsNorm {
+        ck.fail(
+            "model.layout.norm_plus_one",
+            true,
+            "scales an RMSNorm by 1 + w: needs model.norm = \"rmsnorm\"",
+        );
+    }
+    if let Some((key, value, why)) = m.layout.problem(m.n_layer) {
+        ck.fail(key, value, why);
     }
     ck.positive("model.embedding_multiplier", m.embedding_multiplier);
     ck.positive("model.residual_multiplier", m.residual_multiplier);
@@ -535,13 +572,13 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                 format!("allowed: {}", LORA_TARGETS.join(", ")),
             );
         } else if t == "gate"
-            && m.activation != Activation::SwiGlu
+            && !m.activation.gated()
             && (l.base.is_empty() || l.base == RANDOM_BASE)
         {
             ck.fail(
                 "lora.targets",
                 quoted(t),
-                "\"gate\" exists only with model.activation = \"swiglu\"",
+                "\"gate\" exists only with model.activation = \"swiglu\" or \"geglu\"",
             );
         }
     }

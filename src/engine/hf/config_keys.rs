@@ -21,6 +21,8 @@ pub(super) const BOOKKEEPING: &[&str] = &[
     // computes the model type's own implementation (what AutoModel loads without it).
     "auto_map",
     "use_cache",
+    // Which KV cache class generation builds (Gemma's "hybrid"): the same attention.
+    "cache_implementation",
     "initializer_range",
     "initializer_factor",
     "tokenizer_class",

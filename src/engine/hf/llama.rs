@@ -54,6 +54,31 @@ pub(super) fn parse(
         ));
     };
     let max_pos = k.usize("max_position_embeddings", Some(default_max))?;
+    if let RopeScaling::LongRope {
+        short_factor,
+        long_factor,
+        ..
+    } = &scaling
+    {
+        let pairs = (if rotary_dim == 0 {
+            head_dim
+        } else {
+            rotary_dim
+        }) / 2;
+        let name = if map.contains_key("rope_parameters") {
+            "rope_parameters"
+        } else {
+            "rope_scaling"
+        };
+        for (key, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+            if f.len() != pairs {
+                return Err(format!(
+                    "{name}.{key}: {} factors, the model rotates {pairs} pairs of dims a head",
+                    f.len()
+                ));
+            }
+        }
+    }
     let (mut bias, mut qkv_bias) = (false, false);
     let mut layout = BlockLayout::default();
     match model_type {
@@ -156,22 +181,18 @@ pub(super) fn config_json(
     ] {
         o.insert(k.into(), v);
     }
-    let scaling = match m.rope_scaling {
-        RopeScaling::None => Value::Null,
-        RopeScaling::Linear { factor } => {
-            serde_json::json!({"rope_type": "linear", "type": "linear", "factor": factor})
-        }
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => serde_json::json!({
-            "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
-            "high_freq_factor": high_freq_factor,
-            "original_max_position_embeddings": original_max_position_embeddings,
-        }),
-    };
+    if let RopeScaling::LongRope {
+        original_max_position_embeddings,
+        ..
+    } = &m.rope_scaling
+    {
+        // Phi3Config takes the original context from the top level first.
+        o.insert(
+            "original_max_position_embeddings".into(),
+            serde_json::json!(original_max_position_embeddings),
+        );
+    }
+    let scaling = rope_scaling_json(&m.rope_scaling);
     o.insert("rope_scaling".into(), scaling);
     match model_type {
         "qwen2" => {
@@ -205,5 +226,35 @@ pub(super) fn config_json(
             serde_json::json!(m.residual_multiplier),
         );
         o.insert("logits_scaling".into(), serde_json::json!(m.logits_scaling));
+    }
+}
+
+/// `rope_scaling` as config.json says it (null: none).
+pub(super) fn rope_scaling_json(scaling: &RopeScaling) -> Value {
+    match scaling {
+        RopeScaling::None => Value::Null,
+        RopeScaling::Linear { factor } => {
+            serde_json::json!({"rope_type": "linear", "type": "linear", "factor": factor})
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => serde_json::json!({
+            "rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        }),
+        RopeScaling::LongRope {
+            short_factor,
+            long_factor,
+            original_max_position_embeddings,
+            attention_factor,
+        } => serde_json::json!({
+                "rope_type": "longrope", "type": "longrope", "short_factor": short_factor,
+                "long_factor": long_factor, "attention_factor": attention_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+        }),
     }
 }

@@ -9,9 +9,10 @@
 //!
 //! Supported: `llama` (2 and 3.x; rope_scaling linear and llama3; head_dim; tied or not),
 //! `mistral` (sliding windows only where they change nothing), `qwen2` (q/k/v biases),
-//! `qwen3` (per-head QK-norm), `olmo2` (post-norm, whole-projection QK-norm), `gpt2` (Conv1D
-//! weights stored transposed, learned positions, tied head) and `granite` (dense:
-//! embedding/attention/residual multipliers and logits scaling).
+//! `qwen3` (per-head QK-norm), `olmo2` (post-norm, whole-projection QK-norm), `phi3` (fused
+//! weights, partial rotary, longrope), `gpt2` (Conv1D weights stored transposed, learned
+//! positions, tied head), `granite` (dense: embedding/attention/residual multipliers and logits
+//! scaling), `gemma3_text`, `gemma3` (its language model) and `gemma2` (`gemma3.rs`).
 
 use super::checkpoint::CheckpointError;
 use crate::config::{Activation, ModelConfig, Norm, PosEncoding};
@@ -22,7 +23,17 @@ use std::path::Path;
 
 /// The model types cockpit imports and exports.
 pub const MODEL_TYPES: &[&str] = &[
-    "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gpt2", "granite",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gpt2",
+    "granite",
+    "gemma3_text",
+    "gemma3",
+    "gemma2",
 ];
 
 /// What a Hugging Face directory says beyond the model's arithmetic.
@@ -46,6 +57,7 @@ fn corrupt(path: &Path, message: impl Into<String>) -> CheckpointError {
     }
 }
 mod config_keys;
+mod gemma3;
 mod gpt2;
 mod llama;
 mod olmo2;
@@ -107,6 +119,10 @@ pub fn parse_config(v: &Value) -> Result<(ModelConfig, HfInfo), String> {
     let mut sliding_window = None;
     let model = if model_type == "gpt2" {
         gpt2::parse(&mut k)?
+    } else if model_type == "gemma3" {
+        gemma3::parse_wrapper(&mut k)?
+    } else if model_type.starts_with("gemma") {
+        gemma3::parse(&mut k)?
     } else {
         llama::parse(&mut k, &mut sliding_window)?
     };
@@ -188,16 +204,41 @@ pub fn read_config(dir: &Path) -> Result<(ModelConfig, HfInfo), CheckpointError>
 /// Load a Hugging Face directory: the model it describes (seq_len = its longest context) and
 /// its weights under cockpit's names, on the CPU in their stored dtype.
 pub fn load(dir: &Path) -> Result<(ModelConfig, HfInfo, HashMap<String, Tensor>), CheckpointError> {
-    let (model, info) = read_config(dir)?;
+    let (mut model, info) = read_config(dir)?;
     let tensors = read_tensors(dir)?;
     let mut tensors = match info.model_type.as_str() {
         "gpt2" => gpt2::from_gpt2(tensors, &model, dir)?,
         "phi3" => phi3::split_fused(tensors, &model, dir)?,
+        "gemma3" => language_model(tensors, &mut model),
         _ => tensors,
     };
     drop_rotary_buffers(&mut tensors);
     drop_tied_head(&mut tensors, model.tie_embeddings, dir)?;
     Ok((model, info, tensors))
+}
+
+/// A `gemma3` checkpoint's language-model tensors under cockpit's names; the vision tower's and
+/// projector's are left out (counted in the model's notes).
+fn language_model(
+    tensors: HashMap<String, Tensor>,
+    model: &mut ModelConfig,
+) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    let mut vision = 0;
+    for (name, t) in tensors {
+        match gemma3::language_model_name(&name) {
+            Some(n) => {
+                out.insert(n, t);
+            }
+            None => vision += 1,
+        }
+    }
+    if vision > 0 {
+        model
+            .arch_notes
+            .push(format!("{vision} vision tensors not loaded"));
+    }
+    out
 }
 
 /// Which Hugging Face model_type computes a model, preferring `prefer` (the base's) when it
@@ -210,7 +251,10 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
         || m.residual_multiplier != 1.0
         || m.logits_scaling != 1.0;
     let plain = m.layout.is_plain();
+    let longrope = matches!(m.rope_scaling, crate::config::RopeScaling::LongRope { .. });
     let fits = |t: &str| match t {
+        "gemma3_text" | "gemma2" => gemma3::fits(m, t),
+        _ if longrope && t != "phi3" => false,
         "gpt2" => {
             plain
                 && m.norm == Norm::LayerNorm
@@ -238,7 +282,15 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
         return Ok(p.to_string());
     }
     if let Some(t) = [
-        "gpt2", "llama", "qwen2", "granite", "qwen3", "olmo2", "phi3",
+        "gpt2",
+        "llama",
+        "qwen2",
+        "granite",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "gemma3_text",
+        "gemma2",
     ]
     .into_iter()
     .find(|t| fits(t))
@@ -246,7 +298,7 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
         return Ok(t.to_string());
     }
     Err(format!(
-        "no Hugging Face model_type computes this model ({:?} norm, {:?} positions, {:?} MLP{}, {:?}): gpt2 needs layernorm + learned positions + gelu with biases; llama, mistral, qwen2 and granite need rmsnorm + rope + swiglu; qwen3 adds per-head QK-norm, olmo2 whole-projection QK-norm and post-norm, phi3 partial rotary, without biases",
+        "no Hugging Face model_type computes this model ({:?} norm, {:?} positions, {:?} MLP{}, {:?}): gpt2 needs layernorm + learned positions + gelu with biases; llama, mistral, qwen2 and granite need rmsnorm + rope + swiglu; qwen3 adds per-head QK-norm, olmo2 whole-projection QK-norm and post-norm, phi3 partial rotary, without biases; gemma3_text and gemma2 need gemma's block (geglu, sandwich 1+w norms, √hidden embeddings)",
         m.norm,
         m.pos,
         m.activation,
@@ -273,6 +325,8 @@ pub fn config_json(
     let o = c.as_object_mut().expect("a JSON object");
     if model_type == "gpt2" {
         gpt2::config_json(m, hidden, o);
+    } else if model_type.starts_with("gemma") {
+        gemma3::config_json(m, model_type, hidden, o);
     } else {
         llama::config_json(m, model_type, hidden, base, o);
     }

@@ -9,11 +9,13 @@ use serde_json::{Map, Value};
 
 pub(super) const ARCHITECTURE: &str = "Olmo2ForCausalLM";
 
-const LAYOUT: BlockLayout = BlockLayout {
-    qk_norm: QkNorm::Whole,
-    post_norm: true,
-    rotary_dim: 0,
-};
+fn olmo2_layout() -> BlockLayout {
+    BlockLayout {
+        qk_norm: QkNorm::Whole,
+        post_norm: true,
+        ..BlockLayout::PLAIN
+    }
+}
 
 /// The block OLMo 2's keys describe (and refusals of what cockpit does not compute).
 pub(super) fn layout(k: &mut Keys) -> Result<BlockLayout, String> {
@@ -24,13 +26,13 @@ pub(super) fn layout(k: &mut Keys) -> Result<BlockLayout, String> {
         false,
         "cockpit has no OLMo 2 attention biases (q, k, v and o)",
     )?;
-    Ok(LAYOUT)
+    Ok(olmo2_layout())
 }
 
 /// Whether OLMo 2 computes `m` (a Llama-like model, no biases or multipliers checked by the
 /// caller): QK-norm over the whole projections, post-norm.
 pub(super) fn fits(m: &ModelConfig) -> bool {
-    m.layout == LAYOUT && m.head_size() * m.n_head == m.n_embd
+    m.layout == olmo2_layout() && m.head_size() * m.n_head == m.n_embd
 }
 
 /// OLMo 2's own config.json keys (Olmo2Config has no head_dim: it is hidden / heads).

@@ -22,8 +22,7 @@ pub(super) fn layout(k: &mut Keys) -> Result<BlockLayout, String> {
     full_attention_only(k)?;
     Ok(BlockLayout {
         qk_norm: QkNorm::Head,
-        post_norm: false,
-        rotary_dim: 0,
+        ..BlockLayout::PLAIN
     })
 }
 
@@ -33,8 +32,7 @@ pub(super) fn fits(m: &ModelConfig) -> bool {
     m.layout
         == BlockLayout {
             qk_norm: QkNorm::Head,
-            post_norm: false,
-            rotary_dim: 0,
+            ..BlockLayout::PLAIN
         }
 }
 

@@ -1,6 +1,31 @@
-//! Causal self-attention (multi-head or grouped-query) of the candle model.
+//! Causal self-attention (multi-head or grouped-query) of the candle model; the scores'
+//! arithmetic ([`Model::attention_probs`], [`causal_mask`]) is shared with the cached decode.
 
 use super::*;
+
+/// `[n, start + n]` additive mask of queries at positions `start..start + n` over keys
+/// `0..start + n`: 0 where the query may look (the key is not after it and, with a window,
+/// fewer than `window` positions before it: transformers' `kv > q − window`), −∞ elsewhere.
+pub(super) fn causal_mask(
+    n: usize,
+    start: usize,
+    window: Option<usize>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let m = start + n;
+    let mask: Vec<f32> = (0..n * m)
+        .map(|i| {
+            let (q, k) = (start + i / m, i % m);
+            if k > q || window.is_some_and(|w| q - k >= w) {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (n, m), device)?.to_dtype(dtype)
+}
 
 impl Model {
     pub(super) fn attention(&self, l: usize, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
@@ -8,7 +33,10 @@ impl Model {
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
         let packed = self.packed_for((bsz, t));
+        let window = s.layer_window(l);
+        let plain = window.is_none() && s.attn_softcap().is_none();
         let region = packed.is_none()
+            && plain
             && self.fused(s.kernels.attention && s.kernels.linear, x)
             && self.rope.is_none()
             && kvh == h
@@ -38,9 +66,13 @@ impl Model {
             return self.linear(&b.o, &y);
         }
         let (q, k, v) = self.qkv_heads(b, x)?;
-        let (q, k) = match packed.and_then(|p| p.rope.as_ref()) {
-            Some((cos, sin)) => (rotate_half(&q, cos, sin)?, rotate_half(&k, cos, sin)?),
-            None => (self.apply_rope(&q)?, self.apply_rope(&k)?),
+        let (q, k) = match packed.and_then(|p| Some((p, self.rope_table(l, p.len)?))) {
+            Some((p, table)) => {
+                // Positions restart at each packed sample.
+                let (cos, sin) = p.pick_rope(table)?;
+                (rotate_half(&q, &cos, &sin)?, rotate_half(&k, &cos, &sin)?)
+            }
+            None => (self.apply_rope(l, &q)?, self.apply_rope(l, &k)?),
         };
         let (k, v) = if kvh < h {
             let rep = h / kvh;
@@ -53,22 +85,38 @@ impl Model {
         } else {
             (k, v)
         };
-        let scale = s.attention_scale();
         let att = q.matmul(&k.t()?)?;
+        let causal = match (window, &self.window_mask) {
+            (Some(_), Some(w)) => w,
+            _ => &self.mask,
+        };
+        let causal = causal.narrow(0, 0, t)?.narrow(1, 0, t)?;
         let att = if let Some(p) = packed {
-            // Packed samples: causal within each sample, nothing across.
-            let att = (att * scale)?.broadcast_add(&p.mask)?;
-            candle_nn::ops::softmax(&att, D::Minus1)?
-        } else if self.fused(s.kernels.attention, &att) {
-            kernels::causal_softmax(&att, scale)?
+            // Packed samples: causal within each sample, nothing across (and the window).
+            let mask = match window {
+                Some(_) => p.mask.broadcast_add(&causal)?,
+                None => p.mask.clone(),
+            };
+            self.attention_probs(att, &mask)?
+        } else if plain && self.fused(s.kernels.attention, &att) {
+            kernels::causal_softmax(&att, s.attention_scale())?
         } else {
-            let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-            let att = (att * scale)?.broadcast_add(&mask)?;
-            candle_nn::ops::softmax(&att, D::Minus1)?
+            self.attention_probs(att, &causal)?
         };
         let att = self.dropout(&att, train, dropout::site_attention(l), Layout::Attention)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((bsz, t, h * hd))?;
         self.linear(&b.o, &y)
+    }
+
+    /// Attention probabilities from the raw scores `q·kᵀ`: × the score scale, Gemma 2's
+    /// soft-cap (`cap·tanh(x/cap)`), + `mask` (−∞ where a query may not look), softmax over
+    /// the keys. The forward and the cached decode both take their scores here.
+    pub(super) fn attention_probs(&self, scores: Tensor, mask: &Tensor) -> Result<Tensor> {
+        let mut att = (scores * self.spec.attention_scale())?;
+        if let Some(cap) = self.spec.attn_softcap() {
+            att = ((att / cap)?.tanh()? * cap)?;
+        }
+        candle_nn::ops::softmax(&att.broadcast_add(mask)?, D::Minus1)
     }
 
     /// q, k and v `[B, heads, T, head_dim]` of `x` `[B, T, n_embd]`, with the block's QK-norm

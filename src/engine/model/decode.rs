@@ -2,14 +2,16 @@
 //! (same weights, norms, RoPE frequencies and multipliers), a block of new positions at a
 //! time, each attending to the cached keys and values of the positions before it.
 
-use super::{rope_inv_freq, rope_tables, Model};
-use candle_core::{DType, Result, Tensor, D};
+use super::{causal_mask, rope_tables, Model};
+use candle_core::{DType, Result, Tensor};
 
 /// Keys and values of the positions decoded so far, per layer (`[1, kv_heads, pos, head_dim]`).
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
     pos: usize,
-    inv_freq: Vec<f64>,
+    /// The ids decoded so far (a LongRoPE model recomputes them when the sequence crosses its
+    /// original context: [`Model::decode`]).
+    ids: Vec<u32>,
 }
 
 impl KvCache {
@@ -28,7 +30,7 @@ impl Model {
         KvCache {
             layers: vec![None; self.blocks.len()],
             pos: 0,
-            inv_freq: rope_inv_freq(&self.spec),
+            ids: Vec::new(),
         }
     }
 
@@ -39,8 +41,17 @@ impl Model {
     }
 
     /// Logits `[ids.len(), vocab]` (f32) of `ids` placed after the cached positions; their
-    /// keys and values join the cache.
+    /// keys and values join the cache. A LongRoPE model whose sequence grows past its original
+    /// context switches to the long factors for every position, as transformers' generation
+    /// does: the cache (short factors) is dropped and the whole sequence decoded again.
     pub fn decode(&self, ids: &[u32], cache: &mut KvCache) -> Result<Tensor> {
+        let (start, end) = (cache.pos, cache.pos + ids.len());
+        if start > 0 && !self.spec.rope_long(start) && self.spec.rope_long(end) {
+            let all = [cache.ids.as_slice(), ids].concat();
+            *cache = self.kv_cache();
+            let logits = self.decode(&all, cache)?;
+            return logits.narrow(0, start, ids.len());
+        }
         let s = &self.spec;
         let (n, start) = (ids.len(), cache.pos);
         if let Some(max) = self.max_positions() {
@@ -61,26 +72,35 @@ impl Model {
         if let Some(wpe) = &self.wpe {
             x = x.broadcast_add(&self.cast(wpe)?.narrow(0, start, n)?)?;
         }
-        let rope = match self.rope {
-            Some(_) => Some(rope_tables(&cache.inv_freq, start, n, self.dtype, dev)?),
-            None => None,
+        // Each table the layers read (per RoPE key), at positions start..start + n.
+        let mut ropes = Vec::new();
+        if self.rope.is_some() {
+            for key in s.rope_keys() {
+                ropes.push((
+                    key,
+                    rope_tables(&s.rope_freqs(key), start, n, self.dtype, dev)?,
+                ));
+            }
+        }
+        // Row j (position start + j) sees keys 0..=start + j (within the window on sliding
+        // layers).
+        let mask = causal_mask(n, start, None, self.dtype, dev)?;
+        let window_mask = match s.layout.has_sliding() {
+            true => Some(causal_mask(
+                n,
+                start,
+                Some(s.layout.window),
+                self.dtype,
+                dev,
+            )?),
+            false => None,
         };
-        // Row j (position start + j) sees keys 0..=start + j.
-        let mask: Vec<f32> = (0..n * (start + n))
-            .map(|i| {
-                if i % (start + n) > start + i / (start + n) {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (n, start + n), dev)?.to_dtype(self.dtype)?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim);
-        for (b, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+        for (l, (b, slot)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
             let a_in = self.block_input(&b.ln1, &x)?;
             let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
-            if let Some((cos, sin)) = &rope {
+            let key = s.layer_rope(l, start + n);
+            if let Some((_, (cos, sin))) = ropes.iter().find(|(k, _)| *k == key) {
                 q = super::rotate_half(&q, cos, sin)?;
                 k = super::rotate_half(&k, cos, sin)?;
             }
@@ -101,20 +121,24 @@ impl Model {
             } else {
                 (k, v)
             };
-            let att = (q.matmul(&k.t()?)? * s.attention_scale())?.broadcast_add(&mask)?;
-            let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+            let mask = match (s.layer_window(l), &window_mask) {
+                (Some(_), Some(w)) => w,
+                _ => &mask,
+            };
+            let att = self.attention_probs(q.matmul(&k.t()?)?, mask)?;
             let y = att.matmul(&v)?.transpose(1, 2)?.reshape((1, n, h * hd))?;
-            let a = self.block_output(&b.ln1, self.linear(&b.o, &y)?)?;
-            x = (x + self.residual(a)?)?;
-            let m = self.block_output(&b.ln2, self.mlp(b, &self.block_input(&b.ln2, &x)?)?)?;
-            x = (x + self.residual(m)?)?;
+            let a = self.linear(&b.o, &y)?;
+            x = (x + self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?)?;
+            let m = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
+            x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?;
         }
         cache.pos += n;
+        cache.ids.extend_from_slice(ids);
         let x = self.final_norm(&x)?.reshape((n, s.n_embd))?;
         let head = match &self.lm_head {
             Some(w) => self.cast(w)?,
             None => wte,
         };
-        x.matmul(&head.t()?)?.to_dtype(DType::F32)
+        self.head_logits(&x, &head)?.to_dtype(DType::F32)
     }
 }

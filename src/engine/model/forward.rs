@@ -6,10 +6,7 @@ impl Model {
     /// Logits `[B·T, vocab]` in the compute dtype for token ids `[B, T]` (u32).
     pub fn forward(&mut self, ids: &Tensor, train: bool) -> Result<Tensor> {
         let (x, head) = self.hidden(ids, train)?;
-        if self.fused(self.spec.kernels.linear, &x) {
-            return kernels::linear(&x, &head, None);
-        }
-        x.matmul(&head.t()?)
+        self.head_logits(&x, &head)
     }
 
     /// The final hidden states `[B·T, n_embd]` and the output projection `[vocab, n_embd]`
@@ -43,11 +40,12 @@ impl Model {
         x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = self.block_input(&b.ln1, &x)?;
-            let a = self.block_output(&b.ln1, self.attention(l, b, &h, train)?)?;
-            let a = self.residual(a)?;
+            let a = self.attention(l, b, &h, train)?;
+            let a = self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?;
             x = (x + self.dropout(&a, train, dropout::site_attention_out(l), Layout::Rows)?)?;
             let h = self.block_input(&b.ln2, &x)?;
-            let m = self.residual(self.block_output(&b.ln2, self.mlp(b, &h)?)?)?;
+            let m = self.mlp(b, &h)?;
+            let m = self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?;
             x = (x + self.dropout(&m, train, dropout::site_mlp_out(l), Layout::Rows)?)?;
         }
         let x = self.final_norm(&x)?.reshape((bsz * t, self.spec.n_embd))?;
@@ -68,10 +66,17 @@ impl Model {
         }
     }
 
-    /// What a block's attention or MLP adds to the residual stream: its output, normed by `n`
-    /// in a post-norm block (OLMo 2).
-    pub(super) fn block_output(&self, n: &NormLayer, y: Tensor) -> Result<Tensor> {
-        if self.spec.layout.post_norm {
+    /// What a block's attention or MLP adds to the residual stream: its output, normed by
+    /// `post` (Gemma's sandwich) or by `n` in a post-norm block (OLMo 2).
+    pub(super) fn block_output(
+        &self,
+        n: &NormLayer,
+        post: Option<&NormLayer>,
+        y: Tensor,
+    ) -> Result<Tensor> {
+        if let Some(p) = post {
+            self.norm(p, &y)
+        } else if self.spec.layout.post_norm {
             self.norm(n, &y)
         } else {
             Ok(y)
@@ -95,14 +100,33 @@ impl Model {
         }
     }
 
-    /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
-    pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
-        if targets.dtype() == DType::U32
-            && self.spec.kernels.linear
+    /// Whether the loss takes the head matmul and the cross-entropy as one kernel (the logits
+    /// never exist): CUDA, the kernels on, no final soft-cap (Gemma 2's caps the logits).
+    pub(super) fn fused_head_loss(&self) -> bool {
+        self.spec.kernels.linear
             && self.spec.kernels.cross_entropy
             && kernels::usable(self.wte.as_tensor())
             && self.dtype != DType::F64
-        {
+            && self.spec.final_softcap().is_none()
+    }
+
+    /// Logits `[rows, vocab]` of final hidden states `x` `[rows, n_embd]` and the output
+    /// projection, with Gemma 2's final soft-cap (`cap·tanh(logits/cap)`).
+    pub(super) fn head_logits(&self, x: &Tensor, head: &Tensor) -> Result<Tensor> {
+        let logits = if self.fused(self.spec.kernels.linear, x) {
+            kernels::linear(x, head, None)?
+        } else {
+            x.matmul(&head.t()?)?
+        };
+        match self.spec.final_softcap() {
+            Some(cap) => (logits / cap)?.tanh()? * cap,
+            None => Ok(logits),
+        }
+    }
+
+    /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
+    pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
+        if targets.dtype() == DType::U32 && self.fused_head_loss() {
             // Head matmul and CE as one node: the logits never enter the graph.
             let (x, head) = self.hidden(ids, train)?;
             return kernels::lm_head_cross_entropy(&x, &head, targets)?.mean_all();
@@ -118,12 +142,7 @@ impl Model {
     /// Cross-entropy in nats (f32 `[B·T]`) of each next-token prediction, without dropout
     /// (the eval's per-window losses).
     pub fn token_losses(&mut self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        if targets.dtype() == DType::U32
-            && self.spec.kernels.linear
-            && self.spec.kernels.cross_entropy
-            && kernels::usable(self.wte.as_tensor())
-            && self.dtype != DType::F64
-        {
+        if targets.dtype() == DType::U32 && self.fused_head_loss() {
             let (x, head) = self.hidden(ids, false)?;
             return kernels::lm_head_cross_entropy(&x, &head, targets)?
                 .detach()

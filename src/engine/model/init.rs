@@ -121,14 +121,15 @@ impl Init<'_> {
             lora: None,
         })
     }
+    /// A norm layer whose scale starts at `scale` (1; 0 where it scales by 1 + w: Gemma).
     pub(super) fn norm(
         &mut self,
         name: &str,
         dim: usize,
-        norm: Norm,
+        (norm, scale): (Norm, f32),
         bias: bool,
     ) -> Result<NormLayer> {
-        let w = self.constant(format!("{name}.weight"), dim, 1.0, ParamKind::Norm)?;
+        let w = self.constant(format!("{name}.weight"), dim, scale, ParamKind::Norm)?;
         let b = if norm == Norm::LayerNorm && bias {
             Some(self.constant(format!("{name}.bias"), dim, 0.0, ParamKind::Norm)?)
         } else {

@@ -33,7 +33,9 @@ mod segments_tests;
 #[cfg(test)]
 mod tests;
 
+use crate::engine::spec::RopeKey;
 pub use crate::engine::spec::{LoraSpec, ModelSpec, Reason, StepFacts};
+use attention::causal_mask;
 pub use decode::KvCache;
 use init::Init;
 pub use init::{BaseInit, BaseStore};
@@ -82,6 +84,10 @@ struct Block {
     k_norm: Option<NormLayer>,
     /// Pre-norm: the MLP's input norm; post-norm (OLMo 2): its output's.
     ln2: NormLayer,
+    /// Gemma's sandwich: the norms on the attention and MLP outputs (`ln1`, `ln2` stay on
+    /// their inputs).
+    post_attn: Option<NormLayer>,
+    post_mlp: Option<NormLayer>,
     up: Linear,
     gate: Option<Linear>,
     down: Linear,
@@ -99,7 +105,11 @@ pub struct Model {
     dtype: DType,
     device: Device,
     mask: Tensor,
+    /// The sliding layers' mask (causal within the window), when some layer has one.
+    window_mask: Option<Tensor>,
     rope: Option<(Tensor, Tensor)>,
+    /// The other RoPE tables layers read (Gemma 3's local θ, LongRoPE's long factors).
+    rope_more: Vec<(RopeKey, (Tensor, Tensor))>,
     /// The seed of the dropout masks ([`dropout`]: a mask is a function of the seed, the site
     /// and the element, drawn on the model's device).
     dropout_seed: u64,
@@ -158,18 +168,25 @@ impl Model {
             PosEncoding::Rope => None,
         };
         let hd = s.head_dim();
+        // Gemma's norms scale by 1 + w: their weights start at 0.
+        let norm = (s.norm, if s.layout.norm_plus_one { 0.0 } else { 1.0 });
         let mut blocks = Vec::with_capacity(s.n_layer);
         for i in 0..s.n_layer {
             let p = format!("model.layers.{i}");
             // Hugging Face's names: OLMo 2's post-norms are post_attention_layernorm and
             // post_feedforward_layernorm; the Llama block's pre-norms input_layernorm and
             // post_attention_layernorm.
+            // post_attention_layernorm. Gemma's sandwich: input_layernorm and
+            // pre_feedforward_layernorm on the inputs, post_attention_layernorm and
+            // post_feedforward_layernorm on the outputs.
             let (ln1_name, ln2_name) = if s.layout.post_norm {
                 ("post_attention_layernorm", "post_feedforward_layernorm")
+            } else if s.layout.sandwich_norm {
+                ("input_layernorm", "pre_feedforward_layernorm")
             } else {
                 ("input_layernorm", "post_attention_layernorm")
             };
-            let ln1 = init.norm(&format!("{p}.{ln1_name}"), s.n_embd, s.norm, s.bias)?;
+            let ln1 = init.norm(&format!("{p}.{ln1_name}"), s.n_embd, norm, s.bias)?;
             let q = init.linear(
                 &format!("{p}.self_attn.q_proj"),
                 s.n_head * hd,
@@ -198,16 +215,35 @@ impl Model {
                 resid_std,
                 s.bias,
             )?;
+            let qk = (Norm::RmsNorm, norm.1);
             let (q_norm, k_norm) = match s.qk_norm_widths() {
                 Some((qw, kw)) => (
-                    Some(init.norm(&format!("{p}.self_attn.q_norm"), qw, Norm::RmsNorm, false)?),
-                    Some(init.norm(&format!("{p}.self_attn.k_norm"), kw, Norm::RmsNorm, false)?),
+                    Some(init.norm(&format!("{p}.self_attn.q_norm"), qw, qk, false)?),
+                    Some(init.norm(&format!("{p}.self_attn.k_norm"), kw, qk, false)?),
                 ),
                 None => (None, None),
             };
-            let ln2 = init.norm(&format!("{p}.{ln2_name}"), s.n_embd, s.norm, s.bias)?;
+            let ln2 = init.norm(&format!("{p}.{ln2_name}"), s.n_embd, norm, s.bias)?;
+            let (post_attn, post_mlp) = if s.layout.sandwich_norm {
+                (
+                    Some(init.norm(
+                        &format!("{p}.post_attention_layernorm"),
+                        s.n_embd,
+                        norm,
+                        s.bias,
+                    )?),
+                    Some(init.norm(
+                        &format!("{p}.post_feedforward_layernorm"),
+                        s.n_embd,
+                        norm,
+                        s.bias,
+                    )?),
+                )
+            } else {
+                (None, None)
+            };
             let gate = match s.activation {
-                Activation::SwiGlu => Some(init.linear(
+                Activation::SwiGlu | Activation::GeGlu => Some(init.linear(
                     &format!("{p}.mlp.gate_proj"),
                     s.hidden,
                     s.n_embd,
@@ -233,12 +269,14 @@ impl Model {
                 q_norm,
                 k_norm,
                 ln2,
+                post_attn,
+                post_mlp,
                 up,
                 gate,
                 down,
             });
         }
-        let ln_f = init.norm("model.norm", s.n_embd, s.norm, s.bias)?;
+        let ln_f = init.norm("model.norm", s.n_embd, norm, s.bias)?;
         let lm_head = if s.tie_embeddings {
             None
         } else {
@@ -250,19 +288,22 @@ impl Model {
             )?)
         };
         let t = s.seq_len;
-        let mask: Vec<f32> = (0..t * t)
-            .map(|i| {
-                if i % t > i / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)?;
-        let rope = match s.pos {
-            PosEncoding::Rope => Some(rope_tables(&rope_inv_freq(s), 0, t, dtype, device)?),
-            PosEncoding::Learned => None,
+        let mask = causal_mask(t, 0, None, dtype, device)?;
+        let window_mask = match s.layout.has_sliding() {
+            true => Some(causal_mask(t, 0, Some(s.layout.window), dtype, device)?),
+            false => None,
+        };
+        let table = |key| rope_tables(&s.rope_freqs(key), 0, t, dtype, device);
+        let (rope, rope_more) = match s.pos {
+            PosEncoding::Rope => (
+                Some(table(RopeKey::default())?),
+                s.rope_keys()
+                    .into_iter()
+                    .skip(1)
+                    .map(|k| Ok((k, table(k)?)))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+            PosEncoding::Learned => (None, Vec::new()),
         };
         Ok(Self {
             params: init.params,
@@ -274,7 +315,9 @@ impl Model {
             dtype,
             device: device.clone(),
             mask,
+            window_mask,
             rope,
+            rope_more,
             dropout_seed: seed ^ 0xD5A0_9B1E,
             training: false,
             packed: None,

@@ -13,8 +13,19 @@ pub(super) struct Packed {
     pub positions: Tensor,
     /// 0 where slot i may attend to slot j (same sample, j ≤ i), −∞ elsewhere: `[B, 1, T, T]`.
     pub mask: Tensor,
-    /// RoPE cos/sin at the restarted positions, `[B, 1, T, hd]`.
-    pub rope: Option<(Tensor, Tensor)>,
+    /// The longest sample's length (what a LongRoPE model picks its factors by, as
+    /// transformers does with `max(position_ids) + 1`).
+    pub len: usize,
+}
+
+impl Packed {
+    /// RoPE cos/sin `[B, 1, T, hd]` of a table at the restarted positions.
+    pub fn pick_rope(&self, (cos, sin): &(Tensor, Tensor)) -> Result<(Tensor, Tensor)> {
+        let (b, t) = self.dims;
+        let hd = cos.dim(1)?;
+        let pick = |x: &Tensor| x.index_select(&self.positions, 0)?.reshape((b, 1, t, hd));
+        Ok((pick(cos)?, pick(sin)?))
+    }
 }
 
 /// Each slot's position in its sample: 0 at every change of segment id.
@@ -76,6 +87,7 @@ impl Model {
         };
         let t = seg.len() / batch.max(1);
         let pos = positions(seg, t);
+        let len = pos.iter().max().map_or(0, |&p| p as usize + 1);
         let mut mask = vec![0f32; batch * t * t];
         for b in 0..batch {
             let s = &seg[b * t..(b + 1) * t];
@@ -89,19 +101,11 @@ impl Model {
         }
         let positions = Tensor::from_vec(pos, batch * t, &self.device)?;
         let mask = Tensor::from_vec(mask, (batch, 1, t, t), &self.device)?.to_dtype(self.dtype)?;
-        let rope = match &self.rope {
-            Some((cos, sin)) => {
-                let hd = cos.dim(1)?;
-                let pick = |x: &Tensor| x.index_select(&positions, 0)?.reshape((batch, 1, t, hd));
-                Some((pick(cos)?, pick(sin)?))
-            }
-            None => None,
-        };
         self.packed = Some(Packed {
             dims: (batch, t),
             positions,
             mask,
-            rope,
+            len,
         });
         Ok(())
     }
@@ -125,11 +129,7 @@ impl Model {
         targets: &Tensor,
         train: bool,
     ) -> Result<Tensor> {
-        if self.spec.kernels.linear
-            && self.spec.kernels.cross_entropy
-            && kernels::usable(self.wte.as_tensor())
-            && self.dtype != DType::F64
-        {
+        if self.fused_head_loss() {
             let (x, head) = self.hidden(ids, train)?;
             return kernels::lm_head_cross_entropy(&x, &head, targets)?.to_dtype(DType::F32);
         }

@@ -236,7 +236,7 @@ fn the_cpu_model_says_why_the_step_does_not_run_it() {
 /// under Hugging Face's names, and the model runs.
 #[test]
 fn family_layouts_allocate_what_the_spec_counts() {
-    use crate::config::{BlockLayout, QkNorm};
+    use crate::config::{Activation, BlockLayout, LayerKind, QkNorm};
     for (name, layout, norms) in [
         (
             "qwen3",
@@ -255,7 +255,7 @@ fn family_layouts_allocate_what_the_spec_counts() {
             BlockLayout {
                 qk_norm: QkNorm::Whole,
                 post_norm: true,
-                rotary_dim: 0,
+                ..BlockLayout::PLAIN
             },
             [
                 "post_attention_layernorm",
@@ -271,12 +271,34 @@ fn family_layouts_allocate_what_the_spec_counts() {
             },
             ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"],
         ),
+        (
+            "gemma3",
+            BlockLayout {
+                qk_norm: QkNorm::Head,
+                sandwich_norm: true,
+                norm_plus_one: true,
+                layer_types: vec![LayerKind::Sliding, LayerKind::Full],
+                window: 2,
+                local_rope_theta: 100.0,
+                attn_softcap: 20.0,
+                final_softcap: 10.0,
+                ..BlockLayout::PLAIN
+            },
+            [
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "post_attention_layernorm",
+            ],
+        ),
     ] {
         let mut c = Config {
             model: crate::config::ModelConfig::llama_family(),
             ..Config::default()
         };
         c.model.n_kv_head = 2;
+        if layout.sandwich_norm {
+            c.model.activation = Activation::GeGlu;
+        }
         c.model.layout = layout;
         let spec = ModelSpec::from_config(&c, 48);
         let mut m = Model::new(spec.clone(), DType::F32, &Device::Cpu, 1).unwrap();

@@ -61,7 +61,9 @@ impl ModelSpec {
         if self.pos == PosEncoding::Learned {
             base += self.n_positions as u64 * c;
         }
-        let mut layer = 2 * self.norm_params();
+        // Gemma's sandwich: a norm on each input and each output of attention and MLP.
+        let norms = if self.layout.sandwich_norm { 4 } else { 2 };
+        let mut layer = norms * self.norm_params();
         if let Some((q, k)) = self.qk_norm_widths() {
             layer += (q + k) as u64;
         }

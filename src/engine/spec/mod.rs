@@ -14,11 +14,13 @@ use crate::config::{
 pub use count::ParamCount;
 
 mod count;
+mod layers;
 mod resume;
 mod rope;
 mod support;
 
 pub use resume::ResumeKey;
+pub use rope::{RopeFreqs, RopeKey};
 pub use support::{NoFlash, Reason, StepFacts, FLASH_HEAD_DIMS};
 
 /// LoRA adapters on the model (`[lora]` with `enabled = true`).
@@ -76,7 +78,8 @@ pub struct ModelSpec {
     pub residual_multiplier: f64,
     /// Granite: logits ÷ this.
     pub logits_scaling: f64,
-    /// QK-norm and post-norm blocks (Qwen3, OLMo 2).
+    /// QK-norm and post-norm blocks (Qwen3, OLMo 2), Gemma's sandwich norms, sliding layers
+    /// and soft-capping ([`layers`]).
     pub layout: BlockLayout,
     /// What the fast step recomputes in the backward (the per-op path keeps autograd's).
     /// Not part of [`Self::resume_key`]: it changes what the step keeps, not the model.
@@ -137,12 +140,12 @@ impl ModelSpec {
             head_dim: m.head_size(),
             qkv_bias: m.qkv_bias,
             n_positions: m.n_positions.max(m.seq_len),
-            rope_scaling: m.rope_scaling,
+            rope_scaling: m.rope_scaling.clone(),
             embedding_multiplier: m.embedding_multiplier,
             attention_multiplier: (m.attention_multiplier != 0.0).then_some(m.attention_multiplier),
             residual_multiplier: m.residual_multiplier,
             logits_scaling: m.logits_scaling,
-            layout: m.layout,
+            layout: m.layout.clone(),
             recompute: m.recompute,
             lora: None,
             prior_sigma: defaults.scu.prior_sigma,
@@ -159,9 +162,9 @@ impl ModelSpec {
             .unwrap_or_else(|| 1.0 / (self.head_dim as f64).sqrt())
     }
 
-    /// A SwiGLU (gated) MLP, else GELU.
+    /// A gated MLP (SwiGLU or GeGLU), else GELU.
     pub fn gated_mlp(&self) -> bool {
-        self.activation == Activation::SwiGlu
+        self.activation.gated()
     }
 
     /// The width of the attention's q (and output projection's input): n_head · head_dim.
@@ -224,6 +227,7 @@ impl ModelSpec {
         if self.layout.rotary_dim != 0 {
             out.push_str(&format!(" rope {}/{}", self.rotary_dim(), self.head_dim));
         }
+        out.push_str(&self.layers_family());
         if !self.arch_notes.is_empty() {
             out.push_str(&format!(" [{}]", self.arch_notes.join(", ")));
         }

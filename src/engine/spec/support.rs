@@ -4,7 +4,7 @@
 //! `cockpit check` print its [`Reason`]).
 
 use super::ModelSpec;
-use crate::config::{PosEncoding, QkNorm};
+use crate::config::{Activation, PosEncoding, QkNorm, RopeScaling};
 
 /// The head dims flash attention has kernels for; other head dims materialise the attention
 /// probabilities (multi-head attention without dropout only).
@@ -97,6 +97,18 @@ pub enum Reason {
     PartialRotary { rotary_dim: usize, head_dim: usize },
     #[error("norms after the attention and MLP outputs (OLMo 2 post-norm; the step's blocks are pre-norm)")]
     PostNorm,
+    #[error("sliding-window attention on {layers} layers (Gemma 2/3 local layers; the step's attention sees every earlier position)")]
+    SlidingWindow { layers: usize },
+    #[error("{0} soft-capping (Gemma 2: cap·tanh(x/cap); the step has no kernel for it)")]
+    SoftCap(&'static str),
+    #[error("norms on both the inputs and the outputs of attention and MLP (Gemma's sandwich norms; the step's blocks are pre-norm)")]
+    SandwichNorm,
+    #[error("RMSNorm scaled by 1 + w (Gemma; the step's norm scales by w)")]
+    NormPlusOne,
+    #[error("a GeGLU MLP (Gemma's gelu-tanh gate; the step's gated MLP is SwiGLU)")]
+    GeGlu,
+    #[error("LongRoPE (Phi-3: factors that switch with the sequence length and scale cos/sin; the step has one plain RoPE table)")]
+    LongRope,
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
     PackedSamples(&'static str),
 }
@@ -158,8 +170,9 @@ impl ModelSpec {
     /// even head dim, key/value heads that divide the heads; grouped-query attention, heads
     /// whose widths do not add up to n_embd and dropout need flash attention; an embedding
     /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
-    /// QK-norm over the whole projection, post-norm blocks and partial rotary have no kernels
-    /// in the step yet (QK-norm per head has).
+    /// QK-norm over the whole projection, post-norm blocks, Gemma's parts (sandwich norms,
+    /// 1 + w norms, GeGLU, sliding windows, soft-caps) and LongRoPE have no kernels in the step
+    /// yet (QK-norm per head and partial rotary have).
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
         // (Why not, where flash attention is off: the first of its conditions that fails,
@@ -216,6 +229,36 @@ impl ModelSpec {
                 rotary_dim: self.rotary_dim(),
                 head_dim: hd,
             });
+        }
+        self.gemma_support()
+    }
+
+    /// Gemma's block, sliding layers, soft-caps and LongRoPE: none in the step yet.
+    fn gemma_support(&self) -> Result<(), Reason> {
+        let l = &self.layout;
+        if l.sandwich_norm {
+            return Err(Reason::SandwichNorm);
+        }
+        if l.norm_plus_one {
+            return Err(Reason::NormPlusOne);
+        }
+        if self.activation == Activation::GeGlu {
+            return Err(Reason::GeGlu);
+        }
+        let sliding = (0..self.n_layer)
+            .filter(|&i| self.layer_window(i).is_some())
+            .count();
+        if sliding > 0 {
+            return Err(Reason::SlidingWindow { layers: sliding });
+        }
+        if self.attn_softcap().is_some() {
+            return Err(Reason::SoftCap("attention"));
+        }
+        if self.final_softcap().is_some() {
+            return Err(Reason::SoftCap("final logit"));
+        }
+        if matches!(self.rope_scaling, RopeScaling::LongRope { .. }) {
+            return Err(Reason::LongRope);
         }
         Ok(())
     }

@@ -304,13 +304,13 @@ fn the_step_runs_qk_norm_per_head_and_refuses_post_norm_by_name() {
     let qwen3 = with(BlockLayout {
         qk_norm: QkNorm::Head,
         post_norm: false,
-        rotary_dim: 0,
+        ..BlockLayout::PLAIN
     });
     assert_eq!(qwen3.fast_step_support(&gpu()), Ok(()));
     let olmo2 = with(BlockLayout {
         qk_norm: QkNorm::Whole,
         post_norm: true,
-        rotary_dim: 0,
+        ..BlockLayout::PLAIN
     });
     let why = olmo2.fast_step_support(&gpu()).unwrap_err();
     assert_eq!(why, Reason::QkNorm("over the whole projection"));
@@ -318,7 +318,7 @@ fn the_step_runs_qk_norm_per_head_and_refuses_post_norm_by_name() {
     let post = with(BlockLayout {
         qk_norm: QkNorm::None,
         post_norm: true,
-        rotary_dim: 0,
+        ..BlockLayout::PLAIN
     });
     let why = post.step_shape_support(true).unwrap_err();
     assert_eq!(why, Reason::PostNorm);
@@ -349,4 +349,74 @@ fn the_step_runs_qk_norm_per_head_and_refuses_post_norm_by_name() {
         "two layers of [head_dim] q and k norms"
     );
     assert_eq!(olmo2.param_count().base - plain, 2 * 2 * 256);
+}
+
+/// Gemma's parts and LongRoPE have no kernels in the fused step: each is refused by name, and
+/// the spec says which layers slide and which RoPE table each reads.
+#[test]
+fn the_step_refuses_gemma_parts_and_longrope_by_name() {
+    use crate::config::{Activation, BlockLayout, LayerKind, RopeScaling};
+    let gemma = |change: &dyn Fn(&mut BlockLayout), act: Activation| {
+        spec(|c| {
+            llama(c);
+            c.model.activation = act;
+            change(&mut c.model.layout);
+        })
+    };
+    let sliding = |l: &mut BlockLayout| {
+        l.layer_types = vec![LayerKind::Sliding, LayerKind::Full];
+        l.window = 4;
+        l.local_rope_theta = 10.0;
+    };
+    for (s, want) in [
+        (
+            gemma(&|l| l.sandwich_norm = true, Activation::SwiGlu),
+            Reason::SandwichNorm,
+        ),
+        (
+            gemma(&|l| l.norm_plus_one = true, Activation::SwiGlu),
+            Reason::NormPlusOne,
+        ),
+        (gemma(&|_| {}, Activation::GeGlu), Reason::GeGlu),
+        (
+            gemma(&sliding, Activation::SwiGlu),
+            Reason::SlidingWindow { layers: 1 },
+        ),
+        (
+            gemma(&|l| l.attn_softcap = 50.0, Activation::SwiGlu),
+            Reason::SoftCap("attention"),
+        ),
+        (
+            gemma(&|l| l.final_softcap = 30.0, Activation::SwiGlu),
+            Reason::SoftCap("final logit"),
+        ),
+    ] {
+        assert_eq!(s.fast_step_support(&gpu()), Err(want));
+    }
+    let s = gemma(&sliding, Activation::SwiGlu);
+    assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));
+    assert!(s.layer_rope(0, 8).local && !s.layer_rope(1, 8).local);
+    assert_eq!(s.rope_keys().len(), 2);
+    // Four norms a block (sandwich) are counted.
+    let plain = spec(llama).param_count().base;
+    let sandwich = gemma(&|l| l.sandwich_norm = true, Activation::SwiGlu);
+    assert_eq!(sandwich.param_count().base - plain, 2 * 2 * 256);
+    let longrope = spec(|c| {
+        llama(c);
+        c.model.rope_scaling = RopeScaling::LongRope {
+            short_factor: vec![1.0; 32],
+            long_factor: vec![2.0; 32],
+            original_max_position_embeddings: 16,
+            attention_factor: 1.5,
+        };
+    });
+    let why = longrope.fast_step_support(&gpu()).unwrap_err();
+    assert_eq!(why, Reason::LongRope);
+    assert!(why.to_string().contains("LongRoPE"), "{why}");
+    // Short factors up to the original context, long ones past it; cos/sin × the factor.
+    assert!(!longrope.rope_long(16) && longrope.rope_long(17));
+    let short = longrope.rope_freqs(longrope.layer_rope(0, 16));
+    let long = longrope.rope_freqs(longrope.layer_rope(0, 17));
+    assert_eq!(short.inv_freq[1] / long.inv_freq[1], 2.0);
+    assert_eq!((short.scale, long.scale), (1.5, 1.5));
 }

@@ -47,10 +47,10 @@ impl Trainer {
             crate::engine::base::resolve_data(&mut cfg, base.as_ref().map(|(_, b)| &b.meta))?;
         if cfg.lora.enabled
             && cfg.lora.targets.iter().any(|t| t == "gate")
-            && cfg.model.activation != crate::config::Activation::SwiGlu
+            && !cfg.model.activation.gated()
         {
             return Err(EngineError::Config(
-                "lora.targets: \"gate\" exists only in SwiGLU models; the base has a GELU MLP"
+                "lora.targets: \"gate\" exists only in gated (SwiGLU/GeGLU) models; the base has a GELU MLP"
                     .into(),
             ));
         }
