@@ -58,6 +58,13 @@ fn invalid_configs_exit_2_naming_the_key() {
             "bad_reduce_dtype.toml",
             "distributed.reduce_dtype = \"fp8\"",
         ),
+        ("hybrid_bad_layer_kind.toml", "sliding"),
+        ("hybrid_layers_count.toml", "model.hybrid.layers"),
+        (
+            "hybrid_mamba_groups.toml",
+            "model.hybrid.mamba_n_groups = 3",
+        ),
+        ("hybrid_lora_gate.toml", "lora.targets = \"gate\""),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();

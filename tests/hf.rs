@@ -9,7 +9,17 @@ use cockpit::engine::model::Model;
 use std::path::{Path, PathBuf};
 
 const FIXTURES: &[&str] = &[
-    "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+    "llama2",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "granite",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "granite_hybrid",
+    "granite_hybrid_moe",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -126,7 +136,16 @@ fn greedy_decoding_with_the_kv_cache_matches_transformers() {
 /// The cache gives the logits a full forward gives, position by position.
 #[test]
 fn cached_decoding_equals_the_full_forward() {
-    for name in ["llama3", "gpt2", "granite", "qwen3", "olmo2", "phi3"] {
+    for name in [
+        "llama3",
+        "gpt2",
+        "granite",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "granite_hybrid",
+        "granite_hybrid_moe",
+    ] {
         let dir = fixture(name);
         let e = expected(&dir);
         let n = 20;

@@ -10,8 +10,9 @@
 //! Supported: `llama` (2 and 3.x; rope_scaling linear and llama3; head_dim; tied or not),
 //! `mistral` (sliding windows only where they change nothing), `qwen2` (q/k/v biases),
 //! `qwen3` (per-head QK-norm), `olmo2` (post-norm, whole-projection QK-norm), `gpt2` (Conv1D
-//! weights stored transposed, learned positions, tied head) and `granite` (dense:
-//! embedding/attention/residual multipliers and logits scaling).
+//! weights stored transposed, learned positions, tied head), `granite` (dense:
+//! embedding/attention/residual multipliers and logits scaling) and `granitemoehybrid` (Granite
+//! 4.0 hybrid: Mamba-2 and NoPE/RoPE attention layers, shared MLP, routed experts).
 
 use super::checkpoint::CheckpointError;
 use crate::config::{Activation, ModelConfig, Norm, PosEncoding};
@@ -22,7 +23,15 @@ use std::path::Path;
 
 /// The model types cockpit imports and exports.
 pub const MODEL_TYPES: &[&str] = &[
-    "llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gpt2", "granite",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gpt2",
+    "granite",
+    "granitemoehybrid",
 ];
 
 /// What a Hugging Face directory says beyond the model's arithmetic.
@@ -47,6 +56,7 @@ fn corrupt(path: &Path, message: impl Into<String>) -> CheckpointError {
 }
 mod config_keys;
 mod gpt2;
+mod granite_hybrid;
 mod llama;
 mod olmo2;
 mod phi3;
@@ -107,6 +117,8 @@ pub fn parse_config(v: &Value) -> Result<(ModelConfig, HfInfo), String> {
     let mut sliding_window = None;
     let model = if model_type == "gpt2" {
         gpt2::parse(&mut k)?
+    } else if model_type == granite_hybrid::MODEL_TYPE {
+        granite_hybrid::parse(&mut k)?
     } else {
         llama::parse(&mut k, &mut sliding_window)?
     };
@@ -193,8 +205,10 @@ pub fn load(dir: &Path) -> Result<(ModelConfig, HfInfo, HashMap<String, Tensor>)
     let mut tensors = match info.model_type.as_str() {
         "gpt2" => gpt2::from_gpt2(tensors, &model, dir)?,
         "phi3" => phi3::split_fused(tensors, &model, dir)?,
+        granite_hybrid::MODEL_TYPE => granite_hybrid::from_published(tensors),
         _ => tensors,
     };
+    granite_hybrid::check(&tensors, &model, dir)?;
     drop_rotary_buffers(&mut tensors);
     drop_tied_head(&mut tensors, model.tie_embeddings, dir)?;
     Ok((model, info, tensors))
@@ -210,6 +224,15 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
         || m.residual_multiplier != 1.0
         || m.logits_scaling != 1.0;
     let plain = m.layout.is_plain();
+    if m.hybrid.is_some() {
+        return match llama_like && granite_hybrid::fits(m) {
+            true => Ok(granite_hybrid::MODEL_TYPE.to_string()),
+            false => Err(format!(
+                "no Hugging Face model_type computes this model: {} computes a hybrid stack with rmsnorm + swiglu, no biases, no QK-norm or post-norm, no rope scaling, and a Mamba width (mamba_n_heads · mamba_d_head) that is a multiple of n_embd",
+                granite_hybrid::MODEL_TYPE
+            )),
+        };
+    }
     let fits = |t: &str| match t {
         "gpt2" => {
             plain
@@ -273,6 +296,8 @@ pub fn config_json(
     let o = c.as_object_mut().expect("a JSON object");
     if model_type == "gpt2" {
         gpt2::config_json(m, hidden, o);
+    } else if model_type == granite_hybrid::MODEL_TYPE {
+        granite_hybrid::config_json(m, hidden, o);
     } else {
         llama::config_json(m, model_type, hidden, base, o);
     }
@@ -300,6 +325,7 @@ pub fn to_hf_names(
     match model_type {
         "gpt2" => gpt2::to_hf_names(tensors, n_layer),
         "phi3" => phi3::to_hf_names(tensors, n_layer),
+        granite_hybrid::MODEL_TYPE => Ok(granite_hybrid::to_hf_names(tensors)),
         _ => Ok(tensors),
     }
 }

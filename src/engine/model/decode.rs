@@ -78,6 +78,10 @@ impl Model {
         let mask = Tensor::from_vec(mask, (n, start + n), dev)?.to_dtype(self.dtype)?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim);
         for (b, slot) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            if let super::Mixer::Mamba(m) = &b.mixer {
+                x = self.mamba_decode_block(b, m, &x, slot)?;
+                continue;
+            }
             let a_in = self.block_input(&b.ln1, &x)?;
             let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
             if let Some((cos, sin)) = &rope {
@@ -104,7 +108,7 @@ impl Model {
             let att = (q.matmul(&k.t()?)? * s.attention_scale())?.broadcast_add(&mask)?;
             let att = candle_nn::ops::softmax(&att, D::Minus1)?;
             let y = att.matmul(&v)?.transpose(1, 2)?.reshape((1, n, h * hd))?;
-            let a = self.block_output(&b.ln1, self.linear(&b.o, &y)?)?;
+            let a = self.block_output(&b.ln1, self.linear(&b.attn()?.o, &y)?)?;
             x = (x + self.residual(a)?)?;
             let m = self.block_output(&b.ln2, self.mlp(b, &self.block_input(&b.ln2, &x)?)?)?;
             x = (x + self.residual(m)?)?;

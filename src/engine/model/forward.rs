@@ -41,9 +41,16 @@ impl Model {
             };
         }
         x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
+        if let Ok(mut kept) = self.router_logits.lock() {
+            kept.clear();
+        }
         for (l, b) in self.blocks.iter().enumerate() {
             let h = self.block_input(&b.ln1, &x)?;
-            let a = self.block_output(&b.ln1, self.attention(l, b, &h, train)?)?;
+            let mixed = match &b.mixer {
+                Mixer::Attention(_) => self.attention(l, b, &h, train)?,
+                Mixer::Mamba(m) => self.mamba(m, &h)?,
+            };
+            let a = self.block_output(&b.ln1, mixed)?;
             let a = self.residual(a)?;
             x = (x + self.dropout(&a, train, dropout::site_attention_out(l), Layout::Rows)?)?;
             let h = self.block_input(&b.ln2, &x)?;
@@ -95,8 +102,37 @@ impl Model {
         }
     }
 
-    /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
+    /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions; while
+    /// training a model with routed experts, plus their load-balancing loss ×
+    /// `router_aux_loss_coef` (as transformers' training loss).
     pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
+        let ce = self.ce_loss(ids, targets, train)?;
+        self.with_router_aux(ce, train)
+    }
+
+    /// `loss` plus the experts' load-balancing loss × its coefficient, while training.
+    pub(super) fn with_router_aux(&self, loss: Tensor, train: bool) -> Result<Tensor> {
+        let coef = self
+            .spec
+            .hybrid
+            .as_ref()
+            .map_or(0.0, |h| h.router_aux_loss_coef);
+        match self.router_aux_loss()? {
+            Some(aux) if train && coef > 0.0 => {
+                let dt = loss.dtype();
+                loss + (aux * coef)?.to_dtype(dt)?
+            }
+            _ => Ok(loss),
+        }
+    }
+
+    /// The load-balancing loss of the experts' routers over the last training forward (None
+    /// without routed experts).
+    pub fn router_aux(&self) -> Result<Option<Tensor>> {
+        self.router_aux_loss()
+    }
+
+    fn ce_loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
         if targets.dtype() == DType::U32
             && self.spec.kernels.linear
             && self.spec.kernels.cross_entropy

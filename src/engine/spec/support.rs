@@ -97,6 +97,8 @@ pub enum Reason {
     PostNorm,
     #[error("packed samples (data.packing): the step's flash attention has no per-sample boundaries yet")]
     PackedSamples,
+    #[error("a Granite 4.0 hybrid (Mamba-2 layers, routed experts): the step has no kernels for them yet")]
+    Hybrid,
     #[error("loss on the answers only (instruction/chat data): the step's cross-entropy takes no ignored targets yet")]
     LossMask,
 }
@@ -163,6 +165,9 @@ impl ModelSpec {
         let no_flash = if flash { None } else { self.no_flash(false) };
         if self.n_layer == 0 {
             return Err(Reason::NoLayers);
+        }
+        if self.hybrid.is_some() {
+            return Err(Reason::Hybrid);
         }
         if !self.n_embd.is_multiple_of(8) || !self.hidden.is_multiple_of(8) {
             return Err(Reason::Widths {
