@@ -64,17 +64,23 @@ fn the_experts_load_balancing_loss_is_transformers_own() {
     let name = "granite_hybrid_moe";
     let e = expected(name);
     let ids = ids(name);
-    let n = ids.len() - 1;
+    // transformers' aux_loss is over the whole sequence (every id an input).
+    let n = ids.len();
     let mut model = load_dir(&fixture(name), n).unwrap();
-    let x = Tensor::from_vec(ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
-    let y = Tensor::from_vec(ids[1..].to_vec(), (1, n), &Device::Cpu).unwrap();
-    let ce = loss(&mut model, &ids);
+    let x = Tensor::from_vec(ids.clone(), (1, n), &Device::Cpu).unwrap();
+    let mut next = ids[1..].to_vec();
+    next.push(ids[0]);
+    let y = Tensor::from_vec(next, (1, n), &Device::Cpu).unwrap();
+    let ce = model
+        .loss(&x, &y, false)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
     let train = model
         .loss(&x, &y, true)
         .unwrap()
         .to_scalar::<f32>()
         .unwrap() as f64;
-    model.loss(&x, &y, true).unwrap();
     let aux = model
         .router_aux()
         .unwrap()
@@ -151,7 +157,19 @@ fn what_cockpit_does_not_compute_in_a_hybrid_is_refused_by_name() {
         // The weights no longer fit the config: named by tensor.
         (
             Box::new(|c| c["mamba_d_state"] = 8.into()),
-            "model.layers.0.mamba.in_proj.weight",
+            "model.layers.0.mamba.conv1d.weight",
+        ),
+        (
+            Box::new(|c| c["mamba_proj_bias"] = true.into()),
+            "model.layers.0.mamba.in_proj.bias: missing",
+        ),
+        (
+            Box::new(|c| c["mamba_conv_bias"] = false.into()),
+            "model.layers.0.mamba.conv1d.bias",
+        ),
+        (
+            Box::new(|c| c["shared_intermediate_size"] = 64.into()),
+            "model.layers.0.shared_mlp.input_linear.weight",
         ),
         (
             Box::new(|c| c["mamba_d_conv"] = 3.into()),
@@ -309,18 +327,24 @@ fn the_granite_h_1b_config_shrunk_learns_on_the_cpu() {
         "model.mlp_ratio=2.0",
         "model.seq_len=32",
         "model.vocab_size=0",
+        // A random base of the real init (std 0.02, embeddings × 12, logits ÷ 6) keeps every
+        // logit within ±0.2 behind its frozen final norm: no adapter could sharpen it. A
+        // wider one without Granite's multipliers can.
+        "model.init_std=0.1",
+        "model.embedding_multiplier=1.0",
+        "model.logits_scaling=1.0",
         "model.hybrid.layers=[\"mamba\",\"attention\",\"mamba\",\"mamba\"]",
         "model.hybrid.mamba_n_heads=8",
         "model.hybrid.mamba_d_head=16",
         "model.hybrid.mamba_d_state=16",
         "model.hybrid.mamba_chunk_size=16",
-        "data.builtin_vocab=64",
+        "data.builtin_vocab=16",
         "data.builtin_tokens=20000",
         "optim.micro_batch=8",
         "optim.accum=1",
-        "optim.lr=1e-2",
+        "optim.lr=3e-2",
         "schedule.warmup_steps=0",
-        "run.max_steps=40",
+        "run.max_steps=20",
         "eval.every=0",
         "checkpoint.every_steps=0",
         "precision.dtype=\"f32\"",
@@ -332,11 +356,12 @@ fn the_granite_h_1b_config_shrunk_learns_on_the_cpu() {
         .config;
     let run_dir = tempfile::tempdir().unwrap();
     let losses = run(c, run_dir.path());
-    assert_eq!(losses.len(), 40);
-    let first: f64 = losses[..5].iter().sum::<f64>() / 5.0;
-    let last: f64 = losses[35..].iter().sum::<f64>() / 5.0;
+    // (Measured: 3.75 at the first step, ≈ 1.95 over steps 12–20; ln 16 = 2.77, the corpus'
+    // floor ln 4 = 1.39.)
+    assert_eq!(losses.len(), 20);
+    let last: f64 = losses[12..].iter().sum::<f64>() / 8.0;
     assert!(
-        last < first - 0.3,
-        "the loss did not fall: {first} → {last}"
+        last < losses[0] - 0.5 && last < 16f64.ln(),
+        "the loss did not fall: {losses:?}"
     );
 }

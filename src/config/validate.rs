@@ -561,7 +561,10 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                 quoted(t),
                 "a Granite 4.0 hybrid's shared MLP has gate and up in one layer (shared_mlp.input_linear): target \"up\"",
             );
-        } else if m.hybrid.is_none() && (t == "in_proj" || t == "out_proj") {
+        } else if m.hybrid.is_none()
+            && (t == "in_proj" || t == "out_proj")
+            && (l.base.is_empty() || l.base == RANDOM_BASE)
+        {
             ck.fail(
                 "lora.targets",
                 quoted(t),

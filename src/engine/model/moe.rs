@@ -115,7 +115,7 @@ impl Model {
             return Ok(None);
         };
         let kept: Vec<Tensor> = match self.router_logits.lock() {
-            Ok(mut k) => std::mem::take(&mut *k),
+            Ok(k) => k.clone(),
             Err(_) => return Ok(None),
         };
         if kept.is_empty() {
