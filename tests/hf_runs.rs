@@ -204,7 +204,17 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
 #[test]
 fn every_fixture_survives_export_and_reimport() {
     for name in [
-        "llama2", "llama3", "mistral", "qwen2", "gpt2", "granite", "qwen3", "olmo2", "phi3",
+        "llama2",
+        "llama3",
+        "mistral",
+        "qwen2",
+        "gpt2",
+        "granite",
+        "qwen3",
+        "olmo2",
+        "phi3",
+        "granite_hybrid",
+        "granite_hybrid_moe",
     ] {
         let (ids, ..) = expected(name);
         let mut m = source::open(&fixture(name), DType::F32, &Device::Cpu, 32).unwrap();
@@ -228,6 +238,7 @@ fn every_fixture_survives_export_and_reimport() {
                 .unwrap();
         let want_type = match name {
             "llama2" | "llama3" => "llama",
+            "granite_hybrid" | "granite_hybrid_moe" => "granitemoehybrid",
             other => other,
         };
         assert_eq!(c["model_type"], want_type);
