@@ -58,7 +58,7 @@ fn invalid_configs_exit_2_naming_the_key() {
             "bad_reduce_dtype.toml",
             "distributed.reduce_dtype = \"fp8\"",
         ),
-        ("hybrid_bad_layer_kind.toml", "sliding"),
+        ("hybrid_bad_layer_kind.toml", "model.hybrid.layers[1]"),
         ("hybrid_layers_count.toml", "model.hybrid.layers"),
         (
             "hybrid_mamba_groups.toml",
