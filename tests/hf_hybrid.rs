@@ -117,11 +117,14 @@ fn variant(name: &str, change: impl FnOnce(&mut serde_json::Value)) -> tempfile:
     tmp
 }
 
+/// A change to a config.json.
+type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
+
 /// A layer type, activation or option cockpit does not compute is refused naming the key and
 /// value; a base whose Mamba shapes do not match its config is refused naming the tensor.
 #[test]
 fn what_cockpit_does_not_compute_in_a_hybrid_is_refused_by_name() {
-    let cases: Vec<(Box<dyn FnOnce(&mut serde_json::Value)>, &str)> = vec![
+    let cases: Vec<(Change, &str)> = vec![
         (
             Box::new(|c| c["layer_types"][2] = "sliding_attention".into()),
             "layer_types[2] = \"sliding_attention\"",

@@ -136,7 +136,8 @@ impl HybridConfig {
                 "routed experts need a width".into(),
             ));
         }
-        if self.dt_max.is_some_and(|m| !(m > self.dt_min)) || !(self.dt_min >= 0.0) {
+        let ordered = self.dt_min >= 0.0 && self.dt_max.is_none_or(|m| m > self.dt_min);
+        if !ordered {
             return Some((
                 "model.hybrid.dt_min",
                 format!("{} (dt_max {:?})", self.dt_min, self.dt_max),

@@ -89,7 +89,7 @@ struct Attn {
 /// a Mamba-2 state-space mixer.
 #[derive(Clone, Debug)]
 enum Mixer {
-    Attention(Attn),
+    Attention(Box<Attn>),
     Mamba(Box<mamba::Mamba>),
 }
 
@@ -264,14 +264,14 @@ impl Model {
             )?;
             blocks.push(Block {
                 ln1,
-                mixer: Mixer::Attention(Attn {
+                mixer: Mixer::Attention(Box::new(Attn {
                     q,
                     k,
                     v,
                     o,
                     q_norm,
                     k_norm,
-                }),
+                })),
                 ln2,
                 up,
                 gate,
@@ -341,14 +341,14 @@ impl Model {
             Mixer::Mamba(Box::new(mamba::Mamba::new(init, p, s, h)?))
         } else {
             let a = format!("{p}.self_attn");
-            Mixer::Attention(Attn {
+            Mixer::Attention(Box::new(Attn {
                 q: init.linear(&format!("{a}.q_proj"), s.n_head * hd, c, std, false)?,
                 k: init.linear(&format!("{a}.k_proj"), s.n_kv_head * hd, c, std, false)?,
                 v: init.linear(&format!("{a}.v_proj"), s.n_kv_head * hd, c, std, false)?,
                 o: init.linear(&format!("{a}.o_proj"), c, s.n_head * hd, resid_std, false)?,
                 q_norm: None,
                 k_norm: None,
-            })
+            }))
         };
         let ln2 = init.norm(&format!("{p}.post_attention_layernorm"), c, s.norm, false)?;
         let m = format!("{p}.shared_mlp");
