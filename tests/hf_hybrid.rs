@@ -368,3 +368,78 @@ fn the_granite_h_1b_config_shrunk_learns_on_the_cpu() {
         "the loss did not fall: {losses:?}"
     );
 }
+
+/// What the spec says a hybrid has (the memory check, the run header) is what the model
+/// allocates: Mamba and attention layers, the shared MLP, experts, and LoRA adapters on
+/// in_proj, out_proj, q and the shared MLP.
+#[test]
+fn the_spec_counts_the_weights_the_hybrid_allocates() {
+    let set: Vec<String> = [
+        "model.arch=\"llama\"",
+        "model.norm=\"rmsnorm\"",
+        "model.activation=\"swiglu\"",
+        "model.bias=false",
+        "model.n_layer=3",
+        "model.n_embd=32",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.mlp_ratio=1.5",
+        "model.hybrid.layers=[\"mamba\",\"attention\",\"mamba\"]",
+        "model.hybrid.mamba_n_heads=4",
+        "model.hybrid.mamba_d_head=16",
+        "model.hybrid.mamba_d_state=8",
+        "model.hybrid.mamba_n_groups=2",
+        "model.hybrid.mamba_d_conv=3",
+        "model.hybrid.mamba_proj_bias=true",
+        "model.hybrid.experts=3",
+        "model.hybrid.experts_top_k=2",
+        "model.hybrid.expert_hidden=24",
+        "lora.enabled=true",
+        "lora.base=\"random\"",
+        "lora.r=2",
+        "lora.targets=[\"q\",\"in_proj\",\"out_proj\",\"up\"]",
+    ]
+    .map(String::from)
+    .to_vec();
+    let c = config::load(None, &set)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config;
+    let spec = cockpit::engine::model::ModelSpec::from_config(&c, 50);
+    let want = spec.param_count();
+    let mut m = Model::new(spec.clone(), DType::F32, &Device::Cpu, 1).unwrap();
+    let base = m.param_count().0;
+    let lora = spec.lora.clone().unwrap();
+    m.add_lora(&lora, 2).unwrap();
+    let (total, trainable) = m.param_count();
+    assert_eq!(
+        (base, total - base, trainable),
+        (want.base, want.adapters, want.adapters)
+    );
+    // The whole-model CUDA step declines the family (the per-op path runs it).
+    assert_eq!(
+        spec.step_shape_support(true),
+        Err(cockpit::engine::model::Reason::Hybrid)
+    );
+    // A forward and a backward run, every trainable weight gets a gradient.
+    let x = Tensor::from_vec((0..16u32).collect::<Vec<_>>(), (2, 8), &Device::Cpu).unwrap();
+    let l = m.loss(&x, &x, true).unwrap();
+    let grads = l.backward().unwrap();
+    for p in m.params.iter().filter(|p| p.trainable) {
+        assert!(
+            grads.get(p.var.as_tensor()).is_some(),
+            "{}: no gradient",
+            p.name
+        );
+    }
+    // Full training: every weight (conv, A_log, D, dt_bias, the gated norm, the router and
+    // every expert picked by some token) gets one.
+    let mut full = Model::new(spec, DType::F32, &Device::Cpu, 1).unwrap();
+    let grads = full.loss(&x, &x, true).unwrap().backward().unwrap();
+    for p in &full.params {
+        assert!(
+            grads.get(p.var.as_tensor()).is_some(),
+            "{}: no gradient",
+            p.name
+        );
+    }
+}

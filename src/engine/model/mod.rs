@@ -433,7 +433,13 @@ impl Model {
         } else {
             0.0
         };
-        6.0 * (matmul as f64 + head) + 12.0 * (s.n_layer * s.n_embd * s.seq_len) as f64
+        // (Attention layers only: a hybrid's Mamba layers have no T² term.)
+        let attn = self
+            .blocks
+            .iter()
+            .filter(|b| matches!(b.mixer, Mixer::Attention(_)))
+            .count();
+        6.0 * (matmul as f64 + head) + 12.0 * (attn * s.n_embd * s.seq_len) as f64
     }
     /// All weights by name (for checkpoints).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
