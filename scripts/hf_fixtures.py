@@ -142,6 +142,29 @@ def configs(vocab, bos, eos):
                              "short_factor": [1.0, 1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0],
                              "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0]},
             tie_word_embeddings=False, pad_token_id=None, **common)),
+        # Granite 4.0 hybrid (dense, NoPE): Mamba-2 layers around one attention layer, the
+        # shared MLP, n_groups > 1, a chunk size that does not divide the sequence, tied head.
+        "granite_hybrid": ("bf16", None, transformers.GraniteMoeHybridConfig(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            shared_intermediate_size=128, intermediate_size=32, num_local_experts=0,
+            num_experts_per_tok=0, layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=20, rms_norm_eps=1e-5,
+            embedding_multiplier=4.0, attention_multiplier=0.125, residual_multiplier=0.5,
+            logits_scaling=2.0, position_embedding_type=None, tie_word_embeddings=True,
+            **common)),
+        # Granite 4.0 hybrid with routed experts (top-2 of 4, the load-balancing loss on),
+        # RoPE attention, biases on the Mamba projections, untied head.
+        "granite_hybrid_moe": ("bf16", None, transformers.GraniteMoeHybridConfig(
+            hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            shared_intermediate_size=64, intermediate_size=32, num_local_experts=4,
+            num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
+            layer_types=["attention", "mamba", "mamba"], mamba_n_heads=4, mamba_d_head=32,
+            mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=3, mamba_expand=2,
+            mamba_chunk_size=32, mamba_proj_bias=True, rms_norm_eps=1e-6,
+            embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.7,
+            logits_scaling=1.5, position_embedding_type="rope", rope_theta=10000.0,
+            tie_word_embeddings=False, **common)),
     }
 
 
@@ -196,6 +219,16 @@ def expected(model, ids):
     return tok_lp, out[0, PROMPT:].tolist()
 
 
+def aux_loss(model, ids):
+    """The load-balancing loss transformers adds (× router_aux_loss_coef) on the sequence, for
+    models with routed experts that output their router logits; else None."""
+    if getattr(model.config, "num_local_experts", 0) <= 0:
+        return None
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_router_logits=True)
+    return float(out.aux_loss)
+
+
 def make(out_root, only=None):
     torch.manual_seed(0)
     os.makedirs(out_root, exist_ok=True)
@@ -241,6 +274,7 @@ def make(out_root, only=None):
             "prompt_ids": seq[:PROMPT],
             "prompt_text": tok.decode(seq[:PROMPT]),
             "greedy": greedy,
+            "aux_loss": aux_loss(ref, seq),
             "train_loss": float(loss.detach()),
             "transformers": transformers.__version__,
             "torch": torch.__version__,

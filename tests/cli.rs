@@ -66,6 +66,13 @@ fn invalid_configs_exit_2_naming_the_key() {
             "layout_bad_layer_type.toml",
             "model.layout.layer_types[1]: unknown value; allowed: full or sliding",
         ),
+        ("hybrid_bad_layer_kind.toml", "model.hybrid.layers[1]"),
+        ("hybrid_layers_count.toml", "model.hybrid.layers"),
+        (
+            "hybrid_mamba_groups.toml",
+            "model.hybrid.mamba_n_groups = 3",
+        ),
+        ("hybrid_lora_gate.toml", "lora.targets = \"gate\""),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();

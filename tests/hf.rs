@@ -22,6 +22,8 @@ const FIXTURES: &[&str] = &[
     "gemma3",
     "gemma2",
     "phi3_longrope",
+    "granite_hybrid",
+    "granite_hybrid_moe",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -148,6 +150,8 @@ fn cached_decoding_equals_the_full_forward() {
         "phi3",
         "gemma3_text",
         "gemma2",
+        "granite_hybrid",
+        "granite_hybrid_moe",
     ] {
         let dir = fixture(name);
         let e = expected(&dir);
@@ -251,7 +255,10 @@ fn rope_scaling_reads_both_config_layouts_and_matters() {
 fn what_cockpit_does_not_compute_is_refused_by_name() {
     type Change = Box<dyn FnOnce(&mut serde_json::Value)>;
     let cases: Vec<(&str, Change, &str)> = vec![
-        ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite, gemma3_text, gemma3, gemma2)"),
+        ("llama2", Box::new(|c| c["model_type"] = "falcon".into()), "model_type = \"falcon\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite, gemma3_text, gemma3, gemma2, granitemoehybrid)"),
+        ("granite_hybrid", Box::new(|c| c["layer_types"][1] = "sliding_attention".into()), "layer_types[1] = \"sliding_attention\": not supported for granitemoehybrid"),
+        ("granite_hybrid", Box::new(|c| c["position_embedding_type"] = "alibi".into()), "position_embedding_type = \"alibi\": not supported for granitemoehybrid"),
+        ("granite_hybrid", Box::new(|c| c["mamba_d_conv"] = 2.into()), "model.layers.0.mamba.conv1d.weight: shape [192, 1, 4], the config makes [192, 1, 2]"),
         ("llama2", Box::new(|c| c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})), "rope_type = \"yarn\""),
         ("llama2", Box::new(|c| c["hidden_act"] = "gelu".into()), "hidden_act = gelu"),
         ("llama2", Box::new(|c| c["attention_bias"] = true.into()), "attention_bias = true with mlp_bias = false"),

@@ -217,6 +217,8 @@ fn every_fixture_survives_export_and_reimport() {
         "gemma3",
         "gemma2",
         "phi3_longrope",
+        "granite_hybrid",
+        "granite_hybrid_moe",
     ] {
         let (ids, ..) = expected(name);
         let mut m = source::open(&fixture(name), DType::F32, &Device::Cpu, 32).unwrap();
@@ -243,6 +245,7 @@ fn every_fixture_survives_export_and_reimport() {
             // A gemma3 wrapper's language model exports as Gemma3ForCausalLM.
             "gemma3" => "gemma3_text",
             "phi3_longrope" => "phi3",
+            "granite_hybrid" | "granite_hybrid_moe" => "granitemoehybrid",
             other => other,
         };
         assert_eq!(c["model_type"], want_type);
@@ -359,11 +362,35 @@ fn train_refuses_bad_bases_and_contradictions_before_writing_anything() {
         .unwrap()
         .replace("\"gpt2\"", "\"bloom\"");
     std::fs::write(&cp, text).unwrap();
+    // Granite 4.0 hybrids: a layer type cockpit does not compute; Mamba weights that do not
+    // match the config.
+    let hybrid = |change: &dyn Fn(&mut serde_json::Value)| {
+        let d = tempfile::tempdir().unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture("granite_hybrid").join(f), d.path().join(f)).unwrap();
+        }
+        let cp = d.path().join("config.json");
+        let mut c: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&cp).unwrap()).unwrap();
+        change(&mut c);
+        std::fs::write(&cp, c.to_string()).unwrap();
+        d
+    };
+    let bad_kind = hybrid(&|c| c["layer_types"][3] = "sliding_attention".into());
+    let bad_conv = hybrid(&|c| c["mamba_d_conv"] = 5.into());
     let runs = tempfile::tempdir().unwrap();
     let cases = [
         (
+            format!("model.init_from={:?}", bad_kind.path().display().to_string()),
+            "layer_types[3] = \"sliding_attention\": not supported for granitemoehybrid".to_string(),
+        ),
+        (
+            format!("model.init_from={:?}", bad_conv.path().display().to_string()),
+            "model.layers.0.mamba.conv1d.weight: shape [192, 1, 4], the config makes [192, 1, 5]".to_string(),
+        ),
+        (
             format!("model.init_from={:?}", broken.path().display().to_string()),
-            "model_type = \"bloom\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite, gemma3_text, gemma3, gemma2)".to_string(),
+            "model_type = \"bloom\": not supported (supported: llama, mistral, qwen2, qwen3, olmo2, phi3, gpt2, granite, gemma3_text, gemma3, gemma2, granitemoehybrid)".to_string(),
         ),
         (
             format!("model.init_from={:?}", fixture("llama2").display().to_string()),
@@ -384,7 +411,7 @@ fn train_refuses_bad_bases_and_contradictions_before_writing_anything() {
             "--set".into(),
             init.clone(),
         ];
-        if i == 1 {
+        if i == 3 {
             args.extend(["--set".into(), "model.n_layer=3".into()]);
         }
         let out = cockpit().args(&args).assert().code(2).get_output().clone();

@@ -2,10 +2,12 @@
 //! validated like the file, and semantic validation whose errors name the file, the key path,
 //! the bad value and what is allowed.
 
+mod hybrid;
 mod layout;
 mod schema;
 mod validate;
 
+pub use hybrid::{HybridConfig, MixerKind};
 pub use layout::{BlockLayout, LayerKind, QkNorm};
 pub use schema::*;
 pub use validate::MAX_MICRO_BATCH;

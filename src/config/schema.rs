@@ -156,6 +156,10 @@ pub struct ModelConfig {
     /// Hugging Face import of Qwen3 and OLMo 2 sets it).
     #[serde(skip_serializing_if = "super::BlockLayout::is_plain")]
     pub layout: super::BlockLayout,
+    /// A Granite 4.0 hybrid stack: Mamba-2 and attention layers, a shared MLP, routed experts
+    /// (`[model.hybrid]`; the Hugging Face import of `granitemoehybrid` sets it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hybrid: Option<super::HybridConfig>,
     /// Full fine-tuning: start from these weights (a Hugging Face model directory or a
     /// cockpit run/checkpoint); the model's shape comes from them.
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -277,6 +281,7 @@ impl Default for ModelConfig {
             arch_notes: Vec::new(),
             recompute: Recompute::None,
             layout: Default::default(),
+            hybrid: None,
         }
     }
 }

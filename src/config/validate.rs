@@ -4,7 +4,9 @@ use super::{BaseDtype, Config, ConfigIssue, PosEncoding, RopeScaling, ScuParams,
 use std::path::Path;
 
 /// The LoRA target names the engine knows.
-pub const LORA_TARGETS: &[&str] = &["q", "k", "v", "o", "up", "down", "gate"];
+pub const LORA_TARGETS: &[&str] = &[
+    "q", "k", "v", "o", "up", "down", "gate", "in_proj", "out_proj",
+];
 
 struct Check<'a> {
     origin: &'a str,
@@ -225,6 +227,25 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             m.attention_multiplier,
             "must be 0 (1/sqrt(head size)) or positive",
         );
+    }
+    if let Some(h) = &m.hybrid {
+        if let Some((key, value, why)) = h.problem(m.n_layer) {
+            ck.fail(key, value, why);
+        }
+        if m.activation != crate::config::Activation::SwiGlu || m.norm != crate::config::Norm::RmsNorm || m.bias {
+            ck.fail(
+                "model.hybrid",
+                "set",
+                "a Granite 4.0 hybrid has RMSNorm, a SwiGLU shared MLP and no biases (model.arch = \"llama\", model.bias = false)",
+            );
+        }
+        if !m.layout.is_plain() || m.qkv_bias {
+            ck.fail(
+                "model.hybrid",
+                "set",
+                "a Granite 4.0 hybrid's attention has no QK-norm, post-norm, partial rotary or q/k/v biases",
+            );
+        }
     }
     if !m.init_from.is_empty() {
         if !Path::new(&m.init_from).exists() {
@@ -570,6 +591,21 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
                 "lora.targets",
                 quoted(t),
                 format!("allowed: {}", LORA_TARGETS.join(", ")),
+            );
+        } else if m.hybrid.is_some() && t == "gate" {
+            ck.fail(
+                "lora.targets",
+                quoted(t),
+                "a Granite 4.0 hybrid's shared MLP has gate and up in one layer (shared_mlp.input_linear): target \"up\"",
+            );
+        } else if m.hybrid.is_none()
+            && (t == "in_proj" || t == "out_proj")
+            && (l.base.is_empty() || l.base == RANDOM_BASE)
+        {
+            ck.fail(
+                "lora.targets",
+                quoted(t),
+                "in_proj and out_proj are the Mamba layers' projections (a Granite 4.0 hybrid: [model.hybrid])",
             );
         } else if t == "gate"
             && !m.activation.gated()

@@ -142,7 +142,7 @@ fn write_export(
         if let Some(w) = written.first() {
             std::fs::rename(w, &p).map_err(io(&p))?;
         }
-        super::lora::save_adapter_config(dir, l)?;
+        super::lora::save_adapter_config(dir, l, s.config.hybrid.is_some())?;
         return Ok(notes);
     }
     let merged = s.model.merged_tensors().map_err(tensor_err)?;

@@ -38,12 +38,27 @@ pub fn save_adapter(dir: &Path, model: &Model, lora: &LoraConfig) -> Result<(), 
         .and_then(|f| f.sync_all())
         .and_then(|_| std::fs::rename(&tmp, &dest))
         .map_err(|e| corrupt(&dest, e.to_string()))?;
-    save_adapter_config(dir, lora)
+    save_adapter_config(dir, lora, model.spec.hybrid.is_some())
 }
 
 /// `adapter_config.json` (the PEFT layout) for adapters on `lora.targets`.
-pub fn save_adapter_config(dir: &Path, lora: &LoraConfig) -> Result<(), CheckpointError> {
-    let modules: Vec<String> = lora.targets.iter().map(|t| format!("{t}_proj")).collect();
+/// (`hybrid`: a Granite 4.0 hybrid, whose shared MLP's projections are `input_linear` and
+/// `output_linear` and whose Mamba layers' are `in_proj` and `out_proj`.)
+pub fn save_adapter_config(
+    dir: &Path,
+    lora: &LoraConfig,
+    hybrid: bool,
+) -> Result<(), CheckpointError> {
+    let modules: Vec<String> = lora
+        .targets
+        .iter()
+        .map(|t| match (t.as_str(), hybrid) {
+            ("in_proj" | "out_proj", _) => t.clone(),
+            ("up", true) => "input_linear".into(),
+            ("down", true) => "output_linear".into(),
+            _ => format!("{t}_proj"),
+        })
+        .collect();
     let config = serde_json::json!({
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

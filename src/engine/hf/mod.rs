@@ -12,7 +12,9 @@
 //! `qwen3` (per-head QK-norm), `olmo2` (post-norm, whole-projection QK-norm), `phi3` (fused
 //! weights, partial rotary, longrope), `gpt2` (Conv1D weights stored transposed, learned
 //! positions, tied head), `granite` (dense: embedding/attention/residual multipliers and logits
-//! scaling), `gemma3_text`, `gemma3` (its language model) and `gemma2` (`gemma3.rs`).
+//! scaling), `gemma3_text`, `gemma3` (its language model) and `gemma2` (`gemma3.rs`), and
+//! `granitemoehybrid` (Granite 4.0 hybrid: Mamba-2 and NoPE/RoPE attention layers, shared MLP,
+//! routed experts).
 
 use super::checkpoint::CheckpointError;
 use crate::config::{Activation, ModelConfig, Norm, PosEncoding};
@@ -34,6 +36,7 @@ pub const MODEL_TYPES: &[&str] = &[
     "gemma3_text",
     "gemma3",
     "gemma2",
+    "granitemoehybrid",
 ];
 
 /// What a Hugging Face directory says beyond the model's arithmetic.
@@ -59,6 +62,7 @@ fn corrupt(path: &Path, message: impl Into<String>) -> CheckpointError {
 mod config_keys;
 mod gemma3;
 mod gpt2;
+mod granite_hybrid;
 mod llama;
 mod olmo2;
 mod phi3;
@@ -123,6 +127,8 @@ pub fn parse_config(v: &Value) -> Result<(ModelConfig, HfInfo), String> {
         gemma3::parse_wrapper(&mut k)?
     } else if model_type.starts_with("gemma") {
         gemma3::parse(&mut k)?
+    } else if model_type == granite_hybrid::MODEL_TYPE {
+        granite_hybrid::parse(&mut k)?
     } else {
         llama::parse(&mut k, &mut sliding_window)?
     };
@@ -210,8 +216,10 @@ pub fn load(dir: &Path) -> Result<(ModelConfig, HfInfo, HashMap<String, Tensor>)
         "gpt2" => gpt2::from_gpt2(tensors, &model, dir)?,
         "phi3" => phi3::split_fused(tensors, &model, dir)?,
         "gemma3" => language_model(tensors, &mut model),
+        granite_hybrid::MODEL_TYPE => granite_hybrid::from_published(tensors),
         _ => tensors,
     };
+    granite_hybrid::check(&tensors, &model, dir)?;
     drop_rotary_buffers(&mut tensors);
     drop_tied_head(&mut tensors, model.tie_embeddings, dir)?;
     Ok((model, info, tensors))
@@ -251,6 +259,15 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
         || m.residual_multiplier != 1.0
         || m.logits_scaling != 1.0;
     let plain = m.layout.is_plain();
+    if m.hybrid.is_some() {
+        return match llama_like && granite_hybrid::fits(m) {
+            true => Ok(granite_hybrid::MODEL_TYPE.to_string()),
+            false => Err(format!(
+                "no Hugging Face model_type computes this model: {} computes a hybrid stack with rmsnorm + swiglu, no biases, no QK-norm or post-norm, no rope scaling, and a Mamba width (mamba_n_heads · mamba_d_head) that is a multiple of n_embd",
+                granite_hybrid::MODEL_TYPE
+            )),
+        };
+    }
     let longrope = matches!(m.rope_scaling, crate::config::RopeScaling::LongRope { .. });
     let fits = |t: &str| match t {
         "gemma3_text" | "gemma2" => gemma3::fits(m, t),
@@ -327,6 +344,8 @@ pub fn config_json(
         gpt2::config_json(m, hidden, o);
     } else if model_type.starts_with("gemma") {
         gemma3::config_json(m, model_type, hidden, o);
+    } else if model_type == granite_hybrid::MODEL_TYPE {
+        granite_hybrid::config_json(m, hidden, o);
     } else {
         llama::config_json(m, model_type, hidden, base, o);
     }
@@ -354,6 +373,7 @@ pub fn to_hf_names(
     match model_type {
         "gpt2" => gpt2::to_hf_names(tensors, n_layer),
         "phi3" => phi3::to_hf_names(tensors, n_layer),
+        granite_hybrid::MODEL_TYPE => Ok(granite_hybrid::to_hf_names(tensors)),
         _ => Ok(tensors),
     }
 }

@@ -30,6 +30,7 @@ pub(super) fn causal_mask(
 impl Model {
     pub(super) fn attention(&self, l: usize, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
         let s = &self.spec;
+        let a = b.attn()?;
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
         let packed = self.packed_for((bsz, t));
@@ -40,21 +41,21 @@ impl Model {
             && self.fused(s.kernels.attention && s.kernels.linear, x)
             && self.rope.is_none()
             && kvh == h
-            && b.q_norm.is_none()
+            && a.q_norm.is_none()
             && (!train || s.dropout <= 0.0)
-            && [&b.q, &b.k, &b.v].iter().all(|l| l.lora.is_none());
+            && [&a.q, &a.k, &a.v].iter().all(|l| l.lora.is_none());
         if region {
             // q | k | v as one matmul over concatenated weights, then the attention core as
             // one graph node (kernels::causal_attention_qkv).
             let w = Tensor::cat(
                 &[
-                    self.weight(&b.q.w)?,
-                    self.weight(&b.k.w)?,
-                    self.weight(&b.v.w)?,
+                    self.weight(&a.q.w)?,
+                    self.weight(&a.k.w)?,
+                    self.weight(&a.v.w)?,
                 ],
                 0,
             )?;
-            let bias = match (&b.q.b, &b.k.b, &b.v.b) {
+            let bias = match (&a.q.b, &a.k.b, &a.v.b) {
                 (Some(bq), Some(bk), Some(bv)) => Some(Tensor::cat(
                     &[self.cast(bq)?, self.cast(bk)?, self.cast(bv)?],
                     0,
@@ -63,7 +64,7 @@ impl Model {
             };
             let qkv = kernels::linear(x, &w, bias.as_ref())?;
             let y = kernels::causal_attention_qkv(&qkv, h, s.attention_scale())?;
-            return self.linear(&b.o, &y);
+            return self.linear(&a.o, &y);
         }
         let (q, k, v) = self.qkv_heads(b, x)?;
         let (q, k) = match packed.and_then(|p| Some((p, self.rope_table(l, p.len)?))) {
@@ -105,7 +106,7 @@ impl Model {
         };
         let att = self.dropout(&att, train, dropout::site_attention(l), Layout::Attention)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((bsz, t, h * hd))?;
-        self.linear(&b.o, &y)
+        self.linear(&a.o, &y)
     }
 
     /// Attention probabilities from the raw scores `q·kᵀ`: × the score scale, Gemma 2's
@@ -123,13 +124,14 @@ impl Model {
     /// where it has one (before RoPE): over the whole projection (OLMo 2) or each head (Qwen3).
     pub(super) fn qkv_heads(&self, b: &Block, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let s = &self.spec;
+        let a = b.attn()?;
         let (bsz, t, _) = x.dims3()?;
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
-        let mut q = self.linear(&b.q, x)?;
-        let mut k = self.linear(&b.k, x)?;
-        let v = self.linear(&b.v, x)?;
+        let mut q = self.linear(&a.q, x)?;
+        let mut k = self.linear(&a.k, x)?;
+        let v = self.linear(&a.v, x)?;
         let per_head = s.layout.qk_norm == QkNorm::Head;
-        if let (Some(qn), Some(kn)) = (&b.q_norm, &b.k_norm) {
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
             if per_head {
                 // One row per (position, head): the norm runs over each head's dims.
                 q = self.norm(qn, &q.reshape((bsz, t * h, hd))?)?;

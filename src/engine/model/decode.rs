@@ -97,6 +97,10 @@ impl Model {
         };
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim);
         for (l, (b, slot)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
+            if let super::Mixer::Mamba(m) = &b.mixer {
+                x = self.mamba_decode_block(b, m, &x, slot)?;
+                continue;
+            }
             let a_in = self.block_input(&b.ln1, &x)?;
             let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
             let key = s.layer_rope(l, start + n);
@@ -127,7 +131,7 @@ impl Model {
             };
             let att = self.attention_probs(q.matmul(&k.t()?)?, mask)?;
             let y = att.matmul(&v)?.transpose(1, 2)?.reshape((1, n, h * hd))?;
-            let a = self.linear(&b.o, &y)?;
+            let a = self.linear(&b.attn()?.o, &y)?;
             x = (x + self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?)?;
             let m = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
             x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?;

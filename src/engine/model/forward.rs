@@ -38,10 +38,16 @@ impl Model {
             };
         }
         x = self.dropout(&x, train, dropout::site_embedding(), Layout::Rows)?;
+        if let Ok(mut kept) = self.router_logits.lock() {
+            kept.clear();
+        }
         for (l, b) in self.blocks.iter().enumerate() {
             let h = self.block_input(&b.ln1, &x)?;
-            let a = self.attention(l, b, &h, train)?;
-            let a = self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?;
+            let mixed = match &b.mixer {
+                Mixer::Attention(_) => self.attention(l, b, &h, train)?,
+                Mixer::Mamba(m) => self.mamba(m, &h)?,
+            };
+            let a = self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), mixed)?)?;
             x = (x + self.dropout(&a, train, dropout::site_attention_out(l), Layout::Rows)?)?;
             let h = self.block_input(&b.ln2, &x)?;
             let m = self.mlp(b, &h)?;
@@ -100,6 +106,36 @@ impl Model {
         }
     }
 
+    /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions; while
+    /// training a model with routed experts, plus their load-balancing loss ×
+    /// `router_aux_loss_coef` (as transformers' training loss).
+    pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
+        let ce = self.ce_loss(ids, targets, train)?;
+        self.with_router_aux(ce, train)
+    }
+
+    /// `loss` plus the experts' load-balancing loss × its coefficient, while training.
+    pub(super) fn with_router_aux(&self, loss: Tensor, train: bool) -> Result<Tensor> {
+        let coef = self
+            .spec
+            .hybrid
+            .as_ref()
+            .map_or(0.0, |h| h.router_aux_loss_coef);
+        match self.router_aux_loss()? {
+            Some(aux) if train && coef > 0.0 => {
+                let dt = loss.dtype();
+                loss + (aux * coef)?.to_dtype(dt)?
+            }
+            _ => Ok(loss),
+        }
+    }
+
+    /// The load-balancing loss of the experts' routers over the last training forward (None
+    /// without routed experts).
+    pub fn router_aux(&self) -> Result<Option<Tensor>> {
+        self.router_aux_loss()
+    }
+
     /// Whether the loss takes the head matmul and the cross-entropy as one kernel (the logits
     /// never exist): CUDA, the kernels on, no final soft-cap (Gemma 2's caps the logits).
     pub(super) fn fused_head_loss(&self) -> bool {
@@ -125,7 +161,7 @@ impl Model {
     }
 
     /// Mean cross-entropy in nats (f32 scalar tensor) of the next-token predictions.
-    pub fn loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
+    fn ce_loss(&mut self, ids: &Tensor, targets: &Tensor, train: bool) -> Result<Tensor> {
         if targets.dtype() == DType::U32 && self.fused_head_loss() {
             // Head matmul and CE as one node: the logits never enter the graph.
             let (x, head) = self.hidden(ids, train)?;

@@ -50,6 +50,17 @@ impl Init<'_> {
         std: f64,
         kind: ParamKind,
     ) -> Result<Var> {
+        let t = self.draw(shape, std)?;
+        self.keep(name, &t.to_dtype(self.store.dtype)?, kind)
+    }
+
+    /// `t` (any shape) as a parameter named `name`, stored in the base's dtype.
+    pub(super) fn tensor(&mut self, name: String, t: &Tensor, kind: ParamKind) -> Result<Var> {
+        self.keep(name, &t.to_dtype(self.store.dtype)?, kind)
+    }
+
+    /// A `shape` tensor of N(0, std) draws as the store says (zeros for a loaded base).
+    pub(super) fn draw(&mut self, shape: (usize, usize), std: f64) -> Result<Tensor> {
         let t = match self.store.init {
             BaseInit::Loaded => Tensor::zeros(shape, self.store.dtype, self.device)?,
             BaseInit::DeviceRandom => Tensor::randn(0f32, std as f32, shape, self.device)?,
@@ -68,7 +79,7 @@ impl Init<'_> {
                 Tensor::from_vec(v, shape, self.device)?
             }
         };
-        self.keep(name, &t.to_dtype(self.store.dtype)?, kind)
+        Ok(t)
     }
 
     /// `t` as a trainable parameter named `name`.

@@ -13,19 +13,9 @@ impl Model {
             store: BaseStore::default(),
         };
         let scale = spec.alpha / spec.r as f64;
+        let hybrid = self.spec.hybrid.is_some();
         for (i, b) in self.blocks.iter_mut().enumerate() {
-            let mut targets: Vec<(&str, &str, &mut Linear)> = vec![
-                ("q", "self_attn.q_proj", &mut b.q),
-                ("k", "self_attn.k_proj", &mut b.k),
-                ("v", "self_attn.v_proj", &mut b.v),
-                ("o", "self_attn.o_proj", &mut b.o),
-                ("up", "mlp.up_proj", &mut b.up),
-                ("down", "mlp.down_proj", &mut b.down),
-            ];
-            if let Some(g) = b.gate.as_mut() {
-                targets.push(("gate", "mlp.gate_proj", g));
-            }
-            for (short, path, lin) in targets {
+            for (short, path, lin) in block_linears_mut(b, hybrid) {
                 if !spec.targets.iter().any(|t| t == short) {
                     continue;
                 }
@@ -43,13 +33,22 @@ impl Model {
                     (out, spec.r),
                     ParamKind::LoraB,
                 )?;
-                let target = LORA_TARGETS.iter().position(|t| *t == short).unwrap_or(0);
+                // Adapters that read the same input share a dropout mask: in_proj reads the
+                // normed block input (as q, k, v), out_proj the scan's output (as o).
+                let group = match short {
+                    "in_proj" => 0,
+                    "out_proj" => 1,
+                    _ => LORA_TARGETS
+                        .iter()
+                        .position(|t| *t == short)
+                        .map_or(0, |t| LORA_TARGET_GROUP[t]),
+                };
                 lin.lora = Some(Lora {
                     a,
                     b: bb,
                     scale,
                     p: spec.dropout.max(0.0),
-                    site: dropout::site_lora(i, LORA_TARGET_GROUP[target]),
+                    site: dropout::site_lora(i, group),
                 });
             }
         }
@@ -64,15 +63,24 @@ impl Model {
         let mut v = Vec::new();
         for (i, b) in self.blocks.iter().enumerate() {
             let p = format!("model.layers.{i}");
-            v.push((format!("{p}.self_attn.q_proj"), &b.q));
-            v.push((format!("{p}.self_attn.k_proj"), &b.k));
-            v.push((format!("{p}.self_attn.v_proj"), &b.v));
-            v.push((format!("{p}.self_attn.o_proj"), &b.o));
+            match &b.mixer {
+                Mixer::Attention(a) => {
+                    v.push((format!("{p}.self_attn.q_proj"), &a.q));
+                    v.push((format!("{p}.self_attn.k_proj"), &a.k));
+                    v.push((format!("{p}.self_attn.v_proj"), &a.v));
+                    v.push((format!("{p}.self_attn.o_proj"), &a.o));
+                }
+                Mixer::Mamba(m) => {
+                    v.push((format!("{p}.mamba.in_proj"), &m.in_proj));
+                    v.push((format!("{p}.mamba.out_proj"), &m.out_proj));
+                }
+            }
             if let Some(g) = &b.gate {
                 v.push((format!("{p}.mlp.gate_proj"), g));
             }
-            v.push((format!("{p}.mlp.up_proj"), &b.up));
-            v.push((format!("{p}.mlp.down_proj"), &b.down));
+            let (up, down) = mlp_paths(self.spec.hybrid.is_some());
+            v.push((format!("{p}.{up}"), &b.up));
+            v.push((format!("{p}.{down}"), &b.down));
         }
         v
     }
@@ -138,20 +146,10 @@ impl Model {
     pub fn quantize_base_nf4(&mut self) -> Result<(u64, u64)> {
         let (mut before, mut after) = (0u64, 0u64);
         let mut dropped = std::collections::HashSet::new();
+        let hybrid = self.spec.hybrid.is_some();
         for (i, b) in self.blocks.iter_mut().enumerate() {
-            let p = format!("model.layers.{i}");
-            let mut lins: Vec<(String, &mut Linear)> = vec![
-                (format!("{p}.self_attn.q_proj"), &mut b.q),
-                (format!("{p}.self_attn.k_proj"), &mut b.k),
-                (format!("{p}.self_attn.v_proj"), &mut b.v),
-                (format!("{p}.self_attn.o_proj"), &mut b.o),
-                (format!("{p}.mlp.up_proj"), &mut b.up),
-                (format!("{p}.mlp.down_proj"), &mut b.down),
-            ];
-            if let Some(g) = b.gate.as_mut() {
-                lins.push((format!("{p}.mlp.gate_proj"), g));
-            }
-            for (name, lin) in lins {
+            for (_, path, lin) in block_linears_mut(b, hybrid) {
+                let name = format!("model.layers.{i}.{path}");
                 let Weight::Dense(v) = &lin.w else { continue };
                 let t = v.as_tensor();
                 before += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
@@ -164,4 +162,47 @@ impl Model {
         self.params.retain(|p| !dropped.contains(&p.name));
         Ok((before, after))
     }
+}
+
+/// The paths of the MLP's input and output projections: a hybrid's shared MLP, or the Llama
+/// block's up and down.
+fn mlp_paths(hybrid: bool) -> (&'static str, &'static str) {
+    if hybrid {
+        ("shared_mlp.input_linear", "shared_mlp.output_linear")
+    } else {
+        ("mlp.up_proj", "mlp.down_proj")
+    }
+}
+
+/// A block's linear layers as LoRA names them: `(target, path under the layer, layer)`.
+fn block_linears_mut(
+    b: &mut Block,
+    hybrid: bool,
+) -> Vec<(&'static str, &'static str, &mut Linear)> {
+    let Block {
+        mixer,
+        up,
+        gate,
+        down,
+        ..
+    } = b;
+    let mut v: Vec<(&'static str, &'static str, &mut Linear)> = match mixer {
+        Mixer::Attention(a) => vec![
+            ("q", "self_attn.q_proj", &mut a.q),
+            ("k", "self_attn.k_proj", &mut a.k),
+            ("v", "self_attn.v_proj", &mut a.v),
+            ("o", "self_attn.o_proj", &mut a.o),
+        ],
+        Mixer::Mamba(m) => vec![
+            ("in_proj", "mamba.in_proj", &mut m.in_proj),
+            ("out_proj", "mamba.out_proj", &mut m.out_proj),
+        ],
+    };
+    let (up_path, down_path) = mlp_paths(hybrid);
+    v.push(("up", up_path, up));
+    v.push(("down", down_path, down));
+    if let Some(g) = gate.as_mut() {
+        v.push(("gate", "mlp.gate_proj", g));
+    }
+    v
 }

@@ -1,4 +1,5 @@
-//! The MLP: GELU, SwiGLU or GeGLU (Gemma: a GELU-tanh gate).
+//! The MLP: GELU, SwiGLU or GeGLU (Gemma: a GELU-tanh gate); a hybrid's shared SwiGLU MLP
+//! (gate | up in one projection) and its routed experts.
 
 use super::*;
 
@@ -14,8 +15,18 @@ impl Model {
                 };
                 (g * self.linear(&b.up, x)?)?
             }
+            None if self.spec.hybrid.is_some() => {
+                let gu = self.linear(&b.up, x)?;
+                let h = self.spec.hidden;
+                (candle_nn::ops::silu(&gu.narrow(D::Minus1, 0, h)?)?
+                    * gu.narrow(D::Minus1, h, h)?)?
+            }
             None => self.linear_gelu(&b.up, x)?,
         };
-        self.linear(&b.down, &hidden)
+        let y = self.linear(&b.down, &hidden)?;
+        match &b.moe {
+            Some(m) => self.moe(m, x)? + y,
+            None => Ok(y),
+        }
     }
 }

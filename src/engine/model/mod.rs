@@ -21,10 +21,14 @@ mod forward;
 mod init;
 mod linear;
 mod lora;
+mod mamba;
+mod mamba_decode;
 mod mlp;
+mod moe;
 mod norm;
 mod rope;
 mod segments;
+mod ssd;
 mod step_plan;
 pub use segments::{positions, Masked};
 pub use step_plan::step_facts;
@@ -71,10 +75,9 @@ pub struct Param {
     pub trainable: bool,
 }
 
+/// A block's attention weights.
 #[derive(Clone, Debug)]
-struct Block {
-    /// Pre-norm: the attention's input norm; post-norm (OLMo 2): its output's.
-    ln1: NormLayer,
+struct Attn {
     q: Linear,
     k: Linear,
     v: Linear,
@@ -82,15 +85,44 @@ struct Block {
     /// QK-norm scales (Qwen3, OLMo 2).
     q_norm: Option<NormLayer>,
     k_norm: Option<NormLayer>,
+}
+
+/// What a block mixes the sequence with: attention, or (a Granite 4.0 hybrid's Mamba layers)
+/// a Mamba-2 state-space mixer.
+#[derive(Clone, Debug)]
+enum Mixer {
+    Attention(Box<Attn>),
+    Mamba(Box<mamba::Mamba>),
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    /// Pre-norm: the attention's input norm; post-norm (OLMo 2): its output's.
+    ln1: NormLayer,
+    mixer: Mixer,
     /// Pre-norm: the MLP's input norm; post-norm (OLMo 2): its output's.
     ln2: NormLayer,
     /// Gemma's sandwich: the norms on the attention and MLP outputs (`ln1`, `ln2` stay on
     /// their inputs).
     post_attn: Option<NormLayer>,
     post_mlp: Option<NormLayer>,
+    /// The MLP's input projection (a hybrid's shared MLP: gate | up in one,
+    /// `shared_mlp.input_linear`).
     up: Linear,
     gate: Option<Linear>,
     down: Linear,
+    /// A hybrid's routed experts beside the shared MLP.
+    moe: Option<moe::Moe>,
+}
+
+impl Block {
+    /// The attention weights (an error for a Mamba layer).
+    fn attn(&self) -> Result<&Attn> {
+        match &self.mixer {
+            Mixer::Attention(a) => Ok(a),
+            Mixer::Mamba(_) => candle_core::bail!("a Mamba layer has no attention"),
+        }
+    }
 }
 
 /// The transformer.
@@ -120,6 +152,8 @@ pub struct Model {
     /// The data's rows carry loss masks / packed samples (the whole-model step takes
     /// neither: [`ModelSpec::fast_step_support`]).
     data_layout: (bool, bool),
+    /// The routers' logits of the training forward in progress (experts' load-balancing loss).
+    router_logits: std::sync::Mutex<Vec<Tensor>>,
 }
 
 // The step's input types live with the step (kernels); the model builds them.
@@ -187,6 +221,10 @@ impl Model {
                 ("input_layernorm", "post_attention_layernorm")
             };
             let ln1 = init.norm(&format!("{p}.{ln1_name}"), s.n_embd, norm, s.bias)?;
+            if let Some(h) = &s.hybrid {
+                blocks.push(Self::hybrid_block(&mut init, &p, s, h, i, ln1)?);
+                continue;
+            }
             let q = init.linear(
                 &format!("{p}.self_attn.q_proj"),
                 s.n_head * hd,
@@ -262,18 +300,21 @@ impl Model {
             )?;
             blocks.push(Block {
                 ln1,
-                q,
-                k,
-                v,
-                o,
-                q_norm,
-                k_norm,
+                mixer: Mixer::Attention(Box::new(Attn {
+                    q,
+                    k,
+                    v,
+                    o,
+                    q_norm,
+                    k_norm,
+                })),
                 ln2,
                 post_attn,
                 post_mlp,
                 up,
                 gate,
                 down,
+                moe: None,
             });
         }
         let ln_f = init.norm("model.norm", s.n_embd, norm, s.bias)?;
@@ -294,8 +335,9 @@ impl Model {
             false => None,
         };
         let table = |key| rope_tables(&s.rope_freqs(key), 0, t, dtype, device);
-        let (rope, rope_more) = match s.pos {
-            PosEncoding::Rope => (
+        // (A hybrid's attention may have no position encoding: NoPE.)
+        let (rope, rope_more) = match s.rope() {
+            true => (
                 Some(table(RopeKey::default())?),
                 s.rope_keys()
                     .into_iter()
@@ -303,7 +345,7 @@ impl Model {
                     .map(|k| Ok((k, table(k)?)))
                     .collect::<Result<Vec<_>>>()?,
             ),
-            PosEncoding::Learned => (None, Vec::new()),
+            false => (None, Vec::new()),
         };
         Ok(Self {
             params: init.params,
@@ -322,7 +364,54 @@ impl Model {
             training: false,
             packed: None,
             data_layout: (false, false),
+            router_logits: std::sync::Mutex::new(Vec::new()),
             spec,
+        })
+    }
+
+    /// A Granite 4.0 hybrid layer: attention or Mamba-2, the shared MLP
+    /// (`shared_mlp.input_linear` = gate | up, `shared_mlp.output_linear`), routed experts.
+    fn hybrid_block(
+        init: &mut Init,
+        p: &str,
+        s: &ModelSpec,
+        h: &crate::config::HybridConfig,
+        i: usize,
+        ln1: NormLayer,
+    ) -> Result<Block> {
+        let (std, c, hd) = (s.init_std, s.n_embd, s.head_dim());
+        let resid_std = std / (2.0 * s.n_layer as f64).sqrt();
+        let mixer = if h.is_mamba(i) {
+            Mixer::Mamba(Box::new(mamba::Mamba::new(init, p, s, h)?))
+        } else {
+            let a = format!("{p}.self_attn");
+            Mixer::Attention(Box::new(Attn {
+                q: init.linear(&format!("{a}.q_proj"), s.n_head * hd, c, std, false)?,
+                k: init.linear(&format!("{a}.k_proj"), s.n_kv_head * hd, c, std, false)?,
+                v: init.linear(&format!("{a}.v_proj"), s.n_kv_head * hd, c, std, false)?,
+                o: init.linear(&format!("{a}.o_proj"), c, s.n_head * hd, resid_std, false)?,
+                q_norm: None,
+                k_norm: None,
+            }))
+        };
+        let ln2 = init.norm(&format!("{p}.post_attention_layernorm"), c, (s.norm, 1.0), false)?;
+        let m = format!("{p}.shared_mlp");
+        let up = init.linear(&format!("{m}.input_linear"), 2 * s.hidden, c, std, false)?;
+        let down = init.linear(&format!("{m}.output_linear"), c, s.hidden, resid_std, false)?;
+        let moe = match h.experts {
+            0 => None,
+            _ => Some(moe::Moe::new(init, p, s, h)?),
+        };
+        Ok(Block {
+            ln1,
+            mixer,
+            ln2,
+            post_attn: None,
+            post_mlp: None,
+            up,
+            gate: None,
+            down,
+            moe,
         })
     }
 
@@ -391,7 +480,13 @@ impl Model {
         } else {
             0.0
         };
-        6.0 * (matmul as f64 + head) + 12.0 * (s.n_layer * s.n_embd * s.seq_len) as f64
+        // (Attention layers only: a hybrid's Mamba layers have no T² term.)
+        let attn = self
+            .blocks
+            .iter()
+            .filter(|b| matches!(b.mixer, Mixer::Attention(_)))
+            .count();
+        6.0 * (matmul as f64 + head) + 12.0 * (attn * s.n_embd * s.seq_len) as f64
     }
     /// All weights by name (for checkpoints).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {

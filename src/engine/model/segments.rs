@@ -86,6 +86,20 @@ impl Model {
             return Ok(());
         };
         let t = seg.len() / batch.max(1);
+        let mamba = self
+            .spec
+            .hybrid
+            .as_ref()
+            .is_some_and(|h| h.layers.contains(&crate::config::MixerKind::Mamba));
+        if mamba
+            && seg
+                .chunks(t.max(1))
+                .any(|row| row.iter().any(|s| *s != row[0]))
+        {
+            candle_core::bail!(
+                "packed samples (data.packing = true) through Mamba layers: the scan has no sample boundaries; set data.packing = false"
+            );
+        }
         let pos = positions(seg, t);
         let len = pos.iter().max().map_or(0, |&p| p as usize + 1);
         let mut mask = vec![0f32; batch * t * t];
@@ -119,7 +133,8 @@ impl Model {
     /// do not train cost nothing but their place in the batch.
     pub fn masked_loss(&mut self, ids: &Tensor, m: &Masked, train: bool) -> Result<Tensor> {
         let per = self.token_losses_graph(ids, &m.targets, train)?;
-        (per * &m.weights)?.sum_all()? / m.count.max(1) as f64
+        let ce = ((per * &m.weights)?.sum_all()? / m.count.max(1) as f64)?;
+        self.with_router_aux(ce, train)
     }
 
     /// Cross-entropy of each prediction `[B·T]` (f32), in the graph.

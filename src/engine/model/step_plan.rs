@@ -70,29 +70,31 @@ impl Model {
                 scale: a.scale,
             })
         };
+        // (A hybrid's Mamba layers have no place in the step: it declines them, Reason::Hybrid.)
         let layers = self
             .blocks
             .iter()
-            .map(|b| StepLayer {
+            .filter_map(|b| b.attn().ok().map(|a| (b, a)))
+            .map(|(b, a)| StepLayer {
                 ln1: norm(&b.ln1),
-                q: lin(&b.q),
-                k: lin(&b.k),
-                v: lin(&b.v),
-                o: lin(&b.o),
+                q: lin(&a.q),
+                k: lin(&a.k),
+                v: lin(&a.v),
+                o: lin(&a.o),
                 ln2: norm(&b.ln2),
                 gate: b.gate.as_ref().map(lin),
                 up: lin(&b.up),
                 down: lin(&b.down),
                 lora: [
-                    adapter(Some(&b.q)),
-                    adapter(Some(&b.k)),
-                    adapter(Some(&b.v)),
-                    adapter(Some(&b.o)),
+                    adapter(Some(&a.q)),
+                    adapter(Some(&a.k)),
+                    adapter(Some(&a.v)),
+                    adapter(Some(&a.o)),
                     adapter(b.gate.as_ref()),
                     adapter(Some(&b.up)),
                     adapter(Some(&b.down)),
                 ],
-                qk_norm: match (&b.q_norm, &b.k_norm) {
+                qk_norm: match (&a.q_norm, &a.k_norm) {
                     (Some(q), Some(k)) => Some((q.w.clone(), k.w.clone())),
                     _ => None,
                 },
@@ -107,8 +109,9 @@ impl Model {
             lora_dropout: self
                 .blocks
                 .iter()
-                .flat_map(|b| {
-                    [&b.q, &b.k, &b.v, &b.o, &b.up, &b.down]
+                .filter_map(|b| b.attn().ok().map(|a| (b, a)))
+                .flat_map(|(b, a)| {
+                    [&a.q, &a.k, &a.v, &a.o, &b.up, &b.down]
                         .into_iter()
                         .chain(&b.gate)
                 })

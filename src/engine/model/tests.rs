@@ -112,7 +112,10 @@ fn lora_dropout_masks_the_adapters_input_while_training_only() {
     let sites: std::collections::BTreeSet<u32> = dropped
         .blocks
         .iter()
-        .flat_map(|b| [&b.q, &b.k, &b.v, &b.o, &b.up, &b.down])
+        .flat_map(|b| {
+            let a = b.attn().unwrap();
+            [&a.q, &a.k, &a.v, &a.o, &b.up, &b.down]
+        })
         .filter_map(|l| l.lora.as_ref().map(|a| a.site))
         .collect();
     assert_eq!(sites.len(), 4 * c.model.n_layer);

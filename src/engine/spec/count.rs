@@ -61,6 +61,11 @@ impl ModelSpec {
         if self.pos == PosEncoding::Learned {
             base += self.n_positions as u64 * c;
         }
+        if let Some(h) = &self.hybrid {
+            let (layers, adapters) = self.hybrid_layers(h);
+            base += layers + self.norm_params();
+            return ParamCount { base, adapters };
+        }
         // Gemma's sandwich: a norm on each input and each output of attention and MLP.
         let norms = if self.layout.sandwich_norm { 4 } else { 2 };
         let mut layer = norms * self.norm_params();
@@ -81,5 +86,47 @@ impl ModelSpec {
             base,
             adapters: self.n_layer as u64 * adapters,
         }
+    }
+
+    /// The weights of a hybrid stack's layers and of their adapters.
+    fn hybrid_layers(&self, h: &crate::config::HybridConfig) -> (u64, u64) {
+        let (c, hid) = (self.n_embd, self.hidden);
+        let (mut base, mut adapters) = (0u64, 0u64);
+        let targeted = |t: &str| {
+            self.lora
+                .as_ref()
+                .filter(|l| l.targets.iter().any(|x| x == t))
+        };
+        for l in 0..self.n_layer {
+            let mut lin: Vec<(&str, usize, usize, bool)> =
+                vec![("up", 2 * hid, c, false), ("down", c, hid, false)];
+            base += 2 * c as u64;
+            if h.is_mamba(l) {
+                let (inner, conv) = (h.mamba_inner(), h.conv_dim());
+                lin.push(("in_proj", h.in_proj_width(), c, h.mamba_proj_bias));
+                lin.push(("out_proj", c, inner, h.mamba_proj_bias));
+                base += (conv * h.mamba_d_conv) as u64;
+                base += if h.mamba_conv_bias { conv as u64 } else { 0 };
+                base += (3 * h.mamba_n_heads + inner) as u64;
+            } else {
+                let (qw, kvw) = (self.q_width(), self.kv_width());
+                lin.extend([
+                    ("q", qw, c, false),
+                    ("k", kvw, c, false),
+                    ("v", kvw, c, false),
+                    ("o", c, qw, false),
+                ]);
+            }
+            if h.experts > 0 {
+                base += (h.experts * c * (1 + 3 * h.expert_hidden)) as u64;
+            }
+            for (name, out, inp, bias) in lin {
+                base += (out * inp) as u64 + if bias { out as u64 } else { 0 };
+                if let Some(lo) = targeted(name) {
+                    adapters += (lo.r * (out + inp)) as u64;
+                }
+            }
+        }
+        (base, adapters)
     }
 }

@@ -7,8 +7,8 @@
 //! Nothing here touches a device: what a GPU can do comes in as [`StepFacts`].
 
 use crate::config::{
-    Activation, Arch, BlockLayout, Config, KernelsConfig, ModelConfig, Norm, PosEncoding, QkNorm,
-    Recompute, RopeScaling,
+    Activation, Arch, BlockLayout, Config, HybridConfig, KernelsConfig, ModelConfig, Norm,
+    PosEncoding, QkNorm, Recompute, RopeScaling,
 };
 
 pub use count::ParamCount;
@@ -81,6 +81,8 @@ pub struct ModelSpec {
     /// QK-norm and post-norm blocks (Qwen3, OLMo 2), Gemma's sandwich norms, sliding layers
     /// and soft-capping ([`layers`]).
     pub layout: BlockLayout,
+    /// A Granite 4.0 hybrid stack (Mamba-2 and attention layers, shared MLP, experts).
+    pub hybrid: Option<HybridConfig>,
     /// What the fast step recomputes in the backward (the per-op path keeps autograd's).
     /// Not part of [`Self::resume_key`]: it changes what the step keeps, not the model.
     pub recompute: Recompute,
@@ -146,6 +148,7 @@ impl ModelSpec {
             residual_multiplier: m.residual_multiplier,
             logits_scaling: m.logits_scaling,
             layout: m.layout.clone(),
+            hybrid: m.hybrid.clone(),
             recompute: m.recompute,
             lora: None,
             prior_sigma: defaults.scu.prior_sigma,
@@ -160,6 +163,12 @@ impl ModelSpec {
     pub fn attention_scale(&self) -> f64 {
         self.attention_multiplier
             .unwrap_or_else(|| 1.0 / (self.head_dim as f64).sqrt())
+    }
+
+    /// Whether the attention layers rotate q and k (RoPE; a hybrid's attention may have no
+    /// position encoding at all).
+    pub fn rope(&self) -> bool {
+        self.pos == PosEncoding::Rope && self.hybrid.as_ref().is_none_or(|h| h.rope)
     }
 
     /// A gated MLP (SwiGLU or GeGLU), else GELU.
@@ -228,6 +237,21 @@ impl ModelSpec {
             out.push_str(&format!(" rope {}/{}", self.rotary_dim(), self.head_dim));
         }
         out.push_str(&self.layers_family());
+        if let Some(h) = &self.hybrid {
+            let mamba = h
+                .layers
+                .iter()
+                .filter(|k| **k == crate::config::MixerKind::Mamba);
+            out.push_str(&format!(
+                " hybrid {} mamba/{} layers{}",
+                mamba.count(),
+                self.n_layer,
+                if h.rope { "" } else { " nope" }
+            ));
+            if h.experts > 0 {
+                out.push_str(&format!(" moe {}/{}", h.experts_top_k, h.experts));
+            }
+        }
         if !self.arch_notes.is_empty() {
             out.push_str(&format!(" [{}]", self.arch_notes.join(", ")));
         }

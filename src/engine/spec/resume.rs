@@ -50,6 +50,7 @@ impl ModelSpec {
             ),
             ("model.logits_scaling", self.logits_scaling.to_string()),
             ("model.layout", format!("{:?}", self.layout)),
+            ("model.hybrid", format!("{:?}", self.hybrid)),
             ("lora", lora),
         ])
     }

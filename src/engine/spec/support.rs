@@ -111,6 +111,8 @@ pub enum Reason {
     LongRope,
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
     PackedSamples(&'static str),
+    #[error("a Granite 4.0 hybrid (Mamba-2 layers, routed experts): the step has no kernels for them yet")]
+    Hybrid,
 }
 
 impl ModelSpec {
@@ -180,6 +182,9 @@ impl ModelSpec {
         let no_flash = if flash { None } else { self.no_flash(false) };
         if self.n_layer == 0 {
             return Err(Reason::NoLayers);
+        }
+        if self.hybrid.is_some() {
+            return Err(Reason::Hybrid);
         }
         if !self.n_embd.is_multiple_of(8) || !self.hidden.is_multiple_of(8) {
             return Err(Reason::Widths {

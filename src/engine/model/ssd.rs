@@ -1,0 +1,145 @@
+//! The Mamba-2 selective state-space scan in f32, chunked (state-space duality): within a
+//! chunk the outputs are a masked, decayed `C·Bᵀ` applied to `dt·x` (matmuls); between chunks
+//! the state `[heads, head width, state]` is carried with its decay. Exact: the chunk length
+//! changes only the rounding, and a sequence that is not a multiple of it is padded with
+//! `dt = 0` (no decay, no input), which leaves the outputs and the final state as they are.
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// The scan's inputs (all f32): `x [B, T, heads, hd]`, `dt [B, T, heads]` (after softplus and
+/// the limits), `a [heads]` (negative), `b` and `c` `[B, T, heads, state]` (groups already
+/// spread over their heads).
+pub(super) struct ScanIn<'a> {
+    pub x: &'a Tensor,
+    pub dt: &'a Tensor,
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub c: &'a Tensor,
+}
+
+/// `y [B, T, heads, hd]` (without the D skip) and the state after the last position
+/// `[B, heads, hd, state]`, starting from `s0` (zeros when None).
+pub(super) fn scan(i: &ScanIn, chunk: usize, s0: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    let (bsz, t, nh, hd) = i.x.dims4()?;
+    let ds = i.b.dim(3)?;
+    let l = chunk.min(t).max(1);
+    let nc = t.div_ceil(l);
+    let pad = nc * l - t;
+    let dev = i.x.device();
+    let padded = |z: &Tensor| -> Result<Tensor> {
+        if pad == 0 {
+            Ok(z.clone())
+        } else {
+            z.pad_with_zeros(1, 0, pad)
+        }
+    };
+    // [B, T', heads, w] → [B, heads, chunks, L, w].
+    let heads_major = |z: &Tensor, w: usize| -> Result<Tensor> {
+        padded(z)?
+            .reshape((bsz, nc, l, nh, w))?
+            .permute((0, 3, 1, 2, 4))?
+            .contiguous()
+    };
+    let xc = heads_major(i.x, hd)?;
+    let bc = heads_major(i.b, ds)?;
+    let cc = heads_major(i.c, ds)?;
+    let dtc = padded(i.dt)?
+        .reshape((bsz, nc, l, nh))?
+        .permute((0, 3, 1, 2))?
+        .contiguous()?;
+    let acum = dtc.broadcast_mul(&i.a.reshape((1, nh, 1, 1))?)?.cumsum(3)?;
+    // Within a chunk: position l reads source s ≤ l with decay exp(acum_l − acum_s).
+    let causal: Vec<f32> = (0..l * l)
+        .map(|k| {
+            if k % l > k / l {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let causal = Tensor::from_vec(causal, (l, l), dev)?;
+    let decay = acum
+        .unsqueeze(4)?
+        .broadcast_sub(&acum.unsqueeze(3)?)?
+        .broadcast_add(&causal)?
+        .exp()?;
+    let xdt = xc.broadcast_mul(&dtc.unsqueeze(4)?)?;
+    let scores = bmm(&cc, &bc.t()?)?;
+    let y_diag = bmm(&(scores * decay)?, &xdt)?;
+    // Each chunk's own contribution to the state at its end.
+    let last = acum.narrow(3, l - 1, 1)?;
+    let to_end = last.broadcast_sub(&acum)?.exp()?;
+    let states = bmm(&xdt.broadcast_mul(&to_end.unsqueeze(4)?)?.t()?, &bc)?;
+    let chunk_decay = last.squeeze(3)?.exp()?;
+    let mut s = match s0 {
+        Some(s) => s.to_dtype(DType::F32)?,
+        None => Tensor::zeros((bsz, nh, hd, ds), DType::F32, dev)?,
+    };
+    let mut starts = Vec::with_capacity(nc);
+    for ci in 0..nc {
+        starts.push(s.clone());
+        let k = chunk_decay.narrow(2, ci, 1)?.unsqueeze(3)?;
+        s = (s.broadcast_mul(&k)? + states.narrow(2, ci, 1)?.squeeze(2)?)?;
+    }
+    let starts = Tensor::stack(&starts, 2)?;
+    let y_off = bmm(&cc, &starts.t()?)?.broadcast_mul(&acum.exp()?.unsqueeze(4)?)?;
+    let y = (y_diag + y_off)?
+        .permute((0, 2, 3, 1, 4))?
+        .reshape((bsz, nc * l, nh, hd))?
+        .narrow(1, 0, t)?;
+    Ok((y, s))
+}
+
+/// A matmul over the last two dims of 5-D tensors with the same leading dims (candle's
+/// batched matmul takes at most one batch dim beyond the first).
+fn bmm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let d = a.dims().to_vec();
+    let (m, n) = (d[d.len() - 2], b.dim(D::Minus1)?);
+    let lead: usize = d[..d.len() - 2].iter().product();
+    let k = d[d.len() - 1];
+    let y = a
+        .contiguous()?
+        .reshape((lead, m, k))?
+        .matmul(&b.contiguous()?.reshape((lead, k, n))?)?;
+    let mut out = d[..d.len() - 2].to_vec();
+    out.extend([m, n]);
+    y.reshape(out)
+}
+
+/// `log(1 + exp(x))`, written so that neither branch overflows.
+pub(super) fn softplus(x: &Tensor) -> Result<Tensor> {
+    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+}
+
+/// Each of `groups` rows of `z [B, T, groups, w]` serves `heads / groups` heads:
+/// `[B, T, heads, w]`.
+pub(super) fn spread_groups(z: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, t, g, w) = z.dims4()?;
+    if g == heads {
+        return Ok(z.clone());
+    }
+    z.unsqueeze(3)?
+        .expand((b, t, g, heads / g, w))?
+        .reshape((b, t, heads, w))
+}
+
+/// The gated RMSNorm of Mamba-2's output: `y·silu(z)`, normalised over each of `groups`
+/// equal slices of the last dim, times `w`.
+pub(super) fn gated_rms_norm(
+    y: &Tensor,
+    z: &Tensor,
+    w: &Tensor,
+    groups: usize,
+    eps: f64,
+) -> Result<Tensor> {
+    let dims = y.dims().to_vec();
+    let width = dims[dims.len() - 1];
+    let g = (y * candle_nn::ops::silu(z)?)?;
+    let mut gd = dims[..dims.len() - 1].to_vec();
+    gd.extend([groups, width / groups]);
+    let g = g.reshape(gd)?;
+    let var = g.sqr()?.mean_keepdim(D::Minus1)?;
+    let g = g.broadcast_div(&(var + eps)?.sqrt()?)?.reshape(dims)?;
+    g.broadcast_mul(w)
+}
