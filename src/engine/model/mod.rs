@@ -16,7 +16,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod attention;
+mod cache;
 mod decode;
+mod decode_batch;
 mod forward;
 mod init;
 mod linear;
@@ -34,7 +36,9 @@ mod segments_tests;
 mod tests;
 
 pub use crate::engine::spec::{LoraSpec, ModelSpec, Reason, StepFacts};
+pub use cache::{BatchCache, LayerState};
 pub use decode::KvCache;
+pub use decode_batch::StepOut;
 use init::Init;
 pub use init::{BaseInit, BaseStore};
 use linear::{Linear, Lora, Weight};

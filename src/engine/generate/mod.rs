@@ -1,0 +1,74 @@
+//! Text generation: batches of sequences decoded together over a cache allocated once
+//! ([`batch`]), the next tokens chosen on the device ([`sampling`]), several samples per
+//! prompt and their diversity ([`diversity`]), prompts read from a file ([`prompts`]).
+
+pub mod batch;
+pub mod diversity;
+pub mod prompts;
+pub mod run;
+pub mod sampling;
+
+use super::model::Model;
+use candle_core::Result;
+
+pub use batch::{generate_rows, Generation, RowOut, Rows, StopReason};
+
+/// How the next token is chosen.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    /// 0 = greedy (the most likely token); otherwise logits ÷ temperature.
+    pub temperature: f64,
+    /// Keep the k most likely tokens; 0 = all.
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p; 1 = all.
+    pub top_p: f64,
+    /// Logits of the tokens already in the row (prompt or output) divided by this when
+    /// positive, multiplied when negative (transformers' repetition_penalty); 1 = off.
+    pub repetition_penalty: f64,
+    pub seed: u64,
+}
+
+impl Sampling {
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Continue `prompt` by up to `max_new` tokens, stopping after a token of `stop`; `on_token`
+/// sees each new token as it is chosen. Returns the new tokens. (A batch of one row of
+/// [`generate_rows`].)
+pub fn generate(
+    model: &Model,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: &Sampling,
+    stop: &[u32],
+    mut on_token: impl FnMut(u32),
+) -> Result<Vec<u32>> {
+    let rows = [prompt.to_vec()];
+    let req = Rows {
+        prompts: &rows,
+        max_new,
+        sampling,
+        seed: sampling.seed,
+        stop,
+        embed: false,
+    };
+    let out = generate_rows(model, &req, |step| {
+        if let Some(Some(t)) = step.first() {
+            on_token(*t);
+        }
+    })?;
+    Ok(out
+        .rows
+        .into_iter()
+        .next()
+        .map(|r| r.ids)
+        .unwrap_or_default())
+}
