@@ -58,6 +58,10 @@ fn invalid_configs_exit_2_naming_the_key() {
             "bad_reduce_dtype.toml",
             "distributed.reduce_dtype = \"fp8\"",
         ),
+        (
+            "eval_samples_without_prompts.toml",
+            "eval.sample_prompts = []: give at least one prompt",
+        ),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();

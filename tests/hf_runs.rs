@@ -131,6 +131,8 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
                 "eval.every=3".into(),
                 "eval.sample_tokens=12".into(),
                 "eval.sample_prompt=\"The quick brown\"".into(),
+                "eval.samples_per_prompt=3".into(),
+                "eval.sample_prompts=[\"The quick brown\", \"A cockpit shows\"]".into(),
             ],
         ),
         run_dir.path(),
@@ -150,6 +152,22 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
         "{:?}",
         samples[1]
     );
+    // eval.samples_per_prompt: sampled on the live weights, the diversity in metrics.jsonl.
+    let diversity: Vec<serde_json::Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "sample_diversity")
+        .collect();
+    assert_eq!(diversity.len(), 2, "one per eval");
+    for d in &diversity {
+        assert_eq!(d["prompts"], 2);
+        assert_eq!(d["samples_per_prompt"], 3);
+        let c = d["cosine_distance"].as_f64().unwrap();
+        assert!((0.0..=2.0).contains(&c), "{d}");
+        let d1 = d["distinct_1"].as_f64().unwrap();
+        assert!(d1 > 0.0 && d1 <= 1.0, "{d}");
+        assert!(d["new_tokens"].as_u64().unwrap() > 0, "{d}");
+    }
     assert!(
         losses[0] < 3.0,
         "starts from the pretrained model: {losses:?}"

@@ -5,7 +5,6 @@ use super::hf::GenerateArgs;
 use super::{EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
 use crate::engine::generate::diversity::Diversity;
 use crate::engine::generate::run::{self, ManyOptions};
-use crate::engine::generate::Sampling;
 use crate::engine::EngineError;
 use std::io::Write;
 use std::path::PathBuf;
@@ -26,23 +25,6 @@ impl Many {
             || self.output.is_some()
             || !self.bench.is_empty()
     }
-}
-
-/// What is wrong with the sampling options, naming the value.
-pub fn sampling_error(s: &Sampling) -> Option<String> {
-    if !(s.temperature >= 0.0 && s.temperature.is_finite()) {
-        return Some(format!("--temperature {}: must be ≥ 0", s.temperature));
-    }
-    if !(s.top_p > 0.0 && s.top_p <= 1.0) {
-        return Some(format!("--top-p {}: must be in (0, 1]", s.top_p));
-    }
-    if !(s.repetition_penalty > 0.0 && s.repetition_penalty.is_finite()) {
-        return Some(format!(
-            "--repetition-penalty {}: must be > 0 (1 = off)",
-            s.repetition_penalty
-        ));
-    }
-    None
 }
 
 fn usage(e: &str) -> anyhow::Result<i32> {
@@ -76,7 +58,7 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
         Some(Some(d)) => d,
         Some(None) => return usage("--device: allowed: auto, cpu, cuda, cuda:N"),
     };
-    if let Some(e) = sampling_error(&a.sampling) {
+    if let Some(e) = a.sampling.problem() {
         return usage(&e);
     }
     if m.samples == 0 {

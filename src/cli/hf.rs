@@ -101,7 +101,7 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
             return Ok(EXIT_USAGE);
         }
     };
-    if let Some(e) = super::generate::sampling_error(&a.sampling) {
+    if let Some(e) = a.sampling.problem() {
         crate::errln!("cockpit: generate: {e}");
         return Ok(EXIT_USAGE);
     }

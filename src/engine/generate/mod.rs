@@ -38,6 +38,24 @@ impl Sampling {
             seed: 0,
         }
     }
+
+    /// What is wrong with these options (named as `cockpit generate`'s flags, with the
+    /// value), if anything.
+    pub fn problem(&self) -> Option<String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Some(format!("--temperature {}: must be ≥ 0", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Some(format!("--top-p {}: must be in (0, 1]", self.top_p));
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Some(format!(
+                "--repetition-penalty {}: must be > 0 (1 = off)",
+                self.repetition_penalty
+            ));
+        }
+        None
+    }
 }
 
 /// Continue `prompt` by up to `max_new` tokens, stopping after a token of `stop`; `on_token`

@@ -18,7 +18,7 @@ const SEARCH_STEPS: usize = 32;
 /// Where the draws' uniforms come from: the host's seeded generator on the CPU (which candle
 /// cannot seed), the device's seeded generator elsewhere.
 enum Noise {
-    Host(StdRng),
+    Host(Box<StdRng>),
     Device,
 }
 
@@ -68,7 +68,7 @@ impl Sampler {
         let noise = if s.temperature <= 0.0 {
             Noise::Device
         } else if device.is_cpu() {
-            Noise::Host(StdRng::seed_from_u64(seed))
+            Noise::Host(Box::new(StdRng::seed_from_u64(seed)))
         } else {
             device.set_seed(seed)?;
             Noise::Device

@@ -112,12 +112,15 @@ impl Trainer {
     }
 }
 
+/// `eval.sample_prompts` as ids, and the tokenizer that shows the text.
+pub(super) type SampleSet = (Vec<Vec<u32>>, Option<crate::engine::data::Tok>);
+
 /// `eval.sample_prompts` as ids (through the data's tokenizer; token ids written out for the
 /// built-in corpus), each within the training context, and the tokenizer that shows the text.
 pub(super) fn sample_set(
     cfg: &crate::config::Config,
     vocab: usize,
-) -> Result<Option<(Vec<Vec<u32>>, Option<crate::engine::data::Tok>)>, crate::engine::EngineError> {
+) -> Result<Option<SampleSet>, crate::engine::EngineError> {
     use crate::engine::EngineError;
     if cfg.eval.samples_per_prompt == 0 {
         return Ok(None);
