@@ -599,14 +599,7 @@ fn generate_and_export_on_the_command_line() {
             "--batch-size 0",
         ),
         (
-            vec![
-                "--prompt",
-                "x",
-                "--samples",
-                "2",
-                "--repetition-penalty",
-                "-1",
-            ],
+            vec!["--prompt", "x", "--samples", "2", "--repetition-penalty=-1"],
             "--repetition-penalty -1",
         ),
     ] {
