@@ -267,9 +267,9 @@ mod tests {
         let prompts = Tensor::new(&[[1u32, 1]], &Device::Cpu).unwrap();
         let mut sm = Sampler::new(&prompts, 4, &s, 0).unwrap();
         assert_eq!(draw(&mut sm, &[0.0, 2.0, 1.0, -3.0]), 2);
-        // Token 2 chosen: now penalised as well (1.0 → 0.25), and token 0 wins.
+        // Token 2 chosen: now penalised as well (1.0 → 0.25), and token 0 (0.6) wins over 0.5.
         sm.observe(&Tensor::new(&[2u32], &Device::Cpu).unwrap())
             .unwrap();
-        assert_eq!(draw(&mut sm, &[0.3, 2.0, 1.0, -3.0]), 0);
+        assert_eq!(draw(&mut sm, &[0.6, 2.0, 1.0, -3.0]), 0);
     }
 }
