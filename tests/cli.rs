@@ -73,6 +73,10 @@ fn invalid_configs_exit_2_naming_the_key() {
             "model.hybrid.mamba_n_groups = 3",
         ),
         ("hybrid_lora_gate.toml", "lora.targets = \"gate\""),
+        (
+            "eval_samples_without_prompts.toml",
+            "eval.sample_prompts = []: give at least one prompt",
+        ),
     ];
     let dir = Path::new("tests/invalid_configs");
     let files = std::fs::read_dir(dir).unwrap().count();
@@ -347,4 +351,58 @@ fn bench_reports_timed_steps_as_text_and_json() {
         .assert()
         .code(2)
         .stderr(predicate::str::contains("needs a CUDA device"));
+}
+
+/// `eval.samples_per_prompt` on the built-in corpus (no tokenizer): prompts are token ids;
+/// text is a usage error naming the entry; ids give a `sample_diversity` record per eval.
+#[test]
+fn eval_samples_on_the_builtin_corpus_take_token_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "run.max_steps=2",
+        "schedule.warmup_steps=0",
+        "eval.every=1",
+        "eval.batches=1",
+        "eval.sample_tokens=6",
+        "eval.samples_per_prompt=3",
+        "checkpoint.every_steps=0",
+        "checkpoint.at_end=false",
+    ];
+    let train = |run: &str, prompts: &str| {
+        let mut c = cockpit();
+        c.args(["train", "--no-tui", "--device", "cpu", "--run-dir"])
+            .arg(dir.path().join(run));
+        for s in base {
+            c.args(["--set", s]);
+        }
+        c.args(["--set", &format!("eval.sample_prompts={prompts}")]);
+        c.output().unwrap()
+    };
+    let out = train("text", "[\"hello\"]");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("eval.sample_prompts[0] = \"hello\": the built-in corpus has no tokenizer"),
+        "{err}"
+    );
+    let out = train("ids", "[\"1 2 3\", \"4,5\"]");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics = std::fs::read_to_string(dir.path().join("ids/metrics.jsonl")).unwrap();
+    let found: Vec<serde_json::Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "sample_diversity")
+        .collect();
+    assert_eq!(found.len(), 2, "one per eval: {metrics}");
+    assert_eq!(found[0]["prompts"], 2);
+    assert_eq!(found[0]["new_tokens"], 2 * 3 * 6);
+    assert!(
+        found[0]["cosine_distance"].as_f64().is_some(),
+        "{}",
+        found[0]
+    );
 }

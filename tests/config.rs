@@ -248,3 +248,48 @@ fn lora_dropout_is_a_probability() {
     let err = config::load(None, &bad).unwrap_err().to_string();
     assert!(err.contains("lora.dropout"), "{err}");
 }
+
+#[test]
+fn eval_samples_need_prompts_and_a_length() {
+    let load = |o: &[&str]| {
+        let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+        config::load(None, &o)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert!(load(&[
+        "eval.samples_per_prompt=4",
+        "eval.sample_tokens=8",
+        "eval.sample_prompts=[\"1 2\", \"3\"]",
+    ])
+    .is_ok());
+    for (o, want) in [
+        (
+            &["eval.samples_per_prompt=4", "eval.sample_tokens=8"][..],
+            "eval.sample_prompts",
+        ),
+        (
+            &["eval.samples_per_prompt=4", "eval.sample_prompts=[\"1\"]"][..],
+            "eval.sample_tokens",
+        ),
+        (
+            &[
+                "eval.samples_per_prompt=5000",
+                "eval.sample_tokens=8",
+                "eval.sample_prompts=[\"1\"]",
+            ][..],
+            "5000",
+        ),
+        (
+            &[
+                "eval.samples_per_prompt=2",
+                "eval.sample_tokens=8",
+                "eval.sample_prompts=[\"1\", \" \"]",
+            ][..],
+            "eval.sample_prompts[1]",
+        ),
+    ] {
+        let err = load(o).unwrap_err();
+        assert!(err.contains(want), "{o:?}: {err}");
+    }
+}

@@ -186,6 +186,128 @@ fn cached_decoding_equals_the_full_forward() {
     }
 }
 
+/// Rows of different lengths decoded together (left-padded): each row's greedy tokens are
+/// the tokens it gets alone, and a row alone matches transformers.
+#[test]
+fn batched_greedy_equals_each_prompt_alone() {
+    use cockpit::engine::generate::{generate, generate_rows, Rows, Sampling};
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let e = expected(&dir);
+        let model = load(&dir, e.ids.len() - 1);
+        let p = &e.prompt;
+        let prompts = vec![
+            p.clone(),
+            p[..p.len().min(3)].to_vec(),
+            e.ids[..p.len() + 4].to_vec(),
+            e.ids[5..6].to_vec(),
+        ];
+        let n = e.greedy.len();
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|q| generate(&model, q, n, &Sampling::greedy(), &[], |_| {}).unwrap())
+            .collect();
+        assert_eq!(
+            alone[0], e.greedy,
+            "{name}: greedy tokens differ from transformers'"
+        );
+        let req = Rows {
+            prompts: &prompts,
+            max_new: n,
+            sampling: &Sampling::greedy(),
+            seed: 0,
+            stop: &[],
+            embed: true,
+        };
+        let mut steps = 0;
+        let g = generate_rows(&model, &req, |_| steps += 1).unwrap();
+        assert_eq!(steps, n);
+        for (i, (row, want)) in g.rows.iter().zip(&alone).enumerate() {
+            assert_eq!(
+                &row.ids, want,
+                "{name}: row {i} in a batch differs from alone"
+            );
+        }
+        // A stop token ends its row alone (the token is the row's last).
+        let stop = [alone[1][2]];
+        let req = Rows { stop: &stop, ..req };
+        let g = generate_rows(&model, &req, |_| {}).unwrap();
+        let cut = alone[1].iter().position(|t| *t == stop[0]).unwrap() + 1;
+        assert_eq!(g.rows[1].ids, alone[1][..cut], "{name}");
+        assert_eq!(
+            g.rows[1].stop,
+            cockpit::engine::generate::StopReason::Eos,
+            "{name}"
+        );
+        let emb = g.embeddings.unwrap();
+        assert_eq!(emb.dims(), &[4, model.spec.n_embd]);
+    }
+}
+
+/// The batched cache gives, for each row, the logits a full forward of that row alone gives.
+#[test]
+fn batched_decoding_equals_the_full_forward() {
+    for name in [
+        "llama3", "gpt2", "granite", "qwen3", "olmo2", "phi3", "mistral",
+    ] {
+        let dir = fixture(name);
+        let e = expected(&dir);
+        let mut model = load(&dir, e.ids.len() - 1);
+        let lens = [12usize, 7, 9];
+        let steps = 5;
+        let width = lens[0];
+        let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
+        let rows: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(r, &l)| e.ids[r..r + l + steps].to_vec())
+            .collect();
+        let mut flat = Vec::new();
+        for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
+            flat.extend(std::iter::repeat_n(row[0], pad));
+            flat.extend_from_slice(&row[..l]);
+        }
+        let mut cache = model.batch_cache(&pads, width + steps).unwrap();
+        let ids = Tensor::from_vec(flat, (3, width), &Device::Cpu).unwrap();
+        let mut got: Vec<Vec<Vec<f32>>> = vec![model
+            .decode_batch(&ids, &mut cache, true)
+            .unwrap()
+            .logits
+            .unwrap()
+            .to_vec2()
+            .unwrap()];
+        for s in 0..steps - 1 {
+            let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
+            let t = Tensor::from_vec(next, (3, 1), &Device::Cpu).unwrap();
+            got.push(
+                model
+                    .decode_batch(&t, &mut cache, true)
+                    .unwrap()
+                    .logits
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap(),
+            );
+        }
+        for (r, (row, &l)) in rows.iter().zip(&lens).enumerate() {
+            let n = l + steps - 1;
+            let x = Tensor::from_vec(row[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
+            let full: Vec<Vec<f32>> = model.forward(&x, false).unwrap().to_vec2().unwrap();
+            for (s, step) in got.iter().enumerate() {
+                let worst = full[l - 1 + s]
+                    .iter()
+                    .zip(&step[r])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst < 1e-4,
+                    "{name}: row {r} step {s}: logits differ by {worst}"
+                );
+            }
+        }
+    }
+}
+
 /// A copy of a fixture with its config.json changed.
 fn variant(name: &str, change: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();

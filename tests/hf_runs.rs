@@ -131,6 +131,8 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
                 "eval.every=3".into(),
                 "eval.sample_tokens=12".into(),
                 "eval.sample_prompt=\"The quick brown\"".into(),
+                "eval.samples_per_prompt=3".into(),
+                "eval.sample_prompts=[\"The quick brown\", \"A cockpit shows\"]".into(),
             ],
         ),
         run_dir.path(),
@@ -150,6 +152,22 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
         "{:?}",
         samples[1]
     );
+    // eval.samples_per_prompt: sampled on the live weights, the diversity in metrics.jsonl.
+    let diversity: Vec<serde_json::Value> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["event"] == "sample_diversity")
+        .collect();
+    assert_eq!(diversity.len(), 2, "one per eval");
+    for d in &diversity {
+        assert_eq!(d["prompts"], 2);
+        assert_eq!(d["samples_per_prompt"], 3);
+        let c = d["cosine_distance"].as_f64().unwrap();
+        assert!((0.0..=2.0).contains(&c), "{d}");
+        let d1 = d["distinct_1"].as_f64().unwrap();
+        assert!(d1 > 0.0 && d1 <= 1.0, "{d}");
+        assert!(d["new_tokens"].as_u64().unwrap() > 0, "{d}");
+    }
     assert!(
         losses[0] < 3.0,
         "starts from the pretrained model: {losses:?}"
@@ -512,6 +530,143 @@ fn generate_and_export_on_the_command_line() {
         .assert()
         .code(2)
         .stderr(predicates::str::contains("no checkpoint here"));
+    // Many prompts, several samples each: JSON Lines with the samples and their diversity.
+    let prompts = tmp.path().join("prompts.jsonl");
+    let ids2: Vec<String> = prompt[..3].iter().map(|t| t.to_string()).collect();
+    std::fs::write(
+        &prompts,
+        format!(
+            "{{\"prompt_ids\": [{}]}}\n\n{{\"prompt_ids\": [{}]}}\n",
+            ids.join(", "),
+            ids2.join(", ")
+        ),
+    )
+    .unwrap();
+    let out_file = tmp.path().join("out.jsonl");
+    let run = cockpit()
+        .args([
+            "generate",
+            &fixture("qwen2").display().to_string(),
+            "--prompts",
+        ])
+        .arg(&prompts)
+        .args(["--samples", "3", "--batch-size", "4", "--max-tokens"])
+        .arg(greedy.len().to_string())
+        .args(["--temperature", "0", "--ignore-eos", "--output"])
+        .arg(&out_file)
+        .assert()
+        .success()
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        err.contains("tokens/s") && err.contains("first token") && err.contains("load"),
+        "{err}"
+    );
+    assert!(err.contains("cosine distance"), "{err}");
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out_file)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[1]["line"], 3);
+    for l in &lines {
+        let samples = l["samples"].as_array().unwrap();
+        assert_eq!(samples.len(), 3);
+        for s in samples {
+            assert_eq!(s["tokens"], greedy.len());
+            assert_eq!(s["stop"], "length");
+        }
+        // Greedy: three equal samples, no diversity.
+        let d = &l["diversity"];
+        assert!(d["cosine_distance"].as_f64().unwrap().abs() < 1e-4, "{d}");
+        assert!(d["distinct_1"].as_f64().unwrap() <= 1.0 / 3.0 + 1e-9, "{d}");
+    }
+    let first: Vec<u32> = lines[0]["samples"][0]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(first, greedy, "a prompt of a batch decodes as alone");
+    // Sampled: different samples, a positive distance.
+    let sampled = cockpit()
+        .args([
+            "generate",
+            &fixture("llama3").display().to_string(),
+            "--prompts",
+        ])
+        .arg(&prompts)
+        .args([
+            "--samples",
+            "4",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "1.5",
+        ])
+        .args([
+            "--top-k",
+            "0",
+            "--top-p",
+            "1",
+            "--repetition-penalty",
+            "1.2",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let first: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&sampled).lines().next().unwrap()).unwrap();
+    assert!(
+        first["diversity"]["cosine_distance"].as_f64().unwrap() > 1e-4,
+        "{first}"
+    );
+    assert!(first["samples"][0]["text"].is_string(), "{first}");
+    // Bad input: one line naming the value, exit 2.
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"prompt\": \"a\"}\n{\"prompt\": 5}\n").unwrap();
+    let long = tmp.path().join("long.txt");
+    std::fs::write(&long, format!("short\n{}\n", "word ".repeat(80))).unwrap();
+    let gpt2 = fixture("gpt2").display().to_string();
+    for (args, want) in [
+        (
+            vec!["--prompts", bad.to_str().unwrap()],
+            "bad.jsonl: line 2: \"prompt\": 5 is not a string",
+        ),
+        (
+            vec!["--prompts", long.to_str().unwrap(), "--max-tokens", "4"],
+            "long.txt: line 2: ",
+        ),
+        (vec!["--prompt", "x", "--samples", "0"], "--samples 0"),
+        (vec!["--prompt", "x", "--top-p", "1.5"], "--top-p 1.5"),
+        (
+            vec!["--prompts", bad.to_str().unwrap(), "--top-p", "0"],
+            "--top-p 0",
+        ),
+        (
+            vec!["--prompt", "x", "--samples", "2", "--batch-size", "0"],
+            "--batch-size 0",
+        ),
+        (
+            vec!["--prompt", "x", "--samples", "2", "--repetition-penalty=-1"],
+            "--repetition-penalty -1",
+        ),
+    ] {
+        let out = cockpit()
+            .args(["generate", &gpt2])
+            .args(&args)
+            .assert()
+            .code(2)
+            .get_output()
+            .clone();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
+    }
     // A sharded export transformers would read: index + shards.
     let dest = tmp.path().join("sharded");
     cockpit()

@@ -174,6 +174,26 @@ pub enum Cmd {
         /// assistant's generation prompt), as transformers' apply_chat_template does.
         #[arg(long)]
         chat: bool,
+        /// Many prompts: one a line, or JSON Lines with a "prompt" (or "prompt_ids") field;
+        /// writes JSON Lines (prompt, samples, token counts, stop reason, diversity).
+        #[arg(long, value_name = "FILE")]
+        prompts: Option<PathBuf>,
+        /// Samples per prompt (their diversity is measured when there are 2 or more).
+        #[arg(long, value_name = "N", default_value_t = 1)]
+        samples: usize,
+        /// Sequences decoded together.
+        #[arg(long, value_name = "B", default_value_t = 64)]
+        batch_size: usize,
+        /// Where the JSON Lines go (default: stdout).
+        #[arg(long, value_name = "FILE")]
+        output: Option<PathBuf>,
+        /// Logits of tokens already in the sequence ÷ R (× R when negative); 1 = off.
+        #[arg(long, value_name = "R", default_value_t = 1.0)]
+        repetition_penalty: f64,
+        /// Benchmark: tokens/s of batches of these sizes (random prompts of 16 ids,
+        /// --max-tokens new tokens each, no stop token), one JSON line per batch size.
+        #[arg(long, value_name = "B1,B2,..", value_delimiter = ',')]
+        bench: Vec<usize>,
     },
     /// Write PNG and SVG plots of a run (loss, S-ratio, λ, LR, tokens/s, GPU).
     Plot {

@@ -101,8 +101,8 @@ pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
             return Ok(EXIT_USAGE);
         }
     };
-    if !(a.sampling.temperature >= 0.0 && a.sampling.top_p > 0.0 && a.sampling.top_p <= 1.0) {
-        crate::errln!("cockpit: generate: --temperature must be ≥ 0 and --top-p in (0, 1]");
+    if let Some(e) = a.sampling.problem() {
+        crate::errln!("cockpit: generate: {e}");
         return Ok(EXIT_USAGE);
     }
     if a.prompt.is_none() && a.prompt_ids.is_empty() {

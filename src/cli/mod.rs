@@ -7,6 +7,7 @@ mod bench;
 mod check;
 mod fit;
 mod frontends;
+mod generate;
 mod gguf;
 mod hf;
 mod launch;
@@ -112,22 +113,44 @@ pub fn main() -> i32 {
             ids,
             ignore_eos,
             chat,
-        }) => hf::generate(hf::GenerateArgs {
-            source: &source,
-            prompt,
-            prompt_ids,
-            max_tokens,
-            sampling: crate::engine::generate::Sampling {
+            prompts,
+            samples,
+            batch_size,
+            output,
+            repetition_penalty,
+            bench,
+        }) => {
+            let sampling = crate::engine::generate::Sampling {
                 temperature,
                 top_k,
                 top_p,
+                repetition_penalty,
                 seed,
-            },
-            device: device.as_deref(),
-            ids,
-            ignore_eos,
-            chat,
-        }),
+            };
+            let many = generate::Many {
+                prompts,
+                samples,
+                batch_size,
+                output,
+                bench,
+            };
+            let args = hf::GenerateArgs {
+                source: &source,
+                prompt,
+                prompt_ids,
+                max_tokens,
+                sampling,
+                device: device.as_deref(),
+                ids,
+                ignore_eos,
+                chat,
+            };
+            if many.wanted() {
+                generate::many(many, args)
+            } else {
+                hf::generate(args)
+            }
+        }
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
         Some(Cmd::Attach {
             run_dir,

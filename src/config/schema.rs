@@ -790,6 +790,13 @@ pub struct EvalConfig {
     pub sample_tokens: usize,
     /// The prompt for `sample_tokens`; "" = the first tokens of the val split.
     pub sample_prompt: String,
+    /// At each eval, this many sampled continuations (of `sample_tokens` tokens) of each of
+    /// `sample_prompts`, decoded together on the live weights; their diversity (distinct-n,
+    /// pairwise cosine distance) goes to metrics.jsonl. 0 = off.
+    pub samples_per_prompt: usize,
+    /// The prompts of `samples_per_prompt` (text; token ids "1 2 3" for the built-in
+    /// corpus, which has no tokenizer).
+    pub sample_prompts: Vec<String>,
 }
 
 impl Default for EvalConfig {
@@ -800,6 +807,8 @@ impl Default for EvalConfig {
             at_end: true,
             sample_tokens: 0,
             sample_prompt: String::new(),
+            samples_per_prompt: 0,
+            sample_prompts: Vec::new(),
         }
     }
 }

@@ -232,7 +232,10 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
         if let Some((key, value, why)) = h.problem(m.n_layer) {
             ck.fail(key, value, why);
         }
-        if m.activation != crate::config::Activation::SwiGlu || m.norm != crate::config::Norm::RmsNorm || m.bias {
+        if m.activation != crate::config::Activation::SwiGlu
+            || m.norm != crate::config::Norm::RmsNorm
+            || m.bias
+        {
             ck.fail(
                 "model.hybrid",
                 "set",
@@ -664,6 +667,45 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
     );
 
     // [eval]: batches = 0 is the whole val split.
+    let e = &c.eval;
+    if e.samples_per_prompt > 1024 {
+        ck.fail(
+            "eval.samples_per_prompt",
+            e.samples_per_prompt,
+            "must be at most 1024",
+        );
+    }
+    if e.samples_per_prompt > 0 {
+        if e.sample_prompts.is_empty() {
+            ck.fail(
+                "eval.sample_prompts",
+                "[]",
+                format!(
+                    "give at least one prompt for eval.samples_per_prompt = {}",
+                    e.samples_per_prompt
+                ),
+            );
+        }
+        if e.sample_tokens == 0 {
+            ck.fail(
+                "eval.sample_tokens",
+                0,
+                format!(
+                    "must be at least 1 with eval.samples_per_prompt = {} (the length of each sample)",
+                    e.samples_per_prompt
+                ),
+            );
+        }
+    }
+    for (i, p) in e.sample_prompts.iter().enumerate() {
+        if p.trim().is_empty() {
+            ck.fail(
+                &format!("eval.sample_prompts[{i}]"),
+                quoted(p),
+                "must not be empty",
+            );
+        }
+    }
 
     // [monitor]
     ck.positive("monitor.interval_secs", c.monitor.interval_secs);

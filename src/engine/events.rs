@@ -316,6 +316,21 @@ pub enum Event {
         prompt: String,
         text: String,
     },
+    /// Sampled continuations of `eval.sample_prompts` at an eval (`eval.samples_per_prompt`
+    /// each, decoded together) and their diversity: means over the prompts.
+    SampleDiversity {
+        step: u64,
+        prompts: usize,
+        samples_per_prompt: usize,
+        new_tokens: usize,
+        tokens_per_s: f64,
+        distinct_1: Option<f64>,
+        distinct_2: Option<f64>,
+        distinct_3: Option<f64>,
+        cosine_distance: Option<f64>,
+        /// The first prompt's first sample.
+        example: String,
+    },
     Finished {
         step: u64,
         reason: FinishReason,
@@ -340,6 +355,7 @@ impl Event {
             | Event::Resumed { step }
             | Event::Warning { step, .. }
             | Event::Sample { step, .. }
+            | Event::SampleDiversity { step, .. }
             | Event::Finished { step, .. } => *step,
         }
     }

@@ -184,6 +184,26 @@ pub fn event_line(ev: &Event) -> Option<String> {
             prompt.escape_debug(),
             text.escape_debug()
         ),
+        Event::SampleDiversity {
+            step,
+            prompts,
+            samples_per_prompt,
+            tokens_per_s,
+            distinct_1,
+            distinct_2,
+            distinct_3,
+            cosine_distance,
+            ..
+        } => {
+            let f = |v: &Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+            format!(
+                "text  step {step} | {prompts} prompts × {samples_per_prompt} samples ({tokens_per_s:.0} tok/s): distinct-1/2/3 {} {} {}, cosine distance {}",
+                f(distinct_1),
+                f(distinct_2),
+                f(distinct_3),
+                f(cosine_distance)
+            )
+        }
         Event::Finished {
             step,
             reason,

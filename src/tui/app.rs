@@ -467,6 +467,27 @@ impl App {
                     format!("sample: {} ⟶ {}", flat(&prompt), flat(&text)),
                 );
             }
+            Event::SampleDiversity {
+                step,
+                prompts,
+                samples_per_prompt,
+                distinct_1,
+                distinct_2,
+                cosine_distance,
+                ..
+            } => {
+                let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+                self.log.push(
+                    Some(step),
+                    LogLevel::Info,
+                    format!(
+                        "samples: {prompts}×{samples_per_prompt}: distinct-1 {}, distinct-2 {}, cosine distance {}",
+                        f(distinct_1),
+                        f(distinct_2),
+                        f(cosine_distance)
+                    ),
+                );
+            }
             Event::Finished {
                 step,
                 reason,

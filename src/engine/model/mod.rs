@@ -16,7 +16,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod attention;
+mod cache;
 mod decode;
+mod decode_batch;
 mod forward;
 mod init;
 mod linear;
@@ -40,7 +42,9 @@ mod tests;
 use crate::engine::spec::RopeKey;
 pub use crate::engine::spec::{LoraSpec, ModelSpec, Reason, StepFacts};
 use attention::causal_mask;
+pub use cache::{BatchCache, LayerState};
 pub use decode::KvCache;
+pub use decode_batch::StepOut;
 use init::Init;
 pub use init::{BaseInit, BaseStore};
 use linear::{Linear, Lora, Weight};
@@ -394,7 +398,12 @@ impl Model {
                 k_norm: None,
             }))
         };
-        let ln2 = init.norm(&format!("{p}.post_attention_layernorm"), c, (s.norm, 1.0), false)?;
+        let ln2 = init.norm(
+            &format!("{p}.post_attention_layernorm"),
+            c,
+            (s.norm, 1.0),
+            false,
+        )?;
         let m = format!("{p}.shared_mlp");
         let up = init.linear(&format!("{m}.input_linear"), 2 * s.hidden, c, std, false)?;
         let down = init.linear(&format!("{m}.output_linear"), c, s.hidden, resid_std, false)?;

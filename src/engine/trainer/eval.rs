@@ -117,3 +117,133 @@ impl Trainer {
         }))
     }
 }
+
+/// `eval.sample_prompts` as ids, and the tokenizer that shows the text.
+pub(super) type SampleSet = (Vec<Vec<u32>>, Option<crate::engine::data::Tok>);
+
+/// `eval.sample_prompts` as ids (through the data's tokenizer; token ids written out for the
+/// built-in corpus), each within the training context, and the tokenizer that shows the text.
+pub(super) fn sample_set(
+    cfg: &crate::config::Config,
+    vocab: usize,
+) -> Result<Option<SampleSet>, crate::engine::EngineError> {
+    use crate::engine::EngineError;
+    if cfg.eval.samples_per_prompt == 0 {
+        return Ok(None);
+    }
+    let tok = if cfg.data.source == "files" {
+        Some(crate::engine::data::Tok::open(&cfg.data.tokenizer)?)
+    } else {
+        None
+    };
+    let mut prompts = Vec::with_capacity(cfg.eval.sample_prompts.len());
+    for (i, p) in cfg.eval.sample_prompts.iter().enumerate() {
+        let ids = match &tok {
+            Some(t) => t.encode_prompt(p)?,
+            None => p
+                .split(|c: char| c.is_whitespace() || c == ',')
+                .filter(|w| !w.is_empty())
+                .map(|w| w.parse::<u32>())
+                .collect::<Result<Vec<u32>, _>>()
+                .map_err(|_| {
+                    EngineError::Config(format!(
+                        "eval.sample_prompts[{i}] = {p:?}: the built-in corpus has no tokenizer; give token ids (\"1 2 3\")"
+                    ))
+                })?,
+        };
+        if ids.is_empty() || ids.len() >= cfg.model.seq_len {
+            return Err(EngineError::Config(format!(
+                "eval.sample_prompts[{i}] = {p:?}: {} tokens; it must have 1 to model.seq_len - 1 ({})",
+                ids.len(),
+                cfg.model.seq_len - 1
+            )));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::Config(format!(
+                "eval.sample_prompts[{i}] = {p:?}: token {bad} is outside the vocabulary ({vocab})"
+            )));
+        }
+        prompts.push(ids);
+    }
+    Ok(Some((prompts, tok)))
+}
+
+impl Trainer {
+    /// `eval.samples_per_prompt`: that many sampled continuations of each of
+    /// `eval.sample_prompts`, all decoded together on the live weights (no copy of the
+    /// model), and their diversity.
+    pub(super) fn sample_diversity(&self) -> candle_core::Result<Option<Event>> {
+        use crate::engine::generate::{diversity, generate_rows, Rows, Sampling};
+        let Some((prompts, tok)) = &self.sample_set else {
+            return Ok(None);
+        };
+        let n = self.cfg.eval.samples_per_prompt;
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let max_new = self
+            .cfg
+            .eval
+            .sample_tokens
+            .min(self.model.spec.seq_len.saturating_sub(longest));
+        let rows: Vec<Vec<u32>> = prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), n))
+            .collect();
+        let sampling = Sampling {
+            temperature: 1.0,
+            seed: self.cfg.run.seed ^ self.step,
+            ..Sampling::greedy()
+        };
+        let stop: Vec<u32> = tok.as_ref().and_then(|t| t.eos_id()).into_iter().collect();
+        let g = generate_rows(
+            &self.model,
+            &Rows {
+                prompts: &rows,
+                max_new,
+                sampling: &sampling,
+                seed: sampling.seed,
+                stop: &stop,
+                embed: n >= 2,
+            },
+            |_| {},
+        )?;
+        let cosine = match &g.embeddings {
+            Some(e) => {
+                let d = e.dim(1)?;
+                diversity::pairwise_cosine_distance(&e.reshape((prompts.len(), n, d))?)?
+            }
+            None => vec![None; prompts.len()],
+        };
+        let per_prompt: Vec<diversity::Diversity> = g
+            .rows
+            .chunks(n)
+            .zip(&cosine)
+            .map(|(rows, c)| {
+                let ids: Vec<&[u32]> = rows.iter().map(|r| r.ids.as_slice()).collect();
+                diversity::of_samples(&ids, *c)
+            })
+            .collect();
+        let mean = diversity::mean(&per_prompt);
+        let new_tokens: usize = g.rows.iter().map(|r| r.ids.len()).sum();
+        let example = g.rows.first().map(|r| r.ids.as_slice()).unwrap_or(&[]);
+        let example = match tok {
+            Some(t) => t.decode(example),
+            None => example
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(" "),
+        };
+        Ok(Some(Event::SampleDiversity {
+            step: self.step,
+            prompts: prompts.len(),
+            samples_per_prompt: n,
+            new_tokens,
+            tokens_per_s: new_tokens as f64 / g.elapsed.as_secs_f64().max(1e-9),
+            distinct_1: mean.distinct_1,
+            distinct_2: mean.distinct_2,
+            distinct_3: mean.distinct_3,
+            cosine_distance: mean.cosine_distance,
+            example,
+        }))
+    }
+}

@@ -117,6 +117,8 @@ struct Trainer {
     /// `eval.sample_tokens`: the prompt's ids and the tokenizer that shows the text (None:
     /// the built-in corpus, shown as ids).
     sample: Option<(Vec<u32>, Option<data::Tok>)>,
+    /// `eval.samples_per_prompt`: the ids of `eval.sample_prompts` and the tokenizer.
+    sample_set: Option<eval::SampleSet>,
     /// The last optimizer step wrote the updated weights into the whole-model step's bf16
     /// copies (its next `begin` need not cast them); anything else that sets the weights
     /// clears it.

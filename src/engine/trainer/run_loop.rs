@@ -251,6 +251,9 @@ impl Trainer {
                 if let Some(ev) = self.sample_text()? {
                     out.emit(ev);
                 }
+                if let Some(ev) = self.sample_diversity()? {
+                    out.emit(ev);
+                }
             }
             let c = &self.cfg.checkpoint;
             let due_steps = c.every_steps > 0 && self.step.is_multiple_of(c.every_steps);

@@ -294,6 +294,7 @@ impl Trainer {
         } else {
             None
         };
+        let sample_set = super::eval::sample_set(&cfg, vocab)?;
         let mut t = Trainer {
             out_dir,
             parallel: super::parallel::strategy(
@@ -341,6 +342,7 @@ impl Trainer {
             per_op_reason: None,
             data_fault: None,
             sample,
+            sample_set,
             weights_copied: false,
             time_due: false,
             trained_slots: (0, 0),

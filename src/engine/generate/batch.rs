@@ -1,0 +1,219 @@
+//! One batch of rows decoded together: the prompts left-padded into one prefill, then one
+//! decode step a token for every row, over a [`BatchCache`] allocated once for prompt + new
+//! tokens (GPU memory does not grow with the steps). The host sees the sampled ids of each
+//! step and nothing else.
+
+use super::sampling::Sampler;
+use super::Sampling;
+use crate::engine::model::Model;
+use candle_core::{DType, Result, Tensor};
+use std::time::{Duration, Instant};
+
+/// What to generate: a batch of rows (prompts; a prompt sampled N times is N rows).
+pub struct Rows<'a> {
+    pub prompts: &'a [Vec<u32>],
+    /// New tokens at most, per row.
+    pub max_new: usize,
+    pub sampling: &'a Sampling,
+    /// The draws' seed (the batch's: rows draw from one stream).
+    pub seed: u64,
+    /// A row stops after one of these tokens.
+    pub stop: &'a [u32],
+    /// Also pool each row's final hidden states over its new tokens (the embeddings of
+    /// [`super::diversity`]); costs one more step.
+    pub embed: bool,
+}
+
+/// Why a row stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StopReason {
+    /// It produced a stop token (the last of its ids).
+    Eos,
+    /// It reached the most new tokens.
+    Length,
+}
+
+/// One row's new tokens.
+#[derive(Clone, Debug)]
+pub struct RowOut {
+    pub ids: Vec<u32>,
+    pub stop: StopReason,
+}
+
+/// What a batch produced.
+pub struct Generation {
+    pub rows: Vec<RowOut>,
+    /// `[B, n_embd]` (f32, on the model's device): each row's final hidden states averaged
+    /// over its new tokens (with [`Rows::embed`]).
+    pub embeddings: Option<Tensor>,
+    /// From the start to the first tokens chosen (prefill and one draw).
+    pub first_token: Duration,
+    pub elapsed: Duration,
+}
+
+/// Decode `req`'s rows together; `on_step` sees each step's tokens (None for a row that has
+/// stopped).
+pub fn generate_rows(
+    model: &Model,
+    req: &Rows,
+    mut on_step: impl FnMut(&[Option<u32>]),
+) -> Result<Generation> {
+    let start = Instant::now();
+    let b = req.prompts.len();
+    let mut rows: Vec<RowOut> = (0..b)
+        .map(|_| RowOut {
+            ids: Vec::with_capacity(req.max_new),
+            stop: StopReason::Length,
+        })
+        .collect();
+    if b == 0 || req.max_new == 0 {
+        return Ok(Generation {
+            rows,
+            embeddings: None,
+            first_token: start.elapsed(),
+            elapsed: start.elapsed(),
+        });
+    }
+    if req.prompts.iter().any(|p| p.is_empty()) {
+        candle_core::bail!("a prompt has no tokens");
+    }
+    if !model.batch_decodes() {
+        return rows_one_by_one(model, req, rows, start, on_step);
+    }
+    let dev = model.device();
+    let width = req.prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let pads: Vec<usize> = req.prompts.iter().map(|p| width - p.len()).collect();
+    // Padding repeats the row's first token: a token of the row (the repetition penalty
+    // counts what the row holds), never attended to.
+    let mut flat = Vec::with_capacity(b * width);
+    for (p, &pad) in req.prompts.iter().zip(&pads) {
+        flat.extend(std::iter::repeat_n(p[0], pad));
+        flat.extend_from_slice(p);
+    }
+    let ids = Tensor::from_vec(flat, (b, width), dev)?;
+    let mut cache = model.batch_cache(&pads, width + req.max_new)?;
+    let mut sampler = Sampler::new(&ids, model.spec.vocab_size, req.sampling, req.seed)?;
+    let stop = match req.stop {
+        [] => None,
+        s => Some(
+            Tensor::new(s, dev)?
+                .to_dtype(DType::F32)?
+                .reshape((1, s.len()))?,
+        ),
+    };
+    // 1 while a row's tokens are its output (until after its stop token).
+    let mut alive = Tensor::ones((b, 1), DType::F32, dev)?;
+    let mut pooled = match req.embed {
+        true => Some(Tensor::zeros((b, model.spec.n_embd), DType::F32, dev)?),
+        false => None,
+    };
+    let no_logits = || candle_core::Error::Msg("decode_batch gave no logits".into());
+    let mut logits = model
+        .decode_batch(&ids, &mut cache, true)?
+        .logits
+        .ok_or_else(no_logits)?;
+    let mut done = vec![false; b];
+    let mut first_token = None;
+    let mut step = vec![None; b];
+    for i in 0..req.max_new {
+        let tok = sampler.sample(&logits)?;
+        let host: Vec<u32> = tok.to_vec1()?;
+        first_token.get_or_insert_with(|| start.elapsed());
+        for r in 0..b {
+            step[r] = (!done[r]).then_some(host[r]);
+            if !done[r] {
+                rows[r].ids.push(host[r]);
+                if req.stop.contains(&host[r]) {
+                    done[r] = true;
+                    rows[r].stop = StopReason::Eos;
+                }
+            }
+        }
+        on_step(&step);
+        let last = i + 1 == req.max_new || done.iter().all(|&d| d);
+        if last && pooled.is_none() {
+            break;
+        }
+        // Feed the tokens: the next logits, and the hidden state of the token fed.
+        let out = model.decode_batch(&tok.unsqueeze(1)?, &mut cache, !last)?;
+        if let Some(sum) = &pooled {
+            pooled = Some((sum + out.hidden.broadcast_mul(&alive)?)?);
+        }
+        if last {
+            break;
+        }
+        sampler.observe(&tok)?;
+        if let Some(stop) = &stop {
+            let hit = tok
+                .to_dtype(DType::F32)?
+                .unsqueeze(1)?
+                .broadcast_eq(stop)?
+                .to_dtype(DType::F32)?
+                .max_keepdim(1)?;
+            alive = (&alive - (&alive * hit)?)?;
+        }
+        logits = out.logits.ok_or_else(no_logits)?;
+    }
+    let embeddings = match pooled {
+        Some(sum) => {
+            let counts: Vec<f32> = rows.iter().map(|r| r.ids.len().max(1) as f32).collect();
+            Some(sum.broadcast_div(&Tensor::from_vec(counts, (b, 1), dev)?)?)
+        }
+        None => None,
+    };
+    Ok(Generation {
+        rows,
+        embeddings,
+        first_token: first_token.unwrap_or_default(),
+        elapsed: start.elapsed(),
+    })
+}
+
+/// [`generate_rows`] for a model [`Model::batch_decodes`] does not cover: each row decoded
+/// alone through the single-sequence cache ([`Model::decode`]), its tokens drawn by the same
+/// sampler; no embeddings (the diversity's cosine distance is then absent).
+fn rows_one_by_one(
+    model: &Model,
+    req: &Rows,
+    mut rows: Vec<RowOut>,
+    start: Instant,
+    mut on_step: impl FnMut(&[Option<u32>]),
+) -> Result<Generation> {
+    let dev = model.device();
+    let b = req.prompts.len();
+    let mut first_token = None;
+    for (r, p) in req.prompts.iter().enumerate() {
+        let ids = Tensor::from_vec(p.clone(), (1, p.len()), dev)?;
+        let seed = req.seed.wrapping_add(r as u64);
+        let mut sampler = Sampler::new(&ids, model.spec.vocab_size, req.sampling, seed)?;
+        let mut cache = model.kv_cache();
+        let mut logits = model.decode(p, &mut cache)?;
+        loop {
+            let n = logits.dim(0)?;
+            let last = logits.narrow(0, n - 1, 1)?.to_dtype(DType::F32)?;
+            let tok = sampler.sample(&last)?;
+            let t = tok.to_vec1::<u32>()?[0];
+            first_token.get_or_insert_with(|| start.elapsed());
+            rows[r].ids.push(t);
+            let mut step = vec![None; b];
+            step[r] = Some(t);
+            on_step(&step);
+            if req.stop.contains(&t) {
+                rows[r].stop = StopReason::Eos;
+                break;
+            }
+            if rows[r].ids.len() == req.max_new {
+                break;
+            }
+            sampler.observe(&tok)?;
+            logits = model.decode(&[t], &mut cache)?;
+        }
+    }
+    Ok(Generation {
+        rows,
+        embeddings: None,
+        first_token: first_token.unwrap_or_default(),
+        elapsed: start.elapsed(),
+    })
+}

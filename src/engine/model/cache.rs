@@ -1,0 +1,113 @@
+//! The decode state of a batch of sequences: one state per layer, allocated once for the
+//! prompts and every new token ([`Model::batch_cache`]), written in place as the batch
+//! decodes ([`Model::decode_batch`]), and the batch's layout (left padding, positions).
+
+use super::*;
+
+/// What one layer keeps between decode steps.
+pub enum LayerState {
+    /// Attention: keys and values `[B, kv_heads, capacity, head_dim]` in the compute dtype,
+    /// columns `0..filled` written.
+    Kv { k: Tensor, v: Tensor },
+}
+
+/// The per-layer states of a batch and where its rows' tokens are: every row is left-padded
+/// to the longest prompt, so that column `c` is the same step for every row and row `b`'s
+/// token at column `c` has position `c - pads[b]`.
+pub struct BatchCache {
+    pub(super) layers: Vec<LayerState>,
+    /// Columns decoded so far.
+    pub(super) filled: usize,
+    pub(super) capacity: usize,
+    /// Left padding of each row.
+    pub(super) pads: Vec<usize>,
+    /// `[B, capacity]`: 0 where a column holds one of the row's tokens, -inf on its padding
+    /// (compute dtype).
+    pub(super) pad_mask: Tensor,
+    /// `[B, capacity]` (u32): the position of each column in its row (0 on the padding).
+    pub(super) positions: Tensor,
+    /// RoPE cos and sin of each row's columns, `[B, capacity, rotary_dim]`.
+    pub(super) rope: Option<(Tensor, Tensor)>,
+}
+
+impl BatchCache {
+    /// Columns decoded so far (the longest prompt, then one per step).
+    pub fn filled(&self) -> usize {
+        self.filled
+    }
+
+    /// Columns the cache holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn batch(&self) -> usize {
+        self.pads.len()
+    }
+
+    /// Left padding of each row.
+    pub fn pads(&self) -> &[usize] {
+        &self.pads
+    }
+}
+
+impl Model {
+    /// The state of a batch whose rows have `pads[b]` columns of left padding, for
+    /// `capacity` columns in all (the longest prompt + the new tokens): allocated here,
+    /// once.
+    pub fn batch_cache(&self, pads: &[usize], capacity: usize) -> Result<BatchCache> {
+        let s = &self.spec;
+        let bsz = pads.len();
+        if let Some(max) = self.max_positions() {
+            let longest = pads.iter().map(|p| capacity - p.min(&capacity)).max();
+            if longest.unwrap_or(0) > max {
+                candle_core::bail!(
+                    "{} positions are past the model's {max} learned positions",
+                    longest.unwrap_or(0)
+                );
+            }
+        }
+        let dev = &self.device;
+        let shape = (bsz, s.n_kv_head, capacity, s.head_dim());
+        let layers = (0..self.blocks.len())
+            .map(|_| {
+                Ok(LayerState::Kv {
+                    k: Tensor::zeros(shape, self.dtype, dev)?,
+                    v: Tensor::zeros(shape, self.dtype, dev)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut pos = Vec::with_capacity(bsz * capacity);
+        let mut mask = Vec::with_capacity(bsz * capacity);
+        for &p in pads {
+            for c in 0..capacity {
+                pos.push(c.saturating_sub(p) as u32);
+                mask.push(if c < p { f32::NEG_INFINITY } else { 0.0 });
+            }
+        }
+        let positions = Tensor::from_vec(pos, (bsz, capacity), dev)?;
+        let pad_mask = Tensor::from_vec(mask, (bsz, capacity), dev)?.to_dtype(self.dtype)?;
+        let rope = match self.rope {
+            Some(_) => {
+                let freqs = s.rope_freqs(Default::default());
+                let (cos, sin) = rope_tables(&freqs, 0, capacity, self.dtype, dev)?;
+                let rd = cos.dim(1)?;
+                let flat = positions.flatten_all()?;
+                Some((
+                    cos.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
+                    sin.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
+                ))
+            }
+            None => None,
+        };
+        Ok(BatchCache {
+            layers,
+            filled: 0,
+            capacity,
+            pads: pads.to_vec(),
+            pad_mask,
+            positions,
+            rope,
+        })
+    }
+}

@@ -1,0 +1,148 @@
+//! Batched incremental decoding: the arithmetic of `Model::forward` for a block of new
+//! columns of every row of a batch at once, keys and values written in place into the
+//! [`BatchCache`] allocated for the whole generation, attention over the filled columns.
+
+use super::cache::{BatchCache, LayerState};
+use super::*;
+
+/// What a decode step gives: the logits of each row's last column and its final hidden
+/// state.
+pub struct StepOut {
+    /// `[B, vocab]` (f32); None when not asked for.
+    pub logits: Option<Tensor>,
+    /// `[B, n_embd]` (f32): the final (normed) hidden state of each row's last column.
+    pub hidden: Tensor,
+}
+
+impl Model {
+    /// Whether [`Self::decode_batch`] computes this model: not yet a hybrid's recurrent
+    /// layers, Gemma's sliding windows and soft-caps, or RoPE tables that change by layer or
+    /// length (Gemma 3's local θ, LongRoPE): those decode one row at a time through
+    /// [`Self::decode`].
+    pub fn batch_decodes(&self) -> bool {
+        let s = &self.spec;
+        s.hybrid.is_none()
+            && !s.layout.has_sliding()
+            && s.attn_softcap().is_none()
+            && s.final_softcap().is_none()
+            && s.rope_keys().len() == 1
+    }
+
+    /// Decode `ids` `[B, n]` (u32) placed at the next `n` columns of `cache`: their keys and
+    /// values join the cache. A left-padded prompt is one call with `n` = its width; each
+    /// step after it `n` = 1.
+    pub fn decode_batch(
+        &self,
+        ids: &Tensor,
+        cache: &mut BatchCache,
+        logits: bool,
+    ) -> Result<StepOut> {
+        let s = &self.spec;
+        let (bsz, n) = ids.dims2()?;
+        let start = cache.filled;
+        if bsz != cache.batch() || n == 0 || start + n > cache.capacity {
+            candle_core::bail!(
+                "decode_batch: {bsz}×{n} new columns after {start} do not fit a cache of {}×{}",
+                cache.batch(),
+                cache.capacity
+            );
+        }
+        let wte = self.cast(&self.wte)?;
+        let mut x = wte
+            .embedding(&ids.flatten_all()?)?
+            .reshape((bsz, n, s.n_embd))?;
+        if s.embedding_multiplier != 1.0 {
+            x = (x * s.embedding_multiplier)?;
+        }
+        if let Some(wpe) = &self.wpe {
+            let p = cache.positions.narrow(1, start, n)?.contiguous()?;
+            let table = self.cast(wpe)?.index_select(&p.flatten_all()?, 0)?;
+            x = (x + table.reshape((bsz, n, s.n_embd))?)?;
+        }
+        // cos/sin [B, 1, n, rotary_dim]: each row its own positions.
+        let rope = match &cache.rope {
+            Some((cos, sin)) => Some((
+                cos.narrow(1, start, n)?.unsqueeze(1)?,
+                sin.narrow(1, start, n)?.unsqueeze(1)?,
+            )),
+            None => None,
+        };
+        let len = start + n;
+        let mask = self.step_mask(cache, n)?;
+        let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
+        let rep = h / kvh;
+        let scale = s.attention_scale();
+        for (b, state) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            let a_in = self.block_input(&b.ln1, &x)?;
+            let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
+            if let Some((cos, sin)) = &rope {
+                q = rotate_half(&q, cos, sin)?;
+                k = rotate_half(&k, cos, sin)?;
+            }
+            let (keys, values) = match state {
+                LayerState::Kv { k: kc, v: vc } => {
+                    kc.slice_set(&k.contiguous()?, 2, start)?;
+                    vc.slice_set(&v.contiguous()?, 2, start)?;
+                    (kc.narrow(2, 0, len)?, vc.narrow(2, 0, len)?)
+                }
+            };
+            // Grouped-query attention without copying the cache: the `rep` query heads of a
+            // kv head become rows of one matmul against it.
+            let q = (q * scale)?.reshape((bsz, kvh, rep * n, hd))?;
+            let att = q.matmul(&keys.t()?)?.reshape((bsz, kvh, rep, n, len))?;
+            let att = att.broadcast_add(&mask)?;
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let y = att.reshape((bsz, kvh, rep * n, len))?.matmul(&values)?;
+            let y = y
+                .reshape((bsz, h, n, hd))?
+                .transpose(1, 2)?
+                .reshape((bsz, n, h * hd))?;
+            let a = self.linear(&b.attn()?.o, &y)?;
+            x = (x + self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?)?;
+            let m = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
+            x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?;
+        }
+        cache.filled = len;
+        let last = x.narrow(1, n - 1, 1)?.reshape((bsz, s.n_embd))?;
+        let hidden = self.final_norm(&last)?;
+        let logits = if logits {
+            let head = match &self.lm_head {
+                Some(w) => self.cast(w)?,
+                None => wte,
+            };
+            Some(hidden.matmul(&head.t()?)?.to_dtype(DType::F32)?)
+        } else {
+            None
+        };
+        Ok(StepOut {
+            logits,
+            hidden: hidden.to_dtype(DType::F32)?,
+        })
+    }
+
+    /// The additive mask `[B, 1, 1, n, len]` of `n` new columns after `cache.filled`: a row
+    /// sees its own columns up to the query's, none of its padding; a padding column sees
+    /// itself alone (its values are never read, and a row of -inf would be NaN).
+    fn step_mask(&self, cache: &BatchCache, n: usize) -> Result<Tensor> {
+        let (bsz, start) = (cache.batch(), cache.filled);
+        let len = start + n;
+        if n == 1 {
+            // One new column, after every prompt: the padding is all it must not see.
+            return cache
+                .pad_mask
+                .narrow(1, 0, len)?
+                .reshape((bsz, 1, 1, 1, len));
+        }
+        let mut m = Vec::with_capacity(bsz * n * len);
+        for &pad in &cache.pads {
+            for j in 0..n {
+                let q = start + j;
+                for c in 0..len {
+                    let seen = (c >= pad && c <= q) || c == q;
+                    m.push(if seen { 0.0 } else { f32::NEG_INFINITY });
+                }
+            }
+        }
+        Tensor::from_vec(m, (bsz, 1, 1, n, len), &self.device)?.to_dtype(self.dtype)
+    }
+}
