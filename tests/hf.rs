@@ -221,7 +221,9 @@ fn batched_greedy_equals_each_prompt_alone() {
         };
         let mut steps = 0;
         let g = generate_rows(&model, &req, |_| steps += 1).unwrap();
-        assert_eq!(steps, n);
+        // (Models the batch path does not cover decode row by row: a step per row's token.)
+        let batched = model.batch_decodes();
+        assert_eq!(steps, if batched { n } else { n * prompts.len() }, "{name}");
         for (i, (row, want)) in g.rows.iter().zip(&alone).enumerate() {
             assert_eq!(
                 &row.ids, want,
@@ -239,8 +241,10 @@ fn batched_greedy_equals_each_prompt_alone() {
             cockpit::engine::generate::StopReason::Eos,
             "{name}"
         );
-        let emb = g.embeddings.unwrap();
-        assert_eq!(emb.dims(), &[4, model.spec.n_embd]);
+        match g.embeddings {
+            Some(emb) => assert_eq!(emb.dims(), &[4, model.spec.n_embd]),
+            None => assert!(!batched, "{name}: no embeddings"),
+        }
     }
 }
 
