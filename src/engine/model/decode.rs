@@ -112,7 +112,9 @@ impl Model {
                 Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
                 None => (k, v),
             };
-            *slot = Some((k.clone(), v.clone()));
+            // (Detached: a cache entry must not hold the op graph of every step before it — the
+            // weights are variables, so each op records its inputs.)
+            *slot = Some((k.detach(), v.detach()));
             let t = start + n;
             let (k, v) = if kvh < h {
                 let rep = h / kvh;
@@ -143,6 +145,6 @@ impl Model {
             Some(w) => self.cast(w)?,
             None => wte,
         };
-        self.head_logits(&x, &head)?.to_dtype(DType::F32)
+        Ok(self.head_logits(&x, &head)?.to_dtype(DType::F32)?.detach())
     }
 }

@@ -114,9 +114,12 @@ impl Model {
         } else {
             None
         };
+        // Detached: the weights are variables, so every op records its inputs; a token drawn
+        // from these logits and fed back would otherwise keep every earlier step's activations
+        // alive (GPU memory grew with the steps until batch 64 ran out).
         Ok(StepOut {
-            logits,
-            hidden: hidden.to_dtype(DType::F32)?,
+            logits: logits.map(|l| l.detach()),
+            hidden: hidden.to_dtype(DType::F32)?.detach(),
         })
     }
 

@@ -17,8 +17,9 @@ impl Model {
         slot: &mut Option<MambaState>,
     ) -> Result<Tensor> {
         let h = self.block_input(&b.ln1, x)?;
-        let (y, state) = self.mamba_mix(m, &h, slot.as_ref())?;
-        *slot = Some(state);
+        let (y, (conv, ssm)) = self.mamba_mix(m, &h, slot.as_ref())?;
+        // (Detached, as the attention layers' cache: no op graph across the steps.)
+        *slot = Some((conv.detach(), ssm.detach()));
         let x = (x + self.residual(y)?)?;
         let mlp = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
         x + self.residual(mlp)?
