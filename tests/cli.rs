@@ -64,9 +64,12 @@ fn invalid_configs_exit_2_naming_the_key() {
         ),
         (
             "layout_bad_layer_type.toml",
-            "model.layout.layer_types[1]: unknown value; allowed: full or sliding",
+            "model.layout.layer_types[1] = \"chunked\": unknown value; allowed: full or sliding",
         ),
-        ("hybrid_bad_layer_kind.toml", "model.hybrid.layers[1]"),
+        (
+            "hybrid_bad_layer_kind.toml",
+            "model.hybrid.layers[1] = \"sliding\": unknown value",
+        ),
         ("hybrid_layers_count.toml", "model.hybrid.layers"),
         (
             "hybrid_mamba_groups.toml",

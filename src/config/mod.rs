@@ -240,13 +240,23 @@ fn apply_override(table: &mut toml::Table, arg: &str) -> Result<(String, String)
     Ok((key.to_string(), arg.to_string()))
 }
 
+/// The value at a key path as serde names it: `section.key`, with `[i]` for an array's
+/// entries (`model.hybrid.layers[1]`).
 fn lookup<'a>(table: &'a toml::Table, path: &str) -> Option<&'a toml::Value> {
-    let mut parts = path.split('.');
-    let mut cur = table.get(parts.next()?)?;
-    for p in parts {
-        cur = cur.as_table()?.get(p)?;
+    let mut cur: Option<&'a toml::Value> = None;
+    for part in path.split('.') {
+        let (name, indices) = part.split_once('[').map_or((part, ""), |(n, r)| (n, r));
+        let mut v = match cur {
+            None => table.get(name)?,
+            Some(c) => c.as_table()?.get(name)?,
+        };
+        for i in indices.split('[').filter(|i| !i.is_empty()) {
+            let i: usize = i.trim_end_matches(']').parse().ok()?;
+            v = v.as_array()?.get(i)?;
+        }
+        cur = Some(v);
     }
-    Some(cur)
+    cur
 }
 
 fn render_value(v: &toml::Value) -> String {
