@@ -23,24 +23,27 @@ fn spec() -> ModelSpec {
     ModelSpec::from_config(&c, 96)
 }
 
+/// Sample `k` of `n` tokens, its first `masked` targets not training.
+fn sample(k: usize, n: usize, masked: usize) -> (Vec<u32>, Vec<u32>) {
+    let x = (0..n).map(|i| ((i * 7 + k * 11 + 1) % 96) as u32).collect();
+    let y = (0..n)
+        .map(|i| {
+            if i < masked {
+                IGNORE
+            } else {
+                ((i * 3 + k * 5 + 2) % 96) as u32
+            }
+        })
+        .collect();
+    (x, y)
+}
+
 /// Three samples (the first slots of each masked) packed in one row of 64, padding after.
 fn samples() -> Vec<(Vec<u32>, Vec<u32>)> {
     [(20, 5), (25, 10), (12, 0)]
         .iter()
         .enumerate()
-        .map(|(k, &(n, masked))| {
-            let x = (0..n).map(|i| ((i * 7 + k * 11 + 1) % 96) as u32).collect();
-            let y = (0..n)
-                .map(|i| {
-                    if i < masked {
-                        IGNORE
-                    } else {
-                        ((i * 3 + k * 5 + 2) % 96) as u32
-                    }
-                })
-                .collect();
-            (x, y)
-        })
+        .map(|(k, &(n, masked))| sample(k, n, masked))
         .collect()
 }
 
@@ -150,19 +153,6 @@ fn the_whole_step_trains_packed_masked_rows_as_the_samples_one_by_one() {
     let mut step = cockpit::engine::kernels::ModelStep::new(&w).unwrap();
     // (length, masked prompt) of each sample, row by row.
     let layout: [&[(usize, usize)]; 2] = [&[(70, 5), (50, 10), (25, 0)], &[(100, 30), (60, 1)]];
-    let sample = |k: usize, n: usize, masked: usize| -> (Vec<u32>, Vec<u32>) {
-        let x = (0..n).map(|i| ((i * 7 + k * 11 + 1) % 96) as u32).collect();
-        let y = (0..n)
-            .map(|i| {
-                if i < masked {
-                    IGNORE
-                } else {
-                    ((i * 3 + k * 5 + 2) % 96) as u32
-                }
-            })
-            .collect();
-        (x, y)
-    };
     let (mut x, mut y, mut seg, mut samples) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut k = 0;
     for row in layout {

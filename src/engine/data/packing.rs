@@ -11,7 +11,7 @@ use super::DataError;
 use std::collections::BTreeSet;
 
 /// The target of a slot that does not count in the loss.
-pub const IGNORE: u32 = u32::MAX;
+pub use crate::engine::kernels::rows::IGNORE;
 
 /// `data.long_samples`: what becomes of a sample longer than a row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

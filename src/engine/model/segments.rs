@@ -29,19 +29,14 @@ impl Packed {
 }
 
 /// Each slot's position in its sample: 0 at every change of segment id.
+/// (The CUDA step's sample starts, [`kernels::rows::sample_starts`], subtracted from each
+/// slot's column.)
 pub fn positions(segments: &[u32], t: usize) -> Vec<u32> {
-    let mut out = Vec::with_capacity(segments.len());
-    for row in segments.chunks(t.max(1)) {
-        let mut p = 0u32;
-        for (j, s) in row.iter().enumerate() {
-            if j > 0 && *s != row[j - 1] {
-                p = 0;
-            }
-            out.push(p);
-            p += 1;
-        }
-    }
-    out
+    kernels::rows::sample_starts(segments, t)
+        .into_iter()
+        .enumerate()
+        .map(|(i, start)| (i % t.max(1)) as u32 - start as u32)
+        .collect()
 }
 
 /// How a batch's loss is taken: the targets (ids; those that do not train replaced by 0),
