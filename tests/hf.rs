@@ -8,23 +8,8 @@ use cockpit::engine::base;
 use cockpit::engine::model::Model;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: &[&str] = &[
-    "llama2",
-    "llama3",
-    "mistral",
-    "qwen2",
-    "gpt2",
-    "granite",
-    "qwen3",
-    "olmo2",
-    "phi3",
-    "gemma3_text",
-    "gemma3",
-    "gemma2",
-    "phi3_longrope",
-    "granite_hybrid",
-    "granite_hybrid_moe",
-];
+mod common;
+use common::HF_FIXTURES as FIXTURES;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -2,6 +2,7 @@
 //! with its tokenizer, LoRA on every family, export → re-import, and the command line
 //! (`train`, `export`, `generate`) on bad and good input.
 
+mod common;
 use assert_cmd::Command;
 use candle_core::{DType, Device, Tensor, D};
 use cockpit::config::{self, Config, ModelConfig};
@@ -221,23 +222,7 @@ fn full_fine_tuning_from_a_hugging_face_model_then_export() {
 /// and fused q|k|v written back).
 #[test]
 fn every_fixture_survives_export_and_reimport() {
-    for name in [
-        "llama2",
-        "llama3",
-        "mistral",
-        "qwen2",
-        "gpt2",
-        "granite",
-        "qwen3",
-        "olmo2",
-        "phi3",
-        "gemma3_text",
-        "gemma3",
-        "gemma2",
-        "phi3_longrope",
-        "granite_hybrid",
-        "granite_hybrid_moe",
-    ] {
+    for &name in common::HF_FIXTURES {
         let (ids, ..) = expected(name);
         let mut m = source::open(&fixture(name), DType::F32, &Device::Cpu, 32).unwrap();
         let want = loss(&mut m.model, &ids[..33]);

@@ -107,3 +107,22 @@ pub fn python_json<S: AsRef<std::ffi::OsStr>>(
     assert!(out.status.success(), "{script} failed: {err}");
     Some(serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{script}: {e}: {err}")))
 }
+
+/// Every Hugging Face fixture under tests/fixtures/hf (made by scripts/hf_fixtures.py).
+pub const HF_FIXTURES: &[&str] = &[
+    "llama2",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "granite",
+    "qwen3",
+    "olmo2",
+    "phi3",
+    "gemma3_text",
+    "gemma3",
+    "gemma2",
+    "phi3_longrope",
+    "granite_hybrid",
+    "granite_hybrid_moe",
+];
