@@ -685,8 +685,10 @@ fn stop_needs_the_right_server_side_and_a_leaving_pauser_releases_its_pause() {
         raw.write_all(line.as_bytes()).unwrap();
         assert!(next_error(&mut input).contains("allow-stop"));
     }
-    // a pausing viewer that leaves: the run goes on (the start's own pause released first)
+    // a pausing viewer that leaves: the run goes on (the start's own pause released first —
+    // and seen released, so that the viewer's pause cannot reach the engine before it)
     run.commands.send(Command::Resume).unwrap();
+    until(&watcher.events, |e| matches!(e, Event::Resumed { .. }));
     raw.write_all(b"{\"type\":\"command\",\"command\":{\"command\":\"pause\"}}\n")
         .unwrap();
     until(&watcher.events, |e| matches!(e, Event::Paused { .. }));
