@@ -88,8 +88,10 @@ def main():
     ap.add_argument("--mlp", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--attn", default="sdpa")
-    ap.add_argument("--family", choices=["llama", "qwen3"], default="llama",
-                    help="qwen3: QK-norm per head, --head-dim (default 128), rope θ 1e6")
+    ap.add_argument("--family", choices=["llama", "qwen3", "gemma3"], default="llama",
+                    help="qwen3: QK-norm per head, --head-dim (default 128), rope θ 1e6; "
+                         "gemma3: Gemma 3's text model (head dim 256, 5 sliding layers of "
+                         "512 a full one, transformers' defaults for the rest)")
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--lm", type=int, default=0, metavar="T",
                     help="plain LM batches of random ids [batch, T] instead of the chat data")
@@ -113,6 +115,11 @@ def main():
         cfg = transformers.Qwen3Config(**common, head_dim=a.head_dim or 128, rope_theta=1e6,
                                        rms_norm_eps=1e-6)
         cls = transformers.Qwen3ForCausalLM
+    elif a.family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=a.head_dim or 256,
+                                            query_pre_attn_scalar=256, sliding_window=512,
+                                            rms_norm_eps=1e-6)
+        cls = transformers.Gemma3ForCausalLM
     else:
         cfg = transformers.LlamaConfig(**common, head_dim=a.head_dim or a.width // a.heads,
                                        rope_theta=500000.0, rms_norm_eps=1e-5)

@@ -257,7 +257,8 @@ struct FaFwdSync {
     struct State {
         uint32_t qf[D / 16][4];
     };
-    // s = Q K^T: the warp's 16 query rows x the tile's 64 keys (mma.sync's accumulator layout)
+    // s = Q K^T: the warp's 16 query rows x the tile's 64 keys (mma.sync's accumulator layout);
+    // j: the tile's place in the block's loop (0: the first, which loads the Q fragments)
     template <int D>
     static __device__ __forceinline__ void scores(State<D>& st, float (&s)[8][4], uint32_t sQa,
                                                   uint32_t kb, int j, int warp, int lane) {
@@ -335,9 +336,12 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
     const uint32_t TILE = FA_BN * D * 2;
 
+    // Packed rows or a sliding window (starts: each query's lowest key, rising with the
+    // query): the key tiles below the block's first query's lowest key are skipped.
+    const int j0 = starts != nullptr ? __ldg(starts + (size_t)b * T + q0) / FA_BN : 0;
     fa_load_tile<D, MM::PANELS>(sQa, qg, ld, q0, T, tid);
-    fa_load_tile<D, MM::PANELS>(sKa, qg + koff, ld, 0, T, tid);
-    fa_load_tile<D, MM::PANELS>(sVa, qg + koff + KD, ld, 0, T, tid);
+    fa_load_tile<D, MM::PANELS>(sKa + (j0 & 1) * TILE, qg + koff, ld, j0 * FA_BN, T, tid);
+    fa_load_tile<D, MM::PANELS>(sVa + (j0 & 1) * TILE, qg + koff + KD, ld, j0 * FA_BN, T, tid);
     fa_cp_commit();
 
     const int nkv = qb + 1;
@@ -345,10 +349,12 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
     const unsigned long long sd = DROP ? *seed : 0ull;
     const int nkt = (T + FA_BN - 1) / FA_BN;
-    // Packed rows (starts: each slot's sample start in its row, or null): a query attends to
-    // the keys of its own sample only, from its start on.
+    // Packed rows or a sliding window (starts: each query's lowest key, rising with the query,
+    // or null): a query attends from its lowest key on.
+    // (A row past T takes its partner's: st1 >= st0 must hold, the tile test below reads st1
+    // for both rows.)
     const int st0 = starts != nullptr && row0 < T ? __ldg(starts + (size_t)b * T + row0) : 0;
-    const int st1 = starts != nullptr && row1 < T ? __ldg(starts + (size_t)b * T + row1) : 0;
+    const int st1 = starts != nullptr && row1 < T ? __ldg(starts + (size_t)b * T + row1) : st0;
 
     typename MM::template State<D> mm;
     float oacc[2 * KC][4];
@@ -358,7 +364,7 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    for (int j = 0; j < nkv; ++j) {
+    for (int j = j0; j < nkv; ++j) {
         MM::settle(oacc);  // the last tile's products done: the prefetch below reuses its buffers
         fa_cp_wait_all();
         MM::publish();
@@ -372,7 +378,7 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         const uint32_t kb = sKa + (j & 1) * TILE, vb = sVa + (j & 1) * TILE;
 
         float s[8][4];
-        MM::template scores<D>(mm, s, sQa, kb, j, warp, lane);
+        MM::template scores<D>(mm, s, sQa, kb, j - j0, warp, lane);  // (0: the first tile)
 
         const int kbase = j * FA_BN;
         if (j == qb || kbase + FA_BN > T || kbase < st1) {
@@ -647,7 +653,7 @@ struct FaBwdBlock {
     const __nv_bfloat16* vg;
     const __nv_bfloat16* dout_b;
     __device__ __forceinline__ FaBwdBlock(const __nv_bfloat16* qkv, const __nv_bfloat16* dout,
-                                          int T, int H, int KVH) {
+                                          int T, int H, int KVH, const int* __restrict__ lows) {
         k0 = blockIdx.y * BN;
         i0 = k0 / FA_BM;
         b = blockIdx.x / KVH;
@@ -663,6 +669,19 @@ struct FaBwdBlock {
         dout_b = dout + (size_t)b * T * HD;
         nq = (T + FA_BM - 1) / FA_BM;
         ntile = nq - i0;
+        if (lows != nullptr) {
+            // Each query's lowest key (its sample's start, or its window's) rises with the
+            // query: the last query that reaches this block's last key, by bisection; the tiles
+            // past it are skipped.
+            const int* lo = lows + (size_t)b * T;
+            const int klast = min(k0 + BN, T) - 1;
+            int a = klast, z = T - 1;  // lo[a] <= klast holds (lo[q] <= q)
+            while (a < z) {
+                const int m = (a + z + 1) >> 1;
+                if (__ldg(lo + m) <= klast) a = m; else z = m - 1;
+            }
+            ntile = a / FA_BM - i0 + 1;
+        }
     }
     // How many (query head, query tile) steps the block takes: the tiles of head h0, then of
     // h0 + 1, ...
@@ -821,7 +840,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const FaBwdBlock<FA_D, BN> blk(qkv, dout, T, H, KVH);
+    const FaBwdBlock<FA_D, BN> blk(qkv, dout, T, H, KVH, starts);
     const int k0 = blk.k0, i0 = blk.i0, HD = blk.HD, ld = blk.ld;
     const float sl2 = scale * 1.4426950408889634f;
 
@@ -1039,7 +1058,7 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const FaBwdBlock<D, BN> blk(qkv, dout, T, H, KVH);
+    const FaBwdBlock<D, BN> blk(qkv, dout, T, H, KVH, starts);
     const int k0 = blk.k0, i0 = blk.i0, b = blk.b, HD = blk.HD, ld = blk.ld, nq = blk.nq;
     const float sl2 = scale * 1.4426950408889634f;
 

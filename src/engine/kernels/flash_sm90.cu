@@ -220,7 +220,7 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
     constexpr uint32_t TILE = 64 * D * 2;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const FaBwdBlock<D, 64> blk(qkv, dout, T, H, KVH);
+    const FaBwdBlock<D, 64> blk(qkv, dout, T, H, KVH, starts);
     const float sl2 = scale * 1.4426950408889634f;
 
     const uint32_t raw = fa_smem_u32(smem);
@@ -365,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
     constexpr uint32_t TILE = 64 * 64 * 2;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const FaBwdBlock<64, 128> blk(qkv, dout, T, H, KVH);
+    const FaBwdBlock<64, 128> blk(qkv, dout, T, H, KVH, starts);
     const uint32_t raw = fa_smem_u32(fa_wg_smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
     char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`

@@ -152,6 +152,8 @@ extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,
         dst[i] = src[heads_offset(i, t, h, hd, ld, off)];
 }
 
+#include "step/attn_heads.cuh"
+
 #include "cuda/nf4.cuh"
 
 // Causal flash attention (head dims 64 and 128) for the whole-model step.

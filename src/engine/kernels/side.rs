@@ -44,8 +44,11 @@ pub(super) enum Buf {
     /// With dropout: the residual gradient through a dropout mask (the attention-out and
     /// MLP-down projections' output gradient).
     Dmask = 3,
+    /// Gemma's sandwich: a projection's output gradient through its output norm (the
+    /// attention-out and MLP-down projections' weight gradients).
+    Dpost = 4,
 }
-const BUFS: usize = 4;
+const BUFS: usize = 5;
 
 pub(super) struct Side {
     /// `raw`, wrapped for cudarc's launch builder (borrowed: dropping it destroys nothing).

@@ -105,6 +105,9 @@ pub struct StepLayer {
     pub lora: [Option<StepLora>; 7],
     /// QK-norm per head (Qwen3): the RMSNorm weights `[head_dim]` of q's heads and of k's.
     pub qk_norm: Option<(Var, Var)>,
+    /// Gemma's sandwich: the norms on the attention's and the MLP's outputs (weights
+    /// `[n_embd]`), before each residual add.
+    pub post: Option<(Var, Var)>,
 }
 
 /// A model's weights and spec for the whole-model CUDA step (`Model::step_weights`): any

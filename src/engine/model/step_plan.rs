@@ -98,6 +98,10 @@ impl Model {
                     (Some(q), Some(k)) => Some((q.w.clone(), k.w.clone())),
                     _ => None,
                 },
+                post: match (&b.post_attn, &b.post_mlp) {
+                    (Some(pa), Some(pm)) => Some((pa.w.clone(), pm.w.clone())),
+                    _ => None,
+                },
             })
             .collect();
         StepWeights {

@@ -4,10 +4,10 @@
 //! `cockpit check` print its [`Reason`]).
 
 use super::ModelSpec;
-use crate::config::{Activation, PosEncoding, QkNorm, RopeScaling};
+use crate::config::{PosEncoding, QkNorm, RopeScaling};
 
-/// The head dims flash attention has kernels for; other head dims materialise the attention
-/// probabilities (multi-head attention without dropout only).
+/// The head dims flash attention has kernels for; other head dims (Gemma's 256) materialise the
+/// attention probabilities (no dropout, no packed samples).
 pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// What the device and the built model say, for [`ModelSpec::fast_step_support`].
@@ -74,15 +74,6 @@ pub enum Reason {
     OddHeadDim(usize),
     #[error("{n_kv_head} key/value heads do not divide {n_head} heads")]
     KvHeads { n_kv_head: usize, n_head: usize },
-    #[error("grouped-query attention at head dim {head_dim} ({why})")]
-    GroupedQueryNeedsFlash { head_dim: usize, why: NoFlash },
-    #[error("{n_head} heads of {head_dim} ≠ n_embd {n_embd} at head dim {head_dim} ({why})")]
-    HeadWidthNeedsFlash {
-        n_head: usize,
-        head_dim: usize,
-        n_embd: usize,
-        why: NoFlash,
-    },
     #[error("dropout at head dim {head_dim} ({why})")]
     DropoutNeedsFlash { head_dim: usize, why: NoFlash },
     #[error("an embedding multiplier with learned positions (per-op only)")]
@@ -97,16 +88,10 @@ pub enum Reason {
     PartialRotary { rotary_dim: usize, head_dim: usize },
     #[error("norms after the attention and MLP outputs (OLMo 2 post-norm; the step's blocks are pre-norm)")]
     PostNorm,
-    #[error("sliding-window attention on {layers} layers (Gemma 2/3 local layers; the step's attention sees every earlier position)")]
-    SlidingWindow { layers: usize },
     #[error("{0} soft-capping (Gemma 2: cap·tanh(x/cap); the step has no kernel for it)")]
     SoftCap(&'static str),
-    #[error("norms on both the inputs and the outputs of attention and MLP (Gemma's sandwich norms; the step's blocks are pre-norm)")]
+    #[error("norms on the outputs of attention and MLP with biases (the step adds a projection's bias after the output's norm)")]
     SandwichNorm,
-    #[error("RMSNorm scaled by 1 + w (Gemma; the step's norm scales by w)")]
-    NormPlusOne,
-    #[error("a GeGLU MLP (Gemma's gelu-tanh gate; the step's gated MLP is SwiGLU)")]
-    GeGlu,
     #[error("LongRoPE (Phi-3: factors that switch with the sequence length and scale cos/sin; the step has one plain RoPE table)")]
     LongRope,
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
@@ -169,12 +154,11 @@ impl ModelSpec {
 
     /// The shape part of [`Self::fast_step_support`], given whether flash attention serves
     /// the model ([`Self::flash_attention`]): widths multiples of 8 (16-byte accesses), an
-    /// even head dim, key/value heads that divide the heads; grouped-query attention, heads
-    /// whose widths do not add up to n_embd and dropout need flash attention; an embedding
+    /// even head dim, key/value heads that divide the heads; dropout needs flash attention; an embedding
     /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
-    /// QK-norm over the whole projection, post-norm blocks, Gemma's parts (sandwich norms,
-    /// 1 + w norms, GeGLU, sliding windows, soft-caps) and LongRoPE have no kernels in the step
-    /// yet (QK-norm per head and partial rotary have).
+    /// QK-norm over the whole projection, post-norm blocks, soft-caps and LongRoPE have no
+    /// kernels in the step yet (QK-norm per head, partial rotary, Gemma's sandwich and 1 + w
+    /// norms, GeGLU and sliding windows in flash attention have).
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
         // (Why not, where flash attention is off: the first of its conditions that fails,
@@ -202,17 +186,6 @@ impl ModelSpec {
             });
         }
         if let Some(why) = no_flash {
-            if self.n_kv_head != self.n_head {
-                return Err(Reason::GroupedQueryNeedsFlash { head_dim: hd, why });
-            }
-            if self.q_width() != self.n_embd {
-                return Err(Reason::HeadWidthNeedsFlash {
-                    n_head: self.n_head,
-                    head_dim: hd,
-                    n_embd: self.n_embd,
-                    why,
-                });
-            }
             if self.dropout > 0.0 {
                 return Err(Reason::DropoutNeedsFlash { head_dim: hd, why });
             }
@@ -238,23 +211,11 @@ impl ModelSpec {
         self.gemma_support()
     }
 
-    /// Gemma's block, sliding layers, soft-caps and LongRoPE: none in the step yet.
+    /// Gemma's block (sandwich norms, 1 + w norms, GeGLU) and sliding layers are in the step;
+    /// soft-caps and LongRoPE are not yet.
     fn gemma_support(&self) -> Result<(), Reason> {
-        let l = &self.layout;
-        if l.sandwich_norm {
+        if self.layout.sandwich_norm && (self.bias || self.qkv_bias) {
             return Err(Reason::SandwichNorm);
-        }
-        if l.norm_plus_one {
-            return Err(Reason::NormPlusOne);
-        }
-        if self.activation == Activation::GeGlu {
-            return Err(Reason::GeGlu);
-        }
-        let sliding = (0..self.n_layer)
-            .filter(|&i| self.layer_window(i).is_some())
-            .count();
-        if sliding > 0 {
-            return Err(Reason::SlidingWindow { layers: sliding });
         }
         if self.attn_softcap().is_some() {
             return Err(Reason::SoftCap("attention"));

@@ -145,7 +145,8 @@ fn every_refusal_names_its_reason() {
             n_head: 4
         }
     );
-    // Grouped-query attention, heads narrower than n_embd and dropout need flash attention:
+    // Grouped-query attention and heads whose widths do not add up to n_embd run in the
+    // materialised attention too (head dim 32, 40; flash off); dropout needs flash attention:
     // the reason says why it is off.
     let gqa32 = spec(|c| {
         llama(c);
@@ -153,26 +154,13 @@ fn every_refusal_names_its_reason() {
         c.model.n_kv_head = 2;
     });
     assert_eq!(gqa32.head_dim, 32);
-    let e = why(&gqa32, &gpu());
-    assert_eq!(
-        e,
-        Reason::GroupedQueryNeedsFlash {
-            head_dim: 32,
-            why: NoFlash::HeadDim
-        }
-    );
-    assert_eq!(
-        e.to_string(),
-        "grouped-query attention at head dim 32 (flash attention has head dims 64 and 128)"
-    );
+    assert_eq!(gqa32.fast_step_support(&gpu()), Ok(()));
     let gqa_off = spec(|c| {
         llama(c);
         c.model.n_kv_head = 2;
         c.kernels.attention = false;
     });
-    assert!(why(&gqa_off, &gpu())
-        .to_string()
-        .ends_with("; kernels.attention = false)"));
+    assert_eq!(gqa_off.fast_step_support(&gpu()), Ok(()));
     let small_smem = StepFacts {
         flash_fits: false,
         ..gpu()
@@ -182,26 +170,20 @@ fn every_refusal_names_its_reason() {
         c.model.n_head = 2;
         c.model.n_kv_head = 1;
     });
-    assert_eq!(
-        why(&gqa128, &small_smem),
-        Reason::GroupedQueryNeedsFlash {
-            head_dim: 128,
-            why: NoFlash::SharedMemory
-        }
-    );
+    assert_eq!(gqa128.fast_step_support(&small_smem), Ok(()));
     let wide = spec(|c| {
         llama(c);
         c.model.head_dim = 40;
     });
-    assert!(matches!(
-        why(&wide, &gpu()),
-        Reason::HeadWidthNeedsFlash {
-            n_head: 4,
-            head_dim: 40,
-            n_embd: 256,
-            why: NoFlash::HeadDim
-        }
-    ));
+    assert_eq!(wide.fast_step_support(&gpu()), Ok(()));
+    let drop_off = spec(|c| {
+        llama(c);
+        c.model.dropout = 0.1;
+        c.kernels.attention = false;
+    });
+    assert!(why(&drop_off, &gpu())
+        .to_string()
+        .ends_with("; kernels.attention = false)"));
     let drop = spec(|c| {
         llama(c);
         c.model.n_head = 8;
@@ -351,8 +333,10 @@ fn the_step_runs_qk_norm_per_head_and_refuses_post_norm_by_name() {
     assert_eq!(olmo2.param_count().base - plain, 2 * 2 * 256);
 }
 
-/// Gemma's parts and LongRoPE have no kernels in the fused step: each is refused by name, and
-/// the spec says which layers slide and which RoPE table each reads.
+/// Gemma's block (sandwich and 1 + w norms, GeGLU) and sliding windows run in the fused step;
+/// soft-caps and LongRoPE have no kernels there: each is refused by name, as are output norms
+/// with biases; sliding windows run in flash and in materialised attention; the spec says which layers slide and
+/// which RoPE table each reads.
 #[test]
 fn the_step_refuses_gemma_parts_and_longrope_by_name() {
     use crate::config::{Activation, BlockLayout, LayerKind, RopeScaling};
@@ -368,30 +352,33 @@ fn the_step_refuses_gemma_parts_and_longrope_by_name() {
         l.window = 4;
         l.local_rope_theta = 10.0;
     };
+    let mut biased = gemma(&|l| l.sandwich_norm = true, Activation::SwiGlu);
+    biased.bias = true;
+    let mut unflashed = gemma(&sliding, Activation::SwiGlu);
+    unflashed.kernels.attention = false;
     for (s, want) in [
+        (biased, Err(Reason::SandwichNorm)),
         (
             gemma(&|l| l.sandwich_norm = true, Activation::SwiGlu),
-            Reason::SandwichNorm,
+            Ok(()),
         ),
         (
             gemma(&|l| l.norm_plus_one = true, Activation::SwiGlu),
-            Reason::NormPlusOne,
+            Ok(()),
         ),
-        (gemma(&|_| {}, Activation::GeGlu), Reason::GeGlu),
-        (
-            gemma(&sliding, Activation::SwiGlu),
-            Reason::SlidingWindow { layers: 1 },
-        ),
+        (gemma(&|_| {}, Activation::GeGlu), Ok(())),
+        (gemma(&sliding, Activation::SwiGlu), Ok(())),
+        (unflashed, Ok(())),
         (
             gemma(&|l| l.attn_softcap = 50.0, Activation::SwiGlu),
-            Reason::SoftCap("attention"),
+            Err(Reason::SoftCap("attention")),
         ),
         (
             gemma(&|l| l.final_softcap = 30.0, Activation::SwiGlu),
-            Reason::SoftCap("final logit"),
+            Err(Reason::SoftCap("final logit")),
         ),
     ] {
-        assert_eq!(s.fast_step_support(&gpu()), Err(want));
+        assert_eq!(s.fast_step_support(&gpu()), want);
     }
     let s = gemma(&sliding, Activation::SwiGlu);
     assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));

@@ -22,10 +22,16 @@ __device__ __forceinline__ void row_stats(const T* xr, int d, float eps, int rms
     *rstd = rsqrtf(ss + eps);
 }
 
+// The norm kernels' `rms` flag: bit 0 RMSNorm (else LayerNorm); bit 1 the weight scales as
+// 1 + w (Gemma's norms: `(1 + w)` in f32, w's stored value untouched).
+__device__ __forceinline__ float norm_woff(int rms) { return (rms & 2) ? 1.f : 0.f; }
+
 template <typename T>
 __device__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
                          const T* __restrict__ b, T* __restrict__ y, int n, int d, float eps,
                          int rms) {
+    const float woff = norm_woff(rms);
+    rms &= 1;
     const int warps = blockDim.x >> 5;
     const int row = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -35,7 +41,7 @@ __device__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
     float mu, rstd;
     row_stats(xr, d, eps, rms, lane, &mu, &rstd);
     for (int j = lane; j < d; j += 32) {
-        float v = (to_f(xr[j]) - mu) * rstd * to_f(w[j]);
+        float v = (to_f(xr[j]) - mu) * rstd * (to_f(w[j]) + woff);
         if (b != nullptr) v += to_f(b[j]);
         yr[j] = from_f<T>(v);
     }
@@ -54,6 +60,8 @@ template <typename T>
 __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
                          const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ dw,
                          float* __restrict__ db, int n, int d, float eps, int rms, int add = 0) {
+    const float woff = norm_woff(rms);
+    rms &= 1;
     extern __shared__ float sh[];  // [2·d]: dw then db
     for (int j = threadIdx.x; j < 2 * d; j += blockDim.x) sh[j] = 0.f;
     __syncthreads();
@@ -95,7 +103,7 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
                     const float dyv = gv[k];
                     aw[k] += dyv * xh;
                     ab[k] += dyv;
-                    const float g = dyv * to_f(w[j]);
+                    const float g = dyv * (to_f(w[j]) + woff);
                     gv[k] = g;
                     xv[k] = xh;
                     a += g;
@@ -133,7 +141,7 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
             for (int j = lane; j < d; j += 32) {
                 float xh = (to_f(xr[j]) - mu) * rstd;
                 float dyv = to_f(dyr[j]);
-                float g = dyv * to_f(w[j]);
+                float g = dyv * (to_f(w[j]) + woff);
                 a += g;
                 c += g * xh;
                 atomicAdd(&sh[j], dyv * xh);
@@ -143,7 +151,7 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
             c = warp_sum(c) / d;
             for (int j = lane; j < d; j += 32) {
                 float xh = (to_f(xr[j]) - mu) * rstd;
-                float g = to_f(dyr[j]) * to_f(w[j]);
+                float g = to_f(dyr[j]) * (to_f(w[j]) + woff);
                 const float prev = add ? to_f(dxr[j]) : 0.f;
                 dxr[j] = from_f<T>(prev + rstd * (g - a - xh * c));
             }

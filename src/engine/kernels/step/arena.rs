@@ -74,6 +74,16 @@ pub(super) struct Activations {
     /// f32 (mean, rstd) per row of every LayerNorm, kept from the forward for the backward:
     /// LN1 of layer l at 2l, LN2 at 2l + 1, the final LN at 2L.
     pub(super) stats: Vec<u64>,
+    /// Gemma's sandwich, per layer: the attention output's and the MLP output's values before
+    /// their norms ([N, C]; the attention's shared where the MLP half is recomputed) and those
+    /// norms' f32 row statistics; empty without it. `dpost`: the scratch their backward writes
+    /// the projections' output gradient into ([`Buf::Dpost`](crate::engine::kernels::side::Buf)).
+    pub(super) post_in: Vec<[u64; 2]>,
+    pub(super) post_stats: Vec<[u64; 2]>,
+    pub(super) dpost: u64,
+    /// Sliding layers: each slot's lowest key, its window's start or its packed sample's,
+    /// whichever is later (i32 [B·T]; [`ModelStep::lows_ptr`]).
+    pub(super) lows: u64,
     pub(super) loss: u64,
     // u32
     pub(super) ids: u64,
@@ -88,6 +98,7 @@ pub(super) struct Arena {
     pub(super) ids: CudaSlice<u32>,
     pub(super) targets: CudaSlice<u32>,
     pub(super) starts: CudaSlice<i32>,
+    pub(super) lows: CudaSlice<i32>,
     pub(super) acts: Activations,
     /// The micro-batch programs captured over this arena's buffers (dropped with it).
     pub(super) graphs: Graphs,
@@ -124,7 +135,8 @@ impl ModelStep {
         } else {
             b * self.n_head * t * t
         };
-        let heads_len = if self.flash { 0 } else { 3 * nc };
+        // (q, k, v heads [B, H, T, hd] each: key/value heads repeated for their query heads)
+        let heads_len = if self.flash { 0 } else { 3 * n * self.att_c };
         let mut next = 0usize;
         let mut take = |len: usize| {
             let o = next;
@@ -187,6 +199,12 @@ impl ModelStep {
         let up_out = if self.swiglu { 2 * f } else { f };
         let fc_o = per_if(n * up_out, &mlp_layers);
         let act_o = per_if(n * f, &keep_act);
+        // Gemma's sandwich: the attention output before its norm is written in the MLP half
+        // (kept with it), the MLP's in the forward's loop (kept for every layer).
+        let post = self.layers.iter().any(|li| li.post.is_some());
+        let post_len = if post { nc } else { 0 };
+        let post_a_o = per_if(post_len, &mlp_layers);
+        let post_m_o = per_if(post_len, &all_layers);
         let res_last = take(nc);
         let lnf = take(nc);
         let head_rows = self.head_rows(n);
@@ -206,6 +224,7 @@ impl ModelStep {
         let dprob = take(probs);
         let drop = self.drop_thr > 0;
         let dmask = take(if self.res_scaled() { nc } else { 0 });
+        let dpost = take(post_len);
         // LoRA: each layer's and group's x·[A₁; A₂; …]ᵀ [N, Σr] (kept for the backward) and its
         // gradient du (per layer too: the side stream's dA reads it while the backward goes on);
         // a concatenated group keeps them in its input's and `da`'s last columns instead.
@@ -242,7 +261,8 @@ impl ModelStep {
                 0
             };
         let f_qk = f_stats + (2 * l + 1) * align(2 * n);
-        let f_len = f_qk + l * align(n * qk_groups);
+        let f_post = f_qk + l * align(n * qk_groups);
+        let f_len = f_post + if post { 2 * l * align(2 * n) } else { 0 };
         // SAFETY: every activation is written before it is read within a micro-batch.
         let bf = unsafe { self.dev.alloc::<bf16>(bf_len)? };
         let f32s = self.dev.alloc_zeros::<f32>(f_len)?;
@@ -258,6 +278,9 @@ impl ModelStep {
         let ids = self.dev.alloc_zeros::<u32>(n)?;
         let targets = self.dev.alloc_zeros::<u32>(n)?;
         let starts = self.dev.alloc_zeros::<i32>(n)?;
+        let lows = self
+            .dev
+            .alloc_zeros::<i32>(if self.window > 0 { n } else { 1 })?;
         let base = ptr(&bf, &self.stream);
         let fbase = ptr(&f32s, &self.stream);
         let at = |o: usize| base + 2 * o as u64;
@@ -318,6 +341,27 @@ impl ModelStep {
             stats: (0..2 * l + 1)
                 .map(|i| fbase + 4 * (f_stats + i * align(2 * n)) as u64)
                 .collect(),
+            post_in: if post {
+                post_a_o
+                    .iter()
+                    .zip(&post_m_o)
+                    .map(|(&pa, &pm)| [at(pa), at(pm)])
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            post_stats: if post {
+                (0..l)
+                    .map(|i| {
+                        let o = |j: usize| fbase + 4 * (f_post + (2 * i + j) * align(2 * n)) as u64;
+                        [o(0), o(1)]
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            dpost: at(dpost),
+            lows: ptr(&lows, &self.stream),
             loss: fbase,
             ids: ptr(&ids, &self.stream),
             targets: ptr(&targets, &self.stream),
@@ -329,6 +373,7 @@ impl ModelStep {
             ids,
             targets,
             starts,
+            lows,
             acts,
             graphs: Graphs::default(),
         });

@@ -33,15 +33,14 @@ impl ModelStep {
         let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
         self.group_fwd(a, (l, li, G_QKV), a.ln1[l], li.qkv_b, a.qkv[l], qkv)?;
         self.qk_norm(a, l, li, false)?;
-        self.rope(a, a.qkv[l], n, false)?;
+        self.rope(a, (a.qkv[l], l), n, false)?;
         self.attn_fwd(a, l)
     }
 
     /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.
     pub(super) fn attn_fwd(&self, a: &Activations, l: usize) -> Result<()> {
-        let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
+        let (b, t, h) = (a.b, self.t, self.n_head);
         let hd = self.hd;
-        let nc = b * t * c;
         let bh = b * h;
         let scale = self.att_scale;
         if self.flash {
@@ -68,26 +67,13 @@ impl ModelStep {
                     Arg::U(self.drop_thr),
                     Arg::F(self.drop_scale),
                     Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
-                    Arg::P(self.starts_ptr(a)),
+                    Arg::P(self.lows_ptr(a, l)),
                 ],
             );
         }
-        // attention: split heads, S = Q·Kᵀ, P = causal softmax(scale·S), Y = P·V, merge
-        let (q, k, v) = (a.heads, a.heads + 2 * nc as u64, a.heads + 4 * nc as u64);
-        self.launch(
-            &self.k.qkv_split,
-            flat_cfg(3 * nc),
-            &[
-                Arg::P(a.qkv[l]),
-                Arg::P(q),
-                Arg::P(k),
-                Arg::P(v),
-                Arg::I(i32_of(b, "B")?),
-                Arg::I(i32_of(t, "T")?),
-                Arg::I(i32_of(h, "H")?),
-                Arg::I(i32_of(hd, "hd")?),
-            ],
-        )?;
+        // attention: split heads (key/value heads repeated for their query heads), S = Q·Kᵀ,
+        // P = causal softmax(scale·S) (within the window on a sliding layer), Y = P·V, merge
+        let (q, k, v) = self.split_heads(a, a.qkv[l])?;
         self.gemm(
             "attention matmul",
             (true, false),
@@ -99,7 +85,12 @@ impl ModelStep {
             0.0,
             bh,
         )?;
-        self.softmax(&self.k.softmax_fwd, &[a.prob[l], a.prob[l]], bh * t, scale)?;
+        self.softmax(
+            &self.k.softmax_fwd,
+            &[a.prob[l], a.prob[l]],
+            (bh * t, l),
+            scale,
+        )?;
         self.gemm(
             "attention matmul",
             (false, false),
@@ -111,13 +102,13 @@ impl ModelStep {
             0.0,
             bh,
         )?;
-        self.heads(&self.k.heads_merge, a.yh, a.atty[l], b, c, 0)?;
+        self.heads(&self.k.heads_merge, a.yh, a.atty[l], b, self.att_c, 0)?;
         Ok(())
     }
 
     /// The attention backward of layer `l`: `da` (d atty) → `dqkv`.
     pub(super) fn attn_bwd(&self, a: &Activations, l: usize) -> Result<()> {
-        let (b, t, c, h) = (a.b, self.t, self.c, self.n_head);
+        let (b, t, h) = (a.b, self.t, self.n_head);
         let hd = self.hd;
         // (the dq accumulator at the scratch's start holds [B·T, n_head·head_dim])
         let nc = b * t * self.att_c;
@@ -164,7 +155,7 @@ impl ModelStep {
                     Arg::U(self.drop_thr),
                     Arg::F(self.drop_scale),
                     Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
-                    Arg::P(self.starts_ptr(a)),
+                    Arg::P(self.lows_ptr(a, l)),
                 ],
             )?;
             return self.launch(
@@ -186,23 +177,9 @@ impl ModelStep {
             );
         }
         // attention core, from the saved probabilities
-        let (q, k, vv) = (a.heads, a.heads + 2 * nc as u64, a.heads + 4 * nc as u64);
+        let (q, k, vv) = self.split_heads(a, a.qkv[l])?;
         let (dq, dk, dv) = (a.dheads, a.dheads + 2 * nc as u64, a.dheads + 4 * nc as u64);
-        self.launch(
-            &self.k.qkv_split,
-            flat_cfg(3 * nc),
-            &[
-                Arg::P(a.qkv[l]),
-                Arg::P(q),
-                Arg::P(k),
-                Arg::P(vv),
-                Arg::I(i32_of(b, "B")?),
-                Arg::I(i32_of(t, "T")?),
-                Arg::I(i32_of(h, "H")?),
-                Arg::I(i32_of(hd, "hd")?),
-            ],
-        )?;
-        self.heads(&self.k.heads_split, a.da, a.dyh, b, c, 0)?;
+        self.heads(&self.k.heads_split, a.da, a.dyh, b, self.att_c, 0)?;
         // dP = dY·Vᵀ
         self.gemm(
             "attention matmul",
@@ -231,7 +208,7 @@ impl ModelStep {
         self.softmax(
             &self.k.softmax_bwd,
             &[a.prob[l], a.dprob, a.dprob],
-            bh * t,
+            (bh * t, l),
             scale,
         )?;
         // dQ = dS·K, dK = dSᵀ·Q
@@ -257,10 +234,46 @@ impl ModelStep {
             0.0,
             bh,
         )?;
-        for (i, p) in [dq, dk, dv].into_iter().enumerate() {
-            self.heads(&self.k.heads_merge, p, a.dqkv, b, 3 * c, i)?;
-        }
-        Ok(())
+        self.heads(&self.k.heads_merge, dq, a.dqkv, b, self.qkv_out, 0)?;
+        // dk, dv per query head, summed per key/value head
+        self.launch(
+            &self.k.kv_grads_merge,
+            flat_cfg(b * t * self.n_kv_head * hd),
+            &[
+                Arg::P(dk),
+                Arg::P(dv),
+                Arg::P(a.dqkv),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(self.n_kv_head, "KV heads")?),
+                Arg::I(i32_of(hd, "hd")?),
+            ],
+        )
+    }
+
+    /// Materialised attention: packed `qkv` → q, k, v heads `[B, H, T, hd]` in the arena's
+    /// `heads` (key/value heads repeated for their query heads).
+    fn split_heads(&self, a: &Activations, qkv: u64) -> Result<(u64, u64, u64)> {
+        let (b, t, h, hd) = (a.b, self.t, self.n_head, self.hd);
+        let nh = (b * t * self.att_c) as u64;
+        let (q, k, v) = (a.heads, a.heads + 2 * nh, a.heads + 4 * nh);
+        self.launch(
+            &self.k.qkv_split,
+            flat_cfg(b * t * self.att_c),
+            &[
+                Arg::P(qkv),
+                Arg::P(q),
+                Arg::P(k),
+                Arg::P(v),
+                Arg::I(i32_of(b, "B")?),
+                Arg::I(i32_of(t, "T")?),
+                Arg::I(i32_of(h, "H")?),
+                Arg::I(i32_of(self.n_kv_head, "KV heads")?),
+                Arg::I(i32_of(hd, "hd")?),
+            ],
+        )?;
+        Ok((q, k, v))
     }
 
     /// Flash attention's grid: (B·heads, blocks of `rows` queries or keys), `threads` a block;
@@ -279,11 +292,18 @@ impl ModelStep {
         }
     }
 
-    /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]`
-    /// (`inverse`: rotate back, for their gradients); packed rows' positions restart at each
-    /// sample.
-    pub(super) fn rope(&self, a: &Activations, qkv: u64, rows: usize, inverse: bool) -> Result<()> {
-        let Some(table) = &self.rope else {
+    /// RoPE in place on the q and k heads of packed projections `[rows, (H + 2·KV)·hd]` of
+    /// layer `l` (its table: the model's, or a sliding layer's own) (`inverse`: rotate back,
+    /// for their gradients); packed rows' positions restart at each sample.
+    pub(super) fn rope(
+        &self,
+        a: &Activations,
+        (qkv, l): (u64, usize),
+        rows: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        let local = self.local_rope.get(l).copied().unwrap_or(false);
+        let Some(table) = (if local { &self.rope_local } else { &self.rope }) else {
             return Ok(());
         };
         let nh = self.n_head + self.n_kv_head;
@@ -357,31 +377,44 @@ impl ModelStep {
                 Arg::P(self.grad_ptr_or_null(Some(kn))),
             ]);
             args.extend(dims);
+            args.push(Arg::F(self.woff()));
             self.launch(&self.k.qk_norm_bwd, cfg, &args)
         } else {
             let mut args = vec![Arg::P(a.qkv[l]), raw, rstd];
             args.extend(w);
             args.extend(dims);
-            args.push(Arg::F(self.eps));
+            args.extend([Arg::F(self.eps), Arg::F(self.woff())]);
             self.launch(&self.k.qk_norm_fwd, cfg, &args)
         }
     }
 
     /// Causal softmax forward (`ptrs` = x, y) or backward (`ptrs` = y, dy, dx) over
-    /// `rows` rows of T.
-    pub(super) fn softmax(&self, f: &Kern, ptrs: &[u64], rows: usize, scale: f32) -> Result<()> {
+    /// `rows` rows of T of layer `l` (a sliding layer's: within its window).
+    pub(super) fn softmax(
+        &self,
+        f: &Kern,
+        ptrs: &[u64],
+        (rows, l): (usize, usize),
+        scale: f32,
+    ) -> Result<()> {
         let t = i32_of(self.t, "T")?;
+        let window = if self.sliding.get(l).copied().unwrap_or(false) {
+            self.window
+        } else {
+            0
+        };
         let mut args: Vec<Arg> = ptrs.iter().map(|&p| Arg::P(p)).collect();
         args.extend([
             Arg::I(i32_of(rows, "rows")?),
             Arg::I(t),
             Arg::I(t),
             Arg::F(scale),
+            Arg::I(i32_of(window, "window")?),
         ]);
         self.launch(f, row_cfg(rows), &args)
     }
 
-    /// Heads `[B, H, T, hd]` ↔ columns `part·C ..` of a `[B, T, ld]` buffer (merge: src
+    /// Heads `[B, H, T, hd]` ↔ columns `part·H·hd ..` of a `[B, T, ld]` buffer (merge: src
     /// heads → dst buffer; split: src buffer → dst heads).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn heads(
@@ -393,19 +426,19 @@ impl ModelStep {
         ld: usize,
         part: usize,
     ) -> Result<()> {
-        let (h, c) = (self.n_head, self.c);
+        let h = self.n_head;
         self.launch(
             f,
-            flat_cfg(b * self.t * c),
+            flat_cfg(b * self.t * self.att_c),
             &[
                 Arg::P(src),
                 Arg::P(dst),
                 Arg::I(i32_of(b, "B")?),
                 Arg::I(i32_of(self.t, "T")?),
                 Arg::I(i32_of(h, "H")?),
-                Arg::I(i32_of(c / h, "hd")?),
+                Arg::I(i32_of(self.hd, "hd")?),
                 Arg::I(i32_of(ld, "ld")?),
-                Arg::I(i32_of(part * c, "offset")?),
+                Arg::I(i32_of(part * self.att_c, "offset")?),
             ],
         )
     }

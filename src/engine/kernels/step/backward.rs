@@ -70,6 +70,7 @@ impl ModelStep {
                     Arg::P(a.dh),
                     Arg::P((n * f / 8) as u64),
                     Arg::I(i32_of(f / 8, "hidden")?),
+                    Arg::I(self.geglu as i32),
                 ],
             )?;
             return Ok(2 * f);
@@ -175,7 +176,13 @@ impl ModelStep {
             }
             // MLP down projection: res[l+1] = mid + act·Wdownᵀ (+ b)
             let down = Lin::new(n, f, c, c);
-            let (dy, dy_buf) = self.drop_grad(a, dropout::site_mlp_out(l))?;
+            let dyb = self.drop_grad(a, dropout::site_mlp_out(l))?;
+            let post_m = li.post.map(|p| p.1);
+            let post_x = (
+                a.post_in.get(l).map_or(0, |p| p[1]),
+                a.post_stats.get(l).map_or(0, |p| p[1]),
+            );
+            let (dy, dy_buf) = self.out_norm_bwd(a, post_m, post_x, dyb)?;
             let bias = (li.down_w, li.down_b, down_b_done);
             self.proj_grads((a.act[l], dy, dy_buf), bias, down, first)?;
             self.reclaim(Buf::Dh)?;
@@ -211,7 +218,13 @@ impl ModelStep {
             }
             // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
             let o = Lin::new(n, self.att_c, c, c);
-            let (dy, dy_buf) = self.drop_grad(a, dropout::site_attention_out(l))?;
+            let dyb = self.drop_grad(a, dropout::site_attention_out(l))?;
+            let post_a = li.post.map(|p| p.0);
+            let post_x = (
+                a.post_in.get(l).map_or(0, |p| p[0]),
+                a.post_stats.get(l).map_or(0, |p| p[0]),
+            );
+            let (dy, dy_buf) = self.out_norm_bwd(a, post_a, post_x, dyb)?;
             self.proj_grads(
                 (a.atty[l], dy, dy_buf),
                 (li.o_w, li.o_b, o_b_done),
@@ -222,7 +235,7 @@ impl ModelStep {
             self.lin_dx_beta(dy, self.matmul_weight(li.o_w)?, a.da, o, beta)?;
             self.reclaim(Buf::Dqkv)?;
             self.attn_bwd(a, l)?;
-            self.rope(a, a.dqkv, n, true)?;
+            self.rope(a, (a.dqkv, l), n, true)?;
             self.qk_norm(a, l, li, true)?;
             // qkv projection
             let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);

@@ -80,7 +80,7 @@ impl ModelStep {
             self.trained_grad_ptr(w).unwrap_or(0),
             self.grad_ptr_or_null(b),
         );
-        let rms = Arg::I(self.rms as i32);
+        let rms = Arg::I(self.norm_flags());
         if let Some(v8) = &self.k.norm_v8 {
             // Two passes: dx with 16-byte accesses and rows in registers, then the column
             // sums (the forward's statistics in both).
@@ -150,6 +150,46 @@ impl ModelStep {
         };
         self.launch(k, cfg, &args)?;
         Ok(false)
+    }
+
+    /// The norm kernels' `rms` flag: bit 0 RMSNorm, bit 1 the weights scale as 1 + w (Gemma).
+    pub(super) fn norm_flags(&self) -> i32 {
+        i32::from(self.rms) | (i32::from(self.plus_one) << 1)
+    }
+
+    /// What the QK-norm kernels add to each weight: 1 for Gemma's 1 + w, else 0.
+    pub(super) fn woff(&self) -> f32 {
+        if self.plus_one {
+            1.0
+        } else {
+            0.0
+        }
+    }
+
+    /// Gemma's sandwich, forward: `tmp = Norm(x)` with the output norm's weight `w`, the rows'
+    /// statistics into `stats` (what the residual add then reads as its `y`).
+    pub(super) fn out_norm(&self, a: &Activations, w: usize, (x, stats): (u64, u64)) -> Result<()> {
+        let n = a.b * self.t;
+        self.residual_norm(a, (x, 0, 0, None), 0, (w, None, stats), (a.tmp, self.c), n)
+    }
+
+    /// Gemma's sandwich, backward: the gradient `dy` of an output norm's output (in the scratch
+    /// `buf`) through that norm (weight `post`, input `x`, statistics `stats`) into `dpost`, its
+    /// weight's gradient added; without a norm there, `dy` itself.
+    pub(super) fn out_norm_bwd(
+        &self,
+        a: &Activations,
+        post: Option<usize>,
+        (x, stats): (u64, u64),
+        (dy, buf): (u64, Buf),
+    ) -> Result<(u64, Buf)> {
+        let Some(w) = post else {
+            return Ok((dy, buf));
+        };
+        self.reclaim(Buf::Dpost)?;
+        let n = a.b * self.t;
+        self.norm_bwd(x, (w, None), (dy, self.c), a.dpost, stats, n, false, 0)?;
+        Ok((a.dpost, Buf::Dpost))
     }
 
     /// The output gradient of a projection whose output went through dropout at `site` into
@@ -274,7 +314,7 @@ impl ModelStep {
             Arg::I(i32_of(n, "rows")?),
             Arg::I(i32_of(self.c, "n_embd")?),
             Arg::F(self.eps),
-            Arg::I(self.rms as i32),
+            Arg::I(self.norm_flags()),
             Arg::P(a.seed),
             Arg::U(site.unwrap_or(0)),
             Arg::U(thr),

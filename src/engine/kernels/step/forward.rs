@@ -28,6 +28,7 @@ impl ModelStep {
                     Arg::P(a.act[l]),
                     Arg::P((n * f / 8) as u64),
                     Arg::I(i32_of(f / 8, "hidden")?),
+                    Arg::I(self.geglu as i32),
                 ],
             );
         }
@@ -92,9 +93,14 @@ impl ModelStep {
             self.mlp_half_fwd(a, l, li)?;
             // ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm (or the
             // final one).
-            let beta = self.lora_fwd(a, l, li, G_DOWN, a.act[l], a.tmp, c)?;
+            // (Gemma's sandwich: into its output norm's input, then normed into `tmp`.)
+            let out = li.post.map_or(a.tmp, |_| a.post_in[l][1]);
+            let beta = self.lora_fwd(a, l, li, G_DOWN, a.act[l], out, c)?;
             let down = Lin::new(n, f, c, c);
-            self.lin_fwd_beta(a.act[l], self.matmul_weight(li.down_w)?, a.tmp, down, beta)?;
+            self.lin_fwd_beta(a.act[l], self.matmul_weight(li.down_w)?, out, down, beta)?;
+            if let Some((_, pm)) = li.post {
+                self.out_norm(a, pm, (out, a.post_stats[l][1]))?;
+            }
             let (nw, nb, out) = match self.layers.get(l + 1) {
                 Some(next) => (
                     next.ln1_w,
@@ -127,14 +133,19 @@ impl ModelStep {
         self.attention(a, l, li)
     }
 
-    /// A block's middle: mid = res + dropout(atty·Woᵀ (+ bo)), ln2 = Norm2(mid), then the
+    /// A block's middle: mid = res + dropout(atty·Woᵀ (+ bo)) (Gemma: the projection's output
+    /// normed first), ln2 = Norm2(mid), then the
     /// MLP's activation act(ln2·Wupᵀ (+ b)) into `fc[l]`/`gelu[l]` (the forward, and the
     /// "full" recompute).
     pub(super) fn mlp_half_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
         let o = Lin::new(n, self.att_c, c, c);
-        let beta = self.lora_fwd(a, l, li, G_O, a.atty[l], a.tmp, c)?;
-        self.lin_fwd_beta(a.atty[l], self.matmul_weight(li.o_w)?, a.tmp, o, beta)?;
+        let out = li.post.map_or(a.tmp, |_| a.post_in[l][0]);
+        let beta = self.lora_fwd(a, l, li, G_O, a.atty[l], out, c)?;
+        self.lin_fwd_beta(a.atty[l], self.matmul_weight(li.o_w)?, out, o, beta)?;
+        if let Some((pa, _)) = li.post {
+            self.out_norm(a, pa, (out, a.post_stats[l][0]))?;
+        }
         let ln = (li.ln2_w, li.ln2_b, a.stats[2 * l + 1]);
         let y = (
             a.res[l],

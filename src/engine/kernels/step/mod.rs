@@ -120,8 +120,12 @@ pub struct ModelStep {
     att_c: usize,
     /// RMSNorm (else LayerNorm).
     rms: bool,
+    /// Gemma's norms: every norm (and QK-norm) scales by 1 + w.
+    plus_one: bool,
     /// SwiGLU MLP (gate|up packed), else GELU.
     swiglu: bool,
+    /// The gated MLP's gate is the tanh GELU (Gemma's GeGLU), not SiLU.
+    geglu: bool,
     vocab: usize,
     /// The logits' row stride: the vocabulary rounded up to 64.
     vpad: usize,
@@ -135,6 +139,14 @@ pub struct ModelStep {
     /// RoPE's rotations on the device, [T][hd/2] (cos, sin) ([`rope_table`](attention::rope_table); None: learned
     /// positions).
     rope: Option<CudaSlice<f32>>,
+    /// Gemma 3's sliding layers' own RoPE table (`rope_local_base_freq`), and which layers
+    /// read it.
+    rope_local: Option<CudaSlice<f32>>,
+    local_rope: Vec<bool>,
+    /// The sliding layers' window (positions, the query's own included; 0: no sliding layer),
+    /// and which layers slide.
+    window: usize,
+    sliding: Vec<bool>,
     /// Flash attention (head dim 64 or 128) instead of materialised probabilities.
     flash: bool,
     layers: Vec<LayerIdx>,

@@ -18,6 +18,8 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
                                               int rms, const unsigned long long* seed,
                                               uint32_t site, uint32_t thr, float dscale,
                                               int ldo) {
+    const float woff = norm_woff(rms);
+    rms &= 1;
     const int warps = blockDim.x >> 5;
     const int row = blockIdx.x * warps + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -42,7 +44,7 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
     row_stats(src, d, eps, rms, lane, &mu, &rstd);
     bf16_t* o = out + (size_t)row * ldo;
     for (int j = lane; j < d; j += 32)
-        o[j] = __float2bfloat16((to_f(src[j]) - mu) * rstd * to_f(w[j]) +
+        o[j] = __float2bfloat16((to_f(src[j]) - mu) * rstd * (to_f(w[j]) + woff) +
                                 (b != nullptr ? to_f(b[j]) : 0.f));
 }
 
@@ -102,6 +104,8 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                                  bf16_t* __restrict__ out, float2* __restrict__ stats, int n,
                                  int d, float eps, int rms, const unsigned long long* seed,
                                  uint32_t site, uint32_t thr, float dscale, int ldo) {
+    const float woff = norm_woff(rms);
+    rms &= 1;
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -151,8 +155,8 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     const float2 a = bf2f(r[c], i), g = bf2f(wv, i), f = bf2f(bv, i);
-                    o.h[i] = __floats2bfloat162_rn((a.x - mu) * rstd * g.x + f.x,
-                                                   (a.y - mu) * rstd * g.y + f.y);
+                    o.h[i] = __floats2bfloat162_rn((a.x - mu) * rstd * (g.x + woff) + f.x,
+                                                   (a.y - mu) * rstd * (g.y + woff) + f.y);
                 }
                 *reinterpret_cast<uint4*>(out + (size_t)row * ldo + col0) = o.u;
             }
@@ -181,6 +185,8 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
                                const bf16_t* __restrict__ dy, bf16_t* dx,
                                const float2* __restrict__ stats, int n, int d, float eps,
                                int add, int rms, int ldg) {
+    const float woff = norm_woff(rms);
+    rms &= 1;
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
     for (int row = blockIdx.x * warps + (threadIdx.x >> 5); row < n; row += gridDim.x * warps) {
@@ -211,7 +217,7 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const float2 xv = bf2f(xa[c], i), gv = bf2f(ga[c], i), wf = bf2f(wv, i);
-                const float g0 = gv.x * wf.x, g1 = gv.y * wf.y;
+                const float g0 = gv.x * (wf.x + woff), g1 = gv.y * (wf.y + woff);
                 a += g0 + g1;
                 cc += g0 * (xv.x - mu) * rstd + g1 * (xv.y - mu) * rstd;
             }
@@ -230,8 +236,8 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
                     const float2 xv = bf2f(xa[c], i), gv = bf2f(ga[c], i), wf = bf2f(wv, i);
                     const float2 p = bf2f(pa[c], i);
                     const float h0 = (xv.x - mu) * rstd, h1 = (xv.y - mu) * rstd;
-                    out.h[i] = __floats2bfloat162_rn(p.x + rstd * (gv.x * wf.x - a - h0 * cc),
-                                                     p.y + rstd * (gv.y * wf.y - a - h1 * cc));
+                    out.h[i] = __floats2bfloat162_rn(p.x + rstd * (gv.x * (wf.x + woff) - a - h0 * cc),
+                                                     p.y + rstd * (gv.y * (wf.y + woff) - a - h1 * cc));
                 }
                 *reinterpret_cast<uint4*>(dx + (size_t)row * d + col0) = out.u;
             }

@@ -101,6 +101,8 @@ pub(super) struct LayerIdx {
     pub(super) lora: [Option<LoraIdx>; 7],
     /// QK-norm per head: q's and k's RMSNorm weights.
     pub(super) qk_norm: Option<(usize, usize)>,
+    /// Gemma's sandwich: the attention output's and the MLP output's norm weights.
+    pub(super) post: Option<(usize, usize)>,
 }
 
 /// The flat buffers' layout as it is built: each entry's offset in the trainable buffers

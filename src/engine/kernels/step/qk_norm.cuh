@@ -8,12 +8,12 @@
 
 // In place on the first H + KVH heads (q's, then k's) of each row of qkv [n, ld]: a warp a
 // (row, head); the input kept in raw [n, H + KVH, hd] and each head's 1/rms in rstd [n·(H + KVH)]
-// for the backward. y = x · rsqrt(mean(x²) + eps) · w, in f32.
+// for the backward. y = x · rsqrt(mean(x²) + eps) · (w + woff), in f32 (woff 1: Gemma's 1 + w).
 extern "C" __global__ void qk_norm_fwd_bf16(bf16_t* __restrict__ qkv, bf16_t* __restrict__ raw,
                                             float* __restrict__ rstd,
                                             const bf16_t* __restrict__ wq,
                                             const bf16_t* __restrict__ wk, int n, int H, int KVH,
-                                            int hd, int ld, float eps) {
+                                            int hd, int ld, float eps, float woff) {
     const int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
     const int G = H + KVH;
     const size_t total = (size_t)n * G;
@@ -39,7 +39,7 @@ extern "C" __global__ void qk_norm_fwd_bf16(bf16_t* __restrict__ qkv, bf16_t* __
             const int j = lane + 32 * k;
             if (j < hd) {
                 xr[j] = x[j];
-                x[j] = from_f<bf16_t>(v[k] * rs * to_f(w[j]));
+                x[j] = from_f<bf16_t>(v[k] * rs * (to_f(w[j]) + woff));
             }
         }
         if (lane == 0) rstd[r] = rs;
@@ -56,7 +56,7 @@ extern "C" __global__ void qk_norm_bwd_bf16(bf16_t* __restrict__ dqkv,
                                             const bf16_t* __restrict__ wq,
                                             const bf16_t* __restrict__ wk, float* __restrict__ dwq,
                                             float* __restrict__ dwk, int n, int H, int KVH, int hd,
-                                            int ld) {
+                                            int ld, float woff) {
     __shared__ float part[2][32 * QKN_MAX_PER_LANE];
     for (int i = threadIdx.x; i < 2 * 32 * QKN_MAX_PER_LANE; i += blockDim.x) (&part[0][0])[i] = 0.f;
     __syncthreads();
@@ -82,7 +82,7 @@ extern "C" __global__ void qk_norm_bwd_bf16(bf16_t* __restrict__ dqkv,
             const bool in = j < hd;
             d[k] = in ? to_f(dy[j]) : 0.f;
             xh[k] = in ? to_f(xr[j]) * rs : 0.f;
-            wd[k] = in ? to_f(w[j]) * d[k] : 0.f;
+            wd[k] = in ? (to_f(w[j]) + woff) * d[k] : 0.f;
             dot += wd[k] * xh[k];
         }
         dot = warp_sum(dot) / hd;

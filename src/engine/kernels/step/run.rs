@@ -93,14 +93,22 @@ impl ModelStep {
         let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
         self.stream.memcpy_htod(r.inputs, &mut a.ids).w()?;
         self.stream.memcpy_htod(r.targets, &mut a.targets).w()?;
-        self.packed = match r.segments {
-            Some(seg) => {
-                let starts = sample_starts(seg, self.t);
-                self.stream.memcpy_htod(&starts, &mut a.starts).w()?;
-                true
-            }
-            None => false,
-        };
+        let starts = r.segments.map(|seg| sample_starts(seg, self.t));
+        if let Some(st) = &starts {
+            self.stream.memcpy_htod(st, &mut a.starts).w()?;
+        }
+        self.packed = starts.is_some();
+        if self.window > 0 {
+            // A sliding layer's query q sees keys from q − window + 1 on, within its sample.
+            let (t, w) = (self.t.max(1), self.window);
+            let lows: Vec<i32> = (0..n)
+                .map(|i| {
+                    let own = ((i % t + 1).saturating_sub(w)) as i32;
+                    starts.as_ref().map_or(own, |st| own.max(st[i]))
+                })
+                .collect();
+            self.stream.memcpy_htod(&lows, &mut a.lows).w()?;
+        }
         Ok(r.targets.iter().filter(|&&y| y != IGNORE).count())
     }
 
@@ -119,6 +127,16 @@ impl ModelStep {
             a.starts
         } else {
             0
+        }
+    }
+
+    /// Layer `l`'s attention's lowest key per slot: the window's (a sliding layer), else the
+    /// packed sample starts ([`Self::starts_ptr`]).
+    pub(super) fn lows_ptr(&self, a: &Activations, l: usize) -> u64 {
+        if self.sliding.get(l).copied().unwrap_or(false) {
+            a.lows
+        } else {
+            self.starts_ptr(a)
         }
     }
 

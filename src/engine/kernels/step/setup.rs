@@ -8,12 +8,13 @@ use super::attention::rope_table;
 use super::kernels::Kernels;
 use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
 use super::{align, ptr, tensor_ptr, ModelStep, ALIGN};
-use crate::config::{Norm, PosEncoding, Recompute};
+use crate::config::{Activation, Norm, PosEncoding, Recompute};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::lt::Lt;
 use crate::engine::kernels::side::Side;
 use crate::engine::kernels::spec::StepWeights;
+use crate::engine::spec::RopeKey;
 
 impl ModelStep {
     pub fn new(w: &StepWeights) -> Result<Self> {
@@ -87,6 +88,10 @@ impl ModelStep {
                 .qk_norm
                 .as_ref()
                 .map(|(q, k)| (lay.push(q, true), lay.push(k, true)));
+            let post = l
+                .post
+                .as_ref()
+                .map(|(pa, pm)| (lay.push(pa, true), lay.push(pm, true)));
             let up_b = match &l.gate {
                 Some(g) => lay.pack_biases(&[g, &l.up], "gate and up")?,
                 None => lay.push_opt(&l.up.1),
@@ -106,6 +111,7 @@ impl ModelStep {
                 down_b: lay.push_opt(&l.down.1),
                 lora,
                 qk_norm,
+                post,
             });
         }
         let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
@@ -155,6 +161,21 @@ impl ModelStep {
             PosEncoding::Rope => Some(stream.clone_htod(&rope_table(&s.rope_inv_freq(), t)).w()?),
             PosEncoding::Learned => None,
         };
+        // Gemma 3's sliding layers rotate with their own θ; (LongRoPE's tables: refused above.)
+        let local_rope: Vec<bool> = (0..s.n_layer).map(|l| s.layer_rope(l, t).local).collect();
+        let rope_local = match (s.pos, local_rope.contains(&true)) {
+            (PosEncoding::Rope, true) => {
+                let f = s.rope_freqs(RopeKey {
+                    local: true,
+                    long: false,
+                });
+                Some(stream.clone_htod(&rope_table(&f.inv_freq, t)).w()?)
+            }
+            _ => None,
+        };
+        let sliding: Vec<bool> = (0..s.n_layer)
+            .map(|l| s.layer_window(l).is_some())
+            .collect();
         let mut lt = Lt::new(stream.clone(), s.kernels.autotune, w.half).ok();
         // The second stream needs its own cuBLASLt workspace; without either, one stream.
         // Recompute rewrites shared activation buffers that the side stream's weight
@@ -184,8 +205,18 @@ impl ModelStep {
             att_c,
             qkv_out: (n_head + 2 * n_kv_head) * hd,
             rms: s.norm == Norm::RmsNorm,
+            plus_one: s.layout.norm_plus_one,
             swiglu,
+            geglu: s.activation == Activation::GeGlu,
             rope,
+            rope_local,
+            local_rope,
+            window: if sliding.contains(&true) {
+                s.layout.window
+            } else {
+                0
+            },
+            sliding,
             flash,
             vocab,
             vpad: vocab.div_ceil(64) * 64,
