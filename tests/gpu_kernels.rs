@@ -905,6 +905,34 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
+            name: "olmo2: post-norm blocks, QK-norm over the whole projections, GQA 4/2, \
+                   head dim 64, dropout 0.1",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.dropout = 0.1;
+                c.model.layout.post_norm = true;
+                c.model.layout.qk_norm = cockpit::config::QkNorm::Whole;
+            },
+        },
+        Family {
+            name: "olmo2: post-norm, whole QK-norm, head dim 128 over n_embd 128, MHA, recompute \
+                   attention",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_head = 1;
+                c.model.n_kv_head = 1;
+                c.model.head_dim = 128;
+                c.model.layout.post_norm = true;
+                c.model.layout.qk_norm = cockpit::config::QkNorm::Whole;
+                c.model.recompute = cockpit::config::Recompute::Attention;
+            },
+        },
+        Family {
             name: "phi3-like: partial rotary (48 of 64 dims), GQA 4/2",
             vocab: 97,
             set: |c| {

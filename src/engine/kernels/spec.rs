@@ -212,6 +212,23 @@ impl StepWeights {
                     );
                 }
             }
+            if let Some((pa, pm)) = &l.post {
+                for (what, w) in [("attention output", pa), ("MLP output", pm)] {
+                    if var1(w)? != c {
+                        let what = format!("layer {i}'s {what} norm");
+                        return bad(&what, var1(w)?.to_string(), c.to_string());
+                    }
+                }
+            }
+            if let (Some((qn, kn)), Some((wq, wk))) = (&l.qk_norm, s.qk_norm_widths()) {
+                if (var1(qn)?, var1(kn)?) != (wq, wk) {
+                    return bad(
+                        &format!("layer {i}'s q and k norms"),
+                        format!("{}, {}", var1(qn)?, var1(kn)?),
+                        format!("{wq}, {wk}"),
+                    );
+                }
+            }
             if l.gate.is_some() != s.gated_mlp() {
                 return bad(
                     &format!("layer {i}'s MLP"),

@@ -81,12 +81,12 @@ pub enum Reason {
     #[error("a mix of frozen and trainable weights other than LoRA's")]
     MixedTrainable,
     #[error(
-        "RMSNorm on q and k ({0}: the step has QK-norm per head of up to 256 dims, as Qwen3's)"
+        "RMSNorm on q and k ({0}: the step has QK-norm per head of up to 256 dims, as Qwen3's, and over whole projections of up to 8192, as OLMo 2's)"
     )]
     QkNorm(&'static str),
     #[error("RoPE on an odd {rotary_dim} of {head_dim} dims of each head (the step turns pairs of dims)")]
     PartialRotary { rotary_dim: usize, head_dim: usize },
-    #[error("norms after the attention and MLP outputs (OLMo 2 post-norm; the step's blocks are pre-norm)")]
+    #[error("norms after the attention and MLP outputs with biases (OLMo 2's post-norm: the step adds a projection's bias after its output norm)")]
     PostNorm,
     #[error("{0} soft-capping (Gemma 2: cap·tanh(x/cap); the step has no kernel for it)")]
     SoftCap(&'static str),
@@ -156,9 +156,9 @@ impl ModelSpec {
     /// the model ([`Self::flash_attention`]): widths multiples of 8 (16-byte accesses), an
     /// even head dim, key/value heads that divide the heads; dropout needs flash attention; an embedding
     /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
-    /// QK-norm over the whole projection, post-norm blocks, soft-caps and LongRoPE have no
-    /// kernels in the step yet (QK-norm per head, partial rotary, Gemma's sandwich and 1 + w
-    /// norms, GeGLU and sliding windows in flash attention have).
+    /// soft-caps and LongRoPE have no kernels in the step yet (QK-norm per head and over the
+    /// whole projection, partial rotary, Gemma's sandwich and 1 + w norms, GeGLU, sliding
+    /// windows and OLMo 2's post-norm blocks have; output norms with biases do not).
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
         // (Why not, where flash attention is off: the first of its conditions that fails,
@@ -197,9 +197,10 @@ impl ModelSpec {
             QkNorm::None => {}
             QkNorm::Head if self.head_dim <= 256 => {}
             QkNorm::Head => return Err(Reason::QkNorm("per head over more than 256 dims")),
-            QkNorm::Whole => return Err(Reason::QkNorm("over the whole projection")),
+            QkNorm::Whole if self.q_width().max(self.kv_width()) <= 8192 => {}
+            QkNorm::Whole => return Err(Reason::QkNorm("over a projection wider than 8192")),
         }
-        if self.layout.post_norm {
+        if self.layout.post_norm && (self.bias || self.qkv_bias) {
             return Err(Reason::PostNorm);
         }
         if !self.rotary_dim().is_multiple_of(2) {

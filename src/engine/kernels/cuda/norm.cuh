@@ -23,8 +23,11 @@ __device__ __forceinline__ void row_stats(const T* xr, int d, float eps, int rms
 }
 
 // The norm kernels' `rms` flag: bit 0 RMSNorm (else LayerNorm); bit 1 the weight scales as
-// 1 + w (Gemma's norms: `(1 + w)` in f32, w's stored value untouched).
+// 1 + w (Gemma's norms: `(1 + w)` in f32, w's stored value untouched); bit 2 (the whole-model
+// step's kernels only) no norm at all: out = x, dx (+)= dy (OLMo 2's blocks read the residual
+// stream as it is).
 __device__ __forceinline__ float norm_woff(int rms) { return (rms & 2) ? 1.f : 0.f; }
+__device__ __forceinline__ bool norm_ident(int rms) { return (rms & 4) != 0; }
 
 template <typename T>
 __device__ void norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
@@ -61,6 +64,13 @@ __device__ void norm_bwd(const T* __restrict__ x, const T* __restrict__ w,
                          const T* __restrict__ dy, T* __restrict__ dx, float* __restrict__ dw,
                          float* __restrict__ db, int n, int d, float eps, int rms, int add = 0) {
     const float woff = norm_woff(rms);
+    if (norm_ident(rms)) {  // (the step's OLMo 2 blocks: no norm) dx (+)= dy
+        const size_t total = (size_t)n * d;
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+             i += (size_t)gridDim.x * blockDim.x)
+            dx[i] = from_f<T>((add ? to_f(dx[i]) : 0.f) + to_f(dy[i]));
+        return;
+    }
     rms &= 1;
     extern __shared__ float sh[];  // [2·d]: dw then db
     for (int j = threadIdx.x; j < 2 * d; j += blockDim.x) sh[j] = 0.f;

@@ -7,7 +7,7 @@ use super::arena::Activations;
 use super::gemm::{bmat, Lin};
 use super::kernels::Kern;
 use super::params::{LayerIdx, G_QKV};
-use super::{ptr, Arg, ModelStep};
+use super::{check, ptr, Arg, ModelStep};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{flat_cfg, i32_of, row_cfg};
 
@@ -346,6 +346,9 @@ impl ModelStep {
             return Ok(());
         };
         let n = a.b * self.t;
+        if self.qk_whole {
+            return self.qk_norm_whole(a, l, (qn, kn), backward);
+        }
         let groups = n * (self.n_head + self.n_kv_head);
         // A warp a (row, head), 8 warps a block; the backward's blocks each reduce their
         // weight gradients once, so no more of them than the GPU holds at a time.
@@ -386,6 +389,70 @@ impl ModelStep {
             args.extend([Arg::F(self.eps), Arg::F(self.woff())]);
             self.launch(&self.k.qk_norm_fwd, cfg, &args)
         }
+    }
+
+    /// QK-norm over the whole q and k projections of layer `l` (OLMo 2; weights `qn`
+    /// `[H·hd]`, `kn` `[KV·hd]`), in place as [`Self::qk_norm`]: one launch for q's columns,
+    /// one for k's.
+    fn qk_norm_whole(
+        &self,
+        a: &Activations,
+        l: usize,
+        (qn, kn): (usize, usize),
+        backward: bool,
+    ) -> Result<()> {
+        let n = a.b * self.t;
+        let hq = self.n_head * self.hd;
+        let raw_ld = (self.n_head + self.n_kv_head) * self.hd;
+        let cfg = LaunchConfig {
+            grid_dim: (n.min(8 * self.k.sms).max(1) as u32, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for (part, (w, off, width)) in [(qn, 0, hq), (kn, hq, self.n_kv_head * self.hd)]
+            .into_iter()
+            .enumerate()
+        {
+            check(width <= 512 * 16, || {
+                format!("QK-norm over {width} columns (the kernels take 8192)")
+            })?;
+            let dims = [
+                Arg::I(i32_of(n, "rows")?),
+                Arg::I(i32_of(off, "offset")?),
+                Arg::I(i32_of(width, "width")?),
+                Arg::I(i32_of(self.qkv_out, "ld")?),
+                Arg::I(i32_of(raw_ld, "raw ld")?),
+                Arg::I(part as i32),
+            ];
+            let mut args = if backward {
+                vec![
+                    Arg::P(a.dqkv),
+                    Arg::P(a.qk_raw[l]),
+                    Arg::P(a.qk_rstd[l]),
+                    Arg::P(self.weight_ptr(w)?),
+                    Arg::P(self.grad_ptr_or_null(Some(w))),
+                ]
+            } else {
+                vec![
+                    Arg::P(a.qkv[l]),
+                    Arg::P(a.qk_raw[l]),
+                    Arg::P(a.qk_rstd[l]),
+                    Arg::P(self.weight_ptr(w)?),
+                ]
+            };
+            args.extend(dims);
+            if !backward {
+                args.push(Arg::F(self.eps));
+            }
+            args.push(Arg::F(self.woff()));
+            let k = if backward {
+                &self.k.qk_whole_bwd
+            } else {
+                &self.k.qk_whole_fwd
+            };
+            self.launch(k, cfg, &args)?;
+        }
+        Ok(())
     }
 
     /// Causal softmax forward (`ptrs` = x, y) or backward (`ptrs` = y, dy, dx) over

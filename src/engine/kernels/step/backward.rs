@@ -162,7 +162,7 @@ impl ModelStep {
             a.dres,
             a.stats[2 * last],
             n,
-            false,
+            (false, false),
             down_b(last - 1),
         )?;
         // Weight gradients and bias sums go to the side stream when there is one (`fork`),
@@ -210,7 +210,7 @@ impl ModelStep {
                 a.dres,
                 a.stats[2 * l + 1],
                 n,
-                true,
+                (true, true),
                 fuse(self.grad_ptr_or_null(li.o_b)),
             )?;
             if self.recompute == Recompute::Attention {
@@ -254,7 +254,7 @@ impl ModelStep {
                 a.dres,
                 a.stats[2 * l],
                 n,
-                true,
+                (true, true),
                 below,
             )?;
             self.send_sums(Some(l))?;

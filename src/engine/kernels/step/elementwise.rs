@@ -60,7 +60,8 @@ impl ModelStep {
     /// `(w, b)`, from the forward's row statistics `stats` (which the v8 kernels need):
     /// dx (+)= …, the weight (and bias) gradients accumulate. Where `bias_grad` is non-zero
     /// and the v8 kernels run, `bias_grad += Σ_rows dx` too (the residual stream's gradient
-    /// is the bias gradient of the linear layer that wrote into it): Ok(true) says so.
+    /// is the bias gradient of the linear layer that wrote into it): Ok(true) says so. `pre`:
+    /// a block's input norm (none in OLMo 2's post-norm blocks: dx (+)= dy).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn norm_bwd(
         &self,
@@ -70,17 +71,23 @@ impl ModelStep {
         dx: u64,
         stats: u64,
         n: usize,
-        add: bool,
+        (add, pre): (bool, bool),
         bias_grad: u64,
     ) -> Result<bool> {
         let d = self.c;
         let (n_i, d_i) = (i32_of(n, "rows")?, i32_of(d, "dim")?);
         let ldg_i = i32_of(ldg, "row stride")?;
-        let (dw, db) = (
-            self.trained_grad_ptr(w).unwrap_or(0),
-            self.grad_ptr_or_null(b),
-        );
-        let rms = Arg::I(self.norm_flags());
+        // (OLMo 2's blocks have no norm before attention and MLP: no weight either.)
+        let ident = pre && self.post_norm;
+        let (dw, db) = if ident {
+            (0, 0)
+        } else {
+            (
+                self.trained_grad_ptr(w).unwrap_or(0),
+                self.grad_ptr_or_null(b),
+            )
+        };
+        let rms = Arg::I(self.flags(pre));
         if let Some(v8) = &self.k.norm_v8 {
             // Two passes: dx with 16-byte accesses and rows in registers, then the column
             // sums (the forward's statistics in both).
@@ -152,9 +159,13 @@ impl ModelStep {
         Ok(false)
     }
 
-    /// The norm kernels' `rms` flag: bit 0 RMSNorm, bit 1 the weights scale as 1 + w (Gemma).
-    pub(super) fn norm_flags(&self) -> i32 {
-        i32::from(self.rms) | (i32::from(self.plus_one) << 1)
+    /// The norm kernels' `rms` flag for a block's input norm (`pre`) or another one: bit 0
+    /// RMSNorm, bit 1 the weights scale as 1 + w (Gemma), bit 2 no norm (a block's input in
+    /// OLMo 2's post-norm blocks: the residual stream as it is).
+    pub(super) fn flags(&self, pre: bool) -> i32 {
+        i32::from(self.rms)
+            | (i32::from(self.plus_one) << 1)
+            | (i32::from(pre && self.post_norm) << 2)
     }
 
     /// What the QK-norm kernels add to each weight: 1 for Gemma's 1 + w, else 0.
@@ -170,7 +181,8 @@ impl ModelStep {
     /// statistics into `stats` (what the residual add then reads as its `y`).
     pub(super) fn out_norm(&self, a: &Activations, w: usize, (x, stats): (u64, u64)) -> Result<()> {
         let n = a.b * self.t;
-        self.residual_norm(a, (x, 0, 0, None), 0, (w, None, stats), (a.tmp, self.c), n)
+        let ln = (w, None, stats);
+        self.residual_norm(a, (x, 0, 0, None), 0, ln, (a.tmp, self.c), (n, false))
     }
 
     /// Gemma's sandwich, backward: the gradient `dy` of an output norm's output (in the scratch
@@ -188,7 +200,16 @@ impl ModelStep {
         };
         self.reclaim(Buf::Dpost)?;
         let n = a.b * self.t;
-        self.norm_bwd(x, (w, None), (dy, self.c), a.dpost, stats, n, false, 0)?;
+        self.norm_bwd(
+            x,
+            (w, None),
+            (dy, self.c),
+            a.dpost,
+            stats,
+            n,
+            (false, false),
+            0,
+        )?;
         Ok((a.dpost, Buf::Dpost))
     }
 
@@ -288,7 +309,8 @@ impl ModelStep {
 
     /// `res = x + dropout(y (+ bias))` (y = 0: res is x; the dropout at `site` where the model
     /// has one), `out = Norm(res)` with the weight and bias entries of `ln`, whose third part
-    /// receives the rows' statistics for the backward.
+    /// receives the rows' statistics for the backward (`pre`: a block's input norm, none in
+    /// OLMo 2's post-norm blocks: out = res).
     pub(super) fn residual_norm(
         &self,
         a: &Activations,
@@ -296,7 +318,7 @@ impl ModelStep {
         res: u64,
         (w, bn, stats): (usize, Option<usize>, u64),
         (out, ldo): (u64, usize),
-        n: usize,
+        (n, pre): (usize, bool),
     ) -> Result<()> {
         let (thr, scale) = site.map_or((0, 1.0), |_| {
             (self.drop_thr, self.keep_scale() * self.res_mult)
@@ -314,7 +336,7 @@ impl ModelStep {
             Arg::I(i32_of(n, "rows")?),
             Arg::I(i32_of(self.c, "n_embd")?),
             Arg::F(self.eps),
-            Arg::I(self.norm_flags()),
+            Arg::I(self.flags(pre)),
             Arg::P(a.seed),
             Arg::U(site.unwrap_or(0)),
             Arg::U(thr),

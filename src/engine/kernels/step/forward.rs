@@ -87,7 +87,7 @@ impl ModelStep {
         let l0 = self.layers[0];
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
         let ln1 = (a.ln1[0], self.ln_ld(0, G_QKV));
-        self.residual_norm(a, (a.res[0], 0, 0, None), 0, ln, ln1, n)?;
+        self.residual_norm(a, (a.res[0], 0, 0, None), 0, ln, ln1, (n, true))?;
         for (l, li) in self.layers.iter().enumerate() {
             self.attention(a, l, li)?;
             self.mlp_half_fwd(a, l, li)?;
@@ -116,7 +116,8 @@ impl ModelStep {
                 self.weight_ptr_or_null(li.down_b)?,
                 Some(dropout::site_mlp_out(l)),
             );
-            self.residual_norm(a, y, a.res[l + 1], ln, out, n)?;
+            let pre = l + 1 < self.layers.len();
+            self.residual_norm(a, y, a.res[l + 1], ln, out, (n, pre))?;
         }
         self.logit_scale(a, a.lnf, n)?;
         self.head_and_loss(a, first, grad)
@@ -129,7 +130,7 @@ impl ModelStep {
     pub(super) fn attn_half_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let ln = (li.ln1_w, li.ln1_b, a.stats[2 * l]);
         let ln1 = (a.ln1[l], self.ln_ld(l, G_QKV));
-        self.residual_norm(a, (a.res[l], 0, 0, None), 0, ln, ln1, a.b * self.t)?;
+        self.residual_norm(a, (a.res[l], 0, 0, None), 0, ln, ln1, (a.b * self.t, true))?;
         self.attention(a, l, li)
     }
 
@@ -153,7 +154,8 @@ impl ModelStep {
             self.weight_ptr_or_null(li.o_b)?,
             Some(dropout::site_attention_out(l)),
         );
-        self.residual_norm(a, y, a.mid[l], ln, (a.ln2[l], self.ln_ld(l, G_GU)), n)?;
+        let ln2 = (a.ln2[l], self.ln_ld(l, G_GU));
+        self.residual_norm(a, y, a.mid[l], ln, ln2, (n, true))?;
         self.mlp_act_fwd(a, l, li)
     }
 

@@ -51,6 +51,9 @@ pub(super) struct Kernels {
     pub(super) rope: Kern,
     pub(super) qk_norm_fwd: Kern,
     pub(super) qk_norm_bwd: Kern,
+    /// QK-norm over the whole projection (OLMo 2).
+    pub(super) qk_whole_fwd: Kern,
+    pub(super) qk_whole_bwd: Kern,
     pub(super) swiglu_fwd: Kern,
     pub(super) swiglu_bwd: Kern,
     pub(super) dropout_rows: Kern,
@@ -222,6 +225,8 @@ impl Kernels {
             rope: f("rope_qkv_bf16")?,
             qk_norm_fwd: f("qk_norm_fwd_bf16")?,
             qk_norm_bwd: f("qk_norm_bwd_bf16")?,
+            qk_whole_fwd: f("qk_norm_whole_fwd_bf16")?,
+            qk_whole_bwd: f("qk_norm_whole_bwd_bf16")?,
             swiglu_fwd: f("swiglu_fwd_v8_bf16")?,
             swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
             dropout_rows: f("dropout_rows_v8_bf16")?,

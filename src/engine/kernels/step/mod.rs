@@ -122,6 +122,11 @@ pub struct ModelStep {
     rms: bool,
     /// Gemma's norms: every norm (and QK-norm) scales by 1 + w.
     plus_one: bool,
+    /// OLMo 2's post-norm blocks: no norm before attention and MLP, one on each output
+    /// ([`LayerIdx::post`](params::LayerIdx) holds them).
+    post_norm: bool,
+    /// QK-norm over the whole q and k projections (OLMo 2), not per head.
+    qk_whole: bool,
     /// SwiGLU MLP (gate|up packed), else GELU.
     swiglu: bool,
     /// The gated MLP's gate is the tanh GELU (Gemma's GeGLU), not SiLU.

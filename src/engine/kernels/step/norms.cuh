@@ -19,6 +19,7 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
                                               uint32_t site, uint32_t thr, float dscale,
                                               int ldo) {
     const float woff = norm_woff(rms);
+    const bool ident = norm_ident(rms);
     rms &= 1;
     const int warps = blockDim.x >> 5;
     const int row = blockIdx.x * warps + (threadIdx.x >> 5);
@@ -40,9 +41,13 @@ extern "C" __global__ void residual_norm_bf16(const bf16_t* __restrict__ x,
         __syncwarp();
         src = rr;
     }
+    bf16_t* o = out + (size_t)row * ldo;
+    if (ident) {
+        for (int j = lane; j < d; j += 32) o[j] = src[j];
+        return;
+    }
     float mu, rstd;
     row_stats(src, d, eps, rms, lane, &mu, &rstd);
-    bf16_t* o = out + (size_t)row * ldo;
     for (int j = lane; j < d; j += 32)
         o[j] = __float2bfloat16((to_f(src[j]) - mu) * rstd * (to_f(w[j]) + woff) +
                                 (b != nullptr ? to_f(b[j]) : 0.f));
@@ -105,6 +110,7 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                                  int d, float eps, int rms, const unsigned long long* seed,
                                  uint32_t site, uint32_t thr, float dscale, int ldo) {
     const float woff = norm_woff(rms);
+    const bool ident = norm_ident(rms);
     rms &= 1;
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -140,6 +146,14 @@ __device__ void residual_norm_v8(const bf16_t* __restrict__ x, const bf16_t* __r
                     *reinterpret_cast<uint4*>(res + o) = r[c].u;
                 }
             }
+        }
+        if (ident) {
+#pragma unroll
+            for (int c = 0; c < CH; c++) {
+                const int col0 = (lane + 32 * c) * 8;
+                if (col0 < d) *reinterpret_cast<uint4*>(out + (size_t)row * ldo + col0) = r[c].u;
+            }
+            continue;
         }
         const float2 st = row_stats_v8<CH>(r, lane, d, eps, rms);
         const float mu = st.x, rstd = st.y;
@@ -186,6 +200,7 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
                                const float2* __restrict__ stats, int n, int d, float eps,
                                int add, int rms, int ldg) {
     const float woff = norm_woff(rms);
+    const bool ident = norm_ident(rms);
     rms &= 1;
     const int warps = blockDim.x >> 5;
     const int lane = threadIdx.x & 31;
@@ -204,6 +219,29 @@ __device__ void norm_bwd_dx_v8(const bf16_t* __restrict__ x, const bf16_t* __res
                 // (Wide rows load the residual gradient only when they add it: registers.)
                 if (add && CH <= 4) pa[c].u = *reinterpret_cast<const uint4*>(dx + o);
             }
+        }
+        if (ident) {  // dx (+)= dy
+            if (add && CH > 4) {
+#pragma unroll
+                for (int c = 0; c < CH; c++) {
+                    const int col0 = (lane + 32 * c) * 8;
+                    if (col0 < d) pa[c].u = *reinterpret_cast<const uint4*>(dx + (size_t)row * d + col0);
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < CH; c++) {
+                const int col0 = (lane + 32 * c) * 8;
+                if (col0 < d) {
+                    Bf8 out;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float2 gv = bf2f(ga[c], i), p = bf2f(pa[c], i);
+                        out.h[i] = __floats2bfloat162_rn(p.x + gv.x, p.y + gv.y);
+                    }
+                    *reinterpret_cast<uint4*>(dx + (size_t)row * d + col0) = out.u;
+                }
+            }
+            continue;
         }
         // The forward's statistics, or recomputed the same way.
         const float2 ms = stats != nullptr ? st : row_stats_v8<CH>(xa, lane, d, eps, rms);

@@ -112,3 +112,91 @@ extern "C" __global__ void qk_norm_bwd_bf16(bf16_t* __restrict__ dqkv,
         atomicAdd(dwk + j, part[1][j]);
     }
 }
+
+// QK-norm over the whole projection (OLMo 2): RMSNorm over columns off..off + width of each row
+// of qkv [n, ld] (q's: 0..H·hd, k's: H·hd..(H + KVH)·hd), one weight [width]; a block a row
+// (grid-strided, 512 threads), each thread QKW_PER_THREAD columns at most (widths up to 8192). The input is
+// kept in raw [n, raw_ld] at the same columns and 1/rms in rstd[2·row + part] for the backward.
+#define QKW_PER_THREAD 16
+__device__ __forceinline__ float qkw_block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // (red reused across calls)
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = 0.f;
+    for (int i = 0; i < nw; ++i) t += red[i];
+    return t;
+}
+extern "C" __global__ void __launch_bounds__(512) qk_norm_whole_fwd_bf16(bf16_t* __restrict__ qkv, bf16_t* __restrict__ raw,
+                                                  float* __restrict__ rstd,
+                                                  const bf16_t* __restrict__ w, int n, int off,
+                                                  int width, int ld, int raw_ld, int part, float eps,
+                                                  float woff) {
+    __shared__ float red[32];
+    for (int row = blockIdx.x; row < n; row += gridDim.x) {
+        bf16_t* x = qkv + (size_t)row * ld + off;
+        bf16_t* xr = raw + (size_t)row * raw_ld + off;
+        float v[QKW_PER_THREAD];
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < QKW_PER_THREAD; ++k) {
+            const int j = threadIdx.x + k * blockDim.x;
+            v[k] = j < width ? to_f(x[j]) : 0.f;
+            ss += v[k] * v[k];
+        }
+        const float rs = rsqrtf(qkw_block_sum(ss, red) / width + eps);
+#pragma unroll
+        for (int k = 0; k < QKW_PER_THREAD; ++k) {
+            const int j = threadIdx.x + k * blockDim.x;
+            if (j < width) {
+                xr[j] = x[j];
+                x[j] = from_f<bf16_t>(v[k] * rs * (to_f(w[j]) + woff));
+            }
+        }
+        if (threadIdx.x == 0) rstd[2 * (size_t)row + part] = rs;
+    }
+}
+
+// Its backward, in place on dqkv's columns off..off + width: dx = rstd·(w·dy − x̂·mean(w·dy·x̂)),
+// and dw += Σ_rows dy·x̂ (dw null: frozen), summed per thread over its rows first.
+extern "C" __global__ void __launch_bounds__(512) qk_norm_whole_bwd_bf16(bf16_t* __restrict__ dqkv,
+                                                  const bf16_t* __restrict__ raw,
+                                                  const float* __restrict__ rstd,
+                                                  const bf16_t* __restrict__ w,
+                                                  float* __restrict__ dw, int n, int off, int width,
+                                                  int ld, int raw_ld, int part, float woff) {
+    __shared__ float red[32];
+    float acc[QKW_PER_THREAD];
+#pragma unroll
+    for (int k = 0; k < QKW_PER_THREAD; ++k) acc[k] = 0.f;
+    for (int row = blockIdx.x; row < n; row += gridDim.x) {
+        bf16_t* dy = dqkv + (size_t)row * ld + off;
+        const bf16_t* xr = raw + (size_t)row * raw_ld + off;
+        const float rs = rstd[2 * (size_t)row + part];
+        float d[QKW_PER_THREAD], xh[QKW_PER_THREAD], wd[QKW_PER_THREAD];
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < QKW_PER_THREAD; ++k) {
+            const int j = threadIdx.x + k * blockDim.x;
+            const bool in = j < width;
+            d[k] = in ? to_f(dy[j]) : 0.f;
+            xh[k] = in ? to_f(xr[j]) * rs : 0.f;
+            wd[k] = in ? (to_f(w[j]) + woff) * d[k] : 0.f;
+            dot += wd[k] * xh[k];
+        }
+        dot = qkw_block_sum(dot, red) / width;
+#pragma unroll
+        for (int k = 0; k < QKW_PER_THREAD; ++k) {
+            const int j = threadIdx.x + k * blockDim.x;
+            if (j < width) dy[j] = from_f<bf16_t>(rs * (wd[k] - xh[k] * dot));
+            acc[k] += d[k] * xh[k];
+        }
+    }
+    if (dw == nullptr) return;
+#pragma unroll
+    for (int k = 0; k < QKW_PER_THREAD; ++k) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j < width) atomicAdd(dw + j, acc[k]);
+    }
+}

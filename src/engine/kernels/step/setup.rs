@@ -8,7 +8,7 @@ use super::attention::rope_table;
 use super::kernels::Kernels;
 use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
 use super::{align, ptr, tensor_ptr, ModelStep, ALIGN};
-use crate::config::{Activation, Norm, PosEncoding, Recompute};
+use crate::config::{Activation, Norm, PosEncoding, QkNorm, Recompute};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::lt::Lt;
@@ -88,10 +88,12 @@ impl ModelStep {
                 .qk_norm
                 .as_ref()
                 .map(|(q, k)| (lay.push(q, true), lay.push(k, true)));
-            let post = l
-                .post
-                .as_ref()
-                .map(|(pa, pm)| (lay.push(pa, true), lay.push(pm, true)));
+            // (OLMo 2: the block's own two norms go on the outputs.)
+            let post = match &l.post {
+                Some((pa, pm)) => Some((lay.push(pa, true), lay.push(pm, true))),
+                None if s.layout.post_norm => Some((ln1_w, ln2_w)),
+                None => None,
+            };
             let up_b = match &l.gate {
                 Some(g) => lay.pack_biases(&[g, &l.up], "gate and up")?,
                 None => lay.push_opt(&l.up.1),
@@ -206,6 +208,8 @@ impl ModelStep {
             qkv_out: (n_head + 2 * n_kv_head) * hd,
             rms: s.norm == Norm::RmsNorm,
             plus_one: s.layout.norm_plus_one,
+            post_norm: s.layout.post_norm,
+            qk_whole: s.layout.qk_norm == QkNorm::Whole,
             swiglu,
             geglu: s.activation == Activation::GeGlu,
             rope,
