@@ -356,6 +356,34 @@ mod tests {
     }
 
     #[test]
+    fn the_allowed_tokens_are_the_maxima_or_what_top_k_and_top_p_leave() {
+        let logits = Tensor::new(&[[0.0f32, 2.0, 2.0, 1.0]], &Device::Cpu).unwrap();
+        let allowed = |s: Sampling| -> Vec<u8> {
+            sampler(s, 1).allowed(&logits).unwrap().to_vec2().unwrap()[0].clone()
+        };
+        assert_eq!(allowed(Sampling::greedy()), [0, 1, 1, 0]);
+        let t1 = Sampling {
+            temperature: 1.0,
+            ..Sampling::greedy()
+        };
+        assert_eq!(allowed(t1.clone()), [1, 1, 1, 1]);
+        // top-k 1 keeps both maxima (a tie); top-k 3 the three largest.
+        let k = |top_k| Sampling {
+            top_k,
+            ..t1.clone()
+        };
+        assert_eq!(allowed(k(1)), [0, 1, 1, 0]);
+        assert_eq!(allowed(k(3)), [0, 1, 1, 1]);
+        // p = (0.054, 0.399, 0.399, 0.147): 0.5 needs both maxima (tied), 0.8 the third too.
+        let p = |top_p| Sampling {
+            top_p,
+            ..t1.clone()
+        };
+        assert_eq!(allowed(p(0.5)), [0, 1, 1, 0]);
+        assert_eq!(allowed(p(0.8)), [0, 1, 1, 1]);
+    }
+
+    #[test]
     fn the_repetition_penalty_pushes_seen_tokens_down() {
         let s = Sampling {
             repetition_penalty: 4.0,
