@@ -50,7 +50,8 @@ pub struct Generation {
     /// From the start to the first tokens chosen (prefill and one draw).
     pub first_token: Duration,
     pub elapsed: Duration,
-    /// The prefill's share of `elapsed` (prompts in, the first logits out).
+    /// The prefill's share of `elapsed` (prompts in, the first logits out; with
+    /// [`BatchOptions::time_sampling`] the device's time, otherwise the host's launches).
     pub prefill: Duration,
     /// The draws' share of `elapsed` (with [`BatchOptions::time_sampling`]; zero otherwise).
     pub sampling: Duration,
