@@ -233,6 +233,63 @@ fn batched_greedy_equals_each_prompt_alone() {
     }
 }
 
+/// A prompt sampled N times is prefilled once and its cache rows copied to its samples: the
+/// tokens (greedy, and seeded draws with top-k/top-p and a repetition penalty) are those of
+/// a prefill per row.
+#[test]
+fn a_shared_prefill_gives_what_a_prefill_per_row_gives() {
+    use cockpit::engine::generate::{generate_rows_with, BatchOptions, Rows, Sampling};
+    for name in ["llama3", "gpt2", "qwen3"] {
+        let dir = fixture(name);
+        let e = expected(&dir);
+        let model = load(&dir, e.ids.len() - 1);
+        if !model.batch_decodes() {
+            continue;
+        }
+        let p = e.prompt.clone();
+        let q = e.ids[2..5].to_vec();
+        let prompts = vec![p.clone(), p.clone(), q.clone(), p, q];
+        let sampled = Sampling {
+            temperature: 1.0,
+            top_k: 20,
+            top_p: 0.9,
+            repetition_penalty: 1.3,
+            seed: 5,
+        };
+        for sampling in [Sampling::greedy(), sampled] {
+            let req = Rows {
+                prompts: &prompts,
+                max_new: 8,
+                sampling: &sampling,
+                seed: 11,
+                stop: &[],
+                embed: true,
+            };
+            let run = |share_prefill| {
+                let opts = BatchOptions {
+                    share_prefill,
+                    time_sampling: true,
+                };
+                generate_rows_with(&model, &req, opts, |_| {}).unwrap()
+            };
+            let (shared, apart) = (run(true), run(false));
+            for (r, (a, b)) in shared.rows.iter().zip(&apart.rows).enumerate() {
+                assert_eq!(a.ids, b.ids, "{name}: row {r} ({sampling:?})");
+            }
+            let (a, b) = (shared.embeddings.unwrap(), apart.embeddings.unwrap());
+            let worst = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(worst < 1e-4, "{name}: embeddings differ by {worst}");
+        }
+    }
+}
+
 /// The batched cache gives, for each row, the logits a full forward of that row alone gives.
 #[test]
 fn batched_decoding_equals_the_full_forward() {

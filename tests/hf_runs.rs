@@ -549,6 +549,10 @@ fn generate_and_export_on_the_command_line() {
         "{err}"
     );
     assert!(err.contains("cosine distance"), "{err}");
+    assert!(
+        err.contains("prefill") && err.contains("decode") && err.contains("sampling"),
+        "{err}"
+    );
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out_file)
         .unwrap()
         .lines()

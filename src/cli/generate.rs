@@ -80,13 +80,16 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
             &a.sampling,
             |r| {
                 crate::errln!(
-                    "batch {:>4}: {} new tokens in {:.2} s: {:.1} tokens/s, first token {:.1} ms, load {:.2} s",
+                    "batch {:>4}: {} new tokens in {:.2} s: {:.1} tokens/s, first token {:.1} ms, load {:.2} s; prefill {:.1} ms, decode {:.1} tokens/s, sampling {:.1}% of the time",
                     r.batch,
                     r.new_tokens,
                     r.seconds,
                     r.tokens_per_s,
                     r.first_token_ms,
-                    r.load_s
+                    r.load_s,
+                    r.prefill_ms,
+                    r.decode_tokens_per_s,
+                    r.sampling_share * 100.0
                 );
                 crate::outln!("{}", serde_json::to_string(r).unwrap_or_default());
             },
@@ -148,6 +151,14 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
         report.new_tokens as f64 / report.seconds.max(1e-9),
         report.first_token_s * 1e3,
         report.load_s
+    );
+    let decode_s = (report.seconds - report.prefill_s).max(1e-9);
+    crate::errln!(
+        "[wall {:.2} s: prefill {:.2} s, decode {:.1} tokens/s, sampling {:.1}% of the wall time]",
+        report.seconds,
+        report.prefill_s,
+        report.new_tokens as f64 / decode_s,
+        report.sampling_s / report.seconds.max(1e-9) * 100.0
     );
     if o.samples >= 2 {
         crate::errln!("[diversity, mean over prompts: {}]", figures(&report.mean));

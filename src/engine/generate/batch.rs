@@ -50,6 +50,49 @@ pub struct Generation {
     /// From the start to the first tokens chosen (prefill and one draw).
     pub first_token: Duration,
     pub elapsed: Duration,
+    /// The prefill's share of `elapsed` (prompts in, the first logits out; with
+    /// [`BatchOptions::time_sampling`] the device's time, otherwise the host's launches).
+    pub prefill: Duration,
+    /// The draws' share of `elapsed` (with [`BatchOptions::time_sampling`]; zero otherwise).
+    pub sampling: Duration,
+}
+
+/// How [`generate_rows_with`] runs a batch (the results do not depend on it).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchOptions {
+    /// Prefill each distinct prompt once and copy its cache rows to the rows that repeat it
+    /// (a prompt sampled N times: one prefill, not N).
+    pub share_prefill: bool,
+    /// Wait for the device before and after each draw, to measure [`Generation::sampling`]
+    /// (a synchronisation a step).
+    pub time_sampling: bool,
+}
+
+impl Default for BatchOptions {
+    fn default() -> Self {
+        Self {
+            share_prefill: true,
+            time_sampling: false,
+        }
+    }
+}
+
+/// For each row, the number of its prompt among the distinct ones (in order of first
+/// appearance), and the row where each distinct prompt first appears.
+fn distinct(prompts: &[Vec<u32>]) -> (Vec<usize>, Vec<usize>) {
+    let mut seen: std::collections::HashMap<&[u32], usize> = Default::default();
+    let mut row_of = Vec::new();
+    let first = prompts
+        .iter()
+        .enumerate()
+        .map(|(r, p)| {
+            *seen.entry(p.as_slice()).or_insert_with(|| {
+                row_of.push(r);
+                row_of.len() - 1
+            })
+        })
+        .collect();
+    (first, row_of)
 }
 
 /// Decode `req`'s rows together; `on_step` sees each step's tokens (None for a row that has
@@ -57,6 +100,16 @@ pub struct Generation {
 pub fn generate_rows(
     model: &Model,
     req: &Rows,
+    on_step: impl FnMut(&[Option<u32>]),
+) -> Result<Generation> {
+    generate_rows_with(model, req, BatchOptions::default(), on_step)
+}
+
+/// [`generate_rows`] run as `opts` says.
+pub fn generate_rows_with(
+    model: &Model,
+    req: &Rows,
+    opts: BatchOptions,
     mut on_step: impl FnMut(&[Option<u32>]),
 ) -> Result<Generation> {
     let start = Instant::now();
@@ -73,6 +126,8 @@ pub fn generate_rows(
             embeddings: None,
             first_token: start.elapsed(),
             elapsed: start.elapsed(),
+            prefill: Duration::ZERO,
+            sampling: Duration::ZERO,
         });
     }
     if req.prompts.iter().any(|p| p.is_empty()) {
@@ -92,7 +147,6 @@ pub fn generate_rows(
         flat.extend_from_slice(p);
     }
     let ids = Tensor::from_vec(flat, (b, width), dev)?;
-    let mut cache = model.batch_cache(&pads, width + req.max_new)?;
     let mut sampler = Sampler::new(&ids, model.spec.vocab_size, req.sampling, req.seed)?;
     let stop = match req.stop {
         [] => None,
@@ -109,16 +163,49 @@ pub fn generate_rows(
         false => None,
     };
     let no_logits = || candle_core::Error::Msg("decode_batch gave no logits".into());
-    let mut logits = model
-        .decode_batch(&ids, &mut cache, true)?
-        .logits
-        .ok_or_else(no_logits)?;
+    let (first, row_of) = distinct(req.prompts);
+    let (mut cache, mut logits) = if opts.share_prefill && row_of.len() < b {
+        // Each distinct prompt once: its rows of the prefill's cache and logits copied to
+        // every row that repeats it.
+        let idx = Tensor::from_vec(
+            row_of.iter().map(|&r| r as u32).collect(),
+            row_of.len(),
+            dev,
+        )?;
+        let upads: Vec<usize> = row_of.iter().map(|&r| pads[r]).collect();
+        let mut ucache = model.batch_cache(&upads, width + req.max_new)?;
+        let ulogits = model
+            .decode_batch(&ids.index_select(&idx, 0)?, &mut ucache, true)?
+            .logits
+            .ok_or_else(no_logits)?;
+        let map = Tensor::from_vec(first.iter().map(|&u| u as u32).collect(), b, dev)?;
+        (ucache.rows(&first)?, ulogits.index_select(&map, 0)?)
+    } else {
+        let mut cache = model.batch_cache(&pads, width + req.max_new)?;
+        let logits = model
+            .decode_batch(&ids, &mut cache, true)?
+            .logits
+            .ok_or_else(no_logits)?;
+        (cache, logits)
+    };
+    if opts.time_sampling {
+        dev.synchronize()?;
+    }
+    let prefill = start.elapsed();
+    let mut sampling = Duration::ZERO;
     let mut done = vec![false; b];
     let mut first_token = None;
     let mut step = vec![None; b];
     for i in 0..req.max_new {
+        if opts.time_sampling {
+            dev.synchronize()?;
+        }
+        let t1 = Instant::now();
         let tok = sampler.sample(&logits)?;
         let host: Vec<u32> = tok.to_vec1()?;
+        if opts.time_sampling {
+            sampling += t1.elapsed();
+        }
         first_token.get_or_insert_with(|| start.elapsed());
         for r in 0..b {
             step[r] = (!done[r]).then_some(host[r]);
@@ -167,6 +254,8 @@ pub fn generate_rows(
         embeddings,
         first_token: first_token.unwrap_or_default(),
         elapsed: start.elapsed(),
+        prefill,
+        sampling,
     })
 }
 
@@ -215,5 +304,7 @@ fn rows_one_by_one(
         embeddings: None,
         first_token: first_token.unwrap_or_default(),
         elapsed: start.elapsed(),
+        prefill: Duration::ZERO,
+        sampling: Duration::ZERO,
     })
 }

@@ -11,7 +11,9 @@ pub mod sampling;
 use super::model::Model;
 use candle_core::Result;
 
-pub use batch::{generate_rows, Generation, RowOut, Rows, StopReason};
+pub use batch::{
+    generate_rows, generate_rows_with, BatchOptions, Generation, RowOut, Rows, StopReason,
+};
 
 /// How the next token is chosen.
 #[derive(Clone, Debug, PartialEq)]

@@ -2,7 +2,7 @@
 //! each, `batch_size` rows decoded together, each prompt's samples and their diversity as a
 //! JSON line; and the benchmark of batch sizes.
 
-use super::batch::{generate_rows, Rows, StopReason};
+use super::batch::{generate_rows_with, BatchOptions, Rows, StopReason};
 use super::diversity::{self, Diversity};
 use super::prompts::{self, Prompt};
 use super::Sampling;
@@ -70,7 +70,16 @@ pub struct ManyReport {
     pub load_s: f64,
     /// Each figure's mean over the prompts.
     pub mean: Diversity,
+    /// Of `seconds`: the prefills (prompts in, first logits out), and the draws.
+    pub prefill_s: f64,
+    pub sampling_s: f64,
 }
+
+/// The batches' options: a prompt's samples share its prefill; the draws are timed.
+const TIMED: BatchOptions = BatchOptions {
+    share_prefill: true,
+    time_sampling: true,
+};
 
 /// The compute dtype for generation on `device`: the GPU's (bf16 where it has it), f32 on
 /// the CPU.
@@ -219,6 +228,7 @@ pub fn run_many(
     let mut outs = Vec::with_capacity(rows.len());
     let mut embeddings = Vec::new();
     let mut first_token_s = None;
+    let (mut prefill_s, mut sampling_s) = (0.0, 0.0);
     for (c, chunk) in rows.chunks(o.batch_size).enumerate() {
         let req = Rows {
             prompts: chunk,
@@ -228,8 +238,10 @@ pub fn run_many(
             stop: &stop,
             embed: n >= 2,
         };
-        let g = generate_rows(&s.model, &req, |_| {})?;
+        let g = generate_rows_with(&s.model, &req, TIMED, |_| {})?;
         first_token_s.get_or_insert(g.first_token.as_secs_f64());
+        prefill_s += g.prefill.as_secs_f64();
+        sampling_s += g.sampling.as_secs_f64();
         outs.extend(g.rows);
         embeddings.extend(g.embeddings);
         on_progress(outs.len(), rows.len());
@@ -280,6 +292,8 @@ pub fn run_many(
         first_token_s: first_token_s.unwrap_or_default(),
         load_s,
         mean,
+        prefill_s,
+        sampling_s,
     })
 }
 
@@ -293,6 +307,11 @@ pub struct BenchRow {
     pub tokens_per_s: f64,
     pub first_token_ms: f64,
     pub load_s: f64,
+    pub prefill_ms: f64,
+    /// New tokens per second of the decode steps (after the prefill).
+    pub decode_tokens_per_s: f64,
+    /// The draws' share of `seconds`.
+    pub sampling_share: f64,
 }
 
 /// Tokens/s of batches of `batches` rows (random prompts of `prompt_len` ids), `max_tokens`
@@ -332,7 +351,7 @@ pub fn bench(
     };
     // Warm up (kernels loaded, allocator primed) on a short run.
     let warm = prompts(1);
-    generate_rows(
+    generate_rows_with(
         &s.model,
         &Rows {
             prompts: &warm,
@@ -342,12 +361,13 @@ pub fn bench(
             stop: &[],
             embed: false,
         },
+        TIMED,
         |_| {},
     )?;
     let mut out = Vec::new();
     for &b in batches {
         let rows = prompts(b);
-        let g = generate_rows(
+        let g = generate_rows_with(
             &s.model,
             &Rows {
                 prompts: &rows,
@@ -357,6 +377,7 @@ pub fn bench(
                 stop: &[],
                 embed: false,
             },
+            TIMED,
             |_| {},
         )?;
         let new_tokens: usize = g.rows.iter().map(|r| r.ids.len()).sum();
@@ -369,6 +390,9 @@ pub fn bench(
             tokens_per_s: new_tokens as f64 / seconds.max(1e-9),
             first_token_ms: g.first_token.as_secs_f64() * 1e3,
             load_s,
+            prefill_ms: g.prefill.as_secs_f64() * 1e3,
+            decode_tokens_per_s: new_tokens as f64 / (seconds - g.prefill.as_secs_f64()).max(1e-9),
+            sampling_share: g.sampling.as_secs_f64() / seconds.max(1e-9),
         };
         on_row(&row);
         out.push(row);

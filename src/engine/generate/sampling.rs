@@ -6,6 +6,12 @@
 //! (counting, or summing the probabilities, of what is above it): elementwise ops and row
 //! reductions only, no sort, so any device and vocabulary size runs them. The draw is the
 //! exponential race (`argmax p / E`, E ~ Exp(1): the Gumbel-max trick), seeded.
+//!
+//! On CUDA the whole choice is one fused kernel launch a step for every row
+//! (src/engine/kernels/cuda/sampling.cuh: radix selects instead of the bisections, one
+//! uniform a row from a counter-based generator): the same tokens allowed, drawn from the
+//! same distribution; this module's ops stay the CPU path and the reference its GPU test
+//! (tests/gpu_sampling.rs) compares it with. `COCKPIT_SAMPLING=ops` keeps the ops on CUDA.
 
 use super::Sampling;
 use candle_core::{DType, Device, Result, Tensor, D};
@@ -38,10 +44,46 @@ pub struct Sampler {
     k: Tensor,
     top_p: Tensor,
     last: Tensor,
-    /// `[B, vocab]` (f32): 1 where the row's prompt or output holds the token (only with a
-    /// repetition penalty).
+    /// `[B, vocab]` (f32; u8 with the fused kernel): 1 where the row's prompt or output
+    /// holds the token (only with a repetition penalty).
     presence: Option<Tensor>,
     noise: Noise,
+    /// The fused CUDA kernel chooses ([`fused_on`]).
+    fused: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    seed: u64,
+    /// Draws so far (the fused kernel's counter).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    step: u64,
+}
+
+/// Whether `device` draws with the fused kernel: a CUDA device (built with the `cuda`
+/// feature), unless `COCKPIT_SAMPLING=ops` asks for the candle ops.
+pub fn fused_on(device: &Device) -> bool {
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && std::env::var("COCKPIT_SAMPLING").as_deref() != Ok("ops")
+}
+
+/// The fused kernel's arguments for `s`, drawing from `seed` at `step`.
+#[cfg(feature = "cuda")]
+pub fn fused_args(s: &Sampling, seed: u64, step: u64) -> crate::engine::kernels::SampleArgs {
+    let r = s.repetition_penalty;
+    crate::engine::kernels::SampleArgs {
+        greedy: s.temperature <= 0.0,
+        // As candle's `x / t` (an affine by 1 / t in f32).
+        inv_t: if s.temperature > 0.0 {
+            (1.0 / s.temperature) as f32
+        } else {
+            1.0
+        },
+        pen_pos: (1.0 / r) as f32,
+        pen_neg: r as f32,
+        top_k: s.top_k,
+        top_p: s.top_p as f32,
+        seed,
+        step,
+    }
 }
 
 impl Sampler {
@@ -56,16 +98,22 @@ impl Sampler {
         let arange = Tensor::arange(0u32, vocab as u32, &device)?
             .to_dtype(DType::F32)?
             .reshape((1, vocab))?;
+        let fused = fused_on(&device);
         let presence = if s.repetition_penalty != 1.0 {
             let (b, p) = prompts.dims2()?;
             let ones = Tensor::ones((b, p), DType::F32, &device)?;
             let counts =
                 Tensor::zeros((b, vocab), DType::F32, &device)?.scatter_add(prompts, &ones, 1)?;
-            Some(counts.gt(0.0)?.to_dtype(DType::F32)?)
+            let seen = counts.gt(0.0)?;
+            Some(if fused {
+                seen
+            } else {
+                seen.to_dtype(DType::F32)?
+            })
         } else {
             None
         };
-        let noise = if s.temperature <= 0.0 {
+        let noise = if s.temperature <= 0.0 || fused {
             Noise::Device
         } else if device.is_cpu() {
             Noise::Host(Box::new(StdRng::seed_from_u64(seed)))
@@ -86,32 +134,22 @@ impl Sampler {
             device,
             presence,
             noise,
+            fused,
+            seed,
+            step: 0,
         })
     }
 
     /// The next token of each row (`[B]` u32) from its logits `[B, vocab]` (f32).
     pub fn sample(&mut self, logits: &Tensor) -> Result<Tensor> {
-        let mut x = logits.to_dtype(DType::F32)?;
-        if let Some(seen) = &self.presence {
-            let r = self.s.repetition_penalty;
-            let positive = x.broadcast_ge(&self.zero)?;
-            let penalized = positive.where_cond(&(&x / r)?, &(&x * r)?)?;
-            x = seen.broadcast_gt(&self.zero)?.where_cond(&penalized, &x)?;
+        if self.fused {
+            return self.sample_fused(logits);
         }
+        let x = self.filtered(logits)?;
         if self.s.temperature <= 0.0 {
             return self.argmax_first(&x);
         }
-        x = (x / self.s.temperature)?;
         let (b, v) = x.dims2()?;
-        if self.s.top_k > 0 && self.s.top_k < v {
-            let tau = kth_largest(&x, &self.k)?;
-            x = x.broadcast_ge(&tau)?.where_cond(&x, &self.neg_inf)?;
-        }
-        if self.s.top_p < 1.0 {
-            let p = candle_nn::ops::softmax_last_dim(&x)?;
-            let tau = nucleus_floor(&p, &self.zero, &self.top_p)?;
-            x = p.broadcast_ge(&tau)?.where_cond(&x, &self.neg_inf)?;
-        }
         // Gumbel-max: argmax(x - ln E), E = -ln U ~ Exp(1).
         let u = match &mut self.noise {
             Noise::Host(rng) => {
@@ -124,8 +162,68 @@ impl Sampler {
         self.argmax_first(&(x - e.log()?)?)
     }
 
+    #[cfg(feature = "cuda")]
+    fn sample_fused(&mut self, logits: &Tensor) -> Result<Tensor> {
+        let x = logits.to_dtype(DType::F32)?.contiguous()?;
+        let args = fused_args(&self.s, self.seed, self.step);
+        self.step += 1;
+        let (tok, _) = crate::engine::kernels::sample_rows(&x, self.presence.as_ref(), &args)?;
+        Ok(tok)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn sample_fused(&mut self, _: &Tensor) -> Result<Tensor> {
+        candle_core::bail!("the fused sampling kernel needs the cuda feature")
+    }
+
+    /// The logits as the ops path draws from them: penalised; then (unless greedy) tempered,
+    /// -inf outside top-k and top-p.
+    fn filtered(&self, logits: &Tensor) -> Result<Tensor> {
+        let mut x = logits.to_dtype(DType::F32)?;
+        if let Some(seen) = &self.presence {
+            let r = self.s.repetition_penalty;
+            let positive = x.broadcast_ge(&self.zero)?;
+            let penalized = positive.where_cond(&(&x / r)?, &(&x * r)?)?;
+            let seen = seen.to_dtype(DType::F32)?;
+            x = seen.broadcast_gt(&self.zero)?.where_cond(&penalized, &x)?;
+        }
+        if self.s.temperature <= 0.0 {
+            return Ok(x);
+        }
+        x = (x / self.s.temperature)?;
+        let v = x.dim(1)?;
+        if self.s.top_k > 0 && self.s.top_k < v {
+            let tau = kth_largest(&x, &self.k)?;
+            x = x.broadcast_ge(&tau)?.where_cond(&x, &self.neg_inf)?;
+        }
+        if self.s.top_p < 1.0 {
+            let p = candle_nn::ops::softmax_last_dim(&x)?;
+            let tau = nucleus_floor(&p, &self.zero, &self.top_p)?;
+            x = p.broadcast_ge(&tau)?.where_cond(&x, &self.neg_inf)?;
+        }
+        Ok(x)
+    }
+
+    /// The tokens the ops path may choose from `logits` `[B, vocab]`: `[B, vocab]` u8, 1 where
+    /// allowed (greedy: the maxima; sampling: the tokens left by top-k and top-p). The
+    /// reference the fused kernel is tested against.
+    pub fn allowed(&self, logits: &Tensor) -> Result<Tensor> {
+        let x = self.filtered(logits)?;
+        if self.s.temperature <= 0.0 {
+            return x.broadcast_eq(&x.max_keepdim(D::Minus1)?);
+        }
+        x.gt(&self.neg_inf)
+    }
+
     /// Note the tokens just chosen (`[B]` u32) for the repetition penalty.
     pub fn observe(&mut self, tokens: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.fused {
+            if let Some(seen) = &self.presence {
+                crate::engine::kernels::sample_observe(seen, &tokens.contiguous()?)?;
+            }
+            return Ok(());
+        }
         if let Some(seen) = &self.presence {
             let t = tokens.to_dtype(DType::F32)?.unsqueeze(1)?;
             let hit = self.arange.broadcast_eq(&t)?.to_dtype(DType::F32)?;
@@ -255,6 +353,34 @@ mod tests {
         };
         assert_eq!(run(3), run(3));
         assert_ne!(run(3), run(4));
+    }
+
+    #[test]
+    fn the_allowed_tokens_are_the_maxima_or_what_top_k_and_top_p_leave() {
+        let logits = Tensor::new(&[[0.0f32, 2.0, 2.0, 1.0]], &Device::Cpu).unwrap();
+        let allowed = |s: Sampling| -> Vec<u8> {
+            sampler(s, 1).allowed(&logits).unwrap().to_vec2().unwrap()[0].clone()
+        };
+        assert_eq!(allowed(Sampling::greedy()), [0, 1, 1, 0]);
+        let t1 = Sampling {
+            temperature: 1.0,
+            ..Sampling::greedy()
+        };
+        assert_eq!(allowed(t1.clone()), [1, 1, 1, 1]);
+        // top-k 1 keeps both maxima (a tie); top-k 3 the three largest.
+        let k = |top_k| Sampling {
+            top_k,
+            ..t1.clone()
+        };
+        assert_eq!(allowed(k(1)), [0, 1, 1, 0]);
+        assert_eq!(allowed(k(3)), [0, 1, 1, 1]);
+        // p = (0.054, 0.399, 0.399, 0.147): 0.5 needs both maxima (tied), 0.8 the third too.
+        let p = |top_p| Sampling {
+            top_p,
+            ..t1.clone()
+        };
+        assert_eq!(allowed(p(0.5)), [0, 1, 1, 0]);
+        assert_eq!(allowed(p(0.8)), [0, 1, 1, 1]);
     }
 
     #[test]

@@ -52,6 +52,7 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 #include "cuda/dropout.cuh"
+#include "cuda/sampling.cuh"
 #include "cuda/softmax.cuh"
 #include "cuda/norm.cuh"
 #include "cuda/cross_entropy.cuh"

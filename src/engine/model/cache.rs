@@ -49,6 +49,46 @@ impl BatchCache {
     pub fn pads(&self) -> &[usize] {
         &self.pads
     }
+
+    /// A cache of `from.len()` rows, row `r` a copy of this cache's row `from[r]` (its keys
+    /// and values, padding and positions): a prompt prefilled once, then its state copied to
+    /// each of its samples. Allocated here, for the whole capacity.
+    pub fn rows(&self, from: &[usize]) -> Result<BatchCache> {
+        let b = self.batch();
+        if let Some(bad) = from.iter().find(|&&r| r >= b) {
+            candle_core::bail!("BatchCache::rows: row {bad} of a batch of {b}");
+        }
+        let dev = self.pad_mask.device();
+        let idx = Tensor::from_vec(
+            from.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+            from.len(),
+            dev,
+        )?;
+        let pick = |t: &Tensor| t.index_select(&idx, 0);
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Kv { k, v } => Ok(LayerState::Kv {
+                    k: pick(k)?,
+                    v: pick(v)?,
+                }),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rope = match &self.rope {
+            Some((cos, sin)) => Some((pick(cos)?, pick(sin)?)),
+            None => None,
+        };
+        Ok(BatchCache {
+            layers,
+            filled: self.filled,
+            capacity: self.capacity,
+            pads: from.iter().map(|&r| self.pads[r]).collect(),
+            pad_mask: pick(&self.pad_mask)?,
+            positions: pick(&self.positions)?,
+            rope,
+        })
+    }
 }
 
 impl Model {

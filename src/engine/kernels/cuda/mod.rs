@@ -214,6 +214,7 @@ mod nf4;
 mod norm;
 mod optimizer;
 mod region;
+mod sampling;
 mod softmax;
 mod wire;
 
@@ -225,6 +226,7 @@ pub use self::norm::*;
 use self::optimizer::REUSED;
 pub use self::optimizer::*;
 pub use self::region::*;
+pub use self::sampling::*;
 pub use self::softmax::*;
 pub use self::wire::*;
 
