@@ -18,12 +18,19 @@ fn cockpit() -> assert_cmd::Command {
     c
 }
 
-/// `cockpit chat SOURCE` greedy with `input` on stdin: (exit code, stdout, stderr).
+/// `cockpit chat SOURCE` greedy with `input` on stdin, 12 new tokens at most a reply unless
+/// `extra` says: (exit code, stdout, stderr).
 fn chat(source: &Path, input: &str, extra: &[&str]) -> (i32, String, String) {
+    let max = if extra.contains(&"--max-new-tokens") {
+        &[][..]
+    } else {
+        &["--max-tokens", "12"][..]
+    };
     let out = cockpit()
         .arg("chat")
         .arg(source)
-        .args(["--temperature", "0", "--max-tokens", "12"])
+        .args(["--temperature", "0"])
+        .args(max)
         .args(extra)
         .write_stdin(input)
         .output()
@@ -144,16 +151,20 @@ fn a_long_conversation_drops_its_oldest_turns() {
     let turns = "Say river twice.\n".repeat(12);
     let long = "apple river stone ".repeat(120);
     let input = format!("{turns}{long}\nSay apple.\n");
-    let (code, out, err) = chat(&base, &input, &["--max-tokens", "100"]);
+    let (code, out, err) = chat(&base, &input, &["--max-new-tokens", "100"]);
     assert_eq!(code, 0, "{err}");
     assert!(
         err.contains("outgrew the model's 256 positions: dropped the oldest"),
         "{err}"
     );
     assert!(err.contains("it was not sent"), "{err}");
-    let replies: Vec<&str> = out.lines().collect();
-    assert_eq!(replies.len(), 13, "{out}\n{err}");
-    assert!(replies[..12].iter().all(|r| *r == "river river."), "{out}");
+    // 13 replies (the long message got none), the refused message dropped nothing.
+    let replies = err.matches(" prompt tokens, ").count();
+    assert_eq!(replies, 13, "{out}\n{err}");
+    let lines: Vec<&str> = err.lines().collect();
+    let refused = lines.iter().position(|l| l.contains("not sent")).unwrap();
+    assert!(lines[refused - 1].contains(" prompt tokens, "), "{err}");
+    assert!(out.starts_with("river river.\n"), "{out}");
 }
 
 /// A source that is not a model, or a model without a chat template: one line, exit 2.

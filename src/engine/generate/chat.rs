@@ -185,6 +185,20 @@ impl Chat {
         mut on_note: impl FnMut(&str),
         mut on_text: impl FnMut(&str),
     ) -> Result<Reply, EngineError> {
+        // A message that does not fit even alone is refused before any turn is dropped.
+        let kept = std::mem::replace(
+            &mut self.history,
+            vec![json!({"role": "user", "content": user})],
+        );
+        let alone = self.prompt_ids();
+        self.history = kept;
+        let alone = alone?.len();
+        if alone >= self.limit {
+            return Err(usage(format!(
+                "this message makes {alone} tokens with the template, and the model has {} positions: it was not sent",
+                self.limit
+            )));
+        }
         self.history.push(json!({"role": "user", "content": user}));
         let max = self.options.max_tokens;
         let mut dropped = 0;
@@ -209,13 +223,9 @@ impl Chat {
                 if dropped == 1 { "" } else { "s" }
             ));
         }
-        if ids.is_empty() || ids.len() >= self.limit {
+        if ids.is_empty() {
             self.history.pop();
-            return Err(usage(format!(
-                "this message makes {} tokens with the template, and the model has {} positions: it was not sent",
-                ids.len(),
-                self.limit
-            )));
+            return Err(usage("the chat template renders nothing".into()));
         }
         let vocab = self.source.model.spec.vocab_size;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
