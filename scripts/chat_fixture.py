@@ -17,7 +17,7 @@ import sys
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 TEMPLATE = (
     "{% for message in messages %}"
@@ -25,6 +25,8 @@ TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ("apple river stone cloud green seven tiger paper music light plus what is and how "
          "much add the a one two three four five six eight nine zero calculator answer in "
@@ -56,8 +58,14 @@ def main():
     convs = [conversation(rng) for _ in range(600)]
     corpus = [render(c) for c in convs] + [
         f"What is {a} plus {b}? {a} plus {b} is {a + b}." for a in range(10) for b in range(10)]
+    # Qwen2's pipeline, which transformers' Qwen2Tokenizer rebuilds whatever tokenizer.json
+    # says: NFC, its split (digits one by one), then bytes.
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -97,6 +105,9 @@ def main():
     model.to(torch.bfloat16).save_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     prompt = tok.encode(render([{"role": "user", "content": "Say river twice."}], True)).ids
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    text = render([{"role": "user", "content": "Say 3 plus 4 twice."}], True)
+    assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text).ids
     g = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     print("greedy:", repr(tok.decode(g[0, len(prompt):].tolist(), skip_special_tokens=False)))
     print(f"written to {out}")

@@ -2,7 +2,8 @@
 //! assistant turns) rendered whole through the model's chat template — the renderer the
 //! training data and `generate --chat` use — for each reply, which is decoded token by token
 //! and streamed as text, and kept in the history. A conversation that outgrows the model's
-//! context drops its oldest turns. `cockpit chat` is its command line.
+//! context (less the room kept for the reply) drops its oldest turns; a reply that reaches the
+//! end of the context ends there. `cockpit chat` is its command line.
 
 use super::run::load;
 use super::stream::TextStream;
@@ -201,6 +202,9 @@ impl Chat {
         }
         self.history.push(json!({"role": "user", "content": user}));
         let max = self.options.max_tokens;
+        // Room kept for the reply: --max-tokens, but never more than a quarter of the
+        // context (a --max-tokens as long as the context would leave no room for history).
+        let room = max.min(self.limit / 4).max(1);
         let mut dropped = 0;
         let ids = loop {
             let ids = match self.prompt_ids() {
@@ -210,7 +214,7 @@ impl Chat {
                     return Err(e);
                 }
             };
-            if ids.len() + max <= self.limit || !self.drop_oldest() {
+            if ids.len() + room <= self.limit || !self.drop_oldest() {
                 break ids;
             }
             dropped += 1;
