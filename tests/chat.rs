@@ -95,7 +95,10 @@ fn replies_are_generate_chat_on_the_whole_conversation() {
     // The fixture learned the format: it answers and ends its turn.
     assert_eq!(replies[0], "river river.", "{err}");
     assert_eq!(replies[2], replies[0]);
-    assert!(err.contains("chat template") && err.contains("forgotten"), "{err}");
+    assert!(
+        err.contains("chat template") && err.contains("forgotten"),
+        "{err}"
+    );
     assert!(!err.contains("the most tokens"), "{err}");
     let want = generate(
         &base,
@@ -113,7 +116,13 @@ fn replies_are_generate_chat_on_the_whole_conversation() {
     let one = cockpit()
         .arg("generate")
         .arg(&base)
-        .args(["--prompt", "Say river twice.", "--chat", "--temperature", "0"])
+        .args([
+            "--prompt",
+            "Say river twice.",
+            "--chat",
+            "--temperature",
+            "0",
+        ])
         .args(["--max-tokens", "12"])
         .output()
         .unwrap();
@@ -179,7 +188,10 @@ fn bad_sources_exit_2() {
         let (code, out, err) = chat(&source, "hello\n", &[]);
         assert_eq!(code, 2, "{err}");
         assert!(out.is_empty());
-        assert!(err.contains("cockpit: chat: ") && err.contains(want), "{err}");
+        assert!(
+            err.contains("cockpit: chat: ") && err.contains(want),
+            "{err}"
+        );
         assert_eq!(err.lines().count(), 1, "{err}");
     }
     let (code, _, err) = chat(&fixture("hf/chatml"), "", &["--top-p", "0"]);
@@ -230,4 +242,42 @@ fn a_lora_run_dir_chats() {
     assert_eq!(replies.lines().count(), 1, "{replies}");
     let want = generate(&run, &[serde_json::json!([user("What is 3 plus 4?")])]);
     assert_eq!(replies.trim_end_matches('\n'), want[0]);
+}
+
+/// The README's example config loads (its data made the way scripts/chat_data.py makes it)
+/// and says what the example says: LoRA on the ChatML fixture, SCU on the adapters, the loss
+/// on the answers, packed rows.
+#[test]
+fn the_example_config_validates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rec =
+        serde_json::json!({"messages": [user("What is 1 plus 2?"), assistant("1 plus 2 is 3.")]});
+    for f in ["train.jsonl", "val.jsonl"] {
+        std::fs::write(tmp.path().join(f), format!("{rec}\n")).unwrap();
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let set = |k: &str, f: &str| format!("{k}={:?}", tmp.path().join(f).display().to_string());
+    let c = cockpit::config::load(
+        Some(&root.join("configs/lora-chat.toml")),
+        &[
+            set("data.train", "train.jsonl"),
+            set("data.val", "val.jsonl"),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+    .config;
+    assert!(c.lora.enabled && c.scu.enabled);
+    assert_eq!(c.scu.params, cockpit::config::ScuParams::Lora);
+    assert!(
+        c.lora.base.ends_with("tests/fixtures/hf/chatml"),
+        "{}",
+        c.lora.base
+    );
+    assert!(!c.data.train_on_prompt && c.data.packing);
+    assert_eq!(c.data.format, "auto");
+    // And the data script's defaults are the paths the config reads.
+    let script = std::fs::read_to_string(root.join("scripts/chat_data.py")).unwrap();
+    assert!(script.contains("data/chat-add") && script.contains("train.jsonl"));
+    let cfg = std::fs::read_to_string(root.join("configs/lora-chat.toml")).unwrap();
+    assert!(cfg.contains("../data/chat-add/train.jsonl"));
 }

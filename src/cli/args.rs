@@ -195,7 +195,12 @@ pub enum Cmd {
         #[arg(long, value_name = "TEXT")]
         system: Option<String>,
         /// New tokens at most, per reply (a reply also ends at the end-of-turn token).
-        #[arg(long, visible_alias = "max-new-tokens", value_name = "N", default_value_t = 256)]
+        #[arg(
+            long,
+            visible_alias = "max-new-tokens",
+            value_name = "N",
+            default_value_t = 256
+        )]
         max_tokens: usize,
         #[command(flatten)]
         sampling: SamplingArgs,

@@ -148,7 +148,13 @@ pub fn main() -> i32 {
             max_tokens,
             sampling,
             device,
-        }) => chat::chat(&source, system, max_tokens, sampling.sampling(), device.as_deref()),
+        }) => chat::chat(
+            &source,
+            system,
+            max_tokens,
+            sampling.sampling(),
+            device.as_deref(),
+        ),
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
         Some(Cmd::Attach {
             run_dir,

@@ -148,15 +148,12 @@ impl Chat {
 
     /// The conversation rendered with the assistant's generation prompt, as ids.
     fn prompt_ids(&self) -> Result<Vec<u32>, EngineError> {
-        let text = self
-            .template
-            .render(&self.messages(), true)
-            .map_err(|e| {
-                usage(format!(
-                    "the chat template ({}) fails to render: {e}",
-                    self.template.source
-                ))
-            })?;
+        let text = self.template.render(&self.messages(), true).map_err(|e| {
+            usage(format!(
+                "the chat template ({}) fails to render: {e}",
+                self.template.source
+            ))
+        })?;
         Ok(self.tok.encode_offsets(&text, "the conversation")?.0)
     }
 

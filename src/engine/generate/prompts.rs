@@ -130,7 +130,10 @@ mod tests {
             (b"{\"prompt_ids\": [1, -2]}", "-2 is not a token id"),
             (b"ok\n\xff\xfe\n", "line 2: not UTF-8"),
             (b"\n \n", "no prompts"),
-            (b"{\"messages\": []}", "line 1: \"messages\": [] is not a list"),
+            (
+                b"{\"messages\": []}",
+                "line 1: \"messages\": [] is not a list",
+            ),
         ] {
             let e = parse(bad).unwrap_err();
             assert!(e.contains(want), "{e}");

@@ -120,9 +120,11 @@ fn encode(
         (Prompt::Messages(m), true) => m.clone(),
     };
     let tmpl = super::chat::template_of(s, src).map_err(|e| usage(format!("--chat: {e}")))?;
-    let rendered = tmpl
-        .render(&messages, true)
-        .map_err(|e| usage(format!("{at}: --chat: the chat template fails to render: {e}")))?;
+    let rendered = tmpl.render(&messages, true).map_err(|e| {
+        usage(format!(
+            "{at}: --chat: the chat template fails to render: {e}"
+        ))
+    })?;
     Ok((t.encode_offsets(&rendered, at)?.0, tmpl.eos_id(t)))
 }
 
