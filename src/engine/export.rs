@@ -251,7 +251,7 @@ pub fn run_generate(
         }
         (None, _) => o.prompt_ids.clone(),
         (Some(p), Some(t)) if o.chat => {
-            let tmpl = super::generate::chat::template_of(&s, src)
+            let tmpl = super::generate::template::template_of(&s, src)
                 .map_err(|e| usage(format!("--chat: {e}")))?;
             let text = tmpl
                 .render(&[serde_json::json!({"role": "user", "content": p})], true)

@@ -119,7 +119,7 @@ fn encode(
         (Prompt::Text(text), true) => vec![serde_json::json!({"role": "user", "content": text})],
         (Prompt::Messages(m), true) => m.clone(),
     };
-    let tmpl = super::chat::template_of(s, src).map_err(|e| usage(format!("--chat: {e}")))?;
+    let tmpl = super::template::template_of(s, src).map_err(|e| usage(format!("--chat: {e}")))?;
     let rendered = tmpl.render(&messages, true).map_err(|e| {
         usage(format!(
             "{at}: --chat: the chat template fails to render: {e}"
