@@ -281,3 +281,50 @@ fn a_chat_dataset_needs_a_template() {
         "{err}"
     );
 }
+
+/// The samples are cached beside the data: a second run reads them back (the header says
+/// so) and trains the same losses; a changed file is tokenized again.
+#[test]
+fn a_second_run_reads_the_token_cache_and_trains_the_same() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("chat.jsonl");
+    std::fs::write(&data, conversations(60)).unwrap();
+    let cfg = config(tmp.path(), "chat.jsonl", "");
+    let run = |name: &str| {
+        let dir = tmp.path().join(name);
+        let out = cockpit()
+            .args(["train", "--no-tui", "--max-steps", "3", "--run-dir"])
+            .arg(&dir)
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        let losses: Vec<f64> = events(&dir, "step")
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect();
+        (err, losses)
+    };
+    let (first, a) = run("a");
+    assert!(!first.contains("read from the token cache"), "{first}");
+    let cached: Vec<_> = std::fs::read_dir(tmp.path().join(".cockpit-cache"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("sft-"))
+        .collect();
+    assert_eq!(cached.len(), 1);
+    let (second, b) = run("b");
+    assert!(
+        second.contains(
+            "messages records (detected from the first record, read from the token cache)"
+        ),
+        "{second}"
+    );
+    assert_eq!(a.len(), 3);
+    assert_eq!(a, b);
+    // Another record: another key, tokenized again.
+    std::fs::write(&data, conversations(61)).unwrap();
+    let (third, _) = run("c");
+    assert!(!third.contains("read from the token cache"), "{third}");
+}

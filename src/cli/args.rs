@@ -22,6 +22,7 @@ Examples:
   cockpit attach runs/tiny-20260101-120000   the dashboard on a headless run (q detaches)
   cockpit export runs/ft-20260101-120000 out/ft   a Hugging Face directory transformers loads
   cockpit generate out/ft --prompt 'Once upon'    continue a prompt (run dir, checkpoint or HF dir)
+  cockpit chat runs/ft-20260101-120000       chat through the model's chat template (stdin lines)
 
 Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 3 this rank ended because another
 rank of its data-parallel job failed, 130 interrupted.";
@@ -151,17 +152,8 @@ pub enum Cmd {
         /// New tokens at most (generation also stops at the model's end-of-sequence token).
         #[arg(long, value_name = "N", default_value_t = 128)]
         max_tokens: usize,
-        /// 0 = greedy (always the most likely token).
-        #[arg(long, value_name = "T", default_value_t = 0.8)]
-        temperature: f64,
-        /// Sample from the K most likely tokens; 0 = all.
-        #[arg(long, value_name = "K", default_value_t = 40)]
-        top_k: usize,
-        /// Sample from the smallest set of tokens with probability ≥ P; 1 = all.
-        #[arg(long, value_name = "P", default_value_t = 0.95)]
-        top_p: f64,
-        #[arg(long, value_name = "S", default_value_t = 0)]
-        seed: u64,
+        #[command(flatten)]
+        sampling: SamplingArgs,
         #[arg(long, value_name = "cpu|cuda[:N]")]
         device: Option<String>,
         /// Print the new token ids (one line) instead of text.
@@ -187,13 +179,33 @@ pub enum Cmd {
         /// Where the JSON Lines go (default: stdout).
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
-        /// Logits of tokens already in the sequence ÷ R (× R when negative); 1 = off.
-        #[arg(long, value_name = "R", default_value_t = 1.0)]
-        repetition_penalty: f64,
         /// Benchmark: tokens/s of batches of these sizes (random prompts of 16 ids,
         /// --max-tokens new tokens each, no stop token), one JSON line per batch size.
         #[arg(long, value_name = "B1,B2,..", value_delimiter = ',')]
         bench: Vec<usize>,
+    },
+    /// Chat with a model in the terminal: each line of stdin is a user turn; the whole
+    /// conversation goes through the model's chat template and the reply streams to stdout.
+    /// `/reset` forgets the conversation, `/exit` (or end of input) ends. Plain lines, so it
+    /// also works piped.
+    Chat {
+        /// A run dir (LoRA runs: base + adapters), checkpoint, or Hugging Face model directory.
+        source: PathBuf,
+        /// A system turn at the start of the conversation.
+        #[arg(long, value_name = "TEXT")]
+        system: Option<String>,
+        /// New tokens at most, per reply (a reply also ends at the end-of-turn token).
+        #[arg(
+            long,
+            visible_alias = "max-new-tokens",
+            value_name = "N",
+            default_value_t = 256
+        )]
+        max_tokens: usize,
+        #[command(flatten)]
+        sampling: SamplingArgs,
+        #[arg(long, value_name = "cpu|cuda[:N]")]
+        device: Option<String>,
     },
     /// Write PNG and SVG plots of a run (loss, S-ratio, λ, LR, tokens/s, GPU).
     Plot {
@@ -243,6 +255,37 @@ pub enum Cmd {
         #[arg(long, value_name = "NAME|PATH")]
         theme: Option<String>,
     },
+}
+
+/// How `generate` and `chat` choose the next token.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// 0 = greedy (always the most likely token).
+    #[arg(long, value_name = "T", default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample from the K most likely tokens; 0 = all.
+    #[arg(long, value_name = "K", default_value_t = 40)]
+    pub top_k: usize,
+    /// Sample from the smallest set of tokens with probability ≥ P; 1 = all.
+    #[arg(long, value_name = "P", default_value_t = 0.95)]
+    pub top_p: f64,
+    /// Logits of tokens already in the sequence ÷ R (× R when negative); 1 = off.
+    #[arg(long, value_name = "R", default_value_t = 1.0)]
+    pub repetition_penalty: f64,
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn sampling(&self) -> crate::engine::generate::Sampling {
+        crate::engine::generate::Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        }
+    }
 }
 
 #[derive(Args, Debug, Clone, Default)]

@@ -4,6 +4,7 @@
 
 pub mod args;
 mod bench;
+mod chat;
 mod check;
 mod fit;
 mod frontends;
@@ -105,10 +106,7 @@ pub fn main() -> i32 {
             prompt,
             prompt_ids,
             max_tokens,
-            temperature,
-            top_k,
-            top_p,
-            seed,
+            sampling,
             device,
             ids,
             ignore_eos,
@@ -117,16 +115,9 @@ pub fn main() -> i32 {
             samples,
             batch_size,
             output,
-            repetition_penalty,
             bench,
         }) => {
-            let sampling = crate::engine::generate::Sampling {
-                temperature,
-                top_k,
-                top_p,
-                repetition_penalty,
-                seed,
-            };
+            let sampling = sampling.sampling();
             let many = generate::Many {
                 prompts,
                 samples,
@@ -151,6 +142,19 @@ pub fn main() -> i32 {
                 hf::generate(args)
             }
         }
+        Some(Cmd::Chat {
+            source,
+            system,
+            max_tokens,
+            sampling,
+            device,
+        }) => chat::chat(
+            &source,
+            system,
+            max_tokens,
+            sampling.sampling(),
+            device.as_deref(),
+        ),
         Some(Cmd::Merge { checkpoint, out }) => merge(&checkpoint, out.as_deref()),
         Some(Cmd::Attach {
             run_dir,
@@ -160,7 +164,7 @@ pub fn main() -> i32 {
         }) => frontends::attach(&run_dir, no_tui, allow_stop, theme.as_deref()),
         None if cli.monitor_only => monitor(cli.monitor),
         None => {
-            crate::errln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot, export, generate. See cockpit --help.");
+            crate::errln!("cockpit: a command is needed: train, monitor (or --monitor-only), check, bench, prepare, plot, export, generate, chat. See cockpit --help.");
             Ok(EXIT_USAGE)
         }
     };

@@ -251,15 +251,8 @@ pub fn run_generate(
         }
         (None, _) => o.prompt_ids.clone(),
         (Some(p), Some(t)) if o.chat => {
-            let path = s.tokenizer.as_deref().unwrap_or_default();
-            let tmpl = super::data::template::ChatTemplate::find("", path)
-                .map_err(usage)?
-                .ok_or_else(|| {
-                    usage(format!(
-                        "--chat: {}: no chat template (chat_template.jinja or \"chat_template\" in tokenizer_config.json)",
-                        src.display()
-                    ))
-                })?;
+            let tmpl = super::generate::template::template_of(&s, src)
+                .map_err(|e| usage(format!("--chat: {e}")))?;
             let text = tmpl
                 .render(&[serde_json::json!({"role": "user", "content": p})], true)
                 .map_err(|e| usage(format!("--chat: the chat template fails to render: {e}")))?;

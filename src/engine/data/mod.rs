@@ -10,6 +10,7 @@ pub mod loader;
 pub mod packing;
 mod prepare;
 pub mod sft;
+mod sft_cache;
 mod shard;
 pub mod template;
 

@@ -563,7 +563,7 @@ fn clean_cut(buf: &[u8], target: usize) -> Option<usize> {
 /// SHA-256 of source files, remembered by (size, mtime) in `.cockpit-cache/hashes.json`: an
 /// unchanged file is not read again.
 #[derive(Default, Serialize, Deserialize)]
-struct HashCache {
+pub(super) struct HashCache {
     files: BTreeMap<String, HashEntry>,
     #[serde(skip)]
     changed: bool,
@@ -577,7 +577,7 @@ struct HashEntry {
 }
 
 impl HashCache {
-    fn load(root: &Path) -> Self {
+    pub(super) fn load(root: &Path) -> Self {
         std::fs::read(root.join("hashes.json"))
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
@@ -585,7 +585,7 @@ impl HashCache {
     }
 
     /// Best effort: a cache that cannot be written only costs a re-hash next time.
-    fn save(&self, root: &Path) {
+    pub(super) fn save(&self, root: &Path) {
         if self.changed {
             if let Ok(text) = serde_json::to_vec(self) {
                 let _ = atomic_write(&root.join("hashes.json"), &text);
@@ -594,7 +594,7 @@ impl HashCache {
     }
 
     /// (hex SHA-256, size) of `path`.
-    fn sha256(&mut self, path: &Path) -> Result<(String, u64), DataError> {
+    pub(super) fn sha256(&mut self, path: &Path) -> Result<(String, u64), DataError> {
         let meta = std::fs::metadata(path).map_err(io_err(path))?;
         let mtime = meta.modified().map_err(io_err(path))?;
         let mtime_ns = mtime

@@ -1,10 +1,13 @@
 //! Instruction and chat datasets end to end: records ([`formats`](super::formats)) → token
 //! ids with their loss mask ([`chat`](super::chat), through the chat template) → rows packed
-//! without contamination ([`packing`](super::packing)). Tokenized in memory at each start.
+//! without contamination ([`packing`](super::packing)). The samples are cached beside the data
+//! ([`sft_cache`](super::sft_cache)): a second start with the same files, tokenizer and
+//! template reads them back instead of rendering and tokenizing again.
 
-use super::chat::{Encoded, Encoder};
+use super::chat::Encoder;
 use super::formats::{is_records, read_records, Format, Record};
 use super::packing::{pack, LongSamples, PackStats, Rows};
+use super::sft_cache::{self, Samples};
 use super::template::ChatTemplate;
 use super::{list_files, DataError, Dataset, Special, Tok, Tokens};
 use crate::config::Config;
@@ -62,10 +65,35 @@ pub fn format_of(cfg: &Config) -> Result<Option<(Format, bool)>, DataError> {
     }
 }
 
-fn records(spec: &str, key: &str) -> Result<Vec<Record>, DataError> {
-    let files: Vec<PathBuf> = list_files(spec)?;
+/// The samples of the train and val files; without val files, every k-th train sample
+/// (k = 1 / val_fraction) is held out, spread over the files.
+fn encode_all(
+    train_files: &[PathBuf],
+    val_files: &[PathBuf],
+    k: usize,
+    encode: &dyn Fn(&[Record]) -> Result<Samples, DataError>,
+) -> Result<(Samples, Samples), DataError> {
+    let all = encode(&records(train_files, "data.train")?)?;
+    if !val_files.is_empty() {
+        return Ok((all, encode(&records(val_files, "data.val")?)?));
+    }
+    let (mut train, mut val) = (Vec::new(), Vec::new());
+    for (i, s) in all.into_iter().enumerate() {
+        if i % k == k - 1 {
+            val.push(s);
+        } else {
+            train.push(s);
+        }
+    }
+    if val.is_empty() && train.len() > 1 {
+        val.extend(train.pop());
+    }
+    Ok((train, val))
+}
+
+fn records(files: &[PathBuf], key: &str) -> Result<Vec<Record>, DataError> {
     let mut out = Vec::new();
-    for f in &files {
+    for f in files {
         if !is_records(f) {
             return Err(DataError::Input {
                 path: f.display().to_string(),
@@ -100,7 +128,7 @@ pub fn load(
         train_on_prompt: d.train_on_prompt,
         special,
     };
-    let encode = |recs: &[Record]| -> Result<Vec<(Encoded, String)>, DataError> {
+    let encode = |recs: &[Record]| -> Result<Samples, DataError> {
         recs.par_iter()
             .map(|r| {
                 let s = r.sample(format)?;
@@ -108,25 +136,42 @@ pub fn load(
             })
             .collect()
     };
-    let train_recs = records(&d.train, "data.train")?;
-    let (train, val) = if d.val.is_empty() {
-        // Every k-th sample (k = 1 / val_fraction) is held out: spread over the files.
-        let all = encode(&train_recs)?;
-        let k = (1.0 / d.val_fraction.max(1e-9)).round().max(2.0) as usize;
-        let (mut train, mut val) = (Vec::new(), Vec::new());
-        for (i, s) in all.into_iter().enumerate() {
-            if i % k == k - 1 {
-                val.push(s);
-            } else {
-                train.push(s);
-            }
-        }
-        if val.is_empty() && train.len() > 1 {
-            val.extend(train.pop());
-        }
-        (train, val)
+    let train_files = list_files(&d.train)?;
+    let val_files = if d.val.is_empty() {
+        Vec::new()
     } else {
-        (encode(&train_recs)?, encode(&records(&d.val, "data.val")?)?)
+        list_files(&d.val)?
+    };
+    let k = (1.0 / d.val_fraction.max(1e-9)).round().max(2.0) as usize;
+    let cache = sft_cache::dir(&sft_cache::Inputs {
+        train: &train_files,
+        val: &val_files,
+        tokenizer: match tok {
+            Tok::Byte => "byte",
+            Tok::Hf(_) => &d.tokenizer,
+        },
+        template: template.as_ref().map(|t| t.text.as_str()),
+        format: format.name(),
+        train_on_prompt: d.train_on_prompt,
+        special,
+        split: if d.val.is_empty() {
+            format!("every {k}th")
+        } else {
+            "data.val".into()
+        },
+    })?;
+    let mut warnings = Vec::new();
+    let cached = sft_cache::read(&cache);
+    let from_cache = cached.is_some();
+    let (train, val) = match cached {
+        Some(tv) => tv,
+        None => {
+            let tv = encode_all(&train_files, &val_files, k, &encode)?;
+            if let Err(e) = sft_cache::write(&cache, &tv.0, &tv.1) {
+                warnings.push(format!("the token cache could not be written: {e}"));
+            }
+            tv
+        }
     };
     let long = LongSamples::parse(&d.long_samples).unwrap_or(LongSamples::Split);
     let t = cfg.model.seq_len;
@@ -146,8 +191,13 @@ pub fn load(
         "data.format"
     };
     let description = format!(
-        "{} records ({how}), chat template {}, {}: {}",
+        "{} records ({how}{}), chat template {}, {}: {}",
         format.name(),
+        if from_cache {
+            ", read from the token cache"
+        } else {
+            ""
+        },
         template
             .as_ref()
             .map_or("none".to_string(), |t| t.source.clone()),
@@ -165,7 +215,7 @@ pub fn load(
         vocab_size: tok.vocab_size(),
         entropy_floor_bpt: None,
         description,
-        warnings: Vec::new(),
+        warnings,
         rows: Some(SftRows {
             train: Arc::new(train_rows),
             val: Arc::new(val_rows),

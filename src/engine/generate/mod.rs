@@ -1,12 +1,17 @@
 //! Text generation: batches of sequences decoded together over a cache allocated once
 //! ([`batch`]), the next tokens chosen on the device ([`sampling`]), several samples per
-//! prompt and their diversity ([`diversity`]), prompts read from a file ([`prompts`]).
+//! prompt and their diversity ([`diversity`]), prompts read from a file ([`prompts`]), text
+//! streamed as tokens come ([`stream`]), a conversation ([`chat`]) through the
+//! model's chat template ([`template`]).
 
 pub mod batch;
+pub mod chat;
 pub mod diversity;
 pub mod prompts;
 pub mod run;
 pub mod sampling;
+pub mod stream;
+pub mod template;
 
 use super::model::Model;
 use candle_core::Result;

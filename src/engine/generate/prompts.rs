@@ -1,6 +1,7 @@
 //! A prompts file: one prompt per line, or JSON Lines whose objects carry a "prompt" string
-//! (or "prompt_ids", a list of token ids). JSON Lines when the file's first line that is not
-//! blank starts with `{`; blank lines are skipped either way.
+//! (or "prompt_ids", a list of token ids, or "messages", a conversation for `--chat`). JSON
+//! Lines when the file's first line that is not blank starts with `{`; blank lines are
+//! skipped either way.
 
 use std::path::Path;
 
@@ -9,6 +10,8 @@ use std::path::Path;
 pub enum Prompt {
     Text(String),
     Ids(Vec<u32>),
+    /// A conversation (objects with "role" and "content"), answered through the chat template.
+    Messages(Vec<serde_json::Value>),
 }
 
 /// A prompt and the line it is on (from 1).
@@ -59,6 +62,17 @@ fn json_prompt(text: &str) -> Result<Prompt, String> {
     let Some(obj) = v.as_object() else {
         return Err(format!("{}: not a JSON object", clip(text)));
     };
+    if let Some(m) = obj.get("messages") {
+        return match m.as_array() {
+            Some(list) if !list.is_empty() && list.iter().all(|x| x.get("role").is_some()) => {
+                Ok(Prompt::Messages(list.clone()))
+            }
+            _ => Err(format!(
+                "\"messages\": {} is not a list of messages with a \"role\"",
+                clip(&m.to_string())
+            )),
+        };
+    }
     match (obj.get("prompt"), obj.get("prompt_ids")) {
         (Some(serde_json::Value::String(s)), None) => Ok(Prompt::Text(s.clone())),
         (None, Some(serde_json::Value::Array(ids))) => ids
@@ -104,6 +118,8 @@ mod tests {
         let j = parse(b"{\"prompt\": \"a\"}\n{\"prompt_ids\": [1, 2]}\n").unwrap();
         assert_eq!(j[0].prompt, Prompt::Text("a".into()));
         assert_eq!(j[1].prompt, Prompt::Ids(vec![1, 2]));
+        let m = parse(b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}").unwrap();
+        assert!(matches!(&m[0].prompt, Prompt::Messages(v) if v.len() == 1));
         for (bad, want) in [
             (&b"{\"prompt\": \"a\"}\n{\"text\": 1}\n"[..], "line 2: "),
             (
@@ -114,6 +130,10 @@ mod tests {
             (b"{\"prompt_ids\": [1, -2]}", "-2 is not a token id"),
             (b"ok\n\xff\xfe\n", "line 2: not UTF-8"),
             (b"\n \n", "no prompts"),
+            (
+                b"{\"messages\": []}",
+                "line 1: \"messages\": [] is not a list",
+            ),
         ] {
             let e = parse(bad).unwrap_err();
             assert!(e.contains(want), "{e}");

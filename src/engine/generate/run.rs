@@ -97,19 +97,20 @@ fn compute_dtype(device: &Device) -> DType {
 }
 
 /// The model of `src` on `spec`'s device, and the seconds it took to load.
-fn load(src: &Path, spec: DeviceSpec) -> Result<(Source, f64), EngineError> {
+pub(crate) fn load(src: &Path, spec: DeviceSpec) -> Result<(Source, f64), EngineError> {
     let device = crate::engine::device::open(spec)?;
     let t0 = Instant::now();
     let s = open(src, compute_dtype(&device), &device, 64)?;
     Ok((s, t0.elapsed().as_secs_f64()))
 }
 
-/// Ids of a prompt's text, through the chat template with `chat`; and the template's
-/// end-of-turn token.
+/// Ids of a prompt's text (or a conversation's messages), through the chat template with
+/// `chat`; and the template's end-of-turn token.
 fn encode(
     s: &Source,
+    src: &Path,
     tok: Option<&Tok>,
-    text: &str,
+    prompt: &Prompt,
     chat: bool,
     at: &str,
 ) -> Result<(Vec<u32>, Option<u32>), EngineError> {
@@ -118,19 +119,21 @@ fn encode(
             "{at}: the model has no tokenizer (the built-in corpus); give token ids"
         )));
     };
-    if !chat {
-        return Ok((t.encode_prompt(text)?, None));
-    }
-    let path = s.tokenizer.as_deref().unwrap_or_default();
-    let tmpl = crate::engine::data::template::ChatTemplate::find("", path)
-        .map_err(usage)?
-        .ok_or_else(|| usage("--chat: no chat template beside the tokenizer".into()))?;
-    let rendered = tmpl
-        .render(
-            &[serde_json::json!({"role": "user", "content": text})],
-            true,
-        )
-        .map_err(|e| usage(format!("--chat: the chat template fails to render: {e}")))?;
+    let messages = match (prompt, chat) {
+        (Prompt::Ids(ids), _) => return Ok((ids.clone(), None)),
+        (Prompt::Text(text), false) => return Ok((t.encode_prompt(text)?, None)),
+        (Prompt::Messages(_), false) => {
+            return Err(usage(format!("{at}: \"messages\" need --chat")))
+        }
+        (Prompt::Text(text), true) => vec![serde_json::json!({"role": "user", "content": text})],
+        (Prompt::Messages(m), true) => m.clone(),
+    };
+    let tmpl = super::template::template_of(s, src).map_err(|e| usage(format!("--chat: {e}")))?;
+    let rendered = tmpl.render(&messages, true).map_err(|e| {
+        usage(format!(
+            "{at}: --chat: the chat template fails to render: {e}"
+        ))
+    })?;
     Ok((t.encode_offsets(&rendered, at)?.0, tmpl.eos_id(t)))
 }
 
@@ -176,15 +179,12 @@ pub fn run_many(
             (Some(f), n) => format!("{}: line {n}", f.display()),
             (None, _) => "the prompt".to_string(),
         };
-        let mut ids = match &l.prompt {
-            Prompt::Ids(ids) => ids.clone(),
-            Prompt::Text(t) => {
-                let (ids, chat_stop) = encode(&s, tok.as_ref(), t, o.chat, &at)?;
-                if !o.ignore_eos {
-                    stop.extend(chat_stop.filter(|e| !stop.contains(e)));
-                }
-                ids
+        let mut ids = {
+            let (ids, chat_stop) = encode(&s, src, tok.as_ref(), &l.prompt, o.chat, &at)?;
+            if !o.ignore_eos {
+                stop.extend(chat_stop.filter(|e| !stop.contains(e)));
             }
+            ids
         };
         if ids.is_empty() {
             match s.hf.as_ref().and_then(|h| h.bos) {
@@ -263,7 +263,7 @@ pub fn run_many(
             line: (l.line > 0).then_some(l.line),
             prompt: match &l.prompt {
                 Prompt::Text(t) => Some(t.clone()),
-                Prompt::Ids(_) => None,
+                Prompt::Ids(_) | Prompt::Messages(_) => None,
             },
             prompt_tokens: ids.len(),
             samples: mine
