@@ -108,6 +108,26 @@ fn a_run_writes_tensorboard_and_mlflow_logs_that_their_readers_read() {
         assert_eq!(tb["hparams"]["end_status"], 1, "{tb}");
     }
 
+    // the file-store layout: experiment 0, one run, its artifacts
+    let exp = store.join("0");
+    let run_dirs: Vec<_> = std::fs::read_dir(&exp)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(run_dirs.len(), 1, "{run_dirs:?}");
+    let art = run_dirs[0].join("artifacts");
+    for f in std::fs::read_dir(run.join("plots")).unwrap() {
+        let f = f.unwrap().path();
+        let copied = art.join("plots").join(f.file_name().unwrap());
+        assert_eq!(std::fs::read(&f).unwrap(), std::fs::read(&copied).unwrap());
+    }
+    let ckpts = std::fs::read_to_string(art.join("checkpoints.txt")).unwrap();
+    let last = ckpts.lines().last().unwrap();
+    let (step, path) = last.split_once(' ').unwrap();
+    assert_eq!(step, "12", "{ckpts}");
+    assert!(Path::new(path).is_dir(), "{ckpts}");
+
     if let Some(ml) = python_reader("read_mlflow.py", &store) {
         let runs = ml.as_array().unwrap();
         assert_eq!(runs.len(), 1, "{ml}");
@@ -120,6 +140,13 @@ fn a_run_writes_tensorboard_and_mlflow_logs_that_their_readers_read() {
         assert!(r["metrics"]["val.loss"].as_array().unwrap().len() >= 3);
         let artifacts = r["artifacts"].to_string();
         assert!(artifacts.contains("config.toml") && artifacts.contains("metrics.jsonl"));
+        assert!(artifacts.contains("checkpoints.txt"), "{artifacts}");
+        // the plots, drawn after the run, are artifacts too
+        let plots = r["plots"].to_string();
+        assert!(
+            plots.contains("plots/loss.png") && plots.contains("plots/loss.svg"),
+            "{plots}"
+        );
         assert!(
             r["tags"]["cockpit.checkpoint.latest"].is_string(),
             "{}",
@@ -201,16 +228,19 @@ fn a_resumed_run_appends_an_event_file_that_tensorboard_merges() {
 }
 
 /// `tensorboard --logdir SWEEP_DIR` finds each run of a sweep, each with its own
-/// hyperparameters for the HParams table.
+/// hyperparameters for the HParams table; MLflow has the sweep as one experiment, named for
+/// the sweep, with its runs.
 #[test]
 fn a_sweeps_runs_are_runs_of_their_own_under_the_sweep_dir() {
     let dir = tempfile::tempdir().unwrap();
-    let out_dir = dir.path().join("sweep");
+    let out_dir = dir.path().join("lr-sweep");
+    let store = dir.path().join("mlruns");
     let mut c = common::cockpit();
     c.arg("sweep")
         .arg("--out")
         .arg(&out_dir)
-        .args(["--seeds", "1"]);
+        .args(["--seeds", "1"])
+        .args(["--set", &format!("monitor.mlflow=\"{}\"", store.display())]);
     for s in [
         "model.n_embd=32",
         "model.seq_len=32",
@@ -245,6 +275,35 @@ fn a_sweeps_runs_are_runs_of_their_own_under_the_sweep_dir() {
             .collect();
         lrs.sort_by(f64::total_cmp);
         assert_eq!(lrs, vec![0.001, 0.002]);
+    }
+    // one experiment (not Default), named for the sweep, holding both runs
+    let exps: Vec<_> = std::fs::read_dir(&store)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_dir())
+        .collect();
+    assert_eq!(exps.len(), 1, "{exps:?}");
+    let meta = std::fs::read_to_string(exps[0].join("meta.yaml")).unwrap();
+    assert!(meta.contains("name: 'lr-sweep'"), "{meta}");
+    if let Some(ml) = python_reader("read_mlflow.py", &store) {
+        let runs = ml.as_array().unwrap();
+        assert_eq!(runs.len(), 2, "{ml}");
+        let mut names: Vec<&str> = runs
+            .iter()
+            .map(|r| {
+                assert_eq!(r["experiment"], "lr-sweep", "{r}");
+                assert_eq!(r["status"], "FINISHED", "{r}");
+                r["run_name"].as_str().unwrap()
+            })
+            .collect();
+        names.sort();
+        let mut lrs: Vec<&str> = runs
+            .iter()
+            .map(|r| r["params"]["optim.lr"].as_str().unwrap())
+            .collect();
+        lrs.sort();
+        assert_eq!(lrs, ["0.001", "0.002"], "{ml}");
+        assert!(names.iter().all(|n| n.contains("lr")), "{names:?}");
     }
 }
 

@@ -547,11 +547,12 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         guard.wait();
     }
     // the engine has ended: the TensorBoard/MLflow writer finishes its files
-    if let Some(guard) = tracking {
-        guard.wait();
-    }
+    let mlflow_artifacts = tracking.and_then(|guard| guard.wait());
     // Plots and the summary after every end: finished, stopped, interrupted or failed.
     let plots = (rank == 0).then(|| frontends::after_run(&run_dir));
+    if let Some(a) = &mlflow_artifacts {
+        crate::tracking::log_plots(a, &run_dir);
+    }
     let ended = match &summary {
         Ok(s) => match s.reason {
             FinishReason::Completed => "completed".to_string(),

@@ -4,6 +4,11 @@
 //! Each `--set-grid` is one family of runs: `KEY=V1,V2,...`, several keys joined by `+` form
 //! their product (`scu.enabled=false+scu.lambda_init=0,0.1,1` is three runs). The sweep is
 //! the union of the families (none: the config as it is), each run once per seed.
+//!
+//! TensorBoard (`tensorboard --logdir SWEEP_DIR`) finds each run's `tb/` as a run of its own,
+//! its hyperparameters in the HParams table; with `monitor.mlflow` set, the sweep is one MLflow
+//! experiment named for the sweep dir (unless `monitor.mlflow_experiment` names one), each run
+//! a run in it.
 
 use super::{config_error, timestamp, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE};
 use crate::config;
@@ -45,6 +50,15 @@ pub struct SweepRun {
 pub struct SweepPlan {
     pub config: Option<PathBuf>,
     pub runs: Vec<SweepRun>,
+    /// The MLflow experiment of the sweep's runs (the sweep dir's name unless the config
+    /// names one); None when the runs log no MLflow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlflow_experiment: Option<String>,
+}
+
+/// `s` as a TOML string (for a `--set KEY=VALUE`).
+fn toml_string(s: &str) -> String {
+    toml::Value::String(s.to_string()).to_string()
 }
 
 /// Split a value list at the commas outside brackets and quotes: `1,2` → [1, 2],
@@ -179,6 +193,7 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
     Ok(SweepPlan {
         config: a.config.map(Path::to_path_buf),
         runs,
+        mlflow_experiment: None,
     })
 }
 
@@ -344,6 +359,15 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
             timestamp()
         )),
     };
+    let mut plan = plan;
+    let m = &base.config.monitor;
+    if m.mlflow.as_deref().is_some_and(|d| !d.is_empty()) {
+        plan.mlflow_experiment = Some(m.mlflow_experiment.clone().unwrap_or_else(|| {
+            dir.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "sweep".into())
+        }));
+    }
     let plan_path = dir.join(SWEEP_FILE);
     if let Ok(text) = std::fs::read_to_string(&plan_path) {
         match serde_json::from_str::<SweepPlan>(&text) {
@@ -523,6 +547,11 @@ fn start(
     }
     if state == RunState::Resumable {
         cmd.arg("--resume").arg("latest");
+    }
+    if let Some(e) = &plan.mlflow_experiment {
+        // (after the run's own overrides, so a sweep resumed later logs into the same one)
+        cmd.arg("--set")
+            .arg(format!("monitor.mlflow_experiment={}", toml_string(e)));
     }
     if let Some(g) = gpu {
         cmd.env("CUDA_VISIBLE_DEVICES", g);

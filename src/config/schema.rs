@@ -828,6 +828,10 @@ pub struct MonitorConfig {
     /// unset.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mlflow: Option<String>,
+    /// The MLflow experiment the run goes into (unset: "Default"); `cockpit sweep` sets it
+    /// to the sweep's name for its runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mlflow_experiment: Option<String>,
 }
 
 impl Default for MonitorConfig {
@@ -838,6 +842,7 @@ impl Default for MonitorConfig {
             enabled: true,
             tensorboard: true,
             mlflow: None,
+            mlflow_experiment: None,
         }
     }
 }

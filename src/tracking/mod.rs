@@ -28,6 +28,8 @@ pub struct TrackingOptions {
     pub tensorboard: Option<PathBuf>,
     /// The MLflow file store (None: no MLflow).
     pub mlflow: Option<PathBuf>,
+    /// The MLflow experiment (None: "Default"; a sweep's runs: the sweep's).
+    pub mlflow_experiment: Option<String>,
     /// The resolved config as TOML (a text summary, an MLflow artifact).
     pub config_toml: String,
     /// Hyperparameters: the config's scalar keys, flattened as `section.key`.
@@ -51,6 +53,7 @@ impl TrackingOptions {
             run_dir: run_dir.to_path_buf(),
             tensorboard,
             mlflow,
+            mlflow_experiment: cfg.monitor.mlflow_experiment.clone(),
             config_toml: toml::to_string(cfg).unwrap_or_default(),
             hparams: hparams_of(cfg),
         })
@@ -102,15 +105,26 @@ pub(crate) enum Msg {
 
 /// The writer thread; wait for it after the engine has ended so the files are complete.
 pub struct TrackingGuard {
-    handle: Option<JoinHandle<()>>,
+    handle: Option<JoinHandle<Option<PathBuf>>>,
 }
 
 impl TrackingGuard {
-    /// Wait until everything is written (the engine's event stream must have ended).
-    pub fn wait(mut self) {
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
+    /// Wait until everything is written (the engine's event stream must have ended); the
+    /// MLflow run's artifacts dir, where the run has one (for [`log_plots`]).
+    pub fn wait(mut self) -> Option<PathBuf> {
+        self.handle.take().and_then(|h| h.join().ok().flatten())
+    }
+}
+
+/// The run's plots (drawn after the engine has ended) as artifacts of its MLflow run at
+/// `artifacts`; a failure warns and is otherwise ignored.
+pub fn log_plots(artifacts: &Path, run_dir: &Path) {
+    let plots = run_dir.join(crate::report::PLOTS_DIR);
+    if let Err(e) = mlflow::log_plots(artifacts, &plots) {
+        crate::errln!(
+            "cockpit: warning: mlflow: copying the plots into {}: {e}",
+            artifacts.display()
+        );
     }
 }
 

@@ -89,7 +89,7 @@ impl Sinks {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "cockpit".into());
-            match MlflowRun::create(root, &name) {
+            match MlflowRun::create(root, &name, opts.mlflow_experiment.as_deref()) {
                 Ok(r) => ml = Some(r),
                 Err(e) => crate::errln!(
                     "cockpit: warning: mlflow: cannot write {}: {e}; training goes on without it",
@@ -228,8 +228,10 @@ impl Sinks {
                 self.started(r);
             }
             Event::CheckpointSaved { path, .. } => {
+                let step = ev.step();
                 guard(&mut self.ml, "mlflow", |ml| {
-                    ml.tag("cockpit.checkpoint.latest", path)
+                    ml.tag("cockpit.checkpoint.latest", path)?;
+                    ml.checkpoint(step, path)
                 });
                 self.flush();
             }
@@ -252,8 +254,9 @@ impl Sinks {
     }
 }
 
-/// The thread's body: write until the engine's event stream ends.
-pub(super) fn run(rx: Receiver<Msg>, opts: TrackingOptions) {
+/// The thread's body: write until the engine's event stream ends; the MLflow run's artifacts
+/// dir, where it still writes one.
+pub(super) fn run(rx: Receiver<Msg>, opts: TrackingOptions) -> Option<std::path::PathBuf> {
     let mut sinks = Sinks::open(opts);
     let mut finished = false;
     let mut last_flush = Instant::now();
@@ -277,7 +280,7 @@ pub(super) fn run(rx: Receiver<Msg>, opts: TrackingOptions) {
                 } else {
                     sinks.flush();
                 }
-                return;
+                return sinks.ml.as_ref().map(MlflowRun::artifacts);
             }
             Err(RecvTimeoutError::Timeout) => {}
         }

@@ -31,5 +31,6 @@ for exp in client.search_experiments():
             "tags": {k: v for k, v in run.data.tags.items() if k.startswith("cockpit.")},
             "metrics": metrics,
             "artifacts": [a.path for a in client.list_artifacts(run.info.run_id)],
+            "plots": [a.path for a in client.list_artifacts(run.info.run_id, "plots")],
         })
 print(json.dumps(out))

@@ -1,7 +1,8 @@
 //! GGUF in: a .gguf file as a model source. The file is turned once into the Hugging Face
 //! directory it describes (config.json from its `<arch>.*` metadata, checked by the same
 //! reader as any config.json; its tensors dequantized under Hugging Face's names, q/k rows
-//! permuted back; tokenizer.json from a byte-level BPE vocabulary), kept in a cache directory
+//! permuted back; tokenizer.json from its byte-level BPE or sentencepiece vocabulary,
+//! [`super::tokenizer_in`]), kept in a cache directory
 //! keyed by the file, so every command that opens a Hugging Face directory opens it.
 
 use super::names;
@@ -41,6 +42,9 @@ fn model_type(arch: &str) -> Option<&'static str> {
     }
 }
 
+/// Changes when what a cache directory holds does (a directory written before is remade).
+const CACHE_FORMAT: u32 = 2;
+
 /// The cache directory of `path` (its canonical path, size and modification time).
 fn cache_dir(path: &Path) -> Result<PathBuf, CheckpointError> {
     use sha2::{Digest, Sha256};
@@ -52,7 +56,7 @@ fn cache_dir(path: &Path) -> Result<PathBuf, CheckpointError> {
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_nanos());
     let key = format!(
-        "{}\n{}\n{mtime}\n{}",
+        "{}\n{}\n{mtime}\n{}\n{CACHE_FORMAT}",
         canon.display(),
         md.len(),
         env!("CARGO_PKG_VERSION")
@@ -281,66 +285,5 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         .collect::<candle_core::Result<_>>()
         .map_err(|e| e.to_string())?;
     hf::write_weights(dir, &named, u64::MAX).map_err(|e| e.to_string())?;
-    write_tokenizer(g, dir)
-}
-
-/// tokenizer.json (and tokenizer_config.json with the chat template) of a "gpt2" vocabulary;
-/// other tokenizer models are left out (token ids only).
-fn write_tokenizer(g: &Gguf, dir: &Path) -> Result<(), String> {
-    if g.get("tokenizer.ggml.model").and_then(Meta::as_str) != Some("gpt2") {
-        return Ok(());
-    }
-    let strs = |key: &str| -> Vec<String> {
-        match g.get(key) {
-            Some(Meta::Array(a)) => a
-                .iter()
-                .filter_map(|m| m.as_str().map(str::to_string))
-                .collect(),
-            _ => Vec::new(),
-        }
-    };
-    let tokens = strs("tokenizer.ggml.tokens");
-    let merges = strs("tokenizer.ggml.merges");
-    let types: Vec<usize> = match g.get("tokenizer.ggml.token_type") {
-        Some(Meta::Array(a)) => a.iter().map(|m| m.as_usize().unwrap_or(1)).collect(),
-        _ => Vec::new(),
-    };
-    let mut vocab = Map::new();
-    let mut added = Vec::new();
-    for (i, t) in tokens.iter().enumerate() {
-        vocab.insert(t.clone(), json!(i));
-        let ty = types.get(i).copied().unwrap_or(1);
-        if ty == 3 || ty == 4 {
-            added.push(
-                json!({"id": i, "content": t, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": ty == 4, "special": ty == 3}),
-            );
-        }
-    }
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
-    let t = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": byte_level,
-        "post_processor": byte_level,
-        "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-            "ignore_merges": false, "vocab": vocab, "merges": merges},
-    });
-    write_json(&dir.join("tokenizer.json"), &t)?;
-    let name = |key: &str| {
-        g.get(&format!("tokenizer.ggml.{key}"))
-            .and_then(Meta::as_usize)
-            .and_then(|i| tokens.get(i).cloned())
-    };
-    let mut c = json!({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name("bos_token_id"),
-        "eos_token": name("eos_token_id")});
-    if let Some(t) = g.get("tokenizer.chat_template").and_then(Meta::as_str) {
-        c["chat_template"] = json!(t);
-    }
-    write_json(&dir.join("tokenizer_config.json"), &c)
+    super::tokenizer_in::write(g, dir)
 }

@@ -9,6 +9,7 @@ pub mod names;
 pub mod quant;
 pub mod reader;
 pub mod tokenizer;
+pub mod tokenizer_in;
 pub mod writer;
 
 use quant::GgmlType;

@@ -1,6 +1,7 @@
-//! A byte-level BPE tokenizer (tokenizer.json) as GGUF's `tokenizer.ggml.*` keys: llama.cpp's
-//! "gpt2" model with its tokens, their types, the merges, the special ids and the chat
-//! template.
+//! A tokenizer.json as GGUF's `tokenizer.ggml.*` keys: a byte-level BPE as llama.cpp's "gpt2"
+//! model (tokens, their types, the merges), a sentencepiece-style BPE (byte fallback, `▁` for
+//! spaces: Llama 2, Mistral, TinyLlama) as its "llama" model (tokens, scores, types, and the
+//! merges, which transformers' GGUF loader reads); the special ids and the chat template.
 
 use super::writer::Value;
 use crate::engine::hf::HfInfo;
@@ -10,8 +11,10 @@ use std::path::Path;
 /// llama.cpp's token types.
 const NORMAL: i32 = 1;
 const CONTROL: i32 = 3;
+const UNKNOWN: i32 = 2;
 const USER_DEFINED: i32 = 4;
 const UNUSED: i32 = 5;
+const BYTE: i32 = 6;
 
 fn read_json(p: &Path) -> Result<Json, String> {
     let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
@@ -66,9 +69,10 @@ pub fn keys(
     let at = tokenizer_json.display();
     let model = &t["model"];
     let kind = model.get("type").and_then(Json::as_str).unwrap_or("");
-    if kind != "BPE" || !byte_level(&t["pre_tokenizer"]) {
+    let spm = kind == "BPE" && sentencepiece_style(&t);
+    if kind != "BPE" || !(spm || byte_level(&t["pre_tokenizer"])) {
         return Err(format!(
-            "{at}: a {kind:?} tokenizer without byte-level pre-tokenization; GGUF export writes byte-level BPE tokenizers (llama.cpp's \"gpt2\" model) only"
+            "{at}: a {kind:?} tokenizer that is neither byte-level nor sentencepiece-style BPE; GGUF export writes those (llama.cpp's \"gpt2\" and \"llama\" models) only"
         ));
     }
     let mut tokens: Vec<Option<String>> = vec![None; vocab];
@@ -101,6 +105,25 @@ pub fn keys(
         let special = a["special"].as_bool().unwrap_or(false);
         place(id, s, if special { CONTROL } else { USER_DEFINED })?;
     }
+    let config = match hf_dir.map(|d| d.join("tokenizer_config.json")) {
+        Some(p) if p.is_file() => read_json(&p)?,
+        _ => Json::Null,
+    };
+    let unk_name = model["unk_token"]
+        .as_str()
+        .map(str::to_string)
+        .or_else(|| config_token(config.get("unk_token")));
+    if spm {
+        // byte-fallback pieces and the unknown token, as llama.cpp's converter types them
+        let unk = unk_name.as_deref();
+        for (i, t) in tokens.iter().enumerate() {
+            match t.as_deref() {
+                Some(s) if unk == Some(s) => types[i] = UNKNOWN,
+                Some(s) if types[i] == NORMAL && is_byte_piece(s) => types[i] = BYTE,
+                _ => {}
+            }
+        }
+    }
     let tokens: Vec<String> = tokens
         .into_iter()
         .enumerate()
@@ -129,10 +152,6 @@ pub fn keys(
             )),
         })
         .collect::<Result<_, _>>()?;
-    let config = match hf_dir.map(|d| d.join("tokenizer_config.json")) {
-        Some(p) if p.is_file() => read_json(&p)?,
-        _ => Json::Null,
-    };
     let id_of = |s: &str| tokens.iter().position(|t| t == s).map(|i| i as u32);
     let named = |k: &str| config_token(config.get(k)).and_then(|s| id_of(&s));
     let bos = info.and_then(|i| i.bos).or_else(|| named("bos_token"));
@@ -140,22 +159,50 @@ pub fn keys(
         .and_then(|i| i.eos.first().copied())
         .or_else(|| named("eos_token"));
     let pad = info.and_then(|i| i.pad).or_else(|| named("pad_token"));
-    let mut kv = vec![
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::Str("gpt2".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".into(),
-            Value::Str(pre_name(&t["pre_tokenizer"]).into()),
-        ),
-        ("tokenizer.ggml.tokens".into(), Value::Strs(tokens.clone())),
-        ("tokenizer.ggml.token_type".into(), Value::I32s(types)),
-        ("tokenizer.ggml.merges".into(), Value::Strs(merges)),
-    ];
+    let unk = unk_name.as_deref().and_then(id_of);
+    let mut kv = if spm {
+        if let Some(m) = merges.iter().find(|m| m.matches(' ').count() != 1) {
+            return Err(format!(
+                "{at}: model.merges: {m:?}: a piece with a space cannot be written as a GGUF merge"
+            ));
+        }
+        vec![
+            (
+                "tokenizer.ggml.model".to_string(),
+                Value::Str("llama".into()),
+            ),
+            ("tokenizer.ggml.pre".into(), Value::Str("default".into())),
+            (
+                "tokenizer.ggml.scores".into(),
+                Value::F32s(scores(&tokens, &types, &merges)),
+            ),
+            ("tokenizer.ggml.tokens".into(), Value::Strs(tokens.clone())),
+            ("tokenizer.ggml.token_type".into(), Value::I32s(types)),
+            ("tokenizer.ggml.merges".into(), Value::Strs(merges)),
+            (
+                "tokenizer.ggml.add_space_prefix".into(),
+                Value::Bool(prepends_space(&t)),
+            ),
+        ]
+    } else {
+        vec![
+            (
+                "tokenizer.ggml.model".to_string(),
+                Value::Str("gpt2".into()),
+            ),
+            (
+                "tokenizer.ggml.pre".into(),
+                Value::Str(pre_name(&t["pre_tokenizer"]).into()),
+            ),
+            ("tokenizer.ggml.tokens".into(), Value::Strs(tokens.clone())),
+            ("tokenizer.ggml.token_type".into(), Value::I32s(types)),
+            ("tokenizer.ggml.merges".into(), Value::Strs(merges)),
+        ]
+    };
     for (k, id) in [
         ("bos_token_id", bos),
         ("eos_token_id", eos),
+        ("unknown_token_id", unk.filter(|_| spm)),
         ("padding_token_id", pad),
     ] {
         if let Some(id) = id {
@@ -168,6 +215,13 @@ pub fn keys(
         bos.is_some_and(|b| post.contains(&format!("\"id\":{}", json_str(&tokens[b as usize]))))
     });
     kv.push(("tokenizer.ggml.add_bos_token".into(), Value::Bool(adds_bos)));
+    if spm {
+        let adds_eos = config["add_eos_token"].as_bool().unwrap_or_else(|| {
+            let post = t["post_processor"]["single"].to_string();
+            eos.is_some_and(|e| post.contains(&format!("\"id\":{}", json_str(&tokens[e as usize]))))
+        });
+        kv.push(("tokenizer.ggml.add_eos_token".into(), Value::Bool(adds_eos)));
+    }
     let template = match config.get("chat_template") {
         Some(Json::String(s)) => Some(s.clone()),
         _ => hf_dir
@@ -183,4 +237,66 @@ pub fn keys(
 
 fn json_str(s: &str) -> String {
     Json::String(s.to_string()).to_string()
+}
+
+/// Whether a BPE tokenizer.json is sentencepiece-style: byte fallback, or spaces as `▁` by a
+/// Metaspace pre-tokenizer or a Prepend/Replace normalizer.
+fn sentencepiece_style(t: &Json) -> bool {
+    let metaspace = [&t["pre_tokenizer"], &t["normalizer"]]
+        .iter()
+        .any(|v| v.to_string().contains('\u{2581}'));
+    t["model"]["byte_fallback"].as_bool() == Some(true) || metaspace
+}
+
+/// Whether the tokenizer puts a `▁` before the text (Metaspace's prepend scheme, or a Prepend
+/// normalizer).
+fn prepends_space(t: &Json) -> bool {
+    let pre = &t["pre_tokenizer"];
+    let scheme = |v: &Json| {
+        v.get("prepend_scheme")
+            .and_then(Json::as_str)
+            .map(str::to_string)
+    };
+    let metaspace = match pre.get("type").and_then(Json::as_str) {
+        Some("Metaspace") => scheme(pre),
+        Some("Sequence") => pre["pretokenizers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["type"] == "Metaspace")
+            .and_then(scheme),
+        _ => None,
+    };
+    match metaspace {
+        Some(s) => s != "never",
+        None => t["normalizer"].to_string().contains("\"Prepend\""),
+    }
+}
+
+/// `<0xAB>`: a byte-fallback piece.
+fn is_byte_piece(s: &str) -> bool {
+    s.len() == 6
+        && s.starts_with("<0x")
+        && s.ends_with('>')
+        && s[3..5].bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Sentencepiece scores for a BPE vocabulary, which has none: a piece that a merge makes
+/// scores minus that merge's rank (llama.cpp merges the best-scoring pair first, which is
+/// BPE's order), other normal pieces below every merge, the rest 0.
+fn scores(tokens: &[String], types: &[i32], merges: &[String]) -> Vec<f32> {
+    let mut made: std::collections::HashMap<String, usize> = Default::default();
+    for (r, m) in merges.iter().enumerate() {
+        made.entry(m.replacen(' ', "", 1)).or_insert(r);
+    }
+    tokens
+        .iter()
+        .zip(types)
+        .enumerate()
+        .map(|(i, (t, &ty))| match (made.get(t), ty) {
+            (Some(&r), NORMAL | USER_DEFINED) => -(r as f32),
+            (None, NORMAL) => -((merges.len() + i) as f32),
+            _ => 0.0,
+        })
+        .collect()
 }
