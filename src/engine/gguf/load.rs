@@ -85,8 +85,12 @@ pub fn materialize(path: &Path) -> Result<PathBuf, CheckpointError> {
     let g = Gguf::parse(bytes).map_err(|m| corrupt(path, m))?;
     let parent = dir.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| corrupt(parent, e.to_string()))?;
+    // (One scratch directory per call: two threads of one process may materialize the same
+    // file at once; the first rename wins.)
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = parent.join(format!(
-        ".{}.tmp-{}",
+        ".{}.tmp-{}-{call}",
         dir.file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
@@ -100,7 +104,7 @@ pub fn materialize(path: &Path) -> Result<PathBuf, CheckpointError> {
     }
     std::fs::write(tmp.join(".complete"), b"").map_err(|e| corrupt(&tmp, e.to_string()))?;
     if std::fs::rename(&tmp, &dir).is_err() {
-        // another process made it first
+        // another process or thread made it first
         let _ = std::fs::remove_dir_all(&tmp);
     }
     Ok(dir)

@@ -86,7 +86,7 @@ impl Trainer {
     /// `eval.sample_tokens`: the model's greedy continuation of the fixed prompt, within the
     /// training context.
     pub(super) fn sample_text(&self) -> candle_core::Result<Option<Event>> {
-        let Some((prompt, tok)) = &self.sample else {
+        let Some((prompt, tok, stop)) = &self.sample else {
             return Ok(None);
         };
         let n = self
@@ -99,7 +99,7 @@ impl Trainer {
             prompt,
             n,
             &crate::engine::generate::Sampling::greedy(),
-            &[],
+            stop,
             |_| {},
         )?;
         let show = |ids: &[u32]| match tok {
@@ -118,14 +118,30 @@ impl Trainer {
     }
 }
 
-/// `eval.sample_prompts` as ids, and the tokenizer that shows the text.
-pub(super) type SampleSet = (Vec<Vec<u32>>, Option<crate::engine::data::Tok>);
+/// `eval.sample_prompts` as ids, the tokenizer that shows the text and the tokens that end a
+/// reply.
+pub(super) type SampleSet = (Vec<Vec<u32>>, Option<crate::engine::data::Tok>, Vec<u32>);
 
-/// `eval.sample_prompts` as ids (through the data's tokenizer; token ids written out for the
-/// built-in corpus), each within the training context, and the tokenizer that shows the text.
+/// The tokens an eval sample stops at: the tokenizer's end of text and, for chat data, the
+/// template's end of turn.
+pub(super) fn stop_ids(
+    tok: Option<&crate::engine::data::Tok>,
+    template: Option<&crate::engine::data::template::ChatTemplate>,
+) -> Vec<u32> {
+    let mut stop: Vec<u32> = tok.and_then(|t| t.eos_id()).into_iter().collect();
+    if let (Some(t), Some(tm)) = (tok, template) {
+        stop.extend(tm.eos_id(t).filter(|e| !stop.contains(e)));
+    }
+    stop
+}
+
+/// `eval.sample_prompts` as ids (through the data's tokenizer — for chat data each a user turn
+/// through the chat `template`; token ids written out for the built-in corpus), each within the
+/// training context, the tokenizer that shows the text and the tokens that end a reply.
 pub(super) fn sample_set(
     cfg: &crate::config::Config,
     vocab: usize,
+    template: Option<&crate::engine::data::template::ChatTemplate>,
 ) -> Result<Option<SampleSet>, crate::engine::EngineError> {
     use crate::engine::EngineError;
     if cfg.eval.samples_per_prompt == 0 {
@@ -138,9 +154,19 @@ pub(super) fn sample_set(
     };
     let mut prompts = Vec::with_capacity(cfg.eval.sample_prompts.len());
     for (i, p) in cfg.eval.sample_prompts.iter().enumerate() {
-        let ids = match &tok {
-            Some(t) => t.encode_prompt(p)?,
-            None => p
+        let at = format!("eval.sample_prompts[{i}]");
+        let ids = match (&tok, template) {
+            (Some(t), Some(tm)) => {
+                let turn = [serde_json::json!({"role": "user", "content": p})];
+                let text = tm.render(&turn, true).map_err(|e| {
+                    EngineError::Config(format!(
+                        "{at} = {p:?}: the chat template fails to render: {e}"
+                    ))
+                })?;
+                t.encode_offsets(&text, &at)?.0
+            }
+            (Some(t), None) => t.encode_prompt(p)?,
+            (None, _) => p
                 .split(|c: char| c.is_whitespace() || c == ',')
                 .filter(|w| !w.is_empty())
                 .map(|w| w.parse::<u32>())
@@ -165,7 +191,8 @@ pub(super) fn sample_set(
         }
         prompts.push(ids);
     }
-    Ok(Some((prompts, tok)))
+    let stop = stop_ids(tok.as_ref(), template);
+    Ok(Some((prompts, tok, stop)))
 }
 
 impl Trainer {
@@ -174,7 +201,7 @@ impl Trainer {
     /// model), and their diversity.
     pub(super) fn sample_diversity(&self) -> candle_core::Result<Option<Event>> {
         use crate::engine::generate::{diversity, generate_rows, Rows, Sampling};
-        let Some((prompts, tok)) = &self.sample_set else {
+        let Some((prompts, tok, stop)) = &self.sample_set else {
             return Ok(None);
         };
         let n = self.cfg.eval.samples_per_prompt;
@@ -193,7 +220,6 @@ impl Trainer {
             seed: self.cfg.run.seed ^ self.step,
             ..Sampling::greedy()
         };
-        let stop: Vec<u32> = tok.as_ref().and_then(|t| t.eos_id()).into_iter().collect();
         let g = generate_rows(
             &self.model,
             &Rows {
@@ -201,7 +227,7 @@ impl Trainer {
                 max_new,
                 sampling: &sampling,
                 seed: sampling.seed,
-                stop: &stop,
+                stop,
                 embed: n >= 2,
             },
             |_| {},
@@ -245,5 +271,44 @@ impl Trainer {
             cosine_distance: mean.cosine_distance,
             example,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::data::template::ChatTemplate;
+
+    /// Chat data: `eval.sample_prompts` go through the chat template as user turns (the reply's
+    /// header last); plain data: the prompt's own ids.
+    #[test]
+    fn chat_sample_prompts_are_user_turns_through_the_template() {
+        let p = format!(
+            "{}/tests/fixtures/chat/qwen.jinja",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let tm = ChatTemplate::new(&std::fs::read_to_string(&p).unwrap(), p, Default::default())
+            .unwrap();
+        let mut cfg = crate::config::Config::default();
+        cfg.data.source = "files".into();
+        cfg.data.tokenizer = "byte".into();
+        cfg.model.seq_len = 256;
+        cfg.eval.samples_per_prompt = 2;
+        cfg.eval.sample_prompts = vec!["hi".into()];
+        let text = |ids: &[u32]| String::from_utf8(ids.iter().map(|&b| b as u8).collect()).unwrap();
+        let (prompts, _, _) = sample_set(&cfg, 256, Some(&tm)).unwrap().unwrap();
+        let want = tm
+            .render(
+                &[serde_json::json!({"role": "user", "content": "hi"})],
+                true,
+            )
+            .unwrap();
+        assert_eq!(text(&prompts[0]), want);
+        assert!(
+            want.contains("user\nhi") && want.ends_with("assistant\n"),
+            "{want}"
+        );
+        let (plain, _, _) = sample_set(&cfg, 256, None).unwrap().unwrap();
+        assert_eq!(text(&plain[0]), "hi");
     }
 }

@@ -114,9 +114,9 @@ struct Trainer {
     /// A token cache that failed mid-step (its error goes out as itself, exit code 2, not as
     /// the tensor error the step's signature carries).
     data_fault: Option<data::DataError>,
-    /// `eval.sample_tokens`: the prompt's ids and the tokenizer that shows the text (None:
-    /// the built-in corpus, shown as ids).
-    sample: Option<(Vec<u32>, Option<data::Tok>)>,
+    /// `eval.sample_tokens`: the prompt's ids, the tokenizer that shows the text (None: the
+    /// built-in corpus, shown as ids) and the tokens that end a reply.
+    sample: Option<(Vec<u32>, Option<data::Tok>, Vec<u32>)>,
     /// `eval.samples_per_prompt`: the ids of `eval.sample_prompts` and the tokenizer.
     sample_set: Option<eval::SampleSet>,
     /// The last optimizer step wrote the updated weights into the whole-model step's bf16

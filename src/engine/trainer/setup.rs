@@ -246,19 +246,20 @@ impl Trainer {
                 }
             }
         }
+        // Instruction/chat data: an eval sample's prompt is a user turn through the chat
+        // template, and its reply stops at the template's end of turn.
+        let template = match &dataset.rows {
+            Some(_) => {
+                data::template::ChatTemplate::find(&cfg.data.chat_template, &cfg.data.tokenizer)
+                    .map_err(data::DataError::Template)?
+            }
+            None => None,
+        };
         let sample = if cfg.eval.sample_tokens > 0 {
             let tok = if cfg.data.source == "files" {
                 Some(data::Tok::open(&cfg.data.tokenizer)?)
             } else {
                 None
-            };
-            // Instruction/chat data: the prompt is a user turn through the chat template.
-            let template = match &dataset.rows {
-                Some(_) => {
-                    data::template::ChatTemplate::find(&cfg.data.chat_template, &cfg.data.tokenizer)
-                        .map_err(data::DataError::Template)?
-                }
-                None => None,
             };
             let prompt = match (&tok, cfg.eval.sample_prompt.as_str()) {
                 (Some(t), p) if !p.is_empty() && template.is_some() => {
@@ -290,11 +291,12 @@ impl Trainer {
                     cfg.model.seq_len - 1
                 )));
             }
-            Some((prompt, tok))
+            let stop = super::eval::stop_ids(tok.as_ref(), template.as_ref());
+            Some((prompt, tok, stop))
         } else {
             None
         };
-        let sample_set = super::eval::sample_set(&cfg, vocab)?;
+        let sample_set = super::eval::sample_set(&cfg, vocab, template.as_ref())?;
         let mut t = Trainer {
             out_dir,
             parallel: super::parallel::strategy(
