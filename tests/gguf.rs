@@ -306,7 +306,9 @@ fn what_gguf_export_cannot_write_is_refused_by_name() {
 
 #[test]
 fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
-    for name in ["llama2", "qwen2", "gpt2", "granite"] {
+    // (llama3: its RoPE scaling goes out as llama.cpp's rope_freqs factors and comes back as
+    // Hugging Face's llama3 parameters.)
+    for name in ["llama2", "llama3", "qwen2", "gpt2", "granite"] {
         let dir = fixture(name);
         let e = json(&dir.join("expected.json"));
         let ids: Vec<u32> = serde_json::from_value(e["ids"].clone()).unwrap();

@@ -110,6 +110,61 @@ pub fn materialize(path: &Path) -> Result<PathBuf, CheckpointError> {
     Ok(dir)
 }
 
+/// The Hugging Face `rope_scaling` (rope type llama3) whose frequencies are the plain ones
+/// (θ, `rd` rotated dims) divided by `factors`, as llama.cpp's `rope_freqs`: Some(None) when
+/// every factor is 1 (no scaling), None when no parameters in the searched range give them (to
+/// 1e-5: the factors are stored as f32). The factor is the largest one; the low/high frequency
+/// factors and the original context are searched (Llama 3.1–3.3: 1, 4, 8192).
+fn llama3_scaling(factors: &[f32], theta: f64, rd: usize) -> Option<Option<Value>> {
+    if factors.len() * 2 != rd || factors.is_empty() {
+        return None;
+    }
+    let big = factors.iter().fold(0f32, |a, &b| a.max(b)) as f64;
+    if factors.iter().all(|&x| (x as f64 - 1.0).abs() < 1e-6) {
+        return Some(None);
+    }
+    let inv: Vec<f64> = (0..rd / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / rd as f64))
+        .collect();
+    // Hugging Face's llama3 rule: a frequency whose wavelength exceeds old/low is divided by
+    // the factor, one below old/high kept, those between blended.
+    let ratios = |factor: f64, low: f64, high: f64, old: f64| -> Vec<f64> {
+        inv.iter()
+            .map(|&fr| {
+                let wavelen = 2.0 * std::f64::consts::PI / fr;
+                let scaled = if wavelen > old / low {
+                    fr / factor
+                } else if wavelen < old / high {
+                    fr
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * fr / factor + smooth * fr
+                };
+                fr / scaled
+            })
+            .collect()
+    };
+    for old in (4..=20).map(|p| (1u64 << p) as f64) {
+        for (low, high) in [(1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (2.0, 8.0)] {
+            let r = ratios(big, low, high, old);
+            let fits = r
+                .iter()
+                .zip(factors)
+                .all(|(a, &b)| (a - b as f64).abs() <= 1e-5 * a.abs().max(1.0));
+            if fits {
+                return Some(Some(json!({
+                    "rope_type": "llama3",
+                    "factor": big,
+                    "low_freq_factor": low,
+                    "high_freq_factor": high,
+                    "original_max_position_embeddings": old as u64,
+                })));
+            }
+        }
+    }
+    None
+}
+
 fn need<'a>(g: &'a Gguf, key: &str) -> Result<&'a Meta, String> {
     g.get(key).ok_or_else(|| format!("{key}: missing"))
 }
@@ -137,12 +192,6 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
     };
     let k = |s: &str| format!("{arch}.{s}");
     let has = |n: &str| g.tensors.iter().any(|t| t.name == n);
-    if has("rope_freqs.weight") {
-        return Err(
-            "rope_freqs.weight: Llama 3 RoPE scaling factors are not supported in GGUF input"
-                .into(),
-        );
-    }
     let embd = g
         .tensors
         .iter()
@@ -200,6 +249,28 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         ] {
             c.insert(key.into(), v);
         }
+        // Llama 3's RoPE scaling, which llama.cpp's converter writes as per-frequency factors:
+        // the Hugging Face parameters that give those factors.
+        if let Some(t) = g.tensors.iter().find(|t| t.name == "rope_freqs.weight") {
+            let factors = g.decode(t).map_err(|e| format!("rope_freqs.weight: {e}"))?;
+            let theta = f("rope.freq_base", 10000.0);
+            let rd = g
+                .get(&k("rope.dimension_count"))
+                .and_then(Meta::as_usize)
+                .unwrap_or(hd);
+            match llama3_scaling(&factors, theta, rd) {
+                Some(Some(v)) => {
+                    c.insert("rope_scaling".into(), v);
+                }
+                Some(None) => {}
+                None => {
+                    return Err(format!(
+                        "rope_freqs.weight: {} factors that no Llama 3 RoPE scaling (factor, low/high frequency factors, original context) gives",
+                        factors.len()
+                    ))
+                }
+            }
+        }
         match g.get(&k("rope.scaling.type")).and_then(Meta::as_str) {
             None | Some("none") => {}
             Some("linear") => {
@@ -248,6 +319,9 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
     // the tensors, dequantized, under cockpit's names, then Hugging Face's
     let mut named: Vec<(String, Tensor)> = Vec::new();
     for t in &g.tensors {
+        if t.name == "rope_freqs.weight" {
+            continue; // (read into the config's rope_scaling above)
+        }
         let x = g.decode(t)?;
         let te = |e: candle_core::Error| format!("{}: {e}", t.name);
         let v = Tensor::from_vec(x, t.shape.clone(), &Device::Cpu).map_err(te)?;
@@ -290,4 +364,42 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     hf::write_weights(dir, &named, u64::MAX).map_err(|e| e.to_string())?;
     super::tokenizer_in::write(g, dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Config, RopeScaling};
+    use crate::engine::spec::ModelSpec;
+
+    /// llama.cpp's `rope_freqs` of a Llama 3.2-shaped spec (factor 32, 1/4, 8192, θ 5e5, head
+    /// dim 64) come back as those parameters; all-ones factors as no scaling; others refused.
+    #[test]
+    fn rope_freqs_come_back_as_llama3_parameters() {
+        let mut c = Config::default();
+        c.model.n_embd = 256;
+        c.model.n_head = 4;
+        c.model.rope_theta = 500_000.0;
+        c.model.rope_scaling = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let spec = ModelSpec::from_config(&c, 100);
+        let f = super::super::names::rope_freqs(&spec).unwrap();
+        let v = llama3_scaling(&f, 500_000.0, 64).unwrap().unwrap();
+        assert_eq!(v["factor"], 32.0);
+        assert_eq!(v["low_freq_factor"], 1.0);
+        assert_eq!(v["high_freq_factor"], 4.0);
+        assert_eq!(v["original_max_position_embeddings"], 8192);
+        assert_eq!(llama3_scaling(&[1.0; 32], 500_000.0, 64), Some(None));
+        let odd: Vec<f32> = (0..32).map(|i| 1.0 + i as f32 * 0.37).collect();
+        assert_eq!(llama3_scaling(&odd, 500_000.0, 64), None);
+        assert_eq!(
+            llama3_scaling(&f, 500_000.0, 48),
+            None,
+            "factors for 32 pairs, 24 given"
+        );
+    }
 }
