@@ -72,6 +72,16 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
             fixture("hf/qwen2"),
             json(&fixture("hf/qwen2/expected.json"))["ids"].clone(),
         ),
+        (
+            "qwen3",
+            fixture("hf/qwen3"),
+            json(&fixture("hf/qwen3/expected.json"))["ids"].clone(),
+        ),
+        (
+            "llama3",
+            fixture("hf/llama3"),
+            json(&fixture("hf/llama3/expected.json"))["ids"].clone(),
+        ),
         ("spm", fixture("spm/hf"), spm["ids"].clone()),
     ] {
         let ids: Vec<u32> = serde_json::from_value(ids).unwrap();

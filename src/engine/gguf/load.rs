@@ -36,6 +36,7 @@ fn model_type(arch: &str) -> Option<&'static str> {
     match arch {
         "llama" => Some("llama"),
         "qwen2" => Some("qwen2"),
+        "qwen3" => Some("qwen3"),
         "gpt2" => Some("gpt2"),
         "granite" => Some("granite"),
         _ => None,
@@ -187,7 +188,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         .to_string();
     let Some(mt) = model_type(&arch) else {
         return Err(format!(
-            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, gpt2, granite)"
+            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, gpt2, granite)"
         ));
     };
     let k = |s: &str| format!("{arch}.{s}");

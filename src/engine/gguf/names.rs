@@ -14,6 +14,7 @@ pub fn arch_of(model_type: &str) -> Option<&'static str> {
     match model_type {
         "llama" | "mistral" => Some("llama"),
         "qwen2" => Some("qwen2"),
+        "qwen3" => Some("qwen3"),
         "gpt2" => Some("gpt2"),
         "granite" => Some("granite"),
         _ => None,
@@ -21,7 +22,8 @@ pub fn arch_of(model_type: &str) -> Option<&'static str> {
 }
 
 /// Whether llama.cpp rotates adjacent pairs for `arch` (so the converter permutes q/k rows
-/// from Hugging Face's rotate-half layout); qwen2 rotates halves (NeoX) like transformers.
+/// from Hugging Face's rotate-half layout); qwen2 and qwen3 rotate halves (NeoX) like
+/// transformers.
 pub fn permutes_qk(arch: &str) -> bool {
     matches!(arch, "llama" | "granite")
 }
@@ -139,6 +141,8 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("self_attn.k_proj", "attn_k"),
     ("self_attn.v_proj", "attn_v"),
     ("self_attn.o_proj", "attn_output"),
+    ("self_attn.q_norm", "attn_q_norm"),
+    ("self_attn.k_norm", "attn_k_norm"),
     ("mlp.gate_proj", "ffn_gate"),
     ("mlp.up_proj", "ffn_up"),
     ("mlp.down_proj", "ffn_down"),
