@@ -66,6 +66,7 @@ fn the_gguf_package_reads_every_key_and_tensor() {
         ("llama2", "llama"),
         ("qwen2", "qwen2"),
         ("qwen3", "qwen3"),
+        ("olmo2", "olmo2"),
         ("gpt2", "gpt2"),
     ] {
         let dir = fixture(name);
@@ -152,7 +153,7 @@ fn the_gguf_package_reads_every_key_and_tensor() {
                         .collect();
                     Tensor::cat(&parts, 0).unwrap()
                 } else {
-                    let c = names::cockpit_name(g).unwrap_or_else(|| panic!("{at}: {g}"));
+                    let c = names::cockpit_name(g, arch).unwrap_or_else(|| panic!("{at}: {g}"));
                     let w = weights.get(&c).unwrap_or_else(|| panic!("{at}: {g} → {c}"));
                     let w = w.to_dtype(DType::F32).unwrap();
                     if arch == "llama" && g.contains("attn_q.") {
@@ -319,7 +320,9 @@ fn what_gguf_export_cannot_write_is_refused_by_name() {
 fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
     // (llama3: its RoPE scaling goes out as llama.cpp's rope_freqs factors and comes back as
     // Hugging Face's llama3 parameters.)
-    for name in ["llama2", "llama3", "qwen2", "qwen3", "gpt2", "granite"] {
+    for name in [
+        "llama2", "llama3", "qwen2", "qwen3", "olmo2", "gpt2", "granite",
+    ] {
         let dir = fixture(name);
         let e = json(&dir.join("expected.json"));
         let ids: Vec<u32> = serde_json::from_value(e["ids"].clone()).unwrap();

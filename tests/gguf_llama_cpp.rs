@@ -82,6 +82,11 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
             fixture("hf/llama3"),
             json(&fixture("hf/llama3/expected.json"))["ids"].clone(),
         ),
+        (
+            "olmo2",
+            fixture("hf/olmo2"),
+            json(&fixture("hf/olmo2/expected.json"))["ids"].clone(),
+        ),
         ("spm", fixture("spm/hf"), spm["ids"].clone()),
     ] {
         let ids: Vec<u32> = serde_json::from_value(ids).unwrap();

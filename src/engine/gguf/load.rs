@@ -37,6 +37,7 @@ fn model_type(arch: &str) -> Option<&'static str> {
         "llama" => Some("llama"),
         "qwen2" => Some("qwen2"),
         "qwen3" => Some("qwen3"),
+        "olmo2" => Some("olmo2"),
         "gpt2" => Some("gpt2"),
         "granite" => Some("granite"),
         _ => None,
@@ -188,7 +189,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         .to_string();
     let Some(mt) = model_type(&arch) else {
         return Err(format!(
-            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, gpt2, granite)"
+            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, olmo2, gpt2, granite)"
         ));
     };
     let k = |s: &str| format!("{arch}.{s}");
@@ -342,7 +343,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
             }
             continue;
         }
-        let Some(c) = names::cockpit_name(&t.name) else {
+        let Some(c) = names::cockpit_name(&t.name, &arch) else {
             return Err(format!(
                 "{}: a tensor cockpit does not know for {arch}",
                 t.name

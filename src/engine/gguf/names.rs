@@ -15,6 +15,7 @@ pub fn arch_of(model_type: &str) -> Option<&'static str> {
         "llama" | "mistral" => Some("llama"),
         "qwen2" => Some("qwen2"),
         "qwen3" => Some("qwen3"),
+        "olmo2" => Some("olmo2"),
         "gpt2" => Some("gpt2"),
         "granite" => Some("granite"),
         _ => None,
@@ -148,6 +149,18 @@ const LAYER_NAMES: &[(&str, &str)] = &[
     ("mlp.down_proj", "ffn_down"),
 ];
 
+/// OLMo 2's block norms (on the attention and MLP outputs), which llama.cpp names apart.
+const OLMO2_NAMES: &[(&str, &str)] = &[
+    ("post_attention_layernorm", "post_attention_norm"),
+    ("post_feedforward_layernorm", "post_ffw_norm"),
+];
+
+/// The layer names of `arch`: its own first, then the Llama ones.
+fn layer_names(arch: &str) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    let own: &[(&str, &str)] = if arch == "olmo2" { OLMO2_NAMES } else { &[] };
+    own.iter().chain(LAYER_NAMES)
+}
+
 const TOP_NAMES: &[(&str, &str)] = &[
     ("model.embed_tokens", "token_embd"),
     ("model.embed_positions", "position_embd"),
@@ -155,8 +168,8 @@ const TOP_NAMES: &[(&str, &str)] = &[
     ("lm_head", "output"),
 ];
 
-/// cockpit's name of a llama.cpp tensor name (GGUF in), or None.
-pub fn cockpit_name(gguf: &str) -> Option<String> {
+/// cockpit's name of a llama.cpp tensor name of `arch` (GGUF in), or None.
+pub fn cockpit_name(gguf: &str, arch: &str) -> Option<String> {
     let (stem, w) = gguf.rsplit_once('.')?;
     if let Some((c, _)) = TOP_NAMES.iter().find(|(_, g)| *g == stem) {
         return Some(format!("{c}.{w}"));
@@ -164,18 +177,18 @@ pub fn cockpit_name(gguf: &str) -> Option<String> {
     let rest = stem.strip_prefix("blk.")?;
     let (i, part) = rest.split_once('.')?;
     let i: usize = i.parse().ok()?;
-    let (c, _) = LAYER_NAMES.iter().find(|(_, g)| *g == part)?;
+    let (c, _) = layer_names(arch).find(|(_, g)| *g == part)?;
     Some(format!("model.layers.{i}.{c}.{w}"))
 }
 
-fn gguf_name(name: &str) -> Option<String> {
+fn gguf_name(name: &str, arch: &str) -> Option<String> {
     let (stem, w) = name.rsplit_once('.')?;
     if let Some((_, g)) = TOP_NAMES.iter().find(|(c, _)| *c == stem) {
         return Some(format!("{g}.{w}"));
     }
     let rest = stem.strip_prefix("model.layers.")?;
     let (i, part) = rest.split_once('.')?;
-    let (_, g) = LAYER_NAMES.iter().find(|(c, _)| *c == part)?;
+    let (_, g) = layer_names(arch).find(|(c, _)| *c == part)?;
     Some(format!("blk.{i}.{g}.{w}"))
 }
 
@@ -191,7 +204,7 @@ pub fn to_gguf(
     }
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
     for (n, t) in tensors {
-        let Some(g) = gguf_name(&n) else {
+        let Some(g) = gguf_name(&n, arch) else {
             return Err(format!("{n}: a tensor llama.cpp has no name for"));
         };
         let t = if permutes_qk(arch) && n.contains(".self_attn.q_proj.") {
@@ -261,11 +274,11 @@ mod tests {
             "model.layers.0.mlp.down_proj.weight",
             "lm_head.weight",
         ] {
-            let g = gguf_name(n).unwrap();
-            assert_eq!(cockpit_name(&g).as_deref(), Some(n), "{g}");
+            let g = gguf_name(n, "llama").unwrap();
+            assert_eq!(cockpit_name(&g, "llama").as_deref(), Some(n), "{g}");
         }
         assert_eq!(
-            gguf_name("model.layers.1.post_attention_layernorm.weight").as_deref(),
+            gguf_name("model.layers.1.post_attention_layernorm.weight", "llama").as_deref(),
             Some("blk.1.ffn_norm.weight")
         );
     }
