@@ -230,11 +230,19 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
             .get(&k("attention.head_count_kv"))
             .and_then(Meta::as_usize)
             .unwrap_or(n_head);
+        // (the head dim: `attention.key_length`, else n_embd / heads, as llama.cpp reads it;
+        // `rope.dimension_count` is the rotated dims, which cockpit reads only as the whole head)
         let hd = g
             .get(&k("attention.key_length"))
-            .or_else(|| g.get(&k("rope.dimension_count")))
             .and_then(Meta::as_usize)
             .unwrap_or(n_embd / n_head.max(1));
+        if let Some(rd) = g.get(&k("rope.dimension_count")).and_then(Meta::as_usize) {
+            if rd != hd {
+                return Err(format!(
+                    "{arch}.rope.dimension_count = {rd}: RoPE on part of a head of {hd} dims is not supported in GGUF input"
+                ));
+            }
+        }
         for (key, v) in [
             ("hidden_size", json!(n_embd)),
             ("intermediate_size", json!(ff)),
