@@ -5,9 +5,7 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor, D};
-use cockpit::config::ModelConfig;
-use cockpit::engine::base;
+use candle_core::{DType, Tensor};
 use cockpit::engine::gguf::names;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -38,26 +36,6 @@ fn export(src: &Path, out: &Path, quant: &str) {
 
 fn json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
-}
-
-/// cockpit's per-token loss of `ids` under the fixture (f32, CPU).
-fn cockpit_loss(dir: &Path, ids: &[u32]) -> f64 {
-    let b = base::load(dir).unwrap_or_else(|e| panic!("{e}"));
-    let run = ModelConfig {
-        seq_len: ids.len(),
-        ..ModelConfig::default()
-    };
-    let m = base::resolve_model(&b.meta, &run, "model.init_from").unwrap();
-    let mut model = base::build(&b, &m, DType::F32, &Device::Cpu, "model.init_from").unwrap();
-    let n = ids.len() - 1;
-    let x = Tensor::from_vec(ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
-    let logits = model.forward(&x, false).unwrap();
-    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
-    let lp: Vec<Vec<f32>> = lp.squeeze(0).unwrap().to_vec2().unwrap();
-    -(0..n)
-        .map(|i| lp[i][ids[i + 1] as usize] as f64)
-        .sum::<f64>()
-        / n as f64
 }
 
 #[test]
@@ -258,7 +236,7 @@ fn transformers_loads_the_export_with_cockpits_loss() {
         let dir = fixture(name);
         let e = json(&dir.join("expected.json"));
         let ids: Vec<u32> = serde_json::from_value(e["ids"].clone()).unwrap();
-        let ours = cockpit_loss(&dir, &ids);
+        let ours = common::next_token_loss(&dir, &ids);
         let tmp = tempfile::tempdir().unwrap();
         for quant in ["f32", "f16", "bf16", "q8_0", "q4_k_m"] {
             let out = tmp.path().join(format!("{name}-{quant}.gguf"));
@@ -326,7 +304,7 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
         let dir = fixture(name);
         let e = json(&dir.join("expected.json"));
         let ids: Vec<u32> = serde_json::from_value(e["ids"].clone()).unwrap();
-        let ours = cockpit_loss(&dir, &ids);
+        let ours = common::next_token_loss(&dir, &ids);
         let tmp = tempfile::tempdir().unwrap();
         for (quant, tol) in [
             ("f32", 1e-5),
@@ -336,7 +314,7 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
         ] {
             let out = tmp.path().join(format!("{name}-{quant}.gguf"));
             export(&dir, &out, quant);
-            let loss = cockpit_loss(&out, &ids);
+            let loss = common::next_token_loss(&out, &ids);
             eprintln!("{name} {quant}: cockpit on the GGUF {loss:.6}, on the fixture {ours:.6}");
             assert!(
                 (loss - ours).abs() <= tol,

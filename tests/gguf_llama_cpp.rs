@@ -6,9 +6,6 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor, D};
-use cockpit::config::ModelConfig;
-use cockpit::engine::base;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -25,25 +22,6 @@ fn json(p: &Path) -> Value {
 fn python(args: &[&str]) -> Option<Value> {
     let py = std::env::var("COCKPIT_PYTHON").unwrap_or_else(|_| "python3".into());
     common::python_json(&py, "gguf_support", "llama_cpp_loss.py", args)
-}
-
-fn cockpit_loss(src: &Path, ids: &[u32]) -> f64 {
-    let b = base::load(src).unwrap_or_else(|e| panic!("{e}"));
-    let run = ModelConfig {
-        seq_len: ids.len(),
-        ..ModelConfig::default()
-    };
-    let m = base::resolve_model(&b.meta, &run, "model.init_from").unwrap();
-    let mut model = base::build(&b, &m, DType::F32, &Device::Cpu, "model.init_from").unwrap();
-    let n = ids.len() - 1;
-    let x = Tensor::from_vec(ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
-    let logits = model.forward(&x, false).unwrap();
-    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
-    let lp: Vec<Vec<f32>> = lp.squeeze(0).unwrap().to_vec2().unwrap();
-    -(0..n)
-        .map(|i| lp[i][ids[i + 1] as usize] as f64)
-        .sum::<f64>()
-        / n as f64
 }
 
 fn export(src: &Path, out: &Path, quant: &str) {
@@ -90,7 +68,7 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
         ("spm", fixture("spm/hf"), spm["ids"].clone()),
     ] {
         let ids: Vec<u32> = serde_json::from_value(ids).unwrap();
-        let ours = cockpit_loss(&dir, &ids);
+        let ours = common::next_token_loss(&dir, &ids);
         for (quant, tol) in [("f16", 1e-3), ("q8_0", 2e-2)] {
             let out = tmp.path().join(format!("{name}-{quant}.gguf"));
             export(&dir, &out, quant);

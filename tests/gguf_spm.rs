@@ -9,9 +9,6 @@
 
 mod common;
 
-use candle_core::{DType, Device, Tensor, D};
-use cockpit::config::ModelConfig;
-use cockpit::engine::base;
 use cockpit::engine::gguf::load::materialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -79,32 +76,12 @@ fn a_sentencepiece_gguf_tokenizes_as_transformers_does() {
     assert_eq!(got, ids(&c["ids"]));
 }
 
-/// cockpit's mean next-token loss of `ids` under the model at `src` (f32, CPU).
-fn cockpit_loss(src: &Path, ids: &[u32]) -> f64 {
-    let b = base::load(src).unwrap_or_else(|e| panic!("{e}"));
-    let run = ModelConfig {
-        seq_len: ids.len(),
-        ..ModelConfig::default()
-    };
-    let m = base::resolve_model(&b.meta, &run, "model.init_from").unwrap();
-    let mut model = base::build(&b, &m, DType::F32, &Device::Cpu, "model.init_from").unwrap();
-    let n = ids.len() - 1;
-    let x = Tensor::from_vec(ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
-    let logits = model.forward(&x, false).unwrap();
-    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
-    let lp: Vec<Vec<f32>> = lp.squeeze(0).unwrap().to_vec2().unwrap();
-    -(0..n)
-        .map(|i| lp[i][ids[i + 1] as usize] as f64)
-        .sum::<f64>()
-        / n as f64
-}
-
 #[test]
 fn a_sentencepiece_gguf_is_a_model_source_with_transformers_loss() {
     let e = expected();
     let seq = ids(&e["ids"]);
     let want = e["gguf_loss"].as_f64().unwrap();
-    let got = cockpit_loss(&fixture("gguf/model.gguf"), &seq);
+    let got = common::next_token_loss(&fixture("gguf/model.gguf"), &seq);
     eprintln!("cockpit on the GGUF {got:.6}, transformers {want:.6}");
     assert!((got - want).abs() < 1e-4, "{got} vs {want}");
 }
@@ -128,7 +105,7 @@ fn export_writes_a_sentencepiece_tokenizer_as_llama_cpp_reads_it() {
         serde_json::from_str(&std::fs::read_to_string(hf.join("tokenizer.json")).unwrap()).unwrap();
     let e = expected();
     let seq = ids(&e["ids"]);
-    let ours = cockpit_loss(&hf, &seq);
+    let ours = common::next_token_loss(&hf, &seq);
     for quant in ["f16", "q8_0"] {
         let out = tmp.path().join(format!("spm-{quant}.gguf"));
         let o = common::cockpit()
@@ -141,7 +118,7 @@ fn export_writes_a_sentencepiece_tokenizer_as_llama_cpp_reads_it() {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         // cockpit reads its own export back: same tokenizer, same model
         assert_tokenizes_as_transformers(&out, quant);
-        let loss = cockpit_loss(&out, &seq);
+        let loss = common::next_token_loss(&out, &seq);
         eprintln!("{quant}: cockpit on the export {loss:.6}, on the fixture {ours:.6}");
         assert!((loss - ours).abs() < 2e-2, "{quant}: {loss} vs {ours}");
         // llama.cpp's reader: the "llama" model, every piece with its score and type

@@ -126,3 +126,26 @@ pub const HF_FIXTURES: &[&str] = &[
     "granite_hybrid",
     "granite_hybrid_moe",
 ];
+
+/// cockpit's mean next-token loss in nats of `ids` under the model at `src` (a Hugging Face dir,
+/// a run or a GGUF file; f32, CPU).
+pub fn next_token_loss(src: &Path, ids: &[u32]) -> f64 {
+    use candle_core::{DType, Device, Tensor, D};
+    use cockpit::engine::base;
+    let b = base::load(src).unwrap_or_else(|e| panic!("{e}"));
+    let run = config::ModelConfig {
+        seq_len: ids.len(),
+        ..config::ModelConfig::default()
+    };
+    let m = base::resolve_model(&b.meta, &run, "model.init_from").unwrap();
+    let mut model = base::build(&b, &m, DType::F32, &Device::Cpu, "model.init_from").unwrap();
+    let n = ids.len() - 1;
+    let x = Tensor::from_vec(ids[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
+    let logits = model.forward(&x, false).unwrap();
+    let lp = candle_nn::ops::log_softmax(&logits, D::Minus1).unwrap();
+    let lp: Vec<Vec<f32>> = lp.squeeze(0).unwrap().to_vec2().unwrap();
+    -(0..n)
+        .map(|i| lp[i][ids[i + 1] as usize] as f64)
+        .sum::<f64>()
+        / n as f64
+}
