@@ -4,7 +4,7 @@
 // for compute_80, JIT-ed on Hopper); the fp16 build for compute_75 (T4) replaces the last two
 // (see fa_cp_async16 and fa_mma).
 //
-// One file on purpose (about 1,250 lines): one kernel family — the forward and backward at both
+// One file on purpose (about 1,300 lines): one kernel family — the forward and backward at both
 // head dims share the tile loaders, the mma wrappers and the launch contract below.
 //
 // ============================== LAUNCH CONTRACT ==============================================

@@ -99,6 +99,8 @@ pub(super) struct Arena {
     pub(super) targets: CudaSlice<u32>,
     pub(super) starts: CudaSlice<i32>,
     pub(super) lows: CudaSlice<i32>,
+    /// `lows` hold the unpacked rows' window lows (nothing to upload for unpacked rows).
+    pub(super) lows_plain: bool,
     pub(super) acts: Activations,
     /// The micro-batch programs captured over this arena's buffers (dropped with it).
     pub(super) graphs: Graphs,
@@ -374,6 +376,7 @@ impl ModelStep {
             targets,
             starts,
             lows,
+            lows_plain: false,
             acts,
             graphs: Graphs::default(),
         });

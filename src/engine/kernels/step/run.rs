@@ -98,7 +98,9 @@ impl ModelStep {
             self.stream.memcpy_htod(st, &mut a.starts).w()?;
         }
         self.packed = starts.is_some();
-        if self.window > 0 {
+        // (Unpacked rows' window lows depend on the micro-batch size alone: uploaded once per
+        // arena, again only after packed rows replaced them.)
+        if self.window > 0 && (starts.is_some() || !a.lows_plain) {
             // A sliding layer's query q sees keys from q − window + 1 on, within its sample.
             let (t, w) = (self.t.max(1), self.window);
             let lows: Vec<i32> = (0..n)
@@ -108,6 +110,7 @@ impl ModelStep {
                 })
                 .collect();
             self.stream.memcpy_htod(&lows, &mut a.lows).w()?;
+            a.lows_plain = starts.is_none();
         }
         Ok(r.targets.iter().filter(|&&y| y != IGNORE).count())
     }
