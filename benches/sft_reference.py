@@ -13,6 +13,14 @@ Usage (GPU machine with torch, transformers, peft; no internet needed):
     python3 benches/sft_reference.py --data chat.jsonl --batch 8 --steps 20 --json out.json
     python3 benches/sft_reference.py --family qwen3 --layers 28 --width 2048 --heads 16 \
         --kv-heads 8 --mlp 6144 --vocab 151936 --lm 2048 --batch 4   # plain LM, Qwen3-1.7B shape
+    python3 benches/sft_reference.py --family granitemoehybrid --layers 40 --width 1536 --heads 12 \
+        --kv-heads 4 --mlp 4096 --vocab 100352 --lm 2048 --batch 4   # Granite-4.0-H-1B shape
+
+`--family granitemoehybrid` is transformers' Granite 4.0 hybrid: Mamba-2 layers (`--mamba-*`) with
+NoPE attention at `--attention-layers`, a dense shared SwiGLU MLP of `--mlp` in every layer, the
+Granite multipliers, LoRA on q/k/v/o, Mamba's in_proj/out_proj and the shared MLP's
+input_linear/output_linear. Its Mamba layers run the mamba_ssm / causal_conv1d kernels only where
+those packages import; otherwise transformers' PyTorch scan, and the script says which.
 
 `--make-data` writes synthetic conversations (a system turn in some, user and assistant turns of
 varied lengths) that both systems then read.
@@ -72,6 +80,100 @@ def samples(path, max_len):
     return res
 
 
+def build(a, transformers, peft):
+    """The model of the shape and family in `a`, bf16, PEFT's LoRA r16 attached, on the CPU."""
+    import torch
+
+    common = dict(
+        hidden_size=a.width, intermediate_size=a.mlp, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+        max_position_embeddings=max(a.max_len, a.lm, 2048), tie_word_embeddings=True)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if a.family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=a.head_dim or 128, rope_theta=1e6,
+                                       rms_norm_eps=1e-6)
+        cls = transformers.Qwen3ForCausalLM
+    elif a.family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**common, head_dim=a.head_dim or 256,
+                                            query_pre_attn_scalar=256, sliding_window=512,
+                                            rms_norm_eps=1e-6)
+        cls = transformers.Gemma3ForCausalLM
+    elif a.family == "granitemoehybrid":
+        attn = sorted({int(i) for i in a.attention_layers.split(",") if i.strip()})
+        if any(i < 0 or i >= a.layers for i in attn):
+            raise SystemExit(f"--attention-layers {a.attention_layers}: outside 0..{a.layers - 1}")
+        inner = a.mamba_heads * a.mamba_head_dim
+        if inner % a.width:
+            raise SystemExit(f"transformers' GraniteMoeHybrid needs --mamba-heads x "
+                             f"--mamba-head-dim ({inner}) to be a whole multiple (mamba_expand) "
+                             f"of --width ({a.width})")
+        # (intermediate_size is the routed experts' width: none here, so it is the shared MLP's,
+        # as in the published config). use_cache off: a training forward with a cache records
+        # every Mamba layer's conv and scan states and keeps mamba_ssm's training path out.
+        cfg = transformers.GraniteMoeHybridConfig(
+            **common, shared_intermediate_size=a.mlp, num_local_experts=0, num_experts_per_tok=0,
+            use_cache=False,
+            layer_types=["attention" if i in attn else "mamba" for i in range(a.layers)],
+            position_embedding_type="nope", rms_norm_eps=1e-5,
+            mamba_n_heads=a.mamba_heads, mamba_d_head=a.mamba_head_dim,
+            mamba_d_state=a.mamba_state, mamba_n_groups=a.mamba_groups,
+            mamba_d_conv=a.mamba_conv, mamba_chunk_size=a.mamba_chunk,
+            mamba_expand=inner // a.width, mamba_conv_bias=True, mamba_proj_bias=False,
+            embedding_multiplier=a.embedding_multiplier,
+            attention_multiplier=a.attention_multiplier,
+            residual_multiplier=a.residual_multiplier, logits_scaling=a.logits_scaling)
+        cls = transformers.GraniteMoeHybridForCausalLM
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj",
+                   "input_linear", "output_linear"]
+    else:
+        cfg = transformers.LlamaConfig(**common, head_dim=a.head_dim or a.width // a.heads,
+                                       rope_theta=500000.0, rms_norm_eps=1e-5)
+        cls = transformers.LlamaForCausalLM
+    cfg._attn_implementation = a.attn
+    model = cls(cfg).to(torch.bfloat16)
+    lcfg = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
+    return peft.get_peft_model(model, lcfg)
+
+
+def mamba_kernels(fused):
+    """Which code the Mamba-2 layers of transformers' GraniteMoeHybrid will run, in words.
+
+    transformers takes mamba_ssm's and causal_conv1d's kernels where those packages import
+    (the same look-up as here) and falls back to its PyTorch reference scan otherwise. In training,
+    with mamba_ssm, it first tries mamba_ssm's fused kernel, which applies out_proj.weight itself
+    and so bypasses a PEFT adapter on out_proj: unless `fused`, that fused call is switched off
+    (the layer then takes its unfused path: conv, chunked scan, gated norm, out_proj as a module).
+    """
+    import importlib
+
+    def has(module, name):
+        try:
+            return getattr(importlib.import_module(module), name, None) is not None
+        except Exception:
+            return False
+
+    ssm = has("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+    conv = has("causal_conv1d", "causal_conv1d_fn")
+    import transformers.models.granitemoehybrid.modeling_granitemoehybrid as mod
+
+    if ssm and not fused:
+        if hasattr(mod, "mamba2_split_conv1d_scan_combined"):
+            # the layer treats None as "no fused kernel" and goes on unfused
+            mod.mamba2_split_conv1d_scan_combined = lambda *args, **kwargs: None
+        else:
+            print("warning: this transformers has no switch for mamba_ssm's fused training "
+                  "kernel: PEFT's out_proj adapter gets no effect and no gradient", flush=True)
+    print(f"mamba_ssm importable: {'yes' if ssm else 'NO'}; "
+          f"causal_conv1d importable: {'yes' if conv else 'NO'}", flush=True)
+    if not ssm and not conv:
+        return "transformers' PyTorch scan (no mamba_ssm, no causal_conv1d: NOT a kernel baseline)"
+    parts = ["mamba_ssm " + ("fused conv+scan+out_proj kernel (out_proj adapter bypassed)"
+                             if fused else "chunked-scan kernel") if ssm
+             else "PyTorch chunked scan (no mamba_ssm)",
+             "causal_conv1d kernel" if conv else "PyTorch conv (no causal_conv1d)"]
+    return ", ".join(parts)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--make-data", default=None)
@@ -88,10 +190,31 @@ def main():
     ap.add_argument("--mlp", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--attn", default="sdpa")
-    ap.add_argument("--family", choices=["llama", "qwen3", "gemma3"], default="llama",
+    ap.add_argument("--family", choices=["llama", "qwen3", "gemma3", "granitemoehybrid"],
+                    default="llama",
                     help="qwen3: QK-norm per head, --head-dim (default 128), rope θ 1e6; "
                          "gemma3: Gemma 3's text model (head dim 256, 5 sliding layers of "
-                         "512 a full one, transformers' defaults for the rest)")
+                         "512 a full one, transformers' defaults for the rest); "
+                         "granitemoehybrid: Granite 4.0 hybrid (Mamba-2 + NoPE attention at "
+                         "--attention-layers, shared MLP of --mlp, no routed experts)")
+    # granitemoehybrid only; the defaults are granite-4.0-h-1b's published config.json
+    ap.add_argument("--mamba-heads", type=int, default=48)
+    ap.add_argument("--mamba-head-dim", type=int, default=64)
+    ap.add_argument("--mamba-state", type=int, default=128)
+    ap.add_argument("--mamba-groups", type=int, default=1)
+    ap.add_argument("--mamba-conv", type=int, default=4)
+    ap.add_argument("--mamba-chunk", type=int, default=256)
+    ap.add_argument("--attention-layers", default="5,15,25,35",
+                    help="comma-separated indices of the attention layers; the rest are Mamba-2")
+    ap.add_argument("--embedding-multiplier", type=float, default=12.0)
+    ap.add_argument("--attention-multiplier", type=float, default=0.0078125)
+    ap.add_argument("--residual-multiplier", type=float, default=0.22)
+    ap.add_argument("--logits-scaling", type=float, default=6.0)
+    ap.add_argument("--mamba-fused", action="store_true",
+                    help="let mamba_ssm's fused training kernel (mamba_split_conv1d_scan_combined) "
+                         "run: it reads out_proj.weight itself, so PEFT's adapter on out_proj is "
+                         "skipped (no effect, no gradient). Off: the unfused path, still on the "
+                         "causal_conv1d and chunked-scan kernels where they import")
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--lm", type=int, default=0, metavar="T",
                     help="plain LM batches of random ids [batch, T] instead of the chat data")
@@ -107,29 +230,11 @@ def main():
     import peft
 
     torch.manual_seed(0)
-    common = dict(
-        hidden_size=a.width, intermediate_size=a.mlp, num_hidden_layers=a.layers,
-        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
-        max_position_embeddings=max(a.max_len, a.lm, 2048), tie_word_embeddings=True)
-    if a.family == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=a.head_dim or 128, rope_theta=1e6,
-                                       rms_norm_eps=1e-6)
-        cls = transformers.Qwen3ForCausalLM
-    elif a.family == "gemma3":
-        cfg = transformers.Gemma3TextConfig(**common, head_dim=a.head_dim or 256,
-                                            query_pre_attn_scalar=256, sliding_window=512,
-                                            rms_norm_eps=1e-6)
-        cls = transformers.Gemma3ForCausalLM
-    else:
-        cfg = transformers.LlamaConfig(**common, head_dim=a.head_dim or a.width // a.heads,
-                                       rope_theta=500000.0, rms_norm_eps=1e-5)
-        cls = transformers.LlamaForCausalLM
-    cfg._attn_implementation = a.attn
-    model = cls(cfg).to(torch.bfloat16).cuda()
-    lcfg = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                           "gate_proj", "up_proj", "down_proj"])
-    model = peft.get_peft_model(model, lcfg)
+    mamba = None
+    if a.family == "granitemoehybrid":
+        mamba = mamba_kernels(a.mamba_fused)
+        print(f"granitemoehybrid Mamba-2 layers: {mamba}", flush=True)
+    model = build(a, transformers, peft).cuda()
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
@@ -183,13 +288,16 @@ def main():
     total = sum(times)
     res = {
         "system": f"transformers {transformers.__version__} + peft {peft.__version__} "
-                  f"({a.family}, {a.attn}, {'LM T' + str(a.lm) if a.lm else 'chat, padded'})",
+                  f"({a.family}, {a.attn}, {'LM T' + str(a.lm) if a.lm else 'chat, padded'}"
+                  f"{', Mamba-2: ' + mamba if mamba else ''})",
         "real_tok_s": sum(reals) / total,
         "trained_tok_s": sum(trains) / total,
         "step_ms": 1000 * total / len(times),
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
         "batch": a.batch,
     }
+    if mamba:
+        res["mamba_kernels"] = mamba
     print(json.dumps(res))
     if a.json:
         with open(a.json, "w") as f:
