@@ -80,7 +80,8 @@ pub const FLASH_BWD_WS_SMEM: u32 = FA_WS_SMEM;
 /// 1 KB to align them to 1024 bytes; two blocks an SM).
 pub const FLASH_BWD_WG_D128_SMEM: u32 = FA_WG_D128_SMEM;
 
-/// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`].
+/// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`] (a Mamba
+/// layer's in_proj takes q's slot, its out_proj o's).
 pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 
 /// The group of each of [`LORA_TARGETS`]: adapters that read the same input (q, k, v: the
@@ -88,23 +89,55 @@ pub const LORA_TARGETS: [&str; 7] = ["q", "k", "v", "o", "gate", "up", "down"];
 /// step stacks into one matmul and whose input one LoRA-dropout mask covers.
 pub const LORA_TARGET_GROUP: [usize; 7] = [0, 0, 0, 1, 2, 2, 3];
 
-/// One transformer block's weights for the whole-model step.
+/// A block's attention weights for the whole-model step.
 #[derive(Clone, Debug)]
-pub struct StepLayer {
-    pub ln1: WeightBias,
+pub struct StepAttention {
     pub q: LinearWB,
     pub k: LinearWB,
     pub v: LinearWB,
     pub o: LinearWB,
+    /// QK-norm per head (Qwen3): the RMSNorm weights `[head_dim]` of q's heads and of k's.
+    pub qk_norm: Option<(Var, Var)>,
+}
+
+/// A Mamba-2 mixer's weights (a Granite 4.0 hybrid's Mamba layer) for the whole-model step.
+#[derive(Clone, Debug)]
+pub struct StepMamba {
+    /// in_proj `[z | x B C | dt, n_embd]` and out_proj `[n_embd, inner]`.
+    pub in_proj: LinearWB,
+    pub out_proj: LinearWB,
+    /// The depthwise causal conv's weight `[conv channels, 1, d_conv]` and bias.
+    pub conv_w: Var,
+    pub conv_b: Option<Var>,
+    /// Per head: dt's bias, log(−A) and the D skip.
+    pub dt_bias: Var,
+    pub a_log: Var,
+    pub d: Var,
+    /// The gated RMSNorm's weight `[inner]`.
+    pub norm: Var,
+}
+
+/// What a block mixes the sequence with.
+#[derive(Clone, Debug)]
+pub enum StepMixer {
+    Attention(StepAttention),
+    Mamba(StepMamba),
+}
+
+/// One transformer block's weights for the whole-model step.
+#[derive(Clone, Debug)]
+pub struct StepLayer {
+    pub ln1: WeightBias,
+    pub mixer: StepMixer,
     pub ln2: WeightBias,
-    /// SwiGLU's gate projection (None: a GELU MLP).
+    /// SwiGLU's gate projection (None: a GELU MLP, or a hybrid's shared MLP, whose `up` is
+    /// gate | up in one matrix).
     pub gate: Option<LinearWB>,
     pub up: LinearWB,
     pub down: LinearWB,
-    /// LoRA adapters on q k v o gate up down ([`LORA_TARGETS`]' order).
+    /// LoRA adapters on q k v o gate up down ([`LORA_TARGETS`]' order; a Mamba layer's
+    /// in_proj and out_proj in q's and o's slots).
     pub lora: [Option<StepLora>; 7],
-    /// QK-norm per head (Qwen3): the RMSNorm weights `[head_dim]` of q's heads and of k's.
-    pub qk_norm: Option<(Var, Var)>,
     /// Gemma's sandwich: the norms on the attention's and the MLP's outputs (weights
     /// `[n_embd]`), before each residual add.
     pub post: Option<(Var, Var)>,
@@ -201,7 +234,6 @@ impl StepWeights {
                 s.n_layer.to_string(),
             );
         }
-        let linears = s.block_linears();
         for (i, l) in self.layers.iter().enumerate() {
             for (n, w) in [&l.ln1, &l.ln2].into_iter().enumerate() {
                 if var1(&w.0)? != c {
@@ -220,51 +252,55 @@ impl StepWeights {
                     }
                 }
             }
-            if let (Some((qn, kn)), Some((wq, wk))) = (&l.qk_norm, s.qk_norm_widths()) {
-                if (var1(qn)?, var1(kn)?) != (wq, wk) {
-                    return bad(
-                        &format!("layer {i}'s q and k norms"),
-                        format!("{}, {}", var1(qn)?, var1(kn)?),
-                        format!("{wq}, {wk}"),
-                    );
+            let mut mats: Vec<(&str, &LinearWB)> = match &l.mixer {
+                StepMixer::Attention(a) => {
+                    if let (Some((qn, kn)), Some((wq, wk))) = (&a.qk_norm, s.qk_norm_widths()) {
+                        if (var1(qn)?, var1(kn)?) != (wq, wk) {
+                            return bad(
+                                &format!("layer {i}'s q and k norms"),
+                                format!("{}, {}", var1(qn)?, var1(kn)?),
+                                format!("{wq}, {wk}"),
+                            );
+                        }
+                    }
+                    vec![("q", &a.q), ("k", &a.k), ("v", &a.v), ("o", &a.o)]
                 }
+                StepMixer::Mamba(m) => vec![("in_proj", &m.in_proj), ("out_proj", &m.out_proj)],
+            };
+            mats.extend(l.gate.as_ref().map(|g| ("gate", g)));
+            mats.extend([("up", &l.up), ("down", &l.down)]);
+            let linears = s.layer_linears(i);
+            let names = |v: Vec<&str>| format!("[{}]", v.join(", "));
+            let (has, want) = (
+                names(mats.iter().map(|m| m.0).collect()),
+                names(linears.iter().map(|m| m.0).collect()),
+            );
+            // (The spec's order: LORA_TARGETS', the mixer's first.)
+            if has != want {
+                return bad(&format!("layer {i}'s projections"), has, want);
             }
-            if l.gate.is_some() != s.gated_mlp() {
-                return bad(
-                    &format!("layer {i}'s MLP"),
-                    format!("gated: {}", l.gate.is_some()),
-                    format!("gated: {}", s.gated_mlp()),
-                );
-            }
-            let mats = [
-                Some(&l.q),
-                Some(&l.k),
-                Some(&l.v),
-                Some(&l.o),
-                l.gate.as_ref(),
-                Some(&l.up),
-                Some(&l.down),
-            ];
-            let present = LORA_TARGETS
-                .iter()
-                .zip(mats)
-                .filter_map(|(name, m)| m.map(|m| (*name, m)));
-            for ((name, m), (want_name, out, inp, bias)) in present.zip(&linears) {
-                debug_assert_eq!(name, *want_name);
+            for ((name, m), (_, out, inp, bias)) in mats.into_iter().zip(&linears) {
+                let what = match name.ends_with("_proj") {
+                    true => format!("layer {i}'s {name}"),
+                    false => format!("layer {i}'s {name} projection"),
+                };
                 if dims(&m.0)? != (*out, *inp) {
                     return bad(
-                        &format!("layer {i}'s {name} projection"),
+                        &what,
                         format!("{:?}", dims(&m.0)?),
                         format!("{:?}", (out, inp)),
                     );
                 }
                 if m.1.is_some() != *bias {
                     return bad(
-                        &format!("layer {i}'s {name} bias"),
+                        &format!("{what}'s bias"),
                         format!("present: {}", m.1.is_some()),
                         format!("present: {bias}"),
                     );
                 }
+            }
+            if let StepMixer::Mamba(m) = &l.mixer {
+                self.check_mamba(i, m)?;
             }
         }
         if var1(&self.ln_f.0)? != c {
@@ -273,6 +309,42 @@ impl StepWeights {
                 var1(&self.ln_f.0)?.to_string(),
                 c.to_string(),
             );
+        }
+        Ok(())
+    }
+
+    /// Whether layer `i`'s Mamba mixer's own weights (beyond in_proj and out_proj) have the
+    /// shapes the spec's `model.hybrid` gives them: Err names the first that does not.
+    fn check_mamba(&self, i: usize, m: &StepMamba) -> Result<(), String> {
+        let Some(h) = &self.spec.hybrid else {
+            return Err(format!(
+                "layer {i} is a Mamba layer, the model spec has no model.hybrid"
+            ));
+        };
+        let (conv, nh) = (h.conv_dim(), h.mamba_n_heads);
+        let dims = |v: &Var| v.as_tensor().dims().to_vec();
+        let conv_b = m.conv_b.as_ref().map(dims);
+        for (what, has, want) in [
+            (
+                "conv1d weight",
+                Some(dims(&m.conv_w)),
+                Some(vec![conv, 1, h.mamba_d_conv]),
+            ),
+            ("conv1d bias", conv_b, h.mamba_conv_bias.then(|| vec![conv])),
+            ("dt_bias", Some(dims(&m.dt_bias)), Some(vec![nh])),
+            ("A_log", Some(dims(&m.a_log)), Some(vec![nh])),
+            ("D", Some(dims(&m.d)), Some(vec![nh])),
+            (
+                "gated norm",
+                Some(dims(&m.norm)),
+                Some(vec![h.mamba_inner()]),
+            ),
+        ] {
+            if has != want {
+                return Err(format!(
+                    "layer {i}'s {what} is {has:?}, the model spec says {want:?}"
+                ));
+            }
         }
         Ok(())
     }

@@ -13,12 +13,12 @@ use crate::config::HybridConfig;
 pub(super) struct Mamba {
     pub(super) in_proj: Linear,
     /// `[conv channels, 1, d_conv]` (PyTorch's depthwise Conv1d layout).
-    conv_w: Var,
-    conv_b: Option<Var>,
-    dt_bias: Var,
-    a_log: Var,
-    d: Var,
-    norm: Var,
+    pub(super) conv_w: Var,
+    pub(super) conv_b: Option<Var>,
+    pub(super) dt_bias: Var,
+    pub(super) a_log: Var,
+    pub(super) d: Var,
+    pub(super) norm: Var,
     pub(super) out_proj: Linear,
 }
 

@@ -162,8 +162,8 @@ pub struct Model {
 
 // The step's input types live with the step (kernels); the model builds them.
 pub use crate::engine::kernels::spec::{
-    LinearWB, StepLayer, StepLora, StepMatrix, StepWeights, WeightBias, LORA_TARGETS,
-    LORA_TARGET_GROUP,
+    LinearWB, StepAttention, StepLayer, StepLora, StepMamba, StepMatrix, StepMixer, StepWeights,
+    WeightBias, LORA_TARGETS, LORA_TARGET_GROUP,
 };
 
 impl Model {

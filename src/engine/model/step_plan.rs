@@ -70,38 +70,64 @@ impl Model {
                 scale: a.scale,
             })
         };
-        // (A hybrid's Mamba layers have no place in the step: it declines them, Reason::Hybrid.)
+        // (A hybrid's routed experts have no place in the step: it declines them,
+        // Reason::Experts.)
         let layers = self
             .blocks
             .iter()
-            .filter_map(|b| b.attn().ok().map(|a| (b, a)))
-            .map(|(b, a)| StepLayer {
-                ln1: norm(&b.ln1),
-                q: lin(&a.q),
-                k: lin(&a.k),
-                v: lin(&a.v),
-                o: lin(&a.o),
-                ln2: norm(&b.ln2),
-                gate: b.gate.as_ref().map(lin),
-                up: lin(&b.up),
-                down: lin(&b.down),
-                lora: [
-                    adapter(Some(&a.q)),
-                    adapter(Some(&a.k)),
-                    adapter(Some(&a.v)),
-                    adapter(Some(&a.o)),
-                    adapter(b.gate.as_ref()),
-                    adapter(Some(&b.up)),
-                    adapter(Some(&b.down)),
-                ],
-                qk_norm: match (&a.q_norm, &a.k_norm) {
-                    (Some(q), Some(k)) => Some((q.w.clone(), k.w.clone())),
-                    _ => None,
-                },
-                post: match (&b.post_attn, &b.post_mlp) {
-                    (Some(pa), Some(pm)) => Some((pa.w.clone(), pm.w.clone())),
-                    _ => None,
-                },
+            .map(|b| {
+                let (mixer, first, o) = match &b.mixer {
+                    Mixer::Attention(a) => (
+                        StepMixer::Attention(StepAttention {
+                            q: lin(&a.q),
+                            k: lin(&a.k),
+                            v: lin(&a.v),
+                            o: lin(&a.o),
+                            qk_norm: match (&a.q_norm, &a.k_norm) {
+                                (Some(q), Some(k)) => Some((q.w.clone(), k.w.clone())),
+                                _ => None,
+                            },
+                        }),
+                        [Some(&a.q), Some(&a.k), Some(&a.v)],
+                        &a.o,
+                    ),
+                    // (in_proj's adapter in q's slot, out_proj's in o's.)
+                    Mixer::Mamba(m) => (
+                        StepMixer::Mamba(StepMamba {
+                            in_proj: lin(&m.in_proj),
+                            out_proj: lin(&m.out_proj),
+                            conv_w: m.conv_w.clone(),
+                            conv_b: m.conv_b.clone(),
+                            dt_bias: m.dt_bias.clone(),
+                            a_log: m.a_log.clone(),
+                            d: m.d.clone(),
+                            norm: m.norm.clone(),
+                        }),
+                        [Some(&m.in_proj), None, None],
+                        &m.out_proj,
+                    ),
+                };
+                StepLayer {
+                    ln1: norm(&b.ln1),
+                    mixer,
+                    ln2: norm(&b.ln2),
+                    gate: b.gate.as_ref().map(lin),
+                    up: lin(&b.up),
+                    down: lin(&b.down),
+                    lora: [
+                        adapter(first[0]),
+                        adapter(first[1]),
+                        adapter(first[2]),
+                        adapter(Some(o)),
+                        adapter(b.gate.as_ref()),
+                        adapter(Some(&b.up)),
+                        adapter(Some(&b.down)),
+                    ],
+                    post: match (&b.post_attn, &b.post_mlp) {
+                        (Some(pa), Some(pm)) => Some((pa.w.clone(), pm.w.clone())),
+                        _ => None,
+                    },
+                }
             })
             .collect();
         StepWeights {
@@ -111,15 +137,9 @@ impl Model {
             wpe: self.wpe.clone(),
             flash,
             lora_dropout: self
-                .blocks
+                .linears()
                 .iter()
-                .filter_map(|b| b.attn().ok().map(|a| (b, a)))
-                .flat_map(|(b, a)| {
-                    [&a.q, &a.k, &a.v, &a.o, &b.up, &b.down]
-                        .into_iter()
-                        .chain(&b.gate)
-                })
-                .filter_map(|l| l.lora.as_ref().map(|a| a.p))
+                .filter_map(|(_, l)| l.lora.as_ref().map(|a| a.p))
                 .fold(0.0, f64::max),
             layers,
             frozen_base: lora,

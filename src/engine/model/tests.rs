@@ -227,6 +227,85 @@ fn both_executors_are_built_from_one_spec() {
     }
 }
 
+/// A dense Granite 4.0 hybrid hands every layer to the step: its Mamba layers with in_proj,
+/// out_proj and their own weights, its attention layers, the shared MLP's gate | up as one "up";
+/// LoRA's in_proj and out_proj adapters in q's and o's slots. The weights have the spec's
+/// shapes; a spec they do not match is refused by name.
+#[test]
+fn a_hybrid_hands_its_mamba_layers_to_the_step() {
+    use crate::config::{HybridConfig, MixerKind};
+    let mut c = Config {
+        model: crate::config::ModelConfig::llama_family(),
+        ..Config::default()
+    };
+    c.model.n_layer = 3;
+    c.model.n_embd = 64;
+    c.model.n_head = 2;
+    c.model.hybrid = Some(HybridConfig {
+        layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
+        mamba_n_heads: 4,
+        mamba_d_head: 16,
+        mamba_d_state: 8,
+        mamba_n_groups: 2,
+        mamba_proj_bias: true,
+        ..HybridConfig::default()
+    });
+    let spec = ModelSpec::from_config(&c, 40);
+    let mut m = Model::new(spec.clone(), DType::F32, &Device::Cpu, 1).unwrap();
+    let w = m.step_weights_unchecked(false);
+    w.check_shapes().unwrap_or_else(|e| panic!("{e}"));
+    let kinds: Vec<bool> = w
+        .layers
+        .iter()
+        .map(|l| matches!(l.mixer, StepMixer::Mamba(_)))
+        .collect();
+    assert_eq!(kinds, [true, false, true]);
+    assert!(w.layers.iter().all(|l| l.gate.is_none()));
+    let mut wrong = w.clone();
+    if let Some(h) = wrong.spec.hybrid.as_mut() {
+        h.mamba_d_state = 16;
+    }
+    let e = wrong.check_shapes().unwrap_err();
+    assert!(e.contains("layer 0's in_proj"), "{e}");
+    let mut wrong = w.clone();
+    if let Some(h) = wrong.spec.hybrid.as_mut() {
+        h.mamba_d_conv = 3;
+    }
+    let e = wrong.check_shapes().unwrap_err();
+    assert!(e.contains("layer 0's conv1d weight"), "{e}");
+    let mut wrong = w.clone();
+    if let Some(h) = wrong.spec.hybrid.as_mut() {
+        h.layers = vec![MixerKind::Attention; 3];
+    }
+    let e = wrong.check_shapes().unwrap_err();
+    assert!(e.contains("layer 0's projections"), "{e}");
+    let lora = LoraSpec {
+        r: 4,
+        alpha: 8.0,
+        targets: ["q", "v", "o", "in_proj", "out_proj", "up", "down"]
+            .map(String::from)
+            .to_vec(),
+        dropout: 0.1,
+    };
+    m.add_lora(&lora, 2).unwrap();
+    let w = m.step_weights_unchecked(false);
+    w.check_shapes()
+        .unwrap_or_else(|e| panic!("with LoRA: {e}"));
+    assert!(w.frozen_base);
+    assert_eq!(w.lora_dropout, 0.1);
+    let slots = |l: &StepLayer| l.lora.iter().map(Option::is_some).collect::<Vec<_>>();
+    let (f, t) = (false, true);
+    assert_eq!(slots(&w.layers[0]), [t, f, f, t, f, t, t]);
+    assert_eq!(slots(&w.layers[1]), [t, f, t, t, f, t, t]);
+    let in_proj = w.layers[0].lora[0]
+        .as_ref()
+        .map(|a| a.b.as_tensor().dims().to_vec());
+    assert_eq!(
+        in_proj,
+        Some(vec![spec.hybrid.as_ref().unwrap().in_proj_width(), 4])
+    );
+}
+
 #[test]
 fn the_cpu_model_says_why_the_step_does_not_run_it() {
     let mut c = Config::default();

@@ -39,6 +39,34 @@ impl ModelSpec {
         v
     }
 
+    /// The linear layers of layer `l` as [`Self::block_linears`] gives them; in a hybrid
+    /// stack the layer's own: a Mamba layer's in_proj (`z | x B C | dt`) and out_proj, or an
+    /// attention layer's q, k, v, o without biases, then the shared MLP's gate | up as one
+    /// "up" (`shared_mlp.input_linear`) and its "down".
+    pub fn layer_linears(&self, l: usize) -> Vec<(&'static str, usize, usize, bool)> {
+        let Some(h) = &self.hybrid else {
+            return self.block_linears();
+        };
+        let (c, hid) = (self.n_embd, self.hidden);
+        let mut v = if h.is_mamba(l) {
+            let bias = h.mamba_proj_bias;
+            vec![
+                ("in_proj", h.in_proj_width(), c, bias),
+                ("out_proj", c, h.mamba_inner(), bias),
+            ]
+        } else {
+            let (qw, kvw) = (self.q_width(), self.kv_width());
+            vec![
+                ("q", qw, c, false),
+                ("k", kvw, c, false),
+                ("v", kvw, c, false),
+                ("o", c, qw, false),
+            ]
+        };
+        v.extend([("up", 2 * hid, c, false), ("down", c, hid, false)]);
+        v
+    }
+
     /// Weights of one norm layer: a scale, and a shift where LayerNorm has biases.
     fn norm_params(&self) -> u64 {
         let c = self.n_embd as u64;
@@ -90,7 +118,7 @@ impl ModelSpec {
 
     /// The weights of a hybrid stack's layers and of their adapters.
     fn hybrid_layers(&self, h: &crate::config::HybridConfig) -> (u64, u64) {
-        let (c, hid) = (self.n_embd, self.hidden);
+        let c = self.n_embd;
         let (mut base, mut adapters) = (0u64, 0u64);
         let targeted = |t: &str| {
             self.lora
@@ -98,29 +126,17 @@ impl ModelSpec {
                 .filter(|l| l.targets.iter().any(|x| x == t))
         };
         for l in 0..self.n_layer {
-            let mut lin: Vec<(&str, usize, usize, bool)> =
-                vec![("up", 2 * hid, c, false), ("down", c, hid, false)];
             base += 2 * c as u64;
             if h.is_mamba(l) {
                 let (inner, conv) = (h.mamba_inner(), h.conv_dim());
-                lin.push(("in_proj", h.in_proj_width(), c, h.mamba_proj_bias));
-                lin.push(("out_proj", c, inner, h.mamba_proj_bias));
                 base += (conv * h.mamba_d_conv) as u64;
                 base += if h.mamba_conv_bias { conv as u64 } else { 0 };
                 base += (3 * h.mamba_n_heads + inner) as u64;
-            } else {
-                let (qw, kvw) = (self.q_width(), self.kv_width());
-                lin.extend([
-                    ("q", qw, c, false),
-                    ("k", kvw, c, false),
-                    ("v", kvw, c, false),
-                    ("o", c, qw, false),
-                ]);
             }
             if h.experts > 0 {
                 base += (h.experts * c * (1 + 3 * h.expert_hidden)) as u64;
             }
-            for (name, out, inp, bias) in lin {
+            for (name, out, inp, bias) in self.layer_linears(l) {
                 base += (out * inp) as u64 + if bias { out as u64 } else { 0 };
                 if let Some(lo) = targeted(name) {
                     adapters += (lo.r * (out + inp)) as u64;
