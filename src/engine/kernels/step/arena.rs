@@ -5,6 +5,7 @@ use candle_core::Result;
 use half::bf16;
 
 use super::graphs::Graphs;
+use super::mamba::{MambaActs, MambaArena};
 use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
 use super::{align, ptr, ModelStep};
 use crate::config::Recompute;
@@ -15,7 +16,9 @@ pub(super) struct Activations {
     pub(super) b: usize,
     /// Per layer: residual input, LN1 out, qkv, attention probabilities [B·H, T, T],
     /// merged attention output, residual after attention, LN2 out, the MLP's pre-activation and
-    /// its activation (GELU or SwiGLU) output.
+    /// its activation (GELU or SwiGLU) output. (A Mamba layer's qkv is its in_proj's output
+    /// `[N, z | x B C | dt]`, its atty the gated norm's output `[N, inner]`; it has no
+    /// probabilities.)
     /// (The LN outputs under a concatenated LoRA group are its `[x | u]`: [`Cat`](super::lora::Cat).)
     pub(super) res: Vec<u64>,
     pub(super) ln1: Vec<u64>,
@@ -88,6 +91,8 @@ pub(super) struct Activations {
     // u32
     pub(super) ids: u64,
     pub(super) targets: u64,
+    /// A hybrid's Mamba layers' own activations and scratch (None: not a hybrid).
+    pub(super) mamba: Option<MambaActs>,
 }
 
 pub(super) struct Arena {
@@ -102,6 +107,8 @@ pub(super) struct Arena {
     /// `lows` hold the unpacked rows' window lows (nothing to upload for unpacked rows).
     pub(super) lows_plain: bool,
     pub(super) acts: Activations,
+    /// The memory behind `acts.mamba`.
+    pub(super) _mamba: Option<MambaArena>,
     /// The micro-batch programs captured over this arena's buffers (dropped with it).
     pub(super) graphs: Graphs,
 }
@@ -167,58 +174,77 @@ impl ModelStep {
         let keep_act = and(keep(|li| li.down_w, &[DOWN]), mlp_kept);
         let attn_layers = vec![attn_kept; l];
         let mlp_layers = vec![mlp_kept; l];
-        let mut per_if = |len: usize, keep: &[bool]| {
+        // (Per layer: lengths that differ between a hybrid's Mamba and attention layers; a
+        // buffer shared by layers that do not keep theirs takes the longest of them.)
+        let mut per_if = |lens: &[usize], keep: &[bool]| {
+            let shared_len = lens
+                .iter()
+                .zip(keep)
+                .filter(|(_, k)| !**k)
+                .map(|(&len, _)| len)
+                .max();
             let mut shared = None;
-            keep.iter()
-                .map(|&k| {
-                    if k {
-                        take(len)
-                    } else {
-                        *shared.get_or_insert_with(|| take(len))
-                    }
+            lens.iter()
+                .zip(keep)
+                .map(|(&len, &k)| match shared_len {
+                    Some(sl) if !k => *shared.get_or_insert_with(|| take(sl)),
+                    _ => take(len),
                 })
                 .collect::<Vec<_>>()
         };
+        let uni = |len: usize| vec![len; l];
+        // A Mamba layer's in_proj output `[N, z | x B C | dt]` and its gated norm's `[N, inner]`
+        // sit where an attention layer's q|k|v and merged heads do; it keeps no attention
+        // probabilities nor QK-norm values.
+        let mixer_lens =
+            |f: &dyn Fn(&LayerIdx) -> usize| self.layers.iter().map(f).collect::<Vec<_>>();
+        let attn_only = |len: usize| mixer_lens(&|li| if li.mamba.is_some() { 0 } else { len });
         let all_layers = vec![true; l];
         // (A concatenated LoRA group's normed input is `[x | u]`, rows `ld` apart: [`Cat`](super::lora::Cat).)
         let ld_max = |g: usize| (0..l).map(|i| self.ln_ld(i, g)).max().unwrap_or(c);
         let (ld1, ld2) = (ld_max(G_QKV), ld_max(G_GU));
-        let res_o = per_if(nc, &all_layers);
-        let ln1_o = per_if(n * ld1, &keep_ln1);
-        let qkv_o = per_if(n * self.qkv_out, &attn_layers);
+        let res_o = per_if(&uni(nc), &all_layers);
+        let ln1_o = per_if(&uni(n * ld1), &keep_ln1);
+        let qkv_o = per_if(&mixer_lens(&|li| n * self.in_width(li)), &attn_layers);
         let qk_groups = if self.layers.iter().any(|li| li.qk_norm.is_some()) {
             self.n_head + self.n_kv_head
         } else {
             0
         };
-        let qk_raw_o = per_if(n * qk_groups * self.hd, &attn_layers);
-        let prob_o = per_if(probs, &attn_layers);
+        let qk_raw_o = per_if(&attn_only(n * qk_groups * self.hd), &attn_layers);
+        let prob_o = per_if(&attn_only(probs), &attn_layers);
         let nac = n * self.att_c;
-        let atty_o = per_if(nac, &attn_layers);
-        let mid_o = per_if(nc, &mlp_layers);
-        let ln2_o = per_if(n * ld2, &keep_ln2);
+        let atty_o = per_if(&mixer_lens(&|li| n * self.mixer_width(li)), &attn_layers);
+        let mid_o = per_if(&uni(nc), &mlp_layers);
+        let ln2_o = per_if(&uni(n * ld2), &keep_ln2);
         // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
         let up_out = if self.swiglu { 2 * f } else { f };
-        let fc_o = per_if(n * up_out, &mlp_layers);
-        let act_o = per_if(n * f, &keep_act);
+        let fc_o = per_if(&uni(n * up_out), &mlp_layers);
+        let act_o = per_if(&uni(n * f), &keep_act);
         // Gemma's sandwich: the attention output before its norm is written in the MLP half
         // (kept with it), the MLP's in the forward's loop (kept for every layer).
         let post = self.layers.iter().any(|li| li.post.is_some());
         let post_len = if post { nc } else { 0 };
-        let post_a_o = per_if(post_len, &mlp_layers);
-        let post_m_o = per_if(post_len, &all_layers);
+        let post_a_o = per_if(&uni(post_len), &mlp_layers);
+        let post_m_o = per_if(&uni(post_len), &all_layers);
         let res_last = take(nc);
         let lnf = take(nc);
         let head_rows = self.head_rows(n);
         let logits = take(head_rows * self.vpad);
         let tmp = take(nc);
-        // (d atty [N, n_head·head_dim], the other [N, C] gradients, a concatenated LoRA
-        // group's [dx | du])
-        let da = take(nc.max(nac).max(n * ld1.max(ld2)));
+        // (d atty [N, n_head·head_dim] or a Mamba layer's [N, inner], the other [N, C]
+        // gradients, a concatenated LoRA group's [dx | du])
+        let mixer_max = self.layers.iter().map(|li| self.mixer_width(li)).max();
+        let da = take(
+            nc.max(nac)
+                .max(n * ld1.max(ld2))
+                .max(n * mixer_max.unwrap_or(0)),
+        );
         let dres = take(nc);
         let dh = take(n * up_out);
         let dact = take(if self.swiglu { n * f } else { 0 });
-        let dqkv = take(n * self.qkv_out);
+        let in_max = self.layers.iter().map(|li| self.in_width(li)).max();
+        let dqkv = take(n * in_max.unwrap_or(self.qkv_out));
         let heads = take(heads_len);
         let yh = take(heads_len / 3);
         let dheads = take(heads_len);
@@ -283,6 +309,13 @@ impl ModelStep {
         let lows = self
             .dev
             .alloc_zeros::<i32>(if self.window > 0 { n } else { 1 })?;
+        let mamba = match &self.mamba {
+            Some(dims) => {
+                let layers: Vec<bool> = self.layers.iter().map(|li| li.mamba.is_some()).collect();
+                Some(MambaArena::new(&self.dev, dims, (b, t), &layers)?)
+            }
+            None => None,
+        };
         let base = ptr(&bf, &self.stream);
         let fbase = ptr(&f32s, &self.stream);
         let at = |o: usize| base + 2 * o as u64;
@@ -367,6 +400,7 @@ impl ModelStep {
             loss: fbase,
             ids: ptr(&ids, &self.stream),
             targets: ptr(&targets, &self.stream),
+            mamba: mamba.as_ref().map(|m| m.acts.clone()),
         };
         self.arena = Some(Arena {
             _bf: bf,
@@ -378,6 +412,7 @@ impl ModelStep {
             lows,
             lows_plain: false,
             acts,
+            _mamba: mamba,
             graphs: Graphs::default(),
         });
         Ok(())

@@ -26,15 +26,50 @@ pub(super) fn rope_table(inv_freq: &[f64], t: usize) -> Vec<f32> {
 }
 
 impl ModelStep {
-    /// A block's attention from its normed input `ln1[l]`: qkv = ln1·Wqkvᵀ (+ b) (+ the
-    /// adapters), RoPE, attention into `atty[l]`.
+    /// A block's mixer from its normed input `ln1[l]`: qkv = ln1·Wqkvᵀ (+ b) (+ the
+    /// adapters), QK-norm, RoPE, attention into `atty[l]` — or, on a hybrid's Mamba layer,
+    /// in_proj's output `z | x B C | dt` into `qkv[l]` and the Mamba mixer into `atty[l]`.
     pub(super) fn attention(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
-        let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
+        let width = self.in_width(li);
+        let qkv = Lin::new(n, c, width, width);
         self.group_fwd(a, (l, li, G_QKV), a.ln1[l], li.qkv_b, a.qkv[l], qkv)?;
+        if li.mamba.is_some() {
+            return self.mamba_fwd(a, l, li);
+        }
         self.qk_norm(a, l, li, false)?;
         self.rope(a, (a.qkv[l], l), n, false)?;
         self.attn_fwd(a, l)
+    }
+
+    /// The mixer's backward of layer `l`, from `da` (d atty) to `dqkv` (the packed input
+    /// projection's output gradient): the attention's, RoPE's inverse and the QK-norm's —
+    /// or a Mamba layer's.
+    pub(super) fn mixer_bwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
+        if li.mamba.is_some() {
+            return self.mamba_bwd(a, l, li);
+        }
+        self.attn_bwd(a, l)?;
+        self.rope(a, (a.dqkv, l), a.b * self.t, true)?;
+        self.qk_norm(a, l, li, true)
+    }
+
+    /// The output width of layer `li`'s packed input projection: q|k|v's (H + 2·KV)·hd, or a
+    /// Mamba layer's in_proj `inner + conv channels + heads`.
+    pub(super) fn in_width(&self, li: &LayerIdx) -> usize {
+        match (li.mamba, &self.mamba) {
+            (Some(_), Some(m)) => m.in_w(),
+            _ => self.qkv_out,
+        }
+    }
+
+    /// The width of layer `li`'s mixer output (its output projection's input): the
+    /// attention's n_head·head_dim, or a Mamba layer's inner width.
+    pub(super) fn mixer_width(&self, li: &LayerIdx) -> usize {
+        match (li.mamba, &self.mamba) {
+            (Some(_), Some(m)) => m.inner(),
+            _ => self.att_c,
+        }
     }
 
     /// Causal self-attention of layer `l`: packed `qkv[l]` → `atty[l]` `[B·T, C]`.

@@ -190,7 +190,7 @@ impl ModelStep {
             let up = Lin::new(n, c, up_out, up_out);
             let bias = (li.up_w, li.up_b, false);
             self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
-            let (gate_col, up_col) = (0, if self.swiglu { f } else { 0 });
+            let (gate_col, up_col) = (0, if self.gate_apart() { f } else { 0 });
             check(
                 li.lora[GATE].is_none_or(|g| g.col == gate_col)
                     && li.lora[UP].is_none_or(|u| u.col == up_col),
@@ -216,8 +216,8 @@ impl ModelStep {
             if self.recompute == Recompute::Attention {
                 self.attn_half_fwd(a, l, li)?;
             }
-            // attention output projection: mid = res + dropout(atty·Woᵀ (+ bo))
-            let o = Lin::new(n, self.att_c, c, c);
+            // the mixer's output projection: mid = res + dropout(atty·Woᵀ (+ bo))
+            let o = Lin::new(n, self.mixer_width(li), c, c);
             let dyb = self.drop_grad(a, dropout::site_attention_out(l))?;
             let post_a = li.post.map(|p| p.0);
             let post_x = (
@@ -234,11 +234,10 @@ impl ModelStep {
             let beta = self.lora_bwd(a, (l, li, G_O), a.atty[l], (dy, dy_buf), c, a.da, first)?;
             self.lin_dx_beta(dy, self.matmul_weight(li.o_w)?, a.da, o, beta)?;
             self.reclaim(Buf::Dqkv)?;
-            self.attn_bwd(a, l)?;
-            self.rope(a, (a.dqkv, l), n, true)?;
-            self.qk_norm(a, l, li, true)?;
-            // qkv projection
-            let qkv = Lin::new(n, c, self.qkv_out, self.qkv_out);
+            self.mixer_bwd(a, l, li)?;
+            // qkv projection (a Mamba layer's in_proj)
+            let width = self.in_width(li);
+            let qkv = Lin::new(n, c, width, width);
             let bias = (li.qkv_w, li.qkv_b, false);
             self.proj_grads((a.ln1[l], a.dqkv, Buf::Dqkv), bias, qkv, first)?;
             let dqkv = (a.dqkv, Buf::Dqkv);

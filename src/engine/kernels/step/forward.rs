@@ -134,13 +134,14 @@ impl ModelStep {
         self.attention(a, l, li)
     }
 
-    /// A block's middle: mid = res + dropout(atty·Woᵀ (+ bo)) (Gemma: the projection's output
+    /// A block's middle: mid = res + dropout(atty·Woᵀ (+ bo)) (atty: the mixer's output, a
+    /// Mamba layer's of its inner width; Gemma: the projection's output
     /// normed first), ln2 = Norm2(mid), then the
     /// MLP's activation act(ln2·Wupᵀ (+ b)) into `fc[l]`/`gelu[l]` (the forward, and the
     /// "full" recompute).
     pub(super) fn mlp_half_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
-        let o = Lin::new(n, self.att_c, c, c);
+        let o = Lin::new(n, self.mixer_width(li), c, c);
         let out = li.post.map_or(a.tmp, |_| a.post_in[l][0]);
         let beta = self.lora_fwd(a, l, li, G_O, a.atty[l], out, c)?;
         self.lin_fwd_beta(a.atty[l], self.matmul_weight(li.o_w)?, out, o, beta)?;

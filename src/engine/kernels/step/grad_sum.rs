@@ -54,6 +54,10 @@ impl ModelStep {
                 .flatten(),
         );
         ids.extend(li.qk_norm.iter().flat_map(|&(q, k)| [q, k]));
+        if let Some(m) = li.mamba {
+            ids.extend([m.conv_w, m.dt_bias, m.a_log, m.d, m.norm]);
+            ids.extend(m.conv_b);
+        }
         ids.extend(li.lora.iter().flatten().flat_map(|ad| [ad.a, ad.b]));
         let (mut head, mut tail) = (None::<(usize, usize)>, None::<(usize, usize)>);
         for i in ids {

@@ -54,22 +54,31 @@ pub(super) unsafe fn memset_cols(
 }
 
 impl ModelStep {
-    /// The output width of LoRA group `g`'s projection (the row stride of its output).
-    pub(super) fn group_out(&self, g: usize) -> usize {
+    /// The output width of layer `li`'s LoRA group `g`'s projection (the row stride of its
+    /// output).
+    pub(super) fn group_out(&self, li: &LayerIdx, g: usize) -> usize {
         match g {
-            G_QKV => self.qkv_out,
+            G_QKV => self.in_width(li),
             G_GU if self.swiglu => 2 * self.hidden,
             G_GU => self.hidden,
             _ => self.c,
         }
     }
 
-    /// The base's matrices under LoRA group `g` — q|k|v or gate|up (or the GELU MLP's up) —
-    /// as their first entry and how many; None for o and down.
+    /// A SwiGLU MLP whose gate and up are two matrices (a hybrid's shared MLP has them as
+    /// one, `shared_mlp.input_linear`, and its "up" adapter covers both).
+    pub(super) fn gate_apart(&self) -> bool {
+        self.swiglu && self.mamba.is_none()
+    }
+
+    /// The base's matrices under LoRA group `g` — q|k|v (a Mamba layer's in_proj) or gate|up
+    /// (or the GELU MLP's up, a hybrid's gate | up) — as their first entry and how many; None
+    /// for o and down.
     pub(super) fn group_parts(&self, li: &LayerIdx, g: usize) -> Option<(usize, usize)> {
         match g {
+            G_QKV if li.mamba.is_some() => Some((li.qkv_w, 1)),
             G_QKV => Some((li.qkv_w, 3)),
-            G_GU => Some((li.up_w, 1 + self.swiglu as usize)),
+            G_GU => Some((li.up_w, 1 + self.gate_apart() as usize)),
             _ => None,
         }
     }
@@ -121,7 +130,7 @@ impl ModelStep {
                             parts.push((i, len + row * (c + width), rows, c, c + width));
                             row += rows;
                         }
-                        let out = self.group_out(g);
+                        let out = self.group_out(li, g);
                         check(row == out, || {
                             format!("LoRA group {g}'s base parts have {row} rows, its output {out}")
                         })?;
@@ -137,7 +146,7 @@ impl ModelStep {
                 for ad in &ads {
                     blocks.push((ad.b, len + ad.col * ld + c0 + ad.ucol, ad.out, ad.r, ld));
                 }
-                len = align(len + self.group_out(g) * ld);
+                len = align(len + self.group_out(li, g) * ld);
             }
             at.push(offs);
             cats.push(cat);
@@ -280,7 +289,7 @@ impl ModelStep {
         };
         let bd = self.lora_bd[l][g];
         if bd != 0 {
-            check_stride(ldy, self.group_out(g))?;
+            check_stride(ldy, self.group_out(li, g))?;
             // Every adapter at once, through the block-diagonal B: y = scale·u·Bᵀ.
             let up = Lin::new(n, width, ldy, ldy);
             self.mm("lora.ub", up.fwd(u, bd, y), false, first.scale, 0.0)?;
@@ -347,7 +356,7 @@ impl ModelStep {
         };
         let bd = self.lora_bd[l][g];
         if bd != 0 {
-            check_stride(ldy, self.group_out(g))?;
+            check_stride(ldy, self.group_out(li, g))?;
             let up = Lin::new(n, width, ldy, ldy);
             self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale, 0.0)?;
         } else {

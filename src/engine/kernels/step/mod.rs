@@ -35,6 +35,7 @@ mod grad_sum;
 mod graphs;
 mod kernels;
 mod lora;
+mod mamba;
 mod params;
 mod run;
 mod setup;
@@ -51,6 +52,7 @@ use half::bf16;
 use self::arena::Arena;
 use self::kernels::{Kernels, Mark};
 use self::lora::Cat;
+use self::mamba::MambaDims;
 use self::params::{Entry, LayerIdx};
 use super::cuda::err;
 use super::lt::Lt;
@@ -118,6 +120,11 @@ pub struct ModelStep {
     qkv_out: usize,
     /// The attention's width, n_head·head_dim (n_embd unless head_dim is explicit).
     att_c: usize,
+    /// A Granite 4.0 hybrid's Mamba dimensions (None: not a hybrid). Its Mamba layers
+    /// ([`LayerIdx::mamba`](params::LayerIdx)) sit where attention would: in_proj is the
+    /// layer's packed "qkv" projection, out_proj its "o"; its shared MLP's gate | up is one
+    /// matrix.
+    mamba: Option<MambaDims>,
     /// RMSNorm (else LayerNorm).
     rms: bool,
     /// Gemma's norms: every norm (and QK-norm) scales by 1 + w.

@@ -8,6 +8,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor, Var};
 use half::bf16;
 
+use super::mamba::MambaIdx;
 use super::{align, ptr, Arg, ModelStep};
 use crate::engine::kernels::cuda::{err, multi_grid, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::nf4::Nf4;
@@ -82,7 +83,8 @@ pub(super) const G_GU: usize = 2;
 pub(super) const G_DOWN: usize = 3;
 
 /// Entry indices of one transformer layer (None: the model has no such bias). `qkv` is the
-/// packed q|k|v projection, `up` the packed gate|up projection of a SwiGLU MLP (or the GELU
+/// packed q|k|v projection (a Mamba layer's in_proj), `o` the attention's output projection
+/// (a Mamba layer's out_proj), `up` the packed gate|up projection of a SwiGLU MLP (or the GELU
 /// MLP's up projection).
 #[derive(Clone, Copy)]
 pub(super) struct LayerIdx {
@@ -103,6 +105,8 @@ pub(super) struct LayerIdx {
     pub(super) qk_norm: Option<(usize, usize)>,
     /// Gemma's sandwich: the attention output's and the MLP output's norm weights.
     pub(super) post: Option<(usize, usize)>,
+    /// A hybrid's Mamba layer: its mixer's own entries (None: an attention layer).
+    pub(super) mamba: Option<MambaIdx>,
 }
 
 /// The flat buffers' layout as it is built: each entry's offset in the trainable buffers

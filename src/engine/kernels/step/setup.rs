@@ -6,14 +6,15 @@ use half::bf16;
 
 use super::attention::rope_table;
 use super::kernels::Kernels;
+use super::mamba::{MambaDims, MambaIdx};
 use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
 use super::{align, ptr, tensor_ptr, ModelStep, ALIGN};
-use crate::config::{Activation, Norm, PosEncoding, QkNorm, Recompute};
+use crate::config::{Activation, Norm, QkNorm, Recompute};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::lt::Lt;
 use crate::engine::kernels::side::Side;
-use crate::engine::kernels::spec::StepWeights;
+use crate::engine::kernels::spec::{StepMixer, StepWeights};
 use crate::engine::spec::RopeKey;
 
 impl ModelStep {
@@ -30,7 +31,10 @@ impl ModelStep {
         let flash = w.flash && crate::engine::kernels::spec::FLASH_HEAD_DIMS.contains(&s.head_dim);
         s.step_shape_support(flash)
             .map_err(|why| err(format!("whole-model step: {why}")))?;
-        let (hidden, swiglu, t) = (s.hidden, s.gated_mlp(), s.seq_len);
+        // (A hybrid's shared MLP is SwiGLU whatever `activation` says, gate | up one matrix.)
+        let mamba = s.hybrid.as_ref().map(MambaDims::new);
+        let (hidden, swiglu, t) = (s.hidden, s.gated_mlp() || mamba.is_some(), s.seq_len);
+        let gate_apart = swiglu && mamba.is_none();
         let (n_head, n_kv_head, hd, att_c) = (s.n_head, s.n_kv_head, s.head_dim, s.q_width());
         w.check_shapes()
             .map_err(|why| err(format!("whole-model step: {why}")))?;
@@ -48,11 +52,20 @@ impl ModelStep {
         let tied = w.head.is_none();
         let wte_first = tied.then(|| lay.push(&w.wte, true));
         let (h_out, kv_out) = (n_head * hd, n_kv_head * hd);
-        let up_col = if swiglu { hidden } else { 0 };
+        let up_col = if gate_apart { hidden } else { 0 };
         let mut mats: Vec<([usize; 4], [Option<LoraIdx>; 7])> = Vec::new();
         for l in &w.layers {
-            let qkv = lay.pack_mats(&[&l.q.0, &l.k.0, &l.v.0]);
-            let o = lay.push_mat(&l.o.0, true);
+            // (A Mamba layer: in_proj where q|k|v go, out_proj where o goes.)
+            let (qkv, o) = match &l.mixer {
+                StepMixer::Attention(at) => (
+                    lay.pack_mats(&[&at.q.0, &at.k.0, &at.v.0]),
+                    lay.push_mat(&at.o.0, true),
+                ),
+                StepMixer::Mamba(m) => (
+                    lay.pack_mats(&[&m.in_proj.0]),
+                    lay.push_mat(&m.out_proj.0, true),
+                ),
+            };
             let up = match &l.gate {
                 Some(g) => lay.pack_mats(&[&g.0, &l.up.0]),
                 None => lay.push_mat(&l.up.0, true),
@@ -75,19 +88,41 @@ impl ModelStep {
         let wpe = w.wpe.as_ref().map(|v| lay.push(v, true));
         let mut layers = Vec::with_capacity(w.layers.len());
         for (l, ([qkv_w, o_w, up_w, down_w], lora)) in w.layers.iter().zip(mats) {
-            if l.gate.is_some() != swiglu {
+            if l.gate.is_some() != gate_apart {
                 return Err(err("whole-model step: every layer needs the same MLP"));
             }
             let ln1_w = lay.push(&l.ln1.0, true);
             let ln1_b = lay.push_opt(&l.ln1.1);
-            let qkv_b = lay.pack_biases(&[&l.q, &l.k, &l.v], "q, k and v")?;
-            let o_b = lay.push_opt(&l.o.1);
+            let (qkv_b, o_b) = match &l.mixer {
+                StepMixer::Attention(at) => (
+                    lay.pack_biases(&[&at.q, &at.k, &at.v], "q, k and v")?,
+                    lay.push_opt(&at.o.1),
+                ),
+                StepMixer::Mamba(m) => (lay.push_opt(&m.in_proj.1), lay.push_opt(&m.out_proj.1)),
+            };
             let ln2_w = lay.push(&l.ln2.0, true);
             let ln2_b = lay.push_opt(&l.ln2.1);
-            let qk_norm = l
-                .qk_norm
-                .as_ref()
-                .map(|(q, k)| (lay.push(q, true), lay.push(k, true)));
+            // (A Mamba layer's own weights: in this zeroed tail, as its kernels add their
+            // gradients into it.)
+            let (qk_norm, mamba_idx) = match &l.mixer {
+                StepMixer::Attention(at) => (
+                    at.qk_norm
+                        .as_ref()
+                        .map(|(q, k)| (lay.push(q, true), lay.push(k, true))),
+                    None,
+                ),
+                StepMixer::Mamba(m) => (
+                    None,
+                    Some(MambaIdx {
+                        conv_w: lay.push(&m.conv_w, true),
+                        conv_b: lay.push_opt(&m.conv_b),
+                        dt_bias: lay.push(&m.dt_bias, true),
+                        a_log: lay.push(&m.a_log, true),
+                        d: lay.push(&m.d, true),
+                        norm: lay.push(&m.norm, true),
+                    }),
+                ),
+            };
             // (OLMo 2: the block's own two norms go on the outputs.)
             let post = match &l.post {
                 Some((pa, pm)) => Some((lay.push(pa, true), lay.push(pm, true))),
@@ -114,6 +149,7 @@ impl ModelStep {
                 lora,
                 qk_norm,
                 post,
+                mamba: mamba_idx,
             });
         }
         let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
@@ -159,14 +195,15 @@ impl ModelStep {
             .enumerate()
             .filter_map(|(i, e)| e.var.as_ref().map(|v| (v.as_tensor().id(), i)))
             .collect();
-        let rope = match s.pos {
-            PosEncoding::Rope => Some(stream.clone_htod(&rope_table(&s.rope_inv_freq(), t)).w()?),
-            PosEncoding::Learned => None,
+        // (A hybrid's attention may have no position encoding at all: NoPE.)
+        let rope = match s.rope() {
+            true => Some(stream.clone_htod(&rope_table(&s.rope_inv_freq(), t)).w()?),
+            false => None,
         };
         // Gemma 3's sliding layers rotate with their own θ; (LongRoPE's tables: refused above.)
         let local_rope: Vec<bool> = (0..s.n_layer).map(|l| s.layer_rope(l, t).local).collect();
-        let rope_local = match (s.pos, local_rope.contains(&true)) {
-            (PosEncoding::Rope, true) => {
+        let rope_local = match (s.rope(), local_rope.contains(&true)) {
+            (true, true) => {
                 let f = s.rope_freqs(RopeKey {
                     local: true,
                     long: false,
@@ -205,13 +242,14 @@ impl ModelStep {
             n_kv_head,
             hd,
             att_c,
+            mamba,
             qkv_out: (n_head + 2 * n_kv_head) * hd,
             rms: s.norm == Norm::RmsNorm,
             plus_one: s.layout.norm_plus_one,
             post_norm: s.layout.post_norm,
             qk_whole: s.layout.qk_norm == QkNorm::Whole,
             swiglu,
-            geglu: s.activation == Activation::GeGlu,
+            geglu: s.activation == Activation::GeGlu && mamba.is_none(),
             rope,
             rope_local,
             local_rope,
