@@ -415,10 +415,10 @@ fn the_spec_counts_the_weights_the_hybrid_allocates() {
         (base, total - base, trainable),
         (want.base, want.adapters, want.adapters)
     );
-    // The whole-model CUDA step declines the family (the per-op path runs it).
+    // The whole-model CUDA step declines routed experts (the per-op path runs them).
     assert_eq!(
         spec.step_shape_support(true),
-        Err(cockpit::engine::model::Reason::Hybrid)
+        Err(cockpit::engine::model::Reason::Experts(3))
     );
     // A forward and a backward run, every trainable weight gets a gradient.
     let x = Tensor::from_vec((0..16u32).collect::<Vec<_>>(), (2, 8), &Device::Cpu).unwrap();

@@ -4,7 +4,7 @@
 //! `cockpit check` print its [`Reason`]).
 
 use super::ModelSpec;
-use crate::config::{PosEncoding, QkNorm, RopeScaling};
+use crate::config::{MixerKind, PosEncoding, QkNorm, RopeScaling};
 
 /// The head dims flash attention has kernels for; other head dims (Gemma's 256) materialise the
 /// attention probabilities (no dropout, no packed samples).
@@ -96,8 +96,20 @@ pub enum Reason {
     LongRope,
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
     PackedSamples(&'static str),
-    #[error("a Granite 4.0 hybrid (Mamba-2 layers, routed experts): the step has no kernels for them yet")]
-    Hybrid,
+    #[error(
+        "packed samples (data.packing) through Mamba layers (the scan has no sample boundaries)"
+    )]
+    PackedMamba,
+    #[error(
+        "routed experts (model.hybrid.experts = {0}): the step has no grouped GEMM for them yet"
+    )]
+    Experts(usize),
+    #[error("{key} = {value}: the step's Mamba kernels take {takes}")]
+    Mamba {
+        key: &'static str,
+        value: usize,
+        takes: &'static str,
+    },
 }
 
 impl ModelSpec {
@@ -142,6 +154,9 @@ impl ModelSpec {
         }
         // (A loss mask needs nothing more: the step's cross-entropy skips ignored targets.)
         if facts.packed_samples {
+            if self.mamba_layers() {
+                return Err(Reason::PackedMamba);
+            }
             if !self.flash_attention(facts.flash_fits) {
                 return Err(Reason::PackedSamples("materialised attention"));
             }
@@ -158,7 +173,8 @@ impl ModelSpec {
     /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
     /// soft-caps and LongRoPE have no kernels in the step yet (QK-norm per head and over the
     /// whole projection, partial rotary, Gemma's sandwich and 1 + w norms, GeGLU, sliding
-    /// windows and OLMo 2's post-norm blocks have; output norms with biases do not).
+    /// windows and OLMo 2's post-norm blocks have; output norms with biases do not); a Granite
+    /// 4.0 hybrid's Mamba layers within the sizes of their kernels, no routed experts yet.
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
         // (Why not, where flash attention is off: the first of its conditions that fails,
@@ -167,9 +183,7 @@ impl ModelSpec {
         if self.n_layer == 0 {
             return Err(Reason::NoLayers);
         }
-        if self.hybrid.is_some() {
-            return Err(Reason::Hybrid);
-        }
+        self.hybrid_support()?;
         if !self.n_embd.is_multiple_of(8) || !self.hidden.is_multiple_of(8) {
             return Err(Reason::Widths {
                 n_embd: self.n_embd,
@@ -210,6 +224,55 @@ impl ModelSpec {
             });
         }
         self.gemma_support()
+    }
+
+    /// Whether the model has Mamba layers (a hybrid's).
+    fn mamba_layers(&self) -> bool {
+        self.hybrid
+            .as_ref()
+            .is_some_and(|h| h.layers.contains(&MixerKind::Mamba))
+    }
+
+    /// A Granite 4.0 hybrid's part: its Mamba layers within what the step's kernels take
+    /// (head widths multiples of 8 up to 128 — so the inner width is one of 8 too — states
+    /// multiples of 8 up to 256, convs up to 8 wide); routed experts are not in the step yet.
+    /// Its attention layers take the checks every model's do.
+    fn hybrid_support(&self) -> Result<(), Reason> {
+        let Some(h) = &self.hybrid else {
+            return Ok(());
+        };
+        if h.experts > 0 {
+            return Err(Reason::Experts(h.experts));
+        }
+        if !self.mamba_layers() {
+            return Ok(());
+        }
+        let eighths = |v: usize, max: usize| v.is_multiple_of(8) && v <= max;
+        for (key, value, ok, takes) in [
+            (
+                "model.hybrid.mamba_d_head",
+                h.mamba_d_head,
+                eighths(h.mamba_d_head, 128),
+                "multiples of 8 up to 128",
+            ),
+            (
+                "model.hybrid.mamba_d_state",
+                h.mamba_d_state,
+                eighths(h.mamba_d_state, 256),
+                "multiples of 8 up to 256",
+            ),
+            (
+                "model.hybrid.mamba_d_conv",
+                h.mamba_d_conv,
+                h.mamba_d_conv <= 8,
+                "up to 8",
+            ),
+        ] {
+            if !ok {
+                return Err(Reason::Mamba { key, value, takes });
+            }
+        }
+        Ok(())
     }
 
     /// Gemma's block (sandwich norms, 1 + w norms, GeGLU) and sliding layers are in the step;

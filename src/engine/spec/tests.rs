@@ -404,3 +404,117 @@ fn the_step_refuses_gemma_parts_and_longrope_by_name() {
     assert_eq!(short.inv_freq[1] / long.inv_freq[1], 2.0);
     assert_eq!((short.scale, long.scale), (1.5, 1.5));
 }
+
+/// A dense Granite 4.0 hybrid (Mamba layers beside attention, no routed experts) runs on the
+/// step; routed experts, Mamba sizes past the kernels' and packed samples through Mamba layers
+/// are refused by name; its attention layers take every model's checks.
+#[test]
+fn the_step_runs_dense_hybrids_and_refuses_what_its_mamba_kernels_do_not_cover() {
+    use crate::config::{HybridConfig, MixerKind};
+    fn hybrid(c: &mut Config) {
+        llama(c);
+        c.model.n_layer = 3;
+        c.model.hybrid = Some(HybridConfig {
+            layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
+            mamba_n_heads: 8,
+            mamba_d_head: 64,
+            mamba_d_state: 128,
+            ..HybridConfig::default()
+        });
+    }
+    let with = |f: fn(&mut HybridConfig)| {
+        spec(|c| {
+            hybrid(c);
+            if let Some(h) = c.model.hybrid.as_mut() {
+                f(h);
+            }
+        })
+    };
+    let why = |s: &ModelSpec, f: &StepFacts| s.fast_step_support(f).unwrap_err();
+    let dense = spec(hybrid);
+    assert_eq!(dense.fast_step_support(&gpu()), Ok(()));
+    let masked = StepFacts {
+        loss_mask: true,
+        ..gpu()
+    };
+    assert_eq!(dense.fast_step_support(&masked), Ok(()));
+    // Attention alone in a hybrid stack, and NoPE attention.
+    assert_eq!(
+        with(|h| h.layers = vec![MixerKind::Attention; 3]).fast_step_support(&gpu()),
+        Ok(())
+    );
+    let experts = with(|h| {
+        h.experts = 4;
+        h.experts_top_k = 2;
+        h.expert_hidden = 64;
+    });
+    assert_eq!(why(&experts, &gpu()), Reason::Experts(4));
+    assert!(why(&experts, &gpu()).to_string().contains("routed experts"));
+    for (h, key, value) in [
+        (
+            with(|h| h.mamba_d_head = 12),
+            "model.hybrid.mamba_d_head",
+            12,
+        ),
+        (
+            with(|h| h.mamba_d_head = 256),
+            "model.hybrid.mamba_d_head",
+            256,
+        ),
+        (
+            with(|h| h.mamba_d_state = 20),
+            "model.hybrid.mamba_d_state",
+            20,
+        ),
+        (
+            with(|h| h.mamba_d_state = 512),
+            "model.hybrid.mamba_d_state",
+            512,
+        ),
+        (with(|h| h.mamba_d_conv = 9), "model.hybrid.mamba_d_conv", 9),
+    ] {
+        let w = why(&h, &gpu());
+        assert!(
+            matches!(w, Reason::Mamba { key: k, value: v, .. } if k == key && v == value),
+            "{key} = {value}: {w}"
+        );
+        assert!(w.to_string().contains(&format!("{key} = {value}")), "{w}");
+    }
+    // Widths and heads of the attention layers: as any model's.
+    let narrow = spec(|c| {
+        hybrid(c);
+        c.model.n_embd = 260;
+        c.model.n_head = 2;
+    });
+    assert!(matches!(
+        why(&narrow, &gpu()),
+        Reason::Widths { n_embd: 260, .. }
+    ));
+    let kv = spec(|c| {
+        hybrid(c);
+        c.model.n_kv_head = 3;
+    });
+    assert!(matches!(why(&kv, &gpu()), Reason::KvHeads { .. }));
+    // Packed samples: the model refuses them through Mamba layers, so does the step.
+    let packed = StepFacts {
+        packed_samples: true,
+        ..gpu()
+    };
+    assert_eq!(why(&dense, &packed), Reason::PackedMamba);
+}
+
+/// The shipped Granite-4.0-H-1B LoRA config runs on the step on a CUDA GPU.
+#[test]
+fn the_granite_h_config_runs_on_the_step() {
+    let set = [
+        "lora.base=\"random\"".to_string(),
+        "data.source=\"builtin\"".to_string(),
+    ];
+    let path = std::path::Path::new("configs/lora-granite-h-1b.toml");
+    let c = crate::config::load(Some(path), &set)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .config;
+    let s = ModelSpec::from_config(&c, c.model.vocab_size);
+    assert!(s.hybrid.is_some());
+    assert_eq!(s.fast_step_support(&gpu()), Ok(()));
+}
