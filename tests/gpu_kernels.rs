@@ -660,6 +660,44 @@ fn fused_lm_head_cross_entropy_matches_matmul_then_ce() {
     }
 }
 
+/// A dense Granite 4.0 hybrid (granite-4.0-h's block on a small scale): 4 layers of which 3
+/// Mamba-2 (4 heads × 32, state 16, 2 groups, conv 4 with its bias, no projection biases) and
+/// one attention layer without position encoding (NoPE, GQA 2/1, head dim 64 over n_embd 128),
+/// the shared SwiGLU MLP, RMSNorm, Granite's multipliers, T 200 (not a multiple of the scan's
+/// chunks of 64).
+fn granite_hybrid(c: &mut Config) {
+    use cockpit::config::{HybridConfig, MixerKind::Attention, MixerKind::Mamba};
+    c.model.norm = cockpit::config::Norm::RmsNorm;
+    c.model.activation = cockpit::config::Activation::SwiGlu;
+    c.model.pos = cockpit::config::PosEncoding::Rope;
+    c.model.bias = false;
+    c.model.mlp_ratio = 2.75;
+    c.model.n_layer = 4;
+    c.model.n_embd = 128;
+    c.model.n_head = 2;
+    c.model.n_kv_head = 1;
+    c.model.seq_len = 200;
+    c.model.embedding_multiplier = 12.0;
+    // (1/8 rather than Granite 4.0's 1/head_dim: at this init, scores scaled by 1/64 leave the
+    // attention uniform and q's and k's gradients at rounding level, which fp16 cannot check.)
+    c.model.attention_multiplier = 0.125;
+    c.model.residual_multiplier = 0.22;
+    c.model.logits_scaling = 8.0;
+    c.model.hybrid = Some(HybridConfig {
+        layers: vec![Mamba, Attention, Mamba, Mamba],
+        rope: false,
+        mamba_n_heads: 4,
+        mamba_d_head: 32,
+        mamba_d_state: 16,
+        mamba_n_groups: 2,
+        mamba_d_conv: 4,
+        mamba_chunk_size: 64,
+        mamba_conv_bias: true,
+        mamba_proj_bias: false,
+        ..HybridConfig::default()
+    });
+}
+
 /// A model family for the whole-model step test: what it sets on the default config.
 struct Family {
     name: &'static str,
@@ -1081,6 +1119,28 @@ fn every_step_family() -> Vec<Family> {
                 c.model.n_kv_head = 1;
             },
         },
+        Family {
+            name: "granite-4.0-h-like hybrid: 3 Mamba-2 layers (4 heads × 32, state 16, 2 groups, \
+                   conv 4) + a NoPE attention layer, shared SwiGLU MLP, Granite multipliers, T 200",
+            vocab: 97,
+            set: granite_hybrid,
+        },
+        Family {
+            name: "granite-4.0-h-like hybrid: Mamba-2 heads of 64, state 128, one group, T 130, \
+                   recompute attention",
+            vocab: 97,
+            set: |c| {
+                granite_hybrid(c);
+                c.model.seq_len = 130;
+                c.model.recompute = cockpit::config::Recompute::Attention;
+                if let Some(h) = c.model.hybrid.as_mut() {
+                    h.mamba_n_heads = 2;
+                    h.mamba_d_head = 64;
+                    h.mamba_d_state = 128;
+                    h.mamba_n_groups = 1;
+                }
+            },
+        },
     ]
 }
 
@@ -1395,7 +1455,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
     }
     // (name, shape, targets, base in NF4)
     type Case = (&'static str, fn(&mut Config), Vec<String>, bool);
-    let cases: [Case; 9] = [
+    let cases: [Case; 10] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
@@ -1487,10 +1547,25 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             all.clone(),
             false,
         ),
+        (
+            "granite-4.0-h-like hybrid (3 Mamba-2 layers, a NoPE attention layer), adapters on \
+             in_proj, out_proj, q, k, v, o and the shared MLP's up (gate | up) and down",
+            |c| {
+                granite_hybrid(c);
+                c.model.seq_len = 80;
+            },
+            ["in_proj", "out_proj", "q", "k", "v", "o", "up", "down"]
+                .map(String::from)
+                .to_vec(),
+            false,
+        ),
     ];
-    // Each case in bf16 and in fp16 (the fp16 step with a loss scale of 256, divided out).
+    // Each case in bf16 and in fp16 (the fp16 step with a loss scale of 256, divided out);
+    // COCKPIT_FAMILY=text: only the cases whose name contains it.
+    let only = std::env::var("COCKPIT_FAMILY").unwrap_or_default();
     let runs = cases
         .iter()
+        .filter(|case| case.0.contains(&only))
         .flat_map(|case| step_dtypes(&dev).into_iter().map(move |dt| (case, dt)));
     for ((name, set, targets, nf4), dt16) in runs {
         let (name, nf4) = (*name, *nf4);
