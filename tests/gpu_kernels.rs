@@ -1127,7 +1127,7 @@ fn every_step_family() -> Vec<Family> {
         },
         Family {
             name: "granite-4.0-h-like hybrid: Mamba-2 heads of 64, state 128, one group, T 130, \
-                   recompute attention",
+                   recompute attention, the reference's scan in one chunk of 256",
             vocab: 97,
             set: |c| {
                 granite_hybrid(c);
@@ -1138,6 +1138,7 @@ fn every_step_family() -> Vec<Family> {
                     h.mamba_d_head = 64;
                     h.mamba_d_state = 128;
                     h.mamba_n_groups = 1;
+                    h.mamba_chunk_size = 256;
                 }
             },
         },

@@ -142,6 +142,7 @@ union Bf8 {
 #include "step/qk_norm.cuh"
 #include "step/dropout.cuh"
 #include "step/swiglu.cuh"
+#include "step/mamba.cuh"
 
 // src[b, t, off + h·hd + d] of a [B, T, ld] buffer → dst [B, H, T, hd] (heads_merge's inverse).
 extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,

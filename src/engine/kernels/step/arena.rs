@@ -5,7 +5,7 @@ use candle_core::Result;
 use half::bf16;
 
 use super::graphs::Graphs;
-use super::mamba::{MambaActs, MambaArena};
+use super::mamba_bufs::{MambaActs, MambaArena};
 use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
 use super::{align, ptr, ModelStep};
 use crate::config::Recompute;

@@ -58,6 +58,8 @@ pub(super) struct Kernels {
     pub(super) swiglu_bwd: Kern,
     pub(super) dropout_rows: Kern,
     pub(super) nf4_dequant: Kern,
+    /// The Mamba-2 mixer's kernels (mamba.cuh).
+    pub(super) mamba: MambaKernels,
     /// Flash attention for head dim 64 and for head dim 128.
     pub(super) flash64: Flash,
     /// None where the GPU's shared memory per block is too small for them (a T4's 64 KB:
@@ -231,6 +233,7 @@ impl Kernels {
             swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
             dropout_rows: f("dropout_rows_v8_bf16")?,
             nf4_dequant: f("nf4_dequant_bf16")?,
+            mamba: MambaKernels::load(&named)?,
             flash64: Flash::load(&named, 64, hopper)?,
             flash128: crate::engine::kernels::cuda::flash_fits(dev, 128)
                 .then(|| Flash::load(&named, 128, hopper))
@@ -323,6 +326,77 @@ impl ModelStep {
         }
         self.k.flash128.as_ref().ok_or_else(|| {
             err("flash attention at head dim 128 needs more shared memory a block than this GPU has")
+        })
+    }
+}
+
+/// Shared memory (bytes) of the chunk kernels: 64 × 68 f32 tiles (mamba.cuh's MB_LD) and
+/// per-position vectors.
+pub(super) const TILE: u32 = 64 * 68 * 4;
+pub(super) const STATE_SMEM: u32 = 2 * TILE + 64 * 4;
+pub(super) const SCAN_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
+pub(super) const SCAN_BWD_SMEM: u32 = 5 * TILE + 6 * 64 * 4;
+pub(super) const STATE_BWD_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
+pub(super) const CB_SMEM: u32 = 2 * TILE;
+
+/// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 52 KB of shared memory
+/// a block, backward 87 KB) are None on a GPU that cannot give a block that much: `ModelStep::mamba_fwd` then
+/// says so.
+pub(super) struct MambaKernels {
+    pub(super) conv_fwd: Kern,
+    pub(super) dt_fwd: Kern,
+    pub(super) chunk_cb: Kern,
+    pub(super) chunk_state: Kern,
+    pub(super) state_pass: Kern,
+    /// The chunk scan, its backward and the chunk states' backward (more than 48 KB of shared
+    /// memory a block each).
+    pub(super) scan: Option<(Kern, Kern, Kern)>,
+    pub(super) gnorm_fwd: Kern,
+    pub(super) gnorm_bwd: Kern,
+    pub(super) zero: Kern,
+    pub(super) state_pass_bwd: Kern,
+    pub(super) dt_bwd: Kern,
+    pub(super) conv_dsilu: Kern,
+    pub(super) conv_bwd: Kern,
+}
+
+impl MambaKernels {
+    pub(super) fn load(named: &dyn Fn(&str, &'static str) -> Result<Kern>) -> Result<Self> {
+        let allow = |k: Kern, bytes: u32| -> Option<Kern> {
+            k.f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .ok()
+            .map(|_| k)
+        };
+        let scan = allow(named("mamba_chunk_scan_bf16", "mamba_scan")?, SCAN_SMEM);
+        let scan_bwd = allow(
+            named("mamba_chunk_scan_bwd_bf16", "mamba_scan_bwd")?,
+            SCAN_BWD_SMEM,
+        );
+        let state_bwd = allow(
+            named("mamba_chunk_state_bwd_bf16", "mamba_state_bwd")?,
+            STATE_BWD_SMEM,
+        );
+        let scan = match (scan, scan_bwd, state_bwd) {
+            (Some(a), Some(b), Some(c)) => Some((a, b, c)),
+            _ => None,
+        };
+        Ok(Self {
+            conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
+            dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
+            chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
+            chunk_state: named("mamba_chunk_state_bf16", "mamba_state")?,
+            state_pass: named("mamba_state_pass_bf16", "mamba_state")?,
+            scan,
+            gnorm_fwd: named("mamba_gnorm_fwd_bf16", "mamba_gated_norm")?,
+            gnorm_bwd: named("mamba_gnorm_bwd_bf16", "mamba_gated_norm_bwd")?,
+            zero: named("mamba_zero_f32", "mamba_zero")?,
+            state_pass_bwd: named("mamba_state_pass_bwd_bf16", "mamba_state_bwd")?,
+            dt_bwd: named("mamba_dt_bwd_bf16", "mamba_dt_bwd")?,
+            conv_dsilu: named("mamba_conv_dsilu_bf16", "mamba_conv_bwd")?,
+            conv_bwd: named("mamba_conv_bwd_bf16", "mamba_conv_bwd")?,
         })
     }
 }

@@ -8,7 +8,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor, Var};
 use half::bf16;
 
-use super::mamba::MambaIdx;
+use super::mamba_bufs::MambaIdx;
 use super::{align, ptr, Arg, ModelStep};
 use crate::engine::kernels::cuda::{err, multi_grid, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::nf4::Nf4;

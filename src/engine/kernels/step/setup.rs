@@ -6,7 +6,7 @@ use half::bf16;
 
 use super::attention::rope_table;
 use super::kernels::Kernels;
-use super::mamba::{MambaDims, MambaIdx};
+use super::mamba_bufs::{MambaDims, MambaIdx};
 use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
 use super::{align, ptr, tensor_ptr, ModelStep, ALIGN};
 use crate::config::{Activation, Norm, QkNorm, Recompute};

@@ -1,0 +1,878 @@
+// The Mamba-2 mixer of a hybrid's Mamba layers (launched by mamba.rs): the depthwise causal
+// conv1d + SiLU, dt's softplus and its cumulative sum × A per chunk, the selective scan by
+// state-space duality in chunks of MB_L positions (a chunk's own outputs as masked, decayed
+// C·Bᵀ products; the state carried between chunks in fp32), and the gated RMSNorm; forward and
+// backward. Part of the whole-model step's kernels: included by ../kernels.cu after swiglu.cuh
+// and qk_norm.cuh (sigmoid_f, qkw_block_sum).
+//
+// Layouts (rows r = b·T + t): the in_proj output zx [N, W] holds z (inner columns), x | B | C
+// (conv columns: x heads·P, then B and C groups·S each) and dt (heads); xc [N, conv] the conv's
+// output after SiLU; per (b, h) the f32 vectors dtv (dt after softplus and limits) and lam (its
+// cumulative sum × A within each chunk) over Tp = chunks·MB_L positions ([B, H, Tp]); states
+// [B, H, chunks, P, S] f32. Head h reads group h / (H / G) of B and C. Positions past T (the
+// last chunk's tail) have dt = 0 and x = B = C = 0: they change nothing.
+//
+// The chunk kernels run one block of 256 threads per (chunk, head, batch row) over 64 × 64 f32
+// tiles in shared memory (MB_LD = 68 columns: the tensor-core fragments read them without bank conflicts), each
+// thread a 4 × 4 piece of a tile's product (mb_mm64).
+#pragma once
+
+#define MB_L 64
+#define MB_LD 68
+#define MB_TILE (64 * MB_LD)
+
+__device__ __forceinline__ float silu_f(float x) { return x * sigmoid_f(x); }
+// d silu(x) / dx
+__device__ __forceinline__ float dsilu_f(float x) {
+    const float s = sigmoid_f(x);
+    return s * (1.f + x * (1.f - s));
+}
+__device__ __forceinline__ float softplus_f(float x) {
+    return fmaxf(x, 0.f) + log1pf(__expf(-fabsf(x)));
+}
+
+// The chunk kernels' 64 × 64 tile products. Each of the 256 threads holds 16 accumulators
+// acc[a][c] of the output tile, at row mb_row(a, c) and column mb_col(a, c):
+// - on sm_80 and newer, tensor cores (mma.sync m16n8k8, tf32 operands, f32 accumulation):
+//   warp w owns rows 16·(w % 4).. and columns 32·(w / 4)..; acc[a][c] is n8 tile a, element c
+//   of mma's accumulator layout;
+// - elsewhere (the compute_75 build) f32 FMAs: thread (tx, ty) = (thread % 16, thread / 16) owns
+//   rows ty + 16a and columns tx + 16c.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MB_TC 1
+#else
+#define MB_TC 0
+#endif
+
+__device__ __forceinline__ int mb_row(int a, int c) {
+#if MB_TC
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    (void)a;
+    return 16 * (w & 3) + (lane >> 2) + 8 * (c >> 1);
+#else
+    (void)c;
+    return (threadIdx.x >> 4) + 16 * a;
+#endif
+}
+__device__ __forceinline__ int mb_col(int a, int c) {
+#if MB_TC
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    return 32 * (w >> 2) + 8 * a + 2 * (lane & 3) + (c & 1);
+#else
+    (void)a;
+    return (threadIdx.x & 15) + 16 * c;
+#endif
+}
+
+#if MB_TC
+__device__ __forceinline__ uint32_t mb_tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+#endif
+
+// acc[a][c] += Σ_k A(mb_row, k)·B(k, mb_col) over k < kn (a multiple of 8), A(r, k) =
+// a[r·ars + k·acs], B(k, c) = b[k·brs + c·bcs].
+__device__ __forceinline__ void mb_mm64(float acc[4][4], const float* a, int ars, int acs,
+                                        const float* b, int brs, int bcs, int kn) {
+#if MB_TC
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = 16 * (w & 3) + g, c0 = 32 * (w >> 2) + g;
+    for (int k = 0; k < kn; k += 8) {
+        const uint32_t a0 = mb_tf32(a[r0 * ars + (k + t) * acs]);
+        const uint32_t a1 = mb_tf32(a[(r0 + 8) * ars + (k + t) * acs]);
+        const uint32_t a2 = mb_tf32(a[r0 * ars + (k + t + 4) * acs]);
+        const uint32_t a3 = mb_tf32(a[(r0 + 8) * ars + (k + t + 4) * acs]);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+            const int col = c0 + 8 * n;
+            const uint32_t b0 = mb_tf32(b[(k + t) * brs + col * bcs]);
+            const uint32_t b1 = mb_tf32(b[(k + t + 4) * brs + col * bcs]);
+            asm volatile(
+                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        }
+    }
+#else
+    const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+    for (int k = 0; k < kn; ++k) {
+        float av[4], bv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) av[i] = a[(ty + 16 * i) * ars + k * acs];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) bv[j] = b[k * brs + (tx + 16 * j) * bcs];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+#endif
+}
+
+__device__ __forceinline__ void mb_zero(float acc[4][4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+}
+
+// Eight 16-bit values or four f32 of one 16-byte load, as f32.
+__device__ __forceinline__ void mb_unpack(uint4 u, float* v, const bf16_t*) {
+    Bf8 q;
+    q.u = u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(q.h[k]);
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void mb_unpack(uint4 u, float* v, const float*) {
+    v[0] = __uint_as_float(u.x);
+    v[1] = __uint_as_float(u.y);
+    v[2] = __uint_as_float(u.z);
+    v[3] = __uint_as_float(u.w);
+}
+
+// tile[i][j] = src[(t0 + i)·ld + c0 + j]·(scale ? scale[i] : 1) for rows t0 + i < t_end and
+// columns j < cols; 0 elsewhere (64 × 64, row stride MB_LD). Whole rows of 16-byte aligned
+// columns load 16 bytes a thread.
+template <typename T>
+__device__ __forceinline__ void mb_load(float* tile, const T* src, size_t ld, int t0, int t_end,
+                                        int c0, int cols, const float* scale) {
+    constexpr int V = 16 / sizeof(T);
+    if (cols == 64 && ld % V == 0 && c0 % V == 0 &&
+        reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+        for (int e = threadIdx.x; e < 64 * 64 / V; e += blockDim.x) {
+            const int i = e / (64 / V), j = (e % (64 / V)) * V;
+            float v[V];
+            if (t0 + i < t_end) {
+                const uint4 u =
+                    *reinterpret_cast<const uint4*>(src + (size_t)(t0 + i) * ld + c0 + j);
+                mb_unpack(u, v, src);
+                if (scale) {
+                    const float sc = scale[i];
+#pragma unroll
+                    for (int k = 0; k < V; ++k) v[k] *= sc;
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; ++k) v[k] = 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < V; k += 4)
+                *reinterpret_cast<float4*>(&tile[i * MB_LD + j + k]) =
+                    make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+        }
+        return;
+    }
+    for (int e = threadIdx.x; e < 64 * 64; e += blockDim.x) {
+        const int i = e >> 6, j = e & 63;
+        float v = 0.f;
+        if (t0 + i < t_end && j < cols) {
+            v = to_f(src[(size_t)(t0 + i) * ld + c0 + j]);
+            if (scale) v *= scale[i];
+        }
+        tile[i * MB_LD + j] = v;
+    }
+}
+
+// A state's rows p0.. (of p) and columns c0.. (cols of them; row stride s) as a tile.
+__device__ __forceinline__ void mb_load_state(float* tile, const float* st, int p0, int p, int s,
+                                              int c0, int cols) {
+    mb_load(tile, st, (size_t)s, p0, p, c0, cols, nullptr);
+}
+
+// The conv: xc[r, ch] = silu(cb[ch] + Σ_j w[ch, j]·zx[r − (K−1) + j, off + ch]) over the inputs
+// of the same sequence (earlier ones are zeros). Threads over channels, blocks over rows too.
+__device__ __forceinline__ float mb_conv_pre(const bf16_t* __restrict__ zx, int ld, int off,
+                                             const bf16_t* __restrict__ w,
+                                             const bf16_t* __restrict__ cb, int r, int tt, int ch,
+                                             int k) {
+    float acc = cb ? to_f(cb[ch]) : 0.f;
+    for (int j = 0; j < k; ++j) {
+        const int back = k - 1 - j;
+        if (tt - back >= 0)
+            acc += to_f(w[ch * k + j]) * to_f(zx[(size_t)(r - back) * ld + off + ch]);
+    }
+    return acc;
+}
+extern "C" __global__ void mamba_conv_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                                               const bf16_t* __restrict__ w,
+                                               const bf16_t* __restrict__ cb,
+                                               bf16_t* __restrict__ xc, int n, int t, int conv,
+                                               int k) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= conv) return;
+    for (int r = blockIdx.y; r < n; r += gridDim.y)
+        xc[(size_t)r * conv + ch] = from_f<bf16_t>(silu_f(mb_conv_pre(zx, ld, off, w, cb, r, r % t, ch, k)));
+}
+
+// dt: dtv = softplus(zx[r, off + h] + dt_bias[h]) (clamped to [lo, hi] where `clamp`), lam its
+// running sum × A (A = −exp(a_log[h])) within each chunk; 0 and the chunk's last sum past T.
+// A thread per (b, h, chunk).
+extern "C" __global__ void mamba_dt_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                                             const bf16_t* __restrict__ dt_bias,
+                                             const bf16_t* __restrict__ a_log,
+                                             float* __restrict__ dtv, float* __restrict__ lam,
+                                             int b, int t, int h, int chunks, int clamp, float lo,
+                                             float hi) {
+    const int q = blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= b * h * chunks) return;
+    const int c = q % chunks, hh = (q / chunks) % h, bb = q / (chunks * h);
+    const float a = -__expf(to_f(a_log[hh])), bias = to_f(dt_bias[hh]);
+    const size_t base = (size_t)(bb * h + hh) * chunks * MB_L + c * MB_L;
+    float run = 0.f;
+    for (int i = 0; i < MB_L; ++i) {
+        const int tt = c * MB_L + i;
+        float v = 0.f;
+        if (tt < t) {
+            v = softplus_f(to_f(zx[(size_t)(bb * t + tt) * ld + off + hh]) + bias);
+            if (clamp) v = fminf(fmaxf(v, lo), hi);
+        }
+        run += v * a;
+        dtv[base + i] = v;
+        lam[base + i] = run;
+    }
+}
+
+// Grid of the chunk kernels: (chunks, heads, batch), 256 threads. Shared pointers for one block.
+struct MbChunk {
+    int c, h, b, g;         // chunk, head, batch row, the head's group
+    int t0, t_end;          // the chunk's first row within the sequence, and T
+    size_t row0;            // b·T + t0
+    size_t pos;             // (b·H + h)·Tp + t0: this chunk's dtv/lam
+    size_t st;              // this chunk's state
+};
+__device__ __forceinline__ MbChunk mb_chunk(int t, int heads, int groups, int p, int s) {
+    MbChunk k;
+    k.c = blockIdx.x;
+    k.h = blockIdx.y;
+    k.b = blockIdx.z;
+    k.g = k.h / (heads / groups);
+    k.t0 = k.c * MB_L;
+    k.t_end = t;
+    k.row0 = (size_t)k.b * t + k.t0;
+    k.pos = (size_t)(k.b * heads + k.h) * gridDim.x * MB_L + k.t0;
+    k.st = ((size_t)(k.b * heads + k.h) * gridDim.x + k.c) * p * s;
+    return k;
+}
+
+// A chunk's own contribution to the state at its end:
+// states[p][s] = Σ_i exp(lam_last − lam_i)·dtv_i·x_i[p]·B_i[s].
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_chunk_state_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
+                           const float* __restrict__ lam, float* __restrict__ states, int t,
+                           int heads, int p, int s, int groups) {
+    extern __shared__ float mb_smem[];
+    float* xs = mb_smem;                // [i][p]
+    float* bs = mb_smem + MB_TILE;      // [i][s]
+    float* w = mb_smem + 2 * MB_TILE;   // [i]
+    const MbChunk k = mb_chunk(t, heads, groups, p, s);
+    const int conv = heads * p + 2 * groups * s;
+    const float last = lam[k.pos + MB_L - 1];
+    for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
+        w[i] = __expf(last - lam[k.pos + i]) * dtv[k.pos + i];
+    __syncthreads();
+        const int r0 = (int)k.row0, r1 = r0 + min(t - k.t0, MB_L);
+    for (int p0 = 0; p0 < p; p0 += 64) {
+        mb_load(xs, xc, conv, r0, r1, k.h * p + p0, min(64, p - p0), w);
+        for (int s0 = 0; s0 < s; s0 += 64) {
+            mb_load(bs, xc, conv, r0, r1, heads * p + k.g * s + s0, min(64, s - s0), nullptr);
+            __syncthreads();
+            float acc[4][4];
+            mb_zero(acc);
+            // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
+            mb_mm64(acc, xs, 1, MB_LD, bs, MB_LD, 1, MB_L);
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int pp = p0 + mb_row(a, c), ss = s0 + mb_col(a, c);
+                    if (pp < p && ss < s) states[k.st + (size_t)pp * s + ss] = acc[a][c];
+                }
+            __syncthreads();
+        }
+    }
+}
+
+// The states passed between chunks, in place: states[c] (chunk c's own contribution) becomes
+// the state at chunk c's start, S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c + own_c. A thread per
+// (b, h, state element).
+extern "C" __global__ void mamba_state_pass_bf16(float* __restrict__ states,
+                                                 const float* __restrict__ lam, int chunks,
+                                                 int ps) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= ps) return;
+    const size_t bh = blockIdx.y;
+    float* st = states + bh * chunks * ps + e;
+    const float* lm = lam + bh * chunks * MB_L;
+    float run = 0.f;
+    for (int c = 0; c < chunks; ++c) {
+        const float own = st[(size_t)c * ps];
+        st[(size_t)c * ps] = run;
+        run = run * __expf(lm[c * MB_L + MB_L - 1]) + own;
+    }
+}
+
+// Each chunk's C·Bᵀ per group, which its heads share: cb[b, g, chunk][i][j] = C_i·B_j
+// (f32, 64 × 64). Grid (chunks, groups, batch).
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_chunk_cb_bf16(const bf16_t* __restrict__ xc, float* __restrict__ cb, int t, int heads,
+                        int p, int s, int groups) {
+    extern __shared__ float mb_smem[];
+    float* t1 = mb_smem;
+    float* t2 = mb_smem + MB_TILE;
+    const int c = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+    const int conv = heads * p + 2 * groups * s, inner = heads * p;
+    const int t0 = c * MB_L, r0 = b * t + t0, r1 = r0 + min(t - t0, MB_L);
+    const int bcol = inner + g * s, ccol = inner + groups * s + g * s;
+    float acc[4][4];
+    mb_zero(acc);
+    for (int s0 = 0; s0 < s; s0 += 64) {
+        __syncthreads();
+        mb_load(t1, xc, conv, r0, r1, ccol + s0, min(64, s - s0), nullptr);
+        mb_load(t2, xc, conv, r0, r1, bcol + s0, min(64, s - s0), nullptr);
+        __syncthreads();
+        // A(i, s) = C[i][s], B(s, j) = B[j][s]
+        mb_mm64(acc, t1, MB_LD, 1, t2, 1, MB_LD, 64);
+    }
+    float* out = cb + ((size_t)(b * groups + g) * gridDim.x + c) * MB_L * MB_L;
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) out[mb_row(a, q) * MB_L + mb_col(a, q)] = acc[a][q];
+}
+
+// The chunk's C·Bᵀ (mamba_chunk_cb) at this thread's accumulator places.
+__device__ __forceinline__ void mb_read_cb(float g[4][4], const float* __restrict__ cb,
+                                           const MbChunk& k, int groups) {
+    const float* src = cb + ((size_t)(k.b * groups + k.g) * gridDim.x + k.c) * MB_L * MB_L;
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) g[a][c] = src[mb_row(a, c) * MB_L + mb_col(a, c)];
+}
+
+// A chunk's outputs: y_i[p] = Σ_{j ≤ i} (C_i·B_j)·exp(lam_i − lam_j)·dtv_j·x_j[p]
+// + exp(lam_i)·Σ_s C_i[s]·S[p][s] + D·x_i[p], into y [N, inner] (the gated norm's input).
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_chunk_scan_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
+                          const float* __restrict__ dtv, const float* __restrict__ lam,
+                          const float* __restrict__ states, const bf16_t* __restrict__ dskip,
+                          bf16_t* __restrict__ y, int t, int heads, int p, int s, int groups) {
+    extern __shared__ float mb_smem[];
+    float* ms = mb_smem;                 // M[i][j]
+    float* t1 = mb_smem + MB_TILE;       // C tile [i][s]
+    float* t2 = mb_smem + 2 * MB_TILE;   // x [j][p], then S [p][s]
+    float* lm = mb_smem + 3 * MB_TILE;   // lam [i]
+    float* dv = lm + MB_L;               // dtv [i]
+    const MbChunk k = mb_chunk(t, heads, groups, p, s);
+    const int conv = heads * p + 2 * groups * s, inner = heads * p;
+    const int rows = min(t - k.t0, MB_L);
+    const int r0 = (int)k.row0, r1 = r0 + rows;
+    const int ccol = inner + groups * s + k.g * s;
+    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
+        lm[i] = lam[k.pos + i];
+        dv[i] = dtv[k.pos + i];
+    }
+    float g[4][4];
+    mb_read_cb(g, cb, k, groups);
+    __syncthreads();
+    // M = C·Bᵀ·exp(lam_i − lam_j)·dtv_j for j ≤ i
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = mb_row(a, c), j = mb_col(a, c);
+            ms[i * MB_LD + j] = j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f;
+        }
+    const float dsk = to_f(dskip[k.h]);
+    for (int p0 = 0; p0 < p; p0 += 64) {
+        const int pc = min(64, p - p0);
+        __syncthreads();
+        mb_load(t2, xc, conv, r0, r1, k.h * p + p0, pc, nullptr);
+        __syncthreads();
+        float acc[4][4], off[4][4], xd[4][4];
+        mb_zero(acc);
+        mb_zero(off);
+        mb_mm64(acc, ms, MB_LD, 1, t2, MB_LD, 1, MB_L);
+        // the D skip, from the x tile in t2
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) xd[a][c] = t2[mb_row(a, c) * MB_LD + mb_col(a, c)];
+        for (int s0 = 0; s0 < s; s0 += 64) {
+            const int sc = min(64, s - s0);
+            __syncthreads();
+            mb_load(t1, xc, conv, r0, r1, ccol + s0, sc, nullptr);
+            mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
+            __syncthreads();
+            // A(i, s) = C[i][s], B(s, p) = S[p][s]
+            mb_mm64(off, t1, MB_LD, 1, t2, 1, MB_LD, 64);
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int i = mb_row(a, c), pp = p0 + mb_col(a, c);
+                if (i < rows && pp < p)
+                    y[(k.row0 + i) * inner + k.h * p + pp] = from_f<bf16_t>(
+                        acc[a][c] + __expf(lm[i]) * off[a][c] + dsk * xd[a][c]);
+            }
+    }
+}
+
+// The gated RMSNorm: per row and group of inner / groups columns, v = y·silu(z),
+// out = v / rms(v)·w; 1/rms kept in rstd [N, groups]. A block (256 threads) per row.
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_gnorm_fwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
+                         const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
+                         float* __restrict__ rstd, int n, int inner, int groups, float eps) {
+    __shared__ float red[32];
+    const int gw = inner / groups;
+    for (int r = blockIdx.x; r < n; r += gridDim.x) {
+        for (int g = 0; g < groups; ++g) {
+            float ss = 0.f;
+            for (int j = g * gw + threadIdx.x; j < (g + 1) * gw; j += blockDim.x) {
+                const float v = to_f(y[(size_t)r * inner + j]) * silu_f(to_f(zx[(size_t)r * ld + j]));
+                ss += v * v;
+            }
+            const float rs = rsqrtf(qkw_block_sum(ss, red) / gw + eps);
+            if (threadIdx.x == 0) rstd[(size_t)r * groups + g] = rs;
+            for (int j = g * gw + threadIdx.x; j < (g + 1) * gw; j += blockDim.x) {
+                const float v = to_f(y[(size_t)r * inner + j]) * silu_f(to_f(zx[(size_t)r * ld + j]));
+                out[(size_t)r * inner + j] = from_f<bf16_t>(v * rs * to_f(w[j]));
+            }
+        }
+    }
+}
+
+// The gated RMSNorm's backward from d out (`dout` [N, inner]): dy (f32 [N, inner]), dz into
+// dzx's first inner columns (row stride ld), and the weight's gradient (+=, where dw is not
+// null). A block per MB_GN_ROWS rows, the weight's gradient summed in shared memory first.
+#define MB_GN_ROWS 32
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_gnorm_bwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
+                         const bf16_t* __restrict__ w, const float* __restrict__ rstd,
+                         const bf16_t* __restrict__ dout, float* __restrict__ dy,
+                         bf16_t* __restrict__ dzx, float* __restrict__ dw, int n, int inner,
+                         int groups) {
+    extern __shared__ float mb_smem[];
+    float* dws = mb_smem;  // [inner]
+    __shared__ float red[32];
+    const int gw = inner / groups;
+    for (int j = threadIdx.x; j < inner; j += blockDim.x) dws[j] = 0.f;
+    const int r_end = min(n, (int)(blockIdx.x + 1) * MB_GN_ROWS);
+    for (int r = blockIdx.x * MB_GN_ROWS; r < r_end; ++r) {
+        for (int g = 0; g < groups; ++g) {
+            const float rs = rstd[(size_t)r * groups + g];
+            float dot = 0.f;
+            for (int j = g * gw + threadIdx.x; j < (g + 1) * gw; j += blockDim.x) {
+                const float z = to_f(zx[(size_t)r * ld + j]);
+                const float v = to_f(y[(size_t)r * inner + j]) * silu_f(z) * rs;
+                const float d = to_f(dout[(size_t)r * inner + j]);
+                dot += d * to_f(w[j]) * v;
+                dws[j] += d * v;
+            }
+            dot = qkw_block_sum(dot, red) / gw;
+            for (int j = g * gw + threadIdx.x; j < (g + 1) * gw; j += blockDim.x) {
+                const float z = to_f(zx[(size_t)r * ld + j]), yy = to_f(y[(size_t)r * inner + j]);
+                const float v = yy * silu_f(z) * rs;
+                const float d = to_f(dout[(size_t)r * inner + j]);
+                const float dv = rs * (d * to_f(w[j]) - v * dot);
+                dy[(size_t)r * inner + j] = dv * silu_f(z);
+                dzx[(size_t)r * ld + j] = from_f<bf16_t>(dv * yy * dsilu_f(z));
+            }
+        }
+    }
+    __syncthreads();
+    if (dw)
+        for (int j = threadIdx.x; j < inner; j += blockDim.x) atomicAdd(&dw[j], dws[j]);
+}
+
+extern "C" __global__ void mamba_zero_f32(float* __restrict__ x, size_t n) {
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < n;
+         q += (size_t)gridDim.x * blockDim.x)
+        x[q] = 0.f;
+}
+
+// The backward of a chunk's outputs (mamba_chunk_scan) from dy [N, inner] (f32): dx into
+// dxc's x columns (stored: with the D skip's), dB and dC added into its B and C columns
+// (atomics: a group's heads share them), ddt and dlam of the chunk's positions (stored), the
+// state's gradient at the chunk's start into dstates (stored) and D's gradient (+=).
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_chunk_scan_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
+                              const float* __restrict__ dtv, const float* __restrict__ lam,
+                              const float* __restrict__ states, const bf16_t* __restrict__ dskip,
+                              const float* __restrict__ dy, float* __restrict__ dxc,
+                              float* __restrict__ ddt, float* __restrict__ dlam,
+                              float* __restrict__ dstates, float* __restrict__ dd, int t,
+                              int heads, int p, int s, int groups) {
+    extern __shared__ float mb_smem[];
+    float* ms = mb_smem;                 // M[i][j] = G·W·dtv_j
+    float* dg = mb_smem + MB_TILE;       // dG[i][j] = dM·W·dtv_j
+    float* t1 = mb_smem + 2 * MB_TILE;
+    float* t2 = mb_smem + 3 * MB_TILE;
+    float* t3 = mb_smem + 4 * MB_TILE;
+    float* lm = mb_smem + 5 * MB_TILE;   // lam [i]
+    float* dv = lm + MB_L;               // dtv [i]
+    float* el = dv + MB_L;               // exp(lam_i)
+    float* rsum = el + MB_L;             // dlam from the rows' sums
+    float* csum = rsum + MB_L;           // dlam from the columns' sums
+    float* dts = csum + MB_L;            // ddt [j]
+    __shared__ float red[32];
+    const MbChunk k = mb_chunk(t, heads, groups, p, s);
+    const int conv = heads * p + 2 * groups * s, inner = heads * p;
+    const int rows = min(t - k.t0, MB_L);
+    const int r0 = (int)k.row0, r1 = r0 + rows;
+    const int bcol = inner + k.g * s, ccol = inner + groups * s + k.g * s, xcol = k.h * p;
+    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
+        lm[i] = lam[k.pos + i];
+        dv[i] = dtv[k.pos + i];
+        el[i] = __expf(lm[i]);
+        rsum[i] = csum[i] = dts[i] = 0.f;
+    }
+    float g[4][4], dm[4][4];
+    mb_read_cb(g, cb, k, groups);
+    mb_zero(dm);
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = mb_row(a, c), j = mb_col(a, c);
+            ms[i * MB_LD + j] = j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f;
+        }
+    // Per tile of the head's width: dM += dy·xᵀ ([i][j]); dx_j[p] = Σ_i M[i][j]·dy_i[p] +
+    // D·dy_j[p]; D's gradient Σ dy·x.
+    const float dsk = to_f(dskip[k.h]);
+    float ddsum = 0.f;
+    for (int p0 = 0; p0 < p; p0 += 64) {
+        const int pc = min(64, p - p0);
+        __syncthreads();
+        mb_load(t1, dy, inner, r0, r1, xcol + p0, pc, nullptr);
+        mb_load(t2, xc, conv, r0, r1, xcol + p0, pc, nullptr);
+        __syncthreads();
+        // A(i, p) = dy[i][p], B(p, j) = x[j][p]
+        mb_mm64(dm, t1, MB_LD, 1, t2, 1, MB_LD, 64);
+        float acc[4][4];
+        mb_zero(acc);
+        // A(j, i) = M[i][j], B(i, p) = dy[i][p]
+        mb_mm64(acc, ms, 1, MB_LD, t1, MB_LD, 1, MB_L);
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = mb_row(a, c), pp = mb_col(a, c);
+                const float dyv = t1[j * MB_LD + pp];
+                ddsum += dyv * t2[j * MB_LD + pp];
+                if (j < rows && p0 + pp < p)
+                    dxc[(k.row0 + j) * conv + xcol + p0 + pp] = acc[a][c] + dsk * dyv;
+            }
+    }
+    // Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j; ddt_j += dM·G·W;
+    // q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = mb_row(a, c), j = mb_col(a, c);
+            float d = 0.f;
+            if (j <= i) {
+                const float wgt = __expf(lm[i] - lm[j]);
+                d = dm[a][c] * wgt * dv[j];
+                const float dmgw = dm[a][c] * g[a][c] * wgt;
+                atomicAdd(&dts[j], dmgw);
+                const float q = dmgw * dv[j];
+                atomicAdd(&rsum[i], q);
+                atomicAdd(&csum[j], q);
+            }
+            dg[i * MB_LD + j] = d;
+        }
+    // Per tile of the state: dC_i = Σ_j dG[i][j]·B_j + exp(lam_i)·Σ_p dy_i[p]·S[p] (whose
+    // Σ_s C_i[s]·(…) is dlam_i's share from the state), dB_j = Σ_i dG[i][j]·C_i, and the
+    // start state's gradient dS[p][s] = Σ_i exp(lam_i)·dy_i[p]·C_i[s].
+    for (int s0 = 0; s0 < s; s0 += 64) {
+        const int sc = min(64, s - s0);
+        __syncthreads();
+        mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
+        mb_load(t1, xc, conv, r0, r1, ccol + s0, sc, nullptr);
+        __syncthreads();
+        float acc[4][4], off[4][4];
+        mb_zero(acc);
+        mb_zero(off);
+        // A(i, j) = dG[i][j], B(j, s) = B[j][s]
+        mb_mm64(acc, dg, MB_LD, 1, t2, MB_LD, 1, MB_L);
+        {
+            float db[4][4];
+            mb_zero(db);
+            // A(j, i) = dG[i][j], B(i, s) = C[i][s]
+            mb_mm64(db, dg, 1, MB_LD, t1, MB_LD, 1, MB_L);
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = mb_row(a, c), ss = mb_col(a, c);
+                    if (j < rows && ss < sc)
+                        atomicAdd(&dxc[(k.row0 + j) * conv + bcol + s0 + ss], db[a][c]);
+                }
+        }
+        for (int p0 = 0; p0 < p; p0 += 64) {
+            __syncthreads();
+            mb_load(t3, dy, inner, r0, r1, xcol + p0, min(64, p - p0), nullptr);
+            mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
+            __syncthreads();
+            // A(i, p) = dy[i][p], B(p, s) = S[p][s]
+            mb_mm64(off, t3, MB_LD, 1, t2, MB_LD, 1, 64);
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int i = mb_row(a, c), ss = mb_col(a, c);
+                const float o = el[i] * off[a][c];
+                atomicAdd(&rsum[i], t1[i * MB_LD + ss] * o);
+                if (i < rows && ss < sc)
+                    atomicAdd(&dxc[(k.row0 + i) * conv + ccol + s0 + ss], acc[a][c] + o);
+            }
+        __syncthreads();
+        for (int e = threadIdx.x; e < 64 * 64; e += blockDim.x)
+            t1[(e >> 6) * MB_LD + (e & 63)] *= el[e >> 6];
+        for (int p0 = 0; p0 < p; p0 += 64) {
+            // (one tile of the width: dy is still in t3)
+            if (p > 64) {
+                __syncthreads();
+                mb_load(t3, dy, inner, r0, r1, xcol + p0, min(64, p - p0), nullptr);
+            }
+            __syncthreads();
+            float u[4][4];
+            mb_zero(u);
+            // A(p, i) = dy[i][p], B(i, s) = exp(lam_i)·C[i][s]
+            mb_mm64(u, t3, 1, MB_LD, t1, MB_LD, 1, MB_L);
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int pp = p0 + mb_row(a, c), ss = s0 + mb_col(a, c);
+                    if (pp < p && ss < s) dstates[k.st + (size_t)pp * s + ss] = u[a][c];
+                }
+        }
+    }
+    ddsum = qkw_block_sum(ddsum, red);
+    __syncthreads();
+    if (dd && threadIdx.x == 0) atomicAdd(&dd[k.h], ddsum);
+    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
+        ddt[k.pos + i] = dts[i];
+        dlam[k.pos + i] = rsum[i] - csum[i];
+    }
+}
+
+// The state passing's backward, in place: dstates[c] (the gradient of the state at chunk c's
+// start from chunk c's outputs) becomes the gradient of chunk c's own contribution (that of
+// the state at its end); the decay's share goes to dlam at the chunk's last position. A block
+// of 256 state elements per (block, b·h).
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_state_pass_bwd_bf16(float* __restrict__ dstates, const float* __restrict__ states,
+                              const float* __restrict__ lam, float* __restrict__ dlam,
+                              int chunks, int ps) {
+    __shared__ float red[32];
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t bh = blockIdx.y;
+    float* ds = dstates + bh * chunks * ps + e;
+    const float* st = states + bh * chunks * ps + e;
+    const float* lm = lam + bh * chunks * MB_L;
+    float* dl = dlam + bh * chunks * MB_L;
+    float run = 0.f;  // d(state at the end of chunk c)
+    for (int c = chunks - 1; c >= 0; --c) {
+        const float dec = __expf(lm[c * MB_L + MB_L - 1]);
+        float u = 0.f, share = 0.f;
+        if (e < ps) {
+            u = ds[(size_t)c * ps];
+            ds[(size_t)c * ps] = run;
+            share = run * st[(size_t)c * ps] * dec;
+        }
+        share = qkw_block_sum(share, red);
+        if (threadIdx.x == 0) atomicAdd(&dl[c * MB_L + MB_L - 1], share);
+        run = u + dec * run;
+    }
+}
+
+// The backward of a chunk's own contribution to its end state (mamba_chunk_state) from its
+// gradient R = dstates[c]: with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s],
+// dx_j += w_j·v_j, dB_j[s] += w_j·Σ_p x_j[p]·R[p][s], and through w_j: ddt_j, dlam_j and
+// dlam_last.
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_chunk_state_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
+                               const float* __restrict__ lam, const float* __restrict__ dstates,
+                               float* __restrict__ dxc, float* __restrict__ ddt,
+                               float* __restrict__ dlam, int t, int heads, int p, int s,
+                               int groups) {
+    extern __shared__ float mb_smem[];
+    float* t1 = mb_smem;                // x [j][p]
+    float* t2 = mb_smem + MB_TILE;      // B [j][s]
+    float* t3 = mb_smem + 2 * MB_TILE;  // R [p][s]
+    float* w = mb_smem + 3 * MB_TILE;   // w_j
+    float* dw = w + MB_L;               // Σ_p x_j[p]·v_j[p]
+    const MbChunk k = mb_chunk(t, heads, groups, p, s);
+    const int conv = heads * p + 2 * groups * s;
+    const int rows = min(t - k.t0, MB_L);
+    const int r0 = (int)k.row0, r1 = r0 + rows;
+    const int bcol = heads * p + k.g * s, xcol = k.h * p;
+    const float last = lam[k.pos + MB_L - 1];
+    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
+        w[i] = __expf(last - lam[k.pos + i]) * dtv[k.pos + i];
+        dw[i] = 0.f;
+    }
+    for (int p0 = 0; p0 < p; p0 += 64) {
+        const int pc = min(64, p - p0);
+        __syncthreads();
+        mb_load(t1, xc, conv, r0, r1, xcol + p0, pc, nullptr);
+        float v[4][4];
+        mb_zero(v);
+        for (int s0 = 0; s0 < s; s0 += 64) {
+            const int sc = min(64, s - s0);
+            __syncthreads();
+            mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
+            mb_load_state(t3, dstates + k.st, p0, p, s, s0, sc);
+            __syncthreads();
+            // A(j, s) = B[j][s], B(s, p) = R[p][s]
+            mb_mm64(v, t2, MB_LD, 1, t3, 1, MB_LD, 64);
+            float db[4][4];
+            mb_zero(db);
+            // A(j, p) = x[j][p], B(p, s) = R[p][s]; dB_j = w_j·(…)
+            mb_mm64(db, t1, MB_LD, 1, t3, MB_LD, 1, 64);
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = mb_row(a, c), ss = mb_col(a, c);
+                    if (j < rows && ss < sc)
+                        atomicAdd(&dxc[(k.row0 + j) * conv + bcol + s0 + ss], w[j] * db[a][c]);
+                }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = mb_row(a, c), pp = mb_col(a, c);
+                atomicAdd(&dw[j], t1[j * MB_LD + pp] * v[a][c]);
+                if (j < rows && pp < pc)
+                    dxc[(k.row0 + j) * conv + xcol + p0 + pp] += w[j] * v[a][c];
+            }
+    }
+    __syncthreads();
+    // w_j = exp(last − lam_j)·dtv_j: ddt_j += dw_j·exp(last − lam_j); q_j = dw_j·w_j goes to
+    // dlam_last (+) and dlam_j (−).
+    if (threadIdx.x < 32) {
+        float qs = 0.f;
+        for (int j = threadIdx.x; j < MB_L; j += 32) {
+            const float q = dw[j] * w[j];
+            ddt[k.pos + j] += dw[j] * __expf(last - lam[k.pos + j]);
+            dlam[k.pos + j] -= q;
+            qs += q;
+        }
+        qs = warp_sum(qs);
+        __syncwarp();
+        if (threadIdx.x == 0) dlam[k.pos + MB_L - 1] += qs;
+    }
+}
+
+// dt's backward: da_j = Σ_{i ≥ j in the chunk} dlam_i; ddtv_j = ddt_j + da_j·A; through the limits
+// and softplus into dzx's dt column (bf16); dt_bias's gradient += Σ, A_log's += A·Σ da·dtv.
+// A thread per (b, h, chunk).
+extern "C" __global__ void mamba_dt_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                                             const bf16_t* __restrict__ dt_bias,
+                                             const bf16_t* __restrict__ a_log,
+                                             const float* __restrict__ dtv,
+                                             const float* __restrict__ ddt,
+                                             const float* __restrict__ dlam,
+                                             bf16_t* __restrict__ dzx, float* __restrict__ dbias,
+                                             float* __restrict__ da_log, int b, int t, int h,
+                                             int chunks, int clamp, float lo, float hi) {
+    const int q = blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= b * h * chunks) return;
+    const int c = q % chunks, hh = (q / chunks) % h, bb = q / (chunks * h);
+    const float a = -__expf(to_f(a_log[hh])), bias = to_f(dt_bias[hh]);
+    const size_t base = (size_t)(bb * h + hh) * chunks * MB_L + c * MB_L;
+    float run = 0.f, sa = 0.f, sb = 0.f;
+    for (int i = MB_L - 1; i >= 0; --i) {
+        run += dlam[base + i];
+        const int tt = c * MB_L + i;
+        if (tt >= t) continue;
+        const float v = dtv[base + i];
+        sa += run * v;
+        float g = ddt[base + i] + run * a;
+        const float u = to_f(zx[(size_t)(bb * t + tt) * ld + off + hh]) + bias;
+        if (clamp) {
+            const float raw = softplus_f(u);
+            if (raw < lo || raw > hi) g = 0.f;
+        }
+        g *= sigmoid_f(u);
+        dzx[(size_t)(bb * t + tt) * ld + off + hh] = from_f<bf16_t>(g);
+        sb += g;
+    }
+    if (dbias) atomicAdd(&dbias[hh], sb);
+    if (da_log) atomicAdd(&da_log[hh], sa * a);
+}
+
+// The conv's backward, first pass: dxc (d of the SiLU's output, f32 [N, conv]) becomes d of
+// its input (the conv's output before SiLU, recomputed). Threads over channels, blocks over rows.
+extern "C" __global__ void mamba_conv_dsilu_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                                                 const bf16_t* __restrict__ w,
+                                                 const bf16_t* __restrict__ cb,
+                                                 float* __restrict__ dxc, int n, int t, int conv,
+                                                 int k) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= conv) return;
+    for (int r = blockIdx.y; r < n; r += gridDim.y)
+        dxc[(size_t)r * conv + ch] *= dsilu_f(mb_conv_pre(zx, ld, off, w, cb, r, r % t, ch, k));
+}
+
+// The conv's backward, second pass, from dpre (dxc after the first): d of its inputs into dzx's
+// x | B | C columns (bf16), the weight's and bias's gradients (+=, where not null). A thread per
+// channel over MB_CONV_ROWS rows, its sums added once.
+#define MB_CONV_ROWS 64
+extern "C" __global__ void mamba_conv_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                                               const bf16_t* __restrict__ w,
+                                               const float* __restrict__ dpre,
+                                               bf16_t* __restrict__ dzx, float* __restrict__ dw,
+                                               float* __restrict__ db, int n, int t, int conv,
+                                               int k) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= conv) return;
+    float wk[8], dwk[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        wk[j] = j < k ? to_f(w[ch * k + j]) : 0.f;
+        dwk[j] = 0.f;
+    }
+    float dbs = 0.f;
+    const int r_end = min(n, (int)(blockIdx.y + 1) * MB_CONV_ROWS);
+    for (int r = blockIdx.y * MB_CONV_ROWS; r < r_end; ++r) {
+        const int tt = r % t;
+        // input r feeds outputs r + back (back = k − 1 − j) of the same sequence
+        float dx = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int back = k - 1 - j;
+            if (j < k && tt + back < t) dx += wk[j] * dpre[(size_t)(r + back) * conv + ch];
+        }
+        dzx[(size_t)r * ld + off + ch] = from_f<bf16_t>(dx);
+        const float d = dpre[(size_t)r * conv + ch];
+        dbs += d;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int back = k - 1 - j;
+            if (j < k && tt - back >= 0)
+                dwk[j] += d * to_f(zx[(size_t)(r - back) * ld + off + ch]);
+        }
+    }
+    if (dw)
+        for (int j = 0; j < k; ++j) atomicAdd(&dw[ch * k + j], dwk[j]);
+    if (db) atomicAdd(&db[ch], dbs);
+}

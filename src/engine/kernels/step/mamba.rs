@@ -1,0 +1,330 @@
+//! The Mamba-2 mixer of a hybrid's Mamba layers on the whole-model step (mamba.cuh): the
+//! causal conv1d + SiLU, the selective scan by state-space duality in chunks, and the gated
+//! RMSNorm, forward and backward. A Mamba layer sits in the step as an attention layer would:
+//! its in_proj is the layer's packed "qkv" projection (output `z | x B C | dt`, LoRA group
+//! `G_QKV`), its out_proj the "o" projection (LoRA group `G_O`); between them this file's
+//! kernels take `qkv[l]` to `atty[l]` (the gated norm's output, `[N, inner]`) and, backward,
+//! `da` (its gradient) to `dqkv` (the in_proj output's gradient, every column written).
+
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::Result;
+
+use super::arena::Activations;
+use super::kernels::{Kern, CB_SMEM, SCAN_BWD_SMEM, SCAN_SMEM, STATE_BWD_SMEM, STATE_SMEM};
+use super::mamba_bufs::{MambaActs, MambaDims, MambaIdx};
+use super::params::LayerIdx;
+use super::{check, Arg, ModelStep};
+use crate::engine::kernels::cuda::{err, flat_cfg, i32_of};
+
+/// One Mamba layer's launch parameters.
+struct Layer<'a> {
+    d: MambaDims,
+    m: &'a MambaActs,
+    idx: MambaIdx,
+    /// The in_proj output (forward) and its gradient (backward) `[N, in_w]`.
+    zx: u64,
+    b: usize,
+    n: usize,
+    chunks: usize,
+}
+
+/// Threads over the conv's channels, blocks over rows (grid-strided past 65535).
+fn conv_cfg(n: usize, conv: usize) -> LaunchConfig {
+    cfg((conv.div_ceil(128), n.min(65535), 1), 128, 0)
+}
+
+fn cfg(grid: (usize, usize, usize), threads: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+impl ModelStep {
+    fn mamba_layer<'a>(&self, a: &'a Activations, l: usize, li: &LayerIdx) -> Result<Layer<'a>> {
+        let (Some(d), Some(m), Some(idx)) = (self.mamba, a.mamba.as_ref(), li.mamba) else {
+            return Err(err(format!(
+                "whole-model step: layer {l} is not a Mamba layer of a hybrid"
+            )));
+        };
+        check(m.y[l] != 0, || {
+            format!("layer {l} has no Mamba activations")
+        })?;
+        Ok(Layer {
+            d,
+            m,
+            idx,
+            zx: a.qkv[l],
+            b: a.b,
+            n: a.b * self.t,
+            chunks: d.chunks(self.t),
+        })
+    }
+
+    /// The scan kernels, or why this GPU cannot run them.
+    fn scan_kernels(&self) -> Result<&(Kern, Kern, Kern)> {
+        self.k.mamba.scan.as_ref().ok_or_else(|| {
+            err(format!(
+                "whole-model step: the Mamba scan needs {} KB of shared memory a block, more \
+                 than this GPU gives",
+                SCAN_BWD_SMEM / 1024
+            ))
+        })
+    }
+
+    /// The chunk kernels' shape arguments: T, heads, head width, state, groups.
+    fn chunk_args(&self, d: &MambaDims) -> Result<[Arg; 5]> {
+        Ok([
+            Arg::I(i32_of(self.t, "T")?),
+            Arg::I(i32_of(d.heads, "Mamba heads")?),
+            Arg::I(i32_of(d.head_dim, "Mamba head width")?),
+            Arg::I(i32_of(d.state, "Mamba state")?),
+            Arg::I(i32_of(d.groups, "Mamba groups")?),
+        ])
+    }
+
+    /// The conv (x | B | C → xc), dt (→ dtv, lam) and each chunk's start state (→ states):
+    /// the forward's first part, which the backward runs again.
+    fn mamba_states(&self, y: &Layer) -> Result<()> {
+        let (d, m, k) = (&y.d, y.m, &self.k.mamba);
+        let (inner, conv) = (d.inner(), d.conv_dim());
+        let ld = i32_of(d.in_w(), "in_proj width")?;
+        let (n_i, t_i) = (i32_of(y.n, "rows")?, i32_of(self.t, "T")?);
+        let conv_args = [
+            Arg::P(y.zx),
+            Arg::I(ld),
+            Arg::I(i32_of(inner, "Mamba width")?),
+            Arg::P(self.weight_ptr(y.idx.conv_w)?),
+            Arg::P(self.weight_ptr_or_null(y.idx.conv_b)?),
+            Arg::P(m.xc),
+            Arg::I(n_i),
+            Arg::I(t_i),
+            Arg::I(i32_of(conv, "conv channels")?),
+            Arg::I(i32_of(d.conv_k, "d_conv")?),
+        ];
+        self.launch(&k.conv_fwd, conv_cfg(y.n, conv), &conv_args)?;
+        let bhc = y.b * d.heads * y.chunks;
+        self.launch(
+            &k.dt_fwd,
+            cfg((bhc.div_ceil(128), 1, 1), 128, 0),
+            &[
+                Arg::P(y.zx),
+                Arg::I(ld),
+                Arg::I(i32_of(inner + conv, "in_proj width")?),
+                Arg::P(self.weight_ptr(y.idx.dt_bias)?),
+                Arg::P(self.weight_ptr(y.idx.a_log)?),
+                Arg::P(m.dtv),
+                Arg::P(m.lam),
+                Arg::I(i32_of(y.b, "B")?),
+                Arg::I(t_i),
+                Arg::I(i32_of(d.heads, "Mamba heads")?),
+                Arg::I(i32_of(y.chunks, "chunks")?),
+                Arg::I(d.clamp as i32),
+                Arg::F(d.dt_min),
+                Arg::F(d.dt_max),
+            ],
+        )?;
+        let mut args = vec![Arg::P(m.xc), Arg::P(m.cb)];
+        args.extend(self.chunk_args(d)?);
+        self.launch(
+            &k.chunk_cb,
+            cfg((y.chunks, d.groups, y.b), 256, CB_SMEM),
+            &args,
+        )?;
+        let grid = (y.chunks, d.heads, y.b);
+        let mut args = vec![Arg::P(m.xc), Arg::P(m.dtv), Arg::P(m.lam), Arg::P(m.states)];
+        args.extend(self.chunk_args(d)?);
+        self.launch(&k.chunk_state, cfg(grid, 256, STATE_SMEM), &args)?;
+        let ps = d.head_dim * d.state;
+        self.launch(
+            &k.state_pass,
+            cfg((ps.div_ceil(256), y.b * d.heads, 1), 256, 0),
+            &[
+                Arg::P(m.states),
+                Arg::P(m.lam),
+                Arg::I(i32_of(y.chunks, "chunks")?),
+                Arg::I(i32_of(ps, "state size")?),
+            ],
+        )
+    }
+
+    /// Layer `l`'s Mamba mixer forward: `qkv[l]` (in_proj's output `[N, in_w]`, bias
+    /// included) → `atty[l]` (`[N, inner]`), keeping what the backward needs.
+    pub(super) fn mamba_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
+        let y = self.mamba_layer(a, l, li)?;
+        let (d, m) = (&y.d, y.m);
+        let (scan, _, _) = self.scan_kernels()?;
+        self.mamba_states(&y)?;
+        let mut args = vec![
+            Arg::P(m.xc),
+            Arg::P(m.cb),
+            Arg::P(m.dtv),
+            Arg::P(m.lam),
+            Arg::P(m.states),
+            Arg::P(self.weight_ptr(y.idx.d)?),
+            Arg::P(m.y[l]),
+        ];
+        args.extend(self.chunk_args(d)?);
+        self.launch(scan, cfg((y.chunks, d.heads, y.b), 256, SCAN_SMEM), &args)?;
+        self.launch(
+            &self.k.mamba.gnorm_fwd,
+            cfg((y.n.min(65535), 1, 1), 256, 0),
+            &[
+                Arg::P(m.y[l]),
+                Arg::P(y.zx),
+                Arg::I(i32_of(d.in_w(), "in_proj width")?),
+                Arg::P(self.weight_ptr(y.idx.norm)?),
+                Arg::P(a.atty[l]),
+                Arg::P(m.rstd[l]),
+                Arg::I(i32_of(y.n, "rows")?),
+                Arg::I(i32_of(d.inner(), "Mamba width")?),
+                Arg::I(i32_of(d.groups, "Mamba groups")?),
+                Arg::F(self.eps),
+            ],
+        )
+    }
+
+    /// Layer `l`'s Mamba mixer backward: `da` (d atty, `[N, inner]`) → `dqkv` (`[N, in_w]`,
+    /// every column written), and the gradients of the conv, dt bias, A_log, D and norm
+    /// weights added into theirs (where they train).
+    pub(super) fn mamba_bwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
+        let y = self.mamba_layer(a, l, li)?;
+        let (d, m, k) = (&y.d, y.m, &self.k.mamba);
+        let (_, scan_bwd, state_bwd) = self.scan_kernels()?;
+        let (inner, conv) = (d.inner(), d.conv_dim());
+        let ld = i32_of(d.in_w(), "in_proj width")?;
+        let (n_i, t_i) = (i32_of(y.n, "rows")?, i32_of(self.t, "T")?);
+        let (inner_i, conv_i) = (
+            i32_of(inner, "Mamba width")?,
+            i32_of(conv, "conv channels")?,
+        );
+        // The scan's inputs and chunk states again (shared buffers: the layers above used them).
+        self.mamba_states(&y)?;
+        self.launch(
+            &k.gnorm_bwd,
+            cfg((y.n.div_ceil(32), 1, 1), 256, 4 * inner as u32),
+            &[
+                Arg::P(m.y[l]),
+                Arg::P(y.zx),
+                Arg::I(ld),
+                Arg::P(self.weight_ptr(y.idx.norm)?),
+                Arg::P(m.rstd[l]),
+                Arg::P(a.da),
+                Arg::P(m.dy),
+                Arg::P(a.dqkv),
+                Arg::P(self.grad_ptr_or_null(Some(y.idx.norm))),
+                Arg::I(n_i),
+                Arg::I(inner_i),
+                Arg::I(i32_of(d.groups, "Mamba groups")?),
+            ],
+        )?;
+        self.launch(
+            &k.zero,
+            flat_cfg(y.n * conv),
+            &[Arg::P(m.dxc), Arg::L((y.n * conv) as i64)],
+        )?;
+        let grid = (y.chunks, d.heads, y.b);
+        let mut args = vec![
+            Arg::P(m.xc),
+            Arg::P(m.cb),
+            Arg::P(m.dtv),
+            Arg::P(m.lam),
+            Arg::P(m.states),
+            Arg::P(self.weight_ptr(y.idx.d)?),
+            Arg::P(m.dy),
+            Arg::P(m.dxc),
+            Arg::P(m.ddt),
+            Arg::P(m.dlam),
+            Arg::P(m.dstates),
+            Arg::P(self.grad_ptr_or_null(Some(y.idx.d))),
+        ];
+        args.extend(self.chunk_args(d)?);
+        self.launch(scan_bwd, cfg(grid, 256, SCAN_BWD_SMEM), &args)?;
+        let ps = d.head_dim * d.state;
+        self.launch(
+            &k.state_pass_bwd,
+            cfg((ps.div_ceil(256), y.b * d.heads, 1), 256, 0),
+            &[
+                Arg::P(m.dstates),
+                Arg::P(m.states),
+                Arg::P(m.lam),
+                Arg::P(m.dlam),
+                Arg::I(i32_of(y.chunks, "chunks")?),
+                Arg::I(i32_of(ps, "state size")?),
+            ],
+        )?;
+        let mut args = vec![
+            Arg::P(m.xc),
+            Arg::P(m.dtv),
+            Arg::P(m.lam),
+            Arg::P(m.dstates),
+            Arg::P(m.dxc),
+            Arg::P(m.ddt),
+            Arg::P(m.dlam),
+        ];
+        args.extend(self.chunk_args(d)?);
+        self.launch(state_bwd, cfg(grid, 256, STATE_BWD_SMEM), &args)?;
+        let bhc = y.b * d.heads * y.chunks;
+        self.launch(
+            &k.dt_bwd,
+            cfg((bhc.div_ceil(128), 1, 1), 128, 0),
+            &[
+                Arg::P(y.zx),
+                Arg::I(ld),
+                Arg::I(i32_of(inner + conv, "in_proj width")?),
+                Arg::P(self.weight_ptr(y.idx.dt_bias)?),
+                Arg::P(self.weight_ptr(y.idx.a_log)?),
+                Arg::P(m.dtv),
+                Arg::P(m.ddt),
+                Arg::P(m.dlam),
+                Arg::P(a.dqkv),
+                Arg::P(self.grad_ptr_or_null(Some(y.idx.dt_bias))),
+                Arg::P(self.grad_ptr_or_null(Some(y.idx.a_log))),
+                Arg::I(i32_of(y.b, "B")?),
+                Arg::I(t_i),
+                Arg::I(i32_of(d.heads, "Mamba heads")?),
+                Arg::I(i32_of(y.chunks, "chunks")?),
+                Arg::I(d.clamp as i32),
+                Arg::F(d.dt_min),
+                Arg::F(d.dt_max),
+            ],
+        )?;
+        let conv_w = self.weight_ptr(y.idx.conv_w)?;
+        let k_i = i32_of(d.conv_k, "d_conv")?;
+        self.launch(
+            &k.conv_dsilu,
+            conv_cfg(y.n, conv),
+            &[
+                Arg::P(y.zx),
+                Arg::I(ld),
+                Arg::I(inner_i),
+                Arg::P(conv_w),
+                Arg::P(self.weight_ptr_or_null(y.idx.conv_b)?),
+                Arg::P(m.dxc),
+                Arg::I(n_i),
+                Arg::I(t_i),
+                Arg::I(conv_i),
+                Arg::I(k_i),
+            ],
+        )?;
+        self.launch(
+            &k.conv_bwd,
+            cfg((conv.div_ceil(128), y.n.div_ceil(64), 1), 128, 0),
+            &[
+                Arg::P(y.zx),
+                Arg::I(ld),
+                Arg::I(inner_i),
+                Arg::P(conv_w),
+                Arg::P(m.dxc),
+                Arg::P(a.dqkv),
+                Arg::P(self.grad_ptr_or_null(Some(y.idx.conv_w))),
+                Arg::P(self.grad_ptr_or_null(y.idx.conv_b)),
+                Arg::I(n_i),
+                Arg::I(t_i),
+                Arg::I(conv_i),
+                Arg::I(k_i),
+            ],
+        )
+    }
+}
