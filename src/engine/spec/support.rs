@@ -267,6 +267,13 @@ impl ModelSpec {
                 h.mamba_d_conv <= 8,
                 "up to 8",
             ),
+            // (the gated norm's backward sums its weight's gradient in 48 KB of shared memory)
+            (
+                "model.hybrid.mamba_n_heads",
+                h.mamba_n_heads,
+                h.mamba_inner() <= 12288,
+                "heads × mamba_d_head up to 12288",
+            ),
         ] {
             if !ok {
                 return Err(Reason::Mamba { key, value, takes });
