@@ -376,7 +376,7 @@ impl MambaKernels {
             SCAN_BWD_SMEM,
         );
         let state_bwd = allow(
-            named("mamba_chunk_state_bwd_bf16", "mamba_state_bwd")?,
+            named("mamba_chunk_state_bwd_bf16", "mamba_chunk_state_bwd")?,
             STATE_BWD_SMEM,
         );
         let scan = match (scan, scan_bwd, state_bwd) {
@@ -387,15 +387,15 @@ impl MambaKernels {
             conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
             chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
-            chunk_state: named("mamba_chunk_state_bf16", "mamba_state")?,
-            state_pass: named("mamba_state_pass_bf16", "mamba_state")?,
+            chunk_state: named("mamba_chunk_state_bf16", "mamba_chunk_state")?,
+            state_pass: named("mamba_state_pass_bf16", "mamba_state_pass")?,
             scan,
             gnorm_fwd: named("mamba_gnorm_fwd_bf16", "mamba_gated_norm")?,
             gnorm_bwd: named("mamba_gnorm_bwd_bf16", "mamba_gated_norm_bwd")?,
             zero: named("mamba_zero_f32", "mamba_zero")?,
-            state_pass_bwd: named("mamba_state_pass_bwd_bf16", "mamba_state_bwd")?,
+            state_pass_bwd: named("mamba_state_pass_bwd_bf16", "mamba_state_pass_bwd")?,
             dt_bwd: named("mamba_dt_bwd_bf16", "mamba_dt_bwd")?,
-            conv_dsilu: named("mamba_conv_dsilu_bf16", "mamba_conv_bwd")?,
+            conv_dsilu: named("mamba_conv_dsilu_bf16", "mamba_conv_dsilu")?,
             conv_bwd: named("mamba_conv_bwd_bf16", "mamba_conv_bwd")?,
         })
     }

@@ -278,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
         w[i] = __expf(last - lam[k.pos + i]) * dtv[k.pos + i];
     __syncthreads();
-        const int r0 = (int)k.row0, r1 = r0 + min(t - k.t0, MB_L);
+    const int r0 = (int)k.row0, r1 = r0 + min(t - k.t0, MB_L);
     for (int p0 = 0; p0 < p; p0 += 64) {
         mb_load(xs, xc, conv, r0, r1, k.h * p + p0, min(64, p - p0), w);
         for (int s0 = 0; s0 < s; s0 += 64) {

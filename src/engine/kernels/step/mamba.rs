@@ -28,6 +28,11 @@ struct Layer<'a> {
     chunks: usize,
 }
 
+/// The dt kernels' grid: a thread per (batch row, head, chunk).
+fn dt_cfg(y: &Layer, d: &MambaDims) -> LaunchConfig {
+    cfg(((y.b * d.heads * y.chunks).div_ceil(128), 1, 1), 128, 0)
+}
+
 /// Threads over the conv's channels, blocks over rows (grid-strided past 65535).
 fn conv_cfg(n: usize, conv: usize) -> LaunchConfig {
     cfg((conv.div_ceil(128), n.min(65535), 1), 128, 0)
@@ -73,6 +78,30 @@ impl ModelStep {
         })
     }
 
+    /// The dt kernels' leading arguments (in_proj's output, its row stride, dt's first
+    /// column, dt_bias, A_log) and trailing ones (B, T, heads, chunks, the limits).
+    fn dt_args(&self, y: &Layer) -> Result<([Arg; 5], [Arg; 7])> {
+        let d = &y.d;
+        Ok((
+            [
+                Arg::P(y.zx),
+                Arg::I(i32_of(d.in_w(), "in_proj width")?),
+                Arg::I(i32_of(d.inner() + d.conv_dim(), "in_proj width")?),
+                Arg::P(self.weight_ptr(y.idx.dt_bias)?),
+                Arg::P(self.weight_ptr(y.idx.a_log)?),
+            ],
+            [
+                Arg::I(i32_of(y.b, "B")?),
+                Arg::I(i32_of(self.t, "T")?),
+                Arg::I(i32_of(d.heads, "Mamba heads")?),
+                Arg::I(i32_of(y.chunks, "chunks")?),
+                Arg::I(d.clamp as i32),
+                Arg::F(d.dt_min),
+                Arg::F(d.dt_max),
+            ],
+        ))
+    }
+
     /// The chunk kernels' shape arguments: T, heads, head width, state, groups.
     fn chunk_args(&self, d: &MambaDims) -> Result<[Arg; 5]> {
         Ok([
@@ -104,27 +133,13 @@ impl ModelStep {
             Arg::I(i32_of(d.conv_k, "d_conv")?),
         ];
         self.launch(&k.conv_fwd, conv_cfg(y.n, conv), &conv_args)?;
-        let bhc = y.b * d.heads * y.chunks;
-        self.launch(
-            &k.dt_fwd,
-            cfg((bhc.div_ceil(128), 1, 1), 128, 0),
-            &[
-                Arg::P(y.zx),
-                Arg::I(ld),
-                Arg::I(i32_of(inner + conv, "in_proj width")?),
-                Arg::P(self.weight_ptr(y.idx.dt_bias)?),
-                Arg::P(self.weight_ptr(y.idx.a_log)?),
-                Arg::P(m.dtv),
-                Arg::P(m.lam),
-                Arg::I(i32_of(y.b, "B")?),
-                Arg::I(t_i),
-                Arg::I(i32_of(d.heads, "Mamba heads")?),
-                Arg::I(i32_of(y.chunks, "chunks")?),
-                Arg::I(d.clamp as i32),
-                Arg::F(d.dt_min),
-                Arg::F(d.dt_max),
-            ],
-        )?;
+        let (head, tail) = self.dt_args(y)?;
+        let args: Vec<Arg> = head
+            .into_iter()
+            .chain([Arg::P(m.dtv), Arg::P(m.lam)])
+            .chain(tail)
+            .collect();
+        self.launch(&k.dt_fwd, dt_cfg(y, d), &args)?;
         let mut args = vec![Arg::P(m.xc), Arg::P(m.cb)];
         args.extend(self.chunk_args(d)?);
         self.launch(
@@ -265,31 +280,17 @@ impl ModelStep {
         ];
         args.extend(self.chunk_args(d)?);
         self.launch(state_bwd, cfg(grid, 256, STATE_BWD_SMEM), &args)?;
-        let bhc = y.b * d.heads * y.chunks;
-        self.launch(
-            &k.dt_bwd,
-            cfg((bhc.div_ceil(128), 1, 1), 128, 0),
-            &[
-                Arg::P(y.zx),
-                Arg::I(ld),
-                Arg::I(i32_of(inner + conv, "in_proj width")?),
-                Arg::P(self.weight_ptr(y.idx.dt_bias)?),
-                Arg::P(self.weight_ptr(y.idx.a_log)?),
-                Arg::P(m.dtv),
-                Arg::P(m.ddt),
-                Arg::P(m.dlam),
-                Arg::P(a.dqkv),
-                Arg::P(self.grad_ptr_or_null(Some(y.idx.dt_bias))),
-                Arg::P(self.grad_ptr_or_null(Some(y.idx.a_log))),
-                Arg::I(i32_of(y.b, "B")?),
-                Arg::I(t_i),
-                Arg::I(i32_of(d.heads, "Mamba heads")?),
-                Arg::I(i32_of(y.chunks, "chunks")?),
-                Arg::I(d.clamp as i32),
-                Arg::F(d.dt_min),
-                Arg::F(d.dt_max),
-            ],
-        )?;
+        let (head, tail) = self.dt_args(&y)?;
+        let mid = [
+            Arg::P(m.dtv),
+            Arg::P(m.ddt),
+            Arg::P(m.dlam),
+            Arg::P(a.dqkv),
+            Arg::P(self.grad_ptr_or_null(Some(y.idx.dt_bias))),
+            Arg::P(self.grad_ptr_or_null(Some(y.idx.a_log))),
+        ];
+        let args: Vec<Arg> = head.into_iter().chain(mid).chain(tail).collect();
+        self.launch(&k.dt_bwd, dt_cfg(&y, d), &args)?;
         let conv_w = self.weight_ptr(y.idx.conv_w)?;
         let k_i = i32_of(d.conv_k, "d_conv")?;
         self.launch(
