@@ -971,7 +971,8 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
-            name: "phi3-like: partial rotary (48 of 64 dims), GQA 4/2",
+            name: "phi3-like: partial rotary (48 of 64 dims), GQA 4/2, LongRoPE past its \
+                   original context (long factors, cos/sin × 1.19)",
             vocab: 97,
             set: |c| {
                 llama(c);
@@ -979,6 +980,12 @@ fn every_step_family() -> Vec<Family> {
                 c.model.n_head = 4;
                 c.model.n_kv_head = 2;
                 c.model.layout.rotary_dim = 48;
+                c.model.rope_scaling = cockpit::config::RopeScaling::LongRope {
+                    short_factor: vec![1.0; 24],
+                    long_factor: (0..24).map(|i| 1.0 + 0.25 * i as f64).collect(),
+                    original_max_position_embeddings: c.model.seq_len / 2,
+                    attention_factor: 1.19,
+                };
             },
         },
         Family {

@@ -4,7 +4,7 @@
 //! `cockpit check` print its [`Reason`]).
 
 use super::ModelSpec;
-use crate::config::{MixerKind, PosEncoding, QkNorm, RopeScaling};
+use crate::config::{MixerKind, PosEncoding, QkNorm};
 
 /// The head dims flash attention has kernels for; other head dims (Gemma's 256) materialise the
 /// attention probabilities (no dropout, no packed samples).
@@ -92,8 +92,6 @@ pub enum Reason {
     SoftCap(&'static str),
     #[error("norms on the outputs of attention and MLP with biases (the step adds a projection's bias after the output's norm)")]
     SandwichNorm,
-    #[error("LongRoPE (Phi-3: factors that switch with the sequence length and scale cos/sin; the step has one plain RoPE table)")]
-    LongRope,
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
     PackedSamples(&'static str),
     #[error(
@@ -163,6 +161,10 @@ impl ModelSpec {
             if self.pos != PosEncoding::Rope {
                 return Err(Reason::PackedSamples("learned positions"));
             }
+            if self.rope_long(self.seq_len) {
+                // (the factors follow each batch's longest sample; the step has T's table)
+                return Err(Reason::PackedSamples("LongRoPE past its original context"));
+            }
         }
         Ok(())
     }
@@ -171,9 +173,9 @@ impl ModelSpec {
     /// the model ([`Self::flash_attention`]): widths multiples of 8 (16-byte accesses), an
     /// even head dim, key/value heads that divide the heads; dropout needs flash attention; an embedding
     /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
-    /// soft-caps and LongRoPE have no kernels in the step yet (QK-norm per head and over the
-    /// whole projection, partial rotary, Gemma's sandwich and 1 + w norms, GeGLU, sliding
-    /// windows and OLMo 2's post-norm blocks have; output norms with biases do not); a Granite
+    /// soft-caps have no kernels in the step yet (QK-norm per head and over the whole
+    /// projection, partial rotary, LongRoPE's tables, Gemma's sandwich and 1 + w norms, GeGLU,
+    /// sliding windows and OLMo 2's post-norm blocks have; output norms with biases do not); a Granite
     /// 4.0 hybrid's Mamba layers within the sizes of their kernels, no routed experts yet.
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
@@ -283,7 +285,7 @@ impl ModelSpec {
     }
 
     /// Gemma's block (sandwich norms, 1 + w norms, GeGLU) and sliding layers are in the step;
-    /// soft-caps and LongRoPE are not yet.
+    /// soft-caps are not yet.
     fn gemma_support(&self) -> Result<(), Reason> {
         if self.layout.sandwich_norm && (self.bias || self.qkv_bias) {
             return Err(Reason::SandwichNorm);
@@ -293,9 +295,6 @@ impl ModelSpec {
         }
         if self.final_softcap().is_some() {
             return Err(Reason::SoftCap("final logit"));
-        }
-        if matches!(self.rope_scaling, RopeScaling::LongRope { .. }) {
-            return Err(Reason::LongRope);
         }
         Ok(())
     }

@@ -330,12 +330,12 @@ fn the_step_runs_qwen3_and_olmo2_blocks_and_refuses_biased_post_norms_by_name() 
     assert_eq!(olmo2.param_count().base - plain, 2 * 2 * 256);
 }
 
-/// Gemma's block (sandwich and 1 + w norms, GeGLU) and sliding windows run in the fused step;
-/// soft-caps and LongRoPE have no kernels there: each is refused by name, as are output norms
+/// Gemma's block (sandwich and 1 + w norms, GeGLU) and sliding windows run in the fused step,
+/// as does LongRoPE; soft-caps have no kernels there: each is refused by name, as are output norms
 /// with biases; sliding windows run in flash and in materialised attention; the spec says which layers slide and
 /// which RoPE table each reads.
 #[test]
-fn the_step_refuses_gemma_parts_and_longrope_by_name() {
+fn the_step_refuses_gemma_soft_caps_by_name_and_takes_longrope() {
     use crate::config::{Activation, BlockLayout, LayerKind, RopeScaling};
     let gemma = |change: &dyn Fn(&mut BlockLayout), act: Activation| {
         spec(|c| {
@@ -394,9 +394,18 @@ fn the_step_refuses_gemma_parts_and_longrope_by_name() {
             attention_factor: 1.5,
         };
     });
-    let why = longrope.fast_step_support(&gpu()).unwrap_err();
-    assert_eq!(why, Reason::LongRope);
-    assert!(why.to_string().contains("LongRoPE"), "{why}");
+    // LongRoPE runs on the step (its table is the one a forward of T reads), but not on packed
+    // samples past the original context (the factors follow each batch's longest sample).
+    assert!(longrope.seq_len > 16);
+    assert_eq!(longrope.fast_step_support(&gpu()), Ok(()));
+    let packed = StepFacts {
+        packed_samples: true,
+        ..gpu()
+    };
+    assert_eq!(
+        longrope.fast_step_support(&packed),
+        Err(Reason::PackedSamples("LongRoPE past its original context"))
+    );
     // Short factors up to the original context, long ones past it; cos/sin × the factor.
     assert!(!longrope.rope_long(16) && longrope.rope_long(17));
     let short = longrope.rope_freqs(longrope.layer_rope(0, 16));

@@ -10,16 +10,17 @@ use super::params::{LayerIdx, G_QKV};
 use super::{check, ptr, Arg, ModelStep};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{flat_cfg, i32_of, row_cfg};
+use crate::engine::spec::RopeFreqs;
 
 /// RoPE's rotations for positions 0..t: `[t][inv_freq.len()]` pairs (cos, sin) of
-/// position·inv_freq[j], as interleaved f32, the angles taken in double (their sines at
-/// hundreds of radians need it).
-pub(super) fn rope_table(inv_freq: &[f64], t: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(2 * t * inv_freq.len());
+/// position·inv_freq[j], × the table's factor (LongRoPE's attention factor, else 1), as
+/// interleaved f32, the angles taken in double (their sines at hundreds of radians need it).
+pub(super) fn rope_table(freqs: &RopeFreqs, t: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(2 * t * freqs.inv_freq.len());
     for p in 0..t {
-        for &f in inv_freq {
+        for &f in &freqs.inv_freq {
             let (sin, cos) = (p as f64 * f).sin_cos();
-            out.extend([cos as f32, sin as f32]);
+            out.extend([(cos * freqs.scale) as f32, (sin * freqs.scale) as f32]);
         }
     }
     out

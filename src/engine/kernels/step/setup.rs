@@ -195,12 +195,21 @@ impl ModelStep {
             .enumerate()
             .filter_map(|(i, e)| e.var.as_ref().map(|v| (v.as_tensor().id(), i)))
             .collect();
-        // (A hybrid's attention may have no position encoding at all: NoPE.)
+        // (A hybrid's attention may have no position encoding at all: NoPE.) The model's table
+        // is LongRoPE's long one where T is past the original context, as for a forward of T.
+        let global = RopeKey {
+            local: false,
+            long: s.rope_long(t),
+        };
         let rope = match s.rope() {
-            true => Some(stream.clone_htod(&rope_table(&s.rope_inv_freq(), t)).w()?),
+            true => Some(
+                stream
+                    .clone_htod(&rope_table(&s.rope_freqs(global), t))
+                    .w()?,
+            ),
             false => None,
         };
-        // Gemma 3's sliding layers rotate with their own θ; (LongRoPE's tables: refused above.)
+        // Gemma 3's sliding layers rotate with their own θ.
         let local_rope: Vec<bool> = (0..s.n_layer).map(|l| s.layer_rope(l, t).local).collect();
         let rope_local = match (s.rope(), local_rope.contains(&true)) {
             (true, true) => {
@@ -208,7 +217,7 @@ impl ModelStep {
                     local: true,
                     long: false,
                 });
-                Some(stream.clone_htod(&rope_table(&f.inv_freq, t)).w()?)
+                Some(stream.clone_htod(&rope_table(&f, t)).w()?)
             }
             _ => None,
         };
