@@ -170,6 +170,170 @@ fn the_gguf_package_reads_every_key_and_tensor() {
     }
 }
 
+/// A fixture's tensor, under cockpit's names, as llama.cpp's `arch` stores `g`: Phi-3's q|k|v
+/// and gate|up fused, Gemma 3's norms as `1 + w`.
+fn as_llama_cpp_stores(
+    g: &str,
+    arch: &str,
+    weights: &std::collections::HashMap<String, Tensor>,
+) -> Tensor {
+    let l = g.split('.').nth(1).unwrap_or("");
+    let cat = |parts: &[&str]| {
+        let t: Vec<Tensor> = parts
+            .iter()
+            .map(|p| weights[&format!("model.layers.{l}.{p}.weight")].clone())
+            .collect();
+        Tensor::cat(&t, 0).unwrap()
+    };
+    let w = if g.ends_with("attn_qkv.weight") {
+        cat(&["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])
+    } else if arch == "phi3" && g.ends_with("ffn_up.weight") {
+        cat(&["mlp.gate_proj", "mlp.up_proj"])
+    } else {
+        let c = names::cockpit_name(g, arch).unwrap_or_else(|| panic!("{arch}: {g}"));
+        weights
+            .get(&c)
+            .unwrap_or_else(|| panic!("{arch}: {g} → {c}"))
+            .clone()
+    };
+    let w = w.to_dtype(DType::F32).unwrap();
+    if arch == "gemma3" && g.ends_with("norm.weight") {
+        (w + 1.0).unwrap()
+    } else {
+        w
+    }
+}
+
+/// Phi-3 and Gemma 3 go out as llama.cpp's `phi3` and `gemma3`: the `gguf` package reads the
+/// keys llama.cpp's converter writes for them (partial rotary, LongRoPE's factors, attention
+/// factor and original context; Gemma 3's head dim, window, layer period, local θ, scale and
+/// linear RoPE scaling) and every tensor with the fixture's values (fused, or `1 + w`).
+#[test]
+fn phi3_and_gemma3_go_out_as_llama_cpp_writes_them() {
+    for (name, arch) in [
+        ("phi3", "phi3"),
+        ("phi3_longrope", "phi3"),
+        ("gemma3_text", "gemma3"),
+        ("gemma3", "gemma3"),
+    ] {
+        let dir = fixture(name);
+        let cfg = json(&dir.join("config.json"));
+        let text = if name == "gemma3" {
+            cfg["text_config"].clone()
+        } else {
+            cfg.clone()
+        };
+        let (m, _, weights) = cockpit::engine::hf::load(&dir).unwrap();
+        for quant in ["f32", "q8_0"] {
+            let tmp = tempfile::tempdir().unwrap();
+            let out = tmp.path().join("m.gguf");
+            export(&dir, &out, quant);
+            let Some(r) = python("read_gguf.py", &[out.to_str().unwrap()]) else {
+                return;
+            };
+            let (kv, tensors) = (&r["kv"], r["tensors"].as_object().unwrap());
+            let at = format!("{name} {quant}");
+            let k = |s: &str| kv[format!("{arch}.{s}")].clone();
+            let f = |s: &str| k(s).as_f64().unwrap_or_else(|| panic!("{at}: {s}"));
+            assert_eq!(kv["general.architecture"], arch, "{at}");
+            assert_eq!(k("block_count"), m.n_layer, "{at}");
+            assert_eq!(k("embedding_length"), m.n_embd, "{at}");
+            assert_eq!(k("feed_forward_length"), text["intermediate_size"], "{at}");
+            assert_eq!(k("attention.head_count"), m.n_head, "{at}");
+            assert_eq!(k("attention.head_count_kv"), m.kv_heads(), "{at}");
+            assert_eq!(k("context_length"), text["max_position_embeddings"]);
+            let rope = &text["rope_parameters"];
+            if arch == "phi3" {
+                let partial = rope["partial_rotary_factor"].as_f64().unwrap();
+                let rd = (m.head_size() as f64 * partial) as usize;
+                assert_eq!(k("rope.dimension_count"), rd, "{at}");
+                assert_eq!(f("rope.freq_base"), rope["rope_theta"].as_f64().unwrap());
+                assert_eq!(k("attention.sliding_window"), 0, "{at}: no window");
+                let longrope = rope["rope_type"] == "longrope";
+                for (t, key) in [
+                    ("rope_factors_long.weight", "long_factor"),
+                    ("rope_factors_short.weight", "short_factor"),
+                ] {
+                    assert_eq!(tensors.contains_key(t), longrope, "{at}: {t}");
+                    if longrope {
+                        assert_eq!(tensors[t]["type"], "F32", "{at}: {t}");
+                        let got: Vec<f32> =
+                            serde_json::from_value(tensors[t]["values"].clone()).unwrap();
+                        let want: Vec<f64> = serde_json::from_value(rope[key].clone()).unwrap();
+                        let want: Vec<f32> = want.iter().map(|x| *x as f32).collect();
+                        assert_eq!(got, want, "{at}: {t} (as f32)");
+                    }
+                }
+                if longrope {
+                    let old = cfg["original_max_position_embeddings"].as_f64().unwrap();
+                    assert_eq!(k("rope.scaling.original_context_length"), old as u64);
+                    // transformers' (and llama.cpp's converter's) √(1 + ln s / ln old)
+                    let s = 64.0 / old;
+                    let want = (1.0 + s.ln() / old.ln()).sqrt();
+                    assert!((f("rope.scaling.attn_factor") - want).abs() < 1e-6, "{at}");
+                }
+            } else {
+                let hd = text["head_dim"].as_u64().unwrap();
+                assert_eq!(k("attention.key_length"), hd, "{at}");
+                assert_eq!(k("attention.value_length"), hd, "{at}");
+                assert_eq!(k("rope.dimension_count"), hd, "{at}");
+                let full = &rope["full_attention"];
+                assert_eq!(f("rope.freq_base"), full["rope_theta"].as_f64().unwrap());
+                assert_eq!(k("rope.scaling.type"), full["rope_type"], "{at}");
+                assert_eq!(f("rope.scaling.factor"), full["factor"].as_f64().unwrap());
+                let local = rope["sliding_attention"]["rope_theta"].as_f64().unwrap();
+                assert_eq!(f("rope.freq_base_swa"), local, "{at}");
+                assert_eq!(
+                    k("attention.sliding_window"),
+                    text["sliding_window"],
+                    "{at}"
+                );
+                // layer_types: sliding, full, sliding, full = every 2nd layer full
+                assert_eq!(k("attention.sliding_window_pattern"), 2, "{at}");
+                assert_eq!(
+                    r["types"]["gemma3.attention.sliding_window_pattern"],
+                    "UINT32"
+                );
+                let scalar = text["query_pre_attn_scalar"].as_f64().unwrap();
+                assert!(
+                    (f("attention.scale") - scalar.powf(-0.5)).abs() < 1e-7,
+                    "{at}"
+                );
+                assert!(kv.get("gemma3.final_logit_softcapping").is_none(), "{at}");
+            }
+            let eps = f("attention.layer_norm_rms_epsilon");
+            assert!((eps - m.norm_eps).abs() < 1e-7 * m.norm_eps, "{at}");
+            // every tensor: Phi-3's fused (attn_qkv, ffn_up of gate|up), Gemma 3's 1 + w norms
+            let per_layer = if arch == "phi3" { 6 } else { 13 };
+            let extra = usize::from(tensors.contains_key("rope_factors_long.weight")) * 2;
+            let expect = 2 + per_layer * m.n_layer + usize::from(!m.tie_embeddings) + extra;
+            assert_eq!(tensors.len(), expect, "{at}: {:?}", tensors.keys());
+            for (g, t) in tensors {
+                if g.starts_with("rope_factors") {
+                    continue;
+                }
+                let want = as_llama_cpp_stores(g, arch, &weights);
+                let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).unwrap();
+                assert_eq!(shape, want.dims(), "{at}: {g}");
+                let got: Vec<f64> = serde_json::from_value(t["values"].clone()).unwrap();
+                let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+                let blocks = quant == "q8_0" && shape.len() == 2;
+                assert_eq!(t["type"], if blocks { "Q8_0" } else { "F32" }, "{at}: {g}");
+                for (a, b) in got.chunks(32).zip(want.chunks(32)) {
+                    let step = if blocks {
+                        b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0 * 0.6 + 1e-6
+                    } else {
+                        0.0
+                    };
+                    for (x, y) in a.iter().zip(b) {
+                        assert!((x - *y as f64).abs() <= step, "{at}: {g}: {x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// cockpit's Q4_K, Q5_K and Q6_K blocks, decoded by the `gguf` package (llama.cpp's own
 /// dequantization), give exactly what cockpit's decoder gives, and stay near the values encoded.
 #[test]
@@ -298,8 +462,21 @@ fn what_gguf_export_cannot_write_is_refused_by_name() {
 fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
     // (llama3: its RoPE scaling goes out as llama.cpp's rope_freqs factors and comes back as
     // Hugging Face's llama3 parameters.)
+    // (phi3: partial rotary, fused weights; phi3_longrope: its factors as llama.cpp's tensors
+    // and back; gemma3: 1 + w norms, the layer period and local θ; gemma3: the wrapper's
+    // language model.)
     for name in [
-        "llama2", "llama3", "qwen2", "qwen3", "olmo2", "gpt2", "granite",
+        "llama2",
+        "llama3",
+        "qwen2",
+        "qwen3",
+        "olmo2",
+        "gpt2",
+        "granite",
+        "phi3",
+        "phi3_longrope",
+        "gemma3_text",
+        "gemma3",
     ] {
         let dir = fixture(name);
         let e = json(&dir.join("expected.json"));
@@ -308,6 +485,7 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
         let tmp = tempfile::tempdir().unwrap();
         for (quant, tol) in [
             ("f32", 1e-5),
+            ("f16", 1e-3),
             ("q8_0", 2e-2),
             ("q4_0", 0.2),
             ("q4_k_m", 0.2),
@@ -315,7 +493,10 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
             let out = tmp.path().join(format!("{name}-{quant}.gguf"));
             export(&dir, &out, quant);
             let loss = common::next_token_loss(&out, &ids);
-            eprintln!("{name} {quant}: cockpit on the GGUF {loss:.6}, on the fixture {ours:.6}");
+            eprintln!(
+                "{name} {quant}: cockpit on the GGUF {loss:.6}, on the fixture {ours:.6}, diff {:.1e}",
+                (loss - ours).abs()
+            );
             assert!(
                 (loss - ours).abs() <= tol,
                 "{name} {quant}: {loss} vs {ours}"
@@ -344,6 +525,53 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
     }
 }
 
+/// `src` written again at `dst` (every tensor as F32) with the keys `edit` gives replaced and
+/// the tensor `drop` left out.
+fn rewrite(
+    src: &Path,
+    dst: &Path,
+    edit: impl Fn(&str) -> Option<cockpit::engine::gguf::writer::Value>,
+    drop: &str,
+) {
+    use cockpit::engine::gguf::quant::{self, GgmlType};
+    use cockpit::engine::gguf::reader::{Gguf, Meta};
+    use cockpit::engine::gguf::writer::{self, Value};
+    let g = Gguf::parse(std::fs::read(src).unwrap()).unwrap();
+    let value = |m: &Meta| match m {
+        Meta::Int(i) => Value::U32(*i as u32),
+        Meta::Float(f) => Value::F32(*f as f32),
+        Meta::Bool(b) => Value::Bool(*b),
+        Meta::Str(s) => Value::Str(s.clone()),
+        Meta::Array(a) => match a.first() {
+            Some(Meta::Str(_)) => {
+                Value::Strs(a.iter().map(|m| m.as_str().unwrap().into()).collect())
+            }
+            Some(Meta::Float(_)) => {
+                Value::F32s(a.iter().map(|m| m.as_f64().unwrap() as f32).collect())
+            }
+            Some(Meta::Bool(_)) => Value::Bools(a.iter().map(|m| *m == Meta::Bool(true)).collect()),
+            _ => Value::I32s(a.iter().map(|m| m.as_f64().unwrap() as i32).collect()),
+        },
+    };
+    let kv: Vec<(String, Value)> = g
+        .meta
+        .iter()
+        .map(|(k, m)| (k.clone(), edit(k).unwrap_or_else(|| value(m))))
+        .collect();
+    let tensors: Vec<writer::TensorData> = g
+        .tensors
+        .iter()
+        .filter(|t| t.name != drop)
+        .map(|t| writer::TensorData {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            ty: GgmlType::F32,
+            bytes: quant::encode(&g.decode(t).unwrap(), GgmlType::F32),
+        })
+        .collect();
+    writer::write(dst, &kv, &tensors).unwrap();
+}
+
 #[test]
 fn a_broken_or_foreign_gguf_is_refused_by_name() {
     use cockpit::engine::gguf::writer::{self, Value};
@@ -355,16 +583,43 @@ fn a_broken_or_foreign_gguf_is_refused_by_name() {
     std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();
     let text = tmp.path().join("text.gguf");
     std::fs::write(&text, "not a model").unwrap();
-    let phi = tmp.path().join("phi.gguf");
+    let falcon = tmp.path().join("falcon.gguf");
     let kv = vec![(
         "general.architecture".to_string(),
-        Value::Str("phi3".into()),
+        Value::Str("falcon".into()),
     )];
-    writer::write(&phi, &kv, &[]).unwrap();
+    writer::write(&falcon, &kv, &[]).unwrap();
+    // Phi-3 and Gemma 3 files that say what cockpit cannot read
+    let (longrope, gemma) = (tmp.path().join("lr.gguf"), tmp.path().join("g.gguf"));
+    export(&fixture("phi3_longrope"), &longrope, "f32");
+    export(&fixture("gemma3_text"), &gemma, "f32");
+    let one_factor = tmp.path().join("one_factor.gguf");
+    rewrite(
+        &longrope,
+        &one_factor,
+        |_| None,
+        "rope_factors_short.weight",
+    );
+    let wide = tmp.path().join("wide.gguf");
+    let ff = |k: &str| (k == "phi3.feed_forward_length").then_some(Value::U32(256));
+    rewrite(&longrope, &wide, ff, "");
+    let pattern = tmp.path().join("pattern.gguf");
+    let p =
+        |k: &str| (k == "gemma3.attention.sliding_window_pattern").then(|| Value::Str("x".into()));
+    rewrite(&gemma, &pattern, p, "");
     for (path, want) in [
         (&cut, "truncated"),
         (&text, "not a GGUF file"),
-        (&phi, "general.architecture = \"phi3\": not supported"),
+        (&falcon, "general.architecture = \"falcon\": not supported"),
+        (&one_factor, "LongRoPE needs both factor tensors"),
+        (
+            &wide,
+            "blk.0.ffn_up.weight: 256 rows, phi3's gate|up has 512",
+        ),
+        (
+            &pattern,
+            "gemma3.attention.sliding_window_pattern = Str(\"x\")",
+        ),
     ] {
         let o = common::cockpit()
             .arg("generate")

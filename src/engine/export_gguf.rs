@@ -4,9 +4,10 @@
 use super::export::Exported;
 use super::gguf::quant::{self, GgmlType};
 use super::gguf::writer::{self, TensorData, Value};
-use super::gguf::{names, tokenizer, Quant};
+use super::gguf::{gemma3, names, phi3, tokenizer, Quant};
 use super::source::{open, Source};
 use super::{hf, EngineError};
+use crate::config::RopeScaling;
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 
@@ -141,9 +142,26 @@ fn build(
             Value::U32(writer::ALIGNMENT as u32),
         ),
     ];
-    kv.extend(names::hyperparameters(arch, m, vocab, s.max_positions));
+    kv.extend(names::hyperparameters(
+        arch,
+        m,
+        vocab,
+        s.max_positions,
+        s.hf.as_ref(),
+    ));
     kv.extend(tok_kv);
-    if let Some(w) = s.hf.as_ref().and_then(|h| h.sliding_window) {
+    match arch {
+        "gemma3" => notes.extend(gemma3::notes(m)),
+        "phi3" if matches!(m.rope_scaling, RopeScaling::LongRope { .. }) => notes.push(
+            "LongRoPE: llama.cpp takes the long factors when its context (n_ctx) exceeds the original one, where transformers and cockpit take them by the sequence's length".into(),
+        ),
+        _ => {}
+    }
+    if let Some(w) =
+        s.hf.as_ref()
+            .and_then(|h| h.sliding_window)
+            .filter(|_| arch != "phi3")
+    {
         notes.push(format!(
             "the base's sliding_window = {w} is not in the GGUF (llama.cpp's llama architecture attends to the whole context)"
         ));
@@ -151,11 +169,11 @@ fn build(
     let merged = s.model.merged_tensors()?;
     let named = names::to_gguf(merged, arch, m).map_err(at)?;
     let mut tensors = Vec::with_capacity(named.len() + 1);
-    if let Some(f) = names::rope_freqs(&s.model.spec) {
-        let n = f.len();
+    let rope = names::rope_freqs(&s.model.spec).map(|f| ("rope_freqs.weight", f));
+    for (name, f) in rope.into_iter().chain(phi3::rope_factors(m)) {
         tensors.push(TensorData {
-            name: "rope_freqs.weight".into(),
-            shape: vec![n],
+            name: name.into(),
+            shape: vec![f.len()],
             ty: GgmlType::F32,
             bytes: quant::encode(&f, GgmlType::F32),
         });

@@ -1,7 +1,7 @@
 //! GGUF in: a .gguf file as a model source. The file is turned once into the Hugging Face
 //! directory it describes (config.json from its `<arch>.*` metadata, checked by the same
 //! reader as any config.json; its tensors dequantized under Hugging Face's names, q/k rows
-//! permuted back; tokenizer.json from its byte-level BPE or sentencepiece vocabulary,
+//! permuted back, fused ones split, Gemma 3's `1 + w` norms shifted back; tokenizer.json from its byte-level BPE or sentencepiece vocabulary,
 //! [`super::tokenizer_in`]), kept in a cache directory
 //! keyed by the file, so every command that opens a Hugging Face directory opens it.
 
@@ -40,6 +40,8 @@ fn model_type(arch: &str) -> Option<&'static str> {
         "olmo2" => Some("olmo2"),
         "gpt2" => Some("gpt2"),
         "granite" => Some("granite"),
+        "phi3" => Some("phi3"),
+        "gemma3" => Some("gemma3_text"),
         _ => None,
     }
 }
@@ -189,7 +191,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         .to_string();
     let Some(mt) = model_type(&arch) else {
         return Err(format!(
-            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, olmo2, gpt2, granite)"
+            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, olmo2, gpt2, granite, phi3, gemma3)"
         ));
     };
     let k = |s: &str| format!("{arch}.{s}");
@@ -237,7 +239,8 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
             .and_then(Meta::as_usize)
             .unwrap_or(n_embd / n_head.max(1));
         if let Some(rd) = g.get(&k("rope.dimension_count")).and_then(Meta::as_usize) {
-            if rd != hd {
+            // (Phi-3 rotates part of each head: its partial_rotary_factor)
+            if rd != hd && mt != "phi3" {
                 return Err(format!(
                     "{arch}.rope.dimension_count = {rd}: RoPE on part of a head of {hd} dims is not supported in GGUF input"
                 ));
@@ -301,6 +304,11 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
             c.insert("attention_bias".into(), json!(b));
             c.insert("mlp_bias".into(), json!(b));
         }
+        match mt {
+            "phi3" => super::phi3::config(g, &mut c, hd, ctx)?,
+            "gemma3_text" => super::gemma3::config(g, &mut c, n_layer)?,
+            _ => {}
+        }
         if mt == "granite" {
             for (key, gk) in [
                 ("attention_multiplier", "attention.scale"),
@@ -329,7 +337,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
     // the tensors, dequantized, under cockpit's names, then Hugging Face's
     let mut named: Vec<(String, Tensor)> = Vec::new();
     for t in &g.tensors {
-        if t.name == "rope_freqs.weight" {
+        if t.name == "rope_freqs.weight" || super::phi3::is_config_tensor(&t.name) {
             continue; // (read into the config's rope_scaling above)
         }
         let x = g.decode(t)?;
@@ -342,14 +350,29 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         {
             let i = rest.strip_prefix("blk.").unwrap_or(rest);
             let w = t.name.rsplit('.').next().unwrap_or("weight");
-            for (j, p) in ["q_proj", "k_proj", "v_proj"].iter().enumerate() {
+            let (q, kv) = (m.n_head * m.head_size(), m.kv_heads() * m.head_size());
+            if v.dim(0).map_err(te)? != q + 2 * kv {
+                return Err(format!(
+                    "{}: {} rows, the metadata makes q|k|v {}",
+                    t.name,
+                    t.shape[0],
+                    q + 2 * kv
+                ));
+            }
+            for (p, at, rows) in [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)] {
                 let part = v
-                    .narrow(0, j * n_embd, n_embd)
+                    .narrow(0, at, rows)
                     .and_then(|p| p.contiguous())
                     .map_err(te)?;
                 named.push((format!("model.layers.{i}.self_attn.{p}.{w}"), part));
             }
             continue;
+        }
+        if mt == "phi3" {
+            if let Some(parts) = super::phi3::split_ffn_up(&t.name, &v, ff) {
+                named.extend(parts?);
+                continue;
+            }
         }
         let Some(c) = names::cockpit_name(&t.name, &arch) else {
             return Err(format!(
@@ -365,6 +388,9 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
             v
         };
         named.push((c, v));
+    }
+    if mt == "gemma3_text" {
+        named = super::gemma3::shift_norms(named, -1.0)?;
     }
     let named = hf::to_hf_names(named, mt, m.n_layer).map_err(|e| e.to_string())?;
     let named: Vec<(String, Tensor)> = named

@@ -3,9 +3,11 @@
 //! names in f32, f16, bf16, q8_0, q4_0, q4_1 or llama.cpp's k-quant mixes q4_k_m, q5_k_m and
 //! q6_k), and read as a model source ([`load`]).
 
+pub mod gemma3;
 pub mod kquant;
 pub mod load;
 pub mod names;
+pub mod phi3;
 pub mod quant;
 pub mod reader;
 pub mod tokenizer;
@@ -55,6 +57,13 @@ impl Quant {
         };
         if name == "output.weight" || (tied && name == "token_embd.weight") {
             return GgmlType::Q6_K;
+        }
+        // (a fused q|k|v, GPT-2's and Phi-3's, one step up as llama.cpp gives it)
+        if name.ends_with("attn_qkv.weight") {
+            return match base {
+                GgmlType::Q4_K => GgmlType::Q5_K,
+                _ => GgmlType::Q6_K,
+            };
         }
         if name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight") {
             let layer = name
@@ -116,6 +125,10 @@ mod tests {
         );
         assert_eq!(q.type_for("blk.15.attn_v.weight", 16, true), GgmlType::Q6_K);
         assert_eq!(q.type_for("blk.5.attn_q.weight", 16, true), GgmlType::Q4_K);
+        assert_eq!(
+            q.type_for("blk.5.attn_qkv.weight", 16, true),
+            GgmlType::Q5_K
+        );
         let more: Vec<usize> = (0..16).filter(|&i| more_bits(i, 16)).collect();
         assert_eq!(more, [0, 1, 4, 7, 10, 13, 14, 15]);
         assert!(parse_quant("q2_k").unwrap_err().contains("not written"));

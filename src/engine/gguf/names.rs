@@ -1,10 +1,11 @@
 //! cockpit's models as llama.cpp names them: the GGUF architecture of a Hugging Face
 //! model_type, its `<arch>.*` hyperparameters, and its tensors under llama.cpp's names and
-//! layout (q/k rows permuted for the architectures llama.cpp rotates pairwise; GPT-2's q|k|v
-//! fused).
+//! layout (q/k rows permuted for the architectures llama.cpp rotates pairwise; GPT-2's and
+//! Phi-3's fused matrices; Gemma 3's norms as `1 + w`: [`super::phi3`], [`super::gemma3`]).
 
 use super::writer::Value;
 use crate::config::{ModelConfig, RopeScaling};
+use crate::engine::hf::HfInfo;
 use crate::engine::spec::{self, ModelSpec};
 use candle_core::{Result, Tensor};
 use std::collections::HashMap;
@@ -18,6 +19,8 @@ pub fn arch_of(model_type: &str) -> Option<&'static str> {
         "olmo2" => Some("olmo2"),
         "gpt2" => Some("gpt2"),
         "granite" => Some("granite"),
+        "phi3" => Some("phi3"),
+        "gemma3_text" | "gemma3" => Some("gemma3"),
         _ => None,
     }
 }
@@ -33,12 +36,14 @@ fn key(arch: &str, k: &str) -> String {
     format!("{arch}.{k}")
 }
 
-/// The `<arch>.*` hyperparameters of `m` (with `vocab` tokens and `context` positions).
+/// The `<arch>.*` hyperparameters of `m` (with `vocab` tokens and `context` positions; `hf`:
+/// what its Hugging Face base says beyond the model, e.g. Phi-3's window).
 pub fn hyperparameters(
     arch: &str,
     m: &ModelConfig,
     vocab: usize,
     context: usize,
+    hf: Option<&HfInfo>,
 ) -> Vec<(String, Value)> {
     let u = |n: usize| Value::U32(n as u32);
     let f = |x: f64| Value::F32(x as f32);
@@ -62,9 +67,13 @@ pub fn hyperparameters(
         (key(arch, "attention.head_count_kv"), u(m.kv_heads())),
         (key(arch, "rope.freq_base"), f(m.rope_theta)),
         (key(arch, "attention.layer_norm_rms_epsilon"), f(m.norm_eps)),
-        (key(arch, "rope.dimension_count"), u(hd)),
+        (
+            key(arch, "rope.dimension_count"),
+            u(super::phi3::rotated(m)),
+        ),
     ]);
-    if hd * m.n_head != m.n_embd {
+    // (llama.cpp's converter writes Gemma 3's head dim whatever it is)
+    if hd * m.n_head != m.n_embd || arch == "gemma3" {
         kv.push((key(arch, "attention.key_length"), u(hd)));
         kv.push((key(arch, "attention.value_length"), u(hd)));
     }
@@ -84,6 +93,11 @@ pub fn hyperparameters(
             (key(arch, "residual_scale"), f(m.residual_multiplier)),
             (key(arch, "logit_scale"), f(m.logits_scaling)),
         ]);
+    }
+    match arch {
+        "phi3" => kv.extend(super::phi3::hyperparameters(m, hf)),
+        "gemma3" => kv.extend(super::gemma3::hyperparameters(m, context)),
+        _ => {}
     }
     kv
 }
@@ -157,7 +171,11 @@ const OLMO2_NAMES: &[(&str, &str)] = &[
 
 /// The layer names of `arch`: its own first, then the Llama ones.
 fn layer_names(arch: &str) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
-    let own: &[(&str, &str)] = if arch == "olmo2" { OLMO2_NAMES } else { &[] };
+    let own: &[(&str, &str)] = match arch {
+        "olmo2" => OLMO2_NAMES,
+        "gemma3" => super::gemma3::NAMES,
+        _ => &[],
+    };
     own.iter().chain(LAYER_NAMES)
 }
 
@@ -192,6 +210,29 @@ fn gguf_name(name: &str, arch: &str) -> Option<String> {
     Some(format!("blk.{i}.{g}.{w}"))
 }
 
+/// Join layer `i`'s `parts` (llama.cpp names, their rows in this order) into `into`.
+pub fn fuse(
+    by_name: &mut HashMap<String, Tensor>,
+    i: usize,
+    parts: &[&str],
+    into: &str,
+    w: &str,
+) -> std::result::Result<(), String> {
+    let pieces: Option<Vec<Tensor>> = parts
+        .iter()
+        .map(|p| by_name.remove(&format!("blk.{i}.{p}.{w}")))
+        .collect();
+    let Some(pieces) = pieces else {
+        return Err(format!(
+            "layer {i}: one of {} {w} missing",
+            parts.join(", ")
+        ));
+    };
+    let t = Tensor::cat(&pieces, 0).map_err(|e| format!("blk.{i}.{into}.{w}: {e}"))?;
+    by_name.insert(format!("blk.{i}.{into}.{w}"), t);
+    Ok(())
+}
+
 /// cockpit's tensors (Llama names, `[out, in]`) under llama.cpp's names and layout for `arch`,
 /// in llama.cpp's order (embeddings, then layer by layer, then the final norm and head).
 pub fn to_gguf(
@@ -216,20 +257,23 @@ pub fn to_gguf(
         };
         by_name.insert(g, t);
     }
-    if arch == "gpt2" {
-        for i in 0..m.n_layer {
-            for w in ["weight", "bias"] {
-                let parts: Option<Vec<Tensor>> = ["attn_q", "attn_k", "attn_v"]
-                    .iter()
-                    .map(|p| by_name.remove(&format!("blk.{i}.{p}.{w}")))
-                    .collect();
-                let Some(parts) = parts else {
-                    return Err(format!("layer {i}: q, k or v {w} missing"));
-                };
-                let qkv = Tensor::cat(&parts, 0).map_err(te("attn_qkv"))?;
-                by_name.insert(format!("blk.{i}.attn_qkv.{w}"), qkv);
+    match arch {
+        "gpt2" => {
+            for i in 0..m.n_layer {
+                for w in ["weight", "bias"] {
+                    fuse(
+                        &mut by_name,
+                        i,
+                        &["attn_q", "attn_k", "attn_v"],
+                        "attn_qkv",
+                        w,
+                    )?;
+                }
             }
         }
+        "phi3" => super::phi3::fuse_layers(&mut by_name, m.n_layer)?,
+        "gemma3" => super::gemma3::shift_norms_in(&mut by_name, 1.0)?,
+        _ => {}
     }
     let rank = |n: &str| -> (usize, usize, String) {
         if n.starts_with("token_embd") || n.starts_with("position_embd") {

@@ -22,6 +22,7 @@ pub enum Value {
     Strs(Vec<String>),
     I32s(Vec<i32>),
     F32s(Vec<f32>),
+    Bools(Vec<bool>),
 }
 
 /// GGUF's value type codes.
@@ -97,6 +98,10 @@ fn value(w: &mut impl Write, v: &Value) -> io::Result<()> {
         Value::F32s(a) => {
             array(w, vt::F32, a.len())?;
             a.iter().try_for_each(|x| w.write_all(&x.to_le_bytes()))
+        }
+        Value::Bools(a) => {
+            array(w, vt::BOOL, a.len())?;
+            a.iter().try_for_each(|x| w.write_all(&[*x as u8]))
         }
     }
 }
