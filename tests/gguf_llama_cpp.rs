@@ -35,10 +35,27 @@ fn export(src: &Path, out: &Path, quant: &str) {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// The gemma3_text fixture with its score scale at llama.cpp's (1/√head_dim, which llama.cpp
+/// derives from the shape: it reads no query_pre_attn_scalar), copied under `tmp`.
+fn gemma3_at_llama_cpps_scale(tmp: &Path) -> PathBuf {
+    let src = fixture("hf/gemma3_text");
+    let dir = tmp.join("gemma3_scaled");
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let mut c = json(&dir.join("config.json"));
+    c["query_pre_attn_scalar"] = c["head_dim"].clone();
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    dir
+}
+
 #[test]
 fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
     let tmp = tempfile::tempdir().unwrap();
     let spm = json(&fixture("spm/expected.json"));
+    let hf_ids = |name: &str| json(&fixture(&format!("hf/{name}/expected.json")))["ids"].clone();
     for (name, dir, ids) in [
         (
             "llama2",
@@ -66,6 +83,21 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
             json(&fixture("hf/olmo2/expected.json"))["ids"].clone(),
         ),
         ("spm", fixture("spm/hf"), spm["ids"].clone()),
+        // phi3: q|k|v and gate|up fused, RoPE on half of each head; phi3_longrope: its factors
+        // as rope_factors_long/short (llama.cpp takes the long ones past the original context
+        // of 16, as the fixture's 48 ids do in transformers); gemma3: 1 + w norms, the layer
+        // period 2 with a window of 8, the local θ, linear scaling on the full layers.
+        ("phi3", fixture("hf/phi3"), hf_ids("phi3")),
+        (
+            "phi3_longrope",
+            fixture("hf/phi3_longrope"),
+            hf_ids("phi3_longrope"),
+        ),
+        (
+            "gemma3",
+            gemma3_at_llama_cpps_scale(tmp.path()),
+            hf_ids("gemma3_text"),
+        ),
     ] {
         let ids: Vec<u32> = serde_json::from_value(ids).unwrap();
         let ours = common::next_token_loss(&dir, &ids);
