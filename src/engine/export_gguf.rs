@@ -131,6 +131,15 @@ fn build(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "cockpit".into());
+    let stem = match phi3::name_llama_cpp_trips_on(&stem, &tok_kv) {
+        Some(missing) => {
+            notes.push(format!(
+                "general.name is \"model\", not {stem:?}: llama.cpp looks up {missing} in the vocabulary of a model whose name says phi-3, and this vocabulary has no such token"
+            ));
+            "model".to_string()
+        }
+        None => stem,
+    };
     let mut kv: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::Str(arch.into())),
         ("general.type".into(), Value::Str("model".into())),

@@ -171,3 +171,20 @@ pub fn split_ffn_up(
     };
     Some(split().map_err(|e| format!("{name}: {e}")))
 }
+
+/// llama.cpp gives special tokens of a model whose `general.name` says phi-3 or phi3 their
+/// attributes by text, and fails to load where one of them (`</s>`, `<unk>`, `<s>`,
+/// `<|endoftext|>`) is not in the vocabulary: the first such token where `name` would trip it.
+pub fn name_llama_cpp_trips_on(name: &str, tokenizer: &[(String, Value)]) -> Option<&'static str> {
+    let lower = name.to_lowercase();
+    if !lower.contains("phi-3") && !lower.contains("phi3") {
+        return None;
+    }
+    let tokens = tokenizer.iter().find_map(|(k, v)| match v {
+        Value::Strs(t) if k == "tokenizer.ggml.tokens" => Some(t),
+        _ => None,
+    })?;
+    ["</s>", "<unk>", "<s>", "<|endoftext|>"]
+        .into_iter()
+        .find(|t| !tokens.iter().any(|have| have == t))
+}
