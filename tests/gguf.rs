@@ -526,12 +526,12 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
 }
 
 /// `src` written again at `dst` (every tensor as F32) with the keys `edit` gives replaced and
-/// the tensor `drop` left out.
+/// the keys and tensors `drop` names left out.
 fn rewrite(
     src: &Path,
     dst: &Path,
     edit: impl Fn(&str) -> Option<cockpit::engine::gguf::writer::Value>,
-    drop: &str,
+    drop: &[&str],
 ) {
     use cockpit::engine::gguf::quant::{self, GgmlType};
     use cockpit::engine::gguf::reader::{Gguf, Meta};
@@ -556,12 +556,13 @@ fn rewrite(
     let kv: Vec<(String, Value)> = g
         .meta
         .iter()
+        .filter(|(k, _)| !drop.contains(&k.as_str()))
         .map(|(k, m)| (k.clone(), edit(k).unwrap_or_else(|| value(m))))
         .collect();
     let tensors: Vec<writer::TensorData> = g
         .tensors
         .iter()
-        .filter(|t| t.name != drop)
+        .filter(|t| !drop.contains(&t.name.as_str()))
         .map(|t| writer::TensorData {
             name: t.name.clone(),
             shape: t.shape.clone(),
@@ -598,15 +599,15 @@ fn a_broken_or_foreign_gguf_is_refused_by_name() {
         &longrope,
         &one_factor,
         |_| None,
-        "rope_factors_short.weight",
+        &["rope_factors_short.weight"],
     );
     let wide = tmp.path().join("wide.gguf");
     let ff = |k: &str| (k == "phi3.feed_forward_length").then_some(Value::U32(256));
-    rewrite(&longrope, &wide, ff, "");
+    rewrite(&longrope, &wide, ff, &[]);
     let pattern = tmp.path().join("pattern.gguf");
     let p =
         |k: &str| (k == "gemma3.attention.sliding_window_pattern").then(|| Value::Str("x".into()));
-    rewrite(&gemma, &pattern, p, "");
+    rewrite(&gemma, &pattern, p, &[]);
     for (path, want) in [
         (&cut, "truncated"),
         (&text, "not a GGUF file"),
@@ -633,4 +634,37 @@ fn a_broken_or_foreign_gguf_is_refused_by_name() {
         assert!(err.contains(&path.display().to_string()), "{err}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
+}
+
+/// A gemma3 file without the keys llama.cpp's converter leaves out (the layer period, the
+/// sliding layers' θ, the score scale) reads as llama.cpp reads it: every 6th layer full, θ
+/// 10000, 1/√head_dim.
+#[test]
+fn a_gemma3_file_without_cockpits_keys_reads_as_llama_cpp_reads_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (full, bare) = (tmp.path().join("full.gguf"), tmp.path().join("bare.gguf"));
+    export(&fixture("gemma3_text"), &full, "f32");
+    let drop = [
+        "gemma3.attention.sliding_window_pattern",
+        "gemma3.rope.freq_base_swa",
+        "gemma3.attention.scale",
+    ];
+    rewrite(&full, &bare, |_| None, &drop);
+    let dir = cockpit::engine::gguf::load::materialize(&bare).unwrap();
+    let c = json(&dir.join("config.json"));
+    assert_eq!(c["model_type"], "gemma3_text");
+    // 4 layers under a period of 6: all sliding (the 6th would be the first full one)
+    assert_eq!(
+        c["layer_types"],
+        serde_json::json!(vec!["sliding_attention"; 4])
+    );
+    assert_eq!(c["sliding_window"], 8);
+    assert_eq!(c["rope_local_base_freq"], 10000.0);
+    assert_eq!(c["query_pre_attn_scalar"], 32.0);
+    // and the full file's own values come back as the fixture says them
+    let dir = cockpit::engine::gguf::load::materialize(&full).unwrap();
+    let c = json(&dir.join("config.json"));
+    let types = ["sliding_attention", "full_attention"];
+    assert_eq!(c["layer_types"], serde_json::json!([types, types].concat()));
+    assert!((c["query_pre_attn_scalar"].as_f64().unwrap() - 24.0).abs() < 1e-4);
 }

@@ -172,7 +172,14 @@ pub fn config(g: &Gguf, c: &mut Map<String, Json>, n_layer: usize) -> Result<(),
     let local = get("rope.freq_base_swa")
         .and_then(Meta::as_f64)
         .unwrap_or(DEFAULT_LOCAL_THETA);
-    c.insert("query_pre_attn_scalar".into(), json!(1.0 / (scale * scale)));
+    // query_pre_attn_scalar = scale⁻², the integer it is within f32's rounding
+    let scalar = 1.0 / (scale * scale);
+    let scalar = if (scalar - scalar.round()).abs() < 1e-6 * scalar {
+        scalar.round()
+    } else {
+        scalar
+    };
+    c.insert("query_pre_attn_scalar".into(), json!(scalar));
     c.insert("layer_types".into(), json!(types));
     c.insert("sliding_window".into(), json!(window.max(1)));
     c.insert("rope_local_base_freq".into(), json!(local));
