@@ -38,6 +38,44 @@ fn json(p: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
 }
 
+/// `dir` exported in `quant` and read back by the `gguf` package (None: it is absent).
+fn read_export(dir: &Path, quant: &str) -> Option<Value> {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m.gguf");
+    export(dir, &out, quant);
+    python("read_gguf.py", &[out.to_str().unwrap()])
+}
+
+/// A tensor `t` as the `gguf` package read it holds `want`: F32 to the bit, or Q8_0 (the
+/// matrices of a q8_0 export) within half a step of its block's scale.
+fn assert_stored(at: &str, g: &str, t: &Value, want: &Tensor, quant: &str) {
+    let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).unwrap();
+    assert_eq!(shape, want.dims(), "{at}: {g}");
+    let got: Vec<f64> = serde_json::from_value(t["values"].clone()).unwrap();
+    let want: Vec<f32> = want
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let blocks = quant == "q8_0" && shape.len() == 2;
+    assert_eq!(t["type"], if blocks { "Q8_0" } else { "F32" }, "{at}: {g}");
+    for (i, (a, b)) in got.chunks(32).zip(want.chunks(32)).enumerate() {
+        let step = if blocks {
+            b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0 * 0.6 + 1e-6
+        } else {
+            0.0
+        };
+        for (x, y) in a.iter().zip(b) {
+            assert!(
+                (x - *y as f64).abs() <= step,
+                "{at}: {g} block {i}: {x} vs {y}"
+            );
+        }
+    }
+}
+
 #[test]
 fn the_gguf_package_reads_every_key_and_tensor() {
     for (name, arch) in [
@@ -52,10 +90,7 @@ fn the_gguf_package_reads_every_key_and_tensor() {
         let tok = json(&dir.join("tokenizer.json"));
         let (m, _, weights) = cockpit::engine::hf::load(&dir).unwrap();
         for quant in ["f32", "q8_0"] {
-            let tmp = tempfile::tempdir().unwrap();
-            let out = tmp.path().join("m.gguf");
-            export(&dir, &out, quant);
-            let Some(r) = python("read_gguf.py", &[out.to_str().unwrap()]) else {
+            let Some(r) = read_export(&dir, quant) else {
                 return;
             };
             let (kv, types) = (&r["kv"], &r["types"]);
@@ -120,9 +155,6 @@ fn the_gguf_package_reads_every_key_and_tensor() {
             assert_eq!(tensors.len(), expect, "{at}: {:?}", tensors.keys());
             assert_eq!(tensors.contains_key("output.weight"), !m.tie_embeddings);
             for (g, t) in tensors {
-                let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).unwrap();
-                let ty = t["type"].as_str().unwrap();
-                let got: Vec<f64> = serde_json::from_value(t["values"].clone()).unwrap();
                 let want: Tensor = if g.contains("attn_qkv") {
                     let (l, w) = (g.split('.').nth(1).unwrap(), g.rsplit('.').next().unwrap());
                     let parts: Vec<Tensor> = ["q_proj", "k_proj", "v_proj"]
@@ -142,29 +174,7 @@ fn the_gguf_package_reads_every_key_and_tensor() {
                         w
                     }
                 };
-                assert_eq!(shape, want.dims(), "{at}: {g}");
-                let want: Vec<f32> = want
-                    .to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                let blocks = quant == "q8_0" && shape.len() == 2;
-                assert_eq!(ty, if blocks { "Q8_0" } else { "F32" }, "{at}: {g}");
-                for (i, (a, b)) in got.chunks(32).zip(want.chunks(32)).enumerate() {
-                    let step = if blocks {
-                        b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0 * 0.6 + 1e-6
-                    } else {
-                        0.0
-                    };
-                    for (x, y) in a.iter().zip(b) {
-                        assert!(
-                            (x - *y as f64).abs() <= step,
-                            "{at}: {g} block {i}: {x} vs {y}"
-                        );
-                    }
-                }
+                assert_stored(&at, g, t, &want, quant);
             }
         }
     }
@@ -225,10 +235,7 @@ fn phi3_and_gemma3_go_out_as_llama_cpp_writes_them() {
         };
         let (m, _, weights) = cockpit::engine::hf::load(&dir).unwrap();
         for quant in ["f32", "q8_0"] {
-            let tmp = tempfile::tempdir().unwrap();
-            let out = tmp.path().join("m.gguf");
-            export(&dir, &out, quant);
-            let Some(r) = python("read_gguf.py", &[out.to_str().unwrap()]) else {
+            let Some(r) = read_export(&dir, quant) else {
                 return;
             };
             let (kv, tensors) = (&r["kv"], r["tensors"].as_object().unwrap());
@@ -313,22 +320,7 @@ fn phi3_and_gemma3_go_out_as_llama_cpp_writes_them() {
                     continue;
                 }
                 let want = as_llama_cpp_stores(g, arch, &weights);
-                let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).unwrap();
-                assert_eq!(shape, want.dims(), "{at}: {g}");
-                let got: Vec<f64> = serde_json::from_value(t["values"].clone()).unwrap();
-                let want: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
-                let blocks = quant == "q8_0" && shape.len() == 2;
-                assert_eq!(t["type"], if blocks { "Q8_0" } else { "F32" }, "{at}: {g}");
-                for (a, b) in got.chunks(32).zip(want.chunks(32)) {
-                    let step = if blocks {
-                        b.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0 * 0.6 + 1e-6
-                    } else {
-                        0.0
-                    };
-                    for (x, y) in a.iter().zip(b) {
-                        assert!((x - *y as f64).abs() <= step, "{at}: {g}: {x} vs {y}");
-                    }
-                }
+                assert_stored(&at, g, t, &want, quant);
             }
         }
     }
