@@ -469,6 +469,7 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
         "phi3_longrope",
         "gemma3_text",
         "gemma3",
+        "granite_hybrid",
     ] {
         let dir = fixture(name);
         let e = json(&dir.join("expected.json"));
@@ -659,4 +660,103 @@ fn a_gemma3_file_without_cockpits_keys_reads_as_llama_cpp_reads_it() {
     let types = ["sliding_attention", "full_attention"];
     assert_eq!(c["layer_types"], serde_json::json!([types, types].concat()));
     assert!((c["query_pre_attn_scalar"].as_f64().unwrap() - 24.0).abs() < 1e-4);
+}
+
+/// A dense Granite 4.0 hybrid goes out as llama.cpp's `granitehybrid`: the gguf package reads
+/// its Mamba sizes, its layer kinds as per-layer kv heads (0: Mamba), NoPE as
+/// `rope.scaling.finetuned = false`, Granite's multipliers, and every tensor in llama.cpp's
+/// layout (A = −exp(A_log), D and A as `[heads, 1]`, the conv as `[channels, width]`, the gated
+/// norm as `[groups, inner / groups]`, the shared MLP's gate|up as ffn_gate and ffn_up); one
+/// with routed experts is refused by name.
+#[test]
+fn a_granite_hybrid_goes_out_as_llama_cpp_writes_it() {
+    let dir = fixture("granite_hybrid");
+    let cfg = json(&dir.join("config.json"));
+    let (m, _, weights) = cockpit::engine::hf::load(&dir).unwrap();
+    let Some(r) = read_export(&dir, "f32") else {
+        return;
+    };
+    let (kv, tensors) = (&r["kv"], r["tensors"].as_object().unwrap());
+    let k = |s: &str| kv[format!("granitehybrid.{s}")].clone();
+    assert_eq!(kv["general.architecture"], "granitehybrid");
+    assert_eq!(
+        k("attention.head_count_kv"),
+        serde_json::json!([0, 2, 0, 0])
+    );
+    assert_eq!(
+        r["types"]["granitehybrid.attention.head_count_kv"],
+        "ARRAY/INT32"
+    );
+    assert_eq!(k("ssm.time_step_rank"), cfg["mamba_n_heads"]);
+    assert_eq!(k("ssm.inner_size"), 128);
+    assert_eq!(k("ssm.state_size"), cfg["mamba_d_state"]);
+    assert_eq!(k("ssm.group_count"), cfg["mamba_n_groups"]);
+    assert_eq!(k("ssm.conv_kernel"), cfg["mamba_d_conv"]);
+    assert_eq!(k("rope.scaling.finetuned"), false);
+    assert_eq!(k("feed_forward_length"), cfg["shared_intermediate_size"]);
+    for (key, c) in [
+        ("attention.scale", "attention_multiplier"),
+        ("embedding_scale", "embedding_multiplier"),
+        ("residual_scale", "residual_multiplier"),
+        ("logit_scale", "logits_scaling"),
+    ] {
+        assert_eq!(k(key), cfg[c], "{key}");
+    }
+    let w = |n: &str| weights[n].to_dtype(DType::F32).unwrap();
+    for (g, t) in tensors {
+        let (l, part) = g
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .unwrap_or(("", g));
+        let at = |p: &str| format!("model.layers.{l}.{p}");
+        let mamba = |p: &str| w(&at(&format!("mamba.{p}")));
+        let mlp = |from: usize| {
+            let t = w(&at("shared_mlp.input_linear.weight"));
+            t.narrow(0, from, 128).unwrap()
+        };
+        let want = match part {
+            "ssm_a" => mamba("A_log")
+                .exp()
+                .unwrap()
+                .neg()
+                .unwrap()
+                .unsqueeze(1)
+                .unwrap(),
+            "ssm_d" => mamba("D").unsqueeze(1).unwrap(),
+            "ssm_conv1d.weight" => mamba("conv1d.weight").squeeze(1).unwrap(),
+            "ssm_norm.weight" => mamba("norm.weight").reshape((2, 64)).unwrap(),
+            "ssm_in.weight" => mamba("in_proj.weight"),
+            "ssm_out.weight" => mamba("out_proj.weight"),
+            "ssm_conv1d.bias" => mamba("conv1d.bias"),
+            "ssm_dt.bias" => mamba("dt_bias"),
+            "ffn_gate.weight" => mlp(0),
+            "ffn_up.weight" => mlp(128),
+            "ffn_down.weight" => w(&at("shared_mlp.output_linear.weight")),
+            // (q/k rows permuted as llama.cpp's converter permutes Granite's)
+            "attn_q.weight" => {
+                names::permute_rows(&w(&at("self_attn.q_proj.weight")), m.n_head).unwrap()
+            }
+            "attn_k.weight" => {
+                names::permute_rows(&w(&at("self_attn.k_proj.weight")), m.kv_heads()).unwrap()
+            }
+            _ => w(&names::cockpit_name(g, "granitehybrid").unwrap()),
+        };
+        assert_stored("granite_hybrid", g, t, &want, "f32");
+    }
+    let mamba_layers = 3;
+    let expect = 2 + 4 * 5 + mamba_layers * 8 + 4;
+    assert_eq!(tensors.len(), expect, "{:?}", tensors.keys());
+    assert!(!m.tie_embeddings || !tensors.contains_key("output.weight"));
+    // routed experts: refused by name
+    let tmp = tempfile::tempdir().unwrap();
+    let o = common::cockpit()
+        .arg("export")
+        .arg(fixture("granite_hybrid_moe"))
+        .arg(tmp.path().join("moe.gguf"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("routed experts"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
 }

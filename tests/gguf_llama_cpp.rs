@@ -98,6 +98,12 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
             gemma3_at_llama_cpps_scale(tmp.path()),
             hf_ids("gemma3_text"),
         ),
+        // granitehybrid: Mamba-2 layers (llama.cpp's own scan) around a NoPE attention layer
+        (
+            "granite_hybrid",
+            fixture("hf/granite_hybrid"),
+            hf_ids("granite_hybrid"),
+        ),
     ] {
         let ids: Vec<u32> = serde_json::from_value(ids).unwrap();
         let ours = common::next_token_loss(&dir, &ids);

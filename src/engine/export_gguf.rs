@@ -4,7 +4,7 @@
 use super::export::Exported;
 use super::gguf::quant::{self, GgmlType};
 use super::gguf::writer::{self, TensorData, Value};
-use super::gguf::{gemma3, names, phi3, tokenizer, Quant};
+use super::gguf::{gemma3, granite_hybrid, names, phi3, tokenizer, Quant};
 use super::source::{open, Source};
 use super::{hf, EngineError};
 use crate::config::RopeScaling;
@@ -25,8 +25,8 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
 /// How a tensor is stored: vectors (norms, biases) stay f32, as llama.cpp keeps them; rows
 /// that are no whole number of the type's blocks take Q8_0 in place of a k-quant where they
 /// are whole 32-element blocks, else f16.
-fn storage(shape: &[usize], want: GgmlType) -> GgmlType {
-    if shape.len() < 2 {
+fn storage(name: &str, shape: &[usize], want: GgmlType) -> GgmlType {
+    if shape.len() < 2 || granite_hybrid::keeps_f32(name) {
         return GgmlType::F32;
     }
     let row = shape[shape.len() - 1];
@@ -43,7 +43,7 @@ fn storage(shape: &[usize], want: GgmlType) -> GgmlType {
 
 fn tensor_data(name: String, t: &Tensor, want: GgmlType) -> Result<TensorData, EngineError> {
     let shape = t.dims().to_vec();
-    let ty = storage(&shape, want);
+    let ty = storage(&name, &shape, want);
     let x: Vec<f32> = t
         .to_dtype(DType::F32)?
         .contiguous()?
@@ -75,6 +75,9 @@ pub fn export(src: &Path, out: &Path, quant: Quant) -> Result<Exported, EngineEr
             "model_type {model_type}: llama.cpp has no architecture for it"
         ))
     })?;
+    if let Some(why) = granite_hybrid::refusal(&s.config) {
+        return Err(at(why));
+    }
     let (kv, tensors, notes) = build(&s, src, &model_type, arch, quant)?;
     let parent = out
         .parent()
@@ -161,6 +164,7 @@ fn build(
     kv.extend(tok_kv);
     match arch {
         "gemma3" => notes.extend(gemma3::notes(m)),
+        "granitehybrid" => notes.extend(granite_hybrid::notes(m)),
         "phi3" if matches!(m.rope_scaling, RopeScaling::LongRope { .. }) => notes.push(
             "LongRoPE: llama.cpp takes the long factors when its context (n_ctx) exceeds the original one, where transformers and cockpit take them by the sequence's length".into(),
         ),
@@ -192,7 +196,7 @@ fn build(
     for (n, t) in named {
         let want = quant.type_for(&n, s.model.spec.n_layer, tied);
         let d = tensor_data(n, &t, want)?;
-        if d.ty != want && d.shape.len() > 1 {
+        if d.ty != want && d.shape.len() > 1 && !granite_hybrid::keeps_f32(&d.name) {
             fallback.push(format!("{} ({})", d.name, d.ty.name()));
         }
         tensors.push(d);

@@ -42,6 +42,7 @@ fn model_type(arch: &str) -> Option<&'static str> {
         "granite" => Some("granite"),
         "phi3" => Some("phi3"),
         "gemma3" => Some("gemma3_text"),
+        "granitehybrid" => Some("granitemoehybrid"),
         _ => None,
     }
 }
@@ -191,7 +192,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         .to_string();
     let Some(mt) = model_type(&arch) else {
         return Err(format!(
-            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, olmo2, gpt2, granite, phi3, gemma3)"
+            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, olmo2, gpt2, granite, phi3, gemma3, granitehybrid)"
         ));
     };
     let k = |s: &str| format!("{arch}.{s}");
@@ -307,9 +308,10 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         match mt {
             "phi3" => super::phi3::config(g, &mut c, hd, ctx)?,
             "gemma3_text" => super::gemma3::config(g, &mut c, n_layer)?,
+            "granitemoehybrid" => super::granite_hybrid::config(g, &mut c, n_layer)?,
             _ => {}
         }
-        if mt == "granite" {
+        if mt == "granite" || mt == "granitemoehybrid" {
             for (key, gk) in [
                 ("attention_multiplier", "attention.scale"),
                 ("embedding_multiplier", "embedding_scale"),
@@ -374,6 +376,16 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
                 continue;
             }
         }
+        if mt == "granitemoehybrid" {
+            if t.name.ends_with(".ffn_gate.weight") || t.name.ends_with(".ffn_up.weight") {
+                named.push((t.name.clone(), v)); // (joined below)
+                continue;
+            }
+            if let Some(one) = super::granite_hybrid::in_tensor(&t.name, &v) {
+                named.push(one?);
+                continue;
+            }
+        }
         let Some(c) = names::cockpit_name(&t.name, &arch) else {
             return Err(format!(
                 "{}: a tensor cockpit does not know for {arch}",
@@ -389,8 +401,10 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         };
         named.push((c, v));
     }
-    if mt == "gemma3_text" {
-        named = super::gemma3::shift_norms(named, -1.0)?;
+    match mt {
+        "gemma3_text" => named = super::gemma3::shift_norms(named, -1.0)?,
+        "granitemoehybrid" => super::granite_hybrid::join_gate_up(&mut named, m.n_layer)?,
+        _ => {}
     }
     let named = hf::to_hf_names(named, mt, m.n_layer).map_err(|e| e.to_string())?;
     let named: Vec<(String, Tensor)> = named

@@ -4,6 +4,7 @@
 //! q6_k), and read as a model source ([`load`]).
 
 pub mod gemma3;
+pub mod granite_hybrid;
 pub mod kquant;
 pub mod load;
 pub mod names;

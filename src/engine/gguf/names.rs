@@ -21,6 +21,7 @@ pub fn arch_of(model_type: &str) -> Option<&'static str> {
         "granite" => Some("granite"),
         "phi3" => Some("phi3"),
         "gemma3_text" | "gemma3" => Some("gemma3"),
+        "granitemoehybrid" => Some("granitehybrid"),
         _ => None,
     }
 }
@@ -29,7 +30,7 @@ pub fn arch_of(model_type: &str) -> Option<&'static str> {
 /// from Hugging Face's rotate-half layout); qwen2 and qwen3 rotate halves (NeoX) like
 /// transformers.
 pub fn permutes_qk(arch: &str) -> bool {
-    matches!(arch, "llama" | "granite")
+    matches!(arch, "llama" | "granite" | "granitehybrid")
 }
 
 fn key(arch: &str, k: &str) -> String {
@@ -81,7 +82,7 @@ pub fn hyperparameters(
         kv.push((key(arch, "rope.scaling.type"), Value::Str("linear".into())));
         kv.push((key(arch, "rope.scaling.factor"), f(factor)));
     }
-    if arch == "granite" {
+    if arch == "granite" || arch == "granitehybrid" {
         let att = if m.attention_multiplier == 0.0 {
             1.0 / (hd as f64).sqrt()
         } else {
@@ -97,6 +98,11 @@ pub fn hyperparameters(
     match arch {
         "phi3" => kv.extend(super::phi3::hyperparameters(m, hf)),
         "gemma3" => kv.extend(super::gemma3::hyperparameters(m, context)),
+        "granitehybrid" => {
+            // (one kv head count per layer, 0 for a Mamba layer, in place of the one count)
+            kv.retain(|(k, _)| k != "granitehybrid.attention.head_count_kv");
+            kv.extend(super::granite_hybrid::hyperparameters(m));
+        }
         _ => {}
     }
     kv
@@ -243,9 +249,18 @@ pub fn to_gguf(
     fn te(n: &str) -> impl FnOnce(candle_core::Error) -> String + '_ {
         move |e| format!("{n}: {e}")
     }
+    let tensors = match arch {
+        "granitehybrid" => super::granite_hybrid::out_tensors(tensors, m)?,
+        _ => tensors,
+    };
     let mut by_name: HashMap<String, Tensor> = HashMap::new();
     for (n, t) in tensors {
-        let Some(g) = gguf_name(&n, arch) else {
+        // (a name already llama.cpp's: a family's own tensor, named by its module)
+        let g = match n.starts_with("blk.") {
+            true => Some(n.clone()),
+            false => gguf_name(&n, arch),
+        };
+        let Some(g) = g else {
             return Err(format!("{n}: a tensor llama.cpp has no name for"));
         };
         let t = if permutes_qk(arch) && n.contains(".self_attn.q_proj.") {
