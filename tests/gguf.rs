@@ -52,13 +52,8 @@ fn assert_stored(at: &str, g: &str, t: &Value, want: &Tensor, quant: &str) {
     let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).unwrap();
     assert_eq!(shape, want.dims(), "{at}: {g}");
     let got: Vec<f64> = serde_json::from_value(t["values"].clone()).unwrap();
-    let want: Vec<f32> = want
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let flat = want.to_dtype(DType::F32).and_then(|t| t.flatten_all());
+    let want: Vec<f32> = flat.and_then(|t| t.to_vec1()).unwrap();
     let blocks = quant == "q8_0" && shape.len() == 2;
     assert_eq!(t["type"], if blocks { "Q8_0" } else { "F32" }, "{at}: {g}");
     for (i, (a, b)) in got.chunks(32).zip(want.chunks(32)).enumerate() {
