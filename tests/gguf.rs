@@ -513,54 +513,6 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
     }
 }
 
-/// `src` written again at `dst` (every tensor as F32) with the keys `edit` gives replaced and
-/// the keys and tensors `drop` names left out.
-fn rewrite(
-    src: &Path,
-    dst: &Path,
-    edit: impl Fn(&str) -> Option<cockpit::engine::gguf::writer::Value>,
-    drop: &[&str],
-) {
-    use cockpit::engine::gguf::quant::{self, GgmlType};
-    use cockpit::engine::gguf::reader::{Gguf, Meta};
-    use cockpit::engine::gguf::writer::{self, Value};
-    let g = Gguf::parse(std::fs::read(src).unwrap()).unwrap();
-    let value = |m: &Meta| match m {
-        Meta::Int(i) => Value::U32(*i as u32),
-        Meta::Float(f) => Value::F32(*f as f32),
-        Meta::Bool(b) => Value::Bool(*b),
-        Meta::Str(s) => Value::Str(s.clone()),
-        Meta::Array(a) => match a.first() {
-            Some(Meta::Str(_)) => {
-                Value::Strs(a.iter().map(|m| m.as_str().unwrap().into()).collect())
-            }
-            Some(Meta::Float(_)) => {
-                Value::F32s(a.iter().map(|m| m.as_f64().unwrap() as f32).collect())
-            }
-            Some(Meta::Bool(_)) => Value::Bools(a.iter().map(|m| *m == Meta::Bool(true)).collect()),
-            _ => Value::I32s(a.iter().map(|m| m.as_f64().unwrap() as i32).collect()),
-        },
-    };
-    let kv: Vec<(String, Value)> = g
-        .meta
-        .iter()
-        .filter(|(k, _)| !drop.contains(&k.as_str()))
-        .map(|(k, m)| (k.clone(), edit(k).unwrap_or_else(|| value(m))))
-        .collect();
-    let tensors: Vec<writer::TensorData> = g
-        .tensors
-        .iter()
-        .filter(|t| !drop.contains(&t.name.as_str()))
-        .map(|t| writer::TensorData {
-            name: t.name.clone(),
-            shape: t.shape.clone(),
-            ty: GgmlType::F32,
-            bytes: quant::encode(&g.decode(t).unwrap(), GgmlType::F32),
-        })
-        .collect();
-    writer::write(dst, &kv, &tensors).unwrap();
-}
-
 #[test]
 fn a_broken_or_foreign_gguf_is_refused_by_name() {
     use cockpit::engine::gguf::writer::{self, Value};
@@ -583,19 +535,16 @@ fn a_broken_or_foreign_gguf_is_refused_by_name() {
     export(&fixture("phi3_longrope"), &longrope, "f32");
     export(&fixture("gemma3_text"), &gemma, "f32");
     let one_factor = tmp.path().join("one_factor.gguf");
-    rewrite(
-        &longrope,
-        &one_factor,
-        |_| None,
-        &["rope_factors_short.weight"],
-    );
+    common::rewrite_gguf(&longrope, &one_factor, &[], &["rope_factors_short.weight"]);
     let wide = tmp.path().join("wide.gguf");
-    let ff = |k: &str| (k == "phi3.feed_forward_length").then_some(Value::U32(256));
-    rewrite(&longrope, &wide, ff, &[]);
+    let ff = [("phi3.feed_forward_length", Value::U32(256))];
+    common::rewrite_gguf(&longrope, &wide, &ff, &[]);
     let pattern = tmp.path().join("pattern.gguf");
-    let p =
-        |k: &str| (k == "gemma3.attention.sliding_window_pattern").then(|| Value::Str("x".into()));
-    rewrite(&gemma, &pattern, p, &[]);
+    let p = [(
+        "gemma3.attention.sliding_window_pattern",
+        Value::Str("x".into()),
+    )];
+    common::rewrite_gguf(&gemma, &pattern, &p, &[]);
     for (path, want) in [
         (&cut, "truncated"),
         (&text, "not a GGUF file"),
@@ -637,7 +586,7 @@ fn a_gemma3_file_without_cockpits_keys_reads_as_llama_cpp_reads_it() {
         "gemma3.rope.freq_base_swa",
         "gemma3.attention.scale",
     ];
-    rewrite(&full, &bare, |_| None, &drop);
+    common::rewrite_gguf(&full, &bare, &[], &drop);
     let dir = cockpit::engine::gguf::load::materialize(&bare).unwrap();
     let c = json(&dir.join("config.json"));
     assert_eq!(c["model_type"], "gemma3_text");

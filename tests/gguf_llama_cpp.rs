@@ -146,3 +146,39 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
         }
     }
 }
+
+/// A sentencepiece GGUF that says `add_space_prefix = false` (as Gemma's do) reads as a
+/// tokenizer that puts no `▁` before the first word: cockpit's ids are llama.cpp's, and differ
+/// from those of the same file with the prefix.
+#[test]
+fn a_gguf_without_a_space_prefix_tokenizes_as_llama_cpp_does() {
+    use cockpit::engine::gguf::writer::Value as V;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("spm/gguf/model.gguf");
+    let out = tmp.path().join("no_prefix.gguf");
+    let set = [("tokenizer.ggml.add_space_prefix", V::Bool(false))];
+    common::rewrite_gguf(&src, &out, &set, &[]);
+    let spm = json(&fixture("spm/expected.json"));
+    let texts: Vec<&str> = spm["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .filter(|t| !t.is_empty() && !t.starts_with(' ') && !t.contains("<s>"))
+        .collect();
+    let ids = serde_json::to_string(&spm["ids"]).unwrap();
+    let texts_arg = serde_json::to_string(&texts).unwrap();
+    let Some(r) = python(&[out.to_str().unwrap(), &ids, &texts_arg]) else {
+        return;
+    };
+    let ours = |gguf: &Path| {
+        let dir = cockpit::engine::gguf::load::materialize(gguf).unwrap();
+        let t = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let enc = |s: &str| t.encode(s, true).unwrap().get_ids().to_vec();
+        texts.iter().map(|s| enc(s)).collect::<Vec<Vec<u32>>>()
+    };
+    let (without, with) = (ours(&out), ours(&src));
+    let theirs: Vec<Vec<u32>> = serde_json::from_value(r["text_ids"].clone()).unwrap();
+    assert_eq!(without, theirs, "cockpit's ids against llama.cpp's");
+    assert_ne!(without, with, "the prefix must change some ids");
+}

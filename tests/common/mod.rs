@@ -149,3 +149,57 @@ pub fn next_token_loss(src: &Path, ids: &[u32]) -> f64 {
         .sum::<f64>()
         / n as f64
 }
+
+/// `src` written again at `dst` (every tensor as F32) with the keys of `set` replaced or
+/// added and the keys and tensors `drop` names left out.
+pub fn rewrite_gguf(
+    src: &Path,
+    dst: &Path,
+    set: &[(&str, cockpit::engine::gguf::writer::Value)],
+    drop: &[&str],
+) {
+    use cockpit::engine::gguf::quant::{self, GgmlType};
+    use cockpit::engine::gguf::reader::{Gguf, Meta};
+    use cockpit::engine::gguf::writer::{self, Value};
+    let g = Gguf::parse(std::fs::read(src).unwrap()).unwrap();
+    let value = |m: &Meta| match m {
+        Meta::Int(i) => Value::U32(*i as u32),
+        Meta::Float(f) => Value::F32(*f as f32),
+        Meta::Bool(b) => Value::Bool(*b),
+        Meta::Str(s) => Value::Str(s.clone()),
+        Meta::Array(a) => match a.first() {
+            Some(Meta::Str(_)) => {
+                Value::Strs(a.iter().map(|m| m.as_str().unwrap().into()).collect())
+            }
+            Some(Meta::Float(_)) => {
+                Value::F32s(a.iter().map(|m| m.as_f64().unwrap() as f32).collect())
+            }
+            Some(Meta::Bool(_)) => Value::Bools(a.iter().map(|m| *m == Meta::Bool(true)).collect()),
+            _ => Value::I32s(a.iter().map(|m| m.as_f64().unwrap() as i32).collect()),
+        },
+    };
+    let new = |k: &str| set.iter().find(|(s, _)| *s == k).map(|(_, v)| v.clone());
+    let mut kv: Vec<(String, Value)> = g
+        .meta
+        .iter()
+        .filter(|(k, _)| !drop.contains(&k.as_str()))
+        .map(|(k, m)| (k.clone(), new(k).unwrap_or_else(|| value(m))))
+        .collect();
+    for (k, v) in set {
+        if !g.meta.contains_key(*k) {
+            kv.push((k.to_string(), v.clone()));
+        }
+    }
+    let tensors: Vec<writer::TensorData> = g
+        .tensors
+        .iter()
+        .filter(|t| !drop.contains(&t.name.as_str()))
+        .map(|t| writer::TensorData {
+            name: t.name.clone(),
+            shape: t.shape.clone(),
+            ty: GgmlType::F32,
+            bytes: quant::encode(&g.decode(t).unwrap(), GgmlType::F32),
+        })
+        .collect();
+    writer::write(dst, &kv, &tensors).unwrap();
+}

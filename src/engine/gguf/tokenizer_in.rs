@@ -93,7 +93,14 @@ pub fn write(g: &Gguf, dir: &Path) -> Result<(), String> {
             let add_bos = flag("add_bos_token").unwrap_or(true);
             let add_eos = flag("add_eos_token").unwrap_or(false);
             let specials = [&bos, &eos, &unk, &pad];
-            sentencepiece(&tokens, &types, &merges, &specials, add_bos, add_eos)
+            // (Gemma's say false: no `▁` before the first word)
+            let prefix = flag("add_space_prefix").unwrap_or(true);
+            let adds = Adds {
+                bos: add_bos,
+                eos: add_eos,
+                space: prefix,
+            };
+            sentencepiece(&tokens, &types, &merges, &specials, adds)
         }
         // (other tokenizer models are left out: the model reads and writes token ids only)
         _ => return Ok(()),
@@ -213,16 +220,24 @@ fn byte_level(tokens: &[String], types: &[usize], merges: Vec<String>) -> Value 
     })
 }
 
+/// What a sentencepiece tokenizer adds to a text: BOS, EOS, a `▁` before the first word.
+struct Adds {
+    bos: bool,
+    eos: bool,
+    space: bool,
+}
+
 /// A sentencepiece vocabulary as transformers' Llama tokenizer: BPE with byte fallback, spaces
-/// as `▁` with one prepended to the text, no normalizer; the decoder undoes both.
+/// as `▁` with one prepended to the text where `adds.space`, no normalizer; the decoder undoes
+/// both.
 fn sentencepiece(
     tokens: &[String],
     types: &[usize],
     merges: &[(String, String)],
     specials: &[&Option<String>],
-    add_bos: bool,
-    add_eos: bool,
+    adds: Adds,
 ) -> Value {
+    let (add_bos, add_eos) = (adds.bos, adds.eos);
     let vocab = vocab_map(tokens);
     let id_of = |t: &str| vocab.get(t).and_then(Value::as_u64);
     // control tokens and the named specials: special; user-defined ones: plain, matched whole
@@ -268,22 +283,26 @@ fn sentencepiece(
         special_tokens.insert(t.into(), json!({"id": t, "ids": ids, "tokens": [t]}));
     }
     let merges: Vec<Value> = merges.iter().map(|(a, b)| json!([a, b])).collect();
+    let mut decoders = vec![
+        json!({"type": "Replace", "pattern": {"String": "▁"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if adds.space {
+        decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let scheme = if adds.space { "first" } else { "never" };
     json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
         "added_tokens": added_ids.into_values().collect::<Vec<_>>(),
         "normalizer": null,
-        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first",
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "▁", "prepend_scheme": scheme,
             "split": false},
         "post_processor": {"type": "TemplateProcessing", "single": single, "pair": pair,
             "special_tokens": special_tokens},
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-        ]},
+        "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {"type": "BPE", "dropout": null, "unk_token": null,
             "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
             "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges},
