@@ -356,7 +356,6 @@ pub(super) struct MambaKernels {
     pub(super) zero: Kern,
     pub(super) state_pass_bwd: Kern,
     pub(super) dt_bwd: Kern,
-    pub(super) conv_dsilu: Kern,
     pub(super) conv_bwd: Kern,
 }
 
@@ -395,7 +394,6 @@ impl MambaKernels {
             zero: named("mamba_zero_f32", "mamba_zero")?,
             state_pass_bwd: named("mamba_state_pass_bwd_bf16", "mamba_state_pass_bwd")?,
             dt_bwd: named("mamba_dt_bwd_bf16", "mamba_dt_bwd")?,
-            conv_dsilu: named("mamba_conv_dsilu_bf16", "mamba_conv_dsilu")?,
             conv_bwd: named("mamba_conv_bwd_bf16", "mamba_conv_bwd")?,
         })
     }

@@ -120,6 +120,53 @@ __device__ __forceinline__ void mb_zero(float acc[4][4]) {
         for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
 }
 
+// sum[mb_row(a, c)] += v[a][c] over the tile (shared memory): on tensor cores each thread's
+// two rows are summed first, then over the four lanes that share them (one atomic a row
+// per four lanes instead of 16 a thread).
+__device__ __forceinline__ void mb_row_sums(const float v[4][4], float* sum) {
+#if MB_TC
+    float r[2] = {0.f, 0.f};
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) r[c >> 1] += v[a][c];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        r[h] += __shfl_xor_sync(0xffffffffu, r[h], 1);
+        r[h] += __shfl_xor_sync(0xffffffffu, r[h], 2);
+    }
+    if ((threadIdx.x & 3) == 0) {
+        atomicAdd(&sum[mb_row(0, 0)], r[0]);
+        atomicAdd(&sum[mb_row(0, 2)], r[1]);
+    }
+#else
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) atomicAdd(&sum[mb_row(a, c)], v[a][c]);
+#endif
+}
+// sum[mb_col(a, c)] += v[a][c]: as mb_row_sums, over the eight lanes that share a column.
+__device__ __forceinline__ void mb_col_sums(const float v[4][4], float* sum) {
+#if MB_TC
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float x = v[a][h] + v[a][h + 2];
+            x += __shfl_xor_sync(0xffffffffu, x, 4);
+            x += __shfl_xor_sync(0xffffffffu, x, 8);
+            x += __shfl_xor_sync(0xffffffffu, x, 16);
+            if ((threadIdx.x & 31) < 4) atomicAdd(&sum[mb_col(a, h)], x);
+        }
+#else
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) atomicAdd(&sum[mb_col(a, c)], v[a][c]);
+#endif
+}
+
 // Eight 16-bit values or four f32 of one 16-byte load, as f32.
 __device__ __forceinline__ void mb_unpack(uint4 u, float* v, const bf16_t*) {
     Bf8 q;
@@ -140,13 +187,37 @@ __device__ __forceinline__ void mb_unpack(uint4 u, float* v, const float*) {
 
 // tile[i][j] = src[(t0 + i)·ld + c0 + j]·(scale ? scale[i] : 1) for rows t0 + i < t_end and
 // columns j < cols; 0 elsewhere (64 × 64, row stride MB_LD). Whole rows of 16-byte aligned
-// columns load 16 bytes a thread.
+// columns load 16 bytes a thread; with the chunk kernels' 256 threads, each thread's loads
+// are all issued before the first is stored (in flight together, not one memory latency each).
 template <typename T>
 __device__ __forceinline__ void mb_load(float* tile, const T* src, size_t ld, int t0, int t_end,
                                         int c0, int cols, const float* scale) {
     constexpr int V = 16 / sizeof(T);
     if (cols == 64 && ld % V == 0 && c0 % V == 0 &&
         reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+        if (blockDim.x == 256) {
+            constexpr int PER = 64 * 64 / V / 256;
+            uint4 u[PER];
+#pragma unroll
+            for (int q = 0; q < PER; ++q) {
+                const int e = threadIdx.x + q * 256, i = e / (64 / V), j = (e % (64 / V)) * V;
+                u[q] = t0 + i < t_end ? *reinterpret_cast<const uint4*>(
+                                            src + (size_t)(t0 + i) * ld + c0 + j)
+                                      : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int q = 0; q < PER; ++q) {
+                const int e = threadIdx.x + q * 256, i = e / (64 / V), j = (e % (64 / V)) * V;
+                float v[V];
+                mb_unpack(u[q], v, src);  // (zero bits: 0 in bf16, f16 and f32)
+                const float sc = scale ? scale[i] : 1.f;
+#pragma unroll
+                for (int k = 0; k < V; k += 4)
+                    *reinterpret_cast<float4*>(&tile[i * MB_LD + j + k]) =
+                        make_float4(v[k] * sc, v[k + 1] * sc, v[k + 2] * sc, v[k + 3] * sc);
+            }
+            return;
+        }
         for (int e = threadIdx.x; e < 64 * 64 / V; e += blockDim.x) {
             const int i = e / (64 / V), j = (e % (64 / V)) * V;
             float v[V];
@@ -188,28 +259,62 @@ __device__ __forceinline__ void mb_load_state(float* tile, const float* st, int 
 }
 
 // The conv: xc[r, ch] = silu(cb[ch] + Σ_j w[ch, j]·zx[r − (K−1) + j, off + ch]) over the inputs
-// of the same sequence (earlier ones are zeros). Threads over channels, blocks over rows too.
-__device__ __forceinline__ float mb_conv_pre(const bf16_t* __restrict__ zx, int ld, int off,
-                                             const bf16_t* __restrict__ w,
-                                             const bf16_t* __restrict__ cb, int r, int tt, int ch,
-                                             int k) {
-    float acc = cb ? to_f(cb[ch]) : 0.f;
-    for (int j = 0; j < k; ++j) {
-        const int back = k - 1 - j;
-        if (tt - back >= 0)
-            acc += to_f(w[ch * k + j]) * to_f(zx[(size_t)(r - back) * ld + off + ch]);
+// of the same sequence (earlier ones are zeros). A thread per channel walks MB_CONV_ROWS rows
+// with the last 8 inputs in registers (each input loaded once); the weights are padded at the
+// front to 8 taps (K ≤ 8), so tap j reads the input 7 − j rows back.
+#define MB_CONV_ROWS 128
+struct MbConvTaps {
+    float w[8];
+    float bias;
+};
+__device__ __forceinline__ MbConvTaps mb_conv_taps(const bf16_t* __restrict__ w,
+                                                   const bf16_t* __restrict__ cb, int ch, int k) {
+    MbConvTaps taps;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) taps.w[j] = j >= 8 - k ? to_f(w[ch * k + j - (8 - k)]) : 0.f;
+    taps.bias = cb ? to_f(cb[ch]) : 0.f;
+    return taps;
+}
+// The window before row r0: win[j] = the input 8 − j rows back (j < 7) where it is in r0's
+// sequence and feeds a tap, else 0; win[7] is filled by the walk.
+__device__ __forceinline__ void mb_conv_prefill(float win[8], const bf16_t* __restrict__ zx,
+                                                int ld, int off, int ch, int r0, int t, int k) {
+    const int tt = r0 % t;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const int back = 8 - j;  // win[j] moves to win[j - 1] when row r0 comes in
+        win[j] = j >= 9 - k && j < 8 && tt - back >= 0
+                     ? to_f(zx[(size_t)(r0 - back) * ld + off + ch])
+                     : 0.f;
     }
+}
+// Shift row r's input into the window (zeroing what lies before its sequence) and return the
+// conv's output before the SiLU.
+__device__ __forceinline__ float mb_conv_push(float win[8], const MbConvTaps& taps, float x,
+                                              bool seq_start) {
+#pragma unroll
+    for (int j = 0; j < 7; ++j) win[j] = seq_start ? 0.f : win[j + 1];
+    win[7] = x;
+    float acc = taps.bias;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc += taps.w[j] * win[j];
     return acc;
 }
-extern "C" __global__ void mamba_conv_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
-                                               const bf16_t* __restrict__ w,
-                                               const bf16_t* __restrict__ cb,
-                                               bf16_t* __restrict__ xc, int n, int t, int conv,
-                                               int k) {
+extern "C" __global__ void __launch_bounds__(128)
+    mamba_conv_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                        const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
+                        bf16_t* __restrict__ xc, int n, int t, int conv, int k) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= conv) return;
-    for (int r = blockIdx.y; r < n; r += gridDim.y)
-        xc[(size_t)r * conv + ch] = from_f<bf16_t>(silu_f(mb_conv_pre(zx, ld, off, w, cb, r, r % t, ch, k)));
+    const MbConvTaps taps = mb_conv_taps(w, cb, ch, k);
+    const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
+    float win[8];
+    mb_conv_prefill(win, zx, ld, off, ch, r0, t, k);
+#pragma unroll 4
+    for (int r = r0; r < r_end; ++r) {
+        const float x = to_f(zx[(size_t)r * ld + off + ch]);
+        xc[(size_t)r * conv + ch] = from_f<bf16_t>(silu_f(mb_conv_push(win, taps, x, r % t == 0)));
+    }
 }
 
 // dt: dtv = softplus(zx[r, off + h] + dt_bias[h]) (clamped to [lo, hi] where `clamp`), lam its
@@ -302,20 +407,35 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The states passed between chunks, in place: states[c] (chunk c's own contribution) becomes
 // the state at chunk c's start, S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c + own_c. A thread per
-// (b, h, state element).
-extern "C" __global__ void mamba_state_pass_bf16(float* __restrict__ states,
-                                                 const float* __restrict__ lam, int chunks,
-                                                 int ps) {
+// (b, h, state element). The chain over chunks is sequential in each thread, so its loads go
+// MB_SP chunks at a time ahead of the stores (a load after a store to the same array would wait
+// for it): the pass runs at memory bandwidth instead of at one memory latency per chunk.
+#define MB_SP 8
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_state_pass_bf16(float* __restrict__ states, const float* __restrict__ lam, int chunks,
+                          int ps) {
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= ps) return;
     const size_t bh = blockIdx.y;
     float* st = states + bh * chunks * ps + e;
-    const float* lm = lam + bh * chunks * MB_L;
+    const float* last = lam + bh * chunks * MB_L + MB_L - 1;
     float run = 0.f;
-    for (int c = 0; c < chunks; ++c) {
-        const float own = st[(size_t)c * ps];
-        st[(size_t)c * ps] = run;
-        run = run * __expf(lm[c * MB_L + MB_L - 1]) + own;
+    for (int c0 = 0; c0 < chunks; c0 += MB_SP) {
+        float own[MB_SP], dec[MB_SP];
+#pragma unroll
+        for (int j = 0; j < MB_SP; ++j) {
+            const int c = c0 + j;
+            own[j] = c < chunks ? st[(size_t)c * ps] : 0.f;
+            dec[j] = c < chunks ? last[c * MB_L] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < MB_SP; ++j) {
+            const int c = c0 + j;
+            if (c < chunks) {
+                st[(size_t)c * ps] = run;
+                run = run * __expf(dec[j]) + own[j];
+            }
+        }
     }
 }
 
@@ -455,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // The gated RMSNorm's backward from d out (`dout` [N, inner]): dy (f32 [N, inner]), dz into
 // dzx's first inner columns (row stride ld), and the weight's gradient (+=, where dw is not
 // null). A block per MB_GN_ROWS rows, the weight's gradient summed in shared memory first.
-#define MB_GN_ROWS 32
+#define MB_GN_ROWS 8  // (32 left most SMs a block or two: 2048 rows gave 256 blocks)
 extern "C" __global__ void __launch_bounds__(256)
     mamba_gnorm_bwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
                          const bf16_t* __restrict__ w, const float* __restrict__ rstd,
@@ -503,7 +623,8 @@ extern "C" __global__ void mamba_zero_f32(float* __restrict__ x, size_t n) {
 
 // The backward of a chunk's outputs (mamba_chunk_scan) from dy [N, inner] (f32): dx into
 // dxc's x columns (stored: with the D skip's), dB and dC added into its B and C columns
-// (atomics: a group's heads share them), ddt and dlam of the chunk's positions (stored), the
+// (atomics: a group's heads share them; a scratch per head summed after measured no faster),
+// ddt and dlam of the chunk's positions (stored), the
 // state's gradient at the chunk's start into dstates (stored) and D's gradient (+=).
 extern "C" __global__ void __launch_bounds__(256)
     mamba_chunk_scan_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
@@ -577,23 +698,27 @@ extern "C" __global__ void __launch_bounds__(256)
     }
     // Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j; ddt_j += dM·G·W;
     // q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
+    {
+        float dmgw[4][4], q[4][4];
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+        for (int a = 0; a < 4; ++a)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int i = mb_row(a, c), j = mb_col(a, c);
-            float d = 0.f;
-            if (j <= i) {
-                const float wgt = __expf(lm[i] - lm[j]);
-                d = dm[a][c] * wgt * dv[j];
-                const float dmgw = dm[a][c] * g[a][c] * wgt;
-                atomicAdd(&dts[j], dmgw);
-                const float q = dmgw * dv[j];
-                atomicAdd(&rsum[i], q);
-                atomicAdd(&csum[j], q);
+            for (int c = 0; c < 4; ++c) {
+                const int i = mb_row(a, c), j = mb_col(a, c);
+                float d = 0.f;
+                dmgw[a][c] = q[a][c] = 0.f;
+                if (j <= i) {
+                    const float wgt = __expf(lm[i] - lm[j]);
+                    d = dm[a][c] * wgt * dv[j];
+                    dmgw[a][c] = dm[a][c] * g[a][c] * wgt;
+                    q[a][c] = dmgw[a][c] * dv[j];
+                }
+                dg[i * MB_LD + j] = d;
             }
-            dg[i * MB_LD + j] = d;
-        }
+        mb_col_sums(dmgw, dts);
+        mb_row_sums(q, rsum);
+        mb_col_sums(q, csum);
+    }
     // Per tile of the state: dC_i = Σ_j dG[i][j]·B_j + exp(lam_i)·Σ_p dy_i[p]·S[p] (whose
     // Σ_s C_i[s]·(…) is dlam_i's share from the state), dB_j = Σ_i dG[i][j]·C_i, and the
     // start state's gradient dS[p][s] = Σ_i exp(lam_i)·dy_i[p]·C_i[s].
@@ -630,16 +755,18 @@ extern "C" __global__ void __launch_bounds__(256)
             // A(i, p) = dy[i][p], B(p, s) = S[p][s]
             mb_mm64(off, t3, MB_LD, 1, t2, MB_LD, 1, 64);
         }
+        float co[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int i = mb_row(a, c), ss = mb_col(a, c);
                 const float o = el[i] * off[a][c];
-                atomicAdd(&rsum[i], t1[i * MB_LD + ss] * o);
+                co[a][c] = t1[i * MB_LD + ss] * o;
                 if (i < rows && ss < sc)
                     atomicAdd(&dxc[(k.row0 + i) * conv + ccol + s0 + ss], acc[a][c] + o);
             }
+        mb_row_sums(co, rsum);
         __syncthreads();
         for (int e = threadIdx.x; e < 64 * 64; e += blockDim.x)
             t1[(e >> 6) * MB_LD + (e & 63)] *= el[e >> 6];
@@ -675,30 +802,50 @@ extern "C" __global__ void __launch_bounds__(256)
 // The state passing's backward, in place: dstates[c] (the gradient of the state at chunk c's
 // start from chunk c's outputs) becomes the gradient of chunk c's own contribution (that of
 // the state at its end); the decay's share goes to dlam at the chunk's last position. A block
-// of 256 state elements per (block, b·h).
+// of 256 state elements per (block, b·h); as in the forward, MB_SP chunks' loads go ahead of
+// their stores, and the block sums the decay's shares of those chunks in one reduction.
 extern "C" __global__ void __launch_bounds__(256)
     mamba_state_pass_bwd_bf16(float* __restrict__ dstates, const float* __restrict__ states,
                               const float* __restrict__ lam, float* __restrict__ dlam,
                               int chunks, int ps) {
-    __shared__ float red[32];
+    __shared__ float red[MB_SP][8];  // [chunk of the batch][warp]
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t bh = blockIdx.y;
     float* ds = dstates + bh * chunks * ps + e;
     const float* st = states + bh * chunks * ps + e;
-    const float* lm = lam + bh * chunks * MB_L;
-    float* dl = dlam + bh * chunks * MB_L;
+    const float* last = lam + bh * chunks * MB_L + MB_L - 1;
+    float* dl = dlam + bh * chunks * MB_L + MB_L - 1;
     float run = 0.f;  // d(state at the end of chunk c)
-    for (int c = chunks - 1; c >= 0; --c) {
-        const float dec = __expf(lm[c * MB_L + MB_L - 1]);
-        float u = 0.f, share = 0.f;
-        if (e < ps) {
-            u = ds[(size_t)c * ps];
-            ds[(size_t)c * ps] = run;
-            share = run * st[(size_t)c * ps] * dec;
+    for (int c1 = chunks - 1; c1 >= 0; c1 -= MB_SP) {
+        // chunks c1, c1 - 1, …, c1 - MB_SP + 1
+        float u[MB_SP], sv[MB_SP], dec[MB_SP];
+#pragma unroll
+        for (int j = 0; j < MB_SP; ++j) {
+            const int c = c1 - j;
+            const bool in = c >= 0 && e < ps;
+            u[j] = in ? ds[(size_t)c * ps] : 0.f;
+            sv[j] = in ? st[(size_t)c * ps] : 0.f;
+            dec[j] = c >= 0 ? last[c * MB_L] : 0.f;
         }
-        share = qkw_block_sum(share, red);
-        if (threadIdx.x == 0) atomicAdd(&dl[c * MB_L + MB_L - 1], share);
-        run = u + dec * run;
+#pragma unroll
+        for (int j = 0; j < MB_SP; ++j) {
+            const int c = c1 - j;
+            const float d = __expf(dec[j]);
+            if (c >= 0 && e < ps) ds[(size_t)c * ps] = run;
+            float share = run * sv[j] * d;
+            run = u[j] + d * run;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) share += __shfl_xor_sync(0xffffffffu, share, o);
+            if (lane == 0) red[j][warp] = share;
+        }
+        __syncthreads();
+        if (threadIdx.x < MB_SP && c1 - (int)threadIdx.x >= 0) {
+            float sum = 0.f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) sum += red[threadIdx.x][w];
+            atomicAdd(&dl[(c1 - (int)threadIdx.x) * MB_L], sum);
+        }
+        __syncthreads();
     }
 }
 
@@ -820,59 +967,56 @@ extern "C" __global__ void mamba_dt_bwd_bf16(const bf16_t* __restrict__ zx, int 
     if (da_log) atomicAdd(&da_log[hh], sa * a);
 }
 
-// The conv's backward, first pass: dxc (d of the SiLU's output, f32 [N, conv]) becomes d of
-// its input (the conv's output before SiLU, recomputed). Threads over channels, blocks over rows.
-extern "C" __global__ void mamba_conv_dsilu_bf16(const bf16_t* __restrict__ zx, int ld, int off,
-                                                 const bf16_t* __restrict__ w,
-                                                 const bf16_t* __restrict__ cb,
-                                                 float* __restrict__ dxc, int n, int t, int conv,
-                                                 int k) {
+// The conv's backward in one pass, from dxc (d of the SiLU's output, f32 [N, conv]): d of its
+// inputs into dzx's x | B | C columns (bf16), the weight's and bias's gradients (+=, where not
+// null). A thread per channel walks MB_CONV_ROWS rows plus 7 ahead: at row q it recomputes the
+// conv's output (the input window as in the forward), takes dpre_q = dxc_q·silu'(pre_q) into a
+// window of the last 8, adds dpre_q's weight and bias terms (q in the block's rows), and
+// finishes d of input q − 7, which feeds outputs q − 7 … q of its sequence. Sums added once.
+extern "C" __global__ void __launch_bounds__(128)
+    mamba_conv_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                        const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
+                        const float* __restrict__ dxc, bf16_t* __restrict__ dzx,
+                        float* __restrict__ dw, float* __restrict__ db, int n, int t, int conv,
+                        int k) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= conv) return;
-    for (int r = blockIdx.y; r < n; r += gridDim.y)
-        dxc[(size_t)r * conv + ch] *= dsilu_f(mb_conv_pre(zx, ld, off, w, cb, r, r % t, ch, k));
-}
-
-// The conv's backward, second pass, from dpre (dxc after the first): d of its inputs into dzx's
-// x | B | C columns (bf16), the weight's and bias's gradients (+=, where not null). A thread per
-// channel over MB_CONV_ROWS rows, its sums added once.
-#define MB_CONV_ROWS 64
-extern "C" __global__ void mamba_conv_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
-                                               const bf16_t* __restrict__ w,
-                                               const float* __restrict__ dpre,
-                                               bf16_t* __restrict__ dzx, float* __restrict__ dw,
-                                               float* __restrict__ db, int n, int t, int conv,
-                                               int k) {
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= conv) return;
-    float wk[8], dwk[8];
+    const MbConvTaps taps = mb_conv_taps(w, cb, ch, k);
+    const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
+    const int q_end = min(n, r_end + k - 1);  // rows whose dpre the block's inputs feed
+    float win[8], dwin[8], dwk[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        wk[j] = j < k ? to_f(w[ch * k + j]) : 0.f;
-        dwk[j] = 0.f;
-    }
+    for (int j = 0; j < 8; ++j) dwin[j] = dwk[j] = 0.f;
     float dbs = 0.f;
-    const int r_end = min(n, (int)(blockIdx.y + 1) * MB_CONV_ROWS);
-    for (int r = blockIdx.y * MB_CONV_ROWS; r < r_end; ++r) {
-        const int tt = r % t;
-        // input r feeds outputs r + back (back = k − 1 − j) of the same sequence
-        float dx = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int back = k - 1 - j;
-            if (j < k && tt + back < t) dx += wk[j] * dpre[(size_t)(r + back) * conv + ch];
+    mb_conv_prefill(win, zx, ld, off, ch, r0, t, k);
+#pragma unroll 2
+    for (int q = r0; q < r_end + 7; ++q) {
+        float d = 0.f;
+        if (q < q_end) {
+            const float x = to_f(zx[(size_t)q * ld + off + ch]);
+            const float pre = mb_conv_push(win, taps, x, q % t == 0);
+            d = dxc[(size_t)q * conv + ch] * dsilu_f(pre);
         }
-        dzx[(size_t)r * ld + off + ch] = from_f<bf16_t>(dx);
-        const float d = dpre[(size_t)r * conv + ch];
-        dbs += d;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int back = k - 1 - j;
-            if (j < k && tt - back >= 0)
-                dwk[j] += d * to_f(zx[(size_t)(r - back) * ld + off + ch]);
+        for (int j = 0; j < 7; ++j) dwin[j] = dwin[j + 1];
+        dwin[7] = d;
+        if (q < r_end) {
+            dbs += d;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) dwk[j] += d * win[j];
+        }
+        const int r = q - 7;
+        if (r >= r0) {
+            // input r feeds output r + 7 − j (dwin[7 − j]) through tap j, within its sequence
+            const int left = t - 1 - r % t;
+            float dx = 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (7 - j <= left) dx += taps.w[j] * dwin[7 - j];
+            dzx[(size_t)r * ld + off + ch] = from_f<bf16_t>(dx);
         }
     }
     if (dw)
-        for (int j = 0; j < k; ++j) atomicAdd(&dw[ch * k + j], dwk[j]);
+        for (int j = 8 - k; j < 8; ++j) atomicAdd(&dw[ch * k + j - (8 - k)], dwk[j]);
     if (db) atomicAdd(&db[ch], dbs);
 }

@@ -33,10 +33,15 @@ fn dt_cfg(y: &Layer, d: &MambaDims) -> LaunchConfig {
     cfg(((y.b * d.heads * y.chunks).div_ceil(128), 1, 1), 128, 0)
 }
 
-/// Threads over the conv's channels, blocks over rows (grid-strided past 65535).
+/// The conv kernels: a thread per channel, a block of 128 channels per `CONV_ROWS` rows
+/// (mamba.cuh's MB_CONV_ROWS).
 fn conv_cfg(n: usize, conv: usize) -> LaunchConfig {
-    cfg((conv.div_ceil(128), n.min(65535), 1), 128, 0)
+    const CONV_ROWS: usize = 128;
+    cfg((conv.div_ceil(128), n.div_ceil(CONV_ROWS), 1), 128, 0)
 }
+
+/// The gated norm's backward: a block per `GN_ROWS` rows (mamba.cuh's MB_GN_ROWS).
+const GN_ROWS: usize = 8;
 
 fn cfg(grid: (usize, usize, usize), threads: u32, smem: u32) -> LaunchConfig {
     LaunchConfig {
@@ -218,7 +223,7 @@ impl ModelStep {
         self.mamba_states(&y)?;
         self.launch(
             &k.gnorm_bwd,
-            cfg((y.n.div_ceil(32), 1, 1), 256, 4 * inner as u32),
+            cfg((y.n.div_ceil(GN_ROWS), 1, 1), 256, 4 * inner as u32),
             &[
                 Arg::P(m.y[l]),
                 Arg::P(y.zx),
@@ -234,6 +239,7 @@ impl ModelStep {
                 Arg::I(i32_of(d.groups, "Mamba groups")?),
             ],
         )?;
+        // (dxc: the scan's backward stores its x columns and adds into its B | C ones.)
         self.launch(
             &k.zero,
             flat_cfg(y.n * conv),
@@ -294,7 +300,7 @@ impl ModelStep {
         let conv_w = self.weight_ptr(y.idx.conv_w)?;
         let k_i = i32_of(d.conv_k, "d_conv")?;
         self.launch(
-            &k.conv_dsilu,
+            &k.conv_bwd,
             conv_cfg(y.n, conv),
             &[
                 Arg::P(y.zx),
@@ -302,21 +308,6 @@ impl ModelStep {
                 Arg::I(inner_i),
                 Arg::P(conv_w),
                 Arg::P(self.weight_ptr_or_null(y.idx.conv_b)?),
-                Arg::P(m.dxc),
-                Arg::I(n_i),
-                Arg::I(t_i),
-                Arg::I(conv_i),
-                Arg::I(k_i),
-            ],
-        )?;
-        self.launch(
-            &k.conv_bwd,
-            cfg((conv.div_ceil(128), y.n.div_ceil(64), 1), 128, 0),
-            &[
-                Arg::P(y.zx),
-                Arg::I(ld),
-                Arg::I(inner_i),
-                Arg::P(conv_w),
                 Arg::P(m.dxc),
                 Arg::P(a.dqkv),
                 Arg::P(self.grad_ptr_or_null(Some(y.idx.conv_w))),
