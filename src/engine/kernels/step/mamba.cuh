@@ -902,15 +902,25 @@ extern "C" __global__ void __launch_bounds__(256)
                         atomicAdd(&dxc[(k.row0 + j) * conv + bcol + s0 + ss], w[j] * db[a][c]);
                 }
         }
+        // (dxc's 16 values a thread are all loaded before any is stored back.)
+        float xv[4][4], old[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int j = mb_row(a, c), pp = mb_col(a, c);
-                atomicAdd(&dw[j], t1[j * MB_LD + pp] * v[a][c]);
-                if (j < rows && pp < pc)
-                    dxc[(k.row0 + j) * conv + xcol + p0 + pp] += w[j] * v[a][c];
+                xv[a][c] = t1[j * MB_LD + pp] * v[a][c];
+                old[a][c] = j < rows && pp < pc ? dxc[(k.row0 + j) * conv + xcol + p0 + pp] : 0.f;
             }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = mb_row(a, c), pp = mb_col(a, c);
+                if (j < rows && pp < pc)
+                    dxc[(k.row0 + j) * conv + xcol + p0 + pp] = old[a][c] + w[j] * v[a][c];
+            }
+        mb_row_sums(xv, dw);
     }
     __syncthreads();
     // w_j = exp(last − lam_j)·dtv_j: ddt_j += dw_j·exp(last − lam_j); q_j = dw_j·w_j goes to
