@@ -3,6 +3,7 @@
 //! names in f32, f16, bf16, q8_0, q4_0, q4_1 or llama.cpp's k-quant mixes q4_k_m, q5_k_m and
 //! q6_k), and read as a model source ([`load`]).
 
+pub mod fuse;
 pub mod gemma3;
 pub mod granite_hybrid;
 pub mod kquant;

@@ -216,29 +216,6 @@ fn gguf_name(name: &str, arch: &str) -> Option<String> {
     Some(format!("blk.{i}.{g}.{w}"))
 }
 
-/// Join layer `i`'s `parts` (llama.cpp names, their rows in this order) into `into`.
-pub fn fuse(
-    by_name: &mut HashMap<String, Tensor>,
-    i: usize,
-    parts: &[&str],
-    into: &str,
-    w: &str,
-) -> std::result::Result<(), String> {
-    let pieces: Option<Vec<Tensor>> = parts
-        .iter()
-        .map(|p| by_name.remove(&format!("blk.{i}.{p}.{w}")))
-        .collect();
-    let Some(pieces) = pieces else {
-        return Err(format!(
-            "layer {i}: one of {} {w} missing",
-            parts.join(", ")
-        ));
-    };
-    let t = Tensor::cat(&pieces, 0).map_err(|e| format!("blk.{i}.{into}.{w}: {e}"))?;
-    by_name.insert(format!("blk.{i}.{into}.{w}"), t);
-    Ok(())
-}
-
 /// cockpit's tensors (Llama names, `[out, in]`) under llama.cpp's names and layout for `arch`,
 /// in llama.cpp's order (embeddings, then layer by layer, then the final norm and head).
 pub fn to_gguf(
@@ -276,7 +253,7 @@ pub fn to_gguf(
         "gpt2" => {
             for i in 0..m.n_layer {
                 for w in ["weight", "bias"] {
-                    fuse(
+                    super::fuse::fuse(
                         &mut by_name,
                         i,
                         &["attn_q", "attn_k", "attn_v"],

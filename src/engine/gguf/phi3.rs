@@ -67,14 +67,14 @@ pub fn rope_factors(m: &ModelConfig) -> Vec<(&'static str, Vec<f32>)> {
 /// Phi-3's fused matrices out of cockpit's separate ones.
 pub fn fuse_layers(by_name: &mut HashMap<String, Tensor>, n_layer: usize) -> Result<(), String> {
     for i in 0..n_layer {
-        super::names::fuse(
+        super::fuse::fuse(
             by_name,
             i,
             &["attn_q", "attn_k", "attn_v"],
             "attn_qkv",
             "weight",
         )?;
-        super::names::fuse(by_name, i, &["ffn_gate", "ffn_up"], "ffn_up", "weight")?;
+        super::fuse::fuse(by_name, i, &["ffn_gate", "ffn_up"], "ffn_up", "weight")?;
     }
     Ok(())
 }
