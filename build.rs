@@ -44,89 +44,117 @@ fn main() {
     // products run as m16n8k8 and its copies without cp.async). And compute_90a for Hopper
     // (its arch-specific PTX JIT-compiles for compute capability 9.0 only): the same kernels
     // plus flash_sm90.cu's backward on wgmma.
-    for (file, arch, check, defines) in [
-        (
-            "cockpit_kernels.ptx",
-            arch.as_str(),
-            &["sm_80", "sm_90"][..],
-            &[][..],
-        ),
-        (
-            "cockpit_kernels_sm75.ptx",
-            "compute_75",
-            &["sm_75"][..],
-            &[][..],
-        ),
-        (
-            "cockpit_kernels_f16.ptx",
-            arch.as_str(),
-            &["sm_80", "sm_90"][..],
-            &["-DCOCKPIT_F16"][..],
-        ),
+    // The six builds are independent: they run on as many threads as the machine has cores
+    // (each an nvcc and its ptxas check, 40–60 s of one core; the longest first).
+    let jobs: [(&str, &str, &[&str], &[&str]); 6] = [
+        ("cockpit_kernels_sm75.ptx", "compute_75", &["sm_75"], &[]),
         (
             "cockpit_kernels_sm75_f16.ptx",
             "compute_75",
-            &["sm_75"][..],
-            &["-DCOCKPIT_F16"][..],
+            &["sm_75"],
+            &["-DCOCKPIT_F16"],
         ),
+        ("cockpit_kernels.ptx", arch.as_str(), &["sm_80"], &[]),
         (
-            "cockpit_kernels_sm90.ptx",
-            "compute_90a",
-            &["sm_90a"][..],
-            &[][..],
+            "cockpit_kernels_f16.ptx",
+            arch.as_str(),
+            &["sm_80"],
+            &["-DCOCKPIT_F16"],
         ),
+        ("cockpit_kernels_sm90.ptx", "compute_90a", &["sm_90a"], &[]),
         (
             "cockpit_kernels_sm90_f16.ptx",
             "compute_90a",
-            &["sm_90a"][..],
-            &["-DCOCKPIT_F16"][..],
+            &["sm_90a"],
+            &["-DCOCKPIT_F16"],
         ),
-    ] {
-        let ptx = out.join(file);
-        let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "--use_fast_math", "-std=c++17"])
-            .args(defines)
-            .arg(format!("-arch={arch}"))
-            .arg("src/engine/kernels/kernels.cu")
-            .arg("-o")
-            .arg(&ptx)
-            .status();
-        match status {
-            Ok(s) if s.success() => {}
-            Ok(s) => {
-                panic!("{nvcc} failed ({s}) compiling src/engine/kernels/kernels.cu for {arch}")
+    ];
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let warnings = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(file, arch, check, defines)) = jobs.get(i) else {
+                        return;
+                    };
+                    let w = ptx_build(&nvcc, &out, file, arch, check, defines);
+                    if let Ok(mut all) = warnings.lock() {
+                        all.extend(w);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            if let Err(panic) = h.join() {
+                std::panic::resume_unwind(panic);
             }
-            Err(e) => panic!(
-                "the cuda feature needs nvcc to compile the fused kernels: running `{nvcc}`: {e} \
-                 (put the CUDA toolkit's bin on PATH or set NVCC)"
-            ),
         }
-        // PTX is only text until a driver compiles it: assemble it for each GPU generation
-        // it is meant for, so an instruction a generation lacks fails the build, not a user's
-        // first launch. (Skipped where the toolkit has no ptxas.)
-        let ptxas = PathBuf::from(&nvcc).with_file_name("ptxas");
-        for sm in check {
-            let cubin = out.join(format!("{file}.{sm}.cubin"));
-            match Command::new(&ptxas)
-                .arg(format!("-arch={sm}"))
-                .arg(&ptx)
-                .arg("-o")
-                .arg(&cubin)
-                .status()
-            {
-                Ok(s) if s.success() => {
-                    let _ = std::fs::remove_file(&cubin);
-                }
-                Ok(s) => panic!("ptxas failed ({s}): the {arch} kernels do not assemble for {sm}"),
-                Err(e) => {
-                    println!(
-                        "cargo:warning=not checking the kernels for {sm}: running {}: {e}",
-                        ptxas.display()
-                    );
-                }
+    });
+    for w in warnings.into_inner().unwrap_or_default() {
+        println!("cargo:warning={w}");
+    }
+}
+
+/// One PTX build of kernels.cu (`arch`, `defines`) into OUT_DIR/`file`, assembled with ptxas
+/// for each GPU generation in `check` it is meant for (compute_80's PTX is not checked for
+/// sm_90: a compute-capability-9.0 GPU loads the compute_90a build); the warnings to print.
+fn ptx_build(
+    nvcc: &str,
+    out: &std::path::Path,
+    file: &str,
+    arch: &str,
+    check: &[&str],
+    defines: &[&str],
+) -> Vec<String> {
+    let mut warnings = Vec::new();
+    let ptx = out.join(file);
+    let status = Command::new(nvcc)
+        .args(["--ptx", "-O3", "--use_fast_math", "-std=c++17"])
+        .args(defines)
+        .arg(format!("-arch={arch}"))
+        .arg("src/engine/kernels/kernels.cu")
+        .arg("-o")
+        .arg(&ptx)
+        .status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => {
+            panic!("{nvcc} failed ({s}) compiling src/engine/kernels/kernels.cu for {arch}")
+        }
+        Err(e) => panic!(
+            "the cuda feature needs nvcc to compile the fused kernels: running `{nvcc}`: {e} \
+             (put the CUDA toolkit's bin on PATH or set NVCC)"
+        ),
+    }
+    // PTX is only text until a driver compiles it: assemble it for each GPU generation
+    // it is meant for, so an instruction a generation lacks fails the build, not a user's
+    // first launch. (Skipped where the toolkit has no ptxas.)
+    let ptxas = PathBuf::from(nvcc).with_file_name("ptxas");
+    for sm in check {
+        let cubin = out.join(format!("{file}.{sm}.cubin"));
+        match Command::new(&ptxas)
+            .arg(format!("-arch={sm}"))
+            .arg(&ptx)
+            .arg("-o")
+            .arg(&cubin)
+            .status()
+        {
+            Ok(s) if s.success() => {
+                let _ = std::fs::remove_file(&cubin);
             }
+            Ok(s) => panic!("ptxas failed ({s}): the {arch} kernels do not assemble for {sm}"),
+            Err(e) => warnings.push(format!(
+                "not checking the kernels for {sm}: running {}: {e}",
+                ptxas.display()
+            )),
         }
     }
+    warnings
 }
 
 /// flash_smem.h's `#define NAME (expression)` lines as Rust constants (OUT_DIR/flash_smem.rs,
