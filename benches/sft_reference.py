@@ -131,6 +131,11 @@ def build(a, transformers, peft):
         cls = transformers.LlamaForCausalLM
     cfg._attn_implementation = a.attn
     model = cls(cfg).to(torch.bfloat16)
+    if a.grad_ckpt:
+        # every decoder layer's forward again in the backward (non-reentrant), as cockpit's
+        # model.recompute = "full"
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lcfg = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets)
     return peft.get_peft_model(model, lcfg)
 
@@ -218,6 +223,9 @@ def main():
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--lm", type=int, default=0, metavar="T",
                     help="plain LM batches of random ids [batch, T] instead of the chat data")
+    ap.add_argument("--grad-ckpt", action="store_true",
+                    help="gradient checkpointing of every decoder layer (transformers' "
+                         "gradient_checkpointing_enable, non-reentrant)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.make_data:
@@ -263,6 +271,19 @@ def main():
         return ids.cuda(), lab.cuda(), att.cuda(), real, trained
 
     model.train()
+    try:
+        times, reals, trains = run_steps(a, model, opt, batch)
+    except torch.cuda.OutOfMemoryError as e:
+        # (a search for the longest T that fits reads this line)
+        print(json.dumps({"oom": True, "lm": a.lm, "batch": a.batch,
+                          "error": str(e).splitlines()[0]}))
+        return
+    report(a, transformers, peft, mamba, times, reals, trains)
+
+
+def run_steps(a, model, opt, batch):
+    import torch
+
     times, reals, trains = [], [], []
     for k in range(a.warmup + a.steps):
         ids, lab, att, real, trained = batch(k)
@@ -285,11 +306,18 @@ def main():
             times.append(time.perf_counter() - t0)
             reals.append(real)
             trains.append(trained)
+    return times, reals, trains
+
+
+def report(a, transformers, peft, mamba, times, reals, trains):
+    import torch
+
     total = sum(times)
     res = {
         "system": f"transformers {transformers.__version__} + peft {peft.__version__} "
                   f"({a.family}, {a.attn}, {'LM T' + str(a.lm) if a.lm else 'chat, padded'}"
-                  f"{', Mamba-2: ' + mamba if mamba else ''})",
+                  f"{', Mamba-2: ' + mamba if mamba else ''}"
+                  f"{', gradient checkpointing' if a.grad_ckpt else ''})",
         "real_tok_s": sum(reals) / total,
         "trained_tok_s": sum(trains) / total,
         "step_ms": 1000 * total / len(times),

@@ -33,6 +33,7 @@ fn run_info(start_step: u64) -> RunInfo {
         entropy_floor_bpt: Some(1.5),
         flops_per_token: 6e6,
         peak_flops: None,
+        attention_flops_fwd: None,
         scu_enabled: true,
         scu_target: 0.01,
         summary: "test".into(),

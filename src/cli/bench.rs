@@ -40,6 +40,62 @@ pub struct BenchReport {
     /// With `--profile`: GPU ms per step by kernel group (mean over the timed steps).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub kernels: Vec<KernelTime>,
+    /// With `--profile`: the flash kernels' achieved rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionRate>,
+}
+
+/// Flash attention's achieved TFLOP/s in a profiled step: the forward's launches (recomputed
+/// ones included) and the backward's (its main kernel with the pass before and the dQ
+/// conversion after), FLOPs counted as flash attention counts them (causal pairs only; the
+/// backward 2.5x the forward).
+#[derive(Debug, Serialize)]
+pub struct AttentionRate {
+    pub fwd_tflops: Option<f64>,
+    pub fwd_ms: f64,
+    pub fwd_launches: u32,
+    pub bwd_tflops: Option<f64>,
+    pub bwd_ms: f64,
+    pub bwd_launches: u32,
+}
+
+impl AttentionRate {
+    /// From the kernel groups of a profiled step, for `flops_fwd` FLOPs a launch of the
+    /// forward (one layer over the micro-batch).
+    fn of(kernels: &[KernelTime], flops_fwd: f64) -> Option<Self> {
+        let sum = |pre: &str| -> (f64, u32) {
+            kernels
+                .iter()
+                .filter(|k| k.name.starts_with(pre))
+                .fold((0.0, 0), |(ms, n), k| (ms + k.ms, n.max(k.launches)))
+        };
+        let (fwd_ms, fwd_launches) = sum("flash_fwd");
+        // The backward's launches are its main kernel's (flash_bwd, _wg or _ws).
+        let bwd_launches = kernels
+            .iter()
+            .filter(|k| {
+                k.name.starts_with("flash_bwd")
+                    && !k.name.ends_with("preprocess")
+                    && !k.name.ends_with("convert")
+            })
+            .map(|k| k.launches)
+            .sum();
+        let (bwd_ms, _) = sum("flash_bwd");
+        if fwd_launches == 0 && bwd_launches == 0 {
+            return None;
+        }
+        let rate = |launches: u32, flops: f64, ms: f64| {
+            (launches > 0 && ms > 0.0).then(|| launches as f64 * flops / (ms * 1e-3) / 1e12)
+        };
+        Some(Self {
+            fwd_tflops: rate(fwd_launches, flops_fwd, fwd_ms),
+            fwd_ms,
+            fwd_launches,
+            bwd_tflops: rate(bwd_launches, 2.5 * flops_fwd, bwd_ms),
+            bwd_ms,
+            bwd_launches,
+        })
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -68,6 +124,11 @@ pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchRepor
         * ranks) as f64;
     let tokens_per_sec = tokens_per_step / (ms / 1e3);
     let peak = timed.iter().filter_map(|s| s.memory_bytes).max();
+    let kernels = mean_kernels(timed);
+    let micro_batch = timed.last().map_or(info.micro_batch, |s| s.micro_batch);
+    let attention = info
+        .attention_flops_fwd
+        .and_then(|f| AttentionRate::of(&kernels, f * micro_batch as f64));
     BenchReport {
         system: "cockpit",
         device: info.device.clone(),
@@ -91,7 +152,8 @@ pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchRepor
         peak_mem_gb: peak.map(|b| b as f64 / 1e9),
         loss_first: timed.first().map_or(f64::NAN, |s| s.loss),
         loss_last: timed.last().map_or(f64::NAN, |s| s.loss),
-        kernels: mean_kernels(timed),
+        kernels,
+        attention,
     }
 }
 
@@ -165,6 +227,19 @@ impl std::fmt::Display for BenchReport {
                     k.launches
                 )?;
             }
+        }
+        if let Some(a) = &self.attention {
+            let rate = |t: Option<f64>| t.map_or("-".to_string(), |t| format!("{t:.0}"));
+            write!(
+                f,
+                "\nflash attention: forward {} TFLOP/s ({:.2} ms, {} launches), backward {} TFLOP/s ({:.2} ms, {} launches)",
+                rate(a.fwd_tflops),
+                a.fwd_ms,
+                a.fwd_launches,
+                rate(a.bwd_tflops),
+                a.bwd_ms,
+                a.bwd_launches
+            )?;
         }
         Ok(())
     }
@@ -482,4 +557,36 @@ fn find_batch(cfg: &config::Config, device: crate::util::DeviceSpec) -> anyhow::
         }
     );
     Ok(EXIT_OK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(name: &str, ms: f64, launches: u32) -> KernelTime {
+        KernelTime {
+            name: name.into(),
+            ms,
+            launches,
+        }
+    }
+
+    /// Flash attention's rate from a profiled step: the forward's launches (recompute's too),
+    /// the backward's main kernel's launches, and all three backward kernels' time.
+    #[test]
+    fn attention_rate_counts_launches_and_the_backward_s_three_kernels() {
+        let kernels = [
+            k("gemm", 50.0, 300),
+            k("flash_fwd_wg", 2.0, 24),
+            k("flash_bwd_ws", 4.0, 12),
+            k("flash_bwd_preprocess", 0.5, 12),
+            k("flash_bwd_dq_convert", 0.5, 12),
+        ];
+        let a = AttentionRate::of(&kernels, 1e10).expect("flash kernels ran");
+        assert_eq!((a.fwd_launches, a.bwd_launches), (24, 12));
+        assert_eq!(a.bwd_ms, 5.0);
+        assert!((a.fwd_tflops.unwrap_or(0.0) - 24.0 * 1e10 / 2e-3 / 1e12).abs() < 1e-9);
+        assert!((a.bwd_tflops.unwrap_or(0.0) - 12.0 * 2.5e10 / 5e-3 / 1e12).abs() < 1e-9);
+        assert!(AttentionRate::of(&kernels[..1], 1e10).is_none());
+    }
 }

@@ -85,6 +85,11 @@ pub struct RunInfo {
     pub flops_per_token: f64,
     /// Peak dense FLOP/s of the device in the chosen dtype, when known.
     pub peak_flops: Option<f64>,
+    /// Attention's forward FLOPs per attention layer over one sequence of `seq_len` (causal,
+    /// through sliding windows; the backward is 2.5x), for the attention TFLOP/s `cockpit bench
+    /// --profile` reports. None without attention layers.
+    #[serde(default)]
+    pub attention_flops_fwd: Option<f64>,
     pub scu_enabled: bool,
     #[serde(deserialize_with = "nan_f64")]
     pub scu_target: f64,

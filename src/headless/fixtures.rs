@@ -22,6 +22,7 @@ pub(crate) fn run_info() -> RunInfo {
         entropy_floor_bpt: None,
         flops_per_token: 1.0,
         peak_flops: None,
+        attention_flops_fwd: None,
         scu_enabled: false,
         scu_target: 0.01,
         summary: String::new(),

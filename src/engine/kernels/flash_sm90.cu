@@ -439,6 +439,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
     const int wk0 = blk.k0 + 64 * wg + warp * 16;
     const int kr0 = wk0 + g;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
+    // (Tried: leaving a tile's dV and dK in flight into the next tile, behind its S^T and dP^T.
+    // With a product group in flight across the loop's back edge ptxas serializes every wgmma of
+    // the kernel (C7515), whatever the waits; dropped.)
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
         int h, i;
@@ -492,12 +495,43 @@ extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_d128_bf16(FA_W
 // waited for at once (the softmax needs them); P V stays in flight until the next tile's top,
 // where it is waited for before the prefetch refills its buffers. Head dim 128: the tiles are two
 // 64-column panels each (fa_tile_off with PANELS), S takes eight k-steps over both, and P V is
-// two products, one per panel of V into the matching half of O. Registers: 112 (128 with
+// two products, one per panel of V into the matching half of O; at head dim 128 without dropout
+// flash_fwd's pipelined loop (S of a tile issued with the last tile's P V). Registers: 112 (128 with
 // dropout) at head dim 64, four blocks an SM; 168 (213) at 128, two. Measured on H100 (B=8,
 // T=1024, PTX JIT), a layer: 0.043 ms at H=12, KVH=4, head dim 64 (the mma.sync kernel: 0.056);
 // 0.045 at H=6, KVH=2, head dim 128 (0.056).
 struct FaFwdWg {
     static constexpr bool PANELS = true;  // 64-column panels in the 128-byte swizzle
+    // (flash_fwd's pipelined loop, without dropout: issue_scores, issue_values, wait_scores)
+    static constexpr bool PIPELINED = true;
+    // S = Q K^T issued (one group; the caller waits with wait_scores)
+    template <int D>
+    static __device__ __forceinline__ void issue_scores(float (&s)[8][4], uint32_t sQa,
+                                                        uint32_t kb) {
+        wg_fence();
+        fa_wg_ss_panels<D>(s, sQa, kb);
+        wg_commit();
+    }
+    // O += P V issued, P already packed (one group, after the scores'; settle waits for it)
+    template <int D>
+    static __device__ __forceinline__ void issue_values(float (&oacc)[D / 8][4],
+                                                        const uint32_t (&pa)[4][4], uint32_t vb) {
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) {
+            float(&op)[8][4] = *reinterpret_cast<float(*)[8][4]>(&oacc[8 * p]);
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)
+                wg_rs<1>(op, pa[kc], wg_desc(vb + p * (64 * 64 * 2) + kc * 2048));
+        }
+        wg_commit();
+    }
+    // (the first tile: an empty group in place of P V's, so that wait_scores is one wait)
+    static __device__ __forceinline__ void no_values() { wg_commit(); }
+    // the scores landed (the P V group issued after them may still run)
+    static __device__ __forceinline__ void wait_scores(float (&s)[8][4]) {
+        wg_wait<1>();
+        wg_pin(s);
+    }
     template <int D>
     struct State {};
     // S = Q K^T: D / 16 k-steps, four in each 64-column panel of Q and K

@@ -28,6 +28,24 @@ pub(super) fn causal_mask(
 }
 
 impl Model {
+    /// The `[seq_len, seq_len]` causal mask (through the sliding layers' window where
+    /// `window` is set), built at the first forward that reads it: the fused step and the
+    /// region kernels never do — at T = 32768 it held 2.1 GB of the device for nothing, and
+    /// at T = 65536 its T² elements overflowed the u32 count of candle's cast (CUDA's
+    /// "invalid argument" before the first step).
+    fn causal_mask_of(&self, window: Option<usize>) -> Result<&Tensor> {
+        let s = &self.spec;
+        let (cell, w) = match window {
+            Some(_) if s.layout.has_sliding() => (&self.window_mask, Some(s.layout.window)),
+            _ => (&self.mask, None),
+        };
+        if let Some(m) = cell.get() {
+            return Ok(m);
+        }
+        let m = causal_mask(s.seq_len, 0, w, self.dtype, &self.device)?;
+        Ok(cell.get_or_init(|| m))
+    }
+
     pub(super) fn attention(&self, l: usize, b: &Block, x: &Tensor, train: bool) -> Result<Tensor> {
         let s = &self.spec;
         let a = b.attn()?;
@@ -87,11 +105,10 @@ impl Model {
             (k, v)
         };
         let att = q.matmul(&k.t()?)?;
-        let causal = match (window, &self.window_mask) {
-            (Some(_), Some(w)) => w,
-            _ => &self.mask,
-        };
-        let causal = causal.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        let causal = self
+            .causal_mask_of(window)?
+            .narrow(0, 0, t)?
+            .narrow(1, 0, t)?;
         let att = if let Some(p) = packed {
             // Packed samples: causal within each sample, nothing across (and the window).
             let mask = match window {

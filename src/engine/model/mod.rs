@@ -140,9 +140,10 @@ pub struct Model {
     lm_head: Option<Var>,
     dtype: DType,
     device: Device,
-    mask: Tensor,
-    /// The sliding layers' mask (causal within the window), when some layer has one.
-    window_mask: Option<Tensor>,
+    /// The `[seq_len, seq_len]` causal mask, and the sliding layers' (causal within the
+    /// window), built at their first use ([`Model::causal_mask_of`]).
+    mask: std::sync::OnceLock<Tensor>,
+    window_mask: std::sync::OnceLock<Tensor>,
     rope: Option<(Tensor, Tensor)>,
     /// The other RoPE tables layers read (Gemma 3's local θ, LongRoPE's long factors).
     rope_more: Vec<(RopeKey, (Tensor, Tensor))>,
@@ -333,11 +334,7 @@ impl Model {
             )?)
         };
         let t = s.seq_len;
-        let mask = causal_mask(t, 0, None, dtype, device)?;
-        let window_mask = match s.layout.has_sliding() {
-            true => Some(causal_mask(t, 0, Some(s.layout.window), dtype, device)?),
-            false => None,
-        };
+        let (mask, window_mask) = (std::sync::OnceLock::new(), std::sync::OnceLock::new());
         let table = |key| rope_tables(&s.rope_freqs(key), 0, t, dtype, device);
         // (A hybrid's attention may have no position encoding: NoPE.)
         let (rope, rope_more) = match s.rope() {

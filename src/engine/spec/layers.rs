@@ -38,6 +38,37 @@ impl ModelSpec {
         keys
     }
 
+    /// Attention's forward FLOPs over one sequence of `len` positions, per attention layer (the
+    /// mean over them; a hybrid's Mamba layers have none), as flash attention counts them: two
+    /// products of 2·head_dim multiply-adds per head and (query, visible key) pair — causal,
+    /// and through each layer's sliding window. The backward's five products are 2.5x this.
+    /// None without attention layers.
+    pub fn attention_flops_fwd(&self, len: usize) -> Option<f64> {
+        let layers: Vec<usize> = (0..self.n_layer)
+            .filter(|&l| {
+                self.hybrid
+                    .as_ref()
+                    .is_none_or(|h| h.layers.get(l) != Some(&crate::config::MixerKind::Mamba))
+            })
+            .collect();
+        if layers.is_empty() || len == 0 {
+            return None;
+        }
+        let pairs = |w: Option<usize>| -> f64 {
+            let t = len as f64;
+            match w {
+                // Σ_i min(i + 1, w): the first w queries see i + 1 keys, the rest w.
+                Some(w) if w < len => {
+                    let w = w as f64;
+                    w * (w + 1.0) / 2.0 + (t - w) * w
+                }
+                _ => t * (t + 1.0) / 2.0,
+            }
+        };
+        let total: f64 = layers.iter().map(|&l| pairs(self.layer_window(l))).sum();
+        Some(4.0 * (self.n_head * self.head_dim) as f64 * total / layers.len() as f64)
+    }
+
     /// Gemma 2's attention soft-cap (scores → cap·tanh(scores/cap)).
     pub fn attn_softcap(&self) -> Option<f64> {
         (self.layout.attn_softcap > 0.0).then_some(self.layout.attn_softcap)

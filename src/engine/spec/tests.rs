@@ -527,3 +527,35 @@ fn the_granite_h_config_runs_on_the_step() {
     assert!(s.hybrid.is_some());
     assert_eq!(s.fast_step_support(&gpu()), Ok(()));
 }
+
+/// Attention's forward FLOPs (for `cockpit bench --profile`'s TFLOP/s): causal pairs, through
+/// each layer's sliding window, the mean over the attention layers, counted against a direct
+/// sum over queries.
+#[test]
+fn attention_flops_count_the_causal_pairs_through_each_window() {
+    use crate::config::LayerKind;
+    let pairs = |t: usize, w: Option<usize>| -> f64 {
+        (0..t)
+            .map(|i| w.map_or(i + 1, |w| (i + 1).min(w)) as f64)
+            .sum()
+    };
+    let full = spec(llama);
+    let d = 256.0; // n_head · head_dim
+    assert_eq!(
+        full.attention_flops_fwd(64),
+        Some(4.0 * d * pairs(64, None))
+    );
+    let sliding = spec(|c| {
+        llama(c);
+        c.model.layout.layer_types = vec![LayerKind::Sliding, LayerKind::Full];
+        c.model.layout.window = 5;
+    });
+    let want = 4.0 * d * (pairs(64, Some(5)) + pairs(64, None)) / 2.0;
+    assert_eq!(sliding.attention_flops_fwd(64), Some(want));
+    // A window past the sequence is the full causal count.
+    assert_eq!(
+        sliding.attention_flops_fwd(3),
+        Some(4.0 * d * pairs(3, None))
+    );
+    assert_eq!(full.attention_flops_fwd(0), None);
+}

@@ -42,6 +42,7 @@ impl Trainer {
             run_name: c.run.name.clone(),
             run_dir: self.run_dir.display().to_string(),
             peak_flops,
+            attention_flops_fwd: s.attention_flops_fwd(s.seq_len),
             device: dev,
             dtype: precision::dtype_name(self.dtype).into(),
             dtype_reason: self.dtype_reason.clone(),

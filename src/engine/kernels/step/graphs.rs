@@ -12,6 +12,11 @@ use candle_core::Result;
 use super::ModelStep;
 use crate::engine::kernels::cuda::err;
 
+/// A CUDA graph error, saying what the step was doing with the graph.
+fn graph_err(doing: &str, e: candle_core::Error) -> candle_core::Error {
+    err(format!("{doing} the micro-batch's CUDA graph: {e}"))
+}
+
 /// What selects a captured micro-batch program: whether it is the step's first micro-batch
 /// (its weight-gradient matmuls overwrite instead of adding) and whether its rows are packed
 /// (attention and RoPE read the sample starts); the arena fixes everything else (the loss
@@ -41,7 +46,7 @@ impl ModelStep {
         let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
         if replay {
             if let Some(graph) = a.graphs.ready.get(&key) {
-                return graph.launch().w();
+                return graph.launch().w().map_err(|e| graph_err("replaying", e));
             }
         }
         // (The layout is cloned only off the replay path: `fwd_bwd` borrows the step.)
@@ -50,15 +55,18 @@ impl ModelStep {
             return self.fwd_bwd(&acts, first);
         }
         let mode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        self.stream.begin_capture(mode).w()?;
+        self.stream
+            .begin_capture(mode)
+            .w()
+            .map_err(|e| graph_err("capturing", e))?;
         let run = self.fwd_bwd(&acts, first);
         // End the capture whatever happened, so the stream is usable again.
         let flags = CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
         let graph = self.stream.end_capture(flags);
         run?;
-        match graph.w()? {
+        match graph.w().map_err(|e| graph_err("instantiating", e))? {
             Some(graph) => {
-                graph.launch().w()?;
+                graph.launch().w().map_err(|e| graph_err("launching", e))?;
                 if let Some(a) = self.arena.as_mut() {
                     a.graphs.ready.insert(key, graph);
                 }

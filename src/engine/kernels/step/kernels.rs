@@ -268,7 +268,13 @@ impl ModelStep {
             }
             // SAFETY: every call site passes the argument list of its kernel in kernels.cu,
             // with addresses inside this step's live buffers.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(cfg) }.map_err(|e| {
+                // (the launch's shape in the error: a grid past the GPU's limits says which)
+                err(format!(
+                    "launching {} (grid {:?}, block {:?}, {} bytes of shared memory): {e:?}",
+                    k.name, cfg.grid_dim, cfg.block_dim, cfg.shared_mem_bytes
+                ))
+            })?;
             Ok(())
         })
     }

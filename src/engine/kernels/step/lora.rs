@@ -34,8 +34,12 @@ fn check_stride(ldy: usize, out: usize) -> Result<()> {
     })
 }
 
+/// Rows per 2D memset: the driver refuses a height past 65535 with CUDA_ERROR_INVALID_VALUE
+/// (measured: the 1B LoRA at micro-batch 1, T = 65536 failed its first step).
+const MEMSET_ROWS: usize = 32768;
+
 /// Zeroes `cols` 16-bit columns of `rows` rows from `p` (row pitch `ld` elements), queued on
-/// `stream`.
+/// `stream`, in bands of at most [`MEMSET_ROWS`] rows.
 ///
 /// # Safety
 /// The columns must lie inside an allocation that `stream` may write.
@@ -47,10 +51,16 @@ pub(super) unsafe fn memset_cols(
     stream: &CudaStream,
 ) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
-    // SAFETY: the caller's contract; the driver checks the pitch and extent.
-    unsafe { sys::cuMemsetD2D16Async(p, 2 * ld, 0, cols, rows, stream.cu_stream()) }
-        .result()
-        .w()
+    for r0 in (0..rows).step_by(MEMSET_ROWS) {
+        let band = MEMSET_ROWS.min(rows - r0);
+        let start = p + (2 * ld * r0) as u64;
+        // SAFETY: the caller's contract (rows r0..r0 + band of the same columns); the driver
+        // checks the pitch and extent.
+        unsafe { sys::cuMemsetD2D16Async(start, 2 * ld, 0, cols, band, stream.cu_stream()) }
+            .result()
+            .w()?;
+    }
+    Ok(())
 }
 
 impl ModelStep {

@@ -21,7 +21,9 @@ impl ModelStep {
         let start = self.grad_p + 4 * self.zero_from as u64;
         let bytes = (self.grad.elem_count() - self.zero_from) * 4;
         // SAFETY: from `zero_from` on, the live fp32 gradient buffer holds `bytes` bytes.
-        unsafe { drv::memset_d8_async(start, 0, bytes, self.stream.cu_stream()) }.w()?;
+        unsafe { drv::memset_d8_async(start, 0, bytes, self.stream.cu_stream()) }
+            .w()
+            .map_err(|e| err(format!("zeroing {bytes} bytes of gradients: {e}")))?;
         if let Some(a) = &self.arena {
             let n = a.acts.b * self.t;
             // SAFETY: the loss accumulator holds n f32.
