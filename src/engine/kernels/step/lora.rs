@@ -34,8 +34,9 @@ fn check_stride(ldy: usize, out: usize) -> Result<()> {
     })
 }
 
-/// Rows per 2D memset: the driver refuses a height past 65535 with CUDA_ERROR_INVALID_VALUE
-/// (measured: the 1B LoRA at micro-batch 1, T = 65536 failed its first step).
+/// Rows per 2D memset: long-context micro-batches have hundreds of thousands of rows, and the
+/// driver documents no limit on a 2D memset's height; bands of this many rows stay inside any
+/// (a precaution, not a measured failure).
 const MEMSET_ROWS: usize = 32768;
 
 /// Zeroes `cols` 16-bit columns of `rows` rows from `p` (row pitch `ld` elements), queued on
