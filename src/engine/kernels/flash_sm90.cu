@@ -539,9 +539,7 @@ struct FaFwdWg {
     static __device__ __forceinline__ void scores(State<D>&, float (&s)[8][4], uint32_t sQa,
                                                   uint32_t kb, int, int, int) {
         static_assert(D == 64 || D == 128, "the wgmma forward is written for head dims 64 and 128");
-        wg_fence();
-        fa_wg_ss_panels<D>(s, sQa, kb);
-        wg_commit();
+        issue_scores<D>(s, sQa, kb);
         wg_wait<0>();
         wg_pin(s);
     }
@@ -553,14 +551,7 @@ struct FaFwdWg {
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) fa_frag(s, kc, pa[kc]);
         wg_fence();
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p) {
-            float(&op)[8][4] = *reinterpret_cast<float(*)[8][4]>(&oacc[8 * p]);
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_rs<1>(op, pa[kc], wg_desc(vb + p * (64 * 64 * 2) + kc * 2048));
-        }
-        wg_commit();
+        issue_values<D>(oacc, pa, vb);
     }
     template <int N>
     static __device__ __forceinline__ void settle(float (&oacc)[N][4]) {
