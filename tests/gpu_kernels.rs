@@ -698,6 +698,13 @@ fn granite_hybrid(c: &mut Config) {
     });
 }
 
+/// `n` token ids and next-token targets below `vocab`, varied by `k` (the step tests' batches).
+fn batch_ids(n: usize, vocab: usize, k: u32) -> (Vec<u32>, Vec<u32>) {
+    let ids = (0..n as u32).map(|i| (i * 31 + 7 * k) % vocab as u32);
+    let tg = (0..n as u32).map(|i| (i * 17 + 3 + k) % vocab as u32);
+    (ids.collect(), tg.collect())
+}
+
 /// A model family for the whole-model step test: what it sets on the default config.
 struct Family {
     name: &'static str,
@@ -756,6 +763,18 @@ fn every_step_family() -> Vec<Family> {
         l.layer_types = vec![Sliding, Full];
         l.window = 70;
         l.local_rope_theta = 10_000.0;
+    }
+    // Gemma 2's: Gemma 3's block without QK-norm or a local θ, 4 heads sharing 2 key/value
+    // heads, soft-caps small enough to bend these tiny models' scores (1) and logits (2).
+    fn gemma2(c: &mut Config) {
+        gemma3(c);
+        c.model.n_head = 4;
+        c.model.n_kv_head = 2;
+        let l = &mut c.model.layout;
+        l.qk_norm = cockpit::config::QkNorm::None;
+        l.local_rope_theta = 0.0;
+        l.attn_softcap = 1.0;
+        l.final_softcap = 2.0;
     }
     // Head dim 32 materialises the attention probabilities; head dims 64 and 128 take flash
     // attention. T = 80 is not a multiple of flash attention's 64-row tiles.
@@ -940,6 +959,27 @@ fn every_step_family() -> Vec<Family> {
                 c.model.n_head = 4;
                 c.model.n_kv_head = 1;
                 c.model.head_dim = 256;
+            },
+        },
+        Family {
+            name: "gemma2: attention soft-cap 1 (materialised attention) and final soft-cap 2 \
+                   (caps this small bend these scores and logits), sandwich + 1+w norms, GeGLU, \
+                   sliding layer (window 70) + full, head dim 64, GQA 4/2, T 200",
+            vocab: 97,
+            set: |c| {
+                c.model.n_embd = 256;
+                gemma2(c);
+            },
+        },
+        Family {
+            name: "gemma2-2b-like: head dim 256, 4 heads over n_embd 384, GQA 4/2, soft-caps \
+                   1 and 2, sliding (window 70) + full, T 200, recompute full",
+            vocab: 97,
+            set: |c| {
+                c.model.n_embd = 384;
+                gemma2(c);
+                c.model.head_dim = 256;
+                c.model.recompute = cockpit::config::Recompute::Full;
             },
         },
         Family {
@@ -1181,16 +1221,7 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
     (fam.set)(&mut c);
     let (name, vocab) = (fam.name, fam.vocab);
     let (b, t) = (3usize, c.model.seq_len);
-    let batch = |k: u32| {
-        let ids: Vec<u32> = (0..(b * t) as u32)
-            .map(|i| (i * 31 + 7 * k) % vocab as u32)
-            .collect();
-        let tg: Vec<u32> = (0..(b * t) as u32)
-            .map(|i| (i * 17 + 3 + k) % vocab as u32)
-            .collect();
-        (ids, tg)
-    };
-    let batches = [batch(1), batch(2)];
+    let batches = [batch_ids(b * t, vocab, 1), batch_ids(b * t, vocab, 2)];
     // Reference: the f32 model, mean loss of the two micro-batches.
     let mut m32 = Model::new(ModelSpec::from_config(&c, vocab), DType::F32, dev, 5).unwrap();
     let mut loss_ref = 0.0;
@@ -1803,9 +1834,11 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
     }
 }
 
-/// `model.recompute`: "attention" and "full" give the loss and gradients of "none" (the same
-/// kernels on the same inputs; only summation orders of atomics may differ), with LoRA
-/// adapters and dropout, and two micro-batches accumulated.
+/// `model.recompute`: "attention", "full" and "offload" give the loss and gradients of "none"
+/// (the same kernels on the same inputs; only summation orders of atomics may differ), with
+/// LoRA adapters and dropout, two micro-batches accumulated, and the optimizer step run twice
+/// (the second time from the micro-batches' captured CUDA graphs: offload's copies are memcpy
+/// nodes of them). Five blocks: offload keeps three blocks' inputs on the host.
 #[test]
 fn recompute_matches_keeping_the_activations() {
     let Some(dev) = gpu() else { return };
@@ -1822,7 +1855,7 @@ fn recompute_matches_keeping_the_activations() {
         c.model.n_embd = 256;
         c.model.n_head = 4;
         c.model.n_kv_head = 2;
-        c.model.n_layer = 3;
+        c.model.n_layer = 5;
         c.model.seq_len = t;
         c.model.dropout = 0.1;
         c.model.recompute = recompute;
@@ -1859,17 +1892,20 @@ fn recompute_matches_keeping_the_activations() {
         }
         let w = m.step_weights().expect("fits the step");
         let mut step = kernels::ModelStep::new(&w).unwrap();
-        step.begin(false).unwrap();
-        for k in 0..2u32 {
-            let ids: Vec<u32> = (0..(b * t) as u32)
-                .map(|i| (i * 31 + 7 * k) % vocab as u32)
-                .collect();
-            let tg: Vec<u32> = (0..(b * t) as u32)
-                .map(|i| (i * 17 + 3 + k) % vocab as u32)
-                .collect();
-            step.set_dropout_seed(dropout::micro_seed(4, 1, k as usize));
-            step.micro(&ids, &tg, b, 1.0 / (2 * b * t) as f32).unwrap();
+        // (Twice the same step: eager, then captured and replayed.)
+        for _ in 0..2 {
+            step.begin(false).unwrap();
+            for k in 0..2u32 {
+                let (ids, tg) = batch_ids(b * t, vocab, k);
+                step.set_dropout_seed(dropout::micro_seed(4, 1, k as usize));
+                step.micro(&ids, &tg, b, 1.0 / (2 * b * t) as f32).unwrap();
+            }
         }
+        assert_eq!(
+            step.graphs_captured(),
+            2,
+            "{recompute:?}: both micro-batch graphs"
+        );
         let grads = m
             .params
             .iter()
@@ -1880,7 +1916,7 @@ fn recompute_matches_keeping_the_activations() {
     };
     for lora in [false, true] {
         let (l0, g0) = run(Recompute::None, lora);
-        for r in [Recompute::Attention, Recompute::Full] {
+        for r in [Recompute::Attention, Recompute::Full, Recompute::Offload] {
             let (l, g) = run(r, lora);
             eprintln!("recompute {r:?} (LoRA {lora}): loss {l:.7} vs {l0:.7}");
             assert_eq!(l, l0, "{r:?}: the forward is the same arithmetic");

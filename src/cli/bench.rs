@@ -544,7 +544,7 @@ fn find_batch(cfg: &config::Config, device: crate::util::DeviceSpec) -> anyhow::
     }
     let report = |mb: usize, t: &fit::Trial| crate::outln!("{}", fit::describe(mb, t));
     let Some((good, at_limit)) = fit::largest(cfg, device, report)? else {
-        crate::errln!("cockpit bench: micro-batch 1 does not fit this device (shorter model.seq_len, model.recompute = \"full\", or LoRA)");
+        crate::errln!("cockpit bench: micro-batch 1 does not fit this device (shorter model.seq_len, model.recompute = \"full\" or \"offload\", or LoRA)");
         return Ok(EXIT_FAILURE);
     };
     let margin = fit::with_margin(good);

@@ -200,7 +200,7 @@ pub fn resolve_auto(
             Ok(())
         }
         Ok(None) => {
-            crate::errln!("cockpit: optim.micro_batch = \"auto\": one sequence does not fit this device (shorter model.seq_len, model.recompute = \"full\", or LoRA)");
+            crate::errln!("cockpit: optim.micro_batch = \"auto\": one sequence does not fit this device (shorter model.seq_len, model.recompute = \"full\" or \"offload\", or LoRA)");
             Err(EXIT_FAILURE)
         }
         Err(e) => {

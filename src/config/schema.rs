@@ -148,8 +148,10 @@ pub struct ModelConfig {
     /// Activation recompute on the CUDA fast step: "none" keeps every layer's activations
     /// for the backward; "attention" keeps the MLP's and recomputes each block's attention
     /// half (norm, q/k/v, attention) in the backward; "full" keeps only each block's input
-    /// and recomputes the whole block. Same loss and gradients; less memory, more compute.
-    /// (Not a shape: a run may resume with another setting.)
+    /// and recomputes the whole block; "offload" recomputes as "full" and keeps the blocks'
+    /// inputs in pinned host memory, copied out and back behind the compute. Same loss and
+    /// gradients; less memory, more compute. (Not a shape: a run may resume with another
+    /// setting.)
     #[serde(skip_serializing_if = "Recompute::is_none")]
     pub recompute: Recompute,
     /// What the family changes in the block: QK-norm, post-norm (`[model.layout]`; the
@@ -193,11 +195,20 @@ pub enum Recompute {
     None,
     Attention,
     Full,
+    /// "full", with each block's input (the residual stream entering it) kept in pinned host
+    /// memory: copied out on a copy stream while the next blocks run, and back one block
+    /// ahead of the backward's need.
+    Offload,
 }
 
 impl Recompute {
     pub fn is_none(&self) -> bool {
         *self == Recompute::None
+    }
+
+    /// The backward recomputes whole blocks from their inputs ("full", "offload").
+    pub fn whole_block(&self) -> bool {
+        matches!(self, Recompute::Full | Recompute::Offload)
     }
 }
 

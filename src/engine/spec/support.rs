@@ -40,6 +40,9 @@ pub enum NoFlash {
     Off,
     /// Its kernels for this head dim need more shared memory a block than the GPU has.
     SharedMemory,
+    /// Attention soft-capping (Gemma 2): the materialised softmax caps the scores, the flash
+    /// kernels do not.
+    SoftCap,
 }
 
 impl std::fmt::Display for NoFlash {
@@ -51,6 +54,7 @@ impl std::fmt::Display for NoFlash {
             NoFlash::SharedMemory => f.write_str(
                 "; its kernels for this head dim need more shared memory a block than this GPU has",
             ),
+            NoFlash::SoftCap => f.write_str(" and no attention soft-capping"),
         }
     }
 }
@@ -88,8 +92,6 @@ pub enum Reason {
     PartialRotary { rotary_dim: usize, head_dim: usize },
     #[error("norms after the attention and MLP outputs with biases (OLMo 2's post-norm: the step adds a projection's bias after its output norm)")]
     PostNorm,
-    #[error("{0} soft-capping (Gemma 2: cap·tanh(x/cap); the step has no kernel for it)")]
-    SoftCap(&'static str),
     #[error("norms on the outputs of attention and MLP with biases (the step adds a projection's bias after the output's norm)")]
     SandwichNorm,
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
@@ -124,6 +126,8 @@ impl ModelSpec {
             Some(NoFlash::HeadDim)
         } else if !flash_fits {
             Some(NoFlash::SharedMemory)
+        } else if self.attn_softcap().is_some() {
+            Some(NoFlash::SoftCap)
         } else {
             None
         }
@@ -173,9 +177,9 @@ impl ModelSpec {
     /// the model ([`Self::flash_attention`]): widths multiples of 8 (16-byte accesses), an
     /// even head dim, key/value heads that divide the heads; dropout needs flash attention; an embedding
     /// multiplier needs RoPE (the step's embedding adds learned positions before it scales);
-    /// soft-caps have no kernels in the step yet (QK-norm per head and over the whole
-    /// projection, partial rotary, LongRoPE's tables, Gemma's sandwich and 1 + w norms, GeGLU,
-    /// sliding windows and OLMo 2's post-norm blocks have; output norms with biases do not); a Granite
+    /// QK-norm per head and over the whole projection, partial rotary, LongRoPE's tables,
+    /// Gemma's sandwich and 1 + w norms, GeGLU, sliding windows, Gemma 2's soft-caps and OLMo
+    /// 2's post-norm blocks have kernels (output norms with biases do not); a Granite
     /// 4.0 hybrid's Mamba layers within the sizes of their kernels, no routed experts yet.
     pub fn step_shape_support(&self, flash: bool) -> Result<(), Reason> {
         let hd = self.head_dim;
@@ -284,17 +288,12 @@ impl ModelSpec {
         Ok(())
     }
 
-    /// Gemma's block (sandwich norms, 1 + w norms, GeGLU) and sliding layers are in the step;
-    /// soft-caps are not yet.
+    /// Gemma's block (sandwich norms, 1 + w norms, GeGLU), sliding layers and Gemma 2's
+    /// soft-caps are in the step (the attention's in materialised attention,
+    /// [`NoFlash::SoftCap`]; the final one in the cross-entropy kernels).
     fn gemma_support(&self) -> Result<(), Reason> {
         if self.layout.sandwich_norm && (self.bias || self.qkv_bias) {
             return Err(Reason::SandwichNorm);
-        }
-        if self.attn_softcap().is_some() {
-            return Err(Reason::SoftCap("attention"));
-        }
-        if self.final_softcap().is_some() {
-            return Err(Reason::SoftCap("final logit"));
         }
         Ok(())
     }

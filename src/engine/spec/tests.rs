@@ -330,12 +330,12 @@ fn the_step_runs_qwen3_and_olmo2_blocks_and_refuses_biased_post_norms_by_name() 
     assert_eq!(olmo2.param_count().base - plain, 2 * 2 * 256);
 }
 
-/// Gemma's block (sandwich and 1 + w norms, GeGLU) and sliding windows run in the fused step,
-/// as does LongRoPE; soft-caps have no kernels there: each is refused by name, as are output norms
-/// with biases; sliding windows run in flash and in materialised attention; the spec says which layers slide and
-/// which RoPE table each reads.
+/// Gemma's block (sandwich and 1 + w norms, GeGLU), sliding windows and Gemma 2's soft-caps run
+/// in the fused step (the attention's soft-cap in materialised attention), as does LongRoPE;
+/// output norms with biases are refused by name; sliding windows run in flash and in
+/// materialised attention; the spec says which layers slide and which RoPE table each reads.
 #[test]
-fn the_step_refuses_gemma_soft_caps_by_name_and_takes_longrope() {
+fn the_step_takes_gemma_blocks_soft_caps_and_longrope() {
     use crate::config::{Activation, BlockLayout, LayerKind, RopeScaling};
     let gemma = |change: &dyn Fn(&mut BlockLayout), act: Activation| {
         spec(|c| {
@@ -368,15 +368,19 @@ fn the_step_refuses_gemma_soft_caps_by_name_and_takes_longrope() {
         (unflashed, Ok(())),
         (
             gemma(&|l| l.attn_softcap = 50.0, Activation::SwiGlu),
-            Err(Reason::SoftCap("attention")),
+            Ok(()),
         ),
         (
             gemma(&|l| l.final_softcap = 30.0, Activation::SwiGlu),
-            Err(Reason::SoftCap("final logit")),
+            Ok(()),
         ),
     ] {
         assert_eq!(s.fast_step_support(&gpu()), want);
     }
+    // Gemma 2's attention soft-cap is in the materialised softmax, not in flash attention.
+    let capped = gemma(&|l| l.attn_softcap = 50.0, Activation::SwiGlu);
+    assert!(!capped.flash_attention(true));
+    assert!(gemma(&|l| l.final_softcap = 30.0, Activation::SwiGlu).flash_attention(true));
     let s = gemma(&sliding, Activation::SwiGlu);
     assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));
     assert!(s.layer_rope(0, 8).local && !s.layer_rope(1, 8).local);

@@ -6,6 +6,7 @@ use half::bf16;
 
 use super::graphs::Graphs;
 use super::mamba_bufs::{MambaActs, MambaArena};
+use super::offload::Offload;
 use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
 use super::{align, ptr, ModelStep};
 use crate::config::Recompute;
@@ -20,6 +21,7 @@ pub(super) struct Activations {
     /// `[N, z | x B C | dt]`, its atty the gated norm's output `[N, inner]`; it has no
     /// probabilities.)
     /// (The LN outputs under a concatenated LoRA group are its `[x | u]`: [`Cat`](super::lora::Cat).)
+    /// (With offload the blocks' inputs alternate between two slots: [`Offload`].)
     pub(super) res: Vec<u64>,
     pub(super) ln1: Vec<u64>,
     pub(super) qkv: Vec<u64>,
@@ -96,6 +98,9 @@ pub(super) struct Activations {
 }
 
 pub(super) struct Arena {
+    /// `model.recompute = "offload"`: the blocks' inputs' copy stream and host memory
+    /// (dropped first: its Drop waits for the copies that read or write `_bf`).
+    pub(super) offload: Option<Offload>,
     pub(super) _bf: CudaSlice<bf16>,
     /// The dropout seed (one u64), the loss scales (g, lw), then the kept-flags of every layer.
     pub(super) words: CudaSlice<u64>,
@@ -167,7 +172,7 @@ impl ModelStep {
         // Recompute: the attention half's activations (and with "full" the MLP half's) are
         // rewritten in the backward, one layer at a time, into shared buffers.
         let attn_kept = self.recompute == Recompute::None;
-        let mlp_kept = self.recompute != Recompute::Full;
+        let mlp_kept = !self.recompute.whole_block();
         let and = |v: Vec<bool>, k: bool| v.into_iter().map(|x| x && k).collect::<Vec<_>>();
         let keep_ln1 = and(keep(|li| li.qkv_w, &[Q, K, V]), attn_kept);
         let keep_ln2 = and(keep(|li| li.up_w, &[GATE, UP]), mlp_kept);
@@ -203,7 +208,14 @@ impl ModelStep {
         // (A concatenated LoRA group's normed input is `[x | u]`, rows `ld` apart: [`Cat`](super::lora::Cat).)
         let ld_max = |g: usize| (0..l).map(|i| self.ln_ld(i, g)).max().unwrap_or(c);
         let (ld1, ld2) = (ld_max(G_QKV), ld_max(G_GU));
-        let res_o = per_if(&uni(nc), &all_layers);
+        // Offload: two device slots for the blocks' inputs, the rest on the host (offload.rs).
+        let offload = self.recompute == Recompute::Offload && l > 2;
+        let res_o = if offload {
+            let slots = per_if(&[nc, nc], &[true, true]);
+            (0..l).map(|i| slots[i % 2]).collect()
+        } else {
+            per_if(&uni(nc), &all_layers)
+        };
         let ln1_o = per_if(&uni(n * ld1), &keep_ln1);
         let qkv_o = per_if(&mixer_lens(&|li| n * self.in_width(li)), &attn_layers);
         let qk_groups = if self.layers.iter().any(|li| li.qk_norm.is_some()) {
@@ -277,9 +289,14 @@ impl ModelStep {
             .unwrap_or(0);
         let lora_x = take(if self.lora_thr > 0 { n * xmax } else { 0 });
         let bf_len = next;
-        // f32: the loss accumulator [N], then (flash) the per-layer attention
-        // log-sum-exp [B·H·T] and the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
-        let bht = if self.flash { b * self.n_head * t } else { 0 };
+        // f32: the loss accumulator [N], then (flash, or a soft-capped softmax) the per-layer
+        // attention log-sum-exp [B·H·T] and (flash) the backward scratch (dq accumulator [N·C] + delta [B·H·T]).
+        // (Materialised attention keeps them too where Gemma 2 soft-caps the scores.)
+        let bht = if self.flash || self.attn_cap > 0.0 {
+            b * self.n_head * t
+        } else {
+            0
+        };
         let f_lse_att = align(n);
         let f_scratch = f_lse_att + l * align(bht);
         let f_stats = f_scratch
@@ -402,7 +419,13 @@ impl ModelStep {
             targets: ptr(&targets, &self.stream),
             mamba: mamba.as_ref().map(|m| m.acts.clone()),
         };
+        let offload = if offload {
+            Some(Offload::new(&self.stream, l - 2, 2 * nc)?)
+        } else {
+            None
+        };
         self.arena = Some(Arena {
+            offload,
             _bf: bf,
             words,
             f32s,

@@ -9,7 +9,7 @@ use super::kernels::Kern;
 use super::params::{LayerIdx, G_QKV};
 use super::{check, ptr, Arg, ModelStep};
 use crate::engine::dropout;
-use crate::engine::kernels::cuda::{flat_cfg, i32_of, row_cfg};
+use crate::engine::kernels::cuda::{err, flat_cfg, i32_of, row_cfg};
 use crate::engine::spec::RopeFreqs;
 
 /// RoPE's rotations for positions 0..t: `[t][inv_freq.len()]` pairs (cos, sin) of
@@ -124,7 +124,7 @@ impl ModelStep {
         self.softmax(
             &self.k.softmax_fwd,
             &[a.prob[l], a.prob[l]],
-            (bh * t, l),
+            (bh * t, l, a.lse_att.get(l).copied()),
             scale,
         )?;
         self.gemm(
@@ -244,7 +244,7 @@ impl ModelStep {
         self.softmax(
             &self.k.softmax_bwd,
             &[a.prob[l], a.dprob, a.dprob],
-            (bh * t, l),
+            (bh * t, l, a.lse_att.get(l).copied()),
             scale,
         )?;
         // dQ = dS·K, dK = dSᵀ·Q
@@ -492,17 +492,24 @@ impl ModelStep {
     }
 
     /// Causal softmax forward (`ptrs` = x, y) or backward (`ptrs` = y, dy, dx) over
-    /// `rows` rows of T of layer `l` (a sliding layer's: within its window).
+    /// `rows` rows of T of layer `l` (a sliding layer's: within its window; Gemma 2's
+    /// soft-cap, with the rows' log-sum-exp in `a_lse`).
     pub(super) fn softmax(
         &self,
         f: &Kern,
         ptrs: &[u64],
-        (rows, l): (usize, usize),
+        (rows, l, a_lse): (usize, usize, Option<u64>),
         scale: f32,
     ) -> Result<()> {
         let t = i32_of(self.t, "T")?;
         let window = if self.sliding.get(l).copied().unwrap_or(false) {
             self.window
+        } else {
+            0
+        };
+        // (Soft-capped: each row's log-sum-exp, written by the forward, read by the backward.)
+        let lse = if self.attn_cap > 0.0 {
+            a_lse.ok_or_else(|| err("a soft-capped softmax without its log-sum-exp buffer"))?
         } else {
             0
         };
@@ -513,6 +520,8 @@ impl ModelStep {
             Arg::I(t),
             Arg::F(scale),
             Arg::I(i32_of(window, "window")?),
+            Arg::F(self.attn_cap),
+            Arg::P(lse),
         ]);
         self.launch(f, row_cfg(rows), &args)
     }

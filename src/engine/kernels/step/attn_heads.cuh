@@ -57,13 +57,15 @@ extern "C" __global__ void kv_grads_merge_bf16(const bf16_t* __restrict__ dk,
     }
 }
 
-// The causal softmax of the step's scores (window > 0: a sliding layer's).
+// The causal softmax of the step's scores (window > 0: a sliding layer's; cap > 0: Gemma 2's
+// soft-cap, with each row's log-sum-exp in lse for the backward).
 extern "C" __global__ void step_softmax_fwd_bf16(const bf16_t* x, bf16_t* y, int rows, int tq,
-                                                 int tk, float scale, int window) {
-    causal_softmax_fwd<bf16_t>(x, y, rows, tq, tk, scale, window);
+                                                 int tk, float scale, int window, float cap,
+                                                 float* lse) {
+    causal_softmax_fwd<bf16_t>(x, y, rows, tq, tk, scale, window, cap, lse);
 }
 extern "C" __global__ void step_softmax_bwd_bf16(const bf16_t* y, const bf16_t* dy, bf16_t* dx,
                                                  int rows, int tq, int tk, float scale,
-                                                 int window) {
-    causal_softmax_bwd<bf16_t>(y, dy, dx, rows, tq, tk, scale, window);
+                                                 int window, float cap, const float* lse) {
+    causal_softmax_bwd<bf16_t>(y, dy, dx, rows, tq, tk, scale, window, cap, lse);
 }

@@ -169,8 +169,13 @@ impl ModelStep {
         // which marks its reads of each scratch gradient done (`release`) for the main stream
         // to wait on before it rewrites that buffer (`reclaim`); the main stream keeps the
         // chain of data gradients (and the LoRA adapters' small matmuls).
+        let offload = self.arena.as_ref().and_then(|a| a.offload.as_ref());
         for (l, li) in self.layers.iter().enumerate().rev() {
-            if self.recompute == Recompute::Full {
+            if let Some(o) = offload {
+                // (block l + 1's slot, which block l − 1's input refills)
+                o.backward_block(l, a.res[l.saturating_sub(1)])?;
+            }
+            if self.recompute.whole_block() {
                 self.attn_half_fwd(a, l, li)?;
                 self.mlp_half_fwd(a, l, li)?;
             }

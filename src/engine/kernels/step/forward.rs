@@ -83,12 +83,22 @@ impl ModelStep {
             ],
         )?;
         self.embed_scale(a, a.res[0], n)?;
+        // Offload (training passes): the blocks' inputs to the host as they are written.
+        let offload = grad
+            .then(|| self.arena.as_ref().and_then(|a| a.offload.as_ref()))
+            .flatten();
+        if let Some(o) = offload {
+            o.store(0, a.res[0])?;
+        }
         // LN1 of layer 0 (no residual add before it).
         let l0 = self.layers[0];
         let ln = (l0.ln1_w, l0.ln1_b, a.stats[0]);
         let ln1 = (a.ln1[0], self.ln_ld(0, G_QKV));
         self.residual_norm(a, (a.res[0], 0, 0, None), 0, ln, ln1, (n, true))?;
         for (l, li) in self.layers.iter().enumerate() {
+            if let Some(o) = offload {
+                o.before_block(l)?;
+            }
             self.attention(a, l, li)?;
             self.mlp_half_fwd(a, l, li)?;
             // ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm (or the
@@ -118,6 +128,9 @@ impl ModelStep {
             );
             let pre = l + 1 < self.layers.len();
             self.residual_norm(a, y, a.res[l + 1], ln, out, (n, pre))?;
+            if let Some(o) = offload {
+                o.store(l + 1, a.res[l + 1])?;
+            }
         }
         self.logit_scale(a, a.lnf, n)?;
         self.head_and_loss(a, first, grad)
@@ -194,6 +207,7 @@ impl ModelStep {
                     Arg::I(i32_of(rows, "rows")?),
                     Arg::I(i32_of(v, "vocab")?),
                     Arg::I(i32_of(self.vpad, "vocab")?),
+                    Arg::F(self.final_cap),
                 ],
             )?;
             if !grad {

@@ -37,6 +37,7 @@ mod kernels;
 mod lora;
 mod mamba;
 mod mamba_bufs;
+mod offload;
 mod params;
 mod run;
 mod setup;
@@ -220,6 +221,10 @@ pub struct ModelStep {
     res_mult: f32,
     att_scale: f32,
     logit_mult: f32,
+    /// Gemma 2's soft-caps (0: none): the attention scores' (materialised attention's
+    /// softmax) and the logits' (the cross-entropy kernels).
+    attn_cap: f32,
+    final_cap: f32,
     /// The next micro-batch's dropout seed ([`Self::set_dropout_seed`]).
     drop_seed: u64,
     /// RoPE's dims of each head (the head dim; fewer with Phi-3's partial rotary).

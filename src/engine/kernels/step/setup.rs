@@ -303,6 +303,8 @@ impl ModelStep {
             res_mult: s.residual_multiplier as f32,
             att_scale: s.attention_scale() as f32,
             logit_mult: (1.0 / s.logits_scaling) as f32,
+            attn_cap: s.attn_softcap().unwrap_or(0.0) as f32,
+            final_cap: s.final_softcap().unwrap_or(0.0) as f32,
             lora_thr: dropout::threshold(w.lora_dropout),
             lora_scale: dropout::keep_scale(dropout::threshold(w.lora_dropout)),
             lora_bd: Vec::new(),
