@@ -28,6 +28,9 @@ pub struct BatchCache {
     pub(super) positions: Tensor,
     /// RoPE cos and sin of each row's columns, `[B, capacity, rotary_dim]`.
     pub(super) rope: Option<(Tensor, Tensor)>,
+    /// The same for the sliding layers' own θ (Gemma 3's `rope_local_base_freq`), where the
+    /// model has one.
+    pub(super) rope_local: Option<(Tensor, Tensor)>,
 }
 
 impl BatchCache {
@@ -75,10 +78,13 @@ impl BatchCache {
                 }),
             })
             .collect::<Result<Vec<_>>>()?;
-        let rope = match &self.rope {
-            Some((cos, sin)) => Some((pick(cos)?, pick(sin)?)),
-            None => None,
+        let pick2 = |r: &Option<(Tensor, Tensor)>| -> Result<Option<(Tensor, Tensor)>> {
+            match r {
+                Some((cos, sin)) => Ok(Some((pick(cos)?, pick(sin)?))),
+                None => Ok(None),
+            }
         };
+        let (rope, rope_local) = (pick2(&self.rope)?, pick2(&self.rope_local)?);
         Ok(BatchCache {
             layers,
             filled: self.filled,
@@ -87,6 +93,7 @@ impl BatchCache {
             pad_mask: pick(&self.pad_mask)?,
             positions: pick(&self.positions)?,
             rope,
+            rope_local,
         })
     }
 }
@@ -127,18 +134,29 @@ impl Model {
         }
         let positions = Tensor::from_vec(pos, (bsz, capacity), dev)?;
         let pad_mask = Tensor::from_vec(mask, (bsz, capacity), dev)?.to_dtype(self.dtype)?;
-        let rope = match self.rope {
-            Some(_) => {
-                let freqs = s.rope_freqs(Default::default());
-                let (cos, sin) = rope_tables(&freqs, 0, capacity, self.dtype, dev)?;
-                let rd = cos.dim(1)?;
-                let flat = positions.flatten_all()?;
-                Some((
-                    cos.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
-                    sin.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
-                ))
-            }
-            None => None,
+        // cos/sin of each row's positions from the table of `key`.
+        let table = |key: RopeKey| -> Result<(Tensor, Tensor)> {
+            let (cos, sin) = rope_tables(&s.rope_freqs(key), 0, capacity, self.dtype, dev)?;
+            let rd = cos.dim(1)?;
+            let flat = positions.flatten_all()?;
+            Ok((
+                cos.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
+                sin.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
+            ))
+        };
+        let local = RopeKey {
+            local: true,
+            long: false,
+        };
+        let (rope, rope_local) = match self.rope {
+            Some(_) => (
+                Some(table(RopeKey::default())?),
+                s.rope_keys()
+                    .contains(&local)
+                    .then(|| table(local))
+                    .transpose()?,
+            ),
+            None => (None, None),
         };
         Ok(BatchCache {
             layers,
@@ -148,6 +166,7 @@ impl Model {
             pad_mask,
             positions,
             rope,
+            rope_local,
         })
     }
 }

@@ -16,16 +16,12 @@ pub struct StepOut {
 
 impl Model {
     /// Whether [`Self::decode_batch`] computes this model: not yet a hybrid's recurrent
-    /// layers, Gemma's sliding windows and soft-caps, or RoPE tables that change by layer or
-    /// length (Gemma 3's local θ, LongRoPE): those decode one row at a time through
-    /// [`Self::decode`].
+    /// layers or RoPE tables that change with the length (LongRoPE): those decode one row at
+    /// a time through [`Self::decode`]. (Gemma's sliding layers, their own θ and the
+    /// soft-caps are here.)
     pub fn batch_decodes(&self) -> bool {
         let s = &self.spec;
-        s.hybrid.is_none()
-            && !s.layout.has_sliding()
-            && s.attn_softcap().is_none()
-            && s.final_softcap().is_none()
-            && s.rope_keys().len() == 1
+        s.hybrid.is_none() && !s.rope_keys().iter().any(|k| k.long)
     }
 
     /// Decode `ids` `[B, n]` (u32) placed at the next `n` columns of `cache`: their keys and
@@ -59,23 +55,35 @@ impl Model {
             let table = self.cast(wpe)?.index_select(&p.flatten_all()?, 0)?;
             x = (x + table.reshape((bsz, n, s.n_embd))?)?;
         }
-        // cos/sin [B, 1, n, rotary_dim]: each row its own positions.
-        let rope = match &cache.rope {
-            Some((cos, sin)) => Some((
-                cos.narrow(1, start, n)?.unsqueeze(1)?,
-                sin.narrow(1, start, n)?.unsqueeze(1)?,
-            )),
-            None => None,
+        // cos/sin [B, 1, n, rotary_dim]: each row its own positions (the sliding layers'
+        // own θ where they have one).
+        let cols = |r: &Option<(Tensor, Tensor)>| -> Result<Option<(Tensor, Tensor)>> {
+            match r {
+                Some((cos, sin)) => Ok(Some((
+                    cos.narrow(1, start, n)?.unsqueeze(1)?,
+                    sin.narrow(1, start, n)?.unsqueeze(1)?,
+                ))),
+                None => Ok(None),
+            }
         };
+        let (rope, rope_local) = (cols(&cache.rope)?, cols(&cache.rope_local)?);
         let len = start + n;
-        let mask = self.step_mask(cache, n)?;
+        let mask = self.step_mask(cache, n, None)?;
+        // (Sliding layers: the keys within the window too.)
+        let window_mask = if s.layout.has_sliding() {
+            Some(self.step_mask(cache, n, Some(s.layout.window))?)
+        } else {
+            None
+        };
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
         let rep = h / kvh;
         let scale = s.attention_scale();
-        for (b, state) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+        for (l, (b, state)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
             let a_in = self.block_input(&b.ln1, &x)?;
             let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
-            if let Some((cos, sin)) = &rope {
+            let local = s.layer_rope(l, len).local;
+            let table = if local { &rope_local } else { &rope };
+            if let Some((cos, sin)) = table {
                 q = rotate_half(&q, cos, sin)?;
                 k = rotate_half(&k, cos, sin)?;
             }
@@ -89,8 +97,15 @@ impl Model {
             // Grouped-query attention without copying the cache: the `rep` query heads of a
             // kv head become rows of one matmul against it.
             let q = (q * scale)?.reshape((bsz, kvh, rep * n, hd))?;
-            let att = q.matmul(&keys.t()?)?.reshape((bsz, kvh, rep, n, len))?;
-            let att = att.broadcast_add(&mask)?;
+            let mut att = q.matmul(&keys.t()?)?.reshape((bsz, kvh, rep, n, len))?;
+            if let Some(cap) = s.attn_softcap() {
+                att = ((att / cap)?.tanh()? * cap)?;
+            }
+            let mask = match (&window_mask, s.layer_window(l)) {
+                (Some(w), Some(_)) => w,
+                _ => &mask,
+            };
+            let att = att.broadcast_add(mask)?;
             let att = candle_nn::ops::softmax_last_dim(&att)?;
             let y = att.reshape((bsz, kvh, rep * n, len))?.matmul(&values)?;
             let y = y
@@ -110,7 +125,8 @@ impl Model {
                 Some(w) => self.cast(w)?,
                 None => wte,
             };
-            Some(hidden.matmul(&head.t()?)?.to_dtype(DType::F32)?)
+            // (Gemma 2's final soft-cap with them.)
+            Some(self.head_logits(&hidden, &head)?.to_dtype(DType::F32)?)
         } else {
             None
         };
@@ -124,12 +140,13 @@ impl Model {
     }
 
     /// The additive mask `[B, 1, 1, n, len]` of `n` new columns after `cache.filled`: a row
-    /// sees its own columns up to the query's, none of its padding; a padding column sees
-    /// itself alone (its values are never read, and a row of -inf would be NaN).
-    fn step_mask(&self, cache: &BatchCache, n: usize) -> Result<Tensor> {
+    /// sees its own columns up to the query's, none of its padding, and with a `window` only
+    /// the last `window` of them (a sliding layer's); a padding column sees itself alone (its
+    /// values are never read, and a row of -inf would be NaN).
+    fn step_mask(&self, cache: &BatchCache, n: usize, window: Option<usize>) -> Result<Tensor> {
         let (bsz, start) = (cache.batch(), cache.filled);
         let len = start + n;
-        if n == 1 {
+        if n == 1 && window.is_none() {
             // One new column, after every prompt: the padding is all it must not see.
             return cache
                 .pad_mask
@@ -140,8 +157,10 @@ impl Model {
         for &pad in &cache.pads {
             for j in 0..n {
                 let q = start + j;
+                // (the window's first column: positions and columns differ by the row's pad)
+                let low = window.map_or(0, |w| (q + 1).saturating_sub(w));
                 for c in 0..len {
-                    let seen = (c >= pad && c <= q) || c == q;
+                    let seen = (c >= pad && c >= low && c <= q) || c == q;
                     m.push(if seen { 0.0 } else { f32::NEG_INFINITY });
                 }
             }
