@@ -69,8 +69,9 @@ impl Model {
         let (rope, rope_local) = (cols(&cache.rope)?, cols(&cache.rope_local)?);
         let len = start + n;
         let mask = self.step_mask(cache, n, None)?;
-        // (Sliding layers: the keys within the window too.)
-        let window_mask = if s.layout.has_sliding() {
+        // Sliding layers: a prefill's mask limits each query to its window; a decode step's
+        // single query reads only the window's last columns of the cache (no mask to build).
+        let window_mask = if n > 1 && s.layout.has_sliding() {
             Some(self.step_mask(cache, n, Some(s.layout.window))?)
         } else {
             None
@@ -94,20 +95,27 @@ impl Model {
                     (kc.narrow(2, 0, len)?, vc.narrow(2, 0, len)?)
                 }
             };
+            // (the first column this layer reads: a sliding layer's window in a decode step)
+            let lo = match s.layer_window(l) {
+                Some(w) if n == 1 => len.saturating_sub(w),
+                _ => 0,
+            };
+            let seen = len - lo;
+            let (keys, values) = (keys.narrow(2, lo, seen)?, values.narrow(2, lo, seen)?);
             // Grouped-query attention without copying the cache: the `rep` query heads of a
             // kv head become rows of one matmul against it.
             let q = (q * scale)?.reshape((bsz, kvh, rep * n, hd))?;
-            let mut att = q.matmul(&keys.t()?)?.reshape((bsz, kvh, rep, n, len))?;
+            let mut att = q.matmul(&keys.t()?)?.reshape((bsz, kvh, rep, n, seen))?;
             if let Some(cap) = s.attn_softcap() {
                 att = ((att / cap)?.tanh()? * cap)?;
             }
             let mask = match (&window_mask, s.layer_window(l)) {
-                (Some(w), Some(_)) => w,
-                _ => &mask,
+                (Some(w), Some(_)) => w.clone(),
+                _ => mask.narrow(4, lo, seen)?,
             };
-            let att = att.broadcast_add(mask)?;
+            let att = att.broadcast_add(&mask)?;
             let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let y = att.reshape((bsz, kvh, rep * n, len))?.matmul(&values)?;
+            let y = att.reshape((bsz, kvh, rep * n, seen))?.matmul(&values)?;
             let y = y
                 .reshape((bsz, h, n, hd))?
                 .transpose(1, 2)?
