@@ -489,6 +489,9 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
                 (loss - ours).abs() <= tol,
                 "{name} {quant}: {loss} vs {ours}"
             );
+            if quant.starts_with("q4") {
+                assert_kept_blocks(&out, name, quant);
+            }
         }
         // and as any source: generate reads its tokenizer
         let o = common::cockpit()
@@ -510,6 +513,49 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
             .collect();
         let greedy: Vec<u32> = serde_json::from_value(e["greedy"].clone()).unwrap();
         assert_eq!(got, greedy[..4], "{name}");
+    }
+}
+
+/// A 4-bit GGUF file's layer matrices are kept in their own blocks for a 4-bit LoRA base
+/// (`gguf_blocks.safetensors` of its directory): every one, under cockpit's name, decodes to the
+/// very values the directory's dense weights hold (q/k rows permuted back, fused ones split, the
+/// hybrid's gate and up joined, row for row); in a q4_0 file that is every projection.
+fn assert_kept_blocks(file: &Path, name: &str, quant: &str) {
+    use cockpit::engine::gguf::{load, quant::GgmlType};
+    let dir = load::materialize(file).unwrap();
+    let kept = load::kept_blocks(&dir).unwrap();
+    let (_, _, dense) = cockpit::engine::hf::load(&dir).unwrap();
+    if name == "gpt2" {
+        assert!(kept.is_empty(), "GPT-2's transposed matrices are not kept");
+        return;
+    }
+    for (n, b) in &kept {
+        let ty = GgmlType::from_code(b.code).unwrap();
+        let got = cockpit::engine::gguf::quant::decode(&b.data.to_vec1::<u8>().unwrap(), ty);
+        let want: Vec<f32> = dense[n].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(dense[n].dims(), [b.out, b.inp], "{name} {quant}: {n}");
+        assert!(
+            got == want,
+            "{name} {quant}: {n} in {ty:?} decodes to other values"
+        );
+    }
+    let projections: Vec<&String> = dense
+        .keys()
+        .filter(|n| {
+            n.starts_with("model.layers.")
+                && (n.ends_with("proj.weight") || n.ends_with("linear.weight"))
+        })
+        .collect();
+    eprintln!(
+        "{name} {quant}: {} of {} projections kept as blocks",
+        kept.len(),
+        projections.len()
+    );
+    assert!(!projections.is_empty());
+    if quant == "q4_0" {
+        for n in projections {
+            assert!(kept.contains_key(n), "{name} q4_0: {n} not kept");
+        }
     }
 }
 

@@ -1415,6 +1415,101 @@ fn whole_model_step_in_fp16_matches_the_f32_model() {
     }
 }
 
+/// A GGUF base's blocks for the layer matrices of `m`, as a file would keep them: a k-quant
+/// where the rows are whole 256-weight blocks (Q4_K, Q5_K, Q6_K in turn), else Q4_0 or Q4_1,
+/// quantized from the model's own values by the GGUF writer's encoders.
+fn kept_blocks(
+    m: &Model,
+) -> std::collections::HashMap<String, cockpit::engine::kernels::ggml::GgmlBlocks> {
+    use cockpit::engine::gguf::quant::{self, GgmlType};
+    let mut kept = std::collections::HashMap::new();
+    let (mut wide, mut narrow) = (0, 0);
+    for p in &m.params {
+        let t = p.var.as_tensor();
+        let (true, Ok((out, inp))) = (
+            p.name.starts_with("model.layers.") && p.name.ends_with("proj.weight"),
+            t.dims2(),
+        ) else {
+            continue;
+        };
+        let ty = if inp % 256 == 0 {
+            wide += 1;
+            [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K][wide % 3]
+        } else {
+            narrow += 1;
+            [GgmlType::Q4_0, GgmlType::Q4_1][narrow % 2]
+        };
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let b = cockpit::engine::kernels::ggml::GgmlBlocks::new(
+            ty as u32,
+            out,
+            inp,
+            quant::encode(&v, ty),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        kept.insert(p.name.clone(), b);
+    }
+    kept
+}
+
+/// ggml's blocks dequantized on the GPU (cuda/ggml.cuh) are the host decoder's values
+/// (src/engine/gguf/quant.rs, kquant.rs) rounded to bf16, to the bit, in every kept format.
+#[test]
+fn ggml_blocks_dequantize_as_the_host_decoder_does() {
+    let Some(dev) = gpu() else { return };
+    use cockpit::engine::gguf::quant::{self, GgmlType};
+    use cockpit::engine::kernels::ggml::GgmlBlocks;
+    // 40 rows of 512: two k-quant super-blocks, sixteen 32-weight blocks a row; a row 100×
+    // larger, an all-zero row, an all-positive one (the minima of Q4_1/Q4_K/Q5_K above zero).
+    let (out, inp) = (40usize, 512usize);
+    let vals: Vec<f32> = (0..out * inp)
+        .map(|i| {
+            let x = ((i * 2_654_435_761usize) % 10_007) as f32 / 10_007.0 - 0.5;
+            match i / inp {
+                3 => x * 100.0,
+                7 => 0.0,
+                11 => x + 0.75,
+                _ => x * 0.02,
+            }
+        })
+        .collect();
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ] {
+        let bytes = quant::encode(&vals, ty);
+        let want = quant::decode(&bytes, ty);
+        let b = GgmlBlocks::new(ty as u32, out, inp, bytes, &dev).unwrap();
+        assert_eq!(b.name(), ty.name());
+        let got: Vec<f32> = b
+            .dequantize(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let w16 = half::bf16::from_f32(*w).to_f32();
+            assert!(
+                g.to_bits() == w16.to_bits(),
+                "{ty:?} element {i} (row {}): {g} vs the host's {w} ({w16} in bf16)",
+                i / inp
+            );
+        }
+        eprintln!("{ty:?}: {} weights equal to the bit", got.len());
+    }
+}
+
 /// The NF4 kernels (quantize at load, dequantize before a matmul) compute exactly what the
 /// host reference in src/engine/nf4.rs computes.
 #[test]
@@ -1492,20 +1587,27 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         c.model.n_kv_head = 2;
         c.model.mlp_ratio = 2.75;
     }
-    // (name, shape, targets, base in NF4)
-    type Case = (&'static str, fn(&mut Config), Vec<String>, bool);
-    let cases: [Case; 10] = [
+    // (name, shape, targets, how the frozen base is stored)
+    #[derive(Clone, Copy, PartialEq)]
+    enum Stored {
+        Dense,
+        Nf4,
+        /// A GGUF file's blocks, kept ([`kept_blocks`]), NF4 where they do not fit
+        Ggml,
+    }
+    type Case = (&'static str, fn(&mut Config), Vec<String>, Stored);
+    let cases: [Case; 11] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
             all.clone(),
-            false,
+            Stored::Dense,
         ),
         (
             "gpt with biases, adapters on q, v, up, down (GELU)",
             |c| c.model.tie_embeddings = false,
             ["q", "v", "up", "down"].map(String::from).to_vec(),
-            false,
+            Stored::Dense,
         ),
         (
             "llama, dropout 0.1, adapters on q and v",
@@ -1516,7 +1618,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 c.model.dropout = 0.1;
             },
             ["q", "v"].map(String::from).to_vec(),
-            false,
+            Stored::Dense,
         ),
         (
             "llama head dim 128, GQA 4/1, adapters on k, v and gate (groups without their first)",
@@ -1530,13 +1632,20 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 c.model.mlp_ratio = 2.0;
             },
             ["k", "v", "gate"].map(String::from).to_vec(),
-            false,
+            Stored::Dense,
         ),
         (
             "llama GQA 4/2, NF4 base (QLoRA), adapters on every projection",
             gqa,
             all.clone(),
-            true,
+            Stored::Nf4,
+        ),
+        (
+            "llama GQA 4/2, a GGUF base's blocks kept (Q4_K, Q5_K, Q6_K; Q4_0, Q4_1 where rows \
+             are no whole 256), adapters on every projection",
+            gqa,
+            all.clone(),
+            Stored::Ggml,
         ),
         (
             "explicit head_dim 4×64 over n_embd 192, adapters on every projection (o reads 256)",
@@ -1546,7 +1655,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 c.model.head_dim = 64;
             },
             all.clone(),
-            false,
+            Stored::Dense,
         ),
         (
             "llama GQA 4/2, adapters on every projection, each beside its base (no [W | B])",
@@ -1555,7 +1664,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 c.kernels.lora_concat = false;
             },
             all.clone(),
-            false,
+            Stored::Dense,
         ),
         (
             "llama GQA 4/2, LoRA dropout 0.25 on every projection's input, dropout 0.1",
@@ -1565,7 +1674,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 c.lora.dropout = 0.25;
             },
             all.clone(),
-            false,
+            Stored::Dense,
         ),
         (
             "gemma3-like (sandwich + 1+w norms, GeGLU, QK-norm, a sliding layer of window 50), \
@@ -1584,7 +1693,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                 l.local_rope_theta = 10_000.0;
             },
             all.clone(),
-            false,
+            Stored::Dense,
         ),
         (
             "granite-4.0-h-like hybrid (3 Mamba-2 layers, a NoPE attention layer), adapters on \
@@ -1596,7 +1705,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             ["in_proj", "out_proj", "q", "k", "v", "o", "up", "down"]
                 .map(String::from)
                 .to_vec(),
-            false,
+            Stored::Dense,
         ),
     ];
     // Each case in bf16 and in fp16 (the fp16 step with a loss scale of 256, divided out);
@@ -1606,8 +1715,8 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         .iter()
         .filter(|case| case.0.contains(&only))
         .flat_map(|case| step_dtypes(&dev).into_iter().map(move |dt| (case, dt)));
-    for ((name, set, targets, nf4), dt16) in runs {
-        let (name, nf4) = (*name, *nf4);
+    for ((name, set, targets, stored), dt16) in runs {
+        let (name, stored) = (*name, *stored);
         let targets = targets.clone();
         let mut c = Config::default();
         c.model.n_embd = 128;
@@ -1631,7 +1740,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             };
             let shape = ModelSpec::from_config(&c, vocab);
             let mut m = Model::new_with(shape, dt, &dev, 5, store).unwrap();
-            if nf4 {
+            if stored != Stored::Dense {
                 // Both models quantize the same bf16 values: the same 4-bit base. (The f32
                 // model's weights go through the 16-bit model's storage type first: f32 → fp16
                 // → bf16 rounds twice and may land one bf16 step away from f32 → bf16.)
@@ -1642,7 +1751,21 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
                         p.var.set(&r).unwrap();
                     }
                 }
-                m.quantize_base_nf4().unwrap();
+                let kept = if stored == Stored::Ggml {
+                    kept_blocks(&m)
+                } else {
+                    Default::default()
+                };
+                let q = m.quantize_base(&kept).unwrap();
+                if stored == Stored::Ggml {
+                    let d = q.describe();
+                    assert!(
+                        ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1"]
+                            .iter()
+                            .all(|f| d.contains(f)),
+                        "{d}"
+                    );
+                }
             }
             m.add_lora(&spec, 5).unwrap();
             for (k, p) in m.params.iter().enumerate() {

@@ -725,7 +725,8 @@ pub struct LoraConfig {
     /// `[model]` shape with random weights (benchmarks: no model files needed).
     pub base: String,
     /// How the frozen base's linear layers are stored: in the training dtype (bf16 on a GPU)
-    /// or in 4-bit NormalFloat (QLoRA; CUDA only).
+    /// or 4-bit (QLoRA; CUDA only): 4-bit NormalFloat, except that a GGUF base's matrices
+    /// stored in 4–6-bit blocks (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) keep the file's own blocks.
     pub base_dtype: BaseDtype,
 }
 

@@ -6,6 +6,7 @@
 use super::checkpoint::{self, CheckpointError};
 use super::data::Special;
 use super::hf::{self, HfInfo};
+use super::kernels::ggml::GgmlBlocks;
 use super::EngineError;
 use crate::config::{Config, ModelConfig, PosEncoding};
 use candle_core::Tensor;
@@ -36,6 +37,9 @@ pub struct BaseMeta {
 pub struct Base {
     pub meta: BaseMeta,
     pub tensors: HashMap<String, Tensor>,
+    /// A GGUF file's layer matrices in their own 4–6-bit blocks (`tensors` holds them
+    /// dequantized too), which a 4-bit LoRA base keeps ([`super::model::Model::quantize_base`]).
+    pub kept: HashMap<String, GgmlBlocks>,
 }
 
 pub use super::locate::is_hf_dir;
@@ -126,7 +130,12 @@ pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
     let dir = match at {
         Location::HuggingFace(dir) => {
             let (_, _, tensors) = hf::load(&dir)?;
-            return Ok(Base { meta: m, tensors });
+            let kept = super::gguf::load::kept_blocks(&dir)?;
+            return Ok(Base {
+                meta: m,
+                tensors,
+                kept,
+            });
         }
         Location::Checkpoint { step_dir, .. } => step_dir,
     };
@@ -136,7 +145,11 @@ pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
         .into_iter()
         .filter(|(k, _)| !k.contains(".lora_"))
         .collect();
-    Ok(Base { meta: m, tensors })
+    Ok(Base {
+        meta: m,
+        tensors,
+        kept: HashMap::new(),
+    })
 }
 
 /// Which key names the base of a run, and its path.

@@ -135,7 +135,7 @@ pub fn model_from_checkpoint_as(
         }
         let base = super::base::load(Path::new(&cfg.lora.base))?;
         super::base::load_into(&model, &base, "lora.base").map_err(|e| mismatch(e.to_string()))?;
-        model.quantize_base_nf4().map_err(tensor_err)?;
+        model.quantize_base(&base.kept).map_err(tensor_err)?;
     }
     if let Some(lora) = &spec.lora {
         model.add_lora(lora, cfg.run.seed).map_err(tensor_err)?;

@@ -6,11 +6,14 @@
 //! keyed by the file, so every command that opens a Hugging Face directory opens it.
 
 use super::names;
-use super::reader::{Gguf, Meta};
+use super::reader::{Gguf, Meta, TensorInfo};
+use crate::config::ModelConfig;
 use crate::engine::checkpoint::CheckpointError;
 use crate::engine::hf;
+use crate::engine::kernels::ggml::{format, GgmlBlocks};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Map, Value};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 fn corrupt(path: &Path, message: impl Into<String>) -> CheckpointError {
@@ -48,7 +51,7 @@ fn model_type(arch: &str) -> Option<&'static str> {
 }
 
 /// Changes when what a cache directory holds does (a directory written before is remade).
-const CACHE_FORMAT: u32 = 2;
+const CACHE_FORMAT: u32 = 3;
 
 /// The cache directory of `path` (its canonical path, size and modification time).
 fn cache_dir(path: &Path) -> Result<PathBuf, CheckpointError> {
@@ -337,14 +340,44 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         &hf::generation_config(Some(&info)),
     )?;
     // the tensors, dequantized, under cockpit's names, then Hugging Face's
+    let dense = |_: usize, t: &TensorInfo| {
+        let x = g.decode(t)?;
+        Tensor::from_vec(x, t.shape.clone(), &Device::Cpu).map_err(|e| format!("{}: {e}", t.name))
+    };
+    let named = cockpit_tensors(g, &m, mt, &arch, ff, &dense)?;
+    // (GPT-2's matrices are stored transposed: none is kept as blocks)
+    if mt != "gpt2" {
+        let rows = cockpit_tensors(g, &m, mt, &arch, ff, &row_ids)?;
+        write_kept(g, &named, rows, &dir.join(KEPT_BLOCKS))?;
+    }
+    let named = hf::to_hf_names(named, mt, m.n_layer).map_err(|e| e.to_string())?;
+    let named: Vec<(String, Tensor)> = named
+        .into_iter()
+        .map(|(n, t)| t.to_dtype(DType::F32).map(|t| (n, t)))
+        .collect::<candle_core::Result<_>>()
+        .map_err(|e| e.to_string())?;
+    hf::write_weights(dir, &named, u64::MAX).map_err(|e| e.to_string())?;
+    super::tokenizer_in::write(g, dir)
+}
+
+/// The file's tensors under cockpit's names, each GGUF tensor (its index, its place) read by
+/// `value`: q/k rows permuted back, fused matrices split, Gemma 3's norms shifted, the hybrid's
+/// gate and up joined.
+fn cockpit_tensors(
+    g: &Gguf,
+    m: &ModelConfig,
+    mt: &str,
+    arch: &str,
+    ff: usize,
+    value: &dyn Fn(usize, &TensorInfo) -> Result<Tensor, String>,
+) -> Result<Vec<(String, Tensor)>, String> {
     let mut named: Vec<(String, Tensor)> = Vec::new();
-    for t in &g.tensors {
+    for (k, t) in g.tensors.iter().enumerate() {
         if t.name == "rope_freqs.weight" || super::phi3::is_config_tensor(&t.name) {
             continue; // (read into the config's rope_scaling above)
         }
-        let x = g.decode(t)?;
         let te = |e: candle_core::Error| format!("{}: {e}", t.name);
-        let v = Tensor::from_vec(x, t.shape.clone(), &Device::Cpu).map_err(te)?;
+        let v = value(k, t)?;
         if let Some(rest) = t
             .name
             .strip_suffix(".attn_qkv.weight")
@@ -386,15 +419,15 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
                 continue;
             }
         }
-        let Some(c) = names::cockpit_name(&t.name, &arch) else {
+        let Some(c) = names::cockpit_name(&t.name, arch) else {
             return Err(format!(
                 "{}: a tensor cockpit does not know for {arch}",
                 t.name
             ));
         };
-        let v = if names::permutes_qk(&arch) && t.name.contains(".attn_q.") {
+        let v = if names::permutes_qk(arch) && t.name.contains(".attn_q.") {
             names::unpermute_rows(&v, m.n_head).map_err(te)?
-        } else if names::permutes_qk(&arch) && t.name.contains(".attn_k.") {
+        } else if names::permutes_qk(arch) && t.name.contains(".attn_k.") {
             names::unpermute_rows(&v, m.kv_heads()).map_err(te)?
         } else {
             v
@@ -406,14 +439,122 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         "granitemoehybrid" => super::granite_hybrid::join_gate_up(&mut named, m.n_layer)?,
         _ => {}
     }
-    let named = hf::to_hf_names(named, mt, m.n_layer).map_err(|e| e.to_string())?;
-    let named: Vec<(String, Tensor)> = named
-        .into_iter()
-        .map(|(n, t)| t.to_dtype(DType::F32).map(|t| (n, t)))
-        .collect::<candle_core::Result<_>>()
-        .map_err(|e| e.to_string())?;
-    hf::write_weights(dir, &named, u64::MAX).map_err(|e| e.to_string())?;
-    super::tokenizer_in::write(g, dir)
+    Ok(named)
+}
+
+/// Where each row of a GGUF tensor goes: `[rows, 2]` of (tensor index, row), exact in f32 —
+/// what [`cockpit_tensors`] does to these, it does to the rows of the values.
+fn row_ids(k: usize, t: &TensorInfo) -> Result<Tensor, String> {
+    let rows = t.shape.first().copied().unwrap_or(1);
+    let ids: Vec<f32> = (0..rows).flat_map(|r| [k as f32, r as f32]).collect();
+    Tensor::from_vec(ids, (rows, 2), &Device::Cpu).map_err(|e| format!("{}: {e}", t.name))
+}
+
+/// In a GGUF file's Hugging Face directory: the layers' matrices stored in 4–6-bit blocks
+/// (`kernels::ggml::FORMATS`), as the file stores them, under cockpit's names (U8 `[out, row bytes]`; the
+/// metadata gives each one's ggml type code). A 4-bit LoRA base keeps them
+/// ([`kept_blocks`]) instead of quantizing their dequantized values again.
+pub const KEPT_BLOCKS: &str = "gguf_blocks.safetensors";
+
+/// Writes [`KEPT_BLOCKS`]: every layer matrix of `dense` whose rows (`rows`, from
+/// [`row_ids`]) all come from tensors of one kept format whose rows are the matrix's.
+fn write_kept(
+    g: &Gguf,
+    dense: &[(String, Tensor)],
+    rows: Vec<(String, Tensor)>,
+    path: &Path,
+) -> Result<(), String> {
+    let mut kept: Vec<(String, u32, usize, Vec<u8>)> = Vec::new();
+    for (name, ids) in rows {
+        if !name.starts_with("model.layers.") || !name.ends_with(".weight") {
+            continue;
+        }
+        let Some((_, w)) = dense.iter().find(|(n, _)| *n == name) else {
+            continue;
+        };
+        let (Ok((out, inp)), Ok(ids)) = (w.dims2(), ids.to_vec2::<f32>()) else {
+            continue;
+        };
+        if ids.len() != out {
+            continue;
+        }
+        // (None where a row comes from a tensor of another format or width)
+        let gathered = ids
+            .iter()
+            .try_fold((None, Vec::new()), |(code, mut bytes), id| {
+                let t = &g.tensors[id[0] as usize];
+                let (c, _, block, size) = format(t.code)?;
+                if t.shape.len() != 2 || t.shape[1] != inp || code.is_some_and(|x| x != c) {
+                    return None;
+                }
+                let row = inp / block * size;
+                let (_, raw) = g.raw(t).ok()?;
+                let at = id[1] as usize * row;
+                bytes.extend_from_slice(raw.get(at..at + row)?);
+                Some((Some(c), bytes))
+            });
+        if let Some((Some(c), bytes)) = gathered {
+            kept.push((name, c, bytes.len() / out, bytes));
+        }
+    }
+    if kept.is_empty() {
+        return Ok(());
+    }
+    let views = kept
+        .iter()
+        .map(|(n, _, row, b)| {
+            safetensors::tensor::TensorView::new(
+                safetensors::Dtype::U8,
+                vec![b.len() / row, *row],
+                b,
+            )
+            .map(|v| (n.clone(), v))
+            .map_err(|e| format!("{n}: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let meta: HashMap<String, String> = kept
+        .iter()
+        .map(|(n, c, _, _)| (n.clone(), c.to_string()))
+        .collect();
+    safetensors::serialize_to_file(views, Some(meta), path)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The matrices a GGUF file's Hugging Face directory keeps in their blocks ([`KEPT_BLOCKS`];
+/// none where the file is absent: a directory not made from a GGUF file, or a GPT-2 one), on
+/// the CPU.
+pub fn kept_blocks(dir: &Path) -> Result<HashMap<String, GgmlBlocks>, CheckpointError> {
+    let path = dir.join(KEPT_BLOCKS);
+    if !path.is_file() {
+        return Ok(HashMap::new());
+    }
+    let bytes = std::fs::read(&path).map_err(|e| corrupt(&path, e.to_string()))?;
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
+        .map_err(|e| corrupt(&path, format!("not a readable safetensors file: {e}")))?;
+    let codes = header.metadata().clone().unwrap_or_default();
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| corrupt(&path, format!("not a readable safetensors file: {e}")))?;
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        let code = codes.get(&name).and_then(|c| c.parse::<u32>().ok());
+        let (Some((code, _, block, size)), [rows, row]) = (code.and_then(format), view.shape())
+        else {
+            return Err(corrupt(
+                &path,
+                format!("{name}: no kept format, or not [rows, bytes]"),
+            ));
+        };
+        let b = GgmlBlocks::new(
+            code,
+            *rows,
+            row / size * block,
+            view.data().to_vec(),
+            &Device::Cpu,
+        )
+        .map_err(|e| corrupt(&path, format!("{name}: {e}")))?;
+        out.insert(name, b);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -201,6 +201,12 @@ impl Gguf {
 
     /// A tensor's values as f32 (its type one [`quant`] decodes).
     pub fn decode(&self, t: &TensorInfo) -> Result<Vec<f32>, String> {
+        let (ty, bytes) = self.raw(t)?;
+        Ok(quant::decode(bytes, ty))
+    }
+
+    /// A tensor's type and bytes as stored (its type one [`quant`] decodes).
+    pub fn raw(&self, t: &TensorInfo) -> Result<(GgmlType, &[u8]), String> {
         let Some(ty) = GgmlType::from_code(t.code) else {
             return Err(format!(
                 "{}: tensor type {} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)",
@@ -226,7 +232,7 @@ impl Gguf {
                 self.bytes.len()
             ));
         };
-        Ok(quant::decode(&self.bytes[t.start..end], ty))
+        Ok((ty, &self.bytes[t.start..end]))
     }
 }
 

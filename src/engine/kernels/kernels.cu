@@ -157,6 +157,7 @@ extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,
 #include "step/attn_heads.cuh"
 
 #include "cuda/nf4.cuh"
+#include "cuda/ggml.cuh"
 
 // Causal flash attention (head dims 64 and 128) for the whole-model step.
 #include "flash.cu"

@@ -21,7 +21,9 @@
 use candle_core::{DType, Tensor};
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod buckets;
+pub mod ggml;
 pub mod nf4;
+pub mod quantized;
 pub mod spec;
 
 #[cfg(feature = "cuda")]
@@ -219,6 +221,13 @@ mod cpu_stubs {
     }
     pub fn nf4_dequantize(
         _parts: (&Tensor, &Tensor, &Tensor),
+        _shape: (usize, usize),
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn ggml_dequantize(
+        _data: &Tensor,
+        _format: (u32, usize, usize),
         _shape: (usize, usize),
     ) -> Result<Tensor> {
         no_cuda()

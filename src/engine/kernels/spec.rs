@@ -2,7 +2,7 @@
 //! [`ModelSpec`], handed over by `Model::step_weights` — the model depends on this module,
 //! not the other way round.
 
-use crate::engine::kernels::nf4::Nf4;
+use crate::engine::kernels::quantized::Quantized;
 pub use crate::engine::spec::ModelSpec;
 use candle_core::Var;
 use std::sync::Arc;
@@ -11,11 +11,12 @@ use std::sync::Arc;
 pub type WeightBias = (Var, Option<Var>);
 
 /// A linear layer's matrix for the whole-model step: a parameter, or a frozen LoRA base
-/// matrix in NF4 (`lora.base_dtype = "nf4"`), which the step dequantizes where it is used.
+/// matrix stored quantized (`lora.base_dtype = "nf4"`: NF4, or a GGUF file's blocks), which
+/// the step dequantizes where it is used.
 #[derive(Clone, Debug)]
 pub enum StepMatrix {
     Var(Var),
-    Nf4(Arc<Nf4>),
+    Quantized(Arc<Quantized>),
 }
 
 impl StepMatrix {
@@ -28,7 +29,7 @@ impl StepMatrix {
     pub fn dims(&self) -> candle_core::Result<(usize, usize)> {
         match self {
             StepMatrix::Var(v) => v.as_tensor().dims2(),
-            StepMatrix::Nf4(q) => Ok((q.out, q.inp)),
+            StepMatrix::Quantized(q) => Ok(q.dims()),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Linear layers (a dense or NF4 matrix, an optional bias, an optional LoRA adapter) and the
+//! Linear layers (a dense or quantized matrix, an optional bias, an optional LoRA adapter) and the
 //! candle model's casts and dropout.
 
 use super::*;
@@ -24,11 +24,12 @@ pub(super) struct Linear {
 }
 
 /// A linear layer's matrix: a parameter, or (a frozen LoRA base with
-/// `lora.base_dtype = "nf4"`) a 4-bit copy that is dequantized where it is used.
+/// `lora.base_dtype = "nf4"`) a quantized copy (NF4, or a GGUF file's blocks) that is
+/// dequantized where it is used.
 #[derive(Clone, Debug)]
 pub(super) enum Weight {
     Dense(Var),
-    Nf4(std::sync::Arc<Nf4>),
+    Quantized(std::sync::Arc<Quantized>),
 }
 
 impl Weight {
@@ -36,7 +37,7 @@ impl Weight {
     pub(super) fn dims2(&self) -> Result<(usize, usize)> {
         match self {
             Weight::Dense(v) => v.as_tensor().dims2(),
-            Weight::Nf4(q) => Ok((q.out, q.inp)),
+            Weight::Quantized(q) => Ok(q.dims()),
         }
     }
 }
@@ -58,7 +59,7 @@ impl Model {
     pub(super) fn weight_as(&self, w: &Weight, dtype: DType) -> Result<Tensor> {
         match w {
             Weight::Dense(v) => v.as_tensor().to_dtype(dtype),
-            Weight::Nf4(q) => q.dequantize(dtype),
+            Weight::Quantized(q) => q.dequantize(dtype),
         }
     }
 

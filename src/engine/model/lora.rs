@@ -1,4 +1,4 @@
-//! LoRA adapters on the linear layers, merging them into the base, an NF4 base.
+//! LoRA adapters on the linear layers, merging them into the base, a quantized base.
 
 use super::*;
 
@@ -100,14 +100,14 @@ impl Model {
     }
 
     /// Base weights with every adapter folded in: `W + (alpha/r)·B·A`; no LoRA tensors. A
-    /// 4-bit base comes out dequantized (f32), after the other weights.
+    /// quantized base comes out dequantized (f32), after the other weights.
     pub fn merged_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut merged: std::collections::HashMap<String, Tensor> =
             std::collections::HashMap::new();
-        let mut nf4 = Vec::new();
+        let mut quantized_base = Vec::new();
         for (name, lin) in self.linears() {
             let name = format!("{name}.weight");
-            let quantized = matches!(lin.w, Weight::Nf4(_));
+            let quantized = matches!(lin.w, Weight::Quantized(_));
             if lin.lora.is_none() && !quantized {
                 continue;
             }
@@ -117,7 +117,7 @@ impl Model {
                 w = (w + delta)?;
             }
             if quantized {
-                nf4.push((name, w));
+                quantized_base.push((name, w));
             } else {
                 merged.insert(name, w);
             }
@@ -135,32 +135,95 @@ impl Model {
                 )
             })
             .collect();
-        out.extend(nf4);
+        out.extend(quantized_base);
         Ok(out)
     }
 
-    /// Store the frozen base's linear layers in NF4 (`lora.base_dtype = "nf4"`; before
-    /// [`Self::add_lora`]): each matrix is quantized where it lives and its parameter dropped
-    /// (embeddings, norms and biases stay as they are). Returns the bytes the matrices took
-    /// before and take now.
-    pub fn quantize_base_nf4(&mut self) -> Result<(u64, u64)> {
-        let (mut before, mut after) = (0u64, 0u64);
+    /// Store the frozen base's linear layers quantized (`lora.base_dtype = "nf4"`; before
+    /// [`Self::add_lora`]): a matrix `kept` holds (a GGUF base's 4–6-bit blocks, under the
+    /// weight's name) keeps those blocks, every other one is quantized to NF4 where it lives;
+    /// either parameter is dropped (embeddings, norms and biases stay as they are). On the CPU,
+    /// which reads no quantized matrix, a kept one stays dense, rounded to bf16 as the GPU's
+    /// dequantization rounds it.
+    pub fn quantize_base(
+        &mut self,
+        kept: &HashMap<String, GgmlBlocks>,
+    ) -> Result<BaseQuantization> {
+        let mut report = BaseQuantization::default();
         let mut dropped = std::collections::HashSet::new();
         let hybrid = self.spec.hybrid.is_some();
+        let device = self.device.clone();
         for (i, b) in self.blocks.iter_mut().enumerate() {
             for (_, path, lin) in block_linears_mut(b, hybrid) {
-                let name = format!("model.layers.{i}.{path}");
+                let name = format!("model.layers.{i}.{path}.weight");
                 let Weight::Dense(v) = &lin.w else { continue };
                 let t = v.as_tensor();
-                before += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-                let q = Nf4::quantize(t)?;
-                after += q.bytes() as u64;
-                lin.w = Weight::Nf4(std::sync::Arc::new(q));
-                dropped.insert(format!("{name}.weight"));
+                let (out, inp) = t.dims2()?;
+                report.before += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+                let q = match kept.get(&name) {
+                    Some(k) if (k.out, k.inp) != (out, inp) => {
+                        return Err(candle_core::Error::Msg(format!(
+                            "{name}: kept {} blocks of [{}, {}] for a [{out}, {inp}] matrix",
+                            k.name(),
+                            k.out,
+                            k.inp
+                        )))
+                    }
+                    Some(k) if !device.is_cuda() => {
+                        v.set(&t.to_dtype(DType::BF16)?.to_dtype(t.dtype())?)?;
+                        report.count(k.name(), t.elem_count() * t.dtype().size_in_bytes());
+                        continue;
+                    }
+                    Some(k) => Quantized::Ggml(k.to_device(&device)?),
+                    None => Quantized::Nf4(Nf4::quantize(t)?),
+                };
+                report.count(q.name(), q.bytes());
+                lin.w = Weight::Quantized(std::sync::Arc::new(q));
+                dropped.insert(name);
             }
         }
         self.params.retain(|p| !dropped.contains(&p.name));
-        Ok((before, after))
+        Ok(report)
+    }
+}
+
+/// What [`Model::quantize_base`] did.
+#[derive(Clone, Debug, Default)]
+pub struct BaseQuantization {
+    /// Bytes the base's matrices took before and take now.
+    pub before: u64,
+    pub after: u64,
+    /// Matrices by format (NF4, Q4_K, …).
+    pub formats: std::collections::BTreeMap<&'static str, usize>,
+}
+
+impl BaseQuantization {
+    fn count(&mut self, format: &'static str, bytes: usize) {
+        *self.formats.entry(format).or_default() += 1;
+        self.after += bytes as u64;
+    }
+
+    /// For the run header: "LoRA base linear layers in NF4: …", or with the formats counted
+    /// where a GGUF file's blocks were kept.
+    pub fn describe(&self) -> String {
+        let formats = if self.formats.keys().all(|f| *f == "NF4") {
+            "in NF4".to_string()
+        } else {
+            let parts: Vec<String> = self
+                .formats
+                .iter()
+                .map(|(f, n)| format!("{n} {f}"))
+                .collect();
+            format!(
+                "{} (the GGUF's own blocks kept; NF4 where wider)",
+                parts.join(", ")
+            )
+        };
+        format!(
+            "LoRA base linear layers {formats}: {:.2} GB instead of {:.2} GB",
+            self.after as f64 / 1e9,
+            self.before as f64 / 1e9
+        )
     }
 }
 

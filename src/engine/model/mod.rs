@@ -10,10 +10,13 @@
 use crate::config::{Activation, Norm, PosEncoding, QkNorm};
 use crate::engine::dropout::{self, Layout};
 use crate::engine::kernels;
+use crate::engine::kernels::ggml::GgmlBlocks;
 use crate::engine::kernels::nf4::Nf4;
+use crate::engine::kernels::quantized::Quantized;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
 
 mod attention;
 mod cache;
@@ -48,6 +51,7 @@ pub use decode_batch::StepOut;
 use init::Init;
 pub use init::{BaseInit, BaseStore};
 use linear::{Linear, Lora, Weight};
+pub use lora::BaseQuantization;
 use norm::NormLayer;
 pub use rope::rope_inv_freq;
 use rope::{rope_tables, rotate_half};
@@ -451,15 +455,18 @@ impl Model {
                 .map(|p| p.var.as_tensor().elem_count() as u64)
                 .sum::<u64>()
         };
-        (count(&|_| true) + self.nf4_elems(), count(&|p| p.trainable))
+        (
+            count(&|_| true) + self.quantized_elems(),
+            count(&|p| p.trainable),
+        )
     }
 
-    /// Weights stored in NF4 (not parameters: [`Self::quantize_base_nf4`]).
-    fn nf4_elems(&self) -> u64 {
+    /// Weights stored quantized (not parameters: [`Self::quantize_base`]).
+    fn quantized_elems(&self) -> u64 {
         self.linears()
             .iter()
             .filter_map(|(_, l)| match &l.w {
-                Weight::Nf4(q) => Some((q.out * q.inp) as u64),
+                Weight::Quantized(q) => Some((q.dims().0 * q.dims().1) as u64),
                 Weight::Dense(_) => None,
             })
             .sum()
@@ -480,7 +487,7 @@ impl Model {
             })
             .map(|p| p.var.as_tensor().elem_count() as u64)
             .sum::<u64>()
-            + self.nf4_elems();
+            + self.quantized_elems();
         let head = if s.tie_embeddings {
             (s.vocab_size * s.n_embd) as f64
         } else {

@@ -59,7 +59,7 @@ impl Model {
         let lin = |l: &Linear| {
             let m = match &l.w {
                 Weight::Dense(v) => StepMatrix::Var(v.clone()),
-                Weight::Nf4(q) => StepMatrix::Nf4(q.clone()),
+                Weight::Quantized(q) => StepMatrix::Quantized(q.clone()),
             };
             (m, l.b.clone())
         };

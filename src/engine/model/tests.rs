@@ -13,6 +13,46 @@ fn whole_model_step_only_takes_gpt_style_bf16_cuda_models() {
     assert!(m.step_weights().is_none());
 }
 
+/// A GGUF base's kept blocks on the CPU (which reads no quantized matrix): the matrix stays
+/// a dense parameter holding the blocks' values rounded to bf16, as the GPU's dequantization
+/// gives them; the others go to NF4; a kept matrix of another shape is refused by name.
+#[test]
+fn kept_ggml_blocks_on_the_cpu_stay_dense_at_bf16() {
+    use crate::engine::gguf::quant::{self, GgmlType};
+    let mut c = Config::default();
+    c.model.n_embd = 64;
+    let dev = Device::Cpu;
+    let shape = ModelSpec::from_config(&c, 32);
+    let mut m = Model::new(shape.clone(), DType::F32, &dev, 3).unwrap();
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    let w = m.params.iter().find(|p| p.name == name).unwrap();
+    let v: Vec<f32> = w.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+    let bytes = quant::encode(&v, GgmlType::Q4_0);
+    let want: Vec<f32> = quant::decode(&bytes, GgmlType::Q4_0)
+        .iter()
+        .map(|x| half::bf16::from_f32(*x).to_f32())
+        .collect();
+    // (the dense matrix holds the file's values, as a GGUF base's directory does)
+    let exact = Tensor::from_vec(quant::decode(&bytes, GgmlType::Q4_0), (64, 64), &dev).unwrap();
+    w.var.set(&exact).unwrap();
+    let blocks = GgmlBlocks::new(2, 64, 64, bytes, &dev).unwrap();
+    let kept: HashMap<String, GgmlBlocks> = [(name.to_string(), blocks.clone())].into();
+    let r = m.quantize_base(&kept).unwrap();
+    assert_eq!(r.formats.get("Q4_0"), Some(&1), "{:?}", r.formats);
+    assert!(r.describe().contains("1 Q4_0"), "{}", r.describe());
+    let w = m.params.iter().find(|p| p.name == name).unwrap();
+    let got: Vec<f32> = w.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(got, want);
+    let mut other = Model::new(shape, DType::F32, &dev, 3).unwrap();
+    let wrong: HashMap<String, GgmlBlocks> =
+        [("model.layers.0.mlp.up_proj.weight".to_string(), blocks)].into();
+    let e = other.quantize_base(&wrong).unwrap_err().to_string();
+    assert!(
+        e.contains("model.layers.0.mlp.up_proj.weight") && e.contains("Q4_0"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_base_in_nf4_computes_nearly_what_the_dense_base_does() {
     // (The reference arithmetic on the host; the CUDA kernels are held to it by
@@ -23,7 +63,9 @@ fn a_base_in_nf4_computes_nearly_what_the_dense_base_does() {
     let shape = ModelSpec::from_config(&c, 32);
     let mut dense = Model::new(shape.clone(), DType::F32, &dev, 3).unwrap();
     let mut q = Model::new(shape, DType::F32, &dev, 3).unwrap();
-    let (before, after) = q.quantize_base_nf4().unwrap();
+    let r = q.quantize_base(&Default::default()).unwrap();
+    let (before, after) = (r.before, r.after);
+    assert!(r.describe().starts_with("LoRA base linear layers in NF4: "));
     assert!(
         after * 7 < before && after * 8 > before,
         "{after} of {before} bytes"

@@ -125,12 +125,10 @@ impl Trainer {
                     "lora.base_dtype = \"nf4\": 4-bit bases run on CUDA only, and this run is on the CPU; use \"bf16\"".into(),
                 ));
             }
-            let (before, after) = model.quantize_base_nf4()?;
-            dtype_reason.push_str(&format!(
-                "; LoRA base linear layers in NF4: {:.2} GB instead of {:.2} GB",
-                after as f64 / 1e9,
-                before as f64 / 1e9
-            ));
+            let none = std::collections::HashMap::new();
+            let kept = base.as_ref().map_or(&none, |(_, b)| &b.kept);
+            let q = model.quantize_base(kept)?;
+            dtype_reason.push_str(&format!("; {}", q.describe()));
         }
         if let Some(lora) = &spec.lora {
             model.add_lora(lora, cfg.run.seed)?;

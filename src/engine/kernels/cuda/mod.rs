@@ -210,6 +210,7 @@ macro_rules! cpu_only_fwd {
 mod bias;
 mod cross_entropy;
 mod dropout;
+mod ggml;
 mod nf4;
 mod norm;
 mod optimizer;
@@ -221,6 +222,7 @@ mod wire;
 pub use self::bias::*;
 pub use self::cross_entropy::*;
 pub use self::dropout::*;
+pub use self::ggml::*;
 pub use self::nf4::*;
 pub use self::norm::*;
 use self::optimizer::REUSED;

@@ -58,6 +58,7 @@ pub(super) struct Kernels {
     pub(super) swiglu_bwd: Kern,
     pub(super) dropout_rows: Kern,
     pub(super) nf4_dequant: Kern,
+    pub(super) ggml_dequant: Kern,
     /// The Mamba-2 mixer's kernels (mamba.cuh).
     pub(super) mamba: MambaKernels,
     /// Flash attention for head dim 64 and for head dim 128.
@@ -233,6 +234,7 @@ impl Kernels {
             swiglu_bwd: f("swiglu_bwd_v8_bf16")?,
             dropout_rows: f("dropout_rows_v8_bf16")?,
             nf4_dequant: f("nf4_dequant_bf16")?,
+            ggml_dequant: f("ggml_dequant_bf16")?,
             mamba: MambaKernels::load(&named)?,
             flash64: Flash::load(&named, 64, hopper)?,
             flash128: crate::engine::kernels::cuda::flash_fits(dev, 128)

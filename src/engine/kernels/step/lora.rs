@@ -111,7 +111,7 @@ impl ModelStep {
             && lora_width(li, g).is_multiple_of(8)
             && (first..first + count).all(|i| {
                 let e = &self.entries[i];
-                e.frozen && e.nf4.is_none() && self.trained_grad_ptr(i).is_none()
+                e.frozen && e.quant.is_none() && self.trained_grad_ptr(i).is_none()
             })
             && self.grad_ptr_or_null(bias) == 0
     }

@@ -173,9 +173,9 @@ pub struct ModelStep {
     /// The frozen weights' bf16 copies (LoRA's base; none otherwise).
     _fbf: CudaSlice<bf16>,
     fbf_p: u64,
-    /// The bf16 scratch a 4-bit base matrix is dequantized into before a matmul reads it.
-    _nf4_buf: CudaSlice<bf16>,
-    nf4_p: u64,
+    /// The bf16 scratch a quantized base matrix is dequantized into before a matmul reads it.
+    _quant_buf: CudaSlice<bf16>,
+    quant_p: u64,
     grad: Tensor,
     grad_p: u64,
     /// Where the gradients summed from zero start (the matrices before are overwritten by

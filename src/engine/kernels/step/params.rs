@@ -11,19 +11,20 @@ use half::bf16;
 use super::mamba_bufs::MambaIdx;
 use super::{align, ptr, Arg, ModelStep};
 use crate::engine::kernels::cuda::{err, multi_grid, with_f32_ptrs, with_ptrs};
-use crate::engine::kernels::nf4::Nf4;
+use crate::engine::kernels::quantized::Quantized;
 use crate::engine::kernels::spec::{LinearWB, StepLora, StepMatrix, LORA_TARGETS};
 use crate::engine::kernels::WeightCopy;
 
 /// One parameter's place in the flat buffers (the same element offset in bf16 and f32).
 pub(super) struct Entry {
-    /// The parameter (None: a 4-bit base matrix, `nf4`).
+    /// The parameter (None: a quantized base matrix, `quant`).
     pub(super) var: Option<Var>,
-    /// A frozen base matrix in NF4: dequantized into the step's scratch where a matmul reads
-    /// it ([`ModelStep::matmul_weight`]); in no buffer of the step. `nf4_ptrs`: its codes, block maxima
-    /// and group scales on the device.
-    pub(super) nf4: Option<Arc<Nf4>>,
-    pub(super) nf4_ptrs: [u64; 3],
+    /// A frozen base matrix stored quantized (NF4, or a GGUF file's blocks): dequantized into
+    /// the step's scratch where a matmul reads it ([`ModelStep::matmul_weight`]); in no buffer
+    /// of the step. `quant_ptrs`: its parts on the device (NF4: codes, block maxima and group
+    /// scales; ggml: the blocks).
+    pub(super) quant: Option<Arc<Quantized>>,
+    pub(super) quant_ptrs: [u64; 3],
     /// Rows (a matrix's output features; a vector's length).
     pub(super) rows: usize,
     pub(super) off: usize,
@@ -173,8 +174,8 @@ impl Layout {
         }
         self.entries.push(Entry {
             var: Some(v.clone()),
-            nf4: None,
-            nf4_ptrs: [0; 3],
+            quant: None,
+            quant_ptrs: [0; 3],
             rows,
             off: *off,
             n,
@@ -232,19 +233,20 @@ impl Layout {
         Ok(())
     }
 
-    /// A linear layer's matrix: a parameter ([`Self::push`]) or a frozen 4-bit one (in no
-    /// buffer).
+    /// A linear layer's matrix: a parameter ([`Self::push`]) or a frozen quantized one (in
+    /// no buffer).
     pub(super) fn push_mat(&mut self, m: &StepMatrix, pad: bool) -> usize {
         match m {
             StepMatrix::Var(v) => self.push(v, pad),
-            StepMatrix::Nf4(q) => {
+            StepMatrix::Quantized(q) => {
+                let (out, inp) = q.dims();
                 self.entries.push(Entry {
                     var: None,
-                    nf4: Some(q.clone()),
-                    nf4_ptrs: [0; 3],
-                    rows: q.out,
+                    quant: Some(q.clone()),
+                    quant_ptrs: [0; 3],
+                    rows: out,
                     off: 0,
-                    n: q.out * q.inp,
+                    n: out * inp,
                     frozen: true,
                     ext: false,
                     ext_ptr: 0,
@@ -277,7 +279,7 @@ impl Layout {
             .iter()
             .map(|m| match m {
                 StepMatrix::Var(v) => 2 * v.as_tensor().elem_count(),
-                StepMatrix::Nf4(_) => usize::MAX / 8,
+                StepMatrix::Quantized(_) => usize::MAX / 8,
             })
             .sum();
         self.copy = ms.len() > 1 && bytes <= PACK_COPY_MAX_BYTES;
@@ -328,40 +330,63 @@ impl ModelStep {
         if e.ext {
             return Ok(e.ext_ptr);
         }
-        if e.nf4.is_some() {
+        if e.quant.is_some() {
             return Err(err(format!(
-                "whole-model step: entry {i} is a 4-bit matrix, read only through a dequantizing \
-                 matmul (it has no 16-bit address)"
+                "whole-model step: entry {i} is a quantized matrix, read only through a \
+                 dequantizing matmul (it has no 16-bit address)"
             )));
         }
         Ok((if e.frozen { self.fbf_p } else { self.wbf_p }) + 2 * e.off as u64)
     }
 
     /// A linear layer's matrix for a matmul launched next on the main stream: its bf16
-    /// address, after dequantizing it into the scratch when it is a 4-bit base matrix.
+    /// address, after dequantizing it into the scratch when it is a quantized base matrix.
     pub(super) fn matmul_weight(&self, i: usize) -> Result<u64> {
         let e = &self.entries[i];
-        if e.nf4.is_none() {
+        let Some(q) = &e.quant else {
             return self.weight_ptr(i);
-        }
-        let [codes, absq, gscale] = e.nf4_ptrs;
+        };
         let n8 = e.n / 8;
-        self.launch(
-            &self.k.nf4_dequant,
-            LaunchConfig {
-                grid_dim: (n8.div_ceil(256) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            &[
-                Arg::P(codes),
-                Arg::P(absq),
-                Arg::P(gscale),
-                Arg::P(self.nf4_p),
-                Arg::L(n8 as i64),
-            ],
-        )?;
-        Ok(self.nf4_p)
+        let cfg = LaunchConfig {
+            grid_dim: (n8.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        match &**q {
+            Quantized::Nf4(_) => {
+                let [codes, absq, gscale] = e.quant_ptrs;
+                self.launch(
+                    &self.k.nf4_dequant,
+                    cfg,
+                    &[
+                        Arg::P(codes),
+                        Arg::P(absq),
+                        Arg::P(gscale),
+                        Arg::P(self.quant_p),
+                        Arg::L(n8 as i64),
+                    ],
+                )?;
+            }
+            Quantized::Ggml(g) => {
+                let Some((code, _, block, bytes)) = crate::engine::kernels::ggml::format(g.code)
+                else {
+                    return Err(err(format!("whole-model step: ggml type {} kept", g.code)));
+                };
+                self.launch(
+                    &self.k.ggml_dequant,
+                    cfg,
+                    &[
+                        Arg::P(e.quant_ptrs[0]),
+                        Arg::P(self.quant_p),
+                        Arg::I(code as i32),
+                        Arg::I(block as i32),
+                        Arg::I(bytes as i32),
+                        Arg::L(n8 as i64),
+                    ],
+                )?;
+            }
+        }
+        Ok(self.quant_p)
     }
 
     /// The fp32 gradient address of a trainable entry (callers skip frozen ones:
@@ -572,6 +597,6 @@ impl ModelStep {
     /// Whether the `count` entries from `first` (a packed projection's parts) are one
     /// matrix in memory — not so for a frozen base read in place ([`Entry::ext`]).
     pub(super) fn packed(&self, (first, count): (usize, usize)) -> bool {
-        count == 1 || !(self.entries[first].ext || self.entries[first].nf4.is_some())
+        count == 1 || !(self.entries[first].ext || self.entries[first].quant.is_some())
     }
 }

@@ -13,6 +13,7 @@ use crate::config::{Activation, Norm, QkNorm, Recompute};
 use crate::engine::dropout;
 use crate::engine::kernels::cuda::{err, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::lt::Lt;
+use crate::engine::kernels::quantized::Quantized;
 use crate::engine::kernels::side::Side;
 use crate::engine::kernels::spec::{StepMixer, StepWeights};
 use crate::engine::spec::RopeKey;
@@ -168,20 +169,25 @@ impl ModelStep {
         for (&i, p) in ext.iter().zip(ptrs) {
             entries[i].ext_ptr = p;
         }
-        // 4-bit base matrices: their parts' addresses, and one bf16 scratch of the largest,
+        // Quantized base matrices: their parts' addresses, and one bf16 scratch of the largest,
         // which each matmul through one of them dequantizes into first (on the main stream,
         // which alone reads base weights).
-        let mut nf4_len = 0;
+        let mut quant_len = 0;
         for e in entries.iter_mut() {
-            let Some(q) = &e.nf4 else { continue };
-            let codes = with_ptrs::<u8, _>(&[&q.codes, &q.absq], |p| Ok([p[0], p[1]]))?;
-            let gscale = with_f32_ptrs(&[&q.gscale], |p| Ok(p[0]))?;
-            e.nf4_ptrs = [codes[0], codes[1], gscale];
-            nf4_len = nf4_len.max(e.n);
+            let Some(q) = &e.quant else { continue };
+            e.quant_ptrs = match &**q {
+                Quantized::Nf4(q) => {
+                    let codes = with_ptrs::<u8, _>(&[&q.codes, &q.absq], |p| Ok([p[0], p[1]]))?;
+                    let gscale = with_f32_ptrs(&[&q.gscale], |p| Ok(p[0]))?;
+                    [codes[0], codes[1], gscale]
+                }
+                Quantized::Ggml(g) => [with_ptrs::<u8, _>(&[&g.data], |p| Ok(p[0]))?, 0, 0],
+            };
+            quant_len = quant_len.max(e.n);
         }
         // SAFETY: written by the dequantization before each read.
-        let nf4_buf = unsafe { dev.alloc::<bf16>(nf4_len.max(1))? };
-        let nf4_p = ptr(&nf4_buf, &stream);
+        let quant_buf = unsafe { dev.alloc::<bf16>(quant_len.max(1))? };
+        let quant_p = ptr(&quant_buf, &stream);
         // (Written by the cast kernel or the fused update before every read.)
         let wbf = Tensor::zeros(total, DType::BF16, &Device::Cuda(dev.clone()))?;
         let wbf_p = tensor_ptr::<bf16>(&wbf, &stream)?;
@@ -285,8 +291,8 @@ impl ModelStep {
             wbf_p,
             _fbf: fbf,
             fbf_p,
-            _nf4_buf: nf4_buf,
-            nf4_p,
+            _quant_buf: quant_buf,
+            quant_p,
             grad,
             grad_p,
             zero_from,
