@@ -9,6 +9,9 @@ pub enum LayerState {
     /// Attention: keys and values `[B, kv_heads, capacity, head_dim]` in the compute dtype,
     /// columns `0..filled` written.
     Kv { k: Tensor, v: Tensor },
+    /// A hybrid's Mamba layer: every row's conv inputs and scan state after its tokens so far
+    /// (None before the first; replaced, not grown, each step).
+    Mamba(Option<super::mamba::MambaState>),
 }
 
 /// The per-layer states of a batch and where its rows' tokens are: every row is left-padded
@@ -76,6 +79,10 @@ impl BatchCache {
                     k: pick(k)?,
                     v: pick(v)?,
                 }),
+                LayerState::Mamba(state) => Ok(LayerState::Mamba(match state {
+                    Some((conv, ssm)) => Some((pick(conv)?, pick(ssm)?)),
+                    None => None,
+                })),
             })
             .collect::<Result<Vec<_>>>()?;
         let pick2 = |r: &Option<(Tensor, Tensor)>| -> Result<Option<(Tensor, Tensor)>> {
@@ -116,12 +123,15 @@ impl Model {
         }
         let dev = &self.device;
         let shape = (bsz, s.n_kv_head, capacity, s.head_dim());
-        let layers = (0..self.blocks.len())
-            .map(|_| {
-                Ok(LayerState::Kv {
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| match b.mixer {
+                Mixer::Mamba(_) => Ok(LayerState::Mamba(None)),
+                Mixer::Attention(_) => Ok(LayerState::Kv {
                     k: Tensor::zeros(shape, self.dtype, dev)?,
                     v: Tensor::zeros(shape, self.dtype, dev)?,
-                })
+                }),
             })
             .collect::<Result<Vec<_>>>()?;
         let mut pos = Vec::with_capacity(bsz * capacity);

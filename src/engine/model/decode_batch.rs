@@ -15,13 +15,12 @@ pub struct StepOut {
 }
 
 impl Model {
-    /// Whether [`Self::decode_batch`] computes this model: not yet a hybrid's recurrent
-    /// layers or RoPE tables that change with the length (LongRoPE): those decode one row at
-    /// a time through [`Self::decode`]. (Gemma's sliding layers, their own θ and the
-    /// soft-caps are here.)
+    /// Whether [`Self::decode_batch`] computes this model: not yet RoPE tables that change
+    /// with the length (LongRoPE): those decode one row at a time through [`Self::decode`].
+    /// (Gemma's sliding layers, their own θ and the soft-caps, and a hybrid's Mamba layers
+    /// with their recurrent state, are here.)
     pub fn batch_decodes(&self) -> bool {
-        let s = &self.spec;
-        s.hybrid.is_none() && !s.rope_keys().iter().any(|k| k.long)
+        !self.spec.rope_keys().iter().any(|k| k.long)
     }
 
     /// Decode `ids` `[B, n]` (u32) placed at the next `n` columns of `cache`: their keys and
@@ -79,7 +78,29 @@ impl Model {
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
         let rep = h / kvh;
         let scale = s.attention_scale();
+        // A Mamba layer's real columns of a left-padded prefill (its padding must change no
+        // row's state); every column of a step after it is real.
+        let valid = if n > 1 && s.hybrid.is_some() {
+            Some(
+                cache
+                    .pad_mask
+                    .narrow(1, start, n)?
+                    .eq(0.0)?
+                    .to_dtype(self.dtype)?,
+            )
+        } else {
+            None
+        };
         for (l, (b, state)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
+            if let Mixer::Mamba(m) = &b.mixer {
+                let LayerState::Mamba(slot) = state else {
+                    candle_core::bail!(
+                        "decode_batch: layer {l} is a Mamba layer with keys and values cached"
+                    );
+                };
+                x = self.mamba_decode_block(b, m, &x, slot, valid.as_ref())?;
+                continue;
+            }
             let a_in = self.block_input(&b.ln1, &x)?;
             let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
             let local = s.layer_rope(l, len).local;
@@ -93,6 +114,9 @@ impl Model {
                     kc.slice_set(&k.contiguous()?, 2, start)?;
                     vc.slice_set(&v.contiguous()?, 2, start)?;
                     (kc.narrow(2, 0, len)?, vc.narrow(2, 0, len)?)
+                }
+                LayerState::Mamba(_) => {
+                    candle_core::bail!("decode_batch: attention layer {l} with a Mamba state")
                 }
             };
             // (the first column this layer reads: a sliding layer's window in a decode step)

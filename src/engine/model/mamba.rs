@@ -96,16 +96,20 @@ impl Model {
 
     /// The mixer's output `[B, T, n_embd]` for its normed input `x [B, T, n_embd]`.
     pub(super) fn mamba(&self, m: &Mamba, x: &Tensor) -> Result<Tensor> {
-        Ok(self.mamba_mix(m, x, None)?.0)
+        Ok(self.mamba_mix(m, x, None, None)?.0)
     }
 
     /// [`Self::mamba`] continuing from a decoding state (none: the sequence's start), and the
-    /// state after `x`'s last position.
+    /// state after `x`'s last position. `valid` `[B, T]` (1 or 0, the compute dtype): a left-
+    /// padded batch's real columns; a padding column changes no state (its conv input is
+    /// zero and its dt 0, so the scan neither decays nor adds), so that each row's state is
+    /// the one of its own tokens alone. Its outputs there mean nothing.
     pub(super) fn mamba_mix(
         &self,
         m: &Mamba,
         x: &Tensor,
         state: Option<&MambaState>,
+        valid: Option<&Tensor>,
     ) -> Result<(Tensor, MambaState)> {
         let h = self.hybrid_spec()?;
         let (bsz, t, _) = x.dims3()?;
@@ -118,8 +122,11 @@ impl Model {
         let (ng, ds, k) = (h.mamba_n_groups, h.mamba_d_state, h.mamba_d_conv);
         let proj = self.linear(&m.in_proj, x)?;
         let z = proj.narrow(2, 0, inner)?;
-        let xbc = proj.narrow(2, inner, conv)?;
+        let mut xbc = proj.narrow(2, inner, conv)?;
         let dt = proj.narrow(2, inner + conv, nh)?;
+        if let Some(v) = valid {
+            xbc = xbc.broadcast_mul(&v.unsqueeze(2)?)?;
+        }
         // Depthwise causal conv: each channel sees its last d_conv inputs.
         let hist = match state {
             Some((c, _)) => c.to_dtype(xbc.dtype())?,
@@ -149,6 +156,9 @@ impl Model {
         let mut dt = ssd::softplus(&dt.to_dtype(DType::F32)?.broadcast_add(&f32v(&m.dt_bias)?)?)?;
         if h.dt_min > 0.0 || h.dt_max.is_some() {
             dt = dt.clamp(h.dt_min, h.dt_max.unwrap_or(f64::MAX))?;
+        }
+        if let Some(v) = valid {
+            dt = dt.broadcast_mul(&v.to_dtype(DType::F32)?.unsqueeze(2)?)?;
         }
         let a = f32v(&m.a_log)?.exp()?.neg()?;
         let scan_in = ScanIn {

@@ -7,19 +7,22 @@ use super::{Block, Model};
 use candle_core::{Result, Tensor};
 
 impl Model {
-    /// A Mamba layer's block on `x [1, n, C]` (positions after those `slot` has seen); the
-    /// slot then holds the state after them.
+    /// A Mamba layer's block on `x [B, n, C]` (positions after those `slot` has seen; `valid`:
+    /// a left-padded batch's real columns, [`Self::mamba_mix`]); the slot then holds the state
+    /// after them.
     pub(super) fn mamba_decode_block(
         &self,
         b: &Block,
         m: &Mamba,
         x: &Tensor,
         slot: &mut Option<MambaState>,
+        valid: Option<&Tensor>,
     ) -> Result<Tensor> {
         let h = self.block_input(&b.ln1, x)?;
-        let (y, (conv, ssm)) = self.mamba_mix(m, &h, slot.as_ref())?;
-        // (Detached, as the attention layers' cache: no op graph across the steps.)
-        *slot = Some((conv.detach(), ssm.detach()));
+        let (y, (conv, ssm)) = self.mamba_mix(m, &h, slot.as_ref(), valid)?;
+        // (Detached, as the attention layers' cache: no op graph across the steps; the conv
+        // inputs copied out of the block's whole input, which they would keep alive.)
+        *slot = Some((conv.contiguous()?.detach(), ssm.contiguous()?.detach()));
         let x = (x + self.residual(y)?)?;
         let mlp = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
         x + self.residual(mlp)?
