@@ -202,17 +202,18 @@ fn as_llama_cpp_stores(
             .clone()
     };
     let w = w.to_dtype(DType::F32).unwrap();
-    if arch == "gemma3" && g.ends_with("norm.weight") {
+    if (arch == "gemma3" || arch == "gemma2") && g.ends_with("norm.weight") {
         (w + 1.0).unwrap()
     } else {
         w
     }
 }
 
-/// Phi-3 and Gemma 3 go out as llama.cpp's `phi3` and `gemma3`: the `gguf` package reads the
-/// keys llama.cpp's converter writes for them (partial rotary, LongRoPE's factors, attention
-/// factor and original context; Gemma 3's head dim, window, layer period, local θ, scale and
-/// linear RoPE scaling) and every tensor with the fixture's values (fused, or `1 + w`).
+/// Phi-3, Gemma 3 and Gemma 2 go out as llama.cpp's `phi3`, `gemma3` and `gemma2`: the `gguf`
+/// package reads the keys llama.cpp's converter writes for them (partial rotary, LongRoPE's
+/// factors, attention factor and original context; Gemma 3's head dim, window, layer period,
+/// local θ, scale and linear RoPE scaling; Gemma 2's window and soft-caps) and every tensor
+/// with the fixture's values (fused, or `1 + w`).
 #[test]
 fn phi3_and_gemma3_go_out_as_llama_cpp_writes_them() {
     for (name, arch) in [
@@ -220,6 +221,7 @@ fn phi3_and_gemma3_go_out_as_llama_cpp_writes_them() {
         ("phi3_longrope", "phi3"),
         ("gemma3_text", "gemma3"),
         ("gemma3", "gemma3"),
+        ("gemma2", "gemma2"),
     ] {
         let dir = fixture(name);
         let cfg = json(&dir.join("config.json"));
@@ -274,6 +276,26 @@ fn phi3_and_gemma3_go_out_as_llama_cpp_writes_them() {
                     let want = (1.0 + s.ln() / old.ln()).sqrt();
                     assert!((f("rope.scaling.attn_factor") - want).abs() < 1e-6, "{at}");
                 }
+            } else if arch == "gemma2" {
+                let hd = text["head_dim"].as_u64().unwrap();
+                assert_eq!(k("attention.key_length"), hd, "{at}");
+                assert_eq!(k("attention.value_length"), hd, "{at}");
+                assert_eq!(f("rope.freq_base"), rope["rope_theta"].as_f64().unwrap());
+                assert_eq!(
+                    k("attention.sliding_window"),
+                    text["sliding_window"],
+                    "{at}"
+                );
+                // (llama.cpp's gemma2 slides every other layer: no pattern key)
+                assert!(kv.get("gemma2.attention.sliding_window_pattern").is_none());
+                for key in ["attn_logit_softcapping", "final_logit_softcapping"] {
+                    assert_eq!(f(key), text[key].as_f64().unwrap(), "{at}: {key}");
+                }
+                let scalar = text["query_pre_attn_scalar"].as_f64().unwrap();
+                assert!(
+                    (f("attention.scale") - scalar.powf(-0.5)).abs() < 1e-7,
+                    "{at}"
+                );
             } else {
                 let hd = text["head_dim"].as_u64().unwrap();
                 assert_eq!(k("attention.key_length"), hd, "{at}");
@@ -306,7 +328,11 @@ fn phi3_and_gemma3_go_out_as_llama_cpp_writes_them() {
             let eps = f("attention.layer_norm_rms_epsilon");
             assert!((eps - m.norm_eps).abs() < 1e-7 * m.norm_eps, "{at}");
             // every tensor: Phi-3's fused (attn_qkv, ffn_up of gate|up), Gemma 3's 1 + w norms
-            let per_layer = if arch == "phi3" { 6 } else { 13 };
+            let per_layer = match arch {
+                "phi3" => 6,
+                "gemma2" => 11,
+                _ => 13,
+            };
             let extra = usize::from(tensors.contains_key("rope_factors_long.weight")) * 2;
             let expect = 2 + per_layer * m.n_layer + usize::from(!m.tie_embeddings) + extra;
             assert_eq!(tensors.len(), expect, "{at}: {:?}", tensors.keys());
@@ -464,6 +490,7 @@ fn a_gguf_file_is_a_model_source_with_cockpits_loss() {
         "phi3_longrope",
         "gemma3_text",
         "gemma3",
+        "gemma2",
         "granite_hybrid",
     ] {
         let dir = fixture(name);

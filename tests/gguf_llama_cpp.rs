@@ -98,6 +98,9 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
             gemma3_at_llama_cpps_scale(tmp.path()),
             hf_ids("gemma3_text"),
         ),
+        // gemma2: 1 + w norms, every other layer sliding (a window of 8), the attention and
+        // final soft-caps
+        ("gemma2", fixture("hf/gemma2"), hf_ids("gemma2")),
         // granitehybrid: Mamba-2 layers (llama.cpp's own scan) around a NoPE attention layer
         (
             "granite_hybrid",

@@ -163,7 +163,7 @@ fn build(
     ));
     kv.extend(tok_kv);
     match arch {
-        "gemma3" => notes.extend(gemma3::notes(m)),
+        "gemma3" | "gemma2" => notes.extend(gemma3::notes(arch, m)),
         "granitehybrid" => notes.extend(granite_hybrid::notes(m)),
         "phi3" if matches!(m.rope_scaling, RopeScaling::LongRope { .. }) => notes.push(
             "LongRoPE: llama.cpp takes the long factors when its context (n_ctx) exceeds the original one, where transformers and cockpit take them by the sequence's length".into(),

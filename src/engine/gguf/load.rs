@@ -45,6 +45,7 @@ fn model_type(arch: &str) -> Option<&'static str> {
         "granite" => Some("granite"),
         "phi3" => Some("phi3"),
         "gemma3" => Some("gemma3_text"),
+        "gemma2" => Some("gemma2"),
         "granitehybrid" => Some("granitemoehybrid"),
         _ => None,
     }
@@ -195,7 +196,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         .to_string();
     let Some(mt) = model_type(&arch) else {
         return Err(format!(
-            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, olmo2, gpt2, granite, phi3, gemma3, granitehybrid)"
+            "general.architecture = {arch:?}: not supported (supported: llama, qwen2, qwen3, olmo2, gpt2, granite, phi3, gemma3, gemma2, granitehybrid)"
         ));
     };
     let k = |s: &str| format!("{arch}.{s}");
@@ -310,7 +311,7 @@ fn write_hf(g: &Gguf, dir: &Path) -> Result<(), String> {
         }
         match mt {
             "phi3" => super::phi3::config(g, &mut c, hd, ctx)?,
-            "gemma3_text" => super::gemma3::config(g, &mut c, n_layer)?,
+            "gemma3_text" | "gemma2" => super::gemma3::config(&arch, g, &mut c, n_layer)?,
             "granitemoehybrid" => super::granite_hybrid::config(g, &mut c, n_layer)?,
             _ => {}
         }
@@ -435,7 +436,7 @@ fn cockpit_tensors(
         named.push((c, v));
     }
     match mt {
-        "gemma3_text" => named = super::gemma3::shift_norms(named, -1.0)?,
+        "gemma3_text" | "gemma2" => named = super::gemma3::shift_norms(named, -1.0)?,
         "granitemoehybrid" => super::granite_hybrid::join_gate_up(&mut named, m.n_layer)?,
         _ => {}
     }

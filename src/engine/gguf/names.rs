@@ -21,6 +21,7 @@ pub fn arch_of(model_type: &str) -> Option<&'static str> {
         "granite" => Some("granite"),
         "phi3" => Some("phi3"),
         "gemma3_text" | "gemma3" => Some("gemma3"),
+        "gemma2" => Some("gemma2"),
         "granitemoehybrid" => Some("granitehybrid"),
         _ => None,
     }
@@ -73,8 +74,8 @@ pub fn hyperparameters(
             u(super::phi3::rotated(m)),
         ),
     ]);
-    // (llama.cpp's converter writes Gemma 3's head dim whatever it is)
-    if hd * m.n_head != m.n_embd || arch == "gemma3" {
+    // (llama.cpp's converter writes Gemma's head dim whatever it is)
+    if hd * m.n_head != m.n_embd || arch == "gemma3" || arch == "gemma2" {
         kv.push((key(arch, "attention.key_length"), u(hd)));
         kv.push((key(arch, "attention.value_length"), u(hd)));
     }
@@ -97,7 +98,7 @@ pub fn hyperparameters(
     }
     match arch {
         "phi3" => kv.extend(super::phi3::hyperparameters(m, hf)),
-        "gemma3" => kv.extend(super::gemma3::hyperparameters(m, context)),
+        "gemma3" | "gemma2" => kv.extend(super::gemma3::hyperparameters(arch, m, context)),
         "granitehybrid" => {
             // (one kv head count per layer, 0 for a Mamba layer, in place of the one count)
             kv.retain(|(k, _)| k != "granitehybrid.attention.head_count_kv");
@@ -179,7 +180,7 @@ const OLMO2_NAMES: &[(&str, &str)] = &[
 fn layer_names(arch: &str) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
     let own: &[(&str, &str)] = match arch {
         "olmo2" => OLMO2_NAMES,
-        "gemma3" => super::gemma3::NAMES,
+        "gemma3" | "gemma2" => super::gemma3::NAMES,
         _ => &[],
     };
     own.iter().chain(LAYER_NAMES)
@@ -264,7 +265,7 @@ pub fn to_gguf(
             }
         }
         "phi3" => super::phi3::fuse_layers(&mut by_name, m.n_layer)?,
-        "gemma3" => super::gemma3::shift_norms_in(&mut by_name, 1.0)?,
+        "gemma3" | "gemma2" => super::gemma3::shift_norms_in(&mut by_name, 1.0)?,
         _ => {}
     }
     let rank = |n: &str| -> (usize, usize, String) {
