@@ -683,8 +683,7 @@ fn a_gemma3_file_without_cockpits_keys_reads_as_llama_cpp_reads_it() {
 /// its Mamba sizes, its layer kinds as per-layer kv heads (0: Mamba), NoPE as
 /// `rope.scaling.finetuned = false`, Granite's multipliers, and every tensor in llama.cpp's
 /// layout (A = −exp(A_log), D and A as `[heads, 1]`, the conv as `[channels, width]`, the gated
-/// norm as `[groups, inner / groups]`, the shared MLP's gate|up as ffn_gate and ffn_up); one
-/// with routed experts is refused by name.
+/// norm as `[groups, inner / groups]`, the shared MLP's gate|up as ffn_gate and ffn_up).
 #[test]
 fn a_granite_hybrid_goes_out_as_llama_cpp_writes_it() {
     let dir = fixture("granite_hybrid");
@@ -764,16 +763,81 @@ fn a_granite_hybrid_goes_out_as_llama_cpp_writes_it() {
     let expect = 2 + 4 * 5 + mamba_layers * 8 + 4;
     assert_eq!(tensors.len(), expect, "{:?}", tensors.keys());
     assert!(!m.tie_embeddings || !tensors.contains_key("output.weight"));
-    // routed experts: refused by name
+}
+
+/// A Granite 4.0 hybrid with routed experts goes out as llama.cpp's converter writes one: the
+/// router as `ffn_gate_inp`, the experts' stacked gates, ups and downs as `ffn_*_exps`, the
+/// shared MLP as the shared expert `ffn_*_shexp`, and the expert counts and widths.
+#[test]
+fn a_granite_hybrid_with_experts_goes_out_as_llama_cpp_writes_it() {
     let tmp = tempfile::tempdir().unwrap();
+    let dir = common::granite_moe_without_proj_biases(&tmp.path().join("moe"));
+    let cfg = json(&dir.join("config.json"));
+    let (_, _, weights) = cockpit::engine::hf::load(&dir).unwrap();
+    // (and read back as a model source with cockpit's loss on it)
+    let e = json(&fixture("granite_hybrid_moe").join("expected.json"));
+    let ids: Vec<u32> = serde_json::from_value(e["ids"].clone()).unwrap();
+    let ours = common::next_token_loss(&dir, &ids);
+    for (quant, tol) in [("f32", 1e-5), ("q8_0", 2e-2)] {
+        let out = tmp.path().join(format!("moe-{quant}.gguf"));
+        export(&dir, &out, quant);
+        let loss = common::next_token_loss(&out, &ids);
+        eprintln!(
+            "granite_hybrid_moe {quant}: cockpit on the GGUF {loss:.6}, on the directory {ours:.6}"
+        );
+        assert!((loss - ours).abs() <= tol, "{quant}: {loss} vs {ours}");
+    }
+    // the routed experts' proj biases (the fixture's): refused by name
     let o = common::cockpit()
         .arg("export")
         .arg(fixture("granite_hybrid_moe"))
-        .arg(tmp.path().join("moe.gguf"))
+        .arg(tmp.path().join("biased.gguf"))
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("routed experts"), "{err}");
+    assert!(err.contains("mamba_proj_bias"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let Some(r) = read_export(&dir, "f32") else {
+        return;
+    };
+    let (kv, tensors) = (&r["kv"], r["tensors"].as_object().unwrap());
+    let k = |s: &str| kv[format!("granitehybrid.{s}")].clone();
+    assert_eq!(k("expert_count"), cfg["num_local_experts"]);
+    assert_eq!(k("expert_used_count"), cfg["num_experts_per_tok"]);
+    assert_eq!(k("expert_feed_forward_length"), cfg["intermediate_size"]);
+    assert_eq!(
+        k("expert_shared_feed_forward_length"),
+        cfg["shared_intermediate_size"]
+    );
+    let ff = cfg["intermediate_size"].as_u64().unwrap() as usize;
+    let shared = cfg["shared_intermediate_size"].as_u64().unwrap() as usize;
+    let w = |n: &str| weights[n].to_dtype(DType::F32).unwrap();
+    let mut seen = 0;
+    for (g, t) in tensors {
+        let (l, part) = g
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .unwrap_or(("", g));
+        let at = |p: &str| format!("model.layers.{l}.{p}");
+        let experts = || w(&at("block_sparse_moe.experts.gate_up_proj"));
+        let mlp = || w(&at("shared_mlp.input_linear.weight"));
+        let want = match part {
+            "ffn_gate_inp.weight" => w(&at("block_sparse_moe.router.weight")),
+            "ffn_gate_exps.weight" => experts().narrow(1, 0, ff).unwrap(),
+            "ffn_up_exps.weight" => experts().narrow(1, ff, ff).unwrap(),
+            "ffn_down_exps.weight" => w(&at("block_sparse_moe.experts.down_proj")),
+            "ffn_gate_shexp.weight" => mlp().narrow(0, 0, shared).unwrap(),
+            "ffn_up_shexp.weight" => mlp().narrow(0, shared, shared).unwrap(),
+            "ffn_down_shexp.weight" => w(&at("shared_mlp.output_linear.weight")),
+            _ => continue,
+        };
+        assert_stored("granite_hybrid_moe", g, t, &want, "f32");
+        seen += 1;
+    }
+    let layers = cfg["num_hidden_layers"].as_u64().unwrap() as usize;
+    assert_eq!(seen, 7 * layers, "{:?}", tensors.keys());
+    for dense in ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"] {
+        assert!(!tensors.contains_key(&format!("blk.0.{dense}")), "{dense}");
+    }
 }

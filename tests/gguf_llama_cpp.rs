@@ -107,6 +107,13 @@ fn llama_cpp_runs_cockpits_exports_with_cockpits_loss() {
             fixture("hf/granite_hybrid"),
             hf_ids("granite_hybrid"),
         ),
+        // and with routed experts: the router, the experts' stacks, the shared expert
+        // (without the fixture's Mamba proj biases, which llama.cpp has no place for)
+        (
+            "granite_hybrid_moe",
+            common::granite_moe_without_proj_biases(&tmp.path().join("moe")),
+            hf_ids("granite_hybrid_moe"),
+        ),
     ] {
         let ids: Vec<u32> = serde_json::from_value(ids).unwrap();
         let ours = common::next_token_loss(&dir, &ids);

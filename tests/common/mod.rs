@@ -203,3 +203,25 @@ pub fn rewrite_gguf(
         .collect();
     writer::write(dst, &kv, &tensors).unwrap();
 }
+
+/// The granite_hybrid_moe fixture without its Mamba in_proj/out_proj biases (which llama.cpp's
+/// `granitehybrid` cannot hold), in `dir`: another model than transformers' fixture, whose
+/// loss cockpit gives (`next_token_loss` on `dir`), for tests of the GGUF format with experts.
+pub fn granite_moe_without_proj_biases(dir: &Path) -> std::path::PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/granite_hybrid_moe");
+    std::fs::create_dir_all(dir).unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let p = f.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    let st = dir.join("model.safetensors");
+    let mut t = candle_core::safetensors::load(&st, &candle_core::Device::Cpu).unwrap();
+    t.retain(|k, _| !(k.contains(".mamba.in_proj.bias") || k.contains(".mamba.out_proj.bias")));
+    candle_core::safetensors::save(&t, &st).unwrap();
+    let cp = dir.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cp).unwrap()).unwrap();
+    c["mamba_proj_bias"] = false.into();
+    std::fs::write(&cp, c.to_string()).unwrap();
+    dir.to_path_buf()
+}

@@ -1,10 +1,14 @@
-//! Granite 4.0 hybrids (`granitemoehybrid`, dense: the shared MLP alone) as llama.cpp's
-//! `granitehybrid`: a layer is Mamba-2 where its `attention.head_count_kv` entry is 0. The
-//! Mamba weights go out as llama.cpp's converter writes them: `ssm_in`, `ssm_conv1d` (the
-//! conv's `[channels, 1, width]` as `[channels, width]`), `ssm_dt.bias`, `ssm_a` = −exp(A_log)
-//! and `ssm_d` as `[heads, 1]`, `ssm_norm` as `[groups, inner / groups]`, `ssm_out`; the
-//! shared MLP's gate|up as `ffn_gate` and `ffn_up`, its output as `ffn_down`. RoPE on the
-//! attention layers is `rope.scaling.finetuned` (false: NoPE, Granite 4.0's own).
+//! Granite 4.0 hybrids (`granitemoehybrid`) as llama.cpp's `granitehybrid`: a layer is Mamba-2
+//! where its `attention.head_count_kv` entry is 0. The Mamba weights go out as llama.cpp's
+//! converter writes them: `ssm_in`, `ssm_conv1d` (the conv's `[channels, 1, width]` as
+//! `[channels, width]`), `ssm_dt.bias`, `ssm_a` = −exp(A_log) and `ssm_d` as `[heads, 1]`,
+//! `ssm_norm` as `[groups, inner / groups]`, `ssm_out`; the shared MLP's gate|up as `ffn_gate`
+//! and `ffn_up`, its output as `ffn_down` — or, beside routed experts, as the shared expert
+//! `ffn_gate_shexp`, `ffn_up_shexp`, `ffn_down_shexp`, with the router as `ffn_gate_inp` and
+//! the experts' stacked gate, up and down as `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`
+//! (`expert_count`, `expert_used_count`, `expert_feed_forward_length`,
+//! `expert_shared_feed_forward_length`). RoPE on the attention layers is
+//! `rope.scaling.finetuned` (false: NoPE, Granite 4.0's own).
 
 use super::reader::{Gguf, Meta};
 use super::writer::Value;
@@ -27,12 +31,6 @@ const MAMBA_NAMES: &[(&str, &str)] = &[
 /// Why llama.cpp's `granitehybrid` cannot hold `m`, if it cannot.
 pub fn refusal(m: &ModelConfig) -> Option<String> {
     let h = m.hybrid.as_ref()?;
-    if h.experts > 0 {
-        return Some(format!(
-            "{} routed experts: GGUF export writes dense Granite 4.0 hybrids (the shared MLP alone)",
-            h.experts
-        ));
-    }
     if h.mamba_proj_bias {
         return Some(
             "mamba_proj_bias: llama.cpp's granitehybrid has no in_proj/out_proj biases".into(),
@@ -76,7 +74,7 @@ pub fn hyperparameters(m: &ModelConfig) -> Vec<(String, Value)> {
             MixerKind::Attention => m.kv_heads() as i32,
         })
         .collect();
-    vec![
+    let mut out = vec![
         (k("attention.head_count_kv"), Value::I32s(kv)),
         (k("ssm.conv_kernel"), u(h.mamba_d_conv)),
         (k("ssm.inner_size"), u(h.mamba_inner())),
@@ -84,7 +82,32 @@ pub fn hyperparameters(m: &ModelConfig) -> Vec<(String, Value)> {
         (k("ssm.time_step_rank"), u(h.mamba_n_heads)),
         (k("ssm.group_count"), u(h.mamba_n_groups)),
         (k("rope.scaling.finetuned"), Value::Bool(h.rope)),
-    ]
+    ];
+    if h.experts > 0 {
+        // (llama.cpp's granite MoE layout: feed_forward_length is the experts' width, the
+        // shared MLP's is the shared expert's)
+        out.extend([
+            (k("feed_forward_length"), u(h.expert_hidden)),
+            (k("expert_count"), u(h.experts)),
+            (k("expert_used_count"), u(h.experts_top_k)),
+            (k("expert_feed_forward_length"), u(h.expert_hidden)),
+            (
+                k("expert_shared_feed_forward_length"),
+                u(crate::engine::spec::mlp_width(m.n_embd, m.mlp_ratio)),
+            ),
+        ]);
+    }
+    out
+}
+
+/// The shared MLP's llama.cpp names (gate, up, down): the dense MLP's, or the shared expert's
+/// beside routed experts.
+fn shared_names(moe: bool) -> [&'static str; 3] {
+    if moe {
+        ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+    } else {
+        ["ffn_gate", "ffn_up", "ffn_down"]
+    }
 }
 
 fn te(n: &str) -> impl FnOnce(candle_core::Error) -> String + '_ {
@@ -98,7 +121,9 @@ pub fn out_tensors(
     m: &ModelConfig,
 ) -> Result<Vec<(String, Tensor)>, String> {
     let groups = m.hybrid.as_ref().map_or(1, |h| h.mamba_n_groups);
-    let mut out = Vec::with_capacity(tensors.len() + m.n_layer);
+    let moe = m.hybrid.as_ref().is_some_and(|h| h.experts > 0);
+    let [gate, up, down] = shared_names(moe);
+    let mut out = Vec::with_capacity(tensors.len() + 2 * m.n_layer);
     for (n, t) in tensors {
         let Some((i, part)) = n
             .strip_prefix("model.layers.")
@@ -126,12 +151,23 @@ pub fn out_tensors(
             out.push((format!("blk.{i}.{g}"), t));
         } else if part == "shared_mlp.input_linear.weight" {
             let half = t.dim(0).map_err(te(&n))? / 2;
-            for (g, at) in [("ffn_gate", 0), ("ffn_up", half)] {
+            for (g, at) in [(gate, 0), (up, half)] {
                 let p = t.narrow(0, at, half).map_err(te(&n))?;
                 out.push((format!("blk.{i}.{g}.weight"), p));
             }
         } else if part == "shared_mlp.output_linear.weight" {
-            out.push((format!("blk.{i}.ffn_down.weight"), t));
+            out.push((format!("blk.{i}.{down}.weight"), t));
+        } else if part == "block_sparse_moe.experts.gate_up_proj" {
+            // [E, 2I, C]: each expert's gate rows, then its up rows
+            let half = t.dim(1).map_err(te(&n))? / 2;
+            for (g, at) in [("ffn_gate_exps", 0), ("ffn_up_exps", half)] {
+                let p = t.narrow(1, at, half).and_then(|p| p.contiguous());
+                out.push((format!("blk.{i}.{g}.weight"), p.map_err(te(&n))?));
+            }
+        } else if part == "block_sparse_moe.experts.down_proj" {
+            out.push((format!("blk.{i}.ffn_down_exps.weight"), t));
+        } else if part == "block_sparse_moe.router.weight" {
+            out.push((format!("blk.{i}.ffn_gate_inp.weight"), t));
         } else {
             out.push((n, t));
         }
@@ -163,32 +199,60 @@ pub fn in_tensor(name: &str, v: &Tensor) -> Option<Result<(String, Tensor), Stri
         let t = t.map_err(|e| format!("{name}: {e}"));
         return Some(t.map(|t| (format!("model.layers.{i}.mamba.{c}"), t)));
     }
-    match part {
-        // (gate and up are joined by the caller, which holds both)
-        "ffn_down.weight" => Some(Ok((
-            format!("model.layers.{i}.shared_mlp.output_linear.weight"),
-            v.clone(),
-        ))),
-        _ => None,
-    }
+    let to = match part {
+        // (gates and ups are joined by the caller, which holds both: [`is_joined`])
+        "ffn_down.weight" | "ffn_down_shexp.weight" => "shared_mlp.output_linear.weight",
+        "ffn_down_exps.weight" => "block_sparse_moe.experts.down_proj",
+        "ffn_gate_inp.weight" => "block_sparse_moe.router.weight",
+        _ => return None,
+    };
+    Some(Ok((format!("model.layers.{i}.{to}"), v.clone())))
 }
 
-/// The shared MLP's gate and up (llama.cpp's `ffn_gate`, `ffn_up`) joined as cockpit's
-/// `shared_mlp.input_linear` in every layer of `named`.
+/// The tensors [`join_gate_up`] joins: the shared MLP's (or shared expert's) gate and up, the
+/// experts' gates and ups.
+pub fn is_joined(name: &str) -> bool {
+    [
+        "ffn_gate",
+        "ffn_up",
+        "ffn_gate_shexp",
+        "ffn_up_shexp",
+        "ffn_gate_exps",
+        "ffn_up_exps",
+    ]
+    .iter()
+    .any(|p| name.ends_with(&format!(".{p}.weight")))
+}
+
+/// The shared MLP's gate and up (llama.cpp's `ffn_gate`, `ffn_up`; the shared expert's
+/// `ffn_gate_shexp`, `ffn_up_shexp` beside routed experts) joined as cockpit's
+/// `shared_mlp.input_linear` in every layer of `named`, and the experts' `ffn_gate_exps` and
+/// `ffn_up_exps` as `block_sparse_moe.experts.gate_up_proj` (`[E, 2I, C]`) where present.
 pub fn join_gate_up(named: &mut Vec<(String, Tensor)>, n_layer: usize) -> Result<(), String> {
+    fn take(named: &mut Vec<(String, Tensor)>, i: usize, p: &str) -> Option<Tensor> {
+        let n = format!("blk.{i}.{p}.weight");
+        let at = named.iter().position(|(k, _)| *k == n)?;
+        Some(named.remove(at).1)
+    }
     for i in 0..n_layer {
-        let mut take = |p: &str| {
-            let n = format!("blk.{i}.{p}.weight");
-            let at = named.iter().position(|(k, _)| *k == n);
-            at.map(|at| named.remove(at).1)
-                .ok_or_else(|| format!("{n}: missing"))
-        };
-        let (gate, up) = (take("ffn_gate")?, take("ffn_up")?);
-        let t = Tensor::cat(&[gate, up], 0).map_err(|e| format!("layer {i} ffn: {e}"))?;
+        let missing = |p: &str| format!("blk.{i}.{p}.weight: missing");
+        let moe = take(named, i, "ffn_gate_exps");
+        let [gate, up, _] = shared_names(moe.is_some());
+        let g = take(named, i, gate).ok_or_else(|| missing(gate))?;
+        let u = take(named, i, up).ok_or_else(|| missing(up))?;
+        let t = Tensor::cat(&[g, u], 0).map_err(|e| format!("layer {i} ffn: {e}"))?;
         named.push((
             format!("model.layers.{i}.shared_mlp.input_linear.weight"),
             t,
         ));
+        if let Some(g) = moe {
+            let u = take(named, i, "ffn_up_exps").ok_or_else(|| missing("ffn_up_exps"))?;
+            let t = Tensor::cat(&[g, u], 1).map_err(|e| format!("layer {i} experts: {e}"))?;
+            named.push((
+                format!("model.layers.{i}.block_sparse_moe.experts.gate_up_proj"),
+                t,
+            ));
+        }
     }
     Ok(())
 }
@@ -233,7 +297,24 @@ pub fn config(g: &Gguf, c: &mut Map<String, Json>, n_layer: usize) -> Result<(),
     if n_kv > 0 {
         c.insert("num_key_value_heads".into(), json!(n_kv));
     }
-    let shared = c.remove("intermediate_size").unwrap_or(Json::Null);
+    // feed_forward_length: the shared MLP's width, or with routed experts theirs (the shared
+    // expert's in expert_shared_feed_forward_length), as llama.cpp's converter writes them
+    let ff = c.remove("intermediate_size").unwrap_or(Json::Null);
+    let experts = get("expert_count").and_then(Meta::as_usize).unwrap_or(0);
+    let shared = if experts > 0 {
+        let width = get("expert_feed_forward_length")
+            .and_then(Meta::as_usize)
+            .map_or(ff, |n| json!(n));
+        c.insert(
+            "num_experts_per_tok".into(),
+            json!(num("expert_used_count")?),
+        );
+        c.insert("intermediate_size".into(), width);
+        c.insert("output_router_logits".into(), json!(false));
+        json!(num("expert_shared_feed_forward_length")?)
+    } else {
+        ff
+    };
     let has_conv_bias = g
         .tensors
         .iter()
@@ -249,7 +330,7 @@ pub fn config(g: &Gguf, c: &mut Map<String, Json>, n_layer: usize) -> Result<(),
         ("mamba_conv_bias", json!(has_conv_bias)),
         ("mamba_proj_bias", json!(false)),
         ("shared_intermediate_size", shared),
-        ("num_local_experts", json!(0)),
+        ("num_local_experts", json!(experts)),
         (
             "position_embedding_type",
             json!(if rope { "rope" } else { "nope" }),

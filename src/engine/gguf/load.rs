@@ -411,7 +411,7 @@ fn cockpit_tensors(
             }
         }
         if mt == "granitemoehybrid" {
-            if t.name.ends_with(".ffn_gate.weight") || t.name.ends_with(".ffn_up.weight") {
+            if super::granite_hybrid::is_joined(&t.name) {
                 named.push((t.name.clone(), v)); // (joined below)
                 continue;
             }

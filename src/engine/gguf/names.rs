@@ -100,9 +100,11 @@ pub fn hyperparameters(
         "phi3" => kv.extend(super::phi3::hyperparameters(m, hf)),
         "gemma3" | "gemma2" => kv.extend(super::gemma3::hyperparameters(arch, m, context)),
         "granitehybrid" => {
-            // (one kv head count per layer, 0 for a Mamba layer, in place of the one count)
-            kv.retain(|(k, _)| k != "granitehybrid.attention.head_count_kv");
-            kv.extend(super::granite_hybrid::hyperparameters(m));
+            // (its own keys in place of the common ones: one kv head count per layer, 0 for a
+            // Mamba layer; with experts, the feed-forward length is theirs)
+            let own = super::granite_hybrid::hyperparameters(m);
+            kv.retain(|(k, _)| !own.iter().any(|(o, _)| o == k));
+            kv.extend(own);
         }
         _ => {}
     }
