@@ -204,7 +204,8 @@ pub enum Cmd {
         max_tokens: usize,
         #[command(flatten)]
         sampling: SamplingArgs,
-        #[arg(long, value_name = "cpu|cuda[:N]")]
+        /// auto (the default: the first GPU where there is one), cpu, cuda or cuda:N.
+        #[arg(long, value_name = "auto|cpu|cuda[:N]")]
         device: Option<String>,
     },
     /// Write PNG and SVG plots of a run (loss, S-ratio, λ, LR, tokens/s, GPU).

@@ -26,7 +26,7 @@ pub fn chat(
     device: Option<&str>,
 ) -> anyhow::Result<i32> {
     let device = match device.map(crate::util::parse_device) {
-        None => crate::util::DeviceSpec::Cpu,
+        None => crate::util::DeviceSpec::Auto,
         Some(Some(d)) => d,
         Some(None) => {
             crate::errln!("cockpit: chat: --device: allowed: auto, cpu, cuda, cuda:N");

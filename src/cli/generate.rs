@@ -54,7 +54,7 @@ fn figures(d: &Diversity) -> String {
 
 pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
     let device = match a.device.map(crate::util::parse_device) {
-        None => crate::util::DeviceSpec::Cpu,
+        None => crate::util::DeviceSpec::Auto,
         Some(Some(d)) => d,
         Some(None) => return usage("--device: allowed: auto, cpu, cuda, cuda:N"),
     };

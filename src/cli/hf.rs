@@ -93,8 +93,9 @@ pub struct GenerateArgs<'a> {
 }
 
 pub fn generate(a: GenerateArgs) -> anyhow::Result<i32> {
+    // (the first GPU where there is one, as `train`'s run.device = "auto")
     let device = match a.device.map(crate::util::parse_device) {
-        None => crate::util::DeviceSpec::Cpu,
+        None => crate::util::DeviceSpec::Auto,
         Some(Some(d)) => d,
         Some(None) => {
             crate::errln!("cockpit: generate: --device: allowed: auto, cpu, cuda, cuda:N");

@@ -21,6 +21,9 @@ pub(super) struct ScanIn<'a> {
 /// `[B, heads, hd, state]`, starting from `s0` (zeros when None).
 pub(super) fn scan(i: &ScanIn, chunk: usize, s0: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     let (bsz, t, nh, hd) = i.x.dims4()?;
+    if t == 1 {
+        return step(i, s0);
+    }
     let ds = i.b.dim(3)?;
     let l = chunk.min(t).max(1);
     let nc = t.div_ceil(l);
@@ -89,6 +92,28 @@ pub(super) fn scan(i: &ScanIn, chunk: usize, s0: Option<&Tensor>) -> Result<(Ten
         .reshape((bsz, nc * l, nh, hd))?
         .narrow(1, 0, t)?;
     Ok((y, s))
+}
+
+/// One position after the state `s0` (a decode step): the recurrence itself, `s = exp(dt·a)·s0 +
+/// dt·x⊗b`, `y = s·c` — what the chunked form computes for T = 1, in a handful of kernels
+/// instead of the chunk's masks, cumulative sums and batched products.
+fn step(i: &ScanIn, s0: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    let (bsz, _, nh, hd) = i.x.dims4()?;
+    let ds = i.b.dim(3)?;
+    let dt = i.dt.reshape((bsz, nh, 1, 1))?;
+    let input =
+        i.x.reshape((bsz, nh, hd, 1))?
+            .broadcast_mul(&dt)?
+            .broadcast_mul(&i.b.reshape((bsz, nh, 1, ds))?)?;
+    let s = match s0 {
+        Some(s0) => {
+            let decay = dt.broadcast_mul(&i.a.reshape((1, nh, 1, 1))?)?.exp()?;
+            (s0.to_dtype(DType::F32)?.broadcast_mul(&decay)? + input)?
+        }
+        None => input,
+    };
+    let y = s.matmul(&i.c.reshape((bsz, nh, ds, 1))?.contiguous()?)?;
+    Ok((y.reshape((bsz, 1, nh, hd))?, s))
 }
 
 /// A matmul over the last two dims of 5-D tensors with the same leading dims (candle's
