@@ -37,9 +37,6 @@ pub struct BaseMeta {
 pub struct Base {
     pub meta: BaseMeta,
     pub tensors: HashMap<String, Tensor>,
-    /// A GGUF file's layer matrices in their own 4–6-bit blocks (`tensors` holds them
-    /// dequantized too), which a 4-bit LoRA base keeps ([`super::model::Model::quantize_base`]).
-    pub kept: HashMap<String, GgmlBlocks>,
 }
 
 pub use super::locate::is_hf_dir;
@@ -130,12 +127,7 @@ pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
     let dir = match at {
         Location::HuggingFace(dir) => {
             let (_, _, tensors) = hf::load(&dir)?;
-            let kept = super::gguf::load::kept_blocks(&dir)?;
-            return Ok(Base {
-                meta: m,
-                tensors,
-                kept,
-            });
+            return Ok(Base { meta: m, tensors });
         }
         Location::Checkpoint { step_dir, .. } => step_dir,
     };
@@ -145,11 +137,17 @@ pub fn load(spec: &Path) -> Result<Base, CheckpointError> {
         .into_iter()
         .filter(|(k, _)| !k.contains(".lora_"))
         .collect();
-    Ok(Base {
-        meta: m,
-        tensors,
-        kept: HashMap::new(),
-    })
+    Ok(Base { meta: m, tensors })
+}
+
+/// A GGUF base's layer matrices in their own 4–6-bit blocks, which a 4-bit LoRA base keeps
+/// ([`super::model::Model::quantize_base`]; the base's tensors hold them dequantized too):
+/// none for any other source. Read only for such a base (they take the file's size in memory).
+pub fn kept_blocks(spec: &Path) -> Result<HashMap<String, GgmlBlocks>, CheckpointError> {
+    match super::locate::locate(spec)? {
+        Location::HuggingFace(dir) => super::gguf::load::kept_blocks(&dir),
+        Location::Checkpoint { .. } => Ok(HashMap::new()),
+    }
 }
 
 /// Which key names the base of a run, and its path.

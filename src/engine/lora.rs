@@ -135,7 +135,8 @@ pub fn model_from_checkpoint_as(
         }
         let base = super::base::load(Path::new(&cfg.lora.base))?;
         super::base::load_into(&model, &base, "lora.base").map_err(|e| mismatch(e.to_string()))?;
-        model.quantize_base(&base.kept).map_err(tensor_err)?;
+        let kept = super::base::kept_blocks(Path::new(&cfg.lora.base))?;
+        model.quantize_base(&kept).map_err(tensor_err)?;
     }
     if let Some(lora) = &spec.lora {
         model.add_lora(lora, cfg.run.seed).map_err(tensor_err)?;

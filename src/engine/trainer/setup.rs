@@ -125,9 +125,12 @@ impl Trainer {
                     "lora.base_dtype = \"nf4\": 4-bit bases run on CUDA only, and this run is on the CPU; use \"bf16\"".into(),
                 ));
             }
-            let none = std::collections::HashMap::new();
-            let kept = base.as_ref().map_or(&none, |(_, b)| &b.kept);
-            let q = model.quantize_base(kept)?;
+            // (the LoRA base's own blocks where it is a 4-bit GGUF file)
+            let kept = match crate::engine::base::spec(&cfg) {
+                Some(("lora.base", path)) => crate::engine::base::kept_blocks(Path::new(path))?,
+                _ => Default::default(),
+            };
+            let q = model.quantize_base(&kept)?;
             dtype_reason.push_str(&format!("; {}", q.describe()));
         }
         if let Some(lora) = &spec.lora {
