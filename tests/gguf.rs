@@ -679,6 +679,14 @@ fn a_gemma3_file_without_cockpits_keys_reads_as_llama_cpp_reads_it() {
     assert!((c["query_pre_attn_scalar"].as_f64().unwrap() - 24.0).abs() < 1e-4);
 }
 
+/// A llama.cpp tensor name's layer and the part after it (`blk.3.ssm_in.weight` → `3`,
+/// `ssm_in.weight`); `""` and the whole name outside the layers.
+fn layer_part(g: &str) -> (&str, &str) {
+    g.strip_prefix("blk.")
+        .and_then(|r| r.split_once('.'))
+        .unwrap_or(("", g))
+}
+
 /// A dense Granite 4.0 hybrid goes out as llama.cpp's `granitehybrid`: the gguf package reads
 /// its Mamba sizes, its layer kinds as per-layer kv heads (0: Mamba), NoPE as
 /// `rope.scaling.finetuned = false`, Granite's multipliers, and every tensor in llama.cpp's
@@ -720,10 +728,7 @@ fn a_granite_hybrid_goes_out_as_llama_cpp_writes_it() {
     }
     let w = |n: &str| weights[n].to_dtype(DType::F32).unwrap();
     for (g, t) in tensors {
-        let (l, part) = g
-            .strip_prefix("blk.")
-            .and_then(|r| r.split_once('.'))
-            .unwrap_or(("", g));
+        let (l, part) = layer_part(g);
         let at = |p: &str| format!("model.layers.{l}.{p}");
         let mamba = |p: &str| w(&at(&format!("mamba.{p}")));
         let mlp = |from: usize| {
@@ -815,10 +820,7 @@ fn a_granite_hybrid_with_experts_goes_out_as_llama_cpp_writes_it() {
     let w = |n: &str| weights[n].to_dtype(DType::F32).unwrap();
     let mut seen = 0;
     for (g, t) in tensors {
-        let (l, part) = g
-            .strip_prefix("blk.")
-            .and_then(|r| r.split_once('.'))
-            .unwrap_or(("", g));
+        let (l, part) = layer_part(g);
         let at = |p: &str| format!("model.layers.{l}.{p}");
         let experts = || w(&at("block_sparse_moe.experts.gate_up_proj"));
         let mlp = || w(&at("shared_mlp.input_linear.weight"));

@@ -1415,6 +1415,22 @@ fn whole_model_step_in_fp16_matches_the_f32_model() {
     }
 }
 
+/// A pseudo-random value in [-0.5, 0.5) for element `i` (a multiplicative hash): test matrices
+/// with no structure a quantizer could lean on.
+fn hashed(i: usize) -> f32 {
+    ((i * 2_654_435_761usize) % 10_007) as f32 / 10_007.0 - 0.5
+}
+
+/// A tensor's values on the host, flattened, in f32.
+fn host_f32(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 /// A GGUF base's blocks for the layer matrices of `m`, as a file would keep them: a k-quant
 /// where the rows are whole 256-weight blocks (Q4_K, Q5_K, Q6_K in turn), else Q4_0 or Q4_1,
 /// quantized from the model's own values by the GGUF writer's encoders.
@@ -1439,13 +1455,7 @@ fn kept_blocks(
             narrow += 1;
             [GgmlType::Q4_0, GgmlType::Q4_1][narrow % 2]
         };
-        let v: Vec<f32> = t
-            .to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let v = host_f32(t);
         let b = cockpit::engine::kernels::ggml::GgmlBlocks::new(
             ty as u32,
             out,
@@ -1471,7 +1481,7 @@ fn ggml_blocks_dequantize_as_the_host_decoder_does() {
     let (out, inp) = (40usize, 512usize);
     let vals: Vec<f32> = (0..out * inp)
         .map(|i| {
-            let x = ((i * 2_654_435_761usize) % 10_007) as f32 / 10_007.0 - 0.5;
+            let x = hashed(i);
             match i / inp {
                 3 => x * 100.0,
                 7 => 0.0,
@@ -1491,13 +1501,7 @@ fn ggml_blocks_dequantize_as_the_host_decoder_does() {
         let want = quant::decode(&bytes, ty);
         let b = GgmlBlocks::new(ty as u32, out, inp, bytes, &dev).unwrap();
         assert_eq!(b.name(), ty.name());
-        let got: Vec<f32> = b
-            .dequantize(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let got = host_f32(&b.dequantize(DType::F32).unwrap());
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             let w16 = half::bf16::from_f32(*w).to_f32();
             assert!(
@@ -1520,7 +1524,7 @@ fn nf4_kernels_match_the_host_reference() {
     let (out, inp) = (320usize, 192usize);
     let vals: Vec<f32> = (0..out * inp)
         .map(|i| {
-            let x = ((i * 2_654_435_761usize) % 10_007) as f32 / 10_007.0 - 0.5;
+            let x = hashed(i);
             // a few rows 100× larger, one block all zero
             let row = i / inp;
             if (64..128).contains(&i) {
@@ -1536,25 +1540,13 @@ fn nf4_kernels_match_the_host_reference() {
         .unwrap()
         .to_dtype(DType::BF16)
         .unwrap();
-    let host: Vec<f32> = w
-        .to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let host = host_f32(&w);
     let (codes, absq, gscale) = nf4::quantize_host(&host);
     let q = Nf4::quantize(&w).unwrap();
     assert_eq!(q.codes.to_vec1::<u8>().unwrap(), codes, "codes");
     assert_eq!(q.absq.to_vec1::<u8>().unwrap(), absq, "block maxima");
     assert_eq!(q.gscale.to_vec1::<f32>().unwrap(), gscale, "group scales");
-    let back: Vec<f32> = q
-        .dequantize(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let back = host_f32(&q.dequantize(DType::F32).unwrap());
     let want = nf4::dequantize_host(&codes, &absq, &gscale);
     for (i, (a, b)) in back.iter().zip(&want).enumerate() {
         // the kernel rounds to bf16
