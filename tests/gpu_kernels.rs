@@ -776,8 +776,8 @@ fn every_step_family() -> Vec<Family> {
         l.attn_softcap = 1.0;
         l.final_softcap = 2.0;
     }
-    // Head dim 32 materialises the attention probabilities; head dims 64 and 128 take flash
-    // attention. T = 80 is not a multiple of flash attention's 64-row tiles.
+    // Head dim 32 materialises the attention probabilities; head dims 64, 128 and 256 take
+    // flash attention. T = 80 is not a multiple of flash attention's 64-row tiles.
     // Width 640 takes the LayerNorm kernels' three-chunk rows with half-empty last chunks.
     // A vocabulary of 60001 takes the cross-entropy kernel that reads each row twice (rows
     // up to 53248 wide stay in registers).
@@ -950,8 +950,8 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
-            name: "gemma3-1b-like: head dim 256 (materialised attention), 4 heads × 256 over \
-                   n_embd 384, GQA 4/1, sliding layer (window 70) + full, T 200",
+            name: "gemma3-1b-like: head dim 256 (flash), 4 heads × 256 over n_embd 384, GQA \
+                   4/1, sliding layer (window 70) + full, T 200",
             vocab: 97,
             set: |c| {
                 c.model.n_embd = 384;
@@ -972,14 +972,39 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
-            name: "gemma2-2b-like: head dim 256, 4 heads over n_embd 384, GQA 4/2, soft-caps \
-                   1 and 2, sliding (window 70) + full, T 200, recompute full",
+            name: "gemma2-2b-like: head dim 256 (flash with the soft-cap), 4 heads over n_embd \
+                   384, GQA 4/2, soft-caps 1 and 2, sliding (window 70) + full, T 200, \
+                   recompute full",
             vocab: 97,
             set: |c| {
                 c.model.n_embd = 384;
                 gemma2(c);
                 c.model.head_dim = 256;
                 c.model.recompute = cockpit::config::Recompute::Full;
+            },
+        },
+        Family {
+            name: "gemma2-2b-like, dropout 0.1: head dim 256 (flash with the soft-cap and \
+                   dropout), MHA 2 heads over n_embd 256, soft-caps 1 and 2, sliding + full",
+            vocab: 97,
+            set: |c| {
+                c.model.n_embd = 256;
+                gemma2(c);
+                c.model.n_head = 2;
+                c.model.n_kv_head = 2;
+                c.model.head_dim = 256;
+                c.model.dropout = 0.1;
+            },
+        },
+        Family {
+            name: "gemma2-2b-like, materialised: head dim 256 with kernels.attention = false \
+                   (the soft-capped softmax), GQA 4/2, soft-caps 1 and 2, sliding + full",
+            vocab: 97,
+            set: |c| {
+                c.model.n_embd = 384;
+                gemma2(c);
+                c.model.head_dim = 256;
+                c.kernels.attention = false;
             },
         },
         Family {

@@ -70,13 +70,15 @@ impl AttentionRate {
                 .fold((0.0, 0), |(ms, n), k| (ms + k.ms, n.max(k.launches)))
         };
         let (fwd_ms, fwd_launches) = sum("flash_fwd");
-        // The backward's launches are its main kernel's (flash_bwd, _wg or _ws).
+        // The backward's launches are its main kernel's (flash_bwd, _wg or _ws; not the
+        // preprocess, the dq conversion or head dim 256's dK, dV sum, which its time includes).
         let bwd_launches = kernels
             .iter()
             .filter(|k| {
                 k.name.starts_with("flash_bwd")
                     && !k.name.ends_with("preprocess")
                     && !k.name.ends_with("convert")
+                    && !k.name.ends_with("kv_sum")
             })
             .map(|k| k.launches)
             .sum();
@@ -588,5 +590,15 @@ mod tests {
         assert!((a.fwd_tflops.unwrap_or(0.0) - 24.0 * 1e10 / 2e-3 / 1e12).abs() < 1e-9);
         assert!((a.bwd_tflops.unwrap_or(0.0) - 12.0 * 2.5e10 / 5e-3 / 1e12).abs() < 1e-9);
         assert!(AttentionRate::of(&kernels[..1], 1e10).is_none());
+        // Head dim 256: the dK, dV sum's time is the backward's, its launches are not.
+        let d256 = [
+            k("flash_fwd", 2.0, 24),
+            k("flash_bwd", 4.0, 12),
+            k("flash_bwd_kv_sum", 1.0, 12),
+            k("flash_bwd_preprocess", 0.5, 12),
+            k("flash_bwd_dq_convert", 0.5, 12),
+        ];
+        let a = AttentionRate::of(&d256, 1e10).expect("flash kernels ran");
+        assert_eq!((a.bwd_launches, a.bwd_ms), (12, 6.0));
     }
 }

@@ -1,5 +1,5 @@
-// Causal flash attention (FlashAttention-2 style) for head dims 64 and 128, bf16 in/out, fp32
-// accumulate.
+// Causal flash attention (FlashAttention-2 style) for head dims 64, 128 and 256, bf16 in/out,
+// fp32 accumulate; at 256 (Gemma's heads) with Gemma 2's attention soft-cap.
 // Tensor cores through mma.sync.m16n8k16 (bf16 or fp16), ldmatrix and cp.async (built as PTX
 // for compute_80, JIT-ed on Hopper); the fp16 build for compute_75 (T4) replaces the last two
 // (see fa_cp_async16 and fa_mma).
@@ -8,8 +8,11 @@
 // head dims share the tile loaders, the mma wrappers and the launch contract below.
 //
 // ============================== LAUNCH CONTRACT ==============================================
-// Head dim D = 64 (the kernels without a suffix) or 128 (the `_d128` kernels, same arguments;
-// their dynamic shared memory is given below). scale (1/sqrt(D)) is passed in. T may be any value >= 1.
+// Head dim D = 64 (the kernels without a suffix), 128 (the `_d128` kernels) or 256 (`_d256`),
+// same arguments (their dynamic shared memory is given below). scale (the score scale, 1/sqrt(D)
+// or the model's) is passed in. T may be any value >= 1. cap: the attention soft-cap (scores ->
+// cap·tanh(scale·s/cap) before the softmax) where cap > 0, read by the D = 256 kernels only (the
+// others take 0).
 // Grouped-query attention: H query heads share KVH key/value heads (KVH divides H; query head h
 // reads key/value head h / (H / KVH)); KVH = H is plain multi-head attention.
 // Layouts (row-major, contiguous):
@@ -22,13 +25,16 @@
 //
 // FORWARD (one launch):
 //   flash_fwd_bf16(const bf16* qkv, bf16* o, float* lse, int B, int T, int H, int KVH, float scale,
-//                  const u64* seed, u32 site, u32 thr, float dscale, u16* mbits)
+//                  const u64* seed, u32 site, u32 thr, float dscale, u16* mbits,
+//                  const int* starts, float cap)
 //     Dropout of the probabilities where thr > 0 (kernels.cu's attention layout, the seed read
 //     from the device): the kept-flags go to mbits, one u64 per (query row, 64-key tile),
 //     [B·H·T, ceil(T/64)], bit 16·t4 + 2·nt + e of key 8·nt + 2·t4 + e; lse is of the
 //     undropped probabilities. thr = 0: no dropout, seed and mbits unused (may be null).
 //     grid = (B*H, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
 //     flash_fwd[_drop]_d128_bf16: same grid and block, dynamic smem = FA_FWD_D128_SMEM (80 KB)
+//     flash_fwd[_drop]_d256_bf16: same grid and block, dynamic smem = FA_FWD_D256_SMEM (160 KB)
+//     (lse of the capped scores where cap > 0)
 //
 // BACKWARD (three launches, in this order, same stream):
 //   scratch: one f32 buffer of B*T*H*D + B*H*T floats; need NOT be zeroed (kernel 1 does it).
@@ -40,7 +46,8 @@
 //        delta = rowsum(o * dout); zeroes dq_acc.
 //   2. flash_bwd_bf16(const bf16* qkv, const bf16* dout, const float* lse, const float* delta,
 //                     float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH, float scale,
-//                     u32 thr, float dscale, const u64* mbits)
+//                     u32 thr, float dscale, const u64* mbits, const int* starts,
+//                     float cap, bf16* kv_part)
 //        (dropout: the forward's kept-flags; delta stays rowsum(o * dout))
 //        grid = (B*KVH, NB, 1), block = (128, 1, 1), dynamic smem = 0   (static smem 40 KB)
 //        parallel over key blocks of 64 of one key/value head, looping over the H/KVH query
@@ -49,6 +56,13 @@
 //        contract becomes grid = (B*H, ceil(T/128), 1), block = (256, 1, 1), static smem 48 KB.)
 //        flash_bwd_d128_bf16: grid = (B*KVH, NB, 1), block = (128, 1, 1), dynamic smem =
 //        FA_BWD_D128_SMEM (104 KB); K and V stay in shared memory (see the kernel).
+//        flash_bwd_d256_bf16: grid = (B*H, NB, 1) (one query head a block), block = (256, 1, 1),
+//        dynamic smem = FA_BWD_D256_SMEM (200 KB). Where KVH < H its dK, dV shares go to
+//        kv_part (bf16 [B, T, H, 2, D]) and
+//   2b. flash_bwd_kv_sum_d256_bf16(const bf16* kv_part, bf16* dqkv, int B, int T, int H, int KVH)
+//        grid = (ceil(B*T*KVH*2*D/8 / 256), 1, 1), block = (256, 1, 1), dynamic smem = 0
+//        sums them per key/value head into dqkv. (kv_part: the last argument of every main
+//        backward kernel; read by the D = 256 one only, where KVH < H.)
 //   3. flash_bwd_dq_convert_bf16(const float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH,
 //                                float scale)
 //        grid = (ceil(B*T*H*D/4 / 256), 1, 1), block = (256, 1, 1), dynamic smem = 0
@@ -254,9 +268,13 @@ __device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t
 struct FaFwdSync {
     static constexpr bool PANELS = false;  // fa_swz's tiles, for ldmatrix
     static constexpr bool PIPELINED = false;  // each tile's products in turn
+    // (Head dim 256: the 16 x 256 accumulator of O takes 128 registers a thread, so the Q
+    // fragments are read from shared memory at each tile instead of kept.)
+    template <int D>
+    static constexpr bool KEEP_Q = D <= 128;
     template <int D>
     struct State {
-        uint32_t qf[D / 16][4];
+        uint32_t qf[KEEP_Q<D> ? D / 16 : 1][4];
     };
     // s = Q K^T: the warp's 16 query rows x the tile's 64 keys (mma.sync's accumulator layout);
     // j: the tile's place in the block's loop (0: the first, which loads the Q fragments)
@@ -264,9 +282,10 @@ struct FaFwdSync {
     static __device__ __forceinline__ void scores(State<D>& st, float (&s)[8][4], uint32_t sQa,
                                                   uint32_t kb, int j, int warp, int lane) {
         constexpr int KC = D / 16;
-        if (j == 0) {
+        if (KEEP_Q<D> && j == 0) {
 #pragma unroll
-            for (int kc = 0; kc < KC; ++kc) fa_ldA<D>(sQa, warp * 16, kc * 16, lane, st.qf[kc]);
+            for (int kc = 0; kc < (KEEP_Q<D> ? KC : 0); ++kc)
+                fa_ldA<D>(sQa, warp * 16, kc * 16, lane, st.qf[kc]);
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
@@ -274,12 +293,15 @@ struct FaFwdSync {
             for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
 #pragma unroll
         for (int kc = 0; kc < KC; ++kc) {
+            uint32_t qa[4];
+            if constexpr (!KEEP_Q<D>) fa_ldA<D>(sQa, warp * 16, kc * 16, lane, qa);
+            const uint32_t* q = KEEP_Q<D> ? st.qf[KEEP_Q<D> ? kc : 0] : qa;
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 uint32_t b0, b1, b2, b3;
                 fa_ldB_nk<D>(kb, np * 16, kc * 16, lane, b0, b1, b2, b3);
-                fa_mma(s[2 * np], st.qf[kc], b0, b1);
-                fa_mma(s[2 * np + 1], st.qf[kc], b2, b3);
+                fa_mma(s[2 * np], q, b0, b1);
+                fa_mma(s[2 * np + 1], q, b2, b3);
             }
         }
     }
@@ -320,12 +342,15 @@ struct FaFwdSync {
 // a tile behind K. Measured on H200, T = 16384 (12 layers): 11.77 -> 11.31 ms at head dim 128;
 // at head dim 64 (four blocks an SM, which already overlap each other's phases) 46.7 -> 50.8 ms
 // at T = 32768, so head dim 64 keeps the plain loop.
-template <int D, bool DROP, class MM>
+// CAP (the head-dim-256 kernels): with cap > 0, Gemma 2's attention soft-cap — each score s
+// becomes (cap / scale) · tanh(scale · s / cap) before the mask and the softmax, so that the
+// softmax of scale times it is that of cap · tanh(scale · s / cap); lse is of the capped scores.
+template <int D, bool DROP, class MM, bool CAP = false>
 __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
                float* __restrict__ lse, int B, int T, int H, int KVH, float scale,
                const unsigned long long* __restrict__ seed, uint32_t site, uint32_t thr,
                float dscale, uint16_t* __restrict__ mbits, const int* __restrict__ starts,
-               __nv_bfloat16* sm) {
+               float cap, __nv_bfloat16* sm) {
     constexpr int KC = D / 16;  // k16 chunks of the head dim
     __nv_bfloat16* sQ = sm;
     const __nv_bfloat16* sK = sm + FA_BM * D;
@@ -407,6 +432,13 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
             MM::template scores<D>(mm, s, sQa, kb, j - j0, warp, lane);  // (0: the first tile)
         }
 
+        if (CAP && cap > 0.f) {
+            const float in = scale / cap, out = cap / scale;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[nt][e] = out * tanhf(s[nt][e] * in);
+        }
         const int kbase = j * FA_BN;
         if (j == qb || kbase + FA_BN > T || kbase < st1) {
 #pragma unroll
@@ -532,8 +564,8 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
     const __nv_bfloat16 *__restrict__ qkv, __nv_bfloat16 *__restrict__ o, float *__restrict__ lse, \
         int B, int T, int H, int KVH, float scale, const unsigned long long *__restrict__ seed,  \
         uint32_t site, uint32_t thr, float dscale, uint16_t *__restrict__ mbits,            \
-        const int *__restrict__ starts
-#define FA_FWD_PASS qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits, starts
+        const int *__restrict__ starts, float cap
+#define FA_FWD_PASS qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits, starts, cap
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 4) flash_fwd_bf16(FA_FWD_ARGS) {
     __shared__ __align__(128) __nv_bfloat16 sm[5 * 64 * 64];
     flash_fwd<64, false, FaFwdSync>(FA_FWD_PASS, sm);
@@ -551,6 +583,16 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_fwd_d128_bf16(
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_fwd_drop_d128_bf16(FA_FWD_ARGS) {
     extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
     flash_fwd<128, true, FaFwdSync>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
+}
+// Head dim 256 (Gemma): 160 KB of dynamic shared memory (FA_FWD_D256_SMEM), one block per SM;
+// the attention soft-cap where cap > 0.
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) flash_fwd_d256_bf16(FA_FWD_ARGS) {
+    extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
+    flash_fwd<256, false, FaFwdSync, true>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS, 1) flash_fwd_drop_d256_bf16(FA_FWD_ARGS) {
+    extern __shared__ __align__(128) uint4 fa_dyn_fwd[];
+    flash_fwd<256, true, FaFwdSync, true>(FA_FWD_PASS, reinterpret_cast<__nv_bfloat16*>(fa_dyn_fwd));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -608,6 +650,9 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_bf16(FA_P
 }
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_d128_bf16(FA_PRE_ARGS) {
     flash_bwd_preprocess<128>(o, dout, delta, dq_acc, B, T, H);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_preprocess_d256_bf16(FA_PRE_ARGS) {
+    flash_bwd_preprocess<256>(o, dout, delta, dq_acc, B, T, H);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -682,7 +727,9 @@ __device__ __forceinline__ void fa_load_rows(uint32_t s, const __nv_bfloat16* g,
 // first) of one (b, key/value head) (blockIdx.x), against the query tiles i0.. that see them
 // (ntile a head) of each query head h0..h0+rep-1 sharing that key/value head; this batch row's
 // rows in qkv (row stride ld: Q at column h·D, K at kg, V at vg) and in dout (row stride HD).
-template <int D, int BN>
+// PER_HEAD: blockIdx.x = b·H + h, one query head a block (rep = 1, h0 = h): its dK, dV are that
+// head's share, summed over the group by flash_bwd_kv_sum.
+template <int D, int BN, bool PER_HEAD = false>
 struct FaBwdBlock {
     int k0, i0, b, kvh, HD, KD, ld, rep, h0, nq, ntile;
     const __nv_bfloat16* qkv_b;
@@ -693,13 +740,20 @@ struct FaBwdBlock {
                                           int T, int H, int KVH, const int* __restrict__ lows) {
         k0 = blockIdx.y * BN;
         i0 = k0 / FA_BM;
-        b = blockIdx.x / KVH;
-        kvh = blockIdx.x - b * KVH;
+        if (PER_HEAD) {
+            b = blockIdx.x / H;
+            h0 = blockIdx.x - b * H;
+            kvh = h0 / (H / KVH);
+            rep = 1;
+        } else {
+            b = blockIdx.x / KVH;
+            kvh = blockIdx.x - b * KVH;
+            rep = H / KVH;
+            h0 = kvh * rep;
+        }
         HD = H * D;
         KD = KVH * D;
         ld = HD + 2 * KD;
-        rep = H / KVH;
-        h0 = kvh * rep;
         qkv_b = qkv + (size_t)b * T * ld;
         kg = qkv_b + HD + kvh * D;
         vg = kg + KD;
@@ -830,35 +884,37 @@ __device__ __forceinline__ void fa_bwd_dscores(float (&st)[8][4], float (&dpt)[8
 // n8-tiles: head dim D = 8N) through two swizzled D-column smem tiles (sKc, sVc: generic
 // pointers) into dqkv, 16 bytes a store; rows >= T are not written. dst_k: the k slot of key 0 of
 // this (b, kv head) in dqkv (row stride ld), the v slot KD further.
-template <int N>
+// (Columns col0..col0 + 8N − 1 of tiles DT columns wide: a head-dim-256 warp's half.)
+template <int N, int DT = 8 * N>
 __device__ __forceinline__ void fa_bwd_store_kv(const float (&dk)[N][4], const float (&dv)[N][4],
                                                 float scale, char* sKc, char* sVc, int warp,
                                                 int lane, int wk0, int T,
-                                                __nv_bfloat16* __restrict__ dst_k, int ld, int KD) {
-    constexpr int D = 8 * N;
+                                                __nv_bfloat16* __restrict__ dst_k, int ld, int KD,
+                                                int col0 = 0) {
     const int g = lane >> 2, t4 = lane & 3;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
 #pragma unroll
     for (int nt = 0; nt < N; ++nt) {
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) =
+        const int c = col0 + nt * 8 + t4 * 2;
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz<DT>(lr0, c)) =
             fa_pack(dk[nt][0] * scale, dk[nt][1] * scale);
-        *reinterpret_cast<uint32_t*>(sKc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) =
+        *reinterpret_cast<uint32_t*>(sKc + fa_swz<DT>(lr1, c)) =
             fa_pack(dk[nt][2] * scale, dk[nt][3] * scale);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr0, nt * 8 + t4 * 2)) = fa_pack(dv[nt][0], dv[nt][1]);
-        *reinterpret_cast<uint32_t*>(sVc + fa_swz<D>(lr1, nt * 8 + t4 * 2)) = fa_pack(dv[nt][2], dv[nt][3]);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz<DT>(lr0, c)) = fa_pack(dv[nt][0], dv[nt][1]);
+        *reinterpret_cast<uint32_t*>(sVc + fa_swz<DT>(lr1, c)) = fa_pack(dv[nt][2], dv[nt][3]);
     }
     __syncwarp();
 #pragma unroll
-    for (int k = 0; k < 16 * (D / 8) / 32; ++k) {
+    for (int k = 0; k < 16 * N / 32; ++k) {
         const int idx = lane + k * 32;
-        const int r = idx / (D / 8), c = idx % (D / 8);
+        const int r = idx / N, c = col0 + (idx % N) * 8;
         const int key = wk0 + r;
         if (key < T) {
-            __nv_bfloat16* dst = dst_k + (size_t)key * ld + c * 8;
+            __nv_bfloat16* dst = dst_k + (size_t)key * ld + c;
             *reinterpret_cast<uint4*>(dst) =
-                *reinterpret_cast<const uint4*>(sKc + fa_swz<D>(warp * 16 + r, c * 8));
+                *reinterpret_cast<const uint4*>(sKc + fa_swz<DT>(warp * 16 + r, c));
             *reinterpret_cast<uint4*>(dst + KD) =
-                *reinterpret_cast<const uint4*>(sVc + fa_swz<D>(warp * 16 + r, c * 8));
+                *reinterpret_cast<const uint4*>(sVc + fa_swz<DT>(warp * 16 + r, c));
         }
     }
 }
@@ -868,7 +924,8 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                const float* __restrict__ lse, const float* __restrict__ delta,
                float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, int H,
                int KVH, float scale, uint32_t thr, float dscale,
-               const unsigned long long* __restrict__ mbits, const int* __restrict__ starts) {
+               const unsigned long long* __restrict__ mbits, const int* __restrict__ starts,
+               float /* cap: no soft-cap at this head dim */, __nv_bfloat16* /* kv_part */) {
     constexpr int BN = FA_BWD_BN, NT = FA_BWD_THREADS;
     constexpr int DQN = FA_BWD_DQN, DQNT = FA_BWD_DQNT, NKC = BN / 16, DQMT = FA_BWD_DQMT;
     constexpr int DQR = DQMT * 16;  // dQ rows per warp
@@ -1070,34 +1127,44 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward 2, head dim 128: block = 64 keys of one (b, key/value head), 4 warps, warp w owns keys
-// 16w..16w+15 and accumulates their dK, dV rows (16 x 128 fp32 each: 128 registers per thread)
-// over the query tiles of every query head of the group. The 64-dim kernel's register copies of
+// Backward 2, head dims 128 and 256: block = 64 keys of one (b, key/value head) and D / 32 warps.
+// Warp w takes keys 16(w mod 4)..+15 and head-dim columns 128(w div 4)..+127 of their dK, dV rows
+// (16 x 128 fp32 each: 128 registers per thread), accumulated over the query tiles of every query
+// head of the group; at head dim 256 the two warps of a key group both compute its S^T and dP^T
+// (over all 256 dims) and each keeps half of the columns. The 64-dim kernel's register copies of
 // K, V and K^T do not fit beside those accumulators, so K and V stay in shared memory (read as
 // fragments per use) and each 64-query tile is taken in two halves of 32 queries (S^T, P^T, dP^T,
 // dS^T of a half in registers). dQ = dS K per tile: warp w computes 32 queries x 64 head-dim
 // columns in two passes of 32 columns, staged in the tile's free Q/dO buffer for coalesced fp32
 // atomics (one 128-byte row segment per instruction).
-// Shared memory (dynamic, FA_BWD_D128_SMEM = 104 KB): sK [64][128], sV [64][128],
-// Q/dO [2 buffers][2][64][128], dS^T [64 keys][64 queries]. Two blocks per SM.
-extern "C" __global__ void __launch_bounds__(128, 2)
-flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout,
-                    const float* __restrict__ lse, const float* __restrict__ delta,
-                    float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T,
-                    int H, int KVH, float scale, uint32_t thr, float dscale,
-                    const unsigned long long* __restrict__ mbits, const int* __restrict__ starts) {
-    constexpr int D = 128, KC = D / 16, BN = 64, NT = 128;
-    extern __shared__ __align__(128) uint4 fa_dyn_bwd[];
-    __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(fa_dyn_bwd);
+// Shared memory (dynamic, FA_BWD_D128_SMEM = 104 KB, FA_BWD_D256_SMEM = 200 KB): sK [64][D],
+// sV [64][D], Q/dO [2 buffers][2][64][D], dS^T [64 keys][64 queries]. Two blocks per SM at 128,
+// one at 256.
+// CAP (head dim 256): with cap > 0 the forward's soft-capped scores, recomputed from the raw
+// ones (s' = (cap / scale)·t, t = tanh(scale · s / cap)), and dS^T taken through the cap: times
+// 1 − t².
+template <int D, bool CAP, bool PER_HEAD>
+__device__ __forceinline__ void flash_bwd_wide(
+    const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    __nv_bfloat16* __restrict__ dqkv, int B, int T, int H, int KVH, float scale, uint32_t thr,
+    float dscale, const unsigned long long* __restrict__ mbits, const int* __restrict__ starts,
+    float cap, __nv_bfloat16* __restrict__ kv_part, uint4* smem) {
+    static_assert(D == 128 || D == 256, "flash_bwd_wide is written for head dims 128 and 256");
+    constexpr int KC = D / 16, BN = 64, NT = D, CW = 128, CWT = CW / 8;
+    __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem);
     __nv_bfloat16* sV = sK + BN * D;
-    __nv_bfloat16* sQD = sV + BN * D;           // [buffer][Q, dO][64][128]
+    __nv_bfloat16* sQD = sV + BN * D;           // [buffer][Q, dO][64][D]
     __nv_bfloat16* sdS = sQD + 4 * FA_BM * D;   // dS^T: [key][query], 64 x 64
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const FaBwdBlock<D, BN> blk(qkv, dout, T, H, KVH, starts);
+    const int kw = warp & 3, c0w = (warp >> 2) * CW;  // this warp's key group and first column
+    const FaBwdBlock<D, BN, PER_HEAD> blk(qkv, dout, T, H, KVH, starts);
     const int k0 = blk.k0, i0 = blk.i0, b = blk.b, HD = blk.HD, ld = blk.ld, nq = blk.nq;
     const float sl2 = scale * 1.4426950408889634f;
+    const bool capped = CAP && cap > 0.f;
+    const float cin = capped ? scale / cap : 0.f, cout = capped ? cap / scale : 0.f;
 
     const uint32_t sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
     const uint32_t sbase = fa_smem_u32(sQD), sdSa = fa_smem_u32(sdS);
@@ -1109,16 +1176,16 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
     fa_load_rows<FA_BM, NT, D>(sbase + DOFF, blk.dout_b + blk.h0 * D, HD, i0 * FA_BM, T, tid);
     fa_cp_commit();
 
-    float dk[2 * KC][4], dv[2 * KC][4];
+    float dk[CWT][4], dv[CWT][4];  // 16 keys x CW columns
     fa_zero(dk);
     fa_zero(dv);
-    const int wk0 = k0 + warp * 16;                // first key of this warp
+    const int wk0 = k0 + kw * 16;                  // first key of this warp
     const int kr0 = wk0 + g, kr1 = kr0 + 8;        // keys of this thread's accumulator rows
-    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;  // ... local rows
+    const int lr0 = kw * 16 + g, lr1 = lr0 + 8;    // ... local rows
     const int jk = kr0 & 63;  // this thread's first key in its 64-key mask tile (kr1: +8)
     const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
     // dQ work split: warp -> 32 query rows (dqm0..) x 64 head-dim columns (dqc0..), two passes
-    const int dqm0 = (warp >> 1) * 32, dqc0 = (warp & 1) * 64;
+    const int dqm0 = (warp / (D / 64)) * 32, dqc0 = (warp % (D / 64)) * 64;
 
     for (int it = 0; it < blk.steps(); ++it) {
         int h, i;
@@ -1150,8 +1217,8 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
 #pragma unroll
             for (int kc = 0; kc < KC; ++kc) {
                 uint32_t ka[4], va[4];
-                fa_ldA<D>(sKa, warp * 16, kc * 16, lane, ka);
-                fa_ldA<D>(sVa, warp * 16, kc * 16, lane, va);
+                fa_ldA<D>(sKa, kw * 16, kc * 16, lane, ka);
+                fa_ldA<D>(sVa, kw * 16, kc * 16, lane, va);
 #pragma unroll
                 for (int np = 0; np < 2; ++np) {
                     uint32_t b0, b1, b2, b3;
@@ -1174,8 +1241,16 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
                     const int src = hh * 16 + nt * 4 + t4;
                     const float lq = __shfl_sync(0xffffffffu, e ? lsb : lsa, src);
                     const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, src);
-                    float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
-                    float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
+                    float s0 = st[nt][e], s1 = st[nt][2 + e], c0 = 1.f, c1 = 1.f;
+                    if (capped) {  // (d capped / d raw = 1 - t², t = tanh(scale · s / cap))
+                        const float t0 = tanhf(s0 * cin), t1 = tanhf(s1 * cin);
+                        s0 = cout * t0;
+                        s1 = cout * t1;
+                        c0 = 1.f - t0 * t0;
+                        c1 = 1.f - t1 * t1;
+                    }
+                    float p0 = exp2f(fmaf(s0, sl2, -lq));
+                    float p1 = exp2f(fmaf(s1, sl2, -lq));
                     if (diag) {
                         if (kr0 > q) p0 = 0.f;
                         if (kr1 > q) p1 = 0.f;
@@ -1191,35 +1266,39 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
                                   : 0ull;
                         const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
                         const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
-                        dpt[nt][e] = p0 * (dpt[nt][e] * m0 - dl);
-                        dpt[nt][2 + e] = p1 * (dpt[nt][2 + e] * m1 - dl);
+                        dpt[nt][e] = c0 * p0 * (dpt[nt][e] * m0 - dl);
+                        dpt[nt][2 + e] = c1 * p1 * (dpt[nt][2 + e] * m1 - dl);
                         st[nt][e] = p0 * m0;
                         st[nt][2 + e] = p1 * m1;
                     } else {
-                        dpt[nt][e] = p0 * (dpt[nt][e] - dl);
-                        dpt[nt][2 + e] = p1 * (dpt[nt][2 + e] - dl);
+                        dpt[nt][e] = c0 * p0 * (dpt[nt][e] - dl);
+                        dpt[nt][2 + e] = c1 * p1 * (dpt[nt][2 + e] - dl);
                         st[nt][e] = p0;
                         st[nt][2 + e] = p1;
                     }
                 }
-            // dV += P^T dO ; dK += dS^T Q (k = query); dS^T -> smem for dQ
+            // dV += P^T dO ; dK += dS^T Q (k = query), this warp's columns; dS^T -> smem for dQ
+            // (written by the warps of the first columns: at head dim 256 their partners hold
+            // the same values)
 #pragma unroll
             for (int kc = 0; kc < 2; ++kc) {
                 uint32_t pa[4], sa[4];
                 fa_frag(st, kc, pa);
                 fa_frag(dpt, kc, sa);
-                const int qc = qh + kc * 16 + t4 * 2;
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc)) = sa[0];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc)) = sa[1];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc + 8)) = sa[2];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc + 8)) = sa[3];
+                if (c0w == 0) {
+                    const int qc = qh + kc * 16 + t4 * 2;
+                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc)) = sa[0];
+                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc)) = sa[1];
+                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc + 8)) = sa[2];
+                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc + 8)) = sa[3];
+                }
 #pragma unroll
-                for (int dp = 0; dp < KC; ++dp) {
+                for (int dp = 0; dp < CW / 16; ++dp) {
                     uint32_t b0, b1, b2, b3;
-                    fa_ldB_kn<D>(sdOa, qh + kc * 16, dp * 16, lane, b0, b1, b2, b3);
+                    fa_ldB_kn<D>(sdOa, qh + kc * 16, c0w + dp * 16, lane, b0, b1, b2, b3);
                     fa_mma(dv[2 * dp], pa, b0, b1);
                     fa_mma(dv[2 * dp + 1], pa, b2, b3);
-                    fa_ldB_kn<D>(sQa, qh + kc * 16, dp * 16, lane, b0, b1, b2, b3);
+                    fa_ldB_kn<D>(sQa, qh + kc * 16, c0w + dp * 16, lane, b0, b1, b2, b3);
                     fa_mma(dk[2 * dp], sa, b0, b1);
                     fa_mma(dk[2 * dp + 1], sa, b2, b3);
                 }
@@ -1282,10 +1361,86 @@ flash_bwd_d128_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* 
         }
     }
 
-    // epilogue: dK (scaled) -> sK rows, dV -> sV rows of this warp, then 16-byte stores
+    // epilogue: dK (scaled) -> sK rows, dV -> sV rows of this warp's keys and columns, then
+    // 16-byte stores
+    // (per query head with heads sharing a key/value head: this head's share, into kv_part
+    // [B, T, H, 2, D], which flash_bwd_kv_sum adds up)
     __syncthreads();
-    fa_bwd_store_kv(dk, dv, scale, reinterpret_cast<char*>(sK), reinterpret_cast<char*>(sV), warp,
-                    lane, wk0, T, dqkv + (size_t)b * T * ld + HD + blk.kvh * D, ld, blk.KD);
+    if (PER_HEAD && H != KVH)
+        fa_bwd_store_kv<CWT, D>(dk, dv, scale, reinterpret_cast<char*>(sK),
+                                reinterpret_cast<char*>(sV), kw, lane, wk0, T,
+                                kv_part + ((size_t)b * T * H + blk.h0) * 2 * D, H * 2 * D, D, c0w);
+    else
+        fa_bwd_store_kv<CWT, D>(dk, dv, scale, reinterpret_cast<char*>(sK),
+                                reinterpret_cast<char*>(sV), kw, lane, wk0, T,
+                                dqkv + (size_t)b * T * ld + HD + blk.kvh * D, ld, blk.KD, c0w);
+}
+#define FA_BWD_ARGS                                                                             \
+    const __nv_bfloat16 *__restrict__ qkv, const __nv_bfloat16 *__restrict__ dout,            \
+        const float *__restrict__ lse, const float *__restrict__ delta,                         \
+        float *__restrict__ dq_acc, __nv_bfloat16 *__restrict__ dqkv, int B, int T, int H,      \
+        int KVH, float scale, uint32_t thr, float dscale,                                       \
+        const unsigned long long *__restrict__ mbits, const int *__restrict__ starts, float cap, \
+        __nv_bfloat16 *__restrict__ kv_part
+#define FA_BWD_PASS                                                                             \
+    qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits, starts, cap,  \
+        kv_part
+extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_d128_bf16(FA_BWD_ARGS) {
+    extern __shared__ __align__(128) uint4 fa_dyn_bwd[];
+    flash_bwd_wide<128, false, false>(FA_BWD_PASS, fa_dyn_bwd);
+}
+// Head dim 256: grid = (B*H, ceil(T/64), 1), block = (256, 1, 1), dynamic smem =
+// FA_BWD_D256_SMEM; one query head a block (a group's heads in parallel: Gemma 3 1B has one
+// key/value head for four), whose dK, dV go to kv_part where heads share a key/value head
+// (kv_part: [B, T, H, 2, D] bf16, then flash_bwd_kv_sum_d256_bf16), else straight into dqkv.
+extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_d256_bf16(FA_BWD_ARGS) {
+    extern __shared__ __align__(128) uint4 fa_dyn_bwd[];
+    flash_bwd_wide<256, true, true>(FA_BWD_PASS, fa_dyn_bwd);
+}
+
+// dK, dV of each key/value head = the sum of its query heads' shares in kv_part ([B, T, H, 2, D]
+// bf16, summed in f32), into dqkv's k and v slots. One thread per 8 columns: grid =
+// (ceil(B*T*KVH*2*D/8 / 256), 1, 1), block = (256, 1, 1).
+template <int D>
+__device__ __forceinline__ void flash_bwd_kv_sum(const __nv_bfloat16* __restrict__ kv_part,
+                                                 __nv_bfloat16* __restrict__ dqkv, int B, int T,
+                                                 int H, int KVH) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    constexpr int C8 = D / 8;
+    if (i >= (size_t)B * T * KVH * 2 * C8) return;
+    const int c8 = (int)(i % C8);
+    size_t r = i / C8;
+    const int which = (int)(r % 2);  // 0: k, 1: v
+    r /= 2;
+    const int kvh = (int)(r % KVH);
+    const size_t bt = r / KVH;
+    const int rep = H / KVH;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int j = 0; j < rep; ++j) {
+        const uint4 v = *reinterpret_cast<const uint4*>(
+            kv_part + ((bt * H + kvh * rep + j) * 2 + which) * D + c8 * 8);
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(p[e]);
+            acc[2 * e] += f.x;
+            acc[2 * e + 1] += f.y;
+        }
+    }
+    uint4 out;
+    out.x = fa_pack(acc[0], acc[1]);
+    out.y = fa_pack(acc[2], acc[3]);
+    out.z = fa_pack(acc[4], acc[5]);
+    out.w = fa_pack(acc[6], acc[7]);
+    const size_t ld = (size_t)(H + 2 * KVH) * D;
+    *reinterpret_cast<uint4*>(dqkv + bt * ld + (size_t)(H + which * KVH + kvh) * D + c8 * 8) = out;
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_kv_sum_d256_bf16(
+    const __nv_bfloat16* __restrict__ kv_part, __nv_bfloat16* __restrict__ dqkv, int B, int T,
+    int H, int KVH) {
+    flash_bwd_kv_sum<256>(kv_part, dqkv, B, T, H, KVH);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1314,6 +1469,9 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_bf16(FA_D
 }
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_d128_bf16(FA_DQ_ARGS) {
     flash_bwd_dq_convert<128>(dq_acc, dqkv, B, T, H, KVH, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_d256_bf16(FA_DQ_ARGS) {
+    flash_bwd_dq_convert<256>(dq_acc, dqkv, B, T, H, KVH, scale);
 }
 
 #endif  // COCKPIT_FLASH_CU

@@ -131,8 +131,10 @@ __device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* s
                   const float* __restrict__ lse, const float* __restrict__ delta, \
                   float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, \
                   int H, int KVH, float scale, uint32_t thr, float dscale, \
-                  const unsigned long long* __restrict__ mbits, const int* __restrict__ starts
-#define FA_WG_PASS qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits, starts
+                  const unsigned long long* __restrict__ mbits, const int* __restrict__ starts, \
+                  float cap /* unused: no soft-cap at these head dims */, \
+                  __nv_bfloat16* kv_part /* unused: the group's heads in one block */
+#define FA_WG_PASS qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits, starts, cap, kv_part
 
 // d (64 x 64) = A B^T for two 64-row tiles of D columns (K-major, as 64-column panels):
 // D / 16 k-steps, four in each panel. The caller fences and commits.

@@ -10,6 +10,11 @@
 // Backward, head dim 128 (flash.cu): sK and sV [64][128], Q/dO [2 buffers][2][64][128], dS^T
 // [64][64] (104 KB).
 #define FA_BWD_D128_SMEM ((2 * 64 * 128 + 4 * 64 * 128 + 64 * 64) * 2)
+// Forward, head dim 256 (flash.cu): Q, K, V and two buffers as 64 x 256 bf16 tiles (160 KB).
+#define FA_FWD_D256_SMEM (5 * 64 * 256 * 2)
+// Backward, head dim 256 (flash.cu): sK and sV [64][256], Q/dO [2 buffers][2][64][256], dS^T
+// [64][64] (200 KB).
+#define FA_BWD_D256_SMEM ((2 * 64 * 256 + 4 * 64 * 256 + 64 * 64) * 2)
 // Warp-specialized Hopper backward, head dim 64 (flash_sm90.cu): twelve 64 x 64 bf16 tiles, the
 // 64 x 64 fp32 dQ staging tile, and 1 KB to align them.
 #define FA_WS_SMEM (12 * 64 * 64 * 2 + 64 * 64 * 4 + 1024)

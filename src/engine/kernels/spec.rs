@@ -48,16 +48,20 @@ pub struct StepLora {
 pub use crate::engine::spec::FLASH_HEAD_DIMS;
 
 // The flash kernels' dynamic shared memory: flash_smem.h's defines (FA_FWD_D128_SMEM,
-// FA_BWD_D128_SMEM, FA_WS_SMEM, FA_WG_D128_SMEM), made Rust constants by build.rs.
+// FA_BWD_D128_SMEM, FA_FWD_D256_SMEM, FA_BWD_D256_SMEM, FA_WS_SMEM, FA_WG_D128_SMEM), made Rust
+// constants by build.rs.
 include!(concat!(env!("OUT_DIR"), "/flash_smem.rs"));
 
 /// The dynamic shared memory (bytes) flash.cu's forward and backward kernels for head dim `hd`
-/// launch with (0 where the memory is static, at most 48 KB).
+/// launch with (0 where the memory is static, at most 48 KB; `u32::MAX` for a head dim without
+/// kernels).
 pub fn flash_smem(hd: usize) -> (u32, u32) {
-    if hd == 64 {
-        (0, 0)
-    } else {
-        (FA_FWD_D128_SMEM, FA_BWD_D128_SMEM)
+    match hd {
+        64 => (0, 0),
+        128 => (FA_FWD_D128_SMEM, FA_BWD_D128_SMEM),
+        256 => (FA_FWD_D256_SMEM, FA_BWD_D256_SMEM),
+        // (no kernels: nothing fits)
+        _ => (u32::MAX, u32::MAX),
     }
 }
 

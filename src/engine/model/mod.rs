@@ -473,7 +473,9 @@ impl Model {
     }
 
     /// Training FLOPs per token (forward + backward): 6·N over the matmul weights plus
-    /// 12·L·D·T for attention scores and values.
+    /// 12·D·T per attention layer for attention scores and values (PaLM's and nanoGPT's count,
+    /// D the heads' width n_head·head_dim, T the keys a query may see: a sliding layer's
+    /// window where it is shorter than the sequence).
     pub fn flops_per_token(&self) -> f64 {
         let s = &self.spec;
         let matmul: u64 = self
@@ -494,12 +496,14 @@ impl Model {
             0.0
         };
         // (Attention layers only: a hybrid's Mamba layers have no T² term.)
-        let attn = self
+        let keys: usize = self
             .blocks
             .iter()
-            .filter(|b| matches!(b.mixer, Mixer::Attention(_)))
-            .count();
-        6.0 * (matmul as f64 + head) + 12.0 * (attn * s.n_embd * s.seq_len) as f64
+            .enumerate()
+            .filter(|(_, b)| matches!(b.mixer, Mixer::Attention(_)))
+            .map(|(l, _)| s.layer_window(l).map_or(s.seq_len, |w| w.min(s.seq_len)))
+            .sum();
+        6.0 * (matmul as f64 + head) + 12.0 * (s.n_head * s.head_dim * keys) as f64
     }
     /// All weights by name (for checkpoints).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {

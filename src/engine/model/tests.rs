@@ -440,3 +440,46 @@ fn family_layouts_allocate_what_the_spec_counts() {
         assert!(loss.is_finite(), "{name}");
     }
 }
+
+/// Attention's share of the FLOPs per token (MFU's numerator) counts the heads' width and the
+/// keys each layer's queries may see: a sliding layer's window where it is shorter than the
+/// sequence, so a long-context Gemma-style run does not report more than the GPU can do.
+#[test]
+fn flops_per_token_count_sliding_windows_and_the_heads_width() {
+    use crate::config::LayerKind::{Full, Sliding};
+    let mut c = Config {
+        model: crate::config::ModelConfig::llama_family(),
+        ..Config::default()
+    };
+    c.model.n_layer = 2;
+    c.model.seq_len = 64;
+    let flops = |c: &Config| {
+        Model::new(ModelSpec::from_config(c, 32), DType::F32, &Device::Cpu, 1)
+            .unwrap()
+            .flops_per_token()
+    };
+    let full = flops(&c);
+    let mut sliding = c.clone();
+    sliding.model.layout.layer_types = vec![Sliding, Full];
+    sliding.model.layout.window = 16;
+    let d = (c.model.n_head * (c.model.n_embd / c.model.n_head)) as f64;
+    assert!((full - flops(&sliding) - 12.0 * d * (64.0 - 16.0)).abs() < 1e-6 * full);
+    // A window as long as the sequence changes nothing.
+    sliding.model.layout.window = 64;
+    assert_eq!(flops(&sliding), full);
+    // Heads twice as wide as n_embd count twice (q, k, v and o twice as wide: 6·N grows by
+    // their extra weights, four n_embd² a layer).
+    let mut wide = c.clone();
+    wide.model.head_dim = 2 * (c.model.n_embd / c.model.n_head);
+    let m = Model::new(
+        ModelSpec::from_config(&wide, 32),
+        DType::F32,
+        &Device::Cpu,
+        1,
+    )
+    .unwrap();
+    let extra_weights = 6.0 * (2 * 4 * c.model.n_embd * c.model.n_embd) as f64;
+    assert!(
+        (m.flops_per_token() - full - extra_weights - 2.0 * 12.0 * d * 64.0).abs() < 1e-6 * full
+    );
+}

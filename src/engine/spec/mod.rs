@@ -21,7 +21,7 @@ mod support;
 
 pub use resume::ResumeKey;
 pub use rope::{RopeFreqs, RopeKey};
-pub use support::{NoFlash, Reason, StepFacts, FLASH_HEAD_DIMS};
+pub use support::{NoFlash, Reason, StepFacts, FLASH_HEAD_DIMS, FLASH_SOFTCAP_HEAD_DIM};
 
 /// LoRA adapters on the model (`[lora]` with `enabled = true`).
 #[derive(Clone, Debug, PartialEq)]

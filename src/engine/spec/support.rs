@@ -6,9 +6,14 @@
 use super::ModelSpec;
 use crate::config::{MixerKind, PosEncoding, QkNorm};
 
-/// The head dims flash attention has kernels for; other head dims (Gemma's 256) materialise the
-/// attention probabilities (no dropout, no packed samples).
-pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
+/// The head dims flash attention has kernels for; other head dims materialise the attention
+/// probabilities (no dropout, no packed samples).
+pub const FLASH_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// The head dim whose flash kernels take Gemma 2's attention soft-cap (Gemma 2's 2B and 9B,
+/// Gemma 3's heads); soft-capped models of other head dims (Gemma 2 27B's 128) materialise
+/// the attention, whose softmax caps the scores.
+pub const FLASH_SOFTCAP_HEAD_DIM: usize = 256;
 
 /// What the device and the built model say, for [`ModelSpec::fast_step_support`].
 #[derive(Clone, Debug)]
@@ -40,21 +45,22 @@ pub enum NoFlash {
     Off,
     /// Its kernels for this head dim need more shared memory a block than the GPU has.
     SharedMemory,
-    /// Attention soft-capping (Gemma 2): the materialised softmax caps the scores, the flash
+    /// Attention soft-capping (Gemma 2) at a head dim other than
+    /// [`FLASH_SOFTCAP_HEAD_DIM`]: the materialised softmax caps the scores, those flash
     /// kernels do not.
     SoftCap,
 }
 
 impl std::fmt::Display for NoFlash {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("flash attention has head dims 64 and 128")?;
+        f.write_str("flash attention has head dims 64, 128 and 256")?;
         match self {
             NoFlash::HeadDim => Ok(()),
             NoFlash::Off => f.write_str("; kernels.attention = false"),
             NoFlash::SharedMemory => f.write_str(
                 "; its kernels for this head dim need more shared memory a block than this GPU has",
             ),
-            NoFlash::SoftCap => f.write_str(" and no attention soft-capping"),
+            NoFlash::SoftCap => f.write_str(", attention soft-capping at 256"),
         }
     }
 }
@@ -126,7 +132,7 @@ impl ModelSpec {
             Some(NoFlash::HeadDim)
         } else if !flash_fits {
             Some(NoFlash::SharedMemory)
-        } else if self.attn_softcap().is_some() {
+        } else if self.attn_softcap().is_some() && self.head_dim != FLASH_SOFTCAP_HEAD_DIM {
             Some(NoFlash::SoftCap)
         } else {
             None
@@ -289,8 +295,9 @@ impl ModelSpec {
     }
 
     /// Gemma's block (sandwich norms, 1 + w norms, GeGLU), sliding layers and Gemma 2's
-    /// soft-caps are in the step (the attention's in materialised attention,
-    /// [`NoFlash::SoftCap`]; the final one in the cross-entropy kernels).
+    /// soft-caps are in the step (the attention's in the head-dim-256 flash kernels or in
+    /// materialised attention, [`NoFlash::SoftCap`]; the final one in the cross-entropy
+    /// kernels).
     fn gemma_support(&self) -> Result<(), Reason> {
         if self.layout.sandwich_norm && (self.bias || self.qkv_bias) {
             return Err(Reason::SandwichNorm);

@@ -331,7 +331,8 @@ fn the_step_runs_qwen3_and_olmo2_blocks_and_refuses_biased_post_norms_by_name() 
 }
 
 /// Gemma's block (sandwich and 1 + w norms, GeGLU), sliding windows and Gemma 2's soft-caps run
-/// in the fused step (the attention's soft-cap in materialised attention), as does LongRoPE;
+/// in the fused step (the attention's soft-cap in flash attention at head dim 256, else in
+/// materialised attention), as does LongRoPE;
 /// output norms with biases are refused by name; sliding windows run in flash and in
 /// materialised attention; the spec says which layers slide and which RoPE table each reads.
 #[test]
@@ -377,9 +378,14 @@ fn the_step_takes_gemma_blocks_soft_caps_and_longrope() {
     ] {
         assert_eq!(s.fast_step_support(&gpu()), want);
     }
-    // Gemma 2's attention soft-cap is in the materialised softmax, not in flash attention.
+    // Gemma 2's attention soft-cap is in the head-dim-256 flash kernels (Gemma 2 2B and 9B);
+    // at other head dims it is in the materialised softmax.
     let capped = gemma(&|l| l.attn_softcap = 50.0, Activation::SwiGlu);
     assert!(!capped.flash_attention(true));
+    let mut capped256 = capped.clone();
+    capped256.head_dim = 256;
+    assert!(capped256.flash_attention(true));
+    assert!(!capped256.flash_attention(false));
     assert!(gemma(&|l| l.final_softcap = 30.0, Activation::SwiGlu).flash_attention(true));
     let s = gemma(&sliding, Activation::SwiGlu);
     assert_eq!((s.layer_window(0), s.layer_window(1)), (Some(4), None));

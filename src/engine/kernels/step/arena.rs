@@ -72,6 +72,9 @@ pub(super) struct Activations {
     // f32: flash attention's per-layer log-sum-exp [B, H, T] and its backward scratch
     pub(super) lse_att: Vec<u64>,
     pub(super) fa_scratch: u64,
+    /// Head dim 256 with grouped-query attention: each query head's share of dK, dV (bf16
+    /// [B, T, H, 2, hd], summed per key/value head after the backward); 0 otherwise.
+    pub(super) fa_kv_part: u64,
     /// QK-norm per head: each layer's q and k heads before the norm (bf16 [N, H + KV, hd]) and
     /// their 1/rms (f32 [N·(H + KV)]); empty without QK-norm.
     pub(super) qk_raw: Vec<u64>,
@@ -299,9 +302,16 @@ impl ModelStep {
         };
         let f_lse_att = align(n);
         let f_scratch = f_lse_att + l * align(bht);
+        // (head dim 256 with grouped-query attention: the heads' dK, dV shares, bf16 [N, H, 2, hd]
+        // = nac f32 words)
+        let kv_part = if self.flash && self.fa_per_head_kv() {
+            align(nac)
+        } else {
+            0
+        };
         let f_stats = f_scratch
             + if self.flash {
-                align(nac) + align(bht)
+                align(nac) + align(bht) + kv_part
             } else {
                 0
             };
@@ -378,6 +388,11 @@ impl ModelStep {
                 .map(|i| fbase + 4 * (f_lse_att + i * align(bht)) as u64)
                 .collect(),
             fa_scratch: fbase + 4 * f_scratch as u64,
+            fa_kv_part: if kv_part > 0 {
+                fbase + 4 * (f_scratch + align(nac) + align(bht)) as u64
+            } else {
+                0
+            },
             qk_raw: if qk_groups > 0 {
                 all(&qk_raw_o)
             } else {

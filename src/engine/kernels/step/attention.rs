@@ -104,6 +104,7 @@ impl ModelStep {
                     Arg::F(self.drop_scale),
                     Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
                     Arg::P(self.lows_ptr(a, l)),
+                    Arg::F(self.flash_cap()?),
                 ],
             );
         }
@@ -173,9 +174,11 @@ impl ModelStep {
                     Arg::I(hi),
                 ],
             )?;
+            // (one query head a block, or one key/value head's group)
+            let heads = if fk.per_head { h } else { self.n_kv_head };
             self.launch(
                 &fk.bwd,
-                self.flash_grid(b, self.n_kv_head, fk.bwd_smem, fk.bwd_block),
+                self.flash_grid(b, heads, fk.bwd_smem, fk.bwd_block),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.da),
@@ -192,8 +195,30 @@ impl ModelStep {
                     Arg::F(self.drop_scale),
                     Arg::P(a.mbits.get(l).copied().unwrap_or(0)),
                     Arg::P(self.lows_ptr(a, l)),
+                    Arg::F(self.flash_cap()?),
+                    Arg::P(a.fa_kv_part),
                 ],
             )?;
+            if let (Some(sum), true) = (&fk.kv_sum, fk.per_head && self.fa_per_head_kv()) {
+                // each key/value head's dK, dV: the sum of its query heads' shares
+                let threads = b * t * self.n_kv_head * 2 * hd / 8;
+                self.launch(
+                    sum,
+                    LaunchConfig {
+                        grid_dim: (threads.div_ceil(256) as u32, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                    &[
+                        Arg::P(a.fa_kv_part),
+                        Arg::P(a.dqkv),
+                        Arg::I(bi),
+                        Arg::I(ti),
+                        Arg::I(hi),
+                        Arg::I(kvi),
+                    ],
+                )?;
+            }
             return self.launch(
                 &fk.dq,
                 LaunchConfig {

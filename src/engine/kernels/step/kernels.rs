@@ -13,6 +13,7 @@ use candle_core::{CudaDevice, Result};
 use super::{Arg, ModelStep};
 use crate::engine::events::KernelTime;
 use crate::engine::kernels::cuda::{err, load_function};
+use crate::engine::spec::FLASH_SOFTCAP_HEAD_DIM;
 
 /// A timed launch: its group name and the events before and after it.
 pub(super) type Mark = (&'static str, CudaEvent, CudaEvent);
@@ -61,11 +62,13 @@ pub(super) struct Kernels {
     pub(super) ggml_dequant: Kern,
     /// The Mamba-2 mixer's kernels (mamba.cuh).
     pub(super) mamba: MambaKernels,
-    /// Flash attention for head dim 64 and for head dim 128.
+    /// Flash attention for head dims 64, 128 and 256.
     pub(super) flash64: Flash,
-    /// None where the GPU's shared memory per block is too small for them (a T4's 64 KB:
-    /// [`crate::engine::kernels::flash_fits`] keeps such models off flash attention).
+    /// None where the GPU's shared memory per block is too small for them (128: a T4's 64 KB;
+    /// 256: below Hopper's 227 KB; [`crate::engine::kernels::flash_fits`] keeps such models
+    /// off flash attention).
     pub(super) flash128: Option<Flash>,
+    pub(super) flash256: Option<Flash>,
 }
 
 /// flash.cu's kernels for one head dim, and the dynamic shared memory the forward and the
@@ -81,20 +84,31 @@ pub(super) struct Flash {
     /// The backward's block: threads, and keys it owns (the grid's second dimension covers T
     /// in steps of it).
     pub(super) bwd_block: (u32, usize),
+    /// The backward takes one query head a block (head dim 256), not a key/value head's
+    /// group: `kv_sum` then adds the heads' dK, dV shares up where heads share one.
+    pub(super) per_head: bool,
+    pub(super) kv_sum: Option<Kern>,
 }
 
 impl Flash {
     /// `hopper`: the kernels are the compute_90a build, whose forward and backward run on
-    /// warpgroup tensor-core instructions (flash_sm90.cu).
+    /// warpgroup tensor-core instructions (flash_sm90.cu) at head dims 64 and 128 (256's are
+    /// flash.cu's on every build).
     pub(super) fn load(
         named: &dyn Fn(&str, &'static str) -> Result<Kern>,
         hd: usize,
         hopper: bool,
     ) -> Result<Self> {
-        let sfx = if hd == 64 { "" } else { "_d128" };
+        let sfx = match hd {
+            64 => "",
+            128 => "_d128",
+            _ => "_d256",
+        };
         let k = |base: &str, group: &'static str| named(&format!("{base}{sfx}_bf16"), group);
         let (mut fwd_smem, mut bwd_smem) = crate::engine::kernels::spec::flash_smem(hd);
-        let mut bwd_block = (128, 64);
+        // (head dim 256: 8 warps over 64 keys, two a key group, each half of the columns)
+        let mut bwd_block = if hd == 256 { (256, 64) } else { (128, 64) };
+        let hopper = hopper && hd != 256;
         let bwd = if hopper && hd == 64 {
             // Three warpgroups over 128 keys (flash_sm90.cu's flash_bwd_ws_bf16).
             bwd_smem = crate::engine::kernels::spec::FLASH_BWD_WS_SMEM;
@@ -127,6 +141,10 @@ impl Flash {
             fwd_smem,
             bwd_smem,
             bwd_block,
+            per_head: hd == 256,
+            kv_sum: (hd == 256)
+                .then(|| named("flash_bwd_kv_sum_d256_bf16", "flash_bwd_kv_sum"))
+                .transpose()?,
         };
         // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly.
         let allow = |k: &Kern, bytes: u32| -> Result<()> {
@@ -240,6 +258,9 @@ impl Kernels {
             flash128: crate::engine::kernels::cuda::flash_fits(dev, 128)
                 .then(|| Flash::load(&named, 128, hopper))
                 .transpose()?,
+            flash256: crate::engine::kernels::cuda::flash_fits(dev, 256)
+                .then(|| Flash::load(&named, 256, hopper))
+                .transpose()?,
         })
     }
 }
@@ -327,14 +348,38 @@ impl ModelStep {
         Ok(out)
     }
 
-    /// The flash kernels of this model's head dim (one of [`FLASH_HEAD_DIMS`]).
+    /// The flash kernels of this model's head dim (one of [`crate::engine::spec::FLASH_HEAD_DIMS`]).
     pub(super) fn flash_kernels(&self) -> Result<&Flash> {
-        if self.hd == 64 {
-            return Ok(&self.k.flash64);
-        }
-        self.k.flash128.as_ref().ok_or_else(|| {
-            err("flash attention at head dim 128 needs more shared memory a block than this GPU has")
+        let kernels = match self.hd {
+            64 => return Ok(&self.k.flash64),
+            128 => &self.k.flash128,
+            256 => &self.k.flash256,
+            hd => return Err(err(format!("no flash attention kernels at head dim {hd}"))),
+        };
+        kernels.as_ref().ok_or_else(|| {
+            err(format!(
+                "flash attention at head dim {} needs more shared memory a block than this GPU has",
+                self.hd
+            ))
         })
+    }
+
+    /// The attention soft-cap the flash kernels take (0: none); soft-capped flash attention
+    /// exists at [`FLASH_SOFTCAP_HEAD_DIM`] only (the spec keeps other head dims off flash).
+    pub(super) fn flash_cap(&self) -> Result<f32> {
+        if self.attn_cap > 0.0 && self.hd != FLASH_SOFTCAP_HEAD_DIM {
+            return Err(err(format!(
+                "flash attention has no soft-cap at head dim {}",
+                self.hd
+            )));
+        }
+        Ok(self.attn_cap)
+    }
+
+    /// The flash backward writes each query head's share of dK, dV for a sum after it (head
+    /// dim 256, whose backward takes a query head a block, with heads sharing key/value heads).
+    pub(super) fn fa_per_head_kv(&self) -> bool {
+        self.hd == 256 && self.n_head != self.n_kv_head
     }
 }
 
