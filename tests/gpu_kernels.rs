@@ -2068,3 +2068,96 @@ fn recompute_matches_keeping_the_activations() {
         }
     }
 }
+
+/// The decode-attention kernel (one new query a row against a generation cache, keys in
+/// chunks across blocks, then merged) against the candle composition in f32 over the same
+/// values: grouped-query heads, head dims 64, 80, 128 and 256, rows with left padding, a
+/// sliding window's start, Gemma 2's soft-cap, lengths of one column, within one chunk and
+/// across several; f32 and bf16.
+#[test]
+fn decode_attention_matches_the_composition() {
+    let Some(dev) = gpu() else { return };
+    let cap = 700;
+    // (heads, key/value heads, head dim, soft-cap)
+    for (h, kvh, hd, softcap) in [
+        (8, 2, 64, 0.0f32),
+        (4, 1, 256, 0.0),
+        (6, 6, 80, 2.0),
+        (32, 8, 128, 0.0),
+        (4, 2, 256, 1.5),
+    ] {
+        for dt in [DType::F32, DType::BF16] {
+            let b = 3;
+            let rnd = |dims: &[usize]| {
+                Tensor::randn(0f32, 1f32, dims, &dev)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap()
+            };
+            let q = rnd(&[b, h, hd]);
+            let k = rnd(&[b, kvh, cap, hd]);
+            let v = rnd(&[b, kvh, cap, hd]);
+            // rows padded on the left by 0, 5 and 37 columns
+            let pads = [0usize, 5, 37];
+            let mask: Vec<f32> = pads
+                .iter()
+                .flat_map(|&p| (0..cap).map(move |c| if c < p { f32::NEG_INFINITY } else { 0.0 }))
+                .collect();
+            let mask = Tensor::from_vec(mask, (b, cap), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let scale = 1.0 / (hd as f32).sqrt();
+            for (lo, len) in [(0, 38), (0, 200), (0, 700), (450, 700), (100, 613)] {
+                let span = kernels::DecodeSpan {
+                    lo,
+                    len,
+                    scale,
+                    softcap,
+                };
+                let got = kernels::decode_attention(&q, &k, &v, &mask, span)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
+                // The composition in f32 over the same (rounded) values.
+                let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let seen = len - lo;
+                let keys = f(&k).narrow(2, lo, seen).unwrap();
+                let values = f(&v).narrow(2, lo, seen).unwrap();
+                let qq = (f(&q) * scale as f64)
+                    .unwrap()
+                    .reshape((b, kvh, h / kvh, hd))
+                    .unwrap();
+                let mut att = qq.matmul(&keys.t().unwrap()).unwrap();
+                if softcap > 0.0 {
+                    att =
+                        ((att / softcap as f64).unwrap().tanh().unwrap() * softcap as f64).unwrap();
+                }
+                let m = f(&mask)
+                    .narrow(1, lo, seen)
+                    .unwrap()
+                    .reshape((b, 1, 1, seen))
+                    .unwrap();
+                let att =
+                    candle_nn::ops::softmax_last_dim(&att.broadcast_add(&m).unwrap()).unwrap();
+                let want = att.matmul(&values).unwrap().reshape((b, h, hd)).unwrap();
+                let worst = (got - &want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                let tol = if dt == DType::F32 { 1e-4 } else { 1e-2 };
+                assert!(
+                    worst <= tol,
+                    "{h}/{kvh} heads of {hd}, cap {softcap}, {dt:?}, columns {lo}..{len}: max \
+                     abs err {worst:.3e} > {tol:.0e}"
+                );
+            }
+        }
+    }
+}

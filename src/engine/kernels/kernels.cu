@@ -158,8 +158,9 @@ extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,
 
 #include "cuda/nf4.cuh"
 #include "cuda/ggml.cuh"
+#include "cuda/decode_attention.cuh"
 
-// Causal flash attention (head dims 64 and 128) for the whole-model step.
+// Causal flash attention (head dims 64, 128 and 256) for the whole-model step.
 #include "flash.cu"
 // Its backward's main kernel with Hopper's warpgroup products (compute_90a builds only).
 #include "flash_sm90.cu"

@@ -10,6 +10,8 @@
 //! - [`sumsq`] and [`adamw_multi`]: the global gradient norm and AdamW over all parameters,
 //!   one multi-tensor launch each (a small pointer table goes up per step), AdamW in place on
 //!   the fp32 master weights and moments, clipping folded in as a gradient scale;
+//! - [`decode_attention`]: a generation step's attention, each row's new query against its
+//!   cached keys and values (no autograd);
 //! - [`linear`], [`causal_attention_qkv`], [`embedding`]: whole layers as single autograd
 //!   nodes with hand-written backward passes (fewer graph edges: candle's backprop
 //!   materialises a zero tensor and an add for every edge).
@@ -117,6 +119,17 @@ pub fn convert_into(src: &Tensor, dst: &Tensor) -> candle_core::Result<()> {
         return cuda::wire_convert(src, dst);
     }
     dst.slice_set(&src.to_dtype(dst.dtype())?, 0, 0)
+}
+
+/// Where a decoding row's new query may look ([`decode_attention`]): columns `lo..len` of the
+/// cache, those its padding mask leaves at 0; scores `scale·q·k`, soft-capped where
+/// `softcap > 0`.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeSpan {
+    pub lo: usize,
+    pub len: usize,
+    pub scale: f32,
+    pub softcap: f32,
 }
 
 /// Scalars of one fused AdamW update ([`adamw_multi`], [`adamw_update`]).
@@ -239,6 +252,18 @@ mod cpu_stubs {
         _v: &Tensor,
         _a: &super::AdamWArgs,
     ) -> Result<()> {
+        no_cuda()
+    }
+    pub fn decode_attention_takes(_n_head: usize, _n_kv_head: usize, _hd: usize) -> bool {
+        false
+    }
+    pub fn decode_attention(
+        _q: &Tensor,
+        _keys: &Tensor,
+        _values: &Tensor,
+        _mask: &Tensor,
+        _span: super::DecodeSpan,
+    ) -> Result<Tensor> {
         no_cuda()
     }
 }

@@ -78,6 +78,16 @@ impl Model {
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
         let rep = h / kvh;
         let scale = s.attention_scale();
+        // A decode step's attention in one kernel on CUDA (`kernels.attention`, unless
+        // `COCKPIT_DECODE=ops` asks for the candle ops, to compare; the ops elsewhere, and for
+        // a prefill).
+        static OPS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let ops = *OPS.get_or_init(|| std::env::var("COCKPIT_DECODE").as_deref() == Ok("ops"));
+        let decode_kernel = n == 1
+            && !ops
+            && s.kernels.attention
+            && crate::engine::kernels::usable(&x)
+            && crate::engine::kernels::decode_attention_takes(h, kvh, hd);
         // A Mamba layer's real columns of a left-padded prefill (its padding must change no
         // row's state); every column of a step after it is real.
         let valid = if n > 1 && s.hybrid.is_some() {
@@ -109,11 +119,11 @@ impl Model {
                 q = rotate_half(&q, cos, sin)?;
                 k = rotate_half(&k, cos, sin)?;
             }
-            let (keys, values) = match state {
+            let (kc, vc) = match state {
                 LayerState::Kv { k: kc, v: vc } => {
                     kc.slice_set(&k.contiguous()?, 2, start)?;
                     vc.slice_set(&v.contiguous()?, 2, start)?;
-                    (kc.narrow(2, 0, len)?, vc.narrow(2, 0, len)?)
+                    (&*kc, &*vc)
                 }
                 LayerState::Mamba(_) => {
                     candle_core::bail!("decode_batch: attention layer {l} with a Mamba state")
@@ -124,26 +134,38 @@ impl Model {
                 Some(w) if n == 1 => len.saturating_sub(w),
                 _ => 0,
             };
-            let seen = len - lo;
-            let (keys, values) = (keys.narrow(2, lo, seen)?, values.narrow(2, lo, seen)?);
-            // Grouped-query attention without copying the cache: the `rep` query heads of a
-            // kv head become rows of one matmul against it.
-            let q = (q * scale)?.reshape((bsz, kvh, rep * n, hd))?;
-            let mut att = q.matmul(&keys.t()?)?.reshape((bsz, kvh, rep, n, seen))?;
-            if let Some(cap) = s.attn_softcap() {
-                att = ((att / cap)?.tanh()? * cap)?;
-            }
-            let mask = match (&window_mask, s.layer_window(l)) {
-                (Some(w), Some(_)) => w.clone(),
-                _ => mask.narrow(4, lo, seen)?,
+            let y = if n == 1 && decode_kernel {
+                // One kernel over the cache (keys in chunks across blocks, then merged).
+                let span = crate::engine::kernels::DecodeSpan {
+                    lo,
+                    len,
+                    scale: scale as f32,
+                    softcap: s.attn_softcap().unwrap_or(0.0) as f32,
+                };
+                let q = q.reshape((bsz, h, hd))?.contiguous()?;
+                crate::engine::kernels::decode_attention(&q, kc, vc, &cache.pad_mask, span)?
+                    .reshape((bsz, n, h * hd))?
+            } else {
+                let seen = len - lo;
+                let (keys, values) = (kc.narrow(2, lo, seen)?, vc.narrow(2, lo, seen)?);
+                // Grouped-query attention without copying the cache: the `rep` query heads of
+                // a kv head become rows of one matmul against it.
+                let q = (q * scale)?.reshape((bsz, kvh, rep * n, hd))?;
+                let mut att = q.matmul(&keys.t()?)?.reshape((bsz, kvh, rep, n, seen))?;
+                if let Some(cap) = s.attn_softcap() {
+                    att = ((att / cap)?.tanh()? * cap)?;
+                }
+                let mask = match (&window_mask, s.layer_window(l)) {
+                    (Some(w), Some(_)) => w.clone(),
+                    _ => mask.narrow(4, lo, seen)?,
+                };
+                let att = att.broadcast_add(&mask)?;
+                let att = candle_nn::ops::softmax_last_dim(&att)?;
+                let y = att.reshape((bsz, kvh, rep * n, seen))?.matmul(&values)?;
+                y.reshape((bsz, h, n, hd))?
+                    .transpose(1, 2)?
+                    .reshape((bsz, n, h * hd))?
             };
-            let att = att.broadcast_add(&mask)?;
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let y = att.reshape((bsz, kvh, rep * n, seen))?.matmul(&values)?;
-            let y = y
-                .reshape((bsz, h, n, hd))?
-                .transpose(1, 2)?
-                .reshape((bsz, n, h * hd))?;
             let a = self.linear(&b.attn()?.o, &y)?;
             x = (x + self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?)?;
             let m = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;

@@ -209,6 +209,7 @@ macro_rules! cpu_only_fwd {
 
 mod bias;
 mod cross_entropy;
+mod decode_attention;
 mod dropout;
 mod ggml;
 mod nf4;
@@ -221,6 +222,7 @@ mod wire;
 
 pub use self::bias::*;
 pub use self::cross_entropy::*;
+pub use self::decode_attention::*;
 pub use self::dropout::*;
 pub use self::ggml::*;
 pub use self::nf4::*;
