@@ -63,12 +63,27 @@ fn tol(dt: DType) -> f32 {
     }
 }
 
-/// max|a − b| / max|b|
-fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+/// max|a − b| (in f32)
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
     let b = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
     assert_eq!(a.dims(), b.dims());
-    let d: f32 = (&a - &b)
+    (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// max|a − b| / max|b|
+fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
+    let m: f32 = b
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
         .unwrap()
         .abs()
         .unwrap()
@@ -76,8 +91,7 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
         .to_scalar()
         .unwrap();
-    let m: f32 = b.abs().unwrap().max(0).unwrap().to_scalar().unwrap();
-    d / m.max(1e-20)
+    max_abs_diff(a, b) / m.max(1e-20)
 }
 
 fn check(what: &str, dt: DType, fused: &Tensor, plain: &Tensor) {
@@ -2141,16 +2155,7 @@ fn decode_attention_matches_the_composition() {
                 let att =
                     candle_nn::ops::softmax_last_dim(&att.broadcast_add(&m).unwrap()).unwrap();
                 let want = att.matmul(&values).unwrap().reshape((b, h, hd)).unwrap();
-                let worst = (got - &want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .max(0)
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let worst = max_abs_diff(&got, &want);
                 let tol = if dt == DType::F32 { 1e-4 } else { 1e-2 };
                 assert!(
                     worst <= tol,
