@@ -167,11 +167,61 @@ fn cached_decoding_equals_the_full_forward() {
     }
 }
 
+/// Greedy decoding through the single-sequence cache ([`Model::decode`]): `n` new tokens.
+fn greedy_alone(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = model.kv_cache();
+    let mut logits = model.decode(prompt, &mut cache).unwrap();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let last = logits.narrow(0, logits.dim(0).unwrap() - 1, 1).unwrap();
+        let t = last.argmax(D::Minus1).unwrap().to_vec1::<u32>().unwrap()[0];
+        out.push(t);
+        logits = model.decode(&[t], &mut cache).unwrap();
+    }
+    out
+}
+
+/// Logits of the last of `ids` under a full forward.
+fn last_logits(model: &mut Model, ids: &[u32]) -> Vec<f32> {
+    let x = Tensor::from_vec(ids.to_vec(), (1, ids.len()), &Device::Cpu).unwrap();
+    let full: Vec<Vec<f32>> = model.forward(&x, false).unwrap().to_vec2().unwrap();
+    full[ids.len() - 1].clone()
+}
+
+/// The model a row with `pad` columns of left padding decodes alone as it decodes in the
+/// batch; None where that is the model itself. A LongRoPE model in a batch switches to the
+/// long factors by the batch's columns (transformers' generation: `max(position_ids) + 1`
+/// of the longest row, the padded width for dropping the cache), so such a row switches
+/// `pad` tokens before it would alone: as a model whose original context is `pad` shorter
+/// (its attention factor kept).
+fn as_in_batch(name: &str, model: &Model, pad: usize) -> Option<Model> {
+    let cockpit::config::RopeScaling::LongRope {
+        original_max_position_embeddings: original,
+        attention_factor,
+        ..
+    } = model.spec.rope_scaling
+    else {
+        return None;
+    };
+    if pad == 0 {
+        return None;
+    }
+    let dir = variant(name, |c| {
+        c["original_max_position_embeddings"] = (original - pad).into();
+        c["rope_parameters"]["original_max_position_embeddings"] = (original - pad).into();
+        c["rope_parameters"]["attention_factor"] = attention_factor.into();
+    });
+    Some(load(dir.path(), model.spec.seq_len))
+}
+
 /// Rows of different lengths decoded together (left-padded): each row's greedy tokens are
-/// the tokens it gets alone, and a row alone matches transformers.
+/// the tokens it gets alone through the single-sequence cache (a LongRoPE row with the
+/// switch where the batch makes it: [`as_in_batch`]), and a prompt alone matches
+/// transformers. (phi3_longrope's batch crosses its original context of 16 while it
+/// decodes: 12 columns of prompts, 16 new tokens.)
 #[test]
 fn batched_greedy_equals_each_prompt_alone() {
-    use cockpit::engine::generate::{generate, generate_rows, Rows, Sampling};
+    use cockpit::engine::generate::{generate_rows, Rows, Sampling};
     for name in FIXTURES {
         let dir = fixture(name);
         let e = expected(&dir);
@@ -184,14 +234,19 @@ fn batched_greedy_equals_each_prompt_alone() {
             e.ids[5..6].to_vec(),
         ];
         let n = e.greedy.len();
-        let alone: Vec<Vec<u32>> = prompts
-            .iter()
-            .map(|q| generate(&model, q, n, &Sampling::greedy(), &[], |_| {}).unwrap())
-            .collect();
         assert_eq!(
-            alone[0], e.greedy,
+            greedy_alone(&model, p, n),
+            e.greedy,
             "{name}: greedy tokens differ from transformers'"
         );
+        let width = prompts.iter().map(Vec::len).max().unwrap();
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|q| {
+                let shifted = as_in_batch(name, &model, width - q.len());
+                greedy_alone(shifted.as_ref().unwrap_or(&model), q, n)
+            })
+            .collect();
         let req = Rows {
             prompts: &prompts,
             max_new: n,
@@ -202,15 +257,15 @@ fn batched_greedy_equals_each_prompt_alone() {
         };
         let mut steps = 0;
         let g = generate_rows(&model, &req, |_| steps += 1).unwrap();
-        // (Models the batch path does not cover decode row by row: a step per row's token.)
-        let batched = model.batch_decodes();
-        assert_eq!(steps, if batched { n } else { n * prompts.len() }, "{name}");
+        assert_eq!(steps, n, "{name}");
         for (i, (row, want)) in g.rows.iter().zip(&alone).enumerate() {
             assert_eq!(
                 &row.ids, want,
                 "{name}: row {i} in a batch differs from alone"
             );
         }
+        let emb = g.embeddings.unwrap();
+        assert_eq!(emb.dims(), &[4, model.spec.n_embd]);
         // A stop token ends its row alone (the token is the row's last).
         let stop = [alone[1][2]];
         let req = Rows { stop: &stop, ..req };
@@ -222,10 +277,6 @@ fn batched_greedy_equals_each_prompt_alone() {
             cockpit::engine::generate::StopReason::Eos,
             "{name}"
         );
-        match g.embeddings {
-            Some(emb) => assert_eq!(emb.dims(), &[4, model.spec.n_embd]),
-            None => assert!(!batched, "{name}: no embeddings"),
-        }
     }
 }
 
@@ -235,13 +286,14 @@ fn batched_greedy_equals_each_prompt_alone() {
 #[test]
 fn a_shared_prefill_gives_what_a_prefill_per_row_gives() {
     use cockpit::engine::generate::{generate_rows_with, BatchOptions, Rows, Sampling};
-    for name in ["llama3", "gpt2", "qwen3", "gemma3_text", "granite_hybrid"] {
+    // (phi3_longrope's 8 + 12 columns cross its original context of 16: the copied rows
+    // keep the ids to decode again.)
+    #[rustfmt::skip]
+    let names = ["llama3", "gpt2", "qwen3", "gemma3_text", "granite_hybrid", "phi3_longrope"];
+    for name in names {
         let dir = fixture(name);
         let e = expected(&dir);
         let model = load(&dir, e.ids.len() - 1);
-        if !model.batch_decodes() {
-            continue;
-        }
         let p = e.prompt.clone();
         let q = e.ids[2..5].to_vec();
         let prompts = vec![p.clone(), p.clone(), q.clone(), p, q];
@@ -255,7 +307,7 @@ fn a_shared_prefill_gives_what_a_prefill_per_row_gives() {
         for sampling in [Sampling::greedy(), sampled] {
             let req = Rows {
                 prompts: &prompts,
-                max_new: 8,
+                max_new: 12,
                 sampling: &sampling,
                 seed: 11,
                 stop: &[],
@@ -286,20 +338,25 @@ fn a_shared_prefill_gives_what_a_prefill_per_row_gives() {
     }
 }
 
-/// The batched cache gives, for each row, the logits a full forward of that row alone gives.
+/// The batched cache gives, for each row, the logits a full forward of that row alone gives
+/// (of a LongRoPE row, on the model that switches where the batch does: [`as_in_batch`]).
+/// phi3_longrope's columns (12 + 7) cross its original context of 16, where every row
+/// switches at once: a padded row's logits then differ from the original model's.
 #[test]
 fn batched_decoding_equals_the_full_forward() {
     // (The hybrids: the left padding of a prefill changes no Mamba state.)
-    for name in
-        ATTENTION_DECODERS
-            .into_iter()
-            .chain(["mistral", "granite_hybrid", "granite_hybrid_moe"])
-    {
+    let more = [
+        "mistral",
+        "granite_hybrid",
+        "granite_hybrid_moe",
+        "phi3_longrope",
+    ];
+    for name in ATTENTION_DECODERS.into_iter().chain(more) {
         let dir = fixture(name);
         let e = expected(&dir);
         let mut model = load(&dir, e.ids.len() - 1);
         let lens = [12usize, 7, 9];
-        let steps = 5;
+        let steps = 8;
         let width = lens[0];
         let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
         let rows: Vec<Vec<u32>> = lens
@@ -334,21 +391,31 @@ fn batched_decoding_equals_the_full_forward() {
                     .unwrap(),
             );
         }
+        let diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max)
+        };
+        // (How far a shifted row's logits are from the original model's.)
+        let mut switched = 0.0f32;
         for (r, (row, &l)) in rows.iter().zip(&lens).enumerate() {
-            let n = l + steps - 1;
-            let x = Tensor::from_vec(row[..n].to_vec(), (1, n), &Device::Cpu).unwrap();
-            let full: Vec<Vec<f32>> = model.forward(&x, false).unwrap().to_vec2().unwrap();
+            let mut shifted = as_in_batch(name, &model, pads[r]);
             for (s, step) in got.iter().enumerate() {
-                let worst = full[l - 1 + s]
-                    .iter()
-                    .zip(&step[r])
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
+                let prefix = &row[..l + s];
+                let want = last_logits(shifted.as_mut().unwrap_or(&mut model), prefix);
+                let worst = diff(&want, &step[r]);
                 assert!(
                     worst < 1e-4,
                     "{name}: row {r} step {s}: logits differ by {worst}"
                 );
+                if shifted.is_some() {
+                    switched = switched.max(diff(&last_logits(&mut model, prefix), &step[r]));
+                }
             }
+        }
+        if name == "phi3_longrope" {
+            assert!(switched > 1e-3, "the batch's switch must show: {switched}");
         }
     }
 }

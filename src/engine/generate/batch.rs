@@ -133,9 +133,6 @@ pub fn generate_rows_with(
     if req.prompts.iter().any(|p| p.is_empty()) {
         candle_core::bail!("a prompt has no tokens");
     }
-    if !model.batch_decodes() {
-        return rows_one_by_one(model, req, rows, start, on_step);
-    }
     let dev = model.device();
     let width = req.prompts.iter().map(Vec::len).max().unwrap_or(1);
     let pads: Vec<usize> = req.prompts.iter().map(|p| width - p.len()).collect();
@@ -256,55 +253,5 @@ pub fn generate_rows_with(
         elapsed: start.elapsed(),
         prefill,
         sampling,
-    })
-}
-
-/// [`generate_rows`] for a model [`Model::batch_decodes`] does not cover: each row decoded
-/// alone through the single-sequence cache ([`Model::decode`]), its tokens drawn by the same
-/// sampler; no embeddings (the diversity's cosine distance is then absent).
-fn rows_one_by_one(
-    model: &Model,
-    req: &Rows,
-    mut rows: Vec<RowOut>,
-    start: Instant,
-    mut on_step: impl FnMut(&[Option<u32>]),
-) -> Result<Generation> {
-    let dev = model.device();
-    let b = req.prompts.len();
-    let mut first_token = None;
-    for (r, p) in req.prompts.iter().enumerate() {
-        let ids = Tensor::from_vec(p.clone(), (1, p.len()), dev)?;
-        let seed = req.seed.wrapping_add(r as u64);
-        let mut sampler = Sampler::new(&ids, model.spec.vocab_size, req.sampling, seed)?;
-        let mut cache = model.kv_cache();
-        let mut logits = model.decode(p, &mut cache)?;
-        loop {
-            let n = logits.dim(0)?;
-            let last = logits.narrow(0, n - 1, 1)?.to_dtype(DType::F32)?;
-            let tok = sampler.sample(&last)?;
-            let t = tok.to_vec1::<u32>()?[0];
-            first_token.get_or_insert_with(|| start.elapsed());
-            rows[r].ids.push(t);
-            let mut step = vec![None; b];
-            step[r] = Some(t);
-            on_step(&step);
-            if req.stop.contains(&t) {
-                rows[r].stop = StopReason::Eos;
-                break;
-            }
-            if rows[r].ids.len() == req.max_new {
-                break;
-            }
-            sampler.observe(&tok)?;
-            logits = model.decode(&[t], &mut cache)?;
-        }
-    }
-    Ok(Generation {
-        rows,
-        embeddings: None,
-        first_token: first_token.unwrap_or_default(),
-        elapsed: start.elapsed(),
-        prefill: Duration::ZERO,
-        sampling: Duration::ZERO,
     })
 }

@@ -29,8 +29,15 @@ pub struct BatchCache {
     pub(super) pad_mask: Tensor,
     /// `[B, capacity]` (u32): the position of each column in its row (0 on the padding).
     pub(super) positions: Tensor,
-    /// RoPE cos and sin of each row's columns, `[B, capacity, rotary_dim]`.
+    /// RoPE cos and sin of each row's columns, `[B, capacity, rotary_dim]`: LongRoPE's long
+    /// factors once the columns pass the original context (`rope_long`).
     pub(super) rope: Option<(Tensor, Tensor)>,
+    /// Whether `rope` holds LongRoPE's long factors.
+    pub(super) rope_long: bool,
+    /// `[B, capacity]` (u32): the ids of the filled columns, where the columns may cross a
+    /// LongRoPE model's original context (the crossing decodes them all again with the long
+    /// factors); None otherwise.
+    pub(super) ids: Option<Tensor>,
     /// The same for the sliding layers' own θ (Gemma 3's `rope_local_base_freq`), where the
     /// model has one.
     pub(super) rope_local: Option<(Tensor, Tensor)>,
@@ -100,6 +107,8 @@ impl BatchCache {
             pad_mask: pick(&self.pad_mask)?,
             positions: pick(&self.positions)?,
             rope,
+            rope_long: self.rope_long,
+            ids: self.ids.as_ref().map(pick).transpose()?,
             rope_local,
         })
     }
@@ -144,30 +153,26 @@ impl Model {
         }
         let positions = Tensor::from_vec(pos, (bsz, capacity), dev)?;
         let pad_mask = Tensor::from_vec(mask, (bsz, capacity), dev)?.to_dtype(self.dtype)?;
-        // cos/sin of each row's positions from the table of `key`.
-        let table = |key: RopeKey| -> Result<(Tensor, Tensor)> {
-            let (cos, sin) = rope_tables(&s.rope_freqs(key), 0, capacity, self.dtype, dev)?;
-            let rd = cos.dim(1)?;
-            let flat = positions.flatten_all()?;
-            Ok((
-                cos.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
-                sin.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
-            ))
-        };
         let local = RopeKey {
             local: true,
             long: false,
         };
+        // (The short factors: the first call switches to the long ones where its columns
+        // pass the original context.)
         let (rope, rope_local) = match self.rope {
             Some(_) => (
-                Some(table(RopeKey::default())?),
+                Some(self.batch_rope(RopeKey::default(), &positions)?),
                 s.rope_keys()
                     .contains(&local)
-                    .then(|| table(local))
+                    .then(|| self.batch_rope(local, &positions))
                     .transpose()?,
             ),
             None => (None, None),
         };
+        let ids = s
+            .rope_long(capacity)
+            .then(|| Tensor::zeros((bsz, capacity), DType::U32, dev))
+            .transpose()?;
         Ok(BatchCache {
             layers,
             filled: 0,
@@ -176,7 +181,28 @@ impl Model {
             pad_mask,
             positions,
             rope,
+            rope_long: false,
+            ids,
             rope_local,
         })
+    }
+
+    /// cos/sin `[B, capacity, rotary_dim]` of each row's `positions` `[B, capacity]` from
+    /// the table of `key`.
+    pub(super) fn batch_rope(&self, key: RopeKey, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (bsz, capacity) = positions.dims2()?;
+        let (cos, sin) = rope_tables(
+            &self.spec.rope_freqs(key),
+            0,
+            capacity,
+            self.dtype,
+            &self.device,
+        )?;
+        let rd = cos.dim(1)?;
+        let flat = positions.flatten_all()?;
+        Ok((
+            cos.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
+            sin.index_select(&flat, 0)?.reshape((bsz, capacity, rd))?,
+        ))
     }
 }

@@ -15,17 +15,11 @@ pub struct StepOut {
 }
 
 impl Model {
-    /// Whether [`Self::decode_batch`] computes this model: not yet RoPE tables that change
-    /// with the length (LongRoPE): those decode one row at a time through [`Self::decode`].
-    /// (Gemma's sliding layers, their own θ and the soft-caps, and a hybrid's Mamba layers
-    /// with their recurrent state, are here.)
-    pub fn batch_decodes(&self) -> bool {
-        !self.spec.rope_keys().iter().any(|k| k.long)
-    }
-
     /// Decode `ids` `[B, n]` (u32) placed at the next `n` columns of `cache`: their keys and
     /// values join the cache. A left-padded prompt is one call with `n` = its width; each
-    /// step after it `n` = 1.
+    /// step after it `n` = 1. The call whose columns cross a LongRoPE model's original
+    /// context decodes every column again, with the long factors
+    /// ([`Self::switch_to_long_rope`]).
     pub fn decode_batch(
         &self,
         ids: &Tensor,
@@ -41,6 +35,12 @@ impl Model {
                 cache.batch(),
                 cache.capacity
             );
+        }
+        if let Some(all) = &cache.ids {
+            all.slice_set(&ids.to_dtype(DType::U32)?.contiguous()?, 1, start)?;
+        }
+        if let Some(out) = self.switch_to_long_rope(cache, start + n, logits)? {
+            return Ok(out);
         }
         let wte = self.cast(&self.wte)?;
         let mut x = wte
@@ -191,6 +191,46 @@ impl Model {
             logits: logits.map(|l| l.detach()),
             hidden: hidden.to_dtype(DType::F32)?.detach(),
         })
+    }
+
+    /// LongRoPE in a batch, as transformers' generation computes it: its rotary embedding
+    /// picks the factors by `max(position_ids) + 1` over the whole batch, and Phi-3's
+    /// `prepare_inputs_for_generation` drops the cache when `input_ids.shape[1]` (the padded
+    /// width) reaches the original context + 1. Both are the cache's columns `len` here: the
+    /// batch is padded to its longest prompt, whose positions run `0..len`. (A batch whose rows
+    /// are all padded, which `generate_rows` never makes, switches by its columns too.) So
+    /// every row switches at once, a shorter one at a length where alone it would keep the
+    /// short factors. The keys cached before the crossing hold the short factors: every
+    /// filled column is decoded again with the long ones, in one call, whose last column is
+    /// the step's. None where the table stays (nothing to switch, or the first call).
+    fn switch_to_long_rope(
+        &self,
+        cache: &mut BatchCache,
+        len: usize,
+        logits: bool,
+    ) -> Result<Option<StepOut>> {
+        let long = self.spec.rope_long(len);
+        if self.rope.is_none() || long == cache.rope_long {
+            return Ok(None);
+        }
+        let key = RopeKey { local: false, long };
+        cache.rope = Some(self.batch_rope(key, &cache.positions)?);
+        cache.rope_long = long;
+        if cache.filled == 0 {
+            return Ok(None);
+        }
+        let Some(ids) = &cache.ids else {
+            candle_core::bail!("decode_batch: the cache kept no ids to decode again at {len}");
+        };
+        // (A copy: the call writes them back into the cache's ids.)
+        let ids = ids.narrow(1, 0, len)?.copy()?;
+        cache.filled = 0;
+        for state in cache.layers.iter_mut() {
+            if let LayerState::Mamba(s) = state {
+                *s = None;
+            }
+        }
+        self.decode_batch(&ids, cache, logits).map(Some)
     }
 
     /// The additive mask `[B, 1, 1, n, len]` of `n` new columns after `cache.filled`: a row
