@@ -2166,3 +2166,234 @@ fn decode_attention_matches_the_composition() {
         }
     }
 }
+
+/// A hybrid's Mamba-2 layer for one new position per row (`kernels::mamba_decode`: conv
+/// window, SiLU, dt's softplus and limits, the state's decay and input, its read-out, the D
+/// skip and the gated norm) against the candle composition in f32 over the same values: one
+/// group and several, head widths that are not a multiple of a block's rows, conv of 2 to 4
+/// taps with and without bias, dt limits; f32 and bf16.
+#[test]
+fn mamba_decode_matches_the_composition() {
+    let Some(dev) = gpu() else { return };
+    // (heads, head width, state, groups, conv taps, conv bias, dt limits)
+    type Shape = (usize, usize, usize, usize, usize, bool, Option<(f32, f32)>);
+    let shapes: [Shape; 4] = [
+        (8, 64, 128, 1, 4, true, None),
+        (6, 20, 64, 2, 3, false, Some((0.01, 0.5))),
+        (4, 32, 16, 4, 2, true, Some((0.0, 0.2))),
+        (48, 64, 128, 1, 4, true, None),
+    ];
+    let mut failed = Vec::new();
+    for (h, p, s, g, k, with_bias, dt_limits) in shapes {
+        for dt in [DType::F32, DType::BF16] {
+            let b = 3;
+            let (inner, conv) = (h * p, h * p + 2 * g * s);
+            let w = inner + conv + h;
+            let rnd = |dims: &[usize], std: f32, dt: DType| {
+                Tensor::randn(0f32, std, dims, &dev)
+                    .unwrap()
+                    .to_dtype(dt)
+                    .unwrap()
+            };
+            let proj = rnd(&[b, w], 1.0, dt);
+            let hist = rnd(&[b, k - 1, conv], 1.0, dt);
+            let conv_w = rnd(&[conv, k], 0.5, dt);
+            let conv_b = with_bias.then(|| rnd(&[conv], 0.3, dt));
+            let dt_bias = rnd(&[h], 1.0, DType::F32);
+            let a_log = rnd(&[h], 0.5, DType::F32);
+            let dskip = rnd(&[h], 1.0, DType::F32);
+            let norm_w = (rnd(&[inner], 0.1, DType::F32) + 1.0).unwrap();
+            let state = rnd(&[b, h, p, s], 1.0, DType::F32);
+            let d = kernels::MambaDecode {
+                heads: h,
+                head_dim: p,
+                state: s,
+                groups: g,
+                conv_k: k,
+                dt_limits,
+                eps: 1e-5,
+            };
+            assert!(kernels::mamba_decode_takes(&d));
+            let (out, hist_out, state_out) = kernels::mamba_decode(
+                &proj,
+                &hist,
+                &conv_w,
+                conv_b.as_ref(),
+                &dt_bias,
+                &a_log,
+                &dskip,
+                &norm_w,
+                &state,
+                &d,
+            )
+            .unwrap();
+            // The composition in f32 over the same (rounded) values.
+            let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+            let silu = |t: &Tensor| candle_nn::ops::silu(t).unwrap();
+            let proj32 = f(&proj);
+            let z = proj32.narrow(1, 0, inner).unwrap();
+            let xbc_new = proj32.narrow(1, inner, conv).unwrap();
+            let full = Tensor::cat(&[&f(&hist), &xbc_new.unsqueeze(1).unwrap()], 1).unwrap();
+            let mut pre = full
+                .broadcast_mul(&f(&conv_w).t().unwrap().unsqueeze(0).unwrap())
+                .unwrap()
+                .sum(1)
+                .unwrap();
+            if let Some(cb) = &conv_b {
+                pre = pre.broadcast_add(&f(cb)).unwrap();
+            }
+            let xbc = silu(&pre);
+            let x = xbc.narrow(1, 0, inner).unwrap().reshape((b, h, p)).unwrap();
+            let spread = |off: usize| {
+                xbc.narrow(1, off, g * s)
+                    .unwrap()
+                    .reshape((b, g, 1, s))
+                    .unwrap()
+                    .broadcast_as((b, g, h / g, s))
+                    .unwrap()
+                    .reshape((b, h, s))
+                    .unwrap()
+            };
+            let (bm, cm) = (spread(inner), spread(inner + g * s));
+            let raw = proj32
+                .narrow(1, inner + conv, h)
+                .unwrap()
+                .broadcast_add(&dt_bias)
+                .unwrap();
+            // softplus
+            let mut dts = (raw.relu().unwrap()
+                + (raw.abs().unwrap().neg().unwrap().exp().unwrap() + 1.0)
+                    .unwrap()
+                    .log()
+                    .unwrap())
+            .unwrap();
+            if let Some((lo, hi)) = dt_limits {
+                dts = dts.clamp(lo, hi).unwrap();
+            }
+            let decay = dts
+                .broadcast_mul(&a_log.exp().unwrap().neg().unwrap())
+                .unwrap()
+                .exp()
+                .unwrap();
+            let input = x
+                .broadcast_mul(&dts.unsqueeze(2).unwrap())
+                .unwrap()
+                .unsqueeze(3)
+                .unwrap()
+                .broadcast_mul(&bm.unsqueeze(2).unwrap())
+                .unwrap();
+            let want_state = (state
+                .broadcast_mul(&decay.reshape((b, h, 1, 1)).unwrap())
+                .unwrap()
+                + input)
+                .unwrap();
+            let y = want_state
+                .matmul(&cm.unsqueeze(3).unwrap())
+                .unwrap()
+                .squeeze(3)
+                .unwrap();
+            let y = (y + x.broadcast_mul(&dskip.reshape((1, h, 1)).unwrap()).unwrap()).unwrap();
+            let gated = (y.reshape((b, inner)).unwrap() * silu(&z))
+                .unwrap()
+                .reshape((b, g, inner / g))
+                .unwrap();
+            let rs = ((gated.sqr().unwrap().mean_keepdim(2).unwrap() + 1e-5)
+                .unwrap()
+                .sqrt()
+                .unwrap())
+            .recip()
+            .unwrap();
+            let want = gated
+                .broadcast_mul(&rs)
+                .unwrap()
+                .reshape((b, inner))
+                .unwrap()
+                .broadcast_mul(&norm_w)
+                .unwrap();
+            let want_hist = full.narrow(1, 1, k - 1).unwrap();
+            let what = format!("{h} heads × {p}, state {s}, {g} groups, conv {k}, {dt:?}");
+            let (e_out, e_state, e_hist) = (
+                max_abs_diff(&out, &want),
+                max_abs_diff(&state_out, &want_state),
+                max_abs_diff(&hist_out, &want_hist),
+            );
+            // (The output against its own scale: the norm leaves heavy tails — a product of
+            // y and silu(z) — where one bf16 rounding is several hundredths.)
+            let scale = want
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let rel_out = e_out / scale.max(1.0);
+            let tol_out = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+            eprintln!(
+                "{what}: output {e_out:.2e} (of {scale:.1}), state {e_state:.2e}, conv window \
+                 {e_hist:.1e}"
+            );
+            if rel_out > tol_out || e_state > 1e-4 || e_hist != 0.0 {
+                failed.push(what);
+            }
+        }
+    }
+    assert!(failed.is_empty(), "off the composition: {failed:?}");
+}
+
+/// A hybrid decoded in a batch on the GPU (its Mamba layers through `kernels::mamba_decode`,
+/// attention through `kernels::decode_attention`): left-padded prompts, then steps, each row's
+/// logits those of a full forward of that row alone, f32.
+#[test]
+fn a_hybrid_decodes_in_a_batch_as_its_forward() {
+    let Some(dev) = gpu() else { return };
+    let mut c = Config::default();
+    granite_hybrid(&mut c);
+    c.model.seq_len = 64;
+    let vocab = 97;
+    let mut m = Model::new(ModelSpec::from_config(&c, vocab), DType::F32, &dev, 5).unwrap();
+    let (lens, steps) = ([12usize, 7, 9], 5);
+    let width = lens[0];
+    let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
+    let rows: Vec<Vec<u32>> = (0..3)
+        .map(|r| batch_ids(lens[r] + steps, vocab, r as u32).0)
+        .collect();
+    let mut flat = Vec::new();
+    for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
+        flat.extend(std::iter::repeat_n(row[0], pad));
+        flat.extend_from_slice(&row[..l]);
+    }
+    let mut cache = m.batch_cache(&pads, width + steps).unwrap();
+    let ids = Tensor::from_vec(flat, (3, width), &dev).unwrap();
+    let logits = |ids: &Tensor, cache: &mut _| {
+        m.decode_batch(ids, cache, true)
+            .unwrap()
+            .logits
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let mut got = vec![logits(&ids, &mut cache)];
+    for s in 0..steps - 1 {
+        let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
+        got.push(logits(
+            &Tensor::from_vec(next, (3, 1), &dev).unwrap(),
+            &mut cache,
+        ));
+    }
+    for (r, (row, &l)) in rows.iter().zip(&lens).enumerate() {
+        let n = l + steps - 1;
+        let x = Tensor::from_vec(row[..n].to_vec(), (1, n), &dev).unwrap();
+        let full: Vec<Vec<f32>> = m.forward(&x, false).unwrap().to_vec2().unwrap();
+        for (s, step) in got.iter().enumerate() {
+            let worst = full[l - 1 + s]
+                .iter()
+                .zip(&step[r])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-4,
+                "row {r} step {s}: logits differ by {worst:.3e}"
+            );
+        }
+    }
+}

@@ -31,6 +31,24 @@ pub fn open(spec: DeviceSpec) -> Result<Device, DeviceError> {
     }
 }
 
+/// For a process whose every CUDA op runs on the device's one stream (generation, chat):
+/// stop cudarc's per-buffer event tracking. With it on, each allocation — every candle op's
+/// output — creates two CUDA events and drops them with the buffer, a few microseconds a
+/// launch that a decode step's few hundred small launches pay in full; the events only order
+/// buffers between streams, and these processes have one. Affects buffers allocated after
+/// the call. `COCKPIT_EVENT_TRACKING=1` keeps it on (to compare).
+pub fn single_stream(device: &Device) {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        if std::env::var("COCKPIT_EVENT_TRACKING").as_deref() != Ok("1") {
+            // SAFETY: the caller runs every op on this device's default stream: no buffer is
+            // used by two streams, which is all the events order.
+            unsafe { d.disable_event_tracking() };
+        }
+    }
+    let _ = device;
+}
+
 /// CUDA devices this process can see (after CUDA_VISIBLE_DEVICES): 0 without a CUDA build,
 /// a driver or a device.
 pub fn cuda_device_count() -> usize {

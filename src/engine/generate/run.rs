@@ -99,6 +99,8 @@ fn compute_dtype(device: &Device) -> DType {
 /// The model of `src` on `spec`'s device, and the seconds it took to load.
 pub(crate) fn load(src: &Path, spec: DeviceSpec) -> Result<(Source, f64), EngineError> {
     let device = crate::engine::device::open(spec)?;
+    // (generation runs on the device's one stream)
+    crate::engine::device::single_stream(&device);
     let t0 = Instant::now();
     let s = open(src, compute_dtype(&device), &device, 64)?;
     Ok((s, t0.elapsed().as_secs_f64()))

@@ -159,6 +159,7 @@ extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,
 #include "cuda/nf4.cuh"
 #include "cuda/ggml.cuh"
 #include "cuda/decode_attention.cuh"
+#include "cuda/mamba_decode.cuh"
 
 // Causal flash attention (head dims 64, 128 and 256) for the whole-model step.
 #include "flash.cu"

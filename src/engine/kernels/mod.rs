@@ -12,6 +12,8 @@
 //!   the fp32 master weights and moments, clipping folded in as a gradient scale;
 //! - [`decode_attention`]: a generation step's attention, each row's new query against its
 //!   cached keys and values (no autograd);
+//! - [`mamba_decode`]: a generation step through a hybrid's Mamba-2 layer, from in_proj's
+//!   output to the gated norm's, its conv window and scan state carried (no autograd);
 //! - [`linear`], [`causal_attention_qkv`], [`embedding`]: whole layers as single autograd
 //!   nodes with hand-written backward passes (fewer graph edges: candle's backprop
 //!   materialises a zero tensor and an add for every edge).
@@ -130,6 +132,20 @@ pub struct DecodeSpan {
     pub len: usize,
     pub scale: f32,
     pub softcap: f32,
+}
+
+/// The sizes of a hybrid's Mamba-2 layer for [`mamba_decode`]: `heads` of `head_dim`
+/// columns, a `state` per head row, B and C in `groups`, a conv of `conv_k` taps; dt
+/// clamped to `dt_limits` where given; the gated norm's `eps`.
+#[derive(Clone, Copy, Debug)]
+pub struct MambaDecode {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub state: usize,
+    pub groups: usize,
+    pub conv_k: usize,
+    pub dt_limits: Option<(f32, f32)>,
+    pub eps: f32,
 }
 
 /// Scalars of one fused AdamW update ([`adamw_multi`], [`adamw_update`]).
@@ -264,6 +280,24 @@ mod cpu_stubs {
         _mask: &Tensor,
         _span: super::DecodeSpan,
     ) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn mamba_decode_takes(_d: &super::MambaDecode) -> bool {
+        false
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn mamba_decode(
+        _proj: &Tensor,
+        _hist: &Tensor,
+        _conv_w: &Tensor,
+        _conv_b: Option<&Tensor>,
+        _dt_bias: &Tensor,
+        _a_log: &Tensor,
+        _dskip: &Tensor,
+        _norm_w: &Tensor,
+        _state: &Tensor,
+        _d: &super::MambaDecode,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         no_cuda()
     }
 }

@@ -5,6 +5,13 @@
 use super::cache::{BatchCache, LayerState};
 use super::*;
 
+/// Whether `COCKPIT_DECODE=ops` asks a generation step for the candle ops instead of the
+/// decode kernels (attention's, a Mamba layer's), to compare them; read once.
+pub(super) fn decode_ops() -> bool {
+    static OPS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OPS.get_or_init(|| std::env::var("COCKPIT_DECODE").as_deref() == Ok("ops"))
+}
+
 /// What a decode step gives: the logits of each row's last column and its final hidden
 /// state.
 pub struct StepOut {
@@ -81,8 +88,7 @@ impl Model {
         // A decode step's attention in one kernel on CUDA (`kernels.attention`, unless
         // `COCKPIT_DECODE=ops` asks for the candle ops, to compare; the ops elsewhere, and for
         // a prefill).
-        static OPS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let ops = *OPS.get_or_init(|| std::env::var("COCKPIT_DECODE").as_deref() == Ok("ops"));
+        let ops = decode_ops();
         let decode_kernel = n == 1
             && !ops
             && s.kernels.attention

@@ -2,9 +2,11 @@
 //! (the last conv inputs and the scan's state), kept in the layer's cache slot and carried
 //! from one block of new positions to the next.
 
+use super::decode_batch::decode_ops;
 use super::mamba::{Mamba, MambaState};
 use super::{Block, Model};
-use candle_core::{Result, Tensor};
+use crate::engine::kernels::{self, MambaDecode};
+use candle_core::{DType, Result, Tensor};
 
 impl Model {
     /// A Mamba layer's block on `x [B, n, C]` (positions after those `slot` has seen; `valid`:
@@ -19,12 +21,85 @@ impl Model {
         valid: Option<&Tensor>,
     ) -> Result<Tensor> {
         let h = self.block_input(&b.ln1, x)?;
-        let (y, (conv, ssm)) = self.mamba_mix(m, &h, slot.as_ref(), valid)?;
+        let (y, (conv, ssm)) = match self.mamba_step_kernel(m, &h, slot.as_ref(), valid)? {
+            Some(step) => step,
+            None => self.mamba_mix(m, &h, slot.as_ref(), valid)?,
+        };
         // (Detached, as the attention layers' cache: no op graph across the steps; the conv
         // inputs copied out of the block's whole input, which they would keep alive.)
         *slot = Some((conv.contiguous()?.detach(), ssm.contiguous()?.detach()));
         let x = (x + self.residual(y)?)?;
         let mlp = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
         x + self.residual(mlp)?
+    }
+}
+
+impl Model {
+    /// [`Self::mamba_mix`] for one new position of every row, in two CUDA launches from
+    /// in_proj's output to the gated norm's ([`kernels::mamba_decode`]); None where that does
+    /// not apply (not CUDA, several positions or padding columns, `COCKPIT_DECODE=ops`, sizes
+    /// the kernel does not take), and the ops run.
+    fn mamba_step_kernel(
+        &self,
+        m: &Mamba,
+        x: &Tensor,
+        state: Option<&MambaState>,
+        valid: Option<&Tensor>,
+    ) -> Result<Option<(Tensor, MambaState)>> {
+        let Some(hs) = self.spec.hybrid.as_ref() else {
+            return Ok(None);
+        };
+        let (bsz, t, _) = x.dims3()?;
+        let d = MambaDecode {
+            heads: hs.mamba_n_heads,
+            head_dim: hs.mamba_d_head,
+            state: hs.mamba_d_state,
+            groups: hs.mamba_n_groups,
+            conv_k: hs.mamba_d_conv,
+            dt_limits: (hs.dt_min > 0.0 || hs.dt_max.is_some())
+                .then(|| (hs.dt_min as f32, hs.dt_max.map_or(f32::MAX, |v| v as f32))),
+            eps: self.spec.norm_eps as f32,
+        };
+        if t != 1
+            || valid.is_some()
+            || !kernels::usable(x)
+            || decode_ops()
+            || !kernels::mamba_decode_takes(&d)
+        {
+            return Ok(None);
+        }
+        let (inner, conv, k) = (hs.mamba_inner(), hs.conv_dim(), d.conv_k);
+        let proj = self.linear(&m.in_proj, x)?;
+        let proj = proj.reshape((bsz, proj.dim(2)?))?.contiguous()?;
+        let (hist, ssm) = match state {
+            Some((c, s)) => (
+                c.to_dtype(proj.dtype())?.contiguous()?,
+                s.to_dtype(DType::F32)?.contiguous()?,
+            ),
+            None => (
+                Tensor::zeros((bsz, k - 1, conv), proj.dtype(), x.device())?,
+                Tensor::zeros((bsz, d.heads, d.head_dim, d.state), DType::F32, x.device())?,
+            ),
+        };
+        let f32v = |v: &candle_core::Var| v.as_tensor().to_dtype(DType::F32)?.contiguous();
+        let conv_w = self.cast(&m.conv_w)?.reshape((conv, k))?.contiguous()?;
+        let conv_b = match &m.conv_b {
+            Some(b) => Some(self.cast(b)?.contiguous()?),
+            None => None,
+        };
+        let (y, hist, ssm) = kernels::mamba_decode(
+            &proj,
+            &hist,
+            &conv_w,
+            conv_b.as_ref(),
+            &f32v(&m.dt_bias)?,
+            &f32v(&m.a_log)?,
+            &f32v(&m.d)?,
+            &f32v(&m.norm)?,
+            &ssm,
+            &d,
+        )?;
+        let out = self.linear(&m.out_proj, &y.reshape((bsz, 1, inner))?)?;
+        Ok(Some((out, (hist, ssm))))
     }
 }
