@@ -34,6 +34,7 @@ fn run_info(start_step: u64) -> RunInfo {
         flops_per_token: 6e6,
         peak_flops: None,
         attention_flops_fwd: None,
+        mamba_flops: None,
         scu_enabled: true,
         scu_target: 0.01,
         summary: "test".into(),

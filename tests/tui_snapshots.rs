@@ -42,6 +42,7 @@ fn run_info(scu_enabled: bool) -> RunInfo {
         flops_per_token: 7.44e8,
         peak_flops: Some(989e12),
         attention_flops_fwd: None,
+        mamba_flops: None,
         scu_enabled,
         scu_target: 0.01,
         summary: "12 layers · d_model 768 · 12 heads · AdamW lr 6e-4 cosine".into(),

@@ -4,6 +4,7 @@
 //! and peak memory. Evaluation, checkpoints and the monitor are off; everything else (data
 //! prefetch, SCU measurement when enabled) runs as in training.
 
+use super::bench_rates::{AttentionRate, MambaRate};
 use super::{config_error, fit, EXIT_FAILURE, EXIT_OK};
 use crate::config;
 use crate::engine::events::{Event, KernelTime, RunInfo, StepStats};
@@ -43,61 +44,9 @@ pub struct BenchReport {
     /// With `--profile`: the flash kernels' achieved rate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention: Option<AttentionRate>,
-}
-
-/// Flash attention's achieved TFLOP/s in a profiled step: the forward's launches (recomputed
-/// ones included) and the backward's (its main kernel with the pass before and the dQ
-/// conversion after), FLOPs counted as flash attention counts them (causal pairs only; the
-/// backward 2.5x the forward).
-#[derive(Debug, Serialize)]
-pub struct AttentionRate {
-    pub fwd_tflops: Option<f64>,
-    pub fwd_ms: f64,
-    pub fwd_launches: u32,
-    pub bwd_tflops: Option<f64>,
-    pub bwd_ms: f64,
-    pub bwd_launches: u32,
-}
-
-impl AttentionRate {
-    /// From the kernel groups of a profiled step, for `flops_fwd` FLOPs a launch of the
-    /// forward (one layer over the micro-batch).
-    fn of(kernels: &[KernelTime], flops_fwd: f64) -> Option<Self> {
-        let sum = |pre: &str| -> (f64, u32) {
-            kernels
-                .iter()
-                .filter(|k| k.name.starts_with(pre))
-                .fold((0.0, 0), |(ms, n), k| (ms + k.ms, n.max(k.launches)))
-        };
-        let (fwd_ms, fwd_launches) = sum("flash_fwd");
-        // The backward's launches are its main kernel's (flash_bwd, _wg or _ws; not the
-        // preprocess, the dq conversion or head dim 256's dK, dV sum, which its time includes).
-        let bwd_launches = kernels
-            .iter()
-            .filter(|k| {
-                k.name.starts_with("flash_bwd")
-                    && !k.name.ends_with("preprocess")
-                    && !k.name.ends_with("convert")
-                    && !k.name.ends_with("kv_sum")
-            })
-            .map(|k| k.launches)
-            .sum();
-        let (bwd_ms, _) = sum("flash_bwd");
-        if fwd_launches == 0 && bwd_launches == 0 {
-            return None;
-        }
-        let rate = |launches: u32, flops: f64, ms: f64| {
-            (launches > 0 && ms > 0.0).then(|| launches as f64 * flops / (ms * 1e-3) / 1e12)
-        };
-        Some(Self {
-            fwd_tflops: rate(fwd_launches, flops_fwd, fwd_ms),
-            fwd_ms,
-            fwd_launches,
-            bwd_tflops: rate(bwd_launches, 2.5 * flops_fwd, bwd_ms),
-            bwd_ms,
-            bwd_launches,
-        })
-    }
+    /// With `--profile` on a hybrid: the Mamba mixer's time a layer and chunk products' rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mamba: Option<MambaRate>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -131,6 +80,9 @@ pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchRepor
     let attention = info
         .attention_flops_fwd
         .and_then(|f| AttentionRate::of(&kernels, f * micro_batch as f64));
+    let mamba = info
+        .mamba_flops
+        .and_then(|f| MambaRate::of(&kernels, &f.times(micro_batch as f64)));
     BenchReport {
         system: "cockpit",
         device: info.device.clone(),
@@ -156,6 +108,7 @@ pub fn summarize(info: &RunInfo, warmup: u64, timed: &[StepStats]) -> BenchRepor
         loss_last: timed.last().map_or(f64::NAN, |s| s.loss),
         kernels,
         attention,
+        mamba,
     }
 }
 
@@ -241,6 +194,17 @@ impl std::fmt::Display for BenchReport {
                 rate(a.bwd_tflops),
                 a.bwd_ms,
                 a.bwd_launches
+            )?;
+        }
+        if let Some(m) = &self.mamba {
+            write!(
+                f,
+                "\nMamba-2 mixer: {:.2} ms a layer and micro-batch, forward and backward (flash attention {}); chunk products {} TFLOP/s ({:.2} ms)",
+                m.layer_ms,
+                m.attention_layer_ms
+                    .map_or("-".to_string(), |a| format!("{a:.2} ms a layer")),
+                m.chunk_tflops.map_or("-".to_string(), |t| format!("{t:.0}")),
+                m.chunk_ms
             )?;
         }
         Ok(())
@@ -559,46 +523,4 @@ fn find_batch(cfg: &config::Config, device: crate::util::DeviceSpec) -> anyhow::
         }
     );
     Ok(EXIT_OK)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn k(name: &str, ms: f64, launches: u32) -> KernelTime {
-        KernelTime {
-            name: name.into(),
-            ms,
-            launches,
-        }
-    }
-
-    /// Flash attention's rate from a profiled step: the forward's launches (recompute's too),
-    /// the backward's main kernel's launches, and all three backward kernels' time.
-    #[test]
-    fn attention_rate_counts_launches_and_the_backward_s_three_kernels() {
-        let kernels = [
-            k("gemm", 50.0, 300),
-            k("flash_fwd_wg", 2.0, 24),
-            k("flash_bwd_ws", 4.0, 12),
-            k("flash_bwd_preprocess", 0.5, 12),
-            k("flash_bwd_dq_convert", 0.5, 12),
-        ];
-        let a = AttentionRate::of(&kernels, 1e10).expect("flash kernels ran");
-        assert_eq!((a.fwd_launches, a.bwd_launches), (24, 12));
-        assert_eq!(a.bwd_ms, 5.0);
-        assert!((a.fwd_tflops.unwrap_or(0.0) - 24.0 * 1e10 / 2e-3 / 1e12).abs() < 1e-9);
-        assert!((a.bwd_tflops.unwrap_or(0.0) - 12.0 * 2.5e10 / 5e-3 / 1e12).abs() < 1e-9);
-        assert!(AttentionRate::of(&kernels[..1], 1e10).is_none());
-        // Head dim 256: the dK, dV sum's time is the backward's, its launches are not.
-        let d256 = [
-            k("flash_fwd", 2.0, 24),
-            k("flash_bwd", 4.0, 12),
-            k("flash_bwd_kv_sum", 1.0, 12),
-            k("flash_bwd_preprocess", 0.5, 12),
-            k("flash_bwd_dq_convert", 0.5, 12),
-        ];
-        let a = AttentionRate::of(&d256, 1e10).expect("flash kernels ran");
-        assert_eq!((a.bwd_launches, a.bwd_ms), (12, 6.0));
-    }
 }

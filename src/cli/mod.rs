@@ -4,6 +4,7 @@
 
 pub mod args;
 mod bench;
+mod bench_rates;
 mod chat;
 mod check;
 mod fit;

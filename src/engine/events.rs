@@ -90,6 +90,10 @@ pub struct RunInfo {
     /// --profile` reports. None without attention layers.
     #[serde(default)]
     pub attention_flops_fwd: Option<f64>,
+    /// The Mamba chunk kernels' FLOPs per launch over one sequence of `seq_len` (a hybrid on the
+    /// CUDA step), for the chunk products' TFLOP/s `cockpit bench --profile` reports.
+    #[serde(default)]
+    pub mamba_flops: Option<crate::engine::spec::MambaFlops>,
     pub scu_enabled: bool,
     #[serde(deserialize_with = "nan_f64")]
     pub scu_target: f64,

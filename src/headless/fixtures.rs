@@ -23,6 +23,7 @@ pub(crate) fn run_info() -> RunInfo {
         flops_per_token: 1.0,
         peak_flops: None,
         attention_flops_fwd: None,
+        mamba_flops: None,
         scu_enabled: false,
         scu_target: 0.01,
         summary: String::new(),

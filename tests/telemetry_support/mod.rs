@@ -102,6 +102,7 @@ pub fn run_info(dtype: &str, device: &str) -> RunInfo {
         flops_per_token: 6e6,
         peak_flops: None,
         attention_flops_fwd: None,
+        mamba_flops: None,
         scu_enabled: false,
         scu_target: 0.01,
         summary: "test model".to_string(),

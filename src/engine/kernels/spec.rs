@@ -7,6 +7,12 @@ pub use crate::engine::spec::ModelSpec;
 use candle_core::Var;
 use std::sync::Arc;
 
+/// The Mamba-2 scan's chunk length on the whole-model step. The chunk length changes only the
+/// rounding of the state-space-duality scan (engine::model::ssd), not what it computes, so the
+/// step takes the length its kernels are built for (mamba.cuh's MB_L) rather than
+/// `mamba_chunk_size`.
+pub const MAMBA_STEP_CHUNK: usize = 64;
+
 /// A weight and its optional bias (norms) for the whole-model step.
 pub type WeightBias = (Var, Option<Var>);
 

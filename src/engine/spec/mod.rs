@@ -12,9 +12,11 @@ use crate::config::{
 };
 
 pub use count::ParamCount;
+pub use mamba_flops::MambaFlops;
 
 mod count;
 mod layers;
+mod mamba_flops;
 mod resume;
 mod rope;
 mod support;

@@ -569,3 +569,39 @@ fn attention_flops_count_the_causal_pairs_through_each_window() {
     );
     assert_eq!(full.attention_flops_fwd(0), None);
 }
+
+/// The Mamba chunk kernels' FLOPs (for `cockpit bench --profile`'s TFLOP/s): each product of
+/// the chunked scan once per chunk and head (C·Bᵀ per group), a last partial chunk counted
+/// whole; none without Mamba layers.
+#[test]
+fn mamba_flops_count_each_chunk_product() {
+    use crate::config::{HybridConfig, MixerKind};
+    let s = spec(|c| {
+        llama(c);
+        c.model.n_layer = 2;
+        c.model.hybrid = Some(HybridConfig {
+            layers: vec![MixerKind::Mamba, MixerKind::Attention],
+            mamba_n_heads: 6,
+            mamba_n_groups: 2,
+            mamba_d_head: 32,
+            mamba_d_state: 16,
+            ..HybridConfig::default()
+        });
+    });
+    let f = s.mamba_flops(130, 64).expect("a Mamba layer");
+    // 3 chunks of 64 (the last one partial), 6 heads, 2 groups; P 32, S 16.
+    let (heads, groups) = (3.0 * 6.0, 3.0 * 2.0);
+    assert_eq!(
+        f.scan,
+        heads * 2.0 * (64.0 * 64.0 * 32.0 + 64.0 * 16.0 * 32.0)
+    );
+    assert_eq!(f.chunk_state, heads * 2.0 * 64.0 * 32.0 * 16.0);
+    assert_eq!(f.cb, groups * 2.0 * 64.0 * 64.0 * 16.0);
+    assert_eq!(
+        f.scan_bwd,
+        heads * 4.0 * (64.0 * 64.0 * 48.0 + 64.0 * 32.0 * 16.0)
+    );
+    assert_eq!(f.chunk_state_bwd, 2.0 * f.chunk_state);
+    assert_eq!(f.times(2.0).scan, 2.0 * f.scan);
+    assert!(spec(llama).mamba_flops(130, 64).is_none());
+}

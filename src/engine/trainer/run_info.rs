@@ -43,6 +43,7 @@ impl Trainer {
             run_dir: self.run_dir.display().to_string(),
             peak_flops,
             attention_flops_fwd: s.attention_flops_fwd(s.seq_len),
+            mamba_flops: s.mamba_flops(s.seq_len, crate::engine::kernels::spec::MAMBA_STEP_CHUNK),
             device: dev,
             dtype: precision::dtype_name(self.dtype).into(),
             dtype_reason: self.dtype_reason.clone(),

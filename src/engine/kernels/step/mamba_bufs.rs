@@ -7,11 +7,10 @@ use half::bf16;
 
 use super::{align, ptr};
 use crate::config::HybridConfig;
+use crate::engine::kernels::spec::MAMBA_STEP_CHUNK;
 
-/// The scan's chunk length inside the step. The chunk length changes only the rounding of the
-/// state-space-duality scan (engine::model::ssd), not what it computes, so the step takes the
-/// length its kernels are built for rather than `mamba_chunk_size`.
-pub(super) const CHUNK: usize = 64;
+/// The scan's chunk length inside the step ([`MAMBA_STEP_CHUNK`]).
+pub(super) const CHUNK: usize = MAMBA_STEP_CHUNK;
 
 /// A Mamba layer's own entries, beyond in_proj (`qkv_w`, `qkv_b`) and out_proj (`o_w`, `o_b`).
 #[derive(Clone, Copy, Debug)]
