@@ -74,22 +74,31 @@ __device__ __forceinline__ uint32_t mb_tf32(float x) {
 
 // acc[a][c] += Σ_k A(mb_row, k)·B(k, mb_col) over k < kn (a multiple of 8), A(r, k) =
 // a[r·ars + k·acs], B(k, c) = b[k·brs + c·bcs].
+//
+// The mma's k slots t and t + 4 (thread t of a row's four) read k + t and k + t + 4 of a tile,
+// or k + 2t and k + 2t + 1 (the same in A and B: the product sums all eight), whichever keeps
+// shared memory free of bank conflicts. With rows of MB_LD = 68 floats an operand whose k
+// runs along a row (A with acs = 1, B with brs = 1) is conflict-free at k + t, and one whose k
+// runs down the rows is conflict-free at k + 2t (rows 8 banks apart); B takes twice A's loads,
+// so B's layout picks.
 __device__ __forceinline__ void mb_mm64(float acc[4][4], const float* a, int ars, int acs,
                                         const float* b, int brs, int bcs, int kn) {
 #if MB_TC
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = 16 * (w & 3) + g, c0 = 32 * (w >> 2) + g;
+    const bool down = brs != 1;  // (each call's strides are constants: resolved when inlined)
+    const int k0 = down ? 2 * t : t, k1 = down ? 2 * t + 1 : t + 4;
     for (int k = 0; k < kn; k += 8) {
-        const uint32_t a0 = mb_tf32(a[r0 * ars + (k + t) * acs]);
-        const uint32_t a1 = mb_tf32(a[(r0 + 8) * ars + (k + t) * acs]);
-        const uint32_t a2 = mb_tf32(a[r0 * ars + (k + t + 4) * acs]);
-        const uint32_t a3 = mb_tf32(a[(r0 + 8) * ars + (k + t + 4) * acs]);
+        const uint32_t a0 = mb_tf32(a[r0 * ars + (k + k0) * acs]);
+        const uint32_t a1 = mb_tf32(a[(r0 + 8) * ars + (k + k0) * acs]);
+        const uint32_t a2 = mb_tf32(a[r0 * ars + (k + k1) * acs]);
+        const uint32_t a3 = mb_tf32(a[(r0 + 8) * ars + (k + k1) * acs]);
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
             const int col = c0 + 8 * n;
-            const uint32_t b0 = mb_tf32(b[(k + t) * brs + col * bcs]);
-            const uint32_t b1 = mb_tf32(b[(k + t + 4) * brs + col * bcs]);
+            const uint32_t b0 = mb_tf32(b[(k + k0) * brs + col * bcs]);
+            const uint32_t b1 = mb_tf32(b[(k + k1) * brs + col * bcs]);
             asm volatile(
                 "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
