@@ -32,9 +32,7 @@ impl Model {
         let mlp = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
         x + self.residual(mlp)?
     }
-}
 
-impl Model {
     /// [`Self::mamba_mix`] for one new position of every row, in two CUDA launches from
     /// in_proj's output to the gated norm's ([`kernels::mamba_decode`]); None where that does
     /// not apply (not CUDA, several positions or padding columns, `COCKPIT_DECODE=ops`, sizes
