@@ -12,6 +12,38 @@ pub(super) fn decode_ops() -> bool {
     *OPS.get_or_init(|| std::env::var("COCKPIT_DECODE").as_deref() == Ok("ops"))
 }
 
+/// A decode call's RoPE: candle's fused rotation (one kernel; cos and sin `[B, n,
+/// rotary_dim / 2]`, each row its own positions) where the rotation spans the head, else the
+/// rotate-half composition of the forward over the first rotary dims (cos and sin `[B, 1, n,
+/// rotary_dim]`). The same arithmetic; the fused op has no backward, which decoding never
+/// takes.
+enum StepRope {
+    Fused(Tensor, Tensor),
+    Composed(Tensor, Tensor),
+}
+
+impl StepRope {
+    /// Columns `start..start + n` of a cache's tables `[B, capacity, rotary_dim]` (each
+    /// frequency twice: the two halves of a head rotate together).
+    fn new(cos: &Tensor, sin: &Tensor, start: usize, n: usize, head_dim: usize) -> Result<Self> {
+        let rd = cos.dim(2)?;
+        let (cos, sin) = (cos.narrow(1, start, n)?, sin.narrow(1, start, n)?);
+        if rd == head_dim {
+            let half = |t: &Tensor| t.narrow(2, 0, rd / 2)?.contiguous();
+            return Ok(Self::Fused(half(&cos)?, half(&sin)?));
+        }
+        Ok(Self::Composed(cos.unsqueeze(1)?, sin.unsqueeze(1)?))
+    }
+
+    /// `x` `[B, heads, n, head_dim]` rotated.
+    fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Fused(cos, sin) => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin),
+            Self::Composed(cos, sin) => rotate_half(x, cos, sin),
+        }
+    }
+}
+
 /// What a decode step gives: the logits of each row's last column and its final hidden
 /// state.
 pub struct StepOut {
@@ -61,14 +93,11 @@ impl Model {
             let table = self.cast(wpe)?.index_select(&p.flatten_all()?, 0)?;
             x = (x + table.reshape((bsz, n, s.n_embd))?)?;
         }
-        // cos/sin [B, 1, n, rotary_dim]: each row its own positions (the sliding layers'
-        // own θ where they have one).
-        let cols = |r: &Option<(Tensor, Tensor)>| -> Result<Option<(Tensor, Tensor)>> {
+        // Each row's own positions of the tables (the sliding layers' own θ where they have
+        // one), once for every layer.
+        let cols = |r: &Option<(Tensor, Tensor)>| -> Result<Option<StepRope>> {
             match r {
-                Some((cos, sin)) => Ok(Some((
-                    cos.narrow(1, start, n)?.unsqueeze(1)?,
-                    sin.narrow(1, start, n)?.unsqueeze(1)?,
-                ))),
+                Some((cos, sin)) => StepRope::new(cos, sin, start, n, s.head_dim()).map(Some),
                 None => Ok(None),
             }
         };
@@ -121,9 +150,9 @@ impl Model {
             let (mut q, mut k, v) = self.qkv_heads(b, &a_in)?;
             let local = s.layer_rope(l, len).local;
             let table = if local { &rope_local } else { &rope };
-            if let Some((cos, sin)) = table {
-                q = rotate_half(&q, cos, sin)?;
-                k = rotate_half(&k, cos, sin)?;
+            if let Some(r) = table {
+                q = r.apply(&q)?;
+                k = r.apply(&k)?;
             }
             let (kc, vc) = match state {
                 LayerState::Kv { k: kc, v: vc } => {
