@@ -10,8 +10,12 @@ pub enum LayerState {
     /// columns `0..filled` written.
     Kv { k: Tensor, v: Tensor },
     /// A hybrid's Mamba layer: every row's conv inputs and scan state after its tokens so far
-    /// (None before the first; replaced, not grown, each step).
-    Mamba(Option<super::mamba::MambaState>),
+    /// (None before the first; replaced, not grown, each step), and the mixer's
+    /// [`super::mamba::MambaConsts`], taken at the first step for all of them.
+    Mamba {
+        state: Option<super::mamba::MambaState>,
+        consts: Option<super::mamba::MambaConsts>,
+    },
 }
 
 /// The per-layer states of a batch and where its rows' tokens are: every row is left-padded
@@ -86,10 +90,13 @@ impl BatchCache {
                     k: pick(k)?,
                     v: pick(v)?,
                 }),
-                LayerState::Mamba(state) => Ok(LayerState::Mamba(match state {
-                    Some((conv, ssm)) => Some((pick(conv)?, pick(ssm)?)),
-                    None => None,
-                })),
+                LayerState::Mamba { state, consts } => Ok(LayerState::Mamba {
+                    state: match state {
+                        Some((conv, ssm)) => Some((pick(conv)?, pick(ssm)?)),
+                        None => None,
+                    },
+                    consts: consts.clone(),
+                }),
             })
             .collect::<Result<Vec<_>>>()?;
         let pick2 = |r: &Option<(Tensor, Tensor)>| -> Result<Option<(Tensor, Tensor)>> {
@@ -136,7 +143,10 @@ impl Model {
             .blocks
             .iter()
             .map(|b| match b.mixer {
-                Mixer::Mamba(_) => Ok(LayerState::Mamba(None)),
+                Mixer::Mamba(_) => Ok(LayerState::Mamba {
+                    state: None,
+                    consts: None,
+                }),
                 Mixer::Attention(_) => Ok(LayerState::Kv {
                     k: Tensor::zeros(shape, self.dtype, dev)?,
                     v: Tensor::zeros(shape, self.dtype, dev)?,

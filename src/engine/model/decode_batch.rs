@@ -138,12 +138,16 @@ impl Model {
         };
         for (l, (b, state)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
             if let Mixer::Mamba(m) = &b.mixer {
-                let LayerState::Mamba(slot) = state else {
+                let LayerState::Mamba { state, consts } = state else {
                     candle_core::bail!(
                         "decode_batch: layer {l} is a Mamba layer with keys and values cached"
                     );
                 };
-                x = self.mamba_decode_block(b, m, &x, slot, valid.as_ref())?;
+                let c = match consts {
+                    Some(c) => c,
+                    None => consts.insert(self.mamba_consts(m)?),
+                };
+                x = self.mamba_decode_block(b, m, c, &x, state, valid.as_ref())?;
                 continue;
             }
             let a_in = self.block_input(&b.ln1, &x)?;
@@ -160,7 +164,7 @@ impl Model {
                     vc.slice_set(&v.contiguous()?, 2, start)?;
                     (&*kc, &*vc)
                 }
-                LayerState::Mamba(_) => {
+                LayerState::Mamba { .. } => {
                     candle_core::bail!("decode_batch: attention layer {l} with a Mamba state")
                 }
             };
@@ -260,9 +264,9 @@ impl Model {
         // (A copy: the call writes them back into the cache's ids.)
         let ids = ids.narrow(1, 0, len)?.copy()?;
         cache.filled = 0;
-        for state in cache.layers.iter_mut() {
-            if let LayerState::Mamba(s) = state {
-                *s = None;
+        for layer in cache.layers.iter_mut() {
+            if let LayerState::Mamba { state, .. } = layer {
+                *state = None;
             }
         }
         self.decode_batch(&ids, cache, logits).map(Some)

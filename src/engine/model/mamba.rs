@@ -26,6 +26,22 @@ pub(super) struct Mamba {
 /// channels]` and the scan's state `[B, heads, head width, state]`.
 pub(super) type MambaState = (Tensor, Tensor);
 
+/// What the mixer reads of its weights besides the projections, as it computes with them: the
+/// conv's weight `[channels, d_conv]` and bias in the compute dtype; dt_bias, A_log,
+/// A = −exp(A_log), D and the norm's weight in f32. A forward takes them afresh (their
+/// gradients flow through); a generation takes them once for all its steps (the weights do not
+/// change while it decodes) instead of a dozen casts a layer a step.
+#[derive(Clone, Debug)]
+pub struct MambaConsts {
+    pub(super) conv_w: Tensor,
+    pub(super) conv_b: Option<Tensor>,
+    pub(super) dt_bias: Tensor,
+    pub(super) a_log: Tensor,
+    pub(super) a: Tensor,
+    pub(super) d: Tensor,
+    pub(super) norm: Tensor,
+}
+
 impl Mamba {
     /// The mixer of layer prefix `p` (`model.layers.N`), initialised as transformers does
     /// (A = 1..=heads, D = 1, dt_bias = 1, unit norm) with normal projections.
@@ -96,7 +112,27 @@ impl Model {
 
     /// The mixer's output `[B, T, n_embd]` for its normed input `x [B, T, n_embd]`.
     pub(super) fn mamba(&self, m: &Mamba, x: &Tensor) -> Result<Tensor> {
-        Ok(self.mamba_mix(m, x, None, None)?.0)
+        Ok(self.mamba_mix(m, &self.mamba_consts(m)?, x, None, None)?.0)
+    }
+
+    /// [`MambaConsts`] of mixer `m`.
+    pub(super) fn mamba_consts(&self, m: &Mamba) -> Result<MambaConsts> {
+        let h = self.hybrid_spec()?;
+        let (conv, k) = (h.conv_dim(), h.mamba_d_conv);
+        let f32v = |v: &Var| v.as_tensor().to_dtype(DType::F32)?.contiguous();
+        let a_log = f32v(&m.a_log)?;
+        Ok(MambaConsts {
+            conv_w: self.cast(&m.conv_w)?.reshape((conv, k))?.contiguous()?,
+            conv_b: match &m.conv_b {
+                Some(b) => Some(self.cast(b)?.contiguous()?),
+                None => None,
+            },
+            dt_bias: f32v(&m.dt_bias)?,
+            a: a_log.exp()?.neg()?,
+            a_log,
+            d: f32v(&m.d)?,
+            norm: f32v(&m.norm)?,
+        })
     }
 
     /// [`Self::mamba`] continuing from a decoding state (none: the sequence's start), and the
@@ -107,6 +143,7 @@ impl Model {
     pub(super) fn mamba_mix(
         &self,
         m: &Mamba,
+        c: &MambaConsts,
         x: &Tensor,
         state: Option<&MambaState>,
         valid: Option<&Tensor>,
@@ -129,12 +166,12 @@ impl Model {
         }
         // Depthwise causal conv: each channel sees its last d_conv inputs.
         let hist = match state {
-            Some((c, _)) => c.to_dtype(xbc.dtype())?,
+            Some((prev, _)) => prev.to_dtype(xbc.dtype())?,
             None => Tensor::zeros((bsz, k - 1, conv), xbc.dtype(), x.device())?,
         };
         let full = Tensor::cat(&[&hist, &xbc], 1)?;
         let new_hist = full.narrow(1, t, k - 1)?;
-        let w = self.cast(&m.conv_w)?.reshape((conv, k))?;
+        let w = &c.conv_w;
         let mut y = full
             .narrow(1, 0, t)?
             .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
@@ -143,8 +180,8 @@ impl Model {
                 .narrow(1, j, t)?
                 .broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
         }
-        if let Some(b) = &m.conv_b {
-            y = y.broadcast_add(&self.cast(b)?)?;
+        if let Some(b) = &c.conv_b {
+            y = y.broadcast_add(b)?;
         }
         let xbc = candle_nn::ops::silu(&y)?.to_dtype(DType::F32)?;
         let xs = xbc.narrow(2, 0, inner)?.reshape((bsz, t, nh, hd))?;
@@ -152,28 +189,26 @@ impl Model {
         let cm = xbc
             .narrow(2, inner + ng * ds, ng * ds)?
             .reshape((bsz, t, ng, ds))?;
-        let f32v = |v: &Var| v.as_tensor().to_dtype(DType::F32);
-        let mut dt = ssd::softplus(&dt.to_dtype(DType::F32)?.broadcast_add(&f32v(&m.dt_bias)?)?)?;
+        let mut dt = ssd::softplus(&dt.to_dtype(DType::F32)?.broadcast_add(&c.dt_bias)?)?;
         if h.dt_min > 0.0 || h.dt_max.is_some() {
             dt = dt.clamp(h.dt_min, h.dt_max.unwrap_or(f64::MAX))?;
         }
         if let Some(v) = valid {
             dt = dt.broadcast_mul(&v.to_dtype(DType::F32)?.unsqueeze(2)?)?;
         }
-        let a = f32v(&m.a_log)?.exp()?.neg()?;
         let scan_in = ScanIn {
             x: &xs,
             dt: &dt,
-            a: &a,
+            a: &c.a,
             b: &ssd::spread_groups(&bm, nh)?,
             c: &ssd::spread_groups(&cm, nh)?,
         };
         let (ys, s) = ssd::scan(&scan_in, h.mamba_chunk_size, state.map(|(_, s)| s))?;
-        let ys = (ys + xs.broadcast_mul(&f32v(&m.d)?.reshape((1, 1, nh, 1))?)?)?;
+        let ys = (ys + xs.broadcast_mul(&c.d.reshape((1, 1, nh, 1))?)?)?;
         let ys = ssd::gated_rms_norm(
             &ys.reshape((bsz, t, inner))?,
             &z.to_dtype(DType::F32)?,
-            &f32v(&m.norm)?,
+            &c.norm,
             ng,
             self.spec.norm_eps,
         )?

@@ -3,7 +3,7 @@
 //! from one block of new positions to the next.
 
 use super::decode_batch::decode_ops;
-use super::mamba::{Mamba, MambaState};
+use super::mamba::{Mamba, MambaConsts, MambaState};
 use super::{Block, Model};
 use crate::engine::kernels::{self, MambaDecode};
 use candle_core::{DType, Result, Tensor};
@@ -16,14 +16,15 @@ impl Model {
         &self,
         b: &Block,
         m: &Mamba,
+        c: &MambaConsts,
         x: &Tensor,
         slot: &mut Option<MambaState>,
         valid: Option<&Tensor>,
     ) -> Result<Tensor> {
         let h = self.block_input(&b.ln1, x)?;
-        let (y, (conv, ssm)) = match self.mamba_step_kernel(m, &h, slot.as_ref(), valid)? {
+        let (y, (conv, ssm)) = match self.mamba_step_kernel(m, c, &h, slot.as_ref(), valid)? {
             Some(step) => step,
-            None => self.mamba_mix(m, &h, slot.as_ref(), valid)?,
+            None => self.mamba_mix(m, c, &h, slot.as_ref(), valid)?,
         };
         // (Detached, as the attention layers' cache: no op graph across the steps; the conv
         // inputs copied out of the block's whole input, which they would keep alive.)
@@ -40,6 +41,7 @@ impl Model {
     fn mamba_step_kernel(
         &self,
         m: &Mamba,
+        c: &MambaConsts,
         x: &Tensor,
         state: Option<&MambaState>,
         valid: Option<&Tensor>,
@@ -79,21 +81,15 @@ impl Model {
                 Tensor::zeros((bsz, d.heads, d.head_dim, d.state), DType::F32, x.device())?,
             ),
         };
-        let f32v = |v: &candle_core::Var| v.as_tensor().to_dtype(DType::F32)?.contiguous();
-        let conv_w = self.cast(&m.conv_w)?.reshape((conv, k))?.contiguous()?;
-        let conv_b = match &m.conv_b {
-            Some(b) => Some(self.cast(b)?.contiguous()?),
-            None => None,
-        };
         let (y, hist, ssm) = kernels::mamba_decode(
             &proj,
             &hist,
-            &conv_w,
-            conv_b.as_ref(),
-            &f32v(&m.dt_bias)?,
-            &f32v(&m.a_log)?,
-            &f32v(&m.d)?,
-            &f32v(&m.norm)?,
+            &c.conv_w,
+            c.conv_b.as_ref(),
+            &c.dt_bias,
+            &c.a_log,
+            &c.d,
+            &c.norm,
             &ssm,
             &d,
         )?;
