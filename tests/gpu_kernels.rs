@@ -2340,60 +2340,85 @@ fn mamba_decode_matches_the_composition() {
     assert!(failed.is_empty(), "off the composition: {failed:?}");
 }
 
-/// A hybrid decoded in a batch on the GPU (its Mamba layers through `kernels::mamba_decode`,
-/// attention through `kernels::decode_attention`): left-padded prompts, then steps, each row's
-/// logits those of a full forward of that row alone, f32.
+/// Batched decoding on the GPU (attention through `kernels::decode_attention`, q and k through
+/// candle's fused RoPE or the rotate-half ops, Mamba layers through `kernels::mamba_decode`)
+/// gives each row the logits a forward of that row's tokens so far gives, f32: left-padded
+/// prompts, then steps, on a llama (full rotary), qwen3 (QK-norm), gemma3 (sliding windows of 8,
+/// local θ), a granite hybrid, and phi3's partial rotary with LongRoPE crossing its original
+/// context mid-decode (equal prompts there: a padded row switches factors with the batch).
 #[test]
-fn a_hybrid_decodes_in_a_batch_as_its_forward() {
+fn batched_decoding_on_the_gpu_equals_the_forward() {
     let Some(dev) = gpu() else { return };
-    let mut c = Config::default();
-    granite_hybrid(&mut c);
-    c.model.seq_len = 64;
-    let vocab = 97;
-    let mut m = Model::new(ModelSpec::from_config(&c, vocab), DType::F32, &dev, 5).unwrap();
-    let (lens, steps) = ([12usize, 7, 9], 5);
-    let width = lens[0];
-    let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
-    let rows: Vec<Vec<u32>> = (0..3)
-        .map(|r| batch_ids(lens[r] + steps, vocab, r as u32).0)
+    let picked = [
+        "llama: RMSNorm, SwiGLU, RoPE, no bias, GQA 4/2",
+        "qwen3: QK-norm per head, GQA 4/2",
+        "gemma3: head dim 128, 3 layers",
+        "phi3-like",
+        "granite-4.0-h-like hybrid: 3 Mamba-2 layers",
+    ];
+    let families: Vec<Family> = every_step_family()
+        .into_iter()
+        .filter(|f| picked.iter().any(|p| f.name.starts_with(p)))
         .collect();
-    let mut flat = Vec::new();
-    for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
-        flat.extend(std::iter::repeat_n(row[0], pad));
-        flat.extend_from_slice(&row[..l]);
-    }
-    let mut cache = m.batch_cache(&pads, width + steps).unwrap();
-    let ids = Tensor::from_vec(flat, (3, width), &dev).unwrap();
-    let logits = |ids: &Tensor, cache: &mut _| {
-        m.decode_batch(ids, cache, true)
-            .unwrap()
-            .logits
-            .unwrap()
-            .to_vec2::<f32>()
-            .unwrap()
-    };
-    let mut got = vec![logits(&ids, &mut cache)];
-    for s in 0..steps - 1 {
-        let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
-        got.push(logits(
-            &Tensor::from_vec(next, (3, 1), &dev).unwrap(),
-            &mut cache,
-        ));
-    }
-    for (r, (row, &l)) in rows.iter().zip(&lens).enumerate() {
-        let n = l + steps - 1;
-        let x = Tensor::from_vec(row[..n].to_vec(), (1, n), &dev).unwrap();
-        let full: Vec<Vec<f32>> = m.forward(&x, false).unwrap().to_vec2().unwrap();
-        for (s, step) in got.iter().enumerate() {
-            let worst = full[l - 1 + s]
-                .iter()
-                .zip(&step[r])
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
-            assert!(
-                worst < 1e-4,
-                "row {r} step {s}: logits differ by {worst:.3e}"
-            );
+    assert_eq!(families.len(), picked.len(), "a picked family is gone");
+    for f in families {
+        let mut c = Config::default();
+        // (phi3-like's original context is half of this: 12 columns, crossed at the first step)
+        c.model.seq_len = 24;
+        (f.set)(&mut c);
+        c.model.layout.window = c.model.layout.window.min(8);
+        let long_rope = f.name.starts_with("phi3");
+        let mut m = Model::new(ModelSpec::from_config(&c, f.vocab), DType::F32, &dev, 5).unwrap();
+        let (lens, steps) = if long_rope {
+            ([12usize, 12, 12], 5)
+        } else {
+            ([12, 7, 9], 5)
+        };
+        let width = lens[0];
+        let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
+        let rows: Vec<Vec<u32>> = (0..3)
+            .map(|r| batch_ids(lens[r] + steps, f.vocab, r as u32 + 1).0)
+            .collect();
+        let mut flat = Vec::new();
+        for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
+            flat.extend(std::iter::repeat_n(row[0], pad));
+            flat.extend_from_slice(&row[..l]);
+        }
+        let mut cache = m.batch_cache(&pads, width + steps).unwrap();
+        let logits = |ids: &Tensor, cache: &mut _| {
+            m.decode_batch(ids, cache, true)
+                .unwrap()
+                .logits
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+        };
+        let ids = Tensor::from_vec(flat, (3, width), &dev).unwrap();
+        let mut got = vec![logits(&ids, &mut cache)];
+        for s in 0..steps - 1 {
+            let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
+            got.push(logits(
+                &Tensor::from_vec(next, (3, 1), &dev).unwrap(),
+                &mut cache,
+            ));
+        }
+        for (r, (row, &l)) in rows.iter().zip(&lens).enumerate() {
+            for (s, step) in got.iter().enumerate() {
+                // (the forward of the row's tokens so far: LongRoPE picks its factors by them)
+                let n = l + s;
+                let x = Tensor::from_vec(row[..n].to_vec(), (1, n), &dev).unwrap();
+                let full: Vec<Vec<f32>> = m.forward(&x, false).unwrap().to_vec2().unwrap();
+                let worst = full[n - 1]
+                    .iter()
+                    .zip(&step[r])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    worst < 1e-4,
+                    "{}: row {r} step {s}: logits differ by {worst:.3e}",
+                    f.name
+                );
+            }
         }
     }
 }
