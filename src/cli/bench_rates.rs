@@ -14,6 +14,22 @@ fn sum(kernels: &[KernelTime], keep: impl Fn(&str) -> bool) -> (f64, u32) {
         .fold((0.0, 0), |(ms, n), k| (ms + k.ms, n.max(k.launches)))
 }
 
+/// The flash backward's launches: its main kernel's (flash_bwd, _wg or _ws), once per
+/// attention layer and micro-batch — not the preprocess, the dq conversion or head dim 256's
+/// dK, dV sum, whose time is the backward's too.
+fn flash_bwd_launches(kernels: &[KernelTime]) -> u32 {
+    kernels
+        .iter()
+        .filter(|k| {
+            k.name.starts_with("flash_bwd")
+                && !k.name.ends_with("preprocess")
+                && !k.name.ends_with("convert")
+                && !k.name.ends_with("kv_sum")
+        })
+        .map(|k| k.launches)
+        .sum()
+}
+
 /// TFLOP/s of `flops` done in `ms`, where both are there.
 fn tflops(flops: f64, ms: f64) -> Option<f64> {
     (flops > 0.0 && ms > 0.0).then(|| flops / (ms * 1e-3) / 1e12)
@@ -38,18 +54,7 @@ impl AttentionRate {
     /// forward (one layer over the micro-batch).
     pub fn of(kernels: &[KernelTime], flops_fwd: f64) -> Option<Self> {
         let (fwd_ms, fwd_launches) = sum(kernels, |n| n.starts_with("flash_fwd"));
-        // The backward's launches are its main kernel's (flash_bwd, _wg or _ws; not the
-        // preprocess, the dq conversion or head dim 256's dK, dV sum, which its time includes).
-        let bwd_launches = kernels
-            .iter()
-            .filter(|k| {
-                k.name.starts_with("flash_bwd")
-                    && !k.name.ends_with("preprocess")
-                    && !k.name.ends_with("convert")
-                    && !k.name.ends_with("kv_sum")
-            })
-            .map(|k| k.launches)
-            .sum();
+        let bwd_launches = flash_bwd_launches(kernels);
         let (bwd_ms, _) = sum(kernels, |n| n.starts_with("flash_bwd"));
         if fwd_launches == 0 && bwd_launches == 0 {
             return None;
@@ -90,16 +95,7 @@ impl MambaRate {
         }
         let (mixer_ms, _) = sum(kernels, |n| n.starts_with("mamba_"));
         let (flash_ms, _) = sum(kernels, |n| n.starts_with("flash_"));
-        let flash_layers = kernels
-            .iter()
-            .filter(|k| {
-                k.name.starts_with("flash_bwd")
-                    && !k.name.ends_with("preprocess")
-                    && !k.name.ends_with("convert")
-                    && !k.name.ends_with("kv_sum")
-            })
-            .map(|k| k.launches)
-            .sum::<u32>();
+        let flash_layers = flash_bwd_launches(kernels);
         let products = [
             ("mamba_scan", f.scan),
             ("mamba_chunk_state", f.chunk_state),
