@@ -2345,7 +2345,8 @@ fn mamba_decode_matches_the_composition() {
 /// gives each row the logits a forward of that row's tokens so far gives, f32: left-padded
 /// prompts, then steps, on a llama (full rotary), qwen3 (QK-norm), gemma3 (sliding windows of 8,
 /// local θ), a granite hybrid, and phi3's partial rotary with LongRoPE crossing its original
-/// context mid-decode (equal prompts there: a padded row switches factors with the batch).
+/// context mid-decode (equal prompts there: a padded row switches factors with the batch);
+/// the ordinary steps, then the steps replayed from a CUDA graph.
 #[test]
 fn batched_decoding_on_the_gpu_equals_the_forward() {
     let Some(dev) = gpu() else { return };
@@ -2356,6 +2357,15 @@ fn batched_decoding_on_the_gpu_equals_the_forward() {
         "phi3-like",
         "granite-4.0-h-like hybrid: 3 Mamba-2 layers",
     ];
+    // First the ordinary steps; then the steps replayed from a CUDA graph (the first step
+    // after the prompt runs without one, the second is captured; phi3-like's LongRoPE crossing
+    // at the first step drops the graph and makes a new one).
+    for graphed in [false, true] {
+        decode_families_equal_the_forward(&dev, &picked, graphed);
+    }
+}
+
+fn decode_families_equal_the_forward(dev: &Device, picked: &[&str], graphed: bool) {
     let families: Vec<Family> = every_step_family()
         .into_iter()
         .filter(|f| picked.iter().any(|p| f.name.starts_with(p)))
@@ -2368,11 +2378,11 @@ fn batched_decoding_on_the_gpu_equals_the_forward() {
         (f.set)(&mut c);
         c.model.layout.window = c.model.layout.window.min(8);
         let long_rope = f.name.starts_with("phi3");
-        let mut m = Model::new(ModelSpec::from_config(&c, f.vocab), DType::F32, &dev, 5).unwrap();
+        let mut m = Model::new(ModelSpec::from_config(&c, f.vocab), DType::F32, dev, 5).unwrap();
         let (lens, steps) = if long_rope {
-            ([12usize, 12, 12], 5)
+            ([12usize, 12, 12], 6)
         } else {
-            ([12, 7, 9], 5)
+            ([12, 7, 9], 6)
         };
         let width = lens[0];
         let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
@@ -2385,6 +2395,9 @@ fn batched_decoding_on_the_gpu_equals_the_forward() {
             flat.extend_from_slice(&row[..l]);
         }
         let mut cache = m.batch_cache(&pads, width + steps).unwrap();
+        if !graphed {
+            cache.no_graph();
+        }
         let logits = |ids: &Tensor, cache: &mut _| {
             m.decode_batch(ids, cache, true)
                 .unwrap()
@@ -2393,20 +2406,26 @@ fn batched_decoding_on_the_gpu_equals_the_forward() {
                 .to_vec2::<f32>()
                 .unwrap()
         };
-        let ids = Tensor::from_vec(flat, (3, width), &dev).unwrap();
+        let ids = Tensor::from_vec(flat, (3, width), dev).unwrap();
         let mut got = vec![logits(&ids, &mut cache)];
         for s in 0..steps - 1 {
             let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
             got.push(logits(
-                &Tensor::from_vec(next, (3, 1), &dev).unwrap(),
+                &Tensor::from_vec(next, (3, 1), dev).unwrap(),
                 &mut cache,
             ));
         }
+        assert_eq!(
+            cache.graphed(),
+            graphed,
+            "{}: steps replayed from a CUDA graph",
+            f.name
+        );
         for (r, (row, &l)) in rows.iter().zip(&lens).enumerate() {
             for (s, step) in got.iter().enumerate() {
                 // (the forward of the row's tokens so far: LongRoPE picks its factors by them)
                 let n = l + s;
-                let x = Tensor::from_vec(row[..n].to_vec(), (1, n), &dev).unwrap();
+                let x = Tensor::from_vec(row[..n].to_vec(), (1, n), dev).unwrap();
                 let full: Vec<Vec<f32>> = m.forward(&x, false).unwrap().to_vec2().unwrap();
                 let worst = full[n - 1]
                     .iter()

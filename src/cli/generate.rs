@@ -80,7 +80,7 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
             &a.sampling,
             |r| {
                 crate::errln!(
-                    "batch {:>4}: {} new tokens in {:.2} s: {:.1} tokens/s, first token {:.1} ms, load {:.2} s; prefill {:.1} ms, decode {:.1} tokens/s, sampling {:.1}% of the time",
+                    "batch {:>4}: {} new tokens in {:.2} s: {:.1} tokens/s, first token {:.1} ms, load {:.2} s; prefill {:.1} ms, decode {:.1} tokens/s{}, sampling {:.1}% of the time",
                     r.batch,
                     r.new_tokens,
                     r.seconds,
@@ -89,6 +89,7 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
                     r.load_s,
                     r.prefill_ms,
                     r.decode_tokens_per_s,
+                    if r.graphed { " (CUDA graph)" } else { "" },
                     r.sampling_share * 100.0
                 );
                 crate::outln!("{}", serde_json::to_string(r).unwrap_or_default());

@@ -55,6 +55,8 @@ pub struct Generation {
     pub prefill: Duration,
     /// The draws' share of `elapsed` (with [`BatchOptions::time_sampling`]; zero otherwise).
     pub sampling: Duration,
+    /// Whether the decode steps were replayed from a CUDA graph.
+    pub graphed: bool,
 }
 
 /// How [`generate_rows_with`] runs a batch (the results do not depend on it).
@@ -128,6 +130,7 @@ pub fn generate_rows_with(
             elapsed: start.elapsed(),
             prefill: Duration::ZERO,
             sampling: Duration::ZERO,
+            graphed: false,
         });
     }
     if req.prompts.iter().any(|p| p.is_empty()) {
@@ -253,5 +256,6 @@ pub fn generate_rows_with(
         elapsed: start.elapsed(),
         prefill,
         sampling,
+        graphed: cache.graphed(),
     })
 }

@@ -314,6 +314,8 @@ pub struct BenchRow {
     pub decode_tokens_per_s: f64,
     /// The draws' share of `seconds`.
     pub sampling_share: f64,
+    /// Whether the decode steps were replayed from a CUDA graph.
+    pub graphed: bool,
 }
 
 /// Tokens/s of batches of `batches` rows (random prompts of `prompt_len` ids), `max_tokens`
@@ -395,6 +397,7 @@ pub fn bench(
             prefill_ms: g.prefill.as_secs_f64() * 1e3,
             decode_tokens_per_s: new_tokens as f64 / (seconds - g.prefill.as_secs_f64()).max(1e-9),
             sampling_share: g.sampling.as_secs_f64() / seconds.max(1e-9),
+            graphed: g.graphed,
         };
         on_row(&row);
         out.push(row);

@@ -134,6 +134,18 @@ pub struct DecodeSpan {
     pub softcap: f32,
 }
 
+/// A decode step's columns read from the device at run time ([`decode_attention_at`]): `at`
+/// `[2]` (u32) holds the new column and the columns filled after it (the `len` of a
+/// [`DecodeSpan`]); a sliding layer's query looks at the last `window` of them. The launch's
+/// arguments are the same at every step, as those of a step captured in a CUDA graph must be.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeAt<'a> {
+    pub at: &'a Tensor,
+    pub window: Option<usize>,
+    pub scale: f32,
+    pub softcap: f32,
+}
+
 /// The sizes of a hybrid's Mamba-2 layer for [`mamba_decode`]: `heads` of `head_dim`
 /// columns, a `state` per head row, B and C in `groups`, a conv of `conv_k` taps; dt
 /// clamped to `dt_limits` where given; the gated norm's `eps`.
@@ -279,6 +291,15 @@ mod cpu_stubs {
         _values: &Tensor,
         _mask: &Tensor,
         _span: super::DecodeSpan,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn decode_attention_at(
+        _q: &Tensor,
+        _keys: &Tensor,
+        _values: &Tensor,
+        _mask: &Tensor,
+        _at: super::DecodeAt,
     ) -> Result<Tensor> {
         no_cuda()
     }

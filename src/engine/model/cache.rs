@@ -45,6 +45,11 @@ pub struct BatchCache {
     /// The same for the sliding layers' own θ (Gemma 3's `rope_local_base_freq`), where the
     /// model has one.
     pub(super) rope_local: Option<(Tensor, Tensor)>,
+    /// The decode step's buffers and, from the second step, its CUDA graph
+    /// ([`super::decode_graph`]); None before, and once anything it reads is replaced.
+    pub(super) graph: Option<Box<super::decode_graph::DecodeGraph>>,
+    /// Decode steps run without a graph (it does not apply, or its capture failed).
+    pub(super) graph_off: bool,
 }
 
 impl BatchCache {
@@ -117,6 +122,8 @@ impl BatchCache {
             rope_long: self.rope_long,
             ids: self.ids.as_ref().map(pick).transpose()?,
             rope_local,
+            graph: None,
+            graph_off: false,
         })
     }
 }
@@ -194,6 +201,8 @@ impl Model {
             rope_long: false,
             ids,
             rope_local,
+            graph: None,
+            graph_off: false,
         })
     }
 

@@ -98,7 +98,7 @@ impl Model {
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim);
         for (l, (b, slot)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
             if let super::Mixer::Mamba(m) = &b.mixer {
-                x = self.mamba_decode_block(b, m, &self.mamba_consts(m)?, &x, slot, None)?;
+                x = self.mamba_decode_block(b, m, &self.mamba_consts(m)?, &x, slot, None, false)?;
                 continue;
             }
             let a_in = self.block_input(&b.ln1, &x)?;

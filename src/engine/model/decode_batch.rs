@@ -22,12 +22,37 @@ enum StepRope {
     Composed(Tensor, Tensor),
 }
 
+/// Where a decode call's new columns are: after `start` on the host, or (one column) at the
+/// column a device tensor `at` `[2]` (u32: the column, the columns after it) names, read when
+/// the step runs — as a step captured in a CUDA graph reads it ([`super::decode_graph`]).
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) enum Cols<'a> {
+    Host(usize),
+    Device(&'a Tensor),
+}
+
+/// Column `at[0]` of each row of `t` `[B, capacity, w]` → `[B, 1, w]`, the column read on the
+/// device.
+fn column(t: &Tensor, at: &Tensor) -> Result<Tensor> {
+    let (b, _, w) = t.dims3()?;
+    let idx = at
+        .narrow(0, 0, 1)?
+        .reshape((1, 1, 1))?
+        .broadcast_as((b, 1, w))?
+        .contiguous()?;
+    t.contiguous()?.gather(&idx, 1)
+}
+
 impl StepRope {
-    /// Columns `start..start + n` of a cache's tables `[B, capacity, rotary_dim]` (each
-    /// frequency twice: the two halves of a head rotate together).
-    fn new(cos: &Tensor, sin: &Tensor, start: usize, n: usize, head_dim: usize) -> Result<Self> {
+    /// The new columns' rows of a cache's tables `[B, capacity, rotary_dim]` (each frequency
+    /// twice: the two halves of a head rotate together).
+    fn new(cos: &Tensor, sin: &Tensor, cols: Cols, n: usize, head_dim: usize) -> Result<Self> {
         let rd = cos.dim(2)?;
-        let (cos, sin) = (cos.narrow(1, start, n)?, sin.narrow(1, start, n)?);
+        let (cos, sin) = match cols {
+            Cols::Host(start) => (cos.narrow(1, start, n)?, sin.narrow(1, start, n)?),
+            Cols::Device(at) => (column(cos, at)?, column(sin, at)?),
+        };
         if rd == head_dim {
             let half = |t: &Tensor| t.narrow(2, 0, rd / 2)?.contiguous();
             return Ok(Self::Fused(half(&cos)?, half(&sin)?));
@@ -65,7 +90,6 @@ impl Model {
         cache: &mut BatchCache,
         logits: bool,
     ) -> Result<StepOut> {
-        let s = &self.spec;
         let (bsz, n) = ids.dims2()?;
         let start = cache.filled;
         if bsz != cache.batch() || n == 0 || start + n > cache.capacity {
@@ -81,6 +105,35 @@ impl Model {
         if let Some(out) = self.switch_to_long_rope(cache, start + n, logits)? {
             return Ok(out);
         }
+        if n == 1 {
+            if let Some(out) = self.decode_step_graphed(ids, cache, logits)? {
+                return Ok(out);
+            }
+        }
+        self.decode_cols(ids, cache, logits, Cols::Host(start))
+    }
+
+    /// [`Self::decode_batch`]'s arithmetic for `ids` at `cols`. With the ordinary steps'
+    /// [`Cols::Host`], the cache's columns after `start`. With [`Cols::Device`] (one
+    /// column) every launch takes the same arguments at every step: the tables' and
+    /// positions' column gathered, keys and values scattered to it, attention's length read on
+    /// the device, a Mamba layer's state written over in place; the caller counts the column
+    /// as filled, and the logits are always computed.
+    pub(super) fn decode_cols(
+        &self,
+        ids: &Tensor,
+        cache: &mut BatchCache,
+        logits: bool,
+        cols: Cols,
+    ) -> Result<StepOut> {
+        let s = &self.spec;
+        let (bsz, n) = ids.dims2()?;
+        let start = cache.filled;
+        let device = matches!(cols, Cols::Device(_));
+        if device && n != 1 {
+            candle_core::bail!("decode_batch: {n} new columns read on the device, not one");
+        }
+        let logits = logits || device;
         let wte = self.cast(&self.wte)?;
         let mut x = wte
             .embedding(&ids.flatten_all()?)?
@@ -89,19 +142,22 @@ impl Model {
             x = (x * s.embedding_multiplier)?;
         }
         if let Some(wpe) = &self.wpe {
-            let p = cache.positions.narrow(1, start, n)?.contiguous()?;
+            let p = match cols {
+                Cols::Host(start) => cache.positions.narrow(1, start, n)?.contiguous()?,
+                Cols::Device(at) => column(&cache.positions.unsqueeze(2)?, at)?,
+            };
             let table = self.cast(wpe)?.index_select(&p.flatten_all()?, 0)?;
             x = (x + table.reshape((bsz, n, s.n_embd))?)?;
         }
         // Each row's own positions of the tables (the sliding layers' own θ where they have
         // one), once for every layer.
-        let cols = |r: &Option<(Tensor, Tensor)>| -> Result<Option<StepRope>> {
+        let tables = |r: &Option<(Tensor, Tensor)>| -> Result<Option<StepRope>> {
             match r {
-                Some((cos, sin)) => StepRope::new(cos, sin, start, n, s.head_dim()).map(Some),
+                Some((cos, sin)) => StepRope::new(cos, sin, cols, n, s.head_dim()).map(Some),
                 None => Ok(None),
             }
         };
-        let (rope, rope_local) = (cols(&cache.rope)?, cols(&cache.rope_local)?);
+        let (rope, rope_local) = (tables(&cache.rope)?, tables(&cache.rope_local)?);
         let len = start + n;
         let mask = self.step_mask(cache, n, None)?;
         // Sliding layers: a prefill's mask limits each query to its window; a decode step's
@@ -114,15 +170,14 @@ impl Model {
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
         let rep = h / kvh;
         let scale = s.attention_scale();
-        // A decode step's attention in one kernel on CUDA (`kernels.attention`, unless
-        // `COCKPIT_DECODE=ops` asks for the candle ops, to compare; the ops elsewhere, and for
-        // a prefill).
-        let ops = decode_ops();
-        let decode_kernel = n == 1
-            && !ops
-            && s.kernels.attention
-            && crate::engine::kernels::usable(&x)
-            && crate::engine::kernels::decode_attention_takes(h, kvh, hd);
+        // A decode step's attention in one kernel on CUDA (the ops elsewhere, and for a
+        // prefill).
+        let decode_kernel = n == 1 && self.decode_kernel_takes(&x);
+        if device && !decode_kernel {
+            candle_core::bail!("decode_batch: columns on the device without the decode kernel");
+        }
+        // (Device columns: the index of the new column in the keys' shape, once.)
+        let mut kv_at: Option<Tensor> = None;
         // A Mamba layer's real columns of a left-padded prefill (its padding must change no
         // row's state); every column of a step after it is real.
         let valid = if n > 1 && s.hybrid.is_some() {
@@ -147,7 +202,7 @@ impl Model {
                     Some(c) => c,
                     None => consts.insert(self.mamba_consts(m)?),
                 };
-                x = self.mamba_decode_block(b, m, c, &x, state, valid.as_ref())?;
+                x = self.mamba_decode_block(b, m, c, &x, state, valid.as_ref(), device)?;
                 continue;
             }
             let a_in = self.block_input(&b.ln1, &x)?;
@@ -160,8 +215,28 @@ impl Model {
             }
             let (kc, vc) = match state {
                 LayerState::Kv { k: kc, v: vc } => {
-                    kc.slice_set(&k.contiguous()?, 2, start)?;
-                    vc.slice_set(&v.contiguous()?, 2, start)?;
+                    let (k, v) = (k.contiguous()?, v.contiguous()?);
+                    match cols {
+                        Cols::Host(start) => {
+                            kc.slice_set(&k, 2, start)?;
+                            vc.slice_set(&v, 2, start)?;
+                        }
+                        Cols::Device(at) => {
+                            let idx = match &kv_at {
+                                Some(i) => i.clone(),
+                                None => kv_at
+                                    .insert(
+                                        at.narrow(0, 0, 1)?
+                                            .reshape((1, 1, 1, 1))?
+                                            .broadcast_as(k.shape())?
+                                            .contiguous()?,
+                                    )
+                                    .clone(),
+                            };
+                            kc.scatter_set(&idx, &k, 2)?;
+                            vc.scatter_set(&idx, &v, 2)?;
+                        }
+                    }
                     (&*kc, &*vc)
                 }
                 LayerState::Mamba { .. } => {
@@ -173,7 +248,17 @@ impl Model {
                 Some(w) if n == 1 => len.saturating_sub(w),
                 _ => 0,
             };
-            let y = if n == 1 && decode_kernel {
+            let y = if let Cols::Device(at) = cols {
+                let q = q.reshape((bsz, h, hd))?.contiguous()?;
+                let at = crate::engine::kernels::DecodeAt {
+                    at,
+                    window: s.layer_window(l),
+                    scale: scale as f32,
+                    softcap: s.attn_softcap().unwrap_or(0.0) as f32,
+                };
+                crate::engine::kernels::decode_attention_at(&q, kc, vc, &cache.pad_mask, at)?
+                    .reshape((bsz, n, h * hd))?
+            } else if n == 1 && decode_kernel {
                 // One kernel over the cache (keys in chunks across blocks, then merged).
                 let span = crate::engine::kernels::DecodeSpan {
                     lo,
@@ -210,7 +295,9 @@ impl Model {
             let m = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
             x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?;
         }
-        cache.filled = len;
+        if !device {
+            cache.filled = len;
+        }
         let last = x.narrow(1, n - 1, 1)?.reshape((bsz, s.n_embd))?;
         let hidden = self.final_norm(&last)?;
         let logits = if logits {
@@ -230,6 +317,17 @@ impl Model {
             logits: logits.map(|l| l.detach()),
             hidden: hidden.to_dtype(DType::F32)?.detach(),
         })
+    }
+
+    /// Whether a decode step of `x`'s dtype and device runs attention in the decode kernel
+    /// (`kernels.attention` on CUDA, the heads it takes), unless `COCKPIT_DECODE=ops` asks for
+    /// the candle ops, to compare.
+    pub(super) fn decode_kernel_takes(&self, x: &Tensor) -> bool {
+        let s = &self.spec;
+        !decode_ops()
+            && s.kernels.attention
+            && crate::engine::kernels::usable(x)
+            && crate::engine::kernels::decode_attention_takes(s.n_head, s.n_kv_head, s.head_dim())
     }
 
     /// LongRoPE in a batch, as transformers' generation computes it: its rotary embedding
@@ -253,6 +351,8 @@ impl Model {
             return Ok(None);
         }
         let key = RopeKey { local: false, long };
+        // (A decode graph reads the tables it replaces.)
+        cache.graph = None;
         cache.rope = Some(self.batch_rope(key, &cache.positions)?);
         cache.rope_long = long;
         if cache.filled == 0 {

@@ -11,7 +11,9 @@ use candle_core::{DType, Result, Tensor};
 impl Model {
     /// A Mamba layer's block on `x [B, n, C]` (positions after those `slot` has seen; `valid`:
     /// a left-padded batch's real columns, [`Self::mamba_mix`]); the slot then holds the state
-    /// after them.
+    /// after them — in its own tensors, written over, where `in_place` (a step captured in a
+    /// CUDA graph reads and writes the same buffers at every step).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn mamba_decode_block(
         &self,
         b: &Block,
@@ -20,6 +22,7 @@ impl Model {
         x: &Tensor,
         slot: &mut Option<MambaState>,
         valid: Option<&Tensor>,
+        in_place: bool,
     ) -> Result<Tensor> {
         let h = self.block_input(&b.ln1, x)?;
         let (y, (conv, ssm)) = match self.mamba_step_kernel(m, c, &h, slot.as_ref(), valid)? {
@@ -28,10 +31,33 @@ impl Model {
         };
         // (Detached, as the attention layers' cache: no op graph across the steps; the conv
         // inputs copied out of the block's whole input, which they would keep alive.)
-        *slot = Some((conv.contiguous()?.detach(), ssm.contiguous()?.detach()));
+        match slot {
+            Some((c, s)) if in_place => {
+                c.slice_set(&conv.contiguous()?, 0, 0)?;
+                s.slice_set(&ssm.contiguous()?, 0, 0)?;
+            }
+            _ if in_place => candle_core::bail!("decode_batch: no Mamba state to write over"),
+            _ => *slot = Some((conv.contiguous()?.detach(), ssm.contiguous()?.detach())),
+        }
         let x = (x + self.residual(y)?)?;
         let mlp = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
         x + self.residual(mlp)?
+    }
+
+    /// A hybrid's Mamba layer sizes as [`kernels::mamba_decode`] takes them; None for a model
+    /// without Mamba layers.
+    pub(super) fn mamba_decode_sizes(&self) -> Option<MambaDecode> {
+        let hs = self.spec.hybrid.as_ref()?;
+        Some(MambaDecode {
+            heads: hs.mamba_n_heads,
+            head_dim: hs.mamba_d_head,
+            state: hs.mamba_d_state,
+            groups: hs.mamba_n_groups,
+            conv_k: hs.mamba_d_conv,
+            dt_limits: (hs.dt_min > 0.0 || hs.dt_max.is_some())
+                .then(|| (hs.dt_min as f32, hs.dt_max.map_or(f32::MAX, |v| v as f32))),
+            eps: self.spec.norm_eps as f32,
+        })
     }
 
     /// [`Self::mamba_mix`] for one new position of every row, in two CUDA launches from
@@ -46,20 +72,10 @@ impl Model {
         state: Option<&MambaState>,
         valid: Option<&Tensor>,
     ) -> Result<Option<(Tensor, MambaState)>> {
-        let Some(hs) = self.spec.hybrid.as_ref() else {
+        let (Some(hs), Some(d)) = (self.spec.hybrid.as_ref(), self.mamba_decode_sizes()) else {
             return Ok(None);
         };
         let (bsz, t, _) = x.dims3()?;
-        let d = MambaDecode {
-            heads: hs.mamba_n_heads,
-            head_dim: hs.mamba_d_head,
-            state: hs.mamba_d_state,
-            groups: hs.mamba_n_groups,
-            conv_k: hs.mamba_d_conv,
-            dt_limits: (hs.dt_min > 0.0 || hs.dt_max.is_some())
-                .then(|| (hs.dt_min as f32, hs.dt_max.map_or(f32::MAX, |v| v as f32))),
-            eps: self.spec.norm_eps as f32,
-        };
         if t != 1
             || valid.is_some()
             || !kernels::usable(x)

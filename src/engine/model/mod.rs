@@ -22,6 +22,7 @@ mod attention;
 mod cache;
 mod decode;
 mod decode_batch;
+mod decode_graph;
 mod forward;
 mod init;
 mod linear;

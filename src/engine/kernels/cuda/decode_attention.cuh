@@ -13,9 +13,13 @@
 // Query head h reads key/value head h / (H / KVH). Row b attends to columns lo..len-1 where
 // mask is 0 (lo: a sliding layer's window start, else 0). Scores are scale·q·k, through
 // cap·tanh(score / cap) where cap > 0 (Gemma 2), then + mask.
-// 1. decode_attn_split_<T>(q, kc, vc, mask, part, H, KVH, cap, D, lo, len, chunk, scale, softcap)
+// 1. decode_attn_split_<T>(q, kc, vc, mask, part, H, KVH, cap, D, lo, len, at, window, chunk,
+//                          scale, softcap)
 //      grid = (B*KVH, nsplit = ceil((len - lo) / chunk), 1), block = (DA_THREADS, 1, 1),
 //      dynamic smem = (H / KVH) * (D + chunk) * 4 bytes. D a multiple of 8, at most DA_MAX_D.
+//      Where `at` is not null (a step captured in a CUDA graph, whose arguments are fixed),
+//      len = at[1] is read from the device and lo = max(0, len - window) (0 without a window);
+//      then nsplit = ceil(cap / chunk), and the chunks past len give nothing.
 // 2. decode_attn_merge_<T>(part, y, H, D, nsplit)
 //      grid = (B*H, 1, 1), block = (DA_THREADS, 1, 1), dynamic smem = 0.
 // =============================================================================================
@@ -43,8 +47,13 @@ template <typename T>
 __device__ __forceinline__ void decode_attn_split(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc,
     const T* __restrict__ mask, float* __restrict__ part, int H, int KVH, int cap, int D, int lo,
-    int len, int chunk, float scale, float softcap) {
+    int len, const unsigned int* __restrict__ at, int window, int chunk, float scale,
+    float softcap) {
     extern __shared__ float da_smem[];
+    if (at != nullptr) {
+        len = (int)at[1];
+        lo = window > 0 ? max(0, len - window) : 0;
+    }
     const int rep = H / KVH, nch = D / 8;
     float* qs = da_smem;             // [rep][D] scale·q, later the output accumulator
     float* sc = da_smem + rep * D;   // [rep][chunk] scores, then probabilities
@@ -193,9 +202,10 @@ __device__ __forceinline__ void decode_attn_merge(const float* __restrict__ part
 #define DA_INSTANTIATE(T, S)                                                                    \
     extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attn_split_##S(             \
         const T* q, const T* kc, const T* vc, const T* mask, float* part, int H, int KVH,       \
-        int cap, int D, int lo, int len, int chunk, float scale, float softcap) {               \
-        decode_attn_split<T>(q, kc, vc, mask, part, H, KVH, cap, D, lo, len, chunk, scale,      \
-                             softcap);                                                          \
+        int cap, int D, int lo, int len, const unsigned int* at, int window, int chunk,         \
+        float scale, float softcap) {                                                           \
+        decode_attn_split<T>(q, kc, vc, mask, part, H, KVH, cap, D, lo, len, at, window, chunk, \
+                             scale, softcap);                                                   \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attn_merge_##S(             \
         const float* part, T* y, int H, int D, int nsplit) {                                    \

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::{kernel_name, WrapErr};
 use candle_core::{DType, Result, Tensor};
 use half::{bf16, f16};
 
-use super::super::DecodeSpan;
+use super::super::{DecodeAt, DecodeSpan};
 use super::{
     cuda_of, device_of, err, i32_of, kernel_build, ptx_sm90, view, wrap, Elem, MODULE, MODULE_SM75,
     MODULE_SM90, PTX, PTX_SM75,
@@ -53,7 +53,35 @@ pub fn decode_attention(
     mask: &Tensor,
     span: DecodeSpan,
 ) -> Result<Tensor> {
-    by_dtype!(q.dtype(), decode_t(q, keys, values, mask, span))
+    by_dtype!(q.dtype(), decode_t(q, keys, values, mask, span, None))
+}
+
+/// [`decode_attention`] with the columns read from the device at run time (`at`): the launch
+/// takes the same arguments at every step, as a step captured in a CUDA graph must.
+pub fn decode_attention_at(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    mask: &Tensor,
+    at: DecodeAt,
+) -> Result<Tensor> {
+    let span = DecodeSpan {
+        lo: 0,
+        len: 0,
+        scale: at.scale,
+        softcap: at.softcap,
+    };
+    by_dtype!(
+        q.dtype(),
+        decode_t(
+            q,
+            keys,
+            values,
+            mask,
+            span,
+            Some((at.at, at.window.unwrap_or(0)))
+        )
+    )
 }
 
 fn decode_t<T: Elem>(
@@ -62,6 +90,7 @@ fn decode_t<T: Elem>(
     values: &Tensor,
     mask: &Tensor,
     span: DecodeSpan,
+    at: Option<(&Tensor, usize)>,
 ) -> Result<Tensor> {
     let (b, h, hd) = q.dims3()?;
     let (kb, kvh, cap, khd) = keys.dims4()?;
@@ -79,7 +108,17 @@ fn decode_t<T: Elem>(
             "decode attention: q, keys, values and mask in one dtype",
         ));
     }
-    if !decode_attention_takes(h, kvh, hd) || span.lo >= span.len || span.len > cap {
+    let host_span_bad = at.is_none() && (span.lo >= span.len || span.len > cap);
+    if let Some((t, _)) = at {
+        if t.dtype() != DType::U32 || t.dims() != [2] {
+            return Err(err(format!(
+                "decode attention: the step's columns as u32 [2], not {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            )));
+        }
+    }
+    if !decode_attention_takes(h, kvh, hd) || host_span_bad {
         return Err(err(format!(
             "decode attention: {h} heads over {kvh} of {hd} dims, columns {}..{} of {cap}",
             span.lo, span.len
@@ -87,7 +126,11 @@ fn decode_t<T: Elem>(
     }
     let rep = h / kvh;
     let chunk = chunk(rep, hd).ok_or_else(|| err("decode attention: no chunk fits"))?;
-    let nsplit = (span.len - span.lo).div_ceil(chunk);
+    // (Columns read at run time: chunks for the whole cache, those past its length empty.)
+    let nsplit = match at {
+        Some(_) => cap.div_ceil(chunk),
+        None => (span.len - span.lo).div_ceil(chunk),
+    };
     let dev = device_of(q)?;
     // SAFETY: every chunk's slot is written by the split kernel, every output by the merge.
     let part = unsafe { dev.alloc::<f32>(b * h * nsplit * (hd + 2))? };
@@ -98,6 +141,14 @@ fn decode_t<T: Elem>(
     let (ks, kl) = keys.storage_and_layout();
     let (vs, vl) = values.storage_and_layout();
     let (ms, ml) = mask.storage_and_layout();
+    let at_store = at.map(|(t, _)| t.storage_and_layout());
+    let at_view = match &at_store {
+        Some((s, l)) => Some(view::<u32>(cuda_of(s)?, l)?),
+        None => None,
+    };
+    let window_i = i32_of(at.map_or(0, |(_, w)| w), "window")?;
+    // (A null pointer: the host's columns.)
+    let null = 0u64;
     let (qv, kv, vv, mv) = (
         view::<T>(cuda_of(&qs)?, ql)?,
         view::<T>(cuda_of(&ks)?, kl)?,
@@ -122,29 +173,30 @@ fn decode_t<T: Elem>(
         shared_mem_bytes: (rep * (hd + chunk) * 4) as u32,
     };
     // SAFETY: the arguments match decode_attn_split_<T>; q holds B·H·hd elements, keys and
-    // values B·KVH·cap·hd, mask B·cap, part B·H·nsplit·(hd + 2) floats; the shared memory is
-    // the kernel's rep·(hd + chunk) floats.
+    // values B·KVH·cap·hd, mask B·cap, part B·H·nsplit·(hd + 2) floats, `at` 2 u32 (or is
+    // null); the shared memory is the kernel's rep·(hd + chunk) floats.
     unsafe {
-        launch!(
-            split,
-            cfg,
-            [
-                &qv,
-                &kv,
-                &vv,
-                &mv,
-                &part,
-                &h_i,
-                &kvh_i,
-                &cap_i,
-                &hd_i,
-                &lo_i,
-                &len_i,
-                &chunk_i,
-                &span.scale,
-                &span.softcap
-            ]
-        )
+        let mut b = split.builder();
+        b.arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&mv)
+            .arg(&part)
+            .arg(&h_i)
+            .arg(&kvh_i)
+            .arg(&cap_i)
+            .arg(&hd_i)
+            .arg(&lo_i)
+            .arg(&len_i);
+        match &at_view {
+            Some(v) => b.arg(v),
+            None => b.arg(&null),
+        };
+        b.arg(&window_i)
+            .arg(&chunk_i)
+            .arg(&span.scale)
+            .arg(&span.softcap);
+        b.launch(cfg)
     }
     .w()?;
     let cfg = LaunchConfig {
@@ -154,7 +206,7 @@ fn decode_t<T: Elem>(
     };
     // SAFETY: the arguments match decode_attn_merge_<T>; y holds B·H·hd elements.
     unsafe { launch!(merge, cfg, [&part, &y, &h_i, &hd_i, &nsplit_i]) }.w()?;
-    drop((qs, ks, vs, ms));
+    drop((qs, ks, vs, ms, at_store));
     Ok(wrap(y, &dev, (b, h, hd)))
 }
 
