@@ -2418,8 +2418,9 @@ fn decode_families_equal_the_forward(dev: &Device, picked: &[&str], graphed: boo
         assert_eq!(
             cache.graphed(),
             graphed,
-            "{}: steps replayed from a CUDA graph",
-            f.name
+            "{}: steps replayed from a CUDA graph ({:?})",
+            f.name,
+            cache.graph_error()
         );
         for (r, (row, &l)) in rows.iter().zip(&lens).enumerate() {
             for (s, step) in got.iter().enumerate() {

@@ -332,14 +332,7 @@ impl std::fmt::Display for SoakReport {
 }
 
 pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
-    // The engine's log to stderr (no TUI here): `COCKPIT_LOG=info` shows, e.g., what the
-    // matmul tuning chose.
-    let filter = tracing_subscriber::EnvFilter::try_from_env("COCKPIT_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(filter)
-        .try_init();
+    super::log_to_stderr();
     let total = a.warmup + a.steps;
     let mut overrides = a.set.to_vec();
     overrides.extend([

@@ -118,6 +118,7 @@ pub fn main() -> i32 {
             output,
             bench,
         }) => {
+            log_to_stderr();
             let sampling = sampling.sampling();
             let many = generate::Many {
                 prompts,
@@ -210,6 +211,18 @@ fn latest_run(runs_root: &Path, name: &str) -> Option<PathBuf> {
 
 /// Where a checkpoint dir's run lives: `<run>/checkpoints/step-N` → `<run>`.
 use crate::engine::locate::run_dir_of as run_dir_of_checkpoint;
+
+/// The engine's log to stderr at `warn` (`COCKPIT_LOG` to change it), for the commands that
+/// have no dashboard and no run dir (bench, generate): e.g. what the matmul tuning chose, or
+/// why a generation's decode steps run without a CUDA graph.
+pub(crate) fn log_to_stderr() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("COCKPIT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .try_init();
+}
 
 fn init_logging(run_dir: &Path) {
     let Ok(file) = std::fs::OpenOptions::new()

@@ -50,6 +50,8 @@ pub struct BatchCache {
     pub(super) graph: Option<Box<super::decode_graph::DecodeGraph>>,
     /// Decode steps run without a graph (it does not apply, or its capture failed).
     pub(super) graph_off: bool,
+    /// The failed capture's error.
+    pub(super) graph_error: Option<String>,
 }
 
 impl BatchCache {
@@ -124,6 +126,7 @@ impl BatchCache {
             rope_local,
             graph: None,
             graph_off: false,
+            graph_error: None,
         })
     }
 }
@@ -203,6 +206,7 @@ impl Model {
             rope_local,
             graph: None,
             graph_off: false,
+            graph_error: None,
         })
     }
 

@@ -159,7 +159,6 @@ impl Model {
         };
         let (rope, rope_local) = (tables(&cache.rope)?, tables(&cache.rope_local)?);
         let len = start + n;
-        let mask = self.step_mask(cache, n, None)?;
         // Sliding layers: a prefill's mask limits each query to its window; a decode step's
         // single query reads only the window's last columns of the cache (no mask to build).
         let window_mask = if n > 1 && s.layout.has_sliding() {
@@ -176,6 +175,13 @@ impl Model {
         if device && !decode_kernel {
             candle_core::bail!("decode_batch: columns on the device without the decode kernel");
         }
+        // The ops' mask, where they run (for several rows its columns `0..len` are a copy,
+        // whose layout changes with every step: a step captured in a CUDA graph could not
+        // take it).
+        let mask = match decode_kernel {
+            true => None,
+            false => Some(self.step_mask(cache, n, None)?),
+        };
         // (Device columns: the index of the new column in the keys' shape, once.)
         let mut kv_at: Option<Tensor> = None;
         // A Mamba layer's real columns of a left-padded prefill (its padding must change no
@@ -281,7 +287,10 @@ impl Model {
                 }
                 let mask = match (&window_mask, s.layer_window(l)) {
                     (Some(w), Some(_)) => w.clone(),
-                    _ => mask.narrow(4, lo, seen)?,
+                    _ => match &mask {
+                        Some(m) => m.narrow(4, lo, seen)?,
+                        None => candle_core::bail!("decode_batch: no mask for the ops"),
+                    },
                 };
                 let att = att.broadcast_add(&mask)?;
                 let att = candle_nn::ops::softmax_last_dim(&att)?;

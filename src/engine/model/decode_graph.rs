@@ -48,6 +48,12 @@ impl BatchCache {
         self.graph_off = true;
     }
 
+    /// Why this batch's decode steps are not replayed from a CUDA graph where one applied: its
+    /// capture's error.
+    pub fn graph_error(&self) -> Option<&str> {
+        self.graph_error.as_deref()
+    }
+
     /// Whether this batch's decode steps are replayed from a CUDA graph.
     pub fn graphed(&self) -> bool {
         #[cfg(feature = "cuda")]
@@ -184,6 +190,7 @@ mod cuda {
                         tracing::warn!(
                             "decode steps without a CUDA graph: its capture failed ({e})"
                         );
+                        cache.graph_error = Some(e.to_string());
                         cache.graph_off = true;
                         return Ok(None);
                     }
