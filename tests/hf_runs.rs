@@ -656,6 +656,23 @@ fn generate_and_export_on_the_command_line() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
     }
+    // A run that fails leaves the output file it would have replaced as it was, and no
+    // temporary beside it.
+    let before = std::fs::read(&out_file).unwrap();
+    cockpit()
+        .args(["generate", &gpt2, "--prompts"])
+        .arg(&bad)
+        .arg("--output")
+        .arg(&out_file)
+        .assert()
+        .code(2);
+    assert_eq!(std::fs::read(&out_file).unwrap(), before);
+    let strays: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp"))
+        .collect();
+    assert!(strays.is_empty(), "{strays:?}");
     // A sharded export transformers would read: index + shards.
     let dest = tmp.path().join("sharded");
     cockpit()

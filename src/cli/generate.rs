@@ -112,13 +112,27 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
         ignore_eos: a.ignore_eos,
         chat: a.chat,
     };
-    // The output file is created before the model loads: a path that cannot be written
-    // fails at once.
+    // The output is written to a temporary file beside it, made before the model loads (a
+    // directory that cannot be written fails at once), and renamed over it once whole: a run
+    // that fails leaves an earlier file of that name as it was.
     let mut file = match &m.output {
-        Some(p) => match std::fs::File::create(p) {
-            Ok(f) => Some((p.clone(), std::io::BufWriter::new(f))),
-            Err(e) => return usage(&format!("--output {}: {e}", p.display())),
-        },
+        Some(p) => {
+            let dir = match p.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => std::path::Path::new("."),
+            };
+            // (Readable as a file `File::create` makes would be, not the temporary's 0600.)
+            let mut b = tempfile::Builder::new();
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                b.permissions(std::fs::Permissions::from_mode(0o644));
+            }
+            match b.tempfile_in(dir) {
+                Ok(f) => Some((p.clone(), std::io::BufWriter::new(f))),
+                Err(e) => return usage(&format!("--output {}: {e}", p.display())),
+            }
+        }
         None => None,
     };
     let report = match run::run_many(a.source, &o, |_, _| {}) {
@@ -137,8 +151,12 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
             None => crate::outln!("{line}"),
         }
     }
-    if let Some((path, mut w)) = file {
-        if let Err(e) = w.flush() {
+    if let Some((path, w)) = file {
+        let written = w
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.persist(&path).map(drop).map_err(|e| e.error));
+        if let Err(e) = written {
             crate::errln!("cockpit: generate: {}: {e}", path.display());
             return Ok(EXIT_FAILURE);
         }
