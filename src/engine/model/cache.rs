@@ -47,7 +47,7 @@ pub struct BatchCache {
     pub(super) rope_local: Option<(Tensor, Tensor)>,
     /// The decode step's buffers and, from the second step, its CUDA graph
     /// ([`super::decode_graph`]); None before, and once anything it reads is replaced.
-    pub(super) graph: Option<Box<super::decode_graph::DecodeGraph>>,
+    pub(super) graph: Option<Box<super::graph_buffers::DecodeGraph>>,
     /// Decode steps run without a graph (it does not apply, or its capture failed).
     pub(super) graph_off: bool,
     /// The failed capture's error.

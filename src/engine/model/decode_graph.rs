@@ -18,6 +18,7 @@
 
 use super::cache::{BatchCache, LayerState};
 use super::decode_batch::{Cols, StepOut};
+use super::graph_buffers::DecodeGraph;
 use super::Model;
 use candle_core::{Result, Tensor};
 
@@ -25,20 +26,6 @@ use candle_core::{Result, Tensor};
 fn graphs_off() -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *OFF.get_or_init(|| std::env::var("COCKPIT_DECODE_GRAPH").as_deref() == Ok("0"))
-}
-
-/// A batch's decode-step buffers and its captured step.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct DecodeGraph {
-    /// `[B, 1]` (u32): the ids the step feeds.
-    ids: Tensor,
-    /// `[2]` (u32): the new column and the columns filled after it.
-    at: Tensor,
-    /// The step's logits `[B, vocab]` and final hidden states `[B, n_embd]` (f32), from the
-    /// first step on.
-    out: Option<(Tensor, Tensor)>,
-    #[cfg(feature = "cuda")]
-    exec: Option<cuda::Exec>,
 }
 
 impl BatchCache {
@@ -134,26 +121,11 @@ impl Model {
 
 #[cfg(feature = "cuda")]
 mod cuda {
+    use super::super::graph_buffers::Exec;
     use super::*;
-    use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
+    use candle_core::cuda_backend::cudarc::driver::sys;
     use candle_core::cuda_backend::WrapErr;
     use candle_core::DType;
-
-    /// A captured step and the device whose graph memory it holds: dropping it hands that
-    /// memory back (a generation during training leaves the step's memory plan as it was).
-    pub(super) struct Exec {
-        graph: Option<CudaGraph>,
-        device: sys::CUdevice,
-    }
-
-    impl Drop for Exec {
-        fn drop(&mut self) {
-            drop(self.graph.take());
-            // SAFETY: a device handle of a live context; trimming only releases graph
-            // memory no graph holds.
-            let _ = unsafe { sys::cuDeviceGraphMemTrim(self.device) };
-        }
-    }
 
     impl Model {
         pub(super) fn graph_step(

@@ -24,6 +24,7 @@ mod decode;
 mod decode_batch;
 mod decode_graph;
 mod forward;
+mod graph_buffers;
 mod init;
 mod linear;
 mod lora;
