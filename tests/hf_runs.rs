@@ -656,6 +656,26 @@ fn generate_and_export_on_the_command_line() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
     }
+    // A directory of weights alone (no tokenizer files) takes prompts as token ids; its
+    // samples have ids and no text.
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir(&bare).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama3").join(f), bare.join(f)).unwrap();
+    }
+    let out = cockpit()
+        .args(["generate", bare.to_str().unwrap(), "--prompts"])
+        .arg(&prompts)
+        .args(["--samples", "2", "--max-tokens", "4"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let first: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out).lines().next().unwrap()).unwrap();
+    assert_eq!(first["samples"][0]["tokens"], 4, "{first}");
+    assert!(first["samples"][0]["text"].is_null(), "{first}");
     // A run that fails leaves the output file it would have replaced as it was, and no
     // temporary beside it.
     let before = std::fs::read(&out_file).unwrap();

@@ -116,9 +116,13 @@ fn encode(
     chat: bool,
     at: &str,
 ) -> Result<(Vec<u32>, Option<u32>), EngineError> {
+    // (Token ids need no tokenizer: a directory of weights alone takes them.)
+    if let Prompt::Ids(ids) = prompt {
+        return Ok((ids.clone(), None));
+    }
     let Some(t) = tok else {
         return Err(usage(format!(
-            "{at}: the model has no tokenizer (the built-in corpus); give token ids"
+            "{at}: the model has no tokenizer (none beside its weights, or the built-in corpus); give token ids"
         )));
     };
     let messages = match (prompt, chat) {
