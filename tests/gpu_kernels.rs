@@ -2340,6 +2340,100 @@ fn mamba_decode_matches_the_composition() {
     assert!(failed.is_empty(), "off the composition: {failed:?}");
 }
 
+/// A batch's prefill with flash attention's forward (`kernels::flash_rows`: each query's
+/// lowest key per row, left padding skipped, a sliding layer's window) gives the logits the
+/// candle ops' prefill gives, and the steps after it too (bf16: within 5e-2 of the logits'
+/// scale), on a llama (head dim 64), gemma3 (128, windows of 8), gemma2 (256 with the
+/// soft-cap), phi3 (partial rotary, crossing its LongRoPE context in the prefill) and the
+/// granite hybrid (its attention layer).
+#[test]
+fn flash_prefill_equals_the_ops_prefill() {
+    let Some(dev) = gpu() else { return };
+    let picked = [
+        "llama: RMSNorm, SwiGLU, RoPE, no bias, GQA 4/2",
+        "gemma3: head dim 128, 3 layers",
+        "gemma2-2b-like: head dim 256 (flash with the soft-cap)",
+        "phi3-like",
+        "granite-4.0-h-like hybrid: 3 Mamba-2 layers",
+    ];
+    let families: Vec<Family> = every_step_family()
+        .into_iter()
+        .filter(|f| picked.iter().any(|p| f.name.starts_with(p)))
+        .collect();
+    assert_eq!(families.len(), picked.len(), "a picked family is gone");
+    let mut failed = Vec::new();
+    for f in families {
+        let mut c = Config::default();
+        c.model.seq_len = 32;
+        (f.set)(&mut c);
+        c.model.layout.window = c.model.layout.window.min(8);
+        let spec = ModelSpec::from_config(&c, f.vocab);
+        let cap = spec.attn_softcap().unwrap_or(0.0) as f32;
+        assert!(
+            kernels::flash_rows_takes(&dev, spec.head_dim(), cap),
+            "{}: flash attention does not take head dim {}",
+            f.name,
+            spec.head_dim()
+        );
+        let m = Model::new(spec, DType::BF16, &dev, 5).unwrap();
+        let lens = [20usize, 13, 17];
+        let width = lens[0];
+        let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
+        let rows: Vec<Vec<u32>> = (0..3)
+            .map(|r| batch_ids(lens[r] + 3, f.vocab, r as u32 + 1).0)
+            .collect();
+        let mut flat = Vec::new();
+        for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
+            flat.extend(std::iter::repeat_n(row[0], pad));
+            flat.extend_from_slice(&row[..l]);
+        }
+        let ids = Tensor::from_vec(flat, (3, width), &dev).unwrap();
+        let run = |flash: bool| -> Vec<Vec<Vec<f32>>> {
+            let mut cache = m.batch_cache(&pads, width + 3).unwrap();
+            cache.set_flash_prefill(flash);
+            let logits = |ids: &Tensor, cache: &mut _| {
+                m.decode_batch(ids, cache, true)
+                    .unwrap()
+                    .logits
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap()
+            };
+            let mut got = vec![logits(&ids, &mut cache)];
+            for s in 0..2 {
+                let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
+                got.push(logits(
+                    &Tensor::from_vec(next, (3, 1), &dev).unwrap(),
+                    &mut cache,
+                ));
+            }
+            got
+        };
+        let (flash, ops) = (run(true), run(false));
+        let scale = ops
+            .iter()
+            .flatten()
+            .flatten()
+            .fold(0f32, |a, &b| a.max(b.abs()));
+        let worst = flash
+            .iter()
+            .flatten()
+            .flatten()
+            .zip(ops.iter().flatten().flatten())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "{}: flash prefill off the ops by {worst:.3e} (of {scale:.2})",
+            f.name
+        );
+        let finite = flash.iter().flatten().flatten().all(|v| v.is_finite());
+        if !finite || worst > 5e-2 * scale.max(1.0) {
+            failed.push(f.name);
+        }
+    }
+    assert!(failed.is_empty(), "flash prefill off the ops: {failed:?}");
+}
+
 /// Batched decoding on the GPU (attention through `kernels::decode_attention`, q and k through
 /// candle's fused RoPE or the rotate-half ops, Mamba layers through `kernels::mamba_decode`)
 /// gives each row the logits a forward of that row's tokens so far gives, f32: left-padded

@@ -216,10 +216,22 @@ use crate::engine::locate::run_dir_of as run_dir_of_checkpoint;
 /// have no dashboard and no run dir (bench, generate): e.g. what the matmul tuning chose, or
 /// why a generation's decode steps run without a CUDA graph.
 pub(crate) fn log_to_stderr() {
+    /// stderr, whose failures (a closed terminal, a full disk) are dropped: tracing's own
+    /// fallback would print them to stderr, which panics there.
+    struct Stderr;
+    impl std::io::Write for Stderr {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            let _ = std::io::stderr().write_all(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_env("COCKPIT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
+        .with_writer(|| Stderr)
         .with_env_filter(filter)
         .try_init();
 }

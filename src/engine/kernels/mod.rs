@@ -10,6 +10,8 @@
 //! - [`sumsq`] and [`adamw_multi`]: the global gradient norm and AdamW over all parameters,
 //!   one multi-tensor launch each (a small pointer table goes up per step), AdamW in place on
 //!   the fp32 master weights and moments, clipping folded in as a gradient scale;
+//! - [`flash_rows`]: flash attention's forward over a batch whose rows skip keys (a
+//!   generation's left-padded prefill);
 //! - [`decode_attention`]: a generation step's attention, each row's new query against its
 //!   cached keys and values (no autograd);
 //! - [`mamba_decode`]: a generation step through a hybrid's Mamba-2 layer, from in_proj's
@@ -43,7 +45,7 @@ mod side;
 #[cfg(feature = "cuda")]
 mod step;
 #[cfg(feature = "cuda")]
-pub use step::ModelStep;
+pub use step::{flash_rows, flash_rows_takes, ModelStep};
 pub mod rows;
 pub use rows::Rows;
 
@@ -291,6 +293,19 @@ mod cpu_stubs {
         _values: &Tensor,
         _mask: &Tensor,
         _span: super::DecodeSpan,
+    ) -> Result<Tensor> {
+        no_cuda()
+    }
+    pub fn flash_rows_takes(_device: &candle_core::Device, _hd: usize, _softcap: f32) -> bool {
+        false
+    }
+    pub fn flash_rows(
+        _qkv: &Tensor,
+        _starts: &Tensor,
+        _n_head: usize,
+        _n_kv_head: usize,
+        _scale: f32,
+        _softcap: f32,
     ) -> Result<Tensor> {
         no_cuda()
     }

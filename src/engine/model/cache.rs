@@ -4,6 +4,14 @@
 
 use super::*;
 
+/// Whether a batch's prefill runs its attention in flash attention's forward by default
+/// (`COCKPIT_PREFILL=flash`; read once). Off until it has run on a GPU against the ops
+/// (`tests/gpu_kernels.rs`), then on.
+pub(super) fn flash_prefill_default() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("COCKPIT_PREFILL").as_deref() == Ok("flash"))
+}
+
 /// What one layer keeps between decode steps.
 pub enum LayerState {
     /// Attention: keys and values `[B, kv_heads, capacity, head_dim]` in the compute dtype,
@@ -52,6 +60,9 @@ pub struct BatchCache {
     pub(super) graph_off: bool,
     /// The failed capture's error.
     pub(super) graph_error: Option<String>,
+    /// A prefill's attention in flash attention's forward where it takes the model (CUDA,
+    /// bf16, its head dims): `COCKPIT_PREFILL=flash`, or [`Self::set_flash_prefill`].
+    pub(super) flash_prefill: bool,
 }
 
 impl BatchCache {
@@ -67,6 +78,12 @@ impl BatchCache {
 
     pub fn batch(&self) -> usize {
         self.pads.len()
+    }
+
+    /// Whether a prefill's attention runs in flash attention's forward where it takes the
+    /// model (CUDA, bf16, its head dims) instead of the candle ops.
+    pub fn set_flash_prefill(&mut self, on: bool) {
+        self.flash_prefill = on;
     }
 
     /// Left padding of each row.
@@ -127,6 +144,7 @@ impl BatchCache {
             graph: None,
             graph_off: false,
             graph_error: None,
+            flash_prefill: flash_prefill_default(),
         })
     }
 }
@@ -207,6 +225,7 @@ impl Model {
             graph: None,
             graph_off: false,
             graph_error: None,
+            flash_prefill: flash_prefill_default(),
         })
     }
 

@@ -161,14 +161,35 @@ impl Model {
         let len = start + n;
         // Sliding layers: a prefill's mask limits each query to its window; a decode step's
         // single query reads only the window's last columns of the cache (no mask to build).
-        let window_mask = if n > 1 && s.layout.has_sliding() {
+        let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
+        let rep = h / kvh;
+        let scale = s.attention_scale();
+        let softcap = s.attn_softcap().unwrap_or(0.0) as f32;
+        // A prompt's prefill (every column from the first) in flash attention's forward on
+        // CUDA where the cache asks for it: each query's lowest key per row, for the layers
+        // without and with a window.
+        let flash = if n > 1
+            && start == 0
+            && cache.flash_prefill
+            && !decode_ops()
+            && s.kernels.attention
+            && x.dtype() == DType::BF16
+            && crate::engine::kernels::flash_rows_takes(&self.device, hd, softcap)
+        {
+            let window = s.layout.has_sliding().then_some(s.layout.window);
+            let global = self.prefill_starts(cache, n, None)?;
+            let local = window
+                .map(|w| self.prefill_starts(cache, n, Some(w)))
+                .transpose()?;
+            Some((global, local))
+        } else {
+            None
+        };
+        let window_mask = if n > 1 && s.layout.has_sliding() && flash.is_none() {
             Some(self.step_mask(cache, n, Some(s.layout.window))?)
         } else {
             None
         };
-        let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
-        let rep = h / kvh;
-        let scale = s.attention_scale();
         // A decode step's attention in one kernel on CUDA (the ops elsewhere, and for a
         // prefill).
         let decode_kernel = n == 1 && self.decode_kernel_takes(&x);
@@ -178,7 +199,7 @@ impl Model {
         // The ops' mask, where they run (for several rows its columns `0..len` are a copy,
         // whose layout changes with every step: a step captured in a CUDA graph could not
         // take it).
-        let mask = match decode_kernel {
+        let mask = match decode_kernel || flash.is_some() {
             true => None,
             false => Some(self.step_mask(cache, n, None)?),
         };
@@ -254,7 +275,15 @@ impl Model {
                 Some(w) if n == 1 => len.saturating_sub(w),
                 _ => 0,
             };
-            let y = if let Cols::Device(at) = cols {
+            let y = if let Some((global, local)) = &flash {
+                let starts = match (s.layer_window(l), local) {
+                    (Some(_), Some(w)) => w,
+                    _ => global,
+                };
+                let qkv = Tensor::cat(&[&q, &k, &v], 1)?.transpose(1, 2)?;
+                crate::engine::kernels::flash_rows(&qkv, starts, h, kvh, scale as f32, softcap)?
+                    .reshape((bsz, n, h * hd))?
+            } else if let Cols::Device(at) = cols {
                 let q = q.reshape((bsz, h, hd))?.contiguous()?;
                 let at = crate::engine::kernels::DecodeAt {
                     at,
@@ -379,6 +408,25 @@ impl Model {
             }
         }
         self.decode_batch(&ids, cache, logits).map(Some)
+    }
+
+    /// Each query's lowest key `[B, n]` (u32) of a prefill's `n` columns (flash attention's
+    /// `starts`): a row's first token's column, the window's first column where that is later;
+    /// a padding column itself (it sees itself alone, as in [`Self::step_mask`]).
+    fn prefill_starts(
+        &self,
+        cache: &BatchCache,
+        n: usize,
+        window: Option<usize>,
+    ) -> Result<Tensor> {
+        let mut st = Vec::with_capacity(cache.batch() * n);
+        for &pad in &cache.pads {
+            for q in 0..n {
+                let low = window.map_or(0, |w| (q + 1).saturating_sub(w));
+                st.push(if q < pad { q } else { pad.max(low) } as u32);
+            }
+        }
+        Tensor::from_vec(st, (cache.batch(), n), &self.device)
     }
 
     /// The additive mask `[B, 1, 1, n, len]` of `n` new columns after `cache.filled`: a row

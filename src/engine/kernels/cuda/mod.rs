@@ -236,28 +236,32 @@ pub use self::sampling::*;
 pub use self::softmax::*;
 pub use self::wire::*;
 
-fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
+pub(super) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
     let (o1, o2) = l
         .contiguous_offsets()
         .ok_or_else(|| err("fused kernel: input is not contiguous"))?;
     Ok(s.as_cuda_slice::<T>()?.slice(o1..o2))
 }
 
-fn cuda_of(st: &Storage) -> Result<&CudaStorage> {
+pub(super) fn cuda_of(st: &Storage) -> Result<&CudaStorage> {
     match st {
         Storage::Cuda(c) => Ok(c),
         _ => Err(err("fused kernel: tensor is not on a CUDA device")),
     }
 }
 
-fn device_of(t: &Tensor) -> Result<CudaDevice> {
+pub(super) fn device_of(t: &Tensor) -> Result<CudaDevice> {
     match t.device() {
         Device::Cuda(d) => Ok(d.clone()),
         _ => Err(err("fused kernel: tensor is not on a CUDA device")),
     }
 }
 
-fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+pub(super) fn wrap<T: CudaDType>(
+    slice: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: impl Into<Shape>,
+) -> Tensor {
     Tensor::from_storage(
         Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
         shape,

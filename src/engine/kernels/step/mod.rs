@@ -29,6 +29,7 @@ mod arena;
 mod attention;
 mod backward;
 mod elementwise;
+mod flash_rows;
 mod forward;
 mod gemm;
 mod grad_sum;
@@ -52,6 +53,7 @@ use candle_core::{CudaDevice, Result, Tensor, TensorId};
 use half::bf16;
 
 use self::arena::Arena;
+pub use self::flash_rows::{flash_rows, flash_rows_takes};
 use self::kernels::{Kernels, Mark};
 use self::lora::Cat;
 use self::mamba_bufs::MambaDims;
