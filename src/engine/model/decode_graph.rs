@@ -241,6 +241,7 @@ mod cuda {
             Ok(Exec {
                 graph: Some(graph),
                 device: stream.context().cu_device(),
+                stream,
             })
         }
     }

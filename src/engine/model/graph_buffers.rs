@@ -2,7 +2,7 @@
 //! ([`super::decode_graph`] captures and launches it; the batch's cache holds it).
 
 #[cfg(feature = "cuda")]
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
 use candle_core::Tensor;
 
 /// A batch's decode-step buffers and its captured step.
@@ -25,11 +25,16 @@ pub(crate) struct DecodeGraph {
 pub(super) struct Exec {
     pub(super) graph: Option<CudaGraph>,
     pub(super) device: sys::CUdevice,
+    /// The stream it launches on.
+    pub(super) stream: std::sync::Arc<CudaStream>,
 }
 
 #[cfg(feature = "cuda")]
 impl Drop for Exec {
     fn drop(&mut self) {
+        // (Its last launch done before it is destroyed: a generation's last step is launched
+        // just before the batch's cache, which holds it, is dropped.)
+        let _ = self.stream.synchronize();
         drop(self.graph.take());
         // SAFETY: a device handle of a live context; trimming only releases graph
         // memory no graph holds.
