@@ -159,8 +159,6 @@ impl Model {
         };
         let (rope, rope_local) = (tables(&cache.rope)?, tables(&cache.rope_local)?);
         let len = start + n;
-        // Sliding layers: a prefill's mask limits each query to its window; a decode step's
-        // single query reads only the window's last columns of the cache (no mask to build).
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim());
         let rep = h / kvh;
         let scale = s.attention_scale();
@@ -185,6 +183,9 @@ impl Model {
         } else {
             None
         };
+        // Sliding layers: a prefill's mask limits each query to its window; a decode step's
+        // single query reads only the window's last columns of the cache (no mask to build).
+        // (Flash attention takes the window as each query's lowest key.)
         let window_mask = if n > 1 && s.layout.has_sliding() && flash.is_none() {
             Some(self.step_mask(cache, n, Some(s.layout.window))?)
         } else {
@@ -289,7 +290,7 @@ impl Model {
                     at,
                     window: s.layer_window(l),
                     scale: scale as f32,
-                    softcap: s.attn_softcap().unwrap_or(0.0) as f32,
+                    softcap,
                 };
                 crate::engine::kernels::decode_attention_at(&q, kc, vc, &cache.pad_mask, at)?
                     .reshape((bsz, n, h * hd))?
@@ -299,7 +300,7 @@ impl Model {
                     lo,
                     len,
                     scale: scale as f32,
-                    softcap: s.attn_softcap().unwrap_or(0.0) as f32,
+                    softcap,
                 };
                 let q = q.reshape((bsz, h, hd))?.contiguous()?;
                 crate::engine::kernels::decode_attention(&q, kc, vc, &cache.pad_mask, span)?
