@@ -2340,6 +2340,66 @@ fn mamba_decode_matches_the_composition() {
     assert!(failed.is_empty(), "off the composition: {failed:?}");
 }
 
+/// The families of `every_step_family` whose names start with `picked`, all of them.
+fn picked_families(picked: &[&str]) -> Vec<Family> {
+    let families: Vec<Family> = every_step_family()
+        .into_iter()
+        .filter(|f| picked.iter().any(|p| f.name.starts_with(p)))
+        .collect();
+    assert_eq!(families.len(), picked.len(), "a picked family is gone");
+    families
+}
+
+/// Three rows of `lens[r] + steps` ids (its prompt, then the tokens each step feeds), the
+/// prompts left-padded to the longest: the rows, their pads, and the prompts `[3, width]`.
+fn left_padded(
+    lens: [usize; 3],
+    steps: usize,
+    vocab: usize,
+    dev: &Device,
+) -> (Vec<Vec<u32>>, Vec<usize>, Tensor) {
+    let width = lens.iter().copied().max().unwrap_or(0);
+    let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
+    let rows: Vec<Vec<u32>> = (0..3)
+        .map(|r| batch_ids(lens[r] + steps, vocab, r as u32 + 1).0)
+        .collect();
+    let mut flat = Vec::new();
+    for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
+        flat.extend(std::iter::repeat_n(row[0], pad));
+        flat.extend_from_slice(&row[..l]);
+    }
+    let prompts = Tensor::from_vec(flat, (3, width), dev).unwrap();
+    (rows, pads, prompts)
+}
+
+/// The logits of the prefill of `prompts` into `cache`, then of `steps` steps feeding each
+/// row's next ids (`rows[r][lens[r] + s]`).
+fn decode_logits(
+    m: &Model,
+    cache: &mut cockpit::engine::model::BatchCache,
+    prompts: &Tensor,
+    (rows, lens): (&[Vec<u32>], &[usize]),
+    steps: usize,
+) -> Vec<Vec<Vec<f32>>> {
+    let dev = prompts.device();
+    let mut logits = |ids: &Tensor| {
+        m.decode_batch(ids, cache, true)
+            .unwrap()
+            .logits
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let mut got = vec![logits(prompts)];
+    for s in 0..steps {
+        let next: Vec<u32> = rows.iter().zip(lens).map(|(r, &l)| r[l + s]).collect();
+        got.push(logits(
+            &Tensor::from_vec(next, (rows.len(), 1), dev).unwrap(),
+        ));
+    }
+    got
+}
+
 /// A batch's prefill with flash attention's forward (`kernels::flash_rows`: each query's
 /// lowest key per row, left padding skipped, a sliding layer's window) gives the logits the
 /// candle ops' prefill gives, and the steps after it too (bf16: within 5e-2 of the logits'
@@ -2356,13 +2416,8 @@ fn flash_prefill_equals_the_ops_prefill() {
         "phi3-like",
         "granite-4.0-h-like hybrid: 3 Mamba-2 layers",
     ];
-    let families: Vec<Family> = every_step_family()
-        .into_iter()
-        .filter(|f| picked.iter().any(|p| f.name.starts_with(p)))
-        .collect();
-    assert_eq!(families.len(), picked.len(), "a picked family is gone");
     let mut failed = Vec::new();
-    for f in families {
+    for f in picked_families(&picked) {
         let mut c = Config::default();
         c.model.seq_len = 32;
         (f.set)(&mut c);
@@ -2377,37 +2432,11 @@ fn flash_prefill_equals_the_ops_prefill() {
         );
         let m = Model::new(spec, DType::BF16, &dev, 5).unwrap();
         let lens = [20usize, 13, 17];
-        let width = lens[0];
-        let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
-        let rows: Vec<Vec<u32>> = (0..3)
-            .map(|r| batch_ids(lens[r] + 3, f.vocab, r as u32 + 1).0)
-            .collect();
-        let mut flat = Vec::new();
-        for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
-            flat.extend(std::iter::repeat_n(row[0], pad));
-            flat.extend_from_slice(&row[..l]);
-        }
-        let ids = Tensor::from_vec(flat, (3, width), &dev).unwrap();
+        let (rows, pads, prompts) = left_padded(lens, 2, f.vocab, &dev);
         let run = |flash: bool| -> Vec<Vec<Vec<f32>>> {
-            let mut cache = m.batch_cache(&pads, width + 3).unwrap();
+            let mut cache = m.batch_cache(&pads, lens[0] + 3).unwrap();
             cache.set_flash_prefill(flash);
-            let logits = |ids: &Tensor, cache: &mut _| {
-                m.decode_batch(ids, cache, true)
-                    .unwrap()
-                    .logits
-                    .unwrap()
-                    .to_vec2::<f32>()
-                    .unwrap()
-            };
-            let mut got = vec![logits(&ids, &mut cache)];
-            for s in 0..2 {
-                let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
-                got.push(logits(
-                    &Tensor::from_vec(next, (3, 1), &dev).unwrap(),
-                    &mut cache,
-                ));
-            }
-            got
+            decode_logits(&m, &mut cache, &prompts, (&rows, &lens), 2)
         };
         let (flash, ops) = (run(true), run(false));
         let scale = ops
@@ -2460,12 +2489,7 @@ fn batched_decoding_on_the_gpu_equals_the_forward() {
 }
 
 fn decode_families_equal_the_forward(dev: &Device, picked: &[&str], graphed: bool) {
-    let families: Vec<Family> = every_step_family()
-        .into_iter()
-        .filter(|f| picked.iter().any(|p| f.name.starts_with(p)))
-        .collect();
-    assert_eq!(families.len(), picked.len(), "a picked family is gone");
-    for f in families {
+    for f in picked_families(picked) {
         let mut c = Config::default();
         // (phi3-like's original context is half of this: 12 columns, crossed at the first step)
         c.model.seq_len = 24;
@@ -2478,37 +2502,12 @@ fn decode_families_equal_the_forward(dev: &Device, picked: &[&str], graphed: boo
         } else {
             ([12, 7, 9], 6)
         };
-        let width = lens[0];
-        let pads: Vec<usize> = lens.iter().map(|l| width - l).collect();
-        let rows: Vec<Vec<u32>> = (0..3)
-            .map(|r| batch_ids(lens[r] + steps, f.vocab, r as u32 + 1).0)
-            .collect();
-        let mut flat = Vec::new();
-        for (row, (&l, &pad)) in rows.iter().zip(lens.iter().zip(&pads)) {
-            flat.extend(std::iter::repeat_n(row[0], pad));
-            flat.extend_from_slice(&row[..l]);
-        }
-        let mut cache = m.batch_cache(&pads, width + steps).unwrap();
+        let (rows, pads, prompts) = left_padded(lens, steps - 1, f.vocab, dev);
+        let mut cache = m.batch_cache(&pads, lens[0] + steps).unwrap();
         if !graphed {
             cache.no_graph();
         }
-        let logits = |ids: &Tensor, cache: &mut _| {
-            m.decode_batch(ids, cache, true)
-                .unwrap()
-                .logits
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap()
-        };
-        let ids = Tensor::from_vec(flat, (3, width), dev).unwrap();
-        let mut got = vec![logits(&ids, &mut cache)];
-        for s in 0..steps - 1 {
-            let next: Vec<u32> = rows.iter().zip(&lens).map(|(r, &l)| r[l + s]).collect();
-            got.push(logits(
-                &Tensor::from_vec(next, (3, 1), dev).unwrap(),
-                &mut cache,
-            ));
-        }
+        let got = decode_logits(&m, &mut cache, &prompts, (&rows, &lens), steps - 1);
         assert_eq!(
             cache.graphed(),
             graphed,

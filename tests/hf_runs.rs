@@ -425,6 +425,12 @@ fn train_refuses_bad_bases_and_contradictions_before_writing_anything() {
     }
 }
 
+/// The first line a command printed to stdout, as JSON.
+fn first_json_line(run: &assert_cmd::assert::Assert) -> serde_json::Value {
+    let out = String::from_utf8_lossy(&run.get_output().stdout).into_owned();
+    serde_json::from_str(out.lines().next().unwrap()).unwrap()
+}
+
 #[test]
 fn generate_and_export_on_the_command_line() {
     let (_, _, prompt, greedy) = expected("qwen2");
@@ -604,12 +610,8 @@ fn generate_and_export_on_the_command_line() {
             "1.2",
         ])
         .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let first: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&sampled).lines().next().unwrap()).unwrap();
+        .success();
+    let first = first_json_line(&sampled);
     assert!(
         first["diversity"]["cosine_distance"].as_f64().unwrap() > 1e-4,
         "{first}"
@@ -668,12 +670,8 @@ fn generate_and_export_on_the_command_line() {
         .arg(&prompts)
         .args(["--samples", "2", "--max-tokens", "4"])
         .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let first: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&out).lines().next().unwrap()).unwrap();
+        .success();
+    let first = first_json_line(&out);
     assert_eq!(first["samples"][0]["tokens"], 4, "{first}");
     assert!(first["samples"][0]["text"].is_null(), "{first}");
     // A run that fails leaves the output file it would have replaced as it was, and no

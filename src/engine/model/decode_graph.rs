@@ -146,16 +146,10 @@ mod cuda {
                 .map_err(|_| candle_core::Error::Msg(format!("decode column {start}")))?;
             g.at.slice_set(&Tensor::new(&[col, col + 1], &self.device)?, 0, 0)?;
             match (&g.exec, &g.out) {
-                (Some(exec), _) => {
-                    if let Some(graph) = &exec.graph {
-                        graph.launch().w()?;
-                    }
-                }
+                (Some(exec), _) => exec.launch()?,
                 (None, Some(_)) => match self.capture(&g, cache) {
                     Ok(exec) => {
-                        if let Some(graph) = &exec.graph {
-                            graph.launch().w()?;
-                        }
+                        exec.launch()?;
                         g.exec = Some(exec);
                     }
                     Err(e) => {

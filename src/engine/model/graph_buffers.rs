@@ -30,6 +30,18 @@ pub(super) struct Exec {
 }
 
 #[cfg(feature = "cuda")]
+impl Exec {
+    /// One replay of the step, on its stream.
+    pub(super) fn launch(&self) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::WrapErr;
+        match &self.graph {
+            Some(g) => g.launch().w(),
+            None => candle_core::bail!("decode graph: launched after it was destroyed"),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
 impl Drop for Exec {
     fn drop(&mut self) {
         // (Its last launch done before it is destroyed: a generation's last step is launched
