@@ -173,16 +173,20 @@ pub enum Cmd {
         /// Samples per prompt (their diversity is measured when there are 2 or more).
         #[arg(long, value_name = "N", default_value_t = 1)]
         samples: usize,
-        /// Sequences decoded together.
-        #[arg(long, value_name = "B", default_value_t = 64)]
-        batch_size: usize,
+        /// Sequences decoded together (default: as many as half the GPU's free memory holds
+        /// for the longest prompt and --max-tokens, at most 512; 64 on the CPU).
+        #[arg(long, value_name = "B")]
+        batch_size: Option<usize>,
         /// Where the JSON Lines go (default: stdout).
         #[arg(long, value_name = "FILE")]
         output: Option<PathBuf>,
-        /// Benchmark: tokens/s of batches of these sizes (random prompts of 16 ids,
+        /// Benchmark: tokens/s of batches of these sizes (random prompts of --bench-prompt ids,
         /// --max-tokens new tokens each, no stop token), one JSON line per batch size.
         #[arg(long, value_name = "B1,B2,..", value_delimiter = ',')]
         bench: Vec<usize>,
+        /// With --bench: the random prompts' length in tokens.
+        #[arg(long, value_name = "N", default_value_t = 16)]
+        bench_prompt: usize,
     },
     /// Chat with a model in the terminal: each line of stdin is a user turn; the whole
     /// conversation goes through the model's chat template and the reply streams to stdout.

@@ -13,9 +13,11 @@ use std::path::PathBuf;
 pub struct Many {
     pub prompts: Option<PathBuf>,
     pub samples: usize,
-    pub batch_size: usize,
+    pub batch_size: Option<usize>,
     pub output: Option<PathBuf>,
     pub bench: Vec<usize>,
+    /// The benchmark's prompt length in tokens.
+    pub bench_prompt: usize,
 }
 
 impl Many {
@@ -64,18 +66,21 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
     if m.samples == 0 {
         return usage("--samples 0: give at least 1");
     }
-    if m.batch_size == 0 {
+    if m.batch_size == Some(0) {
         return usage("--batch-size 0: give at least 1");
     }
     if !m.bench.is_empty() {
         if m.bench.contains(&0) {
             return usage("--bench 0: a batch needs at least 1 row");
         }
+        if m.bench_prompt == 0 {
+            return usage("--bench-prompt 0: a prompt needs at least 1 token");
+        }
         let result = run::bench(
             a.source,
             device,
             &m.bench,
-            16,
+            m.bench_prompt,
             a.max_tokens,
             &a.sampling,
             |r| {
@@ -162,9 +167,10 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
         }
     }
     crate::errln!(
-        "[{} prompts × {} samples: {} new tokens in {:.2} s, {:.1} tokens/s; first token {:.1} ms; load {:.2} s]",
+        "[{} prompts × {} samples in batches of {} rows: {} new tokens in {:.2} s, {:.1} tokens/s; first token {:.1} ms; load {:.2} s]",
         report.prompts.len(),
         o.samples,
+        report.batch_size,
         report.new_tokens,
         report.seconds,
         report.new_tokens as f64 / report.seconds.max(1e-9),

@@ -117,6 +117,7 @@ pub fn main() -> i32 {
             batch_size,
             output,
             bench,
+            bench_prompt,
         }) => {
             log_to_stderr();
             let sampling = sampling.sampling();
@@ -126,6 +127,7 @@ pub fn main() -> i32 {
                 batch_size,
                 output,
                 bench,
+                bench_prompt,
             };
             let args = hf::GenerateArgs {
                 source: &source,

@@ -89,6 +89,12 @@ pub fn compute_capability(device: &Device) -> Option<(u32, u32)> {
     None
 }
 
+/// Whether `e` is an allocation that failed for want of memory (CUDA's, or the host's).
+pub fn is_out_of_memory(e: &candle_core::Error) -> bool {
+    let s = e.to_string().to_ascii_lowercase();
+    s.contains("out of memory") || s.contains("out_of_memory")
+}
+
 /// Bytes of memory in use: device memory in use on CUDA (whole device), this process's RSS on CPU.
 pub fn memory_in_use(device: &Device) -> Option<u64> {
     #[cfg(feature = "cuda")]

@@ -7,6 +7,7 @@ use super::diversity::{self, Diversity};
 use super::prompts::{self, Prompt};
 use super::Sampling;
 use crate::engine::data::Tok;
+use crate::engine::model::Model;
 use crate::engine::source::{open, Source};
 use crate::engine::EngineError;
 use crate::util::DeviceSpec;
@@ -28,8 +29,8 @@ pub struct ManyOptions {
     pub prompt_ids: Vec<u32>,
     /// Samples per prompt.
     pub samples: usize,
-    /// Rows decoded together.
-    pub batch_size: usize,
+    /// Rows decoded together; None: [`auto_batch_size`].
+    pub batch_size: Option<usize>,
     pub max_tokens: usize,
     pub sampling: Sampling,
     pub device: DeviceSpec,
@@ -62,6 +63,8 @@ pub struct PromptOut {
 pub struct ManyReport {
     pub prompts: Vec<PromptOut>,
     pub rows: usize,
+    /// Rows decoded together (`--batch-size`, or [`auto_batch_size`]'s choice).
+    pub batch_size: usize,
     pub new_tokens: usize,
     /// Generation's wall time (after loading).
     pub seconds: f64,
@@ -143,6 +146,30 @@ fn encode(
     Ok((t.encode_offsets(&rendered, at)?.0, tmpl.eos_id(t)))
 }
 
+/// Rows a batch takes at most when `--batch-size` is not given.
+pub const AUTO_BATCH_MAX: usize = 512;
+
+/// Rows decoded together by default: on a GPU as many as half its free memory holds
+/// ([`crate::engine::spec::ModelSpec::decode_bytes_per_row`] for prompts of `longest` tokens
+/// and `max_new` more), at most [`AUTO_BATCH_MAX`]; 64 on the CPU. Never more than `rows`.
+/// A batch of this size that runs out of memory anyway is halved and redone ([`run_many`]).
+pub fn auto_batch_size(model: &Model, rows: usize, longest: usize, max_new: usize) -> usize {
+    let elem = model.dtype().size_in_bytes();
+    let per_row = model
+        .spec
+        .decode_bytes_per_row(longest, longest + max_new, elem)
+        .max(1);
+    let free = match model.device().is_cuda() {
+        true => crate::engine::device::memory_free(model.device()),
+        false => None,
+    };
+    let fits = match free {
+        Some(free) => ((free / 2 / per_row) as usize).clamp(1, AUTO_BATCH_MAX),
+        None => 64,
+    };
+    fits.min(rows.max(1))
+}
+
 /// Generate `o.samples` samples of every prompt; `on_progress` sees the rows done so far.
 pub fn run_many(
     src: &Path,
@@ -152,7 +179,7 @@ pub fn run_many(
     if o.samples == 0 {
         return Err(usage("--samples 0: give at least 1".into()));
     }
-    if o.batch_size == 0 {
+    if o.batch_size == Some(0) {
         return Err(usage("--batch-size 0: give at least 1".into()));
     }
     // The file is read (and its errors found) before the model loads.
@@ -230,21 +257,41 @@ pub fn run_many(
         .iter()
         .flat_map(|p| std::iter::repeat_n(p.clone(), n))
         .collect();
+    let longest = encoded.iter().map(Vec::len).max().unwrap_or(1);
+    let mut batch_size = o
+        .batch_size
+        .unwrap_or_else(|| auto_batch_size(&s.model, rows.len(), longest, o.max_tokens));
     let start = Instant::now();
     let mut outs = Vec::with_capacity(rows.len());
     let mut embeddings = Vec::new();
     let mut first_token_s = None;
     let (mut prefill_s, mut sampling_s) = (0.0, 0.0);
-    for (c, chunk) in rows.chunks(o.batch_size).enumerate() {
+    let mut c = 0u64;
+    while outs.len() < rows.len() {
+        let chunk = &rows[outs.len()..(outs.len() + batch_size).min(rows.len())];
         let req = Rows {
             prompts: chunk,
             max_new: o.max_tokens,
             sampling: &o.sampling,
-            seed: o.sampling.seed.wrapping_add(c as u64),
+            seed: o.sampling.seed.wrapping_add(c),
             stop: &stop,
             embed: n >= 2,
         };
-        let g = generate_rows_with(&s.model, &req, TIMED, |_| {})?;
+        let g = match generate_rows_with(&s.model, &req, TIMED, |_| {}) {
+            Ok(g) => g,
+            // The batch size was chosen here, from an estimate: a smaller one is tried.
+            Err(e)
+                if o.batch_size.is_none()
+                    && batch_size > 1
+                    && crate::engine::device::is_out_of_memory(&e) =>
+            {
+                batch_size /= 2;
+                tracing::warn!("a batch ran out of memory: {batch_size} rows at a time from here");
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        c += 1;
         first_token_s.get_or_insert(g.first_token.as_secs_f64());
         prefill_s += g.prefill.as_secs_f64();
         sampling_s += g.sampling.as_secs_f64();
@@ -292,6 +339,7 @@ pub fn run_many(
     );
     Ok(ManyReport {
         rows: rows.len(),
+        batch_size,
         prompts: prompts_out,
         new_tokens,
         seconds,

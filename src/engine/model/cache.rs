@@ -4,12 +4,12 @@
 
 use super::*;
 
-/// Whether a batch's prefill runs its attention in flash attention's forward by default
-/// (`COCKPIT_PREFILL=flash`; read once). Off until it has run on a GPU against the ops
-/// (`tests/gpu_kernels.rs`), then on.
+/// Whether a batch's prefill runs its attention in flash attention's forward by default: yes
+/// (held to the ops by `tests/gpu_kernels.rs`'s `flash_prefill_equals_the_ops_prefill`),
+/// unless `COCKPIT_PREFILL=ops` (read once) keeps the candle ops, to compare.
 pub(super) fn flash_prefill_default() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("COCKPIT_PREFILL").as_deref() == Ok("flash"))
+    *ON.get_or_init(|| std::env::var("COCKPIT_PREFILL").as_deref() != Ok("ops"))
 }
 
 /// What one layer keeps between decode steps.
@@ -61,7 +61,8 @@ pub struct BatchCache {
     /// The failed capture's error.
     pub(super) graph_error: Option<String>,
     /// A prefill's attention in flash attention's forward where it takes the model (CUDA,
-    /// bf16, its head dims): `COCKPIT_PREFILL=flash`, or [`Self::set_flash_prefill`].
+    /// bf16, its head dims): by default; `COCKPIT_PREFILL=ops` or [`Self::set_flash_prefill`]
+    /// turns it off.
     pub(super) flash_prefill: bool,
 }
 

@@ -15,6 +15,7 @@ pub use count::ParamCount;
 pub use mamba_flops::MambaFlops;
 
 mod count;
+mod decode_memory;
 mod layers;
 mod mamba_flops;
 mod resume;

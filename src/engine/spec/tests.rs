@@ -605,3 +605,38 @@ fn mamba_flops_count_each_chunk_product() {
     assert_eq!(f.times(2.0).scan, 2.0 * f.scan);
     assert!(spec(llama).mamba_flops(130, 64).is_none());
 }
+
+/// A batched generation's row grows by every attention layer's keys and values per column
+/// (and its mask, position and RoPE entries), by its prompt's activations per prompt token,
+/// and a Mamba layer adds a fixed state instead of columns.
+#[test]
+fn a_decoding_row_s_bytes_follow_its_cache_and_prompt() {
+    use crate::config::{HybridConfig, MixerKind};
+    let l = spec(llama);
+    let (hd, kv) = (l.head_dim() as u64, l.n_kv_head as u64);
+    let per_column = l.n_layer as u64 * 2 * kv * hd * 2 + (2 + 4 + 2 * hd * 2);
+    assert_eq!(
+        l.decode_bytes_per_row(16, 101, 2) - l.decode_bytes_per_row(16, 100, 2),
+        per_column
+    );
+    assert!(l.decode_bytes_per_row(17, 100, 2) > l.decode_bytes_per_row(16, 100, 2));
+    assert!(l.decode_bytes_per_row(16, 100, 4) > l.decode_bytes_per_row(16, 100, 2));
+    let hybrid = spec(|c| {
+        llama(c);
+        c.model.n_layer = 3;
+        c.model.hybrid = Some(HybridConfig {
+            layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
+            mamba_n_heads: 8,
+            mamba_d_head: 64,
+            mamba_d_state: 128,
+            ..HybridConfig::default()
+        });
+    });
+    let one_layer = 2 * kv * hd * 2 + (2 + 4 + 2 * hd * 2);
+    assert_eq!(
+        hybrid.decode_bytes_per_row(16, 101, 2) - hybrid.decode_bytes_per_row(16, 100, 2),
+        one_layer
+    );
+    // Two Mamba layers' f32 states (8 heads × 64 × 128), twice each, at least.
+    assert!(hybrid.decode_bytes_per_row(16, 100, 2) > 2 * 2 * 8 * 64 * 128 * 4);
+}

@@ -8,8 +8,7 @@ use crate::engine::data::loader::Cursor;
 use crate::engine::events::Event;
 
 pub(super) fn is_oom(e: &candle_core::Error) -> bool {
-    let s = e.to_string().to_ascii_lowercase();
-    s.contains("out of memory") || s.contains("out_of_memory")
+    crate::engine::device::is_out_of_memory(e)
 }
 
 impl Trainer {
