@@ -98,7 +98,9 @@ impl Model {
         let (h, kvh, hd) = (s.n_head, s.n_kv_head, s.head_dim);
         for (l, (b, slot)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
             if let super::Mixer::Mamba(m) = &b.mixer {
-                x = self.mamba_decode_block(b, m, &self.mamba_consts(m)?, &x, slot, None, false)?;
+                x = self
+                    .mamba_decode_block(b, m, &self.mamba_consts(m)?, &x, slot, None, false)?
+                    .detach();
                 continue;
             }
             let a_in = self.block_input(&b.ln1, &x)?;
@@ -136,7 +138,8 @@ impl Model {
             let a = self.linear(&b.attn()?.o, &y)?;
             x = (x + self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?)?;
             let m = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
-            x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?;
+            // (Detached: one layer's activations alive at a time, as in `decode_batch`.)
+            x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?.detach();
         }
         cache.pos += n;
         cache.ids.extend_from_slice(ids);

@@ -230,7 +230,9 @@ impl Model {
                     Some(c) => c,
                     None => consts.insert(self.mamba_consts(m)?),
                 };
-                x = self.mamba_decode_block(b, m, c, &x, state, valid.as_ref(), device)?;
+                x = self
+                    .mamba_decode_block(b, m, c, &x, state, valid.as_ref(), device)?
+                    .detach();
                 continue;
             }
             let a_in = self.block_input(&b.ln1, &x)?;
@@ -332,7 +334,10 @@ impl Model {
             let a = self.linear(&b.attn()?.o, &y)?;
             x = (x + self.residual(self.block_output(&b.ln1, b.post_attn.as_ref(), a)?)?)?;
             let m = self.mlp(b, &self.block_input(&b.ln2, &x)?)?;
-            x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?;
+            // (Detached at every layer's end: with trainable weights candle's autograd would
+            // otherwise keep every layer's activations alive through x until the step ends,
+            // a prefill's [B, T, ·] of them all at once.)
+            x = (x + self.residual(self.block_output(&b.ln2, b.post_mlp.as_ref(), m)?)?)?.detach();
         }
         if !device {
             cache.filled = len;

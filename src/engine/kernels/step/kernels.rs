@@ -383,17 +383,17 @@ impl ModelStep {
     }
 }
 
-/// Shared memory (bytes) of the chunk kernels: 64 × 68 f32 tiles (mamba.cuh's MB_LD) and
-/// per-position vectors.
-pub(super) const TILE: u32 = 64 * 68 * 4;
+/// Shared memory (bytes) of the chunk kernels: 64 × 72 tiles of 16-bit values (mamba.cuh's
+/// MB_LDH) and per-position f32 vectors.
+pub(super) const TILE: u32 = 64 * 72 * 2;
 pub(super) const STATE_SMEM: u32 = 2 * TILE + 64 * 4;
 pub(super) const SCAN_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
 pub(super) const SCAN_BWD_SMEM: u32 = 5 * TILE + 6 * 64 * 4;
 pub(super) const STATE_BWD_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
 pub(super) const CB_SMEM: u32 = 2 * TILE;
 
-/// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 52 KB of shared memory
-/// a block, backward 87 KB) are None on a GPU that cannot give a block that much: `ModelStep::mamba_fwd` then
+/// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 28 KB of shared memory
+/// a block, backward 47 KB) are None on a GPU that cannot give a block that much: `ModelStep::mamba_fwd` then
 /// says so.
 pub(super) struct MambaKernels {
     pub(super) conv_fwd: Kern,

@@ -12,14 +12,26 @@
 // [B, H, chunks, P, S] f32. Head h reads group h / (H / G) of B and C. Positions past T (the
 // last chunk's tail) have dt = 0 and x = B = C = 0: they change nothing.
 //
-// The chunk kernels run one block of 256 threads per (chunk, head, batch row) over 64 × 64 f32
-// tiles in shared memory (MB_LD = 68 columns: the tensor-core fragments read them without bank conflicts), each
-// thread a 4 × 4 piece of a tile's product (mb_mm64).
+// The chunk kernels run one block of 256 threads per (chunk, head, batch row) over 64 × 64
+// tiles of 16-bit values in shared memory (rows of MB_LDH = 72: ldmatrix reads them without
+// bank conflicts), each thread a 4 × 4 piece of a tile's f32 product (mb_mm).
 #pragma once
 
 #define MB_L 64
-#define MB_LD 68
-#define MB_TILE (64 * MB_LD)
+// A tile's row stride in 16-bit elements: 144-byte rows, so the eight 16-byte rows an
+// ldmatrix reads start four banks apart (no bank conflicts, transposed or not).
+#define MB_LDH 72
+#define MB_TILE_BYTES (64 * MB_LDH * 2)
+
+// The chunk kernels' tiles hold the step's 16-bit type (bf16, or fp16 in the COCKPIT_F16
+// build), as mamba_ssm's chunk kernels round their operands before the products; products
+// accumulate in f32.
+typedef bf16_t mb_t;
+#ifdef COCKPIT_F16
+#define MB_AB "f16"
+#else
+#define MB_AB "bf16"
+#endif
 
 __device__ __forceinline__ float silu_f(float x) { return x * sigmoid_f(x); }
 // d silu(x) / dx
@@ -33,9 +45,9 @@ __device__ __forceinline__ float softplus_f(float x) {
 
 // The chunk kernels' 64 × 64 tile products. Each of the 256 threads holds 16 accumulators
 // acc[a][c] of the output tile, at row mb_row(a, c) and column mb_col(a, c):
-// - on sm_80 and newer, tensor cores (mma.sync m16n8k8, tf32 operands, f32 accumulation):
-//   warp w owns rows 16·(w % 4).. and columns 32·(w / 4)..; acc[a][c] is n8 tile a, element c
-//   of mma's accumulator layout;
+// - on sm_80 and newer, tensor cores (mma.sync m16n8k16 on 16-bit operands loaded by
+//   ldmatrix, f32 accumulation): warp w owns rows 16·(w % 4).. and columns 32·(w / 4)..;
+//   acc[a][c] is n8 tile a, element c of mma's accumulator layout;
 // - elsewhere (the compute_75 build) f32 FMAs: thread (tx, ty) = (thread % 16, thread / 16) owns
 //   rows ty + 16a and columns tx + 16c.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -64,56 +76,73 @@ __device__ __forceinline__ int mb_col(int a, int c) {
 #endif
 }
 
+// Tile element (i, j) as f32, and its store.
+__device__ __forceinline__ float mb_get(const mb_t* tile, int i, int j) {
+    return to_f(tile[i * MB_LDH + j]);
+}
+__device__ __forceinline__ void mb_put(mb_t* tile, int i, int j, float v) {
+    tile[i * MB_LDH + j] = from_f<mb_t>(v);
+}
+
 #if MB_TC
-__device__ __forceinline__ uint32_t mb_tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+// Four 8 × 8 matrices of 16-bit values (this lane's row address `p`), transposed where T.
+template <bool T>
+__device__ __forceinline__ void mb_ldsm4(const mb_t* p, uint32_t r[4]) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    if (T)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+}
+__device__ __forceinline__ void mb_mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MB_AB "." MB_AB
+                 ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 #endif
 
-// acc[a][c] += Σ_k A(mb_row, k)·B(k, mb_col) over k < kn (a multiple of 8), A(r, k) =
-// a[r·ars + k·acs], B(k, c) = b[k·brs + c·bcs].
+// acc[a][c] += Σ_k A(mb_row, k)·B(k, mb_col) over k < kn (a multiple of 16), both tiles of row
+// stride MB_LDH: A(r, k) = a[r][k], or a[k][r] where AT (A stored transposed); B(k, c) =
+// b[k][c], or b[c][k] where BT.
 //
-// The mma's k slots t and t + 4 (thread t of a row's four) read k + t and k + t + 4 of a tile,
-// or k + 2t and k + 2t + 1 (the same in A and B: the product sums all eight), whichever keeps
-// shared memory free of bank conflicts. With rows of MB_LD = 68 floats an operand whose k
-// runs along a row (A with acs = 1, B with brs = 1) is conflict-free at k + t, and one whose k
-// runs down the rows is conflict-free at k + 2t (rows 8 banks apart); B takes twice A's loads,
-// so B's layout picks.
-__device__ __forceinline__ void mb_mm64(float acc[4][4], const float* a, int ars, int acs,
-                                        const float* b, int brs, int bcs, int kn) {
+// On tensor cores a warp's k step of 16 is one ldmatrix.x4 of A (its 16 × 16 fragment:
+// matrices rows 0–7 / 8–15 × k 0–7 / 8–15) and two of B (each two n8 tiles × k 0–7 / 8–15),
+// `.trans` where the tile's rows run along k for B or across it for A, then four mma.
+template <bool AT, bool BT>
+__device__ __forceinline__ void mb_mm(float acc[4][4], const mb_t* a, const mb_t* b, int kn) {
 #if MB_TC
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-    const int r0 = 16 * (w & 3) + g, c0 = 32 * (w >> 2) + g;
-    const bool down = brs != 1;  // (each call's strides are constants: resolved when inlined)
-    const int k0 = down ? 2 * t : t, k1 = down ? 2 * t + 1 : t + 4;
-    for (int k = 0; k < kn; k += 8) {
-        const uint32_t a0 = mb_tf32(a[r0 * ars + (k + k0) * acs]);
-        const uint32_t a1 = mb_tf32(a[(r0 + 8) * ars + (k + k0) * acs]);
-        const uint32_t a2 = mb_tf32(a[r0 * ars + (k + k1) * acs]);
-        const uint32_t a3 = mb_tf32(a[(r0 + 8) * ars + (k + k1) * acs]);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-            const int col = c0 + 8 * n;
-            const uint32_t b0 = mb_tf32(b[(k + k0) * brs + col * bcs]);
-            const uint32_t b1 = mb_tf32(b[(k + k1) * brs + col * bcs]);
-            asm volatile(
-                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
-                "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                : "+f"(acc[n][0]), "+f"(acc[n][1]), "+f"(acc[n][2]), "+f"(acc[n][3])
-                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-        }
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, j = l >> 3;
+    const int r0 = 16 * (w & 3), c0 = 32 * (w >> 2);
+    // this lane's row address of its matrix j at k = 0
+    const mb_t* pa = AT ? a + ((l & 7) + 8 * (j >> 1)) * MB_LDH + r0 + 8 * (j & 1)
+                        : a + (r0 + (l & 7) + 8 * (j & 1)) * MB_LDH + 8 * (j >> 1);
+    const mb_t* pb = BT ? b + (c0 + (l & 7) + 8 * (j >> 1)) * MB_LDH + 8 * (j & 1)
+                        : b + ((l & 7) + 8 * (j & 1)) * MB_LDH + c0 + 8 * (j >> 1);
+    const int sa = AT ? 16 * MB_LDH : 16, sb = BT ? 16 : 16 * MB_LDH;
+    const int nb = BT ? 16 * MB_LDH : 16;  // the second pair of n8 tiles, 16 columns on
+    for (int k = 0; k < kn; k += 16, pa += sa, pb += sb) {
+        uint32_t ar[4], b0[4], b1[4];
+        mb_ldsm4<AT>(pa, ar);
+        mb_ldsm4<!BT>(pb, b0);
+        mb_ldsm4<!BT>(pb + nb, b1);
+        mb_mma(acc[0], ar, b0[0], b0[1]);
+        mb_mma(acc[1], ar, b0[2], b0[3]);
+        mb_mma(acc[2], ar, b1[0], b1[1]);
+        mb_mma(acc[3], ar, b1[2], b1[3]);
     }
 #else
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     for (int k = 0; k < kn; ++k) {
         float av[4], bv[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) av[i] = a[(ty + 16 * i) * ars + k * acs];
+        for (int i = 0; i < 4; ++i) av[i] = AT ? mb_get(a, k, ty + 16 * i) : mb_get(a, ty + 16 * i, k);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) bv[j] = b[k * brs + (tx + 16 * j) * bcs];
+        for (int j = 0; j < 4; ++j) bv[j] = BT ? mb_get(b, tx + 16 * j, k) : mb_get(b, k, tx + 16 * j);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -194,12 +223,43 @@ __device__ __forceinline__ void mb_unpack(uint4 u, float* v, const float*) {
     v[3] = __uint_as_float(u.w);
 }
 
-// tile[i][j] = src[(t0 + i)·ld + c0 + j]·(scale ? scale[i] : 1) for rows t0 + i < t_end and
-// columns j < cols; 0 elsewhere (64 × 64, row stride MB_LD). Whole rows of 16-byte aligned
-// columns load 16 bytes a thread; with the chunk kernels' 256 threads, each thread's loads
-// are all issued before the first is stored (in flight together, not one memory latency each).
+// Two f32 as two 16-bit values of one 32-bit word (the first in the low half).
+__device__ __forceinline__ uint32_t mb_pack2(float a, float b) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Row i, columns j.. of a tile from V values of one 16-byte load `u` of `src`'s type, times sc
+// (16-bit values unscaled are copied as they are).
 template <typename T>
-__device__ __forceinline__ void mb_load(float* tile, const T* src, size_t ld, int t0, int t_end,
+__device__ __forceinline__ void mb_store16(mb_t* tile, int i, int j, uint4 u, float sc,
+                                           bool scaled) {
+    constexpr int V = 16 / sizeof(T);
+    mb_t* dst = tile + i * MB_LDH + j;
+    if constexpr (V == 8) {
+        if (!scaled) {
+            *reinterpret_cast<uint4*>(dst) = u;
+            return;
+        }
+    }
+    float v[V];
+    mb_unpack(u, v, static_cast<const T*>(nullptr));
+    if constexpr (V == 8)
+        *reinterpret_cast<uint4*>(dst) =
+            make_uint4(mb_pack2(v[0] * sc, v[1] * sc), mb_pack2(v[2] * sc, v[3] * sc),
+                       mb_pack2(v[4] * sc, v[5] * sc), mb_pack2(v[6] * sc, v[7] * sc));
+    else
+        *reinterpret_cast<uint2*>(dst) =
+            make_uint2(mb_pack2(v[0] * sc, v[1] * sc), mb_pack2(v[2] * sc, v[3] * sc));
+}
+
+// tile[i][j] = src[(t0 + i)·ld + c0 + j]·(scale ? scale[i] : 1) for rows t0 + i < t_end and
+// columns j < cols; 0 elsewhere (64 × 64, row stride MB_LDH, rounded to the 16-bit type).
+// Whole rows of 16-byte aligned columns load 16 bytes a thread; with the chunk kernels' 256
+// threads, each thread's loads are all issued before the first is stored (in flight
+// together, not one memory latency each).
+template <typename T>
+__device__ __forceinline__ void mb_load(mb_t* tile, const T* src, size_t ld, int t0, int t_end,
                                         int c0, int cols, const float* scale) {
     constexpr int V = 16 / sizeof(T);
     if (cols == 64 && ld % V == 0 && c0 % V == 0 &&
@@ -217,36 +277,17 @@ __device__ __forceinline__ void mb_load(float* tile, const T* src, size_t ld, in
 #pragma unroll
             for (int q = 0; q < PER; ++q) {
                 const int e = threadIdx.x + q * 256, i = e / (64 / V), j = (e % (64 / V)) * V;
-                float v[V];
-                mb_unpack(u[q], v, src);  // (zero bits: 0 in bf16, f16 and f32)
-                const float sc = scale ? scale[i] : 1.f;
-#pragma unroll
-                for (int k = 0; k < V; k += 4)
-                    *reinterpret_cast<float4*>(&tile[i * MB_LD + j + k]) =
-                        make_float4(v[k] * sc, v[k + 1] * sc, v[k + 2] * sc, v[k + 3] * sc);
+                // (zero bits: 0 in bf16, f16 and f32)
+                mb_store16<T>(tile, i, j, u[q], scale ? scale[i] : 1.f, scale != nullptr);
             }
             return;
         }
         for (int e = threadIdx.x; e < 64 * 64 / V; e += blockDim.x) {
             const int i = e / (64 / V), j = (e % (64 / V)) * V;
-            float v[V];
-            if (t0 + i < t_end) {
-                const uint4 u =
-                    *reinterpret_cast<const uint4*>(src + (size_t)(t0 + i) * ld + c0 + j);
-                mb_unpack(u, v, src);
-                if (scale) {
-                    const float sc = scale[i];
-#pragma unroll
-                    for (int k = 0; k < V; ++k) v[k] *= sc;
-                }
-            } else {
-#pragma unroll
-                for (int k = 0; k < V; ++k) v[k] = 0.f;
-            }
-#pragma unroll
-            for (int k = 0; k < V; k += 4)
-                *reinterpret_cast<float4*>(&tile[i * MB_LD + j + k]) =
-                    make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+            const uint4 u = t0 + i < t_end ? *reinterpret_cast<const uint4*>(
+                                                 src + (size_t)(t0 + i) * ld + c0 + j)
+                                           : make_uint4(0u, 0u, 0u, 0u);
+            mb_store16<T>(tile, i, j, u, scale ? scale[i] : 1.f, scale != nullptr);
         }
         return;
     }
@@ -257,14 +298,22 @@ __device__ __forceinline__ void mb_load(float* tile, const T* src, size_t ld, in
             v = to_f(src[(size_t)(t0 + i) * ld + c0 + j]);
             if (scale) v *= scale[i];
         }
-        tile[i * MB_LD + j] = v;
+        mb_put(tile, i, j, v);
     }
 }
 
 // A state's rows p0.. (of p) and columns c0.. (cols of them; row stride s) as a tile.
-__device__ __forceinline__ void mb_load_state(float* tile, const float* st, int p0, int p, int s,
+__device__ __forceinline__ void mb_load_state(mb_t* tile, const float* st, int p0, int p, int s,
                                               int c0, int cols) {
     mb_load(tile, st, (size_t)s, p0, p, c0, cols, nullptr);
+}
+
+// The chunk kernels' dynamic shared memory: n tiles, then f32 vectors.
+__device__ __forceinline__ mb_t* mb_tile(unsigned char* smem, int i) {
+    return reinterpret_cast<mb_t*>(smem + i * MB_TILE_BYTES);
+}
+__device__ __forceinline__ float* mb_vecs(unsigned char* smem, int tiles) {
+    return reinterpret_cast<float*>(smem + tiles * MB_TILE_BYTES);
 }
 
 // The conv: xc[r, ch] = silu(cb[ch] + Σ_j w[ch, j]·zx[r − (K−1) + j, off + ch]) over the inputs
@@ -382,10 +431,10 @@ extern "C" __global__ void __launch_bounds__(256)
     mamba_chunk_state_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                            const float* __restrict__ lam, float* __restrict__ states, int t,
                            int heads, int p, int s, int groups) {
-    extern __shared__ float mb_smem[];
-    float* xs = mb_smem;                // [i][p]
-    float* bs = mb_smem + MB_TILE;      // [i][s]
-    float* w = mb_smem + 2 * MB_TILE;   // [i]
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_t* xs = mb_tile(mb_raw, 0);  // [i][p]
+    mb_t* bs = mb_tile(mb_raw, 1);  // [i][s]
+    float* w = mb_vecs(mb_raw, 2);  // [i]
     const MbChunk k = mb_chunk(t, heads, groups, p, s);
     const int conv = heads * p + 2 * groups * s;
     const float last = lam[k.pos + MB_L - 1];
@@ -401,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(256)
             float acc[4][4];
             mb_zero(acc);
             // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
-            mb_mm64(acc, xs, 1, MB_LD, bs, MB_LD, 1, MB_L);
+            mb_mm<true, false>(acc, xs, bs, MB_L);
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
@@ -453,9 +502,9 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(256)
     mamba_chunk_cb_bf16(const bf16_t* __restrict__ xc, float* __restrict__ cb, int t, int heads,
                         int p, int s, int groups) {
-    extern __shared__ float mb_smem[];
-    float* t1 = mb_smem;
-    float* t2 = mb_smem + MB_TILE;
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_t* t1 = mb_tile(mb_raw, 0);
+    mb_t* t2 = mb_tile(mb_raw, 1);
     const int c = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
     const int conv = heads * p + 2 * groups * s, inner = heads * p;
     const int t0 = c * MB_L, r0 = b * t + t0, r1 = r0 + min(t - t0, MB_L);
@@ -468,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(256)
         mb_load(t2, xc, conv, r0, r1, bcol + s0, min(64, s - s0), nullptr);
         __syncthreads();
         // A(i, s) = C[i][s], B(s, j) = B[j][s]
-        mb_mm64(acc, t1, MB_LD, 1, t2, 1, MB_LD, 64);
+        mb_mm<false, true>(acc, t1, t2, 64);
     }
     float* out = cb + ((size_t)(b * groups + g) * gridDim.x + c) * MB_L * MB_L;
 #pragma unroll
@@ -494,11 +543,11 @@ extern "C" __global__ void __launch_bounds__(256)
                           const float* __restrict__ dtv, const float* __restrict__ lam,
                           const float* __restrict__ states, const bf16_t* __restrict__ dskip,
                           bf16_t* __restrict__ y, int t, int heads, int p, int s, int groups) {
-    extern __shared__ float mb_smem[];
-    float* ms = mb_smem;                 // M[i][j]
-    float* t1 = mb_smem + MB_TILE;       // C tile [i][s]
-    float* t2 = mb_smem + 2 * MB_TILE;   // x [j][p], then S [p][s]
-    float* lm = mb_smem + 3 * MB_TILE;   // lam [i]
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_t* ms = mb_tile(mb_raw, 0);   // M[i][j]
+    mb_t* t1 = mb_tile(mb_raw, 1);   // C tile [i][s]
+    mb_t* t2 = mb_tile(mb_raw, 2);   // x [j][p], then S [p][s]
+    float* lm = mb_vecs(mb_raw, 3);  // lam [i]
     float* dv = lm + MB_L;               // dtv [i]
     const MbChunk k = mb_chunk(t, heads, groups, p, s);
     const int conv = heads * p + 2 * groups * s, inner = heads * p;
@@ -518,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int i = mb_row(a, c), j = mb_col(a, c);
-            ms[i * MB_LD + j] = j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f;
+            mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
         }
     const float dsk = to_f(dskip[k.h]);
     for (int p0 = 0; p0 < p; p0 += 64) {
@@ -529,12 +578,12 @@ extern "C" __global__ void __launch_bounds__(256)
         float acc[4][4], off[4][4], xd[4][4];
         mb_zero(acc);
         mb_zero(off);
-        mb_mm64(acc, ms, MB_LD, 1, t2, MB_LD, 1, MB_L);
+        mb_mm<false, false>(acc, ms, t2, MB_L);
         // the D skip, from the x tile in t2
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) xd[a][c] = t2[mb_row(a, c) * MB_LD + mb_col(a, c)];
+            for (int c = 0; c < 4; ++c) xd[a][c] = mb_get(t2, mb_row(a, c), mb_col(a, c));
         for (int s0 = 0; s0 < s; s0 += 64) {
             const int sc = min(64, s - s0);
             __syncthreads();
@@ -542,7 +591,7 @@ extern "C" __global__ void __launch_bounds__(256)
             mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
             __syncthreads();
             // A(i, s) = C[i][s], B(s, p) = S[p][s]
-            mb_mm64(off, t1, MB_LD, 1, t2, 1, MB_LD, 64);
+            mb_mm<false, true>(off, t1, t2, 64);
         }
 #pragma unroll
         for (int a = 0; a < 4; ++a)
@@ -643,13 +692,13 @@ extern "C" __global__ void __launch_bounds__(256)
                               float* __restrict__ ddt, float* __restrict__ dlam,
                               float* __restrict__ dstates, float* __restrict__ dd, int t,
                               int heads, int p, int s, int groups) {
-    extern __shared__ float mb_smem[];
-    float* ms = mb_smem;                 // M[i][j] = G·W·dtv_j
-    float* dg = mb_smem + MB_TILE;       // dG[i][j] = dM·W·dtv_j
-    float* t1 = mb_smem + 2 * MB_TILE;
-    float* t2 = mb_smem + 3 * MB_TILE;
-    float* t3 = mb_smem + 4 * MB_TILE;
-    float* lm = mb_smem + 5 * MB_TILE;   // lam [i]
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_t* ms = mb_tile(mb_raw, 0);   // M[i][j] = G·W·dtv_j
+    mb_t* dg = mb_tile(mb_raw, 1);   // dG[i][j] = dM·W·dtv_j
+    mb_t* t1 = mb_tile(mb_raw, 2);
+    mb_t* t2 = mb_tile(mb_raw, 3);
+    mb_t* t3 = mb_tile(mb_raw, 4);
+    float* lm = mb_vecs(mb_raw, 5);  // lam [i]
     float* dv = lm + MB_L;               // dtv [i]
     float* el = dv + MB_L;               // exp(lam_i)
     float* rsum = el + MB_L;             // dlam from the rows' sums
@@ -676,7 +725,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int i = mb_row(a, c), j = mb_col(a, c);
-            ms[i * MB_LD + j] = j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f;
+            mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
         }
     // Per tile of the head's width: dM += dy·xᵀ ([i][j]); dx_j[p] = Σ_i M[i][j]·dy_i[p] +
     // D·dy_j[p]; D's gradient Σ dy·x.
@@ -689,18 +738,18 @@ extern "C" __global__ void __launch_bounds__(256)
         mb_load(t2, xc, conv, r0, r1, xcol + p0, pc, nullptr);
         __syncthreads();
         // A(i, p) = dy[i][p], B(p, j) = x[j][p]
-        mb_mm64(dm, t1, MB_LD, 1, t2, 1, MB_LD, 64);
+        mb_mm<false, true>(dm, t1, t2, 64);
         float acc[4][4];
         mb_zero(acc);
         // A(j, i) = M[i][j], B(i, p) = dy[i][p]
-        mb_mm64(acc, ms, 1, MB_LD, t1, MB_LD, 1, MB_L);
+        mb_mm<true, false>(acc, ms, t1, MB_L);
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int j = mb_row(a, c), pp = mb_col(a, c);
-                const float dyv = t1[j * MB_LD + pp];
-                ddsum += dyv * t2[j * MB_LD + pp];
+                const float dyv = mb_get(t1, j, pp);
+                ddsum += dyv * mb_get(t2, j, pp);
                 if (j < rows && p0 + pp < p)
                     dxc[(k.row0 + j) * conv + xcol + p0 + pp] = acc[a][c] + dsk * dyv;
             }
@@ -722,7 +771,7 @@ extern "C" __global__ void __launch_bounds__(256)
                     dmgw[a][c] = dm[a][c] * g[a][c] * wgt;
                     q[a][c] = dmgw[a][c] * dv[j];
                 }
-                dg[i * MB_LD + j] = d;
+                mb_put(dg, i, j, d);
             }
         mb_col_sums(dmgw, dts);
         mb_row_sums(q, rsum);
@@ -741,12 +790,12 @@ extern "C" __global__ void __launch_bounds__(256)
         mb_zero(acc);
         mb_zero(off);
         // A(i, j) = dG[i][j], B(j, s) = B[j][s]
-        mb_mm64(acc, dg, MB_LD, 1, t2, MB_LD, 1, MB_L);
+        mb_mm<false, false>(acc, dg, t2, MB_L);
         {
             float db[4][4];
             mb_zero(db);
             // A(j, i) = dG[i][j], B(i, s) = C[i][s]
-            mb_mm64(db, dg, 1, MB_LD, t1, MB_LD, 1, MB_L);
+            mb_mm<true, false>(db, dg, t1, MB_L);
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
@@ -762,7 +811,7 @@ extern "C" __global__ void __launch_bounds__(256)
             mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
             __syncthreads();
             // A(i, p) = dy[i][p], B(p, s) = S[p][s]
-            mb_mm64(off, t3, MB_LD, 1, t2, MB_LD, 1, 64);
+            mb_mm<false, false>(off, t3, t2, 64);
         }
         float co[4][4];
 #pragma unroll
@@ -771,14 +820,14 @@ extern "C" __global__ void __launch_bounds__(256)
             for (int c = 0; c < 4; ++c) {
                 const int i = mb_row(a, c), ss = mb_col(a, c);
                 const float o = el[i] * off[a][c];
-                co[a][c] = t1[i * MB_LD + ss] * o;
+                co[a][c] = mb_get(t1, i, ss) * o;
                 if (i < rows && ss < sc)
                     atomicAdd(&dxc[(k.row0 + i) * conv + ccol + s0 + ss], acc[a][c] + o);
             }
         mb_row_sums(co, rsum);
         __syncthreads();
         for (int e = threadIdx.x; e < 64 * 64; e += blockDim.x)
-            t1[(e >> 6) * MB_LD + (e & 63)] *= el[e >> 6];
+            mb_put(t1, e >> 6, e & 63, mb_get(t1, e >> 6, e & 63) * el[e >> 6]);
         for (int p0 = 0; p0 < p; p0 += 64) {
             // (one tile of the width: dy is still in t3)
             if (p > 64) {
@@ -789,7 +838,7 @@ extern "C" __global__ void __launch_bounds__(256)
             float u[4][4];
             mb_zero(u);
             // A(p, i) = dy[i][p], B(i, s) = exp(lam_i)·C[i][s]
-            mb_mm64(u, t3, 1, MB_LD, t1, MB_LD, 1, MB_L);
+            mb_mm<true, false>(u, t3, t1, MB_L);
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
@@ -868,11 +917,11 @@ extern "C" __global__ void __launch_bounds__(256)
                                float* __restrict__ dxc, float* __restrict__ ddt,
                                float* __restrict__ dlam, int t, int heads, int p, int s,
                                int groups) {
-    extern __shared__ float mb_smem[];
-    float* t1 = mb_smem;                // x [j][p]
-    float* t2 = mb_smem + MB_TILE;      // B [j][s]
-    float* t3 = mb_smem + 2 * MB_TILE;  // R [p][s]
-    float* w = mb_smem + 3 * MB_TILE;   // w_j
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_t* t1 = mb_tile(mb_raw, 0);  // x [j][p]
+    mb_t* t2 = mb_tile(mb_raw, 1);  // B [j][s]
+    mb_t* t3 = mb_tile(mb_raw, 2);  // R [p][s]
+    float* w = mb_vecs(mb_raw, 3);  // w_j
     float* dw = w + MB_L;               // Σ_p x_j[p]·v_j[p]
     const MbChunk k = mb_chunk(t, heads, groups, p, s);
     const int conv = heads * p + 2 * groups * s;
@@ -897,11 +946,11 @@ extern "C" __global__ void __launch_bounds__(256)
             mb_load_state(t3, dstates + k.st, p0, p, s, s0, sc);
             __syncthreads();
             // A(j, s) = B[j][s], B(s, p) = R[p][s]
-            mb_mm64(v, t2, MB_LD, 1, t3, 1, MB_LD, 64);
+            mb_mm<false, true>(v, t2, t3, 64);
             float db[4][4];
             mb_zero(db);
             // A(j, p) = x[j][p], B(p, s) = R[p][s]; dB_j = w_j·(…)
-            mb_mm64(db, t1, MB_LD, 1, t3, MB_LD, 1, 64);
+            mb_mm<false, false>(db, t1, t3, 64);
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
@@ -918,7 +967,7 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int j = mb_row(a, c), pp = mb_col(a, c);
-                xv[a][c] = t1[j * MB_LD + pp] * v[a][c];
+                xv[a][c] = mb_get(t1, j, pp) * v[a][c];
                 old[a][c] = j < rows && pp < pc ? dxc[(k.row0 + j) * conv + xcol + p0 + pp] : 0.f;
             }
 #pragma unroll
