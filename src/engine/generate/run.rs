@@ -258,9 +258,12 @@ pub fn run_many(
         .flat_map(|p| std::iter::repeat_n(p.clone(), n))
         .collect();
     let longest = encoded.iter().map(Vec::len).max().unwrap_or(1);
+    // (A chosen size is a whole number of prompts' samples where it holds one: a prompt's
+    // samples then share a batch and its prefill.)
+    let whole = |b: usize| if b >= n { b - b % n } else { b };
     let mut batch_size = o
         .batch_size
-        .unwrap_or_else(|| auto_batch_size(&s.model, rows.len(), longest, o.max_tokens));
+        .unwrap_or_else(|| whole(auto_batch_size(&s.model, rows.len(), longest, o.max_tokens)));
     let start = Instant::now();
     let mut outs = Vec::with_capacity(rows.len());
     let mut embeddings = Vec::new();
@@ -285,7 +288,7 @@ pub fn run_many(
                     && batch_size > 1
                     && crate::engine::device::is_out_of_memory(&e) =>
             {
-                batch_size /= 2;
+                batch_size = whole(batch_size / 2);
                 tracing::warn!("a batch ran out of memory: {batch_size} rows at a time from here");
                 continue;
             }
