@@ -170,6 +170,22 @@ pub fn auto_batch_size(model: &Model, rows: usize, longest: usize, max_new: usiz
     fits.min(rows.max(1))
 }
 
+/// A chosen batch size as a whole number of prompts' `samples` where it holds one (a
+/// prompt's samples then share a batch and its prefill).
+fn whole_samples(rows: usize, samples: usize) -> usize {
+    if rows >= samples {
+        rows - rows % samples
+    } else {
+        rows
+    }
+}
+
+/// The chosen batch size after a batch of `rows` ran out of memory: half, whole prompts' samples
+/// where that holds one; always fewer rows, at least 1 (`rows` > 1).
+fn halved(rows: usize, samples: usize) -> usize {
+    whole_samples(rows / 2, samples).max(1)
+}
+
 /// Generate `o.samples` samples of every prompt; `on_progress` sees the rows done so far.
 pub fn run_many(
     src: &Path,
@@ -258,9 +274,7 @@ pub fn run_many(
         .flat_map(|p| std::iter::repeat_n(p.clone(), n))
         .collect();
     let longest = encoded.iter().map(Vec::len).max().unwrap_or(1);
-    // (A chosen size is a whole number of prompts' samples where it holds one: a prompt's
-    // samples then share a batch and its prefill.)
-    let whole = |b: usize| if b >= n { b - b % n } else { b };
+    let whole = |b: usize| whole_samples(b, n);
     let mut batch_size = o
         .batch_size
         .unwrap_or_else(|| whole(auto_batch_size(&s.model, rows.len(), longest, o.max_tokens)));
@@ -288,7 +302,7 @@ pub fn run_many(
                     && batch_size > 1
                     && crate::engine::device::is_out_of_memory(&e) =>
             {
-                batch_size = whole(batch_size / 2);
+                batch_size = halved(batch_size, n);
                 tracing::warn!("a batch ran out of memory: {batch_size} rows at a time from here");
                 continue;
             }
@@ -458,4 +472,30 @@ pub fn bench(
         out.push(row);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{halved, whole_samples};
+
+    #[test]
+    fn chosen_batches_hold_whole_prompts_and_shrink_on_out_of_memory() {
+        assert_eq!(whole_samples(140, 8), 136);
+        assert_eq!(whole_samples(512, 8), 512);
+        assert_eq!(whole_samples(5, 8), 5);
+        assert_eq!(whole_samples(7, 1), 7);
+        assert_eq!(halved(136, 8), 64);
+        assert_eq!(halved(12, 8), 6);
+        assert_eq!(halved(2, 8), 1);
+        // Every halving ends at one row.
+        let mut b = 512;
+        let mut seen = vec![b];
+        while b > 1 {
+            let next = halved(b, 3);
+            assert!(next < b && next >= 1);
+            b = next;
+            seen.push(b);
+        }
+        assert_eq!(seen.last(), Some(&1));
+    }
 }
