@@ -22,7 +22,11 @@ impl ModelSpec {
         let hd = self.head_dim() as u64;
         let kv = 2 * self.n_kv_head as u64 * hd * cap * e;
         let qkv = (self.n_head + 2 * self.n_kv_head) as u64 * hd + self.n_head as u64 * hd;
-        let mut mlp = 3 * self.hidden as u64;
+        let mlp = match self.hybrid.as_ref().filter(|h| h.experts > 0) {
+            Some(h) => (3 * self.hidden as u64)
+                .max(3 * (h.experts_top_k * h.expert_hidden) as u64 + h.experts as u64),
+            None => 3 * self.hidden as u64,
+        };
         let mut cache = 0u64;
         let mut mixer = qkv;
         for l in 0..self.n_layer {
@@ -34,9 +38,6 @@ impl ModelSpec {
                     mixer = mixer.max((h.in_proj_width() + h.mamba_inner()) as u64);
                 }
                 _ => cache += kv,
-            }
-            if let Some(h) = self.hybrid.as_ref().filter(|h| h.experts > 0) {
-                mlp = mlp.max(3 * (h.experts_top_k * h.expert_hidden) as u64 + h.experts as u64);
             }
         }
         let columns = cap * (e + 4 + 2 * hd * e);

@@ -424,23 +424,26 @@ fn the_step_takes_gemma_blocks_soft_caps_and_longrope() {
     assert_eq!((short.scale, long.scale), (1.5, 1.5));
 }
 
+/// A llama of 3 layers as a dense hybrid: Mamba (8 heads × 64, state 128), attention, Mamba.
+fn hybrid(c: &mut Config) {
+    use crate::config::{HybridConfig, MixerKind};
+    llama(c);
+    c.model.n_layer = 3;
+    c.model.hybrid = Some(HybridConfig {
+        layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
+        mamba_n_heads: 8,
+        mamba_d_head: 64,
+        mamba_d_state: 128,
+        ..HybridConfig::default()
+    });
+}
+
 /// A dense Granite 4.0 hybrid (Mamba layers beside attention, no routed experts) runs on the
 /// step; routed experts, Mamba sizes past the kernels' and packed samples through Mamba layers
 /// are refused by name; its attention layers take every model's checks.
 #[test]
 fn the_step_runs_dense_hybrids_and_refuses_what_its_mamba_kernels_do_not_cover() {
     use crate::config::{HybridConfig, MixerKind};
-    fn hybrid(c: &mut Config) {
-        llama(c);
-        c.model.n_layer = 3;
-        c.model.hybrid = Some(HybridConfig {
-            layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
-            mamba_n_heads: 8,
-            mamba_d_head: 64,
-            mamba_d_state: 128,
-            ..HybridConfig::default()
-        });
-    }
     let with = |f: fn(&mut HybridConfig)| {
         spec(|c| {
             hybrid(c);
@@ -611,7 +614,6 @@ fn mamba_flops_count_each_chunk_product() {
 /// and a Mamba layer adds a fixed state instead of columns.
 #[test]
 fn a_decoding_row_s_bytes_follow_its_cache_and_prompt() {
-    use crate::config::{HybridConfig, MixerKind};
     let l = spec(llama);
     let (hd, kv) = (l.head_dim() as u64, l.n_kv_head as u64);
     let per_column = l.n_layer as u64 * 2 * kv * hd * 2 + (2 + 4 + 2 * hd * 2);
@@ -621,17 +623,7 @@ fn a_decoding_row_s_bytes_follow_its_cache_and_prompt() {
     );
     assert!(l.decode_bytes_per_row(17, 100, 2) > l.decode_bytes_per_row(16, 100, 2));
     assert!(l.decode_bytes_per_row(16, 100, 4) > l.decode_bytes_per_row(16, 100, 2));
-    let hybrid = spec(|c| {
-        llama(c);
-        c.model.n_layer = 3;
-        c.model.hybrid = Some(HybridConfig {
-            layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
-            mamba_n_heads: 8,
-            mamba_d_head: 64,
-            mamba_d_state: 128,
-            ..HybridConfig::default()
-        });
-    });
+    let hybrid = spec(hybrid);
     let one_layer = 2 * kv * hd * 2 + (2 + 4 + 2 * hd * 2);
     assert_eq!(
         hybrid.decode_bytes_per_row(16, 101, 2) - hybrid.decode_bytes_per_row(16, 100, 2),
