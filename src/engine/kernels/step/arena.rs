@@ -339,7 +339,8 @@ impl ModelStep {
         let mamba = match &self.mamba {
             Some(dims) => {
                 let layers: Vec<bool> = self.layers.iter().map(|li| li.mamba.is_some()).collect();
-                Some(MambaArena::new(&self.dev, dims, (b, t), &layers)?)
+                let keep = self.recompute == Recompute::None;
+                Some(MambaArena::new(&self.dev, dims, (b, t), &layers, keep)?)
             }
             None => None,
         };

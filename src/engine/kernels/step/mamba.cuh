@@ -8,8 +8,10 @@
 // Layouts (rows r = b·T + t): the in_proj output zx [N, W] holds z (inner columns), x | B | C
 // (conv columns: x heads·P, then B and C groups·S each) and dt (heads); xc [N, conv] the conv's
 // output after SiLU; per (b, h) the f32 vectors dtv (dt after softplus and limits) and lam (its
-// cumulative sum × A within each chunk) over Tp = chunks·MB_L positions ([B, H, Tp]); states
-// [B, H, chunks, P, S] f32. Head h reads group h / (H / G) of B and C. Positions past T (the
+// cumulative sum × A within each chunk) over Tp = chunks·MB_L positions ([B, H, Tp]); the
+// chunks' own contributions to their end states [B, H, chunks, P, S] f32, and the states at
+// their starts after the passing, in the same layout in the 16-bit type (mb_t), which is what
+// the chunk products read (their tiles round to it). Head h reads group h / (H / G) of B and C. Positions past T (the
 // last chunk's tail) have dt = 0 and x = B = C = 0: they change nothing.
 //
 // The chunk kernels run one block of 256 threads per (chunk, head, batch row) over 64 × 64
@@ -205,6 +207,72 @@ __device__ __forceinline__ void mb_col_sums(const float v[4][4], float* sum) {
 #endif
 }
 
+// A tile's f32 values out to global memory at dst[mb_row·ld + mb_col] for rows < rows and
+// columns < cols: stored (mb_store_tile) or added (mb_red_tile) there, each value times rs[its
+// row] where rs is not null. On tensor cores a thread's values come in pairs of adjacent
+// columns: stored as 8-byte pairs where the addresses allow; on sm_90 added as 16-byte vector
+// reductions, lanes 2k and 2k + 1 trading halves so that each holds four columns of one row
+// (a quarter of the atomics). Elsewhere one access per value. (The alignment test is the
+// same for every thread of the block: the shuffles see whole warps.)
+__device__ __forceinline__ float mb_rs(const float* rs, int i) { return rs ? rs[i] : 1.f; }
+__device__ __forceinline__ void mb_store_tile(float* dst, size_t ld, const float v[4][4],
+                                              int rows, int cols) {
+#if MB_TC
+    if (ld % 2 == 0 && cols % 2 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; c += 2) {
+                const int i = mb_row(a, c), j = mb_col(a, c);
+                if (i < rows && j < cols)
+                    *reinterpret_cast<float2*>(dst + (size_t)i * ld + j) =
+                        make_float2(v[a][c], v[a][c + 1]);
+            }
+        return;
+    }
+#endif
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = mb_row(a, c), j = mb_col(a, c);
+            if (i < rows && j < cols) dst[(size_t)i * ld + j] = v[a][c];
+        }
+}
+__device__ __forceinline__ void mb_red_tile(float* dst, size_t ld, const float v[4][4],
+                                            int rows, int cols, const float* rs) {
+#if MB_TC && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (ld % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        const bool odd = threadIdx.x & 1;
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            // even lanes keep row mb_row(a, 0) and take the partner's two columns of it; odd
+            // lanes keep row mb_row(a, 2), taking the partner's two columns before theirs
+            const float s0 = __shfl_xor_sync(0xffffffffu, odd ? v[a][0] : v[a][2], 1);
+            const float s1 = __shfl_xor_sync(0xffffffffu, odd ? v[a][1] : v[a][3], 1);
+            const int c = odd ? 2 : 0, i = mb_row(a, c), j = mb_col(a, c) - (odd ? 2 : 0);
+            if (i < rows && j < cols) {
+                const float sc = mb_rs(rs, i);
+                const float4 q = odd ? make_float4(s0, s1, v[a][2], v[a][3])
+                                     : make_float4(v[a][0], v[a][1], s0, s1);
+                asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(
+                                 dst + (size_t)i * ld + j),
+                             "f"(q.x * sc), "f"(q.y * sc), "f"(q.z * sc), "f"(q.w * sc)
+                             : "memory");
+            }
+        }
+        return;
+    }
+#endif
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = mb_row(a, c), j = mb_col(a, c);
+            if (i < rows && j < cols) atomicAdd(&dst[(size_t)i * ld + j], v[a][c] * mb_rs(rs, i));
+        }
+}
+
 // Eight 16-bit values or four f32 of one 16-byte load, as f32.
 __device__ __forceinline__ void mb_unpack(uint4 u, float* v, const bf16_t*) {
     Bf8 q;
@@ -303,7 +371,8 @@ __device__ __forceinline__ void mb_load(mb_t* tile, const T* src, size_t ld, int
 }
 
 // A state's rows p0.. (of p) and columns c0.. (cols of them; row stride s) as a tile.
-__device__ __forceinline__ void mb_load_state(mb_t* tile, const float* st, int p0, int p, int s,
+template <typename T>
+__device__ __forceinline__ void mb_load_state(mb_t* tile, const T* st, int p0, int p, int s,
                                               int c0, int cols) {
     mb_load(tile, st, (size_t)s, p0, p, c0, cols, nullptr);
 }
@@ -375,32 +444,55 @@ extern "C" __global__ void __launch_bounds__(128)
     }
 }
 
+// dt's kernels: a warp per (b, h, chunk), lane l owning the chunk's positions 2l and 2l + 1
+// (MB_L = 64). Returns false for the grid's spare warps.
+static_assert(MB_L == 64, "mamba_dt_*: a warp's lanes own two positions of a chunk each");
+struct MbDtLane {
+    int bb, hh, c;
+    size_t base;  // (b·H + h)·Tp + c·MB_L: the chunk's dtv/lam/ddt/dlam
+};
+__device__ __forceinline__ bool mb_dt_lane(MbDtLane& d, int b, int h, int chunks) {
+    const int q = (int)((blockIdx.x * (size_t)blockDim.x + threadIdx.x) >> 5);
+    if (q >= b * h * chunks) return false;
+    d.c = q % chunks;
+    d.hh = (q / chunks) % h;
+    d.bb = q / (chunks * h);
+    d.base = (size_t)(d.bb * h + d.hh) * chunks * MB_L + (size_t)d.c * MB_L;
+    return true;
+}
+
 // dt: dtv = softplus(zx[r, off + h] + dt_bias[h]) (clamped to [lo, hi] where `clamp`), lam its
 // running sum × A (A = −exp(a_log[h])) within each chunk; 0 and the chunk's last sum past T.
-// A thread per (b, h, chunk).
-extern "C" __global__ void mamba_dt_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
-                                             const bf16_t* __restrict__ dt_bias,
-                                             const bf16_t* __restrict__ a_log,
-                                             float* __restrict__ dtv, float* __restrict__ lam,
-                                             int b, int t, int h, int chunks, int clamp, float lo,
-                                             float hi) {
-    const int q = blockIdx.x * blockDim.x + threadIdx.x;
-    if (q >= b * h * chunks) return;
-    const int c = q % chunks, hh = (q / chunks) % h, bb = q / (chunks * h);
-    const float a = -__expf(to_f(a_log[hh])), bias = to_f(dt_bias[hh]);
-    const size_t base = (size_t)(bb * h + hh) * chunks * MB_L + c * MB_L;
-    float run = 0.f;
-    for (int i = 0; i < MB_L; ++i) {
-        const int tt = c * MB_L + i;
-        float v = 0.f;
+// The running sum is a warp scan over the lanes' pairs.
+extern "C" __global__ void __launch_bounds__(128)
+    mamba_dt_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                      const bf16_t* __restrict__ dt_bias, const bf16_t* __restrict__ a_log,
+                      float* __restrict__ dtv, float* __restrict__ lam, int b, int t, int h,
+                      int chunks, int clamp, float lo, float hi) {
+    MbDtLane d;
+    if (!mb_dt_lane(d, b, h, chunks)) return;
+    const int lane = threadIdx.x & 31;
+    const float a = -__expf(to_f(a_log[d.hh])), bias = to_f(dt_bias[d.hh]);
+    float v[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int tt = d.c * MB_L + 2 * lane + e;
+        v[e] = 0.f;
         if (tt < t) {
-            v = softplus_f(to_f(zx[(size_t)(bb * t + tt) * ld + off + hh]) + bias);
-            if (clamp) v = fminf(fmaxf(v, lo), hi);
+            v[e] = softplus_f(to_f(zx[(size_t)(d.bb * t + tt) * ld + off + d.hh]) + bias);
+            if (clamp) v[e] = fminf(fmaxf(v[e], lo), hi);
         }
-        run += v * a;
-        dtv[base + i] = v;
-        lam[base + i] = run;
     }
+    const float mine = v[0] * a + v[1] * a;
+    float run = mine;  // inclusive scan over the lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float u = __shfl_up_sync(0xffffffffu, run, o);
+        if (lane >= o) run += u;
+    }
+    const float first = run - mine + v[0] * a;
+    *reinterpret_cast<float2*>(&dtv[d.base + 2 * lane]) = make_float2(v[0], v[1]);
+    *reinterpret_cast<float2*>(&lam[d.base + 2 * lane]) = make_float2(first, first + v[1] * a);
 }
 
 // Grid of the chunk kernels: (chunks, heads, batch), 256 threads. Shared pointers for one block.
@@ -451,31 +543,27 @@ extern "C" __global__ void __launch_bounds__(256)
             mb_zero(acc);
             // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
             mb_mm<true, false>(acc, xs, bs, MB_L);
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int pp = p0 + mb_row(a, c), ss = s0 + mb_col(a, c);
-                    if (pp < p && ss < s) states[k.st + (size_t)pp * s + ss] = acc[a][c];
-                }
+            mb_store_tile(states + k.st + (size_t)p0 * s + s0, s, acc, p - p0, s - s0);
             __syncthreads();
         }
     }
 }
 
-// The states passed between chunks, in place: states[c] (chunk c's own contribution) becomes
-// the state at chunk c's start, S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c + own_c. A thread per
+// The states passed between chunks: own[c] (chunk c's own contribution to its end state, f32)
+// gives the state at chunk c's start, S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c + own_c, carried
+// in f32 and stored in the 16-bit type (states, the layout of own). A thread per
 // (b, h, state element). The chain over chunks is sequential in each thread, so its loads go
 // MB_SP chunks at a time ahead of the stores (a load after a store to the same array would wait
 // for it): the pass runs at memory bandwidth instead of at one memory latency per chunk.
 #define MB_SP 8
 extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_pass_bf16(float* __restrict__ states, const float* __restrict__ lam, int chunks,
-                          int ps) {
+    mamba_state_pass_bf16(const float* __restrict__ own_st, const float* __restrict__ lam,
+                          mb_t* __restrict__ states, int chunks, int ps) {
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= ps) return;
     const size_t bh = blockIdx.y;
-    float* st = states + bh * chunks * ps + e;
+    const float* ow = own_st + bh * chunks * ps + e;
+    mb_t* st = states + bh * chunks * ps + e;
     const float* last = lam + bh * chunks * MB_L + MB_L - 1;
     float run = 0.f;
     for (int c0 = 0; c0 < chunks; c0 += MB_SP) {
@@ -483,14 +571,14 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
         for (int j = 0; j < MB_SP; ++j) {
             const int c = c0 + j;
-            own[j] = c < chunks ? st[(size_t)c * ps] : 0.f;
+            own[j] = c < chunks ? ow[(size_t)c * ps] : 0.f;
             dec[j] = c < chunks ? last[c * MB_L] : 0.f;
         }
 #pragma unroll
         for (int j = 0; j < MB_SP; ++j) {
             const int c = c0 + j;
             if (c < chunks) {
-                st[(size_t)c * ps] = run;
+                st[(size_t)c * ps] = from_f<mb_t>(run);
                 run = run * __expf(dec[j]) + own[j];
             }
         }
@@ -541,7 +629,7 @@ __device__ __forceinline__ void mb_read_cb(float g[4][4], const float* __restric
 extern "C" __global__ void __launch_bounds__(256)
     mamba_chunk_scan_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
                           const float* __restrict__ dtv, const float* __restrict__ lam,
-                          const float* __restrict__ states, const bf16_t* __restrict__ dskip,
+                          const mb_t* __restrict__ states, const bf16_t* __restrict__ dskip,
                           bf16_t* __restrict__ y, int t, int heads, int p, int s, int groups) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
     mb_t* ms = mb_tile(mb_raw, 0);   // M[i][j]
@@ -687,7 +775,7 @@ extern "C" __global__ void mamba_zero_f32(float* __restrict__ x, size_t n) {
 extern "C" __global__ void __launch_bounds__(256)
     mamba_chunk_scan_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
                               const float* __restrict__ dtv, const float* __restrict__ lam,
-                              const float* __restrict__ states, const bf16_t* __restrict__ dskip,
+                              const mb_t* __restrict__ states, const bf16_t* __restrict__ dskip,
                               const float* __restrict__ dy, float* __restrict__ dxc,
                               float* __restrict__ ddt, float* __restrict__ dlam,
                               float* __restrict__ dstates, float* __restrict__ dd, int t,
@@ -734,25 +822,25 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int p0 = 0; p0 < p; p0 += 64) {
         const int pc = min(64, p - p0);
         __syncthreads();
-        mb_load(t1, dy, inner, r0, r1, xcol + p0, pc, nullptr);
+        mb_load(t3, dy, inner, r0, r1, xcol + p0, pc, nullptr);
         mb_load(t2, xc, conv, r0, r1, xcol + p0, pc, nullptr);
         __syncthreads();
         // A(i, p) = dy[i][p], B(p, j) = x[j][p]
-        mb_mm<false, true>(dm, t1, t2, 64);
+        mb_mm<false, true>(dm, t3, t2, 64);
         float acc[4][4];
         mb_zero(acc);
         // A(j, i) = M[i][j], B(i, p) = dy[i][p]
-        mb_mm<true, false>(acc, ms, t1, MB_L);
+        mb_mm<true, false>(acc, ms, t3, MB_L);
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int j = mb_row(a, c), pp = mb_col(a, c);
-                const float dyv = mb_get(t1, j, pp);
+                const float dyv = mb_get(t3, j, pp);
                 ddsum += dyv * mb_get(t2, j, pp);
-                if (j < rows && p0 + pp < p)
-                    dxc[(k.row0 + j) * conv + xcol + p0 + pp] = acc[a][c] + dsk * dyv;
+                acc[a][c] += dsk * dyv;
             }
+        mb_store_tile(dxc + k.row0 * conv + xcol + p0, conv, acc, rows, pc);
     }
     // Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j; ddt_j += dM·G·W;
     // q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
@@ -796,18 +884,12 @@ extern "C" __global__ void __launch_bounds__(256)
             mb_zero(db);
             // A(j, i) = dG[i][j], B(i, s) = C[i][s]
             mb_mm<true, false>(db, dg, t1, MB_L);
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int j = mb_row(a, c), ss = mb_col(a, c);
-                    if (j < rows && ss < sc)
-                        atomicAdd(&dxc[(k.row0 + j) * conv + bcol + s0 + ss], db[a][c]);
-                }
+            mb_red_tile(dxc + k.row0 * conv + bcol + s0, conv, db, rows, sc, nullptr);
         }
         for (int p0 = 0; p0 < p; p0 += 64) {
             __syncthreads();
-            mb_load(t3, dy, inner, r0, r1, xcol + p0, min(64, p - p0), nullptr);
+            // (one tile of the width: dy stays in t3 from the first loop)
+            if (p > 64) mb_load(t3, dy, inner, r0, r1, xcol + p0, min(64, p - p0), nullptr);
             mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
             __syncthreads();
             // A(i, p) = dy[i][p], B(p, s) = S[p][s]
@@ -821,9 +903,9 @@ extern "C" __global__ void __launch_bounds__(256)
                 const int i = mb_row(a, c), ss = mb_col(a, c);
                 const float o = el[i] * off[a][c];
                 co[a][c] = mb_get(t1, i, ss) * o;
-                if (i < rows && ss < sc)
-                    atomicAdd(&dxc[(k.row0 + i) * conv + ccol + s0 + ss], acc[a][c] + o);
+                acc[a][c] += o;
             }
+        mb_red_tile(dxc + k.row0 * conv + ccol + s0, conv, acc, rows, sc, nullptr);
         mb_row_sums(co, rsum);
         __syncthreads();
         for (int e = threadIdx.x; e < 64 * 64; e += blockDim.x)
@@ -839,13 +921,7 @@ extern "C" __global__ void __launch_bounds__(256)
             mb_zero(u);
             // A(p, i) = dy[i][p], B(i, s) = exp(lam_i)·C[i][s]
             mb_mm<true, false>(u, t3, t1, MB_L);
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int pp = p0 + mb_row(a, c), ss = s0 + mb_col(a, c);
-                    if (pp < p && ss < s) dstates[k.st + (size_t)pp * s + ss] = u[a][c];
-                }
+            mb_store_tile(dstates + k.st + (size_t)p0 * s + s0, s, u, p - p0, s - s0);
         }
     }
     ddsum = qkw_block_sum(ddsum, red);
@@ -863,7 +939,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // of 256 state elements per (block, b·h); as in the forward, MB_SP chunks' loads go ahead of
 // their stores, and the block sums the decay's shares of those chunks in one reduction.
 extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_pass_bwd_bf16(float* __restrict__ dstates, const float* __restrict__ states,
+    mamba_state_pass_bwd_bf16(float* __restrict__ dstates, const mb_t* __restrict__ states,
                               const float* __restrict__ lam, float* __restrict__ dlam,
                               int chunks, int ps) {
     __shared__ float red[MB_SP][8];  // [chunk of the batch][warp]
@@ -871,7 +947,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t bh = blockIdx.y;
     float* ds = dstates + bh * chunks * ps + e;
-    const float* st = states + bh * chunks * ps + e;
+    const mb_t* st = states + bh * chunks * ps + e;
     const float* last = lam + bh * chunks * MB_L + MB_L - 1;
     float* dl = dlam + bh * chunks * MB_L + MB_L - 1;
     float run = 0.f;  // d(state at the end of chunk c)
@@ -883,7 +959,7 @@ extern "C" __global__ void __launch_bounds__(256)
             const int c = c1 - j;
             const bool in = c >= 0 && e < ps;
             u[j] = in ? ds[(size_t)c * ps] : 0.f;
-            sv[j] = in ? st[(size_t)c * ps] : 0.f;
+            sv[j] = in ? to_f(st[(size_t)c * ps]) : 0.f;
             dec[j] = c >= 0 ? last[c * MB_L] : 0.f;
         }
 #pragma unroll
@@ -951,14 +1027,7 @@ extern "C" __global__ void __launch_bounds__(256)
             mb_zero(db);
             // A(j, p) = x[j][p], B(p, s) = R[p][s]; dB_j = w_j·(…)
             mb_mm<false, false>(db, t1, t3, 64);
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int j = mb_row(a, c), ss = mb_col(a, c);
-                    if (j < rows && ss < sc)
-                        atomicAdd(&dxc[(k.row0 + j) * conv + bcol + s0 + ss], w[j] * db[a][c]);
-                }
+            mb_red_tile(dxc + k.row0 * conv + bcol + s0, conv, db, rows, sc, w);
         }
         // (dxc's 16 values a thread are all loaded before any is stored back.)
         float xv[4][4], old[4][4];
@@ -997,42 +1066,51 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// dt's backward: da_j = Σ_{i ≥ j in the chunk} dlam_i; ddtv_j = ddt_j + da_j·A; through the limits
-// and softplus into dzx's dt column (bf16); dt_bias's gradient += Σ, A_log's += A·Σ da·dtv.
-// A thread per (b, h, chunk).
-extern "C" __global__ void mamba_dt_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
-                                             const bf16_t* __restrict__ dt_bias,
-                                             const bf16_t* __restrict__ a_log,
-                                             const float* __restrict__ dtv,
-                                             const float* __restrict__ ddt,
-                                             const float* __restrict__ dlam,
-                                             bf16_t* __restrict__ dzx, float* __restrict__ dbias,
-                                             float* __restrict__ da_log, int b, int t, int h,
-                                             int chunks, int clamp, float lo, float hi) {
-    const int q = blockIdx.x * blockDim.x + threadIdx.x;
-    if (q >= b * h * chunks) return;
-    const int c = q % chunks, hh = (q / chunks) % h, bb = q / (chunks * h);
-    const float a = -__expf(to_f(a_log[hh])), bias = to_f(dt_bias[hh]);
-    const size_t base = (size_t)(bb * h + hh) * chunks * MB_L + c * MB_L;
-    float run = 0.f, sa = 0.f, sb = 0.f;
-    for (int i = MB_L - 1; i >= 0; --i) {
-        run += dlam[base + i];
-        const int tt = c * MB_L + i;
+// dt's backward: da_j = Σ_{i ≥ j in the chunk} dlam_i (a warp's suffix scan over its lanes'
+// pairs); ddtv_j = ddt_j + da_j·A; through the limits and softplus into dzx's dt column (bf16);
+// dt_bias's gradient += Σ, A_log's += A·Σ da·dtv (a warp sum, one atomic each).
+extern "C" __global__ void __launch_bounds__(128)
+    mamba_dt_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                      const bf16_t* __restrict__ dt_bias, const bf16_t* __restrict__ a_log,
+                      const float* __restrict__ dtv, const float* __restrict__ ddt,
+                      const float* __restrict__ dlam, bf16_t* __restrict__ dzx,
+                      float* __restrict__ dbias, float* __restrict__ da_log, int b, int t, int h,
+                      int chunks, int clamp, float lo, float hi) {
+    MbDtLane d;
+    if (!mb_dt_lane(d, b, h, chunks)) return;
+    const int lane = threadIdx.x & 31;
+    const float a = -__expf(to_f(a_log[d.hh])), bias = to_f(dt_bias[d.hh]);
+    const float2 dl = *reinterpret_cast<const float2*>(&dlam[d.base + 2 * lane]);
+    float run = dl.x + dl.y;  // inclusive suffix scan over the lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float u = __shfl_down_sync(0xffffffffu, run, o);
+        if (lane + o < 32) run += u;
+    }
+    const float da[2] = {run, run - dl.x};
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        const int i = 2 * lane + e, tt = d.c * MB_L + i;
         if (tt >= t) continue;
-        const float v = dtv[base + i];
-        sa += run * v;
-        float g = ddt[base + i] + run * a;
-        const float u = to_f(zx[(size_t)(bb * t + tt) * ld + off + hh]) + bias;
+        sa += da[e] * dtv[d.base + i];
+        float g = ddt[d.base + i] + da[e] * a;
+        const size_t at = (size_t)(d.bb * t + tt) * ld + off + d.hh;
+        const float u = to_f(zx[at]) + bias;
         if (clamp) {
             const float raw = softplus_f(u);
             if (raw < lo || raw > hi) g = 0.f;
         }
         g *= sigmoid_f(u);
-        dzx[(size_t)(bb * t + tt) * ld + off + hh] = from_f<bf16_t>(g);
+        dzx[at] = from_f<bf16_t>(g);
         sb += g;
     }
-    if (dbias) atomicAdd(&dbias[hh], sb);
-    if (da_log) atomicAdd(&da_log[hh], sa * a);
+    sa = warp_sum(sa);
+    sb = warp_sum(sb);
+    if (lane == 0) {
+        if (dbias) atomicAdd(&dbias[d.hh], sb);
+        if (da_log) atomicAdd(&da_log[d.hh], sa * a);
+    }
 }
 
 // The conv's backward in one pass, from dxc (d of the SiLU's output, f32 [N, conv]): d of its

@@ -23,14 +23,19 @@ struct Layer<'a> {
     idx: MambaIdx,
     /// The in_proj output (forward) and its gradient (backward) `[N, in_w]`.
     zx: u64,
+    /// The layer's slot (mamba_bufs.rs): dtv, lam, C·Bᵀ, the chunks' start states.
+    dtv: u64,
+    lam: u64,
+    cb: u64,
+    states: u64,
     b: usize,
     n: usize,
     chunks: usize,
 }
 
-/// The dt kernels' grid: a thread per (batch row, head, chunk).
+/// The dt kernels' grid: a warp per (batch row, head, chunk), four a block.
 fn dt_cfg(y: &Layer, d: &MambaDims) -> LaunchConfig {
-    cfg(((y.b * d.heads * y.chunks).div_ceil(128), 1, 1), 128, 0)
+    cfg(((y.b * d.heads * y.chunks).div_ceil(4), 1, 1), 128, 0)
 }
 
 /// The conv kernels: a thread per channel, a block of 128 channels per `CONV_ROWS` rows
@@ -66,6 +71,10 @@ impl ModelStep {
             m,
             idx,
             zx: a.qkv[l],
+            dtv: m.dtv[l],
+            lam: m.lam[l],
+            cb: m.cb[l],
+            states: m.states[l],
             b: a.b,
             n: a.b * self.t,
             chunks: d.chunks(self.t),
@@ -118,9 +127,9 @@ impl ModelStep {
         ])
     }
 
-    /// The conv (x | B | C → xc), dt (→ dtv, lam) and each chunk's start state (→ states):
-    /// the forward's first part, which the backward runs again.
-    fn mamba_states(&self, y: &Layer) -> Result<()> {
+    /// The conv (x | B | C → xc, the shared scratch): the forward's first part, which the
+    /// backward runs again where the layers keep their slots.
+    fn mamba_conv(&self, y: &Layer) -> Result<()> {
         let (d, m, k) = (&y.d, y.m, &self.k.mamba);
         let (inner, conv) = (d.inner(), d.conv_dim());
         let ld = i32_of(d.in_w(), "in_proj width")?;
@@ -137,15 +146,21 @@ impl ModelStep {
             Arg::I(i32_of(conv, "conv channels")?),
             Arg::I(i32_of(d.conv_k, "d_conv")?),
         ];
-        self.launch(&k.conv_fwd, conv_cfg(y.n, conv), &conv_args)?;
+        self.launch(&k.conv_fwd, conv_cfg(y.n, conv), &conv_args)
+    }
+
+    /// dt (→ dtv, lam), each chunk's C·Bᵀ and each chunk's start state (→ states), into the
+    /// layer's slot.
+    fn mamba_chunks(&self, y: &Layer) -> Result<()> {
+        let (d, m, k) = (&y.d, y.m, &self.k.mamba);
         let (head, tail) = self.dt_args(y)?;
         let args: Vec<Arg> = head
             .into_iter()
-            .chain([Arg::P(m.dtv), Arg::P(m.lam)])
+            .chain([Arg::P(y.dtv), Arg::P(y.lam)])
             .chain(tail)
             .collect();
         self.launch(&k.dt_fwd, dt_cfg(y, d), &args)?;
-        let mut args = vec![Arg::P(m.xc), Arg::P(m.cb)];
+        let mut args = vec![Arg::P(m.xc), Arg::P(y.cb)];
         args.extend(self.chunk_args(d)?);
         self.launch(
             &k.chunk_cb,
@@ -153,7 +168,7 @@ impl ModelStep {
             &args,
         )?;
         let grid = (y.chunks, d.heads, y.b);
-        let mut args = vec![Arg::P(m.xc), Arg::P(m.dtv), Arg::P(m.lam), Arg::P(m.states)];
+        let mut args = vec![Arg::P(m.xc), Arg::P(y.dtv), Arg::P(y.lam), Arg::P(m.own())];
         args.extend(self.chunk_args(d)?);
         self.launch(&k.chunk_state, cfg(grid, 256, STATE_SMEM), &args)?;
         let ps = d.head_dim * d.state;
@@ -161,8 +176,9 @@ impl ModelStep {
             &k.state_pass,
             cfg((ps.div_ceil(256), y.b * d.heads, 1), 256, 0),
             &[
-                Arg::P(m.states),
-                Arg::P(m.lam),
+                Arg::P(m.own()),
+                Arg::P(y.lam),
+                Arg::P(y.states),
                 Arg::I(i32_of(y.chunks, "chunks")?),
                 Arg::I(i32_of(ps, "state size")?),
             ],
@@ -175,13 +191,14 @@ impl ModelStep {
         let y = self.mamba_layer(a, l, li)?;
         let (d, m) = (&y.d, y.m);
         let (scan, _, _) = self.scan_kernels()?;
-        self.mamba_states(&y)?;
+        self.mamba_conv(&y)?;
+        self.mamba_chunks(&y)?;
         let mut args = vec![
             Arg::P(m.xc),
-            Arg::P(m.cb),
-            Arg::P(m.dtv),
-            Arg::P(m.lam),
-            Arg::P(m.states),
+            Arg::P(y.cb),
+            Arg::P(y.dtv),
+            Arg::P(y.lam),
+            Arg::P(y.states),
             Arg::P(self.weight_ptr(y.idx.d)?),
             Arg::P(m.y[l]),
         ];
@@ -219,8 +236,12 @@ impl ModelStep {
             i32_of(inner, "Mamba width")?,
             i32_of(conv, "conv channels")?,
         );
-        // The scan's inputs and chunk states again (shared buffers: the layers above used them).
-        self.mamba_states(&y)?;
+        // The conv's output again where the layers keep their slots (xc is shared: the layers
+        // above used it). Otherwise the step's recompute has just run this layer's forward
+        // (`Self::attn_half_fwd`), which left xc and the shared slot as this layer's.
+        if m.kept {
+            self.mamba_conv(&y)?;
+        }
         self.launch(
             &k.gnorm_bwd,
             cfg((y.n.div_ceil(GN_ROWS), 1, 1), 256, 4 * inner as u32),
@@ -248,10 +269,10 @@ impl ModelStep {
         let grid = (y.chunks, d.heads, y.b);
         let mut args = vec![
             Arg::P(m.xc),
-            Arg::P(m.cb),
-            Arg::P(m.dtv),
-            Arg::P(m.lam),
-            Arg::P(m.states),
+            Arg::P(y.cb),
+            Arg::P(y.dtv),
+            Arg::P(y.lam),
+            Arg::P(y.states),
             Arg::P(self.weight_ptr(y.idx.d)?),
             Arg::P(m.dy),
             Arg::P(m.dxc),
@@ -268,8 +289,8 @@ impl ModelStep {
             cfg((ps.div_ceil(256), y.b * d.heads, 1), 256, 0),
             &[
                 Arg::P(m.dstates),
-                Arg::P(m.states),
-                Arg::P(m.lam),
+                Arg::P(y.states),
+                Arg::P(y.lam),
                 Arg::P(m.dlam),
                 Arg::I(i32_of(y.chunks, "chunks")?),
                 Arg::I(i32_of(ps, "state size")?),
@@ -277,8 +298,8 @@ impl ModelStep {
         )?;
         let mut args = vec![
             Arg::P(m.xc),
-            Arg::P(m.dtv),
-            Arg::P(m.lam),
+            Arg::P(y.dtv),
+            Arg::P(y.lam),
             Arg::P(m.dstates),
             Arg::P(m.dxc),
             Arg::P(m.ddt),
@@ -288,7 +309,7 @@ impl ModelStep {
         self.launch(state_bwd, cfg(grid, 256, STATE_BWD_SMEM), &args)?;
         let (head, tail) = self.dt_args(&y)?;
         let mid = [
-            Arg::P(m.dtv),
+            Arg::P(y.dtv),
             Arg::P(m.ddt),
             Arg::P(m.dlam),
             Arg::P(a.dqkv),

@@ -76,31 +76,48 @@ impl MambaDims {
 }
 
 /// Device addresses of the Mamba layers' activations for one micro-batch size.
+///
+/// What the backward reads of a layer's forward lives in one of `slots`: a slot per Mamba layer
+/// where the step keeps activations (`model.recompute = "none"`: the backward then computes only
+/// the conv again), else one slot that every layer shares, which the backward's recompute of
+/// the layer's forward has just refilled.
 #[derive(Clone, Debug)]
 pub(super) struct MambaActs {
     /// Per layer (0 for attention layers): the scan's output with the D skip, before the gated
     /// norm (bf16 `[N, inner]`), and the gated norm's 1/rms per row and group (f32 `[N, groups]`).
     pub(super) y: Vec<u64>,
     pub(super) rstd: Vec<u64>,
+    /// Per layer (0 for attention layers), its slot's: dt after softplus and its limits, and its
+    /// cumulative sum × A within each chunk (f32 `[B, H, chunks·CHUNK]` each); each chunk's
+    /// C·Bᵀ per group (f32 `[B, groups, chunks, CHUNK, CHUNK]`), which the group's heads share;
+    /// the state at each chunk's start (16-bit `[B, H, chunks, head_dim, state]`, the step's
+    /// type, as the chunk products read it).
+    pub(super) dtv: Vec<u64>,
+    pub(super) lam: Vec<u64>,
+    pub(super) cb: Vec<u64>,
+    pub(super) states: Vec<u64>,
+    /// The layers keep their own slots (the backward computes only the conv again).
+    pub(super) kept: bool,
     /// Scratch shared by the layers: the conv's output x | B | C after SiLU (bf16 `[N, conv]`),
-    /// dt after softplus and its limits and its cumulative sum × A within each chunk (f32
-    /// `[B, H, chunks·CHUNK]` each), the chunk states (f32 `[B, H, chunks, head_dim, state]`),
-    /// and the backward's f32 gradients: of those two per-position values, of the conv's output
-    /// (`[N, conv]`) and of the scan's output (`[N, inner]`).
+    /// and the backward's f32 gradients of dt and of its cumulative sum (`[B, H, chunks·CHUNK]`),
+    /// of the conv's output (`[N, conv]`) and of the scan's output (`[N, inner]`).
     pub(super) xc: u64,
-    pub(super) dtv: u64,
-    pub(super) lam: u64,
-    pub(super) states: u64,
     pub(super) ddt: u64,
     pub(super) dlam: u64,
     pub(super) dxc: u64,
     pub(super) dy: u64,
     /// The backward's gradient of each chunk's start state, then of its own contribution to
-    /// its end state (the layout of `states`).
+    /// its end state (f32, the layout of `states`). The forward's chunk states (each chunk's
+    /// own contribution to its end state, f32) are made in the same memory before the state
+    /// passing turns them into `states`: forward and backward never hold both.
     pub(super) dstates: u64,
-    /// Each chunk's C·Bᵀ per group (f32 `[B, groups, chunks, CHUNK, CHUNK]`), shared by the
-    /// group's heads.
-    pub(super) cb: u64,
+}
+
+impl MambaActs {
+    /// The forward's f32 chunk states before their passing (see `dstates`).
+    pub(super) fn own(&self) -> u64 {
+        self.dstates
+    }
 }
 
 /// The device memory behind [`MambaActs`] (kept by the arena).
@@ -111,66 +128,93 @@ pub(super) struct MambaArena {
 }
 
 impl MambaArena {
-    /// The buffers for micro-batch `b` of `t` positions; `mamba[l]`: layer l is a Mamba layer.
+    /// The buffers for micro-batch `b` of `t` positions; `mamba[l]`: layer l is a Mamba layer;
+    /// `keep`: each Mamba layer keeps its own slot (no recompute).
     pub(super) fn new(
         dev: &CudaDevice,
         dims: &MambaDims,
         (b, t): (usize, usize),
         mamba: &[bool],
+        keep: bool,
     ) -> Result<Self> {
         let stream = dev.cuda_stream();
         let n = b * t;
         let (inner, conv, nh) = (dims.inner(), dims.conv_dim(), dims.heads);
         let tp = dims.chunks(t) * CHUNK;
         let layers = mamba.iter().filter(|&&m| m).count();
-        // bf16: y per Mamba layer, then xc.
-        let (y_len, xc_len) = (align(n * inner), align(n * conv));
-        let bf = dev.alloc_zeros::<bf16>((layers * y_len + xc_len).max(1))?;
-        // f32: rstd per Mamba layer, dtv, lam, states, ddt, dlam, dxc, dy.
+        let slots = if keep { layers } else { layers.min(1) };
+        let st_elems = b * nh * dims.chunks(t) * dims.head_dim * dims.state;
+        // 16-bit: y per Mamba layer, states per slot, then xc.
+        let (y_len, st16_len, xc_len) = (align(n * inner), align(st_elems), align(n * conv));
+        let bf = dev.alloc_zeros::<bf16>((layers * y_len + slots * st16_len + xc_len).max(1))?;
+        // f32: rstd per Mamba layer; dtv, lam, cb per slot; ddt, dlam, dstates, dxc, dy.
         let rstd_len = align(n * dims.groups);
         let pos_len = align(b * nh * tp);
-        let st_len = align(b * nh * dims.chunks(t) * dims.head_dim * dims.state);
         let cb_len = align(b * dims.groups * dims.chunks(t) * CHUNK * CHUNK);
+        let slot_len = 2 * pos_len + cb_len;
         let f_len = layers * rstd_len
-            + 4 * pos_len
-            + 2 * st_len
+            + slots * slot_len
+            + 2 * pos_len
+            + align(st_elems)
             + align(n * conv)
-            + align(n * inner)
-            + cb_len;
+            + align(n * inner);
         let f = dev.alloc_zeros::<f32>(f_len.max(1))?;
         let (bp, fp) = (ptr(&bf, &stream), ptr(&f, &stream));
-        let (mut y, mut rstd) = (Vec::new(), Vec::new());
+        let at16 = |o: usize| bp + 2 * o as u64;
+        let at32 = |o: usize| fp + 4 * o as u64;
+        let slot16 = layers * y_len;
+        let slot32 = layers * rstd_len;
+        let mut acts = MambaActs {
+            y: Vec::new(),
+            rstd: Vec::new(),
+            dtv: Vec::new(),
+            lam: Vec::new(),
+            cb: Vec::new(),
+            states: Vec::new(),
+            kept: keep,
+            xc: at16(slot16 + slots * st16_len),
+            ddt: 0,
+            dlam: 0,
+            dxc: 0,
+            dy: 0,
+            dstates: 0,
+        };
         let mut k = 0;
         for &m in mamba {
-            if m {
-                y.push(bp + 2 * (k * y_len) as u64);
-                rstd.push(fp + 4 * (k * rstd_len) as u64);
-                k += 1;
-            } else {
-                y.push(0);
-                rstd.push(0);
+            if !m {
+                for v in [
+                    &mut acts.y,
+                    &mut acts.rstd,
+                    &mut acts.dtv,
+                    &mut acts.lam,
+                    &mut acts.cb,
+                    &mut acts.states,
+                ] {
+                    v.push(0);
+                }
+                continue;
             }
+            let s = if keep { k } else { 0 };
+            let slot = slot32 + s * slot_len;
+            acts.y.push(at16(k * y_len));
+            acts.rstd.push(at32(k * rstd_len));
+            acts.dtv.push(at32(slot));
+            acts.lam.push(at32(slot + pos_len));
+            acts.cb.push(at32(slot + 2 * pos_len));
+            acts.states.push(at16(slot16 + s * st16_len));
+            k += 1;
         }
-        let mut next = layers * rstd_len;
+        let mut next = slot32 + slots * slot_len;
         let mut take = |len: usize| {
-            let o = fp + 4 * next as u64;
+            let o = at32(next);
             next += len;
             o
         };
-        let acts = MambaActs {
-            y,
-            rstd,
-            xc: bp + 2 * (layers * y_len) as u64,
-            dtv: take(pos_len),
-            lam: take(pos_len),
-            ddt: take(pos_len),
-            dlam: take(pos_len),
-            states: take(st_len),
-            dxc: take(align(n * conv)),
-            dy: take(align(n * inner)),
-            dstates: take(st_len),
-            cb: take(cb_len),
-        };
+        acts.ddt = take(pos_len);
+        acts.dlam = take(pos_len);
+        acts.dstates = take(align(st_elems));
+        acts.dxc = take(align(n * conv));
+        acts.dy = take(align(n * inner));
         Ok(Self {
             _bf: bf,
             _f32: f,
