@@ -437,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(128)
     const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
     float win[8];
     mb_conv_prefill(win, zx, ld, off, ch, r0, t, k);
-#pragma unroll 4
+#pragma unroll 8
     for (int r = r0; r < r_end; ++r) {
         const float x = to_f(zx[(size_t)r * ld + off + ch]);
         xc[(size_t)r * conv + ch] = from_f<bf16_t>(silu_f(mb_conv_push(win, taps, x, r % t == 0)));
@@ -693,17 +693,62 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// The gated RMSNorm: per row and group of inner / groups columns, v = y·silu(z),
-// out = v / rms(v)·w; 1/rms kept in rstd [N, groups]. A block (256 threads) per row.
+// The gated RMSNorm: per row and group of gw = inner / groups columns, v = y·silu(z),
+// out = v / rms(v)·w; 1/rms kept in rstd [N, groups]. A block (256 threads) per row. Where the
+// widths and strides allow (mb_gn_vec), a thread reads 16 bytes at a time, up to MB_GN_V of
+// them a group, and keeps v in registers between the sum and the output.
+#define MB_GN_V 4
+__device__ __forceinline__ bool mb_gn_vec(int inner, int gw, int ld) {
+    return gw % 8 == 0 && ld % 8 == 0 && inner % 8 == 0 && gw / 8 <= MB_GN_V * (int)blockDim.x;
+}
+__device__ __forceinline__ void mb_ld8(const bf16_t* p, float v[8]) {
+    mb_unpack(*reinterpret_cast<const uint4*>(p), v, static_cast<const bf16_t*>(nullptr));
+}
+__device__ __forceinline__ void mb_st8(bf16_t* p, const float v[8]) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(mb_pack2(v[0], v[1]), mb_pack2(v[2], v[3]),
+                                              mb_pack2(v[4], v[5]), mb_pack2(v[6], v[7]));
+}
 extern "C" __global__ void __launch_bounds__(256)
     mamba_gnorm_fwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
                          const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
                          float* __restrict__ rstd, int n, int inner, int groups, float eps) {
     __shared__ float red[32];
     const int gw = inner / groups;
+    const bool vec = mb_gn_vec(inner, gw, ld);
     for (int r = blockIdx.x; r < n; r += gridDim.x) {
         for (int g = 0; g < groups; ++g) {
             float ss = 0.f;
+            if (vec) {
+                float v[MB_GN_V][8];
+#pragma unroll
+                for (int q = 0; q < MB_GN_V; ++q) {
+                    const int j = g * gw + 8 * (threadIdx.x + q * blockDim.x);
+                    if (j < (g + 1) * gw) {
+                        float yv[8], zv[8];
+                        mb_ld8(y + (size_t)r * inner + j, yv);
+                        mb_ld8(zx + (size_t)r * ld + j, zv);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            v[q][e] = yv[e] * silu_f(zv[e]);
+                            ss += v[q][e] * v[q][e];
+                        }
+                    }
+                }
+                const float rs = rsqrtf(qkw_block_sum(ss, red) / gw + eps);
+                if (threadIdx.x == 0) rstd[(size_t)r * groups + g] = rs;
+#pragma unroll
+                for (int q = 0; q < MB_GN_V; ++q) {
+                    const int j = g * gw + 8 * (threadIdx.x + q * blockDim.x);
+                    if (j < (g + 1) * gw) {
+                        float wv[8];
+                        mb_ld8(w + j, wv);
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) wv[e] *= v[q][e] * rs;
+                        mb_st8(out + (size_t)r * inner + j, wv);
+                    }
+                }
+                continue;
+            }
             for (int j = g * gw + threadIdx.x; j < (g + 1) * gw; j += blockDim.x) {
                 const float v = to_f(y[(size_t)r * inner + j]) * silu_f(to_f(zx[(size_t)r * ld + j]));
                 ss += v * v;
@@ -720,7 +765,9 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The gated RMSNorm's backward from d out (`dout` [N, inner]): dy (f32 [N, inner]), dz into
 // dzx's first inner columns (row stride ld), and the weight's gradient (+=, where dw is not
-// null). A block per MB_GN_ROWS rows, the weight's gradient summed in shared memory first.
+// null). A block per MB_GN_ROWS rows, the weight's gradient summed over them first: in each
+// thread's registers on the 16-byte path (one group, mb_gn_vec: a thread's columns are the
+// same in every row), else in shared memory.
 #define MB_GN_ROWS 8  // (32 left most SMs a block or two: 2048 rows gave 256 blocks)
 extern "C" __global__ void __launch_bounds__(256)
     mamba_gnorm_bwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
@@ -732,8 +779,68 @@ extern "C" __global__ void __launch_bounds__(256)
     float* dws = mb_smem;  // [inner]
     __shared__ float red[32];
     const int gw = inner / groups;
-    for (int j = threadIdx.x; j < inner; j += blockDim.x) dws[j] = 0.f;
     const int r_end = min(n, (int)(blockIdx.x + 1) * MB_GN_ROWS);
+    if (groups == 1 && mb_gn_vec(inner, gw, ld)) {
+        float dwr[MB_GN_V][8];
+#pragma unroll
+        for (int q = 0; q < MB_GN_V; ++q)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) dwr[q][e] = 0.f;
+        for (int r = blockIdx.x * MB_GN_ROWS; r < r_end; ++r) {
+            const float rs = rstd[r];
+            float dot = 0.f;
+#pragma unroll
+            for (int q = 0; q < MB_GN_V; ++q) {
+                const int j = 8 * (threadIdx.x + q * blockDim.x);
+                if (j < inner) {
+                    float yv[8], zv[8], dv[8], wv[8];
+                    mb_ld8(y + (size_t)r * inner + j, yv);
+                    mb_ld8(zx + (size_t)r * ld + j, zv);
+                    mb_ld8(dout + (size_t)r * inner + j, dv);
+                    mb_ld8(w + j, wv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float v = yv[e] * silu_f(zv[e]) * rs;
+                        dot += dv[e] * wv[e] * v;
+                        dwr[q][e] += dv[e] * v;
+                    }
+                }
+            }
+            dot = qkw_block_sum(dot, red) / gw;
+#pragma unroll
+            for (int q = 0; q < MB_GN_V; ++q) {
+                const int j = 8 * (threadIdx.x + q * blockDim.x);
+                if (j < inner) {
+                    float yv[8], zv[8], dv[8], wv[8], gy[8], gz[8];
+                    mb_ld8(y + (size_t)r * inner + j, yv);
+                    mb_ld8(zx + (size_t)r * ld + j, zv);
+                    mb_ld8(dout + (size_t)r * inner + j, dv);
+                    mb_ld8(w + j, wv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float sz = silu_f(zv[e]);
+                        const float g = rs * (dv[e] * wv[e] - yv[e] * sz * rs * dot);
+                        gy[e] = g * sz;
+                        gz[e] = g * yv[e] * dsilu_f(zv[e]);
+                    }
+                    float* dyp = dy + (size_t)r * inner + j;
+                    *reinterpret_cast<float4*>(dyp) = make_float4(gy[0], gy[1], gy[2], gy[3]);
+                    *reinterpret_cast<float4*>(dyp + 4) = make_float4(gy[4], gy[5], gy[6], gy[7]);
+                    mb_st8(dzx + (size_t)r * ld + j, gz);
+                }
+            }
+        }
+        if (dw)
+#pragma unroll
+            for (int q = 0; q < MB_GN_V; ++q) {
+                const int j = 8 * (threadIdx.x + q * blockDim.x);
+                if (j < inner)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) atomicAdd(&dw[j + e], dwr[q][e]);
+            }
+        return;
+    }
+    for (int j = threadIdx.x; j < inner; j += blockDim.x) dws[j] = 0.f;
     for (int r = blockIdx.x * MB_GN_ROWS; r < r_end; ++r) {
         for (int g = 0; g < groups; ++g) {
             const float rs = rstd[(size_t)r * groups + g];
@@ -933,20 +1040,22 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// The state passing's backward, in place: dstates[c] (the gradient of the state at chunk c's
-// start from chunk c's outputs) becomes the gradient of chunk c's own contribution (that of
-// the state at its end); the decay's share goes to dlam at the chunk's last position. A block
+// The state passing's backward: from dstates[c] (f32, the gradient of the state at chunk c's
+// start from chunk c's outputs), the gradient of chunk c's own contribution (that of the state
+// at its end) into down[c], in the 16-bit type its only reader's tiles round to
+// (mamba_chunk_state_bwd); the decay's share goes to dlam at the chunk's last position. A block
 // of 256 state elements per (block, b·h); as in the forward, MB_SP chunks' loads go ahead of
 // their stores, and the block sums the decay's shares of those chunks in one reduction.
 extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_pass_bwd_bf16(float* __restrict__ dstates, const mb_t* __restrict__ states,
+    mamba_state_pass_bwd_bf16(const float* __restrict__ dstates, const mb_t* __restrict__ states,
                               const float* __restrict__ lam, float* __restrict__ dlam,
-                              int chunks, int ps) {
+                              mb_t* __restrict__ down, int chunks, int ps) {
     __shared__ float red[MB_SP][8];  // [chunk of the batch][warp]
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t bh = blockIdx.y;
-    float* ds = dstates + bh * chunks * ps + e;
+    const float* ds = dstates + bh * chunks * ps + e;
+    mb_t* dn = down + bh * chunks * ps + e;
     const mb_t* st = states + bh * chunks * ps + e;
     const float* last = lam + bh * chunks * MB_L + MB_L - 1;
     float* dl = dlam + bh * chunks * MB_L + MB_L - 1;
@@ -966,7 +1075,7 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int j = 0; j < MB_SP; ++j) {
             const int c = c1 - j;
             const float d = __expf(dec[j]);
-            if (c >= 0 && e < ps) ds[(size_t)c * ps] = run;
+            if (c >= 0 && e < ps) dn[(size_t)c * ps] = from_f<mb_t>(run);
             float share = run * sv[j] * d;
             run = u[j] + d * run;
 #pragma unroll
@@ -984,12 +1093,12 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // The backward of a chunk's own contribution to its end state (mamba_chunk_state) from its
-// gradient R = dstates[c]: with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s],
+// gradient R = down[c] (mamba_state_pass_bwd's, 16-bit): with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s],
 // dx_j += w_j·v_j, dB_j[s] += w_j·Σ_p x_j[p]·R[p][s], and through w_j: ddt_j, dlam_j and
 // dlam_last.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_chunk_state_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
-                               const float* __restrict__ lam, const float* __restrict__ dstates,
+                               const float* __restrict__ lam, const mb_t* __restrict__ down,
                                float* __restrict__ dxc, float* __restrict__ ddt,
                                float* __restrict__ dlam, int t, int heads, int p, int s,
                                int groups) {
@@ -1019,7 +1128,7 @@ extern "C" __global__ void __launch_bounds__(256)
             const int sc = min(64, s - s0);
             __syncthreads();
             mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
-            mb_load_state(t3, dstates + k.st, p0, p, s, s0, sc);
+            mb_load_state(t3, down + k.st, p0, p, s, s0, sc);
             __syncthreads();
             // A(j, s) = B[j][s], B(s, p) = R[p][s]
             mb_mm<false, true>(v, t2, t3, 64);
@@ -1135,7 +1244,7 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int j = 0; j < 8; ++j) dwin[j] = dwk[j] = 0.f;
     float dbs = 0.f;
     mb_conv_prefill(win, zx, ld, off, ch, r0, t, k);
-#pragma unroll 2
+#pragma unroll 4
     for (int q = r0; q < r_end + 7; ++q) {
         float d = 0.f;
         if (q < q_end) {

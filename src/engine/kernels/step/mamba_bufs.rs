@@ -111,6 +111,9 @@ pub(super) struct MambaActs {
     /// own contribution to its end state, f32) are made in the same memory before the state
     /// passing turns them into `states`: forward and backward never hold both.
     pub(super) dstates: u64,
+    /// The backward's gradient of each chunk's own contribution to its end state, 16-bit (the
+    /// layout of `states`): the state passing's backward makes it from `dstates`.
+    pub(super) down: u64,
 }
 
 impl MambaActs {
@@ -144,9 +147,10 @@ impl MambaArena {
         let layers = mamba.iter().filter(|&&m| m).count();
         let slots = if keep { layers } else { layers.min(1) };
         let st_elems = b * nh * dims.chunks(t) * dims.head_dim * dims.state;
-        // 16-bit: y per Mamba layer, states per slot, then xc.
+        // 16-bit: y per Mamba layer, states per slot, then xc and down.
         let (y_len, st16_len, xc_len) = (align(n * inner), align(st_elems), align(n * conv));
-        let bf = dev.alloc_zeros::<bf16>((layers * y_len + slots * st16_len + xc_len).max(1))?;
+        let bf16_len = layers * y_len + (slots + 1) * st16_len + xc_len;
+        let bf = dev.alloc_zeros::<bf16>(bf16_len.max(1))?;
         // f32: rstd per Mamba layer; dtv, lam, cb per slot; ddt, dlam, dstates, dxc, dy.
         let rstd_len = align(n * dims.groups);
         let pos_len = align(b * nh * tp);
@@ -178,6 +182,7 @@ impl MambaArena {
             dxc: 0,
             dy: 0,
             dstates: 0,
+            down: at16(slot16 + slots * st16_len + xc_len),
         };
         let mut k = 0;
         for &m in mamba {
