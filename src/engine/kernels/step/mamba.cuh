@@ -769,7 +769,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // thread's registers on the 16-byte path (one group, mb_gn_vec: a thread's columns are the
 // same in every row), else in shared memory.
 #define MB_GN_ROWS 8  // (32 left most SMs a block or two: 2048 rows gave 256 blocks)
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_gnorm_bwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
                          const bf16_t* __restrict__ w, const float* __restrict__ rstd,
                          const bf16_t* __restrict__ dout, float* __restrict__ dy,
