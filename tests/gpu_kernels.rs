@@ -1228,6 +1228,19 @@ fn every_step_family() -> Vec<Family> {
                 }
             },
         },
+        Family {
+            name: "granite-4.0-h-like hybrid: 4 Mamba-2 heads of 32 in one group (a block of the \
+                   backward takes all four), state 32, conv 6 (the conv's 8-tap window), T 200",
+            vocab: 97,
+            set: |c| {
+                granite_hybrid(c);
+                if let Some(h) = c.model.hybrid.as_mut() {
+                    h.mamba_d_state = 32;
+                    h.mamba_n_groups = 1;
+                    h.mamba_d_conv = 6;
+                }
+            },
+        },
     ]
 }
 

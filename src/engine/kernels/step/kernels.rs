@@ -384,18 +384,29 @@ impl ModelStep {
 }
 
 /// Shared memory (bytes) of the chunk kernels: 64 × 72 tiles of 16-bit values (mamba.cuh's
-/// MB_LDH) and per-position f32 vectors.
+/// MB_LDH), f32 tiles and per-position f32 vectors (the backward's for each of up to
+/// `MAMBA_HB` heads a block: mamba.cuh's MB_HB).
 pub(super) const TILE: u32 = 64 * 72 * 2;
+pub(super) const MAMBA_HB: usize = 8;
 pub(super) const STATE_SMEM: u32 = 2 * TILE + 64 * 4;
 pub(super) const SCAN_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
-pub(super) const SCAN_BWD_SMEM: u32 = 5 * TILE + 6 * 64 * 4;
-pub(super) const STATE_BWD_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
+/// The scan's backward: five tiles and six vectors a head.
+pub(super) const SCAN_BWD_SMEM: u32 = 5 * TILE + MAMBA_HB as u32 * 6 * 64 * 4;
+/// The chunk states' backward for state size `s`: three tiles, two vectors a head and, where
+/// `summed` (more than one head a block), dB summed over the block's heads (64 rows of s + 8 f32).
+pub(super) const fn state_bwd_smem(s: usize, summed: bool) -> u32 {
+    let sum = if summed { 64 * (s as u32 + 8) * 4 } else { 0 };
+    3 * TILE + MAMBA_HB as u32 * 2 * 64 * 4 + sum
+}
 pub(super) const CB_SMEM: u32 = 2 * TILE;
 
 /// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 28 KB of shared memory
 /// a block, backward 47 KB) are None on a GPU that cannot give a block that much: `ModelStep::mamba_fwd` then
 /// says so.
 pub(super) struct MambaKernels {
+    /// The conv and its backward with a window of 4 taps (d_conv ≤ 4) and of 8 (d_conv ≤ 8).
+    pub(super) conv4_fwd: Kern,
+    pub(super) conv4_bwd: Kern,
     pub(super) conv_fwd: Kern,
     pub(super) dt_fwd: Kern,
     pub(super) chunk_cb: Kern,
@@ -404,6 +415,10 @@ pub(super) struct MambaKernels {
     /// The chunk scan, its backward and the chunk states' backward (more than 48 KB of shared
     /// memory a block each).
     pub(super) scan: Option<(Kern, Kern, Kern)>,
+    /// Whether the chunk states' backward has the shared memory to sum dB over several heads a
+    /// block for every state size the step takes (`mamba_d_state` ≤ 256); else its blocks take
+    /// one head each.
+    pub(super) head_sum: bool,
     pub(super) gnorm_fwd: Kern,
     pub(super) gnorm_bwd: Kern,
     pub(super) zero: Kern,
@@ -414,40 +429,46 @@ pub(super) struct MambaKernels {
 
 impl MambaKernels {
     pub(super) fn load(named: &dyn Fn(&str, &'static str) -> Result<Kern>) -> Result<Self> {
-        let allow = |k: Kern, bytes: u32| -> Option<Kern> {
+        let allow = |k: &Kern, bytes: u32| -> bool {
             k.f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
             )
-            .ok()
-            .map(|_| k)
+            .is_ok()
         };
-        let scan = allow(named("mamba_chunk_scan_bf16", "mamba_scan")?, SCAN_SMEM);
-        let scan_bwd = allow(
-            named("mamba_chunk_scan_bwd_bf16", "mamba_scan_bwd")?,
-            SCAN_BWD_SMEM,
-        );
-        let state_bwd = allow(
-            named("mamba_chunk_state_bwd_bf16", "mamba_chunk_state_bwd")?,
-            STATE_BWD_SMEM,
-        );
-        let scan = match (scan, scan_bwd, state_bwd) {
-            (Some(a), Some(b), Some(c)) => Some((a, b, c)),
-            _ => None,
-        };
+        let scan = named("mamba_chunk_scan_bf16", "mamba_scan")?;
+        let scan_bwd = named("mamba_chunk_scan_bwd_bf16", "mamba_scan_bwd")?;
+        let state_bwd = named("mamba_chunk_state_bwd_bf16", "mamba_chunk_state_bwd")?;
+        let head_sum = allow(&state_bwd, state_bwd_smem(256, true));
+        let fits = allow(&scan, SCAN_SMEM)
+            && allow(&scan_bwd, SCAN_BWD_SMEM)
+            && (head_sum || allow(&state_bwd, state_bwd_smem(256, false)));
+        let scan = fits.then_some((scan, scan_bwd, state_bwd));
         Ok(Self {
+            conv4_fwd: named("mamba_conv4_fwd_bf16", "mamba_conv")?,
+            conv4_bwd: named("mamba_conv4_bwd_bf16", "mamba_conv_bwd")?,
             conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
             chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
             chunk_state: named("mamba_chunk_state_bf16", "mamba_chunk_state")?,
             state_pass: named("mamba_state_pass_bf16", "mamba_state_pass")?,
             scan,
+            head_sum,
             gnorm_fwd: named("mamba_gnorm_fwd_bf16", "mamba_gated_norm")?,
             gnorm_bwd: named("mamba_gnorm_bwd_bf16", "mamba_gated_norm_bwd")?,
-            zero: named("mamba_zero_f32", "mamba_zero")?,
+            zero: named("mamba_zero_cols_f32", "mamba_zero")?,
             state_pass_bwd: named("mamba_state_pass_bwd_bf16", "mamba_state_pass_bwd")?,
             dt_bwd: named("mamba_dt_bwd_bf16", "mamba_dt_bwd")?,
             conv_bwd: named("mamba_conv_bwd_bf16", "mamba_conv_bwd")?,
         })
+    }
+
+    /// The conv's forward and backward for `d_conv` taps: the 4-tap window where it fits.
+    pub(super) fn conv(&self, d_conv: usize) -> (&Kern, &Kern) {
+        if d_conv <= 4 {
+            (&self.conv4_fwd, &self.conv4_bwd)
+        } else {
+            (&self.conv_fwd, &self.conv_bwd)
+        }
     }
 }

@@ -387,61 +387,82 @@ __device__ __forceinline__ float* mb_vecs(unsigned char* smem, int tiles) {
 
 // The conv: xc[r, ch] = silu(cb[ch] + Σ_j w[ch, j]·zx[r − (K−1) + j, off + ch]) over the inputs
 // of the same sequence (earlier ones are zeros). A thread per channel walks MB_CONV_ROWS rows
-// with the last 8 inputs in registers (each input loaded once); the weights are padded at the
-// front to 8 taps (K ≤ 8), so tap j reads the input 7 − j rows back.
+// with the last KW inputs in registers (each input loaded once); the weights are padded at the
+// front to KW taps (K ≤ KW), so tap j reads the input KW − 1 − j rows back. Two builds of each
+// kernel: KW = 4 (the published configs' d_conv 4: half the multiply-adds and registers of the
+// general one) and KW = 8 (any K ≤ 8).
 #define MB_CONV_ROWS 128
+template <int KW>
 struct MbConvTaps {
-    float w[8];
+    float w[KW];
     float bias;
 };
-__device__ __forceinline__ MbConvTaps mb_conv_taps(const bf16_t* __restrict__ w,
-                                                   const bf16_t* __restrict__ cb, int ch, int k) {
-    MbConvTaps taps;
+template <int KW>
+__device__ __forceinline__ MbConvTaps<KW> mb_conv_taps(const bf16_t* __restrict__ w,
+                                                       const bf16_t* __restrict__ cb, int ch,
+                                                       int k) {
+    MbConvTaps<KW> taps;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) taps.w[j] = j >= 8 - k ? to_f(w[ch * k + j - (8 - k)]) : 0.f;
+    for (int j = 0; j < KW; ++j) taps.w[j] = j >= KW - k ? to_f(w[ch * k + j - (KW - k)]) : 0.f;
     taps.bias = cb ? to_f(cb[ch]) : 0.f;
     return taps;
 }
-// The window before row r0: win[j] = the input 8 − j rows back (j < 7) where it is in r0's
-// sequence and feeds a tap, else 0; win[7] is filled by the walk.
-__device__ __forceinline__ void mb_conv_prefill(float win[8], const bf16_t* __restrict__ zx,
+// The window before row r0: win[j] = the input KW − j rows back (j < KW − 1) where it is in
+// r0's sequence and feeds a tap, else 0; win[KW − 1] is filled by the walk.
+template <int KW>
+__device__ __forceinline__ void mb_conv_prefill(float win[KW], const bf16_t* __restrict__ zx,
                                                 int ld, int off, int ch, int r0, int t, int k) {
     const int tt = r0 % t;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const int back = 8 - j;  // win[j] moves to win[j - 1] when row r0 comes in
-        win[j] = j >= 9 - k && j < 8 && tt - back >= 0
+    for (int j = 0; j < KW; ++j) {
+        const int back = KW - j;  // win[j] moves to win[j - 1] when row r0 comes in
+        win[j] = j >= KW + 1 - k && j < KW && tt - back >= 0
                      ? to_f(zx[(size_t)(r0 - back) * ld + off + ch])
                      : 0.f;
     }
 }
 // Shift row r's input into the window (zeroing what lies before its sequence) and return the
 // conv's output before the SiLU.
-__device__ __forceinline__ float mb_conv_push(float win[8], const MbConvTaps& taps, float x,
+template <int KW>
+__device__ __forceinline__ float mb_conv_push(float win[KW], const MbConvTaps<KW>& taps, float x,
                                               bool seq_start) {
 #pragma unroll
-    for (int j = 0; j < 7; ++j) win[j] = seq_start ? 0.f : win[j + 1];
-    win[7] = x;
+    for (int j = 0; j < KW - 1; ++j) win[j] = seq_start ? 0.f : win[j + 1];
+    win[KW - 1] = x;
     float acc = taps.bias;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc += taps.w[j] * win[j];
+    for (int j = 0; j < KW; ++j) acc += taps.w[j] * win[j];
     return acc;
+}
+template <int KW>
+__device__ __forceinline__ void mb_conv_fwd(const bf16_t* __restrict__ zx, int ld, int off,
+                                            const bf16_t* __restrict__ w,
+                                            const bf16_t* __restrict__ cb, bf16_t* __restrict__ xc,
+                                            int n, int t, int conv, int k) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= conv) return;
+    const MbConvTaps<KW> taps = mb_conv_taps<KW>(w, cb, ch, k);
+    const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
+    float win[KW];
+    mb_conv_prefill<KW>(win, zx, ld, off, ch, r0, t, k);
+#pragma unroll 8
+    for (int r = r0; r < r_end; ++r) {
+        const float x = to_f(zx[(size_t)r * ld + off + ch]);
+        xc[(size_t)r * conv + ch] =
+            from_f<bf16_t>(silu_f(mb_conv_push<KW>(win, taps, x, r % t == 0)));
+    }
 }
 extern "C" __global__ void __launch_bounds__(128)
     mamba_conv_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
                         const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
                         bf16_t* __restrict__ xc, int n, int t, int conv, int k) {
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= conv) return;
-    const MbConvTaps taps = mb_conv_taps(w, cb, ch, k);
-    const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
-    float win[8];
-    mb_conv_prefill(win, zx, ld, off, ch, r0, t, k);
-#pragma unroll 8
-    for (int r = r0; r < r_end; ++r) {
-        const float x = to_f(zx[(size_t)r * ld + off + ch]);
-        xc[(size_t)r * conv + ch] = from_f<bf16_t>(silu_f(mb_conv_push(win, taps, x, r % t == 0)));
-    }
+    mb_conv_fwd<8>(zx, ld, off, w, cb, xc, n, t, conv, k);
+}
+extern "C" __global__ void __launch_bounds__(128)
+    mamba_conv4_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                         const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
+                         bf16_t* __restrict__ xc, int n, int t, int conv, int k) {
+    mb_conv_fwd<4>(zx, ld, off, w, cb, xc, n, t, conv, k);
 }
 
 // dt's kernels: a warp per (b, h, chunk), lane l owning the chunk's positions 2l and 2l + 1
@@ -503,10 +524,11 @@ struct MbChunk {
     size_t pos;             // (b·H + h)·Tp + t0: this chunk's dtv/lam
     size_t st;              // this chunk's state
 };
-__device__ __forceinline__ MbChunk mb_chunk(int t, int heads, int groups, int p, int s) {
+__device__ __forceinline__ MbChunk mb_chunk_of(int t, int heads, int groups, int p, int s,
+                                               int h) {
     MbChunk k;
     k.c = blockIdx.x;
-    k.h = blockIdx.y;
+    k.h = h;
     k.b = blockIdx.z;
     k.g = k.h / (heads / groups);
     k.t0 = k.c * MB_L;
@@ -516,6 +538,15 @@ __device__ __forceinline__ MbChunk mb_chunk(int t, int heads, int groups, int p,
     k.st = ((size_t)(k.b * heads + k.h) * gridDim.x + k.c) * p * s;
     return k;
 }
+__device__ __forceinline__ MbChunk mb_chunk(int t, int heads, int groups, int p, int s) {
+    return mb_chunk_of(t, heads, groups, p, s, blockIdx.y);
+}
+
+// The backward chunk kernels take hb heads of one group in turn (grid (chunks, heads / hb,
+// batch); the host picks hb, a divisor of a group's heads, at most MB_HB): what the heads share
+// (the chunk's B and C, its C·Bᵀ) is loaded once a block, and their shares of dB and dC are
+// summed in the block before they are added into the conv's gradient (hb times fewer atomics).
+#define MB_HB 8
 
 // A chunk's own contribution to the state at its end:
 // states[p][s] = Σ_i exp(lam_last − lam_i)·dtv_i·x_i[p]·B_i[s].
@@ -868,175 +899,193 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         for (int j = threadIdx.x; j < inner; j += blockDim.x) atomicAdd(&dw[j], dws[j]);
 }
 
-extern "C" __global__ void mamba_zero_f32(float* __restrict__ x, size_t n) {
+// x[r, c0 + c] = 0 for r < rows, c < cols (row stride ld): the B | C columns of dxc, which the
+// chunk kernels' backward add into (its x columns are stored).
+extern "C" __global__ void mamba_zero_cols_f32(float* __restrict__ x, int rows, int ld, int c0,
+                                               int cols) {
+    const size_t n = (size_t)rows * cols;
     for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < n;
          q += (size_t)gridDim.x * blockDim.x)
-        x[q] = 0.f;
+        x[(q / cols) * ld + c0 + q % cols] = 0.f;
 }
 
-// The backward of a chunk's outputs (mamba_chunk_scan) from dy [N, inner] (f32): dx into
-// dxc's x columns (stored: with the D skip's), dB and dC added into its B and C columns
-// (atomics: a group's heads share them; a scratch per head summed after measured no faster),
-// ddt and dlam of the chunk's positions (stored), the
-// state's gradient at the chunk's start into dstates (stored) and D's gradient (+=).
-extern "C" __global__ void __launch_bounds__(256)
+// The backward of a chunk's outputs (mamba_chunk_scan) from dy [N, inner] (f32), for the hb
+// heads of the block in turn: dx into dxc's x columns (stored: with the D skip's), ddt and dlam
+// of the chunk's positions (stored), the state's gradient at the chunk's start into dstates
+// (stored) and D's gradient (+=); dB and dC, which a group's heads share, added into dxc's B and
+// C columns once a block:
+//   dC_i = Σ_j dGΣ[i][j]·B_j + Σ_h exp(lam_h,i)·Σ_p dy_h,i[p]·S_h[p],  dB_j = Σ_i dGΣ[i][j]·C_i,
+// where dGΣ = Σ_h dG_h (summed in registers, rounded to the 16-bit type once). The heads' dM, dx
+// and dG first, then one pass over them per 64 columns of the state, each keeping its
+// Σ_h exp(lam_h)·dy_h·S_h tile in registers.
+extern "C" __global__ void __launch_bounds__(256, 2)
     mamba_chunk_scan_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
                               const float* __restrict__ dtv, const float* __restrict__ lam,
                               const mb_t* __restrict__ states, const bf16_t* __restrict__ dskip,
                               const float* __restrict__ dy, float* __restrict__ dxc,
                               float* __restrict__ ddt, float* __restrict__ dlam,
                               float* __restrict__ dstates, float* __restrict__ dd, int t,
-                              int heads, int p, int s, int groups) {
+                              int heads, int p, int s, int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_t* ms = mb_tile(mb_raw, 0);   // M[i][j] = G·W·dtv_j
-    mb_t* dg = mb_tile(mb_raw, 1);   // dG[i][j] = dM·W·dtv_j
-    mb_t* t1 = mb_tile(mb_raw, 2);
-    mb_t* t2 = mb_tile(mb_raw, 3);
-    mb_t* t3 = mb_tile(mb_raw, 4);
-    float* lm = mb_vecs(mb_raw, 5);  // lam [i]
-    float* dv = lm + MB_L;               // dtv [i]
-    float* el = dv + MB_L;               // exp(lam_i)
-    float* rsum = el + MB_L;             // dlam from the rows' sums
-    float* csum = rsum + MB_L;           // dlam from the columns' sums
-    float* dts = csum + MB_L;            // ddt [j]
+    mb_t* ms = mb_tile(mb_raw, 0);  // a head's M[i][j] = G·W·dtv_j, then dGΣ
+    mb_t* t1 = mb_tile(mb_raw, 1);  // C [i][s] (the pass's columns)
+    mb_t* t2 = mb_tile(mb_raw, 2);  // x [j][p], S [p][s], B [j][s]
+    mb_t* t3 = mb_tile(mb_raw, 3);  // dy [i][p]
+    mb_t* t4 = mb_tile(mb_raw, 4);  // exp(lam_i)·dy [i][p]
+    float* vec = mb_vecs(mb_raw, 5);  // per head: lam, dtv, exp(lam), rsum, csum, ddt [6][MB_L]
     __shared__ float red[32];
-    const MbChunk k = mb_chunk(t, heads, groups, p, s);
+    const int h0 = blockIdx.y * hb;
+    const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
     const int conv = heads * p + 2 * groups * s, inner = heads * p;
-    const int rows = min(t - k.t0, MB_L);
-    const int r0 = (int)k.row0, r1 = r0 + rows;
-    const int bcol = inner + k.g * s, ccol = inner + groups * s + k.g * s, xcol = k.h * p;
-    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
-        lm[i] = lam[k.pos + i];
-        dv[i] = dtv[k.pos + i];
-        el[i] = __expf(lm[i]);
-        rsum[i] = csum[i] = dts[i] = 0.f;
+    const int rows = min(t - k0.t0, MB_L);
+    const int r0 = (int)k0.row0, r1 = r0 + rows;
+    const int bcol = inner + k0.g * s, ccol = inner + groups * s + k0.g * s;
+    for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
+        const int hh = e / MB_L, i = e % MB_L;
+        const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
+        float* v = vec + hh * 6 * MB_L;
+        v[i] = lam[pos + i];
+        v[MB_L + i] = dtv[pos + i];
+        v[2 * MB_L + i] = __expf(v[i]);
+        v[3 * MB_L + i] = v[4 * MB_L + i] = v[5 * MB_L + i] = 0.f;
     }
-    float g[4][4], dm[4][4];
-    mb_read_cb(g, cb, k, groups);
-    mb_zero(dm);
-    __syncthreads();
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int i = mb_row(a, c), j = mb_col(a, c);
-            mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
-        }
-    // Per tile of the head's width: dM += dy·xᵀ ([i][j]); dx_j[p] = Σ_i M[i][j]·dy_i[p] +
-    // D·dy_j[p]; D's gradient Σ dy·x.
-    const float dsk = to_f(dskip[k.h]);
-    float ddsum = 0.f;
-    for (int p0 = 0; p0 < p; p0 += 64) {
-        const int pc = min(64, p - p0);
-        __syncthreads();
-        mb_load(t3, dy, inner, r0, r1, xcol + p0, pc, nullptr);
-        mb_load(t2, xc, conv, r0, r1, xcol + p0, pc, nullptr);
-        __syncthreads();
-        // A(i, p) = dy[i][p], B(p, j) = x[j][p]
-        mb_mm<false, true>(dm, t3, t2, 64);
-        float acc[4][4];
-        mb_zero(acc);
-        // A(j, i) = M[i][j], B(i, p) = dy[i][p]
-        mb_mm<true, false>(acc, ms, t3, MB_L);
+    // First each head's dM, dx and dG (dGΣ summed in registers, then rounded into ms).
+    float g[4][4], dgs[4][4];  // C·Bᵀ; dGΣ
+    mb_read_cb(g, cb, k0, groups);
+    mb_zero(dgs);
+    for (int hh = 0; hh < hb; ++hh) {
+        const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+        float* hv = vec + hh * 6 * MB_L;
+        const float* lm = hv;
+        const float* dv = hv + MB_L;
+        float* rsum = hv + 3 * MB_L;  // dlam from the rows' sums
+        float* csum = rsum + MB_L;     // dlam from the columns' sums
+        float* dts = csum + MB_L;      // ddt [j]
+        const int xcol = k.h * p;
+        __syncthreads();  // (ms, t2 and t3 free)
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int j = mb_row(a, c), pp = mb_col(a, c);
-                const float dyv = mb_get(t3, j, pp);
-                ddsum += dyv * mb_get(t2, j, pp);
-                acc[a][c] += dsk * dyv;
+                const int i = mb_row(a, c), j = mb_col(a, c);
+                mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
             }
-        mb_store_tile(dxc + k.row0 * conv + xcol + p0, conv, acc, rows, pc);
-    }
-    // Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j; ddt_j += dM·G·W;
-    // q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
-    {
+        // Per tile of the head's width: dM += dy·xᵀ ([i][j]); dx_j[p] = Σ_i M[i][j]·dy_i[p] +
+        // D·dy_j[p]; D's gradient Σ dy·x.
+        const float dsk = to_f(dskip[k.h]);
+        float ddsum = 0.f, dm[4][4];
+        mb_zero(dm);
+        for (int p0 = 0; p0 < p; p0 += 64) {
+            const int pc = min(64, p - p0);
+            __syncthreads();
+            mb_load(t3, dy, inner, r0, r1, xcol + p0, pc, nullptr);
+            mb_load(t2, xc, conv, r0, r1, xcol + p0, pc, nullptr);
+            __syncthreads();
+            // A(i, p) = dy[i][p], B(p, j) = x[j][p]
+            mb_mm<false, true>(dm, t3, t2, 64);
+            float acc[4][4];
+            mb_zero(acc);
+            // A(j, i) = M[i][j], B(i, p) = dy[i][p]
+            mb_mm<true, false>(acc, ms, t3, MB_L);
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = mb_row(a, c), pp = mb_col(a, c);
+                    const float dyv = mb_get(t3, j, pp);
+                    ddsum += dyv * mb_get(t2, j, pp);
+                    acc[a][c] += dsk * dyv;
+                }
+            mb_store_tile(dxc + k.row0 * conv + xcol + p0, conv, acc, rows, pc);
+        }
+        // Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j (into dGΣ); ddt_j += dM·G·W;
+        // q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
         float dmgw[4][4], q[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int i = mb_row(a, c), j = mb_col(a, c);
-                float d = 0.f;
                 dmgw[a][c] = q[a][c] = 0.f;
                 if (j <= i) {
                     const float wgt = __expf(lm[i] - lm[j]);
-                    d = dm[a][c] * wgt * dv[j];
+                    dgs[a][c] += dm[a][c] * wgt * dv[j];
                     dmgw[a][c] = dm[a][c] * g[a][c] * wgt;
                     q[a][c] = dmgw[a][c] * dv[j];
                 }
-                mb_put(dg, i, j, d);
             }
         mb_col_sums(dmgw, dts);
         mb_row_sums(q, rsum);
         mb_col_sums(q, csum);
+        ddsum = qkw_block_sum(ddsum, red);
+        if (dd && threadIdx.x == 0) atomicAdd(&dd[k.h], ddsum);
     }
-    // Per tile of the state: dC_i = Σ_j dG[i][j]·B_j + exp(lam_i)·Σ_p dy_i[p]·S[p] (whose
-    // Σ_s C_i[s]·(…) is dlam_i's share from the state), dB_j = Σ_i dG[i][j]·C_i, and the
-    // start state's gradient dS[p][s] = Σ_i exp(lam_i)·dy_i[p]·C_i[s].
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) mb_put(ms, mb_row(a, c), mb_col(a, c), dgs[a][c]);
+    // Then a pass per 64 columns of the state over the heads again.
     for (int s0 = 0; s0 < s; s0 += 64) {
         const int sc = min(64, s - s0);
+        float dco[4][4];
+        mb_zero(dco);
+        __syncthreads();
+        mb_load(t1, xc, conv, r0, r1, ccol + s0, sc, nullptr);
+        for (int hh = 0; hh < hb; ++hh) {
+            const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+            const float* el = vec + hh * 6 * MB_L + 2 * MB_L;
+            float* rsum = vec + hh * 6 * MB_L + 3 * MB_L;
+            const int xcol = k.h * p;
+            // The pass's state columns: o = Σ_p exp(lam_i)·dy_i[p]·S[p][s] (dC's share, and
+            // Σ_s C_i[s]·o_i[s] is dlam_i's share from the state), and the start state's
+            // gradient dS[p][s] = Σ_i exp(lam_i)·dy_i[p]·C_i[s].
+            float off[4][4];
+            mb_zero(off);
+            for (int p0 = 0; p0 < p; p0 += 64) {
+                const int pc = min(64, p - p0);
+                __syncthreads();
+                mb_load(t4, dy, inner, r0, r1, xcol + p0, pc, el);
+                mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
+                __syncthreads();
+                // A(i, p) = exp(lam_i)·dy[i][p], B(p, s) = S[p][s]
+                mb_mm<false, false>(off, t4, t2, 64);
+                float u[4][4];
+                mb_zero(u);
+                // A(p, i) = exp(lam_i)·dy[i][p], B(i, s) = C[i][s]
+                mb_mm<true, false>(u, t4, t1, MB_L);
+                mb_store_tile(dstates + k.st + (size_t)p0 * s + s0, s, u, p - p0, sc);
+            }
+            float co[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    co[a][c] = mb_get(t1, mb_row(a, c), mb_col(a, c)) * off[a][c];
+                    dco[a][c] += off[a][c];
+                }
+            mb_row_sums(co, rsum);
+        }
+        // The heads' dB and dC of the pass's columns: dC = dGΣ·B + Σ_h o_h, dB = dGΣᵀ·C.
         __syncthreads();
         mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
-        mb_load(t1, xc, conv, r0, r1, ccol + s0, sc, nullptr);
         __syncthreads();
-        float acc[4][4], off[4][4];
-        mb_zero(acc);
-        mb_zero(off);
-        // A(i, j) = dG[i][j], B(j, s) = B[j][s]
-        mb_mm<false, false>(acc, dg, t2, MB_L);
-        {
-            float db[4][4];
-            mb_zero(db);
-            // A(j, i) = dG[i][j], B(i, s) = C[i][s]
-            mb_mm<true, false>(db, dg, t1, MB_L);
-            mb_red_tile(dxc + k.row0 * conv + bcol + s0, conv, db, rows, sc, nullptr);
-        }
-        for (int p0 = 0; p0 < p; p0 += 64) {
-            __syncthreads();
-            // (one tile of the width: dy stays in t3 from the first loop)
-            if (p > 64) mb_load(t3, dy, inner, r0, r1, xcol + p0, min(64, p - p0), nullptr);
-            mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
-            __syncthreads();
-            // A(i, p) = dy[i][p], B(p, s) = S[p][s]
-            mb_mm<false, false>(off, t3, t2, 64);
-        }
-        float co[4][4];
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int i = mb_row(a, c), ss = mb_col(a, c);
-                const float o = el[i] * off[a][c];
-                co[a][c] = mb_get(t1, i, ss) * o;
-                acc[a][c] += o;
-            }
-        mb_red_tile(dxc + k.row0 * conv + ccol + s0, conv, acc, rows, sc, nullptr);
-        mb_row_sums(co, rsum);
-        __syncthreads();
-        for (int e = threadIdx.x; e < 64 * 64; e += blockDim.x)
-            mb_put(t1, e >> 6, e & 63, mb_get(t1, e >> 6, e & 63) * el[e >> 6]);
-        for (int p0 = 0; p0 < p; p0 += 64) {
-            // (one tile of the width: dy is still in t3)
-            if (p > 64) {
-                __syncthreads();
-                mb_load(t3, dy, inner, r0, r1, xcol + p0, min(64, p - p0), nullptr);
-            }
-            __syncthreads();
-            float u[4][4];
-            mb_zero(u);
-            // A(p, i) = dy[i][p], B(i, s) = exp(lam_i)·C[i][s]
-            mb_mm<true, false>(u, t3, t1, MB_L);
-            mb_store_tile(dstates + k.st + (size_t)p0 * s + s0, s, u, p - p0, s - s0);
-        }
+        // A(i, j) = dGΣ[i][j], B(j, s) = B[j][s]
+        mb_mm<false, false>(dco, ms, t2, MB_L);
+        mb_red_tile(dxc + k0.row0 * conv + ccol + s0, conv, dco, rows, sc, nullptr);
+        float db[4][4];
+        mb_zero(db);
+        // A(j, i) = dGΣ[i][j], B(i, s) = C[i][s]
+        mb_mm<true, false>(db, ms, t1, MB_L);
+        mb_red_tile(dxc + k0.row0 * conv + bcol + s0, conv, db, rows, sc, nullptr);
     }
-    ddsum = qkw_block_sum(ddsum, red);
     __syncthreads();
-    if (dd && threadIdx.x == 0) atomicAdd(&dd[k.h], ddsum);
-    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
-        ddt[k.pos + i] = dts[i];
-        dlam[k.pos + i] = rsum[i] - csum[i];
+    for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
+        const int hh = e / MB_L, i = e % MB_L;
+        const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
+        const float* v = vec + hh * 6 * MB_L;
+        ddt[pos + i] = v[5 * MB_L + i];
+        dlam[pos + i] = v[3 * MB_L + i] - v[4 * MB_L + i];
     }
 }
 
@@ -1093,85 +1142,134 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // The backward of a chunk's own contribution to its end state (mamba_chunk_state) from its
-// gradient R = down[c] (mamba_state_pass_bwd's, 16-bit): with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s],
-// dx_j += w_j·v_j, dB_j[s] += w_j·Σ_p x_j[p]·R[p][s], and through w_j: ddt_j, dlam_j and
-// dlam_last.
+// gradient R = down[c] (mamba_state_pass_bwd's, 16-bit), for the hb heads of the block in turn:
+// with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s], dx_j += w_j·v_j,
+// dB_j[s] += w_j·Σ_p x_j[p]·R[p][s], and through w_j: ddt_j, dlam_j and dlam_last. Where hb > 1,
+// dB is summed over the block's heads in shared memory (f32, rows of s + 8) and added into dxc
+// once; with hb = 1 (a GPU without the shared memory for that sum) each tile is added as it
+// comes.
 extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_chunk_state_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                                const float* __restrict__ lam, const mb_t* __restrict__ down,
                                float* __restrict__ dxc, float* __restrict__ ddt,
                                float* __restrict__ dlam, int t, int heads, int p, int s,
-                               int groups) {
+                               int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_t* t1 = mb_tile(mb_raw, 0);  // x [j][p]
-    mb_t* t2 = mb_tile(mb_raw, 1);  // B [j][s]
-    mb_t* t3 = mb_tile(mb_raw, 2);  // R [p][s]
-    float* w = mb_vecs(mb_raw, 3);  // w_j
-    float* dw = w + MB_L;               // Σ_p x_j[p]·v_j[p]
-    const MbChunk k = mb_chunk(t, heads, groups, p, s);
+    mb_t* t1 = mb_tile(mb_raw, 0);       // x [j][p]
+    mb_t* t2 = mb_tile(mb_raw, 1);       // B [j][s]
+    mb_t* t3 = mb_tile(mb_raw, 2);       // R [p][s]
+    float* vec = mb_vecs(mb_raw, 3);     // per head: w_j, Σ_p x_j[p]·v_j[p] [2][MB_L]
+    float* dbs = vec + hb * 2 * MB_L;    // Σ_h dB_h [j][s], rows of s + 8 (hb > 1)
+    const int lds = s + 8;
+    const int h0 = blockIdx.y * hb;
+    const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
     const int conv = heads * p + 2 * groups * s;
-    const int rows = min(t - k.t0, MB_L);
-    const int r0 = (int)k.row0, r1 = r0 + rows;
-    const int bcol = heads * p + k.g * s, xcol = k.h * p;
-    const float last = lam[k.pos + MB_L - 1];
-    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
-        w[i] = __expf(last - lam[k.pos + i]) * dtv[k.pos + i];
-        dw[i] = 0.f;
+    const int rows = min(t - k0.t0, MB_L);
+    const int r0 = (int)k0.row0, r1 = r0 + rows;
+    const int bcol = heads * p + k0.g * s;
+    for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
+        const int hh = e / MB_L, i = e % MB_L;
+        const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
+        vec[hh * 2 * MB_L + i] = __expf(lam[pos + MB_L - 1] - lam[pos + i]) * dtv[pos + i];
+        vec[hh * 2 * MB_L + MB_L + i] = 0.f;
     }
-    for (int p0 = 0; p0 < p; p0 += 64) {
-        const int pc = min(64, p - p0);
-        __syncthreads();
-        mb_load(t1, xc, conv, r0, r1, xcol + p0, pc, nullptr);
-        float v[4][4];
-        mb_zero(v);
-        for (int s0 = 0; s0 < s; s0 += 64) {
-            const int sc = min(64, s - s0);
+    if (hb > 1)
+        for (int e = threadIdx.x; e < MB_L * lds; e += blockDim.x) dbs[e] = 0.f;
+    for (int hh = 0; hh < hb; ++hh) {
+        const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+        const float* w = vec + hh * 2 * MB_L;
+        float* dw = vec + hh * 2 * MB_L + MB_L;
+        const int xcol = k.h * p;
+        for (int p0 = 0; p0 < p; p0 += 64) {
+            const int pc = min(64, p - p0);
             __syncthreads();
-            mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
-            mb_load_state(t3, down + k.st, p0, p, s, s0, sc);
-            __syncthreads();
-            // A(j, s) = B[j][s], B(s, p) = R[p][s]
-            mb_mm<false, true>(v, t2, t3, 64);
-            float db[4][4];
-            mb_zero(db);
-            // A(j, p) = x[j][p], B(p, s) = R[p][s]; dB_j = w_j·(…)
-            mb_mm<false, false>(db, t1, t3, 64);
-            mb_red_tile(dxc + k.row0 * conv + bcol + s0, conv, db, rows, sc, w);
+            mb_load(t1, xc, conv, r0, r1, xcol + p0, pc, nullptr);
+            float v[4][4];
+            mb_zero(v);
+            for (int s0 = 0; s0 < s; s0 += 64) {
+                const int sc = min(64, s - s0);
+                __syncthreads();
+                mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
+                mb_load_state(t3, down + k.st, p0, p, s, s0, sc);
+                __syncthreads();
+                // A(j, s) = B[j][s], B(s, p) = R[p][s]
+                mb_mm<false, true>(v, t2, t3, 64);
+                float db[4][4];
+                mb_zero(db);
+                // A(j, p) = x[j][p], B(p, s) = R[p][s]; dB_j += w_j·(…)
+                mb_mm<false, false>(db, t1, t3, 64);
+                if (hb == 1) {
+                    mb_red_tile(dxc + k.row0 * conv + bcol + s0, conv, db, rows, sc, w);
+                    continue;
+                }
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int j = mb_row(a, c), ss = mb_col(a, c);
+                        if (ss < sc) dbs[j * lds + s0 + ss] += w[j] * db[a][c];
+                    }
+            }
+            // (dxc's 16 values a thread are all loaded before any is stored back.)
+            float xv[4][4], old[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = mb_row(a, c), pp = mb_col(a, c);
+                    xv[a][c] = mb_get(t1, j, pp) * v[a][c];
+                    old[a][c] =
+                        j < rows && pp < pc ? dxc[(k.row0 + j) * conv + xcol + p0 + pp] : 0.f;
+                }
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = mb_row(a, c), pp = mb_col(a, c);
+                    if (j < rows && pp < pc)
+                        dxc[(k.row0 + j) * conv + xcol + p0 + pp] = old[a][c] + w[j] * v[a][c];
+                }
+            mb_row_sums(xv, dw);
         }
-        // (dxc's 16 values a thread are all loaded before any is stored back.)
-        float xv[4][4], old[4][4];
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int j = mb_row(a, c), pp = mb_col(a, c);
-                xv[a][c] = mb_get(t1, j, pp) * v[a][c];
-                old[a][c] = j < rows && pp < pc ? dxc[(k.row0 + j) * conv + xcol + p0 + pp] : 0.f;
-            }
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int j = mb_row(a, c), pp = mb_col(a, c);
-                if (j < rows && pp < pc)
-                    dxc[(k.row0 + j) * conv + xcol + p0 + pp] = old[a][c] + w[j] * v[a][c];
-            }
-        mb_row_sums(xv, dw);
     }
     __syncthreads();
+    // dB of the block's heads into dxc's B columns: 16-byte reductions where aligned.
+    if (hb > 1) {
+        float* dst = dxc + k0.row0 * conv + bcol;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (s % 4 == 0 && conv % 4 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+            for (int e = threadIdx.x; e < rows * (s / 4); e += blockDim.x) {
+                const int j = e / (s / 4), c = 4 * (e % (s / 4));
+                const float4 q = *reinterpret_cast<const float4*>(&dbs[j * lds + c]);
+                asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(
+                                 dst + (size_t)j * conv + c),
+                             "f"(q.x), "f"(q.y), "f"(q.z), "f"(q.w)
+                             : "memory");
+            }
+        } else
+#endif
+            for (int e = threadIdx.x; e < rows * s; e += blockDim.x) {
+                const int j = e / s, c = e % s;
+                atomicAdd(&dst[(size_t)j * conv + c], dbs[j * lds + c]);
+            }
+    }
     // w_j = exp(last − lam_j)·dtv_j: ddt_j += dw_j·exp(last − lam_j); q_j = dw_j·w_j goes to
-    // dlam_last (+) and dlam_j (−).
-    if (threadIdx.x < 32) {
+    // dlam_last (+) and dlam_j (−). A warp a head.
+    for (int hh = threadIdx.x >> 5; hh < hb; hh += blockDim.x >> 5) {
+        const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
+        const float* w = vec + hh * 2 * MB_L;
+        const float* dw = w + MB_L;
+        const float last = lam[pos + MB_L - 1];
         float qs = 0.f;
-        for (int j = threadIdx.x; j < MB_L; j += 32) {
+        for (int j = threadIdx.x & 31; j < MB_L; j += 32) {
             const float q = dw[j] * w[j];
-            ddt[k.pos + j] += dw[j] * __expf(last - lam[k.pos + j]);
-            dlam[k.pos + j] -= q;
+            ddt[pos + j] += dw[j] * __expf(last - lam[pos + j]);
+            dlam[pos + j] -= q;
             qs += q;
         }
         qs = warp_sum(qs);
         __syncwarp();
-        if (threadIdx.x == 0) dlam[k.pos + MB_L - 1] += qs;
+        if ((threadIdx.x & 31) == 0) dlam[pos + MB_L - 1] += qs;
     }
 }
 
@@ -1224,54 +1322,74 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // The conv's backward in one pass, from dxc (d of the SiLU's output, f32 [N, conv]): d of its
 // inputs into dzx's x | B | C columns (bf16), the weight's and bias's gradients (+=, where not
-// null). A thread per channel walks MB_CONV_ROWS rows plus 7 ahead: at row q it recomputes the
-// conv's output (the input window as in the forward), takes dpre_q = dxc_q·silu'(pre_q) into a
-// window of the last 8, adds dpre_q's weight and bias terms (q in the block's rows), and
-// finishes d of input q − 7, which feeds outputs q − 7 … q of its sequence. Sums added once.
+// null). A thread per channel walks MB_CONV_ROWS rows plus KW − 1 ahead: at row q it recomputes
+// the conv's output (the input window as in the forward), takes dpre_q = dxc_q·silu'(pre_q) into
+// a window of the last KW, adds dpre_q's weight and bias terms (q in the block's rows), and
+// finishes d of input q − KW + 1, which feeds outputs q − KW + 1 … q of its sequence. Sums added
+// once. KW 4 and 8 as in the forward.
+template <int KW>
+__device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int ld, int off,
+                                            const bf16_t* __restrict__ w,
+                                            const bf16_t* __restrict__ cb,
+                                            const float* __restrict__ dxc,
+                                            bf16_t* __restrict__ dzx, float* __restrict__ dw,
+                                            float* __restrict__ db, int n, int t, int conv,
+                                            int k) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= conv) return;
+    const MbConvTaps<KW> taps = mb_conv_taps<KW>(w, cb, ch, k);
+    const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
+    const int q_end = min(n, r_end + k - 1);  // rows whose dpre the block's inputs feed
+    float win[KW], dwin[KW], dwk[KW];
+#pragma unroll
+    for (int j = 0; j < KW; ++j) dwin[j] = dwk[j] = 0.f;
+    float dbs = 0.f;
+    mb_conv_prefill<KW>(win, zx, ld, off, ch, r0, t, k);
+#pragma unroll 4
+    for (int q = r0; q < r_end + KW - 1; ++q) {
+        float d = 0.f;
+        if (q < q_end) {
+            const float x = to_f(zx[(size_t)q * ld + off + ch]);
+            const float pre = mb_conv_push<KW>(win, taps, x, q % t == 0);
+            d = dxc[(size_t)q * conv + ch] * dsilu_f(pre);
+        }
+#pragma unroll
+        for (int j = 0; j < KW - 1; ++j) dwin[j] = dwin[j + 1];
+        dwin[KW - 1] = d;
+        if (q < r_end) {
+            dbs += d;
+#pragma unroll
+            for (int j = 0; j < KW; ++j) dwk[j] += d * win[j];
+        }
+        const int r = q - (KW - 1);
+        if (r >= r0) {
+            // input r feeds output r + KW − 1 − j (dwin[KW − 1 − j]) through tap j, within its
+            // sequence
+            const int left = t - 1 - r % t;
+            float dx = 0.f;
+#pragma unroll
+            for (int j = 0; j < KW; ++j)
+                if (KW - 1 - j <= left) dx += taps.w[j] * dwin[KW - 1 - j];
+            dzx[(size_t)r * ld + off + ch] = from_f<bf16_t>(dx);
+        }
+    }
+    if (dw)
+        for (int j = KW - k; j < KW; ++j) atomicAdd(&dw[ch * k + j - (KW - k)], dwk[j]);
+    if (db) atomicAdd(&db[ch], dbs);
+}
 extern "C" __global__ void __launch_bounds__(128)
     mamba_conv_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
                         const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
                         const float* __restrict__ dxc, bf16_t* __restrict__ dzx,
                         float* __restrict__ dw, float* __restrict__ db, int n, int t, int conv,
                         int k) {
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch >= conv) return;
-    const MbConvTaps taps = mb_conv_taps(w, cb, ch, k);
-    const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
-    const int q_end = min(n, r_end + k - 1);  // rows whose dpre the block's inputs feed
-    float win[8], dwin[8], dwk[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) dwin[j] = dwk[j] = 0.f;
-    float dbs = 0.f;
-    mb_conv_prefill(win, zx, ld, off, ch, r0, t, k);
-#pragma unroll 4
-    for (int q = r0; q < r_end + 7; ++q) {
-        float d = 0.f;
-        if (q < q_end) {
-            const float x = to_f(zx[(size_t)q * ld + off + ch]);
-            const float pre = mb_conv_push(win, taps, x, q % t == 0);
-            d = dxc[(size_t)q * conv + ch] * dsilu_f(pre);
-        }
-#pragma unroll
-        for (int j = 0; j < 7; ++j) dwin[j] = dwin[j + 1];
-        dwin[7] = d;
-        if (q < r_end) {
-            dbs += d;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) dwk[j] += d * win[j];
-        }
-        const int r = q - 7;
-        if (r >= r0) {
-            // input r feeds output r + 7 − j (dwin[7 − j]) through tap j, within its sequence
-            const int left = t - 1 - r % t;
-            float dx = 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-                if (7 - j <= left) dx += taps.w[j] * dwin[7 - j];
-            dzx[(size_t)r * ld + off + ch] = from_f<bf16_t>(dx);
-        }
-    }
-    if (dw)
-        for (int j = 8 - k; j < 8; ++j) atomicAdd(&dw[ch * k + j - (8 - k)], dwk[j]);
-    if (db) atomicAdd(&db[ch], dbs);
+    mb_conv_bwd<8>(zx, ld, off, w, cb, dxc, dzx, dw, db, n, t, conv, k);
+}
+extern "C" __global__ void __launch_bounds__(128)
+    mamba_conv4_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                         const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
+                         const float* __restrict__ dxc, bf16_t* __restrict__ dzx,
+                         float* __restrict__ dw, float* __restrict__ db, int n, int t, int conv,
+                         int k) {
+    mb_conv_bwd<4>(zx, ld, off, w, cb, dxc, dzx, dw, db, n, t, conv, k);
 }

@@ -10,7 +10,9 @@ use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::Result;
 
 use super::arena::Activations;
-use super::kernels::{Kern, CB_SMEM, SCAN_BWD_SMEM, SCAN_SMEM, STATE_BWD_SMEM, STATE_SMEM};
+use super::kernels::{
+    state_bwd_smem, Kern, CB_SMEM, MAMBA_HB, SCAN_BWD_SMEM, SCAN_SMEM, STATE_SMEM,
+};
 use super::mamba_bufs::{MambaActs, MambaDims, MambaIdx};
 use super::params::LayerIdx;
 use super::{check, Arg, ModelStep};
@@ -43,6 +45,16 @@ fn dt_cfg(y: &Layer, d: &MambaDims) -> LaunchConfig {
 fn conv_cfg(n: usize, conv: usize) -> LaunchConfig {
     const CONV_ROWS: usize = 128;
     cfg((conv.div_ceil(128), n.div_ceil(CONV_ROWS), 1), 128, 0)
+}
+
+/// The heads a block of the backward's chunk kernels takes in turn: the largest divisor of a
+/// group's heads up to `MAMBA_HB` (48 heads in one group: 8, six blocks a chunk).
+fn heads_a_block(d: &MambaDims) -> usize {
+    let per_group = d.heads / d.groups;
+    (1..=MAMBA_HB.min(per_group))
+        .rev()
+        .find(|h| per_group.is_multiple_of(*h))
+        .unwrap_or(1)
 }
 
 /// The gated norm's backward: a block per `GN_ROWS` rows (mamba.cuh's MB_GN_ROWS).
@@ -146,7 +158,7 @@ impl ModelStep {
             Arg::I(i32_of(conv, "conv channels")?),
             Arg::I(i32_of(d.conv_k, "d_conv")?),
         ];
-        self.launch(&k.conv_fwd, conv_cfg(y.n, conv), &conv_args)
+        self.launch(k.conv(d.conv_k).0, conv_cfg(y.n, conv), &conv_args)
     }
 
     /// dt (→ dtv, lam), each chunk's C·Bᵀ and each chunk's start state (→ states), into the
@@ -263,10 +275,19 @@ impl ModelStep {
         // (dxc: the scan's backward stores its x columns and adds into its B | C ones.)
         self.launch(
             &k.zero,
-            flat_cfg(y.n * conv),
-            &[Arg::P(m.dxc), Arg::L((y.n * conv) as i64)],
+            flat_cfg(y.n * (conv - inner)),
+            &[
+                Arg::P(m.dxc),
+                Arg::I(n_i),
+                Arg::I(conv_i),
+                Arg::I(inner_i),
+                Arg::I(i32_of(conv - inner, "B | C columns")?),
+            ],
         )?;
-        let grid = (y.chunks, d.heads, y.b);
+        // The backward's chunk kernels take `hb` heads of a group a block (the chunk states'
+        // one where the GPU lacks the shared memory to sum dB over several).
+        let hb = heads_a_block(d);
+        let hb_state = if k.head_sum { hb } else { 1 };
         let mut args = vec![
             Arg::P(m.xc),
             Arg::P(y.cb),
@@ -282,7 +303,12 @@ impl ModelStep {
             Arg::P(self.grad_ptr_or_null(Some(y.idx.d))),
         ];
         args.extend(self.chunk_args(d)?);
-        self.launch(scan_bwd, cfg(grid, 256, SCAN_BWD_SMEM), &args)?;
+        args.push(Arg::I(i32_of(hb, "heads a block")?));
+        self.launch(
+            scan_bwd,
+            cfg((y.chunks, d.heads / hb, y.b), 256, SCAN_BWD_SMEM),
+            &args,
+        )?;
         let ps = d.head_dim * d.state;
         self.launch(
             &k.state_pass_bwd,
@@ -307,7 +333,16 @@ impl ModelStep {
             Arg::P(m.dlam),
         ];
         args.extend(self.chunk_args(d)?);
-        self.launch(state_bwd, cfg(grid, 256, STATE_BWD_SMEM), &args)?;
+        args.push(Arg::I(i32_of(hb_state, "heads a block")?));
+        self.launch(
+            state_bwd,
+            cfg(
+                (y.chunks, d.heads / hb_state, y.b),
+                256,
+                state_bwd_smem(d.state, hb_state > 1),
+            ),
+            &args,
+        )?;
         let (head, tail) = self.dt_args(&y)?;
         let mid = [
             Arg::P(y.dtv),
@@ -322,7 +357,7 @@ impl ModelStep {
         let conv_w = self.weight_ptr(y.idx.conv_w)?;
         let k_i = i32_of(d.conv_k, "d_conv")?;
         self.launch(
-            &k.conv_bwd,
+            k.conv(d.conv_k).1,
             conv_cfg(y.n, conv),
             &[
                 Arg::P(y.zx),
