@@ -392,11 +392,12 @@ pub(super) const STATE_SMEM: u32 = 2 * TILE + 64 * 4;
 pub(super) const SCAN_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
 /// The scan's backward: five tiles and six vectors a head.
 pub(super) const SCAN_BWD_SMEM: u32 = 5 * TILE + MAMBA_HB as u32 * 6 * 64 * 4;
-/// The chunk states' backward for state size `s`: three tiles, two vectors a head and, where
-/// `summed` (more than one head a block), dB summed over the block's heads (64 rows of s + 8 f32).
+/// The chunk states' backward for state size `s`: six tiles (two buffers of three), two vectors
+/// a head and, where `summed` (more than one head a block), dB summed over the block's heads (64
+/// rows of s + 4 f32).
 pub(super) const fn state_bwd_smem(s: usize, summed: bool) -> u32 {
-    let sum = if summed { 64 * (s as u32 + 8) * 4 } else { 0 };
-    3 * TILE + MAMBA_HB as u32 * 2 * 64 * 4 + sum
+    let sum = if summed { 64 * (s as u32 + 4) * 4 } else { 0 };
+    6 * TILE + MAMBA_HB as u32 * 2 * 64 * 4 + sum
 }
 pub(super) const CB_SMEM: u32 = 2 * TILE;
 
@@ -415,10 +416,10 @@ pub(super) struct MambaKernels {
     /// The chunk scan, its backward and the chunk states' backward (more than 48 KB of shared
     /// memory a block each).
     pub(super) scan: Option<(Kern, Kern, Kern)>,
-    /// Whether the chunk states' backward has the shared memory to sum dB over several heads a
-    /// block for every state size the step takes (`mamba_d_state` ≤ 256); else its blocks take
-    /// one head each.
-    pub(super) head_sum: bool,
+    /// The largest state (`mamba_d_state`, 256 at most) for which the chunk states' backward
+    /// has the shared memory to sum dB over several heads a block (0: none); past it its
+    /// blocks take one head each.
+    pub(super) head_sum_state: usize,
     pub(super) gnorm_fwd: Kern,
     pub(super) gnorm_bwd: Kern,
     pub(super) zero: Kern,
@@ -439,10 +440,13 @@ impl MambaKernels {
         let scan = named("mamba_chunk_scan_bf16", "mamba_scan")?;
         let scan_bwd = named("mamba_chunk_scan_bwd_bf16", "mamba_scan_bwd")?;
         let state_bwd = named("mamba_chunk_state_bwd_bf16", "mamba_chunk_state_bwd")?;
-        let head_sum = allow(&state_bwd, state_bwd_smem(256, true));
+        let head_sum_state = [256, 128, 64]
+            .into_iter()
+            .find(|&s| allow(&state_bwd, state_bwd_smem(s, true)))
+            .unwrap_or(0);
         let fits = allow(&scan, SCAN_SMEM)
             && allow(&scan_bwd, SCAN_BWD_SMEM)
-            && (head_sum || allow(&state_bwd, state_bwd_smem(256, false)));
+            && (head_sum_state > 0 || allow(&state_bwd, state_bwd_smem(0, false)));
         let scan = fits.then_some((scan, scan_bwd, state_bwd));
         Ok(Self {
             conv4_fwd: named("mamba_conv4_fwd_bf16", "mamba_conv")?,
@@ -453,7 +457,7 @@ impl MambaKernels {
             chunk_state: named("mamba_chunk_state_bf16", "mamba_chunk_state")?,
             state_pass: named("mamba_state_pass_bf16", "mamba_state_pass")?,
             scan,
-            head_sum,
+            head_sum_state,
             gnorm_fwd: named("mamba_gnorm_fwd_bf16", "mamba_gated_norm")?,
             gnorm_bwd: named("mamba_gnorm_bwd_bf16", "mamba_gated_norm_bwd")?,
             zero: named("mamba_zero_cols_f32", "mamba_zero")?,

@@ -377,6 +377,49 @@ __device__ __forceinline__ void mb_load_state(mb_t* tile, const T* st, int p0, i
     mb_load(tile, st, (size_t)s, p0, p, c0, cols, nullptr);
 }
 
+// 16 bytes from global to shared memory: asynchronously on tensor-core builds (cp.async, zeros
+// where !pred; done at the mb_cp_wait that follows the mb_cp_commit of its group), else a plain
+// load and store (done on return).
+__device__ __forceinline__ void mb_cp16(mb_t* dst, const mb_t* src, bool pred) {
+#if MB_TC
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+                 "r"(pred ? 16 : 0)
+                 : "memory");
+#else
+    *reinterpret_cast<uint4*>(dst) =
+        pred ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+__device__ __forceinline__ void mb_cp_commit() {
+#if MB_TC
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Wait until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void mb_cp_wait() {
+#if MB_TC
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// mb_load of a 16-bit source without a scale, as 16-byte mb_cp16 copies where whole chunks of 8
+// fit (the shapes the step takes: heads and states of multiples of 8); else mb_load's
+// synchronous path.
+__device__ __forceinline__ void mb_load_async(mb_t* tile, const mb_t* src, size_t ld, int t0,
+                                              int t_end, int c0, int cols) {
+    if (cols % 8 == 0 && ld % 8 == 0 && c0 % 8 == 0 &&
+        reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+        for (int e = threadIdx.x; e < 64 * 8; e += blockDim.x) {
+            const int i = e >> 3, j = (e & 7) * 8;
+            const bool in = t0 + i < t_end && j < cols;
+            mb_cp16(tile + i * MB_LDH + j, in ? src + (size_t)(t0 + i) * ld + c0 + j : src, in);
+        }
+        return;
+    }
+    mb_load(tile, src, ld, t0, t_end, c0, cols, nullptr);
+}
+
 // The chunk kernels' dynamic shared memory: n tiles, then f32 vectors.
 __device__ __forceinline__ mb_t* mb_tile(unsigned char* smem, int i) {
     return reinterpret_cast<mb_t*>(smem + i * MB_TILE_BYTES);
@@ -1145,22 +1188,22 @@ extern "C" __global__ void __launch_bounds__(256)
 // gradient R = down[c] (mamba_state_pass_bwd's, 16-bit), for the hb heads of the block in turn:
 // with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s], dx_j += w_j·v_j,
 // dB_j[s] += w_j·Σ_p x_j[p]·R[p][s], and through w_j: ddt_j, dlam_j and dlam_last. Where hb > 1,
-// dB is summed over the block's heads in shared memory (f32, rows of s + 8) and added into dxc
+// dB is summed over the block's heads in shared memory (f32, rows of s + 4) and added into dxc
 // once; with hb = 1 (a GPU without the shared memory for that sum) each tile is added as it
-// comes.
-extern "C" __global__ void __launch_bounds__(256, 3)
+// comes. The block walks (head, 64 columns of the head, 64 of the state) with the next step's
+// tiles copied (cp.async) into the other of two buffers while it multiplies this step's; B's
+// tiles are copied once where the state has at most two.
+extern "C" __global__ void __launch_bounds__(256, 2)
     mamba_chunk_state_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                                const float* __restrict__ lam, const mb_t* __restrict__ down,
                                float* __restrict__ dxc, float* __restrict__ ddt,
                                float* __restrict__ dlam, int t, int heads, int p, int s,
                                int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_t* t1 = mb_tile(mb_raw, 0);       // x [j][p]
-    mb_t* t2 = mb_tile(mb_raw, 1);       // B [j][s]
-    mb_t* t3 = mb_tile(mb_raw, 2);       // R [p][s]
-    float* vec = mb_vecs(mb_raw, 3);     // per head: w_j, Σ_p x_j[p]·v_j[p] [2][MB_L]
-    float* dbs = vec + hb * 2 * MB_L;    // Σ_h dB_h [j][s], rows of s + 8 (hb > 1)
-    const int lds = s + 8;
+    // tiles 0, 1: x [j][p]; 2, 3: B [j][s]; 4, 5: R [p][s]
+    float* vec = mb_vecs(mb_raw, 6);   // per head: w_j, Σ_p x_j[p]·v_j[p] [2][MB_L]
+    float* dbs = vec + hb * 2 * MB_L;  // Σ_h dB_h [j][s], rows of s + 4 (hb > 1)
+    const int lds = s + 4;
     const int h0 = blockIdx.y * hb;
     const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
     const int conv = heads * p + 2 * groups * s;
@@ -1175,42 +1218,64 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     }
     if (hb > 1)
         for (int e = threadIdx.x; e < MB_L * lds; e += blockDim.x) dbs[e] = 0.f;
-    for (int hh = 0; hh < hb; ++hh) {
+    // Step `it`: head it / (np·ns), the head's columns p0 = 64·((it / ns) % np), the state's
+    // s0 = 64·(it % ns); x's tile changes with it / ns, the other two with it.
+    const int np = (p + 63) / 64, ns = (s + 63) / 64, steps = hb * np * ns;
+    const bool keep_b = ns <= 2;
+    auto copy = [&](int it) {
+        const int hh = it / (np * ns), p0 = 64 * ((it / ns) % np), si = it % ns, s0 = 64 * si;
+        const int xcol = (h0 + hh) * p;
+        if (si == 0)
+            mb_load_async(mb_tile(mb_raw, (it / ns) & 1), xc, conv, r0, r1, xcol + p0,
+                          min(64, p - p0));
+        if (!keep_b || it < ns)
+            mb_load_async(mb_tile(mb_raw, 2 + (keep_b ? si : it & 1)), xc, conv, r0, r1,
+                          bcol + s0, min(64, s - s0));
+        mb_load_async(mb_tile(mb_raw, 4 + (it & 1)),
+                      down + mb_chunk_of(t, heads, groups, p, s, h0 + hh).st, s, p0, p, s0,
+                      min(64, s - s0));
+        mb_cp_commit();
+    };
+    copy(0);
+    float v[4][4];
+    mb_zero(v);
+    for (int it = 0; it < steps; ++it) {
+        if (it + 1 < steps) {
+            copy(it + 1);
+            mb_cp_wait<1>();
+        } else {
+            mb_cp_wait<0>();
+        }
+        __syncthreads();
+        const int hh = it / (np * ns), p0 = 64 * ((it / ns) % np), si = it % ns, s0 = 64 * si;
+        const int pc = min(64, p - p0), sc = min(64, s - s0);
         const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+        const int xcol = k.h * p;
         const float* w = vec + hh * 2 * MB_L;
         float* dw = vec + hh * 2 * MB_L + MB_L;
-        const int xcol = k.h * p;
-        for (int p0 = 0; p0 < p; p0 += 64) {
-            const int pc = min(64, p - p0);
-            __syncthreads();
-            mb_load(t1, xc, conv, r0, r1, xcol + p0, pc, nullptr);
-            float v[4][4];
-            mb_zero(v);
-            for (int s0 = 0; s0 < s; s0 += 64) {
-                const int sc = min(64, s - s0);
-                __syncthreads();
-                mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
-                mb_load_state(t3, down + k.st, p0, p, s, s0, sc);
-                __syncthreads();
-                // A(j, s) = B[j][s], B(s, p) = R[p][s]
-                mb_mm<false, true>(v, t2, t3, 64);
-                float db[4][4];
-                mb_zero(db);
-                // A(j, p) = x[j][p], B(p, s) = R[p][s]; dB_j += w_j·(…)
-                mb_mm<false, false>(db, t1, t3, 64);
-                if (hb == 1) {
-                    mb_red_tile(dxc + k.row0 * conv + bcol + s0, conv, db, rows, sc, w);
-                    continue;
+        const mb_t* t1 = mb_tile(mb_raw, (it / ns) & 1);
+        const mb_t* t2 = mb_tile(mb_raw, 2 + (keep_b ? si : it & 1));
+        const mb_t* t3 = mb_tile(mb_raw, 4 + (it & 1));
+        // A(j, s) = B[j][s], B(s, p) = R[p][s]
+        mb_mm<false, true>(v, t2, t3, 64);
+        float db[4][4];
+        mb_zero(db);
+        // A(j, p) = x[j][p], B(p, s) = R[p][s]; dB_j += w_j·(…)
+        mb_mm<false, false>(db, t1, t3, 64);
+        if (hb == 1) {
+            mb_red_tile(dxc + k.row0 * conv + bcol + s0, conv, db, rows, sc, w);
+        } else {
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = mb_row(a, c), ss = mb_col(a, c);
+                    if (ss < sc) dbs[j * lds + s0 + ss] += w[j] * db[a][c];
                 }
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const int j = mb_row(a, c), ss = mb_col(a, c);
-                        if (ss < sc) dbs[j * lds + s0 + ss] += w[j] * db[a][c];
-                    }
-            }
-            // (dxc's 16 values a thread are all loaded before any is stored back.)
+        }
+        if (si == ns - 1) {
+            // v is whole: dx_j += w_j·v_j (dxc's 16 values a thread all loaded before any is
+            // stored back) and Σ_p x_j[p]·v_j[p].
             float xv[4][4], old[4][4];
 #pragma unroll
             for (int a = 0; a < 4; ++a)
@@ -1230,9 +1295,10 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                         dxc[(k.row0 + j) * conv + xcol + p0 + pp] = old[a][c] + w[j] * v[a][c];
                 }
             mb_row_sums(xv, dw);
+            mb_zero(v);
         }
+        __syncthreads();  // (this step's buffers are the next step's copy's)
     }
-    __syncthreads();
     // dB of the block's heads into dxc's B columns: 16-byte reductions where aligned.
     if (hb > 1) {
         float* dst = dxc + k0.row0 * conv + bcol;

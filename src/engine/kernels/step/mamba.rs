@@ -287,7 +287,7 @@ impl ModelStep {
         // The backward's chunk kernels take `hb` heads of a group a block (the chunk states'
         // one where the GPU lacks the shared memory to sum dB over several).
         let hb = heads_a_block(d);
-        let hb_state = if k.head_sum { hb } else { 1 };
+        let hb_state = if d.state <= k.head_sum_state { hb } else { 1 };
         let mut args = vec![
             Arg::P(m.xc),
             Arg::P(y.cb),
