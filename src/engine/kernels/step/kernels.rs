@@ -384,8 +384,8 @@ impl ModelStep {
 }
 
 /// Shared memory (bytes) of the chunk kernels: 64 × 72 tiles of 16-bit values (mamba.cuh's
-/// MB_LDH), f32 tiles and per-position f32 vectors (the backward's for each of up to
-/// `MAMBA_HB` heads a block: mamba.cuh's MB_HB).
+/// MB_LDH) and per-position f32 vectors (the backward's for each of up to `MAMBA_HB` heads a
+/// block: mamba.cuh's MB_HB).
 pub(super) const TILE: u32 = 64 * 72 * 2;
 pub(super) const MAMBA_HB: usize = 8;
 pub(super) const STATE_SMEM: u32 = 2 * TILE + 64 * 4;
@@ -402,8 +402,8 @@ pub(super) const fn state_bwd_smem(s: usize, summed: bool) -> u32 {
 pub(super) const CB_SMEM: u32 = 2 * TILE;
 
 /// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 28 KB of shared memory
-/// a block, backward 47 KB) are None on a GPU that cannot give a block that much: `ModelStep::mamba_fwd` then
-/// says so.
+/// a block, backward 57 KB, the chunk states' backward 58 KB with one head a block) are None on a
+/// GPU that cannot give a block that much: `ModelStep::mamba_fwd` then says so.
 pub(super) struct MambaKernels {
     /// The conv and its backward with a window of 4 taps (d_conv ≤ 4) and of 8 (d_conv ≤ 8).
     pub(super) conv4_fwd: Kern,
@@ -413,8 +413,8 @@ pub(super) struct MambaKernels {
     pub(super) chunk_cb: Kern,
     pub(super) chunk_state: Kern,
     pub(super) state_pass: Kern,
-    /// The chunk scan, its backward and the chunk states' backward (more than 48 KB of shared
-    /// memory a block each).
+    /// The chunk scan, its backward and the chunk states' backward (the last two more than 48
+    /// KB of shared memory a block).
     pub(super) scan: Option<(Kern, Kern, Kern)>,
     /// The largest state (`mamba_d_state`, 256 at most) for which the chunk states' backward
     /// has the shared memory to sum dB over several heads a block (0: none); past it its
