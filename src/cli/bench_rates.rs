@@ -98,7 +98,7 @@ impl MambaRate {
         let flash_layers = flash_bwd_launches(kernels);
         let products = [
             ("mamba_scan", f.scan),
-            ("mamba_chunk_state", f.chunk_state),
+            ("mamba_state_walk", f.chunk_state),
             ("mamba_cb", f.cb),
             ("mamba_scan_bwd", f.scan_bwd),
             ("mamba_chunk_state_bwd", f.chunk_state_bwd),
@@ -169,7 +169,7 @@ mod tests {
             k("mamba_conv", 2.0, 72),
             k("mamba_scan", 3.0, 36),
             k("mamba_cb", 1.0, 72),
-            k("mamba_chunk_state", 2.0, 72),
+            k("mamba_state_walk", 2.0, 72),
             k("mamba_scan_bwd", 9.0, 36),
             k("mamba_chunk_state_bwd", 3.0, 36),
             k("flash_fwd", 1.0, 8),

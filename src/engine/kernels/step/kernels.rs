@@ -411,8 +411,8 @@ pub(super) struct MambaKernels {
     pub(super) conv_fwd: Kern,
     pub(super) dt_fwd: Kern,
     pub(super) chunk_cb: Kern,
-    pub(super) chunk_state: Kern,
-    pub(super) state_pass: Kern,
+    /// The chunks' start states (their own contributions and the passing, one walk).
+    pub(super) state_walk: Kern,
     /// The chunk scan, its backward and the chunk states' backward (the last two more than 48
     /// KB of shared memory a block).
     pub(super) scan: Option<(Kern, Kern, Kern)>,
@@ -454,8 +454,7 @@ impl MambaKernels {
             conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
             chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
-            chunk_state: named("mamba_chunk_state_bf16", "mamba_chunk_state")?,
-            state_pass: named("mamba_state_pass_bf16", "mamba_state_pass")?,
+            state_walk: named("mamba_state_walk_bf16", "mamba_state_walk")?,
             scan,
             head_sum_state,
             gnorm_fwd: named("mamba_gnorm_fwd_bf16", "mamba_gated_norm")?,

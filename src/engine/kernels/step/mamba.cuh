@@ -9,10 +9,10 @@
 // (conv columns: x heads·P, then B and C groups·S each) and dt (heads); xc [N, conv] the conv's
 // output after SiLU; per (b, h) the f32 vectors dtv (dt after softplus and limits) and lam (its
 // cumulative sum × A within each chunk) over Tp = chunks·MB_L positions ([B, H, Tp]); the
-// chunks' own contributions to their end states [B, H, chunks, P, S] f32, and the states at
-// their starts after the passing, in the same layout in the 16-bit type (mb_t), which is what
-// the chunk products read (their tiles round to it). Head h reads group h / (H / G) of B and C. Positions past T (the
-// last chunk's tail) have dt = 0 and x = B = C = 0: they change nothing.
+// states at the chunks' starts [B, H, chunks, P, S] in the 16-bit type (mb_t), which is what
+// the chunk products read (their tiles round to it; the forward carries them in f32 from chunk
+// to chunk). Head h reads group h / (H / G) of B and C. Positions past T (the last chunk's
+// tail) have dt = 0 and x = B = C = 0: they change nothing.
 //
 // The chunk kernels run one block of 256 threads per (chunk, head, batch row) over 64 × 64
 // tiles of 16-bit values in shared memory (rows of MB_LDH = 72: ldmatrix reads them without
@@ -488,11 +488,15 @@ __device__ __forceinline__ void mb_conv_fwd(const bf16_t* __restrict__ zx, int l
     const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
     float win[KW];
     mb_conv_prefill<KW>(win, zx, ld, off, ch, r0, t, k);
+    // Row pointers and the position within the sequence step with the walk (no 64-bit
+    // multiply or integer division a row).
+    const bf16_t* src = zx + (size_t)r0 * ld + off + ch;
+    bf16_t* dst = xc + (size_t)r0 * conv + ch;
+    int tt = r0 % t;
 #pragma unroll 8
-    for (int r = r0; r < r_end; ++r) {
-        const float x = to_f(zx[(size_t)r * ld + off + ch]);
-        xc[(size_t)r * conv + ch] =
-            from_f<bf16_t>(silu_f(mb_conv_push<KW>(win, taps, x, r % t == 0)));
+    for (int r = r0; r < r_end; ++r, src += ld, dst += conv) {
+        *dst = from_f<bf16_t>(silu_f(mb_conv_push<KW>(win, taps, to_f(*src), tt == 0)));
+        tt = tt + 1 == t ? 0 : tt + 1;
     }
 }
 extern "C" __global__ void __launch_bounds__(128)
@@ -591,71 +595,136 @@ __device__ __forceinline__ MbChunk mb_chunk(int t, int heads, int groups, int p,
 // summed in the block before they are added into the conv's gradient (hb times fewer atomics).
 #define MB_HB 8
 
-// A chunk's own contribution to the state at its end:
-// states[p][s] = Σ_i exp(lam_last − lam_i)·dtv_i·x_i[p]·B_i[s].
-extern "C" __global__ void __launch_bounds__(256)
-    mamba_chunk_state_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
-                           const float* __restrict__ lam, float* __restrict__ states, int t,
-                           int heads, int p, int s, int groups) {
-    extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_t* xs = mb_tile(mb_raw, 0);  // [i][p]
-    mb_t* bs = mb_tile(mb_raw, 1);  // [i][s]
-    float* w = mb_vecs(mb_raw, 2);  // [i]
-    const MbChunk k = mb_chunk(t, heads, groups, p, s);
-    const int conv = heads * p + 2 * groups * s;
-    const float last = lam[k.pos + MB_L - 1];
-    for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
-        w[i] = __expf(last - lam[k.pos + i]) * dtv[k.pos + i];
-    __syncthreads();
-    const int r0 = (int)k.row0, r1 = r0 + min(t - k.t0, MB_L);
-    for (int p0 = 0; p0 < p; p0 += 64) {
-        mb_load(xs, xc, conv, r0, r1, k.h * p + p0, min(64, p - p0), w);
-        for (int s0 = 0; s0 < s; s0 += 64) {
-            mb_load(bs, xc, conv, r0, r1, heads * p + k.g * s + s0, min(64, s - s0), nullptr);
-            __syncthreads();
-            float acc[4][4];
-            mb_zero(acc);
-            // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
-            mb_mm<true, false>(acc, xs, bs, MB_L);
-            mb_store_tile(states + k.st + (size_t)p0 * s + s0, s, acc, p - p0, s - s0);
-            __syncthreads();
-        }
+// A 64 × 64 tile of a 16-bit source fetched into registers ahead of its store to shared
+// memory (mb_load in two halves), so that the next chunk's loads fly while this chunk's
+// products run: whole rows of 16-byte aligned columns with 256 threads (mb_fetch_ok), this
+// thread's pieces in rows mb_fetch_row(q) = (threadIdx.x + 256q) / 8; rows at or past t_end are
+// zeros.
+struct MbFetch {
+    uint4 u[2];
+};
+__device__ __forceinline__ bool mb_fetch_ok(const mb_t* src, size_t ld, int c0, int cols) {
+    return blockDim.x == 256 && cols == 64 && ld % 8 == 0 && c0 % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(src) % 16 == 0;
+}
+__device__ __forceinline__ int mb_fetch_row(int q) { return (threadIdx.x >> 3) + 32 * q; }
+__device__ __forceinline__ void mb_fetch(MbFetch& f, const mb_t* src, size_t ld, int t0,
+                                         int t_end, int c0) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const int i = mb_fetch_row(q), j = (threadIdx.x & 7) * 8;
+        f.u[q] = t0 + i < t_end
+                     ? *reinterpret_cast<const uint4*>(src + (size_t)(t0 + i) * ld + c0 + j)
+                     : make_uint4(0u, 0u, 0u, 0u);
     }
 }
+// The fetched tile into shared memory, row mb_fetch_row(q) times sc[q] where `scaled`.
+__device__ __forceinline__ void mb_fetch_store(mb_t* tile, const MbFetch& f, const float sc[2],
+                                               bool scaled) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+        mb_store16<mb_t>(tile, mb_fetch_row(q), (threadIdx.x & 7) * 8, f.u[q], sc[q], scaled);
+}
 
-// The states passed between chunks: own[c] (chunk c's own contribution to its end state, f32)
-// gives the state at chunk c's start, S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c + own_c, carried
-// in f32 and stored in the 16-bit type (states, the layout of own). A thread per
-// (b, h, state element). The chain over chunks is sequential in each thread, so its loads go
-// MB_SP chunks at a time ahead of the stores (a load after a store to the same array would wait
-// for it): the pass runs at memory bandwidth instead of at one memory latency per chunk.
-#define MB_SP 8
-extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_pass_bf16(const float* __restrict__ own_st, const float* __restrict__ lam,
-                          mb_t* __restrict__ states, int chunks, int ps) {
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= ps) return;
-    const size_t bh = blockIdx.y;
-    const float* ow = own_st + bh * chunks * ps + e;
-    mb_t* st = states + bh * chunks * ps + e;
-    const float* last = lam + bh * chunks * MB_L + MB_L - 1;
-    float run = 0.f;
-    for (int c0 = 0; c0 < chunks; c0 += MB_SP) {
-        float own[MB_SP], dec[MB_SP];
+// A tile's f32 values rounded to the 16-bit type at dst[mb_row·ld + mb_col] for rows < rows and
+// columns < cols (on tensor cores in 4-byte pairs of adjacent columns where the addresses
+// allow).
+__device__ __forceinline__ void mb_store_tile16(mb_t* dst, size_t ld, const float v[4][4],
+                                                int rows, int cols) {
+#if MB_TC
+    if (ld % 2 == 0 && cols % 2 == 0 && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
 #pragma unroll
-        for (int j = 0; j < MB_SP; ++j) {
-            const int c = c0 + j;
-            own[j] = c < chunks ? ow[(size_t)c * ps] : 0.f;
-            dec[j] = c < chunks ? last[c * MB_L] : 0.f;
-        }
+        for (int a = 0; a < 4; ++a)
 #pragma unroll
-        for (int j = 0; j < MB_SP; ++j) {
-            const int c = c0 + j;
-            if (c < chunks) {
-                st[(size_t)c * ps] = from_f<mb_t>(run);
-                run = run * __expf(dec[j]) + own[j];
+            for (int c = 0; c < 4; c += 2) {
+                const int i = mb_row(a, c), j = mb_col(a, c);
+                if (i < rows && j < cols)
+                    *reinterpret_cast<uint32_t*>(dst + (size_t)i * ld + j) =
+                        mb_pack2(v[a][c], v[a][c + 1]);
             }
+        return;
+    }
+#endif
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = mb_row(a, c), j = mb_col(a, c);
+            if (i < rows && j < cols) dst[(size_t)i * ld + j] = from_f<mb_t>(v[a][c]);
         }
+}
+
+// The chunks' start states in one walk over the chunks: S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c
+// + Σ_i exp(lam_last(c) − lam_i)·dtv_i·x_i[p]·B_i[s] (chunk c's own contribution), stored in
+// the 16-bit type ([B, H, chunks, P, S]). A block per (64 head columns, 64 state columns, batch
+// row · head) carries its tile of the state in f32 accumulators from chunk to chunk, so the
+// state never goes through global memory in f32; the next chunk's x and B tiles (and its dt
+// values) are loaded into registers while this chunk's product runs. Shapes whose tiles are not
+// whole 16-byte rows load each chunk's tiles when it comes (mb_load).
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_state_walk_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
+                          const float* __restrict__ lam, mb_t* __restrict__ states, int t,
+                          int heads, int p, int s, int groups, int chunks) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_t* xs = mb_tile(mb_raw, 0);  // [i][p]: x_i·exp(lam_last − lam_i)·dtv_i
+    mb_t* bs = mb_tile(mb_raw, 1);  // [i][s]
+    float* w = mb_vecs(mb_raw, 2);  // [i]: the row scales (where the tiles load synchronously)
+    const int p0 = blockIdx.x * 64, s0 = blockIdx.y * 64, bh = blockIdx.z;
+    const int b = bh / heads, h = bh % heads, g = h / (heads / groups);
+    const int conv = heads * p + 2 * groups * s;
+    const int xcol = h * p + p0, bcol = heads * p + g * s + s0;
+    const int pc = min(64, p - p0), sc = min(64, s - s0);
+    const float* lm = lam + (size_t)bh * chunks * MB_L;
+    const float* dv = dtv + (size_t)bh * chunks * MB_L;
+    mb_t* st = states + (size_t)bh * chunks * p * s + (size_t)p0 * s + s0;
+    const bool fast = mb_fetch_ok(xc, conv, xcol, pc) && mb_fetch_ok(xc, conv, bcol, sc);
+    // chunk c's tiles and scalars: lam at its end and, for this thread's fetched rows, lam
+    // and dtv
+    MbFetch fx, fb;
+    float last = 0.f, lr[2] = {0.f, 0.f}, dr[2] = {0.f, 0.f};
+    auto fetch = [&](int c) {
+        const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+        last = lm[c * MB_L + MB_L - 1];
+        if (!fast) return;
+        mb_fetch(fx, xc, conv, r0, r1, xcol);
+        mb_fetch(fb, xc, conv, r0, r1, bcol);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            lr[q] = lm[c * MB_L + mb_fetch_row(q)];
+            dr[q] = dv[c * MB_L + mb_fetch_row(q)];
+        }
+    };
+    float acc[4][4];
+    mb_zero(acc);
+    fetch(0);
+    for (int c = 0;; ++c) {
+        // chunk c's start state out
+        mb_store_tile16(st + (size_t)c * p * s, s, acc, pc, sc);
+        if (c + 1 == chunks) break;
+        // chunk c's tiles into shared memory (the previous chunk's product is done: the
+        // barrier at the loop's end)
+        const float decay = __expf(last);
+        if (fast) {
+            const float scale[2] = {__expf(last - lr[0]) * dr[0], __expf(last - lr[1]) * dr[1]};
+            mb_fetch_store(xs, fx, scale, true);
+            mb_fetch_store(bs, fb, scale, false);
+        } else {
+            const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+            for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
+                w[i] = __expf(last - lm[c * MB_L + i]) * dv[c * MB_L + i];
+            __syncthreads();
+            mb_load(xs, xc, conv, r0, r1, xcol, pc, w);
+            mb_load(bs, xc, conv, r0, r1, bcol, sc, nullptr);
+        }
+        fetch(c + 1);
+        __syncthreads();
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[a][q] *= decay;
+        // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
+        mb_mm<true, false>(acc, xs, bs, MB_L);
+        __syncthreads();
     }
 }
 
@@ -1136,8 +1205,11 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // start from chunk c's outputs), the gradient of chunk c's own contribution (that of the state
 // at its end) into down[c], in the 16-bit type its only reader's tiles round to
 // (mamba_chunk_state_bwd); the decay's share goes to dlam at the chunk's last position. A block
-// of 256 state elements per (block, b·h); as in the forward, MB_SP chunks' loads go ahead of
-// their stores, and the block sums the decay's shares of those chunks in one reduction.
+// of 256 state elements per (block, b·h). The chain over chunks is sequential in each thread,
+// so its loads go MB_SP chunks at a time ahead of the stores (a load after a store to the same
+// array would wait for it): the pass runs at memory bandwidth instead of at one memory latency
+// per chunk. The block sums the decay's shares of those chunks in one reduction.
+#define MB_SP 8
 extern "C" __global__ void __launch_bounds__(256)
     mamba_state_pass_bwd_bf16(const float* __restrict__ dstates, const mb_t* __restrict__ states,
                               const float* __restrict__ lam, float* __restrict__ dlam,
@@ -1184,7 +1256,7 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// The backward of a chunk's own contribution to its end state (mamba_chunk_state) from its
+// The backward of a chunk's own contribution to its end state (mamba_state_walk) from its
 // gradient R = down[c] (mamba_state_pass_bwd's, 16-bit), for the hb heads of the block in turn:
 // with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s], dx_j += w_j·v_j,
 // dB_j[s] += w_j·Σ_p x_j[p]·R[p][s], and through w_j: ddt_j, dlam_j and dlam_last. Where hb > 1,
@@ -1411,14 +1483,20 @@ __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int l
     for (int j = 0; j < KW; ++j) dwin[j] = dwk[j] = 0.f;
     float dbs = 0.f;
     mb_conv_prefill<KW>(win, zx, ld, off, ch, r0, t, k);
+    // Row pointers and positions within the sequence (of row q and of row r = q − KW + 1) step
+    // with the walk: no 64-bit multiply or integer division a row.
+    const bf16_t* src = zx + (size_t)r0 * ld + off + ch;
+    const float* dsrc = dxc + (size_t)r0 * conv + ch;
+    bf16_t* dst = dzx + (size_t)r0 * ld + off + ch;
+    int tq = r0 % t, tr = ((r0 - (KW - 1)) % t + t) % t;
 #pragma unroll 4
-    for (int q = r0; q < r_end + KW - 1; ++q) {
+    for (int q = r0; q < r_end + KW - 1; ++q, src += ld, dsrc += conv) {
         float d = 0.f;
         if (q < q_end) {
-            const float x = to_f(zx[(size_t)q * ld + off + ch]);
-            const float pre = mb_conv_push<KW>(win, taps, x, q % t == 0);
-            d = dxc[(size_t)q * conv + ch] * dsilu_f(pre);
+            const float pre = mb_conv_push<KW>(win, taps, to_f(*src), tq == 0);
+            d = *dsrc * dsilu_f(pre);
         }
+        tq = tq + 1 == t ? 0 : tq + 1;
 #pragma unroll
         for (int j = 0; j < KW - 1; ++j) dwin[j] = dwin[j + 1];
         dwin[KW - 1] = d;
@@ -1427,17 +1505,18 @@ __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int l
 #pragma unroll
             for (int j = 0; j < KW; ++j) dwk[j] += d * win[j];
         }
-        const int r = q - (KW - 1);
-        if (r >= r0) {
-            // input r feeds output r + KW − 1 − j (dwin[KW − 1 − j]) through tap j, within its
-            // sequence
-            const int left = t - 1 - r % t;
+        if (q - (KW - 1) >= r0) {
+            // input r = q − KW + 1 feeds output r + KW − 1 − j (dwin[KW − 1 − j]) through tap
+            // j, within its sequence
+            const int left = t - 1 - tr;
             float dx = 0.f;
 #pragma unroll
             for (int j = 0; j < KW; ++j)
                 if (KW - 1 - j <= left) dx += taps.w[j] * dwin[KW - 1 - j];
-            dzx[(size_t)r * ld + off + ch] = from_f<bf16_t>(dx);
+            *dst = from_f<bf16_t>(dx);
+            dst += ld;
         }
+        tr = tr + 1 == t ? 0 : tr + 1;
     }
     if (dw)
         for (int j = KW - k; j < KW; ++j) atomicAdd(&dw[ch * k + j - (KW - k)], dwk[j]);

@@ -161,8 +161,8 @@ impl ModelStep {
         self.launch(k.conv(d.conv_k).0, conv_cfg(y.n, conv), &conv_args)
     }
 
-    /// dt (→ dtv, lam), each chunk's C·Bᵀ and each chunk's start state (→ states), into the
-    /// layer's slot.
+    /// dt (→ dtv, lam), each chunk's C·Bᵀ and each chunk's start state (→ states, one walk
+    /// over the chunks), into the layer's slot.
     fn mamba_chunks(&self, y: &Layer) -> Result<()> {
         let (d, m, k) = (&y.d, y.m, &self.k.mamba);
         let (head, tail) = self.dt_args(y)?;
@@ -179,22 +179,11 @@ impl ModelStep {
             cfg((y.chunks, d.groups, y.b), 256, CB_SMEM),
             &args,
         )?;
-        let grid = (y.chunks, d.heads, y.b);
-        let mut args = vec![Arg::P(m.xc), Arg::P(y.dtv), Arg::P(y.lam), Arg::P(m.own())];
+        let mut args = vec![Arg::P(m.xc), Arg::P(y.dtv), Arg::P(y.lam), Arg::P(y.states)];
         args.extend(self.chunk_args(d)?);
-        self.launch(&k.chunk_state, cfg(grid, 256, STATE_SMEM), &args)?;
-        let ps = d.head_dim * d.state;
-        self.launch(
-            &k.state_pass,
-            cfg((ps.div_ceil(256), y.b * d.heads, 1), 256, 0),
-            &[
-                Arg::P(m.own()),
-                Arg::P(y.lam),
-                Arg::P(y.states),
-                Arg::I(i32_of(y.chunks, "chunks")?),
-                Arg::I(i32_of(ps, "state size")?),
-            ],
-        )
+        args.push(Arg::I(i32_of(y.chunks, "chunks")?));
+        let grid = (d.head_dim.div_ceil(64), d.state.div_ceil(64), y.b * d.heads);
+        self.launch(&k.state_walk, cfg(grid, 256, STATE_SMEM), &args)
     }
 
     /// Layer `l`'s Mamba mixer forward: `qkv[l]` (in_proj's output `[N, in_w]`, bias

@@ -106,21 +106,11 @@ pub(super) struct MambaActs {
     pub(super) dlam: u64,
     pub(super) dxc: u64,
     pub(super) dy: u64,
-    /// The backward's gradient of each chunk's start state, then of its own contribution to
-    /// its end state (f32, the layout of `states`). The forward's chunk states (each chunk's
-    /// own contribution to its end state, f32) are made in the same memory before the state
-    /// passing turns them into `states`: forward and backward never hold both.
+    /// The backward's gradient of each chunk's start state (f32, the layout of `states`).
     pub(super) dstates: u64,
     /// The backward's gradient of each chunk's own contribution to its end state, 16-bit (the
     /// layout of `states`): the state passing's backward makes it from `dstates`.
     pub(super) down: u64,
-}
-
-impl MambaActs {
-    /// The forward's f32 chunk states before their passing (see `dstates`).
-    pub(super) fn own(&self) -> u64 {
-        self.dstates
-    }
 }
 
 /// The device memory behind [`MambaActs`] (kept by the arena).
