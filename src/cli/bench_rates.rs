@@ -102,6 +102,7 @@ impl MambaRate {
             ("mamba_cb", f.cb),
             ("mamba_scan_bwd", f.scan_bwd),
             ("mamba_chunk_state_bwd", f.chunk_state_bwd),
+            ("mamba_state_walk_bwd", f.walk_bwd),
         ];
         let (mut chunk_ms, mut flops) = (0.0, 0.0);
         for k in kernels {
@@ -172,6 +173,7 @@ mod tests {
             k("mamba_state_walk", 2.0, 72),
             k("mamba_scan_bwd", 9.0, 36),
             k("mamba_chunk_state_bwd", 3.0, 36),
+            k("mamba_state_walk_bwd", 1.0, 36),
             k("flash_fwd", 1.0, 8),
             k("flash_bwd", 2.0, 4),
             k("flash_bwd_preprocess", 0.2, 4),
@@ -182,13 +184,14 @@ mod tests {
             cb: 1e8,
             scan_bwd: 3e9,
             chunk_state_bwd: 4e8,
+            walk_bwd: 2e8,
         };
         let m = MambaRate::of(&kernels, &f).expect("Mamba kernels ran");
-        assert_eq!(m.layer_ms, 20.0 / 36.0);
+        assert_eq!(m.layer_ms, 21.0 / 36.0);
         assert_eq!(m.attention_layer_ms, Some(3.2 / 4.0));
-        assert_eq!(m.chunk_ms, 18.0);
-        let flops = 36.0 * 1e9 + 72.0 * 2e8 + 72.0 * 1e8 + 36.0 * 3e9 + 36.0 * 4e8;
-        assert!((m.chunk_tflops.unwrap_or(0.0) - flops / 18e-3 / 1e12).abs() < 1e-9);
+        assert_eq!(m.chunk_ms, 19.0);
+        let flops = 36.0 * 1e9 + 72.0 * 2e8 + 72.0 * 1e8 + 36.0 * 3e9 + 36.0 * 4e8 + 36.0 * 2e8;
+        assert!((m.chunk_tflops.unwrap_or(0.0) - flops / 19e-3 / 1e12).abs() < 1e-9);
         assert!(MambaRate::of(&kernels[..1], &f).is_none());
     }
 }

@@ -17,8 +17,12 @@ pub struct MambaFlops {
     /// C·Bᵀ (L²·S), per group.
     pub cb: f64,
     /// The scan's backward: dM and dx (2·L²·P), dC and dB through dM (2·L²·S), dC through
-    /// the state and the start state's gradient (2·L·P·S), per head.
+    /// the state (L·P·S), per head.
     pub scan_bwd: f64,
+    /// The state passing's backward: each chunk's share of its start state's gradient,
+    /// (exp(lam)·dy)ᵀ·C (L·P·S), per head.
+    #[serde(default)]
+    pub walk_bwd: f64,
     /// The chunk state's backward: dB and dx (2·L·P·S), per head.
     pub chunk_state_bwd: f64,
 }
@@ -31,6 +35,7 @@ impl MambaFlops {
             chunk_state: self.chunk_state * k,
             cb: self.cb * k,
             scan_bwd: self.scan_bwd * k,
+            walk_bwd: self.walk_bwd * k,
             chunk_state_bwd: self.chunk_state_bwd * k,
         }
     }
@@ -52,7 +57,8 @@ impl ModelSpec {
             scan: heads * 2.0 * (l * l * p + l * s * p),
             chunk_state: heads * 2.0 * l * p * s,
             cb: groups * 2.0 * l * l * s,
-            scan_bwd: heads * 2.0 * (2.0 * l * l * p + 2.0 * l * l * s + 2.0 * l * p * s),
+            scan_bwd: heads * 2.0 * (2.0 * l * l * p + 2.0 * l * l * s + l * p * s),
+            walk_bwd: heads * 2.0 * l * p * s,
             chunk_state_bwd: heads * 2.0 * 2.0 * l * p * s,
         })
     }

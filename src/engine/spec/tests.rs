@@ -602,8 +602,9 @@ fn mamba_flops_count_each_chunk_product() {
     assert_eq!(f.cb, groups * 2.0 * 64.0 * 64.0 * 16.0);
     assert_eq!(
         f.scan_bwd,
-        heads * 4.0 * (64.0 * 64.0 * 48.0 + 64.0 * 32.0 * 16.0)
+        heads * 2.0 * (2.0 * 64.0 * 64.0 * 48.0 + 64.0 * 32.0 * 16.0)
     );
+    assert_eq!(f.walk_bwd, f.chunk_state);
     assert_eq!(f.chunk_state_bwd, 2.0 * f.chunk_state);
     assert_eq!(f.times(2.0).scan, 2.0 * f.scan);
     assert!(spec(llama).mamba_flops(130, 64).is_none());

@@ -388,10 +388,20 @@ impl ModelStep {
 /// block: mamba.cuh's MB_HB).
 pub(super) const TILE: u32 = 64 * 72 * 2;
 pub(super) const MAMBA_HB: usize = 8;
-pub(super) const STATE_SMEM: u32 = 2 * TILE + 64 * 4;
-pub(super) const SCAN_SMEM: u32 = 3 * TILE + 2 * 64 * 4;
-/// The scan's backward: five tiles and six vectors a head.
-pub(super) const SCAN_BWD_SMEM: u32 = 5 * TILE + MAMBA_HB as u32 * 6 * 64 * 4;
+/// The state walk: a ring of three stages of two tiles (x, B) and two vectors (lam, dtv).
+pub(super) const WALK_SMEM: u32 = 3 * (2 * TILE + 2 * 64 * 4);
+/// Its backward: two stages of three tiles (exp(lam)·dy, C, S), and a vector.
+pub(super) const WALK_BWD_SMEM: u32 = 2 * 3 * TILE + 64 * 4;
+/// The chunk scan for state size `s` and `hb` heads a block: M and x, the step's S and the
+/// chunk's C (64 state columns a tile each), and two vectors a head.
+pub(super) const fn scan_smem(s: usize, hb: usize) -> u32 {
+    (2 + 2 * s.div_ceil(64) as u32) * TILE + hb as u32 * 2 * 64 * 4
+}
+/// The scan's backward for `hb` heads a block: six tiles (C·Bᵀ's M, C, two buffers each of dy
+/// and of x or S) and six vectors a head.
+pub(super) const fn scan_bwd_smem(hb: usize) -> u32 {
+    6 * TILE + hb as u32 * 6 * 64 * 4
+}
 /// The chunk states' backward for state size `s`: six tiles (two buffers of three), two vectors
 /// a head and, where `summed` (more than one head a block), dB summed over the block's heads (64
 /// rows of s + 4 f32).
@@ -401,9 +411,10 @@ pub(super) const fn state_bwd_smem(s: usize, summed: bool) -> u32 {
 }
 pub(super) const CB_SMEM: u32 = 2 * TILE;
 
-/// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 28 KB of shared memory
-/// a block, backward 57 KB, the chunk states' backward 58 KB with one head a block) are None on a
-/// GPU that cannot give a block that much: `ModelStep::mamba_fwd` then says so.
+/// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 55 KB of shared memory
+/// a block at state 128, backward 56 KB with one head a block, the chunk states' backward 58 KB
+/// with one; the state walks' 56 and 55 KB) are None on a GPU that cannot give a block that
+/// much: `ModelStep::mamba_fwd` then says so.
 pub(super) struct MambaKernels {
     /// The conv and its backward with a window of 4 taps (d_conv ≤ 4) and of 8 (d_conv ≤ 8).
     pub(super) conv4_fwd: Kern,
@@ -416,6 +427,12 @@ pub(super) struct MambaKernels {
     /// The chunk scan, its backward and the chunk states' backward (the last two more than 48
     /// KB of shared memory a block).
     pub(super) scan: Option<(Kern, Kern, Kern)>,
+    /// The largest state (`mamba_d_state`) the chunk scan's shared memory allows (256, 128 or
+    /// 64: 128 on Turing's 64 KB).
+    pub(super) scan_state: usize,
+    /// The most heads a block of the scan's backward the GPU's shared memory allows (8, 4, 2
+    /// or 1: 4 on Turing's 64 KB).
+    pub(super) scan_bwd_hb: usize,
     /// The largest state (`mamba_d_state`, 256 at most) for which the chunk states' backward
     /// has the shared memory to sum dB over several heads a block (0: none); past it its
     /// blocks take one head each.
@@ -423,7 +440,8 @@ pub(super) struct MambaKernels {
     pub(super) gnorm_fwd: Kern,
     pub(super) gnorm_bwd: Kern,
     pub(super) zero: Kern,
-    pub(super) state_pass_bwd: Kern,
+    /// The state passing's backward (one walk over the chunks from the last).
+    pub(super) state_walk_bwd: Kern,
     pub(super) dt_bwd: Kern,
     pub(super) conv_bwd: Kern,
 }
@@ -444,8 +462,20 @@ impl MambaKernels {
             .into_iter()
             .find(|&s| allow(&state_bwd, state_bwd_smem(s, true)))
             .unwrap_or(0);
-        let fits = allow(&scan, SCAN_SMEM)
-            && allow(&scan_bwd, SCAN_BWD_SMEM)
+        let state_walk = named("mamba_state_walk_bf16", "mamba_state_walk")?;
+        let scan_bwd_hb = [MAMBA_HB, 4, 2, 1]
+            .into_iter()
+            .find(|&hb| allow(&scan_bwd, scan_bwd_smem(hb)))
+            .unwrap_or(0);
+        let scan_state = [256, 128, 64]
+            .into_iter()
+            .find(|&s| allow(&scan, scan_smem(s, MAMBA_HB)))
+            .unwrap_or(0);
+        let state_walk_bwd = named("mamba_state_walk_bwd_bf16", "mamba_state_walk_bwd")?;
+        let fits = allow(&state_walk, WALK_SMEM)
+            && allow(&state_walk_bwd, WALK_BWD_SMEM)
+            && scan_state > 0
+            && scan_bwd_hb > 0
             && (head_sum_state > 0 || allow(&state_bwd, state_bwd_smem(0, false)));
         let scan = fits.then_some((scan, scan_bwd, state_bwd));
         Ok(Self {
@@ -454,13 +484,15 @@ impl MambaKernels {
             conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
             chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
-            state_walk: named("mamba_state_walk_bf16", "mamba_state_walk")?,
+            state_walk,
             scan,
+            scan_state,
+            scan_bwd_hb,
             head_sum_state,
             gnorm_fwd: named("mamba_gnorm_fwd_bf16", "mamba_gated_norm")?,
             gnorm_bwd: named("mamba_gnorm_bwd_bf16", "mamba_gated_norm_bwd")?,
             zero: named("mamba_zero_cols_f32", "mamba_zero")?,
-            state_pass_bwd: named("mamba_state_pass_bwd_bf16", "mamba_state_pass_bwd")?,
+            state_walk_bwd,
             dt_bwd: named("mamba_dt_bwd_bf16", "mamba_dt_bwd")?,
             conv_bwd: named("mamba_conv_bwd_bf16", "mamba_conv_bwd")?,
         })

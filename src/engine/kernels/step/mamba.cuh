@@ -380,7 +380,7 @@ __device__ __forceinline__ void mb_load_state(mb_t* tile, const T* st, int p0, i
 // 16 bytes from global to shared memory: asynchronously on tensor-core builds (cp.async, zeros
 // where !pred; done at the mb_cp_wait that follows the mb_cp_commit of its group), else a plain
 // load and store (done on return).
-__device__ __forceinline__ void mb_cp16(mb_t* dst, const mb_t* src, bool pred) {
+__device__ __forceinline__ void mb_cp16(void* dst, const void* src, bool pred) {
 #if MB_TC
     const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
@@ -595,37 +595,6 @@ __device__ __forceinline__ MbChunk mb_chunk(int t, int heads, int groups, int p,
 // summed in the block before they are added into the conv's gradient (hb times fewer atomics).
 #define MB_HB 8
 
-// A 64 × 64 tile of a 16-bit source fetched into registers ahead of its store to shared
-// memory (mb_load in two halves), so that the next chunk's loads fly while this chunk's
-// products run: whole rows of 16-byte aligned columns with 256 threads (mb_fetch_ok), this
-// thread's pieces in rows mb_fetch_row(q) = (threadIdx.x + 256q) / 8; rows at or past t_end are
-// zeros.
-struct MbFetch {
-    uint4 u[2];
-};
-__device__ __forceinline__ bool mb_fetch_ok(const mb_t* src, size_t ld, int c0, int cols) {
-    return blockDim.x == 256 && cols == 64 && ld % 8 == 0 && c0 % 8 == 0 &&
-           reinterpret_cast<uintptr_t>(src) % 16 == 0;
-}
-__device__ __forceinline__ int mb_fetch_row(int q) { return (threadIdx.x >> 3) + 32 * q; }
-__device__ __forceinline__ void mb_fetch(MbFetch& f, const mb_t* src, size_t ld, int t0,
-                                         int t_end, int c0) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-        const int i = mb_fetch_row(q), j = (threadIdx.x & 7) * 8;
-        f.u[q] = t0 + i < t_end
-                     ? *reinterpret_cast<const uint4*>(src + (size_t)(t0 + i) * ld + c0 + j)
-                     : make_uint4(0u, 0u, 0u, 0u);
-    }
-}
-// The fetched tile into shared memory, row mb_fetch_row(q) times sc[q] where `scaled`.
-__device__ __forceinline__ void mb_fetch_store(mb_t* tile, const MbFetch& f, const float sc[2],
-                                               bool scaled) {
-#pragma unroll
-    for (int q = 0; q < 2; ++q)
-        mb_store16<mb_t>(tile, mb_fetch_row(q), (threadIdx.x & 7) * 8, f.u[q], sc[q], scaled);
-}
-
 // A tile's f32 values rounded to the 16-bit type at dst[mb_row·ld + mb_col] for rows < rows and
 // columns < cols (on tensor cores in 4-byte pairs of adjacent columns where the addresses
 // allow).
@@ -658,17 +627,18 @@ __device__ __forceinline__ void mb_store_tile16(mb_t* dst, size_t ld, const floa
 // + Σ_i exp(lam_last(c) − lam_i)·dtv_i·x_i[p]·B_i[s] (chunk c's own contribution), stored in
 // the 16-bit type ([B, H, chunks, P, S]). A block per (64 head columns, 64 state columns, batch
 // row · head) carries its tile of the state in f32 accumulators from chunk to chunk, so the
-// state never goes through global memory in f32; the next chunk's x and B tiles (and its dt
-// values) are loaded into registers while this chunk's product runs. Shapes whose tiles are not
-// whole 16-byte rows load each chunk's tiles when it comes (mb_load).
+// state never goes through global memory in f32. Its x and B tiles and dt values come by
+// cp.async into a ring of MB_WS stages, two chunks ahead of their product; x's rows are scaled
+// in shared memory once they land. Shapes whose tiles are not whole 16-byte rows load each
+// chunk's tiles when it comes (mb_load) into the first stage.
+#define MB_WS 3
 extern "C" __global__ void __launch_bounds__(256)
     mamba_state_walk_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                           const float* __restrict__ lam, mb_t* __restrict__ states, int t,
                           int heads, int p, int s, int groups, int chunks) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_t* xs = mb_tile(mb_raw, 0);  // [i][p]: x_i·exp(lam_last − lam_i)·dtv_i
-    mb_t* bs = mb_tile(mb_raw, 1);  // [i][s]
-    float* w = mb_vecs(mb_raw, 2);  // [i]: the row scales (where the tiles load synchronously)
+    // stage q: x [i][p] (tile 2q), B [i][s] (tile 2q + 1), lam and dtv [i] (vectors 2q, 2q + 1)
+    float* vecs = mb_vecs(mb_raw, 2 * MB_WS);
     const int p0 = blockIdx.x * 64, s0 = blockIdx.y * 64, bh = blockIdx.z;
     const int b = bh / heads, h = bh % heads, g = h / (heads / groups);
     const int conv = heads * p + 2 * groups * s;
@@ -677,55 +647,89 @@ extern "C" __global__ void __launch_bounds__(256)
     const float* lm = lam + (size_t)bh * chunks * MB_L;
     const float* dv = dtv + (size_t)bh * chunks * MB_L;
     mb_t* st = states + (size_t)bh * chunks * p * s + (size_t)p0 * s + s0;
-    const bool fast = mb_fetch_ok(xc, conv, xcol, pc) && mb_fetch_ok(xc, conv, bcol, sc);
-    // chunk c's tiles and scalars: lam at its end and, for this thread's fetched rows, lam
-    // and dtv
-    MbFetch fx, fb;
-    float last = 0.f, lr[2] = {0.f, 0.f}, dr[2] = {0.f, 0.f};
-    auto fetch = [&](int c) {
-        const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
-        last = lm[c * MB_L + MB_L - 1];
-        if (!fast) return;
-        mb_fetch(fx, xc, conv, r0, r1, xcol);
-        mb_fetch(fb, xc, conv, r0, r1, bcol);
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            lr[q] = lm[c * MB_L + mb_fetch_row(q)];
-            dr[q] = dv[c * MB_L + mb_fetch_row(q)];
-        }
-    };
+    const bool fast = pc == 64 && sc == 64 && conv % 8 == 0 && xcol % 8 == 0 &&
+                      bcol % 8 == 0 && reinterpret_cast<uintptr_t>(xc) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(lm) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(dv) % 16 == 0 && blockDim.x == 256;
     float acc[4][4];
     mb_zero(acc);
-    fetch(0);
-    for (int c = 0;; ++c) {
-        // chunk c's start state out
-        mb_store_tile16(st + (size_t)c * p * s, s, acc, pc, sc);
-        if (c + 1 == chunks) break;
-        // chunk c's tiles into shared memory (the previous chunk's product is done: the
-        // barrier at the loop's end)
-        const float decay = __expf(last);
-        if (fast) {
-            const float scale[2] = {__expf(last - lr[0]) * dr[0], __expf(last - lr[1]) * dr[1]};
-            mb_fetch_store(xs, fx, scale, true);
-            mb_fetch_store(bs, fb, scale, false);
-        } else {
+    if (!fast) {
+        mb_t* xs = mb_tile(mb_raw, 0);
+        mb_t* bs = mb_tile(mb_raw, 1);
+        float* w = vecs;
+        for (int c = 0;; ++c) {
+            mb_store_tile16(st + (size_t)c * p * s, s, acc, pc, sc);
+            if (c + 1 == chunks) return;
             const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+            const float last = lm[c * MB_L + MB_L - 1];
             for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
                 w[i] = __expf(last - lm[c * MB_L + i]) * dv[c * MB_L + i];
             __syncthreads();
             mb_load(xs, xc, conv, r0, r1, xcol, pc, w);
             mb_load(bs, xc, conv, r0, r1, bcol, sc, nullptr);
+            __syncthreads();
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) acc[a][q] *= __expf(last);
+            // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
+            mb_mm<true, false>(acc, xs, bs, MB_L);
+            __syncthreads();
         }
-        fetch(c + 1);
+    }
+    // Chunk c's copies into stage c % MB_WS (one commit group; an empty one past the last
+    // chunk, so that the wait below counts the same groups).
+    auto issue = [&](int c) {
+        if (c < chunks) {
+            const int q = c % MB_WS;
+            const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+            mb_t* xs = mb_tile(mb_raw, 2 * q);
+            mb_t* bs = mb_tile(mb_raw, 2 * q + 1);
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+                const int e = threadIdx.x + 256 * e2, i = e >> 3, j = (e & 7) * 8;
+                const bool in = r0 + i < r1;
+                const mb_t* row = xc + (size_t)(in ? r0 + i : r0) * conv;
+                mb_cp16(xs + i * MB_LDH + j, row + xcol + j, in);
+                mb_cp16(bs + i * MB_LDH + j, row + bcol + j, in);
+            }
+            if (threadIdx.x < 32) {
+                const int v = threadIdx.x >> 4, j = (threadIdx.x & 15) * 4;
+                mb_cp16(vecs + (2 * q + v) * MB_L + j, (v ? dv : lm) + c * MB_L + j, true);
+            }
+        }
+        mb_cp_commit();
+    };
+    issue(0);
+    issue(1);
+    for (int c = 0;; ++c) {
+        // chunk c's start state out
+        mb_store_tile16(st + (size_t)c * p * s, s, acc, pc, sc);
+        if (c + 1 == chunks) break;
+        mb_cp_wait<1>();  // this thread's copies of chunk c have landed
+        __syncthreads();  // everyone's; and chunk c − 1's product is done with its stage
+        issue(c + 2);
+        const int q = c % MB_WS;
+        mb_t* xs = mb_tile(mb_raw, 2 * q);
+        const float* lv = vecs + 2 * q * MB_L;
+        const float last = lv[MB_L - 1];
+        // x's rows times exp(lam_last − lam_i)·dtv_i
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+            const int e = threadIdx.x + 256 * e2, i = e >> 3, j = (e & 7) * 8;
+            uint4* cell = reinterpret_cast<uint4*>(xs + i * MB_LDH + j);
+            mb_store16<mb_t>(xs, i, j, *cell, __expf(last - lv[i]) * lv[MB_L + i], true);
+        }
         __syncthreads();
+        const float decay = __expf(last);
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) acc[a][q] *= decay;
+            for (int e = 0; e < 4; ++e) acc[a][e] *= decay;
         // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
-        mb_mm<true, false>(acc, xs, bs, MB_L);
-        __syncthreads();
+        mb_mm<true, false>(acc, xs, mb_tile(mb_raw, 2 * q + 1), MB_L);
     }
+    mb_cp_wait<0>();
 }
 
 // Each chunk's C·Bᵀ per group, which its heads share: cb[b, g, chunk][i][j] = C_i·B_j
@@ -768,71 +772,80 @@ __device__ __forceinline__ void mb_read_cb(float g[4][4], const float* __restric
 }
 
 // A chunk's outputs: y_i[p] = Σ_{j ≤ i} (C_i·B_j)·exp(lam_i − lam_j)·dtv_j·x_j[p]
-// + exp(lam_i)·Σ_s C_i[s]·S[p][s] + D·x_i[p], into y [N, inner] (the gated norm's input).
-extern "C" __global__ void __launch_bounds__(256)
+// + exp(lam_i)·Σ_s C_i[s]·S[p][s] + D·x_i[p], into y [N, inner] (the gated norm's input), for
+// the hb heads of a group of the block in turn (grid (chunks, heads / hb, batch)): what they
+// share, the chunk's C·Bᵀ and its C tiles (all of the state's columns), is read once a block.
+// Each (head, 64 head columns) step copies its x tile and its rows of S by cp.async, building
+// the head's M = C·Bᵀ·exp(lam_i − lam_j)·dtv_j (j ≤ i) while they land.
+extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_chunk_scan_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
                           const float* __restrict__ dtv, const float* __restrict__ lam,
                           const mb_t* __restrict__ states, const bf16_t* __restrict__ dskip,
-                          bf16_t* __restrict__ y, int t, int heads, int p, int s, int groups) {
+                          bf16_t* __restrict__ y, int t, int heads, int p, int s, int groups,
+                          int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_t* ms = mb_tile(mb_raw, 0);   // M[i][j]
-    mb_t* t1 = mb_tile(mb_raw, 1);   // C tile [i][s]
-    mb_t* t2 = mb_tile(mb_raw, 2);   // x [j][p], then S [p][s]
-    float* lm = mb_vecs(mb_raw, 3);  // lam [i]
-    float* dv = lm + MB_L;               // dtv [i]
-    const MbChunk k = mb_chunk(t, heads, groups, p, s);
+    const int ns = (s + 63) / 64, np = (p + 63) / 64, steps = hb * np;
+    mb_t* ms = mb_tile(mb_raw, 0);  // M[i][j]
+    mb_t* xt = mb_tile(mb_raw, 1);  // x [j][p]
+    // tiles 2..: the step's S [p][s] (ns of them), then the chunk's C [i][s] (ns)
+    auto st_tile = [&](int q) { return mb_tile(mb_raw, 2 + q); };
+    auto c_tile = [&](int q) { return mb_tile(mb_raw, 2 + ns + q); };
+    float* vec = mb_vecs(mb_raw, 2 + 2 * ns);  // per head: lam, dtv [2][MB_L]
+    const int h0 = blockIdx.y * hb;
+    const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
     const int conv = heads * p + 2 * groups * s, inner = heads * p;
-    const int rows = min(t - k.t0, MB_L);
-    const int r0 = (int)k.row0, r1 = r0 + rows;
-    const int ccol = inner + groups * s + k.g * s;
-    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
-        lm[i] = lam[k.pos + i];
-        dv[i] = dtv[k.pos + i];
+    const int rows = min(t - k0.t0, MB_L);
+    const int r0 = (int)k0.row0, r1 = r0 + rows;
+    const int ccol = inner + groups * s + k0.g * s;
+    for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
+        const int hh = e / MB_L, i = e % MB_L;
+        const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
+        vec[hh * 2 * MB_L + i] = lam[pos + i];
+        vec[hh * 2 * MB_L + MB_L + i] = dtv[pos + i];
     }
+    for (int q = 0; q < ns; ++q)
+        mb_load_async(c_tile(q), xc, conv, r0, r1, ccol + 64 * q, min(64, s - 64 * q));
+    // (committed with the first step's copies)
     float g[4][4];
-    mb_read_cb(g, cb, k, groups);
-    __syncthreads();
-    // M = C·Bᵀ·exp(lam_i − lam_j)·dtv_j for j ≤ i
+    mb_read_cb(g, cb, k0, groups);
+    for (int u = 0; u < steps; ++u) {
+        const int hh = u / np, p0 = 64 * (u % np), pc = min(64, p - p0);
+        const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+        const float* lm = vec + hh * 2 * MB_L;
+        const float* dv = lm + MB_L;
+        __syncthreads();  // the last step is done with its tiles and M; the vectors are in
+        mb_load_async(xt, xc, conv, r0, r1, k.h * p + p0, pc);
+        for (int q = 0; q < ns; ++q)
+            mb_load_async(st_tile(q), states + k.st + (size_t)p0 * s, s, 0, pc, 64 * q,
+                          min(64, s - 64 * q));
+        mb_cp_commit();
+        if (p0 == 0) {
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+            for (int a = 0; a < 4; ++a)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int i = mb_row(a, c), j = mb_col(a, c);
-            mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
+                for (int c = 0; c < 4; ++c) {
+                    const int i = mb_row(a, c), j = mb_col(a, c);
+                    mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
+                }
         }
-    const float dsk = to_f(dskip[k.h]);
-    for (int p0 = 0; p0 < p; p0 += 64) {
-        const int pc = min(64, p - p0);
+        mb_cp_wait<0>();
         __syncthreads();
-        mb_load(t2, xc, conv, r0, r1, k.h * p + p0, pc, nullptr);
-        __syncthreads();
-        float acc[4][4], off[4][4], xd[4][4];
+        float acc[4][4], off[4][4];
         mb_zero(acc);
         mb_zero(off);
-        mb_mm<false, false>(acc, ms, t2, MB_L);
-        // the D skip, from the x tile in t2
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) xd[a][c] = mb_get(t2, mb_row(a, c), mb_col(a, c));
-        for (int s0 = 0; s0 < s; s0 += 64) {
-            const int sc = min(64, s - s0);
-            __syncthreads();
-            mb_load(t1, xc, conv, r0, r1, ccol + s0, sc, nullptr);
-            mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
-            __syncthreads();
+        mb_mm<false, false>(acc, ms, xt, MB_L);
+        for (int q = 0; q < ns; ++q)
             // A(i, s) = C[i][s], B(s, p) = S[p][s]
-            mb_mm<false, true>(off, t1, t2, 64);
-        }
+            mb_mm<false, true>(off, c_tile(q), st_tile(q), 64);
+        const float dsk = to_f(dskip[k.h]);
 #pragma unroll
         for (int a = 0; a < 4; ++a)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const int i = mb_row(a, c), pp = p0 + mb_col(a, c);
-                if (i < rows && pp < p)
-                    y[(k.row0 + i) * inner + k.h * p + pp] = from_f<bf16_t>(
-                        acc[a][c] + __expf(lm[i]) * off[a][c] + dsk * xd[a][c]);
+                const int i = mb_row(a, c);
+                acc[a][c] += __expf(lm[i]) * off[a][c] + dsk * mb_get(xt, i, mb_col(a, c));
             }
+        mb_store_tile16(y + k.row0 * inner + k.h * p + p0, inner, acc, rows, pc);
     }
 }
 
@@ -906,16 +919,16 @@ extern "C" __global__ void __launch_bounds__(256)
     }
 }
 
-// The gated RMSNorm's backward from d out (`dout` [N, inner]): dy (f32 [N, inner]), dz into
-// dzx's first inner columns (row stride ld), and the weight's gradient (+=, where dw is not
-// null). A block per MB_GN_ROWS rows, the weight's gradient summed over them first: in each
+// The gated RMSNorm's backward from d out (`dout` [N, inner]): dy ([N, inner], in the 16-bit
+// type the scan's backward tiles round it to), dz into dzx's first inner columns (row stride
+// ld), and the weight's gradient (+=, where dw is not null). A block per MB_GN_ROWS rows, the weight's gradient summed over them first: in each
 // thread's registers on the 16-byte path (one group, mb_gn_vec: a thread's columns are the
 // same in every row), else in shared memory.
 #define MB_GN_ROWS 8  // (32 left most SMs a block or two: 2048 rows gave 256 blocks)
 extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_gnorm_bwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
                          const bf16_t* __restrict__ w, const float* __restrict__ rstd,
-                         const bf16_t* __restrict__ dout, float* __restrict__ dy,
+                         const bf16_t* __restrict__ dout, mb_t* __restrict__ dy,
                          bf16_t* __restrict__ dzx, float* __restrict__ dw, int n, int inner,
                          int groups) {
     extern __shared__ float mb_smem[];
@@ -966,9 +979,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                         gy[e] = g * sz;
                         gz[e] = g * yv[e] * dsilu_f(zv[e]);
                     }
-                    float* dyp = dy + (size_t)r * inner + j;
-                    *reinterpret_cast<float4*>(dyp) = make_float4(gy[0], gy[1], gy[2], gy[3]);
-                    *reinterpret_cast<float4*>(dyp + 4) = make_float4(gy[4], gy[5], gy[6], gy[7]);
+                    mb_st8(dy + (size_t)r * inner + j, gy);
                     mb_st8(dzx + (size_t)r * ld + j, gz);
                 }
             }
@@ -1001,7 +1012,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                 const float v = yy * silu_f(z) * rs;
                 const float d = to_f(dout[(size_t)r * inner + j]);
                 const float dv = rs * (d * to_f(w[j]) - v * dot);
-                dy[(size_t)r * inner + j] = dv * silu_f(z);
+                dy[(size_t)r * inner + j] = from_f<mb_t>(dv * silu_f(z));
                 dzx[(size_t)r * ld + j] = from_f<bf16_t>(dv * yy * dsilu_f(z));
             }
         }
@@ -1021,30 +1032,34 @@ extern "C" __global__ void mamba_zero_cols_f32(float* __restrict__ x, int rows, 
         x[(q / cols) * ld + c0 + q % cols] = 0.f;
 }
 
-// The backward of a chunk's outputs (mamba_chunk_scan) from dy [N, inner] (f32), for the hb
+// The backward of a chunk's outputs (mamba_chunk_scan) from dy [N, inner] (16-bit), for the hb
 // heads of the block in turn: dx into dxc's x columns (stored: with the D skip's), ddt and dlam
-// of the chunk's positions (stored), the state's gradient at the chunk's start into dstates
-// (stored) and D's gradient (+=); dB and dC, which a group's heads share, added into dxc's B and
-// C columns once a block:
+// of the chunk's positions (stored) and D's gradient (+=); dB and dC, which a group's heads
+// share, added into dxc's B and C columns once a block (the gradient of the chunk's start state
+// is mamba_state_walk_bwd's):
 //   dC_i = Σ_j dGΣ[i][j]·B_j + Σ_h exp(lam_h,i)·Σ_p dy_h,i[p]·S_h[p],  dB_j = Σ_i dGΣ[i][j]·C_i,
 // where dGΣ = Σ_h dG_h (summed in registers, rounded to the 16-bit type once). The heads' dM, dx
 // and dG first, then one pass over them per 64 columns of the state, each keeping its
-// Σ_h exp(lam_h)·dy_h·S_h tile in registers.
+// Σ_h exp(lam_h)·dy_h·S_h tile in registers. Both walk their (head, 64 head columns) steps with
+// the next step's tiles copied by cp.async into a second buffer while this step's products run
+// (mb_load_async; shapes without whole 16-byte pieces load synchronously, a step ahead all the
+// same).
 extern "C" __global__ void __launch_bounds__(256, 2)
     mamba_chunk_scan_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
                               const float* __restrict__ dtv, const float* __restrict__ lam,
                               const mb_t* __restrict__ states, const bf16_t* __restrict__ dskip,
-                              const float* __restrict__ dy, float* __restrict__ dxc,
+                              const mb_t* __restrict__ dy, float* __restrict__ dxc,
                               float* __restrict__ ddt, float* __restrict__ dlam,
-                              float* __restrict__ dstates, float* __restrict__ dd, int t,
+                              float* __restrict__ dd, int t,
                               int heads, int p, int s, int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
     mb_t* ms = mb_tile(mb_raw, 0);  // a head's M[i][j] = G·W·dtv_j, then dGΣ
     mb_t* t1 = mb_tile(mb_raw, 1);  // C [i][s] (the pass's columns)
-    mb_t* t2 = mb_tile(mb_raw, 2);  // x [j][p], S [p][s], B [j][s]
-    mb_t* t3 = mb_tile(mb_raw, 3);  // dy [i][p]
-    mb_t* t4 = mb_tile(mb_raw, 4);  // exp(lam_i)·dy [i][p]
-    float* vec = mb_vecs(mb_raw, 5);  // per head: lam, dtv, exp(lam), rsum, csum, ddt [6][MB_L]
+    // two buffers each: dy [i][p] (in the passes exp(lam_i)·dy), and x [j][p] or S [p][s]; B
+    // [j][s] at the pass's end in the first x / S buffer
+    auto dyb = [&](int u) { return mb_tile(mb_raw, 2 + (u & 1)); };
+    auto xsb = [&](int u) { return mb_tile(mb_raw, 4 + (u & 1)); };
+    float* vec = mb_vecs(mb_raw, 6);  // per head: lam, dtv, exp(lam), rsum, csum, ddt [6][MB_L]
     __shared__ float red[32];
     const int h0 = blockIdx.y * hb;
     const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
@@ -1052,6 +1067,10 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     const int rows = min(t - k0.t0, MB_L);
     const int r0 = (int)k0.row0, r1 = r0 + rows;
     const int bcol = inner + k0.g * s, ccol = inner + groups * s + k0.g * s;
+    const int np = (p + 63) / 64, steps = hb * np;  // (head, 64 head columns) steps
+    // dy's tiles come by cp.async (then scaled in place by the thread that copied each piece)
+    // where mb_load_async takes its 16-byte path for every head's columns
+    const bool dy_async = p % 8 == 0 && inner % 8 == 0 && reinterpret_cast<uintptr_t>(dy) % 16 == 0;
     for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
         const int hh = e / MB_L, i = e % MB_L;
         const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
@@ -1061,57 +1080,69 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         v[2 * MB_L + i] = __expf(v[i]);
         v[3 * MB_L + i] = v[4 * MB_L + i] = v[5 * MB_L + i] = 0.f;
     }
+    // Step u's tiles of the first part: dy and x of head u / np, columns 64·(u % np)..
+    auto load1 = [&](int u) {
+        if (u < steps) {
+            const int xcol = (h0 + u / np) * p + 64 * (u % np), pc = min(64, p - 64 * (u % np));
+            mb_load_async(dyb(u), dy, inner, r0, r1, xcol, pc);
+            mb_load_async(xsb(u), xc, conv, r0, r1, xcol, pc);
+        }
+        mb_cp_commit();
+    };
     // First each head's dM, dx and dG (dGΣ summed in registers, then rounded into ms).
-    float g[4][4], dgs[4][4];  // C·Bᵀ; dGΣ
+    float g[4][4], dgs[4][4], dm[4][4];  // C·Bᵀ; dGΣ; the head's dM
     mb_read_cb(g, cb, k0, groups);
     mb_zero(dgs);
-    for (int hh = 0; hh < hb; ++hh) {
+    float ddsum = 0.f;
+    load1(0);
+    for (int u = 0; u < steps; ++u) {
+        const int hh = u / np, p0 = 64 * (u % np), pc = min(64, p - p0);
         const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
         float* hv = vec + hh * 6 * MB_L;
         const float* lm = hv;
         const float* dv = hv + MB_L;
-        float* rsum = hv + 3 * MB_L;  // dlam from the rows' sums
-        float* csum = rsum + MB_L;     // dlam from the columns' sums
-        float* dts = csum + MB_L;      // ddt [j]
         const int xcol = k.h * p;
-        __syncthreads();  // (ms, t2 and t3 free)
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int i = mb_row(a, c), j = mb_col(a, c);
-                mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
-            }
-        // Per tile of the head's width: dM += dy·xᵀ ([i][j]); dx_j[p] = Σ_i M[i][j]·dy_i[p] +
-        // D·dy_j[p]; D's gradient Σ dy·x.
-        const float dsk = to_f(dskip[k.h]);
-        float ddsum = 0.f, dm[4][4];
-        mb_zero(dm);
-        for (int p0 = 0; p0 < p; p0 += 64) {
-            const int pc = min(64, p - p0);
-            __syncthreads();
-            mb_load(t3, dy, inner, r0, r1, xcol + p0, pc, nullptr);
-            mb_load(t2, xc, conv, r0, r1, xcol + p0, pc, nullptr);
-            __syncthreads();
-            // A(i, p) = dy[i][p], B(p, j) = x[j][p]
-            mb_mm<false, true>(dm, t3, t2, 64);
-            float acc[4][4];
-            mb_zero(acc);
-            // A(j, i) = M[i][j], B(i, p) = dy[i][p]
-            mb_mm<true, false>(acc, ms, t3, MB_L);
+        __syncthreads();  // step u − 1's products are done with ms and its buffers
+        if (p0 == 0) {
 #pragma unroll
             for (int a = 0; a < 4; ++a)
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    const int j = mb_row(a, c), pp = mb_col(a, c);
-                    const float dyv = mb_get(t3, j, pp);
-                    ddsum += dyv * mb_get(t2, j, pp);
-                    acc[a][c] += dsk * dyv;
+                    const int i = mb_row(a, c), j = mb_col(a, c);
+                    mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
                 }
-            mb_store_tile(dxc + k.row0 * conv + xcol + p0, conv, acc, rows, pc);
+            mb_zero(dm);
+            ddsum = 0.f;
         }
-        // Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j (into dGΣ); ddt_j += dM·G·W;
-        // q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
+        load1(u + 1);
+        mb_cp_wait<1>();
+        __syncthreads();
+        const mb_t* t3 = dyb(u);
+        const mb_t* t2 = xsb(u);
+        // dM += dy·xᵀ ([i][j]); dx_j[p] = Σ_i M[i][j]·dy_i[p] + D·dy_j[p]; D's gradient Σ dy·x.
+        // A(i, p) = dy[i][p], B(p, j) = x[j][p]
+        mb_mm<false, true>(dm, t3, t2, 64);
+        float acc[4][4];
+        mb_zero(acc);
+        // A(j, i) = M[i][j], B(i, p) = dy[i][p]
+        mb_mm<true, false>(acc, ms, t3, MB_L);
+        const float dsk = to_f(dskip[k.h]);
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int j = mb_row(a, c), pp = mb_col(a, c);
+                const float dyv = mb_get(t3, j, pp);
+                ddsum += dyv * mb_get(t2, j, pp);
+                acc[a][c] += dsk * dyv;
+            }
+        mb_store_tile(dxc + k.row0 * conv + xcol + p0, conv, acc, rows, pc);
+        if (p0 + 64 < p) continue;
+        // The head's last step. Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j (into
+        // dGΣ); ddt_j += dM·G·W; q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
+        float* rsum = hv + 3 * MB_L;  // dlam from the rows' sums
+        float* csum = rsum + MB_L;     // dlam from the columns' sums
+        float* dts = csum + MB_L;      // ddt [j]
         float dmgw[4][4], q[4][4];
 #pragma unroll
         for (int a = 0; a < 4; ++a)
@@ -1137,37 +1168,54 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     for (int a = 0; a < 4; ++a)
 #pragma unroll
         for (int c = 0; c < 4; ++c) mb_put(ms, mb_row(a, c), mb_col(a, c), dgs[a][c]);
+    // Step v's tiles of a pass over the state's columns s0..: exp(lam_i)·dy of head v / np and
+    // the head's state S, columns 64·(v % np)..; with the first, the pass's C tile.
+    auto load2 = [&](int v, int s0, int sc) {
+        if (v < steps) {
+            const int hh = v / np, p0 = 64 * (v % np), pc = min(64, p - p0);
+            const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+            if (v == 0) mb_load_async(t1, xc, conv, r0, r1, ccol + s0, sc);
+            if (dy_async)
+                mb_load_async(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc);
+            else
+                mb_load(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc,
+                        vec + hh * 6 * MB_L + 2 * MB_L);
+            mb_load_async(xsb(v), states + k.st + (size_t)p0 * s, s, 0, pc, s0, sc);
+        }
+        mb_cp_commit();
+    };
     // Then a pass per 64 columns of the state over the heads again.
     for (int s0 = 0; s0 < s; s0 += 64) {
         const int sc = min(64, s - s0);
-        float dco[4][4];
+        float dco[4][4], off[4][4];
         mb_zero(dco);
-        __syncthreads();
-        mb_load(t1, xc, conv, r0, r1, ccol + s0, sc, nullptr);
-        for (int hh = 0; hh < hb; ++hh) {
+        __syncthreads();  // the last pass's B and C tiles, and ms (first pass), are done
+        load2(0, s0, sc);
+        for (int v = 0; v < steps; ++v) {
+            const int hh = v / np, p0 = 64 * (v % np), pc = min(64, p - p0);
             const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
             const float* el = vec + hh * 6 * MB_L + 2 * MB_L;
-            float* rsum = vec + hh * 6 * MB_L + 3 * MB_L;
-            const int xcol = k.h * p;
-            // The pass's state columns: o = Σ_p exp(lam_i)·dy_i[p]·S[p][s] (dC's share, and
-            // Σ_s C_i[s]·o_i[s] is dlam_i's share from the state), and the start state's
-            // gradient dS[p][s] = Σ_i exp(lam_i)·dy_i[p]·C_i[s].
-            float off[4][4];
-            mb_zero(off);
-            for (int p0 = 0; p0 < p; p0 += 64) {
-                const int pc = min(64, p - p0);
-                __syncthreads();
-                mb_load(t4, dy, inner, r0, r1, xcol + p0, pc, el);
-                mb_load_state(t2, states + k.st, p0, p, s, s0, sc);
-                __syncthreads();
-                // A(i, p) = exp(lam_i)·dy[i][p], B(p, s) = S[p][s]
-                mb_mm<false, false>(off, t4, t2, 64);
-                float u[4][4];
-                mb_zero(u);
-                // A(p, i) = exp(lam_i)·dy[i][p], B(i, s) = C[i][s]
-                mb_mm<true, false>(u, t4, t1, MB_L);
-                mb_store_tile(dstates + k.st + (size_t)p0 * s + s0, s, u, p - p0, sc);
+            if (v > 0) __syncthreads();  // step v − 1's products are done with its buffers
+            if (p0 == 0) mb_zero(off);
+            load2(v + 1, s0, sc);
+            mb_cp_wait<1>();
+            mb_t* t4 = dyb(v);
+            if (dy_async) {
+                // this thread's own pieces of dy (mb_load_async's: 16 bytes, threads in turn)
+                for (int e = threadIdx.x; e < 64 * 8; e += blockDim.x) {
+                    const int i = e >> 3, j = (e & 7) * 8;
+                    mb_store16<mb_t>(t4, i, j, *reinterpret_cast<const uint4*>(t4 + i * MB_LDH + j),
+                                     el[i], true);
+                }
             }
+            __syncthreads();
+            const mb_t* t2 = xsb(v);
+            // The pass's state columns: o = Σ_p exp(lam_i)·dy_i[p]·S[p][s] (dC's share, and
+            // Σ_s C_i[s]·o_i[s] is dlam_i's share from the state).
+            // A(i, p) = exp(lam_i)·dy[i][p], B(p, s) = S[p][s]
+            mb_mm<false, false>(off, t4, t2, 64);
+            if (p0 + 64 < p) continue;
+            float* rsum = vec + hh * 6 * MB_L + 3 * MB_L;
             float co[4][4];
 #pragma unroll
             for (int a = 0; a < 4; ++a)
@@ -1180,10 +1228,11 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         }
         // The heads' dB and dC of the pass's columns: dC = dGΣ·B + Σ_h o_h, dB = dGΣᵀ·C.
         __syncthreads();
-        mb_load(t2, xc, conv, r0, r1, bcol + s0, sc, nullptr);
+        mb_t* bt = xsb(0);
+        mb_load(bt, xc, conv, r0, r1, bcol + s0, sc, nullptr);
         __syncthreads();
         // A(i, j) = dGΣ[i][j], B(j, s) = B[j][s]
-        mb_mm<false, false>(dco, ms, t2, MB_L);
+        mb_mm<false, false>(dco, ms, bt, MB_L);
         mb_red_tile(dxc + k0.row0 * conv + ccol + s0, conv, dco, rows, sc, nullptr);
         float db[4][4];
         mb_zero(db);
@@ -1191,6 +1240,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         mb_mm<true, false>(db, ms, t1, MB_L);
         mb_red_tile(dxc + k0.row0 * conv + bcol + s0, conv, db, rows, sc, nullptr);
     }
+    mb_cp_wait<0>();
     __syncthreads();
     for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
         const int hh = e / MB_L, i = e % MB_L;
@@ -1201,63 +1251,114 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     }
 }
 
-// The state passing's backward: from dstates[c] (f32, the gradient of the state at chunk c's
-// start from chunk c's outputs), the gradient of chunk c's own contribution (that of the state
-// at its end) into down[c], in the 16-bit type its only reader's tiles round to
-// (mamba_chunk_state_bwd); the decay's share goes to dlam at the chunk's last position. A block
-// of 256 state elements per (block, b·h). The chain over chunks is sequential in each thread,
-// so its loads go MB_SP chunks at a time ahead of the stores (a load after a store to the same
-// array would wait for it): the pass runs at memory bandwidth instead of at one memory latency
-// per chunk. The block sums the decay's shares of those chunks in one reduction.
-#define MB_SP 8
-extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_pass_bwd_bf16(const float* __restrict__ dstates, const mb_t* __restrict__ states,
-                              const float* __restrict__ lam, float* __restrict__ dlam,
-                              mb_t* __restrict__ down, int chunks, int ps) {
-    __shared__ float red[MB_SP][8];  // [chunk of the batch][warp]
-    const int e = blockIdx.x * blockDim.x + threadIdx.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const size_t bh = blockIdx.y;
-    const float* ds = dstates + bh * chunks * ps + e;
-    mb_t* dn = down + bh * chunks * ps + e;
-    const mb_t* st = states + bh * chunks * ps + e;
-    const float* last = lam + bh * chunks * MB_L + MB_L - 1;
-    float* dl = dlam + bh * chunks * MB_L + MB_L - 1;
-    float run = 0.f;  // d(state at the end of chunk c)
-    for (int c1 = chunks - 1; c1 >= 0; c1 -= MB_SP) {
-        // chunks c1, c1 - 1, …, c1 - MB_SP + 1
-        float u[MB_SP], sv[MB_SP], dec[MB_SP];
+// The state passing's backward in one walk over the chunks from the last. With dS_{c+1} the
+// gradient of the state at chunk c's end (0 past the last chunk) and L_c = lam_last(c):
+// down[c] = dS_{c+1} (the gradient of chunk c's own contribution, in the 16-bit type its only
+// reader's tiles round to: mamba_chunk_state_bwd), dlam at chunk c's last position +=
+// exp(L_c)·Σ dS_{c+1}·S_c (the decay's share; S_c the chunk's start state), and
+// dS_c = exp(L_c)·dS_{c+1} + Σ_i exp(lam_i)·dy_i[p]·C_i[s] (the chunk's outputs' share). A
+// block per (64 head columns, 64 state columns, batch row · head) carries dS in f32
+// accumulators; each chunk's dy, C and S tiles come by cp.async a chunk ahead, dy's rows scaled
+// by exp(lam_i) by the thread that copied them once they land. Shapes whose tiles are not whole
+// 16-byte rows load each chunk's tiles when it comes (mb_load).
+extern "C" __global__ void __launch_bounds__(256, 3)
+    mamba_state_walk_bwd_bf16(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,
+                              const float* __restrict__ lam, const mb_t* __restrict__ states,
+                              float* __restrict__ dlam, mb_t* __restrict__ down, int t,
+                              int heads, int p, int s, int groups, int chunks) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    // stage q: exp(lam_i)·dy [i][p] (tile 3q), C [i][s] (3q + 1), S [p][s] (3q + 2)
+    float* el = mb_vecs(mb_raw, 6);  // exp(lam_i) [i] (where the tiles load synchronously)
+    const int p0 = blockIdx.x * 64, s0 = blockIdx.y * 64, bh = blockIdx.z;
+    const int b = bh / heads, h = bh % heads, g = h / (heads / groups);
+    const int conv = heads * p + 2 * groups * s, inner = heads * p;
+    const int xcol = h * p + p0, ccol = inner + groups * s + g * s + s0;
+    const int pc = min(64, p - p0), sc = min(64, s - s0);
+    const float* lm = lam + (size_t)bh * chunks * MB_L;
+    float* dl = dlam + (size_t)bh * chunks * MB_L + MB_L - 1;
+    const size_t at = (size_t)bh * chunks * p * s + (size_t)p0 * s + s0;
+    const mb_t* st = states + at;
+    mb_t* dn = down + at;
+    const bool fast = pc == 64 && sc == 64 && inner % 8 == 0 && conv % 8 == 0 &&
+                      xcol % 8 == 0 && ccol % 8 == 0 && s % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(xc) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(st) % 16 == 0 && blockDim.x == 256;
+    float acc[4][4];
+    mb_zero(acc);
+    // Chunk c: the decay's share of dlam from S_c (tile stt), then dS_c from exp(lam)·dy
+    // (dyt) and C (ct).
+    auto chunk = [&](int c, const mb_t* dyt, const mb_t* ct, const mb_t* stt, float last) {
+        const float d = __expf(last);
+        float share = 0.f;
 #pragma unroll
-        for (int j = 0; j < MB_SP; ++j) {
-            const int c = c1 - j;
-            const bool in = c >= 0 && e < ps;
-            u[j] = in ? ds[(size_t)c * ps] : 0.f;
-            sv[j] = in ? to_f(st[(size_t)c * ps]) : 0.f;
-            dec[j] = c >= 0 ? last[c * MB_L] : 0.f;
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                share += acc[a][e] * mb_get(stt, mb_row(a, e), mb_col(a, e));
+                acc[a][e] *= d;
+            }
+        share = warp_sum(share);
+        if ((threadIdx.x & 31) == 0) atomicAdd(&dl[c * MB_L], share * d);
+        // A(p, i) = exp(lam_i)·dy[i][p], B(i, s) = C[i][s]
+        mb_mm<true, false>(acc, dyt, ct, MB_L);
+    };
+    if (!fast) {
+        mb_t* dyt = mb_tile(mb_raw, 0);
+        mb_t* ct = mb_tile(mb_raw, 1);
+        mb_t* stt = mb_tile(mb_raw, 2);
+        for (int c = chunks - 1;; --c) {
+            mb_store_tile16(dn + (size_t)c * p * s, s, acc, pc, sc);
+            if (c == 0) return;
+            const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+            for (int i = threadIdx.x; i < MB_L; i += blockDim.x) el[i] = __expf(lm[c * MB_L + i]);
+            __syncthreads();
+            mb_load(dyt, dy, inner, r0, r1, xcol, pc, el);
+            mb_load(ct, xc, conv, r0, r1, ccol, sc, nullptr);
+            mb_load_state(stt, st + (size_t)c * p * s, 0, pc, s, 0, sc);
+            __syncthreads();
+            chunk(c, dyt, ct, stt, lm[c * MB_L + MB_L - 1]);
+            __syncthreads();
         }
+    }
+    // Chunk c's copies into stage c % 2, with exp(lam) of this thread's rows of dy (rows
+    // (threadIdx.x + 256e) / 8, as mb_load_async copies them) and lam at the chunk's end.
+    float erow[2], last = 0.f;
+    auto issue = [&](int c) {
+        const int q = c & 1;
+        const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+        mb_load_async(mb_tile(mb_raw, 3 * q), dy, inner, r0, r1, xcol, 64);
+        mb_load_async(mb_tile(mb_raw, 3 * q + 1), xc, conv, r0, r1, ccol, 64);
+        mb_load_async(mb_tile(mb_raw, 3 * q + 2), st + (size_t)c * p * s, s, 0, 64, 0, 64);
+        mb_cp_commit();
 #pragma unroll
-        for (int j = 0; j < MB_SP; ++j) {
-            const int c = c1 - j;
-            const float d = __expf(dec[j]);
-            if (c >= 0 && e < ps) dn[(size_t)c * ps] = from_f<mb_t>(run);
-            float share = run * sv[j] * d;
-            run = u[j] + d * run;
+        for (int e = 0; e < 2; ++e) erow[e] = __expf(lm[c * MB_L + ((threadIdx.x + 256 * e) >> 3)]);
+        last = lm[c * MB_L + MB_L - 1];
+    };
+    issue(chunks - 1);
+    for (int c = chunks - 1;; --c) {
+        mb_store_tile16(dn + (size_t)c * p * s, s, acc, pc, sc);
+        if (c == 0) break;
+        const int q = c & 1;
+        mb_t* dyt = mb_tile(mb_raw, 3 * q);
+        mb_cp_wait<0>();
+        // this thread's own pieces of dy times exp(lam_i)
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) share += __shfl_xor_sync(0xffffffffu, share, o);
-            if (lane == 0) red[j][warp] = share;
+        for (int e = 0; e < 2; ++e) {
+            const int i = (threadIdx.x + 256 * e) >> 3, j = (threadIdx.x & 7) * 8;
+            mb_store16<mb_t>(dyt, i, j, *reinterpret_cast<const uint4*>(dyt + i * MB_LDH + j),
+                             erow[e], true);
         }
+        const float lc = last;
+        // chunk c's tiles are in; chunk c + 1's product is done with the other stage
         __syncthreads();
-        if (threadIdx.x < MB_SP && c1 - (int)threadIdx.x >= 0) {
-            float sum = 0.f;
-            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) sum += red[threadIdx.x][w];
-            atomicAdd(&dl[(c1 - (int)threadIdx.x) * MB_L], sum);
-        }
-        __syncthreads();
+        if (c > 1) issue(c - 1);
+        chunk(c, dyt, mb_tile(mb_raw, 3 * q + 1), mb_tile(mb_raw, 3 * q + 2), lc);
     }
 }
 
 // The backward of a chunk's own contribution to its end state (mamba_state_walk) from its
-// gradient R = down[c] (mamba_state_pass_bwd's, 16-bit), for the hb heads of the block in turn:
+// gradient R = down[c] (mamba_state_walk_bwd's, 16-bit), for the hb heads of the block in turn:
 // with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s], dx_j += w_j·v_j,
 // dB_j[s] += w_j·Σ_p x_j[p]·R[p][s], and through w_j: ddt_j, dlam_j and dlam_last. Where hb > 1,
 // dB is summed over the block's heads in shared memory (f32, rows of s + 4) and added into dxc

@@ -11,7 +11,7 @@ use candle_core::Result;
 
 use super::arena::Activations;
 use super::kernels::{
-    state_bwd_smem, Kern, CB_SMEM, MAMBA_HB, SCAN_BWD_SMEM, SCAN_SMEM, STATE_SMEM,
+    scan_bwd_smem, scan_smem, state_bwd_smem, Kern, CB_SMEM, MAMBA_HB, WALK_BWD_SMEM, WALK_SMEM,
 };
 use super::mamba_bufs::{MambaActs, MambaDims, MambaIdx};
 use super::params::LayerIdx;
@@ -48,10 +48,10 @@ fn conv_cfg(n: usize, conv: usize) -> LaunchConfig {
 }
 
 /// The heads a block of the backward's chunk kernels takes in turn: the largest divisor of a
-/// group's heads up to `MAMBA_HB` (48 heads in one group: 8, six blocks a chunk).
-fn heads_a_block(d: &MambaDims) -> usize {
+/// group's heads up to `max` (48 heads in one group, `MAMBA_HB`: 8, six blocks a chunk).
+fn heads_a_block(d: &MambaDims, max: usize) -> usize {
     let per_group = d.heads / d.groups;
-    (1..=MAMBA_HB.min(per_group))
+    (1..=max.min(per_group))
         .rev()
         .find(|h| per_group.is_multiple_of(*h))
         .unwrap_or(1)
@@ -99,7 +99,7 @@ impl ModelStep {
             err(format!(
                 "whole-model step: the Mamba scan needs {} KB of shared memory a block, more \
                  than this GPU gives",
-                SCAN_BWD_SMEM / 1024
+                scan_bwd_smem(1) / 1024
             ))
         })
     }
@@ -183,7 +183,7 @@ impl ModelStep {
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(y.chunks, "chunks")?));
         let grid = (d.head_dim.div_ceil(64), d.state.div_ceil(64), y.b * d.heads);
-        self.launch(&k.state_walk, cfg(grid, 256, STATE_SMEM), &args)
+        self.launch(&k.state_walk, cfg(grid, 256, WALK_SMEM), &args)
     }
 
     /// Layer `l`'s Mamba mixer forward: `qkv[l]` (in_proj's output `[N, in_w]`, bias
@@ -204,7 +204,21 @@ impl ModelStep {
             Arg::P(m.y[l]),
         ];
         args.extend(self.chunk_args(d)?);
-        self.launch(scan, cfg((y.chunks, d.heads, y.b), 256, SCAN_SMEM), &args)?;
+        check(d.state <= self.k.mamba.scan_state, || {
+            format!(
+                "the Mamba scan needs {} KB of shared memory a block at mamba_d_state = {}, more \
+                 than this GPU gives",
+                scan_smem(d.state, 1) / 1024,
+                d.state
+            )
+        })?;
+        let hb = heads_a_block(d, MAMBA_HB);
+        args.push(Arg::I(i32_of(hb, "heads a block")?));
+        self.launch(
+            scan,
+            cfg((y.chunks, d.heads / hb, y.b), 256, scan_smem(d.state, hb)),
+            &args,
+        )?;
         self.launch(
             &self.k.mamba.gnorm_fwd,
             cfg((y.n.min(65535), 1, 1), 256, 0),
@@ -275,8 +289,12 @@ impl ModelStep {
         )?;
         // The backward's chunk kernels take `hb` heads of a group a block (the chunk states'
         // one where the GPU lacks the shared memory to sum dB over several).
-        let hb = heads_a_block(d);
-        let hb_state = if d.state <= k.head_sum_state { hb } else { 1 };
+        let hb = heads_a_block(d, k.scan_bwd_hb);
+        let hb_state = if d.state <= k.head_sum_state {
+            heads_a_block(d, MAMBA_HB)
+        } else {
+            1
+        };
         let mut args = vec![
             Arg::P(m.xc),
             Arg::P(y.cb),
@@ -288,29 +306,33 @@ impl ModelStep {
             Arg::P(m.dxc),
             Arg::P(m.ddt),
             Arg::P(m.dlam),
-            Arg::P(m.dstates),
             Arg::P(self.grad_ptr_or_null(Some(y.idx.d))),
         ];
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(hb, "heads a block")?));
         self.launch(
             scan_bwd,
-            cfg((y.chunks, d.heads / hb, y.b), 256, SCAN_BWD_SMEM),
+            cfg((y.chunks, d.heads / hb, y.b), 256, scan_bwd_smem(hb)),
             &args,
         )?;
-        let ps = d.head_dim * d.state;
+        let mut args = vec![
+            Arg::P(m.xc),
+            Arg::P(m.dy),
+            Arg::P(y.lam),
+            Arg::P(y.states),
+            Arg::P(m.dlam),
+            Arg::P(m.down),
+        ];
+        args.extend(self.chunk_args(d)?);
+        args.push(Arg::I(i32_of(y.chunks, "chunks")?));
         self.launch(
-            &k.state_pass_bwd,
-            cfg((ps.div_ceil(256), y.b * d.heads, 1), 256, 0),
-            &[
-                Arg::P(m.dstates),
-                Arg::P(y.states),
-                Arg::P(y.lam),
-                Arg::P(m.dlam),
-                Arg::P(m.down),
-                Arg::I(i32_of(y.chunks, "chunks")?),
-                Arg::I(i32_of(ps, "state size")?),
-            ],
+            &k.state_walk_bwd,
+            cfg(
+                (d.head_dim.div_ceil(64), d.state.div_ceil(64), y.b * d.heads),
+                256,
+                WALK_BWD_SMEM,
+            ),
+            &args,
         )?;
         let mut args = vec![
             Arg::P(m.xc),

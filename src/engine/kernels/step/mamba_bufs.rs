@@ -99,17 +99,17 @@ pub(super) struct MambaActs {
     /// The layers keep their own slots (the backward computes only the conv again).
     pub(super) kept: bool,
     /// Scratch shared by the layers: the conv's output x | B | C after SiLU (bf16 `[N, conv]`),
-    /// and the backward's f32 gradients of dt and of its cumulative sum (`[B, H, chunks·CHUNK]`),
-    /// of the conv's output (`[N, conv]`) and of the scan's output (`[N, inner]`).
+    /// and the backward's f32 gradients of dt and of its cumulative sum (`[B, H, chunks·CHUNK]`)
+    /// and of the conv's output (`[N, conv]`).
     pub(super) xc: u64,
     pub(super) ddt: u64,
     pub(super) dlam: u64,
     pub(super) dxc: u64,
+    /// The backward's gradient of the scan's output (`[N, inner]`, 16-bit: the scan's
+    /// backward rounds its tiles to it).
     pub(super) dy: u64,
-    /// The backward's gradient of each chunk's start state (f32, the layout of `states`).
-    pub(super) dstates: u64,
     /// The backward's gradient of each chunk's own contribution to its end state, 16-bit (the
-    /// layout of `states`): the state passing's backward makes it from `dstates`.
+    /// layout of `states`): the state passing's backward makes it.
     pub(super) down: u64,
 }
 
@@ -137,21 +137,16 @@ impl MambaArena {
         let layers = mamba.iter().filter(|&&m| m).count();
         let slots = if keep { layers } else { layers.min(1) };
         let st_elems = b * nh * dims.chunks(t) * dims.head_dim * dims.state;
-        // 16-bit: y per Mamba layer, states per slot, then xc and down.
+        // 16-bit: y per Mamba layer, states per slot, then xc, down and dy.
         let (y_len, st16_len, xc_len) = (align(n * inner), align(st_elems), align(n * conv));
-        let bf16_len = layers * y_len + (slots + 1) * st16_len + xc_len;
+        let bf16_len = layers * y_len + (slots + 1) * st16_len + xc_len + align(n * inner);
         let bf = dev.alloc_zeros::<bf16>(bf16_len.max(1))?;
-        // f32: rstd per Mamba layer; dtv, lam, cb per slot; ddt, dlam, dstates, dxc, dy.
+        // f32: rstd per Mamba layer; dtv, lam, cb per slot; ddt, dlam, dxc.
         let rstd_len = align(n * dims.groups);
         let pos_len = align(b * nh * tp);
         let cb_len = align(b * dims.groups * dims.chunks(t) * CHUNK * CHUNK);
         let slot_len = 2 * pos_len + cb_len;
-        let f_len = layers * rstd_len
-            + slots * slot_len
-            + 2 * pos_len
-            + align(st_elems)
-            + align(n * conv)
-            + align(n * inner);
+        let f_len = layers * rstd_len + slots * slot_len + 2 * pos_len + align(n * conv);
         let f = dev.alloc_zeros::<f32>(f_len.max(1))?;
         let (bp, fp) = (ptr(&bf, &stream), ptr(&f, &stream));
         let at16 = |o: usize| bp + 2 * o as u64;
@@ -170,8 +165,7 @@ impl MambaArena {
             ddt: 0,
             dlam: 0,
             dxc: 0,
-            dy: 0,
-            dstates: 0,
+            dy: at16(slot16 + (slots + 1) * st16_len + xc_len),
             down: at16(slot16 + slots * st16_len + xc_len),
         };
         let mut k = 0;
@@ -207,9 +201,7 @@ impl MambaArena {
         };
         acts.ddt = take(pos_len);
         acts.dlam = take(pos_len);
-        acts.dstates = take(align(st_elems));
         acts.dxc = take(align(n * conv));
-        acts.dy = take(align(n * inner));
         Ok(Self {
             _bf: bf,
             _f32: f,
