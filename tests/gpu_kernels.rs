@@ -1229,6 +1229,22 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
+            name: "granite-4.0-h-like hybrid: state 192 (past what the scan's backward takes the \
+                   chunk states' share through x for: their own backward), 8 heads of 64 in one \
+                   group (the gated norm's 16-byte rows, 64 threads), T 130",
+            vocab: 97,
+            set: |c| {
+                granite_hybrid(c);
+                c.model.seq_len = 130;
+                if let Some(h) = c.model.hybrid.as_mut() {
+                    h.mamba_n_heads = 8;
+                    h.mamba_d_head = 64;
+                    h.mamba_d_state = 192;
+                    h.mamba_n_groups = 1;
+                }
+            },
+        },
+        Family {
             name: "granite-4.0-h-like hybrid: 4 Mamba-2 heads of 32 in one group (a block of the \
                    backward takes all four), state 32, conv 6 (the conv's 8-tap window), T 200",
             vocab: 97,

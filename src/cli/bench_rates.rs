@@ -102,6 +102,9 @@ impl MambaRate {
             ("mamba_cb", f.cb),
             ("mamba_scan_bwd", f.scan_bwd),
             ("mamba_chunk_state_bwd", f.chunk_state_bwd),
+            // (where the scan's backward takes the chunk states' share through x, this kernel
+            // takes dB: the two halves are counted here, the sum over the kernels is exact)
+            ("mamba_chunk_state_db", f.chunk_state_bwd),
             ("mamba_state_walk_bwd", f.walk_bwd),
         ];
         let (mut chunk_ms, mut flops) = (0.0, 0.0);
@@ -193,5 +196,12 @@ mod tests {
         let flops = 36.0 * 1e9 + 72.0 * 2e8 + 72.0 * 1e8 + 36.0 * 3e9 + 36.0 * 4e8 + 36.0 * 2e8;
         assert!((m.chunk_tflops.unwrap_or(0.0) - flops / 19e-3 / 1e12).abs() < 1e-9);
         assert!(MambaRate::of(&kernels[..1], &f).is_none());
+        // Where the scan's backward takes the chunk states' share through x, their dB kernel
+        // carries the chunk states' backward's products: the same sum.
+        let mut fused = kernels.clone();
+        fused[6] = k("mamba_chunk_state_db", 3.0, 36);
+        let m = MambaRate::of(&fused, &f).expect("Mamba kernels ran");
+        assert_eq!(m.chunk_ms, 19.0);
+        assert!((m.chunk_tflops.unwrap_or(0.0) - flops / 19e-3 / 1e12).abs() < 1e-9);
     }
 }

@@ -31,17 +31,18 @@ impl ModelStep {
         run
     }
 
-    /// The MLP activation's backward of layer `l`: from the residual gradient `dy` (in the
-    /// scratch `dy_buf`: `dres`, or its dropout-masked copy) through the down projection
-    /// (`down`) to the pre-activation's gradient in `dh`; its width (the
-    /// up projection's output: F, or 2F for SwiGLU's packed gate|up).
+    /// The MLP activation's backward of layer `l`: from the residual gradient `sc·dy` (in the
+    /// scratch `dy_buf`: `dres`, or its dropout-masked copy; `sc` a scale still owed to it,
+    /// which only the SwiGLU path's matmuls take) through the down projection (`down`) to the
+    /// pre-activation's gradient in `dh`; its width (the up projection's output: F, or 2F for
+    /// SwiGLU's packed gate|up).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn mlp_act_bwd(
         &self,
         a: &Activations,
         l: usize,
         li: &LayerIdx,
-        (dy, dy_buf): (u64, Buf),
+        (dy, dy_buf, sc): (u64, Buf, f32),
         down: Lin,
         first: bool,
     ) -> Result<usize> {
@@ -55,12 +56,12 @@ impl ModelStep {
                 a,
                 (l, li, G_DOWN),
                 a.act[l],
-                (dy, dy_buf),
+                (dy, dy_buf, sc),
                 self.c,
                 dact,
                 first,
             )?;
-            self.lin_dx_beta(dy, self.matmul_weight(li.down_w)?, dact, down, beta)?;
+            self.lin_dx_ab(dy, self.matmul_weight(li.down_w)?, dact, down, (sc, beta))?;
             self.launch(
                 &self.k.swiglu_bwd,
                 flat_cfg(n * f / 8),
@@ -82,10 +83,13 @@ impl ModelStep {
             aux: a.fc[l],
             ld: f,
         };
+        check(sc == 1.0, || {
+            "the GELU MLP's backward was handed a residual gradient with a scale owed".into()
+        })?;
         let wd = self.matmul_weight(li.down_w)?;
         let mm = down.dx(dy, wd, a.dh);
         if adapted || !self.lin_lt("matmul dgrad+dgelu", mm, false, 0.0, dgelu)? {
-            let dyb = (dy, dy_buf);
+            let dyb = (dy, dy_buf, 1.0);
             let beta = self.lora_bwd(a, (l, li, G_DOWN), a.act[l], dyb, self.c, a.dh, first)?;
             self.lin_dx_beta(dy, wd, a.dh, down, beta)?;
             // (fc holds the pre-activation with its bias: no bias here)
@@ -103,6 +107,12 @@ impl ModelStep {
             )?;
         }
         Ok(f)
+    }
+
+    /// Whether neither the weight `w` nor the bias `b` of a projection takes a gradient
+    /// ([`Self::proj_grads`] has nothing to do).
+    pub(super) fn proj_frozen(&self, w: usize, b: Option<usize>) -> bool {
+        self.trained_grad_ptr(w).is_none() && self.grad_ptr_or_null(b) == 0
     }
 
     /// A projection's weight and bias gradients from its output gradient `dy` (in the
@@ -181,8 +191,11 @@ impl ModelStep {
             }
             // MLP down projection: res[l+1] = mid + act·Wdownᵀ (+ b)
             let down = Lin::new(n, f, c, c);
-            let dyb = self.drop_grad(a, dropout::site_mlp_out(l))?;
             let post_m = li.post.map(|p| p.1);
+            // (Granite's residual multiplier goes into the matmuls' alpha where only they
+            // read the gradient: no post-norm, SwiGLU, no weight or bias gradient here.)
+            let fold = post_m.is_none() && self.swiglu && self.proj_frozen(li.down_w, li.down_b);
+            let (dyb, sc) = self.drop_grad(a, dropout::site_mlp_out(l), fold)?;
             let post_x = (
                 a.post_in.get(l).map_or(0, |p| p[1]),
                 a.post_stats.get(l).map_or(0, |p| p[1]),
@@ -191,7 +204,7 @@ impl ModelStep {
             let bias = (li.down_w, li.down_b, down_b_done);
             self.proj_grads((a.act[l], dy, dy_buf), bias, down, first)?;
             self.reclaim(Buf::Dh)?;
-            let up_out = self.mlp_act_bwd(a, l, li, (dy, dy_buf), down, first)?;
+            let up_out = self.mlp_act_bwd(a, l, li, (dy, dy_buf, sc), down, first)?;
             let up = Lin::new(n, c, up_out, up_out);
             let bias = (li.up_w, li.up_b, false);
             self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
@@ -223,8 +236,9 @@ impl ModelStep {
             }
             // the mixer's output projection: mid = res + dropout(atty·Woᵀ (+ bo))
             let o = Lin::new(n, self.mixer_width(li), c, c);
-            let dyb = self.drop_grad(a, dropout::site_attention_out(l))?;
             let post_a = li.post.map(|p| p.0);
+            let fold = post_a.is_none() && self.proj_frozen(li.o_w, li.o_b);
+            let (dyb, sc) = self.drop_grad(a, dropout::site_attention_out(l), fold)?;
             let post_x = (
                 a.post_in.get(l).map_or(0, |p| p[0]),
                 a.post_stats.get(l).map_or(0, |p| p[0]),
@@ -236,8 +250,9 @@ impl ModelStep {
                 o,
                 first,
             )?;
-            let beta = self.lora_bwd(a, (l, li, G_O), a.atty[l], (dy, dy_buf), c, a.da, first)?;
-            self.lin_dx_beta(dy, self.matmul_weight(li.o_w)?, a.da, o, beta)?;
+            let dyb = (dy, dy_buf, sc);
+            let beta = self.lora_bwd(a, (l, li, G_O), a.atty[l], dyb, c, a.da, first)?;
+            self.lin_dx_ab(dy, self.matmul_weight(li.o_w)?, a.da, o, (sc, beta))?;
             self.reclaim(Buf::Dqkv)?;
             self.mixer_bwd(a, l, li)?;
             // qkv projection (a Mamba layer's in_proj)

@@ -215,16 +215,27 @@ impl ModelStep {
 
     /// The output gradient of a projection whose output went through dropout at `site` into
     /// the residual stream: `dres` through the mask (into `dmask`), or `dres` itself without
-    /// dropout; and the scratch buffer that is ([`Buf`], for the side stream's reads).
-    pub(super) fn drop_grad(&self, a: &Activations, site: u32) -> Result<(u64, Buf)> {
+    /// dropout; the scratch buffer that is ([`Buf`], for the side stream's reads); and the
+    /// scale still owed to it. Where no mask sits there but Granite's residual multiplier
+    /// does, and `fold` (its readers are matmuls that take the scale as their alpha), that is
+    /// `dres` itself with the multiplier owed: no pass of its own over the gradient.
+    pub(super) fn drop_grad(
+        &self,
+        a: &Activations,
+        site: u32,
+        fold: bool,
+    ) -> Result<((u64, Buf), f32)> {
         if !self.res_scaled() {
-            return Ok((a.dres, Buf::Dres));
+            return Ok(((a.dres, Buf::Dres), 1.0));
+        }
+        if fold && self.drop_thr == 0 {
+            return Ok(((a.dres, Buf::Dres), self.res_mult));
         }
         self.reclaim(Buf::Dmask)?;
         let (rows, scale) = (a.b * self.t, self.keep_scale() * self.res_mult);
         let drop = (self.drop_thr, scale);
         self.drop_scaled(a, (a.dres, a.dmask), (rows, self.c), site, drop, false)?;
-        Ok((a.dmask, Buf::Dmask))
+        Ok(((a.dmask, Buf::Dmask), 1.0))
     }
 
     /// A kept element's dropout scale: 1 while dropout is off (an evaluation's forward).

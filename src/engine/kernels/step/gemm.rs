@@ -261,7 +261,12 @@ impl ModelStep {
 
     /// [`Self::lin_dx`] plus `beta`·dx (1: on top of the adapters' share).
     pub(super) fn lin_dx_beta(&self, dy: u64, w: u64, dx: u64, d: Lin, beta: f32) -> Result<()> {
-        self.lin_gemm("matmul dgrad", d.dx(dy, w, dx), false, beta, None)
+        self.lin_dx_ab(dy, w, dx, d, (1.0, beta))
+    }
+
+    /// `dx = alpha·dy·w + beta·dx` (alpha: a scale still owed to `dy`).
+    pub(super) fn lin_dx_ab(&self, dy: u64, w: u64, dx: u64, d: Lin, ab: (f32, f32)) -> Result<()> {
+        self.lin_gemm_ab("matmul dgrad", d.dx(dy, w, dx), false, ab, None)
     }
 
     /// `dw[out, inp] += dyᵀ·x` into fp32; the step's first micro-batch overwrites instead

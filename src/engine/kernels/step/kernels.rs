@@ -398,9 +398,14 @@ pub(super) const fn scan_smem(s: usize, hb: usize) -> u32 {
     (2 + 2 * s.div_ceil(64) as u32) * TILE + hb as u32 * 2 * 64 * 4
 }
 /// The scan's backward for `hb` heads a block: six tiles (C·Bᵀ's M, C, two buffers each of dy
-/// and of x or S) and six vectors a head.
+/// and of x or S) and eight vectors a head (mamba.cuh's MB_SV).
 pub(super) const fn scan_bwd_smem(hb: usize) -> u32 {
-    6 * TILE + hb as u32 * 6 * 64 * 4
+    6 * TILE + hb as u32 * 8 * 64 * 4
+}
+/// The scan's backward with the chunk states' share through x (its `down`) for state size
+/// `s`: also the chunk's B and a step's R, a tile per 64 columns of the state each.
+pub(super) const fn scan_bwd_fused_smem(hb: usize, s: usize) -> u32 {
+    scan_bwd_smem(hb) + 2 * s.div_ceil(64) as u32 * TILE
 }
 /// The chunk states' backward for state size `s`: six tiles (two buffers of three), two vectors
 /// a head and, where `summed` (more than one head a block), dB summed over the block's heads (64
@@ -409,6 +414,9 @@ pub(super) const fn state_bwd_smem(s: usize, summed: bool) -> u32 {
     let sum = if summed { 64 * (s as u32 + 4) * 4 } else { 0 };
     6 * TILE + MAMBA_HB as u32 * 2 * 64 * 4 + sum
 }
+/// The chunk states' dB alone (`MambaKernels::state_db`): two buffers of x and R, and a vector
+/// a head.
+pub(super) const STATE_DB_SMEM: u32 = 4 * TILE + MAMBA_HB as u32 * 64 * 4;
 pub(super) const CB_SMEM: u32 = 2 * TILE;
 
 /// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 55 KB of shared memory
@@ -433,6 +441,12 @@ pub(super) struct MambaKernels {
     /// The most heads a block of the scan's backward the GPU's shared memory allows (8, 4, 2
     /// or 1: 4 on Turing's 64 KB).
     pub(super) scan_bwd_hb: usize,
+    /// The largest state (`mamba_d_state`: 128 or 64; 0 none) for which the scan's backward
+    /// takes the chunk states' share through x as well (`scan_bwd_fused_smem`) at as many
+    /// blocks an SM as without it, with `scan_bwd_hb` heads a block.
+    pub(super) fused_state: usize,
+    /// The chunk states' backward's dB alone, beside the fused scan's backward.
+    pub(super) state_db: Kern,
     /// The largest state (`mamba_d_state`, 256 at most) for which the chunk states' backward
     /// has the shared memory to sum dB over several heads a block (0: none); past it its
     /// blocks take one head each.
@@ -467,6 +481,23 @@ impl MambaKernels {
             .into_iter()
             .find(|&hb| allow(&scan_bwd, scan_bwd_smem(hb)))
             .unwrap_or(0);
+        let state_db = named("mamba_chunk_state_db_bf16", "mamba_chunk_state_db")?;
+        let blocks = |smem: u32| {
+            scan_bwd
+                .f
+                .occupancy_max_active_blocks_per_multiprocessor(256, smem as usize, None)
+                .unwrap_or(0)
+        };
+        let fused_state = [128, 64]
+            .into_iter()
+            .find(|&s| {
+                let fused = scan_bwd_fused_smem(scan_bwd_hb, s);
+                scan_bwd_hb > 0
+                    && allow(&state_db, STATE_DB_SMEM)
+                    && allow(&scan_bwd, fused)
+                    && blocks(fused) >= blocks(scan_bwd_smem(scan_bwd_hb)).max(1)
+            })
+            .unwrap_or(0);
         let scan_state = [256, 128, 64]
             .into_iter()
             .find(|&s| allow(&scan, scan_smem(s, MAMBA_HB)))
@@ -488,6 +519,8 @@ impl MambaKernels {
             scan,
             scan_state,
             scan_bwd_hb,
+            fused_state,
+            state_db,
             head_sum_state,
             gnorm_fwd: named("mamba_gnorm_fwd_bf16", "mamba_gated_norm")?,
             gnorm_bwd: named("mamba_gnorm_bwd_bf16", "mamba_gated_norm_bwd")?,

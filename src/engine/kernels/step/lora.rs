@@ -333,7 +333,8 @@ impl ModelStep {
     }
 
     /// The backward of LoRA group `g` of layer `l` (nothing without an adapter), from the
-    /// projection output's gradient `dy` (row stride `ldy`, in the scratch `buf`), before the
+    /// projection output's gradient `sc·dy` (row stride `ldy`, in the scratch `buf`; `sc` a
+    /// scale still owed to it, taken into the matmuls' alpha), before the
     /// base's data gradient: du_k = scale·dy·B_k (one matmul through the group's block-diagonal
     /// B where it has one), the weight gradients dB_k (+)= scale·dyᵀ·u_k and dA (+)= duᵀ·x —
     /// on the side stream where there is one: they read only `dy` (released after) and what
@@ -346,7 +347,7 @@ impl ModelStep {
         a: &Activations,
         (l, li, g): (usize, &LayerIdx, usize),
         x: u64,
-        (dy, buf): (u64, Buf),
+        (dy, buf, sc): (u64, Buf, f32),
         ldy: usize,
         dx: u64,
         first: bool,
@@ -369,7 +370,7 @@ impl ModelStep {
         if bd != 0 {
             check_stride(ldy, self.group_out(li, g))?;
             let up = Lin::new(n, width, ldy, ldy);
-            self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale, 0.0)?;
+            self.mm("lora.du", up.dx(dy, bd, du), false, a0.scale * sc, 0.0)?;
         } else {
             for ad in ads() {
                 let (up, dy, _, du) = part(ad);
@@ -377,7 +378,7 @@ impl ModelStep {
                     "lora.du",
                     up.dx(dy, self.weight_ptr(ad.b)?, du),
                     false,
-                    ad.scale,
+                    ad.scale * sc,
                     0.0,
                 )?;
             }
@@ -391,7 +392,7 @@ impl ModelStep {
         for ad in ads() {
             let (up, dy, u, _) = part(ad);
             let mm = up.dw(u, dy, self.grad_ptr(ad.b));
-            self.mm_on("lora.db", mm, (ad.scale, beta), side)?;
+            self.mm_on("lora.db", mm, (ad.scale * sc, beta), side)?;
         }
         let down = Lin::new(n, a0.inp, width, width);
         let (xd, _) = self.lora_input(a, l, g, (x, a0.inp), a0.inp)?;
@@ -504,7 +505,7 @@ impl ModelStep {
             let parts = self
                 .group_parts(li, g)
                 .ok_or_else(|| err("whole-model step: no projection under a LoRA group"))?;
-            let beta = self.lora_bwd(a, (l, li, g), x, (dy, buf), d.ldy, a.da, first)?;
+            let beta = self.lora_bwd(a, (l, li, g), x, (dy, buf, 1.0), d.ldy, a.da, first)?;
             self.lin_dx_parts(dy, parts, a.da, d, beta)?;
             return Ok(self.c);
         };

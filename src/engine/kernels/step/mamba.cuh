@@ -594,6 +594,8 @@ __device__ __forceinline__ MbChunk mb_chunk(int t, int heads, int groups, int p,
 // (the chunk's B and C, its C·Bᵀ) is loaded once a block, and their shares of dB and dC are
 // summed in the block before they are added into the conv's gradient (hb times fewer atomics).
 #define MB_HB 8
+// The scan's backward's per-position f32 vectors a head (kernels.rs's scan_bwd_smem).
+#define MB_SV 8
 
 // A tile's f32 values rounded to the 16-bit type at dst[mb_row·ld + mb_col] for rows < rows and
 // columns < cols (on tensor cores in 4-byte pairs of adjacent columns where the addresses
@@ -1044,10 +1046,19 @@ extern "C" __global__ void mamba_zero_cols_f32(float* __restrict__ x, int rows, 
 // the next step's tiles copied by cp.async into a second buffer while this step's products run
 // (mb_load_async; shapes without whole 16-byte pieces load synchronously, a step ahead all the
 // same).
+// With `down` (mamba_state_walk_bwd's R = the gradient of each chunk's own contribution to its
+// end state, run before this kernel) the first part also takes mamba_chunk_state_bwd's share
+// through x: with w_j = exp(lam_last − lam_j)·dtv_j and v_j[p] = Σ_s R[p][s]·B_j[s], dx_j +=
+// w_j·v_j (in the tile before it is stored: dx is written once), and through w_j ddt_j and
+// dlam_j (stored with the rest; dlam's last position then adds onto the walk's share, which
+// mamba_state_walk_bwd added into a zeroed dlam). The chunk's B tiles stay in shared memory for
+// the part; each step's R tiles (its head columns, all of the state's) land in one buffer,
+// copied once the step's v is formed. mamba_chunk_state_db then adds dB.
 extern "C" __global__ void __launch_bounds__(256, 2)
     mamba_chunk_scan_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
                               const float* __restrict__ dtv, const float* __restrict__ lam,
-                              const mb_t* __restrict__ states, const bf16_t* __restrict__ dskip,
+                              const mb_t* __restrict__ states, const mb_t* __restrict__ down,
+                              const bf16_t* __restrict__ dskip,
                               const mb_t* __restrict__ dy, float* __restrict__ dxc,
                               float* __restrict__ ddt, float* __restrict__ dlam,
                               float* __restrict__ dd, int t,
@@ -1059,7 +1070,13 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     // [j][s] at the pass's end in the first x / S buffer
     auto dyb = [&](int u) { return mb_tile(mb_raw, 2 + (u & 1)); };
     auto xsb = [&](int u) { return mb_tile(mb_raw, 4 + (u & 1)); };
-    float* vec = mb_vecs(mb_raw, 6);  // per head: lam, dtv, exp(lam), rsum, csum, ddt [6][MB_L]
+    // with `down`: B [j][s] and the step's R [p][s], a tile per 64 columns of the state each
+    const bool fused = down != nullptr;
+    const int ns = (s + 63) / 64;
+    auto btile = [&](int si) { return mb_tile(mb_raw, 6 + si); };
+    auto rtile = [&](int si) { return mb_tile(mb_raw, 6 + ns + si); };
+    // per head: lam, dtv, exp(lam), rsum, csum, ddt, w, Σ_p x·v [MB_SV][MB_L]
+    float* vec = mb_vecs(mb_raw, fused ? 6 + 2 * ns : 6);
     __shared__ float red[32];
     const int h0 = blockIdx.y * hb;
     const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
@@ -1074,18 +1091,28 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
         const int hh = e / MB_L, i = e % MB_L;
         const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
-        float* v = vec + hh * 6 * MB_L;
+        float* v = vec + hh * MB_SV * MB_L;
         v[i] = lam[pos + i];
         v[MB_L + i] = dtv[pos + i];
         v[2 * MB_L + i] = __expf(v[i]);
-        v[3 * MB_L + i] = v[4 * MB_L + i] = v[5 * MB_L + i] = 0.f;
+        v[3 * MB_L + i] = v[4 * MB_L + i] = v[5 * MB_L + i] = v[7 * MB_L + i] = 0.f;
+        v[6 * MB_L + i] = __expf(lam[pos + MB_L - 1] - v[i]) * v[MB_L + i];
     }
-    // Step u's tiles of the first part: dy and x of head u / np, columns 64·(u % np)..
+    // Step u's tiles of the first part: dy and x of head u / np, columns 64·(u % np).., and
+    // with `down` the head's R rows of those columns (and, with the first, the chunk's B).
     auto load1 = [&](int u) {
         if (u < steps) {
-            const int xcol = (h0 + u / np) * p + 64 * (u % np), pc = min(64, p - 64 * (u % np));
+            const int p0 = 64 * (u % np), xcol = (h0 + u / np) * p + p0, pc = min(64, p - p0);
             mb_load_async(dyb(u), dy, inner, r0, r1, xcol, pc);
             mb_load_async(xsb(u), xc, conv, r0, r1, xcol, pc);
+            if (fused) {
+                const size_t st = mb_chunk_of(t, heads, groups, p, s, h0 + u / np).st;
+                for (int si = 0; si < ns; ++si) {
+                    const int sc = min(64, s - 64 * si);
+                    if (u == 0) mb_load_async(btile(si), xc, conv, r0, r1, bcol + 64 * si, sc);
+                    mb_load_async(rtile(si), down + st, s, p0, p, 64 * si, sc);
+                }
+            }
         }
         mb_cp_commit();
     };
@@ -1098,7 +1125,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     for (int u = 0; u < steps; ++u) {
         const int hh = u / np, p0 = 64 * (u % np), pc = min(64, p - p0);
         const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
-        float* hv = vec + hh * 6 * MB_L;
+        float* hv = vec + hh * MB_SV * MB_L;
         const float* lm = hv;
         const float* dv = hv + MB_L;
         const int xcol = k.h * p;
@@ -1114,16 +1141,39 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             mb_zero(dm);
             ddsum = 0.f;
         }
-        load1(u + 1);
-        mb_cp_wait<1>();
-        __syncthreads();
+        float acc[4][4];
+        mb_zero(acc);
+        if (fused) {
+            // Step u's tiles have landed (its R buffer is the only one): v = B·Rᵀ ([j][p]),
+            // Σ_p x_j[p]·v_j[p] into the head's sums, dx's tile starts at w_j·v_j; then step
+            // u + 1's copies go.
+            mb_cp_wait<0>();
+            __syncthreads();
+            // A(j, s) = B[j][s], B(s, p) = R[p][s]
+            for (int si = 0; si < ns; ++si) mb_mm<false, true>(acc, btile(si), rtile(si), 64);
+            const float* w = hv + 6 * MB_L;
+            float xv[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int j = mb_row(a, c);
+                    xv[a][c] = mb_get(xsb(u), j, mb_col(a, c)) * acc[a][c];
+                    acc[a][c] *= w[j];
+                }
+            mb_row_sums(xv, hv + 7 * MB_L);
+            __syncthreads();  // (every thread is done with the R buffer)
+            load1(u + 1);
+        } else {
+            load1(u + 1);
+            mb_cp_wait<1>();
+            __syncthreads();
+        }
         const mb_t* t3 = dyb(u);
         const mb_t* t2 = xsb(u);
         // dM += dy·xᵀ ([i][j]); dx_j[p] = Σ_i M[i][j]·dy_i[p] + D·dy_j[p]; D's gradient Σ dy·x.
         // A(i, p) = dy[i][p], B(p, j) = x[j][p]
         mb_mm<false, true>(dm, t3, t2, 64);
-        float acc[4][4];
-        mb_zero(acc);
         // A(j, i) = M[i][j], B(i, p) = dy[i][p]
         mb_mm<true, false>(acc, ms, t3, MB_L);
         const float dsk = to_f(dskip[k.h]);
@@ -1179,7 +1229,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                 mb_load_async(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc);
             else
                 mb_load(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc,
-                        vec + hh * 6 * MB_L + 2 * MB_L);
+                        vec + hh * MB_SV * MB_L + 2 * MB_L);
             mb_load_async(xsb(v), states + k.st + (size_t)p0 * s, s, 0, pc, s0, sc);
         }
         mb_cp_commit();
@@ -1194,7 +1244,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         for (int v = 0; v < steps; ++v) {
             const int hh = v / np, p0 = 64 * (v % np), pc = min(64, p - p0);
             const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
-            const float* el = vec + hh * 6 * MB_L + 2 * MB_L;
+            const float* el = vec + hh * MB_SV * MB_L + 2 * MB_L;
             if (v > 0) __syncthreads();  // step v − 1's products are done with its buffers
             if (p0 == 0) mb_zero(off);
             load2(v + 1, s0, sc);
@@ -1215,7 +1265,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             // A(i, p) = exp(lam_i)·dy[i][p], B(p, s) = S[p][s]
             mb_mm<false, false>(off, t4, t2, 64);
             if (p0 + 64 < p) continue;
-            float* rsum = vec + hh * 6 * MB_L + 3 * MB_L;
+            float* rsum = vec + hh * MB_SV * MB_L + 3 * MB_L;
             float co[4][4];
 #pragma unroll
             for (int a = 0; a < 4; ++a)
@@ -1228,8 +1278,8 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         }
         // The heads' dB and dC of the pass's columns: dC = dGΣ·B + Σ_h o_h, dB = dGΣᵀ·C.
         __syncthreads();
-        mb_t* bt = xsb(0);
-        mb_load(bt, xc, conv, r0, r1, bcol + s0, sc, nullptr);
+        mb_t* bt = fused ? btile(s0 / 64) : xsb(0);  // (kept from the first part with `down`)
+        if (!fused) mb_load(bt, xc, conv, r0, r1, bcol + s0, sc, nullptr);
         __syncthreads();
         // A(i, j) = dGΣ[i][j], B(j, s) = B[j][s]
         mb_mm<false, false>(dco, ms, bt, MB_L);
@@ -1242,12 +1292,34 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     }
     mb_cp_wait<0>();
     __syncthreads();
+    if (fused) {
+        // Σ_j q_j (q_j = w_j·Σ_p x_j[p]·v_j[p]: dlam_last's share through w), a warp a head,
+        // into red[head].
+        for (int hh = threadIdx.x >> 5; hh < hb; hh += blockDim.x >> 5) {
+            const float* v = vec + hh * MB_SV * MB_L;
+            float q = 0.f;
+            for (int j = threadIdx.x & 31; j < MB_L; j += 32)
+                q += v[6 * MB_L + j] * v[7 * MB_L + j];
+            q = warp_sum(q);
+            if ((threadIdx.x & 31) == 0) red[hh] = q;
+        }
+        __syncthreads();
+    }
     for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
         const int hh = e / MB_L, i = e % MB_L;
         const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
-        const float* v = vec + hh * 6 * MB_L;
-        ddt[pos + i] = v[5 * MB_L + i];
-        dlam[pos + i] = v[3 * MB_L + i] - v[4 * MB_L + i];
+        const float* v = vec + hh * MB_SV * MB_L;
+        float dd = v[5 * MB_L + i], dl = v[3 * MB_L + i] - v[4 * MB_L + i];
+        if (fused) {
+            // through w_j = exp(lam_last − lam_j)·dtv_j: ddt_j += dw_j·exp(lam_last − lam_j),
+            // dlam_j −= q_j, dlam_last += Σ q (onto the walk's share there)
+            const float dw = v[7 * MB_L + i];
+            dd += dw * __expf(v[MB_L - 1] - v[i]);
+            dl -= dw * v[6 * MB_L + i];
+            if (i == MB_L - 1) dl += red[hh] + dlam[pos + i];
+        }
+        ddt[pos + i] = dd;
+        dlam[pos + i] = dl;
     }
 }
 
@@ -1365,7 +1437,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 // once; with hb = 1 (a GPU without the shared memory for that sum) each tile is added as it
 // comes. The block walks (head, 64 columns of the head, 64 of the state) with the next step's
 // tiles copied (cp.async) into the other of two buffers while it multiplies this step's; B's
-// tiles are copied once where the state has at most two.
+// tiles are copied once where the state has at most two. (Where the scan's backward takes the
+// share through x, mamba_chunk_state_db takes dB instead.)
 extern "C" __global__ void __launch_bounds__(256, 2)
     mamba_chunk_state_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                                const float* __restrict__ lam, const mb_t* __restrict__ down,
@@ -1509,6 +1582,74 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         qs = warp_sum(qs);
         __syncwarp();
         if ((threadIdx.x & 31) == 0) dlam[pos + MB_L - 1] += qs;
+    }
+}
+
+// dB's share of a chunk's own contribution to its end state, where the scan's backward took
+// the rest of mamba_chunk_state_bwd's (its `down`): dB_j[s] += Σ_h w_h,j·Σ_p x_h,j[p]·R_h[p][s]
+// (w_j = exp(lam_last − lam_j)·dtv_j, R = down[c]) for the hb heads of the block. Per 64
+// columns of the state, the heads' products (K: a head's columns) are scaled by w and summed
+// in registers, then added into dxc's B columns once (16-byte reductions on sm_90). The block
+// walks (64 state columns, head, 64 head columns) with the next step's x and R tiles copied
+// (cp.async) into the other of two buffers while it multiplies this step's.
+extern "C" __global__ void __launch_bounds__(256, 3)
+    mamba_chunk_state_db_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
+                              const float* __restrict__ lam, const mb_t* __restrict__ down,
+                              float* __restrict__ dxc, int t, int heads, int p, int s,
+                              int groups, int hb) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    // tiles 2q: x [j][p], 2q + 1: R [p][s] (buffer q)
+    float* wv = mb_vecs(mb_raw, 4);  // per head: w_j [MB_L]
+    const int h0 = blockIdx.y * hb;
+    const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
+    const int conv = heads * p + 2 * groups * s;
+    const int rows = min(t - k0.t0, MB_L);
+    const int r0 = (int)k0.row0, r1 = r0 + rows;
+    const int bcol = heads * p + k0.g * s;
+    for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
+        const int hh = e / MB_L, i = e % MB_L;
+        const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
+        wv[e] = __expf(lam[pos + MB_L - 1] - lam[pos + i]) * dtv[pos + i];
+    }
+    // Step `it`: the state's columns s0 = 64·(it / (hb·np)), head (it / np) % hb, its columns
+    // p0 = 64·(it % np).
+    const int np = (p + 63) / 64, ns = (s + 63) / 64, steps = ns * hb * np;
+    auto copy = [&](int it) {
+        if (it < steps) {
+            const int s0 = 64 * (it / (hb * np)), hh = (it / np) % hb, p0 = 64 * (it % np);
+            const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+            mb_load_async(mb_tile(mb_raw, 2 * (it & 1)), xc, conv, r0, r1, k.h * p + p0,
+                          min(64, p - p0));
+            mb_load_async(mb_tile(mb_raw, 2 * (it & 1) + 1), down + k.st, s, p0, p, s0,
+                          min(64, s - s0));
+        }
+        mb_cp_commit();
+    };
+    copy(0);
+    float acc[4][4], hd[4][4];  // Σ_h w·(x·R) of the state's columns; this head's x·R
+    mb_zero(acc);
+    for (int it = 0; it < steps; ++it) {
+        copy(it + 1);
+        mb_cp_wait<1>();
+        __syncthreads();
+        const int s0 = 64 * (it / (hb * np)), hh = (it / np) % hb, pi = it % np;
+        if (pi == 0) mb_zero(hd);
+        // A(j, p) = x[j][p], B(p, s) = R[p][s]
+        mb_mm<false, false>(hd, mb_tile(mb_raw, 2 * (it & 1)), mb_tile(mb_raw, 2 * (it & 1) + 1),
+                            64);
+        if (pi == np - 1) {
+            const float* w = wv + hh * MB_L;
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[a][c] += w[mb_row(a, c)] * hd[a][c];
+            if (hh == hb - 1) {
+                mb_red_tile(dxc + k0.row0 * conv + bcol + s0, conv, acc, rows, min(64, s - s0),
+                            nullptr);
+                mb_zero(acc);
+            }
+        }
+        __syncthreads();  // (this step's buffer is step it + 2's copy's)
     }
 }
 

@@ -11,7 +11,8 @@ use candle_core::Result;
 
 use super::arena::Activations;
 use super::kernels::{
-    scan_bwd_smem, scan_smem, state_bwd_smem, Kern, CB_SMEM, MAMBA_HB, WALK_BWD_SMEM, WALK_SMEM,
+    scan_bwd_fused_smem, scan_bwd_smem, scan_smem, state_bwd_smem, Kern, CB_SMEM, MAMBA_HB,
+    STATE_DB_SMEM, WALK_BWD_SMEM, WALK_SMEM,
 };
 use super::mamba_bufs::{MambaActs, MambaDims, MambaIdx};
 use super::params::LayerIdx;
@@ -59,6 +60,28 @@ fn heads_a_block(d: &MambaDims, max: usize) -> usize {
 
 /// The gated norm's backward: a block per `GN_ROWS` rows (mamba.cuh's MB_GN_ROWS).
 const GN_ROWS: usize = 8;
+
+/// Whether the gated norm's rows move 16 bytes a thread (mamba.cuh's mb_gn_vec: its widths
+/// and the in_proj output's row stride).
+fn gn_vec(d: &MambaDims) -> bool {
+    let gw = d.inner() / d.groups;
+    [gw, d.in_w(), d.inner()]
+        .iter()
+        .all(|v| v.is_multiple_of(8))
+}
+
+/// The gated norm's threads a block. Where a thread moves 16 bytes at a time (`vec`: mamba.cuh's
+/// mb_gn_vec, at most MB_GN_V = 4 pieces a thread), as many as spread a group's pieces evenly
+/// over the fewest passes (a group of 3072 columns: 192 threads of two pieces each, where 256
+/// would leave half the warps a piece behind at each row's block-wide sum); else 256.
+fn gn_threads(gw: usize, vec: bool) -> u32 {
+    let pieces = gw / 8;
+    let passes = pieces.div_ceil(256);
+    if !vec || !gw.is_multiple_of(8) || passes == 0 || passes > 4 {
+        return 256;
+    }
+    pieces.div_ceil(passes).next_multiple_of(32).min(256) as u32
+}
 
 fn cfg(grid: (usize, usize, usize), threads: u32, smem: u32) -> LaunchConfig {
     LaunchConfig {
@@ -221,7 +244,11 @@ impl ModelStep {
         )?;
         self.launch(
             &self.k.mamba.gnorm_fwd,
-            cfg((y.n.min(65535), 1, 1), 256, 0),
+            cfg(
+                (y.n.min(65535), 1, 1),
+                gn_threads(d.inner() / d.groups, gn_vec(d)),
+                0,
+            ),
             &[
                 Arg::P(m.y[l]),
                 Arg::P(y.zx),
@@ -234,6 +261,31 @@ impl ModelStep {
                 Arg::I(i32_of(d.groups, "Mamba groups")?),
                 Arg::F(self.eps),
             ],
+        )
+    }
+
+    /// The state passing's backward (one reverse walk over the chunks): `down` (the gradient
+    /// of each chunk's own contribution to its end state) and the decay's share of dlam.
+    fn mamba_walk_bwd(&self, y: &Layer) -> Result<()> {
+        let (d, m) = (&y.d, y.m);
+        let mut args = vec![
+            Arg::P(m.xc),
+            Arg::P(m.dy),
+            Arg::P(y.lam),
+            Arg::P(y.states),
+            Arg::P(m.dlam),
+            Arg::P(m.down),
+        ];
+        args.extend(self.chunk_args(d)?);
+        args.push(Arg::I(i32_of(y.chunks, "chunks")?));
+        self.launch(
+            &self.k.mamba.state_walk_bwd,
+            cfg(
+                (d.head_dim.div_ceil(64), d.state.div_ceil(64), y.b * d.heads),
+                256,
+                WALK_BWD_SMEM,
+            ),
+            &args,
         )
     }
 
@@ -259,7 +311,11 @@ impl ModelStep {
         }
         self.launch(
             &k.gnorm_bwd,
-            cfg((y.n.div_ceil(GN_ROWS), 1, 1), 256, 4 * inner as u32),
+            cfg(
+                (y.n.div_ceil(GN_ROWS), 1, 1),
+                gn_threads(inner, d.groups == 1 && gn_vec(d)),
+                4 * inner as u32,
+            ),
             &[
                 Arg::P(m.y[l]),
                 Arg::P(y.zx),
@@ -295,12 +351,33 @@ impl ModelStep {
         } else {
             1
         };
+        // Where the scan's backward takes the chunk states' share through x (`fused`), the
+        // reverse walk runs first (its `down` is what that share reads) and adds its share of
+        // dlam into a zeroed one, and dB alone follows (`MambaKernels::state_db`).
+        let fused = d.state <= k.fused_state;
+        if fused {
+            let len = y.b * d.heads * y.chunks * 64;
+            let len_i = i32_of(len, "Mamba positions")?;
+            self.launch(
+                &k.zero,
+                flat_cfg(len),
+                &[
+                    Arg::P(m.dlam),
+                    Arg::I(1),
+                    Arg::I(len_i),
+                    Arg::I(0),
+                    Arg::I(len_i),
+                ],
+            )?;
+            self.mamba_walk_bwd(&y)?;
+        }
         let mut args = vec![
             Arg::P(m.xc),
             Arg::P(y.cb),
             Arg::P(y.dtv),
             Arg::P(y.lam),
             Arg::P(y.states),
+            Arg::P(if fused { m.down } else { 0 }),
             Arg::P(self.weight_ptr(y.idx.d)?),
             Arg::P(m.dy),
             Arg::P(m.dxc),
@@ -310,50 +387,58 @@ impl ModelStep {
         ];
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(hb, "heads a block")?));
+        let smem = if fused {
+            scan_bwd_fused_smem(hb, d.state)
+        } else {
+            scan_bwd_smem(hb)
+        };
         self.launch(
             scan_bwd,
-            cfg((y.chunks, d.heads / hb, y.b), 256, scan_bwd_smem(hb)),
+            cfg((y.chunks, d.heads / hb, y.b), 256, smem),
             &args,
         )?;
-        let mut args = vec![
-            Arg::P(m.xc),
-            Arg::P(m.dy),
-            Arg::P(y.lam),
-            Arg::P(y.states),
-            Arg::P(m.dlam),
-            Arg::P(m.down),
-        ];
-        args.extend(self.chunk_args(d)?);
-        args.push(Arg::I(i32_of(y.chunks, "chunks")?));
-        self.launch(
-            &k.state_walk_bwd,
-            cfg(
-                (d.head_dim.div_ceil(64), d.state.div_ceil(64), y.b * d.heads),
-                256,
-                WALK_BWD_SMEM,
-            ),
-            &args,
-        )?;
-        let mut args = vec![
-            Arg::P(m.xc),
-            Arg::P(y.dtv),
-            Arg::P(y.lam),
-            Arg::P(m.down),
-            Arg::P(m.dxc),
-            Arg::P(m.ddt),
-            Arg::P(m.dlam),
-        ];
-        args.extend(self.chunk_args(d)?);
-        args.push(Arg::I(i32_of(hb_state, "heads a block")?));
-        self.launch(
-            state_bwd,
-            cfg(
-                (y.chunks, d.heads / hb_state, y.b),
-                256,
-                state_bwd_smem(d.state, hb_state > 1),
-            ),
-            &args,
-        )?;
+        if !fused {
+            self.mamba_walk_bwd(&y)?;
+        }
+        if fused {
+            // dB alone (the scan's backward took the rest), every head of a group it can take.
+            let hb_db = heads_a_block(d, MAMBA_HB);
+            let mut args = vec![
+                Arg::P(m.xc),
+                Arg::P(y.dtv),
+                Arg::P(y.lam),
+                Arg::P(m.down),
+                Arg::P(m.dxc),
+            ];
+            args.extend(self.chunk_args(d)?);
+            args.push(Arg::I(i32_of(hb_db, "heads a block")?));
+            self.launch(
+                &k.state_db,
+                cfg((y.chunks, d.heads / hb_db, y.b), 256, STATE_DB_SMEM),
+                &args,
+            )?;
+        } else {
+            let mut args = vec![
+                Arg::P(m.xc),
+                Arg::P(y.dtv),
+                Arg::P(y.lam),
+                Arg::P(m.down),
+                Arg::P(m.dxc),
+                Arg::P(m.ddt),
+                Arg::P(m.dlam),
+            ];
+            args.extend(self.chunk_args(d)?);
+            args.push(Arg::I(i32_of(hb_state, "heads a block")?));
+            self.launch(
+                state_bwd,
+                cfg(
+                    (y.chunks, d.heads / hb_state, y.b),
+                    256,
+                    state_bwd_smem(d.state, hb_state > 1),
+                ),
+                &args,
+            )?;
+        }
         let (head, tail) = self.dt_args(&y)?;
         let mid = [
             Arg::P(y.dtv),
