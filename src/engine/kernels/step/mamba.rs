@@ -400,45 +400,25 @@ impl ModelStep {
         if !fused {
             self.mamba_walk_bwd(&y)?;
         }
-        if fused {
-            // dB alone (the scan's backward took the rest), every head of a group it can take.
-            let hb_db = heads_a_block(d, MAMBA_HB);
-            let mut args = vec![
-                Arg::P(m.xc),
-                Arg::P(y.dtv),
-                Arg::P(y.lam),
-                Arg::P(m.down),
-                Arg::P(m.dxc),
-            ];
-            args.extend(self.chunk_args(d)?);
-            args.push(Arg::I(i32_of(hb_db, "heads a block")?));
-            self.launch(
-                &k.state_db,
-                cfg((y.chunks, d.heads / hb_db, y.b), 256, STATE_DB_SMEM),
-                &args,
-            )?;
+        // The chunk states' backward: dB alone where the scan's backward took the rest (every
+        // head of a group a block can take), else all of it.
+        let mut args = vec![
+            Arg::P(m.xc),
+            Arg::P(y.dtv),
+            Arg::P(y.lam),
+            Arg::P(m.down),
+            Arg::P(m.dxc),
+        ];
+        let (kern, hb_c, smem) = if fused {
+            (&k.state_db, heads_a_block(d, MAMBA_HB), STATE_DB_SMEM)
         } else {
-            let mut args = vec![
-                Arg::P(m.xc),
-                Arg::P(y.dtv),
-                Arg::P(y.lam),
-                Arg::P(m.down),
-                Arg::P(m.dxc),
-                Arg::P(m.ddt),
-                Arg::P(m.dlam),
-            ];
-            args.extend(self.chunk_args(d)?);
-            args.push(Arg::I(i32_of(hb_state, "heads a block")?));
-            self.launch(
-                state_bwd,
-                cfg(
-                    (y.chunks, d.heads / hb_state, y.b),
-                    256,
-                    state_bwd_smem(d.state, hb_state > 1),
-                ),
-                &args,
-            )?;
-        }
+            args.extend([Arg::P(m.ddt), Arg::P(m.dlam)]);
+            let smem = state_bwd_smem(d.state, hb_state > 1);
+            (state_bwd, hb_state, smem)
+        };
+        args.extend(self.chunk_args(d)?);
+        args.push(Arg::I(i32_of(hb_c, "heads a block")?));
+        self.launch(kern, cfg((y.chunks, d.heads / hb_c, y.b), 256, smem), &args)?;
         let (head, tail) = self.dt_args(&y)?;
         let mid = [
             Arg::P(y.dtv),
