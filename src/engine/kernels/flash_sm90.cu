@@ -1,6 +1,7 @@
 // Flash attention on Hopper (sm_90a), its products as warpgroup tensor-core instructions (wgmma,
-// 64x64x16 each) instead of mma.sync: the main kernel of flash.cu's backward (launch 2 of 3) for
-// head dims 128 (flash_bwd_wg) and 64 (flash_bwd_ws, warp-specialized) and, at the end of this file, the forward for head dims 64 and 128. Included by
+// m64n64k16 and m64n128k16) instead of mma.sync: the main kernel of flash.cu's backward (launch 2
+// of 3) for head dims 128 (flash_bwd_wg) and 64 (flash_bwd_ws, warp-specialized, 128-query
+// tiles) and, at the end of this file, the forward for head dims 64 and 128. Included by
 // kernels.cu; compiled only into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded
 // on compute capability 9.0).
 //
@@ -18,7 +19,7 @@
 //
 // flash_bwd_wg: one block = one warpgroup = 64 keys of one (b, key/value head); it loops over the
 // query tiles of every query head of the group, as flash_bwd_bf16 does (flash_bwd_ws: two such
-// warpgroups over 128 keys, and a third for the copies and dQ). Shared memory holds K, V, two
+// warpgroups over 128 keys and 128-query tiles, and a third for the copies). Shared memory holds K, V, two
 // buffers of (Q, dO) filled by cp.async, and dS^T, each a 64 x 64 tile in flash.cu's swizzled
 // layout — 128-byte rows whose 16-byte chunks are XOR-ed with the row's low three bits, which is
 // exactly wgmma's 128-byte swizzle once a tile starts on a 1024-byte boundary. Per tile:
@@ -40,9 +41,8 @@
 // 64 x 64 tile costs one block about 5000 cycles against 640 of tensor-core work at peak: the
 // kernel is bound by latency (the wait at each phase, the barrier before dQ, the next tile's
 // copies and dQ's atomics issuing from the same warps), not by the products. Hence, at head dim
-// 64, flash_bwd_ws_bf16 below: dQ and the copies moved to a third warpgroup, 128 keys a block —
-// on the same H100 shapes 0.127 ms (B8 T1024) and 0.63 ms (B4 T2048) against flash_bwd_wg's 0.155
-// and 0.85.
+// 64, flash_bwd_ws_bf16 below: the copies moved to a third warpgroup, 128 keys a block and (since
+// the restructurings that kept 64-query tiles did not move it past ~290 TFLOP/s) 128-query tiles.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -96,6 +96,18 @@ __device__ __forceinline__ void wg_rs(float (&d)[8][4], const uint32_t (&a)[4], 
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, %37;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(TB));
+}
+
+// d (64 x 128, fp32) = A (64 x 16) B (16 x 128) + (acc ? d : 0), both operands in shared memory
+// (B: 128 rows of a K-major operand, two 64-row tiles one after the other).
+template <int TA, int TB>
+__device__ __forceinline__ void wg_ss128(float (&d)[16][4], uint64_t da, uint64_t db, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." FA_AB "." FA_AB " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
 }
 
 // Adds warp w's 16 query rows (q0 + 16w ..) of a tile's dQ into dq_acc (row stride HD): staged in
@@ -328,24 +340,28 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The head-dim-64 backward, warp-specialized (FlashAttention-3's shape): one block = 128 keys of
-// one (b, key/value head) and three warpgroups. WG0 and WG1 each own 64 of the keys and do what
-// flash_bwd_wg does for them except dQ (S^T, dP^T, P^T, dS^T, dV, dK); WG2 loads the (Q, dO)
-// tiles into a two-slot ring and computes each tile's dQ = dS K over all 128 keys (one product,
-// k = 128: half the atomics of two 64-key blocks), staged and added into dq_acc while the others
-// run on — so dQ's product, its wait and its atomics leave the critical path. Named barriers
-// (384 threads each) hand the slots over:
-//   FULL[s]    WG2 -> WG0, WG1: the (Q, dO) of ring slot s landed
-//   EMPTY[s]   WG0, WG1 -> WG2: their products on slot s are done (refill it)
-//   DSFULL[s]  WG0, WG1 -> WG2: both halves of dS^T slot s are written
-//   DSEMPTY[s] WG2 -> WG0, WG1: dS^T slot s has been read (arrived ahead for the first two)
-// Each arrive is matched by one sync. 168 registers a thread at launch (one block an SM); WG2
-// keeps 80 (setmaxnreg) and WG0, WG1 take the rest (200; no spills). Launch: grid (B*KVH,
+// The head-dim-64 backward with 128-query tiles (FlashAttention-3's hd64 shape): 128 keys a
+// block, three warpgroups, each step a tile of 128 queries. WG0 and WG1 own 64 keys each:
+// S^T = K Q^T and dP^T = V dO^T as m64n128k16 products (64 keys x 128 queries), P^T and dS^T in
+// registers, dV += P^T dO and dK += dS^T Q with k = 128; then, with both halves of dS^T in shared
+// memory, each computes dQ of one 64-query half over all 128 keys (k = 128) and adds it into
+// dq_acc. WG2 only copies: K and V once, then each step's (Q, dO) into a two-slot ring. Against
+// 64-query tiles (this kernel's previous shape, with WG2 computing dQ): half the product
+// instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and half the
+// steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the backward 293 ->
+// 338 TFLOP/s, 259.9 -> 238.1 ms a step. A ring slot holds
+// Qa Qb dOa dOb (64 x 64 tiles, queries 0..63 and 64..127 one after the other: one K-major operand
+// of 128 rows), a dS^T slot four tiles (kh·2 + qh: keys 64kh.., queries 64qh..). Barriers:
+//   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
+//   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
+//   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written
+// A dS^T slot is rewritten two steps later, after both warpgroups have passed the DS barrier of
+// the step between — each waits for its dQ products before reaching it. Registers: WG2 keeps 24,
+// WG0 and WG1 take 240 (S^T, dP^T, dK and dV are 192 of them; at 216 ptxas serializes the
+// products, and WG2 at 32 would leave the consumers' increase short of the block's pool). Launch: grid (B*KVH,
 // ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
 #define FA_WS_FULL 1
 #define FA_WS_EMPTY 3
-#define FA_WS_DSFULL 5
-#define FA_WS_DSEMPTY 7
 __device__ __forceinline__ void fa_ws_sync(int id) {
     asm volatile("bar.sync %0, 384;\n" ::"r"(id) : "memory");
 }
@@ -353,129 +369,185 @@ __device__ __forceinline__ void fa_ws_arrive(int id) {
     asm volatile("bar.arrive %0, 384;\n" ::"r"(id) : "memory");
 }
 
-// Step `it`'s Q and dO tiles into ring slot sQa (dO one tile further), by WG2's threads (pt).
-__device__ __forceinline__ void fa_ws_load_qdo(const FaBwdBlock<64, 128>& blk, int it, uint32_t sQa,
-                                               int T, int pt) {
+#define FA_WS_DS 5
+__device__ __forceinline__ void fa_ws_at(const FaBwdBlock<64, 128>& blk, int nt2, int it, int& h,
+                                         int& i) {
+    const int hq = it / nt2;
+    h = blk.h0 + hq;
+    i = blk.i0 + 2 * (it - hq * nt2);  // in 64-query tiles
+}
+__device__ __forceinline__ void fa_ws_load(const FaBwdBlock<64, 128>& blk, int nt2, int it,
+                                           uint32_t slot, int T, int pt) {
+    constexpr uint32_t TILE = 64 * 64 * 2;
     int h, i;
-    blk.at(it, h, i);
-    fa_load_tile<64, true>(sQa, blk.qkv_b + h * 64, blk.ld, i * FA_BM, T, pt);
-    fa_load_tile<64, true>(sQa + 64 * 64 * 2, blk.dout_b + h * 64, blk.HD, i * FA_BM, T, pt);
+    fa_ws_at(blk, nt2, it, h, i);
+#pragma unroll
+    for (int qh = 0; qh < 2; ++qh) {
+        fa_load_tile<64, true>(slot + qh * TILE, blk.qkv_b + h * 64, blk.ld, (i + qh) * FA_BM, T, pt);
+        fa_load_tile<64, true>(slot + (2 + qh) * TILE, blk.dout_b + h * 64, blk.HD,
+                               (i + qh) * FA_BM, T, pt);
+    }
+}
+
+// The two MMA warpgroups of flash_bwd_ws (warpgroup wg: keys 64wg.. of the block), a step
+// per 128-query tile; dK and dV left in registers. STARTS / DROP: packed rows (starts) and
+// attention dropout (thr), compiled as separate loops so that the plain one carries neither.
+template <bool STARTS, bool DROP>
+__device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>& blk, int nt2,
+                                          int steps, uint32_t sK, uint32_t sQD, uint32_t sdS,
+                                          char* smc, int wg, int warp, int lane, float (&dk)[8][4],
+                                          float (&dv)[8][4]) {
+    constexpr uint32_t TILE = 64 * 64 * 2;
+    const int g = lane >> 2, t4 = lane & 3;
+    if (!DROP) thr = 0;
+    const int* st_b = STARTS ? starts + (size_t)blk.b * T : nullptr;
+    const float sl2 = scale * 1.4426950408889634f;
+    const uint32_t sKc = sK + wg * TILE, sVc = sK + (2 + wg) * TILE;
+    const int wk0 = blk.k0 + 64 * wg + warp * 16;
+    const int kr0 = wk0 + g;
+    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
+    float* stg = reinterpret_cast<float*>(smc + 20 * TILE) + (4 * wg + warp) * 16 * 64;
+    for (int it = 0; it < steps; ++it) {
+        const int s = it & 1;
+        int h, i;
+        fa_ws_at(blk, nt2, it, h, i);
+        const int q0 = i * FA_BM;
+        const uint32_t sQa = sQD + s * 4 * TILE, sdOa = sQa + 2 * TILE;
+        fa_ws_sync(FA_WS_FULL + s);
+        float st[16][4], dpt[16][4];
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss128<0, 0>(st, wg_desc(sKc + kc * 32), wg_desc(sQa + kc * 32), kc);
+        wg_commit();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss128<0, 0>(dpt, wg_desc(sVc + kc * 32), wg_desc(sdOa + kc * 32), kc);
+        wg_commit();
+        const size_t bh = (size_t)blk.b * H + h;
+        float ls[2][2], dl[2][2];
+#pragma unroll
+        for (int qh = 0; qh < 2; ++qh)
+            fa_bwd_row_stats(lse, delta, bh, q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
+                             dl[qh][0], dl[qh][1]);
+        wg_wait<1>();
+        wg_pin(st);
+#pragma unroll
+        for (int qh = 0; qh < 2; ++qh)
+            fa_bwd_probs(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]), ls[qh][0], ls[qh][1], sl2,
+                         q0 + 64 * qh, wk0, kr0, t4, st_b, T);
+        wg_wait<0>();
+        wg_pin(dpt);
+#pragma unroll
+        for (int qh = 0; qh < 2; ++qh)
+            fa_bwd_dscores(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
+                           *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0], dl[qh][1],
+                           q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh, blk.nq);
+        uint32_t pa[8][4], sa[8][4];
+#pragma unroll
+        for (int kc = 0; kc < 8; ++kc) {
+            fa_frag(st, kc, pa[kc]);
+            fa_frag(dpt, kc, sa[kc]);
+        }
+        // dV += P^T dO, dK += dS^T Q: k = the tile's 128 queries (dO, Q: two tiles each, in a row)
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dv, pa[kc], wg_desc(sdOa + kc * 2048));
+#pragma unroll
+        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dk, sa[kc], wg_desc(sQa + kc * 2048));
+        wg_commit();
+        // dS^T -> this warpgroup's two tiles of dS^T slot s, while those run
+#pragma unroll
+        for (int qh = 0; qh < 2; ++qh) {
+            char* sdSc = smc + (12 + 4 * s + 2 * wg + qh) * TILE;
+#pragma unroll
+            for (int k4 = 0; k4 < 4; ++k4) {
+                const uint32_t(&a)[4] = sa[4 * qh + k4];
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, k4 * 16 + t4 * 2)) = a[0];
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, k4 * 16 + t4 * 2)) = a[1];
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, k4 * 16 + 8 + t4 * 2)) = a[2];
+                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, k4 * 16 + 8 + t4 * 2)) = a[3];
+            }
+        }
+        fa_fence_async();
+        asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
+        // dQ of query half wg = dS K over the block's 128 keys (A = dS^T tiles read transposed)
+        float dq[8][4];
+        wg_fence();
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc)
+                wg_ss<1, 1>(dq, wg_desc(sdS + (4 * s + 2 * kh + wg) * TILE + kc * 2048),
+                            wg_desc(sK + kh * TILE + kc * 2048), kh | kc);
+        wg_commit();
+        wg_wait<1>();  // dV, dK done reading slot s
+        wg_pin(dv);
+        wg_pin(dk);
+        if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
+        wg_wait<0>();
+        wg_pin(dq);
+        const int qw = q0 + 64 * wg + warp * 16;
+        fa_wg_flush_dq(dq, stg, dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * 64,
+                       min(16, T - qw), blk.HD, lane);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
     constexpr uint32_t TILE = 64 * 64 * 2;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const int g = lane >> 2, t4 = lane & 3;
     const FaBwdBlock<64, 128> blk(qkv, dout, T, H, KVH, starts);
     const uint32_t raw = fa_smem_u32(fa_wg_smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
     char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
-    // K0 K1 | V0 V1 | two ring slots of (Q, dO) | two dS^T slots of two halves | dQ staging
-    const uint32_t sK = base, sV = base + 2 * TILE, sQD = base + 4 * TILE, sdS = base + 8 * TILE;
-    const int steps = blk.steps();
+    // K0 K1 | V0 V1 | two ring slots of (Qa Qb dOa dOb) | two dS^T slots of four tiles | dQ staging
+    const uint32_t sK = base, sQD = base + 4 * TILE, sdS = base + 12 * TILE;
+    const int nt2 = (blk.ntile + 1) >> 1;
+    const int steps = blk.rep * nt2;
 
     if (wg == 2) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 80;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         const int pt = tid - 256;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            fa_load_tile<64, true>(sK + c * TILE, blk.kg, blk.ld, blk.k0 + 64 * c, T, pt);
-            fa_load_tile<64, true>(sV + c * TILE, blk.vg, blk.ld, blk.k0 + 64 * c, T, pt);
-        }
-        fa_ws_load_qdo(blk, 0, sQD, T, pt);
+        for (int c = 0; c < 4; ++c)
+            fa_load_tile<64, true>(sK + c * TILE, c < 2 ? blk.kg : blk.vg, blk.ld,
+                                   blk.k0 + 64 * (c & 1), T, pt);
+        fa_ws_load(blk, nt2, 0, sQD, T, pt);
         fa_cp_commit();
-        if (steps > 1) {
-            fa_ws_load_qdo(blk, 1, sQD + 2 * TILE, T, pt);
-            fa_cp_commit();
-            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-        } else {
-            fa_cp_wait_all();
-        }
-        fa_fence_async();
-        fa_ws_arrive(FA_WS_FULL);
-        fa_ws_arrive(FA_WS_DSEMPTY);
-        if (steps > 1) fa_ws_arrive(FA_WS_DSEMPTY + 1);
-        float* stg = reinterpret_cast<float*>(smc + 12 * TILE) + warp * 16 * 64;
         for (int it = 0; it < steps; ++it) {
             const int s = it & 1;
-            if (it + 1 < steps) {  // the next tile's (Q, dO), loaded a tile ago
-                fa_cp_wait_all();
-                fa_fence_async();
-                fa_ws_arrive(FA_WS_FULL + (s ^ 1));
-            }
-            int h, i;
-            blk.at(it, h, i);
-            float dq[8][4];
-            fa_ws_sync(FA_WS_DSFULL + s);
-            wg_fence();
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int kc = 0; kc < 4; ++kc)
-                    wg_ss<1, 1>(dq, wg_desc(sdS + (2 * s + half) * TILE + kc * 2048),
-                                wg_desc(sK + half * TILE + kc * 2048), half | kc);
-            wg_commit();
-            wg_wait<0>();
-            wg_pin(dq);
-            if (it + 2 < steps) {
-                fa_ws_arrive(FA_WS_DSEMPTY + s);
-                fa_ws_sync(FA_WS_EMPTY + s);  // slot s's tile done: refill it two tiles ahead
-                fa_ws_load_qdo(blk, it + 2, sQD + s * 2 * TILE, T, pt);
+            fa_cp_wait_all();
+            fa_fence_async();
+            fa_ws_arrive(FA_WS_FULL + s);
+            if (it + 1 < steps) {  // the next tile into the other slot, once step it - 1 is done
+                if (it >= 1) fa_ws_sync(FA_WS_EMPTY + (s ^ 1));
+                fa_ws_load(blk, nt2, it + 1, sQD + (s ^ 1) * 4 * TILE, T, pt);
                 fa_cp_commit();
             }
-            const int qw = i * FA_BM + warp * 16;
-            fa_wg_flush_dq(dq, stg, dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * 64,
-                           min(16, T - qw), blk.HD, lane);
         }
-        __syncthreads();  // every dQ product done reading K: the consumers' epilogue reuses it
+        __syncthreads();  // the consumers' epilogue reuses K and V
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n" ::: "memory");
-    const float sl2 = scale * 1.4426950408889634f;
-    const uint32_t sKc = sK + wg * TILE, sVc = sV + wg * TILE;
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     float dk[8][4], dv[8][4];
     fa_zero(dk);
     fa_zero(dv);
-    const int wk0 = blk.k0 + 64 * wg + warp * 16;
-    const int kr0 = wk0 + g;
-    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-    // (Tried: leaving a tile's dV and dK in flight into the next tile, behind its S^T and dP^T.
-    // With a product group in flight across the loop's back edge ptxas serializes every wgmma of
-    // the kernel (C7515), whatever the waits; dropped.)
-    for (int it = 0; it < steps; ++it) {
-        const int s = it & 1;
-        int h, i;
-        blk.at(it, h, i);
-        const int q0 = i * FA_BM;
-        const uint32_t sQa = sQD + s * 2 * TILE, sdOa = sQa + TILE;
-        fa_ws_sync(FA_WS_FULL + s);
-        float st[8][4], dpt[8][4];
-        fa_wg_bwd_scores<64>(st, dpt, sKc, sVc, sQa, sdOa);
-        uint32_t sa[4][4];
-        fa_wg_bwd_middle(st, dpt, dv, dk, sa, lse, delta, (size_t)blk.b * H + h, q0, T, lane, sl2,
-                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa,
-                         starts ? starts + (size_t)blk.b * T : nullptr);
-        // dS^T -> this warpgroup's half of slot s, once WG2 has read the slot's last tile
-        fa_ws_sync(FA_WS_DSEMPTY + s);
-        char* sdSc = smc + (8 + 2 * s + wg) * TILE;
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[kc][0];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[kc][1];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[kc][2];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + 8 + t4 * 2)) = sa[kc][3];
-        }
-        fa_fence_async();
-        fa_ws_arrive(FA_WS_DSFULL + s);
-        wg_wait<0>();  // dV, dK done reading slot s
-        wg_pin(dv);
-        wg_pin(dk);
-        if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
+    if (starts != nullptr) {
+        if (thr)
+            fa_ws_mma<true, true>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+        else
+            fa_ws_mma<true, false>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+    } else {
+        if (thr)
+            fa_ws_mma<false, true>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+        else
+            fa_ws_mma<false, false>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
     }
-    __syncthreads();
-    fa_bwd_store_kv(dk, dv, scale, smc + wg * TILE, smc + (2 + wg) * TILE, warp, lane, wk0, T,
+    __syncthreads();  // every dQ product done reading K and V's tiles
+    fa_bwd_store_kv(dk, dv, scale, smc + wg * TILE, smc + (2 + wg) * TILE, warp, lane,
+                    blk.k0 + 64 * wg + warp * 16, T,
                     dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * 64, blk.ld, blk.KD);
 }
 
