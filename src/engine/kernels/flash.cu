@@ -809,6 +809,25 @@ __device__ __forceinline__ void fa_bwd_row_stats(const float* __restrict__ lse,
     dlb = qa + 1 < T ? __ldg(dlg + qa + 1) : 0.f;
 }
 
+// Lane l's sample starts (packed rows: st_b, this batch row's) of queries q0 + 2l and q0 + 2l + 1
+// (0 past T), for fa_bwd_probs<true>.
+__device__ __forceinline__ void fa_bwd_row_starts(const int* __restrict__ st_b, int q0, int T,
+                                                  int lane, int& sqa, int& sqb) {
+    const int qa = q0 + 2 * lane;
+    sqa = qa < T ? __ldg(st_b + qa) : 0;
+    sqb = qa + 1 < T ? __ldg(st_b + qa + 1) : 0;
+}
+// Lane l's dropout flag words (query head row bh, nkt 64-key tiles a row, key tile kt) of queries
+// q0 + 2l and q0 + 2l + 1 (0 past T), for fa_bwd_dscores<true>.
+__device__ __forceinline__ void fa_bwd_row_mbits(const unsigned long long* __restrict__ mbits,
+                                                 size_t bh, int T, int nkt, int kt, int q0,
+                                                 int lane, unsigned long long& ma,
+                                                 unsigned long long& mb) {
+    const int qa = q0 + 2 * lane;
+    ma = qa < T ? __ldg(mbits + (bh * T + qa) * nkt + kt) : 0ull;
+    mb = qa + 1 < T ? __ldg(mbits + (bh * T + qa + 1) * nkt + kt) : 0ull;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The elementwise middle and the epilogue of the head-dim-64 backward's main kernel, shared by
 // flash_bwd_bf16 (mma.sync) and flash_sm90.cu's flash_bwd_ws_bf16 (wgmma): both hold S^T and
@@ -819,10 +838,14 @@ __device__ __forceinline__ void fa_bwd_row_stats(const float* __restrict__ lse,
 // this thread's kr0 and kr0 + 8) reach the tile's queries (q0..). Lane l holds lse (log2
 // units) of queries q0 + 2l and q0 + 2l + 1 in lsa, lsb.
 // Packed rows (st_b: this batch row's sample starts, or null): keys before a query's start are
-// another sample's.
+// another sample's. PRE: lane l holds the starts of its two queries in sqa, sqb
+// (fa_bwd_row_starts; st_b only says whether rows are packed) — a warp's 16 loads instead of
+// every thread's 16, which the 128-query tiles' registers cannot hold in flight.
+template <bool PRE = false>
 __device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float lsb, float sl2,
                                              int q0, int wk0, int kr0, int t4,
-                                             const int* __restrict__ st_b, int T) {
+                                             const int* __restrict__ st_b, int T, int sqa = 0,
+                                             int sqb = 0) {
     const int kr1 = kr0 + 8;
     const bool diag = wk0 + 15 > q0;
 #pragma unroll
@@ -838,7 +861,8 @@ __device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float
                 if (kr1 > q) p1 = 0.f;
             }
             if (st_b != nullptr) {
-                const int sq = q < T ? __ldg(st_b + q) : 0;
+                const int sq = PRE ? __shfl_sync(0xffffffffu, e ? sqb : sqa, nt * 4 + t4)
+                                   : (q < T ? __ldg(st_b + q) : 0);
                 if (kr0 < sq) p0 = 0.f;
                 if (kr1 < sq) p1 = 0.f;
             }
@@ -850,12 +874,14 @@ __device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float
 // dS^T = P^T * (dP^T - delta[q]) into dpt (lane l holds delta of queries q0 + 2l, + 1 in dla,
 // dlb). With dropout (thr > 0) dP is the dropped one's gradient through the forward's kept-flags
 // (mbits of query head bh = b·H + h, nkt 64-key tiles a row) and P^T becomes the dropped one,
-// which dV takes.
+// which dV takes. PRE: lane l holds its two queries' flag words in ma, mb (fa_bwd_row_mbits).
+template <bool PRE = false>
 __device__ __forceinline__ void fa_bwd_dscores(float (&st)[8][4], float (&dpt)[8][4], float dla,
                                                float dlb, int q0, int kr0, int t4, int T,
                                                uint32_t thr, float dscale,
                                                const unsigned long long* __restrict__ mbits,
-                                               size_t bh, int nkt) {
+                                               size_t bh, int nkt, unsigned long long ma = 0,
+                                               unsigned long long mb = 0) {
     const int jk = kr0 & 63;  // this thread's first key in its 64-key tile (kr0 + 8: +8)
     const int kbit = ((jk >> 1) & 3) * 16 + (jk >> 3) * 2 + (jk & 1);
 #pragma unroll
@@ -865,8 +891,16 @@ __device__ __forceinline__ void fa_bwd_dscores(float (&st)[8][4], float (&dpt)[8
             const float dl = __shfl_sync(0xffffffffu, e ? dlb : dla, nt * 4 + t4);
             if (thr) {
                 const int q = q0 + nt * 8 + t4 * 2 + e;
-                const unsigned long long m =
-                    q < T ? __ldg(mbits + (bh * T + q) * nkt + (kr0 >> 6)) : 0ull;
+                unsigned long long m;
+                if (PRE) {
+                    const unsigned long long mine = e ? mb : ma;
+                    const int src = nt * 4 + t4;
+                    m = (unsigned long long)__shfl_sync(0xffffffffu, (uint32_t)mine, src) |
+                        ((unsigned long long)__shfl_sync(0xffffffffu, (uint32_t)(mine >> 32), src)
+                         << 32);
+                } else {
+                    m = q < T ? __ldg(mbits + (bh * T + q) * nkt + (kr0 >> 6)) : 0ull;
+                }
                 const float m0 = (m >> kbit) & 1 ? dscale : 0.f;
                 const float m1 = (m >> (kbit + 2)) & 1 ? dscale : 0.f;
                 dpt[nt][e] = st[nt][e] * (dpt[nt][e] * m0 - dl);

@@ -390,17 +390,19 @@ __device__ __forceinline__ void fa_ws_load(const FaBwdBlock<64, 128>& blk, int n
 }
 
 // The two MMA warpgroups of flash_bwd_ws (warpgroup wg: keys 64wg.. of the block), a step
-// per 128-query tile; dK and dV left in registers. STARTS / DROP: packed rows (starts) and
-// attention dropout (thr), compiled as separate loops so that the plain one carries neither.
-template <bool STARTS, bool DROP>
+// per 128-query tile; dK and dV left in registers. ANY: packed rows (starts) or attention
+// dropout (thr) — a loop of its own, so that the plain one carries neither; there each lane
+// loads its two queries' sample starts and flag words once a half and the middle shuffles them
+// out (loaded per element, the 128-query tile's registers spilled).
+template <bool ANY>
 __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>& blk, int nt2,
                                           int steps, uint32_t sK, uint32_t sQD, uint32_t sdS,
                                           char* smc, int wg, int warp, int lane, float (&dk)[8][4],
                                           float (&dv)[8][4]) {
     constexpr uint32_t TILE = 64 * 64 * 2;
     const int g = lane >> 2, t4 = lane & 3;
-    if (!DROP) thr = 0;
-    const int* st_b = STARTS ? starts + (size_t)blk.b * T : nullptr;
+    if (!ANY) thr = 0;
+    const int* st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
     const float sl2 = scale * 1.4426950408889634f;
     const uint32_t sKc = sK + wg * TILE, sVc = sK + (2 + wg) * TILE;
     const int wk0 = blk.k0 + 64 * wg + warp * 16;
@@ -426,23 +428,33 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         wg_commit();
         const size_t bh = (size_t)blk.b * H + h;
         float ls[2][2], dl[2][2];
+        int sq[2][2] = {};                     // packed rows: lane's queries' sample starts
+        unsigned long long mw[2][2] = {};      // dropout: lane's queries' flag words
 #pragma unroll
-        for (int qh = 0; qh < 2; ++qh)
+        for (int qh = 0; qh < 2; ++qh) {
             fa_bwd_row_stats(lse, delta, bh, q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
                              dl[qh][0], dl[qh][1]);
+            if (ANY && st_b != nullptr)
+                fa_bwd_row_starts(st_b, q0 + 64 * qh, T, lane, sq[qh][0], sq[qh][1]);
+            if (ANY && thr)
+                fa_bwd_row_mbits(mbits, bh, T, blk.nq, kr0 >> 6, q0 + 64 * qh, lane, mw[qh][0],
+                                 mw[qh][1]);
+        }
         wg_wait<1>();
         wg_pin(st);
 #pragma unroll
         for (int qh = 0; qh < 2; ++qh)
-            fa_bwd_probs(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]), ls[qh][0], ls[qh][1], sl2,
-                         q0 + 64 * qh, wk0, kr0, t4, st_b, T);
+            fa_bwd_probs<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]), ls[qh][0],
+                               ls[qh][1], sl2, q0 + 64 * qh, wk0, kr0, t4, st_b, T, sq[qh][0],
+                               sq[qh][1]);
         wg_wait<0>();
         wg_pin(dpt);
 #pragma unroll
         for (int qh = 0; qh < 2; ++qh)
-            fa_bwd_dscores(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
-                           *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0], dl[qh][1],
-                           q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh, blk.nq);
+            fa_bwd_dscores<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
+                                 *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0],
+                                 dl[qh][1], q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh,
+                                 blk.nq, mw[qh][0], mw[qh][1]);
         uint32_t pa[8][4], sa[8][4];
 #pragma unroll
         for (int kc = 0; kc < 8; ++kc) {
@@ -534,17 +546,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
     float dk[8][4], dv[8][4];
     fa_zero(dk);
     fa_zero(dv);
-    if (starts != nullptr) {
-        if (thr)
-            fa_ws_mma<true, true>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
-        else
-            fa_ws_mma<true, false>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
-    } else {
-        if (thr)
-            fa_ws_mma<false, true>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
-        else
-            fa_ws_mma<false, false>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
-    }
+    if (starts != nullptr || thr)
+        fa_ws_mma<true>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+    else
+        fa_ws_mma<false>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
     __syncthreads();  // every dQ product done reading K and V's tiles
     fa_bwd_store_kv(dk, dv, scale, smc + wg * TILE, smc + (2 + wg) * TILE, warp, lane,
                     blk.k0 + 64 * wg + warp * 16, T,
