@@ -263,6 +263,17 @@ __device__ __forceinline__ void fa_frag(const float (&x)[N][4], int kc, uint32_t
     a[3] = fa_pack(x[2 * kc + 1][2], x[2 * kc + 1][3]);
 }
 
+// Stores the A fragments `a` (fa_frag's) of a 16-row block into a swizzled 64-column tile
+// (generic pointer): rows lr0 and lr1 = lr0 + 8, columns c, c + 1 and c + 8, c + 9 (c: the
+// fragment's first column plus 2·t4) — dS^T on its way to dQ's product.
+__device__ __forceinline__ void fa_store_frag(char* tile, const uint32_t (&a)[4], int lr0, int lr1,
+                                              int c) {
+    *reinterpret_cast<uint32_t*>(tile + fa_swz(lr0, c)) = a[0];
+    *reinterpret_cast<uint32_t*>(tile + fa_swz(lr1, c)) = a[1];
+    *reinterpret_cast<uint32_t*>(tile + fa_swz(lr0, c + 8)) = a[2];
+    *reinterpret_cast<uint32_t*>(tile + fa_swz(lr1, c + 8)) = a[3];
+}
+
 // The forward's products on mma.sync (every build): the warp's Q fragments are read from shared
 // memory once, at the first key tile, and kept in registers; K and V fragments through ldmatrix.
 struct FaFwdSync {
@@ -774,14 +785,19 @@ struct FaBwdBlock {
             ntile = a / FA_BM - i0 + 1;
         }
     }
-    // How many (query head, query tile) steps the block takes: the tiles of head h0, then of
-    // h0 + 1, ...
-    __device__ __forceinline__ int steps() const { return rep * ntile; }
-    // Step `it`'s query head and query tile.
+    // How many (query head, query tiles) steps the block takes, QT 64-query tiles a step (the
+    // last of a head's may reach past T): the tiles of head h0, then of h0 + 1, ...
+    template <int QT = 1>
+    __device__ __forceinline__ int steps() const {
+        return rep * ((ntile + QT - 1) / QT);
+    }
+    // Step `it`'s query head and first query tile.
+    template <int QT = 1>
     __device__ __forceinline__ void at(int it, int& h, int& i) const {
-        const int hq = it / ntile;
+        const int n = (ntile + QT - 1) / QT;
+        const int hq = it / n;
         h = h0 + hq;
-        i = i0 + (it - hq * ntile);
+        i = i0 + QT * (it - hq * n);
     }
 };
 
@@ -1072,10 +1088,7 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
                 uint32_t pa[4], sa[4];
                 fa_frag(st, kc, pa);
                 fa_frag(dpt, kc, sa);
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[0];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[1];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[2];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + 8 + t4 * 2)) = sa[3];
+                fa_store_frag(sdSc, sa, lr0, lr1, kc * 16 + t4 * 2);
 #pragma unroll
                 for (int dp = 0; dp < 4; ++dp) {
                     uint32_t b0, b1, b2, b3;
@@ -1321,10 +1334,7 @@ __device__ __forceinline__ void flash_bwd_wide(
                 fa_frag(dpt, kc, sa);
                 if (c0w == 0) {
                     const int qc = qh + kc * 16 + t4 * 2;
-                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc)) = sa[0];
-                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc)) = sa[1];
-                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, qc + 8)) = sa[2];
-                    *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, qc + 8)) = sa[3];
+                    fa_store_frag(sdSc, sa, lr0, lr1, qc);
                 }
 #pragma unroll
                 for (int dp = 0; dp < CW / 16; ++dp) {

@@ -19,10 +19,11 @@
 //
 // flash_bwd_wg: one block = one warpgroup = 64 keys of one (b, key/value head); it loops over the
 // query tiles of every query head of the group, as flash_bwd_bf16 does (flash_bwd_ws: two such
-// warpgroups over 128 keys and 128-query tiles, and a third for the copies). Shared memory holds K, V, two
-// buffers of (Q, dO) filled by cp.async, and dS^T, each a 64 x 64 tile in flash.cu's swizzled
-// layout — 128-byte rows whose 16-byte chunks are XOR-ed with the row's low three bits, which is
-// exactly wgmma's 128-byte swizzle once a tile starts on a 1024-byte boundary. Per tile:
+// warpgroups over 128 keys and 128-query tiles, and a third for the copies). Shared memory
+// holds K, V, two buffers of (Q, dO) filled by cp.async, and dS^T, each a 64 x 64 tile in
+// flash.cu's swizzled layout — 128-byte rows whose 16-byte chunks are XOR-ed with the row's low
+// three bits, which is exactly wgmma's 128-byte swizzle once a tile starts on a 1024-byte
+// boundary. Per tile:
 //   S^T  = K Q^T     (A = K, B = Q, both K-major from shared memory)
 //   dP^T = V dO^T    (A = V, B = dO)
 //   P^T, dS^T elementwise in registers (the accumulator layout is mma.sync's, row block 16w of
@@ -291,10 +292,7 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
         // dS^T -> shared memory for dQ, while those run
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc) {
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + t4 * 2)) = sa[kc][0];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + t4 * 2)) = sa[kc][1];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, kc * 16 + 8 + t4 * 2)) = sa[kc][2];
-            *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, kc * 16 + 8 + t4 * 2)) = sa[kc][3];
+            fa_store_frag(sdSc, sa[kc], lr0, lr1, kc * 16 + t4 * 2);
         }
         fa_fence_async();
         __syncthreads();  // dS^T complete and visible to the tensor cores
@@ -349,17 +347,17 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
 // 64-query tiles (this kernel's previous shape, with WG2 computing dQ): half the product
 // instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and half the
 // steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the backward 293 ->
-// 338 TFLOP/s, 259.9 -> 238.1 ms a step. A ring slot holds
-// Qa Qb dOa dOb (64 x 64 tiles, queries 0..63 and 64..127 one after the other: one K-major operand
-// of 128 rows), a dS^T slot four tiles (kh·2 + qh: keys 64kh.., queries 64qh..). Barriers:
+// 338 TFLOP/s, 259.9 -> 238.1 ms a step. A ring slot holds Qa Qb dOa dOb (64 x 64 tiles,
+// queries 0..63 and 64..127 one after the other: one K-major operand of 128 rows), a dS^T slot
+// four tiles (kh·2 + qh: keys 64kh.., queries 64qh..). Barriers:
 //   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
 //   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written
 // A dS^T slot is rewritten two steps later, after both warpgroups have passed the DS barrier of
 // the step between — each waits for its dQ products before reaching it. Registers: WG2 keeps 24,
 // WG0 and WG1 take 240 (S^T, dP^T, dK and dV are 192 of them; at 216 ptxas serializes the
-// products, and WG2 at 32 would leave the consumers' increase short of the block's pool). Launch: grid (B*KVH,
-// ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
+// products, and WG2 at 32 would leave the consumers' increase short of the block's pool).
+// Launch: grid (B*KVH, ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
 #define FA_WS_FULL 1
 #define FA_WS_EMPTY 3
 __device__ __forceinline__ void fa_ws_sync(int id) {
@@ -370,20 +368,16 @@ __device__ __forceinline__ void fa_ws_arrive(int id) {
 }
 
 #define FA_WS_DS 5
-__device__ __forceinline__ void fa_ws_at(const FaBwdBlock<64, 128>& blk, int nt2, int it, int& h,
-                                         int& i) {
-    const int hq = it / nt2;
-    h = blk.h0 + hq;
-    i = blk.i0 + 2 * (it - hq * nt2);  // in 64-query tiles
-}
-__device__ __forceinline__ void fa_ws_load(const FaBwdBlock<64, 128>& blk, int nt2, int it,
-                                           uint32_t slot, int T, int pt) {
+// Step `it`'s (Q, dO) of 128 queries into ring slot `slot` (Qa Qb dOa dOb), by WG2's threads (pt).
+__device__ __forceinline__ void fa_ws_load(const FaBwdBlock<64, 128>& blk, int it, uint32_t slot,
+                                           int T, int pt) {
     constexpr uint32_t TILE = 64 * 64 * 2;
     int h, i;
-    fa_ws_at(blk, nt2, it, h, i);
+    blk.at<2>(it, h, i);
 #pragma unroll
     for (int qh = 0; qh < 2; ++qh) {
-        fa_load_tile<64, true>(slot + qh * TILE, blk.qkv_b + h * 64, blk.ld, (i + qh) * FA_BM, T, pt);
+        fa_load_tile<64, true>(slot + qh * TILE, blk.qkv_b + h * 64, blk.ld, (i + qh) * FA_BM, T,
+                               pt);
         fa_load_tile<64, true>(slot + (2 + qh) * TILE, blk.dout_b + h * 64, blk.HD,
                                (i + qh) * FA_BM, T, pt);
     }
@@ -395,7 +389,7 @@ __device__ __forceinline__ void fa_ws_load(const FaBwdBlock<64, 128>& blk, int n
 // loads its two queries' sample starts and flag words once a half and the middle shuffles them
 // out (loaded per element, the 128-query tile's registers spilled).
 template <bool ANY>
-__device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>& blk, int nt2,
+__device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>& blk,
                                           int steps, uint32_t sK, uint32_t sQD, uint32_t sdS,
                                           char* smc, int wg, int warp, int lane, float (&dk)[8][4],
                                           float (&dv)[8][4]) {
@@ -412,7 +406,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
         int h, i;
-        fa_ws_at(blk, nt2, it, h, i);
+        blk.at<2>(it, h, i);
         const int q0 = i * FA_BM;
         const uint32_t sQa = sQD + s * 4 * TILE, sdOa = sQa + 2 * TILE;
         fa_ws_sync(FA_WS_FULL + s);
@@ -473,13 +467,8 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         for (int qh = 0; qh < 2; ++qh) {
             char* sdSc = smc + (12 + 4 * s + 2 * wg + qh) * TILE;
 #pragma unroll
-            for (int k4 = 0; k4 < 4; ++k4) {
-                const uint32_t(&a)[4] = sa[4 * qh + k4];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, k4 * 16 + t4 * 2)) = a[0];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, k4 * 16 + t4 * 2)) = a[1];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr0, k4 * 16 + 8 + t4 * 2)) = a[2];
-                *reinterpret_cast<uint32_t*>(sdSc + fa_swz(lr1, k4 * 16 + 8 + t4 * 2)) = a[3];
-            }
+            for (int k4 = 0; k4 < 4; ++k4)
+                fa_store_frag(sdSc, sa[4 * qh + k4], lr0, lr1, k4 * 16 + t4 * 2);
         }
         fa_fence_async();
         asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
@@ -515,8 +504,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
     char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
     // K0 K1 | V0 V1 | two ring slots of (Qa Qb dOa dOb) | two dS^T slots of four tiles | dQ staging
     const uint32_t sK = base, sQD = base + 4 * TILE, sdS = base + 12 * TILE;
-    const int nt2 = (blk.ntile + 1) >> 1;
-    const int steps = blk.rep * nt2;
+    const int steps = blk.steps<2>();
 
     if (wg == 2) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
@@ -525,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
         for (int c = 0; c < 4; ++c)
             fa_load_tile<64, true>(sK + c * TILE, c < 2 ? blk.kg : blk.vg, blk.ld,
                                    blk.k0 + 64 * (c & 1), T, pt);
-        fa_ws_load(blk, nt2, 0, sQD, T, pt);
+        fa_ws_load(blk, 0, sQD, T, pt);
         fa_cp_commit();
         for (int it = 0; it < steps; ++it) {
             const int s = it & 1;
@@ -534,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
             fa_ws_arrive(FA_WS_FULL + s);
             if (it + 1 < steps) {  // the next tile into the other slot, once step it - 1 is done
                 if (it >= 1) fa_ws_sync(FA_WS_EMPTY + (s ^ 1));
-                fa_ws_load(blk, nt2, it + 1, sQD + (s ^ 1) * 4 * TILE, T, pt);
+                fa_ws_load(blk, it + 1, sQD + (s ^ 1) * 4 * TILE, T, pt);
                 fa_cp_commit();
             }
         }
@@ -547,9 +535,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
     fa_zero(dk);
     fa_zero(dv);
     if (starts != nullptr || thr)
-        fa_ws_mma<true>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+        fa_ws_mma<true>(FA_WG_PASS, blk, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
     else
-        fa_ws_mma<false>(FA_WG_PASS, blk, nt2, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+        fa_ws_mma<false>(FA_WG_PASS, blk, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
     __syncthreads();  // every dQ product done reading K and V's tiles
     fa_bwd_store_kv(dk, dv, scale, smc + wg * TILE, smc + (2 + wg) * TILE, warp, lane,
                     blk.k0 + 64 * wg + warp * 16, T,
