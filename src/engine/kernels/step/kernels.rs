@@ -424,9 +424,12 @@ pub(super) const CB_SMEM: u32 = 2 * TILE;
 /// with one; the state walks' 56 and 55 KB) are None on a GPU that cannot give a block that
 /// much: `ModelStep::mamba_fwd` then says so.
 pub(super) struct MambaKernels {
-    /// The conv and its backward with a window of 4 taps (d_conv ≤ 4) and of 8 (d_conv ≤ 8).
+    /// The conv and its backward with a window of 4 taps (d_conv ≤ 4) and of 8 (d_conv ≤ 8),
+    /// a channel a thread; and the backward with 4 taps, 4 channels a thread in one vector
+    /// access (`conv4v_bwd`: mamba.cuh's MB_CONV_BWD builds).
     pub(super) conv4_fwd: Kern,
     pub(super) conv4_bwd: Kern,
+    pub(super) conv4v_bwd: Kern,
     pub(super) conv_fwd: Kern,
     pub(super) dt_fwd: Kern,
     pub(super) chunk_cb: Kern,
@@ -512,6 +515,7 @@ impl MambaKernels {
         Ok(Self {
             conv4_fwd: named("mamba_conv4_fwd_bf16", "mamba_conv")?,
             conv4_bwd: named("mamba_conv4_bwd_bf16", "mamba_conv_bwd")?,
+            conv4v_bwd: named("mamba_conv4v_bwd_bf16", "mamba_conv_bwd")?,
             conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
             chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
@@ -531,12 +535,39 @@ impl MambaKernels {
         })
     }
 
-    /// The conv's forward and backward for `d_conv` taps: the 4-tap window where it fits.
-    pub(super) fn conv(&self, d_conv: usize) -> (&Kern, &Kern) {
-        if d_conv <= 4 {
-            (&self.conv4_fwd, &self.conv4_bwd)
-        } else {
-            (&self.conv_fwd, &self.conv_bwd)
+    /// The conv's forward and backward for `d_conv` taps: the 4-tap window where it fits, the
+    /// backward's vector build where `vec` (the channels, row strides and addresses take its
+    /// accesses: mamba.rs's `conv_vec`).
+    pub(super) fn conv(&self, d_conv: usize, vec: bool) -> (ConvKern<'_>, ConvKern<'_>) {
+        let one = |k| ConvKern {
+            k,
+            v: 1,
+            threads: 128,
+            rows: 128,
+        };
+        if d_conv > 4 {
+            return (one(&self.conv_fwd), one(&self.conv_bwd));
         }
+        let bwd = if vec {
+            ConvKern {
+                k: &self.conv4v_bwd,
+                v: 4,
+                threads: 64,
+                rows: 64,
+            }
+        } else {
+            one(&self.conv4_bwd)
+        };
+        (one(&self.conv4_fwd), bwd)
     }
+}
+
+/// A conv kernel and its launch shape: channels a thread, threads a block, rows a block
+/// (mamba.cuh's MB_CONV_BWD arguments; the forward's are a channel a thread, 128 × 128).
+#[derive(Clone, Copy)]
+pub(super) struct ConvKern<'a> {
+    pub(super) k: &'a Kern,
+    pub(super) v: usize,
+    pub(super) threads: u32,
+    pub(super) rows: usize,
 }

@@ -433,8 +433,62 @@ __device__ __forceinline__ float* mb_vecs(unsigned char* smem, int tiles) {
 // with the last KW inputs in registers (each input loaded once); the weights are padded at the
 // front to KW taps (K ≤ KW), so tap j reads the input KW − 1 − j rows back. Two builds of each
 // kernel: KW = 4 (the published configs' d_conv 4: half the multiply-adds and registers of the
-// general one) and KW = 8 (any K ≤ 8).
+// general one) and KW = 8 (any K ≤ 8). The backward also has a KW = 4 build of V = 4 channels a
+// thread (8-byte bf16 and 16-byte f32 accesses a row, 64 threads over MB_CONV_VROWS rows) where
+// the shapes and addresses allow it (mamba.rs's conv_vec): a channel a thread reads 6 bytes a
+// row, too few in flight for the memory's bandwidth (one H200, Granite-4.0-H-1B shape: 152 ->
+// 115 µs a call). (The forward's vector build measured slower than this one: 48 vs 44 µs.)
 #define MB_CONV_ROWS 128
+#define MB_CONV_VROWS 64
+
+// V consecutive 16-bit values (one access of 2V bytes) as f32, and back.
+template <int V>
+struct MbRaw;
+template <>
+struct MbRaw<1> {
+    using T = unsigned short;
+};
+template <>
+struct MbRaw<4> {
+    using T = uint2;
+};
+template <int V>
+__device__ __forceinline__ void mb_ldv(const bf16_t* p, float (&x)[V]) {
+    union {
+        typename MbRaw<V>::T u;
+        bf16_t h[V];
+    } q;
+    q.u = *reinterpret_cast<const typename MbRaw<V>::T*>(p);
+#pragma unroll
+    for (int v = 0; v < V; ++v) x[v] = to_f(q.h[v]);
+}
+template <int V>
+__device__ __forceinline__ void mb_stv(bf16_t* p, const float (&x)[V]) {
+    union {
+        typename MbRaw<V>::T u;
+        bf16_t h[V];
+    } q;
+#pragma unroll
+    for (int v = 0; v < V; ++v) q.h[v] = from_f<bf16_t>(x[v]);
+    *reinterpret_cast<typename MbRaw<V>::T*>(p) = q.u;
+}
+// V consecutive f32 (16-byte accesses where V is a multiple of 4).
+template <int V>
+__device__ __forceinline__ void mb_ldv(const float* p, float (&x)[V]) {
+    if constexpr (V % 4 == 0) {
+#pragma unroll
+        for (int v = 0; v < V; v += 4) {
+            const float4 f = *reinterpret_cast<const float4*>(p + v);
+            x[v] = f.x;
+            x[v + 1] = f.y;
+            x[v + 2] = f.z;
+            x[v + 3] = f.w;
+        }
+    } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) x[v] = p[v];
+    }
+}
 template <int KW>
 struct MbConvTaps {
     float w[KW];
@@ -1702,12 +1756,13 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // The conv's backward in one pass, from dxc (d of the SiLU's output, f32 [N, conv]): d of its
 // inputs into dzx's x | B | C columns (bf16), the weight's and bias's gradients (+=, where not
-// null). A thread per channel walks MB_CONV_ROWS rows plus KW − 1 ahead: at row q it recomputes
-// the conv's output (the input window as in the forward), takes dpre_q = dxc_q·silu'(pre_q) into
-// a window of the last KW, adds dpre_q's weight and bias terms (q in the block's rows), and
-// finishes d of input q − KW + 1, which feeds outputs q − KW + 1 … q of its sequence. Sums added
-// once. KW 4 and 8 as in the forward.
-template <int KW>
+// null). A thread per V channels walks ROWS rows plus KW − 1 ahead: at row q it recomputes the
+// conv's output (the input window as in the forward), takes dpre_q = dxc_q·silu'(pre_q) into a
+// window of the last KW, adds dpre_q's weight and bias terms (q in the block's rows), and
+// finishes d of input q − KW + 1, which feeds outputs q − KW + 1 … q of its sequence; U rows'
+// loads are issued before the first of them is used. Sums added once. KW 4 and 8 as in the
+// forward, a channel a thread (MB_CONV_ROWS); KW 4 also 4 channels a thread (MB_CONV_VROWS).
+template <int KW, int V, int ROWS, int U>
 __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int ld, int off,
                                             const bf16_t* __restrict__ w,
                                             const bf16_t* __restrict__ cb,
@@ -1715,68 +1770,89 @@ __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int l
                                             bf16_t* __restrict__ dzx, float* __restrict__ dw,
                                             float* __restrict__ db, int n, int t, int conv,
                                             int k) {
-    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    const int ch = (blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (ch >= conv) return;
-    const MbConvTaps<KW> taps = mb_conv_taps<KW>(w, cb, ch, k);
-    const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
+    MbConvTaps<KW> taps[V];
+    const int r0 = blockIdx.y * ROWS, r_end = min(n, r0 + ROWS);
     const int q_end = min(n, r_end + k - 1);  // rows whose dpre the block's inputs feed
-    float win[KW], dwin[KW], dwk[KW];
+    float win[V][KW], dwin[V][KW], dwk[V][KW], dbs[V];
 #pragma unroll
-    for (int j = 0; j < KW; ++j) dwin[j] = dwk[j] = 0.f;
-    float dbs = 0.f;
-    mb_conv_prefill<KW>(win, zx, ld, off, ch, r0, t, k);
+    for (int v = 0; v < V; ++v) {
+        taps[v] = mb_conv_taps<KW>(w, cb, ch + v, k);
+        mb_conv_prefill<KW>(win[v], zx, ld, off, ch + v, r0, t, k);
+        dbs[v] = 0.f;
+#pragma unroll
+        for (int j = 0; j < KW; ++j) dwin[v][j] = dwk[v][j] = 0.f;
+    }
     // Row pointers and positions within the sequence (of row q and of row r = q − KW + 1) step
     // with the walk: no 64-bit multiply or integer division a row.
     const bf16_t* src = zx + (size_t)r0 * ld + off + ch;
     const float* dsrc = dxc + (size_t)r0 * conv + ch;
     bf16_t* dst = dzx + (size_t)r0 * ld + off + ch;
     int tq = r0 % t, tr = ((r0 - (KW - 1)) % t + t) % t;
-#pragma unroll 4
-    for (int q = r0; q < r_end + KW - 1; ++q, src += ld, dsrc += conv) {
-        float d = 0.f;
-        if (q < q_end) {
-            const float pre = mb_conv_push<KW>(win, taps, to_f(*src), tq == 0);
-            d = *dsrc * dsilu_f(pre);
-        }
-        tq = tq + 1 == t ? 0 : tq + 1;
+    const int q_stop = r_end + KW - 1;
+    for (int q0 = r0; q0 < q_stop; q0 += U, src += (size_t)U * ld, dsrc += (size_t)U * conv) {
+        float xs[U][V], ds[U][V];
 #pragma unroll
-        for (int j = 0; j < KW - 1; ++j) dwin[j] = dwin[j + 1];
-        dwin[KW - 1] = d;
-        if (q < r_end) {
-            dbs += d;
+        for (int u = 0; u < U; ++u)
+            if (q0 + u < q_end) {
+                mb_ldv<V>(src + (size_t)u * ld, xs[u]);
+                mb_ldv<V>(dsrc + (size_t)u * conv, ds[u]);
+            }
 #pragma unroll
-            for (int j = 0; j < KW; ++j) dwk[j] += d * win[j];
+        for (int u = 0; u < U; ++u) {
+            const int q = q0 + u;
+            if (q >= q_stop) break;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                float d = 0.f;
+                if (q < q_end) d = ds[u][v] * dsilu_f(mb_conv_push<KW>(win[v], taps[v], xs[u][v], tq == 0));
+#pragma unroll
+                for (int j = 0; j < KW - 1; ++j) dwin[v][j] = dwin[v][j + 1];
+                dwin[v][KW - 1] = d;
+                if (q < r_end) {
+                    dbs[v] += d;
+#pragma unroll
+                    for (int j = 0; j < KW; ++j) dwk[v][j] += d * win[v][j];
+                }
+            }
+            tq = tq + 1 == t ? 0 : tq + 1;
+            if (q - (KW - 1) >= r0) {
+                // input r = q − KW + 1 feeds output r + KW − 1 − j (dwin[KW − 1 − j]) through
+                // tap j, within its sequence
+                const int left = t - 1 - tr;
+                float dx[V];
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    dx[v] = 0.f;
+#pragma unroll
+                    for (int j = 0; j < KW; ++j)
+                        if (KW - 1 - j <= left) dx[v] += taps[v].w[j] * dwin[v][KW - 1 - j];
+                }
+                mb_stv<V>(dst, dx);
+                dst += ld;
+            }
+            tr = tr + 1 == t ? 0 : tr + 1;
         }
-        if (q - (KW - 1) >= r0) {
-            // input r = q − KW + 1 feeds output r + KW − 1 − j (dwin[KW − 1 − j]) through tap
-            // j, within its sequence
-            const int left = t - 1 - tr;
-            float dx = 0.f;
+    }
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        if (dw) {
 #pragma unroll
             for (int j = 0; j < KW; ++j)
-                if (KW - 1 - j <= left) dx += taps.w[j] * dwin[KW - 1 - j];
-            *dst = from_f<bf16_t>(dx);
-            dst += ld;
+                if (j >= KW - k) atomicAdd(&dw[(ch + v) * k + j - (KW - k)], dwk[v][j]);
         }
-        tr = tr + 1 == t ? 0 : tr + 1;
+        if (db) atomicAdd(&db[ch + v], dbs[v]);
     }
-    if (dw)
-        for (int j = KW - k; j < KW; ++j) atomicAdd(&dw[ch * k + j - (KW - k)], dwk[j]);
-    if (db) atomicAdd(&db[ch], dbs);
 }
-extern "C" __global__ void __launch_bounds__(128)
-    mamba_conv_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
-                        const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
-                        const float* __restrict__ dxc, bf16_t* __restrict__ dzx,
-                        float* __restrict__ dw, float* __restrict__ db, int n, int t, int conv,
-                        int k) {
-    mb_conv_bwd<8>(zx, ld, off, w, cb, dxc, dzx, dw, db, n, t, conv, k);
-}
-extern "C" __global__ void __launch_bounds__(128)
-    mamba_conv4_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
-                         const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
-                         const float* __restrict__ dxc, bf16_t* __restrict__ dzx,
-                         float* __restrict__ dw, float* __restrict__ db, int n, int t, int conv,
-                         int k) {
-    mb_conv_bwd<4>(zx, ld, off, w, cb, dxc, dzx, dw, db, n, t, conv, k);
-}
+#define MB_CONV_BWD(name, KW, V, THREADS, ROWS, U)                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                       \
+        name(const bf16_t* __restrict__ zx, int ld, int off, const bf16_t* __restrict__ w,     \
+             const bf16_t* __restrict__ cb, const float* __restrict__ dxc,                     \
+             bf16_t* __restrict__ dzx, float* __restrict__ dw, float* __restrict__ db, int n,  \
+             int t, int conv, int k) {                                                         \
+        mb_conv_bwd<KW, V, ROWS, U>(zx, ld, off, w, cb, dxc, dzx, dw, db, n, t, conv, k);       \
+    }
+MB_CONV_BWD(mamba_conv_bwd_bf16, 8, 1, 128, MB_CONV_ROWS, 4)
+MB_CONV_BWD(mamba_conv4_bwd_bf16, 4, 1, 128, MB_CONV_ROWS, 4)
+MB_CONV_BWD(mamba_conv4v_bwd_bf16, 4, 4, 64, MB_CONV_VROWS, 4)

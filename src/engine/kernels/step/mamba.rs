@@ -11,8 +11,8 @@ use candle_core::Result;
 
 use super::arena::Activations;
 use super::kernels::{
-    scan_bwd_fused_smem, scan_bwd_smem, scan_smem, state_bwd_smem, Kern, CB_SMEM, MAMBA_HB,
-    STATE_DB_SMEM, WALK_BWD_SMEM, WALK_SMEM,
+    scan_bwd_fused_smem, scan_bwd_smem, scan_smem, state_bwd_smem, ConvKern, Kern, CB_SMEM,
+    MAMBA_HB, STATE_DB_SMEM, WALK_BWD_SMEM, WALK_SMEM,
 };
 use super::mamba_bufs::{MambaActs, MambaDims, MambaIdx};
 use super::params::LayerIdx;
@@ -41,11 +41,21 @@ fn dt_cfg(y: &Layer, d: &MambaDims) -> LaunchConfig {
     cfg(((y.b * d.heads * y.chunks).div_ceil(4), 1, 1), 128, 0)
 }
 
-/// The conv kernels: a thread per channel, a block of 128 channels per `CONV_ROWS` rows
-/// (mamba.cuh's MB_CONV_ROWS).
-fn conv_cfg(n: usize, conv: usize) -> LaunchConfig {
-    const CONV_ROWS: usize = 128;
-    cfg((conv.div_ceil(128), n.div_ceil(CONV_ROWS), 1), 128, 0)
+/// A conv kernel's grid: a thread per `k.v` channels, `k.threads` a block, a block per
+/// `k.rows` rows.
+fn conv_cfg(n: usize, conv: usize, k: &ConvKern) -> LaunchConfig {
+    let groups = conv.div_ceil(k.v).div_ceil(k.threads as usize);
+    cfg((groups, n.div_ceil(k.rows), 1), k.threads, 0)
+}
+
+/// Whether the conv backward's vector build (4 channels a thread) takes this layer: its
+/// channels, the in_proj output's row stride and the conv's first column whole 16-byte pieces,
+/// and the buffers it reads and writes 16-byte aligned.
+fn conv_vec(d: &MambaDims, ptrs: &[u64]) -> bool {
+    [d.conv_dim(), d.in_w(), d.inner()]
+        .iter()
+        .all(|v| v.is_multiple_of(8))
+        && ptrs.iter().all(|p| p.is_multiple_of(16))
 }
 
 /// The heads a block of the backward's chunk kernels takes in turn: the largest divisor of a
@@ -181,7 +191,8 @@ impl ModelStep {
             Arg::I(i32_of(conv, "conv channels")?),
             Arg::I(i32_of(d.conv_k, "d_conv")?),
         ];
-        self.launch(k.conv(d.conv_k).0, conv_cfg(y.n, conv), &conv_args)
+        let (ck, _) = k.conv(d.conv_k, false);
+        self.launch(ck.k, conv_cfg(y.n, conv, &ck), &conv_args)
     }
 
     /// dt (→ dtv, lam), each chunk's C·Bᵀ and each chunk's start state (→ states, one walk
@@ -432,9 +443,10 @@ impl ModelStep {
         self.launch(&k.dt_bwd, dt_cfg(&y, d), &args)?;
         let conv_w = self.weight_ptr(y.idx.conv_w)?;
         let k_i = i32_of(d.conv_k, "d_conv")?;
+        let (_, ck) = k.conv(d.conv_k, conv_vec(d, &[y.zx, m.dxc, a.dqkv]));
         self.launch(
-            k.conv(d.conv_k).1,
-            conv_cfg(y.n, conv),
+            ck.k,
+            conv_cfg(y.n, conv, &ck),
             &[
                 Arg::P(y.zx),
                 Arg::I(ld),
