@@ -535,30 +535,30 @@ impl MambaKernels {
         })
     }
 
-    /// The conv's forward and backward for `d_conv` taps: the 4-tap window where it fits, the
-    /// backward's vector build where `vec` (the channels, row strides and addresses take its
-    /// accesses: mamba.rs's `conv_vec`).
-    pub(super) fn conv(&self, d_conv: usize, vec: bool) -> (ConvKern<'_>, ConvKern<'_>) {
-        let one = |k| ConvKern {
-            k,
-            v: 1,
-            threads: 128,
-            rows: 128,
-        };
-        if d_conv > 4 {
-            return (one(&self.conv_fwd), one(&self.conv_bwd));
-        }
-        let bwd = if vec {
-            ConvKern {
+    /// The conv's forward for `d_conv` taps (the 4-tap window where it fits), a channel a
+    /// thread.
+    pub(super) fn conv_forward(&self, d_conv: usize) -> ConvKern<'_> {
+        ConvKern::one(if d_conv <= 4 {
+            &self.conv4_fwd
+        } else {
+            &self.conv_fwd
+        })
+    }
+
+    /// The conv's backward for `d_conv` taps: the 4-tap window where it fits, in its vector
+    /// build where `vec` (the channels, row strides and addresses take its accesses: mamba.rs's
+    /// `conv_vec`).
+    pub(super) fn conv_backward(&self, d_conv: usize, vec: bool) -> ConvKern<'_> {
+        match (d_conv <= 4, vec) {
+            (true, true) => ConvKern {
                 k: &self.conv4v_bwd,
                 v: 4,
                 threads: 64,
                 rows: 64,
-            }
-        } else {
-            one(&self.conv4_bwd)
-        };
-        (one(&self.conv4_fwd), bwd)
+            },
+            (true, false) => ConvKern::one(&self.conv4_bwd),
+            _ => ConvKern::one(&self.conv_bwd),
+        }
     }
 }
 
@@ -570,4 +570,16 @@ pub(super) struct ConvKern<'a> {
     pub(super) v: usize,
     pub(super) threads: u32,
     pub(super) rows: usize,
+}
+
+impl<'a> ConvKern<'a> {
+    /// A channel a thread, 128 threads over 128 rows (mamba.cuh's MB_CONV_ROWS).
+    fn one(k: &'a Kern) -> Self {
+        Self {
+            k,
+            v: 1,
+            threads: 128,
+            rows: 128,
+        }
+    }
 }

@@ -437,7 +437,7 @@ __device__ __forceinline__ float* mb_vecs(unsigned char* smem, int tiles) {
 // thread (8-byte bf16 and 16-byte f32 accesses a row, 64 threads over MB_CONV_VROWS rows) where
 // the shapes and addresses allow it (mamba.rs's conv_vec): a channel a thread reads 6 bytes a
 // row, too few in flight for the memory's bandwidth (one H200, Granite-4.0-H-1B shape: 152 ->
-// 115 µs a call). (The forward's vector build measured slower than this one: 48 vs 44 µs.)
+// 116 µs a call). (The forward's vector build measured slower than this one: 48 vs 44 µs.)
 #define MB_CONV_ROWS 128
 #define MB_CONV_VROWS 64
 

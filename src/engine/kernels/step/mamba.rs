@@ -191,7 +191,7 @@ impl ModelStep {
             Arg::I(i32_of(conv, "conv channels")?),
             Arg::I(i32_of(d.conv_k, "d_conv")?),
         ];
-        let (ck, _) = k.conv(d.conv_k, false);
+        let ck = k.conv_forward(d.conv_k);
         self.launch(ck.k, conv_cfg(y.n, conv, &ck), &conv_args)
     }
 
@@ -443,7 +443,7 @@ impl ModelStep {
         self.launch(&k.dt_bwd, dt_cfg(&y, d), &args)?;
         let conv_w = self.weight_ptr(y.idx.conv_w)?;
         let k_i = i32_of(d.conv_k, "d_conv")?;
-        let (_, ck) = k.conv(d.conv_k, conv_vec(d, &[y.zx, m.dxc, a.dqkv]));
+        let ck = k.conv_backward(d.conv_k, conv_vec(d, &[y.zx, m.dxc, a.dqkv]));
         self.launch(
             ck.k,
             conv_cfg(y.n, conv, &ck),
