@@ -388,10 +388,15 @@ impl ModelStep {
 /// block: mamba.cuh's MB_HB).
 pub(super) const TILE: u32 = 64 * 72 * 2;
 pub(super) const MAMBA_HB: usize = 8;
-/// The state walk: a ring of three stages of two tiles (x, B) and two vectors (lam, dtv).
-pub(super) const WALK_SMEM: u32 = 3 * (2 * TILE + 2 * 64 * 4);
-/// Its backward: two stages of three tiles (exp(lam)·dy, C, S), and a vector.
-pub(super) const WALK_BWD_SMEM: u32 = 2 * 3 * TILE + 64 * 4;
+/// The state walk over `ns` tiles of the state a block: a ring of three stages of 1 + ns
+/// tiles (x, B) and two vectors (lam, dtv).
+pub(super) const fn walk_smem(ns: u32) -> u32 {
+    3 * ((1 + ns) * TILE + 2 * 64 * 4)
+}
+/// Its backward: two stages of 1 + 2·ns tiles (exp(lam)·dy, C, S), and a vector.
+pub(super) const fn walk_bwd_smem(ns: u32) -> u32 {
+    2 * (1 + 2 * ns) * TILE + 64 * 4
+}
 /// The chunk scan for state size `s` and `hb` heads a block: M and x, the step's S and the
 /// chunk's C (64 state columns a tile each), and two vectors a head.
 pub(super) const fn scan_smem(s: usize, hb: usize) -> u32 {
@@ -433,8 +438,11 @@ pub(super) struct MambaKernels {
     pub(super) conv_fwd: Kern,
     pub(super) dt_fwd: Kern,
     pub(super) chunk_cb: Kern,
-    /// The chunks' start states (their own contributions and the passing, one walk).
+    /// The chunks' start states (their own contributions and the passing, one walk), a
+    /// block per 64 columns of the state; and, where the GPU gives a block the shared memory
+    /// for it, per 128 columns (`walk2`: x read once for both, with its backward).
     pub(super) state_walk: Kern,
+    pub(super) walk2: Option<(Kern, Kern)>,
     /// The chunk scan, its backward and the chunk states' backward (the last two more than 48
     /// KB of shared memory a block).
     pub(super) scan: Option<(Kern, Kern, Kern)>,
@@ -506,8 +514,14 @@ impl MambaKernels {
             .find(|&s| allow(&scan, scan_smem(s, MAMBA_HB)))
             .unwrap_or(0);
         let state_walk_bwd = named("mamba_state_walk_bwd_bf16", "mamba_state_walk_bwd")?;
-        let fits = allow(&state_walk, WALK_SMEM)
-            && allow(&state_walk_bwd, WALK_BWD_SMEM)
+        let walk2 = (
+            named("mamba_state_walk2_bf16", "mamba_state_walk")?,
+            named("mamba_state_walk2_bwd_bf16", "mamba_state_walk_bwd")?,
+        );
+        let walk2 =
+            (allow(&walk2.0, walk_smem(2)) && allow(&walk2.1, walk_bwd_smem(2))).then_some(walk2);
+        let fits = allow(&state_walk, walk_smem(1))
+            && allow(&state_walk_bwd, walk_bwd_smem(1))
             && scan_state > 0
             && scan_bwd_hb > 0
             && (head_sum_state > 0 || allow(&state_bwd, state_bwd_smem(0, false)));
@@ -520,6 +534,7 @@ impl MambaKernels {
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
             chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
             state_walk,
+            walk2,
             scan,
             scan_state,
             scan_bwd_hb,
@@ -533,6 +548,16 @@ impl MambaKernels {
             dt_bwd: named("mamba_dt_bwd_bf16", "mamba_dt_bwd")?,
             conv_bwd: named("mamba_conv_bwd_bf16", "mamba_conv_bwd")?,
         })
+    }
+
+    /// The state walk and its backward for a state of `state` columns, and how many tiles of
+    /// 64 state columns a block takes: two where they come in pairs and the GPU has the
+    /// pair's kernels, else one.
+    pub(super) fn walks(&self, state: usize) -> (&Kern, &Kern, usize) {
+        match &self.walk2 {
+            Some((f, b)) if state.is_multiple_of(128) => (f, b, 2),
+            _ => (&self.state_walk, &self.state_walk_bwd, 1),
+        }
     }
 
     /// The conv's forward for `d_conv` taps (the 4-tap window where it fits), a channel a

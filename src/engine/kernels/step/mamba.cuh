@@ -679,75 +679,116 @@ __device__ __forceinline__ void mb_store_tile16(mb_t* dst, size_t ld, const floa
         }
 }
 
+// mb_store_tile16 of a whole tile where ld is a multiple of 4 and dst 8-byte aligned (the
+// walks' states on their fast paths), on tensor cores four adjacent columns of a row a lane in
+// one 8-byte store: lanes 2k and 2k + 1 trade a pair (the even lane keeps its n8 tile 2m's pair
+// and takes its partner's, the odd lane takes its partner's tile 2m + 1 pair before its own), so
+// that a warp's store covers whole 32-byte sectors of eight rows (a pair a lane covers half
+// sectors: twice the L2's requests).
+__device__ __forceinline__ void mb_store_tile16_quad(mb_t* dst, size_t ld, const float v[4][4]) {
+#if MB_TC
+    const bool odd = threadIdx.x & 1;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const uint32_t a0 = mb_pack2(v[2 * m][2 * hr], v[2 * m][2 * hr + 1]);
+            const uint32_t a1 = mb_pack2(v[2 * m + 1][2 * hr], v[2 * m + 1][2 * hr + 1]);
+            const uint32_t o = __shfl_xor_sync(0xffffffffu, odd ? a0 : a1, 1);
+            const int i = mb_row(0, 2 * hr);
+            const int j = odd ? mb_col(2 * m + 1, 0) - 2 : mb_col(2 * m, 0);
+            *reinterpret_cast<uint2*>(dst + (size_t)i * ld + j) =
+                odd ? make_uint2(o, a1) : make_uint2(a0, o);
+        }
+#else
+    mb_store_tile16(dst, ld, v, 64, 64);
+#endif
+}
+
 // The chunks' start states in one walk over the chunks: S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c
 // + Σ_i exp(lam_last(c) − lam_i)·dtv_i·x_i[p]·B_i[s] (chunk c's own contribution), stored in
-// the 16-bit type ([B, H, chunks, P, S]). A block per (64 head columns, 64 state columns, batch
-// row · head) carries its tile of the state in f32 accumulators from chunk to chunk, so the
-// state never goes through global memory in f32. Its x and B tiles and dt values come by
-// cp.async into a ring of MB_WS stages, two chunks ahead of their product; x's rows are scaled
-// in shared memory once they land. Shapes whose tiles are not whole 16-byte rows load each
-// chunk's tiles when it comes (mb_load) into the first stage.
+// the 16-bit type ([B, H, chunks, P, S]). A block per (64 head columns, NS·64 state columns,
+// batch row · head) carries its NS tiles of the state in f32 accumulators from chunk to chunk,
+// so the state never goes through global memory in f32; its x tile is shared by the NS
+// products (NS = 2: a state of 128 in one block, x read once a chunk instead of twice). Its x
+// and B tiles and dt values come by cp.async into a ring of MB_WS stages, two chunks ahead of
+// their product; x's rows are scaled in shared memory once they land. Shapes whose tiles are
+// not whole 16-byte rows walk each of the block's state tiles in turn, loading each chunk's
+// tiles when it comes (mb_load).
 #define MB_WS 3
-extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_walk_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
-                          const float* __restrict__ lam, mb_t* __restrict__ states, int t,
-                          int heads, int p, int s, int groups, int chunks) {
-    extern __shared__ __align__(16) unsigned char mb_raw[];
-    // stage q: x [i][p] (tile 2q), B [i][s] (tile 2q + 1), lam and dtv [i] (vectors 2q, 2q + 1)
-    float* vecs = mb_vecs(mb_raw, 2 * MB_WS);
-    const int p0 = blockIdx.x * 64, s0 = blockIdx.y * 64, bh = blockIdx.z;
+template <int NS>
+__device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
+                                              const float* __restrict__ dtv,
+                                              const float* __restrict__ lam,
+                                              mb_t* __restrict__ states, int t, int heads, int p,
+                                              int s, int groups, int chunks, unsigned char* mb_raw) {
+        // stage q: x [i][p] (tile (1 + NS)q), B [i][s] (tiles (1 + NS)q + 1..), lam and dtv [i]
+    // (vectors 2q, 2q + 1)
+    constexpr int TS = 1 + NS;
+    float* vecs = mb_vecs(mb_raw, TS * MB_WS);
+    const int p0 = blockIdx.x * 64, s0 = blockIdx.y * 64 * NS, bh = blockIdx.z;
     const int b = bh / heads, h = bh % heads, g = h / (heads / groups);
     const int conv = heads * p + 2 * groups * s;
     const int xcol = h * p + p0, bcol = heads * p + g * s + s0;
-    const int pc = min(64, p - p0), sc = min(64, s - s0);
+    const int pc = min(64, p - p0);
     const float* lm = lam + (size_t)bh * chunks * MB_L;
     const float* dv = dtv + (size_t)bh * chunks * MB_L;
     mb_t* st = states + (size_t)bh * chunks * p * s + (size_t)p0 * s + s0;
-    const bool fast = pc == 64 && sc == 64 && conv % 8 == 0 && xcol % 8 == 0 &&
-                      bcol % 8 == 0 && reinterpret_cast<uintptr_t>(xc) % 16 == 0 &&
+    const bool fast = pc == 64 && s0 + 64 * NS <= s && s % 4 == 0 && conv % 8 == 0 &&
+                      xcol % 8 == 0 && bcol % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(st) % 8 == 0 &&
+                      reinterpret_cast<uintptr_t>(xc) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(lm) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(dv) % 16 == 0 && blockDim.x == 256;
-    float acc[4][4];
-    mb_zero(acc);
+    float acc[NS][4][4];
     if (!fast) {
         mb_t* xs = mb_tile(mb_raw, 0);
         mb_t* bs = mb_tile(mb_raw, 1);
         float* w = vecs;
-        for (int c = 0;; ++c) {
-            mb_store_tile16(st + (size_t)c * p * s, s, acc, pc, sc);
-            if (c + 1 == chunks) return;
-            const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
-            const float last = lm[c * MB_L + MB_L - 1];
-            for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
-                w[i] = __expf(last - lm[c * MB_L + i]) * dv[c * MB_L + i];
-            __syncthreads();
-            mb_load(xs, xc, conv, r0, r1, xcol, pc, w);
-            mb_load(bs, xc, conv, r0, r1, bcol, sc, nullptr);
-            __syncthreads();
+        for (int si = 0; si < NS && s0 + 64 * si < s; ++si) {
+            const int sc = min(64, s - s0 - 64 * si);
+            mb_zero(acc[0]);
+            for (int c = 0;; ++c) {
+                mb_store_tile16(st + (size_t)c * p * s + 64 * si, s, acc[0], pc, sc);
+                if (c + 1 == chunks) break;
+                const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+                const float last = lm[c * MB_L + MB_L - 1];
+                __syncthreads();  // the last product is done with the tiles and w
+                for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
+                    w[i] = __expf(last - lm[c * MB_L + i]) * dv[c * MB_L + i];
+                __syncthreads();
+                mb_load(xs, xc, conv, r0, r1, xcol, pc, w);
+                mb_load(bs, xc, conv, r0, r1, bcol + 64 * si, sc, nullptr);
+                __syncthreads();
 #pragma unroll
-            for (int a = 0; a < 4; ++a)
+                for (int a = 0; a < 4; ++a)
 #pragma unroll
-                for (int q = 0; q < 4; ++q) acc[a][q] *= __expf(last);
-            // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
-            mb_mm<true, false>(acc, xs, bs, MB_L);
-            __syncthreads();
+                    for (int q = 0; q < 4; ++q) acc[0][a][q] *= __expf(last);
+                // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
+                mb_mm<true, false>(acc[0], xs, bs, MB_L);
+            }
         }
+        return;
     }
+#pragma unroll
+    for (int si = 0; si < NS; ++si) mb_zero(acc[si]);
     // Chunk c's copies into stage c % MB_WS (one commit group; an empty one past the last
     // chunk, so that the wait below counts the same groups).
     auto issue = [&](int c) {
         if (c < chunks) {
             const int q = c % MB_WS;
             const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
-            mb_t* xs = mb_tile(mb_raw, 2 * q);
-            mb_t* bs = mb_tile(mb_raw, 2 * q + 1);
+            mb_t* xs = mb_tile(mb_raw, TS * q);
 #pragma unroll
             for (int e2 = 0; e2 < 2; ++e2) {
                 const int e = threadIdx.x + 256 * e2, i = e >> 3, j = (e & 7) * 8;
                 const bool in = r0 + i < r1;
                 const mb_t* row = xc + (size_t)(in ? r0 + i : r0) * conv;
                 mb_cp16(xs + i * MB_LDH + j, row + xcol + j, in);
-                mb_cp16(bs + i * MB_LDH + j, row + bcol + j, in);
+#pragma unroll
+                for (int si = 0; si < NS; ++si)
+                    mb_cp16(mb_tile(mb_raw, TS * q + 1 + si) + i * MB_LDH + j,
+                            row + bcol + 64 * si + j, in);
             }
             if (threadIdx.x < 32) {
                 const int v = threadIdx.x >> 4, j = (threadIdx.x & 15) * 4;
@@ -760,13 +801,15 @@ extern "C" __global__ void __launch_bounds__(256)
     issue(1);
     for (int c = 0;; ++c) {
         // chunk c's start state out
-        mb_store_tile16(st + (size_t)c * p * s, s, acc, pc, sc);
+#pragma unroll
+        for (int si = 0; si < NS; ++si)
+            mb_store_tile16_quad(st + (size_t)c * p * s + 64 * si, s, acc[si]);
         if (c + 1 == chunks) break;
         mb_cp_wait<1>();  // this thread's copies of chunk c have landed
         __syncthreads();  // everyone's; and chunk c − 1's product is done with its stage
         issue(c + 2);
         const int q = c % MB_WS;
-        mb_t* xs = mb_tile(mb_raw, 2 * q);
+        mb_t* xs = mb_tile(mb_raw, TS * q);
         const float* lv = vecs + 2 * q * MB_L;
         const float last = lv[MB_L - 1];
         // x's rows times exp(lam_last − lam_i)·dtv_i
@@ -779,13 +822,30 @@ extern "C" __global__ void __launch_bounds__(256)
         __syncthreads();
         const float decay = __expf(last);
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
+        for (int si = 0; si < NS; ++si) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[a][e] *= decay;
-        // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
-        mb_mm<true, false>(acc, xs, mb_tile(mb_raw, 2 * q + 1), MB_L);
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[si][a][e] *= decay;
+            // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
+            mb_mm<true, false>(acc[si], xs, mb_tile(mb_raw, TS * q + 1 + si), MB_L);
+        }
     }
     mb_cp_wait<0>();
+}
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_state_walk_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
+                          const float* __restrict__ lam, mb_t* __restrict__ states, int t,
+                          int heads, int p, int s, int groups, int chunks) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_state_walk<1>(xc, dtv, lam, states, t, heads, p, s, groups, chunks, mb_raw);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    mamba_state_walk2_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
+                           const float* __restrict__ lam, mb_t* __restrict__ states, int t,
+                           int heads, int p, int s, int groups, int chunks) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_state_walk<2>(xc, dtv, lam, states, t, heads, p, s, groups, chunks, mb_raw);
 }
 
 // Each chunk's C·Bᵀ per group, which its heads share: cb[b, g, chunk][i][j] = C_i·B_j
@@ -1132,6 +1192,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     // per head: lam, dtv, exp(lam), rsum, csum, ddt, w, Σ_p x·v [MB_SV][MB_L]
     float* vec = mb_vecs(mb_raw, fused ? 6 + 2 * ns : 6);
     __shared__ float red[32];
+    __shared__ float ddh[MB_HB];  // D's gradient a head: the warps' sums
     const int h0 = blockIdx.y * hb;
     const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
     const int conv = heads * p + 2 * groups * s, inner = heads * p;
@@ -1175,6 +1236,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     mb_read_cb(g, cb, k0, groups);
     mb_zero(dgs);
     float ddsum = 0.f;
+    if (threadIdx.x < MB_HB) ddh[threadIdx.x] = 0.f;  // (first read after the loop's barriers)
     load1(0);
     for (int u = 0; u < steps; ++u) {
         const int hh = u / np, p0 = 64 * (u % np), pc = min(64, p - p0);
@@ -1264,85 +1326,168 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         mb_col_sums(dmgw, dts);
         mb_row_sums(q, rsum);
         mb_col_sums(q, csum);
-        ddsum = qkw_block_sum(ddsum, red);
-        if (dd && threadIdx.x == 0) atomicAdd(&dd[k.h], ddsum);
+        ddsum = warp_sum(ddsum);
+        if ((threadIdx.x & 31) == 0) atomicAdd(&ddh[hh], ddsum);
     }
     __syncthreads();
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) mb_put(ms, mb_row(a, c), mb_col(a, c), dgs[a][c]);
-    // Step v's tiles of a pass over the state's columns s0..: exp(lam_i)·dy of head v / np and
-    // the head's state S, columns 64·(v % np)..; with the first, the pass's C tile.
-    auto load2 = [&](int v, int s0, int sc) {
-        if (v < steps) {
-            const int hh = v / np, p0 = 64 * (v % np), pc = min(64, p - p0);
-            const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
-            if (v == 0) mb_load_async(t1, xc, conv, r0, r1, ccol + s0, sc);
-            if (dy_async)
-                mb_load_async(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc);
-            else
-                mb_load(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc,
-                        vec + hh * MB_SV * MB_L + 2 * MB_L);
-            mb_load_async(xsb(v), states + k.st + (size_t)p0 * s, s, 0, pc, s0, sc);
-        }
-        mb_cp_commit();
-    };
-    // Then a pass per 64 columns of the state over the heads again.
-    for (int s0 = 0; s0 < s; s0 += 64) {
-        const int sc = min(64, s - s0);
-        float dco[4][4], off[4][4];
-        mb_zero(dco);
-        __syncthreads();  // the last pass's B and C tiles, and ms (first pass), are done
-        load2(0, s0, sc);
-        for (int v = 0; v < steps; ++v) {
-            const int hh = v / np, p0 = 64 * (v % np), pc = min(64, p - p0);
-            const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
-            const float* el = vec + hh * MB_SV * MB_L + 2 * MB_L;
+    // The pass over the state's columns: with `down` (the chunk's B tiles kept), heads of at
+    // most 64 columns and at most two tiles of state columns, one pass over the heads with
+    // each head's exp(lam)·dy copied once for both tiles of S (dGΣ stays in registers, ms takes
+    // C's second tile); else a pass per 64 columns of the state over the heads again, each
+    // copying dy anew.
+    if (fused && ns <= 2 && np == 1 && dy_async) {
+        // step v's S tiles: the x buffers for the first, the R buffers for the second
+        auto s_tile = [&](int v, int si) { return si == 0 ? xsb(v) : rtile(v & 1); };
+        auto c_tile = [&](int si) { return si == 0 ? t1 : ms; };
+        auto load3 = [&](int v) {
+            if (v < steps) {
+                const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + v);
+                for (int si = 0; si < ns; ++si) {
+                    const int sc = min(64, s - 64 * si);
+                    if (v == 0) mb_load_async(c_tile(si), xc, conv, r0, r1, ccol + 64 * si, sc);
+                    mb_load_async(s_tile(v, si), states + k.st, s, 0, p, 64 * si, sc);
+                }
+                mb_load_async(dyb(v), dy, inner, r0, r1, k.h * p, p);
+            }
+            mb_cp_commit();
+        };
+        float dco[2][4][4];
+        mb_zero(dco[0]);
+        mb_zero(dco[1]);
+        load3(0);
+        for (int v = 0; v < steps; ++v) {  // (a step a head: p ≤ 64)
+            const float* el = vec + v * MB_SV * MB_L + 2 * MB_L;
             if (v > 0) __syncthreads();  // step v − 1's products are done with its buffers
-            if (p0 == 0) mb_zero(off);
-            load2(v + 1, s0, sc);
+            load3(v + 1);
             mb_cp_wait<1>();
             mb_t* t4 = dyb(v);
-            if (dy_async) {
-                // this thread's own pieces of dy (mb_load_async's: 16 bytes, threads in turn)
-                for (int e = threadIdx.x; e < 64 * 8; e += blockDim.x) {
-                    const int i = e >> 3, j = (e & 7) * 8;
-                    mb_store16<mb_t>(t4, i, j, *reinterpret_cast<const uint4*>(t4 + i * MB_LDH + j),
-                                     el[i], true);
-                }
+            // this thread's own pieces of dy (mb_load_async's: 16 bytes, threads in turn)
+            for (int e = threadIdx.x; e < 64 * 8; e += blockDim.x) {
+                const int i = e >> 3, j = (e & 7) * 8;
+                mb_store16<mb_t>(t4, i, j, *reinterpret_cast<const uint4*>(t4 + i * MB_LDH + j),
+                                 el[i], true);
             }
             __syncthreads();
-            const mb_t* t2 = xsb(v);
-            // The pass's state columns: o = Σ_p exp(lam_i)·dy_i[p]·S[p][s] (dC's share, and
+            // o = Σ_p exp(lam_i)·dy_i[p]·S[p][s] per tile of state columns (dC's share, and
             // Σ_s C_i[s]·o_i[s] is dlam_i's share from the state).
-            // A(i, p) = exp(lam_i)·dy[i][p], B(p, s) = S[p][s]
-            mb_mm<false, false>(off, t4, t2, 64);
-            if (p0 + 64 < p) continue;
-            float* rsum = vec + hh * MB_SV * MB_L + 3 * MB_L;
             float co[4][4];
+            mb_zero(co);
 #pragma unroll
-            for (int a = 0; a < 4; ++a)
+            for (int si = 0; si < 2; ++si) {
+                if (si == ns) break;
+                float off[4][4];
+                mb_zero(off);
+                // A(i, p) = exp(lam_i)·dy[i][p], B(p, s) = S[p][s]
+                mb_mm<false, false>(off, t4, s_tile(v, si), 64);
 #pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    co[a][c] = mb_get(t1, mb_row(a, c), mb_col(a, c)) * off[a][c];
-                    dco[a][c] += off[a][c];
-                }
-            mb_row_sums(co, rsum);
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        co[a][c] += mb_get(c_tile(si), mb_row(a, c), mb_col(a, c)) * off[a][c];
+                        dco[si][a][c] += off[a][c];
+                    }
+            }
+            mb_row_sums(co, vec + v * MB_SV * MB_L + 3 * MB_L);
         }
-        // The heads' dB and dC of the pass's columns: dC = dGΣ·B + Σ_h o_h, dB = dGΣᵀ·C.
+        // The heads' dB and dC: dC = dGΣ·B + Σ_h o_h, dB = dGΣᵀ·C, dGΣ through dy's first buffer.
         __syncthreads();
-        mb_t* bt = fused ? btile(s0 / 64) : xsb(0);  // (kept from the first part with `down`)
-        if (!fused) mb_load(bt, xc, conv, r0, r1, bcol + s0, sc, nullptr);
+        mb_t* gt = dyb(0);
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) mb_put(gt, mb_row(a, c), mb_col(a, c), dgs[a][c]);
         __syncthreads();
-        // A(i, j) = dGΣ[i][j], B(j, s) = B[j][s]
-        mb_mm<false, false>(dco, ms, bt, MB_L);
-        mb_red_tile(dxc + k0.row0 * conv + ccol + s0, conv, dco, rows, sc, nullptr);
-        float db[4][4];
-        mb_zero(db);
-        // A(j, i) = dGΣ[i][j], B(i, s) = C[i][s]
-        mb_mm<true, false>(db, ms, t1, MB_L);
-        mb_red_tile(dxc + k0.row0 * conv + bcol + s0, conv, db, rows, sc, nullptr);
+#pragma unroll
+        for (int si = 0; si < 2; ++si) {
+            if (si == ns) break;
+            const int sc = min(64, s - 64 * si);
+            // A(i, j) = dGΣ[i][j], B(j, s) = B[j][s]
+            mb_mm<false, false>(dco[si], gt, btile(si), MB_L);
+            mb_red_tile(dxc + k0.row0 * conv + ccol + 64 * si, conv, dco[si], rows, sc, nullptr);
+            float db[4][4];
+            mb_zero(db);
+            // A(j, i) = dGΣ[i][j], B(i, s) = C[i][s]
+            mb_mm<true, false>(db, gt, c_tile(si), MB_L);
+            mb_red_tile(dxc + k0.row0 * conv + bcol + 64 * si, conv, db, rows, sc, nullptr);
+        }
+    } else {
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) mb_put(ms, mb_row(a, c), mb_col(a, c), dgs[a][c]);
+        // Step v's tiles of a pass over the state's columns s0..: exp(lam_i)·dy of head v / np and
+        // the head's state S, columns 64·(v % np)..; with the first, the pass's C tile.
+        auto load2 = [&](int v, int s0, int sc) {
+            if (v < steps) {
+                const int hh = v / np, p0 = 64 * (v % np), pc = min(64, p - p0);
+                const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+                if (v == 0) mb_load_async(t1, xc, conv, r0, r1, ccol + s0, sc);
+                if (dy_async)
+                    mb_load_async(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc);
+                else
+                    mb_load(dyb(v), dy, inner, r0, r1, k.h * p + p0, pc,
+                            vec + hh * MB_SV * MB_L + 2 * MB_L);
+                mb_load_async(xsb(v), states + k.st + (size_t)p0 * s, s, 0, pc, s0, sc);
+            }
+            mb_cp_commit();
+        };
+        // Then a pass per 64 columns of the state over the heads again.
+        for (int s0 = 0; s0 < s; s0 += 64) {
+            const int sc = min(64, s - s0);
+            float dco[4][4], off[4][4];
+            mb_zero(dco);
+            __syncthreads();  // the last pass's B and C tiles, and ms (first pass), are done
+            load2(0, s0, sc);
+            for (int v = 0; v < steps; ++v) {
+                const int hh = v / np, p0 = 64 * (v % np), pc = min(64, p - p0);
+                const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+                const float* el = vec + hh * MB_SV * MB_L + 2 * MB_L;
+                if (v > 0) __syncthreads();  // step v − 1's products are done with its buffers
+                if (p0 == 0) mb_zero(off);
+                load2(v + 1, s0, sc);
+                mb_cp_wait<1>();
+                mb_t* t4 = dyb(v);
+                if (dy_async) {
+                    // this thread's own pieces of dy (mb_load_async's: 16 bytes, threads in turn)
+                    for (int e = threadIdx.x; e < 64 * 8; e += blockDim.x) {
+                        const int i = e >> 3, j = (e & 7) * 8;
+                        const uint4 u = *reinterpret_cast<const uint4*>(t4 + i * MB_LDH + j);
+                        mb_store16<mb_t>(t4, i, j, u, el[i], true);
+                    }
+                }
+                __syncthreads();
+                const mb_t* t2 = xsb(v);
+                // The pass's state columns: o = Σ_p exp(lam_i)·dy_i[p]·S[p][s] (dC's share, and
+                // Σ_s C_i[s]·o_i[s] is dlam_i's share from the state).
+                // A(i, p) = exp(lam_i)·dy[i][p], B(p, s) = S[p][s]
+                mb_mm<false, false>(off, t4, t2, 64);
+                if (p0 + 64 < p) continue;
+                float* rsum = vec + hh * MB_SV * MB_L + 3 * MB_L;
+                float co[4][4];
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        co[a][c] = mb_get(t1, mb_row(a, c), mb_col(a, c)) * off[a][c];
+                        dco[a][c] += off[a][c];
+                    }
+                mb_row_sums(co, rsum);
+            }
+            // The heads' dB and dC of the pass's columns: dC = dGΣ·B + Σ_h o_h, dB = dGΣᵀ·C.
+            __syncthreads();
+            // (B kept from the first part with `down`)
+            mb_t* bt = fused ? btile(s0 / 64) : xsb(0);
+            if (!fused) mb_load(bt, xc, conv, r0, r1, bcol + s0, sc, nullptr);
+            __syncthreads();
+            // A(i, j) = dGΣ[i][j], B(j, s) = B[j][s]
+            mb_mm<false, false>(dco, ms, bt, MB_L);
+            mb_red_tile(dxc + k0.row0 * conv + ccol + s0, conv, dco, rows, sc, nullptr);
+            float db[4][4];
+            mb_zero(db);
+            // A(j, i) = dGΣ[i][j], B(i, s) = C[i][s]
+            mb_mm<true, false>(db, ms, t1, MB_L);
+            mb_red_tile(dxc + k0.row0 * conv + bcol + s0, conv, db, rows, sc, nullptr);
+        }
     }
     mb_cp_wait<0>();
     __syncthreads();
@@ -1359,6 +1504,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         }
         __syncthreads();
     }
+    if (dd && threadIdx.x < hb) atomicAdd(&dd[h0 + threadIdx.x], ddh[threadIdx.x]);
     for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
         const int hh = e / MB_L, i = e % MB_L;
         const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
@@ -1383,79 +1529,106 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // reader's tiles round to: mamba_chunk_state_bwd), dlam at chunk c's last position +=
 // exp(L_c)·Σ dS_{c+1}·S_c (the decay's share; S_c the chunk's start state), and
 // dS_c = exp(L_c)·dS_{c+1} + Σ_i exp(lam_i)·dy_i[p]·C_i[s] (the chunk's outputs' share). A
-// block per (64 head columns, 64 state columns, batch row · head) carries dS in f32
-// accumulators; each chunk's dy, C and S tiles come by cp.async a chunk ahead, dy's rows scaled
-// by exp(lam_i) by the thread that copied them once they land. Shapes whose tiles are not whole
-// 16-byte rows load each chunk's tiles when it comes (mb_load).
-extern "C" __global__ void __launch_bounds__(256, 3)
-    mamba_state_walk_bwd_bf16(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,
-                              const float* __restrict__ lam, const mb_t* __restrict__ states,
-                              float* __restrict__ dlam, mb_t* __restrict__ down, int t,
-                              int heads, int p, int s, int groups, int chunks) {
-    extern __shared__ __align__(16) unsigned char mb_raw[];
-    // stage q: exp(lam_i)·dy [i][p] (tile 3q), C [i][s] (3q + 1), S [p][s] (3q + 2)
-    float* el = mb_vecs(mb_raw, 6);  // exp(lam_i) [i] (where the tiles load synchronously)
-    const int p0 = blockIdx.x * 64, s0 = blockIdx.y * 64, bh = blockIdx.z;
+// block per (64 head columns, NS·64 state columns, batch row · head) carries dS in f32
+// accumulators, its dy tile shared by the NS products; each chunk's dy, C and S tiles come by
+// cp.async a chunk ahead, dy's rows scaled by exp(lam_i) by the thread that copied them once
+// they land. Shapes whose tiles are not whole 16-byte rows walk each of the block's state
+// tiles in turn, loading each chunk's tiles when it comes (mb_load).
+template <int NS>
+__device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
+                                                  const mb_t* __restrict__ dy,
+                                                  const float* __restrict__ lam,
+                                                  const mb_t* __restrict__ states,
+                                                  float* __restrict__ dlam,
+                                                  mb_t* __restrict__ down, int t, int heads,
+                                                  int p, int s, int groups, int chunks, unsigned char* mb_raw) {
+        // stage q: exp(lam_i)·dy [i][p] (tile TS·q), C [i][s] (TS·q + 1 + si), S [p][s]
+    // (TS·q + 1 + NS + si)
+    constexpr int TS = 1 + 2 * NS;
+    float* el = mb_vecs(mb_raw, 2 * TS);  // exp(lam_i) [i] (where the tiles load synchronously)
+    const int p0 = blockIdx.x * 64, s0 = blockIdx.y * 64 * NS, bh = blockIdx.z;
     const int b = bh / heads, h = bh % heads, g = h / (heads / groups);
     const int conv = heads * p + 2 * groups * s, inner = heads * p;
     const int xcol = h * p + p0, ccol = inner + groups * s + g * s + s0;
-    const int pc = min(64, p - p0), sc = min(64, s - s0);
+    const int pc = min(64, p - p0);
     const float* lm = lam + (size_t)bh * chunks * MB_L;
     float* dl = dlam + (size_t)bh * chunks * MB_L + MB_L - 1;
     const size_t at = (size_t)bh * chunks * p * s + (size_t)p0 * s + s0;
     const mb_t* st = states + at;
     mb_t* dn = down + at;
-    const bool fast = pc == 64 && sc == 64 && inner % 8 == 0 && conv % 8 == 0 &&
+    const bool fast = pc == 64 && s0 + 64 * NS <= s && inner % 8 == 0 && conv % 8 == 0 &&
                       xcol % 8 == 0 && ccol % 8 == 0 && s % 8 == 0 &&
                       reinterpret_cast<uintptr_t>(xc) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(dy) % 16 == 0 &&
-                      reinterpret_cast<uintptr_t>(st) % 16 == 0 && blockDim.x == 256;
-    float acc[4][4];
-    mb_zero(acc);
-    // Chunk c: the decay's share of dlam from S_c (tile stt), then dS_c from exp(lam)·dy
-    // (dyt) and C (ct).
-    auto chunk = [&](int c, const mb_t* dyt, const mb_t* ct, const mb_t* stt, float last) {
+                      reinterpret_cast<uintptr_t>(st) % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(dn) % 8 == 0 && blockDim.x == 256;
+    float acc[NS][4][4];
+    // Chunk c for the state tiles si0.. (n of them): the decay's share of dlam from S_c (tiles
+    // stt(si)), then dS_c from exp(lam)·dy (dyt) and C (ct(si)).
+    auto chunk = [&](int c, const mb_t* dyt, auto ct, auto stt, float last, int n) {
         const float d = __expf(last);
         float share = 0.f;
 #pragma unroll
-        for (int a = 0; a < 4; ++a)
+        for (int si = 0; si < NS; ++si) {
+            if (si >= n) break;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                share += acc[a][e] * mb_get(stt, mb_row(a, e), mb_col(a, e));
-                acc[a][e] *= d;
-            }
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    share += acc[si][a][e] * mb_get(stt(si), mb_row(a, e), mb_col(a, e));
+                    acc[si][a][e] *= d;
+                }
+        }
         share = warp_sum(share);
         if ((threadIdx.x & 31) == 0) atomicAdd(&dl[c * MB_L], share * d);
-        // A(p, i) = exp(lam_i)·dy[i][p], B(i, s) = C[i][s]
-        mb_mm<true, false>(acc, dyt, ct, MB_L);
+#pragma unroll
+        for (int si = 0; si < NS; ++si) {
+            if (si >= n) break;
+            // A(p, i) = exp(lam_i)·dy[i][p], B(i, s) = C[i][s]
+            mb_mm<true, false>(acc[si], dyt, ct(si), MB_L);
+        }
     };
     if (!fast) {
         mb_t* dyt = mb_tile(mb_raw, 0);
         mb_t* ct = mb_tile(mb_raw, 1);
         mb_t* stt = mb_tile(mb_raw, 2);
-        for (int c = chunks - 1;; --c) {
-            mb_store_tile16(dn + (size_t)c * p * s, s, acc, pc, sc);
-            if (c == 0) return;
-            const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
-            for (int i = threadIdx.x; i < MB_L; i += blockDim.x) el[i] = __expf(lm[c * MB_L + i]);
-            __syncthreads();
-            mb_load(dyt, dy, inner, r0, r1, xcol, pc, el);
-            mb_load(ct, xc, conv, r0, r1, ccol, sc, nullptr);
-            mb_load_state(stt, st + (size_t)c * p * s, 0, pc, s, 0, sc);
-            __syncthreads();
-            chunk(c, dyt, ct, stt, lm[c * MB_L + MB_L - 1]);
-            __syncthreads();
+        for (int si = 0; si < NS && s0 + 64 * si < s; ++si) {
+            const int sc = min(64, s - s0 - 64 * si);
+            mb_zero(acc[0]);
+            for (int c = chunks - 1;; --c) {
+                mb_store_tile16(dn + (size_t)c * p * s + 64 * si, s, acc[0], pc, sc);
+                if (c == 0) break;
+                const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
+                __syncthreads();  // the last chunk's product is done with the tiles and el
+                for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
+                    el[i] = __expf(lm[c * MB_L + i]);
+                __syncthreads();
+                mb_load(dyt, dy, inner, r0, r1, xcol, pc, el);
+                mb_load(ct, xc, conv, r0, r1, ccol + 64 * si, sc, nullptr);
+                mb_load_state(stt, st + (size_t)c * p * s, 0, pc, s, 64 * si, sc);
+                __syncthreads();
+                chunk(
+                    c, dyt, [&](int) { return ct; }, [&](int) { return stt; },
+                    lm[c * MB_L + MB_L - 1], 1);
+            }
         }
+        return;
     }
+#pragma unroll
+    for (int si = 0; si < NS; ++si) mb_zero(acc[si]);
     // Chunk c's copies into stage c % 2, with exp(lam) of this thread's rows of dy (rows
     // (threadIdx.x + 256e) / 8, as mb_load_async copies them) and lam at the chunk's end.
     float erow[2], last = 0.f;
     auto issue = [&](int c) {
         const int q = c & 1;
         const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
-        mb_load_async(mb_tile(mb_raw, 3 * q), dy, inner, r0, r1, xcol, 64);
-        mb_load_async(mb_tile(mb_raw, 3 * q + 1), xc, conv, r0, r1, ccol, 64);
-        mb_load_async(mb_tile(mb_raw, 3 * q + 2), st + (size_t)c * p * s, s, 0, 64, 0, 64);
+        mb_load_async(mb_tile(mb_raw, TS * q), dy, inner, r0, r1, xcol, 64);
+#pragma unroll
+        for (int si = 0; si < NS; ++si) {
+            mb_load_async(mb_tile(mb_raw, TS * q + 1 + si), xc, conv, r0, r1, ccol + 64 * si, 64);
+            mb_load_async(mb_tile(mb_raw, TS * q + 1 + NS + si), st + (size_t)c * p * s, s, 0,
+                          64, 64 * si, 64);
+        }
         mb_cp_commit();
 #pragma unroll
         for (int e = 0; e < 2; ++e) erow[e] = __expf(lm[c * MB_L + ((threadIdx.x + 256 * e) >> 3)]);
@@ -1463,10 +1636,12 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     };
     issue(chunks - 1);
     for (int c = chunks - 1;; --c) {
-        mb_store_tile16(dn + (size_t)c * p * s, s, acc, pc, sc);
+#pragma unroll
+        for (int si = 0; si < NS; ++si)
+            mb_store_tile16_quad(dn + (size_t)c * p * s + 64 * si, s, acc[si]);
         if (c == 0) break;
         const int q = c & 1;
-        mb_t* dyt = mb_tile(mb_raw, 3 * q);
+        mb_t* dyt = mb_tile(mb_raw, TS * q);
         mb_cp_wait<0>();
         // this thread's own pieces of dy times exp(lam_i)
 #pragma unroll
@@ -1479,8 +1654,26 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         // chunk c's tiles are in; chunk c + 1's product is done with the other stage
         __syncthreads();
         if (c > 1) issue(c - 1);
-        chunk(c, dyt, mb_tile(mb_raw, 3 * q + 1), mb_tile(mb_raw, 3 * q + 2), lc);
+        chunk(
+            c, dyt, [&](int si) { return mb_tile(mb_raw, TS * q + 1 + si); },
+            [&](int si) { return mb_tile(mb_raw, TS * q + 1 + NS + si); }, lc, NS);
     }
+}
+extern "C" __global__ void __launch_bounds__(256, 3)
+    mamba_state_walk_bwd_bf16(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,
+                              const float* __restrict__ lam, const mb_t* __restrict__ states,
+                              float* __restrict__ dlam, mb_t* __restrict__ down, int t,
+                              int heads, int p, int s, int groups, int chunks) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_state_walk_bwd<1>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks, mb_raw);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+    mamba_state_walk2_bwd_bf16(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,
+                               const float* __restrict__ lam, const mb_t* __restrict__ states,
+                               float* __restrict__ dlam, mb_t* __restrict__ down, int t,
+                               int heads, int p, int s, int groups, int chunks) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    mb_state_walk_bwd<2>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks, mb_raw);
 }
 
 // The backward of a chunk's own contribution to its end state (mamba_state_walk) from its

@@ -11,8 +11,8 @@ use candle_core::Result;
 
 use super::arena::Activations;
 use super::kernels::{
-    scan_bwd_fused_smem, scan_bwd_smem, scan_smem, state_bwd_smem, ConvKern, Kern, CB_SMEM,
-    MAMBA_HB, STATE_DB_SMEM, WALK_BWD_SMEM, WALK_SMEM,
+    scan_bwd_fused_smem, scan_bwd_smem, scan_smem, state_bwd_smem, walk_bwd_smem, walk_smem,
+    ConvKern, Kern, CB_SMEM, MAMBA_HB, STATE_DB_SMEM,
 };
 use super::mamba_bufs::{MambaActs, MambaDims, MambaIdx};
 use super::params::LayerIdx;
@@ -26,11 +26,13 @@ struct Layer<'a> {
     idx: MambaIdx,
     /// The in_proj output (forward) and its gradient (backward) `[N, in_w]`.
     zx: u64,
-    /// The layer's slot (mamba_bufs.rs): dtv, lam, C·Bᵀ, the chunks' start states.
+    /// The layer's slot (mamba_bufs.rs): dtv, lam, C·Bᵀ, the chunks' start states, the
+    /// conv's output.
     dtv: u64,
     lam: u64,
     cb: u64,
     states: u64,
+    xc: u64,
     b: usize,
     n: usize,
     chunks: usize,
@@ -120,6 +122,7 @@ impl ModelStep {
             lam: m.lam[l],
             cb: m.cb[l],
             states: m.states[l],
+            xc: m.xc[l],
             b: a.b,
             n: a.b * self.t,
             chunks: d.chunks(self.t),
@@ -172,10 +175,9 @@ impl ModelStep {
         ])
     }
 
-    /// The conv (x | B | C → xc, the shared scratch): the forward's first part, which the
-    /// backward runs again where the layers keep their slots.
+    /// The conv (x | B | C → xc, in the layer's slot): the forward's first part.
     fn mamba_conv(&self, y: &Layer) -> Result<()> {
-        let (d, m, k) = (&y.d, y.m, &self.k.mamba);
+        let (d, k) = (&y.d, &self.k.mamba);
         let (inner, conv) = (d.inner(), d.conv_dim());
         let ld = i32_of(d.in_w(), "in_proj width")?;
         let (n_i, t_i) = (i32_of(y.n, "rows")?, i32_of(self.t, "T")?);
@@ -185,7 +187,7 @@ impl ModelStep {
             Arg::I(i32_of(inner, "Mamba width")?),
             Arg::P(self.weight_ptr(y.idx.conv_w)?),
             Arg::P(self.weight_ptr_or_null(y.idx.conv_b)?),
-            Arg::P(m.xc),
+            Arg::P(y.xc),
             Arg::I(n_i),
             Arg::I(t_i),
             Arg::I(i32_of(conv, "conv channels")?),
@@ -198,7 +200,7 @@ impl ModelStep {
     /// dt (→ dtv, lam), each chunk's C·Bᵀ and each chunk's start state (→ states, one walk
     /// over the chunks), into the layer's slot.
     fn mamba_chunks(&self, y: &Layer) -> Result<()> {
-        let (d, m, k) = (&y.d, y.m, &self.k.mamba);
+        let (d, k) = (&y.d, &self.k.mamba);
         let (head, tail) = self.dt_args(y)?;
         let args: Vec<Arg> = head
             .into_iter()
@@ -206,18 +208,23 @@ impl ModelStep {
             .chain(tail)
             .collect();
         self.launch(&k.dt_fwd, dt_cfg(y, d), &args)?;
-        let mut args = vec![Arg::P(m.xc), Arg::P(y.cb)];
+        let mut args = vec![Arg::P(y.xc), Arg::P(y.cb)];
         args.extend(self.chunk_args(d)?);
         self.launch(
             &k.chunk_cb,
             cfg((y.chunks, d.groups, y.b), 256, CB_SMEM),
             &args,
         )?;
-        let mut args = vec![Arg::P(m.xc), Arg::P(y.dtv), Arg::P(y.lam), Arg::P(y.states)];
+        let mut args = vec![Arg::P(y.xc), Arg::P(y.dtv), Arg::P(y.lam), Arg::P(y.states)];
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(y.chunks, "chunks")?));
-        let grid = (d.head_dim.div_ceil(64), d.state.div_ceil(64), y.b * d.heads);
-        self.launch(&k.state_walk, cfg(grid, 256, WALK_SMEM), &args)
+        let (walk, _, ns) = k.walks(d.state);
+        let grid = (
+            d.head_dim.div_ceil(64),
+            d.state.div_ceil(64 * ns),
+            y.b * d.heads,
+        );
+        self.launch(walk, cfg(grid, 256, walk_smem(ns as u32)), &args)
     }
 
     /// Layer `l`'s Mamba mixer forward: `qkv[l]` (in_proj's output `[N, in_w]`, bias
@@ -229,7 +236,7 @@ impl ModelStep {
         self.mamba_conv(&y)?;
         self.mamba_chunks(&y)?;
         let mut args = vec![
-            Arg::P(m.xc),
+            Arg::P(y.xc),
             Arg::P(y.cb),
             Arg::P(y.dtv),
             Arg::P(y.lam),
@@ -280,7 +287,7 @@ impl ModelStep {
     fn mamba_walk_bwd(&self, y: &Layer) -> Result<()> {
         let (d, m) = (&y.d, y.m);
         let mut args = vec![
-            Arg::P(m.xc),
+            Arg::P(y.xc),
             Arg::P(m.dy),
             Arg::P(y.lam),
             Arg::P(y.states),
@@ -289,12 +296,17 @@ impl ModelStep {
         ];
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(y.chunks, "chunks")?));
+        let (_, walk_bwd, ns) = self.k.mamba.walks(d.state);
         self.launch(
-            &self.k.mamba.state_walk_bwd,
+            walk_bwd,
             cfg(
-                (d.head_dim.div_ceil(64), d.state.div_ceil(64), y.b * d.heads),
+                (
+                    d.head_dim.div_ceil(64),
+                    d.state.div_ceil(64 * ns),
+                    y.b * d.heads,
+                ),
                 256,
-                WALK_BWD_SMEM,
+                walk_bwd_smem(ns as u32),
             ),
             &args,
         )
@@ -314,12 +326,9 @@ impl ModelStep {
             i32_of(inner, "Mamba width")?,
             i32_of(conv, "conv channels")?,
         );
-        // The conv's output again where the layers keep their slots (xc is shared: the layers
-        // above used it). Otherwise the step's recompute has just run this layer's forward
-        // (`Self::attn_half_fwd`), which left xc and the shared slot as this layer's.
-        if m.kept {
-            self.mamba_conv(&y)?;
-        }
+        // The layer's slot holds its forward's conv output: its own where the layers keep
+        // their slots, else the shared one that the step's recompute of this layer's forward
+        // (`Self::attn_half_fwd`) has just refilled.
         self.launch(
             &k.gnorm_bwd,
             cfg(
@@ -383,7 +392,7 @@ impl ModelStep {
             self.mamba_walk_bwd(&y)?;
         }
         let mut args = vec![
-            Arg::P(m.xc),
+            Arg::P(y.xc),
             Arg::P(y.cb),
             Arg::P(y.dtv),
             Arg::P(y.lam),
@@ -414,7 +423,7 @@ impl ModelStep {
         // The chunk states' backward: dB alone where the scan's backward took the rest (every
         // head of a group a block can take), else all of it.
         let mut args = vec![
-            Arg::P(m.xc),
+            Arg::P(y.xc),
             Arg::P(y.dtv),
             Arg::P(y.lam),
             Arg::P(m.down),

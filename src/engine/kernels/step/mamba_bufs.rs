@@ -78,8 +78,8 @@ impl MambaDims {
 /// Device addresses of the Mamba layers' activations for one micro-batch size.
 ///
 /// What the backward reads of a layer's forward lives in one of `slots`: a slot per Mamba layer
-/// where the step keeps activations (`model.recompute = "none"`: the backward then computes only
-/// the conv again), else one slot that every layer shares, which the backward's recompute of
+/// where the step keeps activations (`model.recompute = "none"`: the backward computes none of
+/// the forward again), else one slot that every layer shares, which the backward's recompute of
 /// the layer's forward has just refilled.
 #[derive(Clone, Debug)]
 pub(super) struct MambaActs {
@@ -91,17 +91,15 @@ pub(super) struct MambaActs {
     /// cumulative sum × A within each chunk (f32 `[B, H, chunks·CHUNK]` each); each chunk's
     /// C·Bᵀ per group (f32 `[B, groups, chunks, CHUNK, CHUNK]`), which the group's heads share;
     /// the state at each chunk's start (16-bit `[B, H, chunks, head_dim, state]`, the step's
-    /// type, as the chunk products read it).
+    /// type, as the chunk products read it); the conv's output x | B | C after SiLU (bf16
+    /// `[N, conv]`).
     pub(super) dtv: Vec<u64>,
     pub(super) lam: Vec<u64>,
     pub(super) cb: Vec<u64>,
     pub(super) states: Vec<u64>,
-    /// The layers keep their own slots (the backward computes only the conv again).
-    pub(super) kept: bool,
-    /// Scratch shared by the layers: the conv's output x | B | C after SiLU (bf16 `[N, conv]`),
-    /// and the backward's f32 gradients of dt and of its cumulative sum (`[B, H, chunks·CHUNK]`)
-    /// and of the conv's output (`[N, conv]`).
-    pub(super) xc: u64,
+    pub(super) xc: Vec<u64>,
+    /// Scratch shared by the layers: the backward's f32 gradients of dt and of its cumulative
+    /// sum (`[B, H, chunks·CHUNK]`) and of the conv's output (`[N, conv]`).
     pub(super) ddt: u64,
     pub(super) dlam: u64,
     pub(super) dxc: u64,
@@ -137,9 +135,10 @@ impl MambaArena {
         let layers = mamba.iter().filter(|&&m| m).count();
         let slots = if keep { layers } else { layers.min(1) };
         let st_elems = b * nh * dims.chunks(t) * dims.head_dim * dims.state;
-        // 16-bit: y per Mamba layer, states per slot, then xc, down and dy.
+        // 16-bit: y per Mamba layer, states and xc per slot, then down and dy.
         let (y_len, st16_len, xc_len) = (align(n * inner), align(st_elems), align(n * conv));
-        let bf16_len = layers * y_len + (slots + 1) * st16_len + xc_len + align(n * inner);
+        let slot16_len = st16_len + xc_len;
+        let bf16_len = layers * y_len + slots * slot16_len + st16_len + align(n * inner);
         let bf = dev.alloc_zeros::<bf16>(bf16_len.max(1))?;
         // f32: rstd per Mamba layer; dtv, lam, cb per slot; ddt, dlam, dxc.
         let rstd_len = align(n * dims.groups);
@@ -160,13 +159,12 @@ impl MambaArena {
             lam: Vec::new(),
             cb: Vec::new(),
             states: Vec::new(),
-            kept: keep,
-            xc: at16(slot16 + slots * st16_len),
+            xc: Vec::new(),
             ddt: 0,
             dlam: 0,
             dxc: 0,
-            dy: at16(slot16 + (slots + 1) * st16_len + xc_len),
-            down: at16(slot16 + slots * st16_len + xc_len),
+            down: at16(slot16 + slots * slot16_len),
+            dy: at16(slot16 + slots * slot16_len + st16_len),
         };
         let mut k = 0;
         for &m in mamba {
@@ -178,6 +176,7 @@ impl MambaArena {
                     &mut acts.lam,
                     &mut acts.cb,
                     &mut acts.states,
+                    &mut acts.xc,
                 ] {
                     v.push(0);
                 }
@@ -190,7 +189,8 @@ impl MambaArena {
             acts.dtv.push(at32(slot));
             acts.lam.push(at32(slot + pos_len));
             acts.cb.push(at32(slot + 2 * pos_len));
-            acts.states.push(at16(slot16 + s * st16_len));
+            acts.states.push(at16(slot16 + s * slot16_len));
+            acts.xc.push(at16(slot16 + s * slot16_len + st16_len));
             k += 1;
         }
         let mut next = slot32 + slots * slot_len;
