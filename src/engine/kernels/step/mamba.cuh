@@ -721,8 +721,9 @@ __device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
                                               const float* __restrict__ dtv,
                                               const float* __restrict__ lam,
                                               mb_t* __restrict__ states, int t, int heads, int p,
-                                              int s, int groups, int chunks, unsigned char* mb_raw) {
-        // stage q: x [i][p] (tile (1 + NS)q), B [i][s] (tiles (1 + NS)q + 1..), lam and dtv [i]
+                                              int s, int groups, int chunks,
+                                              unsigned char* mb_raw) {
+    // stage q: x [i][p] (tile (1 + NS)q), B [i][s] (tiles (1 + NS)q + 1..), lam and dtv [i]
     // (vectors 2q, 2q + 1)
     constexpr int TS = 1 + NS;
     float* vecs = mb_vecs(mb_raw, TS * MB_WS);
@@ -1541,8 +1542,9 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
                                                   const mb_t* __restrict__ states,
                                                   float* __restrict__ dlam,
                                                   mb_t* __restrict__ down, int t, int heads,
-                                                  int p, int s, int groups, int chunks, unsigned char* mb_raw) {
-        // stage q: exp(lam_i)·dy [i][p] (tile TS·q), C [i][s] (TS·q + 1 + si), S [p][s]
+                                                  int p, int s, int groups, int chunks,
+                                                  unsigned char* mb_raw) {
+    // stage q: exp(lam_i)·dy [i][p] (tile TS·q), C [i][s] (TS·q + 1 + si), S [p][s]
     // (TS·q + 1 + NS + si)
     constexpr int TS = 1 + 2 * NS;
     float* el = mb_vecs(mb_raw, 2 * TS);  // exp(lam_i) [i] (where the tiles load synchronously)
@@ -1563,7 +1565,7 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
                       reinterpret_cast<uintptr_t>(st) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(dn) % 8 == 0 && blockDim.x == 256;
     float acc[NS][4][4];
-    // Chunk c for the state tiles si0.. (n of them): the decay's share of dlam from S_c (tiles
+    // Chunk c for the block's first n state tiles: the decay's share of dlam from S_c (tiles
     // stt(si)), then dS_c from exp(lam)·dy (dyt) and C (ct(si)).
     auto chunk = [&](int c, const mb_t* dyt, auto ct, auto stt, float last, int n) {
         const float d = __expf(last);
@@ -1665,7 +1667,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                               float* __restrict__ dlam, mb_t* __restrict__ down, int t,
                               int heads, int p, int s, int groups, int chunks) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_state_walk_bwd<1>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks, mb_raw);
+    mb_state_walk_bwd<1>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks,
+                         mb_raw);
 }
 extern "C" __global__ void __launch_bounds__(256, 2)
     mamba_state_walk2_bwd_bf16(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,
@@ -1673,7 +1676,8 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                                float* __restrict__ dlam, mb_t* __restrict__ down, int t,
                                int heads, int p, int s, int groups, int chunks) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_state_walk_bwd<2>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks, mb_raw);
+    mb_state_walk_bwd<2>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks,
+                         mb_raw);
 }
 
 // The backward of a chunk's own contribution to its end state (mamba_state_walk) from its
