@@ -461,7 +461,10 @@ fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
         header_step(s).is_some_and(|n| n >= 3)
     });
     tmux.type_keys("x");
-    let popup = tmux.wait_for("the quit confirmation", |s| s.contains("Stop it?"));
+    // (Until its last line: a capture can land while the terminal is still painting it.)
+    let popup = tmux.wait_for("the whole quit confirmation", |s| {
+        s.contains("Stop it?") && s.contains("Enter: the highlighted one")
+    });
     assert!(popup.contains("[X] quit WITHOUT saving"), "{popup}");
     tmux.run(&["send-keys", "-t", SESSION, "Escape"]);
     tmux.wait_for("the popup to close", |s| !s.contains("Stop it?"));
