@@ -419,9 +419,12 @@ pub(super) const fn state_bwd_smem(s: usize, summed: bool) -> u32 {
     let sum = if summed { 64 * (s as u32 + 4) * 4 } else { 0 };
     6 * TILE + MAMBA_HB as u32 * 2 * 64 * 4 + sum
 }
-/// The chunk states' dB alone (`MambaKernels::state_db`): two buffers of x and R, and a vector
-/// a head.
-pub(super) const STATE_DB_SMEM: u32 = 4 * TILE + MAMBA_HB as u32 * 64 * 4;
+/// The chunk states' dB alone (`MambaKernels::state_db`): two buffers of x and R's tile, or
+/// where a head is one tile and the state two (`pair`: mamba.cuh's) of x and R's two, and a
+/// vector a head.
+pub(super) const fn state_db_smem(pair: bool) -> u32 {
+    (if pair { 6 } else { 4 }) * TILE + MAMBA_HB as u32 * 64 * 4
+}
 pub(super) const CB_SMEM: u32 = 2 * TILE;
 
 /// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 55 KB of shared memory
@@ -504,7 +507,7 @@ impl MambaKernels {
             .find(|&s| {
                 let fused = scan_bwd_fused_smem(scan_bwd_hb, s);
                 scan_bwd_hb > 0
-                    && allow(&state_db, STATE_DB_SMEM)
+                    && allow(&state_db, state_db_smem(true))
                     && allow(&scan_bwd, fused)
                     && blocks(fused) >= blocks(scan_bwd_smem(scan_bwd_hb)).max(1)
             })

@@ -1842,15 +1842,20 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // columns of the state, the heads' products (K: a head's columns) are scaled by w and summed
 // in registers, then added into dxc's B columns once (16-byte reductions on sm_90). The block
 // walks (64 state columns, head, 64 head columns) with the next step's x and R tiles copied
-// (cp.async) into the other of two buffers while it multiplies this step's.
+// (cp.async) into the other of two buffers while it multiplies this step's; where a head is
+// one tile and the state two (`pair`: kernels.rs's state_db_smem), it walks the heads once,
+// each head's x tile copied once for both of its R tiles and its rows scaled by w in shared
+// memory (six tiles of shared memory).
 extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_chunk_state_db_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                               const float* __restrict__ lam, const mb_t* __restrict__ down,
                               float* __restrict__ dxc, int t, int heads, int p, int s,
                               int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
-    // tiles 2q: x [j][p], 2q + 1: R [p][s] (buffer q)
-    float* wv = mb_vecs(mb_raw, 4);  // per head: w_j [MB_L]
+    const int np = (p + 63) / 64, ns = (s + 63) / 64;
+    const bool pair = np == 1 && ns == 2;
+    // tiles 2q: x [j][p], 2q + 1: R [p][s] (buffer q); with `pair` 3q: x, 3q + 1..: R's two
+    float* wv = mb_vecs(mb_raw, pair ? 6 : 4);  // per head: w_j [MB_L]
     const int h0 = blockIdx.y * hb;
     const MbChunk k0 = mb_chunk_of(t, heads, groups, p, s, h0);
     const int conv = heads * p + 2 * groups * s;
@@ -1862,9 +1867,51 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
         wv[e] = __expf(lam[pos + MB_L - 1] - lam[pos + i]) * dtv[pos + i];
     }
+    if (pair) {
+        // Step hh: head hh's x tile and its two R tiles.
+        auto copy2 = [&](int hh) {
+            if (hh < hb) {
+                const MbChunk k = mb_chunk_of(t, heads, groups, p, s, h0 + hh);
+                const int q = 3 * (hh & 1);
+                mb_load_async(mb_tile(mb_raw, q), xc, conv, r0, r1, k.h * p, p);
+                for (int si = 0; si < 2; ++si)
+                    mb_load_async(mb_tile(mb_raw, q + 1 + si), down + k.st, s, 0, p, 64 * si,
+                                  min(64, s - 64 * si));
+            }
+            mb_cp_commit();
+        };
+        copy2(0);
+        float acc[2][4][4];  // Σ_h w·(x·R) of each tile of the state's columns
+        mb_zero(acc[0]);
+        mb_zero(acc[1]);
+        for (int hh = 0; hh < hb; ++hh) {
+            copy2(hh + 1);
+            mb_cp_wait<1>();
+            __syncthreads();
+            // x's rows times w_j in the tile (then the products sum straight into acc)
+            const int q = 3 * (hh & 1);
+            const float* w = wv + hh * MB_L;
+            mb_t* xt = mb_tile(mb_raw, q);
+            for (int e = threadIdx.x; e < 64 * 8; e += blockDim.x) {
+                const int i = e >> 3, j = (e & 7) * 8;
+                const uint4 u = *reinterpret_cast<const uint4*>(xt + i * MB_LDH + j);
+                mb_store16<mb_t>(xt, i, j, u, w[i], true);
+            }
+            __syncthreads();
+            // A(j, p) = w_j·x[j][p], B(p, s) = R[p][s]
+            mb_mm<false, false>(acc[0], xt, mb_tile(mb_raw, q + 1), 64);
+            mb_mm<false, false>(acc[1], xt, mb_tile(mb_raw, q + 2), 64);
+            __syncthreads();  // (this step's buffer is step hh + 2's copy's)
+        }
+#pragma unroll
+        for (int si = 0; si < 2; ++si)
+            mb_red_tile(dxc + k0.row0 * conv + bcol + 64 * si, conv, acc[si], rows,
+                        min(64, s - 64 * si), nullptr);
+        return;
+    }
     // Step `it`: the state's columns s0 = 64·(it / (hb·np)), head (it / np) % hb, its columns
     // p0 = 64·(it % np).
-    const int np = (p + 63) / 64, ns = (s + 63) / 64, steps = ns * hb * np;
+    const int steps = ns * hb * np;
     auto copy = [&](int it) {
         if (it < steps) {
             const int s0 = 64 * (it / (hb * np)), hh = (it / np) % hb, p0 = 64 * (it % np);

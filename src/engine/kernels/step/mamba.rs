@@ -11,8 +11,8 @@ use candle_core::Result;
 
 use super::arena::Activations;
 use super::kernels::{
-    scan_bwd_fused_smem, scan_bwd_smem, scan_smem, state_bwd_smem, walk_bwd_smem, walk_smem,
-    ConvKern, Kern, CB_SMEM, MAMBA_HB, STATE_DB_SMEM,
+    scan_bwd_fused_smem, scan_bwd_smem, scan_smem, state_bwd_smem, state_db_smem, walk_bwd_smem,
+    walk_smem, ConvKern, Kern, CB_SMEM, MAMBA_HB,
 };
 use super::mamba_bufs::{MambaActs, MambaDims, MambaIdx};
 use super::params::LayerIdx;
@@ -430,7 +430,8 @@ impl ModelStep {
             Arg::P(m.dxc),
         ];
         let (kern, hb_c, smem) = if fused {
-            (&k.state_db, heads_a_block(d, MAMBA_HB), STATE_DB_SMEM)
+            let pair = d.head_dim.div_ceil(64) == 1 && d.state.div_ceil(64) == 2;
+            (&k.state_db, heads_a_block(d, MAMBA_HB), state_db_smem(pair))
         } else {
             args.extend([Arg::P(m.ddt), Arg::P(m.dlam)]);
             let smem = state_bwd_smem(d.state, hb_state > 1);
