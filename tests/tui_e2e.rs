@@ -460,6 +460,13 @@ fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
     tmux.wait_for("the run to reach step 3", |s| {
         header_step(s).is_some_and(|n| n >= 3)
     });
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    // A failed assertion below must not leave the run going on headless (it would, by design).
+    let mut reap = Reap(pid);
     tmux.type_keys("x");
     // (Until its last line: a capture can land while the terminal is still painting it.)
     let popup = tmux.wait_for("the whole quit confirmation", |s| {
@@ -469,11 +476,6 @@ fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
     tmux.run(&["send-keys", "-t", SESSION, "Escape"]);
     tmux.wait_for("the popup to close", |s| !s.contains("Stop it?"));
 
-    let pid: i32 = std::fs::read_to_string(&pid_file)
-        .expect("pid file")
-        .trim()
-        .parse()
-        .expect("pid");
     drop(tmux); // kill-server: the pane's terminal hangs up
     let out = run_dir.join("cockpit.out");
     let deadline = Instant::now() + WAIT;
@@ -493,12 +495,26 @@ fn a_rebound_quit_key_and_a_terminal_that_hangs_up_lose_nothing() {
         assert!(Instant::now() < deadline, "no summary after SIGTERM");
         thread::sleep(POLL);
     }
+    reap.0 = 0; // (it has ended)
     let text = std::fs::read_to_string(&out).expect("cockpit.out");
     assert!(text.contains("interrupted by SIGTERM"), "{text}");
     assert!(
         run_dir.join("checkpoints").join("latest").is_file(),
         "{text}"
     );
+}
+
+/// Kills process `.0` (not 0) when dropped: a test's training run that a failed assertion
+/// would otherwise leave running.
+struct Reap(i32);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if self.0 > 0 {
+            // SAFETY: SIGKILL to the run this test started; a process already gone is ESRCH.
+            unsafe { libc::kill(self.0, libc::SIGKILL) };
+        }
+    }
 }
 
 /// `cockpit compare` on a terminal opens its view over a real sweep's run dirs (the
