@@ -834,20 +834,17 @@ __device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
     }
     mb_cp_wait<0>();
 }
-extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_walk_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
-                          const float* __restrict__ lam, mb_t* __restrict__ states, int t,
-                          int heads, int p, int s, int groups, int chunks) {
-    extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_state_walk<1>(xc, dtv, lam, states, t, heads, p, s, groups, chunks, mb_raw);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    mamba_state_walk2_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
-                           const float* __restrict__ lam, mb_t* __restrict__ states, int t,
-                           int heads, int p, int s, int groups, int chunks) {
-    extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_state_walk<2>(xc, dtv, lam, states, t, heads, p, s, groups, chunks, mb_raw);
-}
+// The walk's kernels: a state tile a block (mamba_state_walk) and two (mamba_state_walk2).
+#define MB_WALK(name, NS)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        name(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,                      \
+             const float* __restrict__ lam, mb_t* __restrict__ states, int t, int heads, int p, \
+             int s, int groups, int chunks) {                                                  \
+        extern __shared__ __align__(16) unsigned char mb_raw[];                                \
+        mb_state_walk<NS>(xc, dtv, lam, states, t, heads, p, s, groups, chunks, mb_raw);       \
+    }
+MB_WALK(mamba_state_walk_bf16, 1)
+MB_WALK(mamba_state_walk2_bf16, 2)
 
 // Each chunk's C·Bᵀ per group, which its heads share: cb[b, g, chunk][i][j] = C_i·B_j
 // (f32, 64 × 64). Grid (chunks, groups, batch).
@@ -1661,24 +1658,19 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
             [&](int si) { return mb_tile(mb_raw, TS * q + 1 + NS + si); }, lc, NS);
     }
 }
-extern "C" __global__ void __launch_bounds__(256, 3)
-    mamba_state_walk_bwd_bf16(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,
-                              const float* __restrict__ lam, const mb_t* __restrict__ states,
-                              float* __restrict__ dlam, mb_t* __restrict__ down, int t,
-                              int heads, int p, int s, int groups, int chunks) {
-    extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_state_walk_bwd<1>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks,
-                         mb_raw);
-}
-extern "C" __global__ void __launch_bounds__(256, 2)
-    mamba_state_walk2_bwd_bf16(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,
-                               const float* __restrict__ lam, const mb_t* __restrict__ states,
-                               float* __restrict__ dlam, mb_t* __restrict__ down, int t,
-                               int heads, int p, int s, int groups, int chunks) {
-    extern __shared__ __align__(16) unsigned char mb_raw[];
-    mb_state_walk_bwd<2>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks,
-                         mb_raw);
-}
+// Its kernels: a state tile a block (three blocks an SM) and two (two: 123 registers).
+#define MB_WALK_BWD(name, NS, BLOCKS)                                                          \
+    extern "C" __global__ void __launch_bounds__(256, BLOCKS)                                  \
+        name(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,                        \
+             const float* __restrict__ lam, const mb_t* __restrict__ states,                    \
+             float* __restrict__ dlam, mb_t* __restrict__ down, int t, int heads, int p, int s, \
+             int groups, int chunks) {                                                         \
+        extern __shared__ __align__(16) unsigned char mb_raw[];                                \
+        mb_state_walk_bwd<NS>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks, \
+                              mb_raw);                                                         \
+    }
+MB_WALK_BWD(mamba_state_walk_bwd_bf16, 1, 3)
+MB_WALK_BWD(mamba_state_walk2_bwd_bf16, 2, 2)
 
 // The backward of a chunk's own contribution to its end state (mamba_state_walk) from its
 // gradient R = down[c] (mamba_state_walk_bwd's, 16-bit), for the hb heads of the block in turn:
