@@ -426,6 +426,11 @@ pub(super) const fn state_db_smem(pair: bool) -> u32 {
     (if pair { 6 } else { 4 }) * TILE + MAMBA_HB as u32 * 64 * 4
 }
 pub(super) const CB_SMEM: u32 = 2 * TILE;
+/// mamba_conv4s_bwd's shared memory (mamba.cuh's MB_CONV_SCH channels × MB_CONV_SROWS rows):
+/// its rows' inputs with 3 before and after them (bf16), their dxc with 3 after (f32).
+pub(super) const CONV_SMEM: u32 = 128 * ((64 + 6) * 2 + (64 + 3) * 4);
+/// mamba_conv4s_fwd's: its rows' inputs with the 3 before them.
+pub(super) const CONV_FWD_SMEM: u32 = 128 * (64 + 3) * 2;
 
 /// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 55 KB of shared memory
 /// a block at state 128, backward 56 KB with one head a block, the chunk states' backward 58 KB
@@ -436,8 +441,13 @@ pub(super) struct MambaKernels {
     /// a channel a thread; and the backward with 4 taps, 4 channels a thread in one vector
     /// access (`conv4v_bwd`: mamba.cuh's MB_CONV_BWD builds).
     pub(super) conv4_fwd: Kern,
+    /// The forward with 4 taps through shared memory (`mamba_conv4s_fwd`).
+    pub(super) conv4s_fwd: Kern,
     pub(super) conv4_bwd: Kern,
     pub(super) conv4v_bwd: Kern,
+    /// The backward with 4 taps through shared memory (`mamba_conv4s_bwd`), where the GPU
+    /// gives a block [`CONV_SMEM`].
+    pub(super) conv4s_bwd: Option<Kern>,
     pub(super) conv_fwd: Kern,
     pub(super) dt_fwd: Kern,
     pub(super) chunk_cb: Kern,
@@ -529,10 +539,14 @@ impl MambaKernels {
             && scan_bwd_hb > 0
             && (head_sum_state > 0 || allow(&state_bwd, state_bwd_smem(0, false)));
         let scan = fits.then_some((scan, scan_bwd, state_bwd));
+        let conv4s_bwd = named("mamba_conv4s_bwd_bf16", "mamba_conv_bwd")?;
+        let conv4s_bwd = allow(&conv4s_bwd, CONV_SMEM).then_some(conv4s_bwd);
         Ok(Self {
             conv4_fwd: named("mamba_conv4_fwd_bf16", "mamba_conv")?,
+            conv4s_fwd: named("mamba_conv4s_fwd_bf16", "mamba_conv")?,
             conv4_bwd: named("mamba_conv4_bwd_bf16", "mamba_conv_bwd")?,
             conv4v_bwd: named("mamba_conv4v_bwd_bf16", "mamba_conv_bwd")?,
+            conv4s_bwd,
             conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
             chunk_cb: named("mamba_chunk_cb_bf16", "mamba_cb")?,
@@ -563,41 +577,64 @@ impl MambaKernels {
         }
     }
 
-    /// The conv's forward for `d_conv` taps (the 4-tap window where it fits), a channel a
-    /// thread.
-    pub(super) fn conv_forward(&self, d_conv: usize) -> ConvKern<'_> {
-        ConvKern::one(if d_conv <= 4 {
-            &self.conv4_fwd
-        } else {
-            &self.conv_fwd
-        })
-    }
-
-    /// The conv's backward for `d_conv` taps: the 4-tap window where it fits, in its vector
-    /// build where `vec` (the channels, row strides and addresses take its accesses: mamba.rs's
-    /// `conv_vec`).
-    pub(super) fn conv_backward(&self, d_conv: usize, vec: bool) -> ConvKern<'_> {
+    /// The conv's forward for `d_conv` taps: the 4-tap window where it fits, through shared
+    /// memory where `vec` (as [`Self::conv_backward`]'s), else a channel a thread.
+    pub(super) fn conv_forward(&self, d_conv: usize, vec: bool) -> ConvKern<'_> {
         match (d_conv <= 4, vec) {
             (true, true) => ConvKern {
+                k: &self.conv4s_fwd,
+                v: 1,
+                threads: 128,
+                walkers: 1,
+                rows: 64,
+                smem: CONV_FWD_SMEM,
+            },
+            (true, false) => ConvKern::one(&self.conv4_fwd),
+            _ => ConvKern::one(&self.conv_fwd),
+        }
+    }
+
+    /// The conv's backward for `d_conv` taps: the 4-tap window where it fits, through shared
+    /// memory where `vec` (the channels, row strides and addresses take its 16-byte copies:
+    /// mamba.rs's `conv_vec`) and the GPU gives the block its rows, else in the vector build
+    /// (4 channels a thread) where `vec`.
+    pub(super) fn conv_backward(&self, d_conv: usize, vec: bool) -> ConvKern<'_> {
+        match (d_conv <= 4, vec, &self.conv4s_bwd) {
+            (true, true, Some(k)) => ConvKern {
+                k,
+                v: 1,
+                threads: 256,
+                walkers: 2,
+                rows: 64,
+                smem: CONV_SMEM,
+            },
+            (true, true, None) => ConvKern {
                 k: &self.conv4v_bwd,
                 v: 4,
                 threads: 64,
+                walkers: 1,
                 rows: 64,
+                smem: 0,
             },
-            (true, false) => ConvKern::one(&self.conv4_bwd),
+            (true, false, _) => ConvKern::one(&self.conv4_bwd),
             _ => ConvKern::one(&self.conv_bwd),
         }
     }
 }
 
-/// A conv kernel and its launch shape: channels a thread, threads a block, rows a block
-/// (mamba.cuh's MB_CONV_BWD arguments; the forward's are a channel a thread, 128 × 128).
+/// A conv kernel and its launch shape: channels a thread, threads a block, rows a block and
+/// shared memory (mamba.cuh's MB_CONV_BWD arguments, the one-channel forward's 128 × 128, or
+/// the shared-memory builds' MB_CONV_SCH channels × MB_CONV_SROWS rows).
 #[derive(Clone, Copy)]
 pub(super) struct ConvKern<'a> {
     pub(super) k: &'a Kern,
     pub(super) v: usize,
     pub(super) threads: u32,
+    /// Threads a channel (each over its share of the block's rows: mamba.cuh's MB_CONV_SPLIT).
+    pub(super) walkers: u32,
     pub(super) rows: usize,
+    /// Dynamic shared memory a block.
+    pub(super) smem: u32,
 }
 
 impl<'a> ConvKern<'a> {
@@ -607,7 +644,9 @@ impl<'a> ConvKern<'a> {
             k,
             v: 1,
             threads: 128,
+            walkers: 1,
             rows: 128,
+            smem: 0,
         }
     }
 }

@@ -505,17 +505,15 @@ __device__ __forceinline__ MbConvTaps<KW> mb_conv_taps(const bf16_t* __restrict_
     return taps;
 }
 // The window before row r0: win[j] = the input KW − j rows back (j < KW − 1) where it is in
-// r0's sequence and feeds a tap, else 0; win[KW − 1] is filled by the walk.
+// r0's sequence (tt = r0's position in it) and feeds a tap, else 0; win[KW − 1] is filled by
+// the walk. `x` points at row r0's input of the channel, rows `ldx` apart.
 template <int KW>
-__device__ __forceinline__ void mb_conv_prefill(float win[KW], const bf16_t* __restrict__ zx,
-                                                int ld, int off, int ch, int r0, int t, int k) {
-    const int tt = r0 % t;
+__device__ __forceinline__ void mb_conv_prefill(float win[KW], const bf16_t* x, int ldx, int tt,
+                                                int k) {
 #pragma unroll
     for (int j = 0; j < KW; ++j) {
         const int back = KW - j;  // win[j] moves to win[j - 1] when row r0 comes in
-        win[j] = j >= KW + 1 - k && j < KW && tt - back >= 0
-                     ? to_f(zx[(size_t)(r0 - back) * ld + off + ch])
-                     : 0.f;
+        win[j] = j >= KW + 1 - k && j < KW && tt - back >= 0 ? to_f(x[-back * ldx]) : 0.f;
     }
 }
 // Shift row r's input into the window (zeroing what lies before its sequence) and return the
@@ -531,6 +529,27 @@ __device__ __forceinline__ float mb_conv_push(float win[KW], const MbConvTaps<KW
     for (int j = 0; j < KW; ++j) acc += taps.w[j] * win[j];
     return acc;
 }
+// The forward's walk of one channel over rows r0 .. r_end − 1: its inputs at `x` (row r0's,
+// rows ldx apart, the KW − 1 before it readable where they are in r0's sequence), its outputs
+// from row r0 at `dst` (rows ld apart).
+template <int KW>
+__device__ __forceinline__ void mb_conv_walk(const bf16_t* __restrict__ x, int ldx,
+                                             const bf16_t* __restrict__ w,
+                                             const bf16_t* __restrict__ cb,
+                                             bf16_t* __restrict__ dst, int ld, int ch, int r0,
+                                             int r_end, int t, int k) {
+    const MbConvTaps<KW> taps = mb_conv_taps<KW>(w, cb, ch, k);
+    float win[KW];
+    mb_conv_prefill<KW>(win, x, ldx, r0 % t, k);
+    // Row pointers and the position within the sequence step with the walk (no 64-bit
+    // multiply or integer division a row).
+    int tt = r0 % t;
+#pragma unroll 8
+    for (int r = r0; r < r_end; ++r, x += ldx, dst += ld) {
+        *dst = from_f<bf16_t>(silu_f(mb_conv_push<KW>(win, taps, to_f(*x), tt == 0)));
+        tt = tt + 1 == t ? 0 : tt + 1;
+    }
+}
 template <int KW>
 __device__ __forceinline__ void mb_conv_fwd(const bf16_t* __restrict__ zx, int ld, int off,
                                             const bf16_t* __restrict__ w,
@@ -538,20 +557,9 @@ __device__ __forceinline__ void mb_conv_fwd(const bf16_t* __restrict__ zx, int l
                                             int n, int t, int conv, int k) {
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= conv) return;
-    const MbConvTaps<KW> taps = mb_conv_taps<KW>(w, cb, ch, k);
     const int r0 = blockIdx.y * MB_CONV_ROWS, r_end = min(n, r0 + MB_CONV_ROWS);
-    float win[KW];
-    mb_conv_prefill<KW>(win, zx, ld, off, ch, r0, t, k);
-    // Row pointers and the position within the sequence step with the walk (no 64-bit
-    // multiply or integer division a row).
-    const bf16_t* src = zx + (size_t)r0 * ld + off + ch;
-    bf16_t* dst = xc + (size_t)r0 * conv + ch;
-    int tt = r0 % t;
-#pragma unroll 8
-    for (int r = r0; r < r_end; ++r, src += ld, dst += conv) {
-        *dst = from_f<bf16_t>(silu_f(mb_conv_push<KW>(win, taps, to_f(*src), tt == 0)));
-        tt = tt + 1 == t ? 0 : tt + 1;
-    }
+    mb_conv_walk<KW>(zx + (size_t)r0 * ld + off + ch, ld, w, cb, xc + (size_t)r0 * conv + ch,
+                     conv, ch, r0, r_end, t, k);
 }
 extern "C" __global__ void __launch_bounds__(128)
     mamba_conv_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
@@ -1035,10 +1043,131 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // The gated RMSNorm's backward from d out (`dout` [N, inner]): dy ([N, inner], in the 16-bit
 // type the scan's backward tiles round it to), dz into dzx's first inner columns (row stride
-// ld), and the weight's gradient (+=, where dw is not null). A block per MB_GN_ROWS rows, the weight's gradient summed over them first: in each
-// thread's registers on the 16-byte path (one group, mb_gn_vec: a thread's columns are the
-// same in every row), else in shared memory.
+// ld), and the weight's gradient (+=, where dw is not null). A block per MB_GN_ROWS rows, the
+// weight's gradient summed over them first: in each thread's registers on the 16-byte path
+// (one group, mb_gn_vec: a thread's columns are the same in every row), else in shared memory.
 #define MB_GN_ROWS 8  // (32 left most SMs a block or two: 2048 rows gave 256 blocks)
+// Two block-wide sums at once (qkw_block_sum's two barriers for both).
+__device__ __forceinline__ float2 mb_block_sum2(float a, float b, float2* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    __syncthreads();  // (red reused across calls)
+    if (lane == 0) red[warp] = make_float2(a, b);
+    __syncthreads();
+    float2 t = make_float2(0.f, 0.f);
+    for (int i = 0; i < nw; ++i) t.x += red[i].x, t.y += red[i].y;
+    return t;
+}
+// The 16-byte path where a thread takes Q pieces of 8 columns a row: RP rows at a time, their
+// loads issued before the first sum, one pair of barriers for the RP rows' sums; where KEEP
+// their 16-bit values stay in registers for the outputs (else read again: four pieces a
+// thread spilled); the weight's gradient only where it trains (GRADS).
+template <bool KEEP>
+__device__ __forceinline__ uint4 mb_gn_raw(const uint4& kept, const bf16_t* p) {
+    return KEEP ? kept : *reinterpret_cast<const uint4*>(p);
+}
+template <int Q, int RP, bool GRADS, bool KEEP>
+__device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
+                                                 const bf16_t* __restrict__ zx, int ld,
+                                                 const bf16_t* __restrict__ w,
+                                                 const float* __restrict__ rstd,
+                                                 const bf16_t* __restrict__ dout,
+                                                 mb_t* __restrict__ dy, bf16_t* __restrict__ dzx,
+                                                 float* __restrict__ dw, int r_end, int inner,
+                                                 float2* red) {
+    float dwr[Q][8];
+    uint4 wq[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int j = 8 * (threadIdx.x + q * blockDim.x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dwr[q][e] = 0.f;
+        if (KEEP) wq[q] = j < inner ? *reinterpret_cast<const uint4*>(w + j) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    for (int r = blockIdx.x * MB_GN_ROWS; r < r_end; r += RP) {
+        uint4 yq[RP][Q], zq[RP][Q], dq[RP][Q];
+        float rs[RP], dot[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < RP; ++h) {
+            const int rr = min(r + h, r_end - 1);  // (an odd last row is read twice, kept once)
+            rs[h] = rstd[rr];
+#pragma unroll
+            for (int q = 0; q < Q; ++q) {
+                const int j = 8 * (threadIdx.x + q * blockDim.x);
+                if (KEEP && j < inner) {
+                    yq[h][q] = *reinterpret_cast<const uint4*>(y + (size_t)rr * inner + j);
+                    zq[h][q] = *reinterpret_cast<const uint4*>(zx + (size_t)rr * ld + j);
+                    dq[h][q] = *reinterpret_cast<const uint4*>(dout + (size_t)rr * inner + j);
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < RP; ++h) {
+            const bool keep = r + h < r_end;
+            const size_t rr = min(r + h, r_end - 1);
+#pragma unroll
+            for (int q = 0; q < Q; ++q) {
+                const int j = 8 * (threadIdx.x + q * blockDim.x);
+                if (j < inner) {
+                    float yv[8], zv[8], dv[8], wv[8];
+                    mb_unpack(mb_gn_raw<KEEP>(yq[h][q], y + rr * inner + j), yv,
+                              static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(zq[h][q], zx + rr * ld + j), zv,
+                              static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(dq[h][q], dout + rr * inner + j), dv,
+                              static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv, static_cast<const bf16_t*>(nullptr));
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float v = yv[e] * silu_f(zv[e]) * rs[h];
+                        dot[h] += dv[e] * wv[e] * v;
+                        if (GRADS && keep) dwr[q][e] += dv[e] * v;
+                    }
+                }
+            }
+        }
+        const float2 sums = mb_block_sum2(dot[0], dot[1], red);
+        dot[0] = sums.x / inner;
+        dot[1] = sums.y / inner;
+#pragma unroll
+        for (int h = 0; h < RP; ++h) {
+            if (r + h >= r_end) break;
+            const size_t rr = r + h;
+#pragma unroll
+            for (int q = 0; q < Q; ++q) {
+                const int j = 8 * (threadIdx.x + q * blockDim.x);
+                if (j < inner) {
+                    float yv[8], zv[8], dv[8], wv[8], gy[8], gz[8];
+                    mb_unpack(mb_gn_raw<KEEP>(yq[h][q], y + rr * inner + j), yv,
+                              static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(zq[h][q], zx + rr * ld + j), zv,
+                              static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(dq[h][q], dout + rr * inner + j), dv,
+                              static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv, static_cast<const bf16_t*>(nullptr));
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float sz = silu_f(zv[e]);
+                        const float g = rs[h] * (dv[e] * wv[e] - yv[e] * sz * rs[h] * dot[h]);
+                        gy[e] = g * sz;
+                        gz[e] = g * yv[e] * dsilu_f(zv[e]);
+                    }
+                    mb_st8(dy + rr * inner + j, gy);
+                    mb_st8(dzx + rr * ld + j, gz);
+                }
+            }
+        }
+    }
+    if (GRADS)
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int j = 8 * (threadIdx.x + q * blockDim.x);
+            if (j < inner)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) atomicAdd(&dw[j + e], dwr[q][e]);
+        }
+}
 extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_gnorm_bwd_bf16(const bf16_t* __restrict__ y, const bf16_t* __restrict__ zx, int ld,
                          const bf16_t* __restrict__ w, const float* __restrict__ rstd,
@@ -1047,65 +1176,24 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                          int groups) {
     extern __shared__ float mb_smem[];
     float* dws = mb_smem;  // [inner]
-    __shared__ float red[32];
+    __shared__ float2 red[32];
     const int gw = inner / groups;
     const int r_end = min(n, (int)(blockIdx.x + 1) * MB_GN_ROWS);
     if (groups == 1 && mb_gn_vec(inner, gw, ld)) {
-        float dwr[MB_GN_V][8];
-#pragma unroll
-        for (int q = 0; q < MB_GN_V; ++q)
-#pragma unroll
-            for (int e = 0; e < 8; ++e) dwr[q][e] = 0.f;
-        for (int r = blockIdx.x * MB_GN_ROWS; r < r_end; ++r) {
-            const float rs = rstd[r];
-            float dot = 0.f;
-#pragma unroll
-            for (int q = 0; q < MB_GN_V; ++q) {
-                const int j = 8 * (threadIdx.x + q * blockDim.x);
-                if (j < inner) {
-                    float yv[8], zv[8], dv[8], wv[8];
-                    mb_ld8(y + (size_t)r * inner + j, yv);
-                    mb_ld8(zx + (size_t)r * ld + j, zv);
-                    mb_ld8(dout + (size_t)r * inner + j, dv);
-                    mb_ld8(w + j, wv);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const float v = yv[e] * silu_f(zv[e]) * rs;
-                        dot += dv[e] * wv[e] * v;
-                        dwr[q][e] += dv[e] * v;
-                    }
-                }
-            }
-            dot = qkw_block_sum(dot, red) / gw;
-#pragma unroll
-            for (int q = 0; q < MB_GN_V; ++q) {
-                const int j = 8 * (threadIdx.x + q * blockDim.x);
-                if (j < inner) {
-                    float yv[8], zv[8], dv[8], wv[8], gy[8], gz[8];
-                    mb_ld8(y + (size_t)r * inner + j, yv);
-                    mb_ld8(zx + (size_t)r * ld + j, zv);
-                    mb_ld8(dout + (size_t)r * inner + j, dv);
-                    mb_ld8(w + j, wv);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const float sz = silu_f(zv[e]);
-                        const float g = rs * (dv[e] * wv[e] - yv[e] * sz * rs * dot);
-                        gy[e] = g * sz;
-                        gz[e] = g * yv[e] * dsilu_f(zv[e]);
-                    }
-                    mb_st8(dy + (size_t)r * inner + j, gy);
-                    mb_st8(dzx + (size_t)r * ld + j, gz);
-                }
-            }
+        // (mb_gn_vec: at most MB_GN_V pieces a thread)
+        const int q = (gw / 8 + blockDim.x - 1) / blockDim.x;
+#define MB_GN_RUN(Q, RP, G, KEEP) \
+    mb_gnorm_bwd_vec<Q, RP, G, KEEP>(y, zx, ld, w, rstd, dout, dy, dzx, dw, r_end, inner, red)
+        if (dw != nullptr) {
+            if (q == 1) MB_GN_RUN(1, 2, true, true);
+            else if (q == 2) MB_GN_RUN(2, 1, true, true);
+            else MB_GN_RUN(MB_GN_V, 1, true, false);
+        } else {
+            if (q == 1) MB_GN_RUN(1, 2, false, true);
+            else if (q == 2) MB_GN_RUN(2, 1, false, true);
+            else MB_GN_RUN(MB_GN_V, 1, false, false);
         }
-        if (dw)
-#pragma unroll
-            for (int q = 0; q < MB_GN_V; ++q) {
-                const int j = 8 * (threadIdx.x + q * blockDim.x);
-                if (j < inner)
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) atomicAdd(&dw[j + e], dwr[q][e]);
-            }
+#undef MB_GN_RUN
         return;
     }
     for (int j = threadIdx.x; j < inner; j += blockDim.x) dws[j] = 0.f;
@@ -1120,7 +1208,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
                 dot += d * to_f(w[j]) * v;
                 dws[j] += d * v;
             }
-            dot = qkw_block_sum(dot, red) / gw;
+            dot = qkw_block_sum(dot, reinterpret_cast<float*>(red)) / gw;
             for (int j = g * gw + threadIdx.x; j < (g + 1) * gw; j += blockDim.x) {
                 const float z = to_f(zx[(size_t)r * ld + j]), yy = to_f(y[(size_t)r * inner + j]);
                 const float v = yy * silu_f(z) * rs;
@@ -1994,46 +2082,43 @@ extern "C" __global__ void __launch_bounds__(128)
 // inputs into dzx's x | B | C columns (bf16), the weight's and bias's gradients (+=, where not
 // null). A thread per V channels walks ROWS rows plus KW − 1 ahead: at row q it recomputes the
 // conv's output (the input window as in the forward), takes dpre_q = dxc_q·silu'(pre_q) into a
-// window of the last KW, adds dpre_q's weight and bias terms (q in the block's rows), and
+// window of the last KW, adds dpre_q's weight and bias terms (q in the block's rows; GRADS), and
 // finishes d of input q − KW + 1, which feeds outputs q − KW + 1 … q of its sequence; U rows'
-// loads are issued before the first of them is used. Sums added once. KW 4 and 8 as in the
-// forward, a channel a thread (MB_CONV_ROWS); KW 4 also 4 channels a thread (MB_CONV_VROWS).
-template <int KW, int V, int ROWS, int U>
-__device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int ld, int off,
-                                            const bf16_t* __restrict__ w,
-                                            const bf16_t* __restrict__ cb,
-                                            const float* __restrict__ dxc,
-                                            bf16_t* __restrict__ dzx, float* __restrict__ dw,
-                                            float* __restrict__ db, int n, int t, int conv,
-                                            int k) {
-    const int ch = (blockIdx.x * blockDim.x + threadIdx.x) * V;
-    if (ch >= conv) return;
+// loads are issued before the first of them is used. Sums added once. The walk reads its rows
+// through `x` (row r0's input of channel ch, rows ldx apart, the KW − 1 before it readable
+// where they are in r0's sequence) and `dx` (row r0's dxc, rows ldd apart), and writes d of
+// the inputs from row r0 at `dst` (rows ld apart): global memory (mb_conv_bwd) or the rows a
+// block copied into shared memory (mamba_conv4s_bwd).
+template <int KW, int V, int U, bool GRADS>
+__device__ __forceinline__ void mb_conv_bwd_walk(const bf16_t* __restrict__ x, int ldx,
+                                                 const float* __restrict__ dx_in, int ldd,
+                                                 bf16_t* __restrict__ dst, int ld,
+                                                 const bf16_t* __restrict__ w,
+                                                 const bf16_t* __restrict__ cb,
+                                                 float* __restrict__ dw, float* __restrict__ db,
+                                                 int ch, int r0, int r_end, int n, int t, int k) {
     MbConvTaps<KW> taps[V];
-    const int r0 = blockIdx.y * ROWS, r_end = min(n, r0 + ROWS);
     const int q_end = min(n, r_end + k - 1);  // rows whose dpre the block's inputs feed
     float win[V][KW], dwin[V][KW], dwk[V][KW], dbs[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) {
         taps[v] = mb_conv_taps<KW>(w, cb, ch + v, k);
-        mb_conv_prefill<KW>(win[v], zx, ld, off, ch + v, r0, t, k);
+        mb_conv_prefill<KW>(win[v], x + v, ldx, r0 % t, k);
         dbs[v] = 0.f;
 #pragma unroll
         for (int j = 0; j < KW; ++j) dwin[v][j] = dwk[v][j] = 0.f;
     }
     // Row pointers and positions within the sequence (of row q and of row r = q − KW + 1) step
     // with the walk: no 64-bit multiply or integer division a row.
-    const bf16_t* src = zx + (size_t)r0 * ld + off + ch;
-    const float* dsrc = dxc + (size_t)r0 * conv + ch;
-    bf16_t* dst = dzx + (size_t)r0 * ld + off + ch;
     int tq = r0 % t, tr = ((r0 - (KW - 1)) % t + t) % t;
     const int q_stop = r_end + KW - 1;
-    for (int q0 = r0; q0 < q_stop; q0 += U, src += (size_t)U * ld, dsrc += (size_t)U * conv) {
+    for (int q0 = r0; q0 < q_stop; q0 += U, x += (size_t)U * ldx, dx_in += (size_t)U * ldd) {
         float xs[U][V], ds[U][V];
 #pragma unroll
         for (int u = 0; u < U; ++u)
             if (q0 + u < q_end) {
-                mb_ldv<V>(src + (size_t)u * ld, xs[u]);
-                mb_ldv<V>(dsrc + (size_t)u * conv, ds[u]);
+                mb_ldv<V>(x + (size_t)u * ldx, xs[u]);
+                mb_ldv<V>(dx_in + (size_t)u * ldd, ds[u]);
             }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -2046,7 +2131,7 @@ __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int l
 #pragma unroll
                 for (int j = 0; j < KW - 1; ++j) dwin[v][j] = dwin[v][j + 1];
                 dwin[v][KW - 1] = d;
-                if (q < r_end) {
+                if (GRADS && q < r_end) {
                     dbs[v] += d;
 #pragma unroll
                     for (int j = 0; j < KW; ++j) dwk[v][j] += d * win[v][j];
@@ -2071,15 +2156,34 @@ __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int l
             tr = tr + 1 == t ? 0 : tr + 1;
         }
     }
+    if constexpr (GRADS) {
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-        if (dw) {
+        for (int v = 0; v < V; ++v) {
+            if (dw) {
 #pragma unroll
-            for (int j = 0; j < KW; ++j)
-                if (j >= KW - k) atomicAdd(&dw[(ch + v) * k + j - (KW - k)], dwk[v][j]);
+                for (int j = 0; j < KW; ++j)
+                    if (j >= KW - k) atomicAdd(&dw[(ch + v) * k + j - (KW - k)], dwk[v][j]);
+            }
+            if (db) atomicAdd(&db[ch + v], dbs[v]);
         }
-        if (db) atomicAdd(&db[ch + v], dbs[v]);
     }
+}
+// KW 4 and 8 as in the forward, a channel a thread (MB_CONV_ROWS); KW 4 also 4 channels a
+// thread (MB_CONV_VROWS): straight from global memory.
+template <int KW, int V, int ROWS, int U>
+__device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int ld, int off,
+                                            const bf16_t* __restrict__ w,
+                                            const bf16_t* __restrict__ cb,
+                                            const float* __restrict__ dxc,
+                                            bf16_t* __restrict__ dzx, float* __restrict__ dw,
+                                            float* __restrict__ db, int n, int t, int conv,
+                                            int k) {
+    const int ch = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+    if (ch >= conv) return;
+    const int r0 = blockIdx.y * ROWS, r_end = min(n, r0 + ROWS);
+    const size_t at = (size_t)r0 * ld + off + ch;
+    mb_conv_bwd_walk<KW, V, U, true>(zx + at, ld, dxc + (size_t)r0 * conv + ch, conv, dzx + at,
+                                     ld, w, cb, dw, db, ch, r0, r_end, n, t, k);
 }
 #define MB_CONV_BWD(name, KW, V, THREADS, ROWS, U)                                               \
     extern "C" __global__ void __launch_bounds__(THREADS)                                       \
@@ -2092,3 +2196,83 @@ __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int l
 MB_CONV_BWD(mamba_conv_bwd_bf16, 8, 1, 128, MB_CONV_ROWS, 4)
 MB_CONV_BWD(mamba_conv4_bwd_bf16, 4, 1, 128, MB_CONV_ROWS, 4)
 MB_CONV_BWD(mamba_conv4v_bwd_bf16, 4, 4, 64, MB_CONV_VROWS, 4)
+
+// KW 4 through shared memory: a block of MB_CONV_SCH channels and MB_CONV_SROWS rows first
+// copies the rows it reads — its rows' inputs with the KW − 1 before and after them, their dxc
+// with the KW − 1 after — by cp.async in one go (52 KB in flight a block, where a warp of
+// mamba_conv4v_bwd has its next 4 rows' 3 KB), then walks them there, MB_CONV_SPLIT threads a
+// channel, each over its share of the rows (one walker a channel left too few warps an SM to
+// hide the walk's dependent steps: 107 µs a call against the vector build's 109). Gradients of
+// the weight and bias only where they train (a LoRA run's conv is frozen). Where the shapes
+// allow (mamba.rs's conv_vec) and the GPU gives a block the shared memory (kernels.rs's
+// CONV_SMEM).
+#define MB_CONV_SCH 128
+#define MB_CONV_SROWS 64
+#define MB_CONV_SPLIT 2
+// Rows r_lo .. r_lo + rows − 1 of columns c0 .. c0 + MB_CONV_SCH − 1 of `src` (row stride ld)
+// into dst [rows][MB_CONV_SCH] by cp.async (the caller commits), zeros for rows outside
+// [0, n) and columns past `cols`; 16-byte pieces (cols, ld and c0 multiples of 16 bytes).
+template <typename T>
+__device__ __forceinline__ void mb_conv_rows_async(T* dst, const T* __restrict__ src, int ld,
+                                                   int c0, int r_lo, int rows, int n, int cols) {
+    constexpr int P = MB_CONV_SCH * (int)sizeof(T) / 16, E = 16 / (int)sizeof(T);
+    for (int e = threadIdx.x; e < rows * P; e += blockDim.x) {
+        const int i = e / P, j = e % P * E, r = r_lo + i;
+        const bool in = r >= 0 && r < n && c0 + j < cols;
+        mb_cp16(dst + i * MB_CONV_SCH + j, in ? src + (size_t)r * ld + c0 + j : src, in);
+    }
+}
+extern "C" __global__ void __launch_bounds__(MB_CONV_SCH * MB_CONV_SPLIT)
+    mamba_conv4s_bwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                          const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
+                          const float* __restrict__ dxc, bf16_t* __restrict__ dzx,
+                          float* __restrict__ dw, float* __restrict__ db, int n, int t, int conv,
+                          int k) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    constexpr int KW = 4, H = KW - 1, SCH = MB_CONV_SCH, XR = MB_CONV_SROWS + 2 * H;
+    constexpr int DR = MB_CONV_SROWS + H;
+    bf16_t* xs = reinterpret_cast<bf16_t*>(mb_raw);                // [XR][SCH]: rows r0 − H ..
+    float* ds = reinterpret_cast<float*>(mb_raw + XR * SCH * 2);  // [DR][SCH]: rows r0 ..
+    const int c0 = blockIdx.x * SCH, r0 = blockIdx.y * MB_CONV_SROWS;
+    const int r_end = min(n, r0 + MB_CONV_SROWS);
+    mb_conv_rows_async(xs, zx + off, ld, c0, r0 - H, XR, n, conv);
+    mb_conv_rows_async(ds, dxc, conv, c0, r0, DR, n, conv);
+    mb_cp_commit();
+    mb_cp_wait<0>();
+    __syncthreads();
+    constexpr int PART = MB_CONV_SROWS / MB_CONV_SPLIT;
+    const int c = threadIdx.x % SCH, i0 = threadIdx.x / SCH * PART, ch = c0 + c;
+    const int w0 = r0 + i0, w_end = min(r_end, w0 + PART);  // this walker's rows
+    if (ch >= conv || w0 >= w_end) return;
+    const bf16_t* x = xs + (H + i0) * SCH + c;
+    const float* d = ds + i0 * SCH + c;
+    bf16_t* dst = dzx + (size_t)w0 * ld + off + ch;
+    if (dw != nullptr || db != nullptr)
+        mb_conv_bwd_walk<KW, 1, 4, true>(x, SCH, d, SCH, dst, ld, w, cb, dw, db, ch, w0, w_end,
+                                         n, t, k);
+    else
+        mb_conv_bwd_walk<KW, 1, 4, false>(x, SCH, d, SCH, dst, ld, w, cb, dw, db, ch, w0, w_end,
+                                          n, t, k);
+}
+
+// The conv's forward (KW 4) through shared memory, as mamba_conv4s_bwd: a block of
+// MB_CONV_SCH channels × MB_CONV_SROWS rows copies its rows' inputs and the KW − 1 before them
+// by cp.async in one go, then each thread walks its channel there (mb_conv_fwd's walk).
+extern "C" __global__ void __launch_bounds__(MB_CONV_SCH)
+    mamba_conv4s_fwd_bf16(const bf16_t* __restrict__ zx, int ld, int off,
+                          const bf16_t* __restrict__ w, const bf16_t* __restrict__ cb,
+                          bf16_t* __restrict__ xc, int n, int t, int conv, int k) {
+    extern __shared__ __align__(16) unsigned char mb_raw[];
+    constexpr int KW = 4, H = KW - 1, SCH = MB_CONV_SCH;
+    bf16_t* xs = reinterpret_cast<bf16_t*>(mb_raw);  // [SROWS + H][SCH]: rows r0 − H ..
+    const int c0 = blockIdx.x * SCH, r0 = blockIdx.y * MB_CONV_SROWS;
+    const int r_end = min(n, r0 + MB_CONV_SROWS);
+    mb_conv_rows_async(xs, zx + off, ld, c0, r0 - H, MB_CONV_SROWS + H, n, conv);
+    mb_cp_commit();
+    mb_cp_wait<0>();
+    __syncthreads();
+    const int ch = c0 + threadIdx.x;
+    if (ch >= conv) return;
+    mb_conv_walk<KW>(xs + H * SCH + threadIdx.x, SCH, w, cb, xc + (size_t)r0 * conv + ch, conv,
+                     ch, r0, r_end, t, k);
+}

@@ -43,16 +43,19 @@ fn dt_cfg(y: &Layer, d: &MambaDims) -> LaunchConfig {
     cfg(((y.b * d.heads * y.chunks).div_ceil(4), 1, 1), 128, 0)
 }
 
-/// A conv kernel's grid: a thread per `k.v` channels, `k.threads` a block, a block per
-/// `k.rows` rows.
+/// A conv kernel's grid: a thread per `k.v` channels (`k.walkers` threads a channel, each
+/// over its share of the rows), `k.threads` a block, a block per `k.rows` rows.
 fn conv_cfg(n: usize, conv: usize, k: &ConvKern) -> LaunchConfig {
-    let groups = conv.div_ceil(k.v).div_ceil(k.threads as usize);
-    cfg((groups, n.div_ceil(k.rows), 1), k.threads, 0)
+    let groups = conv
+        .div_ceil(k.v)
+        .div_ceil((k.threads / k.walkers) as usize);
+    cfg((groups, n.div_ceil(k.rows), 1), k.threads, k.smem)
 }
 
-/// Whether the conv backward's vector build (4 channels a thread) takes this layer: its
-/// channels, the in_proj output's row stride and the conv's first column whole 16-byte pieces,
-/// and the buffers it reads and writes 16-byte aligned.
+/// Whether the conv's shared-memory builds (and the backward's vector one, 4 channels a
+/// thread) take this layer: its channels, the in_proj output's row stride and the conv's first
+/// column whole 16-byte pieces, and the buffers they read (and the vector build writes)
+/// 16-byte aligned.
 fn conv_vec(d: &MambaDims, ptrs: &[u64]) -> bool {
     [d.conv_dim(), d.in_w(), d.inner()]
         .iter()
@@ -193,7 +196,7 @@ impl ModelStep {
             Arg::I(i32_of(conv, "conv channels")?),
             Arg::I(i32_of(d.conv_k, "d_conv")?),
         ];
-        let ck = k.conv_forward(d.conv_k);
+        let ck = k.conv_forward(d.conv_k, conv_vec(d, &[y.zx]));
         self.launch(ck.k, conv_cfg(y.n, conv, &ck), &conv_args)
     }
 
