@@ -1245,6 +1245,21 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
+            name: "granite-4.0-h-like hybrid: 72 Mamba-2 heads of 32 in one group (the gated \
+                   norm's backward at two 16-byte pieces a thread, as at Granite-4.0-H-1B's 3072; \
+                   the conv through shared memory: in_proj's 4712 columns whole 16-byte pieces), \
+                   T 130",
+            vocab: 97,
+            set: |c| {
+                granite_hybrid(c);
+                c.model.seq_len = 130;
+                if let Some(h) = c.model.hybrid.as_mut() {
+                    h.mamba_n_heads = 72;
+                    h.mamba_n_groups = 1;
+                }
+            },
+        },
+        Family {
             name: "granite-4.0-h-like hybrid: 4 Mamba-2 heads of 32 in one group (a block of the \
                    backward takes all four), state 32, conv 6 (the conv's 8-tap window), T 200",
             vocab: 97,
@@ -1656,7 +1671,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         Ggml,
     }
     type Case = (&'static str, fn(&mut Config), Vec<String>, Stored);
-    let cases: [Case; 11] = [
+    let cases: [Case; 12] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
@@ -1765,6 +1780,21 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             ["in_proj", "out_proj", "q", "k", "v", "o", "up", "down"]
                 .map(String::from)
                 .to_vec(),
+            Stored::Dense,
+        ),
+        (
+            "granite-4.0-h-like hybrid, 72 Mamba-2 heads of 32 in one group (the conv's and the \
+             gated norm's backward with their weights frozen: the shared-memory conv, two 16-byte \
+             pieces a thread), adapters on in_proj and out_proj",
+            |c| {
+                granite_hybrid(c);
+                c.model.seq_len = 80;
+                if let Some(h) = c.model.hybrid.as_mut() {
+                    h.mamba_n_heads = 72;
+                    h.mamba_n_groups = 1;
+                }
+            },
+            ["in_proj", "out_proj"].map(String::from).to_vec(),
             Stored::Dense,
         ),
     ];
