@@ -438,13 +438,11 @@ pub(super) const CONV_FWD_SMEM: u32 = 128 * (64 + 3) * 2;
 /// much: `ModelStep::mamba_fwd` then says so.
 pub(super) struct MambaKernels {
     /// The conv and its backward with a window of 4 taps (d_conv ≤ 4) and of 8 (d_conv ≤ 8),
-    /// a channel a thread; and the backward with 4 taps, 4 channels a thread in one vector
-    /// access (`conv4v_bwd`: mamba.cuh's MB_CONV_BWD builds).
+    /// a channel a thread (mamba.cuh's MB_CONV_BWD builds).
     pub(super) conv4_fwd: Kern,
     /// The forward with 4 taps through shared memory (`mamba_conv4s_fwd`).
     pub(super) conv4s_fwd: Kern,
     pub(super) conv4_bwd: Kern,
-    pub(super) conv4v_bwd: Kern,
     /// The backward with 4 taps through shared memory (`mamba_conv4s_bwd`), where the GPU
     /// gives a block [`CONV_SMEM`].
     pub(super) conv4s_bwd: Option<Kern>,
@@ -545,7 +543,6 @@ impl MambaKernels {
             conv4_fwd: named("mamba_conv4_fwd_bf16", "mamba_conv")?,
             conv4s_fwd: named("mamba_conv4s_fwd_bf16", "mamba_conv")?,
             conv4_bwd: named("mamba_conv4_bwd_bf16", "mamba_conv_bwd")?,
-            conv4v_bwd: named("mamba_conv4v_bwd_bf16", "mamba_conv_bwd")?,
             conv4s_bwd,
             conv_fwd: named("mamba_conv_fwd_bf16", "mamba_conv")?,
             dt_fwd: named("mamba_dt_fwd_bf16", "mamba_dt")?,
@@ -583,7 +580,6 @@ impl MambaKernels {
         match (d_conv <= 4, vec) {
             (true, true) => ConvKern {
                 k: &self.conv4s_fwd,
-                v: 1,
                 threads: 128,
                 walkers: 1,
                 rows: 64,
@@ -596,39 +592,28 @@ impl MambaKernels {
 
     /// The conv's backward for `d_conv` taps: the 4-tap window where it fits, through shared
     /// memory where `vec` (the channels, row strides and addresses take its 16-byte copies:
-    /// mamba.rs's `conv_vec`) and the GPU gives the block its rows, else in the vector build
-    /// (4 channels a thread) where `vec`.
+    /// mamba.rs's `conv_vec`) and the GPU gives the block its rows, else a channel a thread.
     pub(super) fn conv_backward(&self, d_conv: usize, vec: bool) -> ConvKern<'_> {
         match (d_conv <= 4, vec, &self.conv4s_bwd) {
             (true, true, Some(k)) => ConvKern {
                 k,
-                v: 1,
                 threads: 256,
                 walkers: 2,
                 rows: 64,
                 smem: CONV_SMEM,
             },
-            (true, true, None) => ConvKern {
-                k: &self.conv4v_bwd,
-                v: 4,
-                threads: 64,
-                walkers: 1,
-                rows: 64,
-                smem: 0,
-            },
-            (true, false, _) => ConvKern::one(&self.conv4_bwd),
+            (true, ..) => ConvKern::one(&self.conv4_bwd),
             _ => ConvKern::one(&self.conv_bwd),
         }
     }
 }
 
-/// A conv kernel and its launch shape: channels a thread, threads a block, rows a block and
-/// shared memory (mamba.cuh's MB_CONV_BWD arguments, the one-channel forward's 128 × 128, or
-/// the shared-memory builds' MB_CONV_SCH channels × MB_CONV_SROWS rows).
+/// A conv kernel and its launch shape: threads a block, rows a block and
+/// shared memory (a channel a thread over 128 × 128: mamba.cuh's MB_CONV_ROWS, or the
+/// shared-memory builds' MB_CONV_SCH channels × MB_CONV_SROWS rows).
 #[derive(Clone, Copy)]
 pub(super) struct ConvKern<'a> {
     pub(super) k: &'a Kern,
-    pub(super) v: usize,
     pub(super) threads: u32,
     /// Threads a channel (each over its share of the block's rows: mamba.cuh's MB_CONV_SPLIT).
     pub(super) walkers: u32,
@@ -642,7 +627,6 @@ impl<'a> ConvKern<'a> {
     fn one(k: &'a Kern) -> Self {
         Self {
             k,
-            v: 1,
             threads: 128,
             walkers: 1,
             rows: 128,

@@ -433,13 +433,11 @@ __device__ __forceinline__ float* mb_vecs(unsigned char* smem, int tiles) {
 // with the last KW inputs in registers (each input loaded once); the weights are padded at the
 // front to KW taps (K ≤ KW), so tap j reads the input KW − 1 − j rows back. Two builds of each
 // kernel: KW = 4 (the published configs' d_conv 4: half the multiply-adds and registers of the
-// general one) and KW = 8 (any K ≤ 8). The backward also has a KW = 4 build of V = 4 channels a
-// thread (8-byte bf16 and 16-byte f32 accesses a row, 64 threads over MB_CONV_VROWS rows) where
-// the shapes and addresses allow it (mamba.rs's conv_vec): a channel a thread reads 6 bytes a
-// row, too few in flight for the memory's bandwidth (one H200, Granite-4.0-H-1B shape: 152 ->
-// 116 µs a call). (The forward's vector build measured slower than this one: 48 vs 44 µs.)
+// general one) and KW = 8 (any K ≤ 8). Where the shapes and addresses allow (mamba.rs's
+// conv_vec), the KW = 4 builds take a block's rows through shared memory instead
+// (mamba_conv4s_fwd / mamba_conv4s_bwd, at the end of this file): a channel a thread reading 6
+// bytes a row straight from memory has too few bytes in flight for its bandwidth.
 #define MB_CONV_ROWS 128
-#define MB_CONV_VROWS 64
 
 // V consecutive 16-bit values (one access of 2V bytes) as f32, and back.
 template <int V>
@@ -1062,20 +1060,21 @@ __device__ __forceinline__ float2 mb_block_sum2(float a, float b, float2* red) {
 // The 16-byte path where a thread takes Q pieces of 8 columns a row: RP rows at a time, their
 // loads issued before the first sum, one pair of barriers for the RP rows' sums; where KEEP
 // their 16-bit values stay in registers for the outputs (else read again: four pieces a
-// thread spilled); the weight's gradient only where it trains (GRADS).
+// thread spilled); the weight's gradient only where it trains (GRADS). Not inlined: each of
+// the six builds gets its registers of its own (inlined into one kernel they spilled 52 bytes).
 template <bool KEEP>
 __device__ __forceinline__ uint4 mb_gn_raw(const uint4& kept, const bf16_t* p) {
     return KEEP ? kept : *reinterpret_cast<const uint4*>(p);
 }
 template <int Q, int RP, bool GRADS, bool KEEP>
 __device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
-                                                 const bf16_t* __restrict__ zx, int ld,
-                                                 const bf16_t* __restrict__ w,
-                                                 const float* __restrict__ rstd,
-                                                 const bf16_t* __restrict__ dout,
-                                                 mb_t* __restrict__ dy, bf16_t* __restrict__ dzx,
-                                                 float* __restrict__ dw, int r_end, int inner,
-                                                 float2* red) {
+                                              const bf16_t* __restrict__ zx, int ld,
+                                              const bf16_t* __restrict__ w,
+                                              const float* __restrict__ rstd,
+                                              const bf16_t* __restrict__ dout,
+                                              mb_t* __restrict__ dy, bf16_t* __restrict__ dzx,
+                                              float* __restrict__ dw, int r_end, int inner,
+                                              float2* red) {
     float dwr[Q][8];
     uint4 wq[Q];
 #pragma unroll
@@ -1083,7 +1082,8 @@ __device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
         const int j = 8 * (threadIdx.x + q * blockDim.x);
 #pragma unroll
         for (int e = 0; e < 8; ++e) dwr[q][e] = 0.f;
-        if (KEEP) wq[q] = j < inner ? *reinterpret_cast<const uint4*>(w + j) : make_uint4(0u, 0u, 0u, 0u);
+        if (KEEP)
+            wq[q] = j < inner ? *reinterpret_cast<const uint4*>(w + j) : make_uint4(0u, 0u, 0u, 0u);
     }
     for (int r = blockIdx.x * MB_GN_ROWS; r < r_end; r += RP) {
         uint4 yq[RP][Q], zq[RP][Q], dq[RP][Q];
@@ -1117,7 +1117,8 @@ __device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
                               static_cast<const bf16_t*>(nullptr));
                     mb_unpack(mb_gn_raw<KEEP>(dq[h][q], dout + rr * inner + j), dv,
                               static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv, static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv,
+                              static_cast<const bf16_t*>(nullptr));
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
                         const float v = yv[e] * silu_f(zv[e]) * rs[h];
@@ -1145,7 +1146,8 @@ __device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
                               static_cast<const bf16_t*>(nullptr));
                     mb_unpack(mb_gn_raw<KEEP>(dq[h][q], dout + rr * inner + j), dv,
                               static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv, static_cast<const bf16_t*>(nullptr));
+                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv,
+                              static_cast<const bf16_t*>(nullptr));
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
                         const float sz = silu_f(zv[e]);
@@ -2086,7 +2088,7 @@ extern "C" __global__ void __launch_bounds__(128)
 // finishes d of input q − KW + 1, which feeds outputs q − KW + 1 … q of its sequence; U rows'
 // loads are issued before the first of them is used. Sums added once. The walk reads its rows
 // through `x` (row r0's input of channel ch, rows ldx apart, the KW − 1 before it readable
-// where they are in r0's sequence) and `dx` (row r0's dxc, rows ldd apart), and writes d of
+// where they are in r0's sequence) and `dx_in` (row r0's dxc, rows ldd apart), and writes d of
 // the inputs from row r0 at `dst` (rows ld apart): global memory (mb_conv_bwd) or the rows a
 // block copied into shared memory (mamba_conv4s_bwd).
 template <int KW, int V, int U, bool GRADS>
@@ -2168,8 +2170,7 @@ __device__ __forceinline__ void mb_conv_bwd_walk(const bf16_t* __restrict__ x, i
         }
     }
 }
-// KW 4 and 8 as in the forward, a channel a thread (MB_CONV_ROWS); KW 4 also 4 channels a
-// thread (MB_CONV_VROWS): straight from global memory.
+// KW 4 and 8 as in the forward, a channel a thread (MB_CONV_ROWS), straight from global memory.
 template <int KW, int V, int ROWS, int U>
 __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int ld, int off,
                                             const bf16_t* __restrict__ w,
@@ -2195,12 +2196,12 @@ __device__ __forceinline__ void mb_conv_bwd(const bf16_t* __restrict__ zx, int l
     }
 MB_CONV_BWD(mamba_conv_bwd_bf16, 8, 1, 128, MB_CONV_ROWS, 4)
 MB_CONV_BWD(mamba_conv4_bwd_bf16, 4, 1, 128, MB_CONV_ROWS, 4)
-MB_CONV_BWD(mamba_conv4v_bwd_bf16, 4, 4, 64, MB_CONV_VROWS, 4)
 
 // KW 4 through shared memory: a block of MB_CONV_SCH channels and MB_CONV_SROWS rows first
 // copies the rows it reads — its rows' inputs with the KW − 1 before and after them, their dxc
-// with the KW − 1 after — by cp.async in one go (52 KB in flight a block, where a warp of
-// mamba_conv4v_bwd has its next 4 rows' 3 KB), then walks them there, MB_CONV_SPLIT threads a
+// with the KW − 1 after — by cp.async in one go (52 KB in flight a block, where a warp of the
+// vector build it replaced, 4 channels a thread, had its next 4 rows' 3 KB), then walks them
+// there, MB_CONV_SPLIT threads a
 // channel, each over its share of the rows (one walker a channel left too few warps an SM to
 // hide the walk's dependent steps: 107 µs a call against the vector build's 109). Gradients of
 // the weight and bias only where they train (a LoRA run's conv is frozen). Where the shapes

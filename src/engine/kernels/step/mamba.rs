@@ -43,12 +43,10 @@ fn dt_cfg(y: &Layer, d: &MambaDims) -> LaunchConfig {
     cfg(((y.b * d.heads * y.chunks).div_ceil(4), 1, 1), 128, 0)
 }
 
-/// A conv kernel's grid: a thread per `k.v` channels (`k.walkers` threads a channel, each
-/// over its share of the rows), `k.threads` a block, a block per `k.rows` rows.
+/// A conv kernel's grid: a thread a channel (`k.walkers` threads a channel, each over its
+/// share of the rows), `k.threads` a block, a block per `k.rows` rows.
 fn conv_cfg(n: usize, conv: usize, k: &ConvKern) -> LaunchConfig {
-    let groups = conv
-        .div_ceil(k.v)
-        .div_ceil((k.threads / k.walkers) as usize);
+    let groups = conv.div_ceil((k.threads / k.walkers) as usize);
     cfg((groups, n.div_ceil(k.rows), 1), k.threads, k.smem)
 }
 
