@@ -111,11 +111,9 @@ __device__ __forceinline__ void wg_ss128(float (&d)[16][4], uint64_t da, uint64_
         : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
 }
 
-// Adds warp w's 16 query rows (q0 + 16w ..) of a tile's dQ into dq_acc (row stride HD): staged in
-// `stg` (this warp's 16 x 64 fp32, columns XOR-ed by the row in groups of 8: conflict-free float2
-// writes and float4 reads), then 16-byte vector atomics, one instruction per two 256-byte rows.
-__device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* stg, float* dst,
-                                               int rows, int HD, int lane) {
+// A warp's 16 x 64 fp32 tile of dQ (rows q0 + 16w ..) into `stg`, columns XOR-ed by the row in
+// groups of 8 (conflict-free float2 writes and float4 reads): the first half of fa_wg_flush_dq.
+__device__ __forceinline__ void fa_wg_stage_dq(const float (&dq)[8][4], float* stg, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
@@ -125,7 +123,11 @@ __device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* s
             const int c = (nt * 8 + t4 * 2) ^ ((r & 7) << 3);
             *reinterpret_cast<float2*>(stg + r * 64 + c) = make_float2(dq[nt][2 * hf], dq[nt][2 * hf + 1]);
         }
-    __syncwarp();
+}
+// A staged tile's first `rows` rows added into dq_acc (row stride HD) by one warp: 16-byte vector
+// atomics, one instruction per two 256-byte rows.
+__device__ __forceinline__ void fa_wg_add_staged(const float* stg, float* dst, int rows, int HD,
+                                                 int lane) {
     const int rl = lane >> 4, c4 = (lane & 15) * 4;  // row (of a pair) and first column
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
@@ -137,6 +139,14 @@ __device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* s
                          : "memory");
         }
     }
+}
+// Adds warp w's 16 query rows (q0 + 16w ..) of a tile's dQ into dq_acc (row stride HD): staged in
+// `stg` (this warp's 16 x 64 fp32), then added by the same warp.
+__device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* stg, float* dst,
+                                               int rows, int HD, int lane) {
+    fa_wg_stage_dq(dq, stg, lane);
+    __syncwarp();
+    fa_wg_add_staged(stg, dst, rows, HD, lane);
     __syncwarp();
 }
 
@@ -342,8 +352,11 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
 // block, three warpgroups, each step a tile of 128 queries. WG0 and WG1 own 64 keys each:
 // S^T = K Q^T and dP^T = V dO^T as m64n128k16 products (64 keys x 128 queries), P^T and dS^T in
 // registers, dV += P^T dO and dK += dS^T Q with k = 128; then, with both halves of dS^T in shared
-// memory, each computes dQ of one 64-query half over all 128 keys (k = 128) and adds it into
-// dq_acc. WG2 only copies: K and V once, then each step's (Q, dO) into a two-slot ring. Against
+// memory, each computes dQ of one 64-query half over all 128 keys (k = 128) and stages it in
+// shared memory. WG2 copies — K and V once, then each step's (Q, dO) into a two-slot ring — and
+// adds each step's staged dQ into dq_acc with 16-byte vector atomics while the MMA warpgroups run
+// the next step (two staging buffers; the atomics issued by the MMA warps themselves cost their
+// loop a few percent). Against
 // 64-query tiles (this kernel's previous shape, with WG2 computing dQ): half the product
 // instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and half the
 // steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the backward 293 ->
@@ -353,6 +366,8 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
 //   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
 //   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written
+//   DQF[s]    WG0, WG1 -> WG2 (384): dQ staging buffer s holds a step's dQ
+//   DQE[s]    WG2 -> WG0, WG1 (384): WG2 has added buffer s into dq_acc (restage it)
 // A dS^T slot is rewritten two steps later, after both warpgroups have passed the DS barrier of
 // the step between — each waits for its dQ products before reaching it. Registers: WG2 keeps 24,
 // WG0 and WG1 take 240 (S^T, dP^T, dK and dV are 192 of them; at 216 ptxas serializes the
@@ -368,6 +383,10 @@ __device__ __forceinline__ void fa_ws_arrive(int id) {
 }
 
 #define FA_WS_DS 5
+#define FA_WS_DQF 6  // + s: staging buffer s holds a step's dQ (MMA warpgroups -> WG2)
+#define FA_WS_DQE 8  // + s: WG2 has added staging buffer s into dq_acc (WG2 -> MMA warpgroups)
+// floats in one dQ staging buffer: eight warps' 16 x 64
+#define FA_WS_STG (8 * 16 * 64)
 // Step `it`'s (Q, dO) of 128 queries into ring slot `slot` (Qa Qb dOa dOb), by WG2's threads (pt).
 __device__ __forceinline__ void fa_ws_load(const FaBwdBlock<64, 128>& blk, int it, uint32_t slot,
                                            int T, int pt) {
@@ -488,10 +507,30 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
         wg_wait<0>();
         wg_pin(dq);
-        const int qw = q0 + 64 * wg + warp * 16;
-        fa_wg_flush_dq(dq, stg, dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * 64,
-                       min(16, T - qw), blk.HD, lane);
+        // dQ staged for WG2's atomics (staging buffer s, free once WG2 added step it - 2's)
+        if (it >= 2) fa_ws_sync(FA_WS_DQE + s);
+        fa_wg_stage_dq(dq, stg + s * FA_WS_STG, lane);
+        fa_ws_arrive(FA_WS_DQF + s);
     }
+}
+
+// WG2: step j's staged dQ (staging buffer j & 1) added into dq_acc, WG2's warp w taking warp w of
+// each MMA warpgroup; the buffer handed back unless it is not used again.
+__device__ __forceinline__ void fa_ws_add_dq(const FaBwdBlock<64, 128>& blk, float* dq_acc,
+                                             const float* stg, int j, int steps, int T, int warp,
+                                             int lane) {
+    const int s = j & 1;
+    int h, i;
+    blk.at<2>(j, h, i);
+    fa_ws_sync(FA_WS_DQF + s);
+#pragma unroll 1
+    for (int wg = 0; wg < 2; ++wg) {
+        const int qw = i * FA_BM + 64 * wg + warp * 16;
+        fa_wg_add_staged(stg + s * FA_WS_STG + (4 * wg + warp) * 16 * 64,
+                         dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * 64, min(16, T - qw),
+                         blk.HD, lane);
+    }
+    if (j + 2 < steps) fa_ws_arrive(FA_WS_DQE + s);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
@@ -515,6 +554,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
                                    blk.k0 + 64 * (c & 1), T, pt);
         fa_ws_load(blk, 0, sQD, T, pt);
         fa_cp_commit();
+        const float* stg = reinterpret_cast<const float*>(smc + 20 * TILE);
         for (int it = 0; it < steps; ++it) {
             const int s = it & 1;
             fa_cp_wait_all();
@@ -525,7 +565,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
                 fa_ws_load(blk, it + 1, sQD + (s ^ 1) * 4 * TILE, T, pt);
                 fa_cp_commit();
             }
+            // step it - 1's dQ into dq_acc while the loads fly and the MMA warpgroups run step it
+            if (it >= 1) fa_ws_add_dq(blk, dq_acc, stg, it - 1, steps, T, warp, lane);
         }
+        if (steps > 0) fa_ws_add_dq(blk, dq_acc, stg, steps - 1, steps, T, warp, lane);
         __syncthreads();  // the consumers' epilogue reuses K and V
         return;
     }
