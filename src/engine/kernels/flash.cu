@@ -857,13 +857,16 @@ __device__ __forceinline__ void fa_bwd_row_mbits(const unsigned long long* __res
 // another sample's. PRE: lane l holds the starts of its two queries in sqa, sqb
 // (fa_bwd_row_starts; st_b only says whether rows are packed) — a warp's 16 loads instead of
 // every thread's 16, which the 128-query tiles' registers cannot hold in flight.
-template <bool PRE = false>
-__device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float lsb, float sl2,
-                                             int q0, int wk0, int kr0, int t4,
-                                             const int* __restrict__ st_b, int T, int sqa = 0,
-                                             int sqb = 0) {
+// MASK: 2 applies the causal mask where `diag` (one loop: ptxas turns the mask into selects
+// that run on every tile, about half the loop's instructions); 1 always, 0 never — two loops
+// for a caller that branches on diag itself (flash_bwd_ws's plain loop; the other kernels keep
+// one loop, whose registers the second would push into spills).
+template <bool PRE, int MASK>
+__device__ __forceinline__ void fa_bwd_probs_rows(float (&st)[8][4], float lsa, float lsb,
+                                                  float sl2, int q0, int kr0, int t4,
+                                                  const int* __restrict__ st_b, int T, int sqa,
+                                                  int sqb, bool diag = true) {
     const int kr1 = kr0 + 8;
-    const bool diag = wk0 + 15 > q0;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -872,7 +875,7 @@ __device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float
             const float lq = __shfl_sync(0xffffffffu, e ? lsb : lsa, nt * 4 + t4);
             float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
             float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
-            if (diag) {
+            if (MASK == 1 || (MASK == 2 && diag)) {
                 if (kr0 > q) p0 = 0.f;
                 if (kr1 > q) p1 = 0.f;
             }
@@ -885,6 +888,13 @@ __device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float
             st[nt][e] = p0;
             st[nt][2 + e] = p1;
         }
+}
+template <bool PRE = false>
+__device__ __forceinline__ void fa_bwd_probs(float (&st)[8][4], float lsa, float lsb, float sl2,
+                                             int q0, int wk0, int kr0, int t4,
+                                             const int* __restrict__ st_b, int T, int sqa = 0,
+                                             int sqb = 0) {
+    fa_bwd_probs_rows<PRE, 2>(st, lsa, lsb, sl2, q0, kr0, t4, st_b, T, sqa, sqb, wk0 + 15 > q0);
 }
 
 // dS^T = P^T * (dP^T - delta[q]) into dpt (lane l holds delta of queries q0 + 2l, + 1 in dla,

@@ -48,13 +48,19 @@
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 
-// Shared-memory matrix descriptor of a tile in the 128-byte swizzle: start address, leading
+// Shared-memory matrix descriptors of tiles in the 128-byte swizzle: start address, leading
 // byte offset unused (1: every product's k extent lies inside one 128-byte row for K-major
 // operands, and its n / m extent of 64 in one for MN-major ones), 1024 bytes between groups of
-// eight rows, swizzle mode 1 (128 bytes).
-__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           (1ull << 62);
+// eight rows, swizzle mode 1 (128 bytes). wg_desc_at(wg_desc_lo(addr), off) is the descriptor
+// of the tile at addr + off: the low word is computed once for a tile and each product's
+// descriptor is one add from it (the address field spans 256 KB, more than a block's shared
+// memory, so the add never carries out of it) — computed per product, the mask, shift and or
+// were a dependent chain of five instructions before each wgmma.
+__device__ __forceinline__ uint32_t wg_desc_lo(uint32_t addr) {
+    return ((addr & 0x3FFFFu) >> 4) | (1u << 16);
+}
+__device__ __forceinline__ uint64_t wg_desc_at(uint32_t lo, uint32_t off) {
+    return ((uint64_t)((1024u >> 4) | (1u << 30)) << 32) | (uint64_t)(lo + (off >> 4));
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() {
@@ -163,10 +169,11 @@ __device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* s
 // D / 16 k-steps, four in each panel. The caller fences and commits.
 template <int D>
 __device__ __forceinline__ void fa_wg_ss_panels(float (&d)[8][4], uint32_t sa, uint32_t sb) {
+    const uint32_t la = wg_desc_lo(sa), lb = wg_desc_lo(sb);
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
         const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
-        wg_ss<0, 0>(d, wg_desc(sa + off), wg_desc(sb + off), kc);
+        wg_ss<0, 0>(d, wg_desc_at(la, off), wg_desc_at(lb, off), kc);
     }
 }
 
@@ -189,18 +196,19 @@ __device__ __forceinline__ void fa_wg_bwd_accumulate(float (&dv)[N][4], float (&
                                                      const uint32_t (&pa)[4][4],
                                                      const uint32_t (&sa)[4][4], uint32_t sQa,
                                                      uint32_t sdOa) {
+    const uint32_t ldo = wg_desc_lo(sdOa), lq = wg_desc_lo(sQa);
     wg_fence();
 #pragma unroll
     for (int p = 0; p < N / 8; ++p) {
         float(&dvp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * p]);
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dvp, pa[kc], wg_desc(sdOa + p * (64 * 64 * 2) + kc * 2048));
+        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dvp, pa[kc], wg_desc_at(ldo, p * (64 * 64 * 2) + kc * 2048));
     }
 #pragma unroll
     for (int p = 0; p < N / 8; ++p) {
         float(&dkp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * p]);
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dkp, sa[kc], wg_desc(sQa + p * (64 * 64 * 2) + kc * 2048));
+        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dkp, sa[kc], wg_desc_at(lq, p * (64 * 64 * 2) + kc * 2048));
     }
     wg_commit();
 }
@@ -311,10 +319,11 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
         dq_dst = dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * D;
         dq_rows = min(16, T - qw);
         fa_zero(dq);
+        const uint32_t lds = wg_desc_lo(sdSa), lk = wg_desc_lo(sK);
         wg_fence();
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
-            wg_ss<1, 1>(dq, wg_desc(sdSa + kc * 2048), wg_desc(sK + kc * 2048), kc);
+            wg_ss<1, 1>(dq, wg_desc_at(lds, kc * 2048), wg_desc_at(lk, kc * 2048), kc);
         wg_commit();
         if constexpr (D == 128) {
             // columns 64..127 issued while 0..63 go out through the Q tile; then through dO's
@@ -325,7 +334,7 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
             wg_fence();
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc)
-                wg_ss<1, 1>(dq1, wg_desc(sdSa + kc * 2048), wg_desc(sK + TILE / 2 + kc * 2048), kc);
+                wg_ss<1, 1>(dq1, wg_desc_at(lds, kc * 2048), wg_desc_at(lk, TILE / 2 + kc * 2048), kc);
             wg_commit();
             char* sQc = smc + 2 * TILE + bsel * 2 * TILE;  // generic view of sQa
             fa_wg_flush_dq(dq, reinterpret_cast<float*>(sQc) + warp * 16 * 64, dq_dst, dq_rows,
@@ -355,8 +364,9 @@ __device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
 // memory, each computes dQ of one 64-query half over all 128 keys (k = 128) and stages it in
 // shared memory. WG2 copies — K and V once, then each step's (Q, dO) into a two-slot ring — and
 // adds each step's staged dQ into dq_acc with 16-byte vector atomics while the MMA warpgroups run
-// the next step (two staging buffers; the atomics issued by the MMA warps themselves cost their
-// loop a few percent). Against
+// the next step (two staging buffers; one H200, the 114M at T32768: the backward 335 -> 362
+// TFLOP/s against the MMA warps issuing those atomics themselves). The plain loop applies the
+// causal mask only on the tiles where a warp's keys reach a query (fa_bwd_probs_rows). Against
 // 64-query tiles (this kernel's previous shape, with WG2 computing dQ): half the product
 // instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and half the
 // steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the backward 293 ->
@@ -422,22 +432,25 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
     const int kr0 = wk0 + g;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
     float* stg = reinterpret_cast<float*>(smc + 20 * TILE) + (4 * wg + warp) * 16 * 64;
+    // the products' descriptors, each one add from these (wg_desc_at)
+    const uint32_t lKc = wg_desc_lo(sKc), lVc = wg_desc_lo(sVc), lK = wg_desc_lo(sK);
+    const uint32_t lQD = wg_desc_lo(sQD), lSw = wg_desc_lo(sdS + wg * TILE);
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
         int h, i;
         blk.at<2>(it, h, i);
         const int q0 = i * FA_BM;
-        const uint32_t sQa = sQD + s * 4 * TILE, sdOa = sQa + 2 * TILE;
+        const uint32_t lQa = lQD + s * (4 * TILE >> 4), ldOa = lQa + (2 * TILE >> 4);
         fa_ws_sync(FA_WS_FULL + s);
         float st[16][4], dpt[16][4];
         wg_fence();
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
-            wg_ss128<0, 0>(st, wg_desc(sKc + kc * 32), wg_desc(sQa + kc * 32), kc);
+            wg_ss128<0, 0>(st, wg_desc_at(lKc, kc * 32), wg_desc_at(lQa, kc * 32), kc);
         wg_commit();
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
-            wg_ss128<0, 0>(dpt, wg_desc(sVc + kc * 32), wg_desc(sdOa + kc * 32), kc);
+            wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(ldOa, kc * 32), kc);
         wg_commit();
         const size_t bh = (size_t)blk.b * H + h;
         float ls[2][2], dl[2][2];
@@ -456,10 +469,19 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         wg_wait<1>();
         wg_pin(st);
 #pragma unroll
-        for (int qh = 0; qh < 2; ++qh)
-            fa_bwd_probs<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]), ls[qh][0],
-                               ls[qh][1], sl2, q0 + 64 * qh, wk0, kr0, t4, st_b, T, sq[qh][0],
-                               sq[qh][1]);
+        for (int qh = 0; qh < 2; ++qh) {
+            float(&sth)[8][4] = *reinterpret_cast<float(*)[8][4]>(&st[8 * qh]);
+            const int qq = q0 + 64 * qh;
+            if (ANY)
+                fa_bwd_probs<true>(sth, ls[qh][0], ls[qh][1], sl2, qq, wk0, kr0, t4, st_b, T,
+                                   sq[qh][0], sq[qh][1]);
+            else if (wk0 + 15 > qq)  // the causal mask only where the warp's keys reach a query
+                fa_bwd_probs_rows<true, 1>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T,
+                                           0, 0);
+            else
+                fa_bwd_probs_rows<true, 0>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T,
+                                           0, 0);
+        }
         wg_wait<0>();
         wg_pin(dpt);
 #pragma unroll
@@ -477,9 +499,9 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         // dV += P^T dO, dK += dS^T Q: k = the tile's 128 queries (dO, Q: two tiles each, in a row)
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dv, pa[kc], wg_desc(sdOa + kc * 2048));
+        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dv, pa[kc], wg_desc_at(ldOa, kc * 2048));
 #pragma unroll
-        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dk, sa[kc], wg_desc(sQa + kc * 2048));
+        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dk, sa[kc], wg_desc_at(lQa, kc * 2048));
         wg_commit();
         // dS^T -> this warpgroup's two tiles of dS^T slot s, while those run
 #pragma unroll
@@ -498,8 +520,8 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc)
-                wg_ss<1, 1>(dq, wg_desc(sdS + (4 * s + 2 * kh + wg) * TILE + kc * 2048),
-                            wg_desc(sK + kh * TILE + kc * 2048), kh | kc);
+                wg_ss<1, 1>(dq, wg_desc_at(lSw, (4 * s + 2 * kh) * TILE + kc * 2048),
+                            wg_desc_at(lK, kh * TILE + kc * 2048), kh | kc);
         wg_commit();
         wg_wait<1>();  // dV, dK done reading slot s
         wg_pin(dv);
@@ -626,12 +648,13 @@ struct FaFwdWg {
     template <int D>
     static __device__ __forceinline__ void issue_values(float (&oacc)[D / 8][4],
                                                         const uint32_t (&pa)[4][4], uint32_t vb) {
+        const uint32_t lv = wg_desc_lo(vb);
 #pragma unroll
         for (int p = 0; p < D / 64; ++p) {
             float(&op)[8][4] = *reinterpret_cast<float(*)[8][4]>(&oacc[8 * p]);
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc)
-                wg_rs<1>(op, pa[kc], wg_desc(vb + p * (64 * 64 * 2) + kc * 2048));
+                wg_rs<1>(op, pa[kc], wg_desc_at(lv, p * (64 * 64 * 2) + kc * 2048));
         }
         wg_commit();
     }

@@ -83,8 +83,8 @@ pub fn flash_fwd_wg_smem(hd: usize) -> u32 {
 
 /// Dynamic shared memory of the warp-specialized Hopper backward for head dim 64 (flash_sm90.cu's
 /// FA_WS_SMEM: K and V of 128 keys, two ring slots of a 128-query tile's Q and dO, two slots of
-/// dS^T for 128 keys x 128 queries — twenty 64 x 64 bf16 tiles — eight warps' 16 x 64 fp32 dQ
-/// staging, and 1 KB to align them).
+/// dS^T for 128 keys x 128 queries — twenty 64 x 64 bf16 tiles — two buffers of eight warps'
+/// 16 x 64 fp32 dQ staging, and 1 KB to align them).
 pub const FLASH_BWD_WS_SMEM: u32 = FA_WS_SMEM;
 
 /// Dynamic shared memory of the Hopper backward for head dim 128 (flash_sm90.cu's
