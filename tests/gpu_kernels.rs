@@ -2522,6 +2522,93 @@ fn flash_prefill_equals_the_ops_prefill() {
     assert!(failed.is_empty(), "flash prefill off the ops: {failed:?}");
 }
 
+/// Flash attention's forward (`kernels::flash_rows`) against a host softmax of the same bf16
+/// inputs where a row's scores rise steeply along its keys (head 0: 0.5 a key in log2 units, so
+/// its running max moves up on every 64-key tile by more than the 2^8 the forward lets its
+/// exponentials grow before it rescales O) or fall (head 1: the max stays at a row's first key),
+/// the second batch row in windows of 100 keys; head dims 64, 128 and 256 (where the GPU has
+/// them), T = 300 (a partial last tile). bf16: within 2e-2 of the outputs' scale.
+#[test]
+fn flash_forward_holds_rising_and_falling_scores() {
+    let Some(dev) = gpu() else { return };
+    let (b, t, h) = (2usize, 300usize, 2usize);
+    let heads = h + 2; // q heads, one k head, one v head
+    let mut failed = Vec::new();
+    for d in [64usize, 128, 256] {
+        if !kernels::flash_rows_takes(&dev, d, 0.0) {
+            eprintln!("head dim {d}: no flash attention on this GPU, skipped");
+            continue;
+        }
+        let scale = 1.0 / (d as f32).sqrt();
+        let slope = 0.5 / (scale * std::f32::consts::LOG2_E);
+        let x: Vec<f32> = (0..b * t * heads * d)
+            .map(|i| {
+                let (c, hh, ti) = (i % d, (i / d) % heads, (i / (d * heads)) % t);
+                match (hh, c) {
+                    (0, 0) => 1.0,
+                    (1, 0) => -1.0,
+                    (2, 0) => slope * ti as f32,
+                    _ => 0.5 * hashed(i),
+                }
+            })
+            .collect();
+        let qkv = Tensor::from_vec(x, (b, t, heads, d), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let starts: Vec<u32> = (0..b * t)
+            .map(|i| {
+                if i / t == 1 {
+                    (i % t).saturating_sub(99) as u32
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let starts_t = Tensor::from_vec(starts.clone(), (b, t), &dev).unwrap();
+        let got = host_f32(&kernels::flash_rows(&qkv, &starts_t, h, 1, scale, 0.0).unwrap());
+        let xr = host_f32(&qkv);
+        let at = |bi: usize, ti: usize, hh: usize| &xr[((bi * t + ti) * heads + hh) * d..][..d];
+        let (mut worst, mut big) = (0f32, 0f32);
+        for bi in 0..b {
+            for ti in 0..t {
+                let keys = starts[bi * t + ti] as usize..=ti;
+                for hh in 0..h {
+                    let q = at(bi, ti, hh);
+                    let s: Vec<f32> = keys
+                        .clone()
+                        .map(|j| {
+                            scale * q.iter().zip(at(bi, j, 2)).map(|(a, k)| a * k).sum::<f32>()
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let p: Vec<f32> = s.iter().map(|v| (v - m).exp()).collect();
+                    let l: f32 = p.iter().sum();
+                    for c in 0..d {
+                        let want = keys
+                            .clone()
+                            .zip(&p)
+                            .map(|(j, pj)| pj * at(bi, j, 3)[c])
+                            .sum::<f32>()
+                            / l;
+                        let g = got[((bi * t + ti) * h + hh) * d + c];
+                        worst = worst.max((g - want).abs());
+                        big = big.max(want.abs());
+                    }
+                }
+            }
+        }
+        eprintln!("head dim {d}: flash forward off the host softmax by {worst:.3e} (|out| up to {big:.2})");
+        if worst.is_nan() || worst > 2e-2 * big.max(0.1) {
+            failed.push(d);
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "flash forward off the host softmax at head dims {failed:?}"
+    );
+}
+
 /// Batched decoding on the GPU (attention through `kernels::decode_attention`, q and k through
 /// candle's fused RoPE or the rotate-half ops, Mamba layers through `kernels::mamba_decode`)
 /// gives each row the logits a forward of that row's tokens so far gives, f32: left-padded

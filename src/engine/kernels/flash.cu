@@ -210,18 +210,30 @@ __device__ __forceinline__ uint32_t fa_tile_off(int row, int col) {
 // Load a 64-row x D-col bf16 tile (rows row0..row0+63 of a matrix with leading dim ld, whose
 // column 0 is at g) into a swizzled smem tile (fa_tile_off's layout); rows >= T are zero-filled.
 // 128 threads.
-template <int D = 64, bool PANELS = false>
+// A thread keeps its 16-byte column and steps FA_THREADS / (D / 8) rows a copy, its source one
+// add from the last (a 64-bit multiply and select a copy before: about 50 of the forward's ~330
+// instructions a key tile at head dim 64). U: how far the loop unrolls — 1 for flash_bwd_ws's
+// copy warpgroup, whose 24–32 registers the unrolled loop's addresses spilled out of.
+template <int D = 64, bool PANELS = false, int U = 64 * D / 8 / FA_THREADS>
 __device__ __forceinline__ void fa_load_tile(uint32_t s, const __nv_bfloat16* g, int ld, int row0,
                                              int T, int tid) {
-    constexpr int CH = D / 8;  // 16-byte chunks per row
-#pragma unroll
-    for (int k = 0; k < 64 * CH / FA_THREADS; ++k) {
-        const unsigned idx = tid + k * FA_THREADS;
-        const int r = idx / CH, c = idx % CH;
-        const int gr = row0 + r;
-        const bool ok = gr < T;
-        const __nv_bfloat16* src = g + (size_t)(ok ? gr : 0) * ld + c * 8;
-        fa_cp_async16(s + fa_tile_off<D, PANELS>(r, c * 8), src, ok);
+    constexpr int CH = D / 8, RS = FA_THREADS / CH;  // 16-byte chunks a row; rows a pass
+    const int c = tid % CH, r0 = tid / CH;
+    const __nv_bfloat16* src = g + (size_t)(row0 + r0) * ld + c * 8;
+    const size_t step = (size_t)RS * ld;
+    if (row0 + 64 <= T) {  // (every tile but a sequence's last: no row tests)
+#pragma unroll U
+        for (int k = 0; k < 64 / RS; ++k) {
+            fa_cp_async16(s + fa_tile_off<D, PANELS>(r0 + k * RS, c * 8), src, true);
+            src += step;
+        }
+        return;
+    }
+#pragma unroll U
+    for (int k = 0; k < 64 / RS; ++k) {
+        const bool ok = row0 + r0 + k * RS < T;
+        fa_cp_async16(s + fa_tile_off<D, PANELS>(r0 + k * RS, c * 8), ok ? src : g, ok);
+        src += step;
     }
 }
 
@@ -472,13 +484,26 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float ms0 = (mx0 == -INFINITY) ? 0.f : mx0 * sl2;
-        const float ms1 = (mx1 == -INFINITY) ? 0.f : mx1 * sl2;
-        const float al0 = exp2f(m0 * sl2 - ms0), al1 = exp2f(m1 * sl2 - ms1);
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= al0;
-        l1 *= al1;
+        // The running max moves only when the tile's rises past it by more than 2^8 in the
+        // exponentials (log2 units): below that P stays <= 256 (bf16 keeps its relative
+        // precision, O and l their fp32 range) and O, l need no rescale — on most tiles of a long
+        // row none does, and the warp skips the rescale below (FlashAttention-4's trick; O / l
+        // and lse = m + log l are the same either way).
+        const bool up0 = mx0 * sl2 > m0 * sl2 + 8.f, up1 = mx1 * sl2 > m1 * sl2 + 8.f;
+        float al0 = 1.f, al1 = 1.f;
+        if (up0) {
+            al0 = exp2f((m0 - mx0) * sl2);
+            m0 = mx0;
+            l0 *= al0;
+        }
+        if (up1) {
+            al1 = exp2f((m1 - mx1) * sl2);
+            m1 = mx1;
+            l1 *= al1;
+        }
+        const bool rescale = __any_sync(0xffffffffu, up0 || up1);
+        const float ms0 = (m0 == -INFINITY) ? 0.f : m0 * sl2;
+        const float ms1 = (m1 == -INFINITY) ? 0.f : m1 * sl2;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
             s[nt][0] = exp2f(fmaf(s[nt][0], sl2, -ms0));
@@ -515,12 +540,14 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         // O rescaled once the previous tile's P V has landed in it (pipelined; one wait on every
         // path, so that ptxas sees no read of O while a product may run)
         if constexpr (PIPE) MM::settle(oacc);
+        if (rescale) {
 #pragma unroll
-        for (int nt = 0; nt < 2 * KC; ++nt) {
-            oacc[nt][0] *= al0;
-            oacc[nt][1] *= al0;
-            oacc[nt][2] *= al1;
-            oacc[nt][3] *= al1;
+            for (int nt = 0; nt < 2 * KC; ++nt) {
+                oacc[nt][0] *= al0;
+                oacc[nt][1] *= al0;
+                oacc[nt][2] *= al1;
+                oacc[nt][3] *= al1;
+            }
         }
         if constexpr (PIPE) {
 #pragma unroll
@@ -732,7 +759,7 @@ __device__ __forceinline__ void fa_load_rows(uint32_t s, const __nv_bfloat16* g,
 
 // ---------------------------------------------------------------------------------------------
 // What the backward's main kernels share (launch 2 of 3: flash_bwd_bf16 and flash_bwd_d128_bf16
-// here, flash_bwd_ws_bf16 and flash_bwd_wg_d128_bf16 in flash_sm90.cu).
+// here, flash_bwd_ws_bf16 and flash_bwd_ws_d128_bf16 in flash_sm90.cu).
 
 // A block's work: keys k0..k0+BN-1 (key block blockIdx.y; block 0 has the most work and is issued
 // first) of one (b, key/value head) (blockIdx.x), against the query tiles i0.. that see them

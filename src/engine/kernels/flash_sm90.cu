@@ -1,49 +1,44 @@
 // Flash attention on Hopper (sm_90a), its products as warpgroup tensor-core instructions (wgmma,
 // m64n64k16 and m64n128k16) instead of mma.sync: the main kernel of flash.cu's backward (launch 2
-// of 3) for head dims 128 (flash_bwd_wg) and 64 (flash_bwd_ws, warp-specialized, 128-query
-// tiles) and, at the end of this file, the forward for head dims 64 and 128. Included by
-// kernels.cu; compiled only into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded
-// on compute capability 9.0).
+// of 3) for head dims 64 and 128 (flash_bwd_ws: warp-specialized, 128 keys a block) and, at the
+// end of this file, the forward for head dims 64 and 128. Included by kernels.cu; compiled only
+// into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded on compute capability 9.0).
 //
 // ============================== LAUNCH CONTRACT ==============================================
-//   flash_bwd_ws_bf16 (head dim 64, what the step launches): the arguments of flash_bwd_bf16,
-//   grid = (B*KVH, ceil(T/128), 1), block = (384, 1, 1), dynamic smem = FA_WS_SMEM bytes (above
-//   48 KB: the launcher raises the function's limit). Same preprocess before and dq_convert after.
-//   flash_bwd_wg_d128_bf16: those of flash_bwd_d128_bf16, dynamic smem = FA_WG_D128_SMEM
-//   (spec::FLASH_BWD_WG_D128_SMEM).
+//   flash_bwd_ws_bf16 (head dim 64), flash_bwd_ws_d128_bf16 (128): the arguments of
+//   flash_bwd_bf16, grid = (B*KVH, ceil(T/128), 1), block = (384, 1, 1), dynamic smem =
+//   FA_WS_SMEM bytes (above 48 KB: the launcher raises the function's limit). Same preprocess
+//   before and dq_convert after.
 //   flash_fwd_wg_bf16, flash_fwd_drop_wg_bf16: the arguments, grid and block of flash_fwd_bf16 /
 //   flash_fwd_drop_bf16, dynamic smem = 0 (static 41 KB).
 //   flash_fwd_wg_d128_bf16, flash_fwd_drop_wg_d128_bf16: those of flash_fwd[_drop]_d128_bf16,
 //   dynamic smem = FA_FWD_D128_SMEM + 1024 (spec::flash_fwd_wg_smem).
 // =============================================================================================
 //
-// flash_bwd_wg: one block = one warpgroup = 64 keys of one (b, key/value head); it loops over the
-// query tiles of every query head of the group, as flash_bwd_bf16 does (flash_bwd_ws: two such
-// warpgroups over 128 keys and 128-query tiles, and a third for the copies). Shared memory
-// holds K, V, two buffers of (Q, dO) filled by cp.async, and dS^T, each a 64 x 64 tile in
-// flash.cu's swizzled layout — 128-byte rows whose 16-byte chunks are XOR-ed with the row's low
-// three bits, which is exactly wgmma's 128-byte swizzle once a tile starts on a 1024-byte
-// boundary. Per tile:
+// The backward, per 64 keys (one MMA warpgroup's) and tile of queries, its operands in shared
+// memory in flash.cu's swizzled layout — 128-byte rows whose 16-byte chunks are XOR-ed with the
+// row's low three bits, which is exactly wgmma's 128-byte swizzle once a tile starts on a
+// 1024-byte boundary:
 //   S^T  = K Q^T     (A = K, B = Q, both K-major from shared memory)
 //   dP^T = V dO^T    (A = V, B = dO)
 //   P^T, dS^T elementwise in registers (the accumulator layout is mma.sync's, row block 16w of
 //   warp w, so this part is flash_bwd_bf16's code)
 //   dV  += P^T dO    (A = P^T from registers, B = dO read transposed: MN-major)
 //   dK  += dS^T Q    (A = dS^T from registers, B = Q transposed)
-//   dQ   = dS K      (A = dS^T from shared memory read transposed, B = K transposed), left in
-//                     flight to the next tile, whose first products (and its successor's
-//                     copies) are issued before it is staged through shared memory and added
-//                     into dq_acc with 16-byte vector atomics (the flush overlaps them).
+//   dQ   = dS K      (A = dS^T from shared memory read transposed, B = K transposed), staged
+//                     through shared memory and added into dq_acc with 16-byte vector atomics
+//                     by the copy warpgroup.
 // Shared-memory writes by the threads (cp.async, the dS^T stores) are made visible to the
 // tensor cores' asynchronous proxy with fence.proxy.async before the barrier that publishes them.
 //
-// Measured on H100 (PTX JIT), per launch: B=8, T=1024, H=12, KVH=4: 0.153 ms (flash_bwd_bf16 on
-// mma.sync: 0.183); B=4, T=2048, H=32, KVH=8: 0.85 ms (0.96). Timed with clock64 per phase, a
-// 64 x 64 tile costs one block about 5000 cycles against 640 of tensor-core work at peak: the
-// kernel is bound by latency (the wait at each phase, the barrier before dQ, the next tile's
-// copies and dQ's atomics issuing from the same warps), not by the products. Hence, at head dim
-// 64, flash_bwd_ws_bf16 below: the copies moved to a third warpgroup, 128 keys a block and (since
-// the restructurings that kept 64-query tiles did not move it past ~290 TFLOP/s) 128-query tiles.
+// History: the first wgmma backward was one warpgroup over 64 keys, copying its own tiles and
+// adding its own dQ (H100, PTX JIT: B=8, T=1024, H=12, KVH=4: 0.153 ms a launch against
+// flash_bwd_bf16's 0.183 on mma.sync). Timed with clock64 per phase, a 64 x 64 tile cost one
+// block about 5000 cycles against 640 of tensor-core work at peak: bound by latency (the wait at
+// each phase, the barrier before dQ, the next tile's copies and dQ's atomics issuing from the
+// same warps), not by the products. Hence flash_bwd_ws: the copies and dQ's atomics on a third
+// warpgroup, 128 keys a block, 128 x 128 pairs a step. At head dim 128 that one-warpgroup kernel
+// ran until the warp-specialized one took that dim too (one H200: see the README's Long context).
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -118,7 +113,7 @@ __device__ __forceinline__ void wg_ss128(float (&d)[16][4], uint64_t da, uint64_
 }
 
 // A warp's 16 x 64 fp32 tile of dQ (rows q0 + 16w ..) into `stg`, columns XOR-ed by the row in
-// groups of 8 (conflict-free float2 writes and float4 reads): the first half of fa_wg_flush_dq.
+// groups of 8 (conflict-free float2 writes and float4 reads).
 __device__ __forceinline__ void fa_wg_stage_dq(const float (&dq)[8][4], float* stg, int lane) {
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
@@ -146,16 +141,6 @@ __device__ __forceinline__ void fa_wg_add_staged(const float* stg, float* dst, i
         }
     }
 }
-// Adds warp w's 16 query rows (q0 + 16w ..) of a tile's dQ into dq_acc (row stride HD): staged in
-// `stg` (this warp's 16 x 64 fp32), then added by the same warp.
-__device__ __forceinline__ void fa_wg_flush_dq(const float (&dq)[8][4], float* stg, float* dst,
-                                               int rows, int HD, int lane) {
-    fa_wg_stage_dq(dq, stg, lane);
-    __syncwarp();
-    fa_wg_add_staged(stg, dst, rows, HD, lane);
-    __syncwarp();
-}
-
 #define FA_WG_ARGS const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout, \
                   const float* __restrict__ lse, const float* __restrict__ delta, \
                   float* __restrict__ dq_acc, __nv_bfloat16* __restrict__ dqkv, int B, int T, \
@@ -177,211 +162,36 @@ __device__ __forceinline__ void fa_wg_ss_panels(float (&d)[8][4], uint32_t sa, u
     }
 }
 
-// S^T = K Q^T and dP^T = V dO^T of a tile, as two groups (S^T's first, so that wg_wait<1> takes
-// it while dP^T runs).
-template <int D>
-__device__ __forceinline__ void fa_wg_bwd_scores(float (&st)[8][4], float (&dpt)[8][4], uint32_t sK,
-                                                 uint32_t sV, uint32_t sQa, uint32_t sdOa) {
-    wg_fence();
-    fa_wg_ss_panels<D>(st, sK, sQa);
-    wg_commit();
-    fa_wg_ss_panels<D>(dpt, sV, sdOa);
-    wg_commit();
-}
-
-// dV += P^T dO and dK += dS^T Q (k = the tile's queries: 16 rows, 2048 bytes, a step), a product
-// per 64-column panel of dO and Q into the matching part of dV and dK; one group.
-template <int N>
-__device__ __forceinline__ void fa_wg_bwd_accumulate(float (&dv)[N][4], float (&dk)[N][4],
-                                                     const uint32_t (&pa)[4][4],
-                                                     const uint32_t (&sa)[4][4], uint32_t sQa,
-                                                     uint32_t sdOa) {
-    const uint32_t ldo = wg_desc_lo(sdOa), lq = wg_desc_lo(sQa);
-    wg_fence();
-#pragma unroll
-    for (int p = 0; p < N / 8; ++p) {
-        float(&dvp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * p]);
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dvp, pa[kc], wg_desc_at(ldo, p * (64 * 64 * 2) + kc * 2048));
-    }
-#pragma unroll
-    for (int p = 0; p < N / 8; ++p) {
-        float(&dkp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * p]);
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) wg_rs<1>(dkp, sa[kc], wg_desc_at(lq, p * (64 * 64 * 2) + kc * 2048));
-    }
-    wg_commit();
-}
-
-// A tile's middle in the wgmma backward kernels, S^T and dP^T in flight (one group each): the
-// queries' lse and delta (query head row bh = b·H + h), P^T and dS^T in registers, then dV += P^T
-// dO and dK += dS^T Q issued (one group); dS^T's A fragments out in `sa`, for dQ.
-template <int N>
-__device__ __forceinline__ void fa_wg_bwd_middle(
-    float (&st)[8][4], float (&dpt)[8][4], float (&dv)[N][4], float (&dk)[N][4], uint32_t (&sa)[4][4],
-    const float* __restrict__ lse, const float* __restrict__ delta, size_t bh, int q0, int T,
-    int lane, float sl2, int wk0, int kr0, int t4, uint32_t thr, float dscale,
-    const unsigned long long* __restrict__ mbits, int nq, uint32_t sQa, uint32_t sdOa,
-    const int* __restrict__ st_b) {
-    float lsa, lsb, dla, dlb;
-    fa_bwd_row_stats(lse, delta, bh, q0, T, lane, lsa, lsb, dla, dlb);
-    wg_wait<1>();
-    wg_pin(st);
-    fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4, st_b, T);
-    wg_wait<0>();
-    wg_pin(dpt);
-    fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits, bh, nq);
-    uint32_t pa[4][4];
-#pragma unroll
-    for (int kc = 0; kc < 4; ++kc) {
-        fa_frag(st, kc, pa[kc]);
-        fa_frag(dpt, kc, sa[kc]);
-    }
-    fa_wg_bwd_accumulate(dv, dk, pa, sa, sQa, sdOa);
-}
-
-// The backward's main kernel for head dim 128: see the header. dK and dV (64 x 128 fp32 each: 128
-// registers a thread) leave no room to keep a tile's dQ in flight to the next, so once dS^T is in
-// shared memory dQ = dS K runs in two halves of 64 head-dim columns (one panel of K each), the
-// second issued while the first is staged through the tile's Q tile and added into dq_acc; the
-// second is staged through the dO tile (both free once dV and dK are done). Shared memory from a
-// 1024-byte boundary: K, V, two buffers of (Q, dO), dS^T (64 x 64). (Head dim 64 takes
-// flash_bwd_ws below, whose third warpgroup does dQ.)
-template <int D>
-__device__ __forceinline__ void flash_bwd_wg(FA_WG_ARGS, unsigned char* smem) {
-    static_assert(D == 128, "head dim 64 takes flash_bwd_ws");
-    constexpr uint32_t TILE = 64 * D * 2;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t4 = lane & 3;
-    const FaBwdBlock<D, 64> blk(qkv, dout, T, H, KVH, starts);
-    const float sl2 = scale * 1.4426950408889634f;
-
-    const uint32_t raw = fa_smem_u32(smem);
-    const uint32_t base = (raw + 1023u) & ~1023u;
-    char* smc = reinterpret_cast<char*>(smem) + (base - raw);  // generic view of `base`
-    const uint32_t sK = base, sV = base + TILE, sQD = base + 2 * TILE, sdSa = base + 6 * TILE;
-    char* sdSc = smc + 6 * TILE;
-
-    fa_load_tile<D, true>(sK, blk.kg, blk.ld, blk.k0, T, tid);
-    fa_load_tile<D, true>(sV, blk.vg, blk.ld, blk.k0, T, tid);
-    fa_load_tile<D, true>(sQD, blk.qkv_b + blk.h0 * D, blk.ld, blk.i0 * FA_BM, T, tid);
-    fa_load_tile<D, true>(sQD + TILE, blk.dout_b + blk.h0 * D, blk.HD, blk.i0 * FA_BM, T, tid);
-    fa_cp_commit();
-
-    float dk[D / 8][4], dv[D / 8][4];
-    fa_zero(dk);
-    fa_zero(dv);
-    const int wk0 = blk.k0 + warp * 16;
-    const int kr0 = wk0 + g;
-    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-    // dQ's first 64 head-dim columns, and where its rows go (rows: how many are < T)
-    float dq[8][4];
-    float* dq_dst = nullptr;
-    int dq_rows = 0;
-
-    for (int it = 0; it < blk.steps(); ++it) {
-        int h, i;
-        blk.at(it, h, i);
-        const int bsel = it & 1;
-        const uint32_t sQa = sQD + bsel * 2 * TILE, sdOa = sQa + TILE;
-        // the last tile's products done (dV, dK read the buffer the prefetch below refills)
-        wg_wait<0>();
-        fa_cp_wait_all();
-        fa_fence_async();
-        __syncthreads();  // tile `it` landed; the buffer of tile it-1 and dS^T are free
-        const int q0 = i * FA_BM;
-
-        float st[8][4], dpt[8][4];
-        fa_wg_bwd_scores<D>(st, dpt, sK, sV, sQa, sdOa);
-        // the next tile's Q, dO into the other buffer, while they run
-        if (it + 1 < blk.steps()) {
-            int hn, in;
-            blk.at(it + 1, hn, in);
-            const uint32_t nb = sQD + (bsel ^ 1) * 2 * TILE;
-            fa_load_tile<D, true>(nb, blk.qkv_b + hn * D, blk.ld, in * FA_BM, T, tid);
-            fa_load_tile<D, true>(nb + TILE, blk.dout_b + hn * D, blk.HD, in * FA_BM, T, tid);
-            fa_cp_commit();
-        }
-
-        uint32_t sa[4][4];
-        fa_wg_bwd_middle(st, dpt, dv, dk, sa, lse, delta, (size_t)blk.b * H + h, q0, T, lane, sl2,
-                         wk0, kr0, t4, thr, dscale, mbits, blk.nq, sQa, sdOa,
-                         starts ? starts + (size_t)blk.b * T : nullptr);
-        // dS^T -> shared memory for dQ, while those run
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            fa_store_frag(sdSc, sa[kc], lr0, lr1, kc * 16 + t4 * 2);
-        }
-        fa_fence_async();
-        __syncthreads();  // dS^T complete and visible to the tensor cores
-        // dQ = dS K (k = this block's keys): head-dim columns 0..63
-        const int qw = q0 + warp * 16;
-        dq_dst = dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * D;
-        dq_rows = min(16, T - qw);
-        fa_zero(dq);
-        const uint32_t lds = wg_desc_lo(sdSa), lk = wg_desc_lo(sK);
-        wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-            wg_ss<1, 1>(dq, wg_desc_at(lds, kc * 2048), wg_desc_at(lk, kc * 2048), kc);
-        wg_commit();
-        if constexpr (D == 128) {
-            // columns 64..127 issued while 0..63 go out through the Q tile; then through dO's
-            float dq1[8][4];
-            fa_zero(dq1);
-            wg_wait<0>();  // dV, dK and the first half done: Q and dO are free
-            wg_pin(dq);
-            wg_fence();
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_ss<1, 1>(dq1, wg_desc_at(lds, kc * 2048), wg_desc_at(lk, TILE / 2 + kc * 2048), kc);
-            wg_commit();
-            char* sQc = smc + 2 * TILE + bsel * 2 * TILE;  // generic view of sQa
-            fa_wg_flush_dq(dq, reinterpret_cast<float*>(sQc) + warp * 16 * 64, dq_dst, dq_rows,
-                           blk.HD, lane);
-            wg_wait<0>();
-            wg_pin(dq1);
-            fa_wg_flush_dq(dq1, reinterpret_cast<float*>(sQc + TILE) + warp * 16 * 64, dq_dst + 64,
-                           dq_rows, blk.HD, lane);
-        }
-    }
-    wg_wait<0>();
-    wg_pin(dq);
-    wg_pin(dv);
-    wg_pin(dk);
-
-    // epilogue: dK (scaled) -> the K tile, dV -> the V tile, then 16-byte stores
-    __syncthreads();
-    fa_bwd_store_kv(dk, dv, scale, smc, smc + TILE, warp, lane, wk0, T,
-                    dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * D, blk.ld, blk.KD);
-}
 
 // ---------------------------------------------------------------------------------------------
-// The head-dim-64 backward with 128-query tiles (FlashAttention-3's hd64 shape): 128 keys a
-// block, three warpgroups, each step a tile of 128 queries. WG0 and WG1 own 64 keys each:
-// S^T = K Q^T and dP^T = V dO^T as m64n128k16 products (64 keys x 128 queries), P^T and dS^T in
-// registers, dV += P^T dO and dK += dS^T Q with k = 128; then, with both halves of dS^T in shared
-// memory, each computes dQ of one 64-query half over all 128 keys (k = 128) and stages it in
+// The Hopper backward (FlashAttention-3's shape): 128 keys a block, three warpgroups, 128 x 128
+// (query, key) pairs a step — at head dim 64 a tile of 128 queries, at head dim 128 one of 64
+// (QH = 128 / D halves of 64 queries: S^T, dP^T, dK and dV are then 192 registers a thread at
+// either dim). WG0 and WG1 own 64 keys each: S^T = K Q^T and dP^T = V dO^T (64 keys x 64·QH
+// queries: m64n128k16 products at head dim 64, two 64-column panels of k at 128), P^T and dS^T
+// in registers, dV += P^T dO and dK += dS^T Q with k = the step's queries; then, with both
+// warpgroups' dS^T in shared memory, each computes a half of the step's dQ over all 128 keys —
+// at head dim 64 its 64-query half, at 128 its 64-column panel of the head dim — and stages it in
 // shared memory. WG2 copies — K and V once, then each step's (Q, dO) into a two-slot ring — and
-// adds each step's staged dQ into dq_acc with 16-byte vector atomics while the MMA warpgroups run
-// the next step (two staging buffers; one H200, the 114M at T32768: the backward 335 -> 362
+// adds each step's staged dQ into dq_acc with 16-byte vector atomics while the MMA warpgroups
+// run the next step (two staging buffers; one H200, the 114M at T32768: the backward 335 -> 362
 // TFLOP/s against the MMA warps issuing those atomics themselves). The plain loop applies the
 // causal mask only on the tiles where a warp's keys reach a query (fa_bwd_probs_rows). Against
-// 64-query tiles (this kernel's previous shape, with WG2 computing dQ): half the product
-// instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and half the
-// steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the backward 293 ->
-// 338 TFLOP/s, 259.9 -> 238.1 ms a step. A ring slot holds Qa Qb dOa dOb (64 x 64 tiles,
-// queries 0..63 and 64..127 one after the other: one K-major operand of 128 rows), a dS^T slot
-// four tiles (kh·2 + qh: keys 64kh.., queries 64qh..). Barriers:
+// 64-query tiles at head dim 64 (this kernel's previous shape, with WG2 computing dQ): half the
+// product instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and
+// half the steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the
+// backward 293 -> 338 TFLOP/s, 259.9 -> 238.1 ms a step. Shared memory (64 x 64 tiles of 8 KB;
+// a D-column tile of 64 rows is D / 64 of them, panel after panel): K0 K1 V0 V1 (64 keys each),
+// two ring slots of (Q, dO) — QH tiles of 64 queries each, one after the other, so that a slot's
+// Q is one K-major operand of 64·QH rows — two dS^T slots of 2·QH tiles (kh·QH + qh: keys
+// 64kh.., queries 64qh..), two dQ staging buffers (160 KB on; 225 KB in all). Barriers:
 //   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
 //   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written
 //   DQF[s]    WG0, WG1 -> WG2 (384): dQ staging buffer s holds a step's dQ
 //   DQE[s]    WG2 -> WG0, WG1 (384): WG2 has added buffer s into dq_acc (restage it)
 // A dS^T slot is rewritten two steps later, after both warpgroups have passed the DS barrier of
-// the step between — each waits for its dQ products before reaching it. Registers: WG2 keeps 24,
-// WG0 and WG1 take 240 (S^T, dP^T, dK and dV are 192 of them; at 216 ptxas serializes the
-// products, and WG2 at 32 would leave the consumers' increase short of the block's pool).
+// the step between — each waits for its dQ products before reaching it. Registers: FaWs.
 // Launch: grid (B*KVH, ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
 #define FA_WS_FULL 1
 #define FA_WS_EMPTY 3
@@ -397,67 +207,102 @@ __device__ __forceinline__ void fa_ws_arrive(int id) {
 #define FA_WS_DQE 8  // + s: WG2 has added staging buffer s into dq_acc (WG2 -> MMA warpgroups)
 // floats in one dQ staging buffer: eight warps' 16 x 64
 #define FA_WS_STG (8 * 16 * 64)
-// Step `it`'s (Q, dO) of 128 queries into ring slot `slot` (Qa Qb dOa dOb), by WG2's threads (pt).
-__device__ __forceinline__ void fa_ws_load(const FaBwdBlock<64, 128>& blk, int it, uint32_t slot,
+// Where the shared-memory regions start (bytes from the 1024-byte-aligned base): the ring, the
+// dS^T slots, the staging buffers — the same 225 KB at both head dims.
+template <int D>
+struct FaWs {
+    static constexpr int QH = 128 / D;            // 64-query halves a step
+    static constexpr uint32_t TILE = 64 * 64 * 2; // a 64 x 64 bf16 tile (a panel)
+    static constexpr uint32_t TD = 64 * D * 2;    // 64 rows of the head dim
+    static constexpr uint32_t RING = 4 * TD, DS = RING + 8 * TILE, STG = DS + 4 * QH * TILE;
+    // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
+    // block's 3 x 168 at head dim 64; at 128 WG2's loops spill 248 bytes at 24 (128 at 32), and
+    // the MMA warpgroups keep their products unserialized down to 232 (at 224 ptxas serializes
+    // them: dK and dV are 128 registers there).
+    static constexpr int REGS_COPY = D == 64 ? 24 : 32, REGS_MMA = D == 64 ? 240 : 232;
+    static_assert(STG == 20 * TILE, "flash_smem.h's FA_WS_SMEM lays out 20 tiles before dQ's");
+};
+
+// Step `it`'s (Q, dO) into ring slot `slot` (Q's QH tiles, then dO's), by WG2's threads (pt).
+template <int D>
+__device__ __forceinline__ void fa_ws_load(const FaBwdBlock<D, 128>& blk, int it, uint32_t slot,
                                            int T, int pt) {
-    constexpr uint32_t TILE = 64 * 64 * 2;
+    using W = FaWs<D>;
     int h, i;
-    blk.at<2>(it, h, i);
+    blk.template at<W::QH>(it, h, i);
 #pragma unroll
-    for (int qh = 0; qh < 2; ++qh) {
-        fa_load_tile<64, true>(slot + qh * TILE, blk.qkv_b + h * 64, blk.ld, (i + qh) * FA_BM, T,
-                               pt);
-        fa_load_tile<64, true>(slot + (2 + qh) * TILE, blk.dout_b + h * 64, blk.HD,
-                               (i + qh) * FA_BM, T, pt);
+    for (int qh = 0; qh < W::QH; ++qh) {
+        fa_load_tile<D, true, 1>(slot + qh * W::TD, blk.qkv_b + h * D, blk.ld, (i + qh) * FA_BM, T,
+                           pt);
+        fa_load_tile<D, true, 1>(slot + (W::QH + qh) * W::TD, blk.dout_b + h * D, blk.HD,
+                           (i + qh) * FA_BM, T, pt);
     }
 }
 
 // The two MMA warpgroups of flash_bwd_ws (warpgroup wg: keys 64wg.. of the block), a step
-// per 128-query tile; dK and dV left in registers. ANY: packed rows (starts) or attention
+// per 128 x 128 pairs; dK and dV left in registers. ANY: packed rows (starts) or attention
 // dropout (thr) — a loop of its own, so that the plain one carries neither; there each lane
 // loads its two queries' sample starts and flag words once a half and the middle shuffles them
 // out (loaded per element, the 128-query tile's registers spilled).
-template <bool ANY>
-__device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>& blk,
-                                          int steps, uint32_t sK, uint32_t sQD, uint32_t sdS,
-                                          char* smc, int wg, int warp, int lane, float (&dk)[8][4],
-                                          float (&dv)[8][4]) {
-    constexpr uint32_t TILE = 64 * 64 * 2;
+template <int D, bool ANY>
+__device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                          int steps, uint32_t base, char* smc, int wg, int warp,
+                                          int lane, float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
+    using W = FaWs<D>;
+    constexpr int QH = W::QH;
+    constexpr uint32_t TILE = W::TILE, TD = W::TD;
     const int g = lane >> 2, t4 = lane & 3;
     if (!ANY) thr = 0;
     const int* st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
     const float sl2 = scale * 1.4426950408889634f;
-    const uint32_t sKc = sK + wg * TILE, sVc = sK + (2 + wg) * TILE;
     const int wk0 = blk.k0 + 64 * wg + warp * 16;
     const int kr0 = wk0 + g;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-    float* stg = reinterpret_cast<float*>(smc + 20 * TILE) + (4 * wg + warp) * 16 * 64;
-    // the products' descriptors, each one add from these (wg_desc_at)
-    const uint32_t lKc = wg_desc_lo(sKc), lVc = wg_desc_lo(sVc), lK = wg_desc_lo(sK);
-    const uint32_t lQD = wg_desc_lo(sQD), lSw = wg_desc_lo(sdS + wg * TILE);
+    float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * 16 * 64;
+    // the products' descriptors, each one add from these (wg_desc_at): this warpgroup's K and V;
+    // dQ's A (the dS^T tiles of its query half) and B (K, or its head-dim panel of K)
+    const uint32_t lKc = wg_desc_lo(base + wg * TD), lVc = wg_desc_lo(base + (2 + wg) * TD);
+    const uint32_t lQD = wg_desc_lo(base + W::RING);
+    const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * TILE : 0));
+    const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * TILE));
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
         int h, i;
-        blk.at<2>(it, h, i);
+        blk.template at<QH>(it, h, i);
         const int q0 = i * FA_BM;
-        const uint32_t lQa = lQD + s * (4 * TILE >> 4), ldOa = lQa + (2 * TILE >> 4);
+        const uint32_t lQa = lQD + s * (4 * TILE >> 4), ldOa = lQa + (QH * TD >> 4);
         fa_ws_sync(FA_WS_FULL + s);
-        float st[16][4], dpt[16][4];
+        float st[8 * QH][4], dpt[8 * QH][4];
         wg_fence();
+        if constexpr (QH == 2) {  // 64 keys x 128 queries, k = the head dim
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-            wg_ss128<0, 0>(st, wg_desc_at(lKc, kc * 32), wg_desc_at(lQa, kc * 32), kc);
-        wg_commit();
+            for (int kc = 0; kc < 4; ++kc)
+                wg_ss128<0, 0>(st, wg_desc_at(lKc, kc * 32), wg_desc_at(lQa, kc * 32), kc);
+            wg_commit();
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc)
-            wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(ldOa, kc * 32), kc);
-        wg_commit();
+            for (int kc = 0; kc < 4; ++kc)
+                wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(ldOa, kc * 32), kc);
+            wg_commit();
+        } else {  // 64 keys x 64 queries, k = the head dim: four k-steps in each of its panels
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                const uint32_t off = (kc >> 2) * TILE + (kc & 3) * 32;
+                wg_ss<0, 0>(st, wg_desc_at(lKc, off), wg_desc_at(lQa, off), kc);
+            }
+            wg_commit();
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                const uint32_t off = (kc >> 2) * TILE + (kc & 3) * 32;
+                wg_ss<0, 0>(dpt, wg_desc_at(lVc, off), wg_desc_at(ldOa, off), kc);
+            }
+            wg_commit();
+        }
         const size_t bh = (size_t)blk.b * H + h;
-        float ls[2][2], dl[2][2];
-        int sq[2][2] = {};                     // packed rows: lane's queries' sample starts
-        unsigned long long mw[2][2] = {};      // dropout: lane's queries' flag words
+        float ls[QH][2], dl[QH][2];
+        int sq[QH][2] = {};                     // packed rows: lane's queries' sample starts
+        unsigned long long mw[QH][2] = {};      // dropout: lane's queries' flag words
 #pragma unroll
-        for (int qh = 0; qh < 2; ++qh) {
+        for (int qh = 0; qh < QH; ++qh) {
             fa_bwd_row_stats(lse, delta, bh, q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
                              dl[qh][0], dl[qh][1]);
             if (ANY && st_b != nullptr)
@@ -469,7 +314,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         wg_wait<1>();
         wg_pin(st);
 #pragma unroll
-        for (int qh = 0; qh < 2; ++qh) {
+        for (int qh = 0; qh < QH; ++qh) {
             float(&sth)[8][4] = *reinterpret_cast<float(*)[8][4]>(&st[8 * qh]);
             const int qq = q0 + 64 * qh;
             if (ANY)
@@ -485,43 +330,55 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
         wg_wait<0>();
         wg_pin(dpt);
 #pragma unroll
-        for (int qh = 0; qh < 2; ++qh)
+        for (int qh = 0; qh < QH; ++qh)
             fa_bwd_dscores<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
                                  *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0],
                                  dl[qh][1], q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh,
                                  blk.nq, mw[qh][0], mw[qh][1]);
-        uint32_t pa[8][4], sa[8][4];
+        uint32_t pa[4 * QH][4], sa[4 * QH][4];
 #pragma unroll
-        for (int kc = 0; kc < 8; ++kc) {
+        for (int kc = 0; kc < 4 * QH; ++kc) {
             fa_frag(st, kc, pa[kc]);
             fa_frag(dpt, kc, sa[kc]);
         }
-        // dV += P^T dO, dK += dS^T Q: k = the tile's 128 queries (dO, Q: two tiles each, in a row)
+        // dV += P^T dO, dK += dS^T Q: k = the step's 64·QH queries (2048 bytes a k-step), a
+        // product per 64-column panel of dO and Q into the matching part of dV and dK
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dv, pa[kc], wg_desc_at(ldOa, kc * 2048));
+        for (int p = 0; p < D / 64; ++p) {
+            float(&dvp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * p]);
 #pragma unroll
-        for (int kc = 0; kc < 8; ++kc) wg_rs<1>(dk, sa[kc], wg_desc_at(lQa, kc * 2048));
+            for (int kc = 0; kc < 4 * QH; ++kc)
+                wg_rs<1>(dvp, pa[kc], wg_desc_at(ldOa, p * TILE + kc * 2048));
+        }
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) {
+            float(&dkp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * p]);
+#pragma unroll
+            for (int kc = 0; kc < 4 * QH; ++kc)
+                wg_rs<1>(dkp, sa[kc], wg_desc_at(lQa, p * TILE + kc * 2048));
+        }
         wg_commit();
-        // dS^T -> this warpgroup's two tiles of dS^T slot s, while those run
+        // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
 #pragma unroll
-        for (int qh = 0; qh < 2; ++qh) {
-            char* sdSc = smc + (12 + 4 * s + 2 * wg + qh) * TILE;
+        for (int qh = 0; qh < QH; ++qh) {
+            char* sdSc = smc + W::DS + (2 * QH * s + QH * wg + qh) * TILE;
 #pragma unroll
             for (int k4 = 0; k4 < 4; ++k4)
                 fa_store_frag(sdSc, sa[4 * qh + k4], lr0, lr1, k4 * 16 + t4 * 2);
         }
         fa_fence_async();
         asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
-        // dQ of query half wg = dS K over the block's 128 keys (A = dS^T tiles read transposed)
+        // this warpgroup's half of dQ = dS K over the block's 128 keys (A = dS^T tiles read
+        // transposed, B = K's tiles read transposed)
         float dq[8][4];
         wg_fence();
 #pragma unroll
         for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc)
-                wg_ss<1, 1>(dq, wg_desc_at(lSw, (4 * s + 2 * kh) * TILE + kc * 2048),
-                            wg_desc_at(lK, kh * TILE + kc * 2048), kh | kc);
+                wg_ss<1, 1>(dq, wg_desc_at(lSw, (2 * QH * s + QH * kh) * TILE + kc * 2048),
+                            wg_desc_at(lKw, kh * TD + kc * 2048), kh | kc);
         wg_commit();
         wg_wait<1>();  // dV, dK done reading slot s
         wg_pin(dv);
@@ -537,46 +394,48 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<64, 128>&
 }
 
 // WG2: step j's staged dQ (staging buffer j & 1) added into dq_acc, WG2's warp w taking warp w of
-// each MMA warpgroup; the buffer handed back unless it is not used again.
-__device__ __forceinline__ void fa_ws_add_dq(const FaBwdBlock<64, 128>& blk, float* dq_acc,
+// each MMA warpgroup (its 16 queries of that warpgroup's half); the buffer handed back unless it
+// is not used again.
+template <int D>
+__device__ __forceinline__ void fa_ws_add_dq(const FaBwdBlock<D, 128>& blk, float* dq_acc,
                                              const float* stg, int j, int steps, int T, int warp,
                                              int lane) {
+    constexpr int QH = FaWs<D>::QH;
     const int s = j & 1;
     int h, i;
-    blk.at<2>(j, h, i);
+    blk.template at<QH>(j, h, i);
     fa_ws_sync(FA_WS_DQF + s);
 #pragma unroll 1
     for (int wg = 0; wg < 2; ++wg) {
-        const int qw = i * FA_BM + 64 * wg + warp * 16;
+        const int qw = i * FA_BM + (QH == 2 ? 64 * wg : 0) + warp * 16;
         fa_wg_add_staged(stg + s * FA_WS_STG + (4 * wg + warp) * 16 * 64,
-                         dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * 64, min(16, T - qw),
-                         blk.HD, lane);
+                         dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * D +
+                             (QH == 2 ? 0 : 64 * wg),
+                         min(16, T - qw), blk.HD, lane);
     }
     if (j + 2 < steps) fa_ws_arrive(FA_WS_DQE + s);
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
-    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    constexpr uint32_t TILE = 64 * 64 * 2;
+template <int D>
+__device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
+    using W = FaWs<D>;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const FaBwdBlock<64, 128> blk(qkv, dout, T, H, KVH, starts);
-    const uint32_t raw = fa_smem_u32(fa_wg_smem);
+    const FaBwdBlock<D, 128> blk(qkv, dout, T, H, KVH, starts);
+    const uint32_t raw = fa_smem_u32(smem);
     const uint32_t base = (raw + 1023u) & ~1023u;
-    char* smc = reinterpret_cast<char*>(fa_wg_smem) + (base - raw);  // generic view of `base`
-    // K0 K1 | V0 V1 | two ring slots of (Qa Qb dOa dOb) | two dS^T slots of four tiles | dQ staging
-    const uint32_t sK = base, sQD = base + 4 * TILE, sdS = base + 12 * TILE;
-    const int steps = blk.steps<2>();
+    char* smc = reinterpret_cast<char*>(smem) + (base - raw);  // generic view of `base`
+    const int steps = blk.template steps<W::QH>();
 
     if (wg == 2) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(W::REGS_COPY) : "memory");
         const int pt = tid - 256;
 #pragma unroll
         for (int c = 0; c < 4; ++c)
-            fa_load_tile<64, true>(sK + c * TILE, c < 2 ? blk.kg : blk.vg, blk.ld,
-                                   blk.k0 + 64 * (c & 1), T, pt);
-        fa_ws_load(blk, 0, sQD, T, pt);
+            fa_load_tile<D, true, 1>(base + c * W::TD, c < 2 ? blk.kg : blk.vg, blk.ld,
+                               blk.k0 + 64 * (c & 1), T, pt);
+        fa_ws_load(blk, 0, base + W::RING, T, pt);
         fa_cp_commit();
-        const float* stg = reinterpret_cast<const float*>(smc + 20 * TILE);
+        const float* stg = reinterpret_cast<const float*>(smc + W::STG);
         for (int it = 0; it < steps; ++it) {
             const int s = it & 1;
             fa_cp_wait_all();
@@ -584,7 +443,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
             fa_ws_arrive(FA_WS_FULL + s);
             if (it + 1 < steps) {  // the next tile into the other slot, once step it - 1 is done
                 if (it >= 1) fa_ws_sync(FA_WS_EMPTY + (s ^ 1));
-                fa_ws_load(blk, it + 1, sQD + (s ^ 1) * 4 * TILE, T, pt);
+                fa_ws_load(blk, it + 1, base + W::RING + (s ^ 1) * 4 * W::TILE, T, pt);
                 fa_cp_commit();
             }
             // step it - 1's dQ into dq_acc while the loads fly and the MMA warpgroups run step it
@@ -595,25 +454,27 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    float dk[8][4], dv[8][4];
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(W::REGS_MMA) : "memory");
+    float dk[D / 8][4], dv[D / 8][4];
     fa_zero(dk);
     fa_zero(dv);
     if (starts != nullptr || thr)
-        fa_ws_mma<true>(FA_WG_PASS, blk, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+        fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
     else
-        fa_ws_mma<false>(FA_WG_PASS, blk, steps, sK, sQD, sdS, smc, wg, warp, lane, dk, dv);
+        fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
     __syncthreads();  // every dQ product done reading K and V's tiles
-    fa_bwd_store_kv(dk, dv, scale, smc + wg * TILE, smc + (2 + wg) * TILE, warp, lane,
+    fa_bwd_store_kv(dk, dv, scale, smc + wg * W::TD, smc + (2 + wg) * W::TD, warp, lane,
                     blk.k0 + 64 * wg + warp * 16, T,
-                    dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * 64, blk.ld, blk.KD);
+                    dqkv + (size_t)blk.b * T * blk.ld + blk.HD + blk.kvh * D, blk.ld, blk.KD);
 }
 
-// Dynamic shared memory: FA_WG_D128_SMEM (flash_smem.h: two blocks an SM)
-// bytes.
-extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_wg_d128_bf16(FA_WG_ARGS) {
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    flash_bwd_wg<128>(FA_WG_PASS, fa_wg_smem);
+    flash_bwd_ws<64>(FA_WG_PASS, fa_wg_smem);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_d128_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    flash_bwd_ws<128>(FA_WG_PASS, fa_wg_smem);
 }
 
 // ---------------------------------------------------------------------------------------------

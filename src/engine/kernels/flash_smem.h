@@ -15,13 +15,11 @@
 // Backward, head dim 256 (flash.cu): sK and sV [64][256], Q/dO [2 buffers][2][64][256], dS^T
 // [64][64] (200 KB).
 #define FA_BWD_D256_SMEM ((2 * 64 * 256 + 4 * 64 * 256 + 64 * 64) * 2)
-// Warp-specialized Hopper backward, head dim 64 (flash_sm90.cu's flash_bwd_ws): twenty 64 x 64
-// bf16 tiles (K and V of 128 keys, two ring slots of a 128-query tile's Q and dO, two dS^T slots
-// of 128 x 128), two buffers of eight warps' 16 x 64 fp32 dQ staging, and 1 KB to align them
-// (225 KB: Hopper gives a block up to 227).
+// Warp-specialized Hopper backward, head dims 64 and 128 (flash_sm90.cu's flash_bwd_ws): twenty
+// 64 x 64 bf16 tiles (K and V of 128 keys, two ring slots of a step's Q and dO, two dS^T slots
+// of the step's 128 x 128 pairs — at head dim 128 the 64-query steps' 128 x 64), two buffers of
+// eight warps' 16 x 64 fp32 dQ staging, and 1 KB to align them (225 KB: Hopper gives a block up
+// to 227).
 #define FA_WS_SMEM (20 * 64 * 64 * 2 + 2 * 8 * 16 * 64 * 4 + 1024)
-// Hopper backward, head dim 128 (flash_sm90.cu): K, V and two buffers of Q and dO as 64 x 128
-// bf16 tiles, dS^T 64 x 64, and 1 KB to align them.
-#define FA_WG_D128_SMEM (6 * 64 * 128 * 2 + 64 * 64 * 2 + 1024)
 
 #endif  // COCKPIT_FLASH_SMEM_H

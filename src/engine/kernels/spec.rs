@@ -54,7 +54,7 @@ pub struct StepLora {
 pub use crate::engine::spec::FLASH_HEAD_DIMS;
 
 // The flash kernels' dynamic shared memory: flash_smem.h's defines (FA_FWD_D128_SMEM,
-// FA_BWD_D128_SMEM, FA_FWD_D256_SMEM, FA_BWD_D256_SMEM, FA_WS_SMEM, FA_WG_D128_SMEM), made Rust
+// FA_BWD_D128_SMEM, FA_FWD_D256_SMEM, FA_BWD_D256_SMEM, FA_WS_SMEM), made Rust
 // constants by build.rs.
 include!(concat!(env!("OUT_DIR"), "/flash_smem.rs"));
 
@@ -81,16 +81,11 @@ pub fn flash_fwd_wg_smem(hd: usize) -> u32 {
     }
 }
 
-/// Dynamic shared memory of the warp-specialized Hopper backward for head dim 64 (flash_sm90.cu's
-/// FA_WS_SMEM: K and V of 128 keys, two ring slots of a 128-query tile's Q and dO, two slots of
-/// dS^T for 128 keys x 128 queries — twenty 64 x 64 bf16 tiles — two buffers of eight warps'
-/// 16 x 64 fp32 dQ staging, and 1 KB to align them).
+/// Dynamic shared memory of the warp-specialized Hopper backward for head dims 64 and 128
+/// (flash_sm90.cu's FA_WS_SMEM: K and V of 128 keys, two ring slots of a step's Q and dO, two
+/// slots of the step's dS^T — twenty 64 x 64 bf16 tiles — two buffers of eight warps' 16 x 64
+/// fp32 dQ staging, and 1 KB to align them).
 pub const FLASH_BWD_WS_SMEM: u32 = FA_WS_SMEM;
-
-/// Dynamic shared memory of the Hopper backward for head dim 128 (flash_sm90.cu's
-/// FA_WG_D128_SMEM: K, V and two buffers of Q and dO as 64 x 128 bf16 tiles, dS^T 64 x 64, and
-/// 1 KB to align them to 1024 bytes; two blocks an SM).
-pub const FLASH_BWD_WG_D128_SMEM: u32 = FA_WG_D128_SMEM;
 
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`] (a Mamba
 /// layer's in_proj takes q's slot, its out_proj o's).

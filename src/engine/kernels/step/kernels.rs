@@ -109,14 +109,11 @@ impl Flash {
         // (head dim 256: 8 warps over 64 keys, two a key group, each half of the columns)
         let mut bwd_block = if hd == 256 { (256, 64) } else { (128, 64) };
         let hopper = hopper && hd != 256;
-        let bwd = if hopper && hd == 64 {
-            // Three warpgroups over 128 keys (flash_sm90.cu's flash_bwd_ws_bf16).
+        let bwd = if hopper {
+            // Three warpgroups over 128 keys (flash_sm90.cu's flash_bwd_ws[_d128]_bf16).
             bwd_smem = crate::engine::kernels::spec::FLASH_BWD_WS_SMEM;
             bwd_block = (384, 128);
-            named("flash_bwd_ws_bf16", "flash_bwd_ws")?
-        } else if hopper {
-            bwd_smem = crate::engine::kernels::spec::FLASH_BWD_WG_D128_SMEM;
-            named(&format!("flash_bwd_wg{sfx}_bf16"), "flash_bwd_wg")?
+            named(&format!("flash_bwd_ws{sfx}_bf16"), "flash_bwd_ws")?
         } else {
             k("flash_bwd", "flash_bwd")?
         };
