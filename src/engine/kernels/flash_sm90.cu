@@ -150,15 +150,29 @@ __device__ __forceinline__ void fa_wg_add_staged(const float* stg, float* dst, i
                   __nv_bfloat16* kv_part /* unused: the group's heads in one block */
 #define FA_WG_PASS qkv, dout, lse, delta, dq_acc, dqkv, B, T, H, KVH, scale, thr, dscale, mbits, starts, cap, kv_part
 
-// d (64 x 64) = A B^T for two 64-row tiles of D columns (K-major, as 64-column panels):
-// D / 16 k-steps, four in each panel. The caller fences and commits.
+// d (64 x 64) = A B^T for two 64-row tiles of D columns (K-major, as 64-column panels) whose
+// descriptors' low words are la and lb (wg_desc_lo): D / 16 k-steps, four in each panel. The
+// caller fences and commits.
 template <int D>
-__device__ __forceinline__ void fa_wg_ss_panels(float (&d)[8][4], uint32_t sa, uint32_t sb) {
-    const uint32_t la = wg_desc_lo(sa), lb = wg_desc_lo(sb);
+__device__ __forceinline__ void fa_wg_ss_panels(float (&d)[8][4], uint32_t la, uint32_t lb) {
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
         const uint32_t off = (kc >> 2) * (64 * 64 * 2) + (kc & 3) * 32;
         wg_ss<0, 0>(d, wg_desc_at(la, off), wg_desc_at(lb, off), kc);
+    }
+}
+// acc (64 x D, fp32, as 64-column panels) += A B, A the K x 64 register fragments `a` (k-steps of
+// 16), B MN-major from shared memory whose descriptor's low word is lb: a 64-column panel of it
+// every 8 KB, a k-step every 2048 bytes. The caller fences and commits.
+template <int D, int K>
+__device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const uint32_t (&a)[K][4],
+                                                uint32_t lb) {
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p) {
+        float(&ap)[8][4] = *reinterpret_cast<float(*)[8][4]>(&acc[8 * p]);
+#pragma unroll
+        for (int kc = 0; kc < K; ++kc)
+            wg_rs<1>(ap, a[kc], wg_desc_at(lb, p * (64 * 64 * 2) + kc * 2048));
     }
 }
 
@@ -216,7 +230,8 @@ struct FaWs {
     static constexpr uint32_t TD = 64 * D * 2;    // 64 rows of the head dim
     static constexpr uint32_t RING = 4 * TD, DS = RING + 8 * TILE, STG = DS + 4 * QH * TILE;
     // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
-    // block's 3 x 168 at head dim 64; at 128 WG2's loops spill 248 bytes at 24 (128 at 32), and
+    // block's 3 x 168 at head dim 64 (WG2's loops spill 32 bytes, ptxas 13.0); at 128 they spill
+    // 248 bytes at 24 (136 at 32), and
     // the MMA warpgroups keep their products unserialized down to 232 (at 224 ptxas serializes
     // them: dK and dV are 128 registers there).
     static constexpr int REGS_COPY = D == 64 ? 24 : 32, REGS_MMA = D == 64 ? 240 : 232;
@@ -284,17 +299,9 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
                 wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(ldOa, kc * 32), kc);
             wg_commit();
         } else {  // 64 keys x 64 queries, k = the head dim: four k-steps in each of its panels
-#pragma unroll
-            for (int kc = 0; kc < D / 16; ++kc) {
-                const uint32_t off = (kc >> 2) * TILE + (kc & 3) * 32;
-                wg_ss<0, 0>(st, wg_desc_at(lKc, off), wg_desc_at(lQa, off), kc);
-            }
+            fa_wg_ss_panels<D>(st, lKc, lQa);
             wg_commit();
-#pragma unroll
-            for (int kc = 0; kc < D / 16; ++kc) {
-                const uint32_t off = (kc >> 2) * TILE + (kc & 3) * 32;
-                wg_ss<0, 0>(dpt, wg_desc_at(lVc, off), wg_desc_at(ldOa, off), kc);
-            }
+            fa_wg_ss_panels<D>(dpt, lVc, ldOa);
             wg_commit();
         }
         const size_t bh = (size_t)blk.b * H + h;
@@ -344,20 +351,8 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
         // dV += P^T dO, dK += dS^T Q: k = the step's 64·QH queries (2048 bytes a k-step), a
         // product per 64-column panel of dO and Q into the matching part of dV and dK
         wg_fence();
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p) {
-            float(&dvp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * p]);
-#pragma unroll
-            for (int kc = 0; kc < 4 * QH; ++kc)
-                wg_rs<1>(dvp, pa[kc], wg_desc_at(ldOa, p * TILE + kc * 2048));
-        }
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p) {
-            float(&dkp)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * p]);
-#pragma unroll
-            for (int kc = 0; kc < 4 * QH; ++kc)
-                wg_rs<1>(dkp, sa[kc], wg_desc_at(lQa, p * TILE + kc * 2048));
-        }
+        fa_wg_rs_panels<D>(dv, pa, ldOa);
+        fa_wg_rs_panels<D>(dk, sa, lQa);
         wg_commit();
         // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
 #pragma unroll
@@ -502,21 +497,14 @@ struct FaFwdWg {
     static __device__ __forceinline__ void issue_scores(float (&s)[8][4], uint32_t sQa,
                                                         uint32_t kb) {
         wg_fence();
-        fa_wg_ss_panels<D>(s, sQa, kb);
+        fa_wg_ss_panels<D>(s, wg_desc_lo(sQa), wg_desc_lo(kb));
         wg_commit();
     }
     // O += P V issued, P already packed (one group, after the scores'; settle waits for it)
     template <int D>
     static __device__ __forceinline__ void issue_values(float (&oacc)[D / 8][4],
                                                         const uint32_t (&pa)[4][4], uint32_t vb) {
-        const uint32_t lv = wg_desc_lo(vb);
-#pragma unroll
-        for (int p = 0; p < D / 64; ++p) {
-            float(&op)[8][4] = *reinterpret_cast<float(*)[8][4]>(&oacc[8 * p]);
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_rs<1>(op, pa[kc], wg_desc_at(lv, p * (64 * 64 * 2) + kc * 2048));
-        }
+        fa_wg_rs_panels<D>(oacc, pa, wg_desc_lo(vb));
         wg_commit();
     }
     // (the first tile: an empty group in place of P V's, so that wait_scores is one wait)
