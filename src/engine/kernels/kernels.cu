@@ -143,6 +143,11 @@ union Bf8 {
 #include "step/dropout.cuh"
 #include "step/swiglu.cuh"
 #include "step/mamba.cuh"
+#include "step/mamba_conv.cuh"
+#include "step/mamba_dt.cuh"
+#include "step/mamba_scan.cuh"
+#include "step/mamba_state.cuh"
+#include "step/mamba_gnorm.cuh"
 
 // src[b, t, off + h·hd + d] of a [B, T, ld] buffer → dst [B, H, T, hd] (heads_merge's inverse).
 extern "C" __global__ void heads_split_bf16(const bf16_t* __restrict__ src,

@@ -60,7 +60,7 @@ pub(super) struct Kernels {
     pub(super) dropout_rows: Kern,
     pub(super) nf4_dequant: Kern,
     pub(super) ggml_dequant: Kern,
-    /// The Mamba-2 mixer's kernels (mamba.cuh).
+    /// The Mamba-2 mixer's kernels (mamba.cuh and its family, step/mamba_*.cuh).
     pub(super) mamba: MambaKernels,
     /// Flash attention for head dims 64, 128 and 256.
     pub(super) flash64: Flash,
@@ -417,25 +417,25 @@ pub(super) const fn state_bwd_smem(s: usize, summed: bool) -> u32 {
     6 * TILE + MAMBA_HB as u32 * 2 * 64 * 4 + sum
 }
 /// The chunk states' dB alone (`MambaKernels::state_db`): two buffers of x and R's tile, or
-/// where a head is one tile and the state two (`pair`: mamba.cuh's) of x and R's two, and a
-/// vector a head.
+/// where a head is one tile and the state two (`pair`: mamba_state.cuh's) of x and R's two, and
+/// a vector a head.
 pub(super) const fn state_db_smem(pair: bool) -> u32 {
     (if pair { 6 } else { 4 }) * TILE + MAMBA_HB as u32 * 64 * 4
 }
 pub(super) const CB_SMEM: u32 = 2 * TILE;
-/// mamba_conv4s_bwd's shared memory (mamba.cuh's MB_CONV_SCH channels × MB_CONV_SROWS rows):
-/// its rows' inputs with 3 before and after them (bf16), their dxc with 3 after (f32).
+/// mamba_conv4s_bwd's shared memory (mamba_conv.cuh's MB_CONV_SCH channels × MB_CONV_SROWS
+/// rows): its rows' inputs with 3 before and after them (bf16), their dxc with 3 after (f32).
 pub(super) const CONV_SMEM: u32 = 128 * ((64 + 6) * 2 + (64 + 3) * 4);
 /// mamba_conv4s_fwd's: its rows' inputs with the 3 before them.
 pub(super) const CONV_FWD_SMEM: u32 = 128 * (64 + 3) * 2;
 
-/// mamba.cuh's kernels (launched by mamba.rs). The chunk scan's (forward 55 KB of shared memory
-/// a block at state 128, backward 56 KB with one head a block, the chunk states' backward 58 KB
-/// with one; the state walks' 56 and 55 KB) are None on a GPU that cannot give a block that
-/// much: `ModelStep::mamba_fwd` then says so.
+/// The kernels of mamba.cuh and its family (step/mamba_*.cuh; launched by mamba.rs). The chunk
+/// scan's (forward 55 KB of shared memory a block at state 128, backward 56 KB with one head a
+/// block, the chunk states' backward 58 KB with one; the state walks' 56 and 55 KB) are None on
+/// a GPU that cannot give a block that much: `ModelStep::mamba_fwd` then says so.
 pub(super) struct MambaKernels {
     /// The conv and its backward with a window of 4 taps (d_conv ≤ 4) and of 8 (d_conv ≤ 8),
-    /// a channel a thread (mamba.cuh's MB_CONV_BWD builds).
+    /// a channel a thread (mamba_conv.cuh's MB_CONV_BWD builds).
     pub(super) conv4_fwd: Kern,
     /// The forward with 4 taps through shared memory (`mamba_conv4s_fwd`).
     pub(super) conv4s_fwd: Kern,
@@ -606,13 +606,14 @@ impl MambaKernels {
 }
 
 /// A conv kernel and its launch shape: threads a block, rows a block and
-/// shared memory (a channel a thread over 128 × 128: mamba.cuh's MB_CONV_ROWS, or the
+/// shared memory (a channel a thread over 128 × 128: mamba_conv.cuh's MB_CONV_ROWS, or the
 /// shared-memory builds' MB_CONV_SCH channels × MB_CONV_SROWS rows).
 #[derive(Clone, Copy)]
 pub(super) struct ConvKern<'a> {
     pub(super) k: &'a Kern,
     pub(super) threads: u32,
-    /// Threads a channel (each over its share of the block's rows: mamba.cuh's MB_CONV_SPLIT).
+    /// Threads a channel (each over its share of the block's rows: mamba_conv.cuh's
+    /// MB_CONV_SPLIT).
     pub(super) walkers: u32,
     pub(super) rows: usize,
     /// Dynamic shared memory a block.
@@ -620,7 +621,7 @@ pub(super) struct ConvKern<'a> {
 }
 
 impl<'a> ConvKern<'a> {
-    /// A channel a thread, 128 threads over 128 rows (mamba.cuh's MB_CONV_ROWS).
+    /// A channel a thread, 128 threads over 128 rows (mamba_conv.cuh's MB_CONV_ROWS).
     fn one(k: &'a Kern) -> Self {
         Self {
             k,

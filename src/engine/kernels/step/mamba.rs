@@ -1,10 +1,11 @@
-//! The Mamba-2 mixer of a hybrid's Mamba layers on the whole-model step (mamba.cuh): the
-//! causal conv1d + SiLU, the selective scan by state-space duality in chunks, and the gated
-//! RMSNorm, forward and backward. A Mamba layer sits in the step as an attention layer would:
-//! its in_proj is the layer's packed "qkv" projection (output `z | x B C | dt`, LoRA group
-//! `G_QKV`), its out_proj the "o" projection (LoRA group `G_O`); between them this file's
-//! kernels take `qkv[l]` to `atty[l]` (the gated norm's output, `[N, inner]`) and, backward,
-//! `da` (its gradient) to `dqkv` (the in_proj output's gradient, every column written).
+//! The Mamba-2 mixer of a hybrid's Mamba layers on the whole-model step (mamba.cuh and
+//! step/mamba_*.cuh): the causal conv1d + SiLU, the selective scan by state-space duality in
+//! chunks, and the gated RMSNorm, forward and backward. A Mamba layer sits in the step as an
+//! attention layer would: its in_proj is the layer's packed "qkv" projection (output
+//! `z | x B C | dt`, LoRA group `G_QKV`), its out_proj the "o" projection (LoRA group `G_O`);
+//! between them this file's kernels take `qkv[l]` to `atty[l]` (the gated norm's output,
+//! `[N, inner]`) and, backward, `da` (its gradient) to `dqkv` (the in_proj output's gradient,
+//! every column written).
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::Result;
@@ -71,10 +72,10 @@ fn heads_a_block(d: &MambaDims, max: usize) -> usize {
         .unwrap_or(1)
 }
 
-/// The gated norm's backward: a block per `GN_ROWS` rows (mamba.cuh's MB_GN_ROWS).
+/// The gated norm's backward: a block per `GN_ROWS` rows (mamba_gnorm.cuh's MB_GN_ROWS).
 const GN_ROWS: usize = 8;
 
-/// Whether the gated norm's rows move 16 bytes a thread (mamba.cuh's mb_gn_vec: its widths
+/// Whether the gated norm's rows move 16 bytes a thread (mamba_gnorm.cuh's mb_gn_vec: its widths
 /// and the in_proj output's row stride).
 fn gn_vec(d: &MambaDims) -> bool {
     let gw = d.inner() / d.groups;
@@ -83,10 +84,11 @@ fn gn_vec(d: &MambaDims) -> bool {
         .all(|v| v.is_multiple_of(8))
 }
 
-/// The gated norm's threads a block. Where a thread moves 16 bytes at a time (`vec`: mamba.cuh's
-/// mb_gn_vec, at most MB_GN_V = 4 pieces a thread), as many as spread a group's pieces evenly
-/// over the fewest passes (a group of 3072 columns: 192 threads of two pieces each, where 256
-/// would leave half the warps a piece behind at each row's block-wide sum); else 256.
+/// The gated norm's threads a block. Where a thread moves 16 bytes at a time (`vec`:
+/// mamba_gnorm.cuh's mb_gn_vec, at most MB_GN_V = 4 pieces a thread), as many as spread a
+/// group's pieces evenly over the fewest passes (a group of 3072 columns: 192 threads of two
+/// pieces each, where 256 would leave half the warps a piece behind at each row's block-wide
+/// sum); else 256.
 fn gn_threads(gw: usize, vec: bool) -> u32 {
     let pieces = gw / 8;
     let passes = pieces.div_ceil(256);
