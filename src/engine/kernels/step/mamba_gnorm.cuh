@@ -122,6 +122,15 @@ __device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
     for (int r = blockIdx.x * MB_GN_ROWS; r < r_end; r += RP) {
         uint4 yq[RP][Q], zq[RP][Q], dq[RP][Q];
         float rs[RP], dot[2] = {0.f, 0.f};
+        // row rr's (the h-th of the pass) piece q, columns j .. j + 7, of y, z, d out and w as f32
+        auto unpack = [&](int h, int q, size_t rr, int j, float(&yv)[8], float(&zv)[8],
+                          float(&dv)[8], float(&wv)[8]) {
+            const bf16_t* f16 = nullptr;  // (mb_unpack's overload of 16-bit values)
+            mb_unpack(mb_gn_raw<KEEP>(yq[h][q], y + rr * inner + j), yv, f16);
+            mb_unpack(mb_gn_raw<KEEP>(zq[h][q], zx + rr * ld + j), zv, f16);
+            mb_unpack(mb_gn_raw<KEEP>(dq[h][q], dout + rr * inner + j), dv, f16);
+            mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv, f16);
+        };
 #pragma unroll
         for (int h = 0; h < RP; ++h) {
             const int rr = min(r + h, r_end - 1);  // (an odd last row is read twice, kept once)
@@ -145,14 +154,7 @@ __device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
                 const int j = 8 * (threadIdx.x + q * blockDim.x);
                 if (j < inner) {
                     float yv[8], zv[8], dv[8], wv[8];
-                    mb_unpack(mb_gn_raw<KEEP>(yq[h][q], y + rr * inner + j), yv,
-                              static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(zq[h][q], zx + rr * ld + j), zv,
-                              static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(dq[h][q], dout + rr * inner + j), dv,
-                              static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv,
-                              static_cast<const bf16_t*>(nullptr));
+                    unpack(h, q, rr, j, yv, zv, dv, wv);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
                         const float v = yv[e] * silu_f(zv[e]) * rs[h];
@@ -174,14 +176,7 @@ __device__ __noinline__ void mb_gnorm_bwd_vec(const bf16_t* __restrict__ y,
                 const int j = 8 * (threadIdx.x + q * blockDim.x);
                 if (j < inner) {
                     float yv[8], zv[8], dv[8], wv[8], gy[8], gz[8];
-                    mb_unpack(mb_gn_raw<KEEP>(yq[h][q], y + rr * inner + j), yv,
-                              static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(zq[h][q], zx + rr * ld + j), zv,
-                              static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(dq[h][q], dout + rr * inner + j), dv,
-                              static_cast<const bf16_t*>(nullptr));
-                    mb_unpack(mb_gn_raw<KEEP>(wq[q], w + j), wv,
-                              static_cast<const bf16_t*>(nullptr));
+                    unpack(h, q, rr, j, yv, zv, dv, wv);
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
                         const float sz = silu_f(zv[e]);

@@ -43,6 +43,19 @@ __device__ __forceinline__ void mb_read_cb(float g[4][4], const float* __restric
         for (int c = 0; c < 4; ++c) g[a][c] = src[mb_row(a, c) * MB_L + mb_col(a, c)];
 }
 
+// M[i][j] = (C_i·B_j)·exp(lam_i − lam_j)·dtv_j for j ≤ i, else 0 (g: C·Bᵀ at this thread's
+// accumulator places, lm and dv: the head's lam and dtv over the chunk) into the tile ms.
+__device__ __forceinline__ void mb_put_decayed(mb_t* ms, const float g[4][4], const float* lm,
+                                               const float* dv) {
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int i = mb_row(a, c), j = mb_col(a, c);
+            mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
+        }
+}
+
 // A chunk's outputs: y_i[p] = Σ_{j ≤ i} (C_i·B_j)·exp(lam_i − lam_j)·dtv_j·x_j[p]
 // + exp(lam_i)·Σ_s C_i[s]·S[p][s] + D·x_i[p], into y [N, inner] (the gated norm's input), for
 // the hb heads of a group of the block in turn (grid (chunks, heads / hb, batch)): what they
@@ -91,15 +104,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             mb_load_async(st_tile(q), states + k.st + (size_t)p0 * s, s, 0, pc, 64 * q,
                           min(64, s - 64 * q));
         mb_cp_commit();
-        if (p0 == 0) {
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int i = mb_row(a, c), j = mb_col(a, c);
-                    mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
-                }
-        }
+        if (p0 == 0) mb_put_decayed(ms, g, lm, dv);
         mb_cp_wait<0>();
         __syncthreads();
         float acc[4][4], off[4][4];
@@ -230,13 +235,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         const int xcol = k.h * p;
         __syncthreads();  // step u − 1's products are done with ms and its buffers
         if (p0 == 0) {
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    const int i = mb_row(a, c), j = mb_col(a, c);
-                    mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
-                }
+            mb_put_decayed(ms, g, lm, dv);
             mb_zero(dm);
             ddsum = 0.f;
         }
