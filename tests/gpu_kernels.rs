@@ -810,9 +810,12 @@ fn every_step_family() -> Vec<Family> {
             set: |c| c.model.tie_embeddings = false,
         },
         Family {
-            name: "gpt: tied, learned, flash",
+            name: "gpt: tied, learned, flash, T 90 (not a multiple of 16)",
             vocab: 97,
-            set: |c| c.model.pos = Learned,
+            set: |c| {
+                c.model.pos = Learned;
+                c.model.seq_len = 90;
+            },
         },
         Family {
             name: "gpt: width 640, 10 heads",
@@ -1151,7 +1154,7 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
-            name: "llama: head dim 128 (flash), GQA 4/2, untied",
+            name: "llama: head dim 128 (flash), GQA 4/2, untied, T 90",
             vocab: 97,
             set: |c| {
                 llama(c);
@@ -1159,6 +1162,7 @@ fn every_step_family() -> Vec<Family> {
                 c.model.n_head = 4;
                 c.model.n_kv_head = 2;
                 c.model.tie_embeddings = false;
+                c.model.seq_len = 90;
             },
         },
         Family {
