@@ -835,6 +835,22 @@ __device__ __forceinline__ void fa_zero(float (&x)[N][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[i][e] = 0.f;
 }
+// acc (a warp's 16 rows x 64 columns) = A B^T over k = 64: A the warp's rows as mma.sync A
+// fragments (a[kc]: k 16kc..), B 64 rows of k from the swizzled tile at s (fa_ldB_nk).
+__device__ __forceinline__ void fa_mm_nk(float (&acc)[8][4], const uint32_t (&a)[4][4], uint32_t s,
+                                         int lane) {
+    fa_zero(acc);
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            uint32_t b0, b1, b2, b3;
+            fa_ldB_nk(s, np * 16, kc * 16, lane, b0, b1, b2, b3);
+            fa_mma(acc[2 * np], a[kc], b0, b1);
+            fa_mma(acc[2 * np + 1], a[kc], b2, b3);
+        }
+    }
+}
 
 // Lane l's lse (log2 units; +inf past T) and delta of queries q0 + 2l and q0 + 2l + 1 of query
 // head row bh = b·H + h (fa_bwd_probs and fa_bwd_dscores shuffle them out).
@@ -1090,32 +1106,12 @@ flash_bwd_bf16(const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __res
             fa_bwd_row_stats(lse, delta, (size_t)blk.b * H + h, q0, T, lane, lsa, lsb, dla, dlb);
             // S^T (16 keys x 64 queries per warp)
             float st[8][4];
-            fa_zero(st);
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) {
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    uint32_t b0, b1, b2, b3;
-                    fa_ldB_nk(sQa, np * 16, kc * 16, lane, b0, b1, b2, b3);
-                    fa_mma(st[2 * np], ka[kc], b0, b1);
-                    fa_mma(st[2 * np + 1], ka[kc], b2, b3);
-                }
-            }
+            fa_mm_nk(st, ka, sQa, lane);
             fa_bwd_probs(st, lsa, lsb, sl2, q0, wk0, kr0, t4,
                          starts ? starts + (size_t)blk.b * T : nullptr, T);
             // dP^T = V dO^T
             float dpt[8][4];
-            fa_zero(dpt);
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) {
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    uint32_t b0, b1, b2, b3;
-                    fa_ldB_nk(sdOa, np * 16, kc * 16, lane, b0, b1, b2, b3);
-                    fa_mma(dpt[2 * np], va[kc], b0, b1);
-                    fa_mma(dpt[2 * np + 1], va[kc], b2, b3);
-                }
-            }
+            fa_mm_nk(dpt, va, sdOa, lane);
             fa_bwd_dscores(st, dpt, dla, dlb, q0, kr0, t4, T, thr, dscale, mbits,
                            (size_t)blk.b * H + h, blk.nq);
             // dV += P^T dO ; dK += dS^T Q   (k = query dim); dS^T -> smem for dQ
