@@ -49,6 +49,15 @@ struct SampleRow {
         x = x * inv_t;
         return isnan(x) ? -INFINITY : x;
     }
+    // This thread's SAMPLE_UNROLL values of the stretch from j0 (0 past the row), all loaded
+    // before any is used.
+    __device__ __forceinline__ void values(int j0, float (&xs)[SAMPLE_UNROLL]) const {
+#pragma unroll
+        for (int u = 0; u < SAMPLE_UNROLL; u++) {
+            const int j = j0 + u * SAMPLE_THREADS + threadIdx.x;
+            xs[u] = j < n ? value(j) : 0.f;
+        }
+    }
 };
 
 struct SampleShared {
@@ -79,11 +88,7 @@ __device__ uint32_t sample_select_count(const SampleRow& s, int k, SampleShared&
         for (int j0 = 0; j0 < s.n; j0 += SAMPLE_THREADS * SAMPLE_UNROLL) {
             // The loads first (several in flight), then the warp's bookkeeping.
             float xs[SAMPLE_UNROLL];
-#pragma unroll
-            for (int u = 0; u < SAMPLE_UNROLL; u++) {
-                const int j = j0 + u * SAMPLE_THREADS + threadIdx.x;
-                xs[u] = j < s.n ? s.value(j) : 0.f;
-            }
+            s.values(j0, xs);
 #pragma unroll
             for (int u = 0; u < SAMPLE_UNROLL; u++) {
                 const int j = j0 + u * SAMPLE_THREADS + threadIdx.x;
@@ -139,11 +144,7 @@ __device__ uint32_t sample_select_mass(const SampleRow& s, uint32_t floor, float
         const uint32_t hi = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
         for (int j0 = 0; j0 < s.n; j0 += SAMPLE_THREADS * SAMPLE_UNROLL) {
             float xs[SAMPLE_UNROLL];
-#pragma unroll
-            for (int u = 0; u < SAMPLE_UNROLL; u++) {
-                const int j = j0 + u * SAMPLE_THREADS + threadIdx.x;
-                xs[u] = j < s.n ? s.value(j) : 0.f;
-            }
+            s.values(j0, xs);
 #pragma unroll
             for (int u = 0; u < SAMPLE_UNROLL; u++) {
                 const int j = j0 + u * SAMPLE_THREADS + threadIdx.x;
