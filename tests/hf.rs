@@ -705,6 +705,41 @@ fn a_config_and_its_hugging_face_config_give_one_spec() {
     }
 }
 
+/// A model no Hugging Face family computes is refused with the `[model]` keys that decide it,
+/// spelled as a config spells them (no Rust debug output).
+#[test]
+fn a_model_no_family_computes_is_refused_naming_its_keys() {
+    use cockpit::config::{BlockLayout, QkNorm};
+    use cockpit::engine::hf;
+    // The embedded default's block: LayerNorm, RoPE, GELU, biases.
+    let tiny = cockpit::config::Config::default().model;
+    let err = hf::model_type_for(&tiny, None).unwrap_err();
+    assert!(
+        err.contains(
+            r#"(model.norm = "layernorm", model.pos = "rope", model.activation = "gelu", model.bias = true)"#
+        ),
+        "{err}"
+    );
+    let gemma_like = ModelConfig {
+        layout: BlockLayout {
+            qk_norm: QkNorm::Head,
+            post_norm: true,
+            attn_softcap: 50.0,
+            ..BlockLayout::PLAIN
+        },
+        ..ModelConfig::llama_family()
+    };
+    let err = hf::model_type_for(&gemma_like, None).unwrap_err();
+    for key in [
+        r#"model.layout.qk_norm = "head""#,
+        "model.layout.post_norm = true",
+        "model.layout.attn_softcap = 50",
+    ] {
+        assert!(err.contains(key), "{key} in {err}");
+    }
+    assert!(!err.contains("BlockLayout {"), "{err}");
+}
+
 /// Keys that do not change the computation (metadata, token ids, loading hints) are accepted
 /// and ignored: the model computes what it computed without them. Any other unknown key still
 /// refuses the model, naming the file, the key and its value.

@@ -315,13 +315,62 @@ pub fn model_type_for(m: &ModelConfig, prefer: Option<&str>) -> Result<String, S
         return Ok(t.to_string());
     }
     Err(format!(
-        "no Hugging Face model_type computes this model ({:?} norm, {:?} positions, {:?} MLP{}, {:?}): gpt2 needs layernorm + learned positions + gelu with biases; llama, mistral, qwen2 and granite need rmsnorm + rope + swiglu; qwen3 adds per-head QK-norm, olmo2 whole-projection QK-norm and post-norm, phi3 partial rotary, without biases; gemma3_text and gemma2 need gemma's block (geglu, sandwich 1+w norms, √hidden embeddings)",
-        m.norm,
-        m.pos,
-        m.activation,
-        if m.qkv_bias { ", q/k/v biases" } else { "" },
-        m.layout
+        "no Hugging Face model_type computes this model ({}): gpt2 needs layernorm + learned positions + gelu with biases; llama, mistral, qwen2 and granite need rmsnorm + rope + swiglu; qwen3 adds per-head QK-norm, olmo2 whole-projection QK-norm and post-norm, phi3 partial rotary, without biases; gemma3_text and gemma2 need gemma's block (geglu, sandwich 1+w norms, √hidden embeddings)",
+        block_keys(m)
     ))
+}
+
+/// The `[model]` keys that decide which family computes `m`, as its config spells them: its
+/// norm, positions, MLP and biases, and each way `[model.layout]` departs from the plain block.
+fn block_keys(m: &ModelConfig) -> String {
+    fn spelled<T: serde::Serialize>(v: &T) -> String {
+        match serde_json::to_value(v) {
+            Ok(serde_json::Value::String(s)) => format!("\"{s}\""),
+            Ok(other) => other.to_string(),
+            Err(_) => "?".to_string(),
+        }
+    }
+    let l = &m.layout;
+    let mut keys = vec![
+        format!("model.norm = {}", spelled(&m.norm)),
+        format!("model.pos = {}", spelled(&m.pos)),
+        format!("model.activation = {}", spelled(&m.activation)),
+        format!("model.bias = {}", m.bias),
+    ];
+    if m.qkv_bias {
+        keys.push("model.qkv_bias = true".to_string());
+    }
+    if l.qk_norm != crate::config::QkNorm::None {
+        keys.push(format!("model.layout.qk_norm = {}", spelled(&l.qk_norm)));
+    }
+    for (on, key) in [
+        (l.post_norm, "post_norm"),
+        (l.sandwich_norm, "sandwich_norm"),
+        (l.norm_plus_one, "norm_plus_one"),
+    ] {
+        if on {
+            keys.push(format!("model.layout.{key} = true"));
+        }
+    }
+    if l.rotary_dim > 0 {
+        keys.push(format!("model.layout.rotary_dim = {}", l.rotary_dim));
+    }
+    if !l.layer_types.is_empty() || l.window > 0 {
+        keys.push(format!(
+            "model.layout.window = {} (sliding layers)",
+            l.window
+        ));
+    }
+    for (v, key) in [
+        (l.local_rope_theta, "local_rope_theta"),
+        (l.attn_softcap, "attn_softcap"),
+        (l.final_softcap, "final_softcap"),
+    ] {
+        if v > 0.0 {
+            keys.push(format!("model.layout.{key} = {v}"));
+        }
+    }
+    keys.join(", ")
 }
 
 /// The config.json that makes transformers build `m` as `model_type`.
