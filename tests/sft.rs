@@ -109,6 +109,47 @@ fn chat_records_train_on_the_answers_in_packed_rows() {
     assert!(evals[0]["val_loss"].as_f64().unwrap().is_finite());
 }
 
+/// Packed chat rows through a Granite-4.0-H-like hybrid (Mamba-2 layers beside NoPE attention):
+/// they train, each sample's conv window and scan state starting again at its first token
+/// (the model's own test holds packed rows equal to the samples run one by one).
+#[test]
+fn a_hybrid_trains_on_packed_chat_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("chat.jsonl"), conversations(80)).unwrap();
+    let cfg = config(tmp.path(), "chat.jsonl", "");
+    let run = tmp.path().join("run");
+    let mut c = cockpit();
+    c.args(["train", "--no-tui", "--max-steps", "3", "--run-dir"])
+        .arg(&run)
+        .arg(&cfg);
+    for set in [
+        "model.norm=\"rmsnorm\"",
+        "model.activation=\"swiglu\"",
+        "model.bias=false",
+        "model.n_layer=3",
+        "model.n_embd=32",
+        "model.hybrid.layers=[\"mamba\",\"attention\",\"mamba\"]",
+        "model.hybrid.mamba_n_heads=4",
+        "model.hybrid.mamba_d_head=8",
+        "model.hybrid.mamba_d_state=8",
+        "model.hybrid.mamba_chunk_size=64",
+    ] {
+        c.args(["--set", set]);
+    }
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("hybrid 2 mamba/3 layers") && err.contains("packed best-fit"),
+        "{err}"
+    );
+    let steps = events(&run, "step");
+    assert_eq!(steps.len(), 3);
+    assert!(steps
+        .iter()
+        .all(|s| s["loss"].as_f64().unwrap().is_finite()));
+}
+
 /// A JSON array, unpacked (`data.packing = false`: one sample a row, padded), and every
 /// token trained (`data.train_on_prompt`).
 #[test]

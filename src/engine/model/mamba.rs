@@ -164,7 +164,13 @@ impl Model {
         if let Some(v) = valid {
             xbc = xbc.broadcast_mul(&v.unsqueeze(2)?)?;
         }
-        // Depthwise causal conv: each channel sees its last d_conv inputs.
+        // Packed rows (training only: a decoding state continues one sequence): each sample's
+        // conv window and scan state start at its first slot.
+        let starts = match state {
+            None => self.packed_for((bsz, t)).map(|p| p.starts.as_slice()),
+            Some(_) => None,
+        };
+        // Depthwise causal conv: each channel sees its last d_conv inputs (of its own sample).
         let hist = match state {
             Some((prev, _)) => prev.to_dtype(xbc.dtype())?,
             None => Tensor::zeros((bsz, k - 1, conv), xbc.dtype(), x.device())?,
@@ -172,13 +178,24 @@ impl Model {
         let full = Tensor::cat(&[&hist, &xbc], 1)?;
         let new_hist = full.narrow(1, t, k - 1)?;
         let w = &c.conv_w;
-        let mut y = full
-            .narrow(1, 0, t)?
-            .broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
+        // tap j reads the input k − 1 − j slots back
+        let tap = |j: usize| -> Result<Tensor> {
+            let xj = full.narrow(1, j, t)?;
+            match starts {
+                Some(st) if j + 1 < k => xj.broadcast_mul(&ssd::same_sample(
+                    st,
+                    bsz,
+                    t,
+                    k - 1 - j,
+                    xj.dtype(),
+                    x.device(),
+                )?),
+                _ => Ok(xj),
+            }
+        };
+        let mut y = tap(0)?.broadcast_mul(&w.narrow(1, 0, 1)?.t()?)?;
         for j in 1..k {
-            y = (y + full
-                .narrow(1, j, t)?
-                .broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
+            y = (y + tap(j)?.broadcast_mul(&w.narrow(1, j, 1)?.t()?)?)?;
         }
         if let Some(b) = &c.conv_b {
             y = y.broadcast_add(b)?;
@@ -203,7 +220,7 @@ impl Model {
             b: &ssd::spread_groups(&bm, nh)?,
             c: &ssd::spread_groups(&cm, nh)?,
         };
-        let (ys, s) = ssd::scan(&scan_in, h.mamba_chunk_size, state.map(|(_, s)| s))?;
+        let (ys, s) = ssd::scan(&scan_in, h.mamba_chunk_size, state.map(|(_, s)| s), starts)?;
         let ys = (ys + xs.broadcast_mul(&c.d.reshape((1, 1, nh, 1))?)?)?;
         let ys = ssd::gated_rms_norm(
             &ys.reshape((bsz, t, inner))?,

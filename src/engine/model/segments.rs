@@ -16,6 +16,9 @@ pub(super) struct Packed {
     /// The longest sample's length (what a LongRoPE model picks its factors by, as
     /// transformers does with `max(position_ids) + 1`).
     pub len: usize,
+    /// Each slot's sample start, the column in its row (`[B·T]`): where a Mamba layer's conv
+    /// window and scan state begin again.
+    pub starts: Vec<usize>,
 }
 
 impl Packed {
@@ -81,20 +84,10 @@ impl Model {
             return Ok(());
         };
         let t = seg.len() / batch.max(1);
-        let mamba = self
-            .spec
-            .hybrid
-            .as_ref()
-            .is_some_and(|h| h.layers.contains(&crate::config::MixerKind::Mamba));
-        if mamba
-            && seg
-                .chunks(t.max(1))
-                .any(|row| row.iter().any(|s| *s != row[0]))
-        {
-            candle_core::bail!(
-                "packed samples (data.packing = true) through Mamba layers: the scan has no sample boundaries; set data.packing = false"
-            );
-        }
+        let starts: Vec<usize> = kernels::rows::sample_starts(seg, t)
+            .into_iter()
+            .map(|s| s as usize)
+            .collect();
         let pos = positions(seg, t);
         let len = pos.iter().max().map_or(0, |&p| p as usize + 1);
         let mut mask = vec![0f32; batch * t * t];
@@ -115,6 +108,7 @@ impl Model {
             positions,
             mask,
             len,
+            starts,
         });
         Ok(())
     }

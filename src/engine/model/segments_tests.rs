@@ -4,7 +4,10 @@ use super::*;
 use crate::config::{Config, ModelConfig};
 use crate::engine::data::packing::IGNORE;
 
-/// A small model of each family: GPT-2 style (learned positions) and Llama style (RoPE, GQA).
+/// A small model of each family: GPT-2 style (learned positions), Llama style (RoPE, GQA) and
+/// Granite-4.0-H style hybrids (Mamba-2 layers beside NoPE attention), their scan in chunks of
+/// 4 (samples start inside chunks, at their edges and span several) and of 16 (one chunk a
+/// row), two groups of B and C.
 fn models() -> Vec<Model> {
     let mut gpt = Config::default();
     gpt.model.n_embd = 32;
@@ -20,7 +23,22 @@ fn models() -> Vec<Model> {
         },
         ..Config::default()
     };
-    [gpt, llama]
+    let hybrid = |chunk: usize| {
+        use crate::config::{HybridConfig, MixerKind};
+        let mut c = llama.clone();
+        c.model.n_layer = 3;
+        c.model.hybrid = Some(HybridConfig {
+            layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
+            mamba_n_heads: 4,
+            mamba_d_head: 8,
+            mamba_d_state: 8,
+            mamba_n_groups: 2,
+            mamba_chunk_size: chunk,
+            ..HybridConfig::default()
+        });
+        c
+    };
+    [gpt, llama.clone(), hybrid(4), hybrid(16)]
         .iter()
         .map(|c| Model::new(ModelSpec::from_config(c, 40), DType::F32, &Device::Cpu, 5).unwrap())
         .collect()

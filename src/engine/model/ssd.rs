@@ -18,8 +18,16 @@ pub(super) struct ScanIn<'a> {
 }
 
 /// `y [B, T, heads, hd]` (without the D skip) and the state after the last position
-/// `[B, heads, hd, state]`, starting from `s0` (zeros when None).
-pub(super) fn scan(i: &ScanIn, chunk: usize, s0: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+/// `[B, heads, hd, state]`, starting from `s0` (zeros when None). `starts` (packed rows, `[B·T]`:
+/// each position's sample start in its row): the state starts again at zero at each sample's
+/// first position — no position reads another sample's inputs (the final state is the last
+/// sample's).
+pub(super) fn scan(
+    i: &ScanIn,
+    chunk: usize,
+    s0: Option<&Tensor>,
+    starts: Option<&[usize]>,
+) -> Result<(Tensor, Tensor)> {
     let (bsz, t, nh, hd) = i.x.dims4()?;
     if t == 1 {
         return step(i, s0);
@@ -62,36 +70,120 @@ pub(super) fn scan(i: &ScanIn, chunk: usize, s0: Option<&Tensor>) -> Result<(Ten
         })
         .collect();
     let causal = Tensor::from_vec(causal, (l, l), dev)?;
-    let decay = acum
+    let resets = match starts {
+        Some(st) => Some(Resets::new(st, bsz, t, l, nc, dev)?),
+        None => None,
+    };
+    let mut decay = acum
         .unsqueeze(4)?
         .broadcast_sub(&acum.unsqueeze(3)?)?
-        .broadcast_add(&causal)?
-        .exp()?;
+        .broadcast_add(&causal)?;
+    if let Some(r) = &resets {
+        decay = decay.broadcast_add(&r.within)?;
+    }
+    let decay = decay.exp()?;
     let xdt = xc.broadcast_mul(&dtc.unsqueeze(4)?)?;
     let scores = bmm(&cc, &bc.t()?)?;
     let y_diag = bmm(&(scores * decay)?, &xdt)?;
     // Each chunk's own contribution to the state at its end.
     let last = acum.narrow(3, l - 1, 1)?;
-    let to_end = last.broadcast_sub(&acum)?.exp()?;
+    let mut to_end = last.broadcast_sub(&acum)?.exp()?;
+    let mut chunk_decay = last.squeeze(3)?.exp()?;
+    if let Some(r) = &resets {
+        to_end = to_end.broadcast_mul(&r.to_end)?;
+        chunk_decay = chunk_decay.broadcast_mul(&r.carry)?;
+    }
     let states = bmm(&xdt.broadcast_mul(&to_end.unsqueeze(4)?)?.t()?, &bc)?;
-    let chunk_decay = last.squeeze(3)?.exp()?;
     let mut s = match s0 {
         Some(s) => s.to_dtype(DType::F32)?,
         None => Tensor::zeros((bsz, nh, hd, ds), DType::F32, dev)?,
     };
-    let mut starts = Vec::with_capacity(nc);
+    let mut at_start = Vec::with_capacity(nc);
     for ci in 0..nc {
-        starts.push(s.clone());
+        at_start.push(s.clone());
         let k = chunk_decay.narrow(2, ci, 1)?.unsqueeze(3)?;
         s = (s.broadcast_mul(&k)? + states.narrow(2, ci, 1)?.squeeze(2)?)?;
     }
-    let starts = Tensor::stack(&starts, 2)?;
-    let y_off = bmm(&cc, &starts.t()?)?.broadcast_mul(&acum.exp()?.unsqueeze(4)?)?;
+    let at_start = Tensor::stack(&at_start, 2)?;
+    let mut from_start = acum.exp()?;
+    if let Some(r) = &resets {
+        from_start = from_start.broadcast_mul(&r.from_start)?;
+    }
+    let y_off = bmm(&cc, &at_start.t()?)?.broadcast_mul(&from_start.unsqueeze(4)?)?;
     let y = (y_diag + y_off)?
         .permute((0, 2, 3, 1, 4))?
         .reshape((bsz, nc * l, nh, hd))?
         .narrow(1, 0, t)?;
     Ok((y, s))
+}
+
+/// Where packed samples stop the scan, as masks over the chunks (`[B, 1, chunks, ..]`, built on
+/// the host from each position's sample start; positions past T continue the last sample):
+/// `within` adds −∞ to the decay from position j to position i of a chunk where they are in
+/// different samples; `to_end` keeps position j's input in its chunk's end state only where
+/// j is in the sample of the chunk's last position; `carry` keeps the state from before a
+/// chunk past its end only where no sample starts inside it; `from_start` keeps that state in
+/// position i's output only where no sample starts between the chunk's start and i.
+struct Resets {
+    within: Tensor,
+    to_end: Tensor,
+    carry: Tensor,
+    from_start: Tensor,
+}
+
+impl Resets {
+    fn new(
+        starts: &[usize],
+        bsz: usize,
+        t: usize,
+        l: usize,
+        nc: usize,
+        dev: &candle_core::Device,
+    ) -> Result<Self> {
+        let tp = nc * l;
+        let start = |b: usize, p: usize| starts[b * t + p.min(t - 1)];
+        let (mut within, mut to_end) = (vec![0f32; bsz * tp * l], vec![0f32; bsz * tp]);
+        let (mut carry, mut from_start) = (vec![0f32; bsz * nc], vec![0f32; bsz * tp]);
+        for b in 0..bsz {
+            for c in 0..nc {
+                let (first, last) = (c * l, c * l + l - 1);
+                // (the first chunk's incoming state is s0: zeros for packed rows)
+                carry[b * nc + c] = f32::from(u8::from(c == 0 || start(b, last) < first));
+                for i in 0..l {
+                    let pi = first + i;
+                    to_end[b * tp + pi] = f32::from(u8::from(pi >= start(b, last)));
+                    from_start[b * tp + pi] = f32::from(u8::from(c == 0 || start(b, pi) < first));
+                    for j in 0..l {
+                        if first + j < start(b, pi) {
+                            within[(b * tp + pi) * l + j] = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            within: Tensor::from_vec(within, (bsz, 1, nc, l, l), dev)?,
+            to_end: Tensor::from_vec(to_end, (bsz, 1, nc, l), dev)?,
+            carry: Tensor::from_vec(carry, (bsz, 1, nc), dev)?,
+            from_start: Tensor::from_vec(from_start, (bsz, 1, nc, l), dev)?,
+        })
+    }
+}
+
+/// `[B, T, 1]` in `dtype`: 1 where the slot `back` positions before each slot is in the same
+/// sample (packed rows, `starts` as [`scan`] takes them), else 0.
+pub(super) fn same_sample(
+    starts: &[usize],
+    bsz: usize,
+    t: usize,
+    back: usize,
+    dtype: DType,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    let m: Vec<f32> = (0..bsz * t)
+        .map(|i| f32::from(u8::from(i % t >= back && i % t - back >= starts[i])))
+        .collect();
+    Tensor::from_vec(m, (bsz, t, 1), dev)?.to_dtype(dtype)
 }
 
 /// One position after the state `s0` (a decode step): the recurrence itself, `s = exp(dt·a)·s0 +

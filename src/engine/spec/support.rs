@@ -103,7 +103,7 @@ pub enum Reason {
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
     PackedSamples(&'static str),
     #[error(
-        "packed samples (data.packing) through Mamba layers (the scan has no sample boundaries)"
+        "packed samples (data.packing) through Mamba layers (the step's scan keeps no sample boundaries yet; data.packing = false keeps such a run on the step)"
     )]
     PackedMamba,
     #[error(

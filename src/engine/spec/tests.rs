@@ -517,7 +517,8 @@ fn the_step_runs_dense_hybrids_and_refuses_what_its_mamba_kernels_do_not_cover()
         c.model.n_kv_head = 3;
     });
     assert!(matches!(why(&kv, &gpu()), Reason::KvHeads { .. }));
-    // Packed samples: the model refuses them through Mamba layers, so does the step.
+    // Packed samples through Mamba layers: the per-op model keeps the samples apart
+    // (segments_tests), the step does not yet.
     let packed = StepFacts {
         packed_samples: true,
         ..gpu()
