@@ -332,6 +332,15 @@ fn resume_flags(a: &TrainArgs) -> Vec<String> {
     v
 }
 
+/// The warm-up of a run that `--max-steps n` cuts (or stretches) from `total` steps, where it
+/// changes: shortened with the run, in proportion — the embedded default warms up 50 of its 600
+/// steps, so a 60-step run warms up 5, not 50 — so that `--max-steps` alone always works and a
+/// shortened run keeps the schedule's shape. A warm-up given with `--set` (`explicit`) stays as
+/// given unless it is longer than the run.
+fn warmup_for_max_steps(w: u64, total: u64, n: u64, explicit: bool) -> Option<u64> {
+    (w > n || (!explicit && n < total)).then(|| (w * n / total.max(1)).min(n))
+}
+
 /// Settings `--test-run` forces: a few steps that pass through every stage.
 fn apply_test_run(c: &mut Config) {
     c.run.max_steps = c.run.max_steps.min(4);
@@ -352,13 +361,16 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         overrides.push(format!("run.device={d:?}"));
     }
     if let Some(n) = a.max_steps {
-        // Shorten the warm-up with the run, in proportion, so `--max-steps` alone always works.
+        let set_warmup = a
+            .set
+            .iter()
+            .any(|kv| kv.trim_start().starts_with("schedule.warmup_steps"));
         match config::load(a.config.as_deref(), &overrides) {
             Ok(base) => {
                 let c = &base.config;
-                if c.schedule.warmup_steps > n {
-                    let scaled = c.schedule.warmup_steps * n / c.run.max_steps.max(1);
-                    overrides.push(format!("schedule.warmup_steps={}", scaled.min(n)));
+                let (w, total) = (c.schedule.warmup_steps, c.run.max_steps);
+                if let Some(w) = warmup_for_max_steps(w, total, n, set_warmup) {
+                    overrides.push(format!("schedule.warmup_steps={w}"));
                 }
             }
             // A config that is wrong whatever the warm-up: its own errors, without a
@@ -937,5 +949,23 @@ mod resume_hint_tests {
             r#"--set optim.lr=0.001 --set 'run.name="a b"' --max-steps 50"#
         );
         assert_eq!(shell_word("it's"), r"'it'\''s'");
+    }
+}
+
+#[cfg(test)]
+mod warmup_tests {
+    use super::warmup_for_max_steps as w;
+
+    #[test]
+    fn max_steps_shortens_the_warmup_in_proportion() {
+        // The embedded default (50 of 600): 60 steps warm up 5, 20 steps 1; no shorter run
+        // warms up longer than it lasts, none of the same length or longer changes.
+        assert_eq!(w(50, 600, 60, false), Some(5));
+        assert_eq!(w(50, 600, 20, false), Some(1));
+        assert_eq!(w(50, 600, 600, false), None);
+        assert_eq!(w(50, 600, 1200, false), None);
+        // Given with --set: kept unless longer than the run.
+        assert_eq!(w(10, 600, 60, true), None);
+        assert_eq!(w(100, 600, 60, true), Some(10));
     }
 }
