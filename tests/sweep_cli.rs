@@ -36,6 +36,41 @@ fn sweep(out: &Path, grid: &[&str]) -> std::process::Output {
     c.output().unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// `--max-steps` shortens every run, as `train --max-steps` does: the embedded default's
+/// warm-up (50 of 600 steps) shortened in proportion, so a 4-step sweep of it just works.
+#[test]
+fn max_steps_shortens_every_run_and_its_warmup() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let out = dir.path().join("sweep");
+    let o = cockpit()
+        .arg("sweep")
+        .arg("--out")
+        .arg(&out)
+        .args(["--seeds", "1", "--max-steps", "4"])
+        .args(["--set", "model.n_embd=32", "--set", "eval.batches=2"])
+        .args(["--set", "monitor.enabled=false"])
+        .args(["--set-grid", "optim.lr=0.01,0.003"])
+        .output()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let mut runs = 0;
+    for e in std::fs::read_dir(&out).unwrap_or_else(|e| panic!("{e}")) {
+        let p = e
+            .unwrap_or_else(|e| panic!("{e}"))
+            .path()
+            .join("training_config.json");
+        if let Ok(text) = std::fs::read_to_string(&p) {
+            let c: serde_json::Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(c["run"]["max_steps"], 4, "{}", p.display());
+            assert_eq!(c["schedule"]["warmup_steps"], 0, "{}", p.display());
+            runs += 1;
+        }
+    }
+    assert_eq!(runs, 2, "{err}");
+}
+
 /// A grid naming an unknown key, a value of the wrong type or out of range, or a malformed
 /// entry: exit 2, one line naming the entry, nothing created.
 #[test]

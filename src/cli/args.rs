@@ -239,6 +239,9 @@ pub enum Cmd {
         out: Option<PathBuf>,
         #[arg(long, value_name = "cpu|cuda[:N]")]
         device: Option<String>,
+        /// Steps of every run, as `train --max-steps` (the warm-up shortened in proportion).
+        #[arg(long, value_name = "N")]
+        max_steps: Option<u64>,
     },
     /// Runs side by side: final/best held-out bits/token (mean ± sd over seeds), λ and S at
     /// the end, tokens/s; overlaid PNG/SVG charts of val bits/token, S and λ. On a terminal

@@ -75,6 +75,7 @@ pub fn main() -> i32 {
             set,
             out,
             device,
+            max_steps,
         }) => sweep::run(sweep::SweepArgs {
             config: config.as_deref(),
             set: &set,
@@ -82,6 +83,7 @@ pub fn main() -> i32 {
             seeds,
             out: out.as_deref(),
             device: device.as_deref(),
+            max_steps,
         }),
         Some(Cmd::Compare {
             paths,
@@ -341,6 +343,12 @@ fn warmup_for_max_steps(w: u64, total: u64, n: u64, explicit: bool) -> Option<u6
     (w > n || (!explicit && n < total)).then(|| (w * n / total.max(1)).min(n))
 }
 
+/// Whether `--set` flags give the warm-up.
+fn sets_warmup(set: &[String]) -> bool {
+    set.iter()
+        .any(|kv| kv.trim_start().starts_with("schedule.warmup_steps"))
+}
+
 /// Settings `--test-run` forces: a few steps that pass through every stage.
 fn apply_test_run(c: &mut Config) {
     c.run.max_steps = c.run.max_steps.min(4);
@@ -361,10 +369,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         overrides.push(format!("run.device={d:?}"));
     }
     if let Some(n) = a.max_steps {
-        let set_warmup = a
-            .set
-            .iter()
-            .any(|kv| kv.trim_start().starts_with("schedule.warmup_steps"));
+        let set_warmup = sets_warmup(&a.set);
         match config::load(a.config.as_deref(), &overrides) {
             Ok(base) => {
                 let c = &base.config;

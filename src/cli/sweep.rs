@@ -31,6 +31,8 @@ pub struct SweepArgs<'a> {
     pub seeds: Option<u64>,
     pub out: Option<&'a Path>,
     pub device: Option<&'a str>,
+    /// Steps of every run (`--max-steps`: as `train`'s, the warm-up shortened in proportion).
+    pub max_steps: Option<u64>,
 }
 
 /// One run of the sweep.
@@ -136,6 +138,16 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
     let mut base = a.set.to_vec();
     if let Some(d) = a.device {
         base.push(format!("run.device={d:?}"));
+    }
+    if let Some(n) = a.max_steps {
+        // (as `train --max-steps`: every run gets the overrides, so a resumed sweep compares them)
+        if let Ok(c) = config::load(a.config, &base) {
+            let (w, total) = (c.config.schedule.warmup_steps, c.config.run.max_steps);
+            if let Some(w) = super::warmup_for_max_steps(w, total, n, super::sets_warmup(a.set)) {
+                base.push(format!("schedule.warmup_steps={w}"));
+            }
+        }
+        base.push(format!("run.max_steps={n}"));
     }
     let base_cfg = config::load(a.config, &base).map_err(PlanError::Config)?;
     // --set-grid wins over the config's [sweep] table; errors name where the entry came from.
@@ -608,6 +620,7 @@ mod tests {
             seeds: Some(2),
             out: None,
             device: None,
+            max_steps: None,
         })
         .unwrap();
         assert_eq!(p.runs.len(), 6);
@@ -621,6 +634,7 @@ mod tests {
             seeds: Some(1),
             out: None,
             device: None,
+            max_steps: None,
         });
         match e {
             Err(PlanError::Usage(m)) => assert!(m.contains("scu.nope"), "{m}"),
@@ -645,6 +659,7 @@ mod tests {
             seeds,
             out: None,
             device: None,
+            max_steps: None,
         };
         let p = plan(&args(&[], None)).unwrap();
         assert_eq!(p.runs.len(), 6, "3 arms × 2 seeds from [sweep]");
