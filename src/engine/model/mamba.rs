@@ -166,8 +166,8 @@ impl Model {
         }
         // Packed rows (training only: a decoding state continues one sequence): each sample's
         // conv window and scan state start at its first slot.
-        let starts = match state {
-            None => self.packed_for((bsz, t)).map(|p| p.starts.as_slice()),
+        let resets = match state {
+            None => self.packed_for((bsz, t)).and_then(|p| p.mamba.as_ref()),
             Some(_) => None,
         };
         // Depthwise causal conv: each channel sees its last d_conv inputs (of its own sample).
@@ -181,15 +181,8 @@ impl Model {
         // tap j reads the input k − 1 − j slots back
         let tap = |j: usize| -> Result<Tensor> {
             let xj = full.narrow(1, j, t)?;
-            match starts {
-                Some(st) if j + 1 < k => xj.broadcast_mul(&ssd::same_sample(
-                    st,
-                    bsz,
-                    t,
-                    k - 1 - j,
-                    xj.dtype(),
-                    x.device(),
-                )?),
+            match resets {
+                Some(r) if j + 1 < k => xj.broadcast_mul(r.conv_tap(k - 1 - j)?),
                 _ => Ok(xj),
             }
         };
@@ -220,7 +213,7 @@ impl Model {
             b: &ssd::spread_groups(&bm, nh)?,
             c: &ssd::spread_groups(&cm, nh)?,
         };
-        let (ys, s) = ssd::scan(&scan_in, h.mamba_chunk_size, state.map(|(_, s)| s), starts)?;
+        let (ys, s) = ssd::scan(&scan_in, h.mamba_chunk_size, state.map(|(_, s)| s), resets)?;
         let ys = (ys + xs.broadcast_mul(&c.d.reshape((1, 1, nh, 1))?)?)?;
         let ys = ssd::gated_rms_norm(
             &ys.reshape((bsz, t, inner))?,

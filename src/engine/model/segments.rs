@@ -16,9 +16,9 @@ pub(super) struct Packed {
     /// The longest sample's length (what a LongRoPE model picks its factors by, as
     /// transformers does with `max(position_ids) + 1`).
     pub len: usize,
-    /// Each slot's sample start, the column in its row (`[B·T]`): where a Mamba layer's conv
-    /// window and scan state begin again.
-    pub starts: Vec<usize>,
+    /// A hybrid's Mamba layers: where each sample's conv window and scan state begin again
+    /// (built once a batch for all of its Mamba layers).
+    pub mamba: Option<ssd::SampleResets>,
 }
 
 impl Packed {
@@ -84,10 +84,20 @@ impl Model {
             return Ok(());
         };
         let t = seg.len() / batch.max(1);
-        let starts: Vec<usize> = kernels::rows::sample_starts(seg, t)
-            .into_iter()
-            .map(|s| s as usize)
-            .collect();
+        let mamba = match &self.spec.hybrid {
+            Some(h) if h.layers.contains(&crate::config::MixerKind::Mamba) => {
+                let starts: Vec<usize> = kernels::rows::sample_starts(seg, t)
+                    .into_iter()
+                    .map(|s| s as usize)
+                    .collect();
+                let (chunk, taps) = (h.mamba_chunk_size, h.mamba_d_conv);
+                let dev = &self.device;
+                Some(ssd::SampleResets::new(
+                    &starts, batch, t, chunk, taps, self.dtype, dev,
+                )?)
+            }
+            _ => None,
+        };
         let pos = positions(seg, t);
         let len = pos.iter().max().map_or(0, |&p| p as usize + 1);
         let mut mask = vec![0f32; batch * t * t];
@@ -108,7 +118,7 @@ impl Model {
             positions,
             mask,
             len,
-            starts,
+            mamba,
         });
         Ok(())
     }

@@ -18,15 +18,14 @@ pub(super) struct ScanIn<'a> {
 }
 
 /// `y [B, T, heads, hd]` (without the D skip) and the state after the last position
-/// `[B, heads, hd, state]`, starting from `s0` (zeros when None). `starts` (packed rows, `[B·T]`:
-/// each position's sample start in its row): the state starts again at zero at each sample's
-/// first position — no position reads another sample's inputs (the final state is the last
-/// sample's).
+/// `[B, heads, hd, state]`, starting from `s0` (zeros when None). `resets` (packed rows): the
+/// state starts again at zero at each sample's first position — no position reads another
+/// sample's inputs (the final state is the last sample's).
 pub(super) fn scan(
     i: &ScanIn,
     chunk: usize,
     s0: Option<&Tensor>,
-    starts: Option<&[usize]>,
+    resets: Option<&SampleResets>,
 ) -> Result<(Tensor, Tensor)> {
     let (bsz, t, nh, hd) = i.x.dims4()?;
     if t == 1 {
@@ -70,15 +69,16 @@ pub(super) fn scan(
         })
         .collect();
     let causal = Tensor::from_vec(causal, (l, l), dev)?;
-    let resets = match starts {
-        Some(st) => Some(Resets::new(st, bsz, t, l, nc, dev)?),
-        None => None,
-    };
+    if let Some(r) = resets {
+        if r.within.dims() != [bsz, 1, nc, l, l] {
+            candle_core::bail!("packed rows' scan masks are for another shape than this scan's");
+        }
+    }
     let mut decay = acum
         .unsqueeze(4)?
         .broadcast_sub(&acum.unsqueeze(3)?)?
         .broadcast_add(&causal)?;
-    if let Some(r) = &resets {
+    if let Some(r) = resets {
         decay = decay.broadcast_add(&r.within)?;
     }
     let decay = decay.exp()?;
@@ -89,7 +89,7 @@ pub(super) fn scan(
     let last = acum.narrow(3, l - 1, 1)?;
     let mut to_end = last.broadcast_sub(&acum)?.exp()?;
     let mut chunk_decay = last.squeeze(3)?.exp()?;
-    if let Some(r) = &resets {
+    if let Some(r) = resets {
         to_end = to_end.broadcast_mul(&r.to_end)?;
         chunk_decay = chunk_decay.broadcast_mul(&r.carry)?;
     }
@@ -106,7 +106,7 @@ pub(super) fn scan(
     }
     let at_start = Tensor::stack(&at_start, 2)?;
     let mut from_start = acum.exp()?;
-    if let Some(r) = &resets {
+    if let Some(r) = resets {
         from_start = from_start.broadcast_mul(&r.from_start)?;
     }
     let y_off = bmm(&cc, &at_start.t()?)?.broadcast_mul(&from_start.unsqueeze(4)?)?;
@@ -117,29 +117,38 @@ pub(super) fn scan(
     Ok((y, s))
 }
 
-/// Where packed samples stop the scan, as masks over the chunks (`[B, 1, chunks, ..]`, built on
-/// the host from each position's sample start; positions past T continue the last sample):
-/// `within` adds −∞ to the decay from position j to position i of a chunk where they are in
-/// different samples; `to_end` keeps position j's input in its chunk's end state only where
-/// j is in the sample of the chunk's last position; `carry` keeps the state from before a
-/// chunk past its end only where no sample starts inside it; `from_start` keeps that state in
-/// position i's output only where no sample starts between the chunk's start and i.
-struct Resets {
+/// Where packed samples stop a Mamba layer (built once a batch, [`Model::set_segments`], from
+/// each slot's sample start in its row; positions past T continue the last sample). The scan's
+/// masks over its chunks (`[B, 1, chunks, ..]`): `within` adds −∞ to the decay from position j
+/// to position i of a chunk where they are in different samples; `to_end` keeps position j's
+/// input in its chunk's end state only where j is in the sample of the chunk's last position;
+/// `carry` keeps the state from before a chunk past its end only where no sample starts inside
+/// it; `from_start` keeps that state in position i's output only where no sample starts between
+/// the chunk's start and i. The conv's: `taps[b − 1]` `[B, T, 1]` (the compute dtype), 1 where
+/// the slot b positions back is in the same sample.
+#[derive(Clone, Debug)]
+pub struct SampleResets {
     within: Tensor,
     to_end: Tensor,
     carry: Tensor,
     from_start: Tensor,
+    taps: Vec<Tensor>,
 }
 
-impl Resets {
-    fn new(
+impl SampleResets {
+    /// For rows of `t` slots whose sample starts are `starts` (`[B·T]`), a scan in chunks of
+    /// `chunk` (as [`scan`] takes it) and a conv of `d_conv` taps.
+    pub(super) fn new(
         starts: &[usize],
         bsz: usize,
         t: usize,
-        l: usize,
-        nc: usize,
+        chunk: usize,
+        d_conv: usize,
+        dtype: DType,
         dev: &candle_core::Device,
     ) -> Result<Self> {
+        let l = chunk.min(t).max(1);
+        let nc = t.div_ceil(l);
         let tp = nc * l;
         let start = |b: usize, p: usize| starts[b * t + p.min(t - 1)];
         let (mut within, mut to_end) = (vec![0f32; bsz * tp * l], vec![0f32; bsz * tp]);
@@ -161,29 +170,29 @@ impl Resets {
                 }
             }
         }
+        let taps = (1..d_conv)
+            .map(|back| {
+                let m: Vec<f32> = (0..bsz * t)
+                    .map(|i| f32::from(u8::from(i % t >= back && i % t - back >= starts[i])))
+                    .collect();
+                Tensor::from_vec(m, (bsz, t, 1), dev)?.to_dtype(dtype)
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             within: Tensor::from_vec(within, (bsz, 1, nc, l, l), dev)?,
             to_end: Tensor::from_vec(to_end, (bsz, 1, nc, l), dev)?,
             carry: Tensor::from_vec(carry, (bsz, 1, nc), dev)?,
             from_start: Tensor::from_vec(from_start, (bsz, 1, nc, l), dev)?,
+            taps,
         })
     }
-}
 
-/// `[B, T, 1]` in `dtype`: 1 where the slot `back` positions before each slot is in the same
-/// sample (packed rows, `starts` as [`scan`] takes them), else 0.
-pub(super) fn same_sample(
-    starts: &[usize],
-    bsz: usize,
-    t: usize,
-    back: usize,
-    dtype: DType,
-    dev: &candle_core::Device,
-) -> Result<Tensor> {
-    let m: Vec<f32> = (0..bsz * t)
-        .map(|i| f32::from(u8::from(i % t >= back && i % t - back >= starts[i])))
-        .collect();
-    Tensor::from_vec(m, (bsz, t, 1), dev)?.to_dtype(dtype)
+    /// The conv's mask for the tap `back` slots before each slot (1 ≤ back < d_conv).
+    pub(super) fn conv_tap(&self, back: usize) -> Result<&Tensor> {
+        self.taps
+            .get(back.wrapping_sub(1))
+            .ok_or_else(|| candle_core::Error::Msg(format!("no conv mask {back} slots back")))
+    }
 }
 
 /// One position after the state `s0` (a decode step): the recurrence itself, `s = exp(dt·a)·s0 +
