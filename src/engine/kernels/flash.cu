@@ -37,13 +37,15 @@
 //     (lse of the capped scores where cap > 0)
 //
 // BACKWARD (three launches, in this order, same stream):
-//   scratch: one f32 buffer of B*T*H*D + B*H*T floats; need NOT be zeroed (kernel 1 does it).
-//     dq_acc = scratch                      (B*T*H*D floats, layout [B, T, H, D])
-//     delta  = scratch + B*T*H*D            (B*H*T floats,   layout [B, H, T])
+//   scratch: one f32 buffer of B*T16*H*D + B*H*T floats (T16 = T rounded up to 16); need NOT
+//   be zeroed (kernel 1 does it).
+//     dq_acc = scratch                      (B*T16*H*D floats: layout [B, T, H, D] here, Hopper's
+//                                            slabs in flash_sm90.cu's flash_bwd_ws)
+//     delta  = scratch + B*T16*H*D          (B*H*T floats,   layout [B, H, T])
 //   1. flash_bwd_preprocess_bf16(const bf16* o, const bf16* dout, float* delta, float* dq_acc,
 //                                int B, int T, int H)
-//        grid = (ceil(B*T*H / 32), 1, 1), block = (256, 1, 1), dynamic smem = 0
-//        delta = rowsum(o * dout); zeroes dq_acc.
+//        grid = (ceil(B*T16*H / 32), 1, 1), block = (256, 1, 1), dynamic smem = 0
+//        delta = rowsum(o * dout); zeroes dq_acc's B*T16*H*D floats.
 //   2. flash_bwd_bf16(const bf16* qkv, const bf16* dout, const float* lse, const float* delta,
 //                     float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH, float scale,
 //                     u32 thr, float dscale, const u64* mbits, const int* starts,
@@ -66,7 +68,8 @@
 //   3. flash_bwd_dq_convert_bf16(const float* dq_acc, bf16* dqkv, int B, int T, int H, int KVH,
 //                                float scale)
 //        grid = (ceil(B*T*H*D/4 / 256), 1, 1), block = (256, 1, 1), dynamic smem = 0
-//        dq = scale * dq_acc -> bf16 into the q slot of dqkv.
+//        dq = scale * dq_acc -> bf16 into the q slot of dqkv. (After flash_bwd_ws:
+//        flash_bwd_dq_convert_ws[_d128]_bf16, grid = (B*H*(T16/16)*(D/64), 1, 1), same block.)
 // Sizes: row offsets are computed in size_t; kernel 3 indexes float4s with int, so
 // B*T*H*D/4 < 2^31 (B*H*T < 1.3e8 at D = 64, 6.7e7 at D = 128). Grid y = NB <= 65535 (T <= 4M).
 // Grid x = b*H + h runs fastest so that the heaviest tiles (blockIdx.y == 0) are all issued first.
@@ -661,14 +664,16 @@ __device__ __forceinline__ void flash_bwd_preprocess(const __nv_bfloat16* __rest
             }
         }
     }
-    {  // zero this warp's 4 rows of dq_acc with lane-contiguous 16-byte stores
+    {  // zero this warp's 4 rows of dq_acc with lane-contiguous 16-byte stores (its rows padded
+       // to T rounded up to 16: Hopper's slabs; the launch covers zrows / 32 blocks)
         const int lane = threadIdx.x & 31;
+        const int zrows = B * H * ((T + 15) & ~15);
         const int r0 = blockIdx.x * 32 + (threadIdx.x >> 5) * 4;
         float4* z = reinterpret_cast<float4*>(dq_acc + (size_t)r0 * D);
 #pragma unroll
         for (int k = 0; k < D / 32; ++k) {
             const int idx = lane + 32 * k;  // float4 index in the 4 rows
-            if (r0 + idx / (D / 4) < rows) z[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r0 + idx / (D / 4) < zrows) z[idx] = make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
     s += __shfl_xor_sync(0xffffffffu, s, 1);

@@ -26,8 +26,8 @@
 //   dV  += P^T dO    (A = P^T from registers, B = dO read transposed: MN-major)
 //   dK  += dS^T Q    (A = dS^T from registers, B = Q transposed)
 //   dQ   = dS K      (A = dS^T from shared memory read transposed, B = K transposed), staged
-//                     through shared memory and added into dq_acc with 16-byte vector atomics
-//                     by the copy warpgroup.
+//                     through shared memory and added into dq_acc by bulk reductions
+//                     (cp.reduce.async.bulk), a 16 x 64 slab a warp.
 // Shared-memory writes by the threads (cp.async, the dS^T stores) are made visible to the
 // tensor cores' asynchronous proxy with fence.proxy.async before the barrier that publishes them.
 //
@@ -112,34 +112,46 @@ __device__ __forceinline__ void wg_ss128(float (&d)[16][4], uint64_t da, uint64_
         : "l"(da), "l"(db), "r"(acc), "n"(TA), "n"(TB));
 }
 
-// A warp's 16 x 64 fp32 tile of dQ (rows q0 + 16w ..) into `stg`, columns XOR-ed by the row in
-// groups of 8 (conflict-free float2 writes and float4 reads).
-__device__ __forceinline__ void fa_wg_stage_dq(const float (&dq)[8][4], float* stg, int lane) {
-    const int g = lane >> 2, t4 = lane & 3;
+// dq_acc on Hopper: slabs of 16 queries x 64 columns (4 KB), one a warp and step, each slab's
+// floats in the order of the wgmma accumulator's fragments — float4 k of lane l's column tile nt
+// at (nt * 32 + l) * 4 + k, i.e. rows g and g + 8 (g = l / 4), columns nt * 8 + 2 (l % 4) + 0, 1 —
+// so that a warp stages its slab with conflict-free float4 stores and one bulk copy adds it into
+// global memory as it lies. Slab (b, h, t / 16, d / 64) starts at float
+// (((b * H + h) * ceil(T / 16) + t / 16) * (D / 64) + d / 64) * 1024; flash_bwd_dq_convert_ws
+// turns it into dQ. (The rows of a last slab past T are padding the arena allots and nothing
+// reads.)
+#define FA_SLAB (16 * 64)
+__device__ __forceinline__ size_t fa_slab_at(int bh, int t16, int p, int T, int D) {
+    return (((size_t)bh * ((T + 15) >> 4) + t16) * (D / 64) + p) * FA_SLAB;
+}
+// A warp's 16 x 64 tile of dQ added into its slab of dq_acc at `dst`: staged in `stg` (its
+// buffer, 4 KB) and added by one bulk reduction (cp.reduce.async.bulk .add.f32: atomic per
+// element, as the other key blocks add into the same rows) that lane 0 issues and tracks. The
+// buffer is rewritten two calls later: lane 0 first waits until at most one of its reductions
+// is still reading shared memory (the last call's, from the other buffer). `dst` null: nothing
+// to add (the slab starts past T), an empty group keeps the count.
+__device__ __forceinline__ void fa_ws_reduce_dq(const float (&dq)[8][4], float* stg, float* dst,
+                                                int lane) {
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+    __syncwarp();
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int r = g + 8 * hf;
-            const int c = (nt * 8 + t4 * 2) ^ ((r & 7) << 3);
-            *reinterpret_cast<float2*>(stg + r * 64 + c) = make_float2(dq[nt][2 * hf], dq[nt][2 * hf + 1]);
-        }
-}
-// A staged tile's first `rows` rows added into dq_acc (row stride HD) by one warp: 16-byte vector
-// atomics, one instruction per two 256-byte rows.
-__device__ __forceinline__ void fa_wg_add_staged(const float* stg, float* dst, int rows, int HD,
-                                                 int lane) {
-    const int rl = lane >> 4, c4 = (lane & 15) * 4;  // row (of a pair) and first column
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const int r = 2 * k + rl;
-        if (r < rows) {
-            const float4 v = *reinterpret_cast<const float4*>(stg + r * 64 + (c4 ^ ((r & 7) << 3)));
-            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + (size_t)r * HD + c4),
-                         "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-                         : "memory");
-        }
+        *reinterpret_cast<float4*>(stg + (nt * 32 + lane) * 4) =
+            make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);
+    fa_fence_async();  // the stores, visible to the bulk copy (the asynchronous proxy)
+    __syncwarp();
+    if (lane == 0) {
+        if (dst != nullptr)
+            asm volatile(
+                "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                "r"(fa_smem_u32(stg)), "n"(FA_SLAB * 4)
+                : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
+}
+// The last reductions done (before the block's shared memory goes away).
+__device__ __forceinline__ void fa_ws_reduce_drain(int lane) {
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 #define FA_WG_ARGS const __nv_bfloat16* __restrict__ qkv, const __nv_bfloat16* __restrict__ dout, \
                   const float* __restrict__ lse, const float* __restrict__ delta, \
@@ -185,11 +197,13 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // queries: m64n128k16 products at head dim 64, two 64-column panels of k at 128), P^T and dS^T
 // in registers, dV += P^T dO and dK += dS^T Q with k = the step's queries; then, with both
 // warpgroups' dS^T in shared memory, each computes a half of the step's dQ over all 128 keys —
-// at head dim 64 its 64-query half, at 128 its 64-column panel of the head dim — and stages it in
-// shared memory. WG2 copies — K and V once, then each step's (Q, dO) into a two-slot ring — and
-// adds each step's staged dQ into dq_acc with 16-byte vector atomics while the MMA warpgroups
-// run the next step (two staging buffers; one H200, the 114M at T32768: the backward 335 -> 362
-// TFLOP/s against the MMA warps issuing those atomics themselves). The plain loop applies the
+// at head dim 64 its 64-query half, at 128 its 64-column panel of the head dim — and each warp
+// adds its 16 x 64 slab into dq_acc by one bulk reduction from shared memory (fa_ws_reduce_dq,
+// two staging buffers). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
+// ring. (Before: WG2 added the staged dQ with 16-byte vector atomics — which itself had beaten
+// the MMA warps issuing them, 335 -> 362 TFLOP/s — and published the next step's tiles only
+// after them: the MMA warps waited at FULL a fifth of their samples at head dim 128, Nsight
+// Compute.) The plain loop applies the
 // causal mask only on the tiles where a warp's keys reach a query (fa_bwd_probs_rows). Against
 // 64-query tiles at head dim 64 (this kernel's previous shape, with WG2 computing dQ): half the
 // product instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and
@@ -202,8 +216,6 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 //   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
 //   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written
-//   DQF[s]    WG0, WG1 -> WG2 (384): dQ staging buffer s holds a step's dQ
-//   DQE[s]    WG2 -> WG0, WG1 (384): WG2 has added buffer s into dq_acc (restage it)
 // A dS^T slot is rewritten two steps later, after both warpgroups have passed the DS barrier of
 // the step between — each waits for its dQ products before reaching it. Registers: FaWs.
 // Launch: grid (B*KVH, ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
@@ -217,9 +229,7 @@ __device__ __forceinline__ void fa_ws_arrive(int id) {
 }
 
 #define FA_WS_DS 5
-#define FA_WS_DQF 6  // + s: staging buffer s holds a step's dQ (MMA warpgroups -> WG2)
-#define FA_WS_DQE 8  // + s: WG2 has added staging buffer s into dq_acc (WG2 -> MMA warpgroups)
-// floats in one dQ staging buffer: eight warps' 16 x 64
+// floats in one dQ staging buffer: eight warps' 16 x 64 slabs
 #define FA_WS_STG (8 * 16 * 64)
 // Where the shared-memory regions start (bytes from the 1024-byte-aligned base): the ring, the
 // dS^T slots, the staging buffers — the same 225 KB at both head dims.
@@ -230,10 +240,10 @@ struct FaWs {
     static constexpr uint32_t TD = 64 * D * 2;    // 64 rows of the head dim
     static constexpr uint32_t RING = 4 * TD, DS = RING + 8 * TILE, STG = DS + 4 * QH * TILE;
     // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
-    // block's 3 x 168 at head dim 64 (WG2's loops spill 32 bytes, ptxas 13.0); at 128 they spill
-    // 248 bytes at 24 (136 at 32), and
-    // the MMA warpgroups keep their products unserialized down to 232 (at 224 ptxas serializes
-    // them: dK and dV are 128 registers there).
+    // block's 3 x 168 at head dim 64 (ptxas 13.0 spills one register of the plain loop's, once
+    // a step; at 232 it spills 148 bytes); 32 + 2 x 232 at 128, where the MMA warpgroups keep
+    // their products unserialized down to 232 (at 224 ptxas serializes them: dK and dV are 128
+    // registers there) and nothing spills (at 24 + 2 x 240 a few bytes).
     static constexpr int REGS_COPY = D == 64 ? 24 : 32, REGS_MMA = D == 64 ? 240 : 232;
     static_assert(STG == 20 * TILE, "flash_smem.h's FA_WS_SMEM lays out 20 tiles before dQ's");
 };
@@ -273,7 +283,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
     const int wk0 = blk.k0 + 64 * wg + warp * 16;
     const int kr0 = wk0 + g;
     const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-    float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * 16 * 64;
+    float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
     // the products' descriptors, each one add from these (wg_desc_at): this warpgroup's K and V;
     // dQ's A (the dS^T tiles of its query half) and B (K, or its head-dim panel of K)
     const uint32_t lKc = wg_desc_lo(base + wg * TD), lVc = wg_desc_lo(base + (2 + wg) * TD);
@@ -381,34 +391,14 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
         if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
         wg_wait<0>();
         wg_pin(dq);
-        // dQ staged for WG2's atomics (staging buffer s, free once WG2 added step it - 2's)
-        if (it >= 2) fa_ws_sync(FA_WS_DQE + s);
-        fa_wg_stage_dq(dq, stg + s * FA_WS_STG, lane);
-        fa_ws_arrive(FA_WS_DQF + s);
+        // dQ into dq_acc: this warp's slab (staging buffer s)
+        const int qw = q0 + (QH == 2 ? 64 * wg : 0) + warp * 16;
+        fa_ws_reduce_dq(dq, stg + s * FA_WS_STG,
+                        qw < T ? dq_acc + fa_slab_at(blk.b * H + h, qw >> 4, QH == 2 ? 0 : wg, T, D)
+                               : nullptr,
+                        lane);
     }
-}
-
-// WG2: step j's staged dQ (staging buffer j & 1) added into dq_acc, WG2's warp w taking warp w of
-// each MMA warpgroup (its 16 queries of that warpgroup's half); the buffer handed back unless it
-// is not used again.
-template <int D>
-__device__ __forceinline__ void fa_ws_add_dq(const FaBwdBlock<D, 128>& blk, float* dq_acc,
-                                             const float* stg, int j, int steps, int T, int warp,
-                                             int lane) {
-    constexpr int QH = FaWs<D>::QH;
-    const int s = j & 1;
-    int h, i;
-    blk.template at<QH>(j, h, i);
-    fa_ws_sync(FA_WS_DQF + s);
-#pragma unroll 1
-    for (int wg = 0; wg < 2; ++wg) {
-        const int qw = i * FA_BM + (QH == 2 ? 64 * wg : 0) + warp * 16;
-        fa_wg_add_staged(stg + s * FA_WS_STG + (4 * wg + warp) * 16 * 64,
-                         dq_acc + ((size_t)blk.b * T + qw) * blk.HD + h * D +
-                             (QH == 2 ? 0 : 64 * wg),
-                         min(16, T - qw), blk.HD, lane);
-    }
-    if (j + 2 < steps) fa_ws_arrive(FA_WS_DQE + s);
+    fa_ws_reduce_drain(lane);
 }
 
 template <int D>
@@ -430,7 +420,6 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
                                blk.k0 + 64 * (c & 1), T, pt);
         fa_ws_load(blk, 0, base + W::RING, T, pt);
         fa_cp_commit();
-        const float* stg = reinterpret_cast<const float*>(smc + W::STG);
         for (int it = 0; it < steps; ++it) {
             const int s = it & 1;
             fa_cp_wait_all();
@@ -441,10 +430,7 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
                 fa_ws_load(blk, it + 1, base + W::RING + (s ^ 1) * 4 * W::TILE, T, pt);
                 fa_cp_commit();
             }
-            // step it - 1's dQ into dq_acc while the loads fly and the MMA warpgroups run step it
-            if (it >= 1) fa_ws_add_dq(blk, dq_acc, stg, it - 1, steps, T, warp, lane);
         }
-        if (steps > 0) fa_ws_add_dq(blk, dq_acc, stg, steps - 1, steps, T, warp, lane);
         __syncthreads();  // the consumers' epilogue reuses K and V
         return;
     }
@@ -470,6 +456,42 @@ extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARG
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_d128_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
     flash_bwd_ws<128>(FA_WG_PASS, fa_wg_smem);
+}
+
+// Backward 3 after flash_bwd_ws: dQ = scale * dq_acc's slabs (fa_slab_at) -> bf16 into the q
+// slot of dqkv. A block of 256 threads a slab: each reads one float4 of it (coalesced), shared
+// memory turns the fragments into rows, and each thread writes four columns of a row (sixteen
+// threads a row's 128 bytes). Grid: B * H * ceil(T / 16) * (D / 64) blocks.
+template <int D>
+__device__ __forceinline__ void flash_bwd_dq_convert_ws(const float* __restrict__ dq_acc,
+                                                        __nv_bfloat16* __restrict__ dqkv, int T,
+                                                        int H, int KVH, float scale) {
+    __shared__ __align__(16) float rows[16][64 + 4];
+    const int slab = blockIdx.x, tid = threadIdx.x;
+    const int P = D / 64, T16 = (T + 15) >> 4;
+    const int p = slab % P, t16 = (slab / P) % T16, bh = slab / P / T16;
+    const float4 v = reinterpret_cast<const float4*>(dq_acc + (size_t)slab * FA_SLAB)[tid];
+    const int lane = tid & 31, g = lane >> 2, c = (tid >> 5) * 8 + (lane & 3) * 2;
+    rows[g][c] = v.x;
+    rows[g][c + 1] = v.y;
+    rows[g + 8][c] = v.z;
+    rows[g + 8][c + 1] = v.w;
+    __syncthreads();
+    const int r = tid >> 4, c4 = (tid & 15) * 4, t = t16 * 16 + r;
+    if (t >= T) return;
+    const int b = bh / H, h = bh - b * H;
+    const float4 x = *reinterpret_cast<const float4*>(&rows[r][c4]);
+    uint2 out;
+    out.x = fa_pack(x.x * scale, x.y * scale);
+    out.y = fa_pack(x.z * scale, x.w * scale);
+    *reinterpret_cast<uint2*>(dqkv + ((size_t)b * T + t) * (H + 2 * KVH) * D + h * D + p * 64 + c4) =
+        out;
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_ws_bf16(FA_DQ_ARGS) {
+    flash_bwd_dq_convert_ws<64>(dq_acc, dqkv, T, H, KVH, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_ws_d128_bf16(FA_DQ_ARGS) {
+    flash_bwd_dq_convert_ws<128>(dq_acc, dqkv, T, H, KVH, scale);
 }
 
 // ---------------------------------------------------------------------------------------------

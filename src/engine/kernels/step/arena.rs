@@ -229,6 +229,7 @@ impl ModelStep {
         let qk_raw_o = per_if(&attn_only(n * qk_groups * self.hd), &attn_layers);
         let prob_o = per_if(&attn_only(probs), &attn_layers);
         let nac = n * self.att_c;
+        let dq_acc = self.dq_acc_len(b);
         let atty_o = per_if(&mixer_lens(&|li| n * self.mixer_width(li)), &attn_layers);
         let mid_o = per_if(&uni(nc), &mlp_layers);
         let ln2_o = per_if(&uni(n * ld2), &keep_ln2);
@@ -311,7 +312,7 @@ impl ModelStep {
         };
         let f_stats = f_scratch
             + if self.flash {
-                align(nac) + align(bht) + kv_part
+                align(dq_acc) + align(bht) + kv_part
             } else {
                 0
             };
@@ -390,7 +391,7 @@ impl ModelStep {
                 .collect(),
             fa_scratch: fbase + 4 * f_scratch as u64,
             fa_kv_part: if kv_part > 0 {
-                fbase + 4 * (f_scratch + align(nac) + align(bht)) as u64
+                fbase + 4 * (f_scratch + align(dq_acc) + align(bht)) as u64
             } else {
                 0
             },

@@ -147,11 +147,13 @@ impl ModelStep {
     pub(super) fn attn_bwd(&self, a: &Activations, l: usize) -> Result<()> {
         let (b, t, h) = (a.b, self.t, self.n_head);
         let hd = self.hd;
-        // (the dq accumulator at the scratch's start holds [B·T, n_head·head_dim])
         let nc = b * t * self.att_c;
         let bh = b * h;
         let scale = self.att_scale;
         if self.flash {
+            // (the dq accumulator at the scratch's start: [B·T, n_head·head_dim] with T rounded
+            // up to 16, then delta)
+            let nc = self.dq_acc_len(b);
             let (bi, ti, hi) = (i32_of(b, "B")?, i32_of(t, "T")?, i32_of(h, "H")?);
             let kvi = i32_of(self.n_kv_head, "KV heads")?;
             let delta = a.fa_scratch + 4 * nc as u64;
@@ -160,7 +162,8 @@ impl ModelStep {
             self.launch(
                 &fk.pre,
                 LaunchConfig {
-                    grid_dim: (rows.div_ceil(32) as u32, 1, 1),
+                    // (it zeroes the padded accumulator: nc / head_dim rows)
+                    grid_dim: ((nc / hd).div_ceil(32) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 },
@@ -219,10 +222,16 @@ impl ModelStep {
                     ],
                 )?;
             }
+            // (slabs: a block each, nc / 1024 of them; rows: a float4 a thread)
+            let dq_blocks = if fk.dq_slabs {
+                nc / 1024
+            } else {
+                (rows * hd / 4).div_ceil(256)
+            };
             return self.launch(
                 &fk.dq,
                 LaunchConfig {
-                    grid_dim: ((rows * hd / 4).div_ceil(256) as u32, 1, 1),
+                    grid_dim: (dq_blocks as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 },

@@ -79,6 +79,8 @@ pub(super) struct Flash {
     pub(super) pre: Kern,
     pub(super) bwd: Kern,
     pub(super) dq: Kern,
+    /// `dq` reads flash_sm90.cu's slabs (a block of 256 threads each; flash_bwd_ws), not rows.
+    pub(super) dq_slabs: bool,
     pub(super) fwd_smem: u32,
     pub(super) bwd_smem: u32,
     /// The backward's block: threads, and keys it owns (the grid's second dimension covers T
@@ -134,7 +136,15 @@ impl Flash {
             fwd_drop,
             pre: k("flash_bwd_preprocess", "flash_bwd_preprocess")?,
             bwd,
-            dq: k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?,
+            dq: if hopper {
+                named(
+                    &format!("flash_bwd_dq_convert_ws{sfx}_bf16"),
+                    "flash_bwd_dq_convert",
+                )?
+            } else {
+                k("flash_bwd_dq_convert", "flash_bwd_dq_convert")?
+            },
+            dq_slabs: hopper,
             fwd_smem,
             bwd_smem,
             bwd_block,
@@ -377,6 +387,12 @@ impl ModelStep {
     /// dim 256, whose backward takes a query head a block, with heads sharing key/value heads).
     pub(super) fn fa_per_head_kv(&self) -> bool {
         self.hd == 256 && self.n_head != self.n_kv_head
+    }
+
+    /// f32 words of the flash backward's dq accumulator for `b` sequences: [B·T, n_head·head_dim]
+    /// with T rounded up to 16 (the Hopper backward adds 16-query slabs whole: flash_sm90.cu).
+    pub(super) fn dq_acc_len(&self, b: usize) -> usize {
+        b * self.t.next_multiple_of(16) * self.att_c
     }
 }
 
