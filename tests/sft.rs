@@ -81,7 +81,7 @@ fn chat_records_train_on_the_answers_in_packed_rows() {
     assert!(
         err.contains("messages records (detected from the first record), chat template ")
             && err.contains("qwen.jinja, loss on the answers: ")
-            && err.contains("packed best-fit, attention within each sample")
+            && err.contains("packed best-fit, no sample sees another")
             && err.contains("% of tokens train")
             && !err.contains("split (longer than a row)")
             && err.contains(" answer tokens ("),

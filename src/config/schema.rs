@@ -339,8 +339,8 @@ pub struct DataConfig {
     pub chat_template: String,
     /// Instruction/chat data: count every token in the loss, not only the answers.
     pub train_on_prompt: bool,
-    /// Instruction/chat data: pack samples into rows (attention stays within each sample);
-    /// false: one sample a row, padded.
+    /// Instruction/chat data: pack samples into rows (no sample sees another: attention and a
+    /// hybrid's Mamba layers begin again at each); false: one sample a row, padded.
     pub packing: bool,
     /// Instruction/chat data: a sample longer than model.seq_len + 1 tokens is "split" into
     /// rows, "drop"ped, or an "error".

@@ -202,7 +202,7 @@ impl PackStats {
             self.samples,
             self.rows,
             if packing {
-                "packed best-fit, attention within each sample"
+                "packed best-fit, no sample sees another"
             } else {
                 "one sample a row, padded"
             },

@@ -103,10 +103,6 @@ pub enum Reason {
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
     PackedSamples(&'static str),
     #[error(
-        "packed samples (data.packing) through Mamba layers (the step's scan keeps no sample boundaries yet; data.packing = false keeps such a run on the step)"
-    )]
-    PackedMamba,
-    #[error(
         "routed experts (model.hybrid.experts = {0}): the step has no grouped GEMM for them yet"
     )]
     Experts(usize),
@@ -162,9 +158,6 @@ impl ModelSpec {
         }
         // (A loss mask needs nothing more: the step's cross-entropy skips ignored targets.)
         if facts.packed_samples {
-            if self.mamba_layers() {
-                return Err(Reason::PackedMamba);
-            }
             if !self.flash_attention(facts.flash_fits) {
                 return Err(Reason::PackedSamples("materialised attention"));
             }

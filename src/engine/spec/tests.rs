@@ -439,8 +439,8 @@ fn hybrid(c: &mut Config) {
 }
 
 /// A dense Granite 4.0 hybrid (Mamba layers beside attention, no routed experts) runs on the
-/// step; routed experts, Mamba sizes past the kernels' and packed samples through Mamba layers
-/// are refused by name; its attention layers take every model's checks.
+/// step, packed samples too; routed experts and Mamba sizes past the kernels' are refused by
+/// name; its attention layers take every model's checks.
 #[test]
 fn the_step_runs_dense_hybrids_and_refuses_what_its_mamba_kernels_do_not_cover() {
     use crate::config::{HybridConfig, MixerKind};
@@ -517,13 +517,13 @@ fn the_step_runs_dense_hybrids_and_refuses_what_its_mamba_kernels_do_not_cover()
         c.model.n_kv_head = 3;
     });
     assert!(matches!(why(&kv, &gpu()), Reason::KvHeads { .. }));
-    // Packed samples through Mamba layers: the per-op model keeps the samples apart
-    // (segments_tests), the step does not yet.
+    // Packed samples through Mamba layers: the step's conv and scan begin again at each
+    // sample, as the per-op model does (segments_tests; gpu_sft holds the two equal).
     let packed = StepFacts {
         packed_samples: true,
         ..gpu()
     };
-    assert_eq!(why(&dense, &packed), Reason::PackedMamba);
+    assert_eq!(dense.fast_step_support(&packed), Ok(()));
 }
 
 /// The shipped Granite-4.0-H-1B LoRA config runs on the step on a CUDA GPU.

@@ -42,6 +42,23 @@ typedef bf16_t mb_t;
 #define MB_AB "bf16"
 #endif
 
+// Packed rows (`starts`: each slot's sample start within its row, [B·T], as flash attention
+// reads them; null where the rows are not packed): each sample's conv window and scan state
+// begin again at its first position, so that no position reads another sample's inputs (the
+// per-op model's ssd::SampleResets). For a chunk that starts at position t0 of row b,
+// mb_from(…, i) is where chunk position i's sample starts relative to t0, −1 where it starts
+// before the chunk (always, unpacked; positions past T continue the last sample). Of what the
+// scan's products carry, the chunk kernels keep:
+// - within the chunk, source j's input in position i's output where j ≥ from(i);
+// - the state before the chunk in position i's output where from(i) < 0;
+// - position j's input in the chunk's end state where j ≥ from(MB_L − 1);
+// - the state before the chunk past its end where from(MB_L − 1) < 0;
+// and their backward the same terms (a dropped term's gradients are dropped with it).
+__device__ __forceinline__ int mb_from(const int* __restrict__ starts, int b, int t, int t0,
+                                       int i) {
+    return starts ? max(starts[(size_t)b * t + min(t0 + i, t - 1)] - t0, -1) : -1;
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x * sigmoid_f(x); }
 // d silu(x) / dx
 __device__ __forceinline__ float dsilu_f(float x) {

@@ -34,6 +34,9 @@ struct Layer<'a> {
     cb: u64,
     states: u64,
     xc: u64,
+    /// Packed rows' sample starts (0: not packed): the conv and the scan begin again at each
+    /// sample (mamba.cuh's mb_from).
+    starts: u64,
     b: usize,
     n: usize,
     chunks: usize,
@@ -126,6 +129,7 @@ impl ModelStep {
             cb: m.cb[l],
             states: m.states[l],
             xc: m.xc[l],
+            starts: self.starts_ptr(a),
             b: a.b,
             n: a.b * self.t,
             chunks: d.chunks(self.t),
@@ -191,6 +195,7 @@ impl ModelStep {
             Arg::P(self.weight_ptr(y.idx.conv_w)?),
             Arg::P(self.weight_ptr_or_null(y.idx.conv_b)?),
             Arg::P(y.xc),
+            Arg::P(y.starts),
             Arg::I(n_i),
             Arg::I(t_i),
             Arg::I(i32_of(conv, "conv channels")?),
@@ -218,7 +223,13 @@ impl ModelStep {
             cfg((y.chunks, d.groups, y.b), 256, CB_SMEM),
             &args,
         )?;
-        let mut args = vec![Arg::P(y.xc), Arg::P(y.dtv), Arg::P(y.lam), Arg::P(y.states)];
+        let mut args = vec![
+            Arg::P(y.xc),
+            Arg::P(y.dtv),
+            Arg::P(y.lam),
+            Arg::P(y.states),
+            Arg::P(y.starts),
+        ];
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(y.chunks, "chunks")?));
         let (walk, _, ns) = k.walks(d.state);
@@ -246,6 +257,7 @@ impl ModelStep {
             Arg::P(y.states),
             Arg::P(self.weight_ptr(y.idx.d)?),
             Arg::P(m.y[l]),
+            Arg::P(y.starts),
         ];
         args.extend(self.chunk_args(d)?);
         check(d.state <= self.k.mamba.scan_state, || {
@@ -296,6 +308,7 @@ impl ModelStep {
             Arg::P(y.states),
             Arg::P(m.dlam),
             Arg::P(m.down),
+            Arg::P(y.starts),
         ];
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(y.chunks, "chunks")?));
@@ -407,6 +420,7 @@ impl ModelStep {
             Arg::P(m.ddt),
             Arg::P(m.dlam),
             Arg::P(self.grad_ptr_or_null(Some(y.idx.d))),
+            Arg::P(y.starts),
         ];
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(hb, "heads a block")?));
@@ -440,6 +454,7 @@ impl ModelStep {
             let smem = state_bwd_smem(d.state, hb_state > 1);
             (state_bwd, hb_state, smem)
         };
+        args.push(Arg::P(y.starts));
         args.extend(self.chunk_args(d)?);
         args.push(Arg::I(i32_of(hb_c, "heads a block")?));
         self.launch(kern, cfg((y.chunks, d.heads / hb_c, y.b), 256, smem), &args)?;
@@ -470,6 +485,7 @@ impl ModelStep {
                 Arg::P(a.dqkv),
                 Arg::P(self.grad_ptr_or_null(Some(y.idx.conv_w))),
                 Arg::P(self.grad_ptr_or_null(y.idx.conv_b)),
+                Arg::P(y.starts),
                 Arg::I(n_i),
                 Arg::I(t_i),
                 Arg::I(conv_i),

@@ -43,21 +43,35 @@ __device__ __forceinline__ void mb_read_cb(float g[4][4], const float* __restric
         for (int c = 0; c < 4; ++c) g[a][c] = src[mb_row(a, c) * MB_L + mb_col(a, c)];
 }
 
-// M[i][j] = (C_i·B_j)·exp(lam_i − lam_j)·dtv_j for j ≤ i, else 0 (g: C·Bᵀ at this thread's
-// accumulator places, lm and dv: the head's lam and dtv over the chunk) into the tile ms.
+// Whether chunk position i's output takes source j's input: j ≤ i, in i's sample (from: the
+// chunk's mb_from over its positions).
+__device__ __forceinline__ bool mb_sees(const int* from, int i, int j) {
+    return j <= i && j >= from[i];
+}
+
+// The chunk's mb_from over its positions into from[MB_L] (shared memory; the caller syncs).
+__device__ __forceinline__ void mb_load_from(int* from, const int* __restrict__ starts, int b,
+                                             int t, int t0) {
+    for (int i = threadIdx.x; i < MB_L; i += blockDim.x) from[i] = mb_from(starts, b, t, t0, i);
+}
+
+// M[i][j] = (C_i·B_j)·exp(lam_i − lam_j)·dtv_j where i sees j (mb_sees), else 0 (g: C·Bᵀ at
+// this thread's accumulator places, lm and dv: the head's lam and dtv over the chunk) into
+// the tile ms.
 __device__ __forceinline__ void mb_put_decayed(mb_t* ms, const float g[4][4], const float* lm,
-                                               const float* dv) {
+                                               const float* dv, const int* from) {
 #pragma unroll
     for (int a = 0; a < 4; ++a)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int i = mb_row(a, c), j = mb_col(a, c);
-            mb_put(ms, i, j, j <= i ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
+            mb_put(ms, i, j, mb_sees(from, i, j) ? g[a][c] * __expf(lm[i] - lm[j]) * dv[j] : 0.f);
         }
 }
 
 // A chunk's outputs: y_i[p] = Σ_{j ≤ i} (C_i·B_j)·exp(lam_i − lam_j)·dtv_j·x_j[p]
-// + exp(lam_i)·Σ_s C_i[s]·S[p][s] + D·x_i[p], into y [N, inner] (the gated norm's input), for
+// + exp(lam_i)·Σ_s C_i[s]·S[p][s] + D·x_i[p] (packed rows: only j of i's sample, and S only
+// where i's sample started before the chunk), into y [N, inner] (the gated norm's input), for
 // the hb heads of a group of the block in turn (grid (chunks, heads / hb, batch)): what they
 // share, the chunk's C·Bᵀ and its C tiles (all of the state's columns), is read once a block.
 // Each (head, 64 head columns) step copies its x tile and its rows of S by cp.async, building
@@ -66,9 +80,10 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_chunk_scan_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ cb,
                           const float* __restrict__ dtv, const float* __restrict__ lam,
                           const mb_t* __restrict__ states, const bf16_t* __restrict__ dskip,
-                          bf16_t* __restrict__ y, int t, int heads, int p, int s, int groups,
-                          int hb) {
+                          bf16_t* __restrict__ y, const int* __restrict__ starts, int t,
+                          int heads, int p, int s, int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
+    __shared__ int from[MB_L];
     const int ns = (s + 63) / 64, np = (p + 63) / 64, steps = hb * np;
     mb_t* ms = mb_tile(mb_raw, 0);  // M[i][j]
     mb_t* xt = mb_tile(mb_raw, 1);  // x [j][p]
@@ -88,6 +103,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         vec[hh * 2 * MB_L + i] = lam[pos + i];
         vec[hh * 2 * MB_L + MB_L + i] = dtv[pos + i];
     }
+    mb_load_from(from, starts, k0.b, t, k0.t0);
     for (int q = 0; q < ns; ++q)
         mb_load_async(c_tile(q), xc, conv, r0, r1, ccol + 64 * q, min(64, s - 64 * q));
     // (committed with the first step's copies)
@@ -104,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
             mb_load_async(st_tile(q), states + k.st + (size_t)p0 * s, s, 0, pc, 64 * q,
                           min(64, s - 64 * q));
         mb_cp_commit();
-        if (p0 == 0) mb_put_decayed(ms, g, lm, dv);
+        if (p0 == 0) mb_put_decayed(ms, g, lm, dv, from);
         mb_cp_wait<0>();
         __syncthreads();
         float acc[4][4], off[4][4];
@@ -120,7 +136,8 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int i = mb_row(a, c);
-                acc[a][c] += __expf(lm[i]) * off[a][c] + dsk * mb_get(xt, i, mb_col(a, c));
+                const float carried = from[i] < 0 ? __expf(lm[i]) * off[a][c] : 0.f;
+                acc[a][c] += carried + dsk * mb_get(xt, i, mb_col(a, c));
             }
         mb_store_tile16(y + k.row0 * inner + k.h * p + p0, inner, acc, rows, pc);
     }
@@ -163,9 +180,10 @@ extern "C" __global__ void __launch_bounds__(256, 2)
                               const bf16_t* __restrict__ dskip,
                               const mb_t* __restrict__ dy, float* __restrict__ dxc,
                               float* __restrict__ ddt, float* __restrict__ dlam,
-                              float* __restrict__ dd, int t,
+                              float* __restrict__ dd, const int* __restrict__ starts, int t,
                               int heads, int p, int s, int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
+    __shared__ int from[MB_L];  // packed rows' mb_from over the chunk
     mb_t* ms = mb_tile(mb_raw, 0);  // a head's M[i][j] = G·W·dtv_j, then dGΣ
     mb_t* t1 = mb_tile(mb_raw, 1);  // C [i][s] (the pass's columns)
     // two buffers each: dy [i][p] (in the passes exp(lam_i)·dy), and x [j][p] or S [p][s]; B
@@ -197,10 +215,15 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         float* v = vec + hh * MB_SV * MB_L;
         v[i] = lam[pos + i];
         v[MB_L + i] = dtv[pos + i];
-        v[2 * MB_L + i] = __expf(v[i]);
+        // (exp(lam_i) carries the start state into i, w_i position i into the end state:
+        // each only within its sample)
+        const int fi = mb_from(starts, k0.b, t, k0.t0, i);
+        const int fl = mb_from(starts, k0.b, t, k0.t0, MB_L - 1);
+        v[2 * MB_L + i] = fi < 0 ? __expf(v[i]) : 0.f;
         v[3 * MB_L + i] = v[4 * MB_L + i] = v[5 * MB_L + i] = v[7 * MB_L + i] = 0.f;
-        v[6 * MB_L + i] = __expf(lam[pos + MB_L - 1] - v[i]) * v[MB_L + i];
+        v[6 * MB_L + i] = i >= fl ? __expf(lam[pos + MB_L - 1] - v[i]) * v[MB_L + i] : 0.f;
     }
+    mb_load_from(from, starts, k0.b, t, k0.t0);
     // Step u's tiles of the first part: dy and x of head u / np, columns 64·(u % np).., and
     // with `down` the head's R rows of those columns (and, with the first, the chunk's B).
     auto load1 = [&](int u) {
@@ -235,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         const int xcol = k.h * p;
         __syncthreads();  // step u − 1's products are done with ms and its buffers
         if (p0 == 0) {
-            mb_put_decayed(ms, g, lm, dv);
+            mb_put_decayed(ms, g, lm, dv, from);
             mb_zero(dm);
             ddsum = 0.f;
         }
@@ -286,8 +309,9 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             }
         mb_store_tile(dxc + k.row0 * conv + xcol + p0, conv, acc, rows, pc);
         if (p0 + 64 < p) continue;
-        // The head's last step. Per (i, j ≤ i): W = exp(lam_i − lam_j); dG = dM·W·dtv_j (into
-        // dGΣ); ddt_j += dM·G·W; q = dM·G·W·dtv_j: dlam_i += q, dlam_j −= q.
+        // The head's last step. Per (i, j) where i sees j (mb_sees): W = exp(lam_i − lam_j);
+        // dG = dM·W·dtv_j (into dGΣ); ddt_j += dM·G·W; q = dM·G·W·dtv_j: dlam_i += q,
+        // dlam_j −= q.
         float* rsum = hv + 3 * MB_L;  // dlam from the rows' sums
         float* csum = rsum + MB_L;     // dlam from the columns' sums
         float* dts = csum + MB_L;      // ddt [j]
@@ -298,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             for (int c = 0; c < 4; ++c) {
                 const int i = mb_row(a, c), j = mb_col(a, c);
                 dmgw[a][c] = q[a][c] = 0.f;
-                if (j <= i) {
+                if (mb_sees(from, i, j)) {
                     const float wgt = __expf(lm[i] - lm[j]);
                     dgs[a][c] += dm[a][c] * wgt * dv[j];
                     dmgw[a][c] = dm[a][c] * g[a][c] * wgt;
@@ -496,7 +520,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
             // through w_j = exp(lam_last − lam_j)·dtv_j: ddt_j += dw_j·exp(lam_last − lam_j),
             // dlam_j −= q_j, dlam_last += Σ q (onto the walk's share there)
             const float dw = v[7 * MB_L + i];
-            dd += dw * __expf(v[MB_L - 1] - v[i]);
+            if (i >= from[MB_L - 1]) dd += dw * __expf(v[MB_L - 1] - v[i]);
             dl -= dw * v[6 * MB_L + i];
             if (i == MB_L - 1) dl += red[hh] + dlam[pos + i];
         }

@@ -6,21 +6,23 @@
 
 // The chunks' start states in one walk over the chunks: S_0 = 0, S_{c+1} = exp(lam_last(c))·S_c
 // + Σ_i exp(lam_last(c) − lam_i)·dtv_i·x_i[p]·B_i[s] (chunk c's own contribution), stored in
-// the 16-bit type ([B, H, chunks, P, S]). A block per (64 head columns, NS·64 state columns,
-// batch row · head) carries its NS tiles of the state in f32 accumulators from chunk to chunk,
-// so the state never goes through global memory in f32; its x tile is shared by the NS
-// products (NS = 2: a state of 128 in one block, x read once a chunk instead of twice). Its x
-// and B tiles and dt values come by cp.async into a ring of MB_WS stages, two chunks ahead of
-// their product; x's rows are scaled in shared memory once they land. Shapes whose tiles are
-// not whole 16-byte rows walk each of the block's state tiles in turn, loading each chunk's
-// tiles when it comes (mb_load).
+// the 16-bit type ([B, H, chunks, P, S]); packed rows keep of chunk c's inputs those of its last
+// position's sample, and of S_c nothing where that sample starts in the chunk (mb_from). A
+// block per (64 head columns, NS·64 state columns, batch row · head) carries its NS tiles of
+// the state in f32 accumulators from chunk to chunk, so the state never goes through global
+// memory in f32; its x tile is shared by the NS products (NS = 2: a state of 128 in one
+// block, x read once a chunk instead of twice). Its x and B tiles and dt values come by
+// cp.async into a ring of MB_WS stages, two chunks ahead of their product; x's rows are scaled
+// in shared memory once they land. Shapes whose tiles are not whole 16-byte rows walk each of
+// the block's state tiles in turn, loading each chunk's tiles when it comes (mb_load).
 #define MB_WS 3
 template <int NS>
 __device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
                                               const float* __restrict__ dtv,
                                               const float* __restrict__ lam,
-                                              mb_t* __restrict__ states, int t, int heads, int p,
-                                              int s, int groups, int chunks,
+                                              mb_t* __restrict__ states,
+                                              const int* __restrict__ starts, int t, int heads,
+                                              int p, int s, int groups, int chunks,
                                               unsigned char* mb_raw) {
     // stage q: x [i][p] (tile (1 + NS)q), B [i][s] (tiles (1 + NS)q + 1..), lam and dtv [i]
     // (vectors 2q, 2q + 1)
@@ -53,9 +55,10 @@ __device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
                 if (c + 1 == chunks) break;
                 const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
                 const float last = lm[c * MB_L + MB_L - 1];
+                const int fl = mb_from(starts, b, t, c * MB_L, MB_L - 1);
                 __syncthreads();  // the last product is done with the tiles and w
                 for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
-                    w[i] = __expf(last - lm[c * MB_L + i]) * dv[c * MB_L + i];
+                    w[i] = i >= fl ? __expf(last - lm[c * MB_L + i]) * dv[c * MB_L + i] : 0.f;
                 __syncthreads();
                 mb_load(xs, xc, conv, r0, r1, xcol, pc, w);
                 mb_load(bs, xc, conv, r0, r1, bcol + 64 * si, sc, nullptr);
@@ -63,7 +66,7 @@ __device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
 #pragma unroll
                 for (int a = 0; a < 4; ++a)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[0][a][q] *= __expf(last);
+                    for (int q = 0; q < 4; ++q) acc[0][a][q] *= fl < 0 ? __expf(last) : 0.f;
                 // A(p, i) = xs[i][p], B(i, s) = bs[i][s]
                 mb_mm<true, false>(acc[0], xs, bs, MB_L);
             }
@@ -112,15 +115,17 @@ __device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
         mb_t* xs = mb_tile(mb_raw, TS * q);
         const float* lv = vecs + 2 * q * MB_L;
         const float last = lv[MB_L - 1];
+        const int fl = mb_from(starts, b, t, c * MB_L, MB_L - 1);
         // x's rows times exp(lam_last − lam_i)·dtv_i
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
             const int e = threadIdx.x + 256 * e2, i = e >> 3, j = (e & 7) * 8;
             uint4* cell = reinterpret_cast<uint4*>(xs + i * MB_LDH + j);
-            mb_store16<mb_t>(xs, i, j, *cell, __expf(last - lv[i]) * lv[MB_L + i], true);
+            mb_store16<mb_t>(xs, i, j, *cell, i >= fl ? __expf(last - lv[i]) * lv[MB_L + i] : 0.f,
+                             true);
         }
         __syncthreads();
-        const float decay = __expf(last);
+        const float decay = fl < 0 ? __expf(last) : 0.f;
 #pragma unroll
         for (int si = 0; si < NS; ++si) {
 #pragma unroll
@@ -137,10 +142,12 @@ __device__ __forceinline__ void mb_state_walk(const bf16_t* __restrict__ xc,
 #define MB_WALK(name, NS)                                                                      \
     extern "C" __global__ void __launch_bounds__(256)                                          \
         name(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,                      \
-             const float* __restrict__ lam, mb_t* __restrict__ states, int t, int heads, int p, \
-             int s, int groups, int chunks) {                                                  \
+             const float* __restrict__ lam, mb_t* __restrict__ states,                          \
+             const int* __restrict__ starts, int t, int heads, int p, int s, int groups,       \
+             int chunks) {                                                                     \
         extern __shared__ __align__(16) unsigned char mb_raw[];                                \
-        mb_state_walk<NS>(xc, dtv, lam, states, t, heads, p, s, groups, chunks, mb_raw);       \
+        mb_state_walk<NS>(xc, dtv, lam, states, starts, t, heads, p, s, groups, chunks,        \
+                          mb_raw);                                                             \
     }
 MB_WALK(mamba_state_walk_bf16, 1)
 MB_WALK(mamba_state_walk2_bf16, 2)
@@ -150,7 +157,9 @@ MB_WALK(mamba_state_walk2_bf16, 2)
 // down[c] = dS_{c+1} (the gradient of chunk c's own contribution, in the 16-bit type its only
 // reader's tiles round to: mamba_chunk_state_bwd), dlam at chunk c's last position +=
 // exp(L_c)·Σ dS_{c+1}·S_c (the decay's share; S_c the chunk's start state), and
-// dS_c = exp(L_c)·dS_{c+1} + Σ_i exp(lam_i)·dy_i[p]·C_i[s] (the chunk's outputs' share). A
+// dS_c = exp(L_c)·dS_{c+1} + Σ_i exp(lam_i)·dy_i[p]·C_i[s] (the chunk's outputs' share; packed
+// rows drop the terms the forward dropped, mb_from: exp(L_c) where chunk c's last position's
+// sample starts in it, exp(lam_i) where position i's does). A
 // block per (64 head columns, NS·64 state columns, batch row · head) carries dS in f32
 // accumulators, its dy tile shared by the NS products; each chunk's dy, C and S tiles come by
 // cp.async a chunk ahead, dy's rows scaled by exp(lam_i) by the thread that copied them once
@@ -162,9 +171,10 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
                                                   const float* __restrict__ lam,
                                                   const mb_t* __restrict__ states,
                                                   float* __restrict__ dlam,
-                                                  mb_t* __restrict__ down, int t, int heads,
-                                                  int p, int s, int groups, int chunks,
-                                                  unsigned char* mb_raw) {
+                                                  mb_t* __restrict__ down,
+                                                  const int* __restrict__ starts, int t,
+                                                  int heads, int p, int s, int groups,
+                                                  int chunks, unsigned char* mb_raw) {
     // stage q: exp(lam_i)·dy [i][p] (tile TS·q), C [i][s] (TS·q + 1 + si), S [p][s]
     // (TS·q + 1 + NS + si)
     constexpr int TS = 1 + 2 * NS;
@@ -189,7 +199,7 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
     // Chunk c for the block's first n state tiles: the decay's share of dlam from S_c (tiles
     // stt(si)), then dS_c from exp(lam)·dy (dyt) and C (ct(si)).
     auto chunk = [&](int c, const mb_t* dyt, auto ct, auto stt, float last, int n) {
-        const float d = __expf(last);
+        const float d = mb_from(starts, b, t, c * MB_L, MB_L - 1) < 0 ? __expf(last) : 0.f;
         float share = 0.f;
 #pragma unroll
         for (int si = 0; si < NS; ++si) {
@@ -223,8 +233,10 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
                 if (c == 0) break;
                 const int r0 = b * t + c * MB_L, r1 = r0 + min(t - c * MB_L, MB_L);
                 __syncthreads();  // the last chunk's product is done with the tiles and el
-                for (int i = threadIdx.x; i < MB_L; i += blockDim.x)
-                    el[i] = __expf(lm[c * MB_L + i]);
+                for (int i = threadIdx.x; i < MB_L; i += blockDim.x) {
+                    const bool in = mb_from(starts, b, t, c * MB_L, i) < 0;
+                    el[i] = in ? __expf(lm[c * MB_L + i]) : 0.f;
+                }
                 __syncthreads();
                 mb_load(dyt, dy, inner, r0, r1, xcol, pc, el);
                 mb_load(ct, xc, conv, r0, r1, ccol + 64 * si, sc, nullptr);
@@ -254,7 +266,10 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
         }
         mb_cp_commit();
 #pragma unroll
-        for (int e = 0; e < 2; ++e) erow[e] = __expf(lm[c * MB_L + ((threadIdx.x + 256 * e) >> 3)]);
+        for (int e = 0; e < 2; ++e) {
+            const int i = (threadIdx.x + 256 * e) >> 3;
+            erow[e] = mb_from(starts, b, t, c * MB_L, i) < 0 ? __expf(lm[c * MB_L + i]) : 0.f;
+        }
         last = lm[c * MB_L + MB_L - 1];
     };
     issue(chunks - 1);
@@ -287,11 +302,11 @@ __device__ __forceinline__ void mb_state_walk_bwd(const bf16_t* __restrict__ xc,
     extern "C" __global__ void __launch_bounds__(256, BLOCKS)                                  \
         name(const bf16_t* __restrict__ xc, const mb_t* __restrict__ dy,                        \
              const float* __restrict__ lam, const mb_t* __restrict__ states,                    \
-             float* __restrict__ dlam, mb_t* __restrict__ down, int t, int heads, int p, int s, \
-             int groups, int chunks) {                                                         \
+             float* __restrict__ dlam, mb_t* __restrict__ down, const int* __restrict__ starts, \
+             int t, int heads, int p, int s, int groups, int chunks) {                         \
         extern __shared__ __align__(16) unsigned char mb_raw[];                                \
-        mb_state_walk_bwd<NS>(xc, dy, lam, states, dlam, down, t, heads, p, s, groups, chunks, \
-                              mb_raw);                                                         \
+        mb_state_walk_bwd<NS>(xc, dy, lam, states, dlam, down, starts, t, heads, p, s, groups, \
+                              chunks, mb_raw);                                                 \
     }
 MB_WALK_BWD(mamba_state_walk_bwd_bf16, 1, 3)
 MB_WALK_BWD(mamba_state_walk2_bwd_bf16, 2, 2)
@@ -310,8 +325,8 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     mamba_chunk_state_bwd_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                                const float* __restrict__ lam, const mb_t* __restrict__ down,
                                float* __restrict__ dxc, float* __restrict__ ddt,
-                               float* __restrict__ dlam, int t, int heads, int p, int s,
-                               int groups, int hb) {
+                               float* __restrict__ dlam, const int* __restrict__ starts, int t,
+                               int heads, int p, int s, int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
     // tiles 0, 1: x [j][p]; 2, 3: B [j][s]; 4, 5: R [p][s]
     float* vec = mb_vecs(mb_raw, 6);   // per head: w_j, Σ_p x_j[p]·v_j[p] [2][MB_L]
@@ -323,10 +338,13 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     const int rows = min(t - k0.t0, MB_L);
     const int r0 = (int)k0.row0, r1 = r0 + rows;
     const int bcol = heads * p + k0.g * s;
+    // (packed rows: only the last position's sample goes into the end state)
+    const int fl = mb_from(starts, k0.b, t, k0.t0, MB_L - 1);
     for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
         const int hh = e / MB_L, i = e % MB_L;
         const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
-        vec[hh * 2 * MB_L + i] = __expf(lam[pos + MB_L - 1] - lam[pos + i]) * dtv[pos + i];
+        vec[hh * 2 * MB_L + i] =
+            i >= fl ? __expf(lam[pos + MB_L - 1] - lam[pos + i]) * dtv[pos + i] : 0.f;
         vec[hh * 2 * MB_L + MB_L + i] = 0.f;
     }
     if (hb > 1)
@@ -442,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         float qs = 0.f;
         for (int j = threadIdx.x & 31; j < MB_L; j += 32) {
             const float q = dw[j] * w[j];
-            ddt[pos + j] += dw[j] * __expf(last - lam[pos + j]);
+            if (j >= fl) ddt[pos + j] += dw[j] * __expf(last - lam[pos + j]);
             dlam[pos + j] -= q;
             qs += q;
         }
@@ -465,8 +483,8 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 extern "C" __global__ void __launch_bounds__(256, 3)
     mamba_chunk_state_db_bf16(const bf16_t* __restrict__ xc, const float* __restrict__ dtv,
                               const float* __restrict__ lam, const mb_t* __restrict__ down,
-                              float* __restrict__ dxc, int t, int heads, int p, int s,
-                              int groups, int hb) {
+                              float* __restrict__ dxc, const int* __restrict__ starts, int t,
+                              int heads, int p, int s, int groups, int hb) {
     extern __shared__ __align__(16) unsigned char mb_raw[];
     const int np = (p + 63) / 64, ns = (s + 63) / 64;
     const bool pair = np == 1 && ns == 2;
@@ -478,10 +496,11 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     const int rows = min(t - k0.t0, MB_L);
     const int r0 = (int)k0.row0, r1 = r0 + rows;
     const int bcol = heads * p + k0.g * s;
+    const int fl = mb_from(starts, k0.b, t, k0.t0, MB_L - 1);  // (as mamba_chunk_state_bwd)
     for (int e = threadIdx.x; e < hb * MB_L; e += blockDim.x) {
         const int hh = e / MB_L, i = e % MB_L;
         const size_t pos = mb_chunk_of(t, heads, groups, p, s, h0 + hh).pos;
-        wv[e] = __expf(lam[pos + MB_L - 1] - lam[pos + i]) * dtv[pos + i];
+        wv[e] = i >= fl ? __expf(lam[pos + MB_L - 1] - lam[pos + i]) * dtv[pos + i] : 0.f;
     }
     if (pair) {
         // Step hh: head hh's x tile and its two R tiles.

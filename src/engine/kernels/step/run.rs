@@ -92,12 +92,6 @@ impl ModelStep {
                 "whole-model step: packed rows need flash attention and no learned positions",
             ));
         }
-        if r.segments.is_some() && self.layers.iter().any(|li| li.mamba.is_some()) {
-            return Err(err(
-                "whole-model step: packed rows through Mamba layers (the scan has no sample \
-                 boundaries)",
-            ));
-        }
         let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
         self.stream.memcpy_htod(r.inputs, &mut a.ids).w()?;
         self.stream.memcpy_htod(r.targets, &mut a.targets).w()?;
