@@ -843,3 +843,24 @@ fn a_granite_hybrid_with_experts_goes_out_as_llama_cpp_writes_it() {
         assert!(!tensors.contains_key(&format!("blk.0.{dense}")), "{dense}");
     }
 }
+
+/// The Hugging Face directory a GGUF file is read through is a cache of the model's whole
+/// weights: once its file is gone, or rewritten, the next file read removes it.
+#[test]
+fn caches_of_gone_or_rewritten_files_are_removed() {
+    use cockpit::engine::gguf::load::materialize;
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a.gguf"), tmp.path().join("b.gguf"));
+    export(&fixture("llama3"), &a, "f32");
+    export(&fixture("llama3"), &b, "f32");
+    let da = materialize(&a).unwrap();
+    let db = materialize(&b).unwrap();
+    assert!(da.is_dir() && db.is_dir() && da != db);
+    // b rewritten (another size: a new cache), a removed: both old caches go.
+    std::fs::remove_file(&a).unwrap();
+    export(&fixture("llama3"), &b, "q8_0");
+    let db2 = materialize(&b).unwrap();
+    assert!(db2.join("config.json").is_file());
+    assert!(!da.exists(), "{} outlived its file", da.display());
+    assert!(!db.exists(), "{} outlived its file's rewrite", db.display());
+}

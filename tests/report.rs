@@ -481,18 +481,37 @@ fn a_directory_without_metrics_is_refused() {
 
 #[test]
 fn resumed_runs_keep_the_timeline_that_continued() {
+    // Resumed from the checkpoint at step 5 (as the engine numbers them: the resumed run's
+    // first step is 6): step 5 and its eval belong to the timeline that continued, the first
+    // run's steps past 5 and its eval at 10 do not.
     let mut events = vec![Event::RunStarted(run_info(0))];
     events.extend((1..=10).map(|i| step(i, 5.0)));
+    events.push(eval(5, 5.0));
     events.push(eval(10, 5.0));
-    events.push(Event::RunStarted(run_info(6)));
+    events.push(Event::RunStarted(run_info(5)));
     events.extend((6..=8).map(|i| step(i, 1.0)));
     let m = report::RunMetrics::from_events(events);
     let steps: Vec<u64> = m.steps.iter().map(|s| s.step).collect();
     assert_eq!(steps, [1, 2, 3, 4, 5, 6, 7, 8]);
+    assert!(m.steps[..5].iter().all(|s| s.loss == 5.0));
     assert!(m.steps[5..].iter().all(|s| s.loss == 1.0));
-    assert!(m.evals.is_empty());
-    assert_eq!(m.info.as_ref().map(|i| i.start_step), Some(6));
+    let evals: Vec<u64> = m.evals.iter().map(|e| e.step).collect();
+    assert_eq!(evals, [5]);
+    assert_eq!(m.info.as_ref().map(|i| i.start_step), Some(5));
     assert_eq!(m.events.len(), 2);
+}
+
+#[test]
+fn resuming_a_finished_run_keeps_its_last_step() {
+    // A run that reached max_steps (10), resumed at once with the same max_steps: the second
+    // run starts and ends at step 10, and the results at step 10 stay.
+    let mut events = vec![Event::RunStarted(run_info(0))];
+    events.extend((1..=10).map(|i| step(i, 5.0)));
+    events.push(eval(10, 4.0));
+    events.push(Event::RunStarted(run_info(10)));
+    let m = report::RunMetrics::from_events(events);
+    assert_eq!(m.steps.len(), 10);
+    assert_eq!(m.val_loss(), vec![(10.0, 4.0)]);
 }
 
 #[test]

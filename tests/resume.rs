@@ -190,6 +190,27 @@ fn resume_checks_config_changes() {
     .unwrap();
     assert!(err.to_string().contains("model.n_layer"), "{err}");
     assert!(err.is_usage());
+    // A max_steps the checkpoint (step 6) is already past: refused as a usage error, before
+    // anything of the run's is rewritten.
+    let config = std::fs::read(dir.path().join("training_config.json")).unwrap();
+    let err = Engine::spawn(opts(
+        small(&["run.max_steps=3"]),
+        dir.path(),
+        Some(dir.path().into()),
+        vec![],
+    ))
+    .err()
+    .unwrap();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("step 6") && msg.contains("run.max_steps = 3"),
+        "{msg}"
+    );
+    assert!(err.is_usage());
+    assert_eq!(
+        std::fs::read(dir.path().join("training_config.json")).unwrap(),
+        config
+    );
 }
 
 /// `model.recompute` changes what the fast step keeps for the backward, not the model: a run

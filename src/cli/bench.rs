@@ -333,6 +333,10 @@ impl std::fmt::Display for SoakReport {
 
 pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
     super::log_to_stderr();
+    if a.steps == 0 {
+        crate::errln!("cockpit bench: --steps 0: time at least 1 step");
+        return Ok(super::EXIT_USAGE);
+    }
     let total = a.warmup + a.steps;
     let mut overrides = a.set.to_vec();
     overrides.extend([

@@ -121,6 +121,12 @@ pub fn many(m: Many, a: GenerateArgs) -> anyhow::Result<i32> {
     // directory that cannot be written fails at once), and renamed over it once whole: a run
     // that fails leaves an earlier file of that name as it was.
     let mut file = match &m.output {
+        Some(p) if p.is_dir() => {
+            return usage(&format!(
+                "--output {}: a directory (name the file to write)",
+                p.display()
+            ));
+        }
         Some(p) => {
             let dir = match p.parent() {
                 Some(d) if !d.as_os_str().is_empty() => d,

@@ -399,7 +399,8 @@ pub fn run(a: SweepArgs) -> anyhow::Result<i32> {
         .with_context(|| format!("writing {}", plan_path.display()))?;
     let exe = std::env::current_exe().context("finding the cockpit executable")?;
     let total = plan.runs.len();
-    let max_steps = base.config.run.max_steps;
+    // (--max-steps is every run's: the base config loaded here does not carry it.)
+    let max_steps = a.max_steps.unwrap_or(base.config.run.max_steps);
     let slots = {
         let device = base.config.run.device.as_str();
         // Counting GPUs starts the CUDA driver: only where a GPU may be used.

@@ -395,10 +395,29 @@ fn prune(root: &Path, keep_last: usize) {
     }
 }
 
-/// Resolve `latest`, a run dir, a checkpoints dir or a step dir to a step dir.
+/// The pointer files of a checkpoints dir that name a step dir (`best` adds its loss).
+const POINTERS: [&str; 2] = [LATEST, "best"];
+
+/// Resolve a run dir, a checkpoints dir, a step dir, or one of the pointer files (`latest`,
+/// `best`) in a checkpoints dir to a step dir.
 pub fn resolve(spec: &Path) -> Result<PathBuf, CheckpointError> {
     if spec.join("manifest.json").is_file() {
         return Ok(spec.to_path_buf());
+    }
+    let pointer = spec
+        .file_name()
+        .is_some_and(|n| POINTERS.iter().any(|p| n == *p));
+    if let (true, true, Some(root)) = (pointer, spec.is_file(), spec.parent()) {
+        let text = crate::util::read_regular_file(spec, 4096).map_err(io(spec))?;
+        let name = text.split_whitespace().next().unwrap_or_default();
+        let dir = root.join(name);
+        if !name.is_empty() && dir.join("manifest.json").is_file() {
+            return Ok(dir);
+        }
+        return Err(CheckpointError::Corrupt {
+            path: spec.display().to_string(),
+            message: format!("points at {} which holds no manifest.json", dir.display()),
+        });
     }
     for root in [spec.to_path_buf(), spec.join("checkpoints")] {
         let latest = root.join(LATEST);
@@ -540,6 +559,30 @@ mod tests {
             let e = ensure_finite("model", v.iter().map(|(n, t)| (n, t))).unwrap_err();
             assert!(e.to_string().contains("non-finite"), "{e}");
         }
+    }
+
+    #[test]
+    fn the_pointer_files_resolve_to_their_step_dirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("checkpoints");
+        for d in ["step-00000010", "step-00000020"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+            std::fs::write(root.join(d).join("manifest.json"), b"{}").unwrap();
+        }
+        std::fs::write(root.join(LATEST), "step-00000020").unwrap();
+        std::fs::write(root.join("best"), "step-00000010 2.5").unwrap();
+        assert_eq!(
+            resolve(&root.join("best")).unwrap(),
+            root.join("step-00000010")
+        );
+        assert_eq!(
+            resolve(&root.join(LATEST)).unwrap(),
+            root.join("step-00000020")
+        );
+        assert_eq!(resolve(dir.path()).unwrap(), root.join("step-00000020"));
+        std::fs::write(root.join("best"), "step-00000030 2.0").unwrap();
+        let e = resolve(&root.join("best")).unwrap_err().to_string();
+        assert!(e.contains("step-00000030") && e.contains("best"), "{e}");
     }
 
     #[test]

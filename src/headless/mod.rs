@@ -343,6 +343,15 @@ pub fn run(
         match events.recv_timeout(Duration::from_millis(100)) {
             Ok(ev) => {
                 p.observe(&ev);
+                // (The last progress line before the run's end, not after it.)
+                if matches!(ev, Event::Finished { .. }) {
+                    if let Some(l) = p
+                        .line()
+                        .filter(|_| p.step.as_ref().is_some_and(|s| s.step != printed_step))
+                    {
+                        let _ = writeln!(out, "{l}");
+                    }
+                }
                 if let Some(l) = event_line(&ev) {
                     match (&ev, paused_at) {
                         (Event::Resumed { .. }, Some(at)) => {
@@ -367,12 +376,6 @@ pub fn run(
                     _ => {}
                 }
                 if let Event::Finished { reason, .. } = ev {
-                    if let Some(l) = p
-                        .line()
-                        .filter(|_| p.step.as_ref().is_some_and(|s| s.step != printed_step))
-                    {
-                        let _ = writeln!(out, "{l}");
-                    }
                     return HeadlessOutcome {
                         finished: Some(reason),
                         interrupted,
@@ -412,6 +415,11 @@ mod tests {
 
     /// The headless output for these events, with a progress line after every event.
     fn output(evs: Vec<Event>, telemetry: Option<MonitorUpdate>) -> String {
+        output_every(evs, telemetry, Duration::ZERO)
+    }
+
+    /// The headless output for these events, a progress line at most every `every`.
+    fn output_every(evs: Vec<Event>, telemetry: Option<MonitorUpdate>, every: Duration) -> String {
         let (tx, rx) = events::channel(1000);
         for ev in evs {
             tx.send(ev);
@@ -427,7 +435,7 @@ mod tests {
             cmd_tx,
             Some(tel_rx),
             &SignalFlags::default(),
-            Duration::ZERO,
+            every,
             Output {
                 out: &mut out,
                 hangup_log: None,
@@ -482,6 +490,33 @@ mod tests {
             text.contains("step 3/100 | loss 2.000 | lr 1.0e-3 | 1.0k tok/s | ETA 49s"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_last_progress_line_comes_before_the_end() {
+        // Progress lines an hour apart: only the end brings the last step's line out.
+        let text = output_every(
+            vec![
+                Event::RunStarted(run_info()),
+                step(1),
+                step(2),
+                Event::Finished {
+                    step: 2,
+                    reason: FinishReason::Completed,
+                    message: "reached max_steps (2)".into(),
+                    elapsed_s: 1.0,
+                },
+            ],
+            None,
+            Duration::from_secs(3600),
+        );
+        let lines: Vec<&str> = text.lines().collect();
+        let last = lines.iter().position(|l| l.starts_with("step 2/100"));
+        let end = lines.iter().position(|l| l.contains("reached max_steps"));
+        match (last, end) {
+            (Some(a), Some(b)) => assert!(a < b, "{text}"),
+            _ => panic!("{text}"),
+        }
     }
 
     #[test]

@@ -11,8 +11,10 @@ use crate::telemetry::Snapshot;
 /// A run's metrics, split by kind, in file order.
 ///
 /// When the log holds a resumed run (a second `run_started` whose `start_step` is behind
-/// steps already logged), the abandoned points at or after `start_step` are dropped, so every
-/// series stays ordered by step and shows the timeline that continued.
+/// steps already logged), the abandoned points after `start_step` are dropped, so every
+/// series stays ordered by step and shows the timeline that continued. The points at
+/// `start_step` stay: they are the checkpoint's own step, where the resumed run begins (its
+/// first step is `start_step + 1`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RunMetrics {
     /// The latest `run_started` event.
@@ -44,9 +46,9 @@ impl RunMetrics {
             Event::Scu(s) => self.scu.push(s),
             Event::RunStarted(info) => {
                 let start = info.start_step;
-                self.steps.retain(|s| s.step < start);
-                self.evals.retain(|e| e.step < start);
-                self.scu.retain(|s| s.step < start);
+                self.steps.retain(|s| s.step <= start);
+                self.evals.retain(|e| e.step <= start);
+                self.scu.retain(|s| s.step <= start);
                 self.info = Some(info.clone());
                 self.events.push(Event::RunStarted(info));
             }

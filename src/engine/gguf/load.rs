@@ -52,7 +52,10 @@ fn model_type(arch: &str) -> Option<&'static str> {
 }
 
 /// Changes when what a cache directory holds does (a directory written before is remade).
-const CACHE_FORMAT: u32 = 3;
+const CACHE_FORMAT: u32 = 4;
+
+/// The file in a cache directory that names the GGUF file it was made from (canonical path).
+const SOURCE: &str = ".source";
 
 /// The cache directory of `path` (its canonical path, size and modification time).
 fn cache_dir(path: &Path) -> Result<PathBuf, CheckpointError> {
@@ -84,7 +87,36 @@ fn cache_dir(path: &Path) -> Result<PathBuf, CheckpointError> {
         .join(format!("{stem}-{hash}")))
 }
 
-/// The Hugging Face directory of the GGUF file at `path`, written on first use.
+/// Removes the cache directories (beside `keep`) whose GGUF file is gone or was rewritten
+/// since (a directory of an older cache format, which names none, too): the cache holds a
+/// model's whole weights, so what no file can ask for again is not left behind. Scratch
+/// directories (a materialize in progress) are left alone.
+fn prune_cache(parent: &Path, keep: &Path, source: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        let hidden = p
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with('.'));
+        if p == keep || hidden || !p.is_dir() {
+            continue;
+        }
+        let stale = match std::fs::read_to_string(p.join(SOURCE)) {
+            // (the same file, since rewritten: its current cache is `keep`)
+            Ok(src) => !Path::new(src.trim()).is_file() || Path::new(src.trim()) == source,
+            Err(_) => true,
+        };
+        if stale {
+            let _ = std::fs::remove_dir_all(&p);
+        }
+    }
+}
+
+/// The Hugging Face directory of the GGUF file at `path`, written on first use (under the
+/// system's temporary directory, `cockpit-gguf/`; caches of files that are gone or changed
+/// are removed when a new one is written).
 pub fn materialize(path: &Path) -> Result<PathBuf, CheckpointError> {
     let dir = cache_dir(path)?;
     if dir.join(".complete").is_file() {
@@ -94,6 +126,8 @@ pub fn materialize(path: &Path) -> Result<PathBuf, CheckpointError> {
     let g = Gguf::parse(bytes).map_err(|m| corrupt(path, m))?;
     let parent = dir.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| corrupt(parent, e.to_string()))?;
+    let canon = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    prune_cache(parent, &dir, &canon);
     // (One scratch directory per call: two threads of one process may materialize the same
     // file at once; the first rename wins.)
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -111,6 +145,8 @@ pub fn materialize(path: &Path) -> Result<PathBuf, CheckpointError> {
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(corrupt(path, m));
     }
+    std::fs::write(tmp.join(SOURCE), canon.to_string_lossy().as_bytes())
+        .map_err(|e| corrupt(&tmp, e.to_string()))?;
     std::fs::write(tmp.join(".complete"), b"").map_err(|e| corrupt(&tmp, e.to_string()))?;
     if std::fs::rename(&tmp, &dir).is_err() {
         // another process or thread made it first

@@ -72,6 +72,12 @@ impl Trainer {
                 list
             )));
         }
+        if resume && l.state.step > self.cfg.run.max_steps {
+            return Err(mismatch(format!(
+                "the checkpoint is at step {}, past run.max_steps = {}: resume with a larger --max-steps (or run.max_steps)",
+                l.state.step, self.cfg.run.max_steps
+            )));
+        }
         if resume && !changes.is_empty() {
             self.resume_notes = changes;
         }
