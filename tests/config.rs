@@ -91,6 +91,21 @@ fn all_semantic_problems_are_reported_at_once() {
 }
 
 #[test]
+fn a_bad_learning_rate_is_reported_once() {
+    // Not again through the keys compared with it (schedule.min_lr, the upper bound).
+    for lr in ["nan", "inf", "-1.0"] {
+        let err = config::from_str("", "x.toml", Path::new("."), &[format!("optim.lr={lr}")])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(
+            err.contains("optim.lr") && err.contains("must be a positive number"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn llama_arch_sets_the_family_defaults_and_explicit_keys_win() {
     use cockpit::config::{Activation, Norm, PosEncoding};
     let load = |text: &str| {

@@ -425,8 +425,9 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
 
     // [optim]
     let o = &c.optim;
+    let lr_ok = o.lr > 0.0 && o.lr.is_finite();
     ck.positive("optim.lr", o.lr);
-    if o.lr > MAX_LR {
+    if lr_ok && o.lr > MAX_LR {
         ck.fail(
             "optim.lr",
             o.lr,
@@ -469,7 +470,8 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
             format!("must be at most run.max_steps ({})", c.run.max_steps),
         );
     }
-    if !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
+    // (against a bad optim.lr, only that one is reported)
+    if lr_ok && !(s.min_lr >= 0.0 && s.min_lr <= o.lr) {
         ck.fail(
             "schedule.min_lr",
             s.min_lr,

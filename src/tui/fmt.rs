@@ -144,12 +144,22 @@ pub fn tick(v: f64, step: f64) -> String {
     if a < 1e-12 {
         return "0".into();
     }
-    if !(1e-3..1e6).contains(&a) || !(1e-4..1e6).contains(&step) {
-        let s = format!("{v:.1e}");
-        // 2.0e-4 → 2e-4
+    let step_ok = step.is_finite() && step > 0.0;
+    if !(1e-3..1e6).contains(&a) || (step_ok && step >= 1e6) {
+        // as many mantissa decimals as tell ticks `step` apart (2e-4, 1.5e6, 3.91e-4)
+        let digits = if step_ok {
+            let (ev, es) = (a.log10().floor(), step.log10().floor());
+            let mantissa = tick_decimals(step / 10f64.powf(es)) as f64;
+            (ev - es + mantissa).clamp(0.0, 8.0) as usize
+        } else {
+            1
+        };
+        let s = format!("{v:.digits$e}");
+        // (2.0e-4 → 2e-4)
         return s.replace(".0e", "e");
     }
-    format!("{v:.*}", tick_decimals(step))
+    // (ticks closer than 1e-4 on values of ordinary size: as many decimals as they need)
+    format!("{v:.*}", tick_decimals(step).min(9))
 }
 
 /// [`tick`] with a percent sign.
@@ -239,6 +249,12 @@ mod tests {
         assert_eq!(tick(0.25, 0.25), "0.25");
         assert_eq!(tick(400.0, 200.0), "400");
         assert_eq!(tick(2e-4, 1e-4), "2e-4");
+        // ticks closer than 1e-4: still each its own label
+        assert_eq!(tick(3.90002, 0.00001), "3.90002");
+        assert_eq!(tick(3.90003, 0.00001), "3.90003");
+        assert_eq!(tick(3.91e-4, 1e-6), "3.91e-4");
+        assert_eq!(tick(2e6, 1e6), "2e6");
+        assert_eq!(tick(1.5e6, 5e5), "1.5e6");
         assert_eq!(tick_pct(1.5, 0.5), "1.5%");
         assert_eq!(ago(0.0, 30.0), "now");
         assert_eq!(ago(-90.0, 30.0), "-1m30s");

@@ -566,8 +566,12 @@ impl Widget for Plot<'_> {
             let w = text_width(&label) as u16;
             let col = frame.col(v);
             // centred under its column, pulled in at the ends (a label never leaves the
-            // panel or runs into the axis title)
-            let lowest = graph.left().saturating_sub(1);
+            // panel or runs into the axis title: in the corner, a column's gap after it)
+            let lowest = if corner {
+                graph.left()
+            } else {
+                graph.left().saturating_sub(1)
+            };
             let start = col
                 .saturating_sub(w / 2)
                 .min(right_limit.saturating_sub(w))
@@ -737,6 +741,41 @@ mod tests {
         assert!((10f64.powf(lo) - 2e-3).abs() < 1e-12);
         assert!((10f64.powf(hi) - 5e-3).abs() < 1e-12);
         assert_eq!(ticks.len(), 2);
+    }
+
+    /// A y range narrower than 1e-4 (a flat validation curve): every y tick its own label,
+    /// and the x title in the corner a column apart from the first x label.
+    #[test]
+    fn narrow_ranges_label_every_tick_and_the_corner_title_stands_apart() {
+        let theme = Theme::default();
+        let points = [(1000.0, 3.90001), (1500.0, 3.90003), (2000.0, 3.90004)];
+        let trace = Trace::Line {
+            points: &points,
+            style: Style::default(),
+            dashed: false,
+        };
+        let plot = Plot::over_steps(vec![], vec![trace], Some((1000.0, 2000.0)), "", &theme);
+        let area = Rect::new(0, 0, 40, 12);
+        let mut buf = Buffer::empty(area);
+        plot.render(area, &mut buf);
+        let rows: Vec<String> = (0..area.height)
+            .map(|y| (0..area.width).map(|x| buf[(x, y)].symbol()).collect())
+            .collect();
+        let text = rows.join("\n");
+        let labels: Vec<&str> = rows
+            .iter()
+            .filter_map(|r| r.strip_prefix('│')?.split(['┤', '│']).next().map(str::trim))
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert!(labels.len() >= 3, "{labels:?}\n{text}");
+        let mut unique = labels.clone();
+        unique.dedup();
+        assert_eq!(unique.len(), labels.len(), "{text}");
+        let x_row = rows
+            .iter()
+            .find(|r| r.contains("step"))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(x_row.contains("step "), "{text}");
     }
 
     #[test]
