@@ -141,10 +141,21 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
     }
     if let Some(n) = a.max_steps {
         // (as `train --max-steps`: every run gets the overrides, so a resumed sweep compares them)
-        if let Ok(c) = config::load(a.config, &base) {
-            let (w, total) = (c.config.schedule.warmup_steps, c.config.run.max_steps);
-            if let Some(w) = super::warmup_for_max_steps(w, total, n, super::sets_warmup(a.set)) {
-                base.push(format!("schedule.warmup_steps={w}"));
+        match config::load(a.config, &base) {
+            Ok(c) => {
+                let (w, total) = (c.config.schedule.warmup_steps, c.config.run.max_steps);
+                let set_w = super::sets_warmup(a.set);
+                if let Some(w) = super::warmup_for_max_steps(w, total, n, set_w) {
+                    base.push(format!("schedule.warmup_steps={w}"));
+                }
+            }
+            // (A config wrong whatever the warm-up: its own errors, without the warm-up
+            // complaint the scaling above would have settled — as `train --max-steps`.)
+            Err(_) => {
+                let mut probe = base.clone();
+                probe.push("schedule.warmup_steps=0".into());
+                probe.push(format!("run.max_steps={n}"));
+                config::load(a.config, &probe).map_err(PlanError::Config)?;
             }
         }
         base.push(format!("run.max_steps={n}"));

@@ -302,13 +302,22 @@ impl Prepared {
         } else {
             format!("{} separator tokens after each", m.separator.len())
         };
+        // (No validation files: the run cuts data.val_fraction of these off at load.)
+        let tokens = if m.val_sources.is_empty() && m.val_tokens == 0 {
+            format!(
+                "{} tokens ({}), the validation split cut from them (data.val_fraction)",
+                m.train_tokens, m.tokenizer
+            )
+        } else {
+            format!(
+                "{} train + {} val tokens ({})",
+                m.train_tokens, m.val_tokens, m.tokenizer
+            )
+        };
         format!(
-            "{} files, {} documents ({sep}), {} train + {} val tokens ({}), cache {}",
+            "{} files, {} documents ({sep}), {tokens}, cache {}",
             m.sources.len() + m.val_sources.len(),
             m.documents,
-            m.train_tokens,
-            m.val_tokens,
-            m.tokenizer,
             self.dir.display()
         )
     }

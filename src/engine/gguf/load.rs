@@ -105,7 +105,7 @@ fn prune_cache(parent: &Path, keep: &Path, source: &Path) {
         }
         let stale = match std::fs::read_to_string(p.join(SOURCE)) {
             // (the same file, since rewritten: its current cache is `keep`)
-            Ok(src) => !Path::new(src.trim()).is_file() || Path::new(src.trim()) == source,
+            Ok(src) => !Path::new(&src).is_file() || Path::new(&src) == source,
             Err(_) => true,
         };
         if stale {
