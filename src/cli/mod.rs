@@ -13,8 +13,10 @@ mod generate;
 mod gguf;
 mod hf;
 mod launch;
+mod max_steps;
 mod rank;
 mod restart;
+mod run_dirs;
 mod run_lock;
 mod sweep;
 
@@ -193,45 +195,6 @@ fn timestamp() -> String {
     chrono::Local::now().format("%Y%m%d-%H%M%S").to_string()
 }
 
-/// Whether a run dir's name is one cockpit gives a run of config name `name`:
-/// `NAME-YYYYmmdd-HHMMSS` or, in a SLURM job, `NAME-slurmJOBID` (not another config's
-/// `NAME-other-…`, nor a `--test-run`'s `NAME-test-…`).
-fn is_run_of(dir_name: &str, name: &str) -> bool {
-    let Some(rest) = dir_name
-        .strip_prefix(name)
-        .and_then(|r| r.strip_prefix('-'))
-    else {
-        return false;
-    };
-    let digits = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit());
-    let stamp = rest
-        .split_once('-')
-        .is_some_and(|(d, t)| digits(d, 8) && digits(t, 6));
-    let slurm = rest
-        .strip_prefix("slurm")
-        .is_some_and(|j| !j.is_empty() && j.bytes().all(|b| b.is_ascii_digit()));
-    stamp || slurm
-}
-
-/// The newest run dir of a config name that holds a checkpoint.
-fn latest_run(runs_root: &Path, name: &str) -> Option<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(runs_root)
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .is_some_and(|n| is_run_of(&n.to_string_lossy(), name))
-        })
-        .filter(|p| p.join("checkpoints").join(checkpoint::LATEST).is_file())
-        .collect();
-    dirs.sort_by_key(|p| {
-        std::fs::metadata(p.join("checkpoints").join(checkpoint::LATEST))
-            .and_then(|m| m.modified())
-            .ok()
-    });
-    dirs.pop()
-}
-
 /// Where a checkpoint dir's run lives: `<run>/checkpoints/step-N` → `<run>`.
 use crate::engine::locate::run_dir_of as run_dir_of_checkpoint;
 
@@ -353,21 +316,6 @@ fn resume_flags(a: &TrainArgs) -> Vec<String> {
     v
 }
 
-/// The warm-up of a run that `--max-steps n` cuts (or stretches) from `total` steps, where it
-/// changes: shortened with the run, in proportion — the embedded default warms up 50 of its 600
-/// steps, so a 60-step run warms up 5, not 50 — so that `--max-steps` alone always works and a
-/// shortened run keeps the schedule's shape. A warm-up given with `--set` (`explicit`) stays as
-/// given unless it is longer than the run.
-fn warmup_for_max_steps(w: u64, total: u64, n: u64, explicit: bool) -> Option<u64> {
-    (w > n || (!explicit && n < total)).then(|| (w * n / total.max(1)).min(n))
-}
-
-/// Whether `--set` flags give the warm-up.
-fn sets_warmup(set: &[String]) -> bool {
-    set.iter()
-        .any(|kv| kv.trim_start().starts_with("schedule.warmup_steps"))
-}
-
 /// Settings `--test-run` forces: a few steps that pass through every stage.
 fn apply_test_run(c: &mut Config) {
     c.run.max_steps = c.run.max_steps.min(4);
@@ -388,27 +336,9 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         overrides.push(format!("run.device={d:?}"));
     }
     if let Some(n) = a.max_steps {
-        let set_warmup = sets_warmup(&a.set);
-        match config::load(a.config.as_deref(), &overrides) {
-            Ok(base) => {
-                let c = &base.config;
-                let (w, total) = (c.schedule.warmup_steps, c.run.max_steps);
-                if let Some(w) = warmup_for_max_steps(w, total, n, set_warmup) {
-                    overrides.push(format!("schedule.warmup_steps={w}"));
-                }
-            }
-            // A config that is wrong whatever the warm-up: its own errors, without a
-            // warm-up complaint that the scaling above would have settled.
-            Err(_) => {
-                let mut probe = overrides.clone();
-                probe.push("schedule.warmup_steps=0".into());
-                probe.push(format!("run.max_steps={n}"));
-                if let Err(e) = config::load(a.config.as_deref(), &probe) {
-                    return Ok(config_error(&e));
-                }
-            }
+        if let Err(e) = max_steps::push(a.config.as_deref(), &a.set, &mut overrides, n) {
+            return Ok(config_error(&e));
         }
-        overrides.push(format!("run.max_steps={n}"));
     }
     let loaded = match config::load(a.config.as_deref(), &overrides) {
         Ok(l) => l,
@@ -443,7 +373,7 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
                 return Ok(EXIT_USAGE);
             }
         },
-        (Some("latest"), None) => match latest_run(&runs_root, &cfg.run.name) {
+        (Some("latest"), None) => match run_dirs::latest_run(&runs_root, &cfg.run.name) {
             Some(dir) => Some(dir),
             None => {
                 crate::errln!(
@@ -973,43 +903,5 @@ mod resume_hint_tests {
             r#"--set optim.lr=0.001 --set 'run.name="a b"' --max-steps 50"#
         );
         assert_eq!(shell_word("it's"), r"'it'\''s'");
-    }
-}
-
-#[cfg(test)]
-mod warmup_tests {
-    use super::warmup_for_max_steps as w;
-
-    #[test]
-    fn max_steps_shortens_the_warmup_in_proportion() {
-        // The embedded default (50 of 600): 60 steps warm up 5, 20 steps 1; no shorter run
-        // warms up longer than it lasts, none of the same length or longer changes.
-        assert_eq!(w(50, 600, 60, false), Some(5));
-        assert_eq!(w(50, 600, 20, false), Some(1));
-        assert_eq!(w(50, 600, 600, false), None);
-        assert_eq!(w(50, 600, 1200, false), None);
-        // Given with --set: kept unless longer than the run.
-        assert_eq!(w(10, 600, 60, true), None);
-        assert_eq!(w(100, 600, 60, true), Some(10));
-    }
-}
-
-#[cfg(test)]
-mod latest_run_tests {
-    use super::is_run_of;
-
-    #[test]
-    fn latest_takes_only_the_runs_of_that_name() {
-        assert!(is_run_of("exp-20261205-065512", "exp"));
-        assert!(is_run_of("exp-slurm4242", "exp"));
-        // Another config whose name begins with this one's, a test run, a stray dir.
-        assert!(!is_run_of("exp-lowlr-20261205-065512", "exp"));
-        assert!(!is_run_of("exp-test-20261205-065512", "exp"));
-        assert!(!is_run_of("exp-backup", "exp"));
-        assert!(!is_run_of("exp-2026120-065512", "exp"));
-        assert!(!is_run_of("exp-slurm", "exp"));
-        assert!(!is_run_of("experiment-20261205-065512", "exp"));
-        // (A config named like another's run with its suffix still finds its own.)
-        assert!(is_run_of("exp-lowlr-20261205-065512", "exp-lowlr"));
     }
 }

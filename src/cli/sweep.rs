@@ -141,24 +141,7 @@ pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
     }
     if let Some(n) = a.max_steps {
         // (as `train --max-steps`: every run gets the overrides, so a resumed sweep compares them)
-        match config::load(a.config, &base) {
-            Ok(c) => {
-                let (w, total) = (c.config.schedule.warmup_steps, c.config.run.max_steps);
-                let set_w = super::sets_warmup(a.set);
-                if let Some(w) = super::warmup_for_max_steps(w, total, n, set_w) {
-                    base.push(format!("schedule.warmup_steps={w}"));
-                }
-            }
-            // (A config wrong whatever the warm-up: its own errors, without the warm-up
-            // complaint the scaling above would have settled — as `train --max-steps`.)
-            Err(_) => {
-                let mut probe = base.clone();
-                probe.push("schedule.warmup_steps=0".into());
-                probe.push(format!("run.max_steps={n}"));
-                config::load(a.config, &probe).map_err(PlanError::Config)?;
-            }
-        }
-        base.push(format!("run.max_steps={n}"));
+        super::max_steps::push(a.config, a.set, &mut base, n).map_err(PlanError::Config)?;
     }
     let base_cfg = config::load(a.config, &base).map_err(PlanError::Config)?;
     // --set-grid wins over the config's [sweep] table; errors name where the entry came from.
