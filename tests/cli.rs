@@ -127,6 +127,64 @@ fn bad_set_overrides_exit_2_naming_the_argument() {
     }
 }
 
+/// A bad value given by a command's own flag is blamed on that flag, as typed — not on a
+/// `--set` the user never wrote, nor on the config file.
+#[test]
+fn bad_flag_values_exit_2_naming_the_flag() {
+    for (args, needle) in [
+        (
+            &["train", "--no-tui", "--device", "foo"][..],
+            "--device foo: run.device = \"foo\": allowed",
+        ),
+        (
+            &["train", "--no-tui", "--theme", "neon"][..],
+            "--theme neon: run.theme = \"neon\": unknown theme",
+        ),
+        (
+            &["train", "--no-tui", "--max-steps", "0"][..],
+            "--max-steps 0: run.max_steps = 0: must be at least 1",
+        ),
+        (
+            &["bench", "--device", "cuda:x"][..],
+            "--device cuda:x: run.device",
+        ),
+        (
+            &[
+                "sweep",
+                "--device",
+                "tpu",
+                "--set-grid",
+                "optim.lr=1e-3,2e-3",
+            ][..],
+            "--device tpu: run.device",
+        ),
+    ] {
+        let out = cockpit().args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(needle),
+            "{args:?}: expected {needle:?} in:\n{err}"
+        );
+        assert!(!err.contains("--set"), "{args:?}: {err}");
+    }
+    // Set in the file, it is the file's.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("themed.toml");
+    std::fs::write(&cfg, "[run]\ntheme = \"neon\"\n").unwrap();
+    let out = cockpit()
+        .args(["train", "--no-tui"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("themed.toml: run.theme = \"neon\": unknown theme"),
+        "{err}"
+    );
+}
+
 /// `optim.micro_batch = "auto"` searches a GPU's memory; on the CPU it is a usage error
 /// that names the key, before any run dir exists.
 #[test]

@@ -301,3 +301,27 @@ fn compare_without_runs_still_exits_2_naming_the_dir() {
         assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     }
 }
+
+/// Two runs of one configuration and one seed (a run repeated) are one seed, not two: the
+/// table says so rather than showing a spread of 0 over "2" seeds.
+#[test]
+fn repeated_runs_of_one_seed_count_as_one_seed() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let run = sweep_dir().join("target-0.01-s1337");
+    for copy in ["a", "b"] {
+        let to = dir.path().join(copy);
+        std::fs::create_dir(&to).unwrap_or_else(|e| panic!("{e}"));
+        for f in ["metrics.jsonl", "training_config.json"] {
+            std::fs::copy(run.join(f), to.join(f)).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    let (groups, _) = compare(&[dir.path().to_path_buf()]).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(groups.len(), 1);
+    let cells = cockpit::report::compare::table_cells(&groups[0]);
+    assert_eq!(cells[1], "1 (2 runs)");
+    // The sweep's arms: two seeds each, counted as before.
+    let (groups, _) = compare(&[sweep_dir()]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(groups
+        .iter()
+        .all(|g| cockpit::report::compare::table_cells(g)[1] == "2"));
+}

@@ -303,6 +303,11 @@ fn eval_samples_need_prompts_and_a_length() {
             ][..],
             "eval.sample_prompts[1]",
         ),
+        // Past the training context (the default's seq_len is 64): refused, not cut short.
+        (
+            &["eval.sample_tokens=64"][..],
+            "eval.sample_tokens = 64: must be below model.seq_len = 64",
+        ),
     ] {
         let err = load(o).unwrap_err();
         assert!(err.contains(want), "{o:?}: {err}");

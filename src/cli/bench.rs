@@ -352,12 +352,13 @@ pub fn run(a: BenchArgs) -> anyhow::Result<i32> {
         "monitor.enabled=false".into(),
         "run.log_every_secs=3600".into(),
     ]);
+    let mut flags = super::flag_sets::FlagSets::default();
     if let Some(d) = a.device {
-        overrides.push(format!("run.device={d:?}"));
+        flags.push_str(&mut overrides, "--device", "run.device", d);
     }
     let loaded = match config::load(a.config, &overrides) {
         Ok(l) => l,
-        Err(e) => return Ok(config_error(&e)),
+        Err(e) => return Ok(config_error(&flags.blame(e))),
     };
     let mut cfg = loaded.config;
     let device =

@@ -38,8 +38,13 @@ fn tui_options(cfg: &Config, theme: &str, run_dir: Option<&Path>) -> Result<TuiO
 }
 
 /// Check the TUI settings before training starts, so a bad theme is a usage error up front.
-pub fn validate_tui(cfg: &Config) -> Result<(), String> {
-    tui_options(cfg, &cfg.run.theme, None).map(|_| ())
+/// Err: the key at fault (`run.theme`, `tui.keys`) and the message.
+pub fn validate_tui(cfg: &Config) -> Result<(), (&'static str, String)> {
+    Theme::load(&cfg.run.theme)
+        .map_err(|e| ("run.theme", format!("run.theme = {:?}: {e}", cfg.run.theme)))?;
+    tui_options(cfg, &cfg.run.theme, None)
+        .map(|_| ())
+        .map_err(|e| ("tui.keys", e))
 }
 
 /// Telemetry and the advisor while training: samples go to `RUN_DIR/telemetry.jsonl` too.

@@ -1,6 +1,7 @@
 //! `--max-steps N` (train, sweep) as config overrides: the run's length and the warm-up it
 //! scales with it.
 
+use super::flag_sets::FlagSets;
 use crate::config::{self, ConfigError};
 use std::path::Path;
 
@@ -27,24 +28,30 @@ pub(super) fn push(
     config: Option<&Path>,
     set: &[String],
     overrides: &mut Vec<String>,
+    flags: &mut FlagSets,
     n: u64,
 ) -> Result<(), ConfigError> {
+    let flag = format!("--max-steps {n}");
     match config::load(config, overrides) {
         Ok(base) => {
             let c = &base.config;
             let (w, total) = (c.schedule.warmup_steps, c.run.max_steps);
             if let Some(w) = warmup_for_max_steps(w, total, n, sets_warmup(set)) {
-                overrides.push(format!("schedule.warmup_steps={w}"));
+                flags.push(
+                    overrides,
+                    format!("schedule.warmup_steps={w}"),
+                    flag.clone(),
+                );
             }
         }
         Err(_) => {
             let mut probe = overrides.clone();
-            probe.push("schedule.warmup_steps=0".into());
-            probe.push(format!("run.max_steps={n}"));
-            config::load(config, &probe)?;
+            flags.push(&mut probe, "schedule.warmup_steps=0".into(), flag.clone());
+            flags.push(&mut probe, format!("run.max_steps={n}"), flag.clone());
+            config::load(config, &probe).map_err(|e| flags.blame(e))?;
         }
     }
-    overrides.push(format!("run.max_steps={n}"));
+    flags.push(overrides, format!("run.max_steps={n}"), flag);
     Ok(())
 }
 

@@ -8,6 +8,7 @@ mod bench_rates;
 mod chat;
 mod check;
 mod fit;
+mod flag_sets;
 mod frontends;
 mod generate;
 mod gguf;
@@ -329,20 +330,22 @@ fn apply_test_run(c: &mut Config) {
 
 pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
     let mut overrides = a.set.clone();
+    let mut flags = flag_sets::FlagSets::default();
     if let Some(t) = &a.theme {
-        overrides.push(format!("run.theme={t:?}"));
+        flags.push_str(&mut overrides, "--theme", "run.theme", t);
     }
     if let Some(d) = &a.device {
-        overrides.push(format!("run.device={d:?}"));
+        flags.push_str(&mut overrides, "--device", "run.device", d);
     }
     if let Some(n) = a.max_steps {
-        if let Err(e) = max_steps::push(a.config.as_deref(), &a.set, &mut overrides, n) {
-            return Ok(config_error(&e));
+        let pushed = max_steps::push(a.config.as_deref(), &a.set, &mut overrides, &mut flags, n);
+        if let Err(e) = pushed {
+            return Ok(config_error(&flags.blame(e)));
         }
     }
     let loaded = match config::load(a.config.as_deref(), &overrides) {
         Ok(l) => l,
-        Err(e) => return Ok(config_error(&e)),
+        Err(e) => return Ok(config_error(&flags.blame(e))),
     };
     let mut cfg = loaded.config;
     // Data parallelism: started as one rank of a job (torchrun-style environment, or our
@@ -352,8 +355,9 @@ pub(crate) fn train(a: TrainArgs) -> anyhow::Result<i32> {
         Err(code) => return Ok(code),
     };
     let device = plan.device;
-    if let Err(e) = frontends::validate_tui(&cfg) {
-        crate::errln!("cockpit: config error:\n{}: {e}", loaded.origin);
+    if let Err((key, e)) = frontends::validate_tui(&cfg) {
+        let origin = flags.origin_of(&overrides, key, &loaded.origin);
+        crate::errln!("cockpit: config error:\n{origin}: {e}");
         return Ok(EXIT_USAGE);
     }
     if a.test_run {

@@ -136,14 +136,16 @@ fn slug(arm: &[String]) -> String {
 /// before anything runs). Err: the message of a usage error.
 pub fn plan(a: &SweepArgs) -> Result<SweepPlan, PlanError> {
     let mut base = a.set.to_vec();
+    let mut flags = super::flag_sets::FlagSets::default();
     if let Some(d) = a.device {
-        base.push(format!("run.device={d:?}"));
+        flags.push_str(&mut base, "--device", "run.device", d);
     }
     if let Some(n) = a.max_steps {
         // (as `train --max-steps`: every run gets the overrides, so a resumed sweep compares them)
-        super::max_steps::push(a.config, a.set, &mut base, n).map_err(PlanError::Config)?;
+        super::max_steps::push(a.config, a.set, &mut base, &mut flags, n)
+            .map_err(|e| PlanError::Config(flags.blame(e)))?;
     }
-    let base_cfg = config::load(a.config, &base).map_err(PlanError::Config)?;
+    let base_cfg = config::load(a.config, &base).map_err(|e| PlanError::Config(flags.blame(e)))?;
     // --set-grid wins over the config's [sweep] table; errors name where the entry came from.
     let (grid, source) = if a.grid.is_empty() {
         (base_cfg.config.sweep.grid.clone(), "sweep.grid")

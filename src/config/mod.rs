@@ -168,6 +168,18 @@ pub fn from_str(
     })
 }
 
+/// The last of `overrides` (`section.key=value`) that sets `key` (or a table holding it).
+pub fn override_of<'a>(overrides: &'a [String], key: &str) -> Option<&'a str> {
+    overrides
+        .iter()
+        .rev()
+        .find(|o| {
+            o.split_once('=')
+                .is_some_and(|(k, _)| same_key(key, k.trim()))
+        })
+        .map(String::as_str)
+}
+
 /// Whether a problem with key path `key` is one with the value `--set` gave `set`: the same
 /// key, one inside it (`model` set as a table), or one it created (`nosuch` of `nosuch.key`).
 fn same_key(key: &str, set: &str) -> bool {

@@ -670,6 +670,18 @@ pub(super) fn validate(c: &Config, origin: &str) -> Vec<ConfigIssue> {
 
     // [eval]: batches = 0 is the whole val split.
     let e = &c.eval;
+    if e.sample_tokens >= c.model.seq_len && c.model.seq_len > 0 {
+        // (Samples continue their prompts within the training context: a longer one would be
+        // cut to what is left of it.)
+        ck.fail(
+            "eval.sample_tokens",
+            e.sample_tokens,
+            format!(
+                "must be below model.seq_len = {} (a sample continues its prompt within the training context)",
+                c.model.seq_len
+            ),
+        );
+    }
     if e.samples_per_prompt > 1024 {
         ck.fail(
             "eval.samples_per_prompt",

@@ -28,6 +28,8 @@ pub struct ComparedRun {
     pub metrics: RunMetrics,
     /// Flattened config (dotted key → JSON value), from training_config.json.
     pub config: BTreeMap<String, String>,
+    /// Its `run.seed` (as written), where its config has one.
+    pub seed: Option<String>,
 }
 
 /// mean ± sd over a group's runs (sd 0 for one run; None where no run has the figure).
@@ -61,6 +63,8 @@ pub struct Group {
     /// What sets it apart from the other groups (`scu.target=0.01`), or the run name.
     pub label: String,
     pub runs: Vec<PathBuf>,
+    /// Distinct seeds among its runs (runs without a recorded seed count as distinct).
+    pub seeds: usize,
     pub final_bpt: Option<Stat>,
     pub best_bpt: Option<Stat>,
     pub lambda_end: Option<Stat>,
@@ -141,11 +145,13 @@ fn load_run(dir: &Path) -> Result<ComparedRun, ReportError> {
             flatten("", &v, &mut config);
         }
     }
+    let seed = config.get("run.seed").cloned();
     config.retain(|k, _| !NOT_CONFIG.iter().any(|n| k == n || k.starts_with(n)));
     Ok(ComparedRun {
         dir: dir.to_path_buf(),
         metrics,
         config,
+        seed,
     })
 }
 
@@ -240,9 +246,15 @@ fn group_stats(label: String, runs: &[ComparedRun]) -> Group {
         let tail = &s[s.len() - k..];
         (!tail.is_empty()).then(|| tail.iter().map(|x| x.s_ratio).sum::<f64>() / tail.len() as f64)
     };
+    let mut seen = BTreeSet::new();
+    let seeds = runs
+        .iter()
+        .filter(|r| r.seed.as_ref().is_none_or(|s| seen.insert(s.clone())))
+        .count();
     Group {
         label,
         runs: runs.iter().map(|r| r.dir.clone()).collect(),
+        seeds,
         final_bpt: Stat::of(runs.iter().filter_map(|r| bpt(r).last().copied())),
         best_bpt: Stat::of(
             runs.iter()
@@ -300,7 +312,12 @@ pub fn table_cells(g: &Group) -> [String; 7] {
     };
     [
         g.label.clone(),
-        g.runs.len().to_string(),
+        // (Runs of one seed repeated: a spread of 0 that says nothing about seeds.)
+        if g.seeds == g.runs.len() {
+            g.seeds.to_string()
+        } else {
+            format!("{} ({} runs)", g.seeds, g.runs.len())
+        },
         fmt_stat(g.final_bpt, 4, 1.0),
         fmt_stat(g.best_bpt, 4, 1.0),
         lam,
