@@ -712,6 +712,60 @@ fn granite_hybrid(c: &mut Config) {
     });
 }
 
+/// [`granite_hybrid`] with routed experts in every layer: 8 experts of width 64, two a token,
+/// the load-balancing loss × 0.01 in the training loss ([`separate_routes`] sets the weights).
+fn granite_hybrid_moe(c: &mut Config) {
+    granite_hybrid(c);
+    if let Some(h) = c.model.hybrid.as_mut() {
+        h.experts = 8;
+        h.experts_top_k = 2;
+        h.expert_hidden = 64;
+        h.router_aux_loss_coef = 0.01;
+    }
+}
+
+/// Routes that 16-bit rounding cannot flip, for a model with routed experts (nothing
+/// otherwise): embedding columns 0 and 1 carry ±0.1 by the token id's parity and its second
+/// bit (the residual stream keeps them: the normed input's x₀, x₁ ≈ ±4), and router row e
+/// reads them with weights ±1 by e's bits 2 and 1 — so a token's two experts outscore the rest
+/// by about 8 while the random columns vary the logits by about 0.2 (the pair's weights still
+/// differ per token). A flipped route would move one token's whole contribution between two
+/// experts' gradients: the step and the f32 model must take the same ones.
+fn separate_routes(m: &Model) {
+    if !m.params.iter().any(|p| p.name.ends_with("router.weight")) {
+        return;
+    }
+    for p in &m.params {
+        let t = p.var.as_tensor();
+        let dims = t.dims().to_vec();
+        let embed = p.name == "model.embed_tokens.weight";
+        if !(embed || p.name.ends_with("router.weight")) {
+            continue;
+        }
+        let mut v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let cols = dims[1];
+        for (r, row) in v.chunks_mut(cols).enumerate() {
+            let sign = |bit: usize| if r >> bit & 1 == 0 { 1f32 } else { -1.0 };
+            if embed {
+                (row[0], row[1]) = (0.1 * sign(0), 0.1 * sign(1));
+            } else {
+                (row[0], row[1]) = (sign(2), sign(1));
+            }
+        }
+        let new = Tensor::from_vec(v, dims, t.device())
+            .unwrap()
+            .to_dtype(t.dtype())
+            .unwrap();
+        p.var.set(&new).unwrap();
+    }
+}
+
 /// `n` token ids and next-token targets below `vocab`, varied by `k` (the step tests' batches).
 fn batch_ids(n: usize, vocab: usize, k: u32) -> (Vec<u32>, Vec<u32>) {
     let ids = (0..n as u32).map(|i| (i * 31 + 7 * k) % vocab as u32);
@@ -1264,6 +1318,12 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
+            name: "granite-4.0-h-like hybrid with routed experts in every layer (8 of width 64, \
+                   two a token, the load-balancing loss × 0.01), T 200",
+            vocab: 97,
+            set: granite_hybrid_moe,
+        },
+        Family {
             name: "granite-4.0-h-like hybrid: 4 Mamba-2 heads of 32 in one group (a block of the \
                    backward takes all four), state 32, conv 6 (the conv's 8-tap window), T 200",
             vocab: 97,
@@ -1311,6 +1371,7 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
     let batches = [batch_ids(b * t, vocab, 1), batch_ids(b * t, vocab, 2)];
     // Reference: the f32 model, mean loss of the two micro-batches.
     let mut m32 = Model::new(ModelSpec::from_config(&c, vocab), DType::F32, dev, 5).unwrap();
+    separate_routes(&m32);
     let mut loss_ref = 0.0;
     let mut total: Option<Tensor> = None;
     // Dropout masks from each micro-batch's seed: the same in both executors.
@@ -1329,6 +1390,7 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
     let store = total.unwrap().backward().unwrap();
     // The whole-model step on a 16-bit model with the same initial weights.
     let m16 = Model::new(ModelSpec::from_config(&c, vocab), dt, dev, 5).unwrap();
+    separate_routes(&m16);
     let w = m16
         .step_plan()
         .unwrap_or_else(|why| panic!("{name}: a {dt:?} model fits the step: {why}"));
@@ -1675,7 +1737,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         Ggml,
     }
     type Case = (&'static str, fn(&mut Config), Vec<String>, Stored);
-    let cases: [Case; 12] = [
+    let cases: [Case; 13] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
@@ -1801,6 +1863,18 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             ["in_proj", "out_proj"].map(String::from).to_vec(),
             Stored::Dense,
         ),
+        (
+            "granite-4.0-h-like hybrid with routed experts (frozen, as the router), adapters on \
+             in_proj, out_proj, q, k, v, o and the shared MLP's up and down",
+            |c| {
+                granite_hybrid_moe(c);
+                c.model.seq_len = 80;
+            },
+            ["in_proj", "out_proj", "q", "k", "v", "o", "up", "down"]
+                .map(String::from)
+                .to_vec(),
+            Stored::Dense,
+        ),
     ];
     // Each case in bf16 and in fp16 (the fp16 step with a loss scale of 256, divided out);
     // COCKPIT_FAMILY=text: only the cases whose name contains it.
@@ -1834,6 +1908,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             };
             let shape = ModelSpec::from_config(&c, vocab);
             let mut m = Model::new_with(shape, dt, &dev, 5, store).unwrap();
+            separate_routes(&m);
             if stored != Stored::Dense {
                 // Both models quantize the same bf16 values: the same 4-bit base. (The f32
                 // model's weights go through the 16-bit model's storage type first: f32 → fp16
@@ -2055,14 +2130,17 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
 /// (the same kernels on the same inputs; only summation orders of atomics may differ), with
 /// LoRA adapters and dropout, two micro-batches accumulated, and the optimizer step run twice
 /// (the second time from the micro-batches' captured CUDA graphs: offload's copies are memcpy
-/// nodes of them). Five blocks: offload keeps three blocks' inputs on the host.
+/// nodes of them). Five blocks: offload keeps three blocks' inputs on the host. And a hybrid
+/// with routed experts, fully trained (its experts' kept slots, or one slot the recompute
+/// refills with the same routing; such a model runs without graphs: its experts' row counts
+/// come from the host).
 #[test]
 fn recompute_matches_keeping_the_activations() {
     let Some(dev) = gpu() else { return };
     use cockpit::config::Recompute;
     use cockpit::engine::model::LoraSpec;
     let (b, t, vocab) = (2usize, 128usize, 97usize);
-    let run = |recompute: Recompute, lora: bool| -> (f64, Vec<Tensor>) {
+    let run = |recompute: Recompute, lora: bool, experts: bool| -> (f64, Vec<Tensor>) {
         let mut c = Config::default();
         c.model.norm = cockpit::config::Norm::RmsNorm;
         c.model.activation = cockpit::config::Activation::SwiGlu;
@@ -2079,12 +2157,17 @@ fn recompute_matches_keeping_the_activations() {
         // Timed algorithm choice may pick other matmul algorithms run to run (other
         // rounding): the heuristic's first choice keeps the runs comparable bit for bit.
         c.kernels.autotune = false;
+        if experts {
+            granite_hybrid_moe(&mut c);
+            c.model.seq_len = t;
+        }
         let store = cockpit::engine::model::BaseStore {
             dtype: if lora { step_dtype(&dev) } else { DType::F32 },
             init: cockpit::engine::model::BaseInit::HostSeeded,
         };
         let shape = ModelSpec::from_config(&c, vocab);
         let mut m = Model::new_with(shape, step_dtype(&dev), &dev, 9, store).unwrap();
+        separate_routes(&m);
         if lora {
             let spec = LoraSpec {
                 r: 8,
@@ -2118,10 +2201,11 @@ fn recompute_matches_keeping_the_activations() {
                 step.micro(&ids, &tg, b, 1.0 / (2 * b * t) as f32).unwrap();
             }
         }
+        let graphs = if experts { 0 } else { 2 };
         assert_eq!(
             step.graphs_captured(),
-            2,
-            "{recompute:?}: both micro-batch graphs"
+            graphs,
+            "{recompute:?}: both micro-batch graphs (none with experts)"
         );
         let grads = m
             .params
@@ -2131,12 +2215,17 @@ fn recompute_matches_keeping_the_activations() {
             .collect();
         (step.loss().unwrap(), grads)
     };
-    for lora in [false, true] {
-        let (l0, g0) = run(Recompute::None, lora);
+    for (lora, experts) in [(false, false), (true, false), (false, true)] {
+        let (l0, g0) = run(Recompute::None, lora, experts);
         for r in [Recompute::Attention, Recompute::Full, Recompute::Offload] {
-            let (l, g) = run(r, lora);
-            eprintln!("recompute {r:?} (LoRA {lora}): loss {l:.7} vs {l0:.7}");
-            assert_eq!(l, l0, "{r:?}: the forward is the same arithmetic");
+            let (l, g) = run(r, lora, experts);
+            eprintln!("recompute {r:?} (LoRA {lora}, experts {experts}): loss {l:.7} vs {l0:.7}");
+            // (The experts' balancing loss sums router probabilities by float atomics.)
+            if experts {
+                assert!(((l - l0) / l0).abs() < 1e-6, "{r:?}: loss {l} vs {l0}");
+            } else {
+                assert_eq!(l, l0, "{r:?}: the forward is the same arithmetic");
+            }
             assert_eq!(g.len(), g0.len());
             for (a, b) in g.iter().zip(&g0) {
                 let e = rel_err(a, b);

@@ -6,6 +6,7 @@ use half::bf16;
 
 use super::graphs::Graphs;
 use super::mamba_bufs::{MambaActs, MambaArena};
+use super::moe_bufs::{MoeActs, MoeArena};
 use super::offload::Offload;
 use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
 use super::{align, ptr, ModelStep};
@@ -98,6 +99,8 @@ pub(super) struct Activations {
     pub(super) targets: u64,
     /// A hybrid's Mamba layers' own activations and scratch (None: not a hybrid).
     pub(super) mamba: Option<MambaActs>,
+    /// A hybrid's routed experts' activations and scratch (None: no experts).
+    pub(super) moe: Option<MoeActs>,
 }
 
 pub(super) struct Arena {
@@ -117,6 +120,8 @@ pub(super) struct Arena {
     pub(super) acts: Activations,
     /// The memory behind `acts.mamba`.
     pub(super) _mamba: Option<MambaArena>,
+    /// The memory behind `acts.moe` (its counts are read back per layer: moe.rs).
+    pub(super) moe: Option<MoeArena>,
     /// The micro-batch programs captured over this arena's buffers (dropped with it).
     pub(super) graphs: Graphs,
 }
@@ -345,6 +350,10 @@ impl ModelStep {
             }
             None => None,
         };
+        let moe = match &self.moe {
+            Some(dims) => Some(MoeArena::new(&self.dev, dims, (b, t, c), l, mlp_kept)?),
+            None => None,
+        };
         let base = ptr(&bf, &self.stream);
         let fbase = ptr(&f32s, &self.stream);
         let at = |o: usize| base + 2 * o as u64;
@@ -435,6 +444,7 @@ impl ModelStep {
             ids: ptr(&ids, &self.stream),
             targets: ptr(&targets, &self.stream),
             mamba: mamba.as_ref().map(|m| m.acts.clone()),
+            moe: moe.as_ref().map(|m| m.acts.clone()),
         };
         let offload = if offload {
             Some(Offload::new(&self.stream, l - 2, 2 * nc)?)
@@ -453,6 +463,7 @@ impl ModelStep {
             lows_plain: false,
             acts,
             _mamba: mamba,
+            moe,
             graphs: Graphs::default(),
         });
         Ok(())

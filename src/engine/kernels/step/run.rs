@@ -30,6 +30,7 @@ impl ModelStep {
             unsafe { drv::memset_d8_async(a.acts.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
         }
         self.micro = 0;
+        self.moe_host.get_mut().aux_sum = 0.0;
         Ok(())
     }
 
@@ -67,6 +68,8 @@ impl ModelStep {
         }
         let trained = self.upload(r)?;
         self.set_scales(g, 1.0 / trained.max(1) as f32)?;
+        // (A mean loss's gradient scale for a term per micro-batch: the experts' balancing.)
+        self.moe_g.set(g * trained as f32);
         if self.drop_thr > 0 {
             // (Read by the kernels from the device: a replayed graph draws new masks.)
             let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
@@ -178,7 +181,10 @@ impl ModelStep {
     pub fn loss(&self) -> Result<f64> {
         let v = self.token_losses()?;
         let sum: f64 = v.iter().map(|&x| x as f64).sum();
-        Ok(sum / self.micro.max(1) as f64)
+        // (Routed experts: coef × the load-balancing loss, per micro-batch, as the per-op
+        // model adds it to the training loss.)
+        let aux = self.moe_host.try_borrow().map_or(0.0, |h| h.aux_sum);
+        Ok((sum + aux) / self.micro.max(1) as f64)
     }
 
     /// The loss accumulator, one sum per token row of the arena (one read-back).
