@@ -183,7 +183,20 @@ impl ModelStep {
         let mlp_kept = !self.recompute.whole_block();
         let and = |v: Vec<bool>, k: bool| v.into_iter().map(|x| x && k).collect::<Vec<_>>();
         let keep_ln1 = and(keep(|li| li.qkv_w, &[Q, K, V]), attn_kept);
-        let keep_ln2 = and(keep(|li| li.up_w, &[GATE, UP]), mlp_kept);
+        // (Routed experts' router and gate | up read the normed input in their weights'
+        // gradients as the shared MLP's do.)
+        let experts_train = self.layers.iter().map(|li| {
+            li.moe.as_ref().is_some_and(|m| {
+                self.trained_grad_ptr(m.router).is_some()
+                    || self.trained_grad_ptr(m.gate_up).is_some()
+            })
+        });
+        let keep_ln2 = keep(|li| li.up_w, &[GATE, UP])
+            .into_iter()
+            .zip(experts_train)
+            .map(|(a, b)| a || b)
+            .collect();
+        let keep_ln2 = and(keep_ln2, mlp_kept);
         let keep_act = and(keep(|li| li.down_w, &[DOWN]), mlp_kept);
         let attn_layers = vec![attn_kept; l];
         let mlp_layers = vec![mlp_kept; l];

@@ -25,11 +25,18 @@ __device__ __forceinline__ void moe_argmax(float& v, int& i) {
     }
 }
 
-// The router: each row's logits (f32 [n, E], E ≤ MOE_MAX_E) → its top k experts, largest
-// first, and their weights, the softmax of the chosen logits; each expert's count (`counts`,
+// A router logit as the models see it: the router's matmul rounded to the step's 16-bit type
+// (the per-op model and transformers compute it in the model's dtype, then take it to f32, so
+// ties and the weights come out the same), a NaN as −∞.
+__device__ __forceinline__ float moe_logit(float x) {
+    return isnan(x) ? -INFINITY : __bfloat162float(__float2bfloat16(x));
+}
+
+// The router: each row's logits (f32 [n, E] from the router's matmul, E ≤ MOE_MAX_E, read
+// through moe_logit) → its top k experts, largest first, and their weights, the softmax of the
+// chosen logits rounded to 16 bits (as the models cast them); each expert's count (`counts`,
 // zeroed before, u32 [E]) and the router probabilities (softmax over all E) summed over the rows
-// (`psum`, zeroed before, f32 [E]: the load-balancing loss). A NaN logit ranks as −∞. One warp a
-// row, grid-stride.
+// (`psum`, zeroed before, f32 [E]: the load-balancing loss). One warp a row, grid-stride.
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int n, int E, int k,
                                      int* __restrict__ topi, float* __restrict__ topw,
                                      unsigned* __restrict__ counts, float* __restrict__ psum) {
@@ -47,8 +54,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int n, in
 #pragma unroll
         for (int j = 0; j < PER; j++) {
             const int e = lane + 32 * j;
-            const float x = e < E ? l[e] : -INFINITY;
-            v[j] = isnan(x) ? -INFINITY : x;
+            v[j] = e < E ? moe_logit(l[e]) : -INFINITY;
             mx = fmaxf(mx, v[j]);
         }
         mx = warp_max(mx);
@@ -85,7 +91,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int n, in
         const float ws = warp_sum(w);
         if (lane < k) {
             topi[(size_t)row * k + lane] = mine_i;
-            topw[(size_t)row * k + lane] = w / ws;
+            topw[(size_t)row * k + lane] = __bfloat162float(__float2bfloat16(w / ws));
             atomicAdd(counts + mine_i, 1u);
         }
     }
@@ -251,7 +257,8 @@ extern "C" __global__ void moe_pair_bwd(const bf16_t* __restrict__ gu, bf16_t* _
 }
 
 // The router's backward, one warp a row: the logits' gradient (16-bit [n, E]) from the chosen
-// slots' weight gradients dw (through the softmax over the chosen logits) and, with `aux`
+// slots' weight gradients dw (through the softmax over the chosen logits; the weights' 16-bit
+// rounding passed straight through) and, with `aux`
 // (f32 [E]: the load-balancing loss's gradient w.r.t. each router probability), through the
 // softmax over all E.
 extern "C" __global__ void moe_router_bwd(const float* __restrict__ logits,
@@ -280,7 +287,7 @@ extern "C" __global__ void moe_router_bwd(const float* __restrict__ logits,
 #pragma unroll
             for (int j = 0; j < PER; j++) {
                 const int e = lane + 32 * j;
-                v[j] = e < E ? l[e] : -INFINITY;
+                v[j] = e < E ? moe_logit(l[e]) : -INFINITY;
                 mx = fmaxf(mx, v[j]);
             }
             mx = warp_max(mx);

@@ -314,6 +314,7 @@ impl ModelStep {
     }
 
     /// The arena's table of the experts' operand addresses and the expert count.
+    #[cfg(cublas_grouped)]
     pub(super) fn moe_ptrs(&self) -> Result<(u64, usize)> {
         match (
             self.arena.as_ref().and_then(|a| a.acts.moe.as_ref()),

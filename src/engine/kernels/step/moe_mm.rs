@@ -4,6 +4,7 @@
 //! of the experts' operand addresses, written once a layer after its router (where the
 //! stream has just been waited for). A grouped call cuBLAS refuses falls back to the loop.
 
+#[cfg(cublas_grouped)]
 use candle_core::cuda_backend::cudarc::cublas::sys as bsys;
 use candle_core::cuda_backend::cudarc::driver::result as drv;
 use candle_core::cuda_backend::WrapErr;
@@ -11,7 +12,9 @@ use candle_core::Result;
 
 use super::gemm::{mat, Mat};
 use super::ModelStep;
-use crate::engine::kernels::cuda::{err, i32_of};
+use crate::engine::kernels::cuda::err;
+#[cfg(cublas_grouped)]
+use crate::engine::kernels::cuda::i32_of;
 
 /// The experts' products, forward (gate | up, down), backward (their inputs' gradients) and
 /// their weights' gradients (full fine-tuning).
@@ -169,6 +172,7 @@ fn runs_of(counts: &[u32]) -> Vec<(usize, usize, usize)> {
     out
 }
 
+#[cfg(cublas_grouped)]
 fn op(t: bool) -> bsys::cublasOperation_t {
     if t {
         bsys::cublasOperation_t::CUBLAS_OP_T
@@ -244,7 +248,21 @@ impl ModelStep {
         unsafe { drv::memcpy_htod_async(at, &table, self.stream.cu_stream()) }.w()
     }
 
+    /// Without cuBLAS's grouped matmul in this build (a toolkit before CUDA 12.5): declined,
+    /// the loop runs.
+    #[cfg(not(cublas_grouped))]
+    fn experts_grouped(
+        &self,
+        _l: usize,
+        _kind: ExpertMm,
+        _bufs: &ExpertBufs,
+        _runs: &[(usize, usize, usize)],
+    ) -> Result<()> {
+        Err(err("built with a CUDA toolkit before 12.5, which lacks it"))
+    }
+
     /// One grouped cuBLAS call for layer `l`'s products of `kind` (a group an expert).
+    #[cfg(cublas_grouped)]
     fn experts_grouped(
         &self,
         l: usize,

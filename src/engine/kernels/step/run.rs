@@ -68,8 +68,10 @@ impl ModelStep {
         }
         let trained = self.upload(r)?;
         self.set_scales(g, 1.0 / trained.max(1) as f32)?;
-        // (A mean loss's gradient scale for a term per micro-batch: the experts' balancing.)
-        self.moe_g.set(g * trained as f32);
+        // (A mean loss's gradient scale for a term per micro-batch, the experts' balancing:
+        // g · trained is the micro-batch's share, scale / accum — also where none trains, since
+        // the loss adds the term for every micro-batch.)
+        self.moe_g.set(g * trained.max(1) as f32);
         if self.drop_thr > 0 {
             // (Read by the kernels from the device: a replayed graph draws new masks.)
             let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
