@@ -32,6 +32,19 @@ __device__ __forceinline__ float moe_logit(float x) {
     return isnan(x) ? -INFINITY : __bfloat162float(__float2bfloat16(x));
 }
 
+// A row's logits into a warp's registers, expert lane + 32·j in v[j] (−∞ past E); their max.
+__device__ __forceinline__ float moe_row(const float* __restrict__ l, int E, int lane,
+                                         float (&v)[MOE_MAX_E / 32]) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_E / 32; j++) {
+        const int e = lane + 32 * j;
+        v[j] = e < E ? moe_logit(l[e]) : -INFINITY;
+        mx = fmaxf(mx, v[j]);
+    }
+    return warp_max(mx);
+}
+
 // The router: each row's logits (f32 [n, E] from the router's matmul, E ≤ MOE_MAX_E, read
 // through moe_logit) → its top k experts, largest first, and their weights, the softmax of the
 // chosen logits rounded to 16 bits (as the models cast them); each expert's count (`counts`,
@@ -48,16 +61,8 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int n, in
 #pragma unroll
     for (int j = 0; j < PER; j++) acc[j] = 0.f;
     for (int row = warp; row < n; row += warps) {
-        const float* l = logits + (size_t)row * E;
         float v[PER];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < PER; j++) {
-            const int e = lane + 32 * j;
-            v[j] = e < E ? moe_logit(l[e]) : -INFINITY;
-            mx = fmaxf(mx, v[j]);
-        }
-        mx = warp_max(mx);
+        const float mx = moe_row(logits + (size_t)row * E, E, lane, v);
         float s = 0.f;
 #pragma unroll
         for (int j = 0; j < PER; j++) s += lane + 32 * j < E ? expf(v[j] - mx) : 0.f;
@@ -282,15 +287,8 @@ extern "C" __global__ void moe_router_bwd(const float* __restrict__ logits,
 #pragma unroll
         for (int j = 0; j < PER; j++) g[j] = 0.f;
         if (aux) {
-            const float* l = logits + (size_t)row * E;
-            float v[PER], mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < PER; j++) {
-                const int e = lane + 32 * j;
-                v[j] = e < E ? moe_logit(l[e]) : -INFINITY;
-                mx = fmaxf(mx, v[j]);
-            }
-            mx = warp_max(mx);
+            float v[PER];
+            const float mx = moe_row(logits + (size_t)row * E, E, lane, v);
             float s = 0.f, pg = 0.f;
 #pragma unroll
             for (int j = 0; j < PER; j++) {
