@@ -726,11 +726,13 @@ fn granite_hybrid_moe(c: &mut Config) {
 
 /// Routes that 16-bit rounding cannot flip, for a model with routed experts (nothing
 /// otherwise): embedding columns 0 and 1 carry ±0.1 by the token id's parity and its second
-/// bit (the residual stream keeps them: the normed input's x₀, x₁ ≈ ±4), and router row e
-/// reads them with weights ±1 by e's bits 2 and 1 — so a token's two experts outscore the rest
-/// by about 8 while the random columns vary the logits by about 0.2 (the pair's weights still
-/// differ per token). A flipped route would move one token's whole contribution between two
-/// experts' gradients: the step and the f32 model must take the same ones.
+/// bit, column 2 carries 0.1 (the residual stream keeps them: the normed input's x₀, x₁ ≈ ±3.4,
+/// x₂ ≈ 3.4), and router row e reads them with weights ±0.3 by e's bits 2 and 1 and −0.6 —
+/// so a token's two experts score about 0 and the rest −2 or −4, while the random columns vary
+/// the logits by about 0.2 (the pair's weights still differ per token). A flipped route would
+/// move one token's whole contribution between two experts' gradients: the step and the f32
+/// model must take the same ones. (The chosen logits near 0: the step rounds the logits to 16
+/// bits as the 16-bit models do, which near 0 moves them by far less than the random part.)
 fn separate_routes(m: &Model) {
     if !m.params.iter().any(|p| p.name.ends_with("router.weight")) {
         return;
@@ -753,9 +755,9 @@ fn separate_routes(m: &Model) {
         for (r, row) in v.chunks_mut(cols).enumerate() {
             let sign = |bit: usize| if r >> bit & 1 == 0 { 1f32 } else { -1.0 };
             if embed {
-                (row[0], row[1]) = (0.1 * sign(0), 0.1 * sign(1));
+                (row[0], row[1], row[2]) = (0.1 * sign(0), 0.1 * sign(1), 0.1);
             } else {
-                (row[0], row[1]) = (sign(2), sign(1));
+                (row[0], row[1], row[2]) = (0.3 * sign(2), 0.3 * sign(1), -0.6);
             }
         }
         let new = Tensor::from_vec(v, dims, t.device())
