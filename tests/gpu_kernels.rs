@@ -1353,6 +1353,35 @@ struct WholeCase {
     loss: f64,
 }
 
+/// The whole-model step's bound on a gradient's error against the f32 model (max|Δ| / max|ref|).
+const WHOLE_GRAD_TOL: f32 = 6e-2;
+
+/// The per-op model's own gradients in its 16-bit type over the step tests' two micro-batches
+/// (their mean loss × `loss_scale`, as the step's).
+fn perop_grads(
+    m: &mut Model,
+    batches: &[(Vec<u32>, Vec<u32>); 2],
+    seeds: &[u64; 2],
+    b: usize,
+    loss_scale: f32,
+) -> candle_core::backprop::GradStore {
+    let dev = m.params[0].var.device().clone();
+    let mut total: Option<Tensor> = None;
+    for ((ids, tg), &seed) in batches.iter().zip(seeds) {
+        let t = ids.len() / b;
+        let x = Tensor::from_vec(ids.clone(), (b, t), &dev).unwrap();
+        let y = Tensor::from_vec(tg.clone(), (b, t), &dev).unwrap();
+        m.reseed_dropout(seed);
+        let l = m.loss(&x, &y, true).unwrap().to_dtype(DType::F32).unwrap();
+        let l = (l * (0.5 * loss_scale as f64)).unwrap();
+        total = Some(match total {
+            Some(a) => (a + l).unwrap(),
+            None => l,
+        });
+    }
+    total.unwrap().backward().unwrap()
+}
+
 /// Builds `fam` on the step in `dt` (bf16 or f16) and checks its loss and every gradient
 /// against the f32 candle model over two accumulated micro-batches. `loss_scale` multiplies
 /// the step's loss gradient (fp16's loss scaling) and is divided out of its gradients.
@@ -1391,7 +1420,7 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
     }
     let store = total.unwrap().backward().unwrap();
     // The whole-model step on a 16-bit model with the same initial weights.
-    let m16 = Model::new(ModelSpec::from_config(&c, vocab), dt, dev, 5).unwrap();
+    let mut m16 = Model::new(ModelSpec::from_config(&c, vocab), dt, dev, 5).unwrap();
     separate_routes(&m16);
     let w = m16
         .step_plan()
@@ -1401,58 +1430,101 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
         // The LM head in chunks of 64 rows (the last one partial): 240 rows, 4 chunks.
         step.set_head_chunk_rows(Some(64));
     }
-    step.begin(false).unwrap();
-    for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
-        step.set_dropout_seed(seed);
-        step.micro(ids, tg, b, loss_scale / (2 * b * t) as f32)
-            .unwrap();
-    }
-    let loss = step.loss().unwrap();
-    let e = ((loss - loss_ref) / loss_ref).abs();
-    eprintln!("whole step {dt:?} ({name}): loss {loss:.5} vs f32 {loss_ref:.5}, rel {e:.2e}");
-    assert!(e < 1e-2, "{name}: loss {loss} vs {loss_ref}");
-    let mut worst = (0f32, String::new());
-    for (p32, p16) in m32.params.iter().zip(&m16.params) {
-        let g_ref = store.get(p32.var.as_tensor()).unwrap();
-        let g = step
-            .grad_of(&p16.var)
-            .unwrap()
-            .unwrap_or_else(|| panic!("{name}: {} has no gradient", p16.name));
-        let g = (g / loss_scale as f64).unwrap();
-        let amax = |t: &Tensor| -> f32 {
-            let t = t.flatten_all().unwrap().abs().unwrap();
-            t.max(0).unwrap().to_scalar().unwrap()
+    let experts = m16.params.iter().any(|p| p.name.ends_with("router.weight"));
+    let amax = |t: &Tensor| -> f32 {
+        let t = t.flatten_all().unwrap().abs().unwrap();
+        t.max(0).unwrap().to_scalar().unwrap()
+    };
+    let mut perop16 = None;
+    let mut loss = 0.0;
+    // Routed experts: their products as grouped cuBLAS calls (the default), then one call an
+    // expert: both against the reference.
+    for grouped in if experts {
+        vec![true, false]
+    } else {
+        vec![true]
+    } {
+        step.set_moe_grouped(grouped);
+        let how = if grouped {
+            ""
+        } else {
+            ", one matmul an expert"
         };
-        let scale = amax(g_ref);
-        if scale < 1e-6 {
-            // The key bias's gradient is zero in exact arithmetic (softmax ignores a
-            // per-row constant): only check that it stays at rounding level.
-            let got = amax(&g);
-            eprintln!(
-                "{}: reference ~0 ({scale:.1e}), step max {got:.1e}",
-                p32.name
-            );
-            assert!(got < 1e-4, "{}: {got}", p32.name);
-            continue;
+        step.begin(false).unwrap();
+        for ((ids, tg), &seed) in batches.iter().zip(&seeds) {
+            step.set_dropout_seed(seed);
+            step.micro(ids, tg, b, loss_scale / (2 * b * t) as f32)
+                .unwrap();
         }
-        let e = rel_err(&g, g_ref);
-        if e > 2e-2 || !e.is_finite() {
-            eprintln!("  {}: rel err {e:.3e} (max |ref| {scale:.2e})", p32.name);
+        loss = step.loss().unwrap();
+        let e = ((loss - loss_ref) / loss_ref).abs();
+        eprintln!(
+            "whole step {dt:?} ({name}{how}): loss {loss:.5} vs f32 {loss_ref:.5}, rel {e:.2e}"
+        );
+        assert!(e < 1e-2, "{name}: loss {loss} vs {loss_ref}");
+        let mut errs = Vec::new();
+        for (i, (p32, p16)) in m32.params.iter().zip(&m16.params).enumerate() {
+            let g_ref = store.get(p32.var.as_tensor()).unwrap();
+            let g = step
+                .grad_of(&p16.var)
+                .unwrap()
+                .unwrap_or_else(|| panic!("{name}: {} has no gradient", p16.name));
+            let g = (g / loss_scale as f64).unwrap();
+            let scale = amax(g_ref);
+            if scale < 1e-6 {
+                // The key bias's gradient is zero in exact arithmetic (softmax ignores a
+                // per-row constant): only check that it stays at rounding level.
+                let got = amax(&g);
+                eprintln!(
+                    "{}: reference ~0 ({scale:.1e}), step max {got:.1e}",
+                    p32.name
+                );
+                assert!(got < 1e-4, "{}: {got}", p32.name);
+                continue;
+            }
+            let e = rel_err(&g, g_ref);
+            if e > 2e-2 || !e.is_finite() {
+                eprintln!("  {}: rel err {e:.3e} (max |ref| {scale:.2e})", p32.name);
+            }
+            errs.push((i, e));
         }
-        if e > worst.0 || !e.is_finite() {
-            worst = (e, p32.name.clone());
+        // A gradient far smaller than its neighbours' carries their 16-bit rounding at its own
+        // scale: past the bound, the per-op model in the same type (the executor the step
+        // replaces) sets that tensor's rounding level, and the step may not exceed it.
+        if errs.iter().any(|&(_, e)| e > WHOLE_GRAD_TOL) && perop16.is_none() {
+            perop16 = Some(perop_grads(&mut m16, &batches, &seeds, b, loss_scale));
         }
+        let mut worst = (0f32, String::new());
+        for (i, e) in errs {
+            let p32 = &m32.params[i];
+            if e > WHOLE_GRAD_TOL && e.is_finite() {
+                let own16 = perop16.as_ref().unwrap();
+                let g16 = (own16.get(m16.params[i].var.as_tensor()).unwrap() / loss_scale as f64)
+                    .unwrap();
+                let own = rel_err(&g16, store.get(p32.var.as_tensor()).unwrap());
+                eprintln!(
+                    "    {}: the per-op model in {dt:?} is {own:.3e} from f32, the step {e:.3e}",
+                    p32.name
+                );
+                if e <= own {
+                    continue;
+                }
+            }
+            if e > worst.0 || !e.is_finite() {
+                worst = (e, p32.name.clone());
+            }
+        }
+        eprintln!(
+            "whole step {dt:?} ({name}{how}): worst grad rel err {:.3e} ({})",
+            worst.0, worst.1
+        );
+        assert!(
+            worst.0.is_finite() && worst.0 <= WHOLE_GRAD_TOL,
+            "{name}{how}: grad {} rel err {:.3e}",
+            worst.1,
+            worst.0
+        );
     }
-    eprintln!(
-        "whole step {dt:?} ({name}): worst grad rel err {:.3e} ({})",
-        worst.0, worst.1
-    );
-    assert!(
-        worst.0.is_finite() && worst.0 <= 6e-2,
-        "{name}: grad {} rel err {:.3e}",
-        worst.1,
-        worst.0
-    );
     WholeCase {
         name,
         m32,

@@ -538,3 +538,39 @@ fn flops_per_token_count_sliding_windows_and_the_heads_width() {
         (m.flops_per_token() - full - extra_weights - 2.0 * 12.0 * d * 64.0).abs() < 1e-6 * full
     );
 }
+
+/// Routed experts count by what a token goes through: its top-k experts' weights, not all E
+/// (a 64-expert, top-6 model reported an MFU of 158% counting every expert).
+#[test]
+fn flops_per_token_count_a_tokens_experts_alone() {
+    use crate::config::{HybridConfig, MixerKind};
+    let mut c = Config {
+        model: crate::config::ModelConfig::llama_family(),
+        ..Config::default()
+    };
+    c.model.n_layer = 2;
+    c.model.n_embd = 64;
+    c.model.n_head = 2;
+    let hybrid = |experts: usize| HybridConfig {
+        layers: vec![MixerKind::Mamba, MixerKind::Mamba],
+        mamba_n_heads: 4,
+        mamba_d_head: 16,
+        mamba_d_state: 8,
+        experts,
+        experts_top_k: 2,
+        expert_hidden: 24,
+        ..HybridConfig::default()
+    };
+    let flops = |experts: usize| {
+        let mut c = c.clone();
+        c.model.hybrid = Some(hybrid(experts));
+        Model::new(ModelSpec::from_config(&c, 40), DType::F32, &Device::Cpu, 1)
+            .unwrap()
+            .flops_per_token()
+    };
+    // Per layer: the router (E·C, every token) and two experts' gate|up and down (2·3·I·C).
+    let (c, i) = (64.0, 24.0);
+    let per_layer = |e: f64| 6.0 * (e * c + 2.0 * 3.0 * i * c);
+    let (f8, f16) = (flops(8), flops(16));
+    assert!(((f16 - f8) - 2.0 * (per_layer(16.0) - per_layer(8.0))).abs() < 1e-6 * f8);
+}

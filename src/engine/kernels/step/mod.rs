@@ -141,8 +141,8 @@ pub struct ModelStep {
     moe_host: RefCell<MoeHost>,
     moe_aux_coef: f64,
     moe_g: std::cell::Cell<f32>,
-    /// The expert product kinds run as one grouped cuBLAS call (a bit a kind, moe_mm.rs;
-    /// `COCKPIT_MOE_GROUPED=1`), else one call an expert.
+    /// The expert product kinds run as one grouped cuBLAS call (a bit a kind, moe_mm.rs; all
+    /// of them unless the build lacks it or `COCKPIT_MOE_GROUPED=0`), else one call an expert.
     moe_grouped: std::cell::Cell<u8>,
     /// RMSNorm (else LayerNorm).
     rms: bool,

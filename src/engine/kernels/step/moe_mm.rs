@@ -1,8 +1,11 @@
 //! The routed experts' matmuls: one product per expert that has rows (its rows a contiguous
-//! run of the pairs in expert order), as one cuBLAS call each, or — `COCKPIT_MOE_GROUPED=1`,
-//! to compare — as one grouped call a kind (`cublasGemmGroupedBatchedEx`) over device arrays
-//! of the experts' operand addresses, written once a layer after its router (where the
-//! stream has just been waited for). A grouped call cuBLAS refuses falls back to the loop.
+//! run of the pairs in expert order), as one grouped cuBLAS call a kind
+//! (`cublasGemmGroupedBatchedEx`, CUDA 12.5 on) over device arrays of the experts' operand
+//! addresses, written once a layer after its router (where the stream has just been waited
+//! for). A grouped call cuBLAS refuses, an older toolkit's build, or `COCKPIT_MOE_GROUPED=0`
+//! (to compare) runs one cuBLAS call an expert instead. (One H200, 64 experts of width 512, six
+//! a token, B4×4 T2048: the experts' six products took 274 ms a step grouped against 417 ms
+//! as one call an expert, the whole step 906 against 951 ms.)
 
 #[cfg(cublas_grouped)]
 use candle_core::cuda_backend::cudarc::cublas::sys as bsys;

@@ -163,6 +163,16 @@ impl ModelStep {
         self.arena = None;
     }
 
+    /// Routed experts' products as grouped cuBLAS calls (the default where the build has them)
+    /// or one call an expert (tests compare the two; `COCKPIT_MOE_GROUPED=0` at start).
+    pub fn set_moe_grouped(&mut self, on: bool) {
+        self.moe_grouped.set(if on && cfg!(cublas_grouped) {
+            0b11_1111
+        } else {
+            0
+        });
+    }
+
     pub(super) fn fwd_bwd(&self, acts: &Activations, first: bool) -> Result<()> {
         self.forward(acts, first, true)?;
         self.backward(acts, first)

@@ -277,7 +277,9 @@ impl ModelStep {
             moe_aux_coef: s.hybrid.as_ref().map_or(0.0, |h| h.router_aux_loss_coef),
             moe_g: std::cell::Cell::new(0.0),
             moe_grouped: std::cell::Cell::new(
-                if std::env::var("COCKPIT_MOE_GROUPED").is_ok_and(|v| v == "1") {
+                if cfg!(cublas_grouped)
+                    && !std::env::var("COCKPIT_MOE_GROUPED").is_ok_and(|v| v == "0")
+                {
                     0b11_1111
                 } else {
                     0
