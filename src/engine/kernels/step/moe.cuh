@@ -49,10 +49,16 @@ __device__ __forceinline__ float moe_row(const float* __restrict__ l, int E, int
 // through moe_logit) → its top k experts, largest first, and their weights, the softmax of the
 // chosen logits rounded to 16 bits (as the models cast them); each expert's count (`counts`,
 // zeroed before, u32 [E]) and the router probabilities (softmax over all E) summed over the rows
-// (`psum`, zeroed before, f32 [E]: the load-balancing loss). One warp a row, grid-stride.
-extern "C" __global__ void moe_route(const float* __restrict__ logits, int n, int E, int k,
-                                     int* __restrict__ topi, float* __restrict__ topw,
-                                     unsigned* __restrict__ counts, float* __restrict__ psum) {
+// (`psum`, f32 [E]: the load-balancing loss). One warp a row, grid-stride; 256 threads.
+// The sums in a fixed order, so that the loss is the same bits every run: each block adds its
+// warps' sums in warp order into its row of `part` (f32 [gridDim.x, E]), and the last block to
+// finish (`ticket`, a u32 that is 0 before and after) adds the blocks' rows in block order.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_route(const float* __restrict__ logits, int n, int E, int k, int* __restrict__ topi,
+              float* __restrict__ topw, unsigned* __restrict__ counts, float* __restrict__ psum,
+              float* __restrict__ part, unsigned* __restrict__ ticket) {
+    __shared__ float sp[8][MOE_MAX_E];
+    __shared__ bool last;
     constexpr int PER = MOE_MAX_E / 32;
     const int lane = threadIdx.x & 31;
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -100,9 +106,29 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int n, in
             atomicAdd(counts + mine_i, 1u);
         }
     }
+    const int wib = threadIdx.x >> 5;
 #pragma unroll
     for (int j = 0; j < PER; j++)
-        if (lane + 32 * j < E && acc[j] != 0.f) atomicAdd(psum + lane + 32 * j, acc[j]);
+        if (lane + 32 * j < E) sp[wib][lane + 32 * j] = acc[j];
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float s = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += sp[w][e];
+        part[(size_t)blockIdx.x * E + e] = s;
+    }
+    // (Each block's row visible before its ticket: the last block reads them all.)
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float s = 0.f;
+        for (int b = 0; b < (int)gridDim.x; b++) s += __ldcg(part + (size_t)b * E + e);
+        psum[e] = s;
+    }
+    if (threadIdx.x == 0) *ticket = 0u;
 }
 
 // The pairs sorted by expert: block e (of E) finds expert e's pairs in slot order and writes

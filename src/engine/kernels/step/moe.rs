@@ -100,6 +100,8 @@ impl ModelStep {
                 Arg::P(acts.topw[l]),
                 Arg::P(counts),
                 Arg::P(psum),
+                Arg::P(acts.part),
+                Arg::P(acts.ticket),
             ],
         )?;
         self.read_counts(l, e, n * k)?;

@@ -71,6 +71,10 @@ pub(super) struct MoeActs {
     /// Per layer: its experts' counts (u32 `[E]`) then its router probabilities' sums (f32
     /// bits `[E]`), at `2E·layer` in [`MoeArena::counts`].
     pub(super) counts: u64,
+    /// The router's per-block probability sums (f32 `[blocks, E]`, blocks ≤ ⌈n/8⌉) and the
+    /// ticket (u32, 0 between launches) by which its last block adds them up (moe.cuh).
+    pub(super) part: u64,
+    pub(super) ticket: u64,
     /// Per layer: the experts' operand addresses for grouped matmuls (u64
     /// `[kind][A | B | C][E]`, moe_mm.rs; written only where those run).
     pub(super) ptrs: u64,
@@ -106,12 +110,14 @@ impl MoeArena {
         let scratch16 = [p * c, p * c, p * i, p * i, p * 2 * i, n * e].map(align);
         let bf_len = slots * gu_len + scratch16.iter().sum::<usize>();
         let bf = dev.alloc_zeros::<bf16>(bf_len.max(1))?;
-        // 4-byte: logits, topi, topw, pos, perm per slot, then dw and aux.
+        // 4-byte: logits, topi, topw, pos, perm per slot, then dw, aux and the router's
+        // per-block sums.
         let slot32 = [n * e, n * k, n * k, n * k, p].map(align);
         let slot32_len: usize = slot32.iter().sum();
-        let f_len = slots * slot32_len + align(n * k) + align(e);
+        let f_len = slots * slot32_len + align(n * k) + align(e) + align(n.div_ceil(8) * e);
         let f = dev.alloc_zeros::<f32>(f_len.max(1))?;
-        let counts = dev.alloc_zeros::<u32>((2 * e * layers).max(1))?;
+        // (then the router's ticket)
+        let counts = dev.alloc_zeros::<u32>(2 * e * layers + 1)?;
         let ptrs = dev.alloc_zeros::<u64>((EXPERT_MM_KINDS * 3 * e * layers).max(1))?;
         let (bp, fp) = (ptr(&bf, &stream), ptr(&f, &stream));
         let mut acts = MoeActs {
@@ -129,6 +135,8 @@ impl MoeArena {
             dlogits: 0,
             dw: 0,
             aux: 0,
+            part: 0,
+            ticket: ptr(&counts, &stream) + 4 * (2 * e * layers) as u64,
             counts: ptr(&counts, &stream),
             ptrs: ptr(&ptrs, &stream),
         };
@@ -168,6 +176,7 @@ impl MoeArena {
         let at32 = slots * slot32_len;
         acts.dw = fp + 4 * at32 as u64;
         acts.aux = fp + 4 * (at32 + align(n * k)) as u64;
+        acts.part = fp + 4 * (at32 + align(n * k) + align(e)) as u64;
         Ok(Self {
             _bf: bf,
             _f32: f,
