@@ -29,12 +29,18 @@ fn main() {
     println!("cargo:rerun-if-changed=src/engine/kernels/flash_smem.h");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=COCKPIT_PTX_ARCH");
+    println!("cargo:rustc-check-cfg=cfg(cublas_grouped)");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     flash_smem_consts(&out);
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
+    // cuBLAS's grouped matmul (cublasGemmGroupedBatchedEx, step/moe_mm.rs) came with CUDA 12.5:
+    // cudarc binds it only for a toolkit that has it.
+    if nvcc_release(&nvcc).is_some_and(|v| v >= (12, 5)) {
+        println!("cargo:rustc-cfg=cublas_grouped");
+    }
     let arch = std::env::var("COCKPIT_PTX_ARCH").unwrap_or_else(|_| "compute_80".to_string());
     // Two builds: compute_80 (bf16 tensor cores, cp.async; the driver JIT-compiles it for
     // sm_80 and newer) and compute_75 for T4-class GPUs (the sm_80 instructions left out).
@@ -98,6 +104,16 @@ fn main() {
     for w in warnings.into_inner().unwrap_or_default() {
         println!("cargo:warning={w}");
     }
+}
+
+/// The toolkit's release (major, minor) from `nvcc --version` ("… release 12.4, V12.4.131").
+fn nvcc_release(nvcc: &str) -> Option<(u32, u32)> {
+    let out = Command::new(nvcc).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rest = text.split("release ").nth(1)?;
+    let ver = rest.split(|c: char| c == ',' || c.is_whitespace()).next()?;
+    let (major, minor) = ver.split_once('.')?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
 }
 
 /// One PTX build of kernels.cu (`arch`, `defines`) into OUT_DIR/`file`, assembled with ptxas

@@ -142,6 +142,7 @@ union Bf8 {
 #include "step/qk_norm.cuh"
 #include "step/dropout.cuh"
 #include "step/swiglu.cuh"
+#include "step/moe.cuh"
 #include "step/mamba.cuh"
 #include "step/mamba_conv.cuh"
 #include "step/mamba_dt.cuh"

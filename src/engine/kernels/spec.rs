@@ -124,6 +124,15 @@ pub struct StepMamba {
     pub norm: Var,
 }
 
+/// A hybrid layer's routed experts (transformers' `block_sparse_moe`): the router `[E, C]`,
+/// the experts' gate | up `[E, 2I, C]` and down `[E, C, I]`.
+#[derive(Clone, Debug)]
+pub struct StepMoe {
+    pub router: Var,
+    pub gate_up: Var,
+    pub down: Var,
+}
+
 /// What a block mixes the sequence with.
 #[derive(Clone, Debug)]
 pub enum StepMixer {
@@ -148,6 +157,8 @@ pub struct StepLayer {
     /// Gemma's sandwich: the norms on the attention's and the MLP's outputs (weights
     /// `[n_embd]`), before each residual add.
     pub post: Option<(Var, Var)>,
+    /// A hybrid's routed experts (None: the shared MLP alone).
+    pub moe: Option<StepMoe>,
 }
 
 /// A model's weights and spec for the whole-model CUDA step (`Model::step_weights`): any
@@ -309,6 +320,7 @@ impl StepWeights {
             if let StepMixer::Mamba(m) = &l.mixer {
                 self.check_mamba(i, m)?;
             }
+            self.check_moe(i, l.moe.as_ref())?;
         }
         if var1(&self.ln_f.0)? != c {
             return bad(
@@ -316,6 +328,37 @@ impl StepWeights {
                 var1(&self.ln_f.0)?.to_string(),
                 c.to_string(),
             );
+        }
+        Ok(())
+    }
+
+    /// Whether layer `i` has routed experts exactly where the spec's `model.hybrid` says
+    /// (every layer, with `experts` > 0), of its shapes: Err names the first that does not.
+    fn check_moe(&self, i: usize, m: Option<&StepMoe>) -> Result<(), String> {
+        let h = self.spec.hybrid.as_ref().filter(|h| h.experts > 0);
+        let (h, m) = match (h, m) {
+            (None, None) => return Ok(()),
+            (Some(h), Some(m)) => (h, m),
+            (h, m) => {
+                return Err(format!(
+                    "layer {i} has routed experts: {}, the model spec says {}",
+                    m.is_some(),
+                    h.is_some()
+                ))
+            }
+        };
+        let (e, c, f) = (h.experts, self.spec.n_embd, h.expert_hidden);
+        for (what, v, want) in [
+            ("router", &m.router, vec![e, c]),
+            ("experts' gate_up_proj", &m.gate_up, vec![e, 2 * f, c]),
+            ("experts' down_proj", &m.down, vec![e, c, f]),
+        ] {
+            if v.as_tensor().dims() != want.as_slice() {
+                return Err(format!(
+                    "layer {i}'s {what} is {:?}, the model spec says {want:?}",
+                    v.as_tensor().dims()
+                ));
+            }
         }
         Ok(())
     }

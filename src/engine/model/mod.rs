@@ -474,13 +474,19 @@ impl Model {
             .sum()
     }
 
-    /// Training FLOPs per token (forward + backward): 6·N over the matmul weights plus
-    /// 12·D·T per attention layer for attention scores and values (PaLM's and nanoGPT's count,
-    /// D the heads' width n_head·head_dim, T the keys a query may see: a sliding layer's
-    /// window where it is shorter than the sequence).
+    /// Training FLOPs per token (forward + backward): 6·N over the matmul weights a token
+    /// goes through (of routed experts, its top-k of them: their weights × k/E) plus 12·D·T per
+    /// attention layer for attention scores and values (PaLM's and nanoGPT's count, D the
+    /// heads' width n_head·head_dim, T the keys a query may see: a sliding layer's window where
+    /// it is shorter than the sequence).
     pub fn flops_per_token(&self) -> f64 {
         let s = &self.spec;
-        let matmul: u64 = self
+        let routed = s
+            .hybrid
+            .as_ref()
+            .filter(|h| h.experts > 0)
+            .map_or(1.0, |h| h.experts_top_k as f64 / h.experts as f64);
+        let matmul: f64 = self
             .params
             .iter()
             .filter(|p| {
@@ -489,9 +495,16 @@ impl Model {
                     ParamKind::Matrix | ParamKind::LoraA | ParamKind::LoraB
                 )
             })
-            .map(|p| p.var.as_tensor().elem_count() as u64)
-            .sum::<u64>()
-            + self.quantized_elems();
+            .map(|p| {
+                let n = p.var.as_tensor().elem_count() as f64;
+                if p.name.contains(".experts.") {
+                    n * routed
+                } else {
+                    n
+                }
+            })
+            .sum::<f64>()
+            + self.quantized_elems() as f64;
         let head = if s.tie_embeddings {
             (s.vocab_size * s.n_embd) as f64
         } else {
@@ -505,7 +518,7 @@ impl Model {
             .filter(|(_, b)| matches!(b.mixer, Mixer::Attention(_)))
             .map(|(l, _)| s.layer_window(l).map_or(s.seq_len, |w| w.min(s.seq_len)))
             .sum();
-        6.0 * (matmul as f64 + head) + 12.0 * (s.n_head * s.head_dim * keys) as f64
+        6.0 * (matmul + head) + 12.0 * (s.n_head * s.head_dim * keys) as f64
     }
     /// All weights by name (for checkpoints).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {

@@ -40,6 +40,15 @@ impl Moe {
             down,
         })
     }
+
+    /// The whole-model step's view of these weights.
+    pub(super) fn step(&self) -> crate::engine::kernels::spec::StepMoe {
+        crate::engine::kernels::spec::StepMoe {
+            router: self.router.clone(),
+            gate_up: self.gate_up.clone(),
+            down: self.down.clone(),
+        }
+    }
 }
 
 /// Each row's top `k` columns (largest first).

@@ -70,8 +70,6 @@ impl Model {
                 scale: a.scale,
             })
         };
-        // (A hybrid's routed experts have no place in the step: it declines them,
-        // Reason::Experts.)
         let layers = self
             .blocks
             .iter()
@@ -127,6 +125,7 @@ impl Model {
                         (Some(pa), Some(pm)) => Some((pa.w.clone(), pm.w.clone())),
                         _ => None,
                     },
+                    moe: b.moe.as_ref().map(|m| m.step()),
                 }
             })
             .collect();

@@ -348,6 +348,61 @@ fn a_hybrid_hands_its_mamba_layers_to_the_step() {
     );
 }
 
+/// A hybrid with routed experts hands every layer's router and experts to the step (the
+/// candle model's tensors, shared: the step reads and trains the same ones); weights a spec
+/// does not describe are refused by name.
+#[test]
+fn a_hybrid_hands_its_experts_to_the_step() {
+    use crate::config::{HybridConfig, MixerKind};
+    let mut c = Config {
+        model: crate::config::ModelConfig::llama_family(),
+        ..Config::default()
+    };
+    c.model.n_layer = 2;
+    c.model.n_embd = 64;
+    c.model.n_head = 2;
+    c.model.hybrid = Some(HybridConfig {
+        layers: vec![MixerKind::Mamba, MixerKind::Attention],
+        mamba_n_heads: 4,
+        mamba_d_head: 16,
+        mamba_d_state: 8,
+        experts: 4,
+        experts_top_k: 2,
+        expert_hidden: 24,
+        ..HybridConfig::default()
+    });
+    let spec = ModelSpec::from_config(&c, 40);
+    let m = Model::new(spec.clone(), DType::F32, &Device::Cpu, 1).unwrap();
+    let w = m.step_weights_unchecked(false);
+    w.check_shapes().unwrap_or_else(|e| panic!("{e}"));
+    for l in &w.layers {
+        let e = l.moe.as_ref().expect("every layer's experts");
+        assert_eq!(e.router.as_tensor().dims(), [4, 64]);
+        assert_eq!(e.gate_up.as_tensor().dims(), [4, 48, 64]);
+        assert_eq!(e.down.as_tensor().dims(), [4, 64, 24]);
+    }
+    let named = |p: &str| {
+        m.params
+            .iter()
+            .find(|q| q.name == p)
+            .map(|q| q.var.as_tensor().id())
+    };
+    assert_eq!(
+        named("model.layers.1.block_sparse_moe.experts.down_proj"),
+        w.layers[1].moe.as_ref().map(|e| e.down.as_tensor().id())
+    );
+    let mut wrong = w.clone();
+    if let Some(h) = wrong.spec.hybrid.as_mut() {
+        h.expert_hidden = 32;
+    }
+    let e = wrong.check_shapes().unwrap_err();
+    assert!(e.contains("layer 0's experts' gate_up_proj"), "{e}");
+    let mut wrong = w.clone();
+    wrong.layers[1].moe = None;
+    let e = wrong.check_shapes().unwrap_err();
+    assert!(e.contains("layer 1 has routed experts: false"), "{e}");
+}
+
 #[test]
 fn the_cpu_model_says_why_the_step_does_not_run_it() {
     let mut c = Config::default();
@@ -482,4 +537,40 @@ fn flops_per_token_count_sliding_windows_and_the_heads_width() {
     assert!(
         (m.flops_per_token() - full - extra_weights - 2.0 * 12.0 * d * 64.0).abs() < 1e-6 * full
     );
+}
+
+/// Routed experts count by what a token goes through: its top-k experts' weights, not all E
+/// (a 64-expert, top-6 model reported an MFU of 158% counting every expert).
+#[test]
+fn flops_per_token_count_a_tokens_experts_alone() {
+    use crate::config::{HybridConfig, MixerKind};
+    let mut c = Config {
+        model: crate::config::ModelConfig::llama_family(),
+        ..Config::default()
+    };
+    c.model.n_layer = 2;
+    c.model.n_embd = 64;
+    c.model.n_head = 2;
+    let hybrid = |experts: usize| HybridConfig {
+        layers: vec![MixerKind::Mamba, MixerKind::Mamba],
+        mamba_n_heads: 4,
+        mamba_d_head: 16,
+        mamba_d_state: 8,
+        experts,
+        experts_top_k: 2,
+        expert_hidden: 24,
+        ..HybridConfig::default()
+    };
+    let flops = |experts: usize| {
+        let mut c = c.clone();
+        c.model.hybrid = Some(hybrid(experts));
+        Model::new(ModelSpec::from_config(&c, 40), DType::F32, &Device::Cpu, 1)
+            .unwrap()
+            .flops_per_token()
+    };
+    // Per layer: the router (E·C, every token) and two experts' gate|up and down (2·3·I·C).
+    let (c, i) = (64.0, 24.0);
+    let per_layer = |e: f64| 6.0 * (e * c + 2.0 * 3.0 * i * c);
+    let (f8, f16) = (flops(8), flops(16));
+    assert!(((f16 - f8) - 2.0 * (per_layer(16.0) - per_layer(8.0))).abs() < 1e-6 * f8);
 }

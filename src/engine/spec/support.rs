@@ -102,10 +102,12 @@ pub enum Reason {
     SandwichNorm,
     #[error("packed samples (data.packing) with {0} (the step keeps packed samples apart in flash attention with RoPE)")]
     PackedSamples(&'static str),
-    #[error(
-        "routed experts (model.hybrid.experts = {0}): the step has no grouped GEMM for them yet"
-    )]
-    Experts(usize),
+    #[error("{key} = {value}: the step's routed experts take {takes}")]
+    Experts {
+        key: &'static str,
+        value: usize,
+        takes: &'static str,
+    },
     #[error("{key} = {value}: the step's Mamba kernels take {takes}")]
     Mamba {
         key: &'static str,
@@ -240,14 +242,38 @@ impl ModelSpec {
 
     /// A Granite 4.0 hybrid's part: its Mamba layers within what the step's kernels take
     /// (head widths multiples of 8 up to 128 — so the inner width is one of 8 too — states
-    /// multiples of 8 up to 256, convs up to 8 wide); routed experts are not in the step yet.
-    /// Its attention layers take the checks every model's do.
+    /// multiples of 8 up to 256, convs up to 8 wide), its routed experts within what the
+    /// step's router takes (up to 256 experts, 16 a token, widths multiples of 8). Its
+    /// attention layers take the checks every model's do.
     fn hybrid_support(&self) -> Result<(), Reason> {
         let Some(h) = &self.hybrid else {
             return Ok(());
         };
         if h.experts > 0 {
-            return Err(Reason::Experts(h.experts));
+            for (key, value, ok, takes) in [
+                (
+                    "model.hybrid.experts",
+                    h.experts,
+                    h.experts <= 256,
+                    "up to 256 experts",
+                ),
+                (
+                    "model.hybrid.experts_top_k",
+                    h.experts_top_k,
+                    h.experts_top_k <= 16,
+                    "up to 16 experts a token",
+                ),
+                (
+                    "model.hybrid.expert_hidden",
+                    h.expert_hidden,
+                    h.expert_hidden.is_multiple_of(8),
+                    "widths that are multiples of 8",
+                ),
+            ] {
+                if !ok {
+                    return Err(Reason::Experts { key, value, takes });
+                }
+            }
         }
         if !self.mamba_layers() {
             return Ok(());

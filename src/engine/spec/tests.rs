@@ -470,8 +470,35 @@ fn the_step_runs_dense_hybrids_and_refuses_what_its_mamba_kernels_do_not_cover()
         h.experts_top_k = 2;
         h.expert_hidden = 64;
     });
-    assert_eq!(why(&experts, &gpu()), Reason::Experts(4));
-    assert!(why(&experts, &gpu()).to_string().contains("routed experts"));
+    // Routed experts run on the step, within its router's limits (the key and value named).
+    assert_eq!(experts.fast_step_support(&gpu()), Ok(()));
+    for (h, key, value) in [
+        (with(|h| h.experts = 300), "model.hybrid.experts", 300),
+        (
+            with(|h| {
+                h.experts = 32;
+                h.experts_top_k = 17
+            }),
+            "model.hybrid.experts_top_k",
+            17,
+        ),
+        (
+            with(|h| {
+                h.experts = 4;
+                h.experts_top_k = 2;
+                h.expert_hidden = 60
+            }),
+            "model.hybrid.expert_hidden",
+            60,
+        ),
+    ] {
+        let w = why(&h, &gpu());
+        assert!(
+            matches!(w, Reason::Experts { key: k, value: v, .. } if k == key && v == value),
+            "{w}"
+        );
+        assert!(w.to_string().contains(&format!("{key} = {value}")), "{w}");
+    }
     for (h, key, value) in [
         (
             with(|h| h.mamba_d_head = 12),

@@ -6,6 +6,7 @@ use half::bf16;
 
 use super::graphs::Graphs;
 use super::mamba_bufs::{MambaActs, MambaArena};
+use super::moe_bufs::{MoeActs, MoeArena};
 use super::offload::Offload;
 use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
 use super::{align, ptr, ModelStep};
@@ -98,6 +99,8 @@ pub(super) struct Activations {
     pub(super) targets: u64,
     /// A hybrid's Mamba layers' own activations and scratch (None: not a hybrid).
     pub(super) mamba: Option<MambaActs>,
+    /// A hybrid's routed experts' activations and scratch (None: no experts).
+    pub(super) moe: Option<MoeActs>,
 }
 
 pub(super) struct Arena {
@@ -117,6 +120,8 @@ pub(super) struct Arena {
     pub(super) acts: Activations,
     /// The memory behind `acts.mamba`.
     pub(super) _mamba: Option<MambaArena>,
+    /// The memory behind `acts.moe` (its counts are read back per layer: moe.rs).
+    pub(super) moe: Option<MoeArena>,
     /// The micro-batch programs captured over this arena's buffers (dropped with it).
     pub(super) graphs: Graphs,
 }
@@ -178,7 +183,20 @@ impl ModelStep {
         let mlp_kept = !self.recompute.whole_block();
         let and = |v: Vec<bool>, k: bool| v.into_iter().map(|x| x && k).collect::<Vec<_>>();
         let keep_ln1 = and(keep(|li| li.qkv_w, &[Q, K, V]), attn_kept);
-        let keep_ln2 = and(keep(|li| li.up_w, &[GATE, UP]), mlp_kept);
+        // (Routed experts' router and gate | up read the normed input in their weights'
+        // gradients as the shared MLP's do.)
+        let experts_train = self.layers.iter().map(|li| {
+            li.moe.as_ref().is_some_and(|m| {
+                self.trained_grad_ptr(m.router).is_some()
+                    || self.trained_grad_ptr(m.gate_up).is_some()
+            })
+        });
+        let keep_ln2 = keep(|li| li.up_w, &[GATE, UP])
+            .into_iter()
+            .zip(experts_train)
+            .map(|(a, b)| a || b)
+            .collect();
+        let keep_ln2 = and(keep_ln2, mlp_kept);
         let keep_act = and(keep(|li| li.down_w, &[DOWN]), mlp_kept);
         let attn_layers = vec![attn_kept; l];
         let mlp_layers = vec![mlp_kept; l];
@@ -345,6 +363,10 @@ impl ModelStep {
             }
             None => None,
         };
+        let moe = match &self.moe {
+            Some(dims) => Some(MoeArena::new(&self.dev, dims, (b, t, c), l, mlp_kept)?),
+            None => None,
+        };
         let base = ptr(&bf, &self.stream);
         let fbase = ptr(&f32s, &self.stream);
         let at = |o: usize| base + 2 * o as u64;
@@ -435,6 +457,7 @@ impl ModelStep {
             ids: ptr(&ids, &self.stream),
             targets: ptr(&targets, &self.stream),
             mamba: mamba.as_ref().map(|m| m.acts.clone()),
+            moe: moe.as_ref().map(|m| m.acts.clone()),
         };
         let offload = if offload {
             Some(Offload::new(&self.stream, l - 2, 2 * nc)?)
@@ -453,6 +476,7 @@ impl ModelStep {
             lows_plain: false,
             acts,
             _mamba: mamba,
+            moe,
             graphs: Graphs::default(),
         });
         Ok(())

@@ -205,6 +205,7 @@ impl ModelStep {
             self.proj_grads((a.act[l], dy, dy_buf), bias, down, first)?;
             self.reclaim(Buf::Dh)?;
             let up_out = self.mlp_act_bwd(a, l, li, (dy, dy_buf, sc), down, first)?;
+            let moe_dy = (dy, sc);
             let up = Lin::new(n, c, up_out, up_out);
             let bias = (li.up_w, li.up_b, false);
             self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
@@ -220,6 +221,9 @@ impl ModelStep {
             )?;
             let dh = (a.dh, Buf::Dh);
             let ldg = self.group_bwd(a, (l, li, G_GU), a.ln2[l], dh, up, first)?;
+            // (A hybrid's routed experts read the same output gradient: their share of the
+            // normed input's gradient adds to the shared MLP's.)
+            self.moe_bwd(a, l, li, moe_dy, ldg)?;
             self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(
                 a.mid[l],

@@ -20,7 +20,7 @@ impl ModelStep {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
             let gu = Lin::new(n, c, 2 * f, 2 * f);
             self.group_fwd(a, (l, li, G_GU), a.ln2[l], li.up_b, a.fc[l], gu)?;
-            return self.launch(
+            self.launch(
                 &self.k.swiglu_fwd,
                 flat_cfg(n * f / 8),
                 &[
@@ -30,7 +30,9 @@ impl ModelStep {
                     Arg::I(i32_of(f / 8, "hidden")?),
                     Arg::I(self.geglu as i32),
                 ],
-            );
+            )?;
+            // (A hybrid's routed experts beside it: routed, and their gate | up.)
+            return self.moe_in_fwd(a, l, li);
         }
         let up = Lin::new(n, c, f, f);
         match li.up_b {
@@ -108,6 +110,7 @@ impl ModelStep {
             let beta = self.lora_fwd(a, l, li, G_DOWN, a.act[l], out, c)?;
             let down = Lin::new(n, f, c, c);
             self.lin_fwd_beta(a.act[l], self.matmul_weight(li.down_w)?, out, down, beta)?;
+            self.moe_out_fwd(a, l, li, out)?;
             if let Some((_, pm)) = li.post {
                 self.out_norm(a, pm, (out, a.post_stats[l][1]))?;
             }
@@ -131,6 +134,9 @@ impl ModelStep {
             if let Some(o) = offload {
                 o.store(l + 1, a.res[l + 1])?;
             }
+        }
+        if grad {
+            self.moe_aux_fwd(a, self.moe_g.get())?;
         }
         self.logit_scale(a, a.lnf, n)?;
         self.head_and_loss(a, first, grad)

@@ -58,6 +58,9 @@ impl ModelStep {
             ids.extend([m.conv_w, m.dt_bias, m.a_log, m.d, m.norm]);
             ids.extend(m.conv_b);
         }
+        if let Some(m) = li.moe {
+            ids.extend([m.router, m.gate_up, m.down]);
+        }
         ids.extend(li.lora.iter().flatten().flat_map(|ad| [ad.a, ad.b]));
         let (mut head, mut tail) = (None::<(usize, usize)>, None::<(usize, usize)>);
         for i in ids {

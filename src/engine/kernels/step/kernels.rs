@@ -62,6 +62,7 @@ pub(super) struct Kernels {
     pub(super) ggml_dequant: Kern,
     /// The Mamba-2 mixer's kernels (mamba.cuh and its family, step/mamba_*.cuh).
     pub(super) mamba: MambaKernels,
+    pub(super) moe: MoeKernels,
     /// Flash attention for head dims 64, 128 and 256.
     pub(super) flash64: Flash,
     /// None where the GPU's shared memory per block is too small for them (128: a T4's 64 KB;
@@ -261,6 +262,7 @@ impl Kernels {
             nf4_dequant: f("nf4_dequant_bf16")?,
             ggml_dequant: f("ggml_dequant_bf16")?,
             mamba: MambaKernels::load(&named)?,
+            moe: MoeKernels::load(&named)?,
             flash64: Flash::load(&named, 64, hopper)?,
             flash128: crate::engine::kernels::cuda::flash_fits(dev, 128)
                 .then(|| Flash::load(&named, 128, hopper))
@@ -646,5 +648,28 @@ impl<'a> ConvKern<'a> {
             rows: 128,
             smem: 0,
         }
+    }
+}
+
+/// The routed experts' kernels (moe.cuh; launched by moe.rs).
+pub(super) struct MoeKernels {
+    pub(super) route: Kern,
+    pub(super) sort: Kern,
+    pub(super) gather: Kern,
+    pub(super) combine: Kern,
+    pub(super) pair_bwd: Kern,
+    pub(super) router_bwd: Kern,
+}
+
+impl MoeKernels {
+    pub(super) fn load(named: &dyn Fn(&str, &'static str) -> Result<Kern>) -> Result<Self> {
+        Ok(Self {
+            route: named("moe_route", "moe_route")?,
+            sort: named("moe_sort", "moe_sort")?,
+            gather: named("moe_gather", "moe_gather")?,
+            combine: named("moe_combine", "moe_combine")?,
+            pair_bwd: named("moe_pair_bwd", "moe_pair_bwd")?,
+            router_bwd: named("moe_router_bwd", "moe_router_bwd")?,
+        })
     }
 }

@@ -38,6 +38,9 @@ mod kernels;
 mod lora;
 mod mamba;
 mod mamba_bufs;
+mod moe;
+mod moe_bufs;
+mod moe_mm;
 mod offload;
 mod params;
 mod run;
@@ -57,6 +60,8 @@ pub use self::flash_rows::{flash_rows, flash_rows_takes};
 use self::kernels::{Kernels, Mark};
 use self::lora::Cat;
 use self::mamba_bufs::MambaDims;
+use self::moe::MoeHost;
+use self::moe_bufs::MoeDims;
 use self::params::{Entry, LayerIdx};
 use super::cuda::err;
 use super::lt::Lt;
@@ -129,6 +134,16 @@ pub struct ModelStep {
     /// layer's packed "qkv" projection, out_proj its "o"; its shared MLP's gate | up is one
     /// matrix.
     mamba: Option<MambaDims>,
+    /// A hybrid's routed experts (None: none; every layer has them otherwise), the host's copy
+    /// of their routing ([`MoeHost`]), the load-balancing loss's coefficient (0: not in the
+    /// loss) and the running micro-batch's loss gradient scale for it (1/accum for a mean).
+    moe: Option<MoeDims>,
+    moe_host: RefCell<MoeHost>,
+    moe_aux_coef: f64,
+    moe_g: std::cell::Cell<f32>,
+    /// The expert product kinds run as one grouped cuBLAS call (a bit a kind, moe_mm.rs; all
+    /// of them unless the build lacks it or `COCKPIT_MOE_GROUPED=0`), else one call an expert.
+    moe_grouped: std::cell::Cell<u8>,
     /// RMSNorm (else LayerNorm).
     rms: bool,
     /// Gemma's norms: every norm (and QK-norm) scales by 1 + w.

@@ -9,6 +9,7 @@ use candle_core::{DType, Result, Tensor, Var};
 use half::bf16;
 
 use super::mamba_bufs::MambaIdx;
+use super::moe_bufs::MoeIdx;
 use super::{align, ptr, Arg, ModelStep};
 use crate::engine::kernels::cuda::{err, multi_grid, with_f32_ptrs, with_ptrs};
 use crate::engine::kernels::quantized::Quantized;
@@ -108,6 +109,8 @@ pub(super) struct LayerIdx {
     pub(super) post: Option<(usize, usize)>,
     /// A hybrid's Mamba layer: its mixer's own entries (None: an attention layer).
     pub(super) mamba: Option<MambaIdx>,
+    /// A hybrid's routed experts: their entries (None: no experts).
+    pub(super) moe: Option<MoeIdx>,
 }
 
 /// The flat buffers' layout as it is built: each entry's offset in the trainable buffers
@@ -159,7 +162,7 @@ impl Layout {
     pub(super) fn push(&mut self, v: &Var, pad: bool) -> usize {
         let n = v.as_tensor().elem_count();
         let rows = v.as_tensor().dims().first().copied().unwrap_or(1);
-        let ext = self.frozen && !self.copy && is_16bit(v.dtype()) && v.rank() == 2;
+        let ext = self.frozen && !self.copy && is_16bit(v.dtype()) && v.rank() >= 2;
         let mut nowhere = 0;
         let off = if ext {
             // (Not in any buffer: read in place.)

@@ -30,6 +30,7 @@ impl ModelStep {
             unsafe { drv::memset_d8_async(a.acts.loss, 0, n * 4, self.stream.cu_stream()) }.w()?;
         }
         self.micro = 0;
+        self.moe_host.get_mut().aux_sum = 0.0;
         Ok(())
     }
 
@@ -67,6 +68,10 @@ impl ModelStep {
         }
         let trained = self.upload(r)?;
         self.set_scales(g, 1.0 / trained.max(1) as f32)?;
+        // (A mean loss's gradient scale for a term per micro-batch, the experts' balancing:
+        // g · trained is the micro-batch's share, scale / accum — also where none trains, since
+        // the loss adds the term for every micro-batch.)
+        self.moe_g.set(g * trained.max(1) as f32);
         if self.drop_thr > 0 {
             // (Read by the kernels from the device: a replayed graph draws new masks.)
             let a = self.arena.as_mut().ok_or_else(|| err("no arena"))?;
@@ -158,6 +163,16 @@ impl ModelStep {
         self.arena = None;
     }
 
+    /// Routed experts' products as grouped cuBLAS calls (the default where the build has them)
+    /// or one call an expert (tests compare the two; `COCKPIT_MOE_GROUPED=0` at start).
+    pub fn set_moe_grouped(&mut self, on: bool) {
+        self.moe_grouped.set(if on && cfg!(cublas_grouped) {
+            0b11_1111
+        } else {
+            0
+        });
+    }
+
     pub(super) fn fwd_bwd(&self, acts: &Activations, first: bool) -> Result<()> {
         self.forward(acts, first, true)?;
         self.backward(acts, first)
@@ -178,7 +193,10 @@ impl ModelStep {
     pub fn loss(&self) -> Result<f64> {
         let v = self.token_losses()?;
         let sum: f64 = v.iter().map(|&x| x as f64).sum();
-        Ok(sum / self.micro.max(1) as f64)
+        // (Routed experts: coef × the load-balancing loss, per micro-batch, as the per-op
+        // model adds it to the training loss.)
+        let aux = self.moe_host.try_borrow().map_or(0.0, |h| h.aux_sum);
+        Ok((sum + aux) / self.micro.max(1) as f64)
     }
 
     /// The loss accumulator, one sum per token row of the arena (one read-back).

@@ -7,6 +7,7 @@ use half::bf16;
 use super::attention::rope_table;
 use super::kernels::Kernels;
 use super::mamba_bufs::{MambaDims, MambaIdx};
+use super::moe_bufs::{MoeDims, MoeIdx};
 use super::params::{ptrs_16, LayerIdx, Layout, LoraIdx, LORA_GROUPS};
 use super::{align, ptr, tensor_ptr, ModelStep, ALIGN};
 use crate::config::{Activation, Norm, QkNorm, Recompute};
@@ -34,6 +35,7 @@ impl ModelStep {
             .map_err(|why| err(format!("whole-model step: {why}")))?;
         // (A hybrid's shared MLP is SwiGLU whatever `activation` says, gate | up one matrix.)
         let mamba = s.hybrid.as_ref().map(MambaDims::new);
+        let moe = s.hybrid.as_ref().and_then(MoeDims::new);
         let (hidden, swiglu, t) = (s.hidden, s.gated_mlp() || mamba.is_some(), s.seq_len);
         let gate_apart = swiglu && mamba.is_none();
         let (n_head, n_kv_head, hd, att_c) = (s.n_head, s.n_kv_head, s.head_dim, s.q_width());
@@ -130,6 +132,16 @@ impl ModelStep {
                 None if s.layout.post_norm => Some((ln1_w, ln2_w)),
                 None => None,
             };
+            // (Routed experts' gradients go here too: an expert no row picked in the step's
+            // first micro-batch has no matmul to overwrite its gradient.)
+            let moe_idx = l.moe.as_ref().map(|m| MoeIdx {
+                router: lay.push(&m.router, true),
+                gate_up: lay.push(&m.gate_up, true),
+                down: lay.push(&m.down, true),
+            });
+            if moe_idx.is_some() != moe.is_some() {
+                return Err(err("whole-model step: routed experts in some layers only"));
+            }
             let up_b = match &l.gate {
                 Some(g) => lay.pack_biases(&[g, &l.up], "gate and up")?,
                 None => lay.push_opt(&l.up.1),
@@ -151,6 +163,7 @@ impl ModelStep {
                 qk_norm,
                 post,
                 mamba: mamba_idx,
+                moe: moe_idx,
             });
         }
         let lnf = (lay.push(&w.ln_f.0, true), lay.push_opt(&w.ln_f.1));
@@ -246,7 +259,8 @@ impl ModelStep {
             blas,
             lt,
             epilogues: s.kernels.bias_gelu,
-            graphs: s.kernels.graphs,
+            // (Routed experts' matmuls take each layer's counts from the host: no graphs.)
+            graphs: s.kernels.graphs && moe.is_none(),
             side,
             sums: None,
             sum_now: false,
@@ -258,6 +272,19 @@ impl ModelStep {
             hd,
             att_c,
             mamba,
+            moe,
+            moe_host: Default::default(),
+            moe_aux_coef: s.hybrid.as_ref().map_or(0.0, |h| h.router_aux_loss_coef),
+            moe_g: std::cell::Cell::new(0.0),
+            moe_grouped: std::cell::Cell::new(
+                if cfg!(cublas_grouped)
+                    && !std::env::var("COCKPIT_MOE_GROUPED").is_ok_and(|v| v == "0")
+                {
+                    0b11_1111
+                } else {
+                    0
+                },
+            ),
             qkv_out: (n_head + 2 * n_kv_head) * hd,
             rms: s.norm == Norm::RmsNorm,
             plus_one: s.layout.norm_plus_one,
