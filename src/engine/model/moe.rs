@@ -98,7 +98,11 @@ impl Model {
             candle_nn::ops::softmax(&(logits + mask)?, D::Minus1)?.to_dtype(self.dtype)?;
         let (gate_up, down) = (self.cast(&m.gate_up)?, self.cast(&m.down)?);
         let inner = down.dim(2)?;
-        let mut out = Tensor::zeros((n, c), self.dtype, x.device())?;
+        // Each expert's weighted outputs, then one index_add of them all in expert order (the
+        // order of the adds, so the same sums, bit for bit): a running `out` per expert kept E
+        // copies of [n, C] for the backward — 0.4 GB a layer for 64 experts at width 1536 and
+        // 2048 rows in bf16.
+        let (mut rows_all, mut outs) = (Vec::new(), Vec::new());
         for (j, rows) in tokens.into_iter().enumerate() {
             if rows.is_empty() {
                 continue;
@@ -110,9 +114,17 @@ impl Model {
                 (candle_nn::ops::silu(&gu.narrow(1, 0, inner)?)? * gu.narrow(1, inner, inner)?)?;
             let ye = hmid.matmul(&down.get(j)?.t()?)?;
             let we = weights.index_select(&idx, 0)?.narrow(1, j, 1)?;
-            out = out.index_add(&idx, &ye.broadcast_mul(&we)?, 0)?;
+            outs.push(ye.broadcast_mul(&we)?);
+            rows_all.extend(rows);
         }
-        out.reshape(dims)
+        let out = Tensor::zeros((n, c), self.dtype, x.device())?;
+        if outs.is_empty() {
+            return out.reshape(dims);
+        }
+        let pairs = rows_all.len();
+        let idx = Tensor::from_vec(rows_all, pairs, x.device())?;
+        out.index_add(&idx, &Tensor::cat(&outs, 0)?, 0)?
+            .reshape(dims)
     }
 
     /// The load-balancing loss of the router logits kept since the last forward began, as
