@@ -45,10 +45,12 @@ pub(super) fn push(
             }
         }
         Err(_) => {
-            let mut probe = overrides.clone();
-            flags.push(&mut probe, "schedule.warmup_steps=0".into(), flag.clone());
-            flags.push(&mut probe, format!("run.max_steps={n}"), flag.clone());
-            config::load(config, &probe).map_err(|e| flags.blame(e))?;
+            // (The probe's own overrides blamed on the flag apart from `flags`, which only
+            // hold what the run gets.)
+            let (mut probe, mut probed) = (overrides.clone(), FlagSets::default());
+            probed.push(&mut probe, "schedule.warmup_steps=0".into(), flag.clone());
+            probed.push(&mut probe, format!("run.max_steps={n}"), flag.clone());
+            config::load(config, &probe).map_err(|e| probed.blame(flags.blame(e)))?;
         }
     }
     flags.push(overrides, format!("run.max_steps={n}"), flag);
