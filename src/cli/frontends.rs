@@ -17,16 +17,42 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A dashboard setting that cannot be used: its config key and why.
+#[derive(Debug)]
+struct TuiSettingError {
+    key: &'static str,
+    why: String,
+}
+
+impl std::fmt::Display for TuiSettingError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = if self.key == "run.theme" {
+            "theme"
+        } else {
+            self.key
+        };
+        write!(f, "{name}: {}", self.why)
+    }
+}
+
 /// Theme, keymap and options for the dashboard from the config (errors are usage errors).
-fn tui_options(cfg: &Config, theme: &str, run_dir: Option<&Path>) -> Result<TuiOptions, String> {
-    let theme = Theme::load(theme).map_err(|e| format!("theme: {e}"))?;
+fn tui_options(
+    cfg: &Config,
+    theme: &str,
+    run_dir: Option<&Path>,
+) -> Result<TuiOptions, TuiSettingError> {
+    let bad = |key, e: &dyn std::fmt::Display| TuiSettingError {
+        key,
+        why: e.to_string(),
+    };
+    let theme = Theme::load(theme).map_err(|e| bad("run.theme", &e))?;
     let keys: HashMap<String, String> = cfg
         .tui
         .keys
         .iter()
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let keymap = Keymap::from_names(&keys).map_err(|e| format!("tui.keys: {e}"))?;
+    let keymap = Keymap::from_names(&keys).map_err(|e| bad("tui.keys", &e))?;
     Ok(TuiOptions {
         fps: cfg.tui.fps,
         theme,
@@ -40,11 +66,13 @@ fn tui_options(cfg: &Config, theme: &str, run_dir: Option<&Path>) -> Result<TuiO
 /// Check the TUI settings before training starts, so a bad theme is a usage error up front.
 /// Err: the key at fault (`run.theme`, `tui.keys`) and the message.
 pub fn validate_tui(cfg: &Config) -> Result<(), (&'static str, String)> {
-    Theme::load(&cfg.run.theme)
-        .map_err(|e| ("run.theme", format!("run.theme = {:?}: {e}", cfg.run.theme)))?;
-    tui_options(cfg, &cfg.run.theme, None)
-        .map(|_| ())
-        .map_err(|e| ("tui.keys", e))
+    match tui_options(cfg, &cfg.run.theme, None) {
+        Ok(_) => Ok(()),
+        Err(e) if e.key == "run.theme" => {
+            Err((e.key, format!("run.theme = {:?}: {}", cfg.run.theme, e.why)))
+        }
+        Err(e) => Err((e.key, e.to_string())),
+    }
 }
 
 /// Telemetry and the advisor while training: samples go to `RUN_DIR/telemetry.jsonl` too.
@@ -163,7 +191,8 @@ pub fn run_frontend(
         }
     };
     if use_tui {
-        let opts = tui_options(cfg, &cfg.run.theme, Some(run_dir)).map_err(anyhow::Error::msg)?;
+        let opts =
+            tui_options(cfg, &cfg.run.theme, Some(run_dir)).map_err(|e| anyhow::anyhow!("{e}"))?;
         // Without telemetry the dashboard still wants a receiver: one that never delivers.
         let (_keep, empty) = mpsc::channel();
         let end = tui::run_training_handback(events, commands, updates.unwrap_or(empty), opts)?;
@@ -326,7 +355,7 @@ pub fn monitor(m: MonitorArgs) -> anyhow::Result<i32> {
         let theme = m.theme.clone().unwrap_or_else(|| cfg.run.theme.clone());
         let mut tui_opts = match tui_options(&cfg, &theme, None) {
             Ok(o) => o,
-            Err(e) => return usage(&e),
+            Err(e) => return usage(&e.to_string()),
         };
         tui_opts.source = m.replay.as_ref().map(|p| {
             let name = p

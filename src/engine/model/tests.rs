@@ -269,6 +269,25 @@ fn both_executors_are_built_from_one_spec() {
     }
 }
 
+/// A small Granite-4.0-H-like config (width 64, two heads, Mamba layers of four heads × 16 with
+/// state 8) whose layers are `hybrid.layers`, the rest of `hybrid` as given.
+fn tiny_hybrid(hybrid: crate::config::HybridConfig) -> Config {
+    let mut c = Config {
+        model: crate::config::ModelConfig::llama_family(),
+        ..Config::default()
+    };
+    c.model.n_layer = hybrid.layers.len();
+    c.model.n_embd = 64;
+    c.model.n_head = 2;
+    c.model.hybrid = Some(crate::config::HybridConfig {
+        mamba_n_heads: 4,
+        mamba_d_head: 16,
+        mamba_d_state: 8,
+        ..hybrid
+    });
+    c
+}
+
 /// A dense Granite 4.0 hybrid hands every layer to the step: its Mamba layers with in_proj,
 /// out_proj and their own weights, its attention layers, the shared MLP's gate | up as one "up";
 /// LoRA's in_proj and out_proj adapters in q's and o's slots. The weights have the spec's
@@ -276,18 +295,8 @@ fn both_executors_are_built_from_one_spec() {
 #[test]
 fn a_hybrid_hands_its_mamba_layers_to_the_step() {
     use crate::config::{HybridConfig, MixerKind};
-    let mut c = Config {
-        model: crate::config::ModelConfig::llama_family(),
-        ..Config::default()
-    };
-    c.model.n_layer = 3;
-    c.model.n_embd = 64;
-    c.model.n_head = 2;
-    c.model.hybrid = Some(HybridConfig {
+    let c = tiny_hybrid(HybridConfig {
         layers: vec![MixerKind::Mamba, MixerKind::Attention, MixerKind::Mamba],
-        mamba_n_heads: 4,
-        mamba_d_head: 16,
-        mamba_d_state: 8,
         mamba_n_groups: 2,
         mamba_proj_bias: true,
         ..HybridConfig::default()
@@ -354,18 +363,8 @@ fn a_hybrid_hands_its_mamba_layers_to_the_step() {
 #[test]
 fn a_hybrid_hands_its_experts_to_the_step() {
     use crate::config::{HybridConfig, MixerKind};
-    let mut c = Config {
-        model: crate::config::ModelConfig::llama_family(),
-        ..Config::default()
-    };
-    c.model.n_layer = 2;
-    c.model.n_embd = 64;
-    c.model.n_head = 2;
-    c.model.hybrid = Some(HybridConfig {
+    let c = tiny_hybrid(HybridConfig {
         layers: vec![MixerKind::Mamba, MixerKind::Attention],
-        mamba_n_heads: 4,
-        mamba_d_head: 16,
-        mamba_d_state: 8,
         experts: 4,
         experts_top_k: 2,
         expert_hidden: 24,
@@ -544,26 +543,14 @@ fn flops_per_token_count_sliding_windows_and_the_heads_width() {
 #[test]
 fn flops_per_token_count_a_tokens_experts_alone() {
     use crate::config::{HybridConfig, MixerKind};
-    let mut c = Config {
-        model: crate::config::ModelConfig::llama_family(),
-        ..Config::default()
-    };
-    c.model.n_layer = 2;
-    c.model.n_embd = 64;
-    c.model.n_head = 2;
-    let hybrid = |experts: usize| HybridConfig {
-        layers: vec![MixerKind::Mamba, MixerKind::Mamba],
-        mamba_n_heads: 4,
-        mamba_d_head: 16,
-        mamba_d_state: 8,
-        experts,
-        experts_top_k: 2,
-        expert_hidden: 24,
-        ..HybridConfig::default()
-    };
     let flops = |experts: usize| {
-        let mut c = c.clone();
-        c.model.hybrid = Some(hybrid(experts));
+        let c = tiny_hybrid(HybridConfig {
+            layers: vec![MixerKind::Mamba, MixerKind::Mamba],
+            experts,
+            experts_top_k: 2,
+            expert_hidden: 24,
+            ..HybridConfig::default()
+        });
         Model::new(ModelSpec::from_config(&c, 40), DType::F32, &Device::Cpu, 1)
             .unwrap()
             .flops_per_token()
