@@ -430,7 +430,7 @@ fn model_with_fused_kernels_matches_the_plain_model() {
                 worst = (e, name.clone());
             }
         }
-        // bf16 gradients of whole layers accumulate many rounding differences: 6e-2 there.
+        // bf16 gradients of whole layers accumulate many rounding differences: WHOLE_GRAD_TOL.
         let tg = if dt == DType::F32 {
             2e-4
         } else {

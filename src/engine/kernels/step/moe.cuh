@@ -58,7 +58,8 @@ extern "C" __global__ void __launch_bounds__(256)
     moe_route(const float* __restrict__ logits, int n, int E, int k, int* __restrict__ topi,
               float* __restrict__ topw, unsigned* __restrict__ counts, float* __restrict__ psum,
               float* __restrict__ part, unsigned* __restrict__ ticket) {
-    __shared__ float sp[8][MOE_MAX_E];
+    constexpr int W = 8;  // warps: the 256 threads its launcher gives it
+    __shared__ float sp[W][MOE_MAX_E];
     __shared__ bool last;
     constexpr int PER = MOE_MAX_E / 32;
     const int lane = threadIdx.x & 31;
@@ -114,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         float s = 0.f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += sp[w][e];
+        for (int w = 0; w < W; w++) s += sp[w][e];
         part[(size_t)blockIdx.x * E + e] = s;
     }
     // (Each block's row visible before its ticket: the last block reads them all.)
@@ -124,28 +125,28 @@ extern "C" __global__ void __launch_bounds__(256)
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // Warp w adds the rows of blocks w, w + 8, ... (four running sums, by the block's place,
-    // for four loads in flight), its lanes over 32 experts at a time; then each expert's eight.
+    // Warp w adds the rows of blocks w, w + W, ... (four running sums, by the block's place,
+    // for four loads in flight), its lanes over 32 experts at a time; then each expert's W sums.
     const int G = gridDim.x;
     for (int e0 = 0; e0 < E; e0 += 32) {
         const int e = e0 + lane;
         if (e < E) {
             float s[4] = {0.f, 0.f, 0.f, 0.f};
             int b = wib;
-            for (; b + 24 < G; b += 32) {
+            for (; b + 3 * W < G; b += 4 * W) {
 #pragma unroll
-                for (int q = 0; q < 4; q++) s[q] += __ldcg(part + (size_t)(b + 8 * q) * E + e);
+                for (int q = 0; q < 4; q++) s[q] += __ldcg(part + (size_t)(b + W * q) * E + e);
             }
 #pragma unroll
             for (int q = 0; q < 3; q++)
-                if (b + 8 * q < G) s[q] += __ldcg(part + (size_t)(b + 8 * q) * E + e);
+                if (b + W * q < G) s[q] += __ldcg(part + (size_t)(b + W * q) * E + e);
             sp[wib][e] = (s[0] + s[1]) + (s[2] + s[3]);
         }
     }
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         float s = 0.f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += sp[w][e];
+        for (int w = 0; w < W; w++) s += sp[w][e];
         psum[e] = s;
     }
     if (threadIdx.x == 0) *ticket = 0u;
