@@ -264,6 +264,146 @@ __device__ __forceinline__ void fa_ws_load(const FaBwdBlock<D, 128>& blk, int it
     }
 }
 
+// What a step of flash_bwd_ws's MMA warpgroups computes, piece by piece (fa_ws_mma and
+// fa_ws_mma_defer put them in their orders). FaWsStep: the step's place (head h, queries q0..)
+// and its ring slot's operand descriptors.
+template <int D>
+struct FaWsStep {
+    int h, q0;
+    uint32_t lQa, ldOa;
+    __device__ __forceinline__ FaWsStep(const FaBwdBlock<D, 128>& blk, int it, uint32_t lQD) {
+        constexpr int QH = FaWs<D>::QH;
+        int i;
+        blk.template at<QH>(it, h, i);
+        q0 = i * FA_BM;
+        lQa = lQD + (it & 1) * (4 * FaWs<D>::TILE >> 4);
+        ldOa = lQa + (QH * FaWs<D>::TD >> 4);
+    }
+};
+
+// S^T = K Q^T and dP^T = V dO^T of a step issued, one group each (the caller fences).
+template <int D>
+__device__ __forceinline__ void fa_ws_issue_sdp(float (&st)[8 * FaWs<D>::QH][4],
+                                                float (&dpt)[8 * FaWs<D>::QH][4], uint32_t lKc,
+                                                uint32_t lVc, const FaWsStep<D>& sp) {
+    if constexpr (FaWs<D>::QH == 2) {  // 64 keys x 128 queries, k = the head dim
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss128<0, 0>(st, wg_desc_at(lKc, kc * 32), wg_desc_at(sp.lQa, kc * 32), kc);
+        wg_commit();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(sp.ldOa, kc * 32), kc);
+        wg_commit();
+    } else {  // 64 keys x 64 queries, k = the head dim: four k-steps in each of its panels
+        fa_wg_ss_panels<D>(st, lKc, sp.lQa);
+        wg_commit();
+        fa_wg_ss_panels<D>(dpt, lVc, sp.ldOa);
+        wg_commit();
+    }
+}
+
+// P^T and dS^T of a step from its S^T and dP^T (the two groups fa_ws_issue_sdp issued, the
+// only ones in flight: waited for here), packed as the A fragments of dV += P^T dO (pa) and of
+// dK += dS^T Q (sa). ANY: packed rows or attention dropout (see fa_ws_mma).
+template <int D, bool ANY>
+__device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                            const FaWsStep<D>& sp, const int* st_b,
+                                            float sl2, int wk0, int lane,
+                                            float (&st)[8 * FaWs<D>::QH][4],
+                                            float (&dpt)[8 * FaWs<D>::QH][4],
+                                            uint32_t (&pa)[4 * FaWs<D>::QH][4],
+                                            uint32_t (&sa)[4 * FaWs<D>::QH][4]) {
+    constexpr int QH = FaWs<D>::QH;
+    const int g = lane >> 2, t4 = lane & 3, kr0 = wk0 + g;
+    const size_t bh = (size_t)blk.b * H + sp.h;
+    float ls[QH][2], dl[QH][2];
+    int sq[QH][2] = {};                 // packed rows: lane's queries' sample starts
+    unsigned long long mw[QH][2] = {};  // dropout: lane's queries' flag words
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh) {
+        fa_bwd_row_stats(lse, delta, bh, sp.q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
+                         dl[qh][0], dl[qh][1]);
+        if (ANY && st_b != nullptr)
+            fa_bwd_row_starts(st_b, sp.q0 + 64 * qh, T, lane, sq[qh][0], sq[qh][1]);
+        if (ANY && thr)
+            fa_bwd_row_mbits(mbits, bh, T, blk.nq, kr0 >> 6, sp.q0 + 64 * qh, lane, mw[qh][0],
+                             mw[qh][1]);
+    }
+    wg_wait<1>();
+    wg_pin(st);
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh) {
+        float(&sth)[8][4] = *reinterpret_cast<float(*)[8][4]>(&st[8 * qh]);
+        const int qq = sp.q0 + 64 * qh;
+        if (ANY)
+            fa_bwd_probs<true>(sth, ls[qh][0], ls[qh][1], sl2, qq, wk0, kr0, t4, st_b, T,
+                               sq[qh][0], sq[qh][1]);
+        else if (wk0 + 15 > qq)  // the causal mask only where the warp's keys reach a query
+            fa_bwd_probs_rows<true, 1>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T, 0, 0);
+        else
+            fa_bwd_probs_rows<true, 0>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T, 0, 0);
+    }
+    wg_wait<0>();
+    wg_pin(dpt);
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh)
+        fa_bwd_dscores<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
+                             *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0],
+                             dl[qh][1], sp.q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh,
+                             blk.nq, mw[qh][0], mw[qh][1]);
+#pragma unroll
+    for (int kc = 0; kc < 4 * QH; ++kc) {
+        fa_frag(st, kc, pa[kc]);
+        fa_frag(dpt, kc, sa[kc]);
+    }
+}
+
+// dS^T of this warpgroup's 64 keys -> its tiles of dS^T slot s (the caller fences and
+// publishes them).
+template <int D>
+__device__ __forceinline__ void fa_ws_store_ds(char* smc, int s, int wg, int warp, int lane,
+                                               const uint32_t (&sa)[4 * FaWs<D>::QH][4]) {
+    constexpr int QH = FaWs<D>::QH;
+    const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8, t4 = lane & 3;
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh) {
+        char* sdSc = smc + FaWs<D>::DS + (2 * QH * s + QH * wg + qh) * FaWs<D>::TILE;
+#pragma unroll
+        for (int k4 = 0; k4 < 4; ++k4)
+            fa_store_frag(sdSc, sa[4 * qh + k4], lr0, lr1, k4 * 16 + t4 * 2);
+    }
+}
+
+// This warpgroup's half of a step's dQ = dS K over the block's 128 keys (A = dS^T slot s's
+// tiles read transposed, B = K's tiles read transposed), issued as one group.
+template <int D>
+__device__ __forceinline__ void fa_ws_issue_dq(float (&dq)[8][4], uint32_t lSw, uint32_t lKw,
+                                               int s) {
+    constexpr int QH = FaWs<D>::QH;
+    constexpr uint32_t TILE = FaWs<D>::TILE, TD = FaWs<D>::TD;
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss<1, 1>(dq, wg_desc_at(lSw, (2 * QH * s + QH * kh) * TILE + kc * 2048),
+                        wg_desc_at(lKw, kh * TD + kc * 2048), kh | kc);
+    wg_commit();
+}
+
+// A step's dQ (this warp's 16 x 64 slab) into dq_acc through staging buffer s.
+template <int D>
+__device__ __forceinline__ void fa_ws_dq_out(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                             const FaWsStep<D>& sp, const float (&dq)[8][4],
+                                             float* stg, int s, int wg, int warp, int lane) {
+    constexpr int QH = FaWs<D>::QH;
+    const int qw = sp.q0 + (QH == 2 ? 64 * wg : 0) + warp * 16;
+    fa_ws_reduce_dq(dq, stg + s * FA_WS_STG,
+                    qw < T ? dq_acc + fa_slab_at(blk.b * H + sp.h, qw >> 4, QH == 2 ? 0 : wg, T, D)
+                           : nullptr,
+                    lane);
+}
+
 // The two MMA warpgroups of flash_bwd_ws (warpgroup wg: keys 64wg.. of the block), a step
 // per 128 x 128 pairs; dK and dV left in registers. ANY: packed rows (starts) or attention
 // dropout (thr) — a loop of its own, so that the plain one carries neither; there each lane
@@ -275,133 +415,150 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
                                           int lane, float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
     using W = FaWs<D>;
     constexpr int QH = W::QH;
-    constexpr uint32_t TILE = W::TILE, TD = W::TD;
-    const int g = lane >> 2, t4 = lane & 3;
     if (!ANY) thr = 0;
     const int* st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
     const float sl2 = scale * 1.4426950408889634f;
     const int wk0 = blk.k0 + 64 * wg + warp * 16;
-    const int kr0 = wk0 + g;
-    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
     float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
     // the products' descriptors, each one add from these (wg_desc_at): this warpgroup's K and V;
     // dQ's A (the dS^T tiles of its query half) and B (K, or its head-dim panel of K)
-    const uint32_t lKc = wg_desc_lo(base + wg * TD), lVc = wg_desc_lo(base + (2 + wg) * TD);
+    const uint32_t lKc = wg_desc_lo(base + wg * W::TD), lVc = wg_desc_lo(base + (2 + wg) * W::TD);
     const uint32_t lQD = wg_desc_lo(base + W::RING);
-    const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * TILE : 0));
-    const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * TILE));
+    const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * W::TILE : 0));
+    const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * W::TILE));
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
-        int h, i;
-        blk.template at<QH>(it, h, i);
-        const int q0 = i * FA_BM;
-        const uint32_t lQa = lQD + s * (4 * TILE >> 4), ldOa = lQa + (QH * TD >> 4);
+        const FaWsStep<D> sp(blk, it, lQD);
         fa_ws_sync(FA_WS_FULL + s);
         float st[8 * QH][4], dpt[8 * QH][4];
         wg_fence();
-        if constexpr (QH == 2) {  // 64 keys x 128 queries, k = the head dim
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_ss128<0, 0>(st, wg_desc_at(lKc, kc * 32), wg_desc_at(lQa, kc * 32), kc);
-            wg_commit();
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(ldOa, kc * 32), kc);
-            wg_commit();
-        } else {  // 64 keys x 64 queries, k = the head dim: four k-steps in each of its panels
-            fa_wg_ss_panels<D>(st, lKc, lQa);
-            wg_commit();
-            fa_wg_ss_panels<D>(dpt, lVc, ldOa);
-            wg_commit();
-        }
-        const size_t bh = (size_t)blk.b * H + h;
-        float ls[QH][2], dl[QH][2];
-        int sq[QH][2] = {};                     // packed rows: lane's queries' sample starts
-        unsigned long long mw[QH][2] = {};      // dropout: lane's queries' flag words
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh) {
-            fa_bwd_row_stats(lse, delta, bh, q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
-                             dl[qh][0], dl[qh][1]);
-            if (ANY && st_b != nullptr)
-                fa_bwd_row_starts(st_b, q0 + 64 * qh, T, lane, sq[qh][0], sq[qh][1]);
-            if (ANY && thr)
-                fa_bwd_row_mbits(mbits, bh, T, blk.nq, kr0 >> 6, q0 + 64 * qh, lane, mw[qh][0],
-                                 mw[qh][1]);
-        }
-        wg_wait<1>();
-        wg_pin(st);
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh) {
-            float(&sth)[8][4] = *reinterpret_cast<float(*)[8][4]>(&st[8 * qh]);
-            const int qq = q0 + 64 * qh;
-            if (ANY)
-                fa_bwd_probs<true>(sth, ls[qh][0], ls[qh][1], sl2, qq, wk0, kr0, t4, st_b, T,
-                                   sq[qh][0], sq[qh][1]);
-            else if (wk0 + 15 > qq)  // the causal mask only where the warp's keys reach a query
-                fa_bwd_probs_rows<true, 1>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T,
-                                           0, 0);
-            else
-                fa_bwd_probs_rows<true, 0>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T,
-                                           0, 0);
-        }
-        wg_wait<0>();
-        wg_pin(dpt);
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh)
-            fa_bwd_dscores<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
-                                 *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0],
-                                 dl[qh][1], q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh,
-                                 blk.nq, mw[qh][0], mw[qh][1]);
+        fa_ws_issue_sdp<D>(st, dpt, lKc, lVc, sp);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
-#pragma unroll
-        for (int kc = 0; kc < 4 * QH; ++kc) {
-            fa_frag(st, kc, pa[kc]);
-            fa_frag(dpt, kc, sa[kc]);
-        }
+        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, st_b, sl2, wk0, lane, st, dpt, pa, sa);
         // dV += P^T dO, dK += dS^T Q: k = the step's 64·QH queries (2048 bytes a k-step), a
         // product per 64-column panel of dO and Q into the matching part of dV and dK
         wg_fence();
-        fa_wg_rs_panels<D>(dv, pa, ldOa);
-        fa_wg_rs_panels<D>(dk, sa, lQa);
+        fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
+        fa_wg_rs_panels<D>(dk, sa, sp.lQa);
         wg_commit();
         // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh) {
-            char* sdSc = smc + W::DS + (2 * QH * s + QH * wg + qh) * TILE;
-#pragma unroll
-            for (int k4 = 0; k4 < 4; ++k4)
-                fa_store_frag(sdSc, sa[4 * qh + k4], lr0, lr1, k4 * 16 + t4 * 2);
-        }
+        fa_ws_store_ds<D>(smc, s, wg, warp, lane, sa);
         fa_fence_async();
         asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
-        // this warpgroup's half of dQ = dS K over the block's 128 keys (A = dS^T tiles read
-        // transposed, B = K's tiles read transposed)
         float dq[8][4];
         wg_fence();
-#pragma unroll
-        for (int kh = 0; kh < 2; ++kh)
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_ss<1, 1>(dq, wg_desc_at(lSw, (2 * QH * s + QH * kh) * TILE + kc * 2048),
-                            wg_desc_at(lKw, kh * TD + kc * 2048), kh | kc);
-        wg_commit();
+        fa_ws_issue_dq<D>(dq, lSw, lKw, s);
         wg_wait<1>();  // dV, dK done reading slot s
         wg_pin(dv);
         wg_pin(dk);
         if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
         wg_wait<0>();
         wg_pin(dq);
-        // dQ into dq_acc: this warp's slab (staging buffer s)
-        const int qw = q0 + (QH == 2 ? 64 * wg : 0) + warp * 16;
-        fa_ws_reduce_dq(dq, stg + s * FA_WS_STG,
-                        qw < T ? dq_acc + fa_slab_at(blk.b * H + h, qw >> 4, QH == 2 ? 0 : wg, T, D)
-                               : nullptr,
+        fa_ws_dq_out<D>(FA_WG_PASS, blk, sp, dq, stg, s, wg, warp, lane);
+    }
+    fa_ws_reduce_drain(lane);
+}
+
+// Barriers of fa_ws_mma_defer (ids past FA_WS_EMPTY's two), each between the two MMA
+// warpgroups (256: one arrives, the other syncs): DSR + 2w + s, warpgroup w's half of dS^T slot
+// s is written; FREE + 2w + s, warpgroup w's dQ product is done reading slot s; SCHED + w,
+// warpgroup w's turn to issue products (PP).
+#define FA_WS_DSR 5
+#define FA_WS_FREE 9
+#define FA_WS_SCHED 13
+__device__ __forceinline__ void fa_ws_pair_sync(int id) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void fa_ws_pair_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
+}
+
+// fa_ws_mma with each step's dQ issued in the next step, after its own dV and dK products
+// (EXPERIMENT: variants 1 and 2 of flash_bwd_ws at head dim 64). Nothing makes the two MMA
+// warpgroups meet at one barrier a step: each publishes its half of a step's dS^T (DSR) and
+// waits only for the other's half of the step before (which the other wrote a phase earlier),
+// and a dS^T slot is rewritten once the other warpgroup's dQ product has read it (FREE). So a
+// warpgroup's exponentials can run while the other's products do. PP: the two also take turns
+// to issue their products (SCHED: S^T and dP^T, then dV, dK and the last step's dQ), so that
+// each one's softmax falls under the other's products.
+template <int D, bool ANY, bool PP>
+__device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                                int steps, uint32_t base, char* smc, int wg,
+                                                int warp, int lane, float (&dk)[D / 8][4],
+                                                float (&dv)[D / 8][4]) {
+    using W = FaWs<D>;
+    constexpr int QH = W::QH;
+    if (!ANY) thr = 0;
+    const int* st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
+    const float sl2 = scale * 1.4426950408889634f;
+    const int wk0 = blk.k0 + 64 * wg + warp * 16;
+    const int other = wg ^ 1;
+    float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
+    const uint32_t lKc = wg_desc_lo(base + wg * W::TD), lVc = wg_desc_lo(base + (2 + wg) * W::TD);
+    const uint32_t lQD = wg_desc_lo(base + W::RING);
+    const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * W::TILE : 0));
+    const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * W::TILE));
+    // PP: warpgroup 0 takes the first turn (warpgroup 1 opens it)
+    if (PP && wg == 1 && steps > 0) fa_ws_pair_arrive(FA_WS_SCHED + 0);
+    for (int it = 0; it < steps; ++it) {
+        const int s = it & 1;
+        const FaWsStep<D> sp(blk, it, lQD);
+        fa_ws_sync(FA_WS_FULL + s);
+        float st[8 * QH][4], dpt[8 * QH][4];
+        if (PP) fa_ws_pair_sync(FA_WS_SCHED + wg);
+        wg_fence();
+        fa_ws_issue_sdp<D>(st, dpt, lKc, lVc, sp);
+        if (PP) fa_ws_pair_arrive(FA_WS_SCHED + other);
+        uint32_t pa[4 * QH][4], sa[4 * QH][4];
+        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, st_b, sl2, wk0, lane, st, dpt, pa, sa);
+        if (PP) fa_ws_pair_sync(FA_WS_SCHED + wg);
+        wg_fence();
+        fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
+        fa_wg_rs_panels<D>(dk, sa, sp.lQa);
+        wg_commit();
+        // this step's dS^T -> slot s once the other's dQ product of step it - 2 is done with it
+        if (it >= 2) fa_ws_pair_sync(FA_WS_FREE + 2 * other + s);
+        fa_ws_store_ds<D>(smc, s, wg, warp, lane, sa);
+        fa_fence_async();
+        fa_ws_pair_arrive(FA_WS_DSR + 2 * wg + s);
+        // the last step's dQ, once the other's half of its dS^T is in (at the first step a
+        // product of the slot's stale tiles that nothing reads: issued under a branch, ptxas
+        // keeps the loop's products apart less well — it spilled 500 bytes)
+        float dq[8][4];
+        if (it >= 1) fa_ws_pair_sync(FA_WS_DSR + 2 * other + (s ^ 1));
+        wg_fence();
+        fa_ws_issue_dq<D>(dq, lSw, lKw, s ^ 1);
+        if (PP) fa_ws_pair_arrive(FA_WS_SCHED + other);
+        wg_wait<1>();  // dV, dK done reading ring slot s
+        wg_pin(dv);
+        wg_pin(dk);
+        if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
+        wg_wait<0>();
+        wg_pin(dq);
+        if (it >= 1) {
+            // (the other rewrites slot s ^ 1 at step it + 1)
+            if (it + 1 < steps) fa_ws_pair_arrive(FA_WS_FREE + 2 * wg + (s ^ 1));
+            fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, it - 1, lQD), dq, stg, s ^ 1, wg,
+                            warp, lane);
+        }
+    }
+    if (steps > 0) {
+        const int s = (steps - 1) & 1;
+        float dq[8][4];
+        fa_ws_pair_sync(FA_WS_DSR + 2 * other + s);
+        if (PP) fa_ws_pair_sync(FA_WS_SCHED + wg);
+        wg_fence();
+        fa_ws_issue_dq<D>(dq, lSw, lKw, s);
+        if (PP && wg == 0) fa_ws_pair_arrive(FA_WS_SCHED + other);  // (warpgroup 1's is last)
+        wg_wait<0>();
+        wg_pin(dq);
+        fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, lQD), dq, stg, s, wg, warp,
                         lane);
     }
     fa_ws_reduce_drain(lane);
 }
 
-template <int D>
+template <int D, int MODE = 0>
 __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
     using W = FaWs<D>;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -439,10 +596,19 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
     float dk[D / 8][4], dv[D / 8][4];
     fa_zero(dk);
     fa_zero(dv);
-    if (starts != nullptr || thr)
-        fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
-    else
-        fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+    if constexpr (MODE == 0) {
+        if (starts != nullptr || thr)
+            fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+        else
+            fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+    } else {
+        constexpr bool PP = MODE == 2;
+        if (starts != nullptr || thr)
+            fa_ws_mma_defer<D, true, PP>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+        else
+            fa_ws_mma_defer<D, false, PP>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk,
+                                          dv);
+    }
     __syncthreads();  // every dQ product done reading K and V's tiles
     fa_bwd_store_kv(dk, dv, scale, smc + wg * W::TD, smc + (2 + wg) * W::TD, warp, lane,
                     blk.k0 + 64 * wg + warp * 16, T,
@@ -452,6 +618,15 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
     flash_bwd_ws<64>(FA_WG_PASS, fa_wg_smem);
+}
+// EXPERIMENT: the deferred-dQ loop, without (1) and with (2) turns between the MMA warpgroups
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_v1_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    flash_bwd_ws<64, 1>(FA_WG_PASS, fa_wg_smem);
+}
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_v2_bf16(FA_WG_ARGS) {
+    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
+    flash_bwd_ws<64, 2>(FA_WG_PASS, fa_wg_smem);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_d128_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
