@@ -461,11 +461,9 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
 
 // Barriers of fa_ws_mma_defer (ids past FA_WS_EMPTY's two), each between the two MMA
 // warpgroups (256: one arrives, the other syncs): DSR + 2w + s, warpgroup w's half of dS^T slot
-// s is written; FREE + 2w + s, warpgroup w's dQ product is done reading slot s; SCHED + w,
-// warpgroup w's turn to issue products (PP).
+// s is written; FREE + 2w + s, warpgroup w's dQ product is done reading slot s.
 #define FA_WS_DSR 5
 #define FA_WS_FREE 9
-#define FA_WS_SCHED 13
 __device__ __forceinline__ void fa_ws_pair_sync(int id) {
     asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
 }
@@ -474,14 +472,12 @@ __device__ __forceinline__ void fa_ws_pair_arrive(int id) {
 }
 
 // fa_ws_mma with each step's dQ issued in the next step, after its own dV and dK products
-// (EXPERIMENT: variants 1 and 2 of flash_bwd_ws at head dim 64). Nothing makes the two MMA
+// (EXPERIMENT). Nothing makes the two MMA
 // warpgroups meet at one barrier a step: each publishes its half of a step's dS^T (DSR) and
 // waits only for the other's half of the step before (which the other wrote a phase earlier),
 // and a dS^T slot is rewritten once the other warpgroup's dQ product has read it (FREE). So a
-// warpgroup's exponentials can run while the other's products do. PP: the two also take turns
-// to issue their products (SCHED: S^T and dP^T, then dV, dK and the last step's dQ), so that
-// each one's softmax falls under the other's products.
-template <int D, bool ANY, bool PP>
+// warpgroup's exponentials can run while the other's products do.
+template <int D, bool ANY>
 __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
                                                 int steps, uint32_t base, char* smc, int wg,
                                                 int warp, int lane, float (&dk)[D / 8][4],
@@ -498,20 +494,15 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
     const uint32_t lQD = wg_desc_lo(base + W::RING);
     const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * W::TILE : 0));
     const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * W::TILE));
-    // PP: warpgroup 0 takes the first turn (warpgroup 1 opens it)
-    if (PP && wg == 1 && steps > 0) fa_ws_pair_arrive(FA_WS_SCHED + 0);
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
         const FaWsStep<D> sp(blk, it, lQD);
         fa_ws_sync(FA_WS_FULL + s);
         float st[8 * QH][4], dpt[8 * QH][4];
-        if (PP) fa_ws_pair_sync(FA_WS_SCHED + wg);
         wg_fence();
         fa_ws_issue_sdp<D>(st, dpt, lKc, lVc, sp);
-        if (PP) fa_ws_pair_arrive(FA_WS_SCHED + other);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
         fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, st_b, sl2, wk0, lane, st, dpt, pa, sa);
-        if (PP) fa_ws_pair_sync(FA_WS_SCHED + wg);
         wg_fence();
         fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
         fa_wg_rs_panels<D>(dk, sa, sp.lQa);
@@ -528,7 +519,6 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
         if (it >= 1) fa_ws_pair_sync(FA_WS_DSR + 2 * other + (s ^ 1));
         wg_fence();
         fa_ws_issue_dq<D>(dq, lSw, lKw, s ^ 1);
-        if (PP) fa_ws_pair_arrive(FA_WS_SCHED + other);
         wg_wait<1>();  // dV, dK done reading ring slot s
         wg_pin(dv);
         wg_pin(dk);
@@ -546,10 +536,8 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
         const int s = (steps - 1) & 1;
         float dq[8][4];
         fa_ws_pair_sync(FA_WS_DSR + 2 * other + s);
-        if (PP) fa_ws_pair_sync(FA_WS_SCHED + wg);
         wg_fence();
         fa_ws_issue_dq<D>(dq, lSw, lKw, s);
-        if (PP && wg == 0) fa_ws_pair_arrive(FA_WS_SCHED + other);  // (warpgroup 1's is last)
         wg_wait<0>();
         wg_pin(dq);
         fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, lQD), dq, stg, s, wg, warp,
@@ -602,12 +590,10 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
         else
             fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
     } else {
-        constexpr bool PP = MODE == 2;
         if (starts != nullptr || thr)
-            fa_ws_mma_defer<D, true, PP>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+            fa_ws_mma_defer<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
         else
-            fa_ws_mma_defer<D, false, PP>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk,
-                                          dv);
+            fa_ws_mma_defer<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
     }
     __syncthreads();  // every dQ product done reading K and V's tiles
     fa_bwd_store_kv(dk, dv, scale, smc + wg * W::TD, smc + (2 + wg) * W::TD, warp, lane,
@@ -617,16 +603,12 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
 
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    flash_bwd_ws<64>(FA_WG_PASS, fa_wg_smem);
-}
-// EXPERIMENT: the deferred-dQ loop, without (1) and with (2) turns between the MMA warpgroups
-extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_v1_bf16(FA_WG_ARGS) {
-    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
     flash_bwd_ws<64, 1>(FA_WG_PASS, fa_wg_smem);
 }
-extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_v2_bf16(FA_WG_ARGS) {
+// EXPERIMENT: the deferred-dQ loop at head dim 128
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_d128_v1_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    flash_bwd_ws<64, 2>(FA_WG_PASS, fa_wg_smem);
+    flash_bwd_ws<128, 1>(FA_WG_PASS, fa_wg_smem);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_d128_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
