@@ -199,7 +199,8 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // warpgroups' dS^T in shared memory, each computes a half of the step's dQ over all 128 keys —
 // at head dim 64 its 64-query half, at 128 its 64-column panel of the head dim — and each warp
 // adds its 16 x 64 slab into dq_acc by one bulk reduction from shared memory (fa_ws_reduce_dq,
-// two staging buffers). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
+// two staging buffers) — at head dim 64 in the next step, after its dV and dK products
+// (fa_ws_mma_defer). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
 // ring. (Before: WG2 added the staged dQ with 16-byte vector atomics — which itself had beaten
 // the MMA warps issuing them, 335 -> 362 TFLOP/s — and published the next step's tiles only
 // after them: the MMA warps waited at FULL a fifth of their samples at head dim 128, Nsight
@@ -215,9 +216,12 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // 64kh.., queries 64qh..), two dQ staging buffers (160 KB on; 225 KB in all). Barriers:
 //   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
-//   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written
-// A dS^T slot is rewritten two steps later, after both warpgroups have passed the DS barrier of
-// the step between — each waits for its dQ products before reaching it. Registers: FaWs.
+//   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written (head dim 128:
+//             fa_ws_mma; a dS^T slot is rewritten two steps later, after both warpgroups have
+//             passed the DS barrier of the step between — each waits for its dQ products
+//             before reaching it)
+//   DSR[w][s], FREE[w][s]  WG w -> WG 1-w (256): head dim 64, fa_ws_mma_defer (no DS)
+// Registers: FaWs.
 // Launch: grid (B*KVH, ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
 #define FA_WS_FULL 1
 #define FA_WS_EMPTY 3
@@ -240,10 +244,10 @@ struct FaWs {
     static constexpr uint32_t TD = 64 * D * 2;    // 64 rows of the head dim
     static constexpr uint32_t RING = 4 * TD, DS = RING + 8 * TILE, STG = DS + 4 * QH * TILE;
     // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
-    // block's 3 x 168 at head dim 64 (ptxas 13.0 spills one register of the plain loop's, once
-    // a step; at 232 it spills 148 bytes); 32 + 2 x 232 at 128, where the MMA warpgroups keep
-    // their products unserialized down to 232 (at 224 ptxas serializes them: dK and dV are 128
-    // registers there) and nothing spills (at 24 + 2 x 240 a few bytes).
+    // block's 3 x 168 at head dim 64 (ptxas 13.0 spills 8 bytes of fa_ws_mma_defer's plain
+    // loop; at 232 the lockstep loop spilled 148 bytes); 32 + 2 x 232 at 128, where the MMA
+    // warpgroups keep their products unserialized down to 232 (at 224 ptxas serializes them: dK
+    // and dV are 128 registers there) and nothing spills (at 24 + 2 x 240 a few bytes).
     static constexpr int REGS_COPY = D == 64 ? 24 : 32, REGS_MMA = D == 64 ? 240 : 232;
     static_assert(STG == 20 * TILE, "flash_smem.h's FA_WS_SMEM lays out 20 tiles before dQ's");
 };
@@ -281,6 +285,30 @@ struct FaWsStep {
     }
 };
 
+// A MMA thread's constants over the loop: its warp's first key (wk0) and its own (kr0), its
+// column pair (t4), its rows of the dS^T tiles (lr0, lr1), the block's packed-row starts (st_b,
+// ANY only) and the softmax scale in log2 units.
+struct FaWsLane {
+    int wk0, kr0, t4, lr0, lr1;
+    const int* st_b;
+    float sl2;
+};
+template <int D, bool ANY>
+__device__ __forceinline__ FaWsLane fa_ws_lane(const int* starts, int T, float scale,
+                                               const FaBwdBlock<D, 128>& blk, int wg, int warp,
+                                               int lane) {
+    FaWsLane ln;
+    const int g = lane >> 2;
+    ln.t4 = lane & 3;
+    ln.st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
+    ln.sl2 = scale * 1.4426950408889634f;
+    ln.wk0 = blk.k0 + 64 * wg + warp * 16;
+    ln.kr0 = ln.wk0 + g;
+    ln.lr0 = warp * 16 + g;
+    ln.lr1 = ln.lr0 + 8;
+    return ln;
+}
+
 // S^T = K Q^T and dP^T = V dO^T of a step issued, one group each (the caller fences).
 template <int D>
 __device__ __forceinline__ void fa_ws_issue_sdp(float (&st)[8 * FaWs<D>::QH][4],
@@ -308,14 +336,15 @@ __device__ __forceinline__ void fa_ws_issue_sdp(float (&st)[8 * FaWs<D>::QH][4],
 // dK += dS^T Q (sa). ANY: packed rows or attention dropout (see fa_ws_mma).
 template <int D, bool ANY>
 __device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
-                                            const FaWsStep<D>& sp, const int* st_b,
-                                            float sl2, int wk0, int lane,
-                                            float (&st)[8 * FaWs<D>::QH][4],
+                                            const FaWsStep<D>& sp, const FaWsLane& ln,
+                                            int lane, float (&st)[8 * FaWs<D>::QH][4],
                                             float (&dpt)[8 * FaWs<D>::QH][4],
                                             uint32_t (&pa)[4 * FaWs<D>::QH][4],
                                             uint32_t (&sa)[4 * FaWs<D>::QH][4]) {
     constexpr int QH = FaWs<D>::QH;
-    const int g = lane >> 2, t4 = lane & 3, kr0 = wk0 + g;
+    const int wk0 = ln.wk0, kr0 = ln.kr0, t4 = ln.t4;
+    const int* st_b = ln.st_b;
+    const float sl2 = ln.sl2;
     const size_t bh = (size_t)blk.b * H + sp.h;
     float ls[QH][2], dl[QH][2];
     int sq[QH][2] = {};                 // packed rows: lane's queries' sample starts
@@ -362,10 +391,10 @@ __device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>
 // dS^T of this warpgroup's 64 keys -> its tiles of dS^T slot s (the caller fences and
 // publishes them).
 template <int D>
-__device__ __forceinline__ void fa_ws_store_ds(char* smc, int s, int wg, int warp, int lane,
+__device__ __forceinline__ void fa_ws_store_ds(char* smc, int s, int wg, const FaWsLane& ln,
                                                const uint32_t (&sa)[4 * FaWs<D>::QH][4]) {
     constexpr int QH = FaWs<D>::QH;
-    const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8, t4 = lane & 3;
+    const int lr0 = ln.lr0, lr1 = ln.lr1, t4 = ln.t4;
 #pragma unroll
     for (int qh = 0; qh < QH; ++qh) {
         char* sdSc = smc + FaWs<D>::DS + (2 * QH * s + QH * wg + qh) * FaWs<D>::TILE;
@@ -416,9 +445,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
     using W = FaWs<D>;
     constexpr int QH = W::QH;
     if (!ANY) thr = 0;
-    const int* st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
-    const float sl2 = scale * 1.4426950408889634f;
-    const int wk0 = blk.k0 + 64 * wg + warp * 16;
+    const FaWsLane ln = fa_ws_lane<D, ANY>(starts, T, scale, blk, wg, warp, lane);
     float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
     // the products' descriptors, each one add from these (wg_desc_at): this warpgroup's K and V;
     // dQ's A (the dS^T tiles of its query half) and B (K, or its head-dim panel of K)
@@ -434,7 +461,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
         wg_fence();
         fa_ws_issue_sdp<D>(st, dpt, lKc, lVc, sp);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
-        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, st_b, sl2, wk0, lane, st, dpt, pa, sa);
+        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
         // dV += P^T dO, dK += dS^T Q: k = the step's 64·QH queries (2048 bytes a k-step), a
         // product per 64-column panel of dO and Q into the matching part of dV and dK
         wg_fence();
@@ -442,7 +469,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
         fa_wg_rs_panels<D>(dk, sa, sp.lQa);
         wg_commit();
         // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
-        fa_ws_store_ds<D>(smc, s, wg, warp, lane, sa);
+        fa_ws_store_ds<D>(smc, s, wg, ln, sa);
         fa_fence_async();
         asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
         float dq[8][4];
@@ -471,12 +498,16 @@ __device__ __forceinline__ void fa_ws_pair_arrive(int id) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 
-// fa_ws_mma with each step's dQ issued in the next step, after its own dV and dK products
-// (EXPERIMENT). Nothing makes the two MMA
-// warpgroups meet at one barrier a step: each publishes its half of a step's dS^T (DSR) and
-// waits only for the other's half of the step before (which the other wrote a phase earlier),
-// and a dS^T slot is rewritten once the other warpgroup's dQ product has read it (FREE). So a
-// warpgroup's exponentials can run while the other's products do.
+// The head-dim-64 loop: fa_ws_mma with each step's dQ product issued in the next step, after
+// that step's dV and dK products. In fa_ws_mma both MMA warpgroups meet at the DS barrier every
+// step and so run in lockstep, their exponentials (16 a cycle an SM) and the products never
+// overlapping; here nothing makes them meet: each publishes its half of a step's dS^T (DSR) and
+// waits only for the other's half of the step before, which the other wrote a phase earlier,
+// and rewrites a dS^T slot once the other's dQ product has read it (FREE). Each dQ is staged
+// and added as in fa_ws_mma, a step later. One H100, `--profile` at T = 16384: the backward
+// 368 / 370 -> 383 / 378 TFLOP/s (the lockstep loop's build beside it, one call); taking turns
+// to issue the products (FlashAttention-3's forward's ping-pong, two more barriers) ran 379 /
+// 378 against 382 / 383 without, and at head dim 128 this loop ran 443 against 461.
 template <int D, bool ANY>
 __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
                                                 int steps, uint32_t base, char* smc, int wg,
@@ -485,9 +516,7 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
     using W = FaWs<D>;
     constexpr int QH = W::QH;
     if (!ANY) thr = 0;
-    const int* st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
-    const float sl2 = scale * 1.4426950408889634f;
-    const int wk0 = blk.k0 + 64 * wg + warp * 16;
+    const FaWsLane ln = fa_ws_lane<D, ANY>(starts, T, scale, blk, wg, warp, lane);
     const int other = wg ^ 1;
     float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
     const uint32_t lKc = wg_desc_lo(base + wg * W::TD), lVc = wg_desc_lo(base + (2 + wg) * W::TD);
@@ -502,14 +531,14 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
         wg_fence();
         fa_ws_issue_sdp<D>(st, dpt, lKc, lVc, sp);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
-        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, st_b, sl2, wk0, lane, st, dpt, pa, sa);
+        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
         wg_fence();
         fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
         fa_wg_rs_panels<D>(dk, sa, sp.lQa);
         wg_commit();
         // this step's dS^T -> slot s once the other's dQ product of step it - 2 is done with it
         if (it >= 2) fa_ws_pair_sync(FA_WS_FREE + 2 * other + s);
-        fa_ws_store_ds<D>(smc, s, wg, warp, lane, sa);
+        fa_ws_store_ds<D>(smc, s, wg, ln, sa);
         fa_fence_async();
         fa_ws_pair_arrive(FA_WS_DSR + 2 * wg + s);
         // the last step's dQ, once the other's half of its dS^T is in (at the first step a
@@ -546,7 +575,7 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
     fa_ws_reduce_drain(lane);
 }
 
-template <int D, int MODE = 0>
+template <int D>
 __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
     using W = FaWs<D>;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -584,16 +613,17 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
     float dk[D / 8][4], dv[D / 8][4];
     fa_zero(dk);
     fa_zero(dv);
-    if constexpr (MODE == 0) {
-        if (starts != nullptr || thr)
-            fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
-        else
-            fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
-    } else {
+    // (head dim 64: dQ a step later; at 128 that loop ran 461 -> 443 TFLOP/s, one H100)
+    if constexpr (D == 64) {
         if (starts != nullptr || thr)
             fa_ws_mma_defer<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
         else
             fa_ws_mma_defer<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+    } else {
+        if (starts != nullptr || thr)
+            fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+        else
+            fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
     }
     __syncthreads();  // every dQ product done reading K and V's tiles
     fa_bwd_store_kv(dk, dv, scale, smc + wg * W::TD, smc + (2 + wg) * W::TD, warp, lane,
@@ -603,12 +633,7 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
 
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    flash_bwd_ws<64, 1>(FA_WG_PASS, fa_wg_smem);
-}
-// EXPERIMENT: the deferred-dQ loop at head dim 128
-extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_d128_v1_bf16(FA_WG_ARGS) {
-    extern __shared__ __align__(1024) unsigned char fa_wg_smem[];
-    flash_bwd_ws<128, 1>(FA_WG_PASS, fa_wg_smem);
+    flash_bwd_ws<64>(FA_WG_PASS, fa_wg_smem);
 }
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_ws_d128_bf16(FA_WG_ARGS) {
     extern __shared__ __align__(1024) unsigned char fa_wg_smem[];

@@ -116,12 +116,7 @@ impl Flash {
             // Three warpgroups over 128 keys (flash_sm90.cu's flash_bwd_ws[_d128]_bf16).
             bwd_smem = crate::engine::kernels::spec::FLASH_BWD_WS_SMEM;
             bwd_block = (384, 128);
-            // EXPERIMENT: COCKPIT_FLASH_BWD=1 picks the deferred-dQ loop at head dim 128
-            let v = std::env::var("COCKPIT_FLASH_BWD").unwrap_or_default();
-            match (hd, v.as_str()) {
-                (128, "1") => named("flash_bwd_ws_d128_v1_bf16", "flash_bwd_ws")?,
-                _ => named(&format!("flash_bwd_ws{sfx}_bf16"), "flash_bwd_ws")?,
-            }
+            named(&format!("flash_bwd_ws{sfx}_bf16"), "flash_bwd_ws")?
         } else {
             k("flash_bwd", "flash_bwd")?
         };
