@@ -225,11 +225,14 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // Launch: grid (B*KVH, ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
 #define FA_WS_FULL 1
 #define FA_WS_EMPTY 3
+// named barrier `id` of N threads (the block's 384, or the two MMA warpgroups' 256)
+template <int N = 384>
 __device__ __forceinline__ void fa_ws_sync(int id) {
-    asm volatile("bar.sync %0, 384;\n" ::"r"(id) : "memory");
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(N) : "memory");
 }
+template <int N = 384>
 __device__ __forceinline__ void fa_ws_arrive(int id) {
-    asm volatile("bar.arrive %0, 384;\n" ::"r"(id) : "memory");
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(N) : "memory");
 }
 
 #define FA_WS_DS 5
@@ -433,6 +436,45 @@ __device__ __forceinline__ void fa_ws_dq_out(FA_WG_ARGS, const FaBwdBlock<D, 128
                     lane);
 }
 
+// The products' shared-memory descriptors, each one add from these (wg_desc_at): warpgroup
+// wg's K and V tiles; the ring's first slot; dQ's A (the dS^T tiles of its query half) and B (K,
+// or its head-dim panel of K).
+template <int D>
+struct FaWsDesc {
+    uint32_t lKc, lVc, lQD, lSw, lKw;
+    __device__ __forceinline__ FaWsDesc(uint32_t base, int wg) {
+        using W = FaWs<D>;
+        lKc = wg_desc_lo(base + wg * W::TD);
+        lVc = wg_desc_lo(base + (2 + wg) * W::TD);
+        lQD = wg_desc_lo(base + W::RING);
+        lSw = wg_desc_lo(base + W::DS + (W::QH == 2 ? wg * W::TILE : 0));
+        lKw = wg_desc_lo(base + (W::QH == 2 ? 0 : wg * W::TILE));
+    }
+};
+
+// A step's first part, the same in both loops: once ring slot s has landed, S^T and dP^T, then
+// P^T and dS^T (into pa and sa), then dV += P^T dO and dK += dS^T Q issued as one group (k =
+// the step's 64·QH queries, 2048 bytes a k-step; a product per 64-column panel of dO and Q
+// into the matching part of dV and dK), left in flight.
+template <int D, bool ANY>
+__device__ __forceinline__ void fa_ws_front(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                            const FaWsStep<D>& sp, const FaWsLane& ln,
+                                            const FaWsDesc<D>& dc, int s, int lane,
+                                            uint32_t (&pa)[4 * FaWs<D>::QH][4],
+                                            uint32_t (&sa)[4 * FaWs<D>::QH][4],
+                                            float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
+    constexpr int QH = FaWs<D>::QH;
+    fa_ws_sync(FA_WS_FULL + s);
+    float st[8 * QH][4], dpt[8 * QH][4];
+    wg_fence();
+    fa_ws_issue_sdp<D>(st, dpt, dc.lKc, dc.lVc, sp);
+    fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
+    wg_fence();
+    fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
+    fa_wg_rs_panels<D>(dk, sa, sp.lQa);
+    wg_commit();
+}
+
 // The two MMA warpgroups of flash_bwd_ws (warpgroup wg: keys 64wg.. of the block), a step
 // per 128 x 128 pairs; dK and dV left in registers. ANY: packed rows (starts) or attention
 // dropout (thr) — a loop of its own, so that the plain one carries neither; there each lane
@@ -447,34 +489,19 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
     if (!ANY) thr = 0;
     const FaWsLane ln = fa_ws_lane<D, ANY>(starts, T, scale, blk, wg, warp, lane);
     float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
-    // the products' descriptors, each one add from these (wg_desc_at): this warpgroup's K and V;
-    // dQ's A (the dS^T tiles of its query half) and B (K, or its head-dim panel of K)
-    const uint32_t lKc = wg_desc_lo(base + wg * W::TD), lVc = wg_desc_lo(base + (2 + wg) * W::TD);
-    const uint32_t lQD = wg_desc_lo(base + W::RING);
-    const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * W::TILE : 0));
-    const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * W::TILE));
+    const FaWsDesc<D> dc(base, wg);
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
-        const FaWsStep<D> sp(blk, it, lQD);
-        fa_ws_sync(FA_WS_FULL + s);
-        float st[8 * QH][4], dpt[8 * QH][4];
-        wg_fence();
-        fa_ws_issue_sdp<D>(st, dpt, lKc, lVc, sp);
+        const FaWsStep<D> sp(blk, it, dc.lQD);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
-        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
-        // dV += P^T dO, dK += dS^T Q: k = the step's 64·QH queries (2048 bytes a k-step), a
-        // product per 64-column panel of dO and Q into the matching part of dV and dK
-        wg_fence();
-        fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
-        fa_wg_rs_panels<D>(dk, sa, sp.lQa);
-        wg_commit();
+        fa_ws_front<D, ANY>(FA_WG_PASS, blk, sp, ln, dc, s, lane, pa, sa, dk, dv);
         // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
         fa_ws_store_ds<D>(smc, s, wg, ln, sa);
         fa_fence_async();
         asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
         float dq[8][4];
         wg_fence();
-        fa_ws_issue_dq<D>(dq, lSw, lKw, s);
+        fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s);
         wg_wait<1>();  // dV, dK done reading slot s
         wg_pin(dv);
         wg_pin(dk);
@@ -491,12 +518,6 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
 // s is written; FREE + 2w + s, warpgroup w's dQ product is done reading slot s.
 #define FA_WS_DSR 5
 #define FA_WS_FREE 9
-__device__ __forceinline__ void fa_ws_pair_sync(int id) {
-    asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
-}
-__device__ __forceinline__ void fa_ws_pair_arrive(int id) {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
-}
 
 // The head-dim-64 loop: fa_ws_mma with each step's dQ product issued in the next step, after
 // that step's dV and dK products. In fa_ws_mma both MMA warpgroups meet at the DS barrier every
@@ -519,35 +540,24 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
     const FaWsLane ln = fa_ws_lane<D, ANY>(starts, T, scale, blk, wg, warp, lane);
     const int other = wg ^ 1;
     float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
-    const uint32_t lKc = wg_desc_lo(base + wg * W::TD), lVc = wg_desc_lo(base + (2 + wg) * W::TD);
-    const uint32_t lQD = wg_desc_lo(base + W::RING);
-    const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * W::TILE : 0));
-    const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * W::TILE));
+    const FaWsDesc<D> dc(base, wg);
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
-        const FaWsStep<D> sp(blk, it, lQD);
-        fa_ws_sync(FA_WS_FULL + s);
-        float st[8 * QH][4], dpt[8 * QH][4];
-        wg_fence();
-        fa_ws_issue_sdp<D>(st, dpt, lKc, lVc, sp);
+        const FaWsStep<D> sp(blk, it, dc.lQD);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
-        fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
-        wg_fence();
-        fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
-        fa_wg_rs_panels<D>(dk, sa, sp.lQa);
-        wg_commit();
+        fa_ws_front<D, ANY>(FA_WG_PASS, blk, sp, ln, dc, s, lane, pa, sa, dk, dv);
         // this step's dS^T -> slot s once the other's dQ product of step it - 2 is done with it
-        if (it >= 2) fa_ws_pair_sync(FA_WS_FREE + 2 * other + s);
+        if (it >= 2) fa_ws_sync<256>(FA_WS_FREE + 2 * other + s);
         fa_ws_store_ds<D>(smc, s, wg, ln, sa);
         fa_fence_async();
-        fa_ws_pair_arrive(FA_WS_DSR + 2 * wg + s);
+        fa_ws_arrive<256>(FA_WS_DSR + 2 * wg + s);
         // the last step's dQ, once the other's half of its dS^T is in (at the first step a
         // product of the slot's stale tiles that nothing reads: issued under a branch, ptxas
         // keeps the loop's products apart less well — it spilled 500 bytes)
         float dq[8][4];
-        if (it >= 1) fa_ws_pair_sync(FA_WS_DSR + 2 * other + (s ^ 1));
+        if (it >= 1) fa_ws_sync<256>(FA_WS_DSR + 2 * other + (s ^ 1));
         wg_fence();
-        fa_ws_issue_dq<D>(dq, lSw, lKw, s ^ 1);
+        fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s ^ 1);
         wg_wait<1>();  // dV, dK done reading ring slot s
         wg_pin(dv);
         wg_pin(dk);
@@ -556,20 +566,20 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
         wg_pin(dq);
         if (it >= 1) {
             // (the other rewrites slot s ^ 1 at step it + 1)
-            if (it + 1 < steps) fa_ws_pair_arrive(FA_WS_FREE + 2 * wg + (s ^ 1));
-            fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, it - 1, lQD), dq, stg, s ^ 1, wg,
+            if (it + 1 < steps) fa_ws_arrive<256>(FA_WS_FREE + 2 * wg + (s ^ 1));
+            fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, it - 1, dc.lQD), dq, stg, s ^ 1, wg,
                             warp, lane);
         }
     }
     if (steps > 0) {
         const int s = (steps - 1) & 1;
         float dq[8][4];
-        fa_ws_pair_sync(FA_WS_DSR + 2 * other + s);
+        fa_ws_sync<256>(FA_WS_DSR + 2 * other + s);
         wg_fence();
-        fa_ws_issue_dq<D>(dq, lSw, lKw, s);
+        fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s);
         wg_wait<0>();
         wg_pin(dq);
-        fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, lQD), dq, stg, s, wg, warp,
+        fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, dc.lQD), dq, stg, s, wg, warp,
                         lane);
     }
     fa_ws_reduce_drain(lane);
