@@ -1238,6 +1238,28 @@ fn every_step_family() -> Vec<Family> {
             },
         },
         Family {
+            name: "llama: head dim 64, GQA 4/2, T 700 (up to six 128-query steps a key block)",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_embd = 256;
+                c.model.n_head = 4;
+                c.model.n_kv_head = 2;
+                c.model.n_layer = 1;
+                c.model.seq_len = 700;
+            },
+        },
+        Family {
+            name: "llama: head dim 64, 2 heads, dropout 0.1, T 530 (five steps, the loop for dropout)",
+            vocab: 97,
+            set: |c| {
+                llama(c);
+                c.model.n_layer = 1;
+                c.model.dropout = 0.1;
+                c.model.seq_len = 530;
+            },
+        },
+        Family {
             name: "mistral-like: head dim 128, GQA 4/1, dropout 0.2, T 200 (four query tiles)",
             vocab: 97,
             set: |c| {

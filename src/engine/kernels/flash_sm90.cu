@@ -199,7 +199,8 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // warpgroups' dS^T in shared memory, each computes a half of the step's dQ over all 128 keys —
 // at head dim 64 its 64-query half, at 128 its 64-column panel of the head dim — and each warp
 // adds its 16 x 64 slab into dq_acc by one bulk reduction from shared memory (fa_ws_reduce_dq,
-// two staging buffers). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
+// two staging buffers) — at head dim 64 in the next step, after its dV and dK products
+// (fa_ws_mma_defer). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
 // ring. (Before: WG2 added the staged dQ with 16-byte vector atomics — which itself had beaten
 // the MMA warps issuing them, 335 -> 362 TFLOP/s — and published the next step's tiles only
 // after them: the MMA warps waited at FULL a fifth of their samples at head dim 128, Nsight
@@ -215,17 +216,23 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // 64kh.., queries 64qh..), two dQ staging buffers (160 KB on; 225 KB in all). Barriers:
 //   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
-//   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written
-// A dS^T slot is rewritten two steps later, after both warpgroups have passed the DS barrier of
-// the step between — each waits for its dQ products before reaching it. Registers: FaWs.
+//   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written (head dim 128:
+//             fa_ws_mma; a dS^T slot is rewritten two steps later, after both warpgroups have
+//             passed the DS barrier of the step between — each waits for its dQ products
+//             before reaching it)
+//   DSR[w][s], FREE[w][s]  WG w -> WG 1-w (256): head dim 64, fa_ws_mma_defer (no DS)
+// Registers: FaWs.
 // Launch: grid (B*KVH, ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
 #define FA_WS_FULL 1
 #define FA_WS_EMPTY 3
+// named barrier `id` of N threads (the block's 384, or the two MMA warpgroups' 256)
+template <int N = 384>
 __device__ __forceinline__ void fa_ws_sync(int id) {
-    asm volatile("bar.sync %0, 384;\n" ::"r"(id) : "memory");
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(N) : "memory");
 }
+template <int N = 384>
 __device__ __forceinline__ void fa_ws_arrive(int id) {
-    asm volatile("bar.arrive %0, 384;\n" ::"r"(id) : "memory");
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(N) : "memory");
 }
 
 #define FA_WS_DS 5
@@ -240,10 +247,10 @@ struct FaWs {
     static constexpr uint32_t TD = 64 * D * 2;    // 64 rows of the head dim
     static constexpr uint32_t RING = 4 * TD, DS = RING + 8 * TILE, STG = DS + 4 * QH * TILE;
     // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
-    // block's 3 x 168 at head dim 64 (ptxas 13.0 spills one register of the plain loop's, once
-    // a step; at 232 it spills 148 bytes); 32 + 2 x 232 at 128, where the MMA warpgroups keep
-    // their products unserialized down to 232 (at 224 ptxas serializes them: dK and dV are 128
-    // registers there) and nothing spills (at 24 + 2 x 240 a few bytes).
+    // block's 3 x 168 at head dim 64 (ptxas 13.0 spills 8 bytes of fa_ws_mma_defer's plain
+    // loop; at 232 the lockstep loop spilled 148 bytes); 32 + 2 x 232 at 128, where the MMA
+    // warpgroups keep their products unserialized down to 232 (at 224 ptxas serializes them: dK
+    // and dV are 128 registers there) and nothing spills (at 24 + 2 x 240 a few bytes).
     static constexpr int REGS_COPY = D == 64 ? 24 : 32, REGS_MMA = D == 64 ? 240 : 232;
     static_assert(STG == 20 * TILE, "flash_smem.h's FA_WS_SMEM lays out 20 tiles before dQ's");
 };
@@ -264,6 +271,210 @@ __device__ __forceinline__ void fa_ws_load(const FaBwdBlock<D, 128>& blk, int it
     }
 }
 
+// What a step of flash_bwd_ws's MMA warpgroups computes, piece by piece (fa_ws_mma and
+// fa_ws_mma_defer put them in their orders). FaWsStep: the step's place (head h, queries q0..)
+// and its ring slot's operand descriptors.
+template <int D>
+struct FaWsStep {
+    int h, q0;
+    uint32_t lQa, ldOa;
+    __device__ __forceinline__ FaWsStep(const FaBwdBlock<D, 128>& blk, int it, uint32_t lQD) {
+        constexpr int QH = FaWs<D>::QH;
+        int i;
+        blk.template at<QH>(it, h, i);
+        q0 = i * FA_BM;
+        lQa = lQD + (it & 1) * (4 * FaWs<D>::TILE >> 4);
+        ldOa = lQa + (QH * FaWs<D>::TD >> 4);
+    }
+};
+
+// A MMA thread's constants over the loop: its warp's first key (wk0) and its own (kr0), its
+// column pair (t4), its rows of the dS^T tiles (lr0, lr1), the block's packed-row starts (st_b,
+// ANY only) and the softmax scale in log2 units.
+struct FaWsLane {
+    int wk0, kr0, t4, lr0, lr1;
+    const int* st_b;
+    float sl2;
+};
+template <int D, bool ANY>
+__device__ __forceinline__ FaWsLane fa_ws_lane(const int* starts, int T, float scale,
+                                               const FaBwdBlock<D, 128>& blk, int wg, int warp,
+                                               int lane) {
+    FaWsLane ln;
+    const int g = lane >> 2;
+    ln.t4 = lane & 3;
+    ln.st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
+    ln.sl2 = scale * 1.4426950408889634f;
+    ln.wk0 = blk.k0 + 64 * wg + warp * 16;
+    ln.kr0 = ln.wk0 + g;
+    ln.lr0 = warp * 16 + g;
+    ln.lr1 = ln.lr0 + 8;
+    return ln;
+}
+
+// S^T = K Q^T and dP^T = V dO^T of a step issued, one group each (the caller fences).
+template <int D>
+__device__ __forceinline__ void fa_ws_issue_sdp(float (&st)[8 * FaWs<D>::QH][4],
+                                                float (&dpt)[8 * FaWs<D>::QH][4], uint32_t lKc,
+                                                uint32_t lVc, const FaWsStep<D>& sp) {
+    if constexpr (FaWs<D>::QH == 2) {  // 64 keys x 128 queries, k = the head dim
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss128<0, 0>(st, wg_desc_at(lKc, kc * 32), wg_desc_at(sp.lQa, kc * 32), kc);
+        wg_commit();
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(sp.ldOa, kc * 32), kc);
+        wg_commit();
+    } else {  // 64 keys x 64 queries, k = the head dim: four k-steps in each of its panels
+        fa_wg_ss_panels<D>(st, lKc, sp.lQa);
+        wg_commit();
+        fa_wg_ss_panels<D>(dpt, lVc, sp.ldOa);
+        wg_commit();
+    }
+}
+
+// P^T and dS^T of a step from its S^T and dP^T (the two groups fa_ws_issue_sdp issued, the
+// only ones in flight: waited for here), packed as the A fragments of dV += P^T dO (pa) and of
+// dK += dS^T Q (sa). ANY: packed rows or attention dropout (see fa_ws_mma).
+template <int D, bool ANY>
+__device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                            const FaWsStep<D>& sp, const FaWsLane& ln,
+                                            int lane, float (&st)[8 * FaWs<D>::QH][4],
+                                            float (&dpt)[8 * FaWs<D>::QH][4],
+                                            uint32_t (&pa)[4 * FaWs<D>::QH][4],
+                                            uint32_t (&sa)[4 * FaWs<D>::QH][4]) {
+    constexpr int QH = FaWs<D>::QH;
+    const int wk0 = ln.wk0, kr0 = ln.kr0, t4 = ln.t4;
+    const int* st_b = ln.st_b;
+    const float sl2 = ln.sl2;
+    const size_t bh = (size_t)blk.b * H + sp.h;
+    float ls[QH][2], dl[QH][2];
+    int sq[QH][2] = {};                 // packed rows: lane's queries' sample starts
+    unsigned long long mw[QH][2] = {};  // dropout: lane's queries' flag words
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh) {
+        fa_bwd_row_stats(lse, delta, bh, sp.q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
+                         dl[qh][0], dl[qh][1]);
+        if (ANY && st_b != nullptr)
+            fa_bwd_row_starts(st_b, sp.q0 + 64 * qh, T, lane, sq[qh][0], sq[qh][1]);
+        if (ANY && thr)
+            fa_bwd_row_mbits(mbits, bh, T, blk.nq, kr0 >> 6, sp.q0 + 64 * qh, lane, mw[qh][0],
+                             mw[qh][1]);
+    }
+    wg_wait<1>();
+    wg_pin(st);
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh) {
+        float(&sth)[8][4] = *reinterpret_cast<float(*)[8][4]>(&st[8 * qh]);
+        const int qq = sp.q0 + 64 * qh;
+        if (ANY)
+            fa_bwd_probs<true>(sth, ls[qh][0], ls[qh][1], sl2, qq, wk0, kr0, t4, st_b, T,
+                               sq[qh][0], sq[qh][1]);
+        else if (wk0 + 15 > qq)  // the causal mask only where the warp's keys reach a query
+            fa_bwd_probs_rows<true, 1>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T, 0, 0);
+        else
+            fa_bwd_probs_rows<true, 0>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T, 0, 0);
+    }
+    wg_wait<0>();
+    wg_pin(dpt);
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh)
+        fa_bwd_dscores<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
+                             *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0],
+                             dl[qh][1], sp.q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh,
+                             blk.nq, mw[qh][0], mw[qh][1]);
+#pragma unroll
+    for (int kc = 0; kc < 4 * QH; ++kc) {
+        fa_frag(st, kc, pa[kc]);
+        fa_frag(dpt, kc, sa[kc]);
+    }
+}
+
+// dS^T of this warpgroup's 64 keys -> its tiles of dS^T slot s (the caller fences and
+// publishes them).
+template <int D>
+__device__ __forceinline__ void fa_ws_store_ds(char* smc, int s, int wg, const FaWsLane& ln,
+                                               const uint32_t (&sa)[4 * FaWs<D>::QH][4]) {
+    constexpr int QH = FaWs<D>::QH;
+    const int lr0 = ln.lr0, lr1 = ln.lr1, t4 = ln.t4;
+#pragma unroll
+    for (int qh = 0; qh < QH; ++qh) {
+        char* sdSc = smc + FaWs<D>::DS + (2 * QH * s + QH * wg + qh) * FaWs<D>::TILE;
+#pragma unroll
+        for (int k4 = 0; k4 < 4; ++k4)
+            fa_store_frag(sdSc, sa[4 * qh + k4], lr0, lr1, k4 * 16 + t4 * 2);
+    }
+}
+
+// This warpgroup's half of a step's dQ = dS K over the block's 128 keys (A = dS^T slot s's
+// tiles read transposed, B = K's tiles read transposed), issued as one group.
+template <int D>
+__device__ __forceinline__ void fa_ws_issue_dq(float (&dq)[8][4], uint32_t lSw, uint32_t lKw,
+                                               int s) {
+    constexpr int QH = FaWs<D>::QH;
+    constexpr uint32_t TILE = FaWs<D>::TILE, TD = FaWs<D>::TD;
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+        for (int kc = 0; kc < 4; ++kc)
+            wg_ss<1, 1>(dq, wg_desc_at(lSw, (2 * QH * s + QH * kh) * TILE + kc * 2048),
+                        wg_desc_at(lKw, kh * TD + kc * 2048), kh | kc);
+    wg_commit();
+}
+
+// A step's dQ (this warp's 16 x 64 slab) into dq_acc through staging buffer s.
+template <int D>
+__device__ __forceinline__ void fa_ws_dq_out(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                             const FaWsStep<D>& sp, const float (&dq)[8][4],
+                                             float* stg, int s, int wg, int warp, int lane) {
+    constexpr int QH = FaWs<D>::QH;
+    const int qw = sp.q0 + (QH == 2 ? 64 * wg : 0) + warp * 16;
+    fa_ws_reduce_dq(dq, stg + s * FA_WS_STG,
+                    qw < T ? dq_acc + fa_slab_at(blk.b * H + sp.h, qw >> 4, QH == 2 ? 0 : wg, T, D)
+                           : nullptr,
+                    lane);
+}
+
+// The products' shared-memory descriptors, each one add from these (wg_desc_at): warpgroup
+// wg's K and V tiles; the ring's first slot; dQ's A (the dS^T tiles of its query half) and B (K,
+// or its head-dim panel of K).
+template <int D>
+struct FaWsDesc {
+    uint32_t lKc, lVc, lQD, lSw, lKw;
+    __device__ __forceinline__ FaWsDesc(uint32_t base, int wg) {
+        using W = FaWs<D>;
+        lKc = wg_desc_lo(base + wg * W::TD);
+        lVc = wg_desc_lo(base + (2 + wg) * W::TD);
+        lQD = wg_desc_lo(base + W::RING);
+        lSw = wg_desc_lo(base + W::DS + (W::QH == 2 ? wg * W::TILE : 0));
+        lKw = wg_desc_lo(base + (W::QH == 2 ? 0 : wg * W::TILE));
+    }
+};
+
+// A step's first part, the same in both loops: once ring slot s has landed, S^T and dP^T, then
+// P^T and dS^T (into pa and sa), then dV += P^T dO and dK += dS^T Q issued as one group (k =
+// the step's 64·QH queries, 2048 bytes a k-step; a product per 64-column panel of dO and Q
+// into the matching part of dV and dK), left in flight.
+template <int D, bool ANY>
+__device__ __forceinline__ void fa_ws_front(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                            const FaWsStep<D>& sp, const FaWsLane& ln,
+                                            const FaWsDesc<D>& dc, int s, int lane,
+                                            uint32_t (&pa)[4 * FaWs<D>::QH][4],
+                                            uint32_t (&sa)[4 * FaWs<D>::QH][4],
+                                            float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
+    constexpr int QH = FaWs<D>::QH;
+    fa_ws_sync(FA_WS_FULL + s);
+    float st[8 * QH][4], dpt[8 * QH][4];
+    wg_fence();
+    fa_ws_issue_sdp<D>(st, dpt, dc.lKc, dc.lVc, sp);
+    fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
+    wg_fence();
+    fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
+    fa_wg_rs_panels<D>(dk, sa, sp.lQa);
+    wg_commit();
+}
+
 // The two MMA warpgroups of flash_bwd_ws (warpgroup wg: keys 64wg.. of the block), a step
 // per 128 x 128 pairs; dK and dV left in registers. ANY: packed rows (starts) or attention
 // dropout (thr) — a loop of its own, so that the plain one carries neither; there each lane
@@ -275,127 +486,100 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
                                           int lane, float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
     using W = FaWs<D>;
     constexpr int QH = W::QH;
-    constexpr uint32_t TILE = W::TILE, TD = W::TD;
-    const int g = lane >> 2, t4 = lane & 3;
     if (!ANY) thr = 0;
-    const int* st_b = ANY && starts != nullptr ? starts + (size_t)blk.b * T : nullptr;
-    const float sl2 = scale * 1.4426950408889634f;
-    const int wk0 = blk.k0 + 64 * wg + warp * 16;
-    const int kr0 = wk0 + g;
-    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
+    const FaWsLane ln = fa_ws_lane<D, ANY>(starts, T, scale, blk, wg, warp, lane);
     float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
-    // the products' descriptors, each one add from these (wg_desc_at): this warpgroup's K and V;
-    // dQ's A (the dS^T tiles of its query half) and B (K, or its head-dim panel of K)
-    const uint32_t lKc = wg_desc_lo(base + wg * TD), lVc = wg_desc_lo(base + (2 + wg) * TD);
-    const uint32_t lQD = wg_desc_lo(base + W::RING);
-    const uint32_t lSw = wg_desc_lo(base + W::DS + (QH == 2 ? wg * TILE : 0));
-    const uint32_t lKw = wg_desc_lo(base + (QH == 2 ? 0 : wg * TILE));
+    const FaWsDesc<D> dc(base, wg);
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
-        int h, i;
-        blk.template at<QH>(it, h, i);
-        const int q0 = i * FA_BM;
-        const uint32_t lQa = lQD + s * (4 * TILE >> 4), ldOa = lQa + (QH * TD >> 4);
-        fa_ws_sync(FA_WS_FULL + s);
-        float st[8 * QH][4], dpt[8 * QH][4];
-        wg_fence();
-        if constexpr (QH == 2) {  // 64 keys x 128 queries, k = the head dim
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_ss128<0, 0>(st, wg_desc_at(lKc, kc * 32), wg_desc_at(lQa, kc * 32), kc);
-            wg_commit();
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_ss128<0, 0>(dpt, wg_desc_at(lVc, kc * 32), wg_desc_at(ldOa, kc * 32), kc);
-            wg_commit();
-        } else {  // 64 keys x 64 queries, k = the head dim: four k-steps in each of its panels
-            fa_wg_ss_panels<D>(st, lKc, lQa);
-            wg_commit();
-            fa_wg_ss_panels<D>(dpt, lVc, ldOa);
-            wg_commit();
-        }
-        const size_t bh = (size_t)blk.b * H + h;
-        float ls[QH][2], dl[QH][2];
-        int sq[QH][2] = {};                     // packed rows: lane's queries' sample starts
-        unsigned long long mw[QH][2] = {};      // dropout: lane's queries' flag words
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh) {
-            fa_bwd_row_stats(lse, delta, bh, q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
-                             dl[qh][0], dl[qh][1]);
-            if (ANY && st_b != nullptr)
-                fa_bwd_row_starts(st_b, q0 + 64 * qh, T, lane, sq[qh][0], sq[qh][1]);
-            if (ANY && thr)
-                fa_bwd_row_mbits(mbits, bh, T, blk.nq, kr0 >> 6, q0 + 64 * qh, lane, mw[qh][0],
-                                 mw[qh][1]);
-        }
-        wg_wait<1>();
-        wg_pin(st);
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh) {
-            float(&sth)[8][4] = *reinterpret_cast<float(*)[8][4]>(&st[8 * qh]);
-            const int qq = q0 + 64 * qh;
-            if (ANY)
-                fa_bwd_probs<true>(sth, ls[qh][0], ls[qh][1], sl2, qq, wk0, kr0, t4, st_b, T,
-                                   sq[qh][0], sq[qh][1]);
-            else if (wk0 + 15 > qq)  // the causal mask only where the warp's keys reach a query
-                fa_bwd_probs_rows<true, 1>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T,
-                                           0, 0);
-            else
-                fa_bwd_probs_rows<true, 0>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T,
-                                           0, 0);
-        }
-        wg_wait<0>();
-        wg_pin(dpt);
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh)
-            fa_bwd_dscores<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
-                                 *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0],
-                                 dl[qh][1], q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh,
-                                 blk.nq, mw[qh][0], mw[qh][1]);
+        const FaWsStep<D> sp(blk, it, dc.lQD);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
-#pragma unroll
-        for (int kc = 0; kc < 4 * QH; ++kc) {
-            fa_frag(st, kc, pa[kc]);
-            fa_frag(dpt, kc, sa[kc]);
-        }
-        // dV += P^T dO, dK += dS^T Q: k = the step's 64·QH queries (2048 bytes a k-step), a
-        // product per 64-column panel of dO and Q into the matching part of dV and dK
-        wg_fence();
-        fa_wg_rs_panels<D>(dv, pa, ldOa);
-        fa_wg_rs_panels<D>(dk, sa, lQa);
-        wg_commit();
+        fa_ws_front<D, ANY>(FA_WG_PASS, blk, sp, ln, dc, s, lane, pa, sa, dk, dv);
         // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
-#pragma unroll
-        for (int qh = 0; qh < QH; ++qh) {
-            char* sdSc = smc + W::DS + (2 * QH * s + QH * wg + qh) * TILE;
-#pragma unroll
-            for (int k4 = 0; k4 < 4; ++k4)
-                fa_store_frag(sdSc, sa[4 * qh + k4], lr0, lr1, k4 * 16 + t4 * 2);
-        }
+        fa_ws_store_ds<D>(smc, s, wg, ln, sa);
         fa_fence_async();
         asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
-        // this warpgroup's half of dQ = dS K over the block's 128 keys (A = dS^T tiles read
-        // transposed, B = K's tiles read transposed)
         float dq[8][4];
         wg_fence();
-#pragma unroll
-        for (int kh = 0; kh < 2; ++kh)
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc)
-                wg_ss<1, 1>(dq, wg_desc_at(lSw, (2 * QH * s + QH * kh) * TILE + kc * 2048),
-                            wg_desc_at(lKw, kh * TD + kc * 2048), kh | kc);
-        wg_commit();
+        fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s);
         wg_wait<1>();  // dV, dK done reading slot s
         wg_pin(dv);
         wg_pin(dk);
         if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
         wg_wait<0>();
         wg_pin(dq);
-        // dQ into dq_acc: this warp's slab (staging buffer s)
-        const int qw = q0 + (QH == 2 ? 64 * wg : 0) + warp * 16;
-        fa_ws_reduce_dq(dq, stg + s * FA_WS_STG,
-                        qw < T ? dq_acc + fa_slab_at(blk.b * H + h, qw >> 4, QH == 2 ? 0 : wg, T, D)
-                               : nullptr,
+        fa_ws_dq_out<D>(FA_WG_PASS, blk, sp, dq, stg, s, wg, warp, lane);
+    }
+    fa_ws_reduce_drain(lane);
+}
+
+// Barriers of fa_ws_mma_defer (ids past FA_WS_EMPTY's two), each between the two MMA
+// warpgroups (256: one arrives, the other syncs): DSR + 2w + s, warpgroup w's half of dS^T slot
+// s is written; FREE + 2w + s, warpgroup w's dQ product is done reading slot s.
+#define FA_WS_DSR 5
+#define FA_WS_FREE 9
+
+// The head-dim-64 loop: fa_ws_mma with each step's dQ product issued in the next step, after
+// that step's dV and dK products. In fa_ws_mma both MMA warpgroups meet at the DS barrier every
+// step and so run in lockstep, their exponentials (16 a cycle an SM) and the products never
+// overlapping; here nothing makes them meet: each publishes its half of a step's dS^T (DSR) and
+// waits only for the other's half of the step before, which the other wrote a phase earlier,
+// and rewrites a dS^T slot once the other's dQ product has read it (FREE). Each dQ is staged
+// and added as in fa_ws_mma, a step later. One H100, `--profile` at T = 16384: the backward
+// 368 / 370 -> 383 / 378 TFLOP/s (the lockstep loop's build beside it, one call); taking turns
+// to issue the products (FlashAttention-3's forward's ping-pong, two more barriers) ran 379 /
+// 378 against 382 / 383 without, and at head dim 128 this loop ran 443 against 461.
+template <int D, bool ANY>
+__device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                                int steps, uint32_t base, char* smc, int wg,
+                                                int warp, int lane, float (&dk)[D / 8][4],
+                                                float (&dv)[D / 8][4]) {
+    using W = FaWs<D>;
+    constexpr int QH = W::QH;
+    if (!ANY) thr = 0;
+    const FaWsLane ln = fa_ws_lane<D, ANY>(starts, T, scale, blk, wg, warp, lane);
+    const int other = wg ^ 1;
+    float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
+    const FaWsDesc<D> dc(base, wg);
+    for (int it = 0; it < steps; ++it) {
+        const int s = it & 1;
+        const FaWsStep<D> sp(blk, it, dc.lQD);
+        uint32_t pa[4 * QH][4], sa[4 * QH][4];
+        fa_ws_front<D, ANY>(FA_WG_PASS, blk, sp, ln, dc, s, lane, pa, sa, dk, dv);
+        // this step's dS^T -> slot s once the other's dQ product of step it - 2 is done with it
+        if (it >= 2) fa_ws_sync<256>(FA_WS_FREE + 2 * other + s);
+        fa_ws_store_ds<D>(smc, s, wg, ln, sa);
+        fa_fence_async();
+        fa_ws_arrive<256>(FA_WS_DSR + 2 * wg + s);
+        // the last step's dQ, once the other's half of its dS^T is in (at the first step a
+        // product of the slot's stale tiles that nothing reads: issued under a branch, ptxas
+        // keeps the loop's products apart less well — it spilled 500 bytes)
+        float dq[8][4];
+        if (it >= 1) fa_ws_sync<256>(FA_WS_DSR + 2 * other + (s ^ 1));
+        wg_fence();
+        fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s ^ 1);
+        wg_wait<1>();  // dV, dK done reading ring slot s
+        wg_pin(dv);
+        wg_pin(dk);
+        if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
+        wg_wait<0>();
+        wg_pin(dq);
+        if (it >= 1) {
+            // (the other rewrites slot s ^ 1 at step it + 1)
+            if (it + 1 < steps) fa_ws_arrive<256>(FA_WS_FREE + 2 * wg + (s ^ 1));
+            fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, it - 1, dc.lQD), dq, stg, s ^ 1, wg,
+                            warp, lane);
+        }
+    }
+    if (steps > 0) {
+        const int s = (steps - 1) & 1;
+        float dq[8][4];
+        fa_ws_sync<256>(FA_WS_DSR + 2 * other + s);
+        wg_fence();
+        fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s);
+        wg_wait<0>();
+        wg_pin(dq);
+        fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, dc.lQD), dq, stg, s, wg, warp,
                         lane);
     }
     fa_ws_reduce_drain(lane);
@@ -439,10 +623,18 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
     float dk[D / 8][4], dv[D / 8][4];
     fa_zero(dk);
     fa_zero(dv);
-    if (starts != nullptr || thr)
-        fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
-    else
-        fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+    // (head dim 64: dQ a step later; at 128 that loop ran 461 -> 443 TFLOP/s, one H100)
+    if constexpr (D == 64) {
+        if (starts != nullptr || thr)
+            fa_ws_mma_defer<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+        else
+            fa_ws_mma_defer<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+    } else {
+        if (starts != nullptr || thr)
+            fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+        else
+            fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+    }
     __syncthreads();  // every dQ product done reading K and V's tiles
     fa_bwd_store_kv(dk, dv, scale, smc + wg * W::TD, smc + (2 + wg) * W::TD, warp, lane,
                     blk.k0 + 64 * wg + warp * 16, T,
