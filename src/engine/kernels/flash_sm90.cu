@@ -205,7 +205,7 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // the MMA warps issuing them, 335 -> 362 TFLOP/s — and published the next step's tiles only
 // after them: the MMA warps waited at FULL a fifth of their samples at head dim 128, Nsight
 // Compute.) The plain loop applies the
-// causal mask only on the tiles where a warp's keys reach a query (fa_bwd_probs_rows). Against
+// causal mask only on the tiles where a warp's keys reach a query (fa_ws_probs_s). Against
 // 64-query tiles at head dim 64 (this kernel's previous shape, with WG2 computing dQ): half the
 // product instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and
 // half the steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the
@@ -213,8 +213,13 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // a D-column tile of 64 rows is D / 64 of them, panel after panel): K0 K1 V0 V1 (64 keys each),
 // two ring slots of (Q, dO) — QH tiles of 64 queries each, one after the other, so that a slot's
 // Q is one K-major operand of 64·QH rows — two dS^T slots of 2·QH tiles (kh·QH + qh: keys
-// 64kh.., queries 64qh..), two dQ staging buffers (160 KB on; 225 KB in all). Barriers:
-//   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed
+// 64kh.., queries 64qh..), two dQ staging buffers (160 KB on), and each ring slot's row
+// statistics, lse and delta of its queries (1 KB a slot, 224 KB on; 227 KB in all, Hopper's
+// most a block: the MMA warps read them with a shared-memory load where they were 8 global
+// loads a thread a step, shuffled out to the lanes — waiting on those loads was the largest
+// single stall at head dim 64 in Nsight Compute's samples; one H100, T = 16384: 376 -> 420
+// TFLOP/s at head dim 64, 459 -> 459 at 128). Barriers:
+//   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed (its tiles and statistics)
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
 //   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written (head dim 128:
 //             fa_ws_mma; a dS^T slot is rewritten two steps later, after both warpgroups have
@@ -239,13 +244,16 @@ __device__ __forceinline__ void fa_ws_arrive(int id) {
 // floats in one dQ staging buffer: eight warps' 16 x 64 slabs
 #define FA_WS_STG (8 * 16 * 64)
 // Where the shared-memory regions start (bytes from the 1024-byte-aligned base): the ring, the
-// dS^T slots, the staging buffers — the same 225 KB at both head dims.
+// dS^T slots, the staging buffers, the ring slots' statistics — the same 226 KB at both head
+// dims (and 1 KB to align them).
 template <int D>
 struct FaWs {
     static constexpr int QH = 128 / D;            // 64-query halves a step
     static constexpr uint32_t TILE = 64 * 64 * 2; // a 64 x 64 bf16 tile (a panel)
     static constexpr uint32_t TD = 64 * D * 2;    // 64 rows of the head dim
     static constexpr uint32_t RING = 4 * TD, DS = RING + 8 * TILE, STG = DS + 4 * QH * TILE;
+    // a ring slot's row statistics: lse, then delta, of its (up to) 128 queries (fp32)
+    static constexpr uint32_t STAT = STG + 2 * FA_WS_STG * 4, STAT_SLOT = 2 * 128 * 4;
     // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
     // block's 3 x 168 at head dim 64 (ptxas 13.0 spills 8 bytes of fa_ws_mma_defer's plain
     // loop; at 232 the lockstep loop spilled 148 bytes); 32 + 2 x 232 at 128, where the MMA
@@ -255,13 +263,28 @@ struct FaWs {
     static_assert(STG == 20 * TILE, "flash_smem.h's FA_WS_SMEM lays out 20 tiles before dQ's");
 };
 
-// Step `it`'s (Q, dO) into ring slot `slot` (Q's QH tiles, then dO's), by WG2's threads (pt).
+// Step `it`'s (Q, dO) into ring slot `slot` (Q's QH tiles, then dO's) and its queries' lse and
+// delta into the slot's statistics at `stat`, by WG2's threads (pt).
 template <int D>
 __device__ __forceinline__ void fa_ws_load(const FaBwdBlock<D, 128>& blk, int it, uint32_t slot,
-                                           int T, int pt) {
+                                           uint32_t stat, const float* __restrict__ lse,
+                                           const float* __restrict__ delta, int H, int T, int pt) {
     using W = FaWs<D>;
     int h, i;
     blk.template at<W::QH>(it, h, i);
+    // the step's lse and delta rows (4 bytes a copy: a row need not start 16-byte aligned; past
+    // T zeros, which only padded queries read — their dO rows are zeros, so dS is 0 there)
+    const int q = i * FA_BM + pt;
+    if (pt < 64 * W::QH) {
+        const size_t at = ((size_t)blk.b * H + h) * T + min(q, T - 1);
+        const uint32_t n = q < T ? 4 : 0;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(stat + pt * 4),
+                     "l"(lse + at), "r"(n)
+                     : "memory");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(stat + 512 + pt * 4),
+                     "l"(delta + at), "r"(n)
+                     : "memory");
+    }
 #pragma unroll
     for (int qh = 0; qh < W::QH; ++qh) {
         fa_load_tile<D, true, 1>(slot + qh * W::TD, blk.qkv_b + h * D, blk.ld, (i + qh) * FA_BM, T,
@@ -278,7 +301,10 @@ template <int D>
 struct FaWsStep {
     int h, q0;
     uint32_t lQa, ldOa;
-    __device__ __forceinline__ FaWsStep(const FaBwdBlock<D, 128>& blk, int it, uint32_t lQD) {
+    const float* srow;  // the ring slot's row statistics (lse, then delta)
+    __device__ __forceinline__ FaWsStep(const FaBwdBlock<D, 128>& blk, int it, uint32_t lQD,
+                                        const char* smc) {
+        srow = reinterpret_cast<const float*>(smc + FaWs<D>::STAT + (it & 1) * FaWs<D>::STAT_SLOT);
         constexpr int QH = FaWs<D>::QH;
         int i;
         blk.template at<QH>(it, h, i);
@@ -334,9 +360,53 @@ __device__ __forceinline__ void fa_ws_issue_sdp(float (&st)[8 * FaWs<D>::QH][4],
     }
 }
 
+// P^T of a 64-query part of a step (queries q0..) from its S^T, the queries' lse in shared
+// memory (lrow: their 64, natural-log units, as the forward stored them); MASK: the causal mask.
+// A thread reads its column pair's two values a tile (every lane of a column pair the same
+// 8 bytes), where fa_bwd_probs_rows shuffles them out of the lanes' registers.
+template <int MASK>
+__device__ __forceinline__ void fa_ws_probs_s(float (&st)[8][4], const float* lrow, float sl2,
+                                              int q0, int kr0, int t4) {
+    const float L2E = 1.4426950408889634f;
+    const int kr1 = kr0 + 8;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        const float2 l = *reinterpret_cast<const float2*>(lrow + nt * 8 + t4 * 2);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int q = q0 + nt * 8 + t4 * 2 + e;
+            const float lq = (e ? l.y : l.x) * L2E;
+            float p0 = exp2f(fmaf(st[nt][e], sl2, -lq));
+            float p1 = exp2f(fmaf(st[nt][2 + e], sl2, -lq));
+            if (MASK) {
+                if (kr0 > q) p0 = 0.f;
+                if (kr1 > q) p1 = 0.f;
+            }
+            st[nt][e] = p0;
+            st[nt][2 + e] = p1;
+        }
+    }
+}
+// dS^T = P^T ∘ (dP^T − delta) of a 64-query part, the queries' delta in shared memory (drow).
+__device__ __forceinline__ void fa_ws_dscores_s(const float (&st)[8][4], float (&dpt)[8][4],
+                                                const float* drow, int t4) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        const float2 d = *reinterpret_cast<const float2*>(drow + nt * 8 + t4 * 2);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float dl = e ? d.y : d.x;
+            dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dl);
+            dpt[nt][2 + e] = st[nt][2 + e] * (dpt[nt][2 + e] - dl);
+        }
+    }
+}
+
 // P^T and dS^T of a step from its S^T and dP^T (the two groups fa_ws_issue_sdp issued, the
 // only ones in flight: waited for here), packed as the A fragments of dV += P^T dO (pa) and of
-// dK += dS^T Q (sa). ANY: packed rows or attention dropout (see fa_ws_mma).
+// dK += dS^T Q (sa). ANY: packed rows or attention dropout (see fa_ws_mma); the plain loop
+// reads the queries' row statistics from the ring slot (sp.srow), the ANY loop from global
+// memory, shuffled out with its sample starts and flag words.
 template <int D, bool ANY>
 __device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
                                             const FaWsStep<D>& sp, const FaWsLane& ln,
@@ -353,7 +423,7 @@ __device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>
     int sq[QH][2] = {};                 // packed rows: lane's queries' sample starts
     unsigned long long mw[QH][2] = {};  // dropout: lane's queries' flag words
 #pragma unroll
-    for (int qh = 0; qh < QH; ++qh) {
+    for (int qh = 0; qh < QH && ANY; ++qh) {
         fa_bwd_row_stats(lse, delta, bh, sp.q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
                          dl[qh][0], dl[qh][1]);
         if (ANY && st_b != nullptr)
@@ -372,14 +442,19 @@ __device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>
             fa_bwd_probs<true>(sth, ls[qh][0], ls[qh][1], sl2, qq, wk0, kr0, t4, st_b, T,
                                sq[qh][0], sq[qh][1]);
         else if (wk0 + 15 > qq)  // the causal mask only where the warp's keys reach a query
-            fa_bwd_probs_rows<true, 1>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T, 0, 0);
+            fa_ws_probs_s<1>(sth, sp.srow + 64 * qh, sl2, qq, kr0, t4);
         else
-            fa_bwd_probs_rows<true, 0>(sth, ls[qh][0], ls[qh][1], sl2, qq, kr0, t4, st_b, T, 0, 0);
+            fa_ws_probs_s<0>(sth, sp.srow + 64 * qh, sl2, qq, kr0, t4);
     }
     wg_wait<0>();
     wg_pin(dpt);
 #pragma unroll
     for (int qh = 0; qh < QH; ++qh)
+        if (!ANY)
+            fa_ws_dscores_s(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
+                            *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]),
+                            sp.srow + 128 + 64 * qh, t4);
+        else
         fa_bwd_dscores<true>(*reinterpret_cast<float(*)[8][4]>(&st[8 * qh]),
                              *reinterpret_cast<float(*)[8][4]>(&dpt[8 * qh]), dl[qh][0],
                              dl[qh][1], sp.q0 + 64 * qh, kr0, t4, T, thr, dscale, mbits, bh,
@@ -492,7 +567,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
     const FaWsDesc<D> dc(base, wg);
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
-        const FaWsStep<D> sp(blk, it, dc.lQD);
+        const FaWsStep<D> sp(blk, it, dc.lQD, smc);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
         fa_ws_front<D, ANY>(FA_WG_PASS, blk, sp, ln, dc, s, lane, pa, sa, dk, dv);
         // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
@@ -543,7 +618,7 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
     const FaWsDesc<D> dc(base, wg);
     for (int it = 0; it < steps; ++it) {
         const int s = it & 1;
-        const FaWsStep<D> sp(blk, it, dc.lQD);
+        const FaWsStep<D> sp(blk, it, dc.lQD, smc);
         uint32_t pa[4 * QH][4], sa[4 * QH][4];
         fa_ws_front<D, ANY>(FA_WG_PASS, blk, sp, ln, dc, s, lane, pa, sa, dk, dv);
         // this step's dS^T -> slot s once the other's dQ product of step it - 2 is done with it
@@ -567,7 +642,7 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
         if (it >= 1) {
             // (the other rewrites slot s ^ 1 at step it + 1)
             if (it + 1 < steps) fa_ws_arrive<256>(FA_WS_FREE + 2 * wg + (s ^ 1));
-            fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, it - 1, dc.lQD), dq, stg, s ^ 1, wg,
+            fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, it - 1, dc.lQD, smc), dq, stg, s ^ 1, wg,
                             warp, lane);
         }
     }
@@ -579,7 +654,7 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
         fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s);
         wg_wait<0>();
         wg_pin(dq);
-        fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, dc.lQD), dq, stg, s, wg, warp,
+        fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, dc.lQD, smc), dq, stg, s, wg, warp,
                         lane);
     }
     fa_ws_reduce_drain(lane);
@@ -602,7 +677,7 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
         for (int c = 0; c < 4; ++c)
             fa_load_tile<D, true, 1>(base + c * W::TD, c < 2 ? blk.kg : blk.vg, blk.ld,
                                blk.k0 + 64 * (c & 1), T, pt);
-        fa_ws_load(blk, 0, base + W::RING, T, pt);
+        fa_ws_load<D>(blk, 0, base + W::RING, base + W::STAT, lse, delta, H, T, pt);
         fa_cp_commit();
         for (int it = 0; it < steps; ++it) {
             const int s = it & 1;
@@ -611,7 +686,8 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
             fa_ws_arrive(FA_WS_FULL + s);
             if (it + 1 < steps) {  // the next tile into the other slot, once step it - 1 is done
                 if (it >= 1) fa_ws_sync(FA_WS_EMPTY + (s ^ 1));
-                fa_ws_load(blk, it + 1, base + W::RING + (s ^ 1) * 4 * W::TILE, T, pt);
+                fa_ws_load<D>(blk, it + 1, base + W::RING + (s ^ 1) * 4 * W::TILE,
+                                   base + W::STAT + (s ^ 1) * W::STAT_SLOT, lse, delta, H, T, pt);
                 fa_cp_commit();
             }
         }

@@ -18,8 +18,8 @@
 // Warp-specialized Hopper backward, head dims 64 and 128 (flash_sm90.cu's flash_bwd_ws): twenty
 // 64 x 64 bf16 tiles (K and V of 128 keys, two ring slots of a step's Q and dO, two dS^T slots
 // of the step's 128 x 128 pairs — at head dim 128 the 64-query steps' 128 x 64), two buffers of
-// eight warps' 16 x 64 fp32 dQ staging, and 1 KB to align them (225 KB: Hopper gives a block up
-// to 227).
-#define FA_WS_SMEM (20 * 64 * 64 * 2 + 2 * 8 * 16 * 64 * 4 + 1024)
+// eight warps' 16 x 64 fp32 dQ staging, each ring slot's lse and delta of 128 queries (fp32),
+// and 1 KB to align them (227 KB: all that Hopper gives a block).
+#define FA_WS_SMEM (20 * 64 * 64 * 2 + 2 * 8 * 16 * 64 * 4 + 2 * 2 * 128 * 4 + 1024)
 
 #endif  // COCKPIT_FLASH_SMEM_H

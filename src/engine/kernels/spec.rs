@@ -84,7 +84,7 @@ pub fn flash_fwd_wg_smem(hd: usize) -> u32 {
 /// Dynamic shared memory of the warp-specialized Hopper backward for head dims 64 and 128
 /// (flash_sm90.cu's FA_WS_SMEM: K and V of 128 keys, two ring slots of a step's Q and dO, two
 /// slots of the step's dS^T — twenty 64 x 64 bf16 tiles — two buffers of eight warps' 16 x 64
-/// fp32 dQ staging, and 1 KB to align them).
+/// fp32 dQ staging, each ring slot's row statistics, and 1 KB to align them: 227 KB).
 pub const FLASH_BWD_WS_SMEM: u32 = FA_WS_SMEM;
 
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`] (a Mamba
