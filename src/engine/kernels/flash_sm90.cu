@@ -252,8 +252,9 @@ struct FaWs {
     static constexpr uint32_t TILE = 64 * 64 * 2; // a 64 x 64 bf16 tile (a panel)
     static constexpr uint32_t TD = 64 * D * 2;    // 64 rows of the head dim
     static constexpr uint32_t RING = 4 * TD, DS = RING + 8 * TILE, STG = DS + 4 * QH * TILE;
-    // a ring slot's row statistics: lse, then delta, of its (up to) 128 queries (fp32)
-    static constexpr uint32_t STAT = STG + 2 * FA_WS_STG * 4, STAT_SLOT = 2 * 128 * 4;
+    // a ring slot's row statistics: lse, then delta, of its (up to) STAT_Q queries (fp32)
+    static constexpr int STAT_Q = 128;
+    static constexpr uint32_t STAT = STG + 2 * FA_WS_STG * 4, STAT_SLOT = 2 * STAT_Q * 4;
     // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
     // block's 3 x 168 at head dim 64 (ptxas 13.0 spills 8 bytes of fa_ws_mma_defer's plain
     // loop; at 232 the lockstep loop spilled 148 bytes); 32 + 2 x 232 at 128, where the MMA
@@ -281,7 +282,8 @@ __device__ __forceinline__ void fa_ws_load(const FaBwdBlock<D, 128>& blk, int it
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(stat + pt * 4),
                      "l"(lse + at), "r"(n)
                      : "memory");
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(stat + 512 + pt * 4),
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                         stat + W::STAT_Q * 4 + pt * 4),
                      "l"(delta + at), "r"(n)
                      : "memory");
     }
@@ -421,16 +423,17 @@ __device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>
     const int* st_b = ln.st_b;
     const float sl2 = ln.sl2;
     const size_t bh = (size_t)blk.b * H + sp.h;
+    // (the ANY loop's) lane's queries' lse and delta, sample starts and dropout flag words
     float ls[QH][2], dl[QH][2];
-    int sq[QH][2] = {};                 // packed rows: lane's queries' sample starts
-    unsigned long long mw[QH][2] = {};  // dropout: lane's queries' flag words
+    int sq[QH][2] = {};
+    unsigned long long mw[QH][2] = {};
 #pragma unroll
     for (int qh = 0; qh < QH && ANY; ++qh) {
         fa_bwd_row_stats(lse, delta, bh, sp.q0 + 64 * qh, T, lane, ls[qh][0], ls[qh][1],
                          dl[qh][0], dl[qh][1]);
-        if (ANY && st_b != nullptr)
+        if (st_b != nullptr)
             fa_bwd_row_starts(st_b, sp.q0 + 64 * qh, T, lane, sq[qh][0], sq[qh][1]);
-        if (ANY && thr)
+        if (thr)
             fa_bwd_row_mbits(mbits, bh, T, blk.nq, kr0 >> 6, sp.q0 + 64 * qh, lane, mw[qh][0],
                              mw[qh][1]);
     }
@@ -458,7 +461,7 @@ __device__ __forceinline__ void fa_ws_grads(FA_WG_ARGS, const FaBwdBlock<D, 128>
             fa_bwd_dscores<true>(sth, dph, dl[qh][0], dl[qh][1], sp.q0 + 64 * qh, kr0, t4, T, thr,
                                  dscale, mbits, bh, blk.nq, mw[qh][0], mw[qh][1]);
         else
-            fa_ws_dscores_s(sth, dph, sp.srow + 128 + 64 * qh, t4);
+            fa_ws_dscores_s(sth, dph, sp.srow + FaWs<D>::STAT_Q + 64 * qh, t4);
     }
 #pragma unroll
     for (int kc = 0; kc < 4 * QH; ++kc) {
