@@ -118,7 +118,10 @@ fn nvcc_release(nvcc: &str) -> Option<(u32, u32)> {
 
 /// One PTX build of kernels.cu (`arch`, `defines`) into OUT_DIR/`file`, assembled with ptxas
 /// for each GPU generation in `check` it is meant for (compute_80's PTX is not checked for
-/// sm_90: a compute-capability-9.0 GPU loads the compute_90a build); the warnings to print.
+/// sm_90: a compute-capability-9.0 GPU loads the compute_90a build); the warnings to print —
+/// among them ptxas's "Potential Performance Loss" remarks, such as wgmma products it
+/// serializes for want of registers (C7512; the kernel then runs, slowly: a Hopper forward that
+/// ran 17% below the one it meant to replace had one, unseen).
 fn ptx_build(
     nvcc: &str,
     out: &std::path::Path,
@@ -158,12 +161,28 @@ fn ptx_build(
             .arg(&ptx)
             .arg("-o")
             .arg(&cubin)
-            .status()
+            .output()
         {
-            Ok(s) if s.success() => {
+            Ok(o) if o.status.success() => {
                 let _ = std::fs::remove_file(&cubin);
+                let text = String::from_utf8_lossy(&o.stderr);
+                for line in text.lines() {
+                    if !line.contains("Potential Performance Loss") {
+                        continue;
+                    }
+                    // ("ptxas info    : (C7512) Potential Performance Loss: …")
+                    let remark = line.split_once(" : ").map_or(line, |(_, r)| r).trim();
+                    let w = format!("ptxas ({file}, {sm}): {remark}");
+                    if !warnings.contains(&w) {
+                        warnings.push(w);
+                    }
+                }
             }
-            Ok(s) => panic!("ptxas failed ({s}): the {arch} kernels do not assemble for {sm}"),
+            Ok(o) => panic!(
+                "ptxas failed ({}): the {arch} kernels do not assemble for {sm}:\n{}",
+                o.status,
+                String::from_utf8_lossy(&o.stderr)
+            ),
             Err(e) => warnings.push(format!(
                 "not checking the kernels for {sm}: running {}: {e}",
                 ptxas.display()
