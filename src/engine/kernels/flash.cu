@@ -293,7 +293,6 @@ __device__ __forceinline__ void fa_store_frag(char* tile, const uint32_t (&a)[4]
 // memory once, at the first key tile, and kept in registers; K and V fragments through ldmatrix.
 struct FaFwdSync {
     static constexpr bool PANELS = false;  // fa_swz's tiles, for ldmatrix
-    static constexpr bool PIPELINED = false;  // each tile's products in turn
     // (Head dim 256: the 16 x 256 accumulator of O takes 128 registers a thread, so the Q
     // fragments are read from shared memory at each tile instead of kept.)
     template <int D>
@@ -354,110 +353,28 @@ struct FaFwdSync {
     static __device__ __forceinline__ void publish() {}
 };
 
-// ---------------------------------------------------------------------------------------------
-// Forward. Block = 64 query rows of one (b, h); warp w owns rows 16w..16w+15. K/V tiles of 64
-// keys are double-buffered through shared memory with cp.async; tiles above the diagonal are
-// skipped. Heavy (late) query blocks are scheduled first. Head dim D (64 or 128); shared memory
-// `sm` holds Q [64][D], K [2][64][D] and V [2][64][D] (5·64·D bf16). MM runs the two products of a
-// tile, S = Q K^T and O += P V: FaFwdSync below (mma.sync, every build), or flash_sm90.cu's
-// FaFwdWg (Hopper's wgmma, head dims 64 and 128); the rest (mask, online softmax, dropout, epilogue) is
-// this function's for both.
-// Pipelined (MM::PIPELINED, head dim 128 without dropout: flash_sm90.cu's products are
-// asynchronous): a tile's S = Q K^T is issued together with the previous tile's O += P V, the
-// softmax's exponentials run while P V is in flight, and O is rescaled once it lands; V is loaded
-// a tile behind K. Measured on H200, T = 16384 (12 layers): 11.77 -> 11.31 ms at head dim 128;
-// at head dim 64 (four blocks an SM, which already overlap each other's phases) 46.7 -> 50.8 ms
-// at T = 32768, so head dim 64 keeps the plain loop.
-// CAP (the head-dim-256 kernels): with cap > 0, Gemma 2's attention soft-cap — each score s
-// becomes (cap / scale) · tanh(scale · s / cap) before the mask and the softmax, so that the
-// softmax of scale times it is that of cap · tanh(scale · s / cap); lse is of the capped scores.
-template <int D, bool DROP, class MM, bool CAP = false>
-__device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
-               float* __restrict__ lse, int B, int T, int H, int KVH, float scale,
-               const unsigned long long* __restrict__ seed, uint32_t site, uint32_t thr,
-               float dscale, uint16_t* __restrict__ mbits, const int* __restrict__ starts,
-               float cap, __nv_bfloat16* sm) {
-    constexpr int KC = D / 16;  // k16 chunks of the head dim
-    __nv_bfloat16* sQ = sm;
-    const __nv_bfloat16* sK = sm + FA_BM * D;
-    const __nv_bfloat16* sV = sK + 2 * FA_BN * D;
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int g = lane >> 2, t4 = lane & 3;
-    const int qb = gridDim.y - 1 - blockIdx.y;  // heaviest query blocks first
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
-    const int kvh = h / (H / KVH);
-    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * D;
-    const int koff = HD + (kvh - h) * D;  // k of this head's group, from q (v: + KD)
-    const int q0 = qb * FA_BM;
-    const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
-    const uint32_t TILE = FA_BN * D * 2;
-
-    // Packed rows or a sliding window (starts: each query's lowest key, rising with the
-    // query): the key tiles below the block's first query's lowest key are skipped.
-    const int j0 = starts != nullptr ? __ldg(starts + (size_t)b * T + q0) / FA_BN : 0;
-    constexpr bool PIPE = MM::PIPELINED && !DROP && D == 128;
-    fa_load_tile<D, MM::PANELS>(sQa, qg, ld, q0, T, tid);
-    fa_load_tile<D, MM::PANELS>(sKa + (j0 & 1) * TILE, qg + koff, ld, j0 * FA_BN, T, tid);
-    if constexpr (!PIPE)
-        fa_load_tile<D, MM::PANELS>(sVa + (j0 & 1) * TILE, qg + koff + KD, ld, j0 * FA_BN, T, tid);
-    fa_cp_commit();
-
-    const int nkv = qb + 1;
-    const float sl2 = scale * 1.4426950408889634f;
-    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
-    const unsigned long long sd = DROP ? *seed : 0ull;
-    const int nkt = (T + FA_BN - 1) / FA_BN;
-    // Packed rows or a sliding window (starts: each query's lowest key, rising with the query,
-    // or null): a query attends from its lowest key on.
-    // (A row past T takes its partner's: st1 >= st0 must hold, the tile test below reads st1
-    // for both rows.)
-    const int st0 = starts != nullptr && row0 < T ? __ldg(starts + (size_t)b * T + row0) : 0;
-    const int st1 = starts != nullptr && row1 < T ? __ldg(starts + (size_t)b * T + row1) : st0;
-
-    typename MM::template State<D> mm;
-    float oacc[2 * KC][4];
-#pragma unroll
-    for (int i = 0; i < 2 * KC; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
+// A thread's two query rows of the forward (row0, and row1 = row0 + 8, of its warp's 16) over
+// the key tiles: their online softmax's running max m (score units) and sum l, and what the
+// mask and dropout read. flash_fwd's and flash_fwd_ws's (flash_sm90.cu) per-tile softmax and
+// epilogue.
+struct FaFwdRows {
+    int row0, row1, T, t4, bh, st0, st1;
+    float scale, sl2, cap;
+    uint32_t site;
+    unsigned long long sd;
+    uint32_t thr;
+    float dscale;
+    uint16_t* mbits;
+    int nkt;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-    uint32_t pf[4][4];  // (pipelined) the previous tile's P, as A fragments of its P V
 
-    for (int j = j0; j < nkv; ++j) {
-        // (Not pipelined: the last tile's products done, the prefetch below reuses its buffers.
-        // Pipelined: nothing is in flight here.)
-        if constexpr (!PIPE) MM::settle(oacc);
-        fa_cp_wait_all();
-        MM::publish();
-        __syncthreads();
-        if constexpr (PIPE) {
-            // K a tile ahead; V of this tile, for its P V at the next one
-            if (j + 1 < nkv)
-                fa_load_tile<D, MM::PANELS>(sKa + ((j + 1) & 1) * TILE, qg + koff, ld,
-                                            (j + 1) * FA_BN, T, tid);
-            fa_load_tile<D, MM::PANELS>(sVa + (j & 1) * TILE, qg + koff + KD, ld, j * FA_BN, T,
-                                        tid);
-            fa_cp_commit();
-        } else if (j + 1 < nkv) {
-            const uint32_t nb = ((j + 1) & 1) * TILE;
-            fa_load_tile<D, MM::PANELS>(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
-            fa_load_tile<D, MM::PANELS>(sVa + nb, qg + koff + KD, ld, (j + 1) * FA_BN, T, tid);
-            fa_cp_commit();
-        }
-        const uint32_t kb = sKa + (j & 1) * TILE, vb = sVa + (j & 1) * TILE;
-
-        float s[8][4];
-        if constexpr (PIPE) {
-            MM::template issue_scores<D>(s, sQa, kb);
-            if (j > j0) MM::template issue_values<D>(oacc, pf, sVa + ((j - 1) & 1) * TILE);
-            else MM::no_values();
-            MM::wait_scores(s);
-        } else {
-            MM::template scores<D>(mm, s, sQa, kb, j - j0, warp, lane);  // (0: the first tile)
-        }
-
+    // Key tile j's scores s (the warp's 16 x 64 accumulator block) into probabilities in place:
+    // the soft-cap (CAP), the mask where `edge` (the diagonal tile, the sequence's last, or one
+    // reaching below a row's lowest key), the running max and sum, dropout (DROP). Returns
+    // whether a row of the warp moved its max; O is then scaled by al0 / al1 (1 elsewhere).
+    template <bool DROP, bool CAP>
+    __device__ __forceinline__ bool probs(float (&s)[8][4], int j, bool edge, float& al0,
+                                          float& al1) {
         if (CAP && cap > 0.f) {
             const float in = scale / cap, out = cap / scale;
 #pragma unroll
@@ -466,7 +383,7 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
                 for (int e = 0; e < 4; ++e) s[nt][e] = out * tanhf(s[nt][e] * in);
         }
         const int kbase = j * FA_BN;
-        if (j == qb || kbase + FA_BN > T || kbase < st1) {
+        if (edge) {
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -493,7 +410,8 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         // row none does, and the warp skips the rescale below (FlashAttention-4's trick; O / l
         // and lse = m + log l are the same either way).
         const bool up0 = mx0 * sl2 > m0 * sl2 + 8.f, up1 = mx1 * sl2 > m1 * sl2 + 8.f;
-        float al0 = 1.f, al1 = 1.f;
+        al0 = 1.f;
+        al1 = 1.f;
         if (up0) {
             al0 = exp2f((m0 - mx0) * sl2);
             m0 = mx0;
@@ -540,9 +458,137 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
             }
         }
 
-        // O rescaled once the previous tile's P V has landed in it (pipelined; one wait on every
-        // path, so that ptxas sees no read of O while a product may run)
-        if constexpr (PIPE) MM::settle(oacc);
+        return rescale;
+    }
+
+    // The end: lse of the rows, and O / l (bf16) into o ([B, T, H·D]; batch b, head h, the
+    // warpgroup's first query qw), staged through the warp's 16 rows of the tile at stage
+    // (fa_tile_off's layout) for 16-byte stores.
+    template <int D, bool PANELS>
+    __device__ __forceinline__ void store(const float (&oacc)[D / 8][4], float* __restrict__ lse,
+                                          __nv_bfloat16* __restrict__ o, int b, int h, int HD,
+                                          int qw, char* stage, int warp, int lane) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+        if (t4 == 0) {
+            if (row0 < T) lse[(size_t)bh * T + row0] = m0 * scale + logf(l0);
+            if (row1 < T) lse[(size_t)bh * T + row1] = m1 * scale + logf(l1);
+        }
+        const int lr0 = warp * 16 + (lane >> 2), lr1 = lr0 + 8;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            *reinterpret_cast<uint32_t*>(stage + fa_tile_off<D, PANELS>(lr0, nt * 8 + t4 * 2)) =
+                fa_pack(oacc[nt][0] * inv0, oacc[nt][1] * inv0);
+            *reinterpret_cast<uint32_t*>(stage + fa_tile_off<D, PANELS>(lr1, nt * 8 + t4 * 2)) =
+                fa_pack(oacc[nt][2] * inv1, oacc[nt][3] * inv1);
+        }
+        __syncwarp();
+        constexpr int CH = D / 8;  // 16-byte chunks per row
+#pragma unroll
+        for (int k = 0; k < 16 * CH / 32; ++k) {
+            const unsigned idx = lane + k * 32;
+            const int r = idx / CH, c = idx % CH;
+            const int grow = qw + warp * 16 + r;
+            if (grow < T)
+                *reinterpret_cast<uint4*>(o + ((size_t)b * T + grow) * HD + h * D + c * 8) =
+                    *reinterpret_cast<const uint4*>(stage +
+                                                    fa_tile_off<D, PANELS>(warp * 16 + r, c * 8));
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Forward. Block = 64 query rows of one (b, h); warp w owns rows 16w..16w+15. K/V tiles of 64
+// keys are double-buffered through shared memory with cp.async; tiles above the diagonal are
+// skipped. Heavy (late) query blocks are scheduled first. Head dim D (64 or 128); shared memory
+// `sm` holds Q [64][D], K [2][64][D] and V [2][64][D] (5·64·D bf16). MM runs the two products of a
+// tile, S = Q K^T and O += P V: FaFwdSync below (mma.sync, every build), or flash_sm90.cu's
+// FaFwdWg (Hopper's wgmma, head dims 64 and 128); the rest (mask, online softmax, dropout, epilogue) is
+// this function's for both.
+// Pipelined (MM::PIPELINED, head dim 128 without dropout: flash_sm90.cu's products are
+// asynchronous): a tile's S = Q K^T is issued together with the previous tile's O += P V, the
+// softmax's exponentials run while P V is in flight, and O is rescaled once it lands; V is loaded
+// a tile behind K. Measured on H200, T = 16384 (12 layers): 11.77 -> 11.31 ms at head dim 128;
+// at head dim 64 (four blocks an SM, which already overlap each other's phases) 46.7 -> 50.8 ms
+// at T = 32768, so head dim 64 keeps the plain loop.
+// CAP (the head-dim-256 kernels): with cap > 0, Gemma 2's attention soft-cap — each score s
+// becomes (cap / scale) · tanh(scale · s / cap) before the mask and the softmax, so that the
+// softmax of scale times it is that of cap · tanh(scale · s / cap); lse is of the capped scores.
+template <int D, bool DROP, class MM, bool CAP = false>
+__device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv, __nv_bfloat16* __restrict__ o,
+               float* __restrict__ lse, int B, int T, int H, int KVH, float scale,
+               const unsigned long long* __restrict__ seed, uint32_t site, uint32_t thr,
+               float dscale, uint16_t* __restrict__ mbits, const int* __restrict__ starts,
+               float cap, __nv_bfloat16* sm) {
+    constexpr int KC = D / 16;  // k16 chunks of the head dim
+    __nv_bfloat16* sQ = sm;
+    const __nv_bfloat16* sK = sm + FA_BM * D;
+    const __nv_bfloat16* sV = sK + 2 * FA_BN * D;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int qb = gridDim.y - 1 - blockIdx.y;  // heaviest query blocks first
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
+    const int kvh = h / (H / KVH);
+    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * D;
+    const int koff = HD + (kvh - h) * D;  // k of this head's group, from q (v: + KD)
+    const int q0 = qb * FA_BM;
+    const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
+    const uint32_t TILE = FA_BN * D * 2;
+
+    // Packed rows or a sliding window (starts: each query's lowest key, rising with the
+    // query): the key tiles below the block's first query's lowest key are skipped.
+    const int j0 = starts != nullptr ? __ldg(starts + (size_t)b * T + q0) / FA_BN : 0;
+    fa_load_tile<D, MM::PANELS>(sQa, qg, ld, q0, T, tid);
+    fa_load_tile<D, MM::PANELS>(sKa + (j0 & 1) * TILE, qg + koff, ld, j0 * FA_BN, T, tid);
+    fa_load_tile<D, MM::PANELS>(sVa + (j0 & 1) * TILE, qg + koff + KD, ld, j0 * FA_BN, T, tid);
+    fa_cp_commit();
+
+    const int nkt = (T + FA_BN - 1) / FA_BN;
+    const int nkv = qb + 1;
+    const float sl2 = scale * 1.4426950408889634f;
+    const int row0 = q0 + warp * 16 + g, row1 = row0 + 8;
+    const unsigned long long sd = DROP ? *seed : 0ull;
+    // Packed rows or a sliding window (starts: each query's lowest key, rising with the query,
+    // or null): a query attends from its lowest key on.
+    // (A row past T takes its partner's: st1 >= st0 must hold, the tile test below reads st1
+    // for both rows.)
+    const int st0 = starts != nullptr && row0 < T ? __ldg(starts + (size_t)b * T + row0) : 0;
+    const int st1 = starts != nullptr && row1 < T ? __ldg(starts + (size_t)b * T + row1) : st0;
+
+    typename MM::template State<D> mm;
+    float oacc[2 * KC][4];
+#pragma unroll
+    for (int i = 0; i < 2 * KC; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
+    FaFwdRows fr{row0, row1, T, t4, bh, st0, st1, scale, sl2, cap, site, sd, thr, dscale, mbits, nkt};
+
+    for (int j = j0; j < nkv; ++j) {
+        // (the last tile's products done: the prefetch below reuses its buffers)
+        MM::settle(oacc);
+        fa_cp_wait_all();
+        MM::publish();
+        __syncthreads();
+        if (j + 1 < nkv) {
+            const uint32_t nb = ((j + 1) & 1) * TILE;
+            fa_load_tile<D, MM::PANELS>(sKa + nb, qg + koff, ld, (j + 1) * FA_BN, T, tid);
+            fa_load_tile<D, MM::PANELS>(sVa + nb, qg + koff + KD, ld, (j + 1) * FA_BN, T, tid);
+            fa_cp_commit();
+        }
+        const uint32_t kb = sKa + (j & 1) * TILE, vb = sVa + (j & 1) * TILE;
+
+        float s[8][4];
+        MM::template scores<D>(mm, s, sQa, kb, j - j0, warp, lane);  // (0: the first tile)
+
+        float al0, al1;
+        const bool rescale =
+            fr.template probs<DROP, CAP>(s, j, j == qb || j * FA_BN + FA_BN > T || j * FA_BN < st1,
+                                         al0, al1);
         if (rescale) {
 #pragma unroll
             for (int nt = 0; nt < 2 * KC; ++nt) {
@@ -552,51 +598,13 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
                 oacc[nt][3] *= al1;
             }
         }
-        if constexpr (PIPE) {
-#pragma unroll
-            for (int kc = 0; kc < 4; ++kc) fa_frag(s, kc, pf[kc]);
-        } else {
-            MM::template values<D>(oacc, s, vb, lane);
-        }
-    }
-    if constexpr (PIPE) {  // the last tile's P V (its V was loaded at that tile)
-        fa_cp_wait_all();
-        MM::publish();
-        __syncthreads();
-        MM::template issue_values<D>(oacc, pf, sVa + ((nkv - 1) & 1) * TILE);
+        MM::template values<D>(oacc, s, vb, lane);
     }
     MM::settle(oacc);
 
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-    if (t4 == 0) {
-        if (row0 < T) lse[(size_t)bh * T + row0] = m0 * scale + logf(l0);
-        if (row1 < T) lse[(size_t)bh * T + row1] = m1 * scale + logf(l1);
-    }
-    // stage O through this warp's own rows of sQ (only this warp ever read them), then 16-byte stores
-    char* sQc = reinterpret_cast<char*>(sQ);
-    const int lr0 = warp * 16 + g, lr1 = lr0 + 8;
-#pragma unroll
-    for (int nt = 0; nt < 2 * KC; ++nt) {
-        *reinterpret_cast<uint32_t*>(sQc + fa_tile_off<D, MM::PANELS>(lr0, nt * 8 + t4 * 2)) =
-            fa_pack(oacc[nt][0] * inv0, oacc[nt][1] * inv0);
-        *reinterpret_cast<uint32_t*>(sQc + fa_tile_off<D, MM::PANELS>(lr1, nt * 8 + t4 * 2)) =
-            fa_pack(oacc[nt][2] * inv1, oacc[nt][3] * inv1);
-    }
-    __syncwarp();
-    constexpr int CH = D / 8;  // 16-byte chunks per row
-#pragma unroll
-    for (int k = 0; k < 16 * CH / 32; ++k) {
-        const unsigned idx = lane + k * 32;
-        const int r = idx / CH, c = idx % CH;
-        const int grow = q0 + warp * 16 + r;
-        if (grow < T)
-            *reinterpret_cast<uint4*>(o + ((size_t)b * T + grow) * HD + h * D + c * 8) =
-                *reinterpret_cast<const uint4*>(sQc + fa_tile_off<D, MM::PANELS>(warp * 16 + r, c * 8));
-    }
+    // (this warp's own rows of sQ stage O: only this warp ever read them)
+    fr.template store<D, MM::PANELS>(oacc, lse, o, b, h, HD, q0, reinterpret_cast<char*>(sQ), warp,
+                                     lane);
 }
 
 // Two entry points, so that the plain forward keeps its registers (the dropout variant spills

@@ -1,7 +1,8 @@
 // Flash attention on Hopper (sm_90a), its products as warpgroup tensor-core instructions (wgmma,
 // m64n64k16 and m64n128k16) instead of mma.sync: the main kernel of flash.cu's backward (launch 2
 // of 3) for head dims 64 and 128 (flash_bwd_ws: warp-specialized, 128 keys a block) and, at the
-// end of this file, the forward for head dims 64 and 128. Included by kernels.cu; compiled only
+// end of this file, the forward for head dims 64 (flash_fwd's loop on wgmma) and 128
+// (flash_fwd_ws: warp-specialized, 128 queries a block). Included by kernels.cu; compiled only
 // into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded on compute capability 9.0).
 //
 // ============================== LAUNCH CONTRACT ==============================================
@@ -11,8 +12,9 @@
 //   before and dq_convert after.
 //   flash_fwd_wg_bf16, flash_fwd_drop_wg_bf16: the arguments, grid and block of flash_fwd_bf16 /
 //   flash_fwd_drop_bf16, dynamic smem = 0 (static 41 KB).
-//   flash_fwd_wg_d128_bf16, flash_fwd_drop_wg_d128_bf16: those of flash_fwd[_drop]_d128_bf16,
-//   dynamic smem = FA_FWD_D128_SMEM + 1024 (spec::flash_fwd_wg_smem).
+//   flash_fwd_ws_d128_bf16, flash_fwd_drop_ws_d128_bf16: the arguments of flash_fwd_bf16, grid =
+//   (B*H, ceil(T/128), 1), block = (384, 1, 1), dynamic smem = FA_FWS_D128_SMEM bytes (the
+//   launcher raises the function's limit).
 // =============================================================================================
 //
 // The backward, per 64 keys (one MMA warpgroup's) and tile of queries, its operands in shared
@@ -767,8 +769,9 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_ws_d128_b
 }
 
 // ---------------------------------------------------------------------------------------------
-// The forward on wgmma (head dims 64 and 128): flash.cu's flash_fwd (mask, online softmax, dropout,
-// epilogue) with its two products per key tile as warpgroup instructions —
+// The forward's products on wgmma (FaFwdWg): at head dim 64 flash.cu's flash_fwd (mask, online
+// softmax, dropout, epilogue) with its two products per key tile as warpgroup instructions, at
+// 128 the same in flash_fwd_ws below —
 //   S  = Q K^T   (A = Q, B = K, both K-major from shared memory; 4 x m64n64k16)
 //   O += P V     (A = P from registers, packed as mma.sync's A fragments; B = V read
 //                 transposed: MN-major, 2048 bytes a k-step)
@@ -777,16 +780,12 @@ extern "C" __global__ void __launch_bounds__(256) flash_bwd_dq_convert_ws_d128_b
 // waited for at once (the softmax needs them); P V stays in flight until the next tile's top,
 // where it is waited for before the prefetch refills its buffers. Head dim 128: the tiles are two
 // 64-column panels each (fa_tile_off with PANELS), S takes eight k-steps over both, and P V is
-// two products, one per panel of V into the matching half of O; at head dim 128 without dropout
-// flash_fwd's pipelined loop (S of a tile issued with the last tile's P V). Registers: 112 (128 with
-// dropout) at head dim 64, four blocks an SM; 168 (213) at 128, two. Measured on H100 (B=8,
-// T=1024, PTX JIT), a layer: 0.043 ms at H=12, KVH=4, head dim 64 (the mma.sync kernel: 0.056);
-// 0.045 at H=6, KVH=2, head dim 128 (0.056).
+// two products, one per panel of V into the matching half of O. Registers at head dim 64: 112
+// (128 with dropout), four blocks an SM. Measured on H100 (B=8, T=1024, PTX JIT), a layer: 0.043
+// ms at H=12, KVH=4, head dim 64 (the mma.sync kernel: 0.056).
 struct FaFwdWg {
     static constexpr bool PANELS = true;  // 64-column panels in the 128-byte swizzle
-    // (flash_fwd's pipelined loop, without dropout: issue_scores, issue_values, wait_scores)
-    static constexpr bool PIPELINED = true;
-    // S = Q K^T issued (one group; the caller waits with wait_scores)
+    // S = Q K^T issued (one group)
     template <int D>
     static __device__ __forceinline__ void issue_scores(float (&s)[8][4], uint32_t sQa,
                                                         uint32_t kb) {
@@ -794,19 +793,12 @@ struct FaFwdWg {
         fa_wg_ss_panels<D>(s, wg_desc_lo(sQa), wg_desc_lo(kb));
         wg_commit();
     }
-    // O += P V issued, P already packed (one group, after the scores'; settle waits for it)
+    // O += P V issued, P already packed (one group; settle waits for it)
     template <int D>
     static __device__ __forceinline__ void issue_values(float (&oacc)[D / 8][4],
                                                         const uint32_t (&pa)[4][4], uint32_t vb) {
         fa_wg_rs_panels<D>(oacc, pa, wg_desc_lo(vb));
         wg_commit();
-    }
-    // (the first tile: an empty group in place of P V's, so that wait_scores is one wait)
-    static __device__ __forceinline__ void no_values() { wg_commit(); }
-    // the scores landed (the P V group issued after them may still run)
-    static __device__ __forceinline__ void wait_scores(float (&s)[8][4]) {
-        wg_wait<1>();
-        wg_pin(s);
     }
     template <int D>
     struct State {};
@@ -850,17 +842,175 @@ struct FaFwdWg {
     }
 FA_WG_FWD(flash_fwd_wg_bf16, false)
 FA_WG_FWD(flash_fwd_drop_wg_bf16, true)
-// Head dim 128: flash_fwd_d128_bf16's contract, dynamic smem = FA_FWD_D128_SMEM + 1024 (the tiles
-// start on a 1024-byte boundary), two blocks an SM.
-#define FA_WG_FWD128(name, drop)                                                               \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) name(FA_FWD_ARGS) {             \
-        extern __shared__ __align__(1024) unsigned char fa_wg_smem[];                         \
-        const uint32_t raw = fa_smem_u32(fa_wg_smem);                                          \
-        __nv_bfloat16* sm =                                                                    \
-            reinterpret_cast<__nv_bfloat16*>(fa_wg_smem + (((raw + 1023u) & ~1023u) - raw));   \
-        flash_fwd<128, drop, FaFwdWg>(FA_FWD_PASS, sm);                                        \
+
+
+// ---------------------------------------------------------------------------------------------
+// The warp-specialized forward (head dim 128): 128 queries a block, two MMA warpgroups of 64
+// (each its own flash_fwd loop: S = Q K^T, the softmax, O += P V on wgmma) and one copy
+// warpgroup that streams the K and V tiles of 64 keys into a ring of FA_FWS_NS stages. The MMA
+// warpgroups share each tile (each tile read from L2 once for 128 queries, not 64) and never wait
+// on each other: a stage is handed over by mbarriers, FULL[s] (copy warpgroup -> MMA warps: its
+// tiles landed; 128 arrivals, one a copy thread after its cp.async group completed and its proxy
+// fence) and EMPTY[s] (MMA warps -> copy warpgroup: the products that read it are done; one
+// arrival a warp), so one warpgroup's exponentials run under the other's products and the copies
+// run ahead. The copy warpgroup publishes a tile once the next tile's copies are issued (two
+// tiles' copies in flight). Warpgroup w's last tile is its diagonal one (2 qb + w): the first
+// stops a tile early. Without dropout the copy warpgroup gives its registers to the MMA ones
+// (setmaxnreg: 24 + 2 x 240 of the block's 3 x 168); the dropout kernel keeps 168 a thread (16
+// bytes spilled; it ran the GPU tests so, setmaxnreg there is untried). Shared memory: the two warpgroups' Q, the ring (K then V a stage), its barriers, 1 KB to
+// align (FA_FWS_D128_SMEM). Launch: grid (B*H, ceil(T/128)), block 384, one block an SM.
+// Measured (one H200, one call, T = 16384, 6 heads of 128): 468 / 470 -> 486 / 484 TFLOP/s
+// against flash_fwd's pipelined wgmma loop it replaced at this head dim. At head dim 64 the same
+// kernel (three MMA warpgroups, 192 queries, 512 threads) ran 381-390 TFLOP/s against flash_fwd_wg's
+// 437-442 (four 64-query blocks an SM already overlap each other's phases there), and with S of a
+// tile issued beside the last tile's P V (FlashAttention-3's intra-warpgroup overlap) 338-370 at
+// both head dims: neither is kept.
+
+__device__ __forceinline__ void fa_mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fa_mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// until the phase of parity `parity` of the barrier at `bar` has completed
+__device__ __forceinline__ void fa_mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+template <int D, bool DROP, int NC, bool REGS>
+__device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ qkv,
+                                             __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
+                                             int B, int T, int H, int KVH, float scale,
+                                             const unsigned long long* __restrict__ seed,
+                                             uint32_t site, uint32_t thr, float dscale,
+                                             uint16_t* __restrict__ mbits,
+                                             const int* __restrict__ starts, char* smc) {
+    constexpr uint32_t TILE = 64 * D * 2;  // 64 rows (D / 64 panels)
+    const int tid = threadIdx.x;
+    const uint32_t base = fa_smem_u32(smc);
+    const uint32_t ring = base + NC * TILE;  // stage s: K at ring + 2s TILE, V a TILE on
+    const uint32_t full = ring + 2 * FA_FWS_NS * TILE, empty = full + 8 * FA_FWS_NS;
+    const int qb = gridDim.y - 1 - blockIdx.y;  // heaviest query blocks first
+    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
+    const int kvh = h / (H / KVH);
+    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * D;
+    const int koff = HD + (kvh - h) * D;  // k of this head's group, from q (v: + KD)
+    const int q0 = qb * 64 * NC;
+    const int nkt = (T + FA_BN - 1) / FA_BN;
+    // Packed rows or a sliding window: the key tiles below the block's first query's lowest key
+    // are skipped.
+    const int j0 = starts != nullptr ? __ldg(starts + (size_t)b * T + q0) / FA_BN : 0;
+    const int nkv = min(NC * qb + NC, nkt);
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < FA_FWS_NS; ++s) {
+            fa_mbar_init(full + 8 * s, 128);
+            fa_mbar_init(empty + 8 * s, 4 * NC);
+        }
     }
-FA_WG_FWD128(flash_fwd_wg_d128_bf16, false)
-FA_WG_FWD128(flash_fwd_drop_wg_d128_bf16, true)
+    __syncthreads();
+
+    // (REGS: the block's launch registers 168 x 384 = 24 x 128 + 240 x 256 at NC = 2)
+    constexpr int RC = 24, RM = 240;
+    static_assert(!REGS || (D == 128 && NC == 2), "setmaxnreg's split is for two MMA warpgroups");
+    if (tid >= 128 * NC) {  // the copy warpgroup
+        if constexpr (REGS)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(RC) : "memory");
+        const int lane = tid & 127;
+        for (int j = j0, n = 0; j < nkv; ++j, ++n) {
+            const int s = n % FA_FWS_NS;
+            if (n >= FA_FWS_NS) fa_mbar_wait(empty + 8 * s, (n / FA_FWS_NS - 1) & 1);
+            const uint32_t kb = ring + 2 * s * TILE;
+            fa_load_tile<D, true, 1>(kb, qg + koff, ld, j * FA_BN, T, lane);
+            fa_load_tile<D, true, 1>(kb + TILE, qg + koff + KD, ld, j * FA_BN, T, lane);
+            fa_cp_commit();
+            if (n > 0) {  // the tile before landed: publish it
+                asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+                fa_fence_async();
+                fa_mbar_arrive(full + 8 * ((n - 1) % FA_FWS_NS));
+            }
+        }
+        fa_cp_wait_all();
+        fa_fence_async();
+        fa_mbar_arrive(full + 8 * ((nkv - 1 - j0) % FA_FWS_NS));
+        return;
+    }
+
+    if constexpr (REGS)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(RM) : "memory");
+    const int wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int qw = q0 + wg * FA_BM;  // this warpgroup's first query
+    const uint32_t sQa = base + wg * TILE;
+    fa_load_tile<D, true>(sQa, qg, ld, qw, T, wtid);
+    fa_cp_commit();
+    fa_cp_wait_all();
+    fa_fence_async();
+    fa_ws_sync<128>(1 + wg);
+
+    const int jd = NC * qb + wg, jl = min(jd, nkt - 1);  // the diagonal tile; the last
+    const int row0 = qw + warp * 16 + g, row1 = row0 + 8;
+    const int st0 = starts != nullptr && row0 < T ? __ldg(starts + (size_t)b * T + row0) : 0;
+    const int st1 = starts != nullptr && row1 < T ? __ldg(starts + (size_t)b * T + row1) : st0;
+    const unsigned long long sd = DROP ? *seed : 0ull;
+    FaFwdRows fr{row0, row1, T, t4, bh, st0, st1, scale, scale * 1.4426950408889634f, 0.f,
+                 site, sd, thr, dscale, mbits, nkt};
+    float oacc[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
+    FaFwdWg::State<D> mm;
+    for (int j = j0, n = 0; j <= jl; ++j, ++n) {
+        const int s = n % FA_FWS_NS;
+        if (n > 0) {  // the last tile's P V done: its stage is free
+            FaFwdWg::settle(oacc);
+            __syncwarp();
+            if (lane == 0) fa_mbar_arrive(empty + 8 * ((n - 1) % FA_FWS_NS));
+        }
+        fa_mbar_wait(full + 8 * s, (n / FA_FWS_NS) & 1);
+        const uint32_t kb = ring + 2 * s * TILE;
+        float sc[8][4];
+        FaFwdWg::scores<D>(mm, sc, sQa, kb, n, warp, lane);
+        float al0, al1;
+        const bool rescale = fr.template probs<DROP, false>(
+            sc, j, j == jd || j * FA_BN + FA_BN > T || j * FA_BN < st1, al0, al1);
+        if (rescale) {
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                oacc[nt][0] *= al0;
+                oacc[nt][1] *= al0;
+                oacc[nt][2] *= al1;
+                oacc[nt][3] *= al1;
+            }
+        }
+        FaFwdWg::values<D>(oacc, sc, kb + TILE, lane);
+    }
+    FaFwdWg::settle(oacc);
+    // (this warp's own rows of its warpgroup's Q tile stage O)
+    fr.template store<D, true>(oacc, lse, o, b, h, HD, qw, smc + wg * TILE, warp, lane);
+}
+
+#define FA_FWS(name, drop, regs)                                                              \
+    extern "C" __global__ void __launch_bounds__(384, 1) name(FA_FWD_ARGS) {                   \
+        extern __shared__ __align__(1024) unsigned char fa_fws_smem[];                        \
+        const uint32_t raw = fa_smem_u32(fa_fws_smem);                                         \
+        char* sm = reinterpret_cast<char*>(fa_fws_smem + (((raw + 1023u) & ~1023u) - raw));    \
+        flash_fwd_ws<128, drop, 2, regs>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr,    \
+                                         dscale, mbits, starts, sm);                           \
+    }
+static_assert(FA_FWS_D128_SMEM == (2 + 2 * FA_FWS_NS) * 64 * 128 * 2 + 2048,
+              "flash_smem.h's FA_FWS_D128_SMEM lays out Q, the ring and its barriers");
+FA_FWS(flash_fwd_ws_d128_bf16, false, true)
+FA_FWS(flash_fwd_drop_ws_d128_bf16, true, false)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

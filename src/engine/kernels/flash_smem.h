@@ -21,5 +21,10 @@
 // eight warps' 16 x 64 fp32 dQ staging, each ring slot's lse and delta of 128 queries (fp32),
 // and 1 KB to align them (227 KB: all that Hopper gives a block).
 #define FA_WS_SMEM (20 * 64 * 64 * 2 + 2 * 8 * 16 * 64 * 4 + 2 * 2 * 128 * 4 + 1024)
+// Warp-specialized Hopper forward, head dim 128 (flash_sm90.cu's flash_fwd_ws): the two MMA
+// warpgroups' Q (64 x 128 bf16 each), FA_FWS_NS ring stages of K and V (64 x 128 each), the
+// stages' barriers (1 KB) and 1 KB to align them (162 KB: one block an SM).
+#define FA_FWS_NS 4
+#define FA_FWS_D128_SMEM ((2 + 2 * 4) * 64 * 128 * 2 + 2048)
 
 #endif  // COCKPIT_FLASH_SMEM_H

@@ -54,8 +54,8 @@ pub struct StepLora {
 pub use crate::engine::spec::FLASH_HEAD_DIMS;
 
 // The flash kernels' dynamic shared memory: flash_smem.h's defines (FA_FWD_D128_SMEM,
-// FA_BWD_D128_SMEM, FA_FWD_D256_SMEM, FA_BWD_D256_SMEM, FA_WS_SMEM), made Rust
-// constants by build.rs.
+// FA_BWD_D128_SMEM, FA_FWD_D256_SMEM, FA_BWD_D256_SMEM, FA_WS_SMEM, FA_FWS_D128_SMEM), made
+// Rust constants by build.rs.
 include!(concat!(env!("OUT_DIR"), "/flash_smem.rs"));
 
 /// The dynamic shared memory (bytes) flash.cu's forward and backward kernels for head dim `hd`
@@ -71,21 +71,16 @@ pub fn flash_smem(hd: usize) -> (u32, u32) {
     }
 }
 
-/// Dynamic shared memory of the Hopper (wgmma) forward for head dim `hd`: the mma.sync
-/// forward's, and 1 KB to start the tiles on a 1024-byte boundary where it is dynamic (head dim
-/// 64's is static: 0).
-pub fn flash_fwd_wg_smem(hd: usize) -> u32 {
-    match flash_smem(hd).0 {
-        0 => 0,
-        bytes => bytes + 1024,
-    }
-}
-
 /// Dynamic shared memory of the warp-specialized Hopper backward for head dims 64 and 128
 /// (flash_sm90.cu's FA_WS_SMEM: K and V of 128 keys, two ring slots of a step's Q and dO, two
 /// slots of the step's dS^T — twenty 64 x 64 bf16 tiles — two buffers of eight warps' 16 x 64
 /// fp32 dQ staging, each ring slot's row statistics, and 1 KB to align them: 227 KB).
 pub const FLASH_BWD_WS_SMEM: u32 = FA_WS_SMEM;
+
+/// Dynamic shared memory of the warp-specialized Hopper forward at head dim 128 (flash_sm90.cu's
+/// flash_fwd_ws: the two MMA warpgroups' Q, four ring stages of K and V, their barriers and 1 KB
+/// to align them: 162 KB).
+pub const FLASH_FWD_WS_SMEM: u32 = FA_FWS_D128_SMEM;
 
 /// The projections a LoRA adapter can sit on, as indices of [`StepLayer::lora`] (a Mamba
 /// layer's in_proj takes q's slot, its out_proj o's).

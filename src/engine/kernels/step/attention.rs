@@ -88,7 +88,7 @@ impl ModelStep {
             };
             return self.launch(
                 kern,
-                self.flash_grid(b, h, fk.fwd_smem, (128, 64)),
+                self.flash_grid(b, h, fk.fwd_smem, fk.fwd_block),
                 &[
                     Arg::P(a.qkv[l]),
                     Arg::P(a.atty[l]),

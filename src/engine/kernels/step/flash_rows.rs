@@ -15,9 +15,6 @@ use crate::engine::kernels::cuda::{
 };
 use crate::engine::spec::{FLASH_HEAD_DIMS, FLASH_SOFTCAP_HEAD_DIM};
 
-/// Rows of queries a forward block takes (the step's grid: `flash_grid(.., (128, 64))`).
-const ROWS: usize = 64;
-
 /// Whether [`flash_rows`] takes heads of `hd` dims on `device` (a head dim flash.cu has, with
 /// its shared memory on this GPU; a soft-cap only at the head dim whose kernels have one).
 pub fn flash_rows_takes(device: &Device, hd: usize, softcap: f32) -> bool {
@@ -86,8 +83,8 @@ pub fn flash_rows(
         i32_of(n_kv_head, "key/value heads")?,
     );
     let cfg = LaunchConfig {
-        grid_dim: ((b * n_head) as u32, t.div_ceil(ROWS) as u32, 1),
-        block_dim: (128, 1, 1),
+        grid_dim: ((b * n_head) as u32, t.div_ceil(flash.fwd_block.1) as u32, 1),
+        block_dim: (flash.fwd_block.0, 1, 1),
         shared_mem_bytes: flash.fwd_smem,
     };
     // (No dropout: its seed and kept-flags are null.)

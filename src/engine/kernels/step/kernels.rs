@@ -84,6 +84,9 @@ pub(super) struct Flash {
     pub(super) dq_slabs: bool,
     pub(super) fwd_smem: u32,
     pub(super) bwd_smem: u32,
+    /// The forward's block: threads, and queries it owns (the grid's second dimension covers T
+    /// in steps of it).
+    pub(super) fwd_block: (u32, usize),
     /// The backward's block: threads, and keys it owns (the grid's second dimension covers T
     /// in steps of it).
     pub(super) bwd_block: (u32, usize),
@@ -120,11 +123,22 @@ impl Flash {
         } else {
             k("flash_bwd", "flash_bwd")?
         };
-        let (fwd, fwd_drop) = if hopper {
-            fwd_smem = crate::engine::kernels::spec::flash_fwd_wg_smem(hd);
+        // (the mma.sync forward and the head-dim-64 wgmma one: one warpgroup over 64 queries)
+        let mut fwd_block = (128, 64);
+        let (fwd, fwd_drop) = if hopper && hd == 128 {
+            // Two MMA warpgroups and a copy warpgroup over 128 queries (flash_sm90.cu's
+            // flash_fwd_ws_d128_bf16).
+            fwd_smem = crate::engine::kernels::spec::FLASH_FWD_WS_SMEM;
+            fwd_block = (384, 128);
             (
-                named(&format!("flash_fwd_wg{sfx}_bf16"), "flash_fwd_wg")?,
-                named(&format!("flash_fwd_drop_wg{sfx}_bf16"), "flash_fwd_wg")?,
+                named("flash_fwd_ws_d128_bf16", "flash_fwd_ws")?,
+                named("flash_fwd_drop_ws_d128_bf16", "flash_fwd_ws")?,
+            )
+        } else if hopper {
+            // (head dim 64: static shared memory)
+            (
+                named("flash_fwd_wg_bf16", "flash_fwd_wg")?,
+                named("flash_fwd_drop_wg_bf16", "flash_fwd_wg")?,
             )
         } else {
             (
@@ -148,6 +162,7 @@ impl Flash {
             dq_slabs: hopper,
             fwd_smem,
             bwd_smem,
+            fwd_block,
             bwd_block,
             per_head: hd == 256,
             kv_sum: (hd == 256)
