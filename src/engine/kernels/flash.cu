@@ -353,6 +353,26 @@ struct FaFwdSync {
     static __device__ __forceinline__ void publish() {}
 };
 
+// A forward block's head: its query block qb (the grid's last first: the heaviest causal blocks
+// start first), (b, h) = bh, the qkv row stride ld = HD + 2 KD, the head's q columns of batch b
+// (qg) and its key/value head's k columns from them (koff; v: + KD). flash_fwd's and
+// flash_fwd_ws's (flash_sm90.cu).
+struct FaFwdBlock {
+    int qb, bh, b, h, HD, KD, ld, koff;
+    const __nv_bfloat16* qg;
+    __device__ __forceinline__ FaFwdBlock(const __nv_bfloat16* qkv, int T, int H, int KVH, int D) {
+        qb = gridDim.y - 1 - blockIdx.y;
+        bh = blockIdx.x;
+        b = bh / H;
+        h = bh - b * H;
+        HD = H * D;
+        KD = KVH * D;
+        ld = HD + 2 * KD;
+        qg = qkv + (size_t)b * T * ld + h * D;
+        koff = HD + (h / (H / KVH) - h) * D;
+    }
+};
+
 // A thread's two query rows of the forward (row0, and row1 = row0 + 8, of its warp's 16) over
 // the key tiles: their online softmax's running max m (score units) and sum l, and what the
 // mask and dropout read. flash_fwd's and flash_fwd_ws's (flash_sm90.cu) per-tile softmax and
@@ -530,12 +550,10 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
-    const int qb = gridDim.y - 1 - blockIdx.y;  // heaviest query blocks first
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
-    const int kvh = h / (H / KVH);
-    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * D;
-    const int koff = HD + (kvh - h) * D;  // k of this head's group, from q (v: + KD)
+    const FaFwdBlock blk(qkv, T, H, KVH, D);
+    const int qb = blk.qb, bh = blk.bh, b = blk.b, h = blk.h, HD = blk.HD, KD = blk.KD, ld = blk.ld;
+    const __nv_bfloat16* qg = blk.qg;
+    const int koff = blk.koff;
     const int q0 = qb * FA_BM;
     const uint32_t sQa = fa_smem_u32(sQ), sKa = fa_smem_u32(sK), sVa = fa_smem_u32(sV);
     const uint32_t TILE = FA_BN * D * 2;

@@ -898,12 +898,10 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
     const uint32_t base = fa_smem_u32(smc);
     const uint32_t ring = base + NC * TILE;  // stage s: K at ring + 2s TILE, V a TILE on
     const uint32_t full = ring + 2 * FA_FWS_NS * TILE, empty = full + 8 * FA_FWS_NS;
-    const int qb = gridDim.y - 1 - blockIdx.y;  // heaviest query blocks first
-    const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-    const int HD = H * D, KD = KVH * D, ld = HD + 2 * KD;
-    const int kvh = h / (H / KVH);
-    const __nv_bfloat16* qg = qkv + (size_t)b * T * ld + h * D;
-    const int koff = HD + (kvh - h) * D;  // k of this head's group, from q (v: + KD)
+    const FaFwdBlock blk(qkv, T, H, KVH, D);
+    const int qb = blk.qb, bh = blk.bh, b = blk.b, h = blk.h, HD = blk.HD, KD = blk.KD, ld = blk.ld;
+    const __nv_bfloat16* qg = blk.qg;
+    const int koff = blk.koff;
     const int q0 = qb * 64 * NC;
     const int nkt = (T + FA_BN - 1) / FA_BN;
     // Packed rows or a sliding window: the key tiles below the block's first query's lowest key
