@@ -843,7 +843,6 @@ struct FaFwdWg {
 FA_WG_FWD(flash_fwd_wg_bf16, false)
 FA_WG_FWD(flash_fwd_drop_wg_bf16, true)
 
-
 // ---------------------------------------------------------------------------------------------
 // The warp-specialized forward (head dim 128): 128 queries a block, two MMA warpgroups of 64
 // (each its own flash_fwd loop: S = Q K^T, the softmax, O += P V on wgmma) and one copy
@@ -857,14 +856,15 @@ FA_WG_FWD(flash_fwd_drop_wg_bf16, true)
 // tiles' copies in flight). Warpgroup w's last tile is its diagonal one (2 qb + w): the first
 // stops a tile early. Without dropout the copy warpgroup gives its registers to the MMA ones
 // (setmaxnreg: 24 + 2 x 240 of the block's 3 x 168); the dropout kernel keeps 168 a thread (16
-// bytes spilled; it ran the GPU tests so, setmaxnreg there is untried). Shared memory: the two warpgroups' Q, the ring (K then V a stage), its barriers, 1 KB to
-// align (FA_FWS_D128_SMEM). Launch: grid (B*H, ceil(T/128)), block 384, one block an SM.
+// bytes spilled; it ran the GPU tests so, setmaxnreg there is untried). Shared memory: the two
+// warpgroups' Q, the ring (K then V a stage), its barriers, 1 KB to align (FA_FWS_D128_SMEM).
+// Launch: grid (B*H, ceil(T/128)), block 384, one block an SM.
 // Measured (one H200, one call, T = 16384, 6 heads of 128): 468 / 470 -> 486 / 484 TFLOP/s
 // against flash_fwd's pipelined wgmma loop it replaced at this head dim. At head dim 64 the same
-// kernel (three MMA warpgroups, 192 queries, 512 threads) ran 381-390 TFLOP/s against flash_fwd_wg's
-// 437-442 (four 64-query blocks an SM already overlap each other's phases there), and with S of a
-// tile issued beside the last tile's P V (FlashAttention-3's intra-warpgroup overlap) 338-370 at
-// both head dims: neither is kept.
+// kernel (three MMA warpgroups, 192 queries, 512 threads) ran 381-390 TFLOP/s against
+// flash_fwd_wg's 437-442 (four 64-query blocks an SM already overlap each other's phases
+// there), and with S of a tile issued beside the last tile's P V (FlashAttention-3's
+// intra-warpgroup overlap) 338-370 at both head dims: neither is kept.
 
 __device__ __forceinline__ void fa_mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
