@@ -863,8 +863,10 @@ FA_WG_FWD(flash_fwd_drop_wg_bf16, true)
 // against flash_fwd's pipelined wgmma loop it replaced at this head dim. At head dim 64 the same
 // kernel (three MMA warpgroups, 192 queries, 512 threads) ran 381-390 TFLOP/s against
 // flash_fwd_wg's 437-442 (four 64-query blocks an SM already overlap each other's phases
-// there), and with S of a tile issued beside the last tile's P V (FlashAttention-3's
-// intra-warpgroup overlap) 338-370 at both head dims: neither is kept.
+// there). With S of a tile issued beside the last tile's P V (FlashAttention-3's
+// intra-warpgroup overlap) 338-370 at both head dims, but ptxas had serialized that loop's
+// products (C7520: a wgmma in a divergent path, the first tile's); not kept, not yet measured
+// with the first tile peeled out of the loop.
 
 __device__ __forceinline__ void fa_mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
