@@ -4,8 +4,9 @@
 // for compute_80, JIT-ed on Hopper); the fp16 build for compute_75 (T4) replaces the last two
 // (see fa_cp_async16 and fa_mma).
 //
-// One file on purpose (about 1,500 lines): one kernel family — the forward and backward at every
-// head dim share the tile loaders, the mma wrappers and the launch contract below.
+// One file on purpose (about 1,600 lines): one kernel family — the forward and backward at every
+// head dim share the tile loaders, the mma wrappers, the forward's per-tile softmax and epilogue
+// (FaFwdRows, which flash_sm90.cu's forward uses too) and the launch contract below.
 //
 // ============================== LAUNCH CONTRACT ==============================================
 // Head dim D = 64 (the kernels without a suffix), 128 (the `_d128` kernels) or 256 (`_d256`),

@@ -4,6 +4,9 @@
 // end of this file, the forward for head dims 64 (flash_fwd's loop on wgmma) and 128
 // (flash_fwd_ws: warp-specialized, 128 queries a block). Included by kernels.cu; compiled only
 // into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded on compute capability 9.0).
+// One file on purpose (about 1,000 lines): the Hopper kernels share the wgmma wrappers and
+// descriptors, the named barriers and setmaxnreg splits of warp specialization, and this launch
+// contract; split by direction they would each need all of that.
 //
 // ============================== LAUNCH CONTRACT ==============================================
 //   flash_bwd_ws_bf16 (head dim 64), flash_bwd_ws_d128_bf16 (128): the arguments of
