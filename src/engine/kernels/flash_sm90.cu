@@ -857,10 +857,10 @@ FA_WG_FWD(flash_fwd_drop_wg_bf16, true)
 // arrival a warp), so one warpgroup's exponentials run under the other's products and the copies
 // run ahead. The copy warpgroup publishes a tile once the next tile's copies are issued (two
 // tiles' copies in flight). Warpgroup w's last tile is its diagonal one (2 qb + w): the first
-// stops a tile early. Without dropout the copy warpgroup gives its registers to the MMA ones
-// (setmaxnreg: 24 + 2 x 240 of the block's 3 x 168); the dropout kernel keeps 168 a thread (16
-// bytes spilled; it ran the GPU tests so, setmaxnreg there is untried). Shared memory: the two
-// warpgroups' Q, the ring (K then V a stage), its barriers, 1 KB to align (FA_FWS_D128_SMEM).
+// stops a tile early. The copy warpgroup gives its registers to the MMA ones (setmaxnreg: 24 +
+// 2 x 240 of the block's 3 x 168; the dropout kernel spilled 16 bytes without it). Shared
+// memory: the two warpgroups' Q, the ring (K then V a stage), its barriers, 1 KB to align
+// (FA_FWS_D128_SMEM).
 // Launch: grid (B*H, ceil(T/128)), block 384, one block an SM.
 // Measured (one H200, one call, T = 16384, 6 heads of 128): 468 / 470 -> 486 / 484 TFLOP/s
 // against flash_fwd's pipelined wgmma loop it replaced at this head dim. At head dim 64 the same
@@ -1014,6 +1014,6 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
 static_assert(FA_FWS_D128_SMEM == (2 + 2 * FA_FWS_NS) * 64 * 128 * 2 + 2048,
               "flash_smem.h's FA_FWS_D128_SMEM lays out Q, the ring and its barriers");
 FA_FWS(flash_fwd_ws_d128_bf16, false, true)
-FA_FWS(flash_fwd_drop_ws_d128_bf16, true, false)
+FA_FWS(flash_fwd_drop_ws_d128_bf16, true, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
