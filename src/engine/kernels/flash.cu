@@ -268,6 +268,19 @@ __device__ __forceinline__ void fa_ldA_t(uint32_t s, int m0, int k0, int lane, u
                  a[1], a[2], a[3]);
 }
 
+// O's accumulator rows rescaled by a new running maximum (al0 for a thread's first row, al1 for
+// its second: the forward's online softmax).
+template <int N>
+__device__ __forceinline__ void fa_rescale(float (&oacc)[N][4], float al0, float al1) {
+#pragma unroll
+    for (int nt = 0; nt < N; ++nt) {
+        oacc[nt][0] *= al0;
+        oacc[nt][1] *= al0;
+        oacc[nt][2] *= al1;
+        oacc[nt][3] *= al1;
+    }
+}
+
 // The 16-bit A fragments (mma.sync's layout) of k-step kc (columns 16kc..16kc+15) of an
 // accumulator tile: a 16-row block of P (the forward's P V) or of P^T or dS^T (the backward's
 // dV += P^T dO, dK += dS^T Q) as an A operand.
@@ -608,15 +621,7 @@ __device__ __forceinline__ void flash_fwd(const __nv_bfloat16* __restrict__ qkv,
         const bool rescale =
             fr.template probs<DROP, CAP>(s, j, j == qb || j * FA_BN + FA_BN > T || j * FA_BN < st1,
                                          al0, al1);
-        if (rescale) {
-#pragma unroll
-            for (int nt = 0; nt < 2 * KC; ++nt) {
-                oacc[nt][0] *= al0;
-                oacc[nt][1] *= al0;
-                oacc[nt][2] *= al1;
-                oacc[nt][3] *= al1;
-            }
-        }
+        if (rescale) fa_rescale(oacc, al0, al1);
         MM::template values<D>(oacc, s, vb, lane);
     }
     MM::settle(oacc);

@@ -857,19 +857,21 @@ FA_WG_FWD(flash_fwd_drop_wg_bf16, true)
 // arrival a warp), so one warpgroup's exponentials run under the other's products and the copies
 // run ahead. The copy warpgroup publishes a tile once the next tile's copies are issued (two
 // tiles' copies in flight). Warpgroup w's last tile is its diagonal one (2 qb + w): the first
-// stops a tile early. Without dropout the copy warpgroup gives its registers to the MMA ones
-// (setmaxnreg: 24 + 2 x 240 of the block's 3 x 168); the dropout kernel keeps 168 a thread (16
-// bytes spilled; it ran the GPU tests so, setmaxnreg there is untried). Shared memory: the two
-// warpgroups' Q, the ring (K then V a stage), its barriers, 1 KB to align (FA_FWS_D128_SMEM).
+// stops a tile early. Without dropout each MMA warpgroup also overlaps its own phases
+// (FlashAttention-3's intra-warpgroup pipelining): a tile's S = Q K^T is issued beside the last
+// tile's O += P V, and the softmax of the new S runs while that P V finishes; the first tile's S
+// is peeled out of the loop, since a wgmma on a divergent path makes ptxas serialize every
+// product in the kernel (remark C7520). The dropout kernel keeps one tile's S, then its P V. The
+// copy warpgroup gives its registers to the MMA ones (setmaxnreg: 24 + 2 x 240 of the block's
+// 3 x 168; the dropout kernel spilled 16 bytes without it). Shared memory: the two warpgroups'
+// Q, the ring (K then V a stage), its barriers, 1 KB to align (FA_FWS_D128_SMEM).
 // Launch: grid (B*H, ceil(T/128)), block 384, one block an SM.
-// Measured (one H200, one call, T = 16384, 6 heads of 128): 468 / 470 -> 486 / 484 TFLOP/s
-// against flash_fwd's pipelined wgmma loop it replaced at this head dim. At head dim 64 the same
-// kernel (three MMA warpgroups, 192 queries, 512 threads) ran 381-390 TFLOP/s against
-// flash_fwd_wg's 437-442 (four 64-query blocks an SM already overlap each other's phases
-// there). With S of a tile issued beside the last tile's P V (FlashAttention-3's
-// intra-warpgroup overlap) 338-370 at both head dims, but ptxas had serialized that loop's
-// products (C7520: a wgmma in a divergent path, the first tile's); not kept, not yet measured
-// with the first tile peeled out of the loop.
+// Measured (T = 16384, 6 heads of 128): one H200, one call, 468 / 470 -> 486 / 484 TFLOP/s
+// against flash_fwd's pipelined wgmma loop it replaced at this head dim; one H100, a later call,
+// 487 / 487 -> 496 / 496 with the intra-warpgroup overlap. At head dim 64 the same kernel
+// (three MMA warpgroups, 192 queries, 512 threads) ran 381-390 TFLOP/s, 366-368 with the
+// overlap, against flash_fwd_wg's 437-445 (four 64-query blocks an SM already overlap each
+// other's phases there).
 
 __device__ __forceinline__ void fa_mbar_init(uint32_t bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -890,7 +892,7 @@ __device__ __forceinline__ void fa_mbar_wait(uint32_t bar, uint32_t parity) {
     } while (!done);
 }
 
-template <int D, bool DROP, int NC, bool REGS>
+template <int D, bool DROP>
 __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ qkv,
                                              __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
                                              int B, int T, int H, int KVH, float scale,
@@ -898,6 +900,8 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
                                              uint32_t site, uint32_t thr, float dscale,
                                              uint16_t* __restrict__ mbits,
                                              const int* __restrict__ starts, char* smc) {
+    static_assert(D == 128, "the warp-specialized forward is the head-dim-128 kernel");
+    constexpr int NC = 2;                  // MMA warpgroups
     constexpr uint32_t TILE = 64 * D * 2;  // 64 rows (D / 64 panels)
     const int tid = threadIdx.x;
     const uint32_t base = fa_smem_u32(smc);
@@ -922,12 +926,10 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
     }
     __syncthreads();
 
-    // (REGS: the block's launch registers 168 x 384 = 24 x 128 + 240 x 256 at NC = 2)
+    // (the block's launch registers 168 x 384 = 24 x 128 + 240 x 256)
     constexpr int RC = 24, RM = 240;
-    static_assert(!REGS || (D == 128 && NC == 2), "setmaxnreg's split is for two MMA warpgroups");
     if (tid >= 128 * NC) {  // the copy warpgroup
-        if constexpr (REGS)
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(RC) : "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(RC) : "memory");
         const int lane = tid & 127;
         for (int j = j0, n = 0; j < nkv; ++j, ++n) {
             const int s = n % FA_FWS_NS;
@@ -948,8 +950,7 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
         return;
     }
 
-    if constexpr (REGS)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(RM) : "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(RM) : "memory");
     const int wg = tid >> 7, wtid = tid & 127, warp = wtid >> 5, lane = tid & 31;
     const int g = lane >> 2, t4 = lane & 3;
     const int qw = q0 + wg * FA_BM;  // this warpgroup's first query
@@ -972,48 +973,77 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
     for (int i = 0; i < D / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) oacc[i][e] = 0.f;
-    FaFwdWg::State<D> mm;
-    for (int j = j0, n = 0; j <= jl; ++j, ++n) {
-        const int s = n % FA_FWS_NS;
-        if (n > 0) {  // the last tile's P V done: its stage is free
-            FaFwdWg::settle(oacc);
+    if constexpr (DROP) {  // each tile's S, then its P V
+        FaFwdWg::State<D> mm;
+        for (int j = j0, n = 0; j <= jl; ++j, ++n) {
+            const int s = n % FA_FWS_NS;
+            if (n > 0) {  // the last tile's P V done: its stage is free
+                FaFwdWg::settle(oacc);
+                __syncwarp();
+                if (lane == 0) fa_mbar_arrive(empty + 8 * ((n - 1) % FA_FWS_NS));
+            }
+            fa_mbar_wait(full + 8 * s, (n / FA_FWS_NS) & 1);
+            const uint32_t kb = ring + 2 * s * TILE;
+            float sc[8][4];
+            FaFwdWg::scores<D>(mm, sc, sQa, kb, n, warp, lane);
+            float al0, al1;
+            const bool rescale = fr.template probs<true, false>(
+                sc, j, j == jd || j * FA_BN + FA_BN > T || j * FA_BN < st1, al0, al1);
+            if (rescale) fa_rescale(oacc, al0, al1);
+            FaFwdWg::values<D>(oacc, sc, kb + TILE, lane);
+        }
+    } else {  // a tile's S issued beside the last tile's P V, the first tile's S alone
+        uint32_t pf[4][4];  // the last tile's P, as the A fragments of its P V
+        {
+            fa_mbar_wait(full, 0);
+            float sc[8][4];
+            FaFwdWg::issue_scores<D>(sc, sQa, ring);
+            wg_wait<0>();
+            wg_pin(sc);
+            float al0, al1;
+            fr.template probs<false, false>(
+                sc, j0, j0 == jd || j0 * FA_BN + FA_BN > T || j0 * FA_BN < st1, al0, al1);
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) fa_frag(sc, kc, pf[kc]);
+        }
+        int n = 1;
+        for (int j = j0 + 1; j <= jl; ++j, ++n) {
+            const int s = n % FA_FWS_NS;
+            fa_mbar_wait(full + 8 * s, (n / FA_FWS_NS) & 1);
+            float sc[8][4];
+            FaFwdWg::issue_scores<D>(sc, sQa, ring + 2 * s * TILE);
+            FaFwdWg::issue_values<D>(oacc, pf, ring + 2 * ((n - 1) % FA_FWS_NS) * TILE + TILE);
+            wg_wait<1>();  // S landed; the P V may still run
+            wg_pin(sc);
+            float al0, al1;
+            const bool rescale = fr.template probs<false, false>(
+                sc, j, j == jd || j * FA_BN + FA_BN > T || j * FA_BN < st1, al0, al1);
+            FaFwdWg::settle(oacc);  // the last tile's P V done: its stage is free
             __syncwarp();
             if (lane == 0) fa_mbar_arrive(empty + 8 * ((n - 1) % FA_FWS_NS));
-        }
-        fa_mbar_wait(full + 8 * s, (n / FA_FWS_NS) & 1);
-        const uint32_t kb = ring + 2 * s * TILE;
-        float sc[8][4];
-        FaFwdWg::scores<D>(mm, sc, sQa, kb, n, warp, lane);
-        float al0, al1;
-        const bool rescale = fr.template probs<DROP, false>(
-            sc, j, j == jd || j * FA_BN + FA_BN > T || j * FA_BN < st1, al0, al1);
-        if (rescale) {
+            if (rescale) fa_rescale(oacc, al0, al1);
 #pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt) {
-                oacc[nt][0] *= al0;
-                oacc[nt][1] *= al0;
-                oacc[nt][2] *= al1;
-                oacc[nt][3] *= al1;
-            }
+            for (int kc = 0; kc < 4; ++kc) fa_frag(sc, kc, pf[kc]);
         }
-        FaFwdWg::values<D>(oacc, sc, kb + TILE, lane);
+        wg_fence();
+        FaFwdWg::issue_values<D>(oacc, pf, ring + 2 * ((n - 1) % FA_FWS_NS) * TILE + TILE);
     }
     FaFwdWg::settle(oacc);
     // (this warp's own rows of its warpgroup's Q tile stage O)
     fr.template store<D, true>(oacc, lse, o, b, h, HD, qw, smc + wg * TILE, warp, lane);
 }
 
-#define FA_FWS(name, drop, regs)                                                              \
+#define FA_FWS(name, drop)                                                                    \
     extern "C" __global__ void __launch_bounds__(384, 1) name(FA_FWD_ARGS) {                   \
         extern __shared__ __align__(1024) unsigned char fa_fws_smem[];                        \
         const uint32_t raw = fa_smem_u32(fa_fws_smem);                                         \
         char* sm = reinterpret_cast<char*>(fa_fws_smem + (((raw + 1023u) & ~1023u) - raw));    \
-        flash_fwd_ws<128, drop, 2, regs>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr,    \
-                                         dscale, mbits, starts, sm);                           \
+        flash_fwd_ws<128, drop>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale,      \
+                                mbits, starts, sm);                                            \
     }
 static_assert(FA_FWS_D128_SMEM == (2 + 2 * FA_FWS_NS) * 64 * 128 * 2 + 2048,
               "flash_smem.h's FA_FWS_D128_SMEM lays out Q, the ring and its barriers");
-FA_FWS(flash_fwd_ws_d128_bf16, false, true)
-FA_FWS(flash_fwd_drop_ws_d128_bf16, true, false)
+FA_FWS(flash_fwd_ws_d128_bf16, false)
+FA_FWS(flash_fwd_drop_ws_d128_bf16, true)
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
