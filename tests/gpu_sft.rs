@@ -29,6 +29,15 @@ fn spec() -> ModelSpec {
     ModelSpec::from_config(&config(2), 96)
 }
 
+/// spec() with one head of 128 (on Hopper the step's warp-specialized flash forward, 128
+/// queries a block: a row of 160 ends inside the second block's first warpgroup).
+fn spec_d128() -> ModelSpec {
+    let mut c = config(2);
+    c.model.n_head = 1;
+    c.model.n_kv_head = 1;
+    ModelSpec::from_config(&c, 96)
+}
+
 /// A Granite 4.0 hybrid on spec()'s width: Mamba-2, NoPE attention, Mamba-2 layers, the
 /// Mamba layers' heads × head width, state, groups and conv taps as given.
 fn hybrid_spec(heads: usize, d_head: usize, state: usize, groups: usize, conv: usize) -> ModelSpec {
@@ -162,15 +171,15 @@ fn packed_rows_per_op(gpu: &Device, spec: ModelSpec) {
 }
 
 /// Two rows of 160 slots packing six samples (prompts masked, padding after) across flash
-/// attention's 64-key tiles and the Mamba scan's chunks of 64 (samples starting within a chunk,
-/// one at a chunk's first position, one of two tokens, shorter than the conv's window): the
-/// whole-model step's loss, every gradient (each no less exact than the step's on the same
-/// samples unpacked, one a row) and its eval losses against the f32 CPU model run one sample
-/// at a time, for a Llama-style model and three hybrids that take the Mamba
-/// kernels' different paths (state 16 in two groups with the shared-memory conv; Granite-H's
-/// heads of 64 and state 128; state 192 with a conv of 3 taps: the general conv and the chunk
-/// states' separate backward). Unpacked rows (one sample and padding, no segments) give the
-/// step the same as the sample alone.
+/// attention's 64-key tiles and the Mamba scan's chunks of 64 (samples starting within a chunk, one
+/// at a chunk's first position, one of two tokens, shorter than the conv's window): the whole-model
+/// step's loss, every gradient (each no less exact than the step's on the same samples unpacked,
+/// one a row) and its eval losses against the f32 CPU model run one sample at a time, for a
+/// Llama-style model (heads of 64; one head of 128) and three hybrids that take the Mamba kernels'
+/// different paths (state 16 in two groups with the shared-memory conv; Granite-H's heads of 64 and
+/// state 128; state 192 with a conv of 3 taps: the general conv and the chunk states' separate
+/// backward). Unpacked rows (one sample and padding, no segments) give the step the same as the
+/// sample alone.
 #[test]
 fn the_whole_step_trains_packed_masked_rows_as_the_samples_one_by_one() {
     let Ok(gpu) = Device::new_cuda(0) else {
@@ -179,6 +188,7 @@ fn the_whole_step_trains_packed_masked_rows_as_the_samples_one_by_one() {
     };
     for (name, spec) in [
         ("llama", spec()),
+        ("llama: one head of 128", spec_d128()),
         (
             "hybrid: 4 heads of 32, state 16, 2 groups",
             hybrid_spec(4, 32, 16, 2, 4),
