@@ -4,7 +4,7 @@
 // end of this file, the forward for head dims 64 (flash_fwd's loop on wgmma) and 128
 // (flash_fwd_ws: warp-specialized, 128 queries a block). Included by kernels.cu; compiled only
 // into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded on compute capability 9.0).
-// One file on purpose (about 1,000 lines): the Hopper kernels share the wgmma wrappers and
+// One file on purpose (about 1,050 lines): the Hopper kernels share the wgmma wrappers and
 // descriptors, the named barriers and setmaxnreg splits of warp specialization, and this launch
 // contract; split by direction they would each need all of that.
 //
@@ -892,7 +892,7 @@ __device__ __forceinline__ void fa_mbar_wait(uint32_t bar, uint32_t parity) {
     } while (!done);
 }
 
-template <int D, bool DROP>
+template <bool DROP>
 __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ qkv,
                                              __nv_bfloat16* __restrict__ o, float* __restrict__ lse,
                                              int B, int T, int H, int KVH, float scale,
@@ -900,7 +900,7 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
                                              uint32_t site, uint32_t thr, float dscale,
                                              uint16_t* __restrict__ mbits,
                                              const int* __restrict__ starts, char* smc) {
-    static_assert(D == 128, "the warp-specialized forward is the head-dim-128 kernel");
+    constexpr int D = 128;                 // head dim
     constexpr int NC = 2;                  // MMA warpgroups
     constexpr uint32_t TILE = 64 * D * 2;  // 64 rows (D / 64 panels)
     const int tid = threadIdx.x;
@@ -1038,8 +1038,8 @@ __device__ __forceinline__ void flash_fwd_ws(const __nv_bfloat16* __restrict__ q
         extern __shared__ __align__(1024) unsigned char fa_fws_smem[];                        \
         const uint32_t raw = fa_smem_u32(fa_fws_smem);                                         \
         char* sm = reinterpret_cast<char*>(fa_fws_smem + (((raw + 1023u) & ~1023u) - raw));    \
-        flash_fwd_ws<128, drop>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale,      \
-                                mbits, starts, sm);                                            \
+        flash_fwd_ws<drop>(qkv, o, lse, B, T, H, KVH, scale, seed, site, thr, dscale, mbits,    \
+                           starts, sm);                                                        \
     }
 static_assert(FA_FWS_D128_SMEM == (2 + 2 * FA_FWS_NS) * 64 * 128 * 2 + 2048,
               "flash_smem.h's FA_FWS_D128_SMEM lays out Q, the ring and its barriers");
