@@ -227,9 +227,9 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 //   FULL[s]   WG2 -> WG0, WG1 (384): ring slot s landed (its tiles and statistics)
 //   EMPTY[s]  WG0, WG1 -> WG2 (384): their products on slot s are done (refill it)
 //   DS        WG0 <-> WG1 (256): both halves of this step's dS^T are written (head dim 128:
-//             fa_ws_mma; a dS^T slot is rewritten two steps later, after both warpgroups have
-//             passed the DS barrier of the step between — each waits for its dQ products
-//             before reaching it)
+//             fa_ws_mma_pipe, fa_ws_mma; a dS^T slot is rewritten two steps later, after both
+//             warpgroups have passed the DS barrier of the step between — each waits for its
+//             dQ products before reaching it)
 //   DSR[w][s], FREE[w][s]  WG w -> WG 1-w (256): head dim 64, fa_ws_mma_defer (no DS)
 // Registers: FaWs.
 // Launch: grid (B*KVH, ceil(T/128)), block 384, dynamic smem FA_WS_SMEM (flash_smem.h).
@@ -261,11 +261,11 @@ struct FaWs {
     static constexpr int STAT_Q = 128;
     static constexpr uint32_t STAT = STG + 2 * FA_WS_STG * 4, STAT_SLOT = 2 * STAT_Q * 4;
     // Registers a thread (setmaxnreg) of WG2 and of the MMA warpgroups: 24 + 2 x 240 of the
-    // block's 3 x 168 at head dim 64 (ptxas 13.0 spills 8 bytes of fa_ws_mma_defer's plain
-    // loop; at 232 the lockstep loop spilled 148 bytes); 32 + 2 x 232 at 128, where the MMA
-    // warpgroups keep their products unserialized down to 232 (at 224 ptxas serializes them: dK
-    // and dV are 128 registers there) and nothing spills (at 24 + 2 x 240 a few bytes).
-    static constexpr int REGS_COPY = D == 64 ? 24 : 32, REGS_MMA = D == 64 ? 240 : 232;
+    // block's 3 x 168 at both head dims (ptxas 13.0 spills 8 bytes of fa_ws_mma_defer's plain
+    // loop; at 232 the lockstep loop spilled 148 bytes). At head dim 128 the pipelined loop
+    // keeps a step's S^T in flight beside its dK, dV (128 registers) and the last step's dQ:
+    // at 32 + 2 x 232 it spilled 68 bytes, at 240 16 (scalars, three loads a step).
+    static constexpr int REGS_COPY = 24, REGS_MMA = 240;
     static_assert(STG == 20 * TILE, "flash_smem.h's FA_WS_SMEM lays out 20 tiles before dQ's");
 };
 
@@ -563,7 +563,9 @@ __device__ __forceinline__ void fa_ws_front(FA_WG_ARGS, const FaBwdBlock<D, 128>
 // per 128 x 128 pairs; dK and dV left in registers. ANY: packed rows (starts) or attention
 // dropout (thr) — a loop of its own, so that the plain one carries neither; there each lane
 // loads its two queries' sample starts and flag words once a half and the middle shuffles them
-// out (loaded per element, the 128-query tile's registers spilled).
+// out (loaded per element, the 128-query tile's registers spilled). At head dim 128 only the
+// ANY loop runs here: the plain one is fa_ws_mma_pipe (below), and head dim 64 takes
+// fa_ws_mma_defer.
 template <int D, bool ANY>
 __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
                                           int steps, uint32_t base, char* smc, int wg, int warp,
@@ -669,6 +671,94 @@ __device__ __forceinline__ void fa_ws_mma_defer(FA_WG_ARGS, const FaBwdBlock<D, 
     fa_ws_reduce_drain(lane);
 }
 
+// The part of a fa_ws_mma_pipe step after its S^T is issued (and the last step's dQ added):
+// dP^T, P^T and dS^T, dV and dK; dS^T into its slot for the two warpgroups' dQ products, which
+// the next step issues; ring slot s released once dV and dK are done. Nothing is left in
+// flight.
+template <int D>
+__device__ __forceinline__ void fa_ws_pipe_body(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                                const FaWsStep<D>& sp, int it, int steps,
+                                                const FaWsLane& ln, const FaWsDesc<D>& dc,
+                                                char* smc, int wg, int lane, float (&st)[8][4],
+                                                float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
+    const int s = it & 1;
+    float dpt[8][4];
+    uint32_t pa[4][4], sa[4][4];
+    wg_fence();
+    fa_wg_ss_panels<D>(dpt, dc.lVc, sp.ldOa);
+    wg_commit();
+    fa_ws_grads<D, false>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
+    wg_fence();
+    fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
+    fa_wg_rs_panels<D>(dk, sa, sp.lQa);
+    wg_commit();
+    fa_ws_store_ds<D>(smc, s, wg, ln, sa);
+    fa_fence_async();
+    asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
+    wg_wait<0>();  // dV, dK done reading slot s
+    wg_pin(dv);
+    wg_pin(dk);
+    if (it + 2 < steps) fa_ws_arrive(FA_WS_EMPTY + s);
+}
+
+// The head-dim-128 plain loop pipelined inside each warpgroup, as the forward's flash_fwd_ws
+// pairs a tile's S with the last one's P V: each step issues the step before's dQ product and
+// its own S^T = K Q^T as two groups, stages and adds that dQ slab while S^T runs, then issues
+// dP^T — so the tensor cores take dQ and S^T back to back, and the exponentials start as soon
+// as dP^T is issued. Every product is waited for in the step that issues it (with one in flight
+// across the loop's back edge ptxas serialized them all, remark C7514); the first step, which
+// has no dQ before it, is peeled (steps >= 1 on this path: a block's first query tile is its
+// own) and the last dQ follows the loop. One H100, `--profile` at T = 16384, six heads of 128:
+// the backward 463–468 -> 487–497 TFLOP/s (fa_ws_mma's loop beside it, alternated, two calls).
+// Measured and dropped beside it: this loop without the per-step DS barrier (DSR / FREE as in
+// fa_ws_mma_defer) 474–478; with dV += P^T dO issued before dS^T's arithmetic (FlashAttention-
+// 3's order) 423–424, its 136 bytes of spills in the loop.
+template <int D>
+__device__ __forceinline__ void fa_ws_mma_pipe(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
+                                               int steps, uint32_t base, char* smc, int wg,
+                                               int warp, int lane, float (&dk)[D / 8][4],
+                                               float (&dv)[D / 8][4]) {
+    using W = FaWs<D>;
+    static_assert(W::QH == 1, "one 64-query tile a step");
+    thr = 0;
+    const FaWsLane ln = fa_ws_lane<D, false>(starts, T, scale, blk, wg, warp, lane);
+    float* stg = reinterpret_cast<float*>(smc + W::STG) + (4 * wg + warp) * FA_SLAB;
+    const FaWsDesc<D> dc(base, wg);
+    {
+        const FaWsStep<D> sp(blk, 0, dc.lQD, smc);
+        float st[8][4];
+        fa_ws_sync(FA_WS_FULL);
+        wg_fence();
+        fa_wg_ss_panels<D>(st, dc.lKc, sp.lQa);
+        wg_commit();
+        fa_ws_pipe_body<D>(FA_WG_PASS, blk, sp, 0, steps, ln, dc, smc, wg, lane, st, dk, dv);
+    }
+    for (int it = 1; it < steps; ++it) {
+        const int s = it & 1;
+        const FaWsStep<D> sp(blk, it, dc.lQD, smc);
+        float st[8][4], dq[8][4];
+        fa_ws_sync(FA_WS_FULL + s);
+        wg_fence();
+        fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s ^ 1);
+        fa_wg_ss_panels<D>(st, dc.lKc, sp.lQa);
+        wg_commit();
+        wg_wait<1>();  // the dQ (S^T still running)
+        wg_pin(dq);
+        fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, it - 1, dc.lQD, smc), dq, stg, s ^ 1,
+                        wg, warp, lane);
+        fa_ws_pipe_body<D>(FA_WG_PASS, blk, sp, it, steps, ln, dc, smc, wg, lane, st, dk, dv);
+    }
+    float dq[8][4];
+    const int s = (steps - 1) & 1;
+    wg_fence();
+    fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s);
+    wg_wait<0>();
+    wg_pin(dq);
+    fa_ws_dq_out<D>(FA_WG_PASS, blk, FaWsStep<D>(blk, steps - 1, dc.lQD, smc), dq, stg, s, wg,
+                    warp, lane);
+    fa_ws_reduce_drain(lane);
+}
+
 template <int D>
 __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
     using W = FaWs<D>;
@@ -718,7 +808,7 @@ __device__ __forceinline__ void flash_bwd_ws(FA_WG_ARGS, unsigned char* smem) {
         if (starts != nullptr || thr)
             fa_ws_mma<D, true>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
         else
-            fa_ws_mma<D, false>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
+            fa_ws_mma_pipe<D>(FA_WG_PASS, blk, steps, base, smc, wg, warp, lane, dk, dv);
     }
     __syncthreads();  // every dQ product done reading K and V's tiles
     fa_bwd_store_kv(dk, dv, scale, smc + wg * W::TD, smc + (2 + wg) * W::TD, warp, lane,
