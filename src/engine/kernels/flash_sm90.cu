@@ -4,7 +4,7 @@
 // end of this file, the forward for head dims 64 (flash_fwd's loop on wgmma) and 128
 // (flash_fwd_ws: warp-specialized, 128 queries a block). Included by kernels.cu; compiled only
 // into the compute_90a builds (cockpit_kernels_sm90[_f16].ptx, loaded on compute capability 9.0).
-// One file on purpose (about 1,050 lines): the Hopper kernels share the wgmma wrappers and
+// One file on purpose (about 1,150 lines): the Hopper kernels share the wgmma wrappers and
 // descriptors, the named barriers and setmaxnreg splits of warp specialization, and this launch
 // contract; split by direction they would each need all of that.
 //
