@@ -204,8 +204,8 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // warpgroups' dS^T in shared memory, each computes a half of the step's dQ over all 128 keys —
 // at head dim 64 its 64-query half, at 128 its 64-column panel of the head dim — and each warp
 // adds its 16 x 64 slab into dq_acc by one bulk reduction from shared memory (fa_ws_reduce_dq,
-// two staging buffers) — at head dim 64 in the next step, after its dV and dK products
-// (fa_ws_mma_defer). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
+// two staging buffers) — in the next step: at head dim 64 after that step's dV and dK products
+// (fa_ws_mma_defer), at 128 beside that step's S^T (fa_ws_mma_pipe). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
 // ring. (Before: WG2 added the staged dQ with 16-byte vector atomics — which itself had beaten
 // the MMA warps issuing them, 335 -> 362 TFLOP/s — and published the next step's tiles only
 // after them: the MMA warps waited at FULL a fifth of their samples at head dim 128, Nsight
@@ -264,7 +264,8 @@ struct FaWs {
     // block's 3 x 168 at both head dims (ptxas 13.0 spills 8 bytes of fa_ws_mma_defer's plain
     // loop; at 232 the lockstep loop spilled 148 bytes). At head dim 128 the pipelined loop
     // keeps a step's S^T in flight beside its dK, dV (128 registers) and the last step's dQ:
-    // at 32 + 2 x 232 it spilled 68 bytes, at 240 16 (scalars, three loads a step).
+    // at 32 + 2 x 232 it spilled 68 bytes, at 240 16 (scalars: three loads a step in the MMA
+    // loop, one in the copy warpgroup's).
     static constexpr int REGS_COPY = 24, REGS_MMA = 240;
     static_assert(STG == 20 * TILE, "flash_smem.h's FA_WS_SMEM lays out 20 tiles before dQ's");
 };
