@@ -1,19 +1,18 @@
 //! One line chart, described once and drawn the same way to PNG and SVG.
 //!
-//! One file on purpose (just over 1,000 lines): the layout, the axes, the thinning and the two
-//! back ends share the chart's one description; split, each part would reach into the others.
-//!
 //! Layout, top to bottom: a bold title, a legend that wraps over as many rows as it needs
 //! (it never covers data), then the plot with its axes. Points that are NaN or infinite (or
 //! not positive on a log axis) are left out and counted; long series are thinned to a few
-//! thousand points keeping each bucket's extremes, so spikes survive.
+//! thousand points keeping each bucket's extremes, so spikes survive. This file prepares and
+//! draws the chart; the ranges, gaps and thinning of its points are points.rs's, its tick marks
+//! and labels ticks.rs's.
+
+mod points;
+mod ticks;
 
 use std::path::{Path, PathBuf};
 
 use plotters::coord::cartesian::Cartesian2d;
-use plotters::coord::ranged1d::{
-    BoldPoints, KeyPointHint, LightPoints, NoDefaultFormatting, ValueFormatter,
-};
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -21,19 +20,20 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::font::{FontStatus, FAMILY};
 use super::{io_error, PlotSummary, ReportError};
+use points::{average, split_at_gaps, thin, x_range, y_range};
+use ticks::{linear_ticks, y_axis, TickedAxis};
 
 /// Size of every chart in pixels.
 pub(crate) const WIDTH: u32 = 1200;
 pub(crate) const HEIGHT: u32 = 600;
 
 const X_TICKS: usize = 10;
+/// Labelled y ticks (ticks.rs places them).
 const Y_TICKS: usize = 8;
 /// Series longer than this are thinned before drawing.
 const MAX_POINTS: usize = 4000;
 /// Below this many pixels per point a zigzagging line is drawn one pixel wide.
 const DENSE_PX_PER_POINT: usize = 4;
-/// A gap between consecutive x values this many times the median gap breaks the line.
-const GAP_FACTOR: f64 = 10.0;
 
 const TITLE_SIZE: f64 = 24.0;
 const LEGEND_SIZE: f64 = 15.0;
@@ -353,288 +353,6 @@ pub(crate) fn prepare(spec: &ChartSpec) -> Result<Prepared<'_>, String> {
     })
 }
 
-fn min_max(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
-    values.fold(None, |acc, v| match acc {
-        None => Some((v, v)),
-        Some((lo, hi)) => Some((lo.min(v), hi.max(v))),
-    })
-}
-
-/// Tight x range; a single x gets a unit either side.
-fn x_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    match min_max(values) {
-        Some((lo, hi)) if hi > lo => (lo, hi),
-        Some((v, _)) => (v - 1.0, v + 1.0),
-        None => (0.0, 1.0),
-    }
-}
-
-/// y range with 5% headroom on the sides the data sets, hugging the values in `include`;
-/// a flat series gets a band around its value.
-fn y_range(values: impl Iterator<Item = f64>, include: &[f64], log: bool) -> (f64, f64) {
-    let Some((dlo, dhi)) = min_max(values) else {
-        return (0.0, 1.0);
-    };
-    let (ilo, ihi) = min_max(include.iter().copied()).unwrap_or((dlo, dhi));
-    let (lo, hi) = (dlo.min(ilo), dhi.max(ihi));
-    let span = hi - lo;
-    // All values are finite here, so a flat range is the only degenerate case.
-    if span <= f64::EPSILON * lo.abs().max(hi.abs()).max(f64::MIN_POSITIVE) {
-        let half = if log {
-            0.5
-        } else if lo != 0.0 {
-            lo.abs() * 0.1
-        } else {
-            1.0
-        };
-        return (lo - half, hi + half);
-    }
-    let lo = if ilo < dlo || (ilo == dlo && !include.is_empty()) {
-        lo - span * 0.01
-    } else {
-        lo - span * 0.05
-    };
-    let hi = if ihi > dhi || (ihi == dhi && !include.is_empty()) {
-        hi + span * 0.01
-    } else {
-        hi + span * 0.05
-    };
-    (lo, hi)
-}
-
-/// Split a sorted series where the gap to the next x is much larger than the median gap.
-fn split_at_gaps(points: Vec<(f64, f64)>, enabled: bool) -> Vec<Vec<(f64, f64)>> {
-    if !enabled || points.len() < 3 {
-        return vec![points];
-    }
-    let mut gaps: Vec<f64> = points.windows(2).map(|w| w[1].0 - w[0].0).collect();
-    gaps.sort_by(f64::total_cmp);
-    let median = gaps[gaps.len() / 2];
-    if median <= 0.0 {
-        return vec![points];
-    }
-    let limit = median * GAP_FACTOR;
-    let mut segments = Vec::new();
-    let mut current: Vec<(f64, f64)> = Vec::new();
-    for p in points {
-        if let Some(last) = current.last() {
-            if p.0 - last.0 > limit {
-                segments.push(std::mem::take(&mut current));
-            }
-        }
-        current.push(p);
-    }
-    segments.push(current);
-    segments
-}
-
-/// Average runs of consecutive points down to at most `max` points; also returns the run
-/// length used (1 when nothing was averaged).
-fn average(points: Vec<(f64, f64)>, max: usize) -> (Vec<(f64, f64)>, usize) {
-    if points.len() <= max || max == 0 {
-        return (points, 1);
-    }
-    let run = points.len().div_ceil(max);
-    // Equal runs (lengths differ by at most one), so the last point is no noisier.
-    let n = points.len().div_ceil(run);
-    let out = (0..n)
-        .map(|i| &points[i * points.len() / n..(i + 1) * points.len() / n])
-        .map(|c| {
-            let n = c.len() as f64;
-            let (sx, sy) = c
-                .iter()
-                .fold((0.0, 0.0), |(sx, sy), p| (sx + p.0, sy + p.1));
-            (sx / n, sy / n)
-        })
-        .collect();
-    (out, run)
-}
-
-/// Keep at most about `max` points: each bucket keeps its lowest and highest point, in order.
-fn thin(points: Vec<(f64, f64)>, max: usize) -> Vec<(f64, f64)> {
-    if points.len() <= max || max < 2 {
-        return points;
-    }
-    let bucket = points.len().div_ceil(max / 2);
-    let mut out = Vec::with_capacity(max + 2);
-    for chunk in points.chunks(bucket) {
-        let (mut lo, mut hi) = (0, 0);
-        for (i, p) in chunk.iter().enumerate() {
-            if p.1 < chunk[lo].1 {
-                lo = i;
-            }
-            if p.1 > chunk[hi].1 {
-                hi = i;
-            }
-        }
-        out.push(chunk[lo.min(hi)]);
-        if lo != hi {
-            out.push(chunk[lo.max(hi)]);
-        }
-    }
-    out
-}
-
-/// Tick labels for a linear axis: as many decimals as the ticks need, k/M/G for large values,
-/// a shared power of ten for small ones.
-fn linear_ticks(range: (f64, f64), n: usize) -> impl Fn(&f64) -> String {
-    let ticks = RangedCoordf64::from(range.0..range.1).key_points(BoldPoints(n));
-    let mag = ticks.iter().fold(0.0f64, |m, t| m.max(t.abs()));
-    let (scale, suffix) = if mag >= 1e9 {
-        (1e9, "G".to_string())
-    } else if mag >= 1e6 {
-        (1e6, "M".to_string())
-    } else if mag >= 1e4 {
-        (1e3, "k".to_string())
-    } else if mag > 0.0 && mag < 1e-2 {
-        let e = mag.log10().floor() as i32;
-        (10f64.powi(e), format!("e{e}"))
-    } else {
-        (1.0, String::new())
-    };
-    let decimals = decimals_needed(ticks.iter().map(|t| t / scale));
-    move |v: &f64| {
-        let s = v / scale;
-        if s == 0.0 {
-            "0".to_string()
-        } else {
-            format!("{s:.decimals$}{suffix}")
-        }
-    }
-}
-
-/// Fewest decimals (up to 6) that print every value exactly.
-fn decimals_needed(values: impl Iterator<Item = f64> + Clone) -> usize {
-    (0..=6)
-        .find(|&d| {
-            let f = 10f64.powi(d as i32);
-            values
-                .clone()
-                .all(|v| ((v * f) - (v * f).round()).abs() < 1e-6)
-        })
-        .unwrap_or(6)
-}
-
-/// A linear f64 axis whose grid lines sit where we say (plotters' own `WithKeyPoints` does
-/// not carry over the f64 label formatting the mesh needs).
-#[derive(Clone)]
-struct TickedAxis {
-    inner: RangedCoordf64,
-    bold: Vec<f64>,
-    light: Vec<f64>,
-}
-
-impl Ranged for TickedAxis {
-    type FormatOption = NoDefaultFormatting;
-    type ValueType = f64;
-
-    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
-        self.inner.map(value, limit)
-    }
-
-    fn key_points<Hint: KeyPointHint>(&self, hint: Hint) -> Vec<f64> {
-        if hint.weight().allow_light_points() {
-            self.light.clone()
-        } else {
-            self.bold.clone()
-        }
-    }
-
-    fn range(&self) -> std::ops::Range<f64> {
-        self.inner.range()
-    }
-}
-
-impl ValueFormatter<f64> for TickedAxis {
-    fn format(value: &f64) -> String {
-        format!("{value}")
-    }
-}
-
-/// Ticks of the y axis: bold (labelled) and light grid positions, and the label formatter.
-type YAxis = (Vec<f64>, Vec<f64>, Box<dyn Fn(&f64) -> String>);
-
-fn y_axis(range: (f64, f64), scale: Scale) -> YAxis {
-    let coord = RangedCoordf64::from(range.0..range.1);
-    let plain_bold = coord.key_points(BoldPoints(Y_TICKS));
-    let plain_light = coord.key_points(LightPoints::new(Y_TICKS, Y_TICKS * 5));
-    match scale {
-        Scale::Linear => (
-            plain_bold,
-            plain_light,
-            Box::new(linear_ticks(range, Y_TICKS)),
-        ),
-        Scale::Log => match log_ticks(range) {
-            Some((bold, light)) => (
-                bold,
-                light,
-                Box::new(|v: &f64| significant(10f64.powf(*v), 2)),
-            ),
-            // Less than a few nice values in range: evenly spaced exponents, more digits.
-            None => (
-                plain_bold,
-                plain_light,
-                Box::new(|v: &f64| significant(10f64.powf(*v), 3)),
-            ),
-        },
-    }
-}
-
-/// Log-axis ticks at round values, as exponents: decades when the range spans three or more,
-/// else 1-2-5 in each decade, else every integer multiple; light lines at the integer
-/// multiples. `None` when even those give fewer than three ticks.
-fn log_ticks((lo, hi): (f64, f64)) -> Option<(Vec<f64>, Vec<f64>)> {
-    let (k0, k1) = (lo.floor() as i32, hi.ceil() as i32);
-    if k1 - k0 > 400 {
-        return None;
-    }
-    let slack = (hi - lo) * 1e-9;
-    let at = |mantissas: &[f64]| -> Vec<f64> {
-        (k0..=k1)
-            .flat_map(|k| mantissas.iter().map(move |m| m.log10() + f64::from(k)))
-            .filter(|v| *v >= lo - slack && *v <= hi + slack)
-            .collect()
-    };
-    let all = at(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
-    let decades = at(&[1.0]);
-    if decades.len() >= 3 {
-        let stride = decades.len().div_ceil(Y_TICKS);
-        let bold: Vec<f64> = decades.iter().copied().step_by(stride).collect();
-        let light = if stride == 1 { all } else { decades };
-        return Some((bold, light));
-    }
-    let one_two_five = at(&[1.0, 2.0, 5.0]);
-    if one_two_five.len() >= 3 {
-        return Some((one_two_five, all));
-    }
-    (all.len() >= 3).then(|| (all, Vec::new()))
-}
-
-/// `v` with `digits` significant digits, scientific outside [0.01, 10000), no trailing zeros.
-pub(crate) fn significant(v: f64, digits: usize) -> String {
-    if v == 0.0 || !v.is_finite() {
-        return format!("{v}");
-    }
-    let digits = digits.max(1);
-    let trim = |s: &str| -> String {
-        if s.contains('.') {
-            s.trim_end_matches('0').trim_end_matches('.').to_string()
-        } else {
-            s.to_string()
-        }
-    };
-    let a = v.abs();
-    if !(1e-2..1e4).contains(&a) {
-        let s = format!("{v:.prec$e}", prec = digits - 1);
-        return match s.split_once('e') {
-            Some((mantissa, exp)) => format!("{}e{exp}", trim(mantissa)),
-            None => s,
-        };
-    }
-    let decimals = (digits as i32 - 1 - a.log10().floor() as i32).max(0) as usize;
-    trim(&format!("{v:.decimals$}"))
-}
-
 fn text_width<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     text: &str,
@@ -939,83 +657,12 @@ mod tests {
     }
 
     #[test]
-    fn gaps_split_lines() {
-        let pts = vec![
-            (0.0, 1.0),
-            (1.0, 1.0),
-            (2.0, 1.0),
-            (100.0, 1.0),
-            (101.0, 1.0),
-        ];
-        assert_eq!(split_at_gaps(pts.clone(), true).len(), 2);
-        assert_eq!(split_at_gaps(pts, false).len(), 1);
-    }
-
-    #[test]
-    fn averaging_bounds_the_point_count() {
-        let pts: Vec<(f64, f64)> = (0..1000).map(|i| (i as f64, (i % 2) as f64)).collect();
-        let (avg, run) = average(pts.clone(), 100);
-        assert_eq!((avg.len(), run), (100, 10));
-        assert!(avg.iter().all(|p| (p.1 - 0.5).abs() < 1e-12));
-        assert_eq!(average(pts, 5000).1, 1);
-
+    fn averaging_sets_the_prepared_run_length() {
         let mut spec = spec_with((0..1000).map(|i| (i as f64, 1.0)).collect(), Scale::Linear);
         spec.mean_points = Some(100);
         let p = prepare(&spec).unwrap();
         assert_eq!(p.averaged, 10);
         assert_eq!(p.series[0].1[0].len(), 100);
-    }
-
-    #[test]
-    fn thinning_keeps_extremes() {
-        let mut pts: Vec<(f64, f64)> = (0..100_000).map(|i| (i as f64, 1.0)).collect();
-        pts[54_321].1 = 50.0;
-        pts[7].1 = -50.0;
-        let thinned = thin(pts, MAX_POINTS);
-        assert!(thinned.len() <= MAX_POINTS + 2);
-        assert!(thinned.contains(&(54_321.0, 50.0)));
-        assert!(thinned.contains(&(7.0, -50.0)));
-        assert!(thinned.windows(2).all(|w| w[0].0 < w[1].0));
-    }
-
-    #[test]
-    fn tick_labels_are_short_and_exact() {
-        let f = linear_ticks((0.0, 1.0), 10);
-        assert_eq!(f(&0.30000000000000004), "0.3");
-        assert_eq!(f(&0.0), "0");
-        let f = linear_ticks((0.0, 120_000.0), 10);
-        assert_eq!(f(&40_000.0), "40k");
-        let f = linear_ticks((0.0, 6e-4), 10);
-        assert_eq!(f(&3e-4), "3e-4");
-        let f = linear_ticks((2.0, 3.0), 10);
-        assert_eq!(f(&2.5), "2.5");
-        assert_eq!(significant(10f64.powf(-3.0), 2), "1e-3");
-        assert_eq!(significant(0.0316, 2), "0.032");
-        assert_eq!(significant(31.6, 2), "32");
-        assert_eq!(significant(12_345.0, 2), "1.2e4");
-        assert_eq!(significant(3.1e-5, 3), "3.1e-5");
-        assert_eq!(significant(2.0, 3), "2");
-    }
-
-    #[test]
-    fn log_ticks_sit_on_round_values() {
-        let label = |v: &f64| significant(10f64.powf(*v), 2);
-        // Five decades: one tick per decade.
-        let (bold, light) = log_ticks((-5.2, -0.5)).unwrap();
-        let labels: Vec<String> = bold.iter().map(label).collect();
-        assert_eq!(labels, ["1e-5", "1e-4", "1e-3", "0.01", "0.1"]);
-        assert!(light.len() > bold.len());
-        // One decade: 1-2-5.
-        let (bold, _) = log_ticks((-3.05, -1.9)).unwrap();
-        let labels: Vec<String> = bold.iter().map(label).collect();
-        assert_eq!(labels, ["1e-3", "2e-3", "5e-3", "0.01"]);
-        // A narrow range: integer multiples.
-        let (bold, light) = log_ticks((0.25, 0.72)).unwrap();
-        let labels: Vec<String> = bold.iter().map(label).collect();
-        assert_eq!(labels, ["2", "3", "4", "5"]);
-        assert!(light.is_empty());
-        // Narrower still: no round values, the caller falls back.
-        assert!(log_ticks((0.31, 0.33)).is_none());
     }
 
     #[test]
