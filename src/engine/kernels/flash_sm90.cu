@@ -205,12 +205,12 @@ __device__ __forceinline__ void fa_wg_rs_panels(float (&acc)[D / 8][4], const ui
 // at head dim 64 its 64-query half, at 128 its 64-column panel of the head dim — and each warp
 // adds its 16 x 64 slab into dq_acc by one bulk reduction from shared memory (fa_ws_reduce_dq,
 // two staging buffers) — in the next step: at head dim 64 after that step's dV and dK products
-// (fa_ws_mma_defer), at 128 beside that step's S^T (fa_ws_mma_pipe). WG2 copies — K and V once, then each step's (Q, dO) into a two-slot
-// ring. (Before: WG2 added the staged dQ with 16-byte vector atomics — which itself had beaten
-// the MMA warps issuing them, 335 -> 362 TFLOP/s — and published the next step's tiles only
-// after them: the MMA warps waited at FULL a fifth of their samples at head dim 128, Nsight
-// Compute.) The plain loop applies the
-// causal mask only on the tiles where a warp's keys reach a query (fa_ws_probs_s). Against
+// (fa_ws_mma_defer), at 128 beside that step's S^T (fa_ws_mma_pipe). WG2 copies — K and V
+// once, then each step's (Q, dO) into a two-slot ring. (Before: WG2 added the staged dQ with
+// 16-byte vector atomics — which itself had beaten the MMA warps issuing them, 335 -> 362
+// TFLOP/s — and published the next step's tiles only after them: the MMA warps waited at FULL
+// a fifth of their samples at head dim 128, Nsight Compute.) The plain loops apply the causal
+// mask only on the tiles where a warp's keys reach a query (fa_ws_probs_s). Against
 // 64-query tiles at head dim 64 (this kernel's previous shape, with WG2 computing dQ): half the
 // product instructions for S^T and dP^T (a quarter fewer shared-memory bytes a product), and
 // half the steps, barriers, waits and row-stat loads — one H200, the 114M at T32768: the
@@ -537,10 +537,23 @@ struct FaWsDesc {
     }
 };
 
-// A step's first part, the same in both loops: once ring slot s has landed, S^T and dP^T, then
-// P^T and dS^T (into pa and sa), then dV += P^T dO and dK += dS^T Q issued as one group (k =
-// the step's 64·QH queries, 2048 bytes a k-step; a product per 64-column panel of dO and Q
-// into the matching part of dV and dK), left in flight.
+// dV += P^T dO and dK += dS^T Q issued as one group (k = the step's 64·QH queries, 2048 bytes a
+// k-step; a product per 64-column panel of dO and Q into the matching part of dV and dK), left
+// in flight.
+template <int D>
+__device__ __forceinline__ void fa_ws_issue_dkv(const FaWsStep<D>& sp,
+                                                const uint32_t (&pa)[4 * FaWs<D>::QH][4],
+                                                const uint32_t (&sa)[4 * FaWs<D>::QH][4],
+                                                float (&dk)[D / 8][4], float (&dv)[D / 8][4]) {
+    wg_fence();
+    fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
+    fa_wg_rs_panels<D>(dk, sa, sp.lQa);
+    wg_commit();
+}
+
+// A step's first part in fa_ws_mma and fa_ws_mma_defer: once ring slot s has landed, S^T and
+// dP^T, then P^T and dS^T (into pa and sa), then dV and dK issued (fa_ws_issue_dkv), left in
+// flight.
 template <int D, bool ANY>
 __device__ __forceinline__ void fa_ws_front(FA_WG_ARGS, const FaBwdBlock<D, 128>& blk,
                                             const FaWsStep<D>& sp, const FaWsLane& ln,
@@ -554,10 +567,7 @@ __device__ __forceinline__ void fa_ws_front(FA_WG_ARGS, const FaBwdBlock<D, 128>
     wg_fence();
     fa_ws_issue_sdp<D>(st, dpt, dc.lKc, dc.lVc, sp);
     fa_ws_grads<D, ANY>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
-    wg_fence();
-    fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
-    fa_wg_rs_panels<D>(dk, sa, sp.lQa);
-    wg_commit();
+    fa_ws_issue_dkv<D>(sp, pa, sa, dk, dv);
 }
 
 // The two MMA warpgroups of flash_bwd_ws (warpgroup wg: keys 64wg.. of the block), a step
@@ -585,7 +595,7 @@ __device__ __forceinline__ void fa_ws_mma(FA_WG_ARGS, const FaBwdBlock<D, 128>& 
         // dS^T -> this warpgroup's tiles of dS^T slot s, while those run
         fa_ws_store_ds<D>(smc, s, wg, ln, sa);
         fa_fence_async();
-        asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
+        fa_ws_sync<256>(FA_WS_DS);
         float dq[8][4];
         wg_fence();
         fa_ws_issue_dq<D>(dq, dc.lSw, dc.lKw, s);
@@ -689,13 +699,10 @@ __device__ __forceinline__ void fa_ws_pipe_body(FA_WG_ARGS, const FaBwdBlock<D, 
     fa_wg_ss_panels<D>(dpt, dc.lVc, sp.ldOa);
     wg_commit();
     fa_ws_grads<D, false>(FA_WG_PASS, blk, sp, ln, lane, st, dpt, pa, sa);
-    wg_fence();
-    fa_wg_rs_panels<D>(dv, pa, sp.ldOa);
-    fa_wg_rs_panels<D>(dk, sa, sp.lQa);
-    wg_commit();
+    fa_ws_issue_dkv<D>(sp, pa, sa, dk, dv);
     fa_ws_store_ds<D>(smc, s, wg, ln, sa);
     fa_fence_async();
-    asm volatile("bar.sync %0, 256;\n" ::"n"(FA_WS_DS) : "memory");
+    fa_ws_sync<256>(FA_WS_DS);
     wg_wait<0>();  // dV, dK done reading slot s
     wg_pin(dv);
     wg_pin(dk);
