@@ -1453,6 +1453,10 @@ fn whole_vs_f32(dev: &Device, fam: &Family, dt: DType, loss_scale: f32) -> Whole
         .step_plan()
         .unwrap_or_else(|why| panic!("{name}: a {dt:?} model fits the step: {why}"));
     let mut step = kernels::ModelStep::new(&w).unwrap();
+    if c.model.recompute.whole_block() {
+        // The recomputed MLP in chunks of 64 rows (the last one partial where T = 200).
+        step.set_mlp_chunk_rows(Some(64));
+    }
     if vocab > 1000 {
         // The LM head in chunks of 64 rows (the last one partial): 240 rows, 4 chunks.
         step.set_head_chunk_rows(Some(64));
@@ -1838,7 +1842,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         Ggml,
     }
     type Case = (&'static str, fn(&mut Config), Vec<String>, Stored);
-    let cases: [Case; 13] = [
+    let cases: [Case; 14] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
@@ -1879,6 +1883,16 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         (
             "llama GQA 4/2, NF4 base (QLoRA), adapters on every projection",
             gqa,
+            all.clone(),
+            Stored::Nf4,
+        ),
+        (
+            "llama GQA 4/2, NF4 base (QLoRA), adapters on every projection, recompute full with \
+             the MLP in chunks of 64 rows (each chunk's matmuls dequantize their base matrices)",
+            |c| {
+                gqa(c);
+                c.model.recompute = cockpit::config::Recompute::Full;
+            },
             all.clone(),
             Stored::Nf4,
         ),
@@ -2073,6 +2087,9 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             .unwrap_or_else(|| panic!("{name}: a LoRA {dt16:?} model fits the step"));
         assert!(w.frozen_base);
         let mut step = kernels::ModelStep::new(&w).unwrap();
+        if c.model.recompute.whole_block() {
+            step.set_mlp_chunk_rows(Some(64)); // (240 rows: 64, 64, 64, 48)
+        }
         step.begin(false).unwrap();
         step.set_dropout_seed(seed);
         step.micro(&ids, &tg, b, scale / (b * t) as f32).unwrap();
@@ -2234,14 +2251,20 @@ fn graph_replay_matches_eager(dev: &Device, p: f64) {
 /// nodes of them). Five blocks: offload keeps three blocks' inputs on the host. And a hybrid
 /// with routed experts, fully trained (its experts' kept slots, or one slot the recompute
 /// refills with the same routing; such a model runs without graphs: its experts' row counts
-/// come from the host).
+/// come from the host). "full" and "offload" again with the recomputed MLP in chunks of rows
+/// (the adapters then on q, v, gate, up and down: the concatenated gate|up group's `[x | u]`
+/// rows and the down adapters' `u` cut at the chunks' rows).
 #[test]
 fn recompute_matches_keeping_the_activations() {
     let Some(dev) = gpu() else { return };
     use cockpit::config::Recompute;
     use cockpit::engine::model::LoraSpec;
     let (b, t, vocab) = (2usize, 128usize, 97usize);
-    let run = |recompute: Recompute, lora: bool, experts: bool| -> (f64, Vec<Tensor>) {
+    let run = |recompute: Recompute,
+               lora: bool,
+               experts: bool,
+               mlp_rows: Option<usize>|
+     -> (f64, Vec<Tensor>) {
         let mut c = Config::default();
         c.model.norm = cockpit::config::Norm::RmsNorm;
         c.model.activation = cockpit::config::Activation::SwiGlu;
@@ -2273,7 +2296,7 @@ fn recompute_matches_keeping_the_activations() {
             let spec = LoraSpec {
                 r: 8,
                 alpha: 16.0,
-                targets: ["q", "v", "down"].map(String::from).to_vec(),
+                targets: ["q", "v", "gate", "up", "down"].map(String::from).to_vec(),
                 dropout: 0.0,
             };
             m.add_lora(&spec, 9).unwrap();
@@ -2293,6 +2316,7 @@ fn recompute_matches_keeping_the_activations() {
         }
         let w = m.step_weights().expect("fits the step");
         let mut step = kernels::ModelStep::new(&w).unwrap();
+        step.set_mlp_chunk_rows(mlp_rows);
         // (Twice the same step: eager, then captured and replayed.)
         for _ in 0..2 {
             step.begin(false).unwrap();
@@ -2317,9 +2341,9 @@ fn recompute_matches_keeping_the_activations() {
         (step.loss().unwrap(), grads)
     };
     for (lora, experts) in [(false, false), (true, false), (false, true)] {
-        let (l0, g0) = run(Recompute::None, lora, experts);
+        let (l0, g0) = run(Recompute::None, lora, experts, None);
         for r in [Recompute::Attention, Recompute::Full, Recompute::Offload] {
-            let (l, g) = run(r, lora, experts);
+            let (l, g) = run(r, lora, experts, None);
             eprintln!("recompute {r:?} (LoRA {lora}, experts {experts}): loss {l:.7} vs {l0:.7}");
             // (The experts' balancing loss sums router probabilities by float atomics.)
             if experts {
@@ -2331,6 +2355,28 @@ fn recompute_matches_keeping_the_activations() {
             for (a, b) in g.iter().zip(&g0) {
                 let e = rel_err(a, b);
                 assert!(e < 1e-5, "{r:?} (LoRA {lora}): grad rel err {e:.2e}");
+            }
+        }
+        if experts {
+            continue; // (routed experts keep the MLP whole)
+        }
+        // The recomputed MLP in chunks of 96 rows (96, 96, 64 of the 256): the matmuls run on
+        // other row counts (cuBLAS may pick other algorithms: other roundings), so close, not
+        // equal — a chunk's rows or gradient misplaced would be off by its whole share.
+        for r in [Recompute::Full, Recompute::Offload] {
+            let (l, g) = run(r, lora, experts, Some(96));
+            eprintln!("recompute {r:?} in MLP chunks (LoRA {lora}): loss {l:.7} vs {l0:.7}");
+            assert!(
+                ((l - l0) / l0).abs() < 1e-4,
+                "{r:?} chunked: loss {l} vs {l0}"
+            );
+            assert_eq!(g.len(), g0.len());
+            for (a, b) in g.iter().zip(&g0) {
+                let e = rel_err(a, b);
+                assert!(
+                    e < 1e-2,
+                    "{r:?} chunked (LoRA {lora}): grad rel err {e:.2e}"
+                );
             }
         }
     }

@@ -402,6 +402,7 @@ mod step_stub {
             no_cuda()
         }
         pub fn set_head_chunk_rows(&mut self, _rows: Option<usize>) {}
+        pub fn set_mlp_chunk_rows(&mut self, _rows: Option<usize>) {}
         pub fn set_dropout_seed(&mut self, _seed: u64) {}
         pub fn overlaps_grad_sums(&self) -> bool {
             false

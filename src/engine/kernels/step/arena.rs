@@ -8,7 +8,7 @@ use super::graphs::Graphs;
 use super::mamba_bufs::{MambaActs, MambaArena};
 use super::moe_bufs::{MoeActs, MoeArena};
 use super::offload::Offload;
-use super::params::{lora_width, LayerIdx, DOWN, GATE, G_GU, G_QKV, K, Q, UP, V};
+use super::params::{lora_width, LayerIdx, DOWN, GATE, G_DOWN, G_GU, G_QKV, K, Q, UP, V};
 use super::{align, ptr, ModelStep};
 use crate::config::Recompute;
 
@@ -16,6 +16,13 @@ use crate::config::Recompute;
 #[derive(Clone)]
 pub(super) struct Activations {
     pub(super) b: usize,
+    /// Rows: B·T, or a row window's ([`ModelStep::mlp_window`]: the MLP functions work on `n`
+    /// rows from the row-indexed buffers' addresses).
+    pub(super) n: usize,
+    /// Rows per pass of the MLP ([`ModelStep::mlp_rows`]: `n`, or a chunk of it whose
+    /// pre-activation, activation and their gradients are all `fc`, `act`, `dh` and `dact`
+    /// hold).
+    pub(super) mlp_rows: usize,
     /// Per layer: residual input, LN1 out, qkv, attention probabilities [B·H, T, T],
     /// merged attention output, residual after attention, LN2 out, the MLP's pre-activation and
     /// its activation (GELU or SwiGLU) output. (A Mamba layer's qkv is its in_proj's output
@@ -30,7 +37,8 @@ pub(super) struct Activations {
     pub(super) atty: Vec<u64>,
     pub(super) mid: Vec<u64>,
     pub(super) ln2: Vec<u64>,
-    /// The MLP's pre-activation ([N, F], or SwiGLU's packed gate|up [N, 2F]).
+    /// The MLP's pre-activation ([N, F], or SwiGLU's packed gate|up [N, 2F]; N = `mlp_rows`
+    /// for it, `act`, `dh` and `dact`).
     pub(super) fc: Vec<u64>,
     /// The MLP's activation output [N, F]: GELU(fc), or SwiGLU's silu(gate)·up.
     pub(super) act: Vec<u64>,
@@ -139,6 +147,71 @@ impl ModelStep {
         let chunks = (n * per_row).div_ceil(limit).max(1);
         // Whole chunks of 64 rows (tensor-core tiles), at least one row.
         n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
+    }
+
+    /// Rows per pass of the MLP for `n` rows ([`Activations::mlp_rows`]). Where the backward
+    /// recomputes whole blocks (`model.recompute` "full" / "offload") the MLP's own buffers —
+    /// its pre-activation, activation and their gradients, 12·F bytes a row with SwiGLU (96
+    /// KB for the 1B's F = 8192: past T = 64K the largest buffers of the step) — hold a chunk
+    /// of rows under 512 MiB, which the forward and the backward walk through (whole chunks
+    /// of 64 rows). Elsewhere (the MLP's buffers kept per layer, routed experts, LoRA dropout,
+    /// whose masks are drawn over the whole rows) all `n` rows at once.
+    pub(super) fn mlp_rows(&self, n: usize) -> usize {
+        if !self.recompute.whole_block() || self.moe.is_some() || self.lora_thr > 0 {
+            return n;
+        }
+        if let Some(rows) = self.mlp_chunk_rows {
+            return rows.clamp(1, n);
+        }
+        let limit = 512 << 20;
+        let per_row = 2 * (2 * self.up_out() + self.hidden + self.dact_width());
+        let chunks = (n * per_row).div_ceil(limit).max(1);
+        n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
+    }
+
+    /// Rows `r0..r0 + rows` of layer `l`'s MLP as an arena of their own for the MLP's
+    /// functions ([`Self::mlp_rows`]): `n` = `rows`, and the addresses of the row-indexed
+    /// buffers they read and write past the window's first row — the normed input (a
+    /// concatenated LoRA group's `[x | u]` rows included), its gradient `da` (the same row
+    /// stride) and the gate|up and down adapters' `u`, `du`; `fc`, `act`, `dh`, `dact` are
+    /// already a chunk's. The output's and its gradient's rows are the caller's to offset.
+    pub(super) fn mlp_window(
+        &self,
+        a: &Activations,
+        l: usize,
+        li: &LayerIdx,
+        (r0, rows): (usize, usize),
+    ) -> Activations {
+        let at = |p: u64, ld: usize| if p == 0 { 0 } else { p + 2 * (r0 * ld) as u64 };
+        let mut w = a.clone();
+        w.n = rows;
+        let ld = self.ln_ld(l, G_GU);
+        w.ln2[l] = at(a.ln2[l], ld);
+        w.da = at(a.da, ld);
+        for g in [G_GU, G_DOWN] {
+            let width = lora_width(li, g);
+            w.lora_u[l][g] = at(a.lora_u[l][g], width);
+            w.lora_du[l][g] = at(a.lora_du[l][g], width);
+        }
+        w
+    }
+
+    /// The MLP's up projection's output width: F, or SwiGLU's packed gate|up 2F.
+    pub(super) fn up_out(&self) -> usize {
+        if self.swiglu {
+            2 * self.hidden
+        } else {
+            self.hidden
+        }
+    }
+
+    /// `dact`'s width: SwiGLU's activation gradient F (GELU's runs in `dh`: none).
+    fn dact_width(&self) -> usize {
+        if self.swiglu {
+            self.hidden
+        } else {
+            0
+        }
     }
 
     /// Size (or re-size) the activation arena for micro-batch `b`.
@@ -251,10 +324,12 @@ impl ModelStep {
         let atty_o = per_if(&mixer_lens(&|li| n * self.mixer_width(li)), &attn_layers);
         let mid_o = per_if(&uni(nc), &mlp_layers);
         let ln2_o = per_if(&uni(n * ld2), &keep_ln2);
-        // SwiGLU keeps the packed gate|up pre-activation [N, 2F].
-        let up_out = if self.swiglu { 2 * f } else { f };
-        let fc_o = per_if(&uni(n * up_out), &mlp_layers);
-        let act_o = per_if(&uni(n * f), &keep_act);
+        // SwiGLU keeps the packed gate|up pre-activation [N, 2F]; with the MLP recomputed,
+        // its buffers hold a chunk of rows.
+        let up_out = self.up_out();
+        let nm = self.mlp_rows(n);
+        let fc_o = per_if(&uni(nm * up_out), &mlp_layers);
+        let act_o = per_if(&uni(nm * f), &keep_act);
         // Gemma's sandwich: the attention output before its norm is written in the MLP half
         // (kept with it), the MLP's in the forward's loop (kept for every layer).
         let post = self.layers.iter().any(|li| li.post.is_some());
@@ -275,8 +350,8 @@ impl ModelStep {
                 .max(n * mixer_max.unwrap_or(0)),
         );
         let dres = take(nc);
-        let dh = take(n * up_out);
-        let dact = take(if self.swiglu { n * f } else { 0 });
+        let dh = take(nm * up_out);
+        let dact = take(nm * self.dact_width());
         let in_max = self.layers.iter().map(|li| self.in_width(li)).max();
         let dqkv = take(n * in_max.unwrap_or(self.qkv_out));
         let heads = take(heads_len);
@@ -375,6 +450,8 @@ impl ModelStep {
         res.push(at(res_last));
         let acts = Activations {
             b,
+            n,
+            mlp_rows: nm,
             res,
             ln1: all(&ln1_o),
             qkv: all(&qkv_o),

@@ -46,7 +46,7 @@ impl ModelStep {
         down: Lin,
         first: bool,
     ) -> Result<usize> {
-        let (n, f) = (a.b * self.t, self.hidden);
+        let (n, f) = (a.n, self.hidden);
         let dact = if self.swiglu { a.dact } else { a.dh };
         // The down projection's adapter adds into its input's gradient, before the
         // activation's backward (so no fused GELU backward with one).
@@ -190,7 +190,6 @@ impl ModelStep {
                 self.mlp_half_fwd(a, l, li)?;
             }
             // MLP down projection: res[l+1] = mid + act·Wdownᵀ (+ b)
-            let down = Lin::new(n, f, c, c);
             let post_m = li.post.map(|p| p.1);
             // (Granite's residual multiplier goes into the matmuls' alpha where only they
             // read the gradient: no post-norm, SwiGLU, no weight or bias gradient here.)
@@ -201,14 +200,6 @@ impl ModelStep {
                 a.post_stats.get(l).map_or(0, |p| p[1]),
             );
             let (dy, dy_buf) = self.out_norm_bwd(a, post_m, post_x, dyb)?;
-            let bias = (li.down_w, li.down_b, down_b_done);
-            self.proj_grads((a.act[l], dy, dy_buf), bias, down, first)?;
-            self.reclaim(Buf::Dh)?;
-            let up_out = self.mlp_act_bwd(a, l, li, (dy, dy_buf, sc), down, first)?;
-            let moe_dy = (dy, sc);
-            let up = Lin::new(n, c, up_out, up_out);
-            let bias = (li.up_w, li.up_b, false);
-            self.proj_grads((a.ln2[l], a.dh, Buf::Dh), bias, up, first)?;
             let (gate_col, up_col) = (0, if self.gate_apart() { f } else { 0 });
             check(
                 li.lora[GATE].is_none_or(|g| g.col == gate_col)
@@ -219,10 +210,36 @@ impl ModelStep {
                     )
                 },
             )?;
-            let dh = (a.dh, Buf::Dh);
-            let ldg = self.group_bwd(a, (l, li, G_GU), a.ln2[l], dh, up, first)?;
-            // (A hybrid's routed experts read the same output gradient: their share of the
-            // normed input's gradient adds to the shared MLP's.)
+            // The MLP's backward, a chunk of rows at a time where its activations are
+            // recomputed ([`Self::mlp_rows`]; each chunk's recomputed first): the weights'
+            // gradients add up over the chunks, the normed input's gradient goes to its rows.
+            let mut ldg = c;
+            for (k, r0) in (0..n).step_by(a.mlp_rows).enumerate() {
+                let rows = a.mlp_rows.min(n - r0);
+                let win;
+                let w = if rows == n {
+                    a
+                } else {
+                    win = self.mlp_window(a, l, li, (r0, rows));
+                    &win
+                };
+                let first = first && k == 0;
+                if self.recompute.whole_block() {
+                    self.mlp_act_fwd(w, l, li)?;
+                }
+                let dy = dy + 2 * (r0 * c) as u64;
+                let down = Lin::new(rows, f, c, c);
+                let bias = (li.down_w, li.down_b, down_b_done);
+                self.proj_grads((w.act[l], dy, dy_buf), bias, down, first)?;
+                self.reclaim(Buf::Dh)?;
+                let up_out = self.mlp_act_bwd(w, l, li, (dy, dy_buf, sc), down, first)?;
+                let up = Lin::new(rows, c, up_out, up_out);
+                let bias = (li.up_w, li.up_b, false);
+                self.proj_grads((w.ln2[l], w.dh, Buf::Dh), bias, up, first)?;
+                let dh = (w.dh, Buf::Dh);
+                ldg = self.group_bwd(w, (l, li, G_GU), w.ln2[l], dh, up, first)?;
+            }
+            let moe_dy = (dy, sc);
             self.moe_bwd(a, l, li, moe_dy, ldg)?;
             self.reclaim(Buf::Dres)?;
             let o_b_done = self.norm_bwd(

@@ -15,7 +15,7 @@ impl ModelStep {
     /// The MLP's up projection and activation of layer `l`: `fc[l]` (the pre-activation,
     /// which the backward needs) and `gelu[l]` (the activation's output).
     pub(super) fn mlp_act_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
-        let (n, c, f) = (a.b * self.t, self.c, self.hidden);
+        let (n, c, f) = (a.n, self.c, self.hidden);
         if self.swiglu {
             // gate|up = ln2·[Wg; Wu]ᵀ (+ b) as one matmul, then h = silu(gate)·up.
             let gu = Lin::new(n, c, 2 * f, 2 * f);
@@ -65,7 +65,7 @@ impl ModelStep {
     /// the arena's `g`, [`Activations::gw`]) and the LM head's backward too (they run with the
     /// loss, chunk by chunk: [`Self::head_and_loss`]).
     pub(super) fn forward(&self, a: &Activations, first: bool, grad: bool) -> Result<()> {
-        let (b, t, c, f) = (a.b, self.t, self.c, self.hidden);
+        let (b, t, c) = (a.b, self.t, self.c);
         let n = b * t;
         let nc = n * c;
         self.lora_blocks()?;
@@ -103,13 +103,11 @@ impl ModelStep {
             }
             self.attention(a, l, li)?;
             self.mlp_half_fwd(a, l, li)?;
-            // ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm (or the
-            // final one).
+            // The MLP: ·Wdownᵀ (+ b) added to the residual, fused with the next layer's norm
+            // (or the final one).
             // (Gemma's sandwich: into its output norm's input, then normed into `tmp`.)
             let out = li.post.map_or(a.tmp, |_| a.post_in[l][1]);
-            let beta = self.lora_fwd(a, l, li, G_DOWN, a.act[l], out, c)?;
-            let down = Lin::new(n, f, c, c);
-            self.lin_fwd_beta(a.act[l], self.matmul_weight(li.down_w)?, out, down, beta)?;
+            self.mlp_fwd(a, l, li, out)?;
             self.moe_out_fwd(a, l, li, out)?;
             if let Some((_, pm)) = li.post {
                 self.out_norm(a, pm, (out, a.post_stats[l][1]))?;
@@ -154,10 +152,8 @@ impl ModelStep {
     }
 
     /// A block's middle: mid = res + dropout(atty·Woᵀ (+ bo)) (atty: the mixer's output, a
-    /// Mamba layer's of its inner width; Gemma: the projection's output
-    /// normed first), ln2 = Norm2(mid), then the
-    /// MLP's activation act(ln2·Wupᵀ (+ b)) into `fc[l]`/`gelu[l]` (the forward, and the
-    /// "full" recompute).
+    /// Mamba layer's of its inner width; Gemma: the projection's output normed first), then
+    /// ln2 = Norm2(mid) (the forward, and the "full" recompute).
     pub(super) fn mlp_half_fwd(&self, a: &Activations, l: usize, li: &LayerIdx) -> Result<()> {
         let (n, c) = (a.b * self.t, self.c);
         let o = Lin::new(n, self.mixer_width(li), c, c);
@@ -175,8 +171,32 @@ impl ModelStep {
             Some(dropout::site_attention_out(l)),
         );
         let ln2 = (a.ln2[l], self.ln_ld(l, G_GU));
-        self.residual_norm(a, y, a.mid[l], ln, ln2, (n, true))?;
-        self.mlp_act_fwd(a, l, li)
+        self.residual_norm(a, y, a.mid[l], ln, ln2, (n, true))
+    }
+
+    /// The MLP of layer `l` from its normed input `ln2[l]` into `out` ([N, C]): the
+    /// activation ([`Self::mlp_act_fwd`]) and the down projection (+ its adapters), a chunk of
+    /// [`Activations::mlp_rows`] rows at a time ([`Self::mlp_window`]).
+    pub(super) fn mlp_fwd(&self, a: &Activations, l: usize, li: &LayerIdx, out: u64) -> Result<()> {
+        let (c, f) = (self.c, self.hidden);
+        for r0 in (0..a.n).step_by(a.mlp_rows) {
+            let rows = a.mlp_rows.min(a.n - r0);
+            let win;
+            let w = if rows == a.n {
+                a
+            } else {
+                win = self.mlp_window(a, l, li, (r0, rows));
+                &win
+            };
+            self.mlp_act_fwd(w, l, li)?;
+            let out = out + 2 * (r0 * c) as u64;
+            let beta = self.lora_fwd(w, l, li, G_DOWN, w.act[l], out, c)?;
+            // (Its address asked for last: a 4-bit matrix is dequantized into the scratch
+            // that the gate|up matmul's weights went through.)
+            let wd = self.matmul_weight(li.down_w)?;
+            self.lin_fwd_beta(w.act[l], wd, out, Lin::new(rows, f, c, c), beta)?;
+        }
+        Ok(())
     }
 
     /// The LM head and its loss, in chunks of rows so that the logits never exist whole:

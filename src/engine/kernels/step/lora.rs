@@ -277,7 +277,7 @@ impl ModelStep {
         let Some(first) = group_first(li, g) else {
             return Ok(0.0);
         };
-        let n = a.b * self.t;
+        let n = a.n;
         let u = a.lora_u[l][g];
         let down = Lin::new(n, first.inp, width, width);
         let (x, _) = self.lora_input(a, l, g, (x, first.inp), first.inp)?;
@@ -356,7 +356,7 @@ impl ModelStep {
         let Some(a0) = group_first(li, g) else {
             return Ok(0.0);
         };
-        let n = a.b * self.t;
+        let n = a.n;
         let (u, du) = (a.lora_u[l][g], a.lora_du[l][g]);
         let beta = if first { 0.0 } else { 1.0 };
         let ads = || LORA_GROUPS[g].iter().filter_map(|&j| li.lora[j]);
@@ -443,7 +443,7 @@ impl ModelStep {
         if self.lora_thr == 0 {
             return Ok((x, ldx));
         }
-        let n = a.b * self.t;
+        let n = a.n;
         let site = dropout::site_lora(l, g);
         let drop = (self.lora_thr, self.lora_scale);
         let io = ((x, ldx), (a.lora_x, inp));
@@ -471,7 +471,7 @@ impl ModelStep {
             let beta = self.lora_fwd(a, l, li, g, x, y, d.ldy)?;
             return self.lin_fwd_parts(x, parts, b, y, d, beta);
         };
-        let n = a.b * self.t;
+        let n = a.n;
         let width = cat.ld - self.c;
         // u = scale·x·[A₁; A₂; …]ᵀ into x's last columns (kept there for the backward).
         let (xa, ldx) = self.lora_input(a, l, g, (x, cat.ld), a0.inp)?;
@@ -509,7 +509,7 @@ impl ModelStep {
             self.lin_dx_parts(dy, parts, a.da, d, beta)?;
             return Ok(self.c);
         };
-        let (n, c) = (a.b * self.t, self.c);
+        let (n, c) = (a.n, self.c);
         let width = cat.ld - c;
         let beta = if first { 0.0 } else { 1.0 };
         let u = x + 2 * c as u64;

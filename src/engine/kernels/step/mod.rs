@@ -212,6 +212,8 @@ pub struct ModelStep {
     recompute: Recompute,
     /// Rows per LM-head chunk, when set ([`Self::set_head_chunk_rows`]).
     head_chunk_rows: Option<usize>,
+    /// Rows per MLP chunk where the MLP is recomputed, when set ([`Self::set_mlp_chunk_rows`]).
+    mlp_chunk_rows: Option<usize>,
     drop_scale: f32,
     /// LoRA dropout on the adapters' input: keep threshold (0: none) and scale.
     lora_thr: u32,

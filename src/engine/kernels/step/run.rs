@@ -163,6 +163,14 @@ impl ModelStep {
         self.arena = None;
     }
 
+    /// Rows per chunk of the MLP where the backward recomputes whole blocks (None: sized by
+    /// memory, [`Self::mlp_rows`]); takes effect with the next arena (tests use it to split
+    /// small batches).
+    pub fn set_mlp_chunk_rows(&mut self, rows: Option<usize>) {
+        self.mlp_chunk_rows = rows;
+        self.arena = None;
+    }
+
     /// Routed experts' products as grouped cuBLAS calls (the default where the build has them)
     /// or one call an expert (tests compare the two; `COCKPIT_MOE_GROUPED=0` at start).
     pub fn set_moe_grouped(&mut self, on: bool) {

@@ -331,6 +331,7 @@ impl ModelStep {
             drop_thr: dropout::threshold(s.dropout.max(0.0)),
             recompute: s.recompute,
             head_chunk_rows: None,
+            mlp_chunk_rows: None,
             drop_scale: dropout::keep_scale(dropout::threshold(s.dropout.max(0.0))),
             emb_mult: s.embedding_multiplier as f32,
             res_mult: s.residual_multiplier as f32,
