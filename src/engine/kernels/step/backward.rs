@@ -239,6 +239,8 @@ impl ModelStep {
                 let dh = (w.dh, Buf::Dh);
                 ldg = self.group_bwd(w, (l, li, G_GU), w.ln2[l], dh, up, first)?;
             }
+            // (A hybrid's routed experts read the same output gradient: their share of the
+            // normed input's gradient adds to the shared MLP's; their MLP is one chunk.)
             let moe_dy = (dy, sc);
             self.moe_bwd(a, l, li, moe_dy, ldg)?;
             self.reclaim(Buf::Dres)?;
