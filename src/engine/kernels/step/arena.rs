@@ -134,6 +134,14 @@ pub(super) struct Arena {
     pub(super) graphs: Graphs,
 }
 
+/// Rows per chunk for `n` rows of `per_row` bytes in chunks of about `limit` bytes at most: as
+/// few chunks as that allows, their rows rounded up to whole 64-row tensor-core tiles (at least
+/// one row, at most `n`).
+fn chunk_rows(n: usize, per_row: usize, limit: usize) -> usize {
+    let chunks = (n * per_row).div_ceil(limit).max(1);
+    n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
+}
+
 impl ModelStep {
     /// Rows per chunk of the LM head ([`Self::head_and_loss`]) for `n` rows: the logits chunk
     /// stays under 256 MiB (a trained head re-reads and re-writes its fp32 gradient once per
@@ -142,17 +150,13 @@ impl ModelStep {
         if let Some(rows) = self.head_chunk_rows {
             return rows.clamp(1, n);
         }
-        let limit = 256 << 20;
-        let per_row = 2 * self.vpad;
-        let chunks = (n * per_row).div_ceil(limit).max(1);
-        // Whole chunks of 64 rows (tensor-core tiles), at least one row.
-        n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
+        chunk_rows(n, 2 * self.vpad, 256 << 20)
     }
 
     /// Rows per pass of the MLP for `n` rows ([`Activations::mlp_rows`]). Where the backward
     /// recomputes whole blocks (`model.recompute` "full" / "offload") the MLP's own buffers —
     /// its pre-activation, activation and their gradients, 12·F bytes a row with SwiGLU (96
-    /// KB for the 1B's F = 8192: past T = 64K the largest buffers of the step) — hold a chunk
+    /// KiB for the 1B's F = 8192: past T = 64K the largest buffers of the step) — hold a chunk
     /// of rows under 512 MiB, which the forward and the backward walk through (whole chunks
     /// of 64 rows). Elsewhere (the MLP's buffers kept per layer, routed experts, LoRA dropout,
     /// whose masks are drawn over the whole rows) all `n` rows at once.
@@ -163,10 +167,8 @@ impl ModelStep {
         if let Some(rows) = self.mlp_chunk_rows {
             return rows.clamp(1, n);
         }
-        let limit = 512 << 20;
         let per_row = 2 * (2 * self.up_out() + self.hidden + self.dact_width());
-        let chunks = (n * per_row).div_ceil(limit).max(1);
-        n.div_ceil(chunks).next_multiple_of(64).clamp(1, n)
+        chunk_rows(n, per_row, 512 << 20)
     }
 
     /// Rows `r0..r0 + rows` of layer `l`'s MLP as an arena of their own for the MLP's
