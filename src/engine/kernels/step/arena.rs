@@ -1,5 +1,7 @@
 //! The activation arena: every activation's device address for one micro-batch size.
 
+use std::borrow::Cow;
+
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::Result;
 use half::bf16;
@@ -16,7 +18,7 @@ use crate::config::Recompute;
 #[derive(Clone)]
 pub(super) struct Activations {
     pub(super) b: usize,
-    /// Rows: B·T, or a row window's ([`ModelStep::mlp_window`]: the MLP functions work on `n`
+    /// Rows: B·T, or a chunk's ([`ModelStep::mlp_chunks`]: the MLP functions work on `n`
     /// rows from the row-indexed buffers' addresses).
     pub(super) n: usize,
     /// Rows per pass of the MLP ([`ModelStep::mlp_rows`]: `n`, or a chunk of it whose
@@ -171,13 +173,33 @@ impl ModelStep {
         chunk_rows(n, per_row, 512 << 20)
     }
 
+    /// The chunks of rows layer `l`'s MLP runs in ([`Self::mlp_rows`]): each one's first row
+    /// and its arena ([`Self::mlp_window`]; the whole arena itself where one chunk holds every
+    /// row).
+    pub(super) fn mlp_chunks<'a>(
+        &'a self,
+        a: &'a Activations,
+        l: usize,
+        li: &'a LayerIdx,
+    ) -> impl Iterator<Item = (usize, Cow<'a, Activations>)> + 'a {
+        (0..a.n).step_by(a.mlp_rows).map(move |r0| {
+            let rows = a.mlp_rows.min(a.n - r0);
+            let w = if rows == a.n {
+                Cow::Borrowed(a)
+            } else {
+                Cow::Owned(self.mlp_window(a, l, li, (r0, rows)))
+            };
+            (r0, w)
+        })
+    }
+
     /// Rows `r0..r0 + rows` of layer `l`'s MLP as an arena of their own for the MLP's
-    /// functions ([`Self::mlp_rows`]): `n` = `rows`, and the addresses of the row-indexed
+    /// functions: `n` = `rows`, and the addresses of the row-indexed
     /// buffers they read and write past the window's first row — the normed input (a
     /// concatenated LoRA group's `[x | u]` rows included), its gradient `da` (the same row
     /// stride) and the gate|up and down adapters' `u`, `du`; `fc`, `act`, `dh`, `dact` are
     /// already a chunk's. The output's and its gradient's rows are the caller's to offset.
-    pub(super) fn mlp_window(
+    fn mlp_window(
         &self,
         a: &Activations,
         l: usize,

@@ -214,15 +214,8 @@ impl ModelStep {
             // recomputed ([`Self::mlp_rows`]; each chunk's recomputed first): the weights'
             // gradients add up over the chunks, the normed input's gradient goes to its rows.
             let mut ldg = c;
-            for (k, r0) in (0..n).step_by(a.mlp_rows).enumerate() {
-                let rows = a.mlp_rows.min(n - r0);
-                let win;
-                let w = if rows == n {
-                    a
-                } else {
-                    win = self.mlp_window(a, l, li, (r0, rows));
-                    &win
-                };
+            for (k, (r0, w)) in self.mlp_chunks(a, l, li).enumerate() {
+                let (rows, w) = (w.n, &*w);
                 let first = first && k == 0;
                 if self.recompute.whole_block() {
                     self.mlp_act_fwd(w, l, li)?;

@@ -176,18 +176,11 @@ impl ModelStep {
 
     /// The MLP of layer `l` from its normed input `ln2[l]` into `out` ([N, C]): the
     /// activation ([`Self::mlp_act_fwd`]) and the down projection (+ its adapters), a chunk of
-    /// [`Activations::mlp_rows`] rows at a time ([`Self::mlp_window`]).
+    /// [`Activations::mlp_rows`] rows at a time ([`Self::mlp_chunks`]).
     pub(super) fn mlp_fwd(&self, a: &Activations, l: usize, li: &LayerIdx, out: u64) -> Result<()> {
         let (c, f) = (self.c, self.hidden);
-        for r0 in (0..a.n).step_by(a.mlp_rows) {
-            let rows = a.mlp_rows.min(a.n - r0);
-            let win;
-            let w = if rows == a.n {
-                a
-            } else {
-                win = self.mlp_window(a, l, li, (r0, rows));
-                &win
-            };
+        for (r0, w) in self.mlp_chunks(a, l, li) {
+            let (rows, w) = (w.n, &*w);
             self.mlp_act_fwd(w, l, li)?;
             let out = out + 2 * (r0 * c) as u64;
             let beta = self.lora_fwd(w, l, li, G_DOWN, w.act[l], out, c)?;
