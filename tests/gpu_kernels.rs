@@ -1842,7 +1842,7 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
         Ggml,
     }
     type Case = (&'static str, fn(&mut Config), Vec<String>, Stored);
-    let cases: [Case; 14] = [
+    let cases: [Case; 15] = [
         (
             "llama GQA 4/2, adapters on every projection",
             gqa,
@@ -1885,6 +1885,18 @@ fn whole_model_step_with_lora_matches_the_f32_model() {
             gqa,
             all.clone(),
             Stored::Nf4,
+        ),
+        (
+            "llama GQA 4/2, LoRA dropout 0.25 on every projection's input, dropout 0.1, \
+             recompute full with the MLP in chunks of 64 rows (a chunk draws its rows' masks)",
+            |c| {
+                gqa(c);
+                c.model.dropout = 0.1;
+                c.lora.dropout = 0.25;
+                c.model.recompute = cockpit::config::Recompute::Full;
+            },
+            all.clone(),
+            Stored::Dense,
         ),
         (
             "llama GQA 4/2, NF4 base (QLoRA), adapters on every projection, recompute full with \

@@ -21,6 +21,9 @@ pub(super) struct Activations {
     /// Rows: B·T, or a chunk's ([`ModelStep::mlp_chunks`]: the MLP functions work on `n`
     /// rows from the row-indexed buffers' addresses).
     pub(super) n: usize,
+    /// The first row's index in the whole rows (0; a row window's first: dropout masks are
+    /// drawn by row).
+    pub(super) row0: usize,
     /// Rows per pass of the MLP ([`ModelStep::mlp_rows`]: `n`, or a chunk of it whose
     /// pre-activation, activation and their gradients are all `fc`, `act`, `dh` and `dact`
     /// hold).
@@ -160,10 +163,10 @@ impl ModelStep {
     /// its pre-activation, activation and their gradients, 12·F bytes a row with SwiGLU (96
     /// KiB for the 1B's F = 8192: past T = 64K the largest buffers of the step) — hold a chunk
     /// of rows under 512 MiB, which the forward and the backward walk through (whole chunks
-    /// of 64 rows). Elsewhere (the MLP's buffers kept per layer, routed experts, LoRA dropout,
-    /// whose masks are drawn over the whole rows) all `n` rows at once.
+    /// of 64 rows). Elsewhere (the MLP's buffers kept per layer, routed experts) all `n` rows
+    /// at once.
     pub(super) fn mlp_rows(&self, n: usize) -> usize {
-        if !self.recompute.whole_block() || self.moe.is_some() || self.lora_thr > 0 {
+        if !self.recompute.whole_block() || self.moe.is_some() {
             return n;
         }
         if let Some(rows) = self.mlp_chunk_rows {
@@ -209,6 +212,7 @@ impl ModelStep {
         let at = |p: u64, ld: usize| if p == 0 { 0 } else { p + 2 * (r0 * ld) as u64 };
         let mut w = a.clone();
         w.n = rows;
+        w.row0 = a.row0 + r0;
         let ld = self.ln_ld(l, G_GU);
         w.ln2[l] = at(a.ln2[l], ld);
         w.da = at(a.da, ld);
@@ -475,6 +479,7 @@ impl ModelStep {
         let acts = Activations {
             b,
             n,
+            row0: 0,
             mlp_rows: nm,
             res,
             ln1: all(&ln1_o),

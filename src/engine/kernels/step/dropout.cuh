@@ -6,11 +6,12 @@
 // y = dropout(x), or y += dropout(x) with acc, over bf16 [n, d] (rows layout; d a multiple of
 // 8; y may be x; x's and y's rows ldx8·8 and ldy8·8 apart): the embedding's dropout, in the backward the masked copies of the residual
 // gradient, LoRA dropout (acc: the adapters' data gradient through their input's mask), and
-// with thr = 0 a plain scale (Granite's multipliers).
+// with thr = 0 a plain scale (Granite's multipliers). row0: the first row's index in the whole
+// rows (a chunk of the MLP's rows draws the masks of its rows).
 extern "C" __global__ void dropout_rows_v8_bf16(const bf16_t* x, bf16_t* y, size_t total8, int d8,
                                                 const unsigned long long* __restrict__ seed,
                                                 uint32_t site, uint32_t thr, float dscale,
-                                                int acc, int ldx8, int ldy8) {
+                                                int acc, int ldx8, int ldy8, long long row0) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     uint4* yv = reinterpret_cast<uint4*>(y);
     const unsigned long long sd = *seed;
@@ -18,7 +19,7 @@ extern "C" __global__ void dropout_rows_v8_bf16(const bf16_t* x, bf16_t* y, size
          q += (size_t)gridDim.x * blockDim.x) {
         const size_t row = q / d8, col8 = q % d8;
         const size_t qy = row * ldy8 + col8;
-        const uint32_t keep = drop_bits8(sd, site, row, (uint32_t)col8, thr);
+        const uint32_t keep = drop_bits8(sd, site, row0 + row, (uint32_t)col8, thr);
         Bf8 a, b, o;
         a.u = xv[row * ldx8 + col8];
         b.u = acc ? yv[qy] : make_uint4(0, 0, 0, 0);

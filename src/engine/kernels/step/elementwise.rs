@@ -314,6 +314,7 @@ impl ModelStep {
                 Arg::I(acc as i32),
                 Arg::I(i32_of(ldx / 8, "row stride")?),
                 Arg::I(i32_of(ldy / 8, "row stride")?),
+                Arg::L(a.row0 as i64),
             ],
         )
     }
