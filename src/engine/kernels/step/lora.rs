@@ -70,8 +70,7 @@ impl ModelStep {
     pub(super) fn group_out(&self, li: &LayerIdx, g: usize) -> usize {
         match g {
             G_QKV => self.in_width(li),
-            G_GU if self.swiglu => 2 * self.hidden,
-            G_GU => self.hidden,
+            G_GU => self.up_out(),
             _ => self.c,
         }
     }
